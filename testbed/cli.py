@@ -1,0 +1,128 @@
+"""The `testbed` command.
+
+  testbed run EXPERIMENT [key=value ...]          one run, records stored, summary printed
+  testbed sweep [experiment=NAME] key=v1,v2 ...   the cartesian product (Hydra sweep syntax), one table
+  testbed table EXPERIMENT [--format md|csv|json] tables from stored records only
+
+Exit status: 0 all oracles passed, 1 an oracle failed (or no records to show), 2 bad input,
+3 a device could not be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pandas as pd
+
+from testbed import config, experiments, runner, tables
+from testbed.errors import DeviceUnreachable, UsageError
+
+
+def _progress_line(msg: str) -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K" + msg[:120])
+        sys.stderr.flush()
+
+
+def _summary(outcome: runner.Outcome, module) -> str:
+    df = outcome.frame()
+    oracles = df[df["kind"] == "oracle"] if len(df) else df
+    n_pass = int((oracles["verdict"] == "pass").sum()) if len(oracles) else 0
+    lines = [tables.markdown(module.view(df)) if len(df) else "(no records)", ""]
+    lines.append(
+        f"{outcome.info.experiment} on {outcome.info.device} ({outcome.info.backend}): "
+        f"oracles {n_pass}/{len(oracles)} pass, {len(df) - len(oracles)} measurements; "
+        f"run {outcome.info.run_id} stored"
+    )
+    for _, r in oracles[oracles["verdict"] != "pass"].iterrows() if len(oracles) else []:
+        lines.append(f"FAIL {r['case']}: {r['detail']}")
+    return "\n".join(lines)
+
+
+def cmd_run(args) -> int:
+    rc = config.load(args.overrides, experiment=args.experiment)
+    module, _ = runner.check(rc)
+    outcome = runner.execute(rc, progress=_progress_line)
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K")
+    print(_summary(outcome, module))
+    return 1 if outcome.failed else 0
+
+
+def cmd_sweep(args) -> int:
+    from tqdm import tqdm
+
+    jobs = [config.load(combo) for combo in config.expand_sweep(args.overrides)]
+    modules = [runner.check(rc)[0] for rc in jobs]  # every job is checked before the first one runs
+    rows, failed = [], 0
+    tty = sys.stderr.isatty()
+    bar = tqdm(total=len(jobs), desc="sweep", unit="run", file=sys.stderr, disable=not tty)
+    for i, (rc, module) in enumerate(zip(jobs, modules)):
+        label = " ".join(o for o in rc.overrides if o.split("=")[0] not in ("experiment",))
+        bar.set_postfix_str(label)
+        if not tty:  # a log, not a bar: one line per job
+            print(f"[{i + 1}/{len(jobs)}] {rc.experiment} {label}", file=sys.stderr, flush=True)
+        outcome = runner.execute(rc, progress=lambda msg: bar.set_postfix_str(f"{label} | {msg}"[:100]))
+        failed += outcome.failed
+        summarise = getattr(module, "sweep_row", lambda df: module.view(df).iloc[0].to_dict())
+        rows.append({"experiment": rc.experiment, **dict(o.split("=", 1) for o in rc.overrides
+                                                          if not o.startswith("experiment=")),
+                     **summarise(outcome.frame())})
+        bar.update()
+    bar.close()
+    print(tables.markdown(pd.DataFrame(rows)))
+    for module in dict.fromkeys(modules):
+        if hasattr(module, "sweep_footer"):
+            print(module.sweep_footer(pd.DataFrame(rows), jobs))
+    print(f"{len(jobs)} runs, {failed} oracle failures; records in {runner.results_store(jobs[0]).path}")
+    return 1 if failed else 0
+
+
+def cmd_table(args) -> int:
+    rc = config.load([], experiment=args.experiment)
+    module = experiments.load(rc.experiment)
+    store = runner.results_store(rc)
+    df = store.frame(rc.experiment)
+    if df.empty:
+        print(f"no records for {rc.experiment} in {store.path}; run `testbed run {rc.experiment}` first",
+              file=sys.stderr)
+        return 1
+    print(tables.render(module.view(df), args.format))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="testbed", description="Validate and benchmark on-device LLM prefill.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="one run of an experiment")
+    r.add_argument("experiment", help=f"one of: {', '.join(config.choices('experiment'))}")
+    r.add_argument("overrides", nargs="*", help="key=value (Hydra overrides), e.g. device=host chunk=32")
+    r.set_defaults(fn=cmd_run)
+    s = sub.add_parser("sweep", help="a sweep over key=v1,v2 (cartesian product)")
+    s.add_argument("overrides", nargs="*", help="e.g. experiment=gdn chunk=16,32,64")
+    s.set_defaults(fn=cmd_sweep)
+    t = sub.add_parser("table", help="a table from stored records")
+    t.add_argument("experiment")
+    t.add_argument("--format", choices=tables.FORMATS, default="md")
+    t.set_defaults(fn=cmd_table)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except UsageError as e:
+        print(f"testbed: error: {e}", file=sys.stderr)
+        return e.exit_status
+    except DeviceUnreachable as e:
+        print(f"testbed: device unreachable: {e}", file=sys.stderr)
+        return e.exit_status
+    except KeyboardInterrupt:
+        print("testbed: interrupted; the run was recorded as an error", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

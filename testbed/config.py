@@ -1,0 +1,228 @@
+"""Configuration: Hydra composition of experiments/, devices/ and models, and parameter checks.
+
+The primary config is experiments/config.yaml. Config groups:
+  experiment  experiments/experiment/NAME.yaml  (package _global_: `chunk=32` overrides a top-level key)
+  model       experiments/model/NAME.yaml
+  device      devices/NAME.yaml                 (registered from devices/ so profiles live in one place)
+
+Every problem a user can cause is raised as a UsageError with one line naming the bad value and what
+is accepted, before any work is done or anything is written.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+
+from testbed import PROJECT_ROOT
+from testbed.errors import UsageError
+
+CONFIG_DIR = PROJECT_ROOT / "experiments"
+DEVICES_DIR = PROJECT_ROOT / "devices"
+GROUPS = {"experiment": CONFIG_DIR / "experiment", "model": CONFIG_DIR / "model", "device": DEVICES_DIR}
+
+
+def choices(group: str) -> list[str]:
+    """The names a config group accepts: its YAML files."""
+    return sorted(p.stem for p in GROUPS[group].glob("*.yaml"))
+
+
+def _register_devices() -> None:
+    store = ConfigStore.instance()
+    for path in sorted(DEVICES_DIR.glob("*.yaml")):
+        store.store(group="device", name=path.stem, node=OmegaConf.load(path), package="device")
+
+
+def parse_overrides(overrides: Iterable[str]) -> list:
+    try:
+        return OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as e:
+        raise UsageError(f"cannot parse overrides {list(overrides)}: {str(e).splitlines()[0]}") from None
+
+
+def expand_sweep(overrides: Iterable[str]) -> list[list[str]]:
+    """`chunk=32,64 tail=0,2` -> the cartesian product as lists of plain overrides (Hydra's syntax,
+    including range() and choice(); the basic sweeper's product, in the order given)."""
+    axes = []
+    for o in parse_overrides(overrides):
+        key = o.input_line.split("=", 1)[0]
+        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+        axes.append([f"{key}={v}" for v in values])
+    return [list(combo) for combo in itertools.product(*axes)]
+
+
+def _group_choice(parsed: list, group: str, default: str | None) -> str | None:
+    for o in parsed:
+        if o.key_or_group == group:
+            return o.get_value_element_as_str()
+    return default
+
+
+def _leaf_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in cfg.items():
+        name = f"{prefix}{k}"
+        keys.extend(_leaf_keys(v, name + ".") if isinstance(v, DictConfig) else [name])
+    return keys
+
+
+@dataclass
+class RunConfig:
+    """A composed configuration: which experiment, which device, and every value."""
+
+    experiment: str
+    device: str
+    cfg: DictConfig
+    overrides: list[str]
+
+    def flat(self) -> dict[str, Any]:
+        """Every value as dotted keys, for records and tables."""
+        container = OmegaConf.to_container(self.cfg, resolve=True)
+        out: dict[str, Any] = {}
+
+        def walk(node, prefix):
+            for k, v in node.items():
+                if isinstance(v, dict):
+                    walk(v, f"{prefix}{k}.")
+                else:
+                    out[f"{prefix}{k}"] = v
+
+        walk(container, "")
+        return out
+
+
+def load(overrides: Iterable[str] = (), experiment: str | None = None) -> RunConfig:
+    """Compose one configuration. `experiment` (if given) is the default when no override names one."""
+    overrides = list(overrides)
+    parsed = parse_overrides(overrides)
+    if any(o.is_sweep_override() for o in parsed):
+        sweeps = [o.input_line for o in parsed if o.is_sweep_override()]
+        raise UsageError(f"{sweeps[0]!r} is a sweep; use `testbed sweep` for several values")
+    for group in GROUPS:
+        name = _group_choice(parsed, group, None)
+        if name is not None and name not in choices(group):
+            raise UsageError(f"unknown {group} {name!r}; accepted: {', '.join(choices(group))}")
+    if experiment is not None and _group_choice(parsed, "experiment", None) is None:
+        if experiment not in choices("experiment"):
+            raise UsageError(f"unknown experiment {experiment!r}; accepted: {', '.join(choices('experiment'))}")
+        overrides = [f"experiment={experiment}", *overrides]
+
+    GlobalHydra.instance().clear()
+    _register_devices()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        try:
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        except HydraException as e:
+            raise _explain(e, overrides) from None
+    chosen = cfg.hydra.runtime.choices
+    name, device = chosen["experiment"], chosen["device"]
+    with _unlocked(cfg):
+        del cfg["hydra"]
+    return RunConfig(experiment=name, device=device, cfg=cfg, overrides=overrides)
+
+
+class _unlocked:
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def __enter__(self):
+        OmegaConf.set_struct(self.cfg, False)
+
+    def __exit__(self, *exc):
+        OmegaConf.set_struct(self.cfg, True)
+
+
+def _explain(error: HydraException, overrides: list[str]) -> UsageError:
+    text = str(error)
+    if "Could not override" in text or "not in struct" in text:
+        key = text.split("'")[1] if "'" in text else "?"
+        base = [o for o in overrides if o.split("=", 1)[0] in GROUPS]
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            keys = _leaf_keys(compose("config", overrides=base))
+        top = sorted({k.split(".")[0] + (".*" if "." in k else "") for k in keys} | set(GROUPS))
+        return UsageError(f"unknown key {key!r}; accepted keys: {', '.join(top)}")
+    return UsageError(text.splitlines()[0])
+
+
+# --- parameter checks -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Int:
+    """An integer parameter within [lo, hi]."""
+
+    lo: int | None = None
+    hi: int | None = None
+
+    def check(self, key: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UsageError(f"{key}={value!r} is not an integer; accepted: {self.describe()}")
+        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+            raise UsageError(f"{key}={value} is out of range; accepted: {self.describe()}")
+
+    def describe(self) -> str:
+        if self.hi is None:
+            return f"integers >= {self.lo}"
+        return f"integers from {self.lo} to {self.hi}"
+
+
+@dataclass(frozen=True)
+class Float:
+    lo: float | None = None
+    hi: float | None = None
+
+    def check(self, key: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UsageError(f"{key}={value!r} is not a number; accepted: {self.describe()}")
+        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+            raise UsageError(f"{key}={value} is out of range; accepted: {self.describe()}")
+
+    def describe(self) -> str:
+        return f"numbers from {self.lo} to {self.hi}" if self.hi is not None else f"numbers >= {self.lo}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    options: tuple
+
+    def check(self, key: str, value: Any) -> None:
+        if value not in self.options:
+            raise UsageError(f"{key}={value!r} is not accepted; accepted: {', '.join(map(str, self.options))}")
+
+
+@dataclass(frozen=True)
+class IntList:
+    """A list of integers within [lo, hi] (e.g. bench_tokens=[64,512])."""
+
+    lo: int = 1
+    hi: int | None = None
+
+    def check(self, key: str, value: Any) -> None:
+        items = list(value) if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) else [value]
+        if not items:
+            raise UsageError(f"{key} is empty; accepted: a list of {Int(self.lo, self.hi).describe()}")
+        for item in items:
+            Int(self.lo, self.hi).check(key, item)
+
+
+def check_params(cfg: DictConfig, params: dict) -> None:
+    """Check each declared parameter's type and range; raise a UsageError naming the first bad one."""
+    for key, rule in params.items():
+        value = OmegaConf.select(cfg, key, throw_on_missing=False)
+        rule.check(key, value)
+
+
+def project_path(path: str | Path) -> Path:
+    """A path from config: absolute as given, relative to the project root otherwise."""
+    p = Path(path)
+    return p if p.is_absolute() else PROJECT_ROOT / p

@@ -1,0 +1,13 @@
+"""The errors testbed tells users about. Each maps to an exit status; messages are one line."""
+
+
+class UsageError(Exception):
+    """Bad input from the user: an unknown name, key or an out-of-range value. Exit status 2."""
+
+    exit_status = 2
+
+
+class DeviceUnreachable(Exception):
+    """A device profile is valid but the device cannot be reached, with the reason why."""
+
+    exit_status = 3

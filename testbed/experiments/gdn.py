@@ -1,0 +1,272 @@
+"""Experiment `gdn`: Gated DeltaNet chunkwise prefill against the serial recurrence (seed 002).
+
+oracle mode  every case of the shape matrix: the backend's serial and chunkwise outputs and states
+             against the float64 serial reference, by NMSE (threshold 1e-7, test-backend-ops);
+             and bit-exact equality for a pure loop restructuring (the serial recurrence run as a
+             loop of chunks carrying the state must not change a single bit).
+bench mode   serial vs chunkwise at the benchmark shape (16 heads, head size 128 by default) for each
+             token count: time, tokens/s, GFLOP/s on gdn_flops' count, and the fraction of a
+             single-thread sgemm rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import pandas as pd
+from omegaconf import DictConfig
+
+from refimpl import gdn as ref
+from testbed.config import Choice, Float, Int, IntList
+from testbed.errors import UsageError
+from testbed.measure import time_alternating, time_call
+from testbed.oracles import check_bitexact, check_nmse
+from testbed.results import Figure, Record
+
+PARAMS = {
+    "backend": Choice(("refimpl",)),
+    "mode": Choice(("oracle", "bench", "all")),
+    "chunk": Int(1, 4096),
+    "head_map": Choice(ref.HEAD_MAPS),
+    "threshold": Float(0.0, 1.0),
+    "matrix": Choice(("tbo", "awkward", "all")),
+    "seed": Int(0),
+    "bench.heads": Int(1, 256),
+    "bench.head_size": Int(1, 1024),
+    "bench.tokens": IntList(1, 1 << 16),
+    "bench.kda": Choice((False, True)),
+    "bench.reps": Int(1, 1000),
+    "bench.warmup": Int(0, 100),
+}
+
+
+# --- the shape matrix ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One GATED_DELTA_NET shape, with test-backend-ops' parameter names."""
+
+    head_count: int
+    head_size: int
+    n_seq_tokens: int
+    n_seqs: int = 1
+    v_repeat: int = 1
+    permuted: bool = False
+    kda: bool = False
+    K: int = 1
+    gate: str = "tbo"
+
+    @property
+    def name(self) -> str:
+        return (
+            f"H={self.head_count},hs={self.head_size},T={self.n_seq_tokens},seqs={self.n_seqs},"
+            f"vr={self.v_repeat},perm={int(self.permuted)},kda={int(self.kda)},K={self.K},gate={self.gate}"
+        )
+
+    def inputs(self, seed: int) -> ref.GDNInputs:
+        x = ref.draw_inputs(
+            self.n_seqs, self.n_seq_tokens, self.head_count, self.head_size,
+            v_repeat=self.v_repeat, kda=self.kda, gate=self.gate, seed=seed,
+        )
+        if self.permuted:
+            # test-backend-ops builds q, k, v as [d, T, H, n_seqs] and permutes them: same logical
+            # shape, non-contiguous memory. Rebuild ours the same way so strided access is exercised.
+            def permuted(a):
+                return np.swapaxes(np.ascontiguousarray(np.swapaxes(a, 1, 2)), 1, 2)
+
+            x = ref.GDNInputs(permuted(x.q), permuted(x.k), permuted(x.v), x.g, x.beta, x.state)
+        return x
+
+
+# llama.cpp's 36 GATED_DELTA_NET cases, in its order:
+# (head_count, head_size, n_seq_tokens, n_seqs, v_repeat, permuted, kda, K).
+# tests/test_gdn.py checks this table against a real `test-backend-ops -o GATED_DELTA_NET` output.
+TBO_CASES = [
+    Case(*row)
+    for row in [
+        (32, 128, 1, 1, 1, 0, 0, 1), (32, 16, 1, 1, 1, 0, 0, 1), (32, 16, 1, 1, 1, 1, 1, 1),
+        (32, 16, 1, 1, 1, 0, 1, 1), (16, 64, 1, 2, 1, 0, 0, 1), (4, 64, 4, 1, 1, 0, 0, 1),
+        (4, 64, 4, 2, 1, 0, 0, 1), (8, 32, 4, 2, 2, 0, 0, 1), (4, 64, 4, 2, 1, 1, 0, 1),
+        (4, 64, 4, 1, 1, 1, 0, 1), (4, 64, 1, 1, 1, 0, 1, 1), (4, 64, 1, 2, 1, 0, 1, 1),
+        (4, 16, 1, 2, 1, 0, 1, 1), (4, 32, 4, 1, 1, 0, 1, 1), (4, 64, 4, 2, 1, 0, 1, 1),
+        (8, 32, 4, 2, 2, 0, 1, 1), (4, 64, 4, 2, 1, 1, 1, 1), (4, 16, 4, 2, 1, 1, 1, 1),
+        (4, 64, 64, 1, 1, 0, 0, 1), (4, 64, 127, 1, 1, 0, 0, 1), (4, 64, 256, 1, 1, 0, 0, 1),
+        (4, 64, 65, 1, 1, 0, 0, 1), (4, 64, 100, 1, 1, 0, 0, 1), (4, 64, 200, 1, 1, 0, 0, 1),
+        (4, 64, 127, 2, 1, 0, 0, 1), (4, 64, 64, 1, 1, 0, 1, 1), (4, 64, 33, 1, 1, 0, 1, 1),
+        (4, 64, 100, 1, 1, 0, 1, 1), (4, 16, 2, 1, 1, 0, 0, 2), (4, 32, 4, 1, 1, 0, 0, 4),
+        (4, 64, 4, 2, 1, 0, 0, 4), (8, 128, 4, 1, 1, 0, 0, 4), (4, 64, 4, 2, 1, 0, 1, 4),
+        (8, 32, 4, 2, 2, 0, 1, 4), (4, 32, 8, 1, 1, 0, 0, 3), (4, 64, 16, 2, 1, 0, 0, 4),
+    ]
+]
+
+# Lengths around chunk boundaries, with gates that keep the state alive (see refimpl.gdn.GATE_DRAWS),
+# grouped value heads and both gate kinds.
+AWKWARD_CASES = [
+    Case(4, 32, t, n_seqs=1 + (t % 2), v_repeat=2, kda=kda, gate="mild")
+    for t in (1, 15, 63, 65, 127, 300)
+    for kda in (False, True)
+]
+
+
+def matrix(name: str) -> list[Case]:
+    return {"tbo": TBO_CASES, "awkward": AWKWARD_CASES, "all": TBO_CASES + AWKWARD_CASES}[name]
+
+
+# --- backends --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Backend:
+    """The two forms under test: serial(x) and chunkwise(x, chunk), each -> (out, final state)."""
+
+    serial: Callable
+    chunkwise: Callable
+
+
+def backend(name: str, head_map: str) -> Backend:
+    if name == "refimpl":
+        return Backend(
+            serial=lambda x: ref.gdn_serial(*x.arrays(), head_map=head_map),
+            chunkwise=lambda x, c: ref.gdn_chunkwise(*x.arrays(), chunk=c, head_map=head_map),
+        )
+    raise UsageError(f"backend={name!r} is not available for gdn; accepted: refimpl")
+
+
+def snapshots(fn: Callable, x: ref.GDNInputs, K: int) -> np.ndarray:
+    """llama.cpp's K snapshot slots: slot s holds the state after token T-1-s (slot 0 = final).
+    Obtained by running `fn` on the prefixes, which works for any form."""
+    t_len = x.q.shape[1]
+    states = []
+    for s in range(min(K, t_len)):
+        n = t_len - s
+        part = ref.GDNInputs(x.q[:, :n], x.k[:, :n], x.v[:, :n], x.g[:, :n], x.beta[:, :n], x.state)
+        states.append(fn(part)[1])
+    return np.stack(states)
+
+
+def run_forms(fn: Callable, x: ref.GDNInputs, K: int) -> dict[str, np.ndarray]:
+    out, state = fn(x)
+    result = {"out": out, "state": state}
+    if K > 1:
+        result["snapshots"] = snapshots(fn, x, K)
+    return result
+
+
+def serial_in_chunks(x: ref.GDNInputs, chunk: int, head_map: str):
+    """The serial recurrence restructured as a loop over chunks that carries the state: the same
+    arithmetic in the same order, so it must be bit-exact with one serial call."""
+    t_len = x.q.shape[1]
+    outs, state = [], x.state
+    for c0 in range(0, t_len, chunk):
+        sl = slice(c0, c0 + chunk)
+        o, state = ref.gdn_serial(x.q[:, sl], x.k[:, sl], x.v[:, sl], x.g[:, sl], x.beta[:, sl], state, head_map)
+        outs.append(o)
+    return np.concatenate(outs, axis=1), state
+
+
+# --- run -------------------------------------------------------------------------------------------
+
+
+def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
+    be = backend(cfg.backend, cfg.head_map)
+    cases = matrix(cfg.matrix)
+    for i, case in enumerate(cases):
+        ctx.progress(f"gdn oracle {i + 1}/{len(cases)} {case.name}")
+        x = case.inputs(cfg.seed)
+        x64 = ref.GDNInputs(*(a.astype(np.float64) for a in x.arrays()))
+        reference = run_forms(lambda y: ref.gdn_serial(*y.arrays(), head_map=cfg.head_map), x64, case.K)
+        params = {**case.__dict__, "chunk": cfg.chunk}
+        for form, fn in (("serial", be.serial), ("chunkwise", lambda y: be.chunkwise(y, cfg.chunk))):
+            v = check_nmse(reference, run_forms(fn, x, case.K), cfg.threshold)
+            yield Record("gdn", f"{case.name}/{form}", "oracle", "nmse", v.verdict, v.margin,
+                         v.metrics, params=params | {"form": form}, detail=v.detail)
+        if case.gate == "mild" or case.n_seq_tokens > cfg.chunk:
+            whole = dict(zip(("out", "state"), ref.gdn_serial(*x.arrays(), head_map=cfg.head_map)))
+            looped = dict(zip(("out", "state"), serial_in_chunks(x, cfg.chunk, cfg.head_map)))
+            v = check_bitexact(whole, looped)
+            yield Record("gdn", f"{case.name}/serial-chunk-loop", "oracle", "bitexact", v.verdict, v.margin,
+                         v.metrics, params=params | {"form": "serial-chunk-loop"}, detail=v.detail)
+
+
+def sgemm_rate(size: int = 512, reps: int = 5) -> Figure:
+    """Single-thread float32 matmul rate (FLOP/s) at a size comparable to the chunk products."""
+    from threadpoolctl import threadpool_limits
+
+    a = np.random.default_rng(0).standard_normal((size, size), np.float32)
+    with threadpool_limits(limits=1):
+        t = time_call(lambda: a @ a, reps=reps, warmup=1)
+    return t.rate(2.0 * size**3, "FLOP/s")
+
+
+def bench_records(cfg: DictConfig, ctx) -> Iterator[Record]:
+    be = backend(cfg.backend, cfg.head_map)
+    b = cfg.bench
+    sgemm = sgemm_rate()
+    for t_len in b.tokens:
+        ctx.progress(f"gdn bench H={b.heads} hs={b.head_size} T={t_len}")
+        x = ref.draw_inputs(1, t_len, b.heads, b.head_size, kda=b.kda, seed=cfg.seed)
+        times = time_alternating(
+            {"serial": lambda: be.serial(x), "chunkwise": lambda: be.chunkwise(x, cfg.chunk)},
+            reps=b.reps, warmup=b.warmup,
+        )
+        flops = ref.gdn_flops(1, t_len, b.heads, b.head_size, b.kda)
+        case = f"H={b.heads},hs={b.head_size},T={t_len},kda={int(b.kda)}"
+        for form, t in times.items():
+            gflops = t.rate(flops / 1e9, "GFLOP/s")
+            yield Record(
+                "gdn", f"{case}/{form}", "measure",
+                figures={"time": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(t_len, "tokens/s"),
+                         "gflops": gflops, "sgemm_1t": sgemm.scaled(1e-9, "GFLOP/s")},
+                metrics={"sgemm_fraction": gflops.median / (sgemm.median * 1e-9),
+                         "speedup_vs_serial": times["serial"].median / t.median},
+                work={"flops": flops, "flop_count": "gdn_flops: 7 d^2 + 4 d per token and head",
+                      "tokens": t_len},
+                params={"heads": b.heads, "head_size": b.head_size, "tokens": t_len, "kda": b.kda,
+                        "chunk": cfg.chunk, "form": form},
+            )
+
+
+def run(cfg: DictConfig, ctx) -> Iterator[Record]:
+    if cfg.mode in ("oracle", "all"):
+        yield from oracle_records(cfg, ctx)
+    if cfg.mode in ("bench", "all"):
+        yield from bench_records(cfg, ctx)
+
+
+# --- tables ----------------------------------------------------------------------------------------
+
+
+def view(df: pd.DataFrame) -> pd.DataFrame:
+    """Oracle rows: verdict and NMSE per case and form. Measure rows: time and rates per T and form."""
+    rows = []
+    for _, r in df.iterrows():
+        if r["kind"] == "oracle":
+            rows.append({"device": r["device"], "backend": r["backend"], "chunk": r.get("params.chunk"),
+                         "case": r["case"], "oracle": r["oracle"], "verdict": r["verdict"],
+                         "margin": r["margin"], "nmse": r.get("metrics.nmse")})
+        else:
+            rows.append({"device": r["device"], "backend": r["backend"], "chunk": r.get("params.chunk"),
+                         "case": r["case"], "ms": r.get("figures.time.median"),
+                         "tokens/s": r.get("figures.tokens_per_s.median"),
+                         "GFLOP/s": r.get("figures.gflops.median"),
+                         "x serial": r.get("metrics.speedup_vs_serial"),
+                         "of sgemm": r.get("metrics.sgemm_fraction")})
+    return pd.DataFrame(rows)
+
+
+def sweep_row(df: pd.DataFrame) -> dict:
+    """Per sweep job: chunk, oracle tally and worst NMSE, chunkwise tokens/s per T."""
+    oracles = df[df["kind"] == "oracle"]
+    row = {"chunk": df["params.chunk"].iloc[0] if "params.chunk" in df else None}
+    if len(oracles):
+        row["oracles"] = f"{int((oracles['verdict'] == 'pass').sum())}/{len(oracles)} pass"
+        nm = oracles.get("metrics.nmse")
+        row["worst NMSE"] = float(pd.to_numeric(nm, errors="coerce").max()) if nm is not None else None
+    for _, r in df[(df["kind"] == "measure") & (df["params.form"] == "chunkwise")].iterrows():
+        t = int(r["params.tokens"])
+        row[f"T={t} tok/s"] = round(float(r["figures.tokens_per_s.median"]), 1)
+        row[f"T={t} x serial"] = round(float(r["metrics.speedup_vs_serial"]), 2)
+    return row

@@ -1,0 +1,103 @@
+"""Oracles: decide whether an optimised path is equivalent to the reference, and by how much.
+
+Each returns a Verdict with a margin: how far the result is from failing, in the oracle's own unit,
+positive when it passes and negative when it fails. Every oracle has tests that plant a realistic bug
+and see it caught (tests/test_*_planted.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+NMSE_THRESHOLD = 1e-7  # test-backend-ops' default max_nmse_err, for float32
+
+
+@dataclass
+class Verdict:
+    oracle: str
+    passed: bool
+    margin: float | None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    detail: str = ""
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self.passed else "fail"
+
+
+def nmse(ref: np.ndarray, out: np.ndarray) -> float:
+    """Normalised mean squared error, sum((ref - out)^2) / sum(ref^2), in float64 (test-backend-ops)."""
+    ref = np.asarray(ref, np.float64)
+    out = np.asarray(out, np.float64)
+    if ref.shape != out.shape:
+        raise ValueError(f"shape mismatch: reference {ref.shape} vs output {out.shape}")
+    num = float(np.sum((ref - out) ** 2))
+    den = float(np.sum(ref**2))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+def check_nmse(ref: dict[str, np.ndarray], out: dict[str, np.ndarray], threshold: float = NMSE_THRESHOLD) -> Verdict:
+    """NMSE of every named output against the reference, each <= threshold; NaN or inf fails.
+
+    Margin: log10(threshold / worst NMSE), the orders of magnitude of headroom (capped at 30 for an
+    exact match)."""
+    metrics: dict[str, Any] = {}
+    worst = 0.0
+    problems = []
+    for name, r in ref.items():
+        o = out[name]
+        if not np.all(np.isfinite(o)):
+            problems.append(f"{name} has {int(np.sum(~np.isfinite(o)))} NaN/inf values")
+            metrics[f"nmse_{name}"] = float("inf")
+            worst = float("inf")
+            continue
+        e = nmse(r, o)
+        metrics[f"nmse_{name}"] = e
+        worst = max(worst, e)
+    metrics["nmse"] = worst
+    passed = not problems and worst <= threshold
+    margin = 30.0 if worst == 0.0 else (float("-inf") if not np.isfinite(worst) else float(np.log10(threshold / worst)))
+    if not passed and not problems:
+        problems.append(f"NMSE {worst:.3g} > {threshold:g}")
+    return Verdict("nmse", passed, min(margin, 30.0), metrics, "; ".join(problems))
+
+
+def digest(*arrays: np.ndarray) -> str:
+    """sha256 over the raw bytes (and shapes and dtypes) of arrays: what byte-identical means."""
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def check_bitexact(ref: dict[str, np.ndarray], out: dict[str, np.ndarray]) -> Verdict:
+    """Byte equality of every named output (memcmp, not ==: -0.0 vs 0.0 and NaN payloads count).
+
+    Margin: 0 when identical, else minus the number of differing elements."""
+    metrics: dict[str, Any] = {}
+    differing = 0
+    problems = []
+    for name, r in ref.items():
+        o = out[name]
+        r_b, o_b = np.ascontiguousarray(r), np.ascontiguousarray(o)
+        if r_b.dtype != o_b.dtype or r_b.shape != o_b.shape:
+            problems.append(f"{name}: {o_b.dtype}{o_b.shape} vs reference {r_b.dtype}{r_b.shape}")
+            differing += max(r_b.size, 1)
+            continue
+        bad = r_b.view(np.uint8).reshape(r_b.size, -1) != o_b.view(np.uint8).reshape(o_b.size, -1)
+        n = int(np.any(bad, axis=1).sum()) if r_b.size else 0
+        metrics[f"differing_{name}"] = n
+        metrics[f"sha256_{name}"] = digest(o_b)
+        if n:
+            first = int(np.argmax(np.any(bad, axis=1)))
+            problems.append(f"{name}: {n} elements differ, first at flat index {first}")
+            differing += n
+    return Verdict("bitexact", differing == 0, float(-differing), metrics, "; ".join(problems))

@@ -1,0 +1,64 @@
+"""pytest plugin: `pytest --device=NAME` selects the device profile the equivalence suites run on.
+
+  device fixture                 the connected device (session-scoped)
+  @pytest.mark.requires("cap")   skip unless the device's profile lists that capability
+  results_dir fixture            a per-session results store, so tests never write into results/
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from testbed.config import choices
+from testbed.devices import connect, load_profile
+from testbed.errors import DeviceUnreachable, UsageError
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="host", help=f"device profile to run on (devices/*.yaml)")
+
+
+def pytest_configure(config):
+    name = config.getoption("--device")
+    if name not in choices("device"):
+        raise pytest.UsageError(f"--device={name!r} is not a device profile; accepted: {', '.join(choices('device'))}")
+    try:
+        config._testbed_profile = load_profile(name)
+    except UsageError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+def pytest_report_header(config):
+    p = config._testbed_profile
+    return f"testbed device: {p.name} ({p.transport}, {p.abi}; capabilities: {', '.join(p.capabilities)})"
+
+
+def pytest_collection_modifyitems(config, items):
+    profile = config._testbed_profile
+    for item in items:
+        for mark in item.iter_markers("requires"):
+            missing = [c for c in mark.args if not profile.has(c)]
+            if missing:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"device {profile.name!r} lacks capability {', '.join(missing)}"))
+
+
+@pytest.fixture(scope="session")
+def device_profile(pytestconfig):
+    return pytestconfig._testbed_profile
+
+
+@pytest.fixture(scope="session")
+def device(device_profile):
+    try:
+        dev = connect(device_profile)
+    except DeviceUnreachable as e:
+        pytest.exit(f"device {device_profile.name!r} is unreachable: {e}", returncode=3)
+    yield dev
+
+
+@pytest.fixture
+def results_dir(tmp_path, monkeypatch):
+    path = tmp_path / "results"
+    monkeypatch.setenv("TESTBED_RESULTS", str(path))
+    return path
