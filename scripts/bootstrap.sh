@@ -1,0 +1,31 @@
+#!/usr/bin/env sh
+# Installs what testbed needs on a fresh Debian machine, then the project itself (editable).
+#   scripts/bootstrap.sh          the host job: a C compiler and the Python package with its extras
+#   scripts/bootstrap.sh --test   also what the test suites drive for real: ARM cross compilers and
+#                                 qemu-user, Debian's adb client, openssh-server, Mesa's software Vulkan
+#                                 (lavapipe) and Chromium for the report check
+set -eu
+cd "$(dirname "$0")/.."
+
+HOST_PACKAGES="gcc make"
+TEST_PACKAGES="qemu-user gcc-arm-linux-gnueabihf gcc-aarch64-linux-gnu libc6-dev-armhf-cross libc6-dev-arm64-cross
+  adb openssh-server mesa-vulkan-drivers libvulkan1 chromium"
+
+packages="$HOST_PACKAGES"
+[ "${1:-}" = "--test" ] && packages="$packages $TEST_PACKAGES"
+
+missing=""
+for p in $packages; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "bootstrap: missing Debian packages:$missing (run as root, or install them)" >&2
+    exit 1
+  fi
+  echo "bootstrap: installing Debian packages:$missing" >&2
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+fi
+
+python3 -m pip install -q --disable-pip-version-check -e '.[full]'
