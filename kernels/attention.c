@@ -9,7 +9,7 @@
 #include "tb_parallel.h"
 
 typedef struct {
-    int heads, kv_heads, c, l, hd;
+    int heads, kv_heads, c, l, kv_rows, hd;
     const float *q, *k, *v, *mask;
     float scale;
     float *out;
@@ -41,7 +41,7 @@ static int attention_heads(void *arg, int begin, int end) {
     if (!p) return TB_E_MEMORY;
     for (int h = begin; h < end; h++) {
         const int kvh = h / (a->heads / a->kv_heads);
-        const float *k = a->k + (size_t)kvh * a->l * a->hd, *v = a->v + (size_t)kvh * a->l * a->hd;
+        const float *k = a->k + (size_t)kvh * a->kv_rows * a->hd, *v = a->v + (size_t)kvh * a->kv_rows * a->hd;
         for (int c = 0; c < a->c; c++)
             softmax_row(a->q + ((size_t)h * a->c + c) * a->hd, k, a->mask + ((size_t)h * a->c + c) * a->l, a->l,
                         a->hd, a->scale, p + (size_t)c * a->l);
@@ -51,9 +51,9 @@ static int attention_heads(void *arg, int begin, int end) {
     return TB_OK;
 }
 
-int tb_attention(int heads, int kv_heads, int c, int l, int hd, const float *q, const float *k, const float *v,
-                 const float *mask, float scale, float *out, int threads) {
-    if (heads <= 0 || kv_heads <= 0 || c <= 0 || l < c || hd <= 0 || heads % kv_heads) return TB_E_SHAPE;
-    attention_call a = {heads, kv_heads, c, l, hd, q, k, v, mask, scale, out};
+int tb_attention(int heads, int kv_heads, int c, int l, int kv_rows, int hd, const float *q, const float *k,
+                 const float *v, const float *mask, float scale, float *out, int threads) {
+    if (heads <= 0 || kv_heads <= 0 || c <= 0 || l < c || kv_rows < l || hd <= 0 || heads % kv_heads) return TB_E_SHAPE;
+    attention_call a = {heads, kv_heads, c, l, kv_rows, hd, q, k, v, mask, scale, out};
     return tb_parallel_for(heads, threads, attention_heads, &a);
 }

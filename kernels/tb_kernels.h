@@ -50,11 +50,12 @@ int tb_gdn_chunkwise(const tb_gdn_shape *shape, const float *q, const float *k, 
                      const float *g, const float *beta, const float *state_in,
                      float *out, float *state_out, int chunk, int threads);
 
-/* Attention of C query rows against L = P + C keys:
- *   q [heads, C, hd], k and v [kv_heads, L, hd], mask [heads, C, L] (additive: 0 attends,
- *   -1e30 masks), out [heads, C, hd]; query head h reads KV head h / (heads / kv_heads).
+/* Attention of C query rows against the first L = P + C rows of a cache:
+ *   q [heads, C, hd]; k and v [kv_heads, kv_rows, hd] with kv_rows >= L (a cache allocated for
+ *   kv_rows positions, of which L are attended); mask [heads, C, L] (additive: 0 attends, -1e30
+ *   masks); out [heads, C, hd]. Query head h reads KV head h / (heads / kv_heads).
  *   out = softmax(scale * q k^T + mask) v, row by row. */
-int tb_attention(int heads, int kv_heads, int c, int l, int hd, const float *q, const float *k,
+int tb_attention(int heads, int kv_heads, int c, int l, int kv_rows, int hd, const float *q, const float *k,
                  const float *v, const float *mask, float scale, float *out, int threads);
 
 /* A sliding-window cache of raw rows: `planes` independent planes (e.g. K and V of each KV head),

@@ -122,3 +122,16 @@ def build_programs(target: str, cache_dir: Path | None = None) -> Path:
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same build first
     return out
+
+
+def compile_library(kernels_dir: Path, out: Path, optimize: str = "-O2") -> Path:
+    """Compile the library sources in `kernels_dir` (a copy of kernels/, possibly altered) into the
+    shared library `out` with the host library's flags. For checks that need a second library."""
+    sources = [str(p) for p in library_sources(kernels_dir) if p.suffix == ".c"]
+    flags = [f for f in LIBRARY_CFLAGS if not f.startswith("-O")] + [optimize] + host_vector_flags()
+    argv = ["cc", *flags, "-shared", "-fPIC", "-pthread", f"-I{kernels_dir}",
+            f'-DTB_SOURCE_HASH="{source_hash(kernels_dir)}"', "-o", str(out), *sources, "-lm"]
+    p = subprocess.run(argv, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise BuildError(f"compiling {kernels_dir} failed: {p.stderr.strip().splitlines()[-1:]}")
+    return out

@@ -52,16 +52,31 @@ def library_path() -> Path | None:
     return None
 
 
+def load_library(path: Path) -> ctypes.CDLL:
+    """Load a kernels library from `path` and declare its functions (no staleness check: for
+    libraries built elsewhere, such as the tests' deliberately broken variants)."""
+    lib = ctypes.CDLL(str(path))
+    lib.tb_source_hash.restype = ctypes.c_char_p
+    lib.tb_vector_path.restype = ctypes.c_char_p
+    gdn_args = [ctypes.POINTER(_GDNShape)] + [_F32P] * 8
+    lib.tb_gdn_serial.argtypes = gdn_args + [ctypes.c_int]
+    lib.tb_gdn_chunkwise.argtypes = gdn_args + [ctypes.c_int, ctypes.c_int]
+    lib.tb_attention.argtypes = [ctypes.c_int] * 6 + [_F32P] * 4 + [ctypes.c_float, _F32P, ctypes.c_int]
+    lib.tb_cache_append.argtypes = [ctypes.POINTER(_Cache), _U8P, ctypes.c_int]
+    lib.tb_cache_snapshot.argtypes = [ctypes.POINTER(_Cache), ctypes.c_int, ctypes.c_int, _U8P,
+                                      ctypes.POINTER(ctypes.c_int)]
+    lib.tb_cache_rollback.argtypes = [ctypes.POINTER(_Cache), ctypes.c_int, _U8P, ctypes.c_int]
+    return lib
+
+
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
-    """The loaded library, checked against the kernel sources when they are present (a checkout)."""
+    """The package's library, checked against the kernel sources when they are present (a checkout)."""
     path = library_path()
     if path is None:
         raise NativeLibraryError(f"the native kernels are not built (no testbed/{kernel_build.LIBRARY_NAME}*.so); "
                                  f"{kernel_build.REBUILD_HINT}")
-    lib = ctypes.CDLL(str(path))
-    lib.tb_source_hash.restype = ctypes.c_char_p
-    lib.tb_vector_path.restype = ctypes.c_char_p
+    lib = load_library(path)
     built_from = lib.tb_source_hash().decode()
     if kernel_build.KERNELS_DIR.is_dir():
         current = kernel_build.source_hash()
@@ -69,14 +84,6 @@ def library() -> ctypes.CDLL:
             raise NativeLibraryError(
                 f"{path.name} is stale: built from kernel sources {built_from[:12]}, kernels/ is now "
                 f"{current[:12]}; {kernel_build.REBUILD_HINT}")
-    gdn_args = [ctypes.POINTER(_GDNShape)] + [_F32P] * 8
-    lib.tb_gdn_serial.argtypes = gdn_args + [ctypes.c_int]
-    lib.tb_gdn_chunkwise.argtypes = gdn_args + [ctypes.c_int, ctypes.c_int]
-    lib.tb_attention.argtypes = [ctypes.c_int] * 5 + [_F32P] * 4 + [ctypes.c_float, _F32P, ctypes.c_int]
-    lib.tb_cache_append.argtypes = [ctypes.POINTER(_Cache), _U8P, ctypes.c_int]
-    lib.tb_cache_snapshot.argtypes = [ctypes.POINTER(_Cache), ctypes.c_int, ctypes.c_int, _U8P,
-                                      ctypes.POINTER(ctypes.c_int)]
-    lib.tb_cache_rollback.argtypes = [ctypes.POINTER(_Cache), ctypes.c_int, _U8P, ctypes.c_int]
     return lib
 
 
@@ -109,7 +116,7 @@ def _rows(a: np.ndarray, name: str) -> tuple[np.ndarray, list[int]]:
     return a, [s // 4 for s in a.strides[:3]]
 
 
-def _gdn(fn_name: str, q, k, v, g, beta, state, head_map: str, threads: int, *extra):
+def _gdn(lib, fn_name: str, q, k, v, g, beta, state, head_map: str, threads: int, *extra):
     if head_map not in HEAD_MAPS:
         raise ValueError(f"head_map {head_map!r} is not one of {tuple(HEAD_MAPS)}")
     (q, qs), (k, ks), (v, vs) = _rows(q, "q"), _rows(k, "k"), _rows(v, "v")
@@ -127,36 +134,41 @@ def _gdn(fn_name: str, q, k, v, g, beta, state, head_map: str, threads: int, *ex
             raise ValueError(f"{name} has shape {got}, expected {want}")
     out = np.empty((n_seqs, t_len, h_v, d), np.float32)
     state_out = np.empty_like(state)
-    rc = getattr(library(), fn_name)(ctypes.byref(shape), _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(state),
+    rc = getattr(lib or library(), fn_name)(ctypes.byref(shape), _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(state),
                                      _ptr(out), _ptr(state_out), *extra, threads)
     _check(rc, fn_name)
     return out, state_out
 
 
-def gdn_serial(q, k, v, g, beta, state=None, head_map: str = "tiled", threads: int = 1):
-    """refimpl.gdn.gdn_serial in C (float32). Returns (out, final state)."""
-    return _gdn("tb_gdn_serial", q, k, v, g, beta, state, head_map, threads)
+def gdn_serial(q, k, v, g, beta, state=None, head_map: str = "tiled", threads: int = 1, lib=None):
+    """refimpl.gdn.gdn_serial in C (float32). Returns (out, final state). `lib`: another library
+    than the package's (load_library)."""
+    return _gdn(lib, "tb_gdn_serial", q, k, v, g, beta, state, head_map, threads)
 
 
-def gdn_chunkwise(q, k, v, g, beta, state=None, chunk: int = 64, head_map: str = "tiled", threads: int = 1):
+def gdn_chunkwise(q, k, v, g, beta, state=None, chunk: int = 64, head_map: str = "tiled", threads: int = 1,
+                  lib=None):
     """refimpl.gdn.gdn_chunkwise in C (float32). Returns (out, final state)."""
     if chunk <= 0:
         raise ValueError(f"chunk must be a positive integer, got {chunk}")
-    return _gdn("tb_gdn_chunkwise", q, k, v, g, beta, state, head_map, threads, chunk)
+    return _gdn(lib, "tb_gdn_chunkwise", q, k, v, g, beta, state, head_map, threads, chunk)
 
 
-def attention(q, k, v, mask, scale: float, threads: int = 1) -> np.ndarray:
+def attention(q, k, v, mask, scale: float, threads: int = 1, length: int | None = None, lib=None) -> np.ndarray:
     """One attention layer: q [heads, C, hd], k and v [kv_heads, P + C, hd], mask [1, heads, C, P + C]
-    (or [heads, C, P + C]); returns [heads, C, hd]."""
+    (or [heads, C, P + C]); returns [heads, C, hd]. `length`: attend only the first `length` cache
+    rows of k and v (a cache allocated larger than it is filled; the mask then has `length` columns)."""
     q, k, v, mask = _f32(q), _f32(k), _f32(v), _f32(mask)
     heads, c, hd = q.shape
-    kv_heads, l, _ = k.shape
+    kv_heads, kv_rows, _ = k.shape
+    length = kv_rows if length is None else length
     mask = mask.reshape(mask.shape[-3:]) if mask.ndim == 4 else mask
-    if k.shape != v.shape or k.shape[2] != hd or mask.shape != (heads, c, l):
-        raise ValueError(f"attention shapes q {q.shape}, k {k.shape}, v {v.shape}, mask {mask.shape} do not agree")
+    if k.shape != v.shape or k.shape[2] != hd or mask.shape != (heads, c, length) or length > kv_rows:
+        raise ValueError(f"attention shapes q {q.shape}, k {k.shape}, v {v.shape}, mask {mask.shape}, "
+                         f"length {length} do not agree")
     out = np.empty_like(q)
-    _check(library().tb_attention(heads, kv_heads, c, l, hd, _ptr(q), _ptr(k), _ptr(v), _ptr(mask), scale,
-                                  _ptr(out), threads), "tb_attention")
+    _check((lib or library()).tb_attention(heads, kv_heads, c, length, kv_rows, hd, _ptr(q), _ptr(k), _ptr(v), _ptr(mask),
+                                  scale, _ptr(out), threads), "tb_attention")
     return out
 
 
@@ -164,11 +176,12 @@ class SlidingCache:
     """A sliding-window cache over `rows` (uint8 [planes, window, row_bytes], changed in place)
     holding `count` rows per plane, the first `sink` of them never evicted."""
 
-    def __init__(self, rows: np.ndarray, count: int, sink: int = 0):
+    def __init__(self, rows: np.ndarray, count: int, sink: int = 0, lib=None):
         if rows.dtype != np.uint8 or rows.ndim != 3 or not rows.flags.c_contiguous:
             raise ValueError(f"cache rows must be a contiguous uint8 [planes, window, row_bytes], got "
                              f"{rows.dtype} {rows.shape}")
         self.rows = rows
+        self._lib = lib or library()
         planes, window, row_bytes = rows.shape
         self._c = _Cache(_ptr(rows, _U8P), row_bytes, planes, window, sink, count)
 
@@ -182,14 +195,14 @@ class SlidingCache:
 
     def append(self, new_rows: np.ndarray) -> None:
         new_rows = self._planar(new_rows)
-        _check(library().tb_cache_append(ctypes.byref(self._c), _ptr(new_rows, _U8P), new_rows.shape[1]),
+        _check(self._lib.tb_cache_append(ctypes.byref(self._c), _ptr(new_rows, _U8P), new_rows.shape[1]),
                "tb_cache_append")
 
     def snapshot(self, n_real: int, n_pad: int) -> np.ndarray:
         """The rows a padded append of n_real + n_pad would evict beyond the exact one."""
         saved = np.zeros((self.rows.shape[0], n_pad, self.rows.shape[2]), np.uint8)
         n_saved = ctypes.c_int(0)
-        _check(library().tb_cache_snapshot(ctypes.byref(self._c), n_real, n_pad, _ptr(saved, _U8P),
+        _check(self._lib.tb_cache_snapshot(ctypes.byref(self._c), n_real, n_pad, _ptr(saved, _U8P),
                                            ctypes.byref(n_saved)), "tb_cache_snapshot")
         return saved[:, : n_saved.value]
 
@@ -197,7 +210,7 @@ class SlidingCache:
         planes, _, row_bytes = self.rows.shape
         buf = np.zeros((planes, n_pad, row_bytes), np.uint8)
         buf[:, : saved.shape[1]] = saved
-        _check(library().tb_cache_rollback(ctypes.byref(self._c), n_pad, _ptr(buf, _U8P), saved.shape[1]),
+        _check(self._lib.tb_cache_rollback(ctypes.byref(self._c), n_pad, _ptr(buf, _U8P), saved.shape[1]),
                "tb_cache_rollback")
 
     def _planar(self, new_rows: np.ndarray) -> np.ndarray:
