@@ -28,7 +28,7 @@ builder shows as a difference. Plain functions on numpy arrays, no I/O; float32 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -90,15 +90,14 @@ class GemmaConfig:
 def tiny_config(**overrides) -> GemmaConfig:
     """The default synthetic model: six layers (five local, one global), grouped KV heads, window 512.
     Every graph runs in well under a second on one core at 800 positions."""
-    base = GemmaConfig(vocab=256, hidden=64, layers=6, heads=4, kv_heads=2, head_dim=16, mlp=128)
-    return replace(base, **overrides) if overrides else base
+    return GemmaConfig(**{**dict(vocab=256, hidden=64, layers=6, heads=4, kv_heads=2, head_dim=16, mlp=128),
+                          **overrides})
 
 
 def functiongemma_config(**overrides) -> GemmaConfig:
     """FunctionGemma (Gemma 3 270M): the shape of the seed's device runs."""
-    base = GemmaConfig(vocab=262_144, hidden=640, layers=18, heads=4, kv_heads=1, head_dim=256, mlp=2048,
-                       query_pre_attn_scalar=256.0)
-    return replace(base, **overrides) if overrides else base
+    return GemmaConfig(**{**dict(vocab=262_144, hidden=640, layers=18, heads=4, kv_heads=1, head_dim=256,
+                               mlp=2048, query_pre_attn_scalar=256.0), **overrides})
 
 
 # --- weights ----------------------------------------------------------------------------------------
