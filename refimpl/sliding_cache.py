@@ -114,7 +114,7 @@ def decode_rows(s: RowStorage) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if s.dtype == "int8":
         def dequantize(q, scale):
             kv_heads, _, head_dim = q.shape
-            g = q[:, :n].astype(np.float32).reshape(kv_heads, n, -1, s.group)
+            g = q[:, :n].astype(np.float32).reshape(kv_heads, n, head_dim // s.group, s.group)
             return (g * scale[:, :n, :, None]).reshape(kv_heads, n, head_dim)
 
         return dequantize(s.k, s.k_scale), dequantize(s.v, s.v_scale), s.positions[:n].copy()
