@@ -1,5 +1,7 @@
 /* Sliding-window cache operations on raw rows (see tb_kernels.h). Each plane is handled alike:
- * rows [0, sink) are the sinks, the rest is a chronological queue of at most window - sink rows. */
+ * rows [0, sink) are the sinks, the rest is a chronological queue of at most window - sink rows.
+ * Semantics: refimpl/sliding_cache.py, whose layout arrays (k, v, scales, positions) are each one
+ * such set of planes; slots past the held rows hold `empty_byte` (0, or 0xff for positions of -1). */
 #include <string.h>
 
 #include "tb_kernels.h"
@@ -64,6 +66,8 @@ int tb_cache_rollback(tb_sliding_cache *c, int n_pad, const uint8_t *saved, int 
         uint8_t *rows = plane_rows(c, p);
         memmove(rows + (size_t)(c->sink + n_saved) * rb, rows + (size_t)c->sink * rb, (size_t)kept * rb);
         memcpy(rows + (size_t)c->sink * rb, saved + (size_t)p * n_pad * rb, (size_t)n_saved * rb);
+        /* slots no longer held read as empty again, as if the pads had never been written */
+        memset(rows + (size_t)(c->count - n_pad + n_saved) * rb, c->empty_byte, (size_t)(n_pad - n_saved) * rb);
     }
     c->count = c->count - n_pad + n_saved;
     return TB_OK;

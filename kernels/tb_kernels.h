@@ -61,11 +61,13 @@ int tb_attention(int heads, int kv_heads, int c, int l, int kv_rows, int hd, con
 /* A sliding-window cache of raw rows: `planes` independent planes (e.g. K and V of each KV head),
  * each holding up to `window` rows of `row_bytes` bytes in chronological order (row 0 oldest); the
  * first `sink` rows ever written are never evicted. `count` rows are held. Plane p starts at
- * rows + p * window * row_bytes. */
+ * rows + p * window * row_bytes. Slots not held contain `empty_byte` in every byte (0 for data;
+ * 0xff makes an int64 position -1). */
 typedef struct {
     uint8_t *rows;
     size_t row_bytes;
     int planes, window, sink, count;
+    uint8_t empty_byte;
 } tb_sliding_cache;
 
 /* Append n rows per plane (new_rows [planes, n, row_bytes]): when more than `window` rows would be
@@ -79,8 +81,8 @@ int tb_cache_append(tb_sliding_cache *cache, const uint8_t *new_rows, int n);
 int tb_cache_snapshot(const tb_sliding_cache *cache, int n_real, int n_pad, uint8_t *saved, int *n_saved);
 
 /* After the padded append: drop the n_pad pad rows (the newest) and put the saved rows back in
- * their chronological place, after the sink rows. The cache is then byte-identical to an append
- * of the n_real rows alone. */
+ * their chronological place, after the sink rows; freed slots get empty_byte. The cache is then
+ * byte-identical to an append of the n_real rows alone. */
 int tb_cache_rollback(tb_sliding_cache *cache, int n_pad, const uint8_t *saved, int n_saved);
 
 /* What the library was built from and for: the sha256 of the kernel sources (hex) and the vector

@@ -40,7 +40,8 @@ class _GDNShape(ctypes.Structure):
 
 class _Cache(ctypes.Structure):
     _fields_ = [("rows", _U8P), ("row_bytes", ctypes.c_size_t), ("planes", ctypes.c_int),
-                ("window", ctypes.c_int), ("sink", ctypes.c_int), ("count", ctypes.c_int)]
+                ("window", ctypes.c_int), ("sink", ctypes.c_int), ("count", ctypes.c_int),
+                ("empty_byte", ctypes.c_uint8)]
 
 
 def library_path() -> Path | None:
@@ -174,16 +175,17 @@ def attention(q, k, v, mask, scale: float, threads: int = 1, length: int | None 
 
 class SlidingCache:
     """A sliding-window cache over `rows` (uint8 [planes, window, row_bytes], changed in place)
-    holding `count` rows per plane, the first `sink` of them never evicted."""
+    holding `count` rows per plane, the first `sink` of them never evicted; slots not held are
+    filled with `empty_byte`."""
 
-    def __init__(self, rows: np.ndarray, count: int, sink: int = 0, lib=None):
+    def __init__(self, rows: np.ndarray, count: int, sink: int = 0, empty_byte: int = 0, lib=None):
         if rows.dtype != np.uint8 or rows.ndim != 3 or not rows.flags.c_contiguous:
             raise ValueError(f"cache rows must be a contiguous uint8 [planes, window, row_bytes], got "
                              f"{rows.dtype} {rows.shape}")
         self.rows = rows
         self._lib = lib or library()
         planes, window, row_bytes = rows.shape
-        self._c = _Cache(_ptr(rows, _U8P), row_bytes, planes, window, sink, count)
+        self._c = _Cache(_ptr(rows, _U8P), row_bytes, planes, window, sink, count, empty_byte)
 
     @property
     def count(self) -> int:

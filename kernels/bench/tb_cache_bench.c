@@ -1,9 +1,9 @@
 /* Sliding-cache benchmark-and-dump: IN_DIR/cache.npy (uint8 [planes, window, row_bytes], `count` rows
  * held) and IN_DIR/rows.npy (uint8 [planes, n_real + n_pad, row_bytes]: the real rows, then the pads).
- * Writes OUT_DIR/exact.npy (after appending the real rows alone), OUT_DIR/rolled.npy (after snapshot,
- * padded append and rollback), OUT_DIR/saved.npy, each as the held rows [planes, count, row_bytes],
- * and timings.json with seconds per operation.
- *   tb_cache_bench IN OUT count=N sink=N n_pad=N [warmup=1] [reps=1] */
+ * Writes OUT_DIR/exact.npy (after appending the real rows alone) and OUT_DIR/rolled.npy (after
+ * snapshot, padded append and rollback), each the whole cache [planes, window, row_bytes];
+ * OUT_DIR/saved.npy (the snapshot) and timings.json with seconds per operation and row counts.
+ *   tb_cache_bench IN OUT count=N sink=N n_pad=N [empty_byte=0] [warmup=1] [reps=1] */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,14 +11,10 @@
 #include "../tb_kernels.h"
 #include "harness.h"
 
-static void save_held(const char *name, const tb_sliding_cache *c) {
-    size_t shape[3] = {(size_t)c->planes, (size_t)c->count, c->row_bytes};
-    size_t plane = (size_t)c->count * c->row_bytes;
-    uint8_t *held = malloc(plane * (size_t)c->planes + 1);
-    if (!held) die("out of memory");
-    for (int p = 0; p < c->planes; p++) memcpy(held + p * plane, c->rows + (size_t)p * c->window * c->row_bytes, plane);
-    npy_save(out_dir(), name, "|u1", 3, shape, held);
-    free(held);
+/* Every slot of every plane, held or not: what byte-identical compares. */
+static void save_cache(const char *name, const tb_sliding_cache *c) {
+    size_t shape[3] = {(size_t)c->planes, (size_t)c->window, c->row_bytes};
+    npy_save(out_dir(), name, "|u1", 3, shape, c->rows);
 }
 
 static void print_seconds(FILE *f, const char *name, const double *s, long n, int last) {
@@ -28,15 +24,15 @@ static void print_seconds(FILE *f, const char *name, const double *s, long n, in
 }
 
 int main(int argc, char **argv) {
-    static const char *const keys[] = {"count", "sink", "n_pad", "warmup", "reps", NULL};
-    args_init(argc, argv, "count=N sink=N n_pad=N warmup=N reps=N", keys);
+    static const char *const keys[] = {"count", "sink", "n_pad", "empty_byte", "warmup", "reps", NULL};
+    args_init(argc, argv, "count=N sink=N n_pad=N empty_byte=0..255 warmup=N reps=N", keys);
     npy_array cache = npy_load(in_dir(), "cache", "|u1"), rows = npy_load(in_dir(), "rows", "|u1");
     if (cache.ndim != 3 || rows.ndim != 3 || rows.shape[0] != cache.shape[0] || rows.shape[2] != cache.shape[2])
         die("cache must be [planes, window, row_bytes] and rows [planes, n, row_bytes]");
     const int n_pad = (int)arg_int("n_pad", 0), n_all = (int)rows.shape[1], n_real = n_all - n_pad;
     if (n_pad < 0 || n_real < 0) die("n_pad=%d is not within 0..%d", n_pad, n_all);
     tb_sliding_cache pristine = {cache.data, cache.shape[2], (int)cache.shape[0], (int)cache.shape[1],
-                                 (int)arg_int("sink", 0), (int)arg_int("count", 0)};
+                                 (int)arg_int("sink", 0), (int)arg_int("count", 0), (uint8_t)arg_int("empty_byte", 0)};
     const size_t bytes = cache.count, rb = pristine.row_bytes;
     uint8_t *work = malloc(bytes), *real = malloc((size_t)pristine.planes * (n_real ? n_real : 1) * rb);
     uint8_t *saved = malloc((size_t)pristine.planes * (n_pad ? n_pad : 1) * rb);
@@ -56,7 +52,7 @@ int main(int argc, char **argv) {
         t0 = now_seconds();
         if (tb_cache_append(&exact, real, n_real)) die("exact append rejected");
         if (s) s[0] = now_seconds() - t0;
-        if (r == reps - 1) save_held("exact", &exact);
+        if (r == reps - 1) save_cache("exact", &exact);
 
         memcpy(work, cache.data, bytes), padded = pristine, padded.rows = work;
         t0 = now_seconds();
@@ -67,7 +63,7 @@ int main(int argc, char **argv) {
         if (tb_cache_rollback(&padded, n_pad, saved, n_saved)) die("rollback rejected");
         if (s) s[3] = now_seconds() - t0;
     }
-    save_held("rolled", &padded);
+    save_cache("rolled", &padded);
     size_t saved_shape[3] = {(size_t)pristine.planes, (size_t)n_saved, rb};
     uint8_t *compact = malloc((size_t)pristine.planes * (n_saved ? n_saved : 1) * rb);
     if (!compact) die("out of memory");
@@ -80,7 +76,8 @@ int main(int argc, char **argv) {
     FILE *f = fopen(path, "w");
     if (!f) die("cannot write %s", path);
     fprintf(f, "{\"program\": \"tb_cache_bench\", \"vector_path\": \"%s\", \"source_hash\": \"%s\", \"warmup\": %ld, "
-               "\"reps\": %ld, \"n_saved\": %d, \"seconds\": {", tb_vector_path(), tb_source_hash(), warmup, reps, n_saved);
+               "\"reps\": %ld, \"n_saved\": %d, \"count_exact\": %d, \"count_rolled\": %d, \"seconds\": {",
+            tb_vector_path(), tb_source_hash(), warmup, reps, n_saved, exact.count, padded.count);
     const char *names[4] = {"exact_append", "snapshot", "padded_append", "rollback"};
     for (int op = 0; op < 4; op++) {
         double *col = malloc(sizeof(double) * (size_t)reps);
