@@ -87,8 +87,8 @@ class BuildError(RuntimeError):
     """A toolchain is missing or a compile failed; the message says which and why."""
 
 
-def _programs_hash(target: str) -> str:
-    h = hashlib.sha256(target.encode())
+def _programs_hash(target: str, fused: bool) -> str:
+    h = hashlib.sha256(f"{target} fused={int(fused)}".encode())
     for path in sorted(KERNELS_DIR.rglob("*")):
         if path.is_file() and (path.suffix in (".c", ".h") or path.name == "Makefile"):
             h.update(str(path.relative_to(KERNELS_DIR)).encode() + b"\0" + path.read_bytes() + b"\0")
@@ -96,12 +96,13 @@ def _programs_hash(target: str) -> str:
     return h.hexdigest()
 
 
-def build_programs(target: str, cache_dir: Path | None = None) -> Path:
-    """Build (or reuse) the static programs for `target`; returns the folder holding them."""
+def build_programs(target: str, fused: bool = False, cache_dir: Path | None = None) -> Path:
+    """Build (or reuse) the static programs for `target`; returns the folder holding them.
+    fused=False (the default) gives the builds that are bit-exact across targets."""
     if target not in TARGETS:
         raise ValueError(f"target {target!r} is not one of {', '.join(TARGETS)}")
     cache_dir = cache_dir or ROOT / ".cache" / "kernels"
-    out = cache_dir / f"{target}-{_programs_hash(target)[:16]}"
+    out = cache_dir / f"{target}{'-fused' if fused else ''}-{_programs_hash(target, fused)[:16]}"
     if all((out / p).is_file() for p in PROGRAMS):
         return out
     if shutil.which("make") is None:
@@ -110,7 +111,7 @@ def build_programs(target: str, cache_dir: Path | None = None) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     argv = ["make", "-s", "-C", str(KERNELS_DIR), f"TARGET={target}", f"OUT={tmp}",
-            f"SOURCE_HASH={source_hash()}", "programs"]
+            f"SOURCE_HASH={source_hash()}", f"FUSED={int(fused)}", "programs"]
     p = subprocess.run(argv, capture_output=True, text=True)
     if p.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)

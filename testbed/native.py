@@ -221,3 +221,67 @@ class SlidingCache:
         if new_rows.dtype != np.uint8 or new_rows.ndim != 3 or new_rows.shape[::2] != (planes, row_bytes):
             raise ValueError(f"new rows must be uint8 [{planes}, n, {row_bytes}], got {new_rows.dtype} {new_rows.shape}")
         return new_rows
+
+
+# --- refimpl.sliding_cache's caches through the native row operations --------------------------------
+
+
+def _planes(a: np.ndarray, positions: bool) -> np.ndarray:
+    """A layout array as raw rows: uint8 [planes, slots, row_bytes], a view (changes write through)."""
+    a = a[None] if positions else a
+    row_bytes = a.itemsize * int(np.prod(a.shape[2:], dtype=np.int64))
+    return a.view(np.uint8).reshape(a.shape[0], a.shape[1], row_bytes)
+
+
+def _layout_caches(cache, lib) -> dict[str, SlidingCache]:
+    """One native cache per layout array of a refimpl SlidingCache (k, v, scales, positions)."""
+    from refimpl import sliding_cache as sc
+
+    out = {}
+    for name, a in cache.rows.arrays().items():
+        if a.size:  # scales are zero-width unless the storage is int8
+            empty = 0xFF if name == "positions" else 0  # position -1 is all ones
+            out[name] = SlidingCache(_planes(a, name == "positions"), cache.length, cache.sink, empty, lib)
+    assert sc.EMPTY == -1, "empty_byte 0xff encodes position -1"
+    return out
+
+
+def sliding_cache_ops(lib=None):
+    """refimpl.sliding_cache's append / snapshot / rollback, done by the native kernels on the cache's
+    bytes (testbed.tail_oracles.CacheOps). Full caches and conv states keep the reference's code."""
+    from refimpl import sliding_cache as sc
+    from testbed.tail_oracles import CacheOps
+
+    def append(cache, k, v, positions):
+        if not isinstance(cache, sc.SlidingCache):
+            return sc.append(cache, k, v, positions)
+        new = sc.encode_rows(cache.rows.dtype, cache.rows.group, k, v, positions).arrays()
+        for name, native in _layout_caches(cache, lib).items():
+            native.append(_planes(np.ascontiguousarray(new[name]), name == "positions"))
+            count = native.count
+        cache.rows.length = count
+
+    def snapshot(cache, real, pads):
+        if not isinstance(cache, sc.SlidingCache):
+            return sc.snapshot_padded_append(cache, real, pads)
+        saved = {}
+        for name, a in cache.rows.arrays().items():
+            if not a.size:
+                saved[name] = np.take(a, np.arange(0), axis=1)
+                continue
+            rows = _layout_caches(cache, lib)[name].snapshot(real, pads)
+            shape = (rows.shape[1],) if name == "positions" else (a.shape[0], rows.shape[1], *a.shape[2:])
+            saved[name] = np.ascontiguousarray(rows).view(a.dtype).reshape(shape)
+        length = cache.length
+        return sc.PaddedAppendSnapshot(real, pads, saved, min(cache.window, length + real + pads),
+                                       min(cache.window, length + real))
+
+    def rollback(cache, snap):
+        if not isinstance(cache, sc.SlidingCache):
+            return sc.rollback_padded_append(cache, snap)
+        for name, native in _layout_caches(cache, lib).items():
+            native.rollback(snap.pads, _planes(np.ascontiguousarray(snap.saved[name]), name == "positions"))
+            count = native.count
+        cache.rows.length = count
+
+    return CacheOps(append=append, snapshot=snapshot, rollback=rollback)
