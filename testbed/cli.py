@@ -30,7 +30,9 @@ def _summary(outcome: runner.Outcome, module) -> str:
     df = outcome.frame()
     oracles = df[df["kind"] == "oracle"] if len(df) else df
     n_pass = int((oracles["verdict"] == "pass").sum()) if len(oracles) else 0
-    lines = [tables.markdown(module.view(df)) if len(df) else "(no records)", ""]
+    # An experiment may condense its run into several small tables; the full view is `testbed table`.
+    shown = module.summary(df) if hasattr(module, "summary") else [module.view(df)]
+    lines = [*(tables.markdown(t) + "\n" for t in shown)] if len(df) else ["(no records)", ""]
     lines.append(
         f"{outcome.info.experiment} on {outcome.info.device} ({outcome.info.backend}): "
         f"oracles {n_pass}/{len(oracles)} pass, {len(df) - len(oracles)} measurements; "
