@@ -46,7 +46,7 @@ def validate(cfg: DictConfig) -> None:
         raise UsageError(f"attention.heads={a.heads} is not a multiple of attention.kv_heads={a.kv_heads}")
     if c.real > a.chunk:
         raise UsageError(f"cache.real={c.real} exceeds attention.chunk={a.chunk}; accepted: 0..{a.chunk}")
-    if a.chunk > c.window - c.sink:
+    if c.window <= a.chunk + c.sink:
         raise UsageError(f"attention.chunk={a.chunk} does not fit the cache tail (window {c.window} - sink "
                          f"{c.sink}); padding needs window > chunk + sink")
     from testbed import native
