@@ -8,7 +8,7 @@ against refimpl.gemma.attention; the sliding-cache operations byte-identical ove
 import numpy as np
 import pytest
 
-from native_support import GDN_CASES, reference64
+from tests.native_support import GDN_CASES, reference64
 from refimpl import gdn as ref
 from refimpl import gemma
 from testbed import kernel_build, native

@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from native_support import GDN_CASES, reference64
+from tests.native_support import GDN_CASES, reference64
 from refimpl import gemma
 from refimpl import sliding_cache as sc
-from test_native import attention_inputs
+from tests.test_native import attention_inputs
 from testbed import kernel_build, native_programs
 from testbed.oracles import check_bitexact, check_nmse
 from testbed.tail_oracles import GROUP, HEAD_DIM, KV_HEADS, grid

@@ -5,9 +5,9 @@ same checks in tests/test_native.py)."""
 import numpy as np
 import pytest
 
-from native_support import GDN_CASES, mutant_library, reference64
+from tests.native_support import GDN_CASES, mutant_library, reference64
 from refimpl import gemma
-from test_native import ATTENTION_CASES, attention_inputs
+from tests.test_native import ATTENTION_CASES, attention_inputs
 from testbed import native
 from testbed.oracles import check_nmse
 from testbed.tail_oracles import check_padded_rollback, grid
