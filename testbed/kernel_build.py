@@ -110,13 +110,14 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    argv = ["make", "-s", "-C", str(KERNELS_DIR), f"TARGET={target}", f"OUT={tmp}",
+    argv = ["make", "-s", f"-j{os.cpu_count() or 1}", "-C", str(KERNELS_DIR), f"TARGET={target}", f"OUT={tmp}",
             f"SOURCE_HASH={source_hash()}", f"FUSED={int(fused)}", "programs"]
     p = subprocess.run(argv, capture_output=True, text=True)
     if p.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
         raise BuildError(f"building the {target} programs failed: {' | '.join(tail)}")
+    shutil.rmtree(tmp / "obj")
     # a finished build appears at once, so a concurrent or interrupted one never leaves half a folder
     try:
         tmp.rename(out)
