@@ -136,16 +136,18 @@ typedef struct {
     float *G;              /* [L] or [L][d]: cumulative log-decay inside the chunk */
     float *Qin, *Kin;      /* [L][d] q, k decayed to the chunk start */
     float *KoutT;          /* [d][L] k decayed to the chunk end, transposed */
-    float *A, *QK;         /* [L][L] beta-weighted strictly lower k.k, and lower q.k, with decays */
+    float *A, *QK;         /* [L][L] -beta-weighted strictly lower k.k, and lower q.k, with decays */
     float *R;              /* [L][d] right-hand sides, then the deltas v_new */
     float *O;              /* [L][d] output rows */
-    float *X, *Kref, *e;   /* KDA: [L][d] rows rescaled to a reference token, and one exp row [d] */
+    float *X, *Kref;       /* KDA: [L][d] rows rescaled to a reference token */
+    float *e;              /* [max(L, d)] one row of exponentials */
     float *beta;           /* [L] */
 } chunk_scratch;
 
 static chunk_scratch *scratch_new(int L, int d, int kda) {
     const size_t Ld = (size_t)L * d, LL = (size_t)L * L, dd = (size_t)d * d;
-    const size_t floats = dd + 3 * Ld + (kda ? Ld : (size_t)L) + 3 * Ld + 2 * LL + 2 * Ld + (kda ? 2 * Ld + (size_t)d : 0) + (size_t)L;
+    const size_t e_len = (size_t)(L > d ? L : d);
+    const size_t floats = dd + 3 * Ld + (kda ? Ld : (size_t)L) + 3 * Ld + 2 * LL + 2 * Ld + (kda ? 2 * Ld : 0) + e_len + (size_t)L;
     chunk_scratch *w = malloc(sizeof *w + sizeof(float) * floats);
     if (!w) return NULL;
     float *p = (float *)(w + 1);
@@ -163,7 +165,7 @@ static chunk_scratch *scratch_new(int L, int d, int kda) {
     w->O = p, p += Ld;
     w->X = kda ? p : NULL, p += kda ? Ld : 0;
     w->Kref = kda ? p : NULL, p += kda ? Ld : 0;
-    w->e = kda ? p : NULL, p += kda ? (size_t)d : 0;
+    w->e = p, p += e_len;
     w->beta = p;
     return w;
 }
@@ -209,27 +211,23 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
     }
 }
 
-/* Scalar-gate gram matrices: k_i . k_j and q_i . k_j times exp(G_i - G_j). */
+/* Scalar-gate gram matrices: K K^T and Q K^T as matrix products (the full square: at matrix-product
+ * speed that beats half of it as dot products), then each row decayed by exp(G_i - G_j) and cut to
+ * the strict lower (A) or lower (QK) triangle. KoutT is free until the chunk's end decays. */
 static void scalar_grams(chunk_scratch *w, int L, int d) {
+    float *KT = w->KoutT, *decay = w->e;
+    for (int t = 0; t < L; t++)
+        for (int i = 0; i < d; i++) KT[(size_t)i * L + t] = w->K[(size_t)t * d + i];
+    gemm_nn(L, L, d, w->K, d, KT, L, w->A, L, 0, 0);
+    gemm_nn(L, L, d, w->Q, d, KT, L, w->QK, L, 0, 0);
     for (int i = 0; i < L; i++) {
-        const float *qi = w->Q + (size_t)i * d, *ki = w->K + (size_t)i * d;
-        int j = 0;
-        float kk[4], qk[4];
-        for (; j + 4 <= i + 1; j += 4) {
-            const float *k0 = w->K + (size_t)j * d;
-            dot4(ki, k0, k0 + d, k0 + 2 * d, k0 + 3 * d, d, kk);
-            dot4(qi, k0, k0 + d, k0 + 2 * d, k0 + 3 * d, d, qk);
-            for (int r = 0; r < 4; r++) {
-                float decay = exp1(w->G[i] - w->G[j + r]);
-                w->A[i * L + j + r] = j + r < i ? kk[r] * decay : 0.0f;
-                w->QK[i * L + j + r] = qk[r] * decay;
-            }
-        }
-        for (; j <= i; j++) {
-            float decay = exp1(w->G[i] - w->G[j]);
-            w->A[i * L + j] = j < i ? dot(ki, w->K + (size_t)j * d, d) * decay : 0.0f;
-            w->QK[i * L + j] = dot(qi, w->K + (size_t)j * d, d) * decay;
-        }
+        float *a = w->A + i * L, *qk = w->QK + i * L;
+        for (int j = 0; j <= i; j++) decay[j] = w->G[i] - w->G[j];
+        exp_n(decay, decay, i + 1);
+        for (int j = 0; j < i; j++) a[j] *= decay[j], qk[j] *= decay[j];
+        qk[i] *= decay[i];
+        for (int j = i; j < L; j++) a[j] = 0.0f;
+        for (int j = i + 1; j < L; j++) qk[j] = 0.0f;
     }
 }
 
@@ -255,12 +253,15 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
         }
     }
 
-    /* A (beta applied below) and QK, zero above the diagonal */
-    memset(w->A, 0, sizeof(float) * (size_t)L * L);
-    memset(w->QK, 0, sizeof(float) * (size_t)L * L);
-    if (kda) kda_grams(w, L, d);
-    else scalar_grams(w, L, d);
-    for (int i = 0; i < L; i++) scale_n(w->A + i * L, w->beta[i], i);
+    /* A (-beta applied below) and QK, zero above the diagonal */
+    if (kda) {
+        memset(w->A, 0, sizeof(float) * (size_t)L * L);
+        memset(w->QK, 0, sizeof(float) * (size_t)L * L);
+        kda_grams(w, L, d);
+    } else {
+        scalar_grams(w, L, d);
+    }
+    for (int i = 0; i < L; i++) scale_n(w->A + i * L, -w->beta[i], i); /* A holds -beta k.k */
 
     /* q and k decayed to the chunk start; k decayed to the chunk end, transposed for K_out^T V */
     for (int t = 0; t < L; t++) {
@@ -279,15 +280,21 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
         }
     }
 
-    /* R = beta (V - K_in S); then v_new = (I + A)^-1 R by forward substitution, row by row */
+    /* R = beta (V - K_in S); then v_new = (I + beta kk)^-1 R by forward substitution (A = -beta kk) */
     gemm_nn(L, d, d, w->Kin, d, w->S, d, w->R, d, 0, 0);
     for (int t = 0; t < L; t++) {
         float *r = w->R + (size_t)t * d;
         const float *vt = w->V + (size_t)t * d;
         for (int i = 0; i < d; i++) r[i] = w->beta[t] * (vt[i] - r[i]);
     }
-    for (int i = 1; i < L; i++)
-        for (int j = 0; j < i; j++) axpy(-w->A[i * L + j], w->R + (size_t)j * d, w->R + (size_t)i * d, d);
+    for (int i0 = 0; i0 < L; i0 += 4) {
+        /* rows i0..i0+3: first everything from the rows solved before the block, as one product
+         * (the same sum, in the same order, as row-by-row substitution), then the block's triangle */
+        const int rows = L - i0 < 4 ? L - i0 : 4;
+        gemm_nn(rows, d, i0, w->A + i0 * L, L, w->R, d, w->R + (size_t)i0 * d, d, 1, 0);
+        for (int i = i0 + 1; i < i0 + rows; i++)
+            for (int j = i0; j < i; j++) axpy(w->A[i * L + j], w->R + (size_t)j * d, w->R + (size_t)i * d, d);
+    }
 
     /* out = scale (Q_in S + tril(QK) v_new) */
     gemm_nn(L, d, d, w->Qin, d, w->S, d, w->O, d, 0, 0);

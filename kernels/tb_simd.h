@@ -68,7 +68,11 @@ static inline vf vf_pow2i(vf n) {
     __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
     return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
 }
+#if defined(__AVX512F__)
+#define TB_VECTOR_NAME (TB_FUSED ? "avx2-fma+avx512-gemm" : "avx2+avx512-gemm")
+#else
 #define TB_VECTOR_NAME (TB_FUSED ? "avx2-fma" : "avx2")
+#endif
 
 #elif defined(TB_NEON)
 typedef struct { float32x4_t lo, hi; } vf;

@@ -53,11 +53,13 @@ def _cpu_flags() -> set[str]:
 
 
 def host_vector_flags() -> list[str]:
-    """The vector path for the machine doing the build: AVX2 + FMA on x86-64 when the CPU has them,
-    NEON on aarch64 (always present), plain C otherwise."""
+    """The vector path for the machine doing the build: AVX2 + FMA on x86-64 when the CPU has them
+    (and AVX-512 for the matrix products where it exists), NEON on aarch64 (always present), plain C
+    otherwise."""
     machine = platform.machine().lower()
-    if machine in ("x86_64", "amd64") and {"avx2", "fma"} <= _cpu_flags():
-        return ["-mavx2", "-mfma"]
+    flags = _cpu_flags()
+    if machine in ("x86_64", "amd64") and {"avx2", "fma"} <= flags:
+        return ["-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in flags else [])
     return []
 
 

@@ -35,7 +35,8 @@ def test_chunk_boundary_off_by_one_is_caught():
 
 def test_missing_gate_term_in_the_intra_chunk_product_is_caught():
     # q_i . k_j used without the decay exp(G_i - G_j) between the two tokens.
-    lib = mutant_library("gdn.c", "w->QK[i * L + j + r] = qk[r] * decay;", "w->QK[i * L + j + r] = qk[r];")
+    lib = mutant_library("gdn.c", "for (int j = 0; j < i; j++) a[j] *= decay[j], qk[j] *= decay[j];",
+                         "for (int j = 0; j < i; j++) a[j] *= decay[j];")
     assert gdn_failures(lib)
 
 
