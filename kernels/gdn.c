@@ -171,41 +171,60 @@ static chunk_scratch *scratch_new(int L, int d, int kda) {
 }
 
 /* KDA gram matrices: kk[i][j] (j < i) and qk[i][j] (j <= i) = sum_c x_i[c] k_j[c] exp(G_i[c] - G_j[c]).
- * The pairwise decay is split at a reference token m of i's block of 8 (j < m <= i):
- * exp(G_i - G_m) exp(G_m - G_j), both factors <= 1, so nothing overflows and the off-diagonal blocks
- * are plain dot products; pairs inside a block are decayed directly. */
+ * The pairwise decay is split at a reference token m, the first of i's block of 8 (j < m <= i):
+ * exp(G_i - G_m) exp(G_m - G_j). Both factors are <= 1, so nothing overflows, and the block's rows
+ * against all earlier tokens are one matrix product. The second factors are carried from block to
+ * block (times exp(G_m' - G_m)) and pairs inside a block from row to row (times exp(g_i)), so only
+ * O(L d) exponentials are taken rather than one per pair and key index. */
 #define KDA_BLOCK 8
 static void kda_grams(chunk_scratch *w, int L, int d) {
     float *Xq = w->X, *Xk = w->Qin; /* Qin is free until after the grams */
+    float *KrT = w->Kref;           /* [d][L]: k_j exp(G_m - G_j) for j < m, transposed */
+    float *E = w->Kin;              /* [KDA_BLOCK][d]: exp(G_i - G_j) for j in i's block; Kin is free too */
+    float *eg = w->e;               /* [d] exp(g_i) or a block-to-block factor */
     for (int m = 0; m < L; m += KDA_BLOCK) {
-        const int m_end = m + KDA_BLOCK < L ? m + KDA_BLOCK : L;
+        const int m_end = m + KDA_BLOCK < L ? m + KDA_BLOCK : L, rows = m_end - m;
         const float *Gm = w->G + (size_t)m * d;
         for (int i = m; i < m_end; i++) {
-            for (int c = 0; c < d; c++) w->e[c] = w->G[(size_t)i * d + c] - Gm[c];
-            exp_n(w->e, w->e, d);
+            for (int c = 0; c < d; c++) eg[c] = w->G[(size_t)i * d + c] - Gm[c];
+            exp_n(eg, eg, d);
             for (int c = 0; c < d; c++) {
-                Xq[(size_t)i * d + c] = w->Q[(size_t)i * d + c] * w->e[c];
-                Xk[(size_t)i * d + c] = w->K[(size_t)i * d + c] * w->e[c];
+                Xq[(size_t)i * d + c] = w->Q[(size_t)i * d + c] * eg[c];
+                Xk[(size_t)i * d + c] = w->K[(size_t)i * d + c] * eg[c];
             }
         }
-        for (int j = 0; j < m; j++) {
-            float *kr = w->Kref + (size_t)j * d;
-            for (int c = 0; c < d; c++) kr[c] = Gm[c] - w->G[(size_t)j * d + c];
-            exp_n(kr, kr, d);
-            for (int c = 0; c < d; c++) kr[c] *= w->K[(size_t)j * d + c];
+        if (m > 0) {
+            /* columns j < m - KDA_BLOCK: carried from the previous reference; the previous block's
+             * columns: fresh */
+            const int prev = m - KDA_BLOCK;
+            const float *Gp = w->G + (size_t)prev * d;
+            for (int c = 0; c < d; c++) eg[c] = Gm[c] - Gp[c];
+            exp_n(eg, eg, d);
+            for (int c = 0; c < d; c++) scale_n(KrT + (size_t)c * L, eg[c], prev);
+            for (int j = prev; j < m; j++) {
+                for (int c = 0; c < d; c++) eg[c] = Gm[c] - w->G[(size_t)j * d + c];
+                exp_n(eg, eg, d);
+                for (int c = 0; c < d; c++) KrT[(size_t)c * L + j] = w->K[(size_t)j * d + c] * eg[c];
+            }
+            gemm_nn(rows, m, d, Xk + (size_t)m * d, d, KrT, L, w->A + m * L, L, 0, 0);
+            gemm_nn(rows, m, d, Xq + (size_t)m * d, d, KrT, L, w->QK + m * L, L, 0, 0);
         }
         for (int i = m; i < m_end; i++) {
-            for (int j = 0; j < m; j++) {
-                const float *kr = w->Kref + (size_t)j * d;
-                w->A[i * L + j] = dot(Xk + (size_t)i * d, kr, d);
-                w->QK[i * L + j] = dot(Xq + (size_t)i * d, kr, d);
+            if (i > m) { /* exp(g_i), as exp(G_i - G_{i-1}) */
+                for (int c = 0; c < d; c++) eg[c] = w->G[(size_t)i * d + c] - w->G[(size_t)(i - 1) * d + c];
+                exp_n(eg, eg, d);
             }
+            for (int j = m; j < i; j++) {
+                float *e = E + (size_t)(j - m) * d;
+                for (int c = 0; c < d; c++) e[c] *= eg[c];
+            }
+            for (int c = 0; c < d; c++) E[(size_t)(i - m) * d + c] = 1.0f;
             for (int j = m; j <= i; j++) {
-                for (int c = 0; c < d; c++) w->e[c] = w->G[(size_t)i * d + c] - w->G[(size_t)j * d + c];
-                exp_n(w->e, w->e, d);
-                for (int c = 0; c < d; c++) w->e[c] *= w->K[(size_t)j * d + c];
-                w->A[i * L + j] = j < i ? dot(w->K + (size_t)i * d, w->e, d) : 0.0f;
-                w->QK[i * L + j] = dot(w->Q + (size_t)i * d, w->e, d);
+                const float *e = E + (size_t)(j - m) * d, *kj = w->K + (size_t)j * d;
+                float *ke = w->R; /* a free row */
+                for (int c = 0; c < d; c++) ke[c] = kj[c] * e[c];
+                w->A[i * L + j] = j < i ? dot(w->K + (size_t)i * d, ke, d) : 0.0f;
+                w->QK[i * L + j] = dot(w->Q + (size_t)i * d, ke, d);
             }
         }
     }
