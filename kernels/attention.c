@@ -15,17 +15,26 @@ typedef struct {
     float *out;
 } attention_call;
 
-/* Scores of one query row against every key, then turned into softmax weights in place. */
-static void softmax_row(const float *qc, const float *k, const float *mask_row, int l, int hd, float scale,
-                        float *p) {
+/* From C rows up, scores are one matrix product against the transposed keys (the transpose is paid
+ * once per KV head); a decode step reads the keys in place with dot products. */
+#define SCORES_BY_PRODUCT 8
+
+/* Raw scores q_c . k_j of one query row by dot products. */
+static void score_row(const float *qc, const float *k, int l, int hd, float *p) {
     int j = 0;
     float s[4];
     for (; j + 4 <= l; j += 4) {
         const float *k0 = k + (size_t)j * hd;
         dot4(qc, k0, k0 + hd, k0 + 2 * hd, k0 + 3 * hd, hd, s);
-        for (int r = 0; r < 4; r++) p[j + r] = s[r] * scale + mask_row[j + r];
+        for (int r = 0; r < 4; r++) p[j + r] = s[r];
     }
-    for (; j < l; j++) p[j] = dot(qc, k + (size_t)j * hd, hd) * scale + mask_row[j];
+    for (; j < l; j++) p[j] = dot(qc, k + (size_t)j * hd, hd);
+}
+
+/* Raw scores of one row -> softmax weights, in place. */
+static void softmax_row(const float *mask_row, int l, float scale, float *p) {
+    int j;
+    for (j = 0; j < l; j++) p[j] = p[j] * scale + mask_row[j];
     float max = p[0];
     for (j = 1; j < l; j++) max = p[j] > max ? p[j] : max;
     for (j = 0; j < l; j++) p[j] -= max;
@@ -37,17 +46,33 @@ static void softmax_row(const float *qc, const float *k, const float *mask_row, 
 
 static int attention_heads(void *arg, int begin, int end) {
     const attention_call *a = arg;
+    const int by_product = a->c >= SCORES_BY_PRODUCT;
     float *p = malloc(sizeof(float) * (size_t)a->c * a->l);
-    if (!p) return TB_E_MEMORY;
+    float *kt = by_product ? malloc(sizeof(float) * (size_t)a->hd * a->l) : NULL; /* [hd][l] */
+    if (!p || (by_product && !kt)) {
+        free(p), free(kt);
+        return TB_E_MEMORY;
+    }
+    int transposed = -1; /* the KV head kt holds */
     for (int h = begin; h < end; h++) {
         const int kvh = h / (a->heads / a->kv_heads);
         const float *k = a->k + (size_t)kvh * a->kv_rows * a->hd, *v = a->v + (size_t)kvh * a->kv_rows * a->hd;
+        const float *q = a->q + (size_t)h * a->c * a->hd;
+        if (by_product) {
+            if (transposed != kvh) {
+                for (int j = 0; j < a->l; j++)
+                    for (int i = 0; i < a->hd; i++) kt[(size_t)i * a->l + j] = k[(size_t)j * a->hd + i];
+                transposed = kvh;
+            }
+            gemm_nn(a->c, a->l, a->hd, q, a->hd, kt, a->l, p, a->l, 0, 0);
+        } else {
+            for (int c = 0; c < a->c; c++) score_row(q + (size_t)c * a->hd, k, a->l, a->hd, p + (size_t)c * a->l);
+        }
         for (int c = 0; c < a->c; c++)
-            softmax_row(a->q + ((size_t)h * a->c + c) * a->hd, k, a->mask + ((size_t)h * a->c + c) * a->l, a->l,
-                        a->hd, a->scale, p + (size_t)c * a->l);
+            softmax_row(a->mask + ((size_t)h * a->c + c) * a->l, a->l, a->scale, p + (size_t)c * a->l);
         gemm_nn(a->c, a->hd, a->l, p, a->l, v, a->hd, a->out + (size_t)h * a->c * a->hd, a->hd, 0, 0);
     }
-    free(p);
+    free(p), free(kt);
     return TB_OK;
 }
 
