@@ -13,22 +13,27 @@ typedef struct {
     const float *q, *k, *v, *mask;
     float scale;
     float *out;
+    int parts; /* work items per KV head */
 } attention_call;
 
-/* From C rows up, scores are one matrix product against the transposed keys (the transpose is paid
- * once per KV head); a decode step reads the keys in place with dot products. */
+/* From 8 query rows up (per KV head: query heads x C), scores are one matrix product against the
+ * transposed keys; fewer rows (a decode step) read the keys in place with dot products. */
 #define SCORES_BY_PRODUCT 8
 
-/* Raw scores q_c . k_j of one query row by dot products. */
-static void score_row(const float *qc, const float *k, int l, int hd, float *p) {
+/* Raw scores of n query rows by dot products, key block by key block: each block of keys is read
+ * from memory once for all the rows (the query heads that share a KV head). */
+static void score_rows(const float *q, int n, const float *k, int l, int hd, float *p) {
     int j = 0;
     float s[4];
     for (; j + 4 <= l; j += 4) {
         const float *k0 = k + (size_t)j * hd;
-        dot4(qc, k0, k0 + hd, k0 + 2 * hd, k0 + 3 * hd, hd, s);
-        for (int r = 0; r < 4; r++) p[j + r] = s[r];
+        for (int r = 0; r < n; r++) {
+            dot4(q + (size_t)r * hd, k0, k0 + hd, k0 + 2 * hd, k0 + 3 * hd, hd, s);
+            for (int t = 0; t < 4; t++) p[(size_t)r * l + j + t] = s[t];
+        }
     }
-    for (; j < l; j++) p[j] = dot(qc, k + (size_t)j * hd, hd);
+    for (; j < l; j++)
+        for (int r = 0; r < n; r++) p[(size_t)r * l + j] = dot(q + (size_t)r * hd, k + (size_t)j * hd, hd);
 }
 
 /* Raw scores of one row -> softmax weights, in place. */
@@ -44,33 +49,34 @@ static void softmax_row(const float *mask_row, int l, float scale, float *p) {
     for (j = 0; j < l; j++) p[j] /= sum;
 }
 
-static int attention_heads(void *arg, int begin, int end) {
+/* The query rows of KV head kvh are the `group` = (heads / kv_heads) * C consecutive rows from
+ * kvh * group of q, mask and out viewed as [heads * C] rows. A work item is one KV head's rows, or a
+ * part of them when there are more threads than KV heads. */
+static int attention_items(void *arg, int begin, int end) {
     const attention_call *a = arg;
-    const int by_product = a->c >= SCORES_BY_PRODUCT;
-    float *p = malloc(sizeof(float) * (size_t)a->c * a->l);
-    float *kt = by_product ? malloc(sizeof(float) * (size_t)a->hd * a->l) : NULL; /* [hd][l] */
-    if (!p || (by_product && !kt)) {
+    const int group = a->heads / a->kv_heads * a->c, parts = a->parts;
+    const int most = (group + parts - 1) / parts;
+    float *p = malloc(sizeof(float) * (size_t)most * a->l);
+    float *kt = most >= SCORES_BY_PRODUCT ? malloc(sizeof(float) * (size_t)a->hd * a->l) : NULL; /* [hd][l] */
+    if (!p || (most >= SCORES_BY_PRODUCT && !kt)) {
         free(p), free(kt);
         return TB_E_MEMORY;
     }
-    int transposed = -1; /* the KV head kt holds */
-    for (int h = begin; h < end; h++) {
-        const int kvh = h / (a->heads / a->kv_heads);
+    for (int item = begin; item < end; item++) {
+        const int kvh = item / parts, part = item % parts;
+        const int r0 = kvh * group + (int)((long)group * part / parts);
+        const int n = kvh * group + (int)((long)group * (part + 1) / parts) - r0;
         const float *k = a->k + (size_t)kvh * a->kv_rows * a->hd, *v = a->v + (size_t)kvh * a->kv_rows * a->hd;
-        const float *q = a->q + (size_t)h * a->c * a->hd;
-        if (by_product) {
-            if (transposed != kvh) {
-                for (int j = 0; j < a->l; j++)
-                    for (int i = 0; i < a->hd; i++) kt[(size_t)i * a->l + j] = k[(size_t)j * a->hd + i];
-                transposed = kvh;
-            }
-            gemm_nn(a->c, a->l, a->hd, q, a->hd, kt, a->l, p, a->l, 0, 0);
+        const float *q = a->q + (size_t)r0 * a->hd;
+        if (n >= SCORES_BY_PRODUCT) {
+            for (int j = 0; j < a->l; j++)
+                for (int i = 0; i < a->hd; i++) kt[(size_t)i * a->l + j] = k[(size_t)j * a->hd + i];
+            gemm_nn(n, a->l, a->hd, q, a->hd, kt, a->l, p, a->l, 0, 0);
         } else {
-            for (int c = 0; c < a->c; c++) score_row(q + (size_t)c * a->hd, k, a->l, a->hd, p + (size_t)c * a->l);
+            score_rows(q, n, k, a->l, a->hd, p);
         }
-        for (int c = 0; c < a->c; c++)
-            softmax_row(a->mask + ((size_t)h * a->c + c) * a->l, a->l, a->scale, p + (size_t)c * a->l);
-        gemm_nn(a->c, a->hd, a->l, p, a->l, v, a->hd, a->out + (size_t)h * a->c * a->hd, a->hd, 0, 0);
+        for (int r = 0; r < n; r++) softmax_row(a->mask + (size_t)(r0 + r) * a->l, a->l, a->scale, p + (size_t)r * a->l);
+        gemm_nn(n, a->hd, a->l, p, a->l, v, a->hd, a->out + (size_t)r0 * a->hd, a->hd, 0, 0);
     }
     free(p), free(kt);
     return TB_OK;
@@ -79,6 +85,9 @@ static int attention_heads(void *arg, int begin, int end) {
 int tb_attention(int heads, int kv_heads, int c, int l, int kv_rows, int hd, const float *q, const float *k,
                  const float *v, const float *mask, float scale, float *out, int threads) {
     if (heads <= 0 || kv_heads <= 0 || c <= 0 || l < c || kv_rows < l || hd <= 0 || heads % kv_heads) return TB_E_SHAPE;
-    attention_call a = {heads, kv_heads, c, l, kv_rows, hd, q, k, v, mask, scale, out};
-    return tb_parallel_for(heads, threads, attention_heads, &a);
+    const int group = heads / kv_heads * c;
+    int parts = threads > kv_heads ? (threads + kv_heads - 1) / kv_heads : 1;
+    if (parts > group) parts = group;
+    attention_call a = {heads, kv_heads, c, l, kv_rows, hd, q, k, v, mask, scale, out, parts};
+    return tb_parallel_for(kv_heads * parts, threads, attention_items, &a);
 }

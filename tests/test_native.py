@@ -85,19 +85,24 @@ ATTENTION_CASES = [
 ]
 
 
-def attention_inputs(heads, kv_heads, hd, past, c, real, layer_type, seed=0):
+def attention_inputs(heads, kv_heads, hd, past, c, real, layer_type, seed=0, head_bias=False):
+    """Inputs of one attention call, the mask from refimpl.gemma; head_bias adds a different finite
+    bias per head and key (as ALiBi would), so that a mix-up of heads changes the result."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((heads, c, hd)).astype(np.float32)
     k = rng.standard_normal((kv_heads, past + c, hd)).astype(np.float32)
     v = rng.standard_normal((kv_heads, past + c, hd)).astype(np.float32)
     chunk_positions = np.r_[np.arange(past, past + real), np.full(c - real, -1)]
     mask = gemma.attention_mask(chunk_positions, np.r_[np.arange(past), chunk_positions], 512, heads, layer_type)
+    if head_bias:
+        mask = (mask + rng.uniform(-3.0, 0.0, (1, heads, 1, past + c))).astype(np.float32)
     return q, k, v, mask, 1.0 / np.sqrt(hd)
 
 
+@pytest.mark.parametrize("head_bias", [False, True])
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=str)
-def test_attention_matches_the_gemma_reference(case):
-    q, k, v, mask, scale = attention_inputs(*case)
+def test_attention_matches_the_gemma_reference(case, head_bias):
+    q, k, v, mask, scale = attention_inputs(*case, head_bias=head_bias)
     want = gemma.attention(*(a.astype(np.float64) for a in (q, k, v, mask)), scale)
     v_ = check_nmse({"out": want}, {"out": native.attention(q, k, v, mask, scale)})
     assert v_.passed, v_.detail

@@ -40,14 +40,33 @@ def test_missing_gate_term_in_the_intra_chunk_product_is_caught():
     assert gdn_failures(lib)
 
 
-def test_wrong_kv_head_for_grouped_queries_is_caught():
-    lib = mutant_library("attention.c", "const int kvh = h / (a->heads / a->kv_heads);",
-                         "const int kvh = h % a->kv_heads;")
-    grouped = [c for c in ATTENTION_CASES if c[1] > 1 and c[0] > c[1]]
-    for case in grouped:
-        q, k, v, mask, scale = attention_inputs(*case)
+def attention_failures(lib, cases):
+    failed = []
+    for case in cases:
+        q, k, v, mask, scale = attention_inputs(*case, head_bias=True)
         want = gemma.attention(*(a.astype(np.float64) for a in (q, k, v, mask)), scale)
-        assert not check_nmse({"out": want}, {"out": native.attention(q, k, v, mask, scale, lib=lib)}).passed
+        if not check_nmse({"out": want}, {"out": native.attention(q, k, v, mask, scale, lib=lib)}).passed:
+            failed.append(case)
+    return failed
+
+
+def test_mask_rows_of_the_wrong_head_are_caught():
+    # Each KV head's block of query rows reads the mask from row 0 instead of from its own rows.
+    lib = mutant_library("attention.c", "a->mask + (size_t)(r0 + r) * a->l", "a->mask + (size_t)r * a->l")
+    failed = attention_failures(lib, ATTENTION_CASES)
+    assert failed and all(case[1] > 1 for case in failed)  # only visible with several KV heads
+
+
+def test_cache_stride_of_the_filled_length_is_caught():
+    # K of KV head h taken at h * L (the attended length) instead of h * kv_rows (the cache's rows).
+    lib = mutant_library("attention.c", "const float *k = a->k + (size_t)kvh * a->kv_rows * a->hd",
+                         "const float *k = a->k + (size_t)kvh * a->l * a->hd")
+    q, k, v, mask, scale = attention_inputs(8, 2, 32, 50, 1, 1, "global")
+    good = native.attention(q, k, v, mask, scale)
+    roomy_k, roomy_v = (np.concatenate([x, np.zeros((2, 30, 32), np.float32)], axis=1) for x in (k, v))
+    assert check_nmse({"out": good}, {"out": native.attention(q, roomy_k, roomy_v, mask, scale, length=51)}).passed
+    bad = native.attention(q, roomy_k, roomy_v, mask, scale, length=51, lib=lib)
+    assert not check_nmse({"out": good}, {"out": bad}).passed
 
 
 def test_rollback_that_reinserts_over_the_sinks_is_caught():
