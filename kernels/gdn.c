@@ -132,7 +132,8 @@ int tb_gdn_serial(const tb_gdn_shape *shape, const float *q, const float *k, con
 /* Scratch for one head's chunk of up to L tokens. */
 typedef struct {
     float *S;              /* [d_k][d_v] working state (not transposed) */
-    float *Q, *K, *V;      /* [L][d] the chunk's rows */
+    const float *Q, *K, *V; /* the chunk's rows, read in place from the inputs: row t at t * ld */
+    ptrdiff_t ldq, ldk, ldv;
     float *G;              /* [L] or [L][d]: cumulative log-decay inside the chunk */
     float *Qin, *Kin;      /* [L][d] q, k decayed to the chunk start */
     float *KoutT;          /* [d][L] k decayed to the chunk end, transposed */
@@ -147,14 +148,11 @@ typedef struct {
 static chunk_scratch *scratch_new(int L, int d, int kda) {
     const size_t Ld = (size_t)L * d, LL = (size_t)L * L, dd = (size_t)d * d;
     const size_t e_len = (size_t)(L > d ? L : d);
-    const size_t floats = dd + 3 * Ld + (kda ? Ld : (size_t)L) + 3 * Ld + 2 * LL + 2 * Ld + (kda ? 2 * Ld : 0) + e_len + (size_t)L;
+    const size_t floats = dd + (kda ? Ld : (size_t)L) + 3 * Ld + 2 * LL + 2 * Ld + (kda ? 2 * Ld : 0) + e_len + (size_t)L;
     chunk_scratch *w = malloc(sizeof *w + sizeof(float) * floats);
     if (!w) return NULL;
     float *p = (float *)(w + 1);
     w->S = p, p += dd;
-    w->Q = p, p += Ld;
-    w->K = p, p += Ld;
-    w->V = p, p += Ld;
     w->G = p, p += kda ? Ld : (size_t)L;
     w->Qin = p, p += Ld;
     w->Kin = p, p += Ld;
@@ -189,8 +187,8 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
             for (int c = 0; c < d; c++) eg[c] = w->G[(size_t)i * d + c] - Gm[c];
             exp_n(eg, eg, d);
             for (int c = 0; c < d; c++) {
-                Xq[(size_t)i * d + c] = w->Q[(size_t)i * d + c] * eg[c];
-                Xk[(size_t)i * d + c] = w->K[(size_t)i * d + c] * eg[c];
+                Xq[(size_t)i * d + c] = w->Q[i * w->ldq + c] * eg[c];
+                Xk[(size_t)i * d + c] = w->K[i * w->ldk + c] * eg[c];
             }
         }
         if (m > 0) {
@@ -204,7 +202,7 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
             for (int j = prev; j < m; j++) {
                 for (int c = 0; c < d; c++) eg[c] = Gm[c] - w->G[(size_t)j * d + c];
                 exp_n(eg, eg, d);
-                for (int c = 0; c < d; c++) KrT[(size_t)c * L + j] = w->K[(size_t)j * d + c] * eg[c];
+                for (int c = 0; c < d; c++) KrT[(size_t)c * L + j] = w->K[j * w->ldk + c] * eg[c];
             }
             gemm_nn(rows, m, d, Xk + (size_t)m * d, d, KrT, L, w->A + m * L, L, 0, 0);
             gemm_nn(rows, m, d, Xq + (size_t)m * d, d, KrT, L, w->QK + m * L, L, 0, 0);
@@ -220,11 +218,11 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
             }
             for (int c = 0; c < d; c++) E[(size_t)(i - m) * d + c] = 1.0f;
             for (int j = m; j <= i; j++) {
-                const float *e = E + (size_t)(j - m) * d, *kj = w->K + (size_t)j * d;
+                const float *e = E + (size_t)(j - m) * d, *kj = w->K + j * w->ldk;
                 float *ke = w->R; /* a free row */
                 for (int c = 0; c < d; c++) ke[c] = kj[c] * e[c];
-                w->A[i * L + j] = j < i ? dot(w->K + (size_t)i * d, ke, d) : 0.0f;
-                w->QK[i * L + j] = dot(w->Q + (size_t)i * d, ke, d);
+                w->A[i * L + j] = j < i ? dot(w->K + i * w->ldk, ke, d) : 0.0f;
+                w->QK[i * L + j] = dot(w->Q + i * w->ldq, ke, d);
             }
         }
     }
@@ -236,9 +234,9 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
 static void scalar_grams(chunk_scratch *w, int L, int d) {
     float *KT = w->KoutT, *decay = w->e;
     for (int t = 0; t < L; t++)
-        for (int i = 0; i < d; i++) KT[(size_t)i * L + t] = w->K[(size_t)t * d + i];
-    gemm_nn(L, L, d, w->K, d, KT, L, w->A, L, 0, 0);
-    gemm_nn(L, L, d, w->Q, d, KT, L, w->QK, L, 0, 0);
+        for (int i = 0; i < d; i++) KT[(size_t)i * L + t] = w->K[t * w->ldk + i];
+    gemm_nn(L, L, d, w->K, (int)w->ldk, KT, L, w->A, L, 0, 0);
+    gemm_nn(L, L, d, w->Q, (int)w->ldq, KT, L, w->QK, L, 0, 0);
     for (int i = 0; i < L; i++) {
         float *a = w->A + i * L, *qk = w->QK + i * L;
         for (int j = 0; j <= i; j++) decay[j] = w->G[i] - w->G[j];
@@ -255,13 +253,12 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     const tb_gdn_shape *s = c->shape;
     const int d = s->d, H = s->h_v, T = s->tokens, hk = key_head(s, h), kda = s->kda;
     const float scale = 1.0f / sqrtf((float)d);
-    const size_t sz = sizeof(float) * (size_t)d;
 
+    w->Q = row_of(c->q, s->q_stride, seq, t0, hk), w->ldq = s->q_stride[1];
+    w->K = row_of(c->k, s->k_stride, seq, t0, hk), w->ldk = s->k_stride[1];
+    w->V = row_of(c->v, s->v_stride, seq, t0, h), w->ldv = s->v_stride[1];
     for (int t = 0; t < L; t++) {
         const size_t tok = ((size_t)seq * T + t0 + t) * H + h;
-        memcpy(w->Q + (size_t)t * d, row_of(c->q, s->q_stride, seq, t0 + t, hk), sz);
-        memcpy(w->K + (size_t)t * d, row_of(c->k, s->k_stride, seq, t0 + t, hk), sz);
-        memcpy(w->V + (size_t)t * d, row_of(c->v, s->v_stride, seq, t0 + t, h), sz);
         w->beta[t] = c->beta[tok];
         if (kda) {
             float *Gt = w->G + (size_t)t * d;
@@ -284,7 +281,7 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
 
     /* q and k decayed to the chunk start; k decayed to the chunk end, transposed for K_out^T V */
     for (int t = 0; t < L; t++) {
-        const float *qt = w->Q + (size_t)t * d, *kt = w->K + (size_t)t * d;
+        const float *qt = w->Q + t * w->ldq, *kt = w->K + t * w->ldk;
         float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d;
         if (kda) {
             exp_n(w->e, w->G + (size_t)t * d, d);
@@ -303,7 +300,7 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     gemm_nn(L, d, d, w->Kin, d, w->S, d, w->R, d, 0, 0);
     for (int t = 0; t < L; t++) {
         float *r = w->R + (size_t)t * d;
-        const float *vt = w->V + (size_t)t * d;
+        const float *vt = w->V + t * w->ldv;
         for (int i = 0; i < d; i++) r[i] = w->beta[t] * (vt[i] - r[i]);
     }
     for (int i0 = 0; i0 < L; i0 += 4) {
