@@ -265,8 +265,12 @@ def breakeven_row(sweep: pd.DataFrame) -> dict:
     return {"N": "breakeven", "tail": b, "winner": f"padded from tail {b} (threshold {b - 1})"}
 
 
+MIN_SWEEP_TAILS = 3  # fewer tails are a comparison (1023 vs 1024), not a sweep with a breakeven
+
+
 def view(df: pd.DataFrame) -> pd.DataFrame:
-    """Measurements: the reviewer's table per source, each closed by its breakeven row. Without
+    """Measurements: the reviewer's table per source, closed by its breakeven row when it has at
+    least MIN_SWEEP_TAILS tails. Without
     measurements: the oracle verdicts."""
     sweep = sweep_frame(df)
     if len(sweep):
@@ -274,7 +278,8 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
         for source, rows in sweep.groupby("source", sort=False):
             # object columns keep whole numbers whole beside the breakeven row's blanks
             table = breakeven.tail_table(rows).astype(object)
-            table = pd.concat([table, pd.DataFrame([breakeven_row(rows)], dtype=object)], ignore_index=True)
+            if rows["tail"].nunique() >= MIN_SWEEP_TAILS:
+                table = pd.concat([table, pd.DataFrame([breakeven_row(rows)], dtype=object)], ignore_index=True)
             table.insert(0, "source", source)
             parts.append(table)
         return pd.concat(parts, ignore_index=True)
