@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from testbed import cli
+from testbed import cli, config
+from testbed.experiments import tail
 from testbed.results import ResultsStore
 
 TINY = ["shape.vocab=256", "shape.hidden=64", "shape.heads=4", "shape.head_dim=16", "shape.mlp=128"]
@@ -37,6 +38,9 @@ def test_sweep_prints_rows_and_breakeven_then_table_reads_them(results_dir, caps
     assert cli.main(["table", "tail", "--format", "json"]) == 0
     table = json.loads(capsys.readouterr().out)
     assert [r["N"] for r in table] == [128, 148, 188, "breakeven"]
+    if table[-1]["tail"] is not None:  # padding won for good: the policy can take its threshold
+        rc = config.load(["experiment=tail", *TINY, "threshold=measured"])
+        assert tail.policy_threshold(rc.cfg, "host") == table[-1]["tail"] - 1
 
 
 def test_fixture_mode_prints_the_reviewers_table_and_breakeven_10(results_dir, capsys):
@@ -55,10 +59,12 @@ def test_oracle_mode_passes_on_the_host(results_dir, capsys):
     assert all(len(r["metrics"]["sha256"]) == 64 for r in rows if r["oracle"] == "cache_bytes")
 
 
-def test_measured_threshold_comes_from_the_stored_sweep(results_dir, capsys):
+def test_measured_threshold_needs_a_stored_sweep_of_the_same_source(results_dir, capsys):
     assert cli.main(["run", "tail", "mode=fixture"]) == 0  # another source: must not be used
+    stored = len(records(results_dir))
     assert cli.main(["run", "tail", *TINY, "threshold=measured", "mode=oracle"]) == 2
     assert "no stored tail sweep" in capsys.readouterr().err
+    assert len(records(results_dir)) == stored
 
 
 @pytest.mark.parametrize("override,message", [

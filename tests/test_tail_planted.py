@@ -5,7 +5,6 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 from refimpl import gemma
-from refimpl import sliding_cache as sc
 from refimpl import tail_prefill as tp
 from testbed.tail_oracles import Engine, check_first_token
 

@@ -89,6 +89,8 @@ def validate(cfg: DictConfig) -> None:
                              "blocks * chunk + offset >= 1")
     if cfg.mode == "fixture":
         fixture_path(cfg)
+    elif cfg.threshold == "measured":
+        policy_threshold(cfg, cfg.device.name)  # a missing sweep is bad input: say so before running
 
 
 def model_config(cfg: DictConfig) -> gemma.GemmaConfig:
