@@ -142,7 +142,7 @@ def init_weights(cfg: GemmaConfig, seed: int = 0) -> dict[str, np.ndarray]:
             std = cfg.hidden ** -0.5
         else:
             std = shape[1] ** -0.5
-        weights[name] = (rng.standard_normal(shape) * std).astype(DTYPE)
+        weights[name] = rng.standard_normal(shape, dtype=DTYPE) * DTYPE(std)
     return weights
 
 
