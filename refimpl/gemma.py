@@ -368,3 +368,13 @@ def redecode(w: dict, cfg: GemmaConfig, tokens, position: int, attention: Attent
         mask = np.broadcast_to(np.where(visible[t], 0.0, MASKED).astype(DTYPE), (1, cfg.heads, *visible[t].shape))
         x, _, _ = decoder_layer(w, cfg, i, x, cos, sin, past_k[i], past_v[i], mask, attention)
     return lm_head(w, cfg, x[position])
+
+
+def graph_flops(cfg: GemmaConfig, rows: int, past: int, logit_rows: int = 1) -> int:
+    """Multiply-add FLOPs (2 per MAC) of one call on `rows` rows against `past` cached rows: the
+    projections, attention scores and weighted sum over the past + rows keys, the MLP, and the LM
+    head on `logit_rows` rows. Norms, RoPE and softmax are O(rows * width) and left out."""
+    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    per_layer = 2 * rows * cfg.hidden * (2 * q + 2 * kv) + 2 * rows * 3 * cfg.hidden * cfg.mlp
+    per_layer += 2 * 2 * cfg.heads * rows * (past + rows) * cfg.head_dim
+    return cfg.layers * per_layer + 2 * logit_rows * cfg.hidden * cfg.vocab
