@@ -21,7 +21,7 @@ def test_sweep_prints_both_verdicts_and_names_the_best_chunk(results_dir, capsys
     out = capsys.readouterr().out
     assert "P=800,n=52,C=64:pass P=820,n=32,C=64:pass" in out
     assert "P=800,n=52,C=32:pass P=820,n=32,C=32:pass" in out
-    assert "refimpl on host (measured)" in out and "seed 000 figures (mali-vulkan-valhall4" in out
+    assert "tiny on refimpl / host (measured)" in out and "seed 000 figures (mali-vulkan-valhall4" in out
     assert out.count("best C = ") == 2
     records = ResultsStore(results_dir).records("chunk_prefill")
     oracles = [r for r in records if r["kind"] == "oracle"]
@@ -29,6 +29,7 @@ def test_sweep_prints_both_verdicts_and_names_the_best_chunk(results_dir, capsys
     timed = [r for r in records if r["params"].get("form") == "chunk_call"]
     assert sorted(r["params"]["chunk"] for r in timed) == [32, 64]
     assert all(r["figures"]["time"]["reps"] == 5 and r["work"]["flops"] > 0 for r in timed)
+    assert len({r["artifacts"]["weights_sha256"] for r in records}) == 1
 
 
 def test_seed_projection_is_reproduced_by_the_table_code():
