@@ -91,12 +91,14 @@ def test_checkpoint_from_config(results_dir, tmp_path, capsys):
     ("model.expected_token=999", "model.expected_token=999 is not accepted; accepted: null or 0..255"),
     ("+model.overrides.windw=3", "model.overrides.windw is not a model field"),
     ("latency.weights=[1]", "latency.weights=[1] is not accepted"),
+    ("cases=5", "cases=5 is not accepted; accepted: a non-empty list"),
+    ("model.expected_token=3 cases=[{past:5,tokens:3},{past:5,tokens:4}]", "cases end at positions 7, 8"),
     ("model.prompt=missing.json", "prompt file"),
     ("model.checkpoint=missing.gguf", "checkpoint"),
     ("model=huge", "unknown model 'huge'"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(results_dir, capsys, override, message):
-    assert cli.main(["run", "chunk_prefill", override]) == 2
+    assert cli.main(["run", "chunk_prefill", *override.split()]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not results_dir.exists()

@@ -63,8 +63,10 @@ PARAMS = {
 
 
 def cases(cfg: DictConfig) -> list[TokenCase]:
+    if not OmegaConf.is_list(cfg.cases) or not len(cfg.cases):
+        raise UsageError(f"cases={cfg.cases!r} is not accepted; accepted: a non-empty list of {{past: P, tokens: n}}")
     out = []
-    for i, c in enumerate(OmegaConf.to_container(cfg.cases) if OmegaConf.is_list(cfg.cases) else [None]):
+    for i, c in enumerate(OmegaConf.to_container(cfg.cases)):
         if not isinstance(c, dict) or set(c) != {"past", "tokens"}:
             raise UsageError(f"cases[{i}]={c!r} is not accepted; accepted: {{past: P, tokens: n}} entries")
         for key in ("past", "tokens"):
@@ -129,8 +131,13 @@ def validate(cfg: DictConfig) -> None:
                              f"{len(cfg.latency.utterance_tokens)} non-negative numbers, not all zero")
     model = model_config(cfg)
     expected = cfg.model.expected_token
-    if expected is not None and (not isinstance(expected, int) or not 0 <= expected < model.vocab):
-        raise UsageError(f"model.expected_token={expected!r} is not accepted; accepted: null or 0..{model.vocab - 1}")
+    if expected is not None:
+        if not isinstance(expected, int) or not 0 <= expected < model.vocab:
+            raise UsageError(f"model.expected_token={expected!r} is not accepted; accepted: null or 0..{model.vocab - 1}")
+        ends = sorted({c.position for c in cases(cfg)})
+        if cfg.mode != "bench" and len(ends) > 1:
+            raise UsageError(f"model.expected_token={expected} pins one token but the cases end at positions "
+                             f"{', '.join(map(str, ends))}; accepted: cases that all end at one position")
     if cfg.model.prompt != "seed":
         load_prompt(str(project_path(cfg.model.prompt)), prompt_length(cfg), model.vocab, cfg.seed)
 
