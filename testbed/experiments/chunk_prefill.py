@@ -298,6 +298,7 @@ def sweep_row(df: pd.DataFrame) -> dict:
         row["token verdicts"] = " ".join(f"{c.split('/')[0]}:{v}" for c, v in zip(tokens["case"], tokens["verdict"]))
         row["oracles"] = f"{int((oracles['verdict'] == 'pass').sum())}/{len(oracles)} pass"
         row["token margin"] = float(tokens["margin"].min())
+        row["ref top1-top2"] = float(pd.to_numeric(tokens["metrics.margin_ref"]).min())
         diffs = pd.to_numeric(oracles.get("metrics.max_abs_logits_diff"), errors="coerce")
         row["max |dlogit|"] = float(diffs.max())
     for form in ("chunk_call", "decode_step"):
