@@ -24,6 +24,9 @@ def test_bench_records_one_per_length_and_mode(results_dir, capsys):
     assert by[(140, "padded")]["metrics"]["telemetry.padding_tokens"] == 128 - 12
     assert by[(140, "scalar")]["metrics"]["telemetry.scalar_tail_tokens"] == 12
     assert by[(256, "padded")]["metrics"]["telemetry.tail_mode"] == "none"
+    # The padded tail computes 128 rows where the scalar one computes 12; at N=256 both do the same.
+    assert by[(140, "padded")]["work"]["flops"] > by[(140, "scalar")]["work"]["flops"]
+    assert by[(256, "padded")]["work"]["flops"] == by[(256, "scalar")]["work"]["flops"]
     fig = by[(140, "scalar")]["figures"]["tokens_per_s"]
     assert fig["reps"] == 2 and fig["min"] <= fig["median"] <= fig["max"]
     out = capsys.readouterr().out

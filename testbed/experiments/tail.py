@@ -162,6 +162,28 @@ def oracle_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Re
                          detail=v.detail)
 
 
+def call_flops(mcfg: gemma.GemmaConfig, rows: int, past: int) -> int:
+    """FLOPs of one graph call of `rows` rows after `past` prompt positions: gemma.graph_flops, with
+    each local layer attending only the rows its sliding cache holds (at most the window)."""
+    head = gemma.graph_flops(mcfg, rows, past) - gemma.graph_flops(mcfg, rows, past, logit_rows=0)
+
+    def layer(keys: int) -> int:
+        return gemma.graph_flops(mcfg, rows, keys, logit_rows=0) // mcfg.layers
+
+    return head + sum(layer(min(past, mcfg.window) if t == "local" else past) for t in mcfg.layer_types)
+
+
+def prefill_flops(mcfg: gemma.GemmaConfig, tel: tp.Telemetry) -> int:
+    """FLOPs of the graph calls a prefill made, read off its telemetry (pad rows are computed too)."""
+    c = tel.chunk_size
+    calls = [(c, b * c) for b in range(tel.chunk_tokens // c)]
+    if tel.tail_mode == "padded":
+        calls += [(c, tel.chunk_tokens), (1, tel.prompt_tokens - 1)]
+    else:
+        calls += [(1, p) for p in range(tel.chunk_tokens, tel.prompt_tokens)]
+    return sum(call_flops(mcfg, rows, past) for rows, past in calls)
+
+
 def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
     # Padding is forced wherever the guards allow (threshold 0): the sweep measures what the policy's
     # threshold is then chosen from. Scalar is the kill switch.
@@ -186,12 +208,15 @@ def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Rec
             tel = telemetry[mode]
             rows = tel.chunk_tokens + (tel.chunk_size if tel.tail_mode == "padded" else 0) + tel.scalar_tail_tokens
             calls = tel.chunk_tokens // tel.chunk_size + (tel.tail_mode == "padded") + tel.scalar_tail_tokens
+            flops = prefill_flops(mcfg, tel)
             yield Record(
                 "tail", f"N={n}/{mode}", "measure",
-                figures={"ttft": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(n, "tokens/s")},
+                figures={"ttft": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(n, "tokens/s"),
+                         "gflops": t.rate(flops / 1e9, "GFLOP/s")},
                 metrics={**{f"telemetry.{k}": v for k, v in vars(tel).items()},
                          "policy_pads": would_pad[0], "policy_reason": would_pad[1]},
-                work={"rows_computed": rows, "graph_calls": calls,
+                work={"rows_computed": rows, "graph_calls": calls, "flops": flops,
+                      "flop_count": "gemma.graph_flops per call, local layers over the rows their window holds",
                       "what": "wall time from prompt to first token (prefill + argmax), reference model"},
                 params={"prompt_tokens": n, "tail": tail, "mode": mode, "chunk": cfg.chunk,
                         "threshold": threshold, "source": label, "threads": cfg.threads},
