@@ -269,7 +269,7 @@ def sweep_frame(df: pd.DataFrame) -> pd.DataFrame:
     m = df[df["kind"] == "measure"]
     if m.empty:
         return pd.DataFrame()
-    m = m.sort_values("time").groupby(["params.source", "params.prompt_tokens", "params.mode"]).tail(1)
+    m = m.sort_values("time", kind="stable").groupby(["params.source", "params.prompt_tokens", "params.mode"]).tail(1)
     wide = m.pivot_table(index=["params.source", "params.prompt_tokens", "params.tail"], columns="params.mode",
                          values=["figures.tokens_per_s.median", "figures.ttft.median"], aggfunc="last")
     wide = wide.dropna()
@@ -297,8 +297,7 @@ MIN_SWEEP_TAILS = 3  # fewer tails are a comparison (1023 vs 1024), not a sweep 
 
 def view(df: pd.DataFrame) -> pd.DataFrame:
     """Measurements: the reviewer's table per source, closed by its breakeven row when it has at
-    least MIN_SWEEP_TAILS tails. Without
-    measurements: the oracle verdicts."""
+    least MIN_SWEEP_TAILS tails. Without measurements: the oracle verdicts."""
     sweep = sweep_frame(df)
     if len(sweep):
         parts = []
