@@ -2,7 +2,7 @@
 
 bench    for each prompt length N (blocks * chunk + tail, or prompt_tokens): time to first token of
          the prefill with the tail padded (padding forced wherever the guards allow, threshold 0) and
-         with the scalar tail (kill switch set), alternating, with repetitions; one record per
+         with the scalar tail (kill switch set), every (N, mode) alternating, with repetitions; one record per
          (N, mode) with TTFT, tokens/s (N / TTFT) and the telemetry.
 oracle   the byte-identical cache grid and the first-token suite (C+2, C+9, 2C-1, 8C-1 by default).
 fixture  the seed's measured sweep (M4 Pro, gemma-4-e2b-it) as records, so the same table shows it.
@@ -186,41 +186,43 @@ def prefill_flops(mcfg: gemma.GemmaConfig, tel: tp.Telemetry) -> int:
 
 def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
     # Padding is forced wherever the guards allow (threshold 0): the sweep measures what the policy's
-    # threshold is then chosen from. Scalar is the kill switch.
+    # threshold is then chosen from. Scalar is the kill switch. Every (N, mode) is one variant, and
+    # all variants alternate, so 1023 and 1024 are compared under the same machine load.
     forced = make_engine(cfg, mcfg, w, 0)
     label = source_label(cfg, ctx.device.profile.name)
-    for n in _lengths(cfg):
-        ctx.progress(f"tail bench N={n}")
-        tokens = prompt(mcfg, n, cfg.seed)
-        telemetry = {}
+    lengths = _lengths(cfg)
+    prompts = {n: prompt(mcfg, n, cfg.seed) for n in lengths}
+    telemetry = {}
 
-        def run(mode):
+    def variant(n: int, mode: str):
+        def run():
             with kill_switch(mode == "scalar"):
-                state = forced.prefill(tokens)
-            telemetry[mode] = state.telemetry
+                state = forced.prefill(prompts[n])
+            telemetry[n, mode] = state.telemetry
             return state.first_token  # the first token is out: that is TTFT
+        return run
 
-        times = time_alternating({"padded": lambda: run("padded"), "scalar": lambda: run("scalar")},
-                                 reps=cfg.reps, warmup=cfg.warmup)
-        tail = n % cfg.chunk
-        would_pad = tp.TailPolicy(threshold).decide(tail, forced.graph.rows, forced.make_caches())
-        for mode, t in times.items():
-            tel = telemetry[mode]
-            rows = tel.chunk_tokens + (tel.chunk_size if tel.tail_mode == "padded" else 0) + tel.scalar_tail_tokens
-            calls = tel.chunk_tokens // tel.chunk_size + (tel.tail_mode == "padded") + tel.scalar_tail_tokens
-            flops = prefill_flops(mcfg, tel)
-            yield Record(
-                "tail", f"N={n}/{mode}", "measure",
-                figures={"ttft": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(n, "tokens/s"),
-                         "gflops": t.rate(flops / 1e9, "GFLOP/s")},
-                metrics={**{f"telemetry.{k}": v for k, v in vars(tel).items()},
-                         "policy_pads": would_pad[0], "policy_reason": would_pad[1]},
-                work={"rows_computed": rows, "graph_calls": calls, "flops": flops,
-                      "flop_count": "gemma.graph_flops per call, local layers over the rows their window holds",
-                      "what": "wall time from prompt to first token (prefill + argmax), reference model"},
-                params={"prompt_tokens": n, "tail": tail, "mode": mode, "chunk": cfg.chunk,
-                        "threshold": threshold, "source": label, "threads": cfg.threads},
-            )
+    ctx.progress(f"tail bench N={','.join(map(str, lengths))}")
+    times = time_alternating({(n, mode): variant(n, mode) for n in lengths for mode in ("padded", "scalar")},
+                             reps=cfg.reps, warmup=cfg.warmup)
+    for (n, mode), t in times.items():
+        tel = telemetry[n, mode]
+        would_pad = tp.TailPolicy(threshold).decide(tel.tail, forced.graph.rows, forced.make_caches())
+        rows = tel.chunk_tokens + (tel.chunk_size if tel.tail_mode == "padded" else 0) + tel.scalar_tail_tokens
+        calls = tel.chunk_tokens // tel.chunk_size + (tel.tail_mode == "padded") + tel.scalar_tail_tokens
+        flops = prefill_flops(mcfg, tel)
+        yield Record(
+            "tail", f"N={n}/{mode}", "measure",
+            figures={"ttft": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(n, "tokens/s"),
+                     "gflops": t.rate(flops / 1e9, "GFLOP/s")},
+            metrics={**{f"telemetry.{k}": v for k, v in vars(tel).items()},
+                     "policy_pads": would_pad[0], "policy_reason": would_pad[1]},
+            work={"rows_computed": rows, "graph_calls": calls, "flops": flops,
+                  "flop_count": "gemma.graph_flops per call, local layers over the rows their window holds",
+                  "what": "wall time from prompt to first token (prefill + argmax), reference model"},
+            params={"prompt_tokens": n, "tail": tel.tail, "mode": mode, "chunk": cfg.chunk,
+                    "threshold": threshold, "source": label, "threads": cfg.threads},
+        )
 
 
 FIXTURE_REPS = 8  # the seed's sweep: medians of 8 alternating repetitions (min and max not published)
