@@ -2,8 +2,8 @@
 
 bench    for each prompt length N (blocks * chunk + tail, or prompt_tokens): time to first token of
          the prefill with the tail padded (padding forced wherever the guards allow, threshold 0) and
-         with the scalar tail (kill switch set), every (N, mode) alternating, with repetitions; one record per
-         (N, mode) with TTFT, tokens/s (N / TTFT) and the telemetry.
+         with the scalar tail (kill switch set), all (N, mode) alternating, with repetitions; one
+         record per (N, mode) with TTFT, tokens/s (N / TTFT), GFLOP/s and the telemetry.
 oracle   the byte-identical cache grid and the first-token suite (C+2, C+9, 2C-1, 8C-1 by default).
 fixture  the seed's measured sweep (M4 Pro, gemma-4-e2b-it) as records, so the same table shows it.
 
