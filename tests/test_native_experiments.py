@@ -59,3 +59,9 @@ def test_a_stale_library_stops_the_run_with_the_rebuild_command(results_dir, cap
         native.library.cache_clear()
     assert "pip install -e ." in capsys.readouterr().err
     assert not (results_dir / "records.jsonl").exists()
+
+
+def test_chunk_prefill_with_the_native_attention_layer_passes_its_oracles(results_dir):
+    outcome = run(["backend=native", "mode=oracle"], "chunk_prefill")
+    oracles = outcome.frame()
+    assert len(oracles) and (oracles["verdict"] == "pass").all() and (oracles["backend"] == "native").all()
