@@ -235,14 +235,12 @@ def _planes(a: np.ndarray, positions: bool) -> np.ndarray:
 
 def _layout_caches(cache, lib) -> dict[str, SlidingCache]:
     """One native cache per layout array of a refimpl SlidingCache (k, v, scales, positions)."""
-    from refimpl import sliding_cache as sc
-
     out = {}
     for name, a in cache.rows.arrays().items():
         if a.size:  # scales are zero-width unless the storage is int8
-            empty = 0xFF if name == "positions" else 0  # position -1 is all ones
+            # empty slots: zero data, and position sc.EMPTY = -1, whose int64 bytes are all 0xff
+            empty = 0xFF if name == "positions" else 0
             out[name] = SlidingCache(_planes(a, name == "positions"), cache.length, cache.sink, empty, lib)
-    assert sc.EMPTY == -1, "empty_byte 0xff encodes position -1"
     return out
 
 

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.kernel_build import BuildError
-
 EMULATORS = {"host": [], "arm32": ["qemu-arm"], "aarch64": ["qemu-aarch64"]}
+
+
+class ProgramError(RuntimeError):
+    """A benchmark-and-dump program exited with an error; the message carries its stderr."""
 
 
 def emulator_missing(target: str) -> str | None:
@@ -40,7 +42,7 @@ def run_program(programs: Path, target: str, name: str, inputs: dict[str, np.nda
                 *(f"{k}={v}" for k, v in args.items())]
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
-            raise BuildError(f"{name} ({target}) exited {p.returncode}: {p.stderr.strip()[-300:]}")
+            raise ProgramError(f"{name} ({target}) exited {p.returncode}: {p.stderr.strip()[-300:]}")
         timings = json.loads((out_dir / "timings.json").read_text())
         outputs = {f.stem: np.load(f) for f in out_dir.glob("*.npy")}
     return outputs, timings
