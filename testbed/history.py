@@ -91,15 +91,13 @@ def _envelope(figs: list[dict]) -> tuple[float, float]:
 
 def _streak_start(points: list[tuple[dict, dict]], unit: str) -> int | None:
     """The earliest index s >= 1 such that every run from s to the last lies outside the envelope of
-    the runs before s; None when the last run is inside the spread of everything before it."""
-    start = None
-    for s in range(len(points) - 1, 0, -1):
+    the runs before s (so a slowdown that persists over several nights is dated to its first night);
+    None when no such s exists: the latest run is within the spread of its history."""
+    for s in range(1, len(points)):
         envelope = _envelope([fig for _, fig in points[:s]])
         if all(_worse(fig, envelope, unit) for _, fig in points[s:]):
-            start = s
-        else:
-            break
-    return start
+            return s
+    return None
 
 
 def _median(values: list[float]) -> float:
