@@ -206,7 +206,7 @@ def open_device(name: str) -> Device:
 def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], Device] = open_device,
               log: Log | None = None) -> tuple[int, str]:
     """Run the suite, append the night to the log, write the report; (exit status, summary)."""
-    log = log or Log()
+    log = Log() if log is None else log
     started = dt.datetime.now(dt.timezone.utc)
     night = started.strftime("%Y-%m-%dT%H%M%SZ-") + uuid.uuid4().hex[:6]
     earlier = report.night_log(store.root)
