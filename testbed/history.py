@@ -3,9 +3,10 @@
 Two runs are comparable when they ran the same experiment on the same device with the same
 configuration (every config value except where results and fixtures live). A figure regresses when
 the latest run is outside the run-to-run spread seen before: every repetition of the latest run is
-worse than every repetition of every earlier comparable run. The spread is thus measured, from the
-repetitions' min/max and from the history of medians, never a fixed percentage; a machine that is
-noisier widens its own envelope. An oracle regresses when it passed before and does not pass now.
+worse than every repetition of every earlier comparable run (at least `min_history` of them: one
+earlier run shows the spread of its repetitions, but not how much a whole night moves against the
+next, say when the machine is busier). The spread is thus measured, from the repetitions' min/max
+over the history, never a fixed percentage; a machine that is noisier widens its own envelope. An oracle regresses when it passed before and does not pass now.
 """
 
 from __future__ import annotations
@@ -89,11 +90,11 @@ def _envelope(figs: list[dict]) -> tuple[float, float]:
     return min(f["min"] for f in figs), max(f["max"] for f in figs)
 
 
-def _streak_start(points: list[tuple[dict, dict]], unit: str) -> int | None:
-    """The earliest index s >= 1 such that every run from s to the last lies outside the envelope of
+def _streak_start(points: list[tuple[dict, dict]], unit: str, min_history: int) -> int | None:
+    """The earliest index s >= min_history such that every run from s to the last lies outside the envelope of
     the runs before s (so a slowdown that persists over several nights is dated to its first night);
     None when no such s exists: the latest run is within the spread of its history."""
-    for s in range(1, len(points)):
+    for s in range(max(1, min_history), len(points)):
         envelope = _envelope([fig for _, fig in points[:s]])
         if all(_worse(fig, envelope, unit) for _, fig in points[s:]):
             return s
@@ -106,8 +107,9 @@ def _median(values: list[float]) -> float:
     return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
-def figure_regressions(records: list[dict], history: int) -> list[Flag]:
-    """Figures of each series' latest run that are worse than all of the `history` runs before."""
+def figure_regressions(records: list[dict], history: int, min_history: int) -> list[Flag]:
+    """Figures of each series' latest run that are worse than all of the (at least `min_history`,
+    at most `history`) runs before."""
     flags = []
     measures = by_run_time([r for r in records if r["kind"] == "measure"])
     measures.sort(key=series_key)  # stable: each series stays in run-time order
@@ -119,7 +121,7 @@ def figure_regressions(records: list[dict], history: int) -> list[Flag]:
             points = [(r, r["figures"][name]) for r in rows if name in r.get("figures", {})]
             if len(points) < 2 or points[-1][0] is not rows[-1]:
                 continue
-            s = _streak_start(points, fig["unit"])
+            s = _streak_start(points, fig["unit"], min_history)
             if s is None:
                 continue
             baseline = _median([f["median"] for _, f in points[:s]])

@@ -216,8 +216,10 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
     finished = dt.datetime.now(dt.timezone.utc)
     tonight = {run for r in results for run in r.run_ids}
     records = store.records()
+    settings = report.settings()
     flags = [f for f in history.oracle_flips(records)
-             + history.figure_regressions(records, report.settings()["history_nights"]) if f.run_id in tonight]
+             + history.figure_regressions(records, settings["history_nights"], settings["min_history"])
+             if f.run_id in tonight]
     status = exit_status(results, flags)
     store_nights(store).append([{
         "night": night, "suite": suite.name, "started": started.isoformat(timespec="seconds"),
@@ -226,7 +228,7 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
         "exit_status": status,
     }])
     out, _ = report.write(store, suite.report_out)
-    compared = compared_with(earlier, records, tonight)
+    compared = compared_with(earlier, records, tonight, settings["min_history"])
     return status, summary(suite, night, results, flags, compared, out, status, finished - started)
 
 
@@ -242,17 +244,20 @@ def exit_status(results: list[DeviceNight], flags: list[history.Flag]) -> int:
     return 0
 
 
-def compared_with(earlier: list[dict], records: list[dict], tonight: set[str]) -> str:
-    """Which earlier night tonight's runs were compared with, and how many had a comparable run."""
+def compared_with(earlier: list[dict], records: list[dict], tonight: set[str], min_history: int) -> str:
+    """Which earlier night tonight's runs were compared with, and how many configs have enough history
+    for their figures to be judged (oracles are judged against a single earlier run)."""
     if not earlier:
         return "first night: nothing to compare with yet"
     configs = {}
     for r in records:
         configs.setdefault((r["experiment"], r["device"], history.config_key(r)), set()).add(r["run_id"])
-    with_history = sum(len(runs) > 1 for runs in configs.values() if runs & tonight)
-    with_runs = sum(1 for runs in configs.values() if runs & tonight)
+    tonights = [runs for runs in configs.values() if runs & tonight]
+    compared = sum(len(runs) > 1 for runs in tonights)
+    judged = sum(len(runs) > min_history for runs in tonights)
     return (f"compared with {len(earlier)} earlier night(s), the last {earlier[-1]['night']}: "
-            f"{with_history}/{with_runs} of tonight's configs have earlier runs to compare with")
+            f"{compared}/{len(tonights)} of tonight's configs have earlier runs (oracles compared), "
+            f"{judged}/{len(tonights)} the {min_history} needed to judge figures")
 
 
 def summary(suite: Suite, night: str, results: list[DeviceNight], flags: list[history.Flag], compared: str,

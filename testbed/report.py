@@ -305,7 +305,10 @@ def nights_over_time(inp: Inputs) -> Section | None:
 
 def regressions(inp: Inputs) -> Section:
     flags = inp.flags
-    section = Section("regressions", "Regressions")
+    section = Section("regressions", "Regressions", [
+        f"A figure is flagged when every repetition of its latest run is worse than every repetition of the "
+        f"earlier runs of the same experiment, device and config (the last {inp.settings['history_nights']}, "
+        f"and at least {inp.settings['min_history']} of them); an oracle when it passed before and fails now."])
     if not flags:
         section.lines.append("None: every current figure is within the run-to-run spread of its history, "
                              "and no oracle that passed before fails now.")
@@ -392,7 +395,7 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
     window = select(records, since)
     current_runs = history.latest_runs(window)
     flags = (history.oracle_flips(window)
-             + history.figure_regressions(window, settings["history_nights"]))
+             + history.figure_regressions(window, settings["history_nights"], settings["min_history"]))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

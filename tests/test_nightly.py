@@ -36,10 +36,10 @@ def test_second_night_is_compared_with_the_first(tmp_path):
 
     second = run_cli("nightly", "suite=smoke", lock, env=env)
     print(second.stdout)
-    # a real second night on a shared machine may really be slower: then it says so and exits 1
-    assert second.returncode in (0, 1), second.stdout + second.stderr
-    assert "FAIL" not in second.stdout
-    assert f"compared with 1 earlier night(s), the last {nights[0]['night']}: 1/1 of tonight's configs" in second.stdout
+    # oracles are compared with the first night; figures need two earlier nights to be judged
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert (f"compared with 1 earlier night(s), the last {nights[0]['night']}: 1/1 of tonight's configs have "
+            "earlier runs (oracles compared), 0/1 the 2 needed to judge figures") in second.stdout
     report = json.loads((tmp_path / "results" / "report" / "report.json").read_text())
     night_table = next(s for s in report["sections"] if s["id"] == "nights")["tables"][0]
     assert len(night_table["rows"]) == 2
@@ -47,9 +47,7 @@ def test_second_night_is_compared_with_the_first(tmp_path):
     assert history["images"] and (tmp_path / "results" / "report" / history["images"][0]["file"]).exists()
     runs = {r["run_id"] for r in ResultsStore(tmp_path / "results").records()}
     assert len(runs) == 2 and set(report["current_runs"]) <= runs
-    assert report["summary"]["regressions"] == second.stdout.count("REGRESSION")  # the summary shows each flag
-    lines = second.stdout.strip().splitlines()
-    assert len(lines) <= 24 and lines[-1].startswith(f"exit {second.returncode}:")
+    assert second.stdout.strip().splitlines()[-1] == "exit 0: all oracles pass, no regression"
 
 
 @pytest.fixture

@@ -145,8 +145,9 @@ def test_planted_regression_flagged_and_noise_not(tmp_path, host_records):
     assert build(tmp_path, host_records + noise)["flags"] == []
 
     # a slowdown clearly outside what the two nights spread over: every slow rep above every rep before
-    times = [r["figures"]["time"] for r in host_records + noise if r["case"] == case]
-    outside = max(t["max"] for t in times) / min(t["min"] for t in times)
+    before = [r["figures"] for r in host_records + noise if r["case"] == case]
+    outside = max(max(f[name]["max"] for f in before) / min(f[name]["min"] for f in before)
+                  for name in ("time", "tokens_per_s", "gflops"))
     slow = later_night(host_records, 2, lambda r: scale_time(r, 1.2 * outside, case))
     slower = later_night(host_records, 3, lambda r: scale_time(r, 1.3 * outside, case))
     flags = build(tmp_path, host_records + noise + slow + slower)["flags"]
@@ -171,9 +172,9 @@ def test_spread_is_measured_not_a_fixed_percentage(host_records):
         return record
 
     for rel, flagged in ((0.02, True), (0.10, False)):
-        before = later_night(host_records, 1, lambda r: with_spread(r, rel))
-        after = later_night(host_records, 2, lambda r: scale_time(with_spread(r, rel), 1.08, case))
-        flags = history.figure_regressions(before + after, history=7)
+        before = [later_night(host_records, day, lambda r: with_spread(r, rel)) for day in (1, 2)]
+        after = later_night(host_records, 3, lambda r: scale_time(with_spread(r, rel), 1.08, case))
+        flags = history.figure_regressions(before[0] + before[1] + after, history=7, min_history=2)
         assert ((case, "time") in {(f.case, f.what) for f in flags}) is flagged
 
 
