@@ -1,0 +1,313 @@
+"""Experiment `tail`: padded vs scalar prefill tail on sliding-window caches (seed 003).
+
+bench    for each prompt length N (blocks * chunk + tail, or prompt_tokens): time to first token of
+         the prefill with the tail padded (padding forced wherever the guards allow, threshold 0) and
+         with the scalar tail (kill switch set), alternating, with repetitions; one record per
+         (N, mode) with TTFT, tokens/s (N / TTFT) and the telemetry.
+oracle   the byte-identical cache grid and the first-token suite (C+2, C+9, 2C-1, 8C-1 by default).
+fixture  the seed's measured sweep (M4 Pro, gemma-4-e2b-it) as records, so the same table shows it.
+
+`testbed sweep experiment=tail tail=0,2,4,...` prints one row per tail and the breakeven tail;
+`testbed table tail` prints the reviewer's table and breakeven per source from stored records.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Iterator
+
+import numpy as np
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from refimpl import gemma
+from refimpl import sliding_cache as sc
+from refimpl import tail_prefill as tp
+from testbed import PROJECT_ROOT, breakeven
+from testbed.config import Choice, Int, IntList, project_path
+from testbed.errors import UsageError
+from testbed.measure import time_alternating
+from testbed.results import Figure, Record
+from testbed.tail_oracles import Engine, check_first_token, check_padded_rollback, grid, kill_switch, prompt_lengths
+
+PARAMS = {
+    "backend": Choice(("refimpl",)),
+    "mode": Choice(("bench", "oracle", "all", "fixture")),
+    "chunk": Int(1, 4096),
+    "calibration_tokens": Int(1, 1 << 16),
+    "blocks": Int(0, 1 << 12),
+    "tail": Int(0, 4095),
+    "threads": Int(1, 256),
+    "reps": Int(1, 1000),
+    "warmup": Int(0, 100),
+    "seed": Int(0),
+    "cache.dtype": Choice(sc.STORAGE_DTYPES),
+    "cache.sink": Int(0),
+    "cache.group": Int(1),
+    "cache.conv_kernel": Int(0, 64),
+    "shape.vocab": Int(2),
+    "shape.hidden": Int(1),
+    "shape.layers": Int(1),
+    "shape.heads": Int(1),
+    "shape.kv_heads": Int(1),
+    "shape.head_dim": Int(2),
+    "shape.mlp": Int(1),
+    "shape.window": Int(1),
+    "oracle.generate": Int(1, 1000),
+    "oracle.grid_windows": IntList(2, 4096),
+    "oracle.grid_sinks": IntList(0, 4096),
+}
+
+
+def _lengths(cfg: DictConfig) -> list[int]:
+    explicit = list(cfg.prompt_tokens or [])
+    return explicit or [cfg.blocks * cfg.chunk + cfg.tail]
+
+
+def validate(cfg: DictConfig) -> None:
+    if cfg.tail >= cfg.chunk:
+        raise UsageError(f"tail={cfg.tail} is out of range; accepted: integers from 0 to chunk - 1 = {cfg.chunk - 1}")
+    if cfg.prompt_tokens:
+        IntList(1, 1 << 20).check("prompt_tokens", cfg.prompt_tokens)
+    elif _lengths(cfg)[0] < 1:
+        raise UsageError("blocks=0 tail=0 is an empty prompt; accepted: blocks * chunk + tail >= 1")
+    if cfg.threshold != "measured":
+        Int(0).check("threshold", cfg.threshold)
+    try:
+        model_config(cfg)
+    except ValueError as e:
+        raise UsageError(f"shape: {e}") from None
+    if not cfg.cache.sink < cfg.shape.window:
+        raise UsageError(f"cache.sink={cfg.cache.sink} is out of range; accepted: integers from 0 to "
+                         f"shape.window - 1 = {cfg.shape.window - 1}")
+    if cfg.cache.dtype == "int8" and cfg.shape.head_dim % cfg.cache.group:
+        raise UsageError(f"cache.group={cfg.cache.group} does not divide shape.head_dim={cfg.shape.head_dim}; "
+                         "accepted: a divisor of head_dim")
+    for pair in cfg.oracle.around_chunk:
+        if len(pair) != 2 or pair[0] * cfg.chunk + pair[1] < 1:
+            raise UsageError(f"oracle.around_chunk entry {list(pair)} is not [blocks, offset] with "
+                             "blocks * chunk + offset >= 1")
+    if cfg.mode == "fixture":
+        fixture_path(cfg)
+
+
+def model_config(cfg: DictConfig) -> gemma.GemmaConfig:
+    return gemma.GemmaConfig(**OmegaConf.to_container(cfg.shape, resolve=True))
+
+
+def fixture_path(cfg: DictConfig):
+    """The fixture from `fixtures_dir`, or from the shared folder beside a worktree's parent."""
+    candidates = [project_path(cfg.fixtures_dir) / cfg.fixture,
+                  PROJECT_ROOT.parent.parent / "shared" / "fixtures" / cfg.fixture]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise UsageError(f"fixture={cfg.fixture!r} not found; looked in {', '.join(str(p.parent) for p in candidates)}")
+
+
+def source_label(cfg: DictConfig, device: str) -> str:
+    """Which measurements belong in one table: device, backend, model size, chunk, cache."""
+    s = cfg.shape
+    return (f"{device}/{cfg.backend} h{s.hidden}x{s.layers} w{s.window} C={cfg.chunk} "
+            f"{cfg.cache.dtype} sink={cfg.cache.sink}")
+
+
+def policy_threshold(cfg: DictConfig, device: str) -> int:
+    """The configured threshold, or breakeven - 1 from this source's stored measurements."""
+    if cfg.threshold != "measured":
+        return int(cfg.threshold)
+    from testbed.runner import results_store  # the store this run writes to; imported late (cycle)
+
+    sweep = sweep_frame(results_store(SimpleNamespace(cfg=cfg)).frame("tail"))
+    label = source_label(cfg, device)
+    sweep = sweep[sweep["source"] == label] if len(sweep) else sweep
+    found = breakeven.breakeven_tail(sweep) if len(sweep) else None
+    if found is None:
+        raise UsageError(f"threshold=measured: no stored tail sweep of {label!r} where padding wins; "
+                         "run `testbed sweep experiment=tail tail=...` first")
+    return breakeven.threshold_from_breakeven(found)
+
+
+# --- run -------------------------------------------------------------------------------------------
+
+
+def make_engine(cfg: DictConfig, mcfg: gemma.GemmaConfig, w: dict, threshold: int) -> Engine:
+    calibration = np.arange(cfg.calibration_tokens) % mcfg.vocab
+    graph = tp.trace_chunk_graph(cfg.chunk, calibration)
+    c = cfg.cache
+    return Engine(w, mcfg, graph, tp.TailPolicy(threshold),
+                  lambda: tp.model_caches(mcfg, c.dtype, c.sink, c.group, c.conv_kernel))
+
+
+def prompt(mcfg: gemma.GemmaConfig, n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng([seed, n]).integers(0, mcfg.vocab, n)
+
+
+def oracle_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
+    cases = grid(tuple(cfg.oracle.grid_windows), tuple(cfg.oracle.grid_sinks))
+    for i, case in enumerate(cases):
+        ctx.progress(f"tail cache grid {i + 1}/{len(cases)} {case.name}")
+        v = check_padded_rollback(case, seed=cfg.seed)
+        yield Record("tail", f"cache/{case.name}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
+                     params=dict(vars(case)), detail=v.detail)
+    engine = make_engine(cfg, mcfg, w, threshold)
+    for n in prompt_lengths(cfg.chunk, [tuple(p) for p in cfg.oracle.around_chunk]):
+        ctx.progress(f"tail first-token suite N={n}")
+        for v in check_first_token(engine, prompt(mcfg, n, cfg.seed), cfg.chunk, cfg.oracle.generate):
+            yield Record("tail", f"N={n}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
+                         params={"prompt_tokens": n, "tail": n % cfg.chunk, "chunk": cfg.chunk,
+                                 "threshold": threshold, "source": source_label(cfg, ctx.device.profile.name)},
+                         detail=v.detail)
+
+
+def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
+    # Padding is forced wherever the guards allow (threshold 0): the sweep measures what the policy's
+    # threshold is then chosen from. Scalar is the kill switch.
+    forced = make_engine(cfg, mcfg, w, 0)
+    label = source_label(cfg, ctx.device.profile.name)
+    for n in _lengths(cfg):
+        ctx.progress(f"tail bench N={n}")
+        tokens = prompt(mcfg, n, cfg.seed)
+        telemetry = {}
+
+        def run(mode):
+            with kill_switch(mode == "scalar"):
+                state = forced.prefill(tokens)
+            telemetry[mode] = state.telemetry
+            return state.first_token  # the first token is out: that is TTFT
+
+        times = time_alternating({"padded": lambda: run("padded"), "scalar": lambda: run("scalar")},
+                                 reps=cfg.reps, warmup=cfg.warmup)
+        tail = n % cfg.chunk
+        would_pad = tp.TailPolicy(threshold).decide(tail, forced.graph.rows, forced.make_caches())
+        for mode, t in times.items():
+            tel = telemetry[mode]
+            rows = tel.chunk_tokens + (tel.chunk_size if tel.tail_mode == "padded" else 0) + tel.scalar_tail_tokens
+            calls = tel.chunk_tokens // tel.chunk_size + (tel.tail_mode == "padded") + tel.scalar_tail_tokens
+            yield Record(
+                "tail", f"N={n}/{mode}", "measure",
+                figures={"ttft": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(n, "tokens/s")},
+                metrics={**{f"telemetry.{k}": v for k, v in vars(tel).items()},
+                         "policy_pads": would_pad[0], "policy_reason": would_pad[1]},
+                work={"rows_computed": rows, "graph_calls": calls,
+                      "what": "wall time from prompt to first token (prefill + argmax), reference model"},
+                params={"prompt_tokens": n, "tail": tail, "mode": mode, "chunk": cfg.chunk,
+                        "threshold": threshold, "source": label, "threads": cfg.threads},
+            )
+
+
+FIXTURE_REPS = 8  # the seed's sweep: medians of 8 alternating repetitions (min and max not published)
+
+
+def fixture_records(cfg: DictConfig) -> Iterator[Record]:
+    path = fixture_path(cfg)
+    comment = " ".join(line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.startswith("#"))
+    df = breakeven.read_sweep_csv(path)
+    for r in df.itertuples(index=False):
+        for mode in ("padded", "scalar"):
+            tps, ttft = getattr(r, f"{mode}_tps"), getattr(r, f"{mode}_ttft_ms")
+            yield Record(
+                "tail", f"N={r.prompt_tokens}/{mode}", "measure",
+                figures={"tokens_per_s": Figure(float(tps), float(tps), float(tps), FIXTURE_REPS, "tokens/s"),
+                         "ttft": Figure(float(ttft), float(ttft), float(ttft), FIXTURE_REPS, "ms")},
+                params={"prompt_tokens": int(r.prompt_tokens), "tail": int(r.tail), "mode": mode,
+                        "source": f"fixture:{cfg.fixture}"},
+                detail=comment,
+            )
+
+
+def run(cfg: DictConfig, ctx) -> Iterator[Record]:
+    if cfg.mode == "fixture":
+        yield from fixture_records(cfg)
+        return
+    from threadpoolctl import threadpool_limits
+
+    threshold = policy_threshold(cfg, ctx.device.profile.name)
+    mcfg = model_config(cfg)
+    w = gemma.init_weights(mcfg, cfg.seed)
+    with threadpool_limits(limits=cfg.threads):
+        if cfg.mode in ("oracle", "all"):
+            yield from oracle_records(cfg, ctx, mcfg, w, threshold)
+        if cfg.mode in ("bench", "all"):
+            yield from bench_records(cfg, ctx, mcfg, w, threshold)
+
+
+# --- tables ----------------------------------------------------------------------------------------
+
+
+def sweep_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """Measurements in breakeven's columns, one row per (source, N): the latest record of each mode."""
+    if df.empty or "kind" not in df:
+        return pd.DataFrame()
+    m = df[df["kind"] == "measure"]
+    if m.empty:
+        return pd.DataFrame()
+    m = m.sort_values("time").groupby(["params.source", "params.prompt_tokens", "params.mode"]).tail(1)
+    wide = m.pivot_table(index=["params.source", "params.prompt_tokens", "params.tail"], columns="params.mode",
+                         values=["figures.tokens_per_s.median", "figures.ttft.median"], aggfunc="last")
+    wide = wide.dropna()
+    return pd.DataFrame({
+        "source": wide.index.get_level_values(0),
+        "prompt_tokens": wide.index.get_level_values(1).astype(int),
+        "tail": wide.index.get_level_values(2).astype(int),
+        "padded_tps": wide[("figures.tokens_per_s.median", "padded")].to_numpy(),
+        "scalar_tps": wide[("figures.tokens_per_s.median", "scalar")].to_numpy(),
+        "padded_ttft_ms": wide[("figures.ttft.median", "padded")].to_numpy(),
+        "scalar_ttft_ms": wide[("figures.ttft.median", "scalar")].to_numpy(),
+    })
+
+
+def breakeven_row(sweep: pd.DataFrame) -> dict:
+    b = breakeven.breakeven_tail(sweep)
+    largest = int(sweep["tail"].max())
+    if b is None:
+        return {"N": "breakeven", "winner": f"none: padding does not win at tail {largest}"}
+    return {"N": "breakeven", "tail": b, "winner": f"padded from tail {b} (threshold {b - 1})"}
+
+
+def view(df: pd.DataFrame) -> pd.DataFrame:
+    """Measurements: the reviewer's table per source, each closed by its breakeven row. Without
+    measurements: the oracle verdicts."""
+    sweep = sweep_frame(df)
+    if len(sweep):
+        parts = []
+        for source, rows in sweep.groupby("source", sort=False):
+            # object columns keep whole numbers whole beside the breakeven row's blanks
+            table = breakeven.tail_table(rows).astype(object)
+            table = pd.concat([table, pd.DataFrame([breakeven_row(rows)], dtype=object)], ignore_index=True)
+            table.insert(0, "source", source)
+            parts.append(table)
+        return pd.concat(parts, ignore_index=True)
+    oracles = df[df["kind"] == "oracle"] if len(df) else df
+    return pd.DataFrame({
+        "case": oracles["case"], "oracle": oracles["oracle"], "verdict": oracles["verdict"],
+        "margin": oracles["margin"], "covers": oracles.get("metrics.covers"),
+        "padded mode": oracles.get("metrics.padded_mode"), "agree": oracles.get("metrics.sequence_agree"),
+        "detail": oracles["detail"],
+    }).reset_index(drop=True) if len(oracles) else pd.DataFrame()
+
+
+def sweep_row(df: pd.DataFrame) -> dict:
+    """Per sweep job: its table row (a tail sweep has one N per job) and the oracle tally."""
+    row: dict = {}
+    sweep = sweep_frame(df)
+    if len(sweep):
+        row.update(breakeven.tail_table(sweep).iloc[0].to_dict())
+    oracles = df[df["kind"] == "oracle"]
+    if len(oracles):
+        row["oracles"] = f"{int((oracles['verdict'] == 'pass').sum())}/{len(oracles)} pass"
+    return row
+
+
+# The table's column names back to breakeven's (the sweep footer only sees the printed rows).
+TABLE_TO_SWEEP = {"N": "prompt_tokens", "padded tok/s": "padded_tps", "scalar tok/s": "scalar_tps",
+                  "padded TTFT (ms)": "padded_ttft_ms", "scalar TTFT (ms)": "scalar_ttft_ms"}
+
+
+def sweep_footer(rows: pd.DataFrame, jobs) -> str:
+    """The breakeven tail over the sweep's rows."""
+    if "padded tok/s" not in rows:
+        return ""
+    sweep = rows.rename(columns=TABLE_TO_SWEEP).dropna(subset=["padded_tps"])
+    sweep["tail"] = sweep["tail"].astype(int)
+    return "breakeven: " + breakeven_row(sweep)["winner"]
