@@ -41,15 +41,16 @@ def _save(fig, out: Path, name: str) -> str:
 
 
 def tail_plot(out: Path, device: str, df: pd.DataFrame, breakeven: int | None,
-              seed_df: pd.DataFrame, seed_breakeven: int | None) -> str:
-    """Padded and scalar throughput against tail, the breakeven marked; the seed's dashed beside."""
+              seed_df: pd.DataFrame | None, seed_breakeven: int | None) -> str:
+    """Padded and scalar throughput against tail, the breakeven marked; the seed's dashed beside
+    (unless these are the seed's own figures: seed_df None)."""
     fig, ax = _pyplot().subplots(figsize=(7, 4))
     df = df.sort_values("tail")
     ax.plot(df["tail"], df.padded_tps, "o-", label=f"{device} padded")
     ax.plot(df["tail"], df.scalar_tps, "s-", label=f"{device} scalar")
     if breakeven is not None:
         ax.axvline(breakeven, color="k", lw=1, label=f"breakeven {breakeven}")
-    if not device.startswith("seed"):
+    if seed_df is not None:
         ax.plot(seed_df["tail"], seed_df.padded_tps, "o--", alpha=0.5, label="seed padded")
         ax.plot(seed_df["tail"], seed_df.scalar_tps, "s--", alpha=0.5, label="seed scalar")
         if seed_breakeven is not None:
@@ -61,13 +62,13 @@ def tail_plot(out: Path, device: str, df: pd.DataFrame, breakeven: int | None,
     return _save(fig, out, f"tail-{slug(device)}.png")
 
 
-def chunk_plot(out: Path, device: str, calls: pd.DataFrame, decode_s: float | None) -> str:
+def chunk_plot(out: Path, device: str, calls: dict[int, float], decode_s: float | None) -> str:
     """One chunk call's time against C, and the time of C decode steps for comparison."""
     fig, ax = _pyplot().subplots(figsize=(7, 4))
-    calls = calls.sort_values("chunk")
-    ax.plot(calls.chunk, calls.chunk_call_s, "o-", label="one chunk call")
+    chunks = sorted(calls)
+    ax.plot(chunks, [calls[c] for c in chunks], "o-", label="one chunk call")
     if decode_s:
-        ax.plot(calls.chunk, calls.chunk * decode_s, "s--", label=f"C decode steps ({decode_s:g} s each)")
+        ax.plot(chunks, [c * decode_s for c in chunks], "s--", label=f"C decode steps ({decode_s:.3g} s each)")
     ax.set_xlabel("chunk size C (tokens)")
     ax.set_ylabel("seconds")
     ax.set_title(f"chunk call and decode time: {device}")

@@ -29,30 +29,9 @@ from typing import Any, Callable
 import jinja2
 import pandas as pd
 
-from testbed import history, plots, seed
+from testbed import breakeven, experiments, history, plots, seed
 from testbed.errors import UsageError
 from testbed.tables import _cell as format_number
-
-try:
-    from testbed.breakeven import breakeven_tail, tail_table
-except ImportError:  # SEAM: issue 4 brings testbed/breakeven.py; until it is merged, its agreed
-    # interface is implemented here over the same columns (prompt_tokens, tail, padded_tps,
-    # scalar_tps, padded_ttft_ms, scalar_ttft_ms). Delete this branch when breakeven.py exists.
-    def tail_table(df: pd.DataFrame) -> pd.DataFrame:
-        out = df.sort_values("tail").reset_index(drop=True)
-        out["winner"] = ["padded" if p > s else "scalar" for p, s in zip(out.padded_tps, out.scalar_tps)]
-        out["padded_vs_scalar"] = out.padded_tps / out.scalar_tps - 1.0
-        return out
-
-    def breakeven_tail(df: pd.DataFrame) -> int | None:
-        """The smallest tail from which padding wins at every longer tail measured."""
-        table = tail_table(df)
-        wins = list(table.padded_tps > table.scalar_tps)
-        for i in range(len(table)):
-            if all(wins[i:]):
-                return int(table["tail"][i])
-        return None
-
 
 TEMPLATES = Path(__file__).parent / "templates"
 TOOLS = ("numpy", "pandas", "hydra-core", "jinja2", "matplotlib", "iree-base-runtime", "iree-base-compiler",
@@ -111,7 +90,7 @@ class Inputs:
     nights: list[dict]
     flags: list[history.Flag]
     referenced: dict[str, dict] = field(default_factory=dict)  # records a table links to, by id
-    breakevens: dict[str, int | None] = field(default_factory=dict)  # device -> breakeven tail
+    breakevens: dict[str, dict] = field(default_factory=dict)  # device -> {source: breakeven tail}
 
     def cite(self, record: dict) -> str:
         self.referenced[record["record_id"]] = record
@@ -183,98 +162,96 @@ def _runs(records: list[dict]) -> dict[tuple, list[dict]]:
     return out
 
 
-def tail_frame(records: list[dict]) -> pd.DataFrame:
-    """A tail run's measure records as the columns breakeven's functions take. Assumed record
-    layout (agreed with issue 4): params.prompt_tokens, params.tail and figures padded_tps,
-    scalar_tps, padded_ttft_ms, scalar_ttft_ms; the table uses their medians."""
-    names = ("padded_tps", "scalar_tps", "padded_ttft_ms", "scalar_ttft_ms")
-    rows = [{"prompt_tokens": r["params"]["prompt_tokens"], "tail": r["params"]["tail"],
-             **{n: r["figures"][n]["median"] for n in names}}
-            for r in records if r["kind"] == "measure" and all(n in r["figures"] for n in names)]
-    return pd.DataFrame(rows)
-
-
 def tail_sweep(inp: Inputs) -> Section | None:
-    seed_df = seed.read(inp.fixtures / seed.TAIL_SWEEP)
-    seed_table, seed_breakeven = tail_table(seed_df), breakeven_tail(seed_df)
-    section = Section("tail", "Breakeven: padded vs scalar tail")
-    runs = _runs(inp.current_of("tail"))
-    for (device, run_id), records in runs.items():
-        df = tail_frame(records)
-        if df.empty:
-            continue
-        table = tail_table(df)
-        breakeven = breakeven_tail(df)
-        beside = seed_table.set_index("tail")
-        table["seed padded_tps"] = [beside.padded_tps.get(t) for t in table["tail"]]
-        table["seed scalar_tps"] = [beside.scalar_tps.get(t) for t in table["tail"]]
-        table["seed winner"] = [beside.winner.get(t) for t in table["tail"]]
-        section.tables.append(frame_table(f"{device} (run {run_id}): breakeven tail {breakeven}; "
-                                          f"seed: {seed_breakeven}", table))
-        section.images.append({"file": plots.tail_plot(inp.out, device, df, breakeven, seed_df, seed_breakeven),
-                               "caption": f"{device}: throughput against tail, breakeven {breakeven}"})
-        inp.breakevens[device] = breakeven
-    if not section.tables:
+    """The tail experiment's sweep per device and source, in breakeven's columns (the experiment's own
+    sweep_frame reads its records), with the seed's sweep beside it tail by tail."""
+    records = inp.current_of("tail", "measure")
+    if not records:
         return None
-    section.lines.append(f"Seed ({seed.source_line(inp.fixtures / seed.TAIL_SWEEP)}): breakeven tail "
-                         f"{seed_breakeven}; tails below it stay scalar.")
+    sweep_frame = experiments.load("tail").sweep_frame
+    seed_df = breakeven.read_sweep_csv(inp.fixtures / seed.TAIL_SWEEP)
+    seed_breakeven = breakeven.breakeven_tail(seed_df)
+    beside = seed_df.set_index("tail")
+    section = Section("tail", "Breakeven: padded vs scalar tail", [
+        f"Seed ({seed.source_line(inp.fixtures / seed.TAIL_SWEEP)}): breakeven tail {seed_breakeven}; "
+        "tails below it stay scalar."])
+    for device in sorted({r["device"] for r in records}):
+        frame = sweep_frame(pd.json_normalize([r for r in records if r["device"] == device], sep="."))
+        for source, rows in frame.groupby("source", sort=False):
+            table = breakeven.tail_table(rows)
+            point = breakeven.breakeven_tail(rows)
+            table["seed padded tok/s"] = [beside.padded_tps.get(t) for t in table["tail"]]
+            table["seed scalar tok/s"] = [beside.scalar_tps.get(t) for t in table["tail"]]
+            table["seed winner"] = [breakeven.winner(beside.padded_tps[t], beside.scalar_tps[t])
+                                    if t in beside.index else None for t in table["tail"]]
+            section.tables.append(frame_table(f"{device}, {source}: breakeven tail {point} (seed: {seed_breakeven})",
+                                              table))
+            of_seed = str(source).startswith("fixture:")  # the seed's own sweep, loaded as records
+            section.images.append({"file": plots.tail_plot(inp.out, f"{device} {source}", rows, point,
+                                                           None if of_seed else seed_df, seed_breakeven),
+                                   "caption": f"{device}, {source}: throughput against tail, breakeven {point}"})
+            inp.breakevens.setdefault(device, {})[source] = point
     return section
 
 
-def chunk_choice_table(calls: pd.DataFrame, lengths: list[int], decode_s: float | None) -> pd.DataFrame:
+def chunk_choice_table(chunk_s: dict[int, float], lengths: list[int], decode_s: float | None) -> pd.DataFrame:
     """Projected latency per chunk size C over the utterance-length distribution: an utterance of n
     tokens costs ceil(n / C) chunk calls (the last one padded), against n decode steps without."""
     rows = []
-    for c, call_s in zip(calls.chunk, calls.chunk_call_s):
+    for c, call_s in sorted(chunk_s.items()):
         projected = [math.ceil(n / c) * call_s for n in lengths]
-        rows.append({"C": int(c), "chunk call s": call_s, "mean s": sum(projected) / len(projected),
+        rows.append({"C": c, "chunk call s": call_s, "mean s": sum(projected) / len(projected),
                      "worst s": max(projected),
                      "decode-only mean s": decode_s * sum(lengths) / len(lengths) if decode_s else None})
-    table = pd.DataFrame(rows).sort_values("C").reset_index(drop=True)
+    table = pd.DataFrame(rows)
     table["choice"] = ["<- best" if m == table["mean s"].min() else "" for m in table["mean s"]]
     return table
 
 
-def chunk_calls(records: list[dict]) -> pd.DataFrame:
-    """Chunk-call times in seconds per C, from measure records with figure `chunk_call` (issue 3's
-    layout, assumed: params.chunk, figures.chunk_call in s or ms)."""
-    scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
-    rows = [{"chunk": r["params"]["chunk"], "chunk_call_s": r["figures"]["chunk_call"]["median"]
-             * scale[r["figures"]["chunk_call"]["unit"]]}
-            for r in records if r["kind"] == "measure" and "chunk_call" in r["figures"]]
-    return pd.DataFrame(rows, columns=["chunk", "chunk_call_s"])
+TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def chunk_times(records: list[dict]) -> tuple[dict[int, float], float | None]:
+    """Seconds per chunk call by C, and per decode step, from chunk_prefill's measure records
+    (params.form chunk_call / decode_step, figures.time)."""
+    calls, decode = {}, None
+    for r in records:
+        fig = r["figures"].get("time")
+        if r["kind"] != "measure" or fig is None:
+            continue
+        if r["params"].get("form") == "chunk_call":
+            calls[int(r["params"]["chunk"])] = fig["median"] * TIME_UNITS[fig["unit"]]
+        elif r["params"].get("form") == "decode_step":
+            decode = fig["median"] * TIME_UNITS[fig["unit"]]
+    return calls, decode
 
 
 def chunk_choice(inp: Inputs) -> Section | None:
-    lengths = list(inp.settings["utterance_lengths"])
-    decode = inp.settings["seed_decode_s_per_token"]
     section = Section("chunk", "Breakeven: chunk-size choice")
-    section.lines.append(f"Utterance lengths: {lengths} tokens. Decode without chunking: n steps of the "
-                         "device's decode time (measured, or the seed's where the seed quotes one).")
-    seed_calls = seed.read(inp.fixtures / seed.CHUNK_PREFILL).dropna(subset=["chunk_call_s"])
-    for (device, run_id), records in _runs(inp.current_of("chunk_prefill")).items():
-        calls = chunk_calls(records)
-        if calls.empty:
+    quoted = inp.settings["seed_decode_s_per_token"]
+    for device in sorted({r["device"] for r in inp.current_of("chunk_prefill", "measure")}):
+        records = [r for r in inp.current_of("chunk_prefill", "measure") if r["device"] == device]
+        calls, decode_s = chunk_times(records)
+        if not calls:
             continue
-        decode_s = _decode_seconds(records) or decode.get(device)
-        table = chunk_choice_table(calls, lengths, decode_s)
-        section.tables.append(frame_table(f"{device} (run {run_id})", table))
+        decode_s = decode_s or quoted.get(device)
+        # the run's own utterance distribution where its config has one
+        lengths = list(records[0]["config"].get("latency.utterance_tokens") or inp.settings["utterance_lengths"])
+        section.tables.append(frame_table(f"{device}: utterances of {lengths} tokens",
+                                          chunk_choice_table(calls, lengths, decode_s)))
         section.images.append({"file": plots.chunk_plot(inp.out, device, calls, decode_s),
                                "caption": f"{device}: chunk call and decode time against C"})
     if not section.tables:
         return None
-    for target, calls in seed_calls.groupby("target", sort=False):
-        table = chunk_choice_table(calls, lengths, decode.get(target))
-        section.tables.append(frame_table(f"seed: {target} ({seed.CHUNK_PREFILL})", table))
+    lengths = inp.settings["utterance_lengths"]
+    seed_calls = pd.read_csv(inp.fixtures / seed.CHUNK_PREFILL, comment="#").dropna(subset=["chunk_call_s"])
+    for target, rows in seed_calls.groupby("target", sort=False):
+        table = chunk_choice_table(dict(zip(rows.chunk.astype(int), rows.chunk_call_s)), lengths, quoted.get(target))
+        section.tables.append(frame_table(f"seed: {target}, utterances of {lengths} tokens ({seed.CHUNK_PREFILL})",
+                                          table))
+    section.lines.append("Decode without chunking: n steps of the device's measured decode step, or the time "
+                         "the seed quotes for it (experiments/report.yaml).")
     return section
-
-
-def _decode_seconds(records: list[dict]) -> float | None:
-    for r in records:
-        fig = r.get("figures", {}).get("decode_step")
-        if fig:
-            return fig["median"] * {"s": 1.0, "ms": 1e-3}[fig["unit"]]
-    return None
 
 
 def gdn_throughput(inp: Inputs) -> Section | None:

@@ -40,6 +40,16 @@ def host_records(tmp_path_factory) -> list[dict]:
     return records
 
 
+@pytest.fixture(scope="session")
+def tail_records(tmp_path_factory) -> list[dict]:
+    """A real tail measurement on the host at tail 10, and the seed's sweep loaded as records by the
+    tail experiment (mode=fixture)."""
+    root = tmp_path_factory.mktemp("tail-runs")
+    for overrides in (["tail=10", "reps=2", "warmup=0"], ["mode=fixture"]):
+        runner.execute(config.load([*overrides, f"results_dir={root}"], experiment="tail"))
+    return ResultsStore(root).records()
+
+
 def later_night(records: list[dict], days: int, change=lambda r: r) -> list[dict]:
     """The same run's records as a run `days` later, each passed through `change`."""
     run_id = uuid.uuid4().hex[:12]
@@ -65,11 +75,9 @@ def scale_time(record: dict, factor: float, case: str) -> dict:
 
 
 def within_spread(record: dict) -> dict:
-    """Noise: every figure moved by half its own repetitions' range, towards worse."""
+    """Noise: a night whose median is the worst repetition seen the night before, same spread."""
     for fig in record["figures"].values():
-        half = (fig["max"] - fig["min"]) / 2
-        sign = 1 if fig["unit"] in ("ms", "s") else -1
-        fig.update(median=fig["median"] + sign * half, min=fig["min"] + sign * half, max=fig["max"] + sign * half)
+        fig["median"] = fig["max"] if fig["unit"] in ("ms", "s") else fig["min"]
     return record
 
 
@@ -91,19 +99,31 @@ def seed_records(tmp_path: Path) -> list[dict]:
 # --- content ---------------------------------------------------------------------------------------
 
 
-def test_report_tables_from_host_runs_and_seed(tmp_path, host_records):
-    records = host_records + seed_records(tmp_path)
+def column(table: dict, name: str) -> list[str]:
+    return [row[table["columns"].index(name)]["text"] for row in table["rows"]]
+
+
+def test_report_tables_from_host_runs_and_seed(tmp_path, host_records, tail_records):
+    records = host_records + tail_records + seed_records(tmp_path)
     content = build(tmp_path, records)
     sections = {s["id"]: s for s in content["sections"]}
 
     # the tail sweep: the seed's numbers give a breakeven of 10 (tail 8 scalar wins, tail 10 padded)
-    assert content["breakeven_tail"] == {"seed-m4pro": 10}
-    tail = sections["tail"]["tables"][0]
-    assert tail["caption"].startswith("seed-m4pro") and "breakeven tail 10" in tail["caption"]
+    fixture_source = f"fixture:{seed.TAIL_SWEEP}"
+    assert content["breakeven_tail"]["host"][fixture_source] == 10
+    tables = {t["caption"].split(":")[0] + ":" + t["caption"].split(":")[1]: t for t in sections["tail"]["tables"]}
+    seed_table = next(t for t in sections["tail"]["tables"] if fixture_source in t["caption"])
+    assert "breakeven tail 10 (seed: 10)" in seed_table["caption"]
     sweep = pd.read_csv(FIXTURES / seed.TAIL_SWEEP, comment="#")
-    winners = {row[1]["text"]: row[tail["columns"].index("winner")]["text"] for row in tail["rows"]}
-    assert winners == {str(t): ("padded" if p > s else "scalar")
-                       for t, p, s in zip(sweep["tail"], sweep.padded_tps, sweep.scalar_tps)}
+    assert column(seed_table, "tail") == [str(t) for t in sweep["tail"]]
+    for winner, p, s in zip(column(seed_table, "winner"), sweep.padded_tps, sweep.scalar_tps):
+        assert winner == "tie" or winner.split()[0] == ("padded" if p > s else "scalar")
+    # the host's own measurement at tail 10, with the seed's figures at the same tail beside it
+    measured = next(t for t in sections["tail"]["tables"] if t is not seed_table)
+    assert column(measured, "tail") == ["10"] and len(tables) == 2
+    at_10 = sweep.set_index("tail").loc[10]
+    assert [float(column(measured, "seed padded tok/s")[0]), float(column(measured, "seed scalar tok/s")[0])] == \
+        [at_10.padded_tps, at_10.scalar_tps]
 
     # the chunk-size choice on the Mali: one 64-call per 36..52-token utterance beats two 32-calls
     calls = pd.read_csv(FIXTURES / seed.CHUNK_PREFILL, comment="#").dropna()
@@ -111,6 +131,7 @@ def test_report_tables_from_host_runs_and_seed(tmp_path, host_records):
     lengths = report.settings()["utterance_lengths"]
     projected = {c: sum(math.ceil(n / c) * mali[c] for n in lengths) / len(lengths) for c in mali.index}
     table = next(t for t in sections["chunk"]["tables"] if t["caption"].startswith("mali"))
+    assert table["caption"] == f"mali-vulkan-valhall4: utterances of {lengths} tokens"
     chosen = [row[0]["text"] for row in table["rows"] if row[-1]["text"]]
     assert chosen == [str(min(projected, key=projected.get))]
 
@@ -132,11 +153,11 @@ def test_report_tables_from_host_runs_and_seed(tmp_path, host_records):
 
     # the same content for people (Markdown) and the page's images beside it
     md = (tmp_path / "report" / "report.md").read_text()
-    assert "breakeven tail 10" in md and "| host | refimpl |" in md
+    assert "breakeven tail 10 (seed: 10)" in md and "| host | refimpl |" in md
     for section in content["sections"]:
         for image in section["images"]:
             assert (tmp_path / "report" / image["file"]).stat().st_size > 1000
-    assert json.loads((tmp_path / "report" / "report.json").read_text())["breakeven_tail"] == {"seed-m4pro": 10}
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["breakeven_tail"]["host"][fixture_source] == 10
 
 
 def test_planted_regression_flagged_and_noise_not(tmp_path, host_records):
@@ -244,8 +265,8 @@ def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium is not installed (scripts/bootstrap.sh --test)")
-def test_page_renders_in_chromium_with_its_images(tmp_path, host_records):
-    records = host_records + later_night(host_records, 1, within_spread) + seed_records(tmp_path)
+def test_page_renders_in_chromium_with_its_images(tmp_path, host_records, tail_records):
+    records = host_records + later_night(host_records, 1, within_spread) + tail_records + seed_records(tmp_path)
     content = build(tmp_path, records)
     folder = tmp_path / "report"
     page = (folder / "report.html").read_text()
