@@ -57,7 +57,7 @@ def tail_plot(out: Path, device: str, df: pd.DataFrame, breakeven: int | None,
             ax.axvline(seed_breakeven, color="grey", ls=":", lw=1, label=f"seed breakeven {seed_breakeven}")
     ax.set_xlabel("tail (tokens after the last full chunk)")
     ax.set_ylabel("prefill tokens/s")
-    ax.set_title(f"padded vs scalar tail: {device}")
+    ax.set_title(f"padded vs scalar tail: {device}", fontsize=9)
     ax.legend(fontsize=8)
     return _save(fig, out, f"tail-{slug(device)}.png")
 

@@ -154,14 +154,6 @@ def _number(value, default):
     return default if number is None or pd.isna(number) else float(number)
 
 
-def _runs(records: list[dict]) -> dict[tuple, list[dict]]:
-    """Records grouped by (device, run id), in device order."""
-    out: dict[tuple, list[dict]] = {}
-    for r in sorted(records, key=lambda r: (r["device"], r["started"])):
-        out.setdefault((r["device"], r["run_id"]), []).append(r)
-    return out
-
-
 def tail_sweep(inp: Inputs) -> Section | None:
     """The tail experiment's sweep per device and source, in breakeven's columns (the experiment's own
     sweep_frame reads its records), with the seed's sweep beside it tail by tail."""
