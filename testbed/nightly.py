@@ -90,7 +90,10 @@ def load_suite(overrides: list[str], suite_dir: Path = SUITE_DIR) -> Suite:
         raise UsageError(f"suite {name}: needs `devices` (a list of {', '.join(known)}) and `runs`")
     jobs: dict[str, list[RunConfig]] = {d: [] for d in devices}
     for label, run in spec["runs"].items():
-        experiment = run.get("experiment")
+        experiment = run.get("experiment") if isinstance(run, dict) else None
+        if experiment is None:
+            raise UsageError(f"suite {name}: run {label!r} names no experiment; accepted: "
+                             f"{', '.join(config.choices('experiment'))}")
         for device in run.get("devices") or devices:
             if device not in jobs:
                 raise UsageError(f"suite {name}: run {label!r} names device {device!r}, "
@@ -100,9 +103,11 @@ def load_suite(overrides: list[str], suite_dir: Path = SUITE_DIR) -> Suite:
                 runner.check(rc)
                 jobs[device].append(rc)
     lock_dir = Path(spec.get("lock_dir") or Path(tempfile.gettempdir()) / "testbed-locks")
+    wait = spec.get("lock_wait_s", 0)
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
+        raise UsageError(f"suite {name}: lock_wait_s={wait!r} is not accepted; accepted: seconds >= 0")
     out = spec.get("report_out")
-    return Suite(name, devices, jobs, lock_dir, float(spec.get("lock_wait_s", 0)),
-                 config.project_path(out) if out else None)
+    return Suite(name, devices, jobs, lock_dir, float(wait), config.project_path(out) if out else None)
 
 
 # --- holding a device -----------------------------------------------------------------------------

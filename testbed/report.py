@@ -388,6 +388,7 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
         for name in ("report.html", "report.md"):
             (staging / name).write_text(env.get_template(name + ".j2").render(**content), encoding="utf-8")
         (staging / "report.json").write_text(json.dumps(content, indent=1, default=str), encoding="utf-8")
+        staging.chmod(0o755)  # mkdtemp made it private; a report is for reading, e.g. from a web server
         _replace(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

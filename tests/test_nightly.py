@@ -167,6 +167,8 @@ def test_an_oracle_failure_exits_1_with_the_failures_listed(tmp_path, results_di
     (["suite=smoke", "nokey=1"], "nokey"),
     (["suite=smoke", 'runs.gdn.overrides=["chunk=0"]'], "chunk=0 is out of range"),
     (["suite=smoke", "devices=[nowhere]"], "unknown device 'nowhere'"),
+    (["suite=smoke", "lock_wait_s=soon"], "lock_wait_s='soon' is not accepted"),
+    (["suite=smoke", "runs.gdn.experiment=null"], "run 'gdn' names no experiment"),
 ])
 def test_usage_errors_exit_2_and_write_nothing(args, says, results_dir, capsys):
     assert main(["nightly", *args]) == 2

@@ -239,6 +239,20 @@ def test_report_command_since_and_bad_input(tmp_path, host_records, monkeypatch,
     assert list(out.glob(".*")) == [] and list(tmp_path.glob(".out.*")) == []  # nothing left staged
 
 
+def test_a_report_that_fails_midway_leaves_the_previous_one(tmp_path, host_records, monkeypatch):
+    build(tmp_path, host_records)
+    before = (tmp_path / "report" / "report.json").read_text()
+
+    def broken(inp):
+        raise RuntimeError("a section broke")
+
+    monkeypatch.setattr(report, "SECTIONS", [report.oracle_matrix, broken])
+    with pytest.raises(RuntimeError):
+        build(tmp_path, host_records + later_night(host_records, 1))
+    assert (tmp_path / "report" / "report.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+
+
 # --- the page in a browser -------------------------------------------------------------------------
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
