@@ -78,18 +78,20 @@ def chunk_plot(out: Path, device: str, calls: dict[int, float], decode_s: float 
 
 # At most this many lines per history plot: the series with the most nights.
 MAX_LINES = 8
+# What counts as throughput: tokens (gdn, tail) or rows of a graph call (chunk_prefill) per second.
+THROUGHPUT_UNITS = ("tokens/s", "rows/s")
 
 
 def history_plots(out: Path, records: list[dict], nights: int) -> list[dict]:
-    """Per experiment and device: every tokens/s figure over its last `nights` runs."""
-    points: dict[tuple, list[tuple[dt.datetime, float]]] = {}
+    """Per experiment and device: every throughput figure over its last `nights` runs."""
+    points: dict[tuple, list[tuple[dt.datetime, float, str]]] = {}
     measures = sorted((r for r in records if r["kind"] == "measure"),
                       key=lambda r: (r["experiment"], r["device"], r["started"]))
     for r in measures:
         for name, fig in r["figures"].items():
-            if fig["unit"] == "tokens/s":
+            if fig["unit"] in THROUGHPUT_UNITS:
                 key = (r["experiment"], r["device"], f"{r['case']} {name} [{history.config_key(r)[:6]}]")
-                points.setdefault(key, []).append((dt.datetime.fromisoformat(r["started"]), fig["median"]))
+                points.setdefault(key, []).append((dt.datetime.fromisoformat(r["started"]), fig["median"], fig["unit"]))
     images = []
     for (experiment, device), group in groupby(sorted(points), key=lambda k: k[:2]):
         series = sorted(group, key=lambda k: -len(points[k]))[:MAX_LINES]
@@ -97,12 +99,12 @@ def history_plots(out: Path, records: list[dict], nights: int) -> list[dict]:
             continue  # one night is not a trend
         fig, ax = _pyplot().subplots(figsize=(8, 4))
         for key in series:
-            when, value = zip(*points[key][-nights:])
+            when, value, _ = zip(*points[key][-nights:])
             ax.plot(when, value, "o-", label=key[2])
-        ax.set_ylabel("tokens/s (median)")
+        ax.set_ylabel(" or ".join(sorted({points[k][0][2] for k in series})) + " (median)")
         ax.set_title(f"{experiment} on {device}: last {nights} runs")
         ax.legend(fontsize=6)
         fig.autofmt_xdate()
         images.append({"file": _save(fig, out, f"history-{slug(experiment)}-{slug(device)}.png"),
-                       "caption": f"{experiment} on {device}: tokens/s over recent runs"})
+                       "caption": f"{experiment} on {device}: throughput over recent runs"})
     return images

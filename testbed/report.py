@@ -242,7 +242,8 @@ def chunk_choice(inp: Inputs) -> Section | None:
         section.tables.append(frame_table(f"seed: {target}, utterances of {lengths} tokens ({seed.CHUNK_PREFILL})",
                                           table))
     section.lines.append("Decode without chunking: n steps of the device's measured decode step, or the time "
-                         "the seed quotes for it (experiments/report.yaml).")
+                         "the seed quotes for it (experiments/report.yaml). The reply's decode steps cost the "
+                         "same for every C and are left out.")
     return section
 
 
