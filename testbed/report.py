@@ -298,7 +298,8 @@ def nights(inp: Inputs) -> Section | None:
     if not inp.nights:
         return None
     rows = [[cell(n["night"]), cell(n["suite"]), cell(n["started"]), cell(n["finished"]),
-             cell(", ".join(f"{d}: {s['status']}" for d, s in n["devices"].items())),
+             cell("; ".join(f"{d}: {s['status']}" + (f" ({s['reason']})" if s["reason"] else "")
+                            for d, s in n["devices"].items())),
              cell(n["exit_status"], cls="pass" if n["exit_status"] == 0 else "fail")]
             for n in inp.nights[-inp.settings["history_nights"]:]]
     return Section("nights", "Recent nights", tables=[Table("nightly runs", ["night", "suite", "started",

@@ -134,6 +134,8 @@ def test_devices_in_parallel_busy_and_unreachable(tmp_path, lab, results_dir):
     assert {r["device"] for r in records} == {"host"} and len(records) == 36
     night = ResultsStore(results_dir / "nights").records()[0]
     assert {d: s["status"] for d, s in night["devices"].items()} == {"host": "ok", "bench2": "busy", "phone": "unreachable"}
+    page = (results_dir / "report" / "report.md").read_text()
+    assert "phone: unreachable (phone: ssh 127.0.0.1:" in page and "bench2: busy (held by pid" in page
     # the locks were released: the next night gets every device at once
     for device in suite.devices:
         with nightly.device_lock(suite.lock_dir, device, 0, "test"):
