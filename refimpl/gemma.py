@@ -28,7 +28,7 @@ builder shows as a difference. Plain functions on numpy arrays, no I/O; float32 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -142,7 +142,7 @@ def init_weights(cfg: GemmaConfig, seed: int = 0) -> dict[str, np.ndarray]:
             std = cfg.hidden ** -0.5
         else:
             std = shape[1] ** -0.5
-        weights[name] = (rng.standard_normal(shape) * std).astype(DTYPE)
+        weights[name] = rng.standard_normal(shape, dtype=DTYPE) * DTYPE(std)
     return weights
 
 
@@ -278,7 +278,7 @@ class ChunkInputs:
     masks: dict[str, np.ndarray]      # layer type -> [1, heads, C, P + C]
     select: np.ndarray                # [C] float32 one-hot
     n: int                            # real tokens
-    table_positions: np.ndarray = field(default=None)  # [C] positions the tables were built for
+    table_positions: np.ndarray       # [C] positions the tables were built for (pads continue the chunk)
 
 
 def chunk_inputs(cfg: GemmaConfig, tokens, past_len: int, chunk: int, past_positions=None,
@@ -287,8 +287,9 @@ def chunk_inputs(cfg: GemmaConfig, tokens, past_len: int, chunk: int, past_posit
 
     past_positions: the position each past row holds (-1 empty); default 0..past_len-1. The chunk
     starts at `start`, default one after the newest past position. Pad rows get table rows for the
-    positions that continue the chunk (they are masked off, so any finite table would do) and mask
-    position -1. select_row defaults to the last real row."""
+    positions that continue the chunk and mask position -1 (they attend only themselves, so their
+    K/V rows are those of their token alone at that position). select_row defaults to the last real
+    row."""
     tokens = np.asarray(tokens, np.int64).reshape(-1)
     n = tokens.size
     if not 1 <= n <= chunk:
@@ -368,3 +369,13 @@ def redecode(w: dict, cfg: GemmaConfig, tokens, position: int, attention: Attent
         mask = np.broadcast_to(np.where(visible[t], 0.0, MASKED).astype(DTYPE), (1, cfg.heads, *visible[t].shape))
         x, _, _ = decoder_layer(w, cfg, i, x, cos, sin, past_k[i], past_v[i], mask, attention)
     return lm_head(w, cfg, x[position])
+
+
+def graph_flops(cfg: GemmaConfig, rows: int, past: int, logit_rows: int = 1) -> int:
+    """Multiply-add FLOPs (2 per MAC) of one call on `rows` rows against `past` cached rows: the
+    projections, attention scores and weighted sum over the past + rows keys, the MLP, and the LM
+    head on `logit_rows` rows. Norms, RoPE and softmax are O(rows * width) and left out."""
+    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    per_layer = 2 * rows * cfg.hidden * (2 * q + 2 * kv) + 2 * rows * 3 * cfg.hidden * cfg.mlp
+    per_layer += 2 * 2 * cfg.heads * rows * (past + rows) * cfg.head_dim
+    return cfg.layers * per_layer + 2 * logit_rows * cfg.hidden * cfg.vocab

@@ -15,7 +15,8 @@ cache" can mean memcmp equality:
 SlidingCache: `window` slots in all, the first `sink` of which are never evicted (attention sinks);
 the other `window - sink` slots (the tail capacity) hold the most recent rows. An append that
 overflows evicts the oldest non-sink rows and the survivors compact chronologically: slot order is
-always position order.
+always position order. The sinks count inside the window, as in the seed's engine: its guard
+"no padding where window <= chunk + sink" is exactly "a padded chunk does not fit the tail capacity".
 
 FullCache: a full-attention (global) layer's cache, which grows by every append and never evicts.
 

@@ -64,8 +64,8 @@ class ModelCaches:
 
     def positions(self, layer_types: tuple[str, ...]) -> dict[str, np.ndarray]:
         """The positions held by each layer type's caches (all layers of a type share one layout)."""
-        first = {t: layers_i for layers_i, t in reversed(list(enumerate(layer_types)))}
-        return {t: sc.read(self.layers[i])[2] for t, i in first.items()}
+        first_layer = {t: layer_types.index(t) for t in dict.fromkeys(layer_types)}
+        return {t: self.layers[i].rows.positions[:self.layers[i].length].copy() for t, i in first_layer.items()}
 
 
 def model_caches(cfg: gemma.GemmaConfig, dtype: str = "float32", sink: int = 0, group: int = 16,

@@ -52,7 +52,9 @@ def tail_table(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> pd.DataFra
         "tail": rows["tail"].astype(int),
         "padded tok/s": rows["padded_tps"].astype(float).round(1),
         "scalar tok/s": rows["scalar_tps"].astype(float).round(1),
-        "winner": [winner(p, s, tie_percent) for p, s in zip(rows["padded_tps"], rows["scalar_tps"])],
+        # tail 0: both modes run the same full chunks, so any difference is noise
+        "winner": ["tie" if t == 0 else winner(p, s, tie_percent)
+                   for t, p, s in zip(rows["tail"], rows["padded_tps"], rows["scalar_tps"])],
         "padded TTFT (ms)": rows["padded_ttft_ms"].astype(float).round(0).astype(int),
         "scalar TTFT (ms)": rows["scalar_ttft_ms"].astype(float).round(0).astype(int),
     })
@@ -60,9 +62,11 @@ def tail_table(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> pd.DataFra
 
 def breakeven_tail(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> int | None:
     """The smallest tail from which padding wins for good: padded beats scalar (by more than a tie)
-    at that tail and at every larger tail measured. None if padding does not win at the largest."""
+    at that tail and at every larger tail measured. None if padding does not win at the largest.
+    Tail 0 has nothing to pad and is left out."""
     _require(df)
-    wins = df.assign(win=padded_wins(df, tie_percent)).groupby("tail")["win"].all().sort_index()
+    tails = df[df["tail"] > 0]
+    wins = tails.assign(win=padded_wins(tails, tie_percent)).groupby("tail")["win"].all().sort_index()
     breakeven = None
     for tail, win in reversed(list(wins.items())):
         if not win:

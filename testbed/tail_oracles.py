@@ -197,9 +197,9 @@ def _exact_state(p: tp.Prefill) -> dict[str, np.ndarray]:
     state (fed exact embedding rows)."""
     out = {}
     for i, c in enumerate(p.caches.layers):
-        out[f"layer{i}.positions"] = c.rows.positions[:c.length]
+        out[f"layer{i}.positions"] = c.rows.positions[:c.length].copy()
     for i, s in enumerate(p.caches.states):
-        out[f"state{i}.ring"] = s.ring
+        out[f"state{i}.ring"] = s.ring.copy()
     return out
 
 
@@ -229,11 +229,16 @@ def check_first_token(engine: Engine, tokens, configured_chunk: int, generate_st
         with kill_switch(off):
             runs[mode] = [engine.prefill(tokens) for _ in range(2)]
     padded, scalar = runs["padded"][0], runs["scalar"][0]
+    # Read before generating, which grows the caches.
+    exact_state = {m: _exact_state(r[0]) for m, r in runs.items()}
+    cache_digests = {m: [digest(*(a for c in r.caches.layers + r.caches.states for a in sc.cache_bytes(c).values()))
+                         for r in rs] for m, rs in runs.items()}
+    k_diffs = [float(np.max(np.abs(sc.read(a)[0] - sc.read(b)[0]), initial=0.0))
+               for a, b in zip(padded.caches.layers, scalar.caches.layers) if a.length == b.length]
     tel = {m: r[0].telemetry for m, r in runs.items()}
     info = {"prompt_tokens": len(tokens), "padded_mode": tel["padded"].tail_mode, "reason": tel["padded"].reason,
             **{f"{m}.{k}": v for m, t in tel.items() for k, v in vars(t).items() if k not in ("reason",)}}
 
-    # Generated tokens (the caches grow, so the determinism check reads them first).
     generated = {m: [engine.generate(r, generate_steps) for r in rs] for m, rs in runs.items()}
     agree = 0
     for a, b in zip(generated["padded"][0], generated["scalar"][0]):
@@ -255,25 +260,20 @@ def check_first_token(engine: Engine, tokens, configured_chunk: int, generate_st
     for mode, (a, b) in runs.items():
         if digest(a.logits) != digest(b.logits):
             problems.append(f"{mode}: logits differ run to run")
+        if cache_digests[mode][0] != cache_digests[mode][1]:
+            problems.append(f"{mode}: cache bytes differ run to run")
         if generated[mode][0] != generated[mode][1]:
             problems.append(f"{mode}: generated tokens differ run to run")
-    determinism = Verdict("determinism", not problems, float(-len(problems)), info, "; ".join(problems))
+    determinism = Verdict("determinism", not problems, float(-len(problems)),
+                          {**info, "cache_sha256": cache_digests["padded"][0]}, "; ".join(problems))
 
     problems = _telemetry_problems(tel["padded"], configured_chunk, True) + \
         _telemetry_problems(tel["scalar"], configured_chunk, False)
     telemetry = Verdict("telemetry", not problems, float(-len(problems)), info, "; ".join(problems))
 
-    # The exact state is compared right after prefill: fresh runs, since generate grew the caches.
-    with kill_switch(False):
-        p = engine.prefill(tokens)
-    with kill_switch(True):
-        s = engine.prefill(tokens)
-    state = check_bitexact(_exact_state(s), _exact_state(p))
-    k_diffs = [float(np.max(np.abs(sc.read(a)[0] - sc.read(b)[0]), initial=0.0))
-               for a, b in zip(p.caches.layers, s.caches.layers) if a.length == b.length]
-    k_diff = max(k_diffs) if k_diffs else None  # None: no layer kept the same number of rows
-    exact = Verdict("exact_state", state.passed, state.margin, {**info, "max_abs_k_diff": k_diff},
-                    state.detail)
+    state = check_bitexact(exact_state["scalar"], exact_state["padded"])
+    exact = Verdict("exact_state", state.passed, state.margin,
+                    {**info, "max_abs_k_diff": max(k_diffs) if k_diffs else None}, state.detail)
     return [first, determinism, telemetry, exact]
 
 

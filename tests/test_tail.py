@@ -137,3 +137,11 @@ def test_breakeven_needs_padding_to_win_for_good():
 def test_table_rejects_a_frame_without_the_columns():
     with pytest.raises(ValueError, match="padded_tps"):
         tail_table(pd.DataFrame({"prompt_tokens": [1], "tail": [1]}))
+
+
+def test_tail_zero_is_a_tie_and_never_the_breakeven():
+    # No tail: both modes run the same chunks, so a faster padded median there is noise.
+    rows = pd.DataFrame({"prompt_tokens": [128, 138], "tail": [0, 10], "padded_tps": [120, 90],
+                         "scalar_tps": [100, 100], "padded_ttft_ms": [1, 1], "scalar_ttft_ms": [1, 1]})
+    assert tail_table(rows)["winner"].tolist()[0] == "tie"
+    assert breakeven_tail(rows) is None

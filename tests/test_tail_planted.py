@@ -5,7 +5,6 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 from refimpl import gemma
-from refimpl import sliding_cache as sc
 from refimpl import tail_prefill as tp
 from testbed.tail_oracles import Engine, check_first_token
 
@@ -61,3 +60,17 @@ def test_pads_left_in_the_engine_caches_are_caught(model, monkeypatch):
     v = verdicts(model, 8 * CHUNK - 1)
     assert not v["exact_state"].passed
 
+
+
+class IgnoresKillSwitch(tp.TailPolicy):
+    """A kill switch read once at start-up (or never): setting it later changes nothing."""
+
+    def decide(self, tail, chunk, caches):
+        with pytest.MonkeyPatch.context() as env:
+            env.delenv(tp.KILL_SWITCH, raising=False)
+            return super().decide(tail, chunk, caches)
+
+
+def test_a_kill_switch_that_does_not_turn_padding_off_is_caught(model):
+    v = verdicts(model, CHUNK + 40, policy=IgnoresKillSwitch())
+    assert not v["telemetry"].passed and "padded with the kill switch set" in v["telemetry"].detail

@@ -2,8 +2,8 @@
 
 bench    for each prompt length N (blocks * chunk + tail, or prompt_tokens): time to first token of
          the prefill with the tail padded (padding forced wherever the guards allow, threshold 0) and
-         with the scalar tail (kill switch set), alternating, with repetitions; one record per
-         (N, mode) with TTFT, tokens/s (N / TTFT) and the telemetry.
+         with the scalar tail (kill switch set), all (N, mode) alternating, with repetitions; one
+         record per (N, mode) with TTFT, tokens/s (N / TTFT), GFLOP/s and the telemetry.
 oracle   the byte-identical cache grid and the first-token suite (C+2, C+9, 2C-1, 8C-1 by default).
 fixture  the seed's measured sweep (M4 Pro, gemma-4-e2b-it) as records, so the same table shows it.
 
@@ -89,6 +89,8 @@ def validate(cfg: DictConfig) -> None:
                              "blocks * chunk + offset >= 1")
     if cfg.mode == "fixture":
         fixture_path(cfg)
+    elif cfg.threshold == "measured":
+        policy_threshold(cfg, cfg.device.name)  # a missing sweep is bad input: say so before running
 
 
 def model_config(cfg: DictConfig) -> gemma.GemmaConfig:
@@ -160,40 +162,67 @@ def oracle_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Re
                          detail=v.detail)
 
 
+def call_flops(mcfg: gemma.GemmaConfig, rows: int, past: int) -> int:
+    """FLOPs of one graph call of `rows` rows after `past` prompt positions: gemma.graph_flops, with
+    each local layer attending only the rows its sliding cache holds (at most the window)."""
+    head = gemma.graph_flops(mcfg, rows, past) - gemma.graph_flops(mcfg, rows, past, logit_rows=0)
+
+    def layer(keys: int) -> int:
+        return gemma.graph_flops(mcfg, rows, keys, logit_rows=0) // mcfg.layers
+
+    return head + sum(layer(min(past, mcfg.window) if t == "local" else past) for t in mcfg.layer_types)
+
+
+def prefill_flops(mcfg: gemma.GemmaConfig, tel: tp.Telemetry) -> int:
+    """FLOPs of the graph calls a prefill made, read off its telemetry (pad rows are computed too)."""
+    c = tel.chunk_size
+    calls = [(c, b * c) for b in range(tel.chunk_tokens // c)]
+    if tel.tail_mode == "padded":
+        calls += [(c, tel.chunk_tokens), (1, tel.prompt_tokens - 1)]
+    else:
+        calls += [(1, p) for p in range(tel.chunk_tokens, tel.prompt_tokens)]
+    return sum(call_flops(mcfg, rows, past) for rows, past in calls)
+
+
 def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
     # Padding is forced wherever the guards allow (threshold 0): the sweep measures what the policy's
-    # threshold is then chosen from. Scalar is the kill switch.
+    # threshold is then chosen from. Scalar is the kill switch. Every (N, mode) is one variant, and
+    # all variants alternate, so 1023 and 1024 are compared under the same machine load.
     forced = make_engine(cfg, mcfg, w, 0)
     label = source_label(cfg, ctx.device.profile.name)
-    for n in _lengths(cfg):
-        ctx.progress(f"tail bench N={n}")
-        tokens = prompt(mcfg, n, cfg.seed)
-        telemetry = {}
+    lengths = _lengths(cfg)
+    prompts = {n: prompt(mcfg, n, cfg.seed) for n in lengths}
+    telemetry = {}
 
-        def run(mode):
+    def variant(n: int, mode: str):
+        def run():
             with kill_switch(mode == "scalar"):
-                state = forced.prefill(tokens)
-            telemetry[mode] = state.telemetry
+                state = forced.prefill(prompts[n])
+            telemetry[n, mode] = state.telemetry
             return state.first_token  # the first token is out: that is TTFT
+        return run
 
-        times = time_alternating({"padded": lambda: run("padded"), "scalar": lambda: run("scalar")},
-                                 reps=cfg.reps, warmup=cfg.warmup)
-        tail = n % cfg.chunk
-        would_pad = tp.TailPolicy(threshold).decide(tail, forced.graph.rows, forced.make_caches())
-        for mode, t in times.items():
-            tel = telemetry[mode]
-            rows = tel.chunk_tokens + (tel.chunk_size if tel.tail_mode == "padded" else 0) + tel.scalar_tail_tokens
-            calls = tel.chunk_tokens // tel.chunk_size + (tel.tail_mode == "padded") + tel.scalar_tail_tokens
-            yield Record(
-                "tail", f"N={n}/{mode}", "measure",
-                figures={"ttft": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(n, "tokens/s")},
-                metrics={**{f"telemetry.{k}": v for k, v in vars(tel).items()},
-                         "policy_pads": would_pad[0], "policy_reason": would_pad[1]},
-                work={"rows_computed": rows, "graph_calls": calls,
-                      "what": "wall time from prompt to first token (prefill + argmax), reference model"},
-                params={"prompt_tokens": n, "tail": tail, "mode": mode, "chunk": cfg.chunk,
-                        "threshold": threshold, "source": label, "threads": cfg.threads},
-            )
+    ctx.progress(f"tail bench N={','.join(map(str, lengths))}")
+    times = time_alternating({(n, mode): variant(n, mode) for n in lengths for mode in ("padded", "scalar")},
+                             reps=cfg.reps, warmup=cfg.warmup)
+    for (n, mode), t in times.items():
+        tel = telemetry[n, mode]
+        would_pad = tp.TailPolicy(threshold).decide(tel.tail, forced.graph.rows, forced.make_caches())
+        rows = tel.chunk_tokens + (tel.chunk_size if tel.tail_mode == "padded" else 0) + tel.scalar_tail_tokens
+        calls = tel.chunk_tokens // tel.chunk_size + (tel.tail_mode == "padded") + tel.scalar_tail_tokens
+        flops = prefill_flops(mcfg, tel)
+        yield Record(
+            "tail", f"N={n}/{mode}", "measure",
+            figures={"ttft": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(n, "tokens/s"),
+                     "gflops": t.rate(flops / 1e9, "GFLOP/s")},
+            metrics={**{f"telemetry.{k}": v for k, v in vars(tel).items()},
+                     "policy_pads": would_pad[0], "policy_reason": would_pad[1]},
+            work={"rows_computed": rows, "graph_calls": calls, "flops": flops,
+                  "flop_count": "gemma.graph_flops per call, local layers over the rows their window holds",
+                  "what": "wall time from prompt to first token (prefill + argmax), reference model"},
+            params={"prompt_tokens": n, "tail": tel.tail, "mode": mode, "chunk": cfg.chunk,
+                    "threshold": threshold, "source": label, "threads": cfg.threads},
+        )
 
 
 FIXTURE_REPS = 8  # the seed's sweep: medians of 8 alternating repetitions (min and max not published)
@@ -242,7 +271,7 @@ def sweep_frame(df: pd.DataFrame) -> pd.DataFrame:
     m = df[df["kind"] == "measure"]
     if m.empty:
         return pd.DataFrame()
-    m = m.sort_values("time").groupby(["params.source", "params.prompt_tokens", "params.mode"]).tail(1)
+    m = m.sort_values("time", kind="stable").groupby(["params.source", "params.prompt_tokens", "params.mode"]).tail(1)
     wide = m.pivot_table(index=["params.source", "params.prompt_tokens", "params.tail"], columns="params.mode",
                          values=["figures.tokens_per_s.median", "figures.ttft.median"], aggfunc="last")
     wide = wide.dropna()
@@ -265,16 +294,20 @@ def breakeven_row(sweep: pd.DataFrame) -> dict:
     return {"N": "breakeven", "tail": b, "winner": f"padded from tail {b} (threshold {b - 1})"}
 
 
+MIN_SWEEP_TAILS = 3  # fewer tails are a comparison (1023 vs 1024), not a sweep with a breakeven
+
+
 def view(df: pd.DataFrame) -> pd.DataFrame:
-    """Measurements: the reviewer's table per source, each closed by its breakeven row. Without
-    measurements: the oracle verdicts."""
+    """Measurements: the reviewer's table per source, closed by its breakeven row when it has at
+    least MIN_SWEEP_TAILS tails. Without measurements: the oracle verdicts."""
     sweep = sweep_frame(df)
     if len(sweep):
         parts = []
         for source, rows in sweep.groupby("source", sort=False):
             # object columns keep whole numbers whole beside the breakeven row's blanks
             table = breakeven.tail_table(rows).astype(object)
-            table = pd.concat([table, pd.DataFrame([breakeven_row(rows)], dtype=object)], ignore_index=True)
+            if rows["tail"].nunique() >= MIN_SWEEP_TAILS:
+                table = pd.concat([table, pd.DataFrame([breakeven_row(rows)], dtype=object)], ignore_index=True)
             table.insert(0, "source", source)
             parts.append(table)
         return pd.concat(parts, ignore_index=True)
