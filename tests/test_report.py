@@ -42,11 +42,13 @@ def host_records(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def tail_records(tmp_path_factory) -> list[dict]:
-    """A real tail measurement on the host at tail 10, and the seed's sweep loaded as records by the
-    tail experiment (mode=fixture)."""
+    """A real tail measurement on the host at tail 10, the seed's sweep loaded as records by the
+    tail experiment (mode=fixture), and real chunk_prefill timings at C = 16 and 32."""
     root = tmp_path_factory.mktemp("tail-runs")
-    for overrides in (["tail=10", "reps=2", "warmup=0"], ["mode=fixture"]):
-        runner.execute(config.load([*overrides, f"results_dir={root}"], experiment="tail"))
+    for experiment, overrides in (("tail", ["tail=10", "reps=2", "warmup=0"]), ("tail", ["mode=fixture"]),
+                                  ("chunk_prefill", ["mode=bench", "chunk=16"]),
+                                  ("chunk_prefill", ["mode=bench", "chunk=32"])):
+        runner.execute(config.load([*overrides, f"results_dir={root}"], experiment=experiment))
     return ResultsStore(root).records()
 
 
@@ -134,6 +136,15 @@ def test_report_tables_from_host_runs_and_seed(tmp_path, host_records, tail_reco
     assert table["caption"] == f"mali-vulkan-valhall4: utterances of {lengths} tokens"
     chosen = [row[0]["text"] for row in table["rows"] if row[-1]["text"]]
     assert chosen == [str(min(projected, key=projected.get))]
+
+    # the host's own chunk calls: the C of least mean projected latency over its run's utterance lengths
+    host_table = next(t for t in sections["chunk"]["tables"] if t["caption"].startswith("host"))
+    timed = {r["params"]["chunk"]: r["figures"]["time"]["median"] for r in tail_records
+             if r["experiment"] == "chunk_prefill" and r["params"].get("form") == "chunk_call"}
+    run_lengths = next(r["config"]["latency.utterance_tokens"] for r in tail_records if r["experiment"] == "chunk_prefill")
+    mean = {c: sum(math.ceil(n / c) * t for n in run_lengths) / len(run_lengths) for c, t in timed.items()}
+    assert column(host_table, "C") == ["16", "32"]
+    assert [row[0]["text"] for row in host_table["rows"] if row[-1]["text"]] == [str(min(mean, key=mean.get))]
 
     # the oracle matrix: one cell per device, backend and oracle, counts as in the store
     matrix = sections["oracles"]["tables"][0]
