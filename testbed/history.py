@@ -65,6 +65,7 @@ class Flag:
     what: str  # the figure's name, or the oracle's
     now: str
     before: str
+    spread: str  # what the earlier runs spanned (every repetition), or the earlier verdict
     change: str
     since: str  # the start time of the first run of the streak that is still failing
     since_commit: str
@@ -72,8 +73,8 @@ class Flag:
     run_id: str
 
     def line(self) -> str:
-        return (f"{self.experiment} on {self.device} [{self.config_key}] {self.case} {self.what}: "
-                f"{self.now} vs {self.before} ({self.change}) since {self.since} ({self.since_commit[:10]})")
+        return (f"{self.experiment} on {self.device} {self.case} {self.what} {self.change}: {self.now} vs "
+                f"{self.before}, since {self.since[:16]} ({self.since_commit[:8]})")
 
 
 def _worse(fig: dict, envelope: tuple[float, float], unit: str) -> bool:
@@ -127,11 +128,12 @@ def figure_regressions(records: list[dict], history: int, min_history: int) -> l
             baseline = _median([f["median"] for _, f in points[:s]])
             change = (fig["median"] - baseline) / baseline if baseline else float("inf")
             first = points[s][0]
+            lo, hi = _envelope([f for _, f in points[:s]])
             flags.append(Flag(
                 "figure", key[0], key[1], key[2], key[3], name,
                 now=f"{fig['median']:.4g} {fig['unit']} [{fig['min']:.4g}, {fig['max']:.4g}]",
-                before=f"{baseline:.4g} {fig['unit']} (runs before: {_envelope([f for _, f in points[:s]])[0]:.4g}"
-                       f" to {_envelope([f for _, f in points[:s]])[1]:.4g})",
+                before=f"{baseline:.4g} {fig['unit']}",
+                spread=f"{lo:.4g} to {hi:.4g} over {s} runs",
                 change=f"{change:+.1%}", since=first["started"], since_commit=first["git_commit"],
                 record_id=rows[-1]["record_id"], run_id=rows[-1]["run_id"],
             ))
@@ -152,7 +154,7 @@ def oracle_flips(records: list[dict]) -> list[Flag]:
         flags.append(Flag(
             "oracle", key[0], key[1], key[2], key[3], key[4] or "",
             now=f"{rows[-1]['verdict']} (margin {rows[-1].get('margin')})",
-            before=f"pass (margin {passed.get('margin')}) on {passed['started']}",
+            before=f"pass (margin {passed.get('margin')})", spread=f"last passed {passed['started']}",
             change="pass -> " + rows[-1]["verdict"], since=first_fail["started"],
             since_commit=first_fail["git_commit"], record_id=rows[-1]["record_id"], run_id=rows[-1]["run_id"],
         ))

@@ -287,10 +287,10 @@ def regressions(inp: Inputs) -> Section:
     for f in flags:
         record = next(r for r in inp.records if r["record_id"] == f.record_id)
         rows.append([cell(f.kind), cell(f.experiment), cell(f.device), cell(f.config_key),
-                     cell(f.case, inp.cite(record)), cell(f.what), cell(f.now), cell(f.before),
+                     cell(f.case, inp.cite(record)), cell(f.what), cell(f.now), cell(f.before), cell(f.spread),
                      cell(f.change, cls="fail"), cell(f"{f.since} ({f.since_commit[:10]})")])
     section.tables.append(Table("flags", ["kind", "experiment", "device", "config", "case", "what", "now",
-                                          "before", "change", "since"], rows))
+                                          "before (median)", "before (spread)", "change", "since"], rows))
     return section
 
 
