@@ -1,0 +1,300 @@
+"""`testbed nightly [suite=NAME] [key=value ...]`: run a suite on its devices, then write the report.
+
+A suite is Hydra config, experiments/suite/NAME.yaml: the devices, and the runs, each an experiment
+with overrides in Hydra's syntax (sweeps included: chunk=16,32,64) and optionally its own devices.
+Extra key=value arguments override the suite's keys (lock_wait_s=60). Every job is composed and
+checked before the first one starts, so a usage or configuration error runs nothing and writes
+nothing.
+
+Devices run concurrently, one worker thread per device, each running its jobs one after the other
+(the work is on the devices, the host mostly waits). A device is held for the whole night through a
+lock file in lock_dir (flock, released by the kernel if the process dies), so a second nightly on
+the same machine waits for the device, up to lock_wait_s, then reports it busy. A device that cannot
+be reached (DeviceUnreachable, when connecting or during a run) is reported and the others go on.
+
+Each night appends one line to RESULTS/nights/records.jsonl (which runs, each device's status, tool
+versions); the report reads it beside the records. Exit status: 0 every oracle passed and nothing
+regressed; 1 an oracle failed, a run broke, or a figure or oracle regressed; 2 a usage or
+configuration error; 3 a device was unreachable or busy and nothing else went wrong.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import os
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+
+from testbed import config, history, report, runner
+from testbed.config import CONFIG_DIR, RunConfig
+from testbed.devices import Device, connect, load_profile
+from testbed.errors import DeviceUnreachable, UsageError
+from testbed.results import ResultsStore
+
+SUITE_DIR = CONFIG_DIR / "suite"
+SCREEN = 12  # at most this many failure or regression lines in the summary; the report has them all
+
+
+class DeviceBusy(Exception):
+    """Another run holds the device's lock for longer than this night may wait."""
+
+
+# --- the suite ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Suite:
+    name: str
+    devices: list[str]
+    jobs: dict[str, list[RunConfig]]  # device -> its jobs, in the suite's order
+    lock_dir: Path
+    lock_wait_s: float
+    report_out: Path | None
+
+
+def load_suite(overrides: list[str], suite_dir: Path = SUITE_DIR) -> Suite:
+    """Compose suite=NAME (default: default) with the other overrides, and check every job."""
+    names = sorted(p.stem for p in suite_dir.glob("*.yaml"))
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("suite=")]
+    name = chosen[-1] if chosen else "default"
+    if name not in names:
+        raise UsageError(f"unknown suite {name!r}; accepted: {', '.join(names)}")
+    rest = [o for o in overrides if not o.startswith("suite=")]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(suite_dir), version_base="1.3"):
+        try:
+            cfg = compose(name, overrides=rest)
+        except HydraException as e:
+            raise UsageError(f"suite {name}: {str(e).splitlines()[0]}") from None
+    spec = OmegaConf.to_container(cfg, resolve=True)
+    devices = spec.get("devices") or []
+    known = config.choices("device")
+    for device in devices:
+        if device not in known:
+            raise UsageError(f"suite {name}: unknown device {device!r}; accepted: {', '.join(known)}")
+    if not devices or not spec.get("runs"):
+        raise UsageError(f"suite {name}: needs `devices` (a list of {', '.join(known)}) and `runs`")
+    jobs: dict[str, list[RunConfig]] = {d: [] for d in devices}
+    for label, run in spec["runs"].items():
+        experiment = run.get("experiment") if isinstance(run, dict) else None
+        if experiment is None:
+            raise UsageError(f"suite {name}: run {label!r} names no experiment; accepted: "
+                             f"{', '.join(config.choices('experiment'))}")
+        for device in run.get("devices") or devices:
+            if device not in jobs:
+                raise UsageError(f"suite {name}: run {label!r} names device {device!r}, "
+                                 f"which is not in the suite's devices: {', '.join(devices)}")
+            for combo in config.expand_sweep(run.get("overrides") or []):
+                rc = config.load([f"device={device}", *combo], experiment=experiment)
+                runner.check(rc)
+                jobs[device].append(rc)
+    lock_dir = Path(spec.get("lock_dir") or Path(tempfile.gettempdir()) / "testbed-locks")
+    wait = spec.get("lock_wait_s", 0)
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
+        raise UsageError(f"suite {name}: lock_wait_s={wait!r} is not accepted; accepted: seconds >= 0")
+    out = spec.get("report_out")
+    return Suite(name, devices, jobs, lock_dir, float(wait), config.project_path(out) if out else None)
+
+
+# --- holding a device -----------------------------------------------------------------------------
+
+
+@contextmanager
+def device_lock(lock_dir: Path, device: str, wait_s: float, holder: str):
+    """Hold `device` exclusively: an flock on lock_dir/DEVICE.lock, waited for up to wait_s."""
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    path = lock_dir / f"{device}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    who = path.read_text(errors="replace").strip() or "another process"
+                    raise DeviceBusy(f"held by {who} ({path}); waited {wait_s:g} s") from None
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, {holder}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+# --- one worker per device ------------------------------------------------------------------------
+
+
+@dataclass
+class DeviceNight:
+    device: str
+    status: str = "ok"  # ok | unreachable | busy
+    reason: str = ""
+    run_ids: list[str] = field(default_factory=list)
+    oracles: int = 0
+    passed: int = 0
+    measurements: int = 0
+    failures: list[str] = field(default_factory=list)  # one line per failing oracle or broken run
+    seconds: float = 0.0
+
+
+class Log:
+    """Progress lines from several workers, one whole line at a time."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream, self.lock = stream, threading.Lock()
+
+    def __call__(self, device: str, message: str) -> None:
+        with self.lock:
+            print(f"[{device}] {message}", file=self.stream, flush=True)
+
+
+def job_label(rc: RunConfig) -> str:
+    return " ".join([rc.experiment, *(o for o in rc.overrides if not o.startswith(("experiment=", "device=")))])
+
+
+def work(device: str, jobs: list[RunConfig], suite: Suite, night: str, log: Log,
+         open_device: Callable[[str], Device]) -> DeviceNight:
+    result = DeviceNight(device)
+    started = time.monotonic()
+    try:
+        with device_lock(suite.lock_dir, device, suite.lock_wait_s, f"night {night}"):
+            handle = open_device(device)
+            for i, rc in enumerate(jobs, 1):
+                log(device, f"{i}/{len(jobs)} {job_label(rc)}")
+                try:
+                    outcome = runner.execute(rc, device=handle)
+                except DeviceUnreachable:
+                    raise
+                except Exception as e:  # noqa: BLE001 -- the runner stored an error record; go on
+                    result.failures.append(f"{device} {job_label(rc)}: run broke: {type(e).__name__}: {e}")
+                    log(device, f"{i}/{len(jobs)} broke: {type(e).__name__}: {e}")
+                    continue
+                result.run_ids.append(outcome.info.run_id)
+                oracles = [r for r in outcome.rows if r["kind"] == "oracle"]
+                result.oracles += len(oracles)
+                result.passed += sum(r["verdict"] == "pass" for r in oracles)
+                result.measurements += len(outcome.rows) - len(oracles)
+                result.failures += [f"{device} {r['experiment']} {r['case']}: {r['verdict']} {r['detail']}"
+                                    for r in oracles if r["verdict"] != "pass"]
+    except DeviceBusy as e:
+        result.status, result.reason = "busy", str(e)
+    except DeviceUnreachable as e:
+        result.status, result.reason = "unreachable", str(e)
+    result.seconds = time.monotonic() - started
+    log(device, f"{result.status}{': ' + result.reason if result.reason else ''} ({result.seconds:.1f} s)")
+    return result
+
+
+def open_device(name: str) -> Device:
+    return connect(load_profile(name))
+
+
+# --- the night ------------------------------------------------------------------------------------
+
+
+def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], Device] = open_device,
+              log: Log | None = None) -> tuple[int, str]:
+    """Run the suite, append the night to the log, write the report; (exit status, summary)."""
+    log = Log() if log is None else log
+    started = dt.datetime.now(dt.timezone.utc)
+    night = started.strftime("%Y-%m-%dT%H%M%SZ-") + uuid.uuid4().hex[:6]
+    earlier = report.night_log(store.root)
+    with ThreadPoolExecutor(max_workers=len(suite.devices), thread_name_prefix="device") as pool:
+        futures = [pool.submit(work, d, suite.jobs[d], suite, night, log, open_device) for d in suite.devices]
+        results = [f.result() for f in futures]
+    finished = dt.datetime.now(dt.timezone.utc)
+    tonight = {run for r in results for run in r.run_ids}
+    records = store.records()
+    settings = report.settings()
+    flags = [f for f in history.oracle_flips(records)
+             + history.figure_regressions(records, settings["history_nights"], settings["min_history"])
+             if f.run_id in tonight]
+    status = exit_status(results, flags)
+    store_nights(store).append([{
+        "night": night, "suite": suite.name, "started": started.isoformat(timespec="seconds"),
+        "finished": finished.isoformat(timespec="seconds"), "tools": report.tool_versions(),
+        "devices": {r.device: {"status": r.status, "reason": r.reason, "runs": r.run_ids} for r in results},
+        "exit_status": status,
+    }])
+    out, _ = report.write(store, suite.report_out)
+    compared = compared_with(earlier, records, tonight, settings["min_history"])
+    return status, summary(suite, night, results, flags, compared, out, status, finished - started)
+
+
+def store_nights(store: ResultsStore) -> ResultsStore:
+    return ResultsStore(store.root / "nights")
+
+
+def exit_status(results: list[DeviceNight], flags: list[history.Flag]) -> int:
+    if flags or any(r.failures or r.passed < r.oracles for r in results):
+        return 1
+    if any(r.status != "ok" for r in results):
+        return 3
+    return 0
+
+
+def compared_with(earlier: list[dict], records: list[dict], tonight: set[str], min_history: int) -> str:
+    """Which earlier night tonight's runs were compared with, and how many configs have enough history
+    for their figures to be judged (oracles are judged against a single earlier run)."""
+    if not earlier:
+        return "first night: nothing to compare with yet"
+    configs = {}
+    for r in records:
+        configs.setdefault((r["experiment"], r["device"], history.config_key(r)), set()).add(r["run_id"])
+    tonights = [runs for runs in configs.values() if runs & tonight]
+    compared = sum(len(runs) > 1 for runs in tonights)
+    judged = sum(len(runs) > min_history for runs in tonights)
+    return (f"compared with {len(earlier)} earlier night(s), the last {earlier[-1]['night']}: "
+            f"{compared}/{len(tonights)} of tonight's configs have earlier runs (oracles compared), "
+            f"{judged}/{len(tonights)} the {min_history} needed to judge figures")
+
+
+def summary(suite: Suite, night: str, results: list[DeviceNight], flags: list[history.Flag], compared: str,
+            out: Path, status: int, took: dt.timedelta) -> str:
+    lines = [f"nightly {suite.name}: night {night} ({took.total_seconds():.0f} s)"]
+    for r in results:
+        what = (f"{len(r.run_ids)} runs, oracles {r.passed}/{r.oracles} pass, {r.measurements} measurements"
+                if r.status == "ok" else r.reason)
+        lines.append(f"  {r.device:<14} {r.status:<12} {what}")
+    failures = [f for r in results for f in r.failures]
+    problems = [f"FAIL {f}" for f in failures] + [
+        f"REGRESSION {f.line()}" for f in flags]
+    lines += problems[:SCREEN]
+    if len(problems) > SCREEN:
+        lines.append(f"... and {len(problems) - SCREEN} more in the report")
+    lines.append(compared)
+    lines.append(f"report: {out / 'report.html'}")
+    meaning = {0: "all oracles pass, no regression", 1: f"{len(failures)} failures, {len(flags)} regressions",
+               3: "a device was unreachable or busy"}
+    lines.append(f"exit {status}: {meaning[status]}")
+    return "\n".join(lines)
+
+
+def command(args) -> int:
+    suite = load_suite(args.overrides)
+    store = runner.results_store(config.load([]))
+    status, text = run_night(suite, store)
+    print(text)
+    return status
+
+
+def register(commands) -> None:
+    n = commands.add_parser("nightly", help="run a suite (experiments/suite/) on its devices, then the report")
+    n.add_argument("overrides", nargs="*", help="suite=NAME (default: default) and key=value for the suite's keys")
+    n.set_defaults(fn=command)

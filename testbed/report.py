@@ -1,0 +1,476 @@
+"""The report: one self-contained folder people open in the morning and programs read.
+
+    report.html   the page (jinja2), its images beside it (PNG, matplotlib)
+    report.md     the same content as Markdown
+    report.json   the same content as data, plus the figures programs check (breakevens, flags)
+
+It is built from stored records only (testbed.results.ResultsStore) and the seeds' fixtures. Each
+section is a function of the records it is about and is left out when there are none, so an
+experiment that has not run yet (or does not exist yet) costs nothing. "Current" means the newest
+run of each experiment, device and configuration; older runs are its history (testbed.history).
+
+The folder is written beside its destination and moved into place at the end: a report is either
+the previous one or the complete new one, never half of each.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable
+
+import jinja2
+import pandas as pd
+
+from testbed import breakeven, experiments, history, plots, seed
+from testbed.errors import UsageError
+from testbed.tables import _cell as format_number
+
+TEMPLATES = Path(__file__).parent / "templates"
+TOOLS = ("numpy", "pandas", "hydra-core", "jinja2", "matplotlib", "iree-base-runtime", "iree-base-compiler",
+         "jax", "paramiko", "adb-shell")
+
+
+# --- the content model: sections of tables, images and lines, rendered three ways ---------------------
+
+
+@dataclass
+class Table:
+    caption: str
+    columns: list[str]
+    rows: list[list[dict]]  # cells: {"text": str, "href": optional anchor, "cls": optional css class}
+
+
+@dataclass
+class Section:
+    id: str
+    title: str
+    lines: list[str] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+    images: list[dict] = field(default_factory=list)  # {"file": name.png, "caption": str}
+
+
+def cell(value: Any, href: str | None = None, cls: str | None = None) -> dict:
+    if isinstance(value, float) and math.isnan(value):
+        text = ""
+    elif isinstance(value, float):
+        text = format_number(value)
+    else:
+        text = "" if value is None else str(value)
+    return {"text": text, "href": href, "cls": cls}
+
+
+def frame_table(caption: str, df: pd.DataFrame) -> Table:
+    return Table(caption, [str(c) for c in df.columns], [[cell(v) for v in row] for row in df.itertuples(index=False)])
+
+
+def anchor(record_id: str) -> str:
+    return f"#rec-{record_id[:12]}"
+
+
+# --- what a report is built from ------------------------------------------------------------------
+
+
+@dataclass
+class Inputs:
+    """Every record in the window, the current ones, and where the seeds' figures are."""
+
+    records: list[dict]
+    current: list[dict]
+    fixtures: Path
+    out: Path  # where images are written
+    settings: dict
+    nights: list[dict]
+    flags: list[history.Flag]
+    referenced: dict[str, dict] = field(default_factory=dict)  # records a table links to, by id
+    breakevens: dict[str, dict] = field(default_factory=dict)  # device -> {source: breakeven tail}
+
+    def cite(self, record: dict) -> str:
+        self.referenced[record["record_id"]] = record
+        return anchor(record["record_id"])
+
+    def current_of(self, experiment: str, kind: str | None = None) -> list[dict]:
+        return [r for r in self.current if r["experiment"] == experiment and (kind is None or r["kind"] == kind)]
+
+
+def parse_since(text: str | None) -> dt.datetime | None:
+    if text is None:
+        return None
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise UsageError(f"--since {text!r} is not a date; accepted: YYYY-MM-DD or an ISO time") from None
+    return when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
+
+
+def select(records: list[dict], since: dt.datetime | None) -> list[dict]:
+    if since is None:
+        return list(records)
+    return [r for r in records if dt.datetime.fromisoformat(r["started"]) >= since]
+
+
+# --- sections -------------------------------------------------------------------------------------
+
+
+def oracle_matrix(inp: Inputs) -> Section | None:
+    """Device x backend x oracle: how many passed, the smallest margin, a link to the worst record."""
+    oracles = [r for r in inp.current if r["kind"] == "oracle"]
+    if not oracles:
+        return None
+    columns = sorted({f"{r['experiment']}:{r['oracle']}" for r in oracles})
+    rows = []
+    for device, backend in sorted({(r["device"], r["backend"]) for r in oracles}):
+        row = [cell(device), cell(backend)]
+        for column in columns:
+            group = [r for r in oracles if (r["device"], r["backend"]) == (device, backend)
+                     and f"{r['experiment']}:{r['oracle']}" == column]
+            if not group:
+                row.append(cell(""))
+                continue
+            worst = min(group, key=lambda r: (r["verdict"] == "pass", _number(r.get("margin"), math.inf)))
+            passed = sum(r["verdict"] == "pass" for r in group)
+            margin = _number(worst.get("margin"), None)
+            text = f"{passed}/{len(group)} pass" + (f", margin {format_number(margin)}" if margin is not None else "")
+            row.append(cell(text, inp.cite(worst), "pass" if passed == len(group) else "fail"))
+        rows.append(row)
+    failing = [r for r in oracles if r["verdict"] != "pass"]
+    for r in failing:
+        inp.cite(r)
+    lines = [f"{len(oracles) - len(failing)}/{len(oracles)} oracle verdicts pass in the current runs; "
+             "each cell links to its worst record (the failing one, else the smallest margin)."]
+    return Section("oracles", "Oracle matrix", lines,
+                   [Table("device x backend x experiment:oracle", ["device", "backend", *columns], rows)])
+
+
+def _number(value, default):
+    number = pd.to_numeric(value, errors="coerce") if value is not None else None
+    return default if number is None or pd.isna(number) else float(number)
+
+
+def tail_sweep(inp: Inputs) -> Section | None:
+    """The tail experiment's sweep per device and source, in breakeven's columns (the experiment's own
+    sweep_frame reads its records), with the seed's sweep beside it tail by tail."""
+    records = inp.current_of("tail", "measure")
+    if not records:
+        return None
+    sweep_frame = experiments.load("tail").sweep_frame
+    seed_df = breakeven.read_sweep_csv(inp.fixtures / seed.TAIL_SWEEP)
+    seed_breakeven = breakeven.breakeven_tail(seed_df)
+    beside = seed_df.set_index("tail")
+    section = Section("tail", "Breakeven: padded vs scalar tail", [
+        f"Seed ({seed.source_line(inp.fixtures / seed.TAIL_SWEEP)}): breakeven tail {seed_breakeven}; "
+        "tails below it stay scalar."])
+    for device in sorted({r["device"] for r in records}):
+        frame = sweep_frame(pd.json_normalize([r for r in records if r["device"] == device], sep="."))
+        for source, rows in frame.groupby("source", sort=False):
+            table = breakeven.tail_table(rows)
+            point = breakeven.breakeven_tail(rows)
+            table["seed padded tok/s"] = [beside.padded_tps.get(t) for t in table["tail"]]
+            table["seed scalar tok/s"] = [beside.scalar_tps.get(t) for t in table["tail"]]
+            table["seed winner"] = [breakeven.winner(beside.padded_tps[t], beside.scalar_tps[t])
+                                    if t in beside.index else None for t in table["tail"]]
+            section.tables.append(frame_table(f"{device}, {source}: breakeven tail {point} (seed: {seed_breakeven})",
+                                              table))
+            of_seed = str(source).startswith("fixture:")  # the seed's own sweep, loaded as records
+            section.images.append({"file": plots.tail_plot(inp.out, f"{device} {source}", rows, point,
+                                                           None if of_seed else seed_df, seed_breakeven),
+                                   "caption": f"{device}, {source}: throughput against tail, breakeven {point}"})
+            inp.breakevens.setdefault(device, {})[source] = point
+    return section
+
+
+def chunk_choice_table(chunk_s: dict[int, float], lengths: list[int], decode_s: float | None) -> pd.DataFrame:
+    """Projected latency per chunk size C over the utterance-length distribution: an utterance of n
+    tokens costs ceil(n / C) chunk calls (the last one padded), against n decode steps without."""
+    rows = []
+    for c, call_s in sorted(chunk_s.items()):
+        projected = [math.ceil(n / c) * call_s for n in lengths]
+        rows.append({"C": c, "chunk call s": call_s, "mean s": sum(projected) / len(projected),
+                     "worst s": max(projected),
+                     "decode-only mean s": decode_s * sum(lengths) / len(lengths) if decode_s else None})
+    table = pd.DataFrame(rows)
+    table["choice"] = ["<- best" if m == table["mean s"].min() else "" for m in table["mean s"]]
+    return table
+
+
+TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def chunk_times(records: list[dict]) -> tuple[dict[int, float], float | None]:
+    """Seconds per chunk call by C, and per decode step, from chunk_prefill's measure records
+    (params.form chunk_call / decode_step, figures.time)."""
+    calls, decode = {}, None
+    for r in records:
+        fig = r["figures"].get("time")
+        if r["kind"] != "measure" or fig is None:
+            continue
+        if r["params"].get("form") == "chunk_call":
+            calls[int(r["params"]["chunk"])] = fig["median"] * TIME_UNITS[fig["unit"]]
+        elif r["params"].get("form") == "decode_step":
+            decode = fig["median"] * TIME_UNITS[fig["unit"]]
+    return calls, decode
+
+
+def chunk_choice(inp: Inputs) -> Section | None:
+    section = Section("chunk", "Breakeven: chunk-size choice")
+    quoted = inp.settings["seed_decode_s_per_token"]
+    for device in sorted({r["device"] for r in inp.current_of("chunk_prefill", "measure")}):
+        records = [r for r in inp.current_of("chunk_prefill", "measure") if r["device"] == device]
+        calls, decode_s = chunk_times(records)
+        if not calls:
+            continue
+        decode_s = decode_s or quoted.get(device)
+        # the run's own utterance distribution where its config has one
+        lengths = list(records[0]["config"].get("latency.utterance_tokens") or inp.settings["utterance_lengths"])
+        section.tables.append(frame_table(f"{device}: utterances of {lengths} tokens",
+                                          chunk_choice_table(calls, lengths, decode_s)))
+        section.images.append({"file": plots.chunk_plot(inp.out, device, calls, decode_s),
+                               "caption": f"{device}: chunk call and decode time against C"})
+    if not section.tables:
+        return None
+    lengths = inp.settings["utterance_lengths"]
+    seed_calls = pd.read_csv(inp.fixtures / seed.CHUNK_PREFILL, comment="#").dropna(subset=["chunk_call_s"])
+    for target, rows in seed_calls.groupby("target", sort=False):
+        table = chunk_choice_table(dict(zip(rows.chunk.astype(int), rows.chunk_call_s)), lengths, quoted.get(target))
+        section.tables.append(frame_table(f"seed: {target}, utterances of {lengths} tokens ({seed.CHUNK_PREFILL})",
+                                          table))
+    section.lines.append("Decode without chunking: n steps of the device's measured decode step, or the time "
+                         "the seed quotes for it (experiments/report.yaml). The reply's decode steps cost the "
+                         "same for every C and are left out.")
+    return section
+
+
+def gdn_throughput(inp: Inputs) -> Section | None:
+    measures = inp.current_of("gdn", "measure")
+    if not measures:
+        return None
+    rows = [{"device": r["device"], "chunk": r["params"]["chunk"], "tokens": r["params"]["tokens"],
+             "form": r["params"]["form"], "ms": r["figures"]["time"]["median"],
+             "tokens/s": r["figures"]["tokens_per_s"]["median"], "GFLOP/s": r["figures"]["gflops"]["median"],
+             "sgemm GFLOP/s": r["figures"]["sgemm_1t"]["median"],
+             "of sgemm": r["metrics"]["sgemm_fraction"], "x serial": r["metrics"]["speedup_vs_serial"],
+             "reps": r["figures"]["time"]["reps"]}
+            for r in measures]
+    df = pd.DataFrame(rows).sort_values(["device", "tokens", "form", "chunk"]).reset_index(drop=True)
+    section = Section("gdn", "GDN throughput per device and chunk")
+    section.lines.append("Median of the repetitions; `of sgemm` is GFLOP/s on gdn_flops' count over the "
+                         "single-thread sgemm rate measured in the same run.")
+    section.tables.append(frame_table("gdn bench records", df))
+    return section
+
+
+def nights_over_time(inp: Inputs) -> Section | None:
+    images = plots.history_plots(inp.out, inp.records, inp.settings["history_nights"])
+    if not images:
+        return None
+    return Section("history", "Throughput over recent nights", images=images)
+
+
+def regressions(inp: Inputs) -> Section:
+    flags = inp.flags
+    section = Section("regressions", "Regressions", [
+        f"A figure is flagged when every repetition of its latest run is worse than every repetition of the "
+        f"earlier runs of the same experiment, device and config (the last {inp.settings['history_nights']}, "
+        f"and at least {inp.settings['min_history']} of them); an oracle when it passed before and fails now."])
+    if not flags:
+        section.lines.append("None: every current figure is within the run-to-run spread of its history, "
+                             "and no oracle that passed before fails now.")
+        return section
+    rows = []
+    for f in flags:
+        record = next(r for r in inp.records if r["record_id"] == f.record_id)
+        rows.append([cell(f.kind), cell(f.experiment), cell(f.device), cell(f.config_key),
+                     cell(f.case, inp.cite(record)), cell(f.what), cell(f.now), cell(f.before), cell(f.spread),
+                     cell(f.change, cls="fail"), cell(f"{f.since} ({f.since_commit[:10]})")])
+    section.tables.append(Table("flags", ["kind", "experiment", "device", "config", "case", "what", "now",
+                                          "before (median)", "before (spread)", "change", "since"], rows))
+    return section
+
+
+def nights(inp: Inputs) -> Section | None:
+    if not inp.nights:
+        return None
+    rows = [[cell(n["night"]), cell(n["suite"]), cell(n["started"]), cell(n["finished"]),
+             cell("; ".join(f"{d}: {s['status']}" + (f" ({s['reason']})" if s["reason"] else "")
+                            for d, s in n["devices"].items())),
+             cell(n["exit_status"], cls="pass" if n["exit_status"] == 0 else "fail")]
+            for n in inp.nights[-inp.settings["history_nights"]:]]
+    return Section("nights", "Recent nights", tables=[Table("nightly runs", ["night", "suite", "started",
+                                                                             "finished", "devices", "exit"], rows)])
+
+
+def provenance(inp: Inputs) -> Section:
+    runs = {}
+    for r in inp.current:
+        runs.setdefault(r["run_id"], r)
+    rows = [[cell(r["run_id"]), cell(r["experiment"]), cell(r["device"]), cell(r["backend"]), cell(r["started"]),
+             cell(r["git_commit"]), cell(r["testbed_version"]), cell(history.config_key(r)),
+             cell(json.dumps({k: v for k, v in r["config"].items() if not k.startswith("device.")}, sort_keys=True))]
+            for r in sorted(runs.values(), key=lambda r: (r["experiment"], r["device"], r["started"]))]
+    fingerprints = {}
+    for r in sorted(inp.current, key=lambda r: r["started"]):
+        fingerprints[r["device"]] = r["fingerprint"]
+    tools = dict(inp.nights[-1]["tools"]) if inp.nights else tool_versions()
+    return Section("provenance", "Provenance", [
+        "Tool versions " + ("of the last night: " if inp.nights else "where the report was built: ")
+        + ", ".join(f"{k} {v}" for k, v in tools.items())],
+        [Table("current runs", ["run", "experiment", "device", "backend", "started", "commit", "testbed",
+                                "config", "config values"], rows),
+         Table("device fingerprints (latest run)", ["device", "fingerprint"],
+               [[cell(d), cell(json.dumps(f, sort_keys=True))] for d, f in sorted(fingerprints.items())])])
+
+
+def cited_records(inp: Inputs) -> Section | None:
+    if not inp.referenced:
+        return None
+    rows = [[cell(r["record_id"][:12], cls="anchor"), cell(r["experiment"]), cell(r["device"]), cell(r["case"]),
+             cell(r.get("oracle") or ""), cell(r.get("verdict") or ""), cell(_number(r.get("margin"), None)),
+             cell(r["run_id"]), cell(r["started"]), cell(r.get("detail", ""))]
+            for r in sorted(inp.referenced.values(), key=lambda r: (r["experiment"], r["device"], r["case"]))]
+    return Section("records", "Records referenced above",
+                   ["Every record is in the results store (records.jsonl) under its record_id."],
+                   [Table("records", ["record", "experiment", "device", "case", "oracle", "verdict", "margin",
+                                      "run", "started", "detail"], rows)])
+
+
+# The page, in order. Each function returns None when it has nothing to show.
+SECTIONS: list[Callable[[Inputs], Section | None]] = [
+    oracle_matrix, regressions, tail_sweep, chunk_choice, gdn_throughput, nights_over_time, nights,
+    provenance, cited_records,
+]
+
+
+# --- building and writing -------------------------------------------------------------------------
+
+
+def tool_versions() -> dict[str, str]:
+    out = {}
+    for name in TOOLS:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_log: list[dict] = (),
+          since: dt.datetime | None = None) -> dict:
+    """Write the report folder `out` from `records`; return its JSON content."""
+    window = select(records, since)
+    current_runs = history.latest_runs(window)
+    flags = (history.oracle_flips(window)
+             + history.figure_regressions(window, settings["history_nights"], settings["min_history"]))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        inp = Inputs(window, [r for r in window if r["run_id"] in current_runs], fixtures, staging, settings,
+                     list(night_log), flags)
+        sections = [s for s in (fn(inp) for fn in SECTIONS) if s is not None]
+        content = {
+            "generated": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "since": since.isoformat() if since else None,
+            "records": len(window),
+            "current_runs": sorted(current_runs),
+            "summary": summary(inp, flags),
+            "flags": [asdict(f) for f in flags],
+            "breakeven_tail": inp.breakevens,
+            "sections": [asdict(s) for s in sections],
+        }
+        env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=jinja2.select_autoescape(["html"]),
+                                 undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                                 trim_blocks=True, lstrip_blocks=True)
+        for name in ("report.html", "report.md"):
+            (staging / name).write_text(env.get_template(name + ".j2").render(**content), encoding="utf-8")
+        (staging / "report.json").write_text(json.dumps(content, indent=1, default=str), encoding="utf-8")
+        staging.chmod(0o755)  # mkdtemp made it private; a report is for reading, e.g. from a web server
+        _replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return content
+
+
+def _replace(staging: Path, out: Path) -> None:
+    """Move the finished folder into place; the previous report is removed only after."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        staging.rename(out)
+        shutil.rmtree(old)
+    else:
+        staging.rename(out)
+
+
+def summary(inp: Inputs, flags: list[history.Flag]) -> dict:
+    oracles = [r for r in inp.current if r["kind"] == "oracle"]
+    return {"oracles": len(oracles), "oracles_passed": sum(r["verdict"] == "pass" for r in oracles),
+            "measurements": sum(r["kind"] == "measure" for r in inp.current),
+            "regressions": len(flags), "devices": sorted({r["device"] for r in inp.current})}
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+def settings() -> dict:
+    from omegaconf import OmegaConf
+
+    from testbed.config import CONFIG_DIR
+
+    return OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "report.yaml"), resolve=True)
+
+
+def night_log(results_root: Path) -> list[dict]:
+    """The nightly runs' own log (testbed.nightly), oldest first."""
+    from testbed.results import ResultsStore
+
+    return sorted(ResultsStore(results_root / "nights").records(), key=lambda n: n["started"])
+
+
+def write(store, out: Path | None, since: dt.datetime | None = None) -> tuple[Path, dict]:
+    """The report of everything in `store` (since `since`) into `out` (default: beside the records)."""
+    from testbed import config
+
+    rc = config.load([])
+    out = Path(out) if out else store.root / "report"
+    content = build(store.records(), out, seed.fixtures_dir(rc.cfg.fixtures_dir), settings(),
+                    night_log(store.root), since)
+    return out, content
+
+
+def summary_line(out: Path, content: dict) -> str:
+    s = content["summary"]
+    return (f"report {out / 'report.html'}: {content['records']} records, {len(content['current_runs'])} current "
+            f"runs on {', '.join(s['devices']) or 'no device'}; oracles {s['oracles_passed']}/{s['oracles']} pass; "
+            f"{s['regressions']} regressions")
+
+
+def command(args) -> int:
+    """`testbed report [--since DATE] [--out DIR]`. Exit 1 when a current oracle fails or a figure
+    regressed (as nightly), 0 otherwise; 2 on bad input."""
+    from testbed import config, runner
+
+    since = parse_since(args.since)
+    store = runner.results_store(config.load([]))
+    if not select(store.records(), since):
+        print(f"no records{' since ' + args.since if args.since else ''} in {store.path}; "
+              "run `testbed nightly` or `testbed run EXPERIMENT` first", file=sys.stderr)
+        return 1
+    out, content = write(store, Path(args.out) if args.out else None, since)
+    print(summary_line(out, content))
+    s = content["summary"]
+    return 1 if s["regressions"] or s["oracles_passed"] < s["oracles"] else 0
+
+
+def register(commands) -> None:
+    r = commands.add_parser("report", help="the report folder (HTML, Markdown, JSON) from stored records")
+    r.add_argument("--since", help="only records of runs started on or after this date (YYYY-MM-DD)")
+    r.add_argument("--out", help="the report folder (default: RESULTS/report)")
+    r.set_defaults(fn=command)

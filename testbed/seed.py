@@ -1,0 +1,72 @@
+"""The seeds' measured figures (fixtures/*.csv), as tables to set beside our own and as records.
+
+The fixtures folder is the config key `fixtures_dir`, relative to the project root. A helper
+worktree sits one level deeper than the checkout the key was written for, so the shared folder is
+also looked for where every checkout on this machine finds it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from testbed.config import project_path
+from testbed.results import Figure, Record, RunInfo
+
+TAIL_SWEEP = "tail_sweep_m4pro_gemma4_e2b.csv"
+CHUNK_PREFILL = "chunk_prefill_functiongemma.csv"
+SHARED_FIXTURES = Path("/work/shared/fixtures")
+EXPECTED_TOKEN = 48  # the all-positions redecode token at position 851 for the seed's model and prompt
+
+
+def fixtures_dir(configured: str) -> Path:
+    for candidate in (project_path(configured), SHARED_FIXTURES):
+        if candidate.is_dir():
+            return candidate
+    return project_path(configured)
+
+
+def source_line(path: Path) -> str:
+    """The `#` line each fixture starts with: where its numbers come from."""
+    first = path.read_text(encoding="utf-8").splitlines()[0]
+    return first.lstrip("#").strip()
+
+
+def read(path: Path) -> pd.DataFrame:
+    return pd.read_csv(path, comment="#")
+
+
+def chunk_prefill_records(path: Path) -> list[tuple[RunInfo, list[Record]]]:
+    """The seed's chunk calls as records of experiment `chunk_prefill` in that experiment's layout,
+    one run per target: the token-at-position verdict (the chunk call's token equals the redecode
+    token, 48) and, where the seed timed it, the chunk call (one measurement: min = max = median)."""
+    df = read(path)
+    runs = []
+    for target, rows in df.groupby("target", sort=False):
+        info = RunInfo("chunk_prefill", target, "seed", {"source": source_line(path)},
+                       {"target": target, "source": path.name})
+        records = []
+        for r in rows.itertuples(index=False):
+            params = {"past": int(r.cached_positions), "tokens": int(r.chunk_tokens), "chunk": int(r.chunk),
+                      "position": int(r.cached_positions) + int(r.select_row)}
+            name = f"P={r.cached_positions},n={r.chunk_tokens},C={r.chunk}"
+            verdict = "pass" if int(r.token) == EXPECTED_TOKEN else "fail"
+            records.append(Record("chunk_prefill", f"{name}/token_at_position", "oracle", "token_at_position",
+                                  verdict, None, {"token": int(r.token), "expected": EXPECTED_TOKEN}, params=params))
+            if pd.notna(r.chunk_call_s):
+                s = float(r.chunk_call_s)
+                records.append(Record("chunk_prefill", f"P={r.cached_positions},C={r.chunk}/chunk_call", "measure",
+                                      figures={"time": Figure(s, s, s, 1, "s")},
+                                      params={"past": int(r.cached_positions), "chunk": int(r.chunk),
+                                              "form": "chunk_call"}))
+        runs.append((info, records))
+    return runs
+
+
+def store_records(store, fixtures: Path) -> int:
+    """Append the seed's chunk-call figures as records to `store`, for reports that set the seed's
+    targets beside our runs (the seed's tail sweep is the tail experiment's `mode=fixture`)."""
+    rows = [info.stamp(rec) for info, records in chunk_prefill_records(fixtures / CHUNK_PREFILL) for rec in records]
+    store.append(rows)
+    return len(rows)

@@ -1,0 +1,314 @@
+"""The report, built from records of real host runs plus the seeds' fixtures loaded as records.
+
+History is built the way nights build it: real runs appended to a store, then later "nights" made by
+copying a real run's records with a new run id and start time, changed the way a real regression or
+real noise would change them. What must be flagged is computed here from the planted change, not
+copied from the code under test.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import json
+import math
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from testbed import config, history, report, runner, seed
+from testbed.cli import main
+from testbed.results import ResultsStore
+
+FIXTURES = seed.fixtures_dir(config.load([]).cfg.fixtures_dir)
+HOST_RUN = ["mode=all", "matrix=awkward", "bench.tokens=[64]", "bench.heads=4", "bench.head_size=64",
+            "bench.reps=5"]
+
+
+@pytest.fixture(scope="session")
+def host_records(tmp_path_factory) -> list[dict]:
+    """One real gdn run on the host: oracle verdicts and bench figures with their repetitions."""
+    root = tmp_path_factory.mktemp("host-run")
+    rc = config.load([*HOST_RUN, f"results_dir={root}"], experiment="gdn")
+    runner.execute(rc)
+    records = ResultsStore(root).records()
+    assert {r["kind"] for r in records} == {"oracle", "measure"}
+    return records
+
+
+@pytest.fixture(scope="session")
+def tail_records(tmp_path_factory) -> list[dict]:
+    """A real tail measurement on the host at tail 10, the seed's sweep loaded as records by the
+    tail experiment (mode=fixture), and real chunk_prefill timings at C = 16 and 32."""
+    root = tmp_path_factory.mktemp("tail-runs")
+    for experiment, overrides in (("tail", ["tail=10", "reps=2", "warmup=0"]), ("tail", ["mode=fixture"]),
+                                  ("chunk_prefill", ["mode=bench", "chunk=16"]),
+                                  ("chunk_prefill", ["mode=bench", "chunk=32"])):
+        runner.execute(config.load([*overrides, f"results_dir={root}"], experiment=experiment))
+    return ResultsStore(root).records()
+
+
+def later_night(records: list[dict], days: int, change=lambda r: r) -> list[dict]:
+    """The same run's records as a run `days` later, each passed through `change`."""
+    run_id = uuid.uuid4().hex[:12]
+    out = []
+    for r in records:
+        r = change(copy.deepcopy(r))
+        when = dt.datetime.fromisoformat(r["started"]) + dt.timedelta(days=days)
+        r.update(run_id=run_id, record_id=uuid.uuid4().hex, started=when.isoformat(timespec="seconds"))
+        out.append(r)
+    return out
+
+
+def scale_time(record: dict, factor: float, case: str) -> dict:
+    """The case's bench got `factor` times slower: every rep's time up, every rate down."""
+    if record["case"] != case:
+        return record
+    for name, fig in record["figures"].items():
+        if fig["unit"] == "ms":
+            fig.update(median=fig["median"] * factor, min=fig["min"] * factor, max=fig["max"] * factor)
+        elif fig["unit"].endswith("/s") and name != "sgemm_1t":
+            fig.update(median=fig["median"] / factor, min=fig["min"] / factor, max=fig["max"] / factor)
+    return record
+
+
+def within_spread(record: dict) -> dict:
+    """Noise: a night whose median is the worst repetition seen the night before, same spread."""
+    for fig in record["figures"].values():
+        fig["median"] = fig["max"] if fig["unit"] in ("ms", "s") else fig["min"]
+    return record
+
+
+def build(tmp_path: Path, records: list[dict]) -> dict:
+    out = tmp_path / "report"
+    return report.build(records, out, FIXTURES, report.settings())
+
+
+def bench_case(records, form="chunkwise") -> str:
+    return next(r["case"] for r in records if r["kind"] == "measure" and r["params"]["form"] == form)
+
+
+def seed_records(tmp_path: Path) -> list[dict]:
+    store = ResultsStore(tmp_path / "seed")
+    seed.store_records(store, FIXTURES)
+    return store.records()
+
+
+# --- content ---------------------------------------------------------------------------------------
+
+
+def column(table: dict, name: str) -> list[str]:
+    return [row[table["columns"].index(name)]["text"] for row in table["rows"]]
+
+
+def test_report_tables_from_host_runs_and_seed(tmp_path, host_records, tail_records):
+    records = host_records + tail_records + seed_records(tmp_path)
+    content = build(tmp_path, records)
+    sections = {s["id"]: s for s in content["sections"]}
+
+    # the tail sweep: the seed's numbers give a breakeven of 10 (tail 8 scalar wins, tail 10 padded)
+    fixture_source = f"fixture:{seed.TAIL_SWEEP}"
+    assert content["breakeven_tail"]["host"][fixture_source] == 10
+    tables = {t["caption"].split(":")[0] + ":" + t["caption"].split(":")[1]: t for t in sections["tail"]["tables"]}
+    seed_table = next(t for t in sections["tail"]["tables"] if fixture_source in t["caption"])
+    assert "breakeven tail 10 (seed: 10)" in seed_table["caption"]
+    sweep = pd.read_csv(FIXTURES / seed.TAIL_SWEEP, comment="#")
+    assert column(seed_table, "tail") == [str(t) for t in sweep["tail"]]
+    for winner, p, s in zip(column(seed_table, "winner"), sweep.padded_tps, sweep.scalar_tps):
+        assert winner == "tie" or winner.split()[0] == ("padded" if p > s else "scalar")
+    # the host's own measurement at tail 10, with the seed's figures at the same tail beside it
+    measured = next(t for t in sections["tail"]["tables"] if t is not seed_table)
+    assert column(measured, "tail") == ["10"] and len(tables) == 2
+    at_10 = sweep.set_index("tail").loc[10]
+    assert [float(column(measured, "seed padded tok/s")[0]), float(column(measured, "seed scalar tok/s")[0])] == \
+        [at_10.padded_tps, at_10.scalar_tps]
+
+    # the chunk-size choice on the Mali: one 64-call per 36..52-token utterance beats two 32-calls
+    calls = pd.read_csv(FIXTURES / seed.CHUNK_PREFILL, comment="#").dropna()
+    mali = calls[calls.target == "mali-vulkan-valhall4"].set_index("chunk").chunk_call_s
+    lengths = report.settings()["utterance_lengths"]
+    projected = {c: sum(math.ceil(n / c) * mali[c] for n in lengths) / len(lengths) for c in mali.index}
+    table = next(t for t in sections["chunk"]["tables"] if t["caption"].startswith("mali"))
+    assert table["caption"] == f"mali-vulkan-valhall4: utterances of {lengths} tokens"
+    chosen = [row[0]["text"] for row in table["rows"] if row[-1]["text"]]
+    assert chosen == [str(min(projected, key=projected.get))]
+
+    # the host's own chunk calls: the C of least mean projected latency over its run's utterance lengths
+    host_table = next(t for t in sections["chunk"]["tables"] if t["caption"].startswith("host"))
+    timed = {r["params"]["chunk"]: r["figures"]["time"]["median"] for r in tail_records
+             if r["experiment"] == "chunk_prefill" and r["params"].get("form") == "chunk_call"}
+    run_lengths = next(r["config"]["latency.utterance_tokens"] for r in tail_records if r["experiment"] == "chunk_prefill")
+    mean = {c: sum(math.ceil(n / c) * t for n in run_lengths) / len(run_lengths) for c, t in timed.items()}
+    assert column(host_table, "C") == ["16", "32"]
+    assert [row[0]["text"] for row in host_table["rows"] if row[-1]["text"]] == [str(min(mean, key=mean.get))]
+
+    # the oracle matrix: one cell per device, backend and oracle, counts as in the store
+    matrix = sections["oracles"]["tables"][0]
+    host = next(row for row in matrix["rows"] if row[0]["text"] == "host")
+    for oracle in ("nmse", "bitexact"):
+        n = sum(r["oracle"] == oracle for r in host_records if r["kind"] == "oracle")
+        cell = host[matrix["columns"].index(f"gdn:{oracle}")]
+        assert cell["text"].startswith(f"{n}/{n} pass") and cell["href"].startswith("#rec-")
+    assert any(row[0]["text"] == "mali-vulkan-valhall4" for row in matrix["rows"])
+
+    # GDN throughput: one row per bench record, with the sgemm fraction the run measured
+    gdn = sections["gdn"]["tables"][0]
+    measures = [r for r in host_records if r["kind"] == "measure"]
+    assert len(gdn["rows"]) == len(measures)
+    fractions = sorted(float(row[gdn["columns"].index("of sgemm")]["text"]) for row in gdn["rows"])
+    assert fractions == pytest.approx(sorted(r["metrics"]["sgemm_fraction"] for r in measures), rel=1e-3)
+
+    # the same content for people (Markdown) and the page's images beside it
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "breakeven tail 10 (seed: 10)" in md and "| host | refimpl |" in md
+    for section in content["sections"]:
+        for image in section["images"]:
+            assert (tmp_path / "report" / image["file"]).stat().st_size > 1000
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["breakeven_tail"]["host"][fixture_source] == 10
+
+
+def test_planted_regression_flagged_and_noise_not(tmp_path, host_records):
+    case = bench_case(host_records)
+    noise = later_night(host_records, 1, within_spread)
+    assert build(tmp_path, host_records + noise)["flags"] == []
+
+    # a slowdown clearly outside what the two nights spread over: every slow rep above every rep before
+    before = [r["figures"] for r in host_records + noise if r["case"] == case]
+    outside = max(max(f[name]["max"] for f in before) / min(f[name]["min"] for f in before)
+                  for name in ("time", "tokens_per_s", "gflops"))
+    slow = later_night(host_records, 2, lambda r: scale_time(r, 1.2 * outside, case))
+    slower = later_night(host_records, 3, lambda r: scale_time(r, 1.3 * outside, case))
+    flags = build(tmp_path, host_records + noise + slow + slower)["flags"]
+    assert {(f["case"], f["what"]) for f in flags} == {(case, "time"), (case, "tokens_per_s"), (case, "gflops")}
+    time_flag = next(f for f in flags if f["what"] == "time")
+    assert time_flag["since"] == slow[0]["started"]  # the streak began with the first slow night
+    baseline = sorted(r["figures"]["time"]["median"] for r in host_records + noise if r["case"] == case)
+    now = next(r for r in slower if r["case"] == case)["figures"]["time"]["median"]
+    assert time_flag["change"] == f"{now / (sum(baseline) / 2) - 1:+.1%}"
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert time_flag["change"] in md and slow[0]["started"] in md
+
+
+def test_spread_is_measured_not_a_fixed_percentage(host_records):
+    """The same 8% slowdown is a regression for a steady figure and noise for a jittery one."""
+    case = bench_case(host_records)
+
+    def with_spread(record, rel):
+        if record["case"] == case:
+            fig = record["figures"]["time"]
+            fig.update(min=fig["median"] * (1 - rel), max=fig["median"] * (1 + rel))
+        return record
+
+    for rel, flagged in ((0.02, True), (0.10, False)):
+        before = [later_night(host_records, day, lambda r: with_spread(r, rel)) for day in (1, 2)]
+        after = later_night(host_records, 3, lambda r: scale_time(with_spread(r, rel), 1.08, case))
+        flags = history.figure_regressions(before[0] + before[1] + after, history=7, min_history=2)
+        assert ((case, "time") in {(f.case, f.what) for f in flags}) is flagged
+
+
+def test_oracle_that_flips_to_fail_is_flagged(tmp_path, host_records):
+    victim = next(r for r in host_records if r["oracle"] == "nmse")
+
+    def broken(record):
+        if record["case"] == victim["case"]:  # what check_nmse records when the error is 100x the threshold
+            record.update(verdict="fail", margin=-2.0, detail="nmse 1e-05 > 1e-07")
+        return record
+
+    bad = later_night(host_records, 1, broken)
+    content = build(tmp_path, host_records + bad)
+    flips = [f for f in content["flags"] if f["kind"] == "oracle"]
+    assert [(f["case"], f["change"], f["since"]) for f in flips] == [(victim["case"], "pass -> fail", bad[0]["started"])]
+    matrix = next(s for s in content["sections"] if s["id"] == "oracles")["tables"][0]
+    host = next(row for row in matrix["rows"] if row[0]["text"] == "host")
+    cell = host[matrix["columns"].index("gdn:nmse")]
+    n = sum(r["oracle"] == "nmse" for r in host_records)
+    assert cell["cls"] == "fail" and cell["text"].startswith(f"{n - 1}/{n} pass")
+    record_id = next(r["record_id"] for r in bad if r["case"] == victim["case"])
+    assert cell["href"] == f"#rec-{record_id[:12]}"
+    assert f'id="rec-{record_id[:12]}"' in (tmp_path / "report" / "report.html").read_text()
+
+
+def test_report_command_since_and_bad_input(tmp_path, host_records, monkeypatch, capsys):
+    store = ResultsStore(tmp_path / "results")
+    store.append(host_records + later_night(host_records, 30))
+    monkeypatch.setenv("TESTBED_RESULTS", str(store.root))
+    out = tmp_path / "out"
+
+    assert main(["report", "--since", "2000-13-01", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'2000-13-01'" in err and "YYYY-MM-DD" in err
+    assert not out.exists()
+
+    since = (dt.datetime.fromisoformat(host_records[0]["started"]) + dt.timedelta(days=1)).date().isoformat()
+    assert main(["report", "--since", since, "--out", str(out)]) == 0
+    content = json.loads((out / "report.json").read_text())
+    assert content["records"] == len(host_records)  # the first run is before --since
+    assert list(out.glob(".*")) == [] and list(tmp_path.glob(".out.*")) == []  # nothing left staged
+
+
+def test_a_report_that_fails_midway_leaves_the_previous_one(tmp_path, host_records, monkeypatch):
+    build(tmp_path, host_records)
+    before = (tmp_path / "report" / "report.json").read_text()
+
+    def broken(inp):
+        raise RuntimeError("a section broke")
+
+    monkeypatch.setattr(report, "SECTIONS", [report.oracle_matrix, broken])
+    with pytest.raises(RuntimeError):
+        build(tmp_path, host_records + later_night(host_records, 1))
+    assert (tmp_path / "report" / "report.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+
+
+# --- the page in a browser -------------------------------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# Runs first in the page: records script errors and resources that fail to load, then, once the
+# page has loaded, every image's natural size, into an element --dump-dom prints.
+PROBE = """<script>
+window.__errors = [];
+window.addEventListener("error", e => window.__errors.push(e.message || ("failed to load " + (e.target.src || e.target.href))), true);
+window.addEventListener("load", () => {
+  const probe = document.createElement("pre");
+  probe.id = "probe";
+  probe.textContent = JSON.stringify({errors: window.__errors,
+    images: [...document.images].map(i => [i.getAttribute("src"), i.naturalWidth, i.naturalHeight]),
+    sections: [...document.querySelectorAll("h2")].map(h => h.textContent)});
+  document.body.appendChild(probe);
+});
+</script>"""
+
+
+def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}"]
+    return subprocess.run([CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium is not installed (scripts/bootstrap.sh --test)")
+def test_page_renders_in_chromium_with_its_images(tmp_path, host_records, tail_records):
+    records = host_records + later_night(host_records, 1, within_spread) + tail_records + seed_records(tmp_path)
+    content = build(tmp_path, records)
+    folder = tmp_path / "report"
+    page = (folder / "report.html").read_text()
+    probe = folder / "probe.html"  # beside the page, so its relative image paths resolve the same way
+    probe.write_text(page.replace("<head>", "<head>\n" + PROBE, 1))
+
+    dom = chromium("--virtual-time-budget=5000", "--dump-dom", probe.as_uri(), profile=tmp_path / "profile-1")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    found = json.loads(dom.stdout.split('<pre id="probe">', 1)[1].split("</pre>", 1)[0].replace("&quot;", '"'))
+    assert found["errors"] == []
+    expected = [img["file"] for s in content["sections"] for img in s["images"]]
+    assert sorted(src for src, _, _ in found["images"]) == sorted(expected) and len(expected) >= 4
+    assert all(w > 100 and h > 100 for _, w, h in found["images"]), found["images"]
+    assert found["sections"] == [s["title"] for s in content["sections"]]
+
+    shot = tmp_path / "report.png"
+    chromium(f"--screenshot={shot}", "--window-size=1280,2400", "--hide-scrollbars", (folder / "report.html").as_uri(),
+             profile=tmp_path / "profile-2")
+    assert shot.stat().st_size > 20_000
+    print(f"screenshot: {shot}")
