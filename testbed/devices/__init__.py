@@ -53,8 +53,8 @@ class Device:
     def pull(self, remote: str, local: Path) -> None:
         self.transport.pull(remote, Path(local))
 
-    def run(self, argv: list[str], timeout: float | None = None) -> CommandResult:
-        return self.transport.run(argv, timeout if timeout is not None else self.profile.timeout("command_s"))
+    def run(self, argv: list[str], timeout: float | None = None, cwd: str = "") -> CommandResult:
+        return self.transport.run(argv, timeout if timeout is not None else self.profile.timeout("command_s"), cwd)
 
     def health(self) -> dict[str, Any]:
         """A snapshot: temperatures, battery, frequencies (what the device exposes)."""

@@ -57,13 +57,14 @@ class LocalTransport(Transport):
         shutil.copyfile(source, tmp)
         os.replace(tmp, local)
 
-    def command(self, argv: list[str]) -> list[str]:
+    def command(self, argv: list[str], folder: Path) -> list[str]:
         return [str(a) for a in argv]
 
-    def run(self, argv: list[str], timeout: float = 60.0) -> CommandResult:
-        self.root.mkdir(parents=True, exist_ok=True)
+    def run(self, argv: list[str], timeout: float = 60.0, cwd: str = "") -> CommandResult:
+        folder = self.path(cwd) if cwd else self.root
+        folder.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        proc = subprocess.Popen(self.command(argv), cwd=self.root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        proc = subprocess.Popen(self.command(argv, folder), cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, errors="replace", start_new_session=True)
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -110,9 +111,9 @@ class QemuTransport(LocalTransport):
             raise DeviceUnreachable(f"{self.name}: emulator {self.emulator!r} is not installed (Debian: qemu-user)")
         super().connect()
 
-    def command(self, argv: list[str]) -> list[str]:
+    def command(self, argv: list[str], folder: Path) -> list[str]:
         argv = [str(a) for a in argv]
-        program = Path(argv[0]) if os.path.isabs(argv[0]) else self.root / argv[0]
+        program = Path(argv[0]) if os.path.isabs(argv[0]) else folder / argv[0]
         if elf_machine(program) != ELF_MACHINES.get(self.emulator):
             return argv
         prefix = [self.emulator] + (["-L", self.sysroot] if self.sysroot else [])

@@ -90,7 +90,8 @@ class Transport:
     def pull(self, remote: str, local: Path) -> None:
         raise NotImplementedError
 
-    def run(self, argv: list[str], timeout: float = 60.0) -> CommandResult:
+    def run(self, argv: list[str], timeout: float = 60.0, cwd: str = "") -> CommandResult:
+        """Run argv in the work folder (or its subfolder `cwd`), killed after `timeout` seconds."""
         raise NotImplementedError
 
     def cleanup(self) -> None:
@@ -170,9 +171,10 @@ class RemoteShell(Transport):
     def path(self, remote: str) -> str:
         return posixpath.join(self.work_dir, confine(remote))
 
-    def run(self, argv: list[str], timeout: float = 60.0) -> CommandResult:
+    def run(self, argv: list[str], timeout: float = 60.0, cwd: str = "") -> CommandResult:
         limit = max(1, math.ceil(timeout))
-        script = f"cd {shlex.quote(self.work_dir)} && timeout -s KILL {limit} {quoted(argv)}"
+        folder = self.path(cwd) if cwd else self.work_dir
+        script = f"cd {shlex.quote(folder)} && timeout -s KILL {limit} {quoted(argv)}"
         t0 = time.monotonic()
         try:
             result = self._shell(script, timeout)

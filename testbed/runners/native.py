@@ -1,0 +1,91 @@
+"""Run a native benchmark-and-dump program on a device: push it and its .npy inputs, run it, pull its
+.npy outputs and its timings, then compare on the host.
+
+The program contract (what kernels/ builds for each ABI):
+  cwd        a fresh run folder holding the program and its inputs as NAME.npy
+  argv       ./PROGRAM followed by the job's args (shapes, reps, threads: the program's own flags)
+  writes     each output as NAME.npy and `timings.json` in the run folder:
+             {"samples_s": [seconds per repetition...], "what": "what one sample timed", ...}
+  exit 0     on success; anything else is a failed run, reported with its stderr
+
+Nothing here trusts "it ran": outputs that are missing, unreadable or of the wrong shape are errors,
+and a run that fails is never retried (it is a measurement and may have effects).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from testbed.devices import CommandResult, Device
+from testbed.errors import DeviceError
+from testbed.results import Figure
+
+
+@dataclass
+class NativeJob:
+    program: Path
+    inputs: dict[str, np.ndarray]
+    outputs: list[str]
+    args: list[str] = field(default_factory=list)
+    timeout: float | None = None
+
+
+@dataclass
+class NativeResult:
+    outputs: dict[str, np.ndarray]
+    timings: dict[str, Any]
+    command: CommandResult
+
+    def figure(self, unit_scale: float = 1.0, unit: str = "s") -> Figure:
+        """The program's own per-repetition times as a Figure (median/min/max/reps)."""
+        samples = self.timings.get("samples_s") or []
+        if not samples:
+            raise DeviceError("the program reported no timing samples (timings.json samples_s is empty)")
+        return Figure.of([s * unit_scale for s in samples], unit)
+
+
+class NativeRunFailed(DeviceError):
+    """The program ran and failed, or left outputs that cannot be read."""
+
+
+def run_native(device: Device, job: NativeJob) -> NativeResult:
+    run_dir = f"runs/{secrets.token_hex(6)}"
+    program = f"{run_dir}/{job.program.name}"
+    try:
+        with tempfile.TemporaryDirectory(prefix="testbed-native-") as tmp:
+            tmp = Path(tmp)
+            device.push(job.program, program, mode=0o755)
+            for name, array in job.inputs.items():
+                local = tmp / f"{name}.npy"
+                np.save(local, np.ascontiguousarray(array))
+                device.push(local, f"{run_dir}/{name}.npy")
+            result = device.run([f"./{job.program.name}", *map(str, job.args)], timeout=job.timeout, cwd=run_dir)
+            if result.returncode != 0:
+                raise NativeRunFailed(f"{device.name}: {job.program.name} exited {result.returncode}: "
+                                      f"{(result.stderr or result.stdout).strip()[-300:]}")
+            outputs = {}
+            for name in job.outputs:
+                local = tmp / f"{name}.npy"
+                device.pull(f"{run_dir}/{name}.npy", local)
+                try:
+                    outputs[name] = np.load(local, allow_pickle=False)
+                except ValueError as e:
+                    raise NativeRunFailed(f"{device.name}: output {name}.npy is not a valid .npy file: {e}") from None
+            device.pull(f"{run_dir}/timings.json", tmp / "timings.json")
+            try:
+                timings = json.loads((tmp / "timings.json").read_text())
+            except json.JSONDecodeError as e:
+                raise NativeRunFailed(f"{device.name}: timings.json is not JSON: {e}") from None
+            return NativeResult(outputs, timings, result)
+    finally:
+        try:
+            device.run(["rm", "-rf", run_dir], timeout=60)
+        except Exception:  # noqa: BLE001 -- cleanup must not hide the run's own error
+            pass
