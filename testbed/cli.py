@@ -15,7 +15,7 @@ import sys
 
 import pandas as pd
 
-from testbed import config, experiments, runner, tables
+from testbed import config, device_cli, experiments, runner, tables
 from testbed.errors import DeviceUnreachable, UsageError
 
 
@@ -106,6 +106,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("experiment")
     t.add_argument("--format", choices=tables.FORMATS, default="md")
     t.set_defaults(fn=cmd_table)
+    device_cli.register(sub)
     return p
 
 
