@@ -78,6 +78,10 @@ class AdbTransport(RemoteShell):
         try:
             dev.connect(rsa_keys=[signer], transport_timeout_s=self.connect_timeout,
                         auth_timeout_s=self.auth_timeout, read_timeout_s=self.connect_timeout)
+        except (ex.InvalidCommandError, ex.InvalidChecksumError) as e:
+            dev.close()
+            raise DeviceUnreachable(f"{self.name}: {self.address} answered, but not as an adb device "
+                                    f"({str(e)[:120]})") from None
         except (ex.DeviceAuthError, ex.InvalidResponseError, ex.AdbTimeoutError, ex.TcpTimeoutException,
                 OSError) as e:
             dev.close()

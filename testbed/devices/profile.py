@@ -98,8 +98,12 @@ class Profile:
                 "or connection.host_key_sha256 is required: ssh host keys are checked, never accepted blindly")
         if data["transport"] == "adb" and conn.get("host") and conn.get("serial"):
             bad("connection.serial", conn["serial"], "and connection.host are exclusive (USB or TCP)")
-        if data["transport"] in ("adb", "ssh") and not str(data.get("work_dir", "")).startswith("/"):
-            bad("work_dir", data.get("work_dir"), "must be an absolute device path")
+        if data["transport"] in ("adb", "ssh"):
+            work = str(data.get("work_dir", ""))
+            # cleanup empties this folder: it must be absolute and at least two levels deep
+            if not work.startswith("/") or len([p for p in work.split("/") if p]) < 2:
+                bad("work_dir", data.get("work_dir"), "must be an absolute device path at least two levels "
+                                                      "deep (e.g. /data/local/tmp/testbed)")
         bad.mapping("accelerators", data.get("accelerators", {}) or {}, ACCELERATOR_FIELDS)
         bad.mapping("health", data.get("health", {}) or {}, HEALTH_FIELDS)
         bad.mapping("timeouts", data.get("timeouts", {}) or {}, TIMEOUT_FIELDS)
