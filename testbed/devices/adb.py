@@ -52,6 +52,22 @@ def usb_adb_serials() -> list[str]:
     return sorted(set(serials))
 
 
+def _tcp_transport(host: str, port: int):
+    """adb-shell's TCP transport, except that a closed socket is an error at once: adb-shell reads
+    the empty bytes of a dead connection as "no data yet" and spins until its read timeout, which
+    would report a device that died as a command that timed out."""
+    from adb_shell.transport.tcp_transport import TcpTransport
+
+    class EofAwareTcpTransport(TcpTransport):
+        def bulk_read(self, numbytes, transport_timeout_s):
+            data = super().bulk_read(numbytes, transport_timeout_s)
+            if not data:
+                raise ConnectionResetError(f"{host}:{port} closed the connection")
+            return data
+
+    return EofAwareTcpTransport(host, port)
+
+
 class AdbTransport(RemoteShell):
     kind = "adb"
 
@@ -92,14 +108,14 @@ class AdbTransport(RemoteShell):
         self.dev = dev
 
     def _tcp(self):
-        from adb_shell.adb_device import AdbDeviceTcp
+        from adb_shell.adb_device import AdbDevice
 
         try:
             socket.create_connection((self.host, self.port), timeout=self.connect_timeout).close()
         except OSError as e:
             raise DeviceUnreachable(f"{self.name}: nothing answers at {self.host}:{self.port} "
                                     f"({e.strerror or e}); is adbd listening (adb tcpip) and the address right?") from None
-        return AdbDeviceTcp(self.host, self.port, default_transport_timeout_s=self.connect_timeout)
+        return AdbDevice(_tcp_transport(self.host, self.port), default_transport_timeout_s=self.connect_timeout)
 
     def _usb(self):
         attached = usb_adb_serials()
