@@ -61,6 +61,25 @@ class Device:
         snap = health.probe_device(self.transport)
         return {k: snap[k] for k in ("temperatures_c", "battery", "frequencies", "governor")}
 
+    def measured(self, fn):
+        """Run `fn` (one measurement) under the profile's health discipline: cool-down gate, health
+        before, warm-up runs, the measured run, health after, throttling flag. Returns (fn's result,
+        what to add to the record's metrics)."""
+        h = self.profile.health
+        gate = health.cool_down(self.health, h.get("cooldown_below_c"), h.get("cooldown_delay_s") or 0.0,
+                                h.get("cooldown_max_wait_s") or 300.0)
+        before = self.health()
+        for _ in range(int(h.get("warmup") or 0)):
+            fn()
+        result = fn()
+        after = self.health()
+        flagged, why = health.throttled(after, h.get("throttle_fraction") or 0.8, h.get("cooldown_below_c"))
+        return result, {"cooldown": gate, "warmup_runs": int(h.get("warmup") or 0),
+                        "hottest_c_before": health.hottest(before), "hottest_c_after": health.hottest(after),
+                        "temperatures_c_before": before["temperatures_c"], "temperatures_c_after": after["temperatures_c"],
+                        "battery_before": before["battery"], "battery_after": after["battery"],
+                        "throttled": flagged, "throttle_reason": why}
+
     def fingerprint(self) -> dict[str, Any]:
         """Model, ABI, OS build, governor, temperatures: stored with every record."""
         if self._fingerprint is None:

@@ -121,9 +121,10 @@ def throttled(after: dict[str, Any], fraction: float = 0.8, hot_limit: float | N
 
 
 def cool_down(read, below_c: float | None, delay_s: float = 0.0, max_wait_s: float = 300.0,
-              poll_s: float = 2.0, sleep=time.sleep) -> dict[str, Any]:
+              poll_s: float = 2.0, sleep=None) -> dict[str, Any]:
     """Wait `delay_s`, then until `read()`'s hottest zone is below `below_c` (if set), for at most
     `max_wait_s`. Returns what happened, for the record."""
+    sleep = sleep or time.sleep
     t0 = time.monotonic()
     if delay_s:
         sleep(delay_s)

@@ -42,7 +42,9 @@ def test_records(experiment: str, op: str, backend: str, report: tbo.TestReport,
 
 
 def perf_records(device: Device, experiment: str, op: str, backend: str, timeout: float | None = None) -> list[Record]:
-    result = device.run([tool(device, "test-backend-ops"), "perf", "-o", op, "-b", backend], timeout)
+    """Perf mode under the profile's health discipline (cool-down, warm-up, throttling flag)."""
+    result, health = device.measured(
+        lambda: device.run([tool(device, "test-backend-ops"), "perf", "-o", op, "-b", backend], timeout))
     rows = tbo.parse_perf(result.stdout)
     if result.returncode != 0 or not rows:
         from testbed.errors import DeviceError
@@ -55,7 +57,7 @@ def perf_records(device: Device, experiment: str, op: str, backend: str, timeout
         figures = {"time": us}
         if row.gbps is not None:
             figures["bandwidth"] = Figure(row.gbps, row.gbps, row.gbps, row.runs, "GB/s")
-        records.append(Record(experiment, f"{row.name}/{backend}/perf", "measure", figures=figures,
+        records.append(Record(experiment, f"{row.name}/{backend}/perf", "measure", figures=figures, metrics=health,
                               work={f"per_run_{row.per_run_unit}": row.per_run, "runs": row.runs,
                                     "what": "test-backend-ops perf: mean over its runs"},
                               params={"op": op, "backend": backend, "params": row.params}))
@@ -66,12 +68,13 @@ def llama_bench_records(device: Device, experiment: str, model: str, prompt: int
                         extra: list[str] = (), timeout: float | None = None) -> list[Record]:
     argv = [tool(device, "llama-bench"), "-m", model, "-p", str(prompt), "-n", "0", "-t", str(threads),
             "-r", str(reps), "-o", "json", *extra]
-    result = device.run(argv, timeout)
+    result, health = device.measured(lambda: device.run(argv, timeout))
     if result.returncode != 0:
         from testbed.errors import DeviceError
 
         raise DeviceError(f"{device.name}: llama-bench exited {result.returncode}: {result.stderr.strip()[-300:]}")
     return [Record(experiment, f"{row.test}/t{threads}", "measure", figures={"tokens_per_s": row.figure()},
+                   metrics=health,
                    work={"tokens": prompt, "what": f"llama-bench {row.test}: prompt tokens per second"},
                    params={"model": model, "threads": threads, "test": row.test, "backend": row.backend})
             for row in llama_bench.parse(result.stdout)]
