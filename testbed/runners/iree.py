@@ -66,12 +66,14 @@ def run_command(device: Device, job: IreeJob) -> list[str]:
             *[f"--output=@out{i}.npy" for i in range(job.n_outputs)]]
 
 
-def benchmark_command(device: Device, job: IreeJob, repetitions: int = 5) -> list[str]:
+def benchmark_command(device: Device, job: IreeJob, repetitions: int = 5, min_time: str = "") -> list[str]:
+    """min_time: Google Benchmark's per-repetition budget, "<N>x" iterations or "<T>s" (default 0.5 s)."""
     return [tool(device, "iree-benchmark-module"), f"--module={job.module.name}", f"--function={job.function}",
             *device_flags(job.hal_device, job.threads),
             *[f"--parameters={p.name}" for p in job.parameters],
             *[f"--input=@in{i}.npy" for i in range(len(job.inputs))],
-            f"--benchmark_repetitions={repetitions}", "--benchmark_format=json"]
+            f"--benchmark_repetitions={repetitions}", "--benchmark_format=json",
+            *([f"--benchmark_min_time={min_time}"] if min_time else [])]
 
 
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
@@ -121,12 +123,12 @@ def run_module(device: Device, job: IreeJob) -> list[np.ndarray]:
         device.run(["rm", "-rf", run_dir], timeout=60)
 
 
-def benchmark_module(device: Device, job: IreeJob, repetitions: int = 5) -> Figure:
+def benchmark_module(device: Device, job: IreeJob, repetitions: int = 5, min_time: str = "") -> Figure:
     run_dir = f"runs/iree-{secrets.token_hex(6)}"
     try:
         with tempfile.TemporaryDirectory(prefix="testbed-iree-") as tmp:
             _stage(device, job, run_dir, Path(tmp))
-            result = device.run(benchmark_command(device, job, repetitions), job.timeout, cwd=run_dir)
+            result = device.run(benchmark_command(device, job, repetitions, min_time), job.timeout, cwd=run_dir)
             _check(device, result, "iree-benchmark-module")
             return parse_benchmark_json(result.stdout)
     finally:
