@@ -1,29 +1,29 @@
 """llama.cpp's tools on a device: test-backend-ops (test and perf modes) and llama-bench, into records.
 
 The tools live where the profile's `tools` say; the backend (`-b`) defaults to the profile's
-`accelerators.backend` (HTP0 on the Hexagon phone). Verdicts follow testbed.tbo: a run that did not
+`accelerators.backend` (HTP0 on the Hexagon phone). Verdicts follow testbed.llamacpp_output: a run that did not
 finish, or whose counts disagree, is an error record, never a pass.
 """
 
 from __future__ import annotations
 
-from testbed import llama_bench, tbo
+from testbed import llamacpp_output as out
 from testbed.devices import Device
 from testbed.results import Figure, Record
 from testbed.runners.iree import tool
 
 
-def test_backend_ops(device: Device, op: str, backend: str, timeout: float | None = None) -> tuple[tbo.TestReport, list[str]]:
+def test_backend_ops(device: Device, op: str, backend: str, timeout: float | None = None) -> tuple[out.TboReport, list[str]]:
     """Run test mode; returns the parsed report and every reason it may not be read as a pass."""
     result = device.run([tool(device, "test-backend-ops"), "test", "-o", op, "-b", backend], timeout)
-    report = tbo.parse_test(result.stdout)
+    report = out.parse_test(result.stdout)
     problems = report.problems()
     if result.returncode != 0:
         problems.append(f"test-backend-ops exited {result.returncode}: {result.stderr.strip()[-200:]}")
     return report, problems
 
 
-def test_records(experiment: str, op: str, backend: str, report: tbo.TestReport, problems: list[str]) -> list[Record]:
+def test_records(experiment: str, op: str, backend: str, report: out.TboReport, problems: list[str]) -> list[Record]:
     """One oracle record per case, then the run's tally ('36/36 OK') as its own verdict."""
     records = []
     for case in report.tested:
@@ -45,7 +45,7 @@ def perf_records(device: Device, experiment: str, op: str, backend: str, timeout
     """Perf mode under the profile's health discipline (cool-down, warm-up, throttling flag)."""
     result, health = device.measured(
         lambda: device.run([tool(device, "test-backend-ops"), "perf", "-o", op, "-b", backend], timeout))
-    rows = tbo.parse_perf(result.stdout)
+    rows = out.parse_perf(result.stdout)
     if result.returncode != 0 or not rows:
         from testbed.errors import DeviceError
 
@@ -77,4 +77,4 @@ def llama_bench_records(device: Device, experiment: str, model: str, prompt: int
                    metrics=health,
                    work={"tokens": prompt, "what": f"llama-bench {row.test}: prompt tokens per second"},
                    params={"model": model, "threads": threads, "test": row.test, "backend": row.backend})
-            for row in llama_bench.parse(result.stdout)]
+            for row in out.parse_bench(result.stdout)]
