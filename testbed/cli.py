@@ -3,6 +3,7 @@
   testbed run EXPERIMENT [key=value ...]          one run, records stored, summary printed
   testbed sweep [experiment=NAME] key=v1,v2 ...   the cartesian product (Hydra sweep syntax), one table
   testbed table EXPERIMENT [--format md|csv|json] tables from stored records only
+  testbed ingest FILE [--device NAME]             store test-backend-ops output run elsewhere
 
 Exit status: 0 all oracles passed, 1 an oracle failed (or no records to show), 2 bad input,
 3 a device could not be reached.
@@ -29,7 +30,9 @@ def _summary(outcome: runner.Outcome, module) -> str:
     df = outcome.frame()
     oracles = df[df["kind"] == "oracle"] if len(df) else df
     n_pass = int((oracles["verdict"] == "pass").sum()) if len(oracles) else 0
-    lines = [tables.markdown(module.view(df)) if len(df) else "(no records)", ""]
+    # An experiment may condense its run into several small tables; the full view is `testbed table`.
+    shown = module.summary(df) if hasattr(module, "summary") else [module.view(df)]
+    lines = [*(tables.markdown(t) + "\n" for t in shown)] if len(df) else ["(no records)", ""]
     lines.append(
         f"{outcome.info.experiment} on {outcome.info.device} ({outcome.info.backend}): "
         f"oracles {n_pass}/{len(oracles)} pass, {len(df) - len(oracles)} measurements; "
@@ -92,6 +95,30 @@ def cmd_table(args) -> int:
     return 0
 
 
+def cmd_ingest(args) -> int:
+    """Store the output of a tool run elsewhere (today: llama.cpp's test-backend-ops)."""
+    from testbed import tbo
+    from testbed.devices import load_profile
+    from testbed.results import RunInfo
+
+    rc = config.load([f"device={args.device}"], experiment=args.experiment)
+    profile = load_profile(rc.device)
+    try:
+        text = open(args.file, encoding="utf-8", errors="replace").read()
+        records = tbo.to_records(text, rc.experiment)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{args.file}: {e}") from None
+    info = RunInfo(experiment=rc.experiment, device=rc.device, backend=args.backend, config={"source": args.file},
+                   fingerprint={"abi": profile.abi, "source": "ingested"})
+    rows = [info.stamp(r) for r in records]
+    runner.results_store(rc).append(rows)
+    suites = [r for r in rows if r["oracle"] == "test-backend-ops-suite"]
+    for r in suites:
+        print(f"{r['case']}: {r['detail']} ({r['verdict']})")
+    print(f"{len(rows)} records from {args.file} stored for {rc.experiment} on {rc.device}")
+    return 1 if any(r["kind"] == "oracle" and r["verdict"] != "pass" for r in rows) else 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="testbed", description="Validate and benchmark on-device LLM prefill.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -106,6 +133,12 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("experiment")
     t.add_argument("--format", choices=tables.FORMATS, default="md")
     t.set_defaults(fn=cmd_table)
+    i = sub.add_parser("ingest", help="store a tool's output: test-backend-ops console or CSV")
+    i.add_argument("file")
+    i.add_argument("--experiment", default="gdn")
+    i.add_argument("--device", default="host")
+    i.add_argument("--backend", default="ggml", help="what produced it (e.g. ggml-htp)")
+    i.set_defaults(fn=cmd_ingest)
     device_cli.register(sub)
     return p
 

@@ -81,6 +81,18 @@ def device(pytestconfig):
     return _connect(pytestconfig)
 
 
+@pytest.fixture(scope="session")
+def seed_fixtures():
+    """The measured figures and real tool outputs of the seeds (config key fixtures_dir). Missing
+    fixtures fail the tests that need them: they are inputs, not optional extras."""
+    from testbed.config import load, project_path
+
+    path = project_path(load([]).cfg.fixtures_dir).resolve()
+    if not path.is_dir():
+        pytest.fail(f"seed fixtures not found at {path} (config key fixtures_dir)")
+    return path
+
+
 @pytest.fixture
 def results_dir(tmp_path, monkeypatch):
     path = tmp_path / "results"

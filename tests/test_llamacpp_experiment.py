@@ -13,7 +13,7 @@ from testbed.devices import Device
 from testbed.peers.fixtures import adb_connect
 from testbed.results import ResultsStore
 
-from test_llamacpp_output import fixtures
+from tests.test_llamacpp_output import fixtures
 
 DATA = Path(__file__).parent / "data"
 TOOLS = "/data/local/tmp/testbed/tools"

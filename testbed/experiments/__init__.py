@@ -5,6 +5,7 @@ An experiment module provides:
   run(cfg, ctx)           yields Records (testbed.results.Record)
   view(frame) -> frame    the table people read, from stored records only
   sweep_row(frame) -> {}  one summary row per sweep job (optional; defaults to view's first row)
+  summary(frame) -> [frames]  what `testbed run` prints (optional; defaults to [view(frame)])
   validate(cfg)           cross-parameter checks (optional), raising UsageError
 """
 

@@ -257,6 +257,22 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def summary(df: pd.DataFrame) -> list[pd.DataFrame]:
+    """What `testbed run gdn` prints: the oracle tally per form, and the benchmark rows."""
+    rows = []
+    oracles = df[df["kind"] == "oracle"]
+    if len(oracles):
+        for (oracle, form), grp in oracles.groupby(["oracle", "params.form"], sort=False):
+            nm = pd.to_numeric(grp.get("metrics.nmse"), errors="coerce") if "metrics.nmse" in grp else None
+            rows.append({"what": f"{oracle} {form}", "cases": len(grp),
+                         "pass": int((grp["verdict"] == "pass").sum()),
+                         "worst NMSE": None if nm is None or nm.isna().all() else float(nm.max()),
+                         "min margin": float(grp["margin"].min())})
+    bench = view(df[df["kind"] == "measure"])
+    bench = bench.drop(columns=["device", "backend"]) if len(bench) else bench
+    return [t for t in (pd.DataFrame(rows), bench) if len(t)]
+
+
 def sweep_row(df: pd.DataFrame) -> dict:
     """Per sweep job: chunk, oracle tally and worst NMSE, chunkwise tokens/s per T."""
     oracles = df[df["kind"] == "oracle"]

@@ -1,0 +1,82 @@
+"""The testbed command end to end: run, sweep, table, ingest, and every kind of bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from testbed.cli import main
+from testbed.results import ResultsStore
+
+SMALL = ["matrix=awkward", "bench.tokens=[64]", "bench.heads=4", "bench.head_size=32", "bench.reps=2"]
+
+
+def test_run_gdn_stores_records_and_prints_a_summary(results_dir, capsys):
+    assert main(["run", "gdn", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "oracles 36/36 pass, 2 measurements" in out
+    records = ResultsStore(results_dir).records("gdn")
+    assert len(records) == 38
+    measure = next(r for r in records if r["kind"] == "measure")
+    assert set(measure["figures"]["time"]) == {"median", "min", "max", "reps", "unit"}
+    assert measure["work"]["flops"] > 0 and measure["fingerprint"]["cores"] >= 1
+    assert measure["config"]["bench.tokens"] == [64]
+
+
+def test_sweep_runs_the_product_and_prints_one_table(results_dir, capsys):
+    assert main(["sweep", "experiment=gdn", "chunk=16,32", "mode=oracle,bench", *SMALL]) == 0
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| gdn")]
+    assert len(table) == 4
+    assert {r["config"]["chunk"] for r in ResultsStore(results_dir).records()} == {16, 32}
+
+
+def test_table_formats_read_only_stored_records(results_dir, capsys):
+    assert main(["table", "gdn"]) == 1  # nothing stored yet
+    assert "no records for gdn" in capsys.readouterr().err
+    main(["run", "gdn", "mode=oracle", "matrix=awkward"])
+    capsys.readouterr()
+    assert main(["table", "gdn", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 36 and {r["verdict"] for r in rows} == {"pass"}
+    assert main(["table", "gdn", "--format", "csv"]) == 0
+    assert capsys.readouterr().out.startswith("device,backend,chunk,case")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "nosuch"], "unknown experiment 'nosuch'; accepted: "),
+        (["run", "gdn", "device=nosuch"], "unknown device 'nosuch'; accepted: "),
+        (["run", "gdn", "foo=1"], "unknown key 'foo'; accepted keys: "),
+        (["run", "gdn", "chunk=0"], "chunk=0 is out of range; accepted: integers from 1"),
+        (["run", "gdn", "chunk=-3"], "chunk=-3 is out of range"),
+        (["run", "gdn", "chunk=big"], "chunk='big' is not an integer"),
+        (["run", "gdn", "mode=fast"], "mode='fast' is not accepted; accepted: oracle, bench, all"),
+        (["run", "gdn", "bench.tokens=[64,0]"], "bench.tokens=0 is out of range"),
+        (["run", "gdn", "chunk=32,64"], "is a sweep; use `testbed sweep`"),
+        (["sweep", "experiment=gdn", "chunk=32,0"], "chunk=0 is out of range"),
+        (["table", "nosuch"], "unknown experiment 'nosuch'"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, message, results_dir, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("testbed: error: ") and message in err and "\n" not in err
+    assert not results_dir.exists()
+
+
+def test_ingest_stores_a_phone_run_of_test_backend_ops(results_dir, seed_fixtures, capsys):
+    path = seed_fixtures / "test-backend-ops" / "test_mode_b_CPU.stdout"
+    assert main(["ingest", str(path), "--backend", "ggml-cpu"]) == 0
+    assert "36/36 OK" in capsys.readouterr().out
+    stored = ResultsStore(results_dir).records("gdn")
+    assert len(stored) == 37 and all(r["backend"] == "ggml-cpu" for r in stored)
+
+
+def test_pytest_with_an_unknown_device_is_a_usage_error(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pytest", "--device=nosuch", "-q", "--co"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 4  # pytest's usage-error status
+    assert "--device='nosuch' is not a device profile; accepted: " in p.stderr and "host" in p.stderr

@@ -1,0 +1,73 @@
+"""The results store: atomic batches, torn lines, and runs that break never read as passed."""
+
+import json
+
+import pytest
+
+from testbed import config, runner
+from testbed.experiments import gdn
+from testbed.results import Figure, Record, ResultsStore, RunInfo
+
+
+def rows(n, verdict="pass"):
+    info = RunInfo("gdn", "host", "refimpl", {"chunk": 64}, {"abi": "x86_64"})
+    return [info.stamp(Record("gdn", f"case{i}", "oracle", "nmse", verdict, 1.0)) for i in range(n)]
+
+
+def test_append_and_read_back(tmp_path):
+    store = ResultsStore(tmp_path)
+    store.append(rows(3))
+    store.append(rows(2, "fail"))
+    got = store.records("gdn")
+    assert [r["verdict"] for r in got] == ["pass"] * 3 + ["fail"] * 2
+    assert len({r["run_id"] for r in got}) == 2
+    frame = store.frame("gdn")
+    assert {"config.chunk", "fingerprint.abi", "git_commit"} <= set(frame.columns)
+
+
+def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path):
+    store = ResultsStore(tmp_path)
+    store.append(rows(2))
+    with open(store.path, "a") as f:
+        f.write(json.dumps(rows(1)[0])[:40])  # a crash in the middle of a write
+    with pytest.warns(UserWarning, match="torn last line"):
+        assert len(store.records()) == 2
+
+
+def test_figures_keep_their_spread():
+    f = Figure.of([3.0, 1.0, 2.0], "s")
+    assert (f.median, f.min, f.max, f.reps) == (2.0, 1.0, 3.0, 3)
+    r = f.rate(6.0, "tokens/s")
+    assert (r.median, r.min, r.max) == (3.0, 2.0, 6.0)
+
+
+def test_an_interrupted_run_leaves_one_error_record_and_no_pass(results_dir, monkeypatch):
+    """Ctrl-C in the middle of the oracle matrix: the store gets a single "error" record."""
+    real = gdn.oracle_records
+
+    def interrupted(cfg, ctx):
+        for n, rec in enumerate(real(cfg, ctx)):
+            if n == 5:
+                raise KeyboardInterrupt
+            yield rec
+
+    monkeypatch.setattr(gdn, "oracle_records", interrupted)
+    rc = config.load(["mode=oracle", "matrix=awkward"], experiment="gdn")
+    with pytest.raises(KeyboardInterrupt):
+        runner.execute(rc)
+    stored = ResultsStore(results_dir).records()
+    assert len(stored) == 1
+    assert stored[0]["verdict"] == "error" and stored[0]["detail"] == "interrupted"
+    assert stored[0]["metrics"]["records_before_error"] == 5
+
+
+def test_a_crashing_run_says_what_broke(results_dir, monkeypatch):
+    def broken(cfg, ctx):
+        raise RuntimeError("kernel returned garbage")
+        yield
+
+    monkeypatch.setattr(gdn, "oracle_records", broken)
+    with pytest.raises(RuntimeError):
+        runner.execute(config.load(["mode=oracle"], experiment="gdn"))
+    (stored,) = ResultsStore(results_dir).records()
+    assert stored["verdict"] == "error" and "kernel returned garbage" in stored["detail"]
