@@ -1,8 +1,6 @@
 """Health: the probe's parsing, the throttling flag and the cool-down gate; the fingerprint of real
 peers (a phone's getprop over ADB, the host)."""
 
-import pytest
-
 from testbed.devices import health
 
 ANDROID_PROBE = """\

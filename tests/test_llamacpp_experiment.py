@@ -40,13 +40,15 @@ def with_tools(device: Device, tmp_path: Path, test_output: str, code: int = 0) 
     return Device(profile, device.transport)
 
 
-def run_config():
-    return config.load(["experiment=llamacpp", "device=adb-loopback", "gguf=/data/local/tmp/m.gguf"])
+def run_config(*overrides):
+    """The loopback profile's config, told (as a user's profile would say) where the tools are."""
+    return config.load(["experiment=llamacpp", "device=adb-loopback", f"+device.tools.test-backend-ops={TOOLS}/t",
+                        f"+device.tools.llama-bench={TOOLS}/b", *overrides])
 
 
 def test_a_run_reports_36_of_36_ok_and_pp512(adb_device, tmp_path, results_dir):
     device = with_tools(adb_device, tmp_path, (fixtures() / "test_mode_b_CPU.stdout").read_text())
-    outcome = runner.execute(run_config(), device=device)
+    outcome = runner.execute(run_config("gguf=/data/local/tmp/m.gguf"), device=device)
     df = outcome.frame()
     tally = df[df["case"].str.endswith("/tally")].iloc[0]
     assert (tally["verdict"], tally["metrics.tally"]) == ("pass", "36/36 OK")
@@ -57,13 +59,18 @@ def test_a_run_reports_36_of_36_ok_and_pp512(adb_device, tmp_path, results_dir):
     assert perf["figures.time.median"].tolist() == [69787.23]
     assert tally["fingerprint.model"] == "Loopback"  # the record says which device measured it
     assert len(ResultsStore(results_dir).records("llamacpp")) == len(df)
+    from testbed.cli import _summary
+    from testbed.experiments import llamacpp as module
+
+    shown = _summary(outcome, module)  # what `testbed run llamacpp device=hexagon` prints
+    assert "36/36 OK" in shown and "pp512/t8" in shown and "93.3 tokens/s" in shown
 
 
 def test_a_crashed_tool_leaves_no_passing_tally(adb_device, tmp_path, results_dir):
     text = (fixtures() / "test_mode_b_CPU.stdout").read_text()
     crashed = text[: text.index("n_seq_tokens=100,n_seqs=1")]  # aborted mid-way (exit 134)
     device = with_tools(adb_device, tmp_path, crashed, code=134)
-    outcome = runner.execute(config.load(["experiment=llamacpp", "device=adb-loopback", "mode=test"]), device=device)
+    outcome = runner.execute(run_config("mode=test"), device=device)
     tally = [r for r in outcome.rows if r["case"].endswith("/tally")][0]
     assert tally["verdict"] == "error" and "exited 134" in tally["detail"] and "did not finish" in tally["detail"]
     assert outcome.failed == 1
@@ -80,6 +87,13 @@ def test_a_device_lost_mid_run_stores_one_error_record(adbd_factory, adb_key, tm
     from testbed.errors import DeviceUnreachable
 
     with pytest.raises(DeviceUnreachable, match="connection lost"):
-        runner.execute(config.load(["experiment=llamacpp", "device=adb-loopback", "mode=test"]), device=device)
+        runner.execute(run_config("mode=test"), device=device)
     rows = ResultsStore(results_dir).records()
     assert [(r["case"], r["verdict"]) for r in rows] == [("run", "error")]
+
+
+def test_a_device_without_the_tools_is_refused_before_connecting():
+    from testbed.errors import UsageError
+
+    with pytest.raises(UsageError, match="device=adb-loopback has no tools.test-backend-ops"):
+        runner.check(config.load(["experiment=llamacpp", "device=adb-loopback"]))

@@ -201,7 +201,7 @@ class RemoteShell(Transport):
         target = self.path(remote)
         parent = posixpath.dirname(target)
         problem = ""
-        for attempt in range(self.attempts):
+        for _ in range(self.attempts):
             try:
                 self._ensure()
                 if parent != self.work_dir:
@@ -231,7 +231,7 @@ class RemoteShell(Transport):
         tmp = local.with_name(f".{local.name}.{secrets.token_hex(4)}.part")
         problem = ""
         try:
-            for attempt in range(self.attempts):
+            for _ in range(self.attempts):
                 try:
                     self._ensure()
                     self._recv(source, tmp)

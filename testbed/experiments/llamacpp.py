@@ -39,6 +39,17 @@ PARAMS = {
 }
 
 
+def validate(cfg: DictConfig) -> None:
+    """The device must name the tools this mode runs (checked before connecting)."""
+    tools = cfg.device.get("tools") or {}
+    needed = (["test-backend-ops"] if cfg.mode in ("test", "perf", "all") else []) + \
+             (["llama-bench"] if cfg.mode in ("bench", "all") and cfg.gguf else [])
+    missing = [t for t in needed if not tools.get(t)]
+    if missing:
+        raise UsageError(f"device={cfg.device.name} has no tools.{missing[0]} in devices/{cfg.device.name}.yaml; "
+                         f"devices with llama.cpp tools: hexagon, or add the path to the profile")
+
+
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     device = ctx.device
     backend = cfg.backend or device.profile.accelerators.get("backend") or "CPU"

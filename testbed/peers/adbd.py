@@ -40,7 +40,6 @@ import queue
 import shutil
 import signal
 import socket
-import stat as statmod
 import struct
 import subprocess
 import sys
@@ -50,6 +49,8 @@ from pathlib import Path
 from testbed import PROJECT_ROOT
 
 # Commands are their four ASCII letters read as a little-endian uint32.
+
+
 def _cmd(name: bytes) -> int:
     return struct.unpack("<I", name)[0]
 
@@ -553,7 +554,7 @@ def sync_receive_file(stream: Stream, device: FakeDevice, spec: str) -> None:
             raise StreamClosed
     if out is not None:
         out.close()
-        os.chmod(local, int(mode or "644") & 0o777 if mode.isdigit() else 0o644)
+        os.chmod(local, int(mode) & 0o777 if mode.isdigit() else 0o644)  # the client sends st_mode in decimal
     stream.write(_fail(error) if error else _status(b"OKAY", 0))
 
 
@@ -586,10 +587,6 @@ def serve(args) -> None:
         sock, _ = listener.accept()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         threading.Thread(target=Connection(sock, device).serve, daemon=True).start()
-
-
-def _mode(text: str) -> int:
-    return int(text, 8)
 
 
 def parse_args(argv=None):
