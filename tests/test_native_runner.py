@@ -33,6 +33,7 @@ def test_the_program_matches_numpy_bit_for_bit(device):
     assert verdict.passed, verdict.detail
     t = result.figure()
     assert t.reps == 3 and 0 < t.min <= t.median <= t.max
+    assert {"throttled", "temperatures_c_before", "temperatures_c_after", "cooldown"} <= set(result.health)
 
 
 @pytest.mark.requires("native")

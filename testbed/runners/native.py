@@ -35,6 +35,7 @@ class NativeJob:
     outputs: list[str]
     args: list[str] = field(default_factory=list)
     timeout: float | None = None
+    measured: bool = True  # under the profile's health discipline (cool-down, warm-up, throttle flag)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class NativeResult:
     outputs: dict[str, np.ndarray]
     timings: dict[str, Any]
     command: CommandResult
+    health: dict[str, Any] = field(default_factory=dict)  # for the record's metrics
 
     def figure(self, unit_scale: float = 1.0, unit: str = "s") -> Figure:
         """The program's own per-repetition times as a Figure (median/min/max/reps)."""
@@ -66,7 +68,10 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
                 local = tmp / f"{name}.npy"
                 np.save(local, np.ascontiguousarray(array))
                 device.push(local, f"{run_dir}/{name}.npy")
-            result = device.run([f"./{job.program.name}", *map(str, job.args)], timeout=job.timeout, cwd=run_dir)
+            def once():
+                return device.run([f"./{job.program.name}", *map(str, job.args)], timeout=job.timeout, cwd=run_dir)
+
+            result, health = device.measured(once) if job.measured else (once(), {})
             if result.returncode != 0:
                 raise NativeRunFailed(f"{device.name}: {job.program.name} exited {result.returncode}: "
                                       f"{(result.stderr or result.stdout).strip()[-300:]}")
@@ -83,7 +88,7 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
                 timings = json.loads((tmp / "timings.json").read_text())
             except json.JSONDecodeError as e:
                 raise NativeRunFailed(f"{device.name}: timings.json is not JSON: {e}") from None
-            return NativeResult(outputs, timings, result)
+            return NativeResult(outputs, timings, result, health)
     finally:
         try:
             device.run(["rm", "-rf", run_dir], timeout=60)
