@@ -141,10 +141,10 @@ def transport_for(profile: Profile, connection: dict | None = None) -> Transport
     if profile.transport == "adb":
         from testbed.devices.adb import AdbTransport
 
-        return AdbTransport(profile.name, profile.work_dir, conn, t)
+        return AdbTransport(profile.name, profile.work_dir, conn, t, profile.timeout("transfer_s"))
     from testbed.devices.ssh import SshTransport
 
-    return SshTransport(profile.name, profile.work_dir, conn, t)
+    return SshTransport(profile.name, profile.work_dir, conn, t, profile.timeout("transfer_s"))
 
 
 def connect(profile: Profile, connection: dict | None = None) -> Device:

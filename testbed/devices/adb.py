@@ -71,7 +71,8 @@ def _tcp_transport(host: str, port: int):
 class AdbTransport(RemoteShell):
     kind = "adb"
 
-    def __init__(self, name: str, work_dir: str, connection: dict, connect_timeout: float = 5.0):
+    def __init__(self, name: str, work_dir: str, connection: dict, connect_timeout: float = 5.0,
+                 stall_timeout: float = 60.0):
         super().__init__(name, work_dir)
         self.host = connection.get("host") or ""
         self.port = int(connection.get("port") or 5555)
@@ -79,6 +80,7 @@ class AdbTransport(RemoteShell):
         self.key_path = connection.get("key") or DEFAULT_KEY
         self.auth_timeout = float(connection.get("auth_timeout_s") or 10.0)
         self.connect_timeout = connect_timeout
+        self.stall_timeout = stall_timeout  # the longest a transfer may go without progress
         self.dev = None
 
     @property
@@ -173,8 +175,8 @@ class AdbTransport(RemoteShell):
 
         lost, timeout = self._errors()
         try:
-            self.dev.push(str(local), path, st_mode=0o100000 | mode, transport_timeout_s=self.connect_timeout * 6,
-                          read_timeout_s=self.connect_timeout * 6)
+            self.dev.push(str(local), path, st_mode=0o100000 | mode, transport_timeout_s=self.stall_timeout,
+                          read_timeout_s=self.stall_timeout)
         except ex.PushFailedError as e:  # the device refused (full, read-only): retrying will not help
             raise TransferError(f"{self.name}: the device refused {path}: {_text(e)}") from None
         except timeout + lost as e:
@@ -185,8 +187,8 @@ class AdbTransport(RemoteShell):
 
         lost, timeout = self._errors()
         try:
-            self.dev.pull(path, str(local), transport_timeout_s=self.connect_timeout * 6,
-                          read_timeout_s=self.connect_timeout * 6)
+            self.dev.pull(path, str(local), transport_timeout_s=self.stall_timeout,
+                          read_timeout_s=self.stall_timeout)
         except ex.AdbCommandFailureException as e:
             raise TransferError(f"{self.name}: the device refused to send {path}: {_text(e)}") from None
         except timeout + lost as e:

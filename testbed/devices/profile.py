@@ -119,7 +119,8 @@ class Profile:
         return capability in self.capabilities
 
     def timeout(self, kind: str) -> float:
-        defaults = {"connect_s": 5.0, "command_s": 600.0, "transfer_s": 300.0}
+        # transfer_s: the longest a push or pull may go without progress
+        defaults = {"connect_s": 5.0, "command_s": 600.0, "transfer_s": 60.0}
         return float(self.timeouts.get(kind, defaults[kind]))
 
 

@@ -26,7 +26,8 @@ def key_fingerprint(key) -> str:
 class SshTransport(RemoteShell):
     kind = "ssh"
 
-    def __init__(self, name: str, work_dir: str, connection: dict, connect_timeout: float = 5.0):
+    def __init__(self, name: str, work_dir: str, connection: dict, connect_timeout: float = 5.0,
+                 stall_timeout: float = 60.0):
         super().__init__(name, work_dir)
         self.host = connection["host"]
         self.port = int(connection.get("port") or 22)
@@ -35,6 +36,7 @@ class SshTransport(RemoteShell):
         self.known_hosts = os.path.expanduser(connection.get("known_hosts") or "")
         self.pinned = connection.get("host_key_sha256") or ""
         self.connect_timeout = connect_timeout
+        self.stall_timeout = stall_timeout  # the longest a transfer may go without progress
         self.client = None
         self.sftp = None
 
@@ -65,7 +67,7 @@ class SshTransport(RemoteShell):
             raise DeviceUnreachable(f"{self.name}: {self.host}:{self.port}: {e}") from None
         self.client = client
         self.sftp = client.open_sftp()
-        self.sftp.get_channel().settimeout(self.connect_timeout * 6)
+        self.sftp.get_channel().settimeout(self.stall_timeout)
 
     def _close(self) -> None:
         if self.client is not None:
