@@ -1,11 +1,12 @@
 """Run a native benchmark-and-dump program on a device: push it and its .npy inputs, run it, pull its
 .npy outputs and its timings, then compare on the host.
 
-The program contract (what kernels/ builds for each ABI):
+The program contract (kernels/bench/'s benchmark-and-dump programs follow it):
   cwd        a fresh run folder holding the program and its inputs as NAME.npy
-  argv       ./PROGRAM followed by the job's args (shapes, reps, threads: the program's own flags)
+  argv       ./PROGRAM followed by the job's args; kernels/bench programs take IN_DIR OUT_DIR first,
+             which are both the run folder: args=[".", ".", "form=chunkwise", "reps=5", ...]
   writes     each output as NAME.npy and `timings.json` in the run folder:
-             {"samples_s": [seconds per repetition...], "what": "what one sample timed", ...}
+             {"seconds": [one per timed repetition...], ...whatever else the program records}
   exit 0     on success; anything else is a failed run, reported with its stderr
 
 Nothing here trusts "it ran": outputs that are missing, unreadable or of the wrong shape are errors,
@@ -47,9 +48,9 @@ class NativeResult:
 
     def figure(self, unit_scale: float = 1.0, unit: str = "s") -> Figure:
         """The program's own per-repetition times as a Figure (median/min/max/reps)."""
-        samples = self.timings.get("samples_s") or []
+        samples = self.timings.get("seconds") or []
         if not samples:
-            raise DeviceError("the program reported no timing samples (timings.json samples_s is empty)")
+            raise DeviceError("the program reported no timing samples (timings.json has no \"seconds\")")
         return Figure.of([s * unit_scale for s in samples], unit)
 
 

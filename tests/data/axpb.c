@@ -49,7 +49,7 @@ int main(int argc, char **argv) {
     if (!x) { fprintf(stderr, "cannot read x.npy as a float32 vector\n"); return 3; }
     float *y = calloc(n, 4);
     FILE *t = fopen("timings.json", "w");
-    fprintf(t, "{\"what\": \"y = a*x + b over %ld floats\", \"samples_s\": [", n);
+    fprintf(t, "{\"what\": \"y = a*x + b over %ld floats\", \"seconds\": [", n);
     for (int r = 0; r < reps; r++) {
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
