@@ -7,11 +7,14 @@ oracle mode  every case of the shape matrix: the backend's serial and chunkwise 
 bench mode   serial vs chunkwise at the benchmark shape (16 heads, head size 128 by default) for each
              token count: time, tokens/s, GFLOP/s on gdn_flops' count, and the fraction of a
              single-thread sgemm rate measured in the same run.
+
+Backends: refimpl (numpy) and native (the C kernels of kernels/, built by `pip install`, with
+`threads` splitting heads over threads; its records name the kernels' source hash and vector path).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import numpy as np
@@ -26,7 +29,8 @@ from testbed.oracles import check_bitexact, check_nmse
 from testbed.results import Figure, Record
 
 PARAMS = {
-    "backend": Choice(("refimpl",)),
+    "backend": Choice(("refimpl", "native")),
+    "threads": Int(1, 256),
     "mode": Choice(("oracle", "bench", "all")),
     "chunk": Int(1, 4096),
     "head_map": Choice(ref.HEAD_MAPS),
@@ -120,19 +124,40 @@ def matrix(name: str) -> list[Case]:
 
 @dataclass
 class Backend:
-    """The two forms under test: serial(x) and chunkwise(x, chunk), each -> (out, final state)."""
+    """The two forms under test: serial(x) and chunkwise(x, chunk), each -> (out, final state);
+    artifacts: what the records name as the code measured."""
 
     serial: Callable
     chunkwise: Callable
+    artifacts: dict = field(default_factory=dict)
 
 
-def backend(name: str, head_map: str) -> Backend:
+def backend(name: str, head_map: str, threads: int = 1) -> Backend:
     if name == "refimpl":
         return Backend(
             serial=lambda x: ref.gdn_serial(*x.arrays(), head_map=head_map),
             chunkwise=lambda x, c: ref.gdn_chunkwise(*x.arrays(), chunk=c, head_map=head_map),
         )
-    raise UsageError(f"backend={name!r} is not available for gdn; accepted: refimpl")
+    if name == "native":
+        from testbed import native
+
+        return Backend(
+            serial=lambda x: native.gdn_serial(*x.arrays(), head_map=head_map, threads=threads),
+            chunkwise=lambda x, c: native.gdn_chunkwise(*x.arrays(), chunk=c, head_map=head_map, threads=threads),
+            artifacts=native.build_info(),
+        )
+    raise UsageError(f"backend={name!r} is not available for gdn; accepted: refimpl, native")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Before any work: the native library must load (a missing or stale one says how to rebuild),
+    and threads only mean something for it."""
+    if cfg.backend == "native":
+        from testbed import native
+
+        native.library()
+    elif cfg.threads != 1:
+        raise UsageError(f"threads={cfg.threads} needs backend=native; backend={cfg.backend} runs on one thread")
 
 
 def snapshots(fn: Callable, x: ref.GDNInputs, K: int) -> np.ndarray:
@@ -155,14 +180,16 @@ def run_forms(fn: Callable, x: ref.GDNInputs, K: int) -> dict[str, np.ndarray]:
     return result
 
 
-def serial_in_chunks(x: ref.GDNInputs, chunk: int, head_map: str):
+def serial_in_chunks(x: ref.GDNInputs, chunk: int, head_map: str, serial: Callable | None = None):
     """The serial recurrence restructured as a loop over chunks that carries the state: the same
-    arithmetic in the same order, so it must be bit-exact with one serial call."""
+    arithmetic in the same order, so it must be bit-exact with one serial call. `serial` (GDNInputs ->
+    (out, state)) is the backend's; refimpl's by default."""
+    serial = serial or (lambda y: ref.gdn_serial(*y.arrays(), head_map=head_map))
     t_len = x.q.shape[1]
     outs, state = [], x.state
     for c0 in range(0, t_len, chunk):
         sl = slice(c0, c0 + chunk)
-        o, state = ref.gdn_serial(x.q[:, sl], x.k[:, sl], x.v[:, sl], x.g[:, sl], x.beta[:, sl], state, head_map)
+        o, state = serial(ref.GDNInputs(x.q[:, sl], x.k[:, sl], x.v[:, sl], x.g[:, sl], x.beta[:, sl], state))
         outs.append(o)
     return np.concatenate(outs, axis=1), state
 
@@ -171,7 +198,7 @@ def serial_in_chunks(x: ref.GDNInputs, chunk: int, head_map: str):
 
 
 def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
-    be = backend(cfg.backend, cfg.head_map)
+    be = backend(cfg.backend, cfg.head_map, cfg.threads)
     cases = matrix(cfg.matrix)
     for i, case in enumerate(cases):
         ctx.progress(f"gdn oracle {i + 1}/{len(cases)} {case.name}")
@@ -182,13 +209,14 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
         for form, fn in (("serial", be.serial), ("chunkwise", lambda y: be.chunkwise(y, cfg.chunk))):
             v = check_nmse(reference, run_forms(fn, x, case.K), cfg.threshold)
             yield Record("gdn", f"{case.name}/{form}", "oracle", "nmse", v.verdict, v.margin,
-                         v.metrics, params=params | {"form": form}, detail=v.detail)
+                         v.metrics, params=params | {"form": form}, artifacts=be.artifacts, detail=v.detail)
         if case.gate == "mild" or case.n_seq_tokens > cfg.chunk:
-            whole = dict(zip(("out", "state"), ref.gdn_serial(*x.arrays(), head_map=cfg.head_map)))
-            looped = dict(zip(("out", "state"), serial_in_chunks(x, cfg.chunk, cfg.head_map)))
+            whole = dict(zip(("out", "state"), be.serial(x)))
+            looped = dict(zip(("out", "state"), serial_in_chunks(x, cfg.chunk, cfg.head_map, be.serial)))
             v = check_bitexact(whole, looped)
             yield Record("gdn", f"{case.name}/serial-chunk-loop", "oracle", "bitexact", v.verdict, v.margin,
-                         v.metrics, params=params | {"form": "serial-chunk-loop"}, detail=v.detail)
+                         v.metrics, params=params | {"form": "serial-chunk-loop"}, artifacts=be.artifacts,
+                         detail=v.detail)
 
 
 def sgemm_rate(size: int = 512, reps: int = 5) -> Figure:
@@ -202,7 +230,7 @@ def sgemm_rate(size: int = 512, reps: int = 5) -> Figure:
 
 
 def bench_records(cfg: DictConfig, ctx) -> Iterator[Record]:
-    be = backend(cfg.backend, cfg.head_map)
+    be = backend(cfg.backend, cfg.head_map, cfg.threads)
     b = cfg.bench
     sgemm = sgemm_rate()
     for t_len in b.tokens:
@@ -225,7 +253,8 @@ def bench_records(cfg: DictConfig, ctx) -> Iterator[Record]:
                 work={"flops": flops, "flop_count": "gdn_flops: 7 d^2 + 4 d per token and head",
                       "tokens": t_len},
                 params={"heads": b.heads, "head_size": b.head_size, "tokens": t_len, "kda": b.kda,
-                        "chunk": cfg.chunk, "form": form},
+                        "chunk": cfg.chunk, "form": form, "threads": cfg.threads},
+                artifacts=be.artifacts,
             )
 
 
@@ -249,7 +278,8 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                          "margin": r["margin"], "nmse": r.get("metrics.nmse")})
         else:
             rows.append({"device": r["device"], "backend": r["backend"], "chunk": r.get("params.chunk"),
-                         "case": r["case"], "ms": r.get("figures.time.median"),
+                         "threads": r.get("params.threads", 1), "case": r["case"],
+                         "ms": r.get("figures.time.median"),
                          "tokens/s": r.get("figures.tokens_per_s.median"),
                          "GFLOP/s": r.get("figures.gflops.median"),
                          "x serial": r.get("metrics.speedup_vs_serial"),

@@ -1,0 +1,45 @@
+/* What every benchmark-and-dump program shares: .npy input and output, key=value arguments,
+ * warm-up + timed repetitions, and the timings JSON. The same program runs on the host, under
+ * qemu-user and on a phone over ADB, so it needs nothing but libc. */
+#ifndef TB_HARNESS_H
+#define TB_HARNESS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define NPY_MAX_DIMS 8
+
+typedef struct {
+    char dtype[8];        /* "<f4" or "|u1" */
+    int ndim;
+    size_t shape[NPY_MAX_DIMS];
+    size_t count;         /* number of elements */
+    void *data;
+} npy_array;
+
+/* Read DIR/NAME.npy (C order, dtype `dtype`); exits with a message on any problem. */
+npy_array npy_load(const char *dir, const char *name, const char *dtype);
+/* Write DIR/NAME.npy. */
+void npy_save(const char *dir, const char *name, const char *dtype, int ndim, const size_t *shape, const void *data);
+
+/* key=value arguments after the two folders: arg_int("reps", 5). Unknown keys are rejected. */
+void args_init(int argc, char **argv, const char *usage, const char *const *known_keys);
+long arg_int(const char *key, long fallback);
+double arg_float(const char *key, double fallback);
+const char *arg_str(const char *key, const char *fallback);
+const char *in_dir(void);
+const char *out_dir(void);
+
+/* Flush denormals to zero for the whole process, as ARMv7 NEON always does, so that every target
+ * computes the same bits. */
+void flush_denormals(void);
+
+double now_seconds(void);
+
+/* Run fn(ctx) warmup times, then reps times timed; write DIR/timings.json. fn returns a TB_* code. */
+typedef int (*bench_fn)(void *ctx);
+void bench_and_record(const char *program, const char *kernel, bench_fn fn, void *ctx, const char *extra_json);
+
+void die(const char *fmt, ...);
+
+#endif

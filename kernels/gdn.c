@@ -1,0 +1,347 @@
+/* Gated DeltaNet: the serial recurrence and the chunkwise (WY / UT) form. Semantics: refimpl/gdn.py.
+ *
+ * Per token and value head, with S [d_k x d_v] and the state stored transposed (M = S^T, one row
+ * per value index j, contiguous over key index i):
+ *     S <- diag(exp(g)) S;   delta = beta (v - S^T k);   S <- S + k delta^T;   o = scale S^T q
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "tb_kernels.h"
+#include "tb_linalg.h"
+#include "tb_parallel.h"
+
+typedef struct {
+    const tb_gdn_shape *shape;
+    const float *q, *k, *v, *g, *beta, *state_in;
+    float *out, *state_out;
+    int chunk;
+} gdn_call;
+
+static int check_shape(const tb_gdn_shape *s) {
+    if (!s || s->n_seqs <= 0 || s->tokens <= 0 || s->h_k <= 0 || s->h_v <= 0 || s->d <= 0) return TB_E_SHAPE;
+    if (s->h_v % s->h_k) return TB_E_SHAPE;
+    if (s->head_map != TB_HEAD_MAP_TILED && s->head_map != TB_HEAD_MAP_INTERLEAVED) return TB_E_SHAPE;
+    return TB_OK;
+}
+
+static int key_head(const tb_gdn_shape *s, int h) {
+    return s->head_map == TB_HEAD_MAP_TILED ? h % s->h_k : h / (s->h_v / s->h_k);
+}
+
+/* Row (seq, t, head) of a [n_seqs, T, H, d] tensor with the given strides. */
+static const float *row_of(const float *x, const ptrdiff_t st[3], int seq, int t, int h) {
+    return x + seq * st[0] + t * st[1] + h * st[2];
+}
+
+/* --- serial ------------------------------------------------------------------------------------ */
+
+/* One token on rows j0..j0+3 of M: decay, S^T k, rank-1 update and S^T q, in two passes over each
+ * row while it sits in L1. The four rows are four independent dependency chains. */
+static void serial_rows4(float *m, int d, const float *decay_vec, float decay, const float *kt, const float *qt,
+                         const float *vt, float beta, float scale, float *ot) {
+    float *r0 = m, *r1 = m + d, *r2 = m + 2 * d, *r3 = m + 3 * d;
+    vf c0 = vf_zero(), c1 = vf_zero(), c2 = vf_zero(), c3 = vf_zero();
+    vf dec = vf_set1(decay);
+    int i = 0;
+    for (; i + VF_LANES <= d; i += VF_LANES) {
+        vf e = decay_vec ? vf_load(decay_vec + i) : dec, x = vf_load(kt + i), y;
+        y = vf_mul(vf_load(r0 + i), e); vf_store(r0 + i, y); c0 = vf_madd(y, x, c0);
+        y = vf_mul(vf_load(r1 + i), e); vf_store(r1 + i, y); c1 = vf_madd(y, x, c1);
+        y = vf_mul(vf_load(r2 + i), e); vf_store(r2 + i, y); c2 = vf_madd(y, x, c2);
+        y = vf_mul(vf_load(r3 + i), e); vf_store(r3 + i, y); c3 = vf_madd(y, x, c3);
+    }
+    float sk[4] = {vf_hsum(c0), vf_hsum(c1), vf_hsum(c2), vf_hsum(c3)};
+    float *rows[4] = {r0, r1, r2, r3};
+    for (int r = 0; r < 4; r++) {
+        for (int t = i; t < d; t++) {
+            rows[r][t] *= decay_vec ? decay_vec[t] : decay;
+            sk[r] = madd1(rows[r][t], kt[t], sk[r]);
+        }
+    }
+    float delta[4];
+    for (int r = 0; r < 4; r++) delta[r] = beta * (vt[r] - sk[r]);
+    vf d0 = vf_set1(delta[0]), d1 = vf_set1(delta[1]), d2 = vf_set1(delta[2]), d3 = vf_set1(delta[3]);
+    c0 = c1 = c2 = c3 = vf_zero();
+    for (i = 0; i + VF_LANES <= d; i += VF_LANES) {
+        vf x = vf_load(kt + i), z = vf_load(qt + i), y;
+        y = vf_madd(d0, x, vf_load(r0 + i)); vf_store(r0 + i, y); c0 = vf_madd(y, z, c0);
+        y = vf_madd(d1, x, vf_load(r1 + i)); vf_store(r1 + i, y); c1 = vf_madd(y, z, c1);
+        y = vf_madd(d2, x, vf_load(r2 + i)); vf_store(r2 + i, y); c2 = vf_madd(y, z, c2);
+        y = vf_madd(d3, x, vf_load(r3 + i)); vf_store(r3 + i, y); c3 = vf_madd(y, z, c3);
+    }
+    float sq[4] = {vf_hsum(c0), vf_hsum(c1), vf_hsum(c2), vf_hsum(c3)};
+    for (int r = 0; r < 4; r++) {
+        for (int t = i; t < d; t++) {
+            rows[r][t] = madd1(delta[r], kt[t], rows[r][t]);
+            sq[r] = madd1(rows[r][t], qt[t], sq[r]);
+        }
+        ot[r] = scale * sq[r];
+    }
+}
+
+/* The same for one row (d % 4 leftover rows). */
+static void serial_row1(float *row, int d, const float *decay_vec, float decay, const float *kt, const float *qt,
+                        float vj, float beta, float scale, float *oj) {
+    for (int i = 0; i < d; i++) row[i] *= decay_vec ? decay_vec[i] : decay;
+    float delta = beta * (vj - dot(row, kt, d));
+    axpy(delta, kt, row, d);
+    *oj = scale * dot(row, qt, d);
+}
+
+static int serial_heads(void *arg, int begin, int end) {
+    const gdn_call *c = arg;
+    const tb_gdn_shape *s = c->shape;
+    const int d = s->d, T = s->tokens, H = s->h_v;
+    const float scale = 1.0f / sqrtf((float)d);
+    float *decay_vec = s->kda ? malloc(sizeof(float) * (size_t)d) : NULL;
+    if (s->kda && !decay_vec) return TB_E_MEMORY;
+    for (int item = begin; item < end; item++) {
+        const int seq = item / H, h = item % H, hk = key_head(s, h);
+        float *m = c->state_out + (size_t)item * d * d;
+        if (c->state_out != c->state_in) memcpy(m, c->state_in + (size_t)item * d * d, sizeof(float) * (size_t)d * d);
+        for (int t = 0; t < T; t++) {
+            const size_t tok = ((size_t)seq * T + t) * H + h;
+            const float *qt = row_of(c->q, s->q_stride, seq, t, hk), *kt = row_of(c->k, s->k_stride, seq, t, hk);
+            const float *vt = row_of(c->v, s->v_stride, seq, t, h);
+            float decay = 0.0f;
+            if (s->kda) exp_n(decay_vec, c->g + tok * d, d);
+            else decay = exp1(c->g[tok]);
+            float *ot = c->out + tok * d;
+            int j = 0;
+            for (; j + 4 <= d; j += 4)
+                serial_rows4(m + (size_t)j * d, d, decay_vec, decay, kt, qt, vt + j, c->beta[tok], scale, ot + j);
+            for (; j < d; j++)
+                serial_row1(m + (size_t)j * d, d, decay_vec, decay, kt, qt, vt[j], c->beta[tok], scale, ot + j);
+        }
+    }
+    free(decay_vec);
+    return TB_OK;
+}
+
+int tb_gdn_serial(const tb_gdn_shape *shape, const float *q, const float *k, const float *v, const float *g,
+                  const float *beta, const float *state_in, float *out, float *state_out, int threads) {
+    int rc = check_shape(shape);
+    if (rc) return rc;
+    gdn_call c = {shape, q, k, v, g, beta, state_in, out, state_out, 0};
+    return tb_parallel_for(shape->n_seqs * shape->h_v, threads, serial_heads, &c);
+}
+
+/* --- chunkwise --------------------------------------------------------------------------------- */
+
+/* Scratch for one head's chunk of up to L tokens. */
+typedef struct {
+    float *S;              /* [d_k][d_v] working state (not transposed) */
+    float *Q, *K, *V;      /* [L][d] the chunk's rows */
+    float *G;              /* [L] or [L][d]: cumulative log-decay inside the chunk */
+    float *Qin, *Kin;      /* [L][d] q, k decayed to the chunk start */
+    float *KoutT;          /* [d][L] k decayed to the chunk end, transposed */
+    float *A, *QK;         /* [L][L] -beta-weighted strictly lower k.k, and lower q.k, with decays */
+    float *R;              /* [L][d] right-hand sides, then the deltas v_new */
+    float *O;              /* [L][d] output rows */
+    float *X, *Kref;       /* KDA: [L][d] rows rescaled to a reference token */
+    float *e;              /* [max(L, d)] one row of exponentials */
+    float *beta;           /* [L] */
+} chunk_scratch;
+
+static chunk_scratch *scratch_new(int L, int d, int kda) {
+    const size_t Ld = (size_t)L * d, LL = (size_t)L * L, dd = (size_t)d * d;
+    const size_t e_len = (size_t)(L > d ? L : d);
+    const size_t floats = dd + 3 * Ld + (kda ? Ld : (size_t)L) + 3 * Ld + 2 * LL + 2 * Ld + (kda ? 2 * Ld : 0) + e_len + (size_t)L;
+    chunk_scratch *w = malloc(sizeof *w + sizeof(float) * floats);
+    if (!w) return NULL;
+    float *p = (float *)(w + 1);
+    w->S = p, p += dd;
+    w->Q = p, p += Ld;
+    w->K = p, p += Ld;
+    w->V = p, p += Ld;
+    w->G = p, p += kda ? Ld : (size_t)L;
+    w->Qin = p, p += Ld;
+    w->Kin = p, p += Ld;
+    w->KoutT = p, p += Ld;
+    w->A = p, p += LL;
+    w->QK = p, p += LL;
+    w->R = p, p += Ld;
+    w->O = p, p += Ld;
+    w->X = kda ? p : NULL, p += kda ? Ld : 0;
+    w->Kref = kda ? p : NULL, p += kda ? Ld : 0;
+    w->e = p, p += e_len;
+    w->beta = p;
+    return w;
+}
+
+/* KDA gram matrices: kk[i][j] (j < i) and qk[i][j] (j <= i) = sum_c x_i[c] k_j[c] exp(G_i[c] - G_j[c]).
+ * The pairwise decay is split at a reference token m of i's block of 8 (j < m <= i):
+ * exp(G_i - G_m) exp(G_m - G_j), both factors <= 1, so nothing overflows and the off-diagonal blocks
+ * are plain dot products; pairs inside a block are decayed directly. */
+#define KDA_BLOCK 8
+static void kda_grams(chunk_scratch *w, int L, int d) {
+    float *Xq = w->X, *Xk = w->Qin; /* Qin is free until after the grams */
+    for (int m = 0; m < L; m += KDA_BLOCK) {
+        const int m_end = m + KDA_BLOCK < L ? m + KDA_BLOCK : L;
+        const float *Gm = w->G + (size_t)m * d;
+        for (int i = m; i < m_end; i++) {
+            for (int c = 0; c < d; c++) w->e[c] = w->G[(size_t)i * d + c] - Gm[c];
+            exp_n(w->e, w->e, d);
+            for (int c = 0; c < d; c++) {
+                Xq[(size_t)i * d + c] = w->Q[(size_t)i * d + c] * w->e[c];
+                Xk[(size_t)i * d + c] = w->K[(size_t)i * d + c] * w->e[c];
+            }
+        }
+        for (int j = 0; j < m; j++) {
+            float *kr = w->Kref + (size_t)j * d;
+            for (int c = 0; c < d; c++) kr[c] = Gm[c] - w->G[(size_t)j * d + c];
+            exp_n(kr, kr, d);
+            for (int c = 0; c < d; c++) kr[c] *= w->K[(size_t)j * d + c];
+        }
+        for (int i = m; i < m_end; i++) {
+            for (int j = 0; j < m; j++) {
+                const float *kr = w->Kref + (size_t)j * d;
+                w->A[i * L + j] = dot(Xk + (size_t)i * d, kr, d);
+                w->QK[i * L + j] = dot(Xq + (size_t)i * d, kr, d);
+            }
+            for (int j = m; j <= i; j++) {
+                for (int c = 0; c < d; c++) w->e[c] = w->G[(size_t)i * d + c] - w->G[(size_t)j * d + c];
+                exp_n(w->e, w->e, d);
+                for (int c = 0; c < d; c++) w->e[c] *= w->K[(size_t)j * d + c];
+                w->A[i * L + j] = j < i ? dot(w->K + (size_t)i * d, w->e, d) : 0.0f;
+                w->QK[i * L + j] = dot(w->Q + (size_t)i * d, w->e, d);
+            }
+        }
+    }
+}
+
+/* Scalar-gate gram matrices: K K^T and Q K^T as matrix products (the full square: at matrix-product
+ * speed that beats half of it as dot products), then each row decayed by exp(G_i - G_j) and cut to
+ * the strict lower (A) or lower (QK) triangle. KoutT is free until the chunk's end decays. */
+static void scalar_grams(chunk_scratch *w, int L, int d) {
+    float *KT = w->KoutT, *decay = w->e;
+    for (int t = 0; t < L; t++)
+        for (int i = 0; i < d; i++) KT[(size_t)i * L + t] = w->K[(size_t)t * d + i];
+    gemm_nn(L, L, d, w->K, d, KT, L, w->A, L, 0, 0);
+    gemm_nn(L, L, d, w->Q, d, KT, L, w->QK, L, 0, 0);
+    for (int i = 0; i < L; i++) {
+        float *a = w->A + i * L, *qk = w->QK + i * L;
+        for (int j = 0; j <= i; j++) decay[j] = w->G[i] - w->G[j];
+        exp_n(decay, decay, i + 1);
+        for (int j = 0; j < i; j++) a[j] *= decay[j], qk[j] *= decay[j];
+        qk[i] *= decay[i];
+        for (int j = i; j < L; j++) a[j] = 0.0f;
+        for (int j = i + 1; j < L; j++) qk[j] = 0.0f;
+    }
+}
+
+/* One chunk of L tokens from t0 for (seq, head); w->S holds the state on entry and on exit. */
+static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int t0, int L) {
+    const tb_gdn_shape *s = c->shape;
+    const int d = s->d, H = s->h_v, T = s->tokens, hk = key_head(s, h), kda = s->kda;
+    const float scale = 1.0f / sqrtf((float)d);
+    const size_t sz = sizeof(float) * (size_t)d;
+
+    for (int t = 0; t < L; t++) {
+        const size_t tok = ((size_t)seq * T + t0 + t) * H + h;
+        memcpy(w->Q + (size_t)t * d, row_of(c->q, s->q_stride, seq, t0 + t, hk), sz);
+        memcpy(w->K + (size_t)t * d, row_of(c->k, s->k_stride, seq, t0 + t, hk), sz);
+        memcpy(w->V + (size_t)t * d, row_of(c->v, s->v_stride, seq, t0 + t, h), sz);
+        w->beta[t] = c->beta[tok];
+        if (kda) {
+            float *Gt = w->G + (size_t)t * d;
+            const float *gt = c->g + tok * d;
+            for (int i = 0; i < d; i++) Gt[i] = t ? Gt[i - d] + gt[i] : gt[i];
+        } else {
+            w->G[t] = t ? w->G[t - 1] + c->g[tok] : c->g[tok];
+        }
+    }
+
+    /* A (-beta applied below) and QK, zero above the diagonal */
+    if (kda) {
+        memset(w->A, 0, sizeof(float) * (size_t)L * L);
+        memset(w->QK, 0, sizeof(float) * (size_t)L * L);
+        kda_grams(w, L, d);
+    } else {
+        scalar_grams(w, L, d);
+    }
+    for (int i = 0; i < L; i++) scale_n(w->A + i * L, -w->beta[i], i); /* A holds -beta k.k */
+
+    /* q and k decayed to the chunk start; k decayed to the chunk end, transposed for K_out^T V */
+    for (int t = 0; t < L; t++) {
+        const float *qt = w->Q + (size_t)t * d, *kt = w->K + (size_t)t * d;
+        float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d;
+        if (kda) {
+            exp_n(w->e, w->G + (size_t)t * d, d);
+            for (int i = 0; i < d; i++) qin[i] = qt[i] * w->e[i], kin[i] = kt[i] * w->e[i];
+            for (int i = 0; i < d; i++) w->e[i] = w->G[(size_t)(L - 1) * d + i] - w->G[(size_t)t * d + i];
+            exp_n(w->e, w->e, d);
+            for (int i = 0; i < d; i++) w->KoutT[(size_t)i * L + t] = kt[i] * w->e[i];
+        } else {
+            const float to_start = exp1(w->G[t]), to_end = exp1(w->G[L - 1] - w->G[t]);
+            for (int i = 0; i < d; i++) qin[i] = qt[i] * to_start, kin[i] = kt[i] * to_start;
+            for (int i = 0; i < d; i++) w->KoutT[(size_t)i * L + t] = kt[i] * to_end;
+        }
+    }
+
+    /* R = beta (V - K_in S); then v_new = (I + beta kk)^-1 R by forward substitution (A = -beta kk) */
+    gemm_nn(L, d, d, w->Kin, d, w->S, d, w->R, d, 0, 0);
+    for (int t = 0; t < L; t++) {
+        float *r = w->R + (size_t)t * d;
+        const float *vt = w->V + (size_t)t * d;
+        for (int i = 0; i < d; i++) r[i] = w->beta[t] * (vt[i] - r[i]);
+    }
+    for (int i0 = 0; i0 < L; i0 += 4) {
+        /* rows i0..i0+3: first everything from the rows solved before the block, as one product
+         * (the same sum, in the same order, as row-by-row substitution), then the block's triangle */
+        const int rows = L - i0 < 4 ? L - i0 : 4;
+        gemm_nn(rows, d, i0, w->A + i0 * L, L, w->R, d, w->R + (size_t)i0 * d, d, 1, 0);
+        for (int i = i0 + 1; i < i0 + rows; i++)
+            for (int j = i0; j < i; j++) axpy(w->A[i * L + j], w->R + (size_t)j * d, w->R + (size_t)i * d, d);
+    }
+
+    /* out = scale (Q_in S + tril(QK) v_new) */
+    gemm_nn(L, d, d, w->Qin, d, w->S, d, w->O, d, 0, 0);
+    gemm_nn(L, d, L, w->QK, L, w->R, d, w->O, d, 1, 1);
+    for (int t = 0; t < L; t++) {
+        float *ot = c->out + (((size_t)seq * T + t0 + t) * H + h) * d;
+        const float *o = w->O + (size_t)t * d;
+        for (int i = 0; i < d; i++) ot[i] = scale * o[i];
+    }
+
+    /* S = diag(exp(G_last)) S + K_out^T v_new */
+    if (kda) {
+        exp_n(w->e, w->G + (size_t)(L - 1) * d, d);
+        for (int i = 0; i < d; i++) scale_n(w->S + (size_t)i * d, w->e[i], d);
+    } else {
+        const float last = exp1(w->G[L - 1]);
+        for (int i = 0; i < d; i++) scale_n(w->S + (size_t)i * d, last, d);
+    }
+    gemm_nn(d, d, L, w->KoutT, L, w->R, d, w->S, d, 1, 0);
+}
+
+static int chunkwise_heads(void *arg, int begin, int end) {
+    const gdn_call *c = arg;
+    const tb_gdn_shape *s = c->shape;
+    const int d = s->d, T = s->tokens, H = s->h_v;
+    const int L = c->chunk < T ? c->chunk : T;
+    chunk_scratch *w = scratch_new(L, d, s->kda);
+    if (!w) return TB_E_MEMORY;
+    for (int item = begin; item < end; item++) {
+        const int seq = item / H, h = item % H;
+        const float *m_in = c->state_in + (size_t)item * d * d;
+        for (int i = 0; i < d; i++)
+            for (int j = 0; j < d; j++) w->S[(size_t)i * d + j] = m_in[(size_t)j * d + i];
+        for (int t0 = 0; t0 < T; t0 += L) chunk_step(w, c, seq, h, t0, T - t0 < L ? T - t0 : L);
+        float *m_out = c->state_out + (size_t)item * d * d;
+        for (int j = 0; j < d; j++)
+            for (int i = 0; i < d; i++) m_out[(size_t)j * d + i] = w->S[(size_t)i * d + j];
+    }
+    free(w);
+    return TB_OK;
+}
+
+int tb_gdn_chunkwise(const tb_gdn_shape *shape, const float *q, const float *k, const float *v, const float *g,
+                     const float *beta, const float *state_in, float *out, float *state_out, int chunk, int threads) {
+    int rc = check_shape(shape);
+    if (rc) return rc;
+    if (chunk <= 0) return TB_E_SHAPE;
+    gdn_call c = {shape, q, k, v, g, beta, state_in, out, state_out, chunk};
+    return tb_parallel_for(shape->n_seqs * shape->h_v, threads, chunkwise_heads, &c);
+}

@@ -1,0 +1,180 @@
+/* An 8-lane float vector `vf` over AVX2 (x86-64), NEON (two quads, arm32 and aarch64) or plain C,
+ * chosen at build time. Internal to the kernels.
+ *
+ * Why 8 lanes everywhere: a reduction then sums the same elements in the same order on every
+ * target (lane l holds elements l, l+8, l+16, ...; lanes are folded in one fixed tree). With
+ * multiply-add unfused (TB_FUSED=0, and -ffp-contract=off so the compiler fuses nothing either),
+ * the scalar, AVX2 and NEON builds then produce the same bits: an ARM build run under qemu can be
+ * compared byte for byte with a host build. TB_FUSED=1 (the default where the hardware has FMA)
+ * is faster and rounds once per multiply-add, so results differ by ulps.
+ */
+#ifndef TB_SIMD_H
+#define TB_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#define TB_AVX2 1
+#include <immintrin.h>
+#elif defined(__ARM_NEON) || defined(__ARM_NEON__)
+#define TB_NEON 1
+#include <arm_neon.h>
+#endif
+
+#ifndef TB_FUSED
+#if (defined(TB_AVX2) && defined(__FMA__)) || (defined(TB_NEON) && defined(__aarch64__))
+#define TB_FUSED 1
+#else
+#define TB_FUSED 0
+#endif
+#endif
+
+#define VF_LANES 8
+
+/* a * b + c for one float, rounded like the vector path. */
+static inline float madd1(float a, float b, float c) {
+#if TB_FUSED
+    return fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
+#if defined(TB_AVX2)
+typedef __m256 vf;
+static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vf a) { _mm256_storeu_ps(p, a); }
+static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vf_madd(vf a, vf b, vf c) {
+#if TB_FUSED
+    return _mm256_fmadd_ps(a, b, c);
+#else
+    return _mm256_add_ps(_mm256_mul_ps(a, b), c);
+#endif
+}
+/* x where x >= lo, else 0 */
+static inline vf vf_zero_below(vf x, vf test, vf lo) {
+    return _mm256_and_ps(x, _mm256_cmp_ps(test, lo, _CMP_GE_OQ));
+}
+/* 2^n for integral n in [-126, 127] held as floats */
+static inline vf vf_pow2i(vf n) {
+    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
+#if defined(__AVX512F__)
+#define TB_VECTOR_NAME (TB_FUSED ? "avx2-fma+avx512-gemm" : "avx2+avx512-gemm")
+#else
+#define TB_VECTOR_NAME (TB_FUSED ? "avx2-fma" : "avx2")
+#endif
+
+#elif defined(TB_NEON)
+typedef struct { float32x4_t lo, hi; } vf;
+static inline vf vf_load(const float *p) { vf r = {vld1q_f32(p), vld1q_f32(p + 4)}; return r; }
+static inline void vf_store(float *p, vf a) { vst1q_f32(p, a.lo); vst1q_f32(p + 4, a.hi); }
+static inline vf vf_set1(float x) { vf r = {vdupq_n_f32(x), vdupq_n_f32(x)}; return r; }
+static inline vf vf_add(vf a, vf b) { vf r = {vaddq_f32(a.lo, b.lo), vaddq_f32(a.hi, b.hi)}; return r; }
+static inline vf vf_sub(vf a, vf b) { vf r = {vsubq_f32(a.lo, b.lo), vsubq_f32(a.hi, b.hi)}; return r; }
+static inline vf vf_mul(vf a, vf b) { vf r = {vmulq_f32(a.lo, b.lo), vmulq_f32(a.hi, b.hi)}; return r; }
+static inline vf vf_min(vf a, vf b) { vf r = {vminq_f32(a.lo, b.lo), vminq_f32(a.hi, b.hi)}; return r; }
+static inline vf vf_max(vf a, vf b) { vf r = {vmaxq_f32(a.lo, b.lo), vmaxq_f32(a.hi, b.hi)}; return r; }
+static inline vf vf_madd(vf a, vf b, vf c) {
+#if TB_FUSED
+    vf r = {vfmaq_f32(c.lo, a.lo, b.lo), vfmaq_f32(c.hi, a.hi, b.hi)};
+#else
+    vf r = {vaddq_f32(vmulq_f32(a.lo, b.lo), c.lo), vaddq_f32(vmulq_f32(a.hi, b.hi), c.hi)};
+#endif
+    return r;
+}
+static inline vf vf_zero_below(vf x, vf test, vf lo) {
+    vf r = {vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x.lo), vcgeq_f32(test.lo, lo.lo))),
+            vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x.hi), vcgeq_f32(test.hi, lo.hi)))};
+    return r;
+}
+static inline float32x4_t pow2i_q(float32x4_t n) {
+    int32x4_t e = vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127));
+    return vreinterpretq_f32_s32(vshlq_n_s32(e, 23));
+}
+static inline vf vf_pow2i(vf n) { vf r = {pow2i_q(n.lo), pow2i_q(n.hi)}; return r; }
+#define TB_VECTOR_NAME (TB_FUSED ? "neon-fma" : "neon")
+
+#else
+typedef struct { float x[VF_LANES]; } vf;
+#define VF_MAP(expr) do { for (int l = 0; l < VF_LANES; l++) r.x[l] = (expr); } while (0)
+static inline vf vf_load(const float *p) { vf r; memcpy(r.x, p, sizeof r.x); return r; }
+static inline void vf_store(float *p, vf a) { memcpy(p, a.x, sizeof a.x); }
+static inline vf vf_set1(float v) { vf r; VF_MAP(v); return r; }
+static inline vf vf_add(vf a, vf b) { vf r; VF_MAP(a.x[l] + b.x[l]); return r; }
+static inline vf vf_sub(vf a, vf b) { vf r; VF_MAP(a.x[l] - b.x[l]); return r; }
+static inline vf vf_mul(vf a, vf b) { vf r; VF_MAP(a.x[l] * b.x[l]); return r; }
+static inline vf vf_min(vf a, vf b) { vf r; VF_MAP(b.x[l] < a.x[l] ? b.x[l] : a.x[l]); return r; }
+static inline vf vf_max(vf a, vf b) { vf r; VF_MAP(b.x[l] > a.x[l] ? b.x[l] : a.x[l]); return r; }
+static inline vf vf_madd(vf a, vf b, vf c) { vf r; VF_MAP(madd1(a.x[l], b.x[l], c.x[l])); return r; }
+static inline vf vf_zero_below(vf x, vf test, vf lo) { vf r; VF_MAP(test.x[l] >= lo.x[l] ? x.x[l] : 0.0f); return r; }
+static inline vf vf_pow2i(vf n) {
+    vf r;
+    for (int l = 0; l < VF_LANES; l++) {
+        uint32_t bits = (uint32_t)((int32_t)n.x[l] + 127) << 23;
+        memcpy(&r.x[l], &bits, sizeof bits);
+    }
+    return r;
+}
+#define TB_VECTOR_NAME "scalar"
+#endif
+
+static inline vf vf_zero(void) { return vf_set1(0.0f); }
+
+/* Sum of the 8 lanes in one fixed order, the same on every target. */
+static inline float vf_hsum(vf a) {
+    float t[VF_LANES];
+    vf_store(t, a);
+    return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+}
+
+/* exp(x) in float32 from plain arithmetic (Cephes' expf polynomial, about 1 ulp), so every target
+ * computes the same bits; libm's expf differs between builds. Results below 2^-126 are flushed to 0,
+ * which is also what ARMv7 NEON does with denormals. */
+static inline vf vf_exp(vf x) {
+    const vf lo = vf_set1(-87.3f);
+    vf xc = vf_max(vf_min(x, vf_set1(88.0f)), lo);
+    /* n = round(x / ln 2) by the 1.5 * 2^23 trick (round to nearest even) */
+    const vf magic = vf_set1(12582912.0f);
+    vf n = vf_sub(vf_madd(xc, vf_set1(1.44269504088896341f), magic), magic);
+    vf r = vf_sub(xc, vf_mul(n, vf_set1(0.693359375f)));
+    r = vf_sub(r, vf_mul(n, vf_set1(-2.12194440e-4f)));
+    vf p = vf_set1(1.9875691500e-4f);
+    p = vf_madd(p, r, vf_set1(1.3981999507e-3f));
+    p = vf_madd(p, r, vf_set1(8.3334519073e-3f));
+    p = vf_madd(p, r, vf_set1(4.1665795894e-2f));
+    p = vf_madd(p, r, vf_set1(1.6666665459e-1f));
+    p = vf_madd(p, r, vf_set1(5.0000001201e-1f));
+    p = vf_madd(p, vf_mul(r, r), vf_add(r, vf_set1(1.0f)));
+    vf n_clamped = vf_max(n, vf_set1(-126.0f));
+    return vf_zero_below(vf_mul(p, vf_pow2i(n_clamped)), x, lo);
+}
+
+static inline float exp1(float x) {
+    float t[VF_LANES];
+    vf_store(t, vf_exp(vf_set1(x)));
+    return t[0];
+}
+
+/* dst[i] = exp(src[i]) for n values, tail included */
+static inline void exp_n(float *dst, const float *src, int n) {
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vf_exp(vf_load(src + i)));
+    if (i < n) {
+        float t[VF_LANES] = {0};
+        memcpy(t, src + i, sizeof(float) * (size_t)(n - i));
+        vf_store(t, vf_exp(vf_load(t)));
+        memcpy(dst + i, t, sizeof(float) * (size_t)(n - i));
+    }
+}
+
+#endif

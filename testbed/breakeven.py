@@ -1,0 +1,83 @@
+"""Breakeven tables for the padded prefill tail (seed 003, the review sweep).
+
+Input: one row per prompt length with the columns
+    prompt_tokens, tail, padded_tps, scalar_tps, padded_ttft_ms, scalar_ttft_ms
+(the fixture ../shared/fixtures/tail_sweep_m4pro_gemma4_e2b.csv has exactly these; the `tail`
+experiment's records are reshaped into them). Output: the reviewer's table, and the breakeven tail
+the padding policy can use.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+COLUMNS = ("prompt_tokens", "tail", "padded_tps", "scalar_tps", "padded_ttft_ms", "scalar_ttft_ms")
+TIE_PERCENT = 1.0  # throughputs closer than this are a tie: run-to-run noise, not a winner
+
+
+def _require(df: pd.DataFrame) -> None:
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"tail sweep table lacks columns {missing}; needs {', '.join(COLUMNS)}")
+
+
+def advantage_percent(padded_tps: float, scalar_tps: float) -> float:
+    """How much faster the faster mode is, in percent of the slower one's throughput."""
+    return (max(padded_tps, scalar_tps) / min(padded_tps, scalar_tps) - 1.0) * 100.0
+
+
+def winner(padded_tps: float, scalar_tps: float, tie_percent: float = TIE_PERCENT) -> str:
+    """'tie', or the faster mode with its advantage as the reviewer wrote it: 'scalar +2.5%',
+    'padded +22%' (one decimal below 10 %, whole percents above)."""
+    pct = advantage_percent(padded_tps, scalar_tps)
+    if pct < tie_percent:
+        return "tie"
+    mode = "padded" if padded_tps > scalar_tps else "scalar"
+    return f"{mode} +{pct:.1f}%" if pct < 10 else f"{mode} +{pct:.0f}%"
+
+
+def padded_wins(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> pd.Series:
+    """Per row: padding is faster by more than a tie."""
+    pct = (df["padded_tps"] / df["scalar_tps"] - 1.0) * 100.0
+    return pct >= tie_percent
+
+
+def tail_table(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> pd.DataFrame:
+    """The reviewer's table, one row per prompt length in increasing order: N, tail, padded tok/s,
+    scalar tok/s, winner with percentage, padded TTFT (ms), scalar TTFT (ms)."""
+    _require(df)
+    rows = df.sort_values(["prompt_tokens"]).reset_index(drop=True)
+    return pd.DataFrame({
+        "N": rows["prompt_tokens"].astype(int),
+        "tail": rows["tail"].astype(int),
+        "padded tok/s": rows["padded_tps"].astype(float).round(1),
+        "scalar tok/s": rows["scalar_tps"].astype(float).round(1),
+        "winner": [winner(p, s, tie_percent) for p, s in zip(rows["padded_tps"], rows["scalar_tps"])],
+        "padded TTFT (ms)": rows["padded_ttft_ms"].astype(float).round(0).astype(int),
+        "scalar TTFT (ms)": rows["scalar_ttft_ms"].astype(float).round(0).astype(int),
+    })
+
+
+def breakeven_tail(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> int | None:
+    """The smallest tail from which padding wins for good: padded beats scalar (by more than a tie)
+    at that tail and at every larger tail measured. None if padding does not win at the largest."""
+    _require(df)
+    wins = df.assign(win=padded_wins(df, tie_percent)).groupby("tail")["win"].all().sort_index()
+    breakeven = None
+    for tail, win in reversed(list(wins.items())):
+        if not win:
+            break
+        breakeven = int(tail)
+    return breakeven
+
+
+def threshold_from_breakeven(breakeven: int | None) -> int | None:
+    """The padding policy's threshold (pad only tails > threshold) for a measured breakeven."""
+    return None if breakeven is None else breakeven - 1
+
+
+def read_sweep_csv(path) -> pd.DataFrame:
+    """A tail sweep CSV such as the fixture (`#` lines are comments: where it was measured)."""
+    df = pd.read_csv(path, comment="#")
+    _require(df)
+    return df

@@ -1,0 +1,141 @@
+"""Building the native kernels (kernels/): the host library for Python and the device programs.
+
+Standard library only: setup.py loads this file by path during `pip install`, before numpy or the
+package are importable.
+
+  host library   kernels/*.c compiled into testbed/_tb_kernels*.so by setup.py (a setuptools
+                 extension without Python bindings, loaded with ctypes by testbed/native.py). The
+                 sha256 of the kernel sources is compiled in, so a library older than its sources is
+                 detected instead of silently measured.
+  programs       static benchmark-and-dump programs per target (host, arm32, aarch64) built by
+                 kernels/Makefile into .cache/kernels/TARGET-HASH/, where HASH covers the sources,
+                 the Makefile and the toolchain choice: unchanged inputs are never rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS_DIR = ROOT / "kernels"
+LIBRARY_NAME = "_tb_kernels"
+PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench")
+TARGETS = ("host", "arm32", "aarch64")
+REBUILD_HINT = "rebuild with `pip install -e .` (or `python setup.py build_ext --inplace`) in the project root"
+
+
+def library_sources(kernels_dir: Path = KERNELS_DIR) -> list[Path]:
+    """The files the host library is compiled from (the programs add kernels/bench/)."""
+    return sorted(p for p in kernels_dir.iterdir() if p.suffix in (".c", ".h"))
+
+
+def source_hash(kernels_dir: Path = KERNELS_DIR) -> str:
+    """sha256 over the library sources' names and bytes: what the library says it was built from."""
+    h = hashlib.sha256()
+    for path in library_sources(kernels_dir):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def host_vector_flags() -> list[str]:
+    """The vector path for the machine doing the build: AVX2 + FMA on x86-64 when the CPU has them
+    (and AVX-512 for the matrix products where it exists), NEON on aarch64 (always present), plain C
+    otherwise."""
+    machine = platform.machine().lower()
+    flags = _cpu_flags()
+    if machine in ("x86_64", "amd64") and {"avx2", "fma"} <= flags:
+        return ["-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in flags else [])
+    return []
+
+
+# -ffp-contract=off: the compiler never fuses a multiply and an add on its own; the kernels decide
+# (TB_FUSED in tb_simd.h), so builds that disable fusing are bit-exact with one another.
+LIBRARY_CFLAGS = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-math-errno"]
+
+
+def library_extension_args() -> dict:
+    """Keyword arguments of the setuptools Extension that is the host library."""
+    return {
+        "name": f"testbed.{LIBRARY_NAME}",
+        "sources": [str(p.relative_to(ROOT)) for p in library_sources() if p.suffix == ".c"],
+        "include_dirs": [str(KERNELS_DIR.relative_to(ROOT))],
+        "depends": [str(p.relative_to(ROOT)) for p in library_sources() if p.suffix == ".h"],
+        "define_macros": [("TB_SOURCE_HASH", f'"{source_hash()}"')],
+        "extra_compile_args": LIBRARY_CFLAGS + host_vector_flags(),
+        "extra_link_args": ["-pthread"],
+        "libraries": ["m"],
+    }
+
+
+# --- device programs -------------------------------------------------------------------------------
+
+
+class BuildError(RuntimeError):
+    """A toolchain is missing or a compile failed; the message says which and why."""
+
+
+def _programs_hash(target: str, fused: bool) -> str:
+    h = hashlib.sha256(f"{target} fused={int(fused)}".encode())
+    for path in sorted(KERNELS_DIR.rglob("*")):
+        if path.is_file() and (path.suffix in (".c", ".h") or path.name == "Makefile"):
+            h.update(str(path.relative_to(KERNELS_DIR)).encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(os.environ.get("ANDROID_NDK_HOME", "").encode())
+    return h.hexdigest()
+
+
+def build_programs(target: str, fused: bool = False, cache_dir: Path | None = None) -> Path:
+    """Build (or reuse) the static programs for `target`; returns the folder holding them.
+    fused=False (the default) gives the builds that are bit-exact across targets."""
+    if target not in TARGETS:
+        raise ValueError(f"target {target!r} is not one of {', '.join(TARGETS)}")
+    cache_dir = cache_dir or ROOT / ".cache" / "kernels"
+    out = cache_dir / f"{target}{'-fused' if fused else ''}-{_programs_hash(target, fused)[:16]}"
+    if all((out / p).is_file() for p in PROGRAMS):
+        return out
+    if shutil.which("make") is None:
+        raise BuildError("`make` is not installed (Debian: apt-get install make)")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    argv = ["make", "-s", f"-j{os.cpu_count() or 1}", "-C", str(KERNELS_DIR), f"TARGET={target}", f"OUT={tmp}",
+            f"SOURCE_HASH={source_hash()}", f"FUSED={int(fused)}", "programs"]
+    p = subprocess.run(argv, capture_output=True, text=True)
+    if p.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+        raise BuildError(f"building the {target} programs failed: {' | '.join(tail)}")
+    shutil.rmtree(tmp / "obj")
+    # a finished build appears at once, so a concurrent or interrupted one never leaves half a folder
+    try:
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same build first
+    return out
+
+
+def compile_library(kernels_dir: Path, out: Path, optimize: str = "-O2") -> Path:
+    """Compile the library sources in `kernels_dir` (a copy of kernels/, possibly altered) into the
+    shared library `out` with the host library's flags. For checks that need a second library."""
+    sources = [str(p) for p in library_sources(kernels_dir) if p.suffix == ".c"]
+    flags = [f for f in LIBRARY_CFLAGS if not f.startswith("-O")] + [optimize] + host_vector_flags()
+    argv = ["cc", *flags, "-shared", "-fPIC", "-pthread", f"-I{kernels_dir}",
+            f'-DTB_SOURCE_HASH="{source_hash(kernels_dir)}"', "-o", str(out), *sources, "-lm"]
+    p = subprocess.run(argv, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise BuildError(f"compiling {kernels_dir} failed: {p.stderr.strip().splitlines()[-1:]}")
+    return out

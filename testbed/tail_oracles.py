@@ -1,0 +1,282 @@
+"""Oracles for the padded prefill tail (seed 003).
+
+Byte-identical cache: over a grid of (prefix rows, real rows, pads, window, sink, storage dtype), a
+cache given a padded append plus rollback, and one given the exact append, must both equal, byte for
+byte (data, scales, positions, length, and the empty slots), the layout the cache contract defines
+for the chronological row list: built here directly from that list, not by the cache code under test.
+
+First token: for a prompt, the padded-tail prefill and the scalar-tail prefill (the kill switch set)
+must give the same first token; each mode must be deterministic run to run; the telemetry must add
+up, with the expected tail derived from the chunk size the telemetry reports, which must be the
+configured one; and the states that are exact in both modes (every cache's positions, conv states)
+must be identical. How many generated tokens agree is reported beside the verdict, not judged: chunk
+and step graphs round differently, so a near-tie may flip a later token.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from refimpl import sliding_cache as sc
+from refimpl import tail_prefill as tp
+from testbed.oracles import Verdict, check_bitexact, digest
+
+# --- byte-identical cache grid -----------------------------------------------------------------------
+
+KV_HEADS, HEAD_DIM, GROUP = 2, 8, 4  # small rows: the grid is about slot bookkeeping, not arithmetic
+
+
+@dataclass(frozen=True)
+class GridCase:
+    prefix: int
+    real: int
+    pads: int
+    window: int
+    sink: int
+    dtype: str
+
+    @property
+    def covers(self) -> str:
+        """Which situation the case exercises."""
+        if self.prefix == 0:
+            return "empty cache"
+        if self.prefix + self.real > self.window:
+            return "overshoot"
+        if self.prefix + self.real + self.pads > self.window:
+            return "eviction by pads only"
+        return "no eviction"
+
+    @property
+    def name(self) -> str:
+        return (f"prefix={self.prefix},real={self.real},pads={self.pads},window={self.window},"
+                f"sink={self.sink},dtype={self.dtype}")
+
+
+def grid(windows=(16, 24), sinks=(0, 3), dtypes=sc.STORAGE_DTYPES) -> list[GridCase]:
+    """For each window, sink and dtype: an empty cache, no eviction, eviction caused only by the pads,
+    a full cache overshooting, the exact append itself evicting, no real row at all (the engine rolls
+    the last real token back too), and the largest padded append the tail capacity allows."""
+    cases = []
+    for window in windows:
+        for sink in sinks:
+            tail = window - sink
+            shapes = [
+                (0, 3, tail - 3),                 # empty cache
+                (2, 3, window - 5 - 1),           # no eviction (one slot spare)
+                (window - 4, 3, tail - 3),        # pads alone cause the eviction
+                (window + 5, 3, tail - 3),        # already full: every append evicts
+                (window - 1, 4, tail - 4),        # the exact append evicts too
+                (window + 2, 0, tail),            # no real row kept from the chunk
+                (2 * window + 1, tail - 1, 1),    # largest real part, one pad
+            ]
+            for dtype in dtypes:
+                cases += [GridCase(p, r, max(pd, 0), window, sink, dtype) for p, r, pd in shapes]
+    return cases
+
+
+@dataclass
+class CacheOps:
+    """The cache operations under test (a planted-bug test swaps one)."""
+
+    append: Callable = sc.append
+    snapshot: Callable = sc.snapshot_padded_append
+    rollback: Callable = sc.rollback_padded_append
+
+
+def _rows(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
+    k = rng.standard_normal((KV_HEADS, n, HEAD_DIM)).astype(np.float32)
+    v = rng.standard_normal((KV_HEADS, n, HEAD_DIM)).astype(np.float32)
+    return k, v
+
+
+def expected_layout(case: GridCase, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+    """The cache contract applied to the chronological rows: at most `window` kept, the first `sink`
+    rows forever and the newest window - sink, oldest first, then empty slots (zero, position -1)."""
+    n = positions.size
+    kept = np.arange(n) if n <= case.window else np.r_[0:case.sink, n - (case.window - case.sink):n]
+    rows = sc.encode_rows(case.dtype, GROUP, k[:, kept], v[:, kept], positions[kept])
+    out = {}
+    for name, a in rows.arrays().items():
+        axis = 0 if name == "positions" else 1
+        width = [(0, 0)] * a.ndim
+        width[axis] = (0, case.window - kept.size)
+        out[name] = np.pad(a, width, constant_values=sc.EMPTY if name == "positions" else 0)
+    out["length"] = np.array([kept.size], np.int64)
+    return out
+
+
+def check_padded_rollback(case: GridCase, ops: CacheOps = CacheOps(), seed: int = 0) -> Verdict:
+    """Padded append + rollback == exact append == the contract's layout, every byte."""
+    rng = np.random.default_rng([seed, case.prefix, case.real, case.pads, case.window, case.sink,
+                                 sc.STORAGE_DTYPES.index(case.dtype)])
+    cache = sc.sliding_cache(KV_HEADS, HEAD_DIM, case.window, case.sink, case.dtype, GROUP)
+    k, v = _rows(rng, case.prefix + case.real)
+    positions = np.arange(case.prefix + case.real, dtype=np.int64)
+    piece = max(1, (case.window - case.sink) // 2)  # the prefix arrives in several appends
+    for start in range(0, case.prefix, piece):
+        stop = min(start + piece, case.prefix)
+        ops.append(cache, k[:, start:stop], v[:, start:stop], positions[start:stop])
+    real = slice(case.prefix, case.prefix + case.real)
+
+    exact = copy.deepcopy(cache)
+    ops.append(exact, k[:, real], v[:, real], positions[real])
+    padded = copy.deepcopy(cache)
+    pad_k, pad_v = _rows(rng, case.pads)  # whatever a pad row computes: it must not survive
+    try:
+        snap = ops.snapshot(padded, case.real, case.pads)
+        ops.append(padded, np.concatenate([k[:, real], pad_k], axis=1), np.concatenate([v[:, real], pad_v], axis=1),
+                   np.r_[positions[real], np.full(case.pads, sc.EMPTY)])
+        ops.rollback(padded, snap)
+    except (ValueError, IndexError) as e:
+        return Verdict("cache_bytes", False, None, {"covers": case.covers},
+                       f"padded append + rollback raised {type(e).__name__}: {e}")
+
+    expected = expected_layout(case, k, v, positions)
+    got_exact, got_padded = check_bitexact(expected, sc.cache_bytes(exact)), check_bitexact(expected, sc.cache_bytes(padded))
+    problems = [f"{label}: {v.detail}" for label, v in (("exact append", got_exact), ("padded+rollback", got_padded))
+                if not v.passed]
+    metrics = {"covers": case.covers, "sha256": digest(*sc.cache_bytes(padded).values()),
+               "sha256_expected": digest(*expected.values()), "differing_exact": -got_exact.margin,
+               "differing_padded": -got_padded.margin}
+    return Verdict("cache_bytes", not problems, got_exact.margin + got_padded.margin, metrics, "; ".join(problems))
+
+
+# --- first token, determinism, telemetry, exact state ------------------------------------------------
+
+
+@contextmanager
+def kill_switch(on: bool):
+    """TESTBED_DISABLE_PREFILL_TAIL_PAD=1 while inside (or unset), restored afterwards."""
+    before = os.environ.get(tp.KILL_SWITCH)
+    if on:
+        os.environ[tp.KILL_SWITCH] = "1"
+    else:
+        os.environ.pop(tp.KILL_SWITCH, None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(tp.KILL_SWITCH, None)
+        else:
+            os.environ[tp.KILL_SWITCH] = before
+
+
+@dataclass
+class Engine:
+    """What the first-token oracle drives: weights and config, the chunk graph, the policy, how
+    caches are made, the attention the graphs use."""
+
+    w: dict
+    cfg: object
+    graph: tp.ChunkGraph
+    policy: tp.TailPolicy
+    make_caches: Callable[[], tp.ModelCaches]
+    attention: Callable = tp.batched_attention
+
+    def prefill(self, tokens) -> tp.Prefill:
+        return tp.prefill(self.w, self.cfg, tokens, self.graph, self.make_caches(), self.policy, self.attention)
+
+    def generate(self, state: tp.Prefill, steps: int) -> list[int]:
+        return tp.generate(self.w, self.cfg, state, steps, self.attention)
+
+
+def logit_margin(logits: np.ndarray) -> float:
+    """Top-1 minus top-2 logit: how far the argmax is from flipping."""
+    top = np.sort(np.asarray(logits, np.float64))[-2:]
+    return float(top[1] - top[0])
+
+
+def _exact_state(p: tp.Prefill) -> dict[str, np.ndarray]:
+    """What must not differ at all between the modes: each cache's positions and length, each conv
+    state (fed exact embedding rows)."""
+    out = {}
+    for i, c in enumerate(p.caches.layers):
+        out[f"layer{i}.positions"] = c.rows.positions[:c.length]
+    for i, s in enumerate(p.caches.states):
+        out[f"state{i}.ring"] = s.ring
+    return out
+
+
+def _telemetry_problems(t: tp.Telemetry, configured_chunk: int, padded_allowed: bool) -> list[str]:
+    problems = []
+    if t.chunk_size != configured_chunk:
+        problems.append(f"chunk graph has {t.chunk_size} rows, configured chunk is {configured_chunk}")
+    tail = t.prompt_tokens % t.chunk_size  # from the chunk size the telemetry reports
+    if t.chunk_tokens != t.prompt_tokens - tail:
+        problems.append(f"chunk_tokens {t.chunk_tokens} != {t.prompt_tokens - tail}")
+    if t.tail_mode == "padded":
+        if not padded_allowed:
+            problems.append(f"padded with the kill switch set ({t.reason})")
+        if (t.tail_chunk_tokens, t.padding_tokens, t.scalar_tail_tokens) != (tail - 1, t.chunk_size - tail, 1):
+            problems.append(f"padded tail of {tail}: tail_chunk/padding/scalar = {t.tail_chunk_tokens}/"
+                            f"{t.padding_tokens}/{t.scalar_tail_tokens}, expected {tail - 1}/{t.chunk_size - tail}/1")
+    elif (t.tail_chunk_tokens, t.padding_tokens, t.scalar_tail_tokens) != (0, 0, tail):
+        problems.append(f"scalar tail of {tail}: tail_chunk/padding/scalar = {t.tail_chunk_tokens}/"
+                        f"{t.padding_tokens}/{t.scalar_tail_tokens}, expected 0/0/{tail}")
+    return problems
+
+
+def check_first_token(engine: Engine, tokens, configured_chunk: int, generate_steps: int = 8) -> list[Verdict]:
+    """Four verdicts for one prompt: first_token, determinism, telemetry, exact_state."""
+    runs = {}
+    for mode, off in (("padded", False), ("scalar", True)):
+        with kill_switch(off):
+            runs[mode] = [engine.prefill(tokens) for _ in range(2)]
+    padded, scalar = runs["padded"][0], runs["scalar"][0]
+    tel = {m: r[0].telemetry for m, r in runs.items()}
+    info = {"prompt_tokens": len(tokens), "padded_mode": tel["padded"].tail_mode, "reason": tel["padded"].reason,
+            **{f"{m}.{k}": v for m, t in tel.items() for k, v in vars(t).items() if k not in ("reason",)}}
+
+    # Generated tokens (the caches grow, so the determinism check reads them first).
+    generated = {m: [engine.generate(r, generate_steps) for r in rs] for m, rs in runs.items()}
+    agree = 0
+    for a, b in zip(generated["padded"][0], generated["scalar"][0]):
+        if a != b:
+            break
+        agree += 1
+    diff = float(np.max(np.abs(padded.logits.astype(np.float64) - scalar.logits)))
+    margins = min(logit_margin(padded.logits), logit_margin(scalar.logits))
+    same = padded.first_token == scalar.first_token
+    gap = float(scalar.logits[scalar.first_token] - scalar.logits[padded.first_token])
+    first = Verdict("first_token", same, margins if same else -gap,
+                    {**info, "padded_token": padded.first_token, "scalar_token": scalar.first_token,
+                     "logit_margin": margins, "max_abs_logit_diff": diff,
+                     "sequence_agree": agree, "sequence_len": generate_steps,
+                     "padded_tokens": generated["padded"][0], "scalar_tokens": generated["scalar"][0]},
+                    "" if same else f"first token padded {padded.first_token} != scalar {scalar.first_token}")
+
+    problems = []
+    for mode, (a, b) in runs.items():
+        if digest(a.logits) != digest(b.logits):
+            problems.append(f"{mode}: logits differ run to run")
+        if generated[mode][0] != generated[mode][1]:
+            problems.append(f"{mode}: generated tokens differ run to run")
+    determinism = Verdict("determinism", not problems, float(-len(problems)), info, "; ".join(problems))
+
+    problems = _telemetry_problems(tel["padded"], configured_chunk, True) + \
+        _telemetry_problems(tel["scalar"], configured_chunk, False)
+    telemetry = Verdict("telemetry", not problems, float(-len(problems)), info, "; ".join(problems))
+
+    # The exact state is compared right after prefill: fresh runs, since generate grew the caches.
+    with kill_switch(False):
+        p = engine.prefill(tokens)
+    with kill_switch(True):
+        s = engine.prefill(tokens)
+    state = check_bitexact(_exact_state(s), _exact_state(p))
+    k_diffs = [float(np.max(np.abs(sc.read(a)[0] - sc.read(b)[0]), initial=0.0))
+               for a, b in zip(p.caches.layers, s.caches.layers) if a.length == b.length]
+    k_diff = max(k_diffs) if k_diffs else None  # None: no layer kept the same number of rows
+    exact = Verdict("exact_state", state.passed, state.margin, {**info, "max_abs_k_diff": k_diff},
+                    state.detail)
+    return [first, determinism, telemetry, exact]
+
+
+def prompt_lengths(chunk: int, around: list[tuple[int, int]]) -> list[int]:
+    """Prompt lengths blocks * chunk + offset (e.g. (1, 2) -> C + 2, (8, -1) -> 8C - 1)."""
+    return [b * chunk + o for b, o in around]

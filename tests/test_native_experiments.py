@@ -1,0 +1,61 @@
+"""`testbed run gdn backend=native` and `testbed run native_bench`: records stored, bad input refused
+before any work with one line and exit status 2, a stale library named with its rebuild command."""
+
+import pytest
+
+from testbed import cli, config, kernel_build, native, runner
+
+
+def run(overrides, experiment):
+    return runner.execute(config.load(overrides, experiment=experiment))
+
+
+def test_gdn_native_oracles_and_bench_records(results_dir):
+    outcome = run(["backend=native", "matrix=awkward", "bench.tokens=[70]", "bench.head_size=32",
+                   "bench.heads=2", "bench.reps=1", "threads=2"], "gdn")
+    df = outcome.frame()
+    oracles = df[df["kind"] == "oracle"]
+    assert len(oracles) and (oracles["verdict"] == "pass").all()
+    assert set(oracles["oracle"]) == {"nmse", "bitexact"}
+    bench = df[df["kind"] == "measure"]
+    assert sorted(bench["params.form"]) == ["chunkwise", "serial"]
+    assert (bench["params.threads"] == 2).all()
+    assert (bench["artifacts.kernels_source_hash"] == kernel_build.source_hash()).all()
+    assert (results_dir / "records.jsonl").exists()
+
+
+def test_native_bench_records_ratios(results_dir):
+    outcome = run(["attention.past=40", "attention.chunk=8", "attention.head_dim=32", "cache.window=32",
+                   "cache.real=5", "bench.reps=2", "bench.warmup=0"], "native_bench")
+    df = outcome.frame()
+    attention = df[df["params.kernel"] == "attention"]
+    assert sorted(attention["params.form"]) == ["chunk", "decode_steps"]
+    assert (attention["metrics.speedup_vs_decode"] > 0).all()
+    cache = df[df["params.kernel"] == "sliding_cache"]
+    assert set(cache["params.form"]) == {"padded+rollback", "exact_append", "decode_step"}
+    assert (cache["metrics.rollback_vs_decode_step"] >= 0).all()
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["run", "gdn", "threads=2"], "threads=2 needs backend=native"),
+    (["run", "gdn", "backend=native", "threads=0"], "threads=0 is out of range"),
+    (["run", "native_bench", "cache.real=65"], "cache.real=65 exceeds attention.chunk=64"),
+    (["run", "native_bench", "cache.window=64"], "does not fit the cache tail"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, says, results_dir, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err
+    assert not (results_dir / "records.jsonl").exists()
+
+
+def test_a_stale_library_stops_the_run_with_the_rebuild_command(results_dir, capsys, monkeypatch):
+    monkeypatch.setattr(kernel_build, "source_hash", lambda *a: "0" * 64)
+    native.library.cache_clear()
+    try:
+        assert cli.main(["run", "gdn", "backend=native"]) == 2
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+    assert "pip install -e ." in capsys.readouterr().err
+    assert not (results_dir / "records.jsonl").exists()
