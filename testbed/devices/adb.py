@@ -53,12 +53,18 @@ def usb_adb_serials() -> list[str]:
 
 
 def _tcp_transport(host: str, port: int):
-    """adb-shell's TCP transport, except that a closed socket is an error at once: adb-shell reads
+    """adb-shell's TCP transport with two fixes. A closed socket is an error at once: adb-shell reads
     the empty bytes of a dead connection as "no data yet" and spins until its read timeout, which
-    would report a device that died as a command that timed out."""
+    would report a device that died as a command that timed out. And Nagle's algorithm is off: a
+    packet goes out as a header write then a payload write, and the payload would otherwise wait
+    for the device's delayed ACK (~40 ms on every command)."""
     from adb_shell.transport.tcp_transport import TcpTransport
 
     class EofAwareTcpTransport(TcpTransport):
+        def connect(self, transport_timeout_s):
+            super().connect(transport_timeout_s)
+            self._connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
         def bulk_read(self, numbytes, transport_timeout_s):
             data = super().bulk_read(numbytes, transport_timeout_s)
             if not data:

@@ -12,7 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from testbed.devices.transport import CommandResult, CommandTimeout, Transport, TransferError, confine, quoted
+from testbed.devices.transport import (CommandResult, CommandTimeout, Transport, TransferError, confine, quoted,
+                                       sha256_file)
 
 
 class LocalTransport(Transport):
@@ -56,6 +57,10 @@ class LocalTransport(Transport):
         tmp = Path(local).with_name(f".{Path(local).name}.part")
         shutil.copyfile(source, tmp)
         os.replace(tmp, local)
+
+    def remote_digest(self, remote: str) -> tuple[int, str] | None:
+        path = self.path(remote)
+        return (path.stat().st_size, sha256_file(path)) if path.is_file() else None
 
     def command(self, argv: list[str], folder: Path) -> list[str]:
         return [str(a) for a in argv]

@@ -94,6 +94,10 @@ class Transport:
         """Run argv in the work folder (or its subfolder `cwd`), killed after `timeout` seconds."""
         raise NotImplementedError
 
+    def remote_digest(self, remote: str) -> tuple[int, str] | None:
+        """(size, sha256) of a file in the work folder, computed where it lies; None if absent."""
+        raise NotImplementedError
+
     def cleanup(self) -> None:
         raise NotImplementedError
 

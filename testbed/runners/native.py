@@ -2,7 +2,8 @@
 .npy outputs and its timings, then compare on the host.
 
 The program contract (kernels/bench/'s benchmark-and-dump programs follow it):
-  cwd        a fresh run folder holding the program and its inputs as NAME.npy
+  cwd        a fresh run folder (runs/ID) holding the inputs as NAME.npy; the program itself is
+             pushed once per content to bin/SHA/NAME
   argv       ./PROGRAM followed by the job's args; kernels/bench programs take IN_DIR OUT_DIR first,
              which are both the run folder: args=[".", ".", "form=chunkwise", "reps=5", ...]
   writes     each output as NAME.npy and `timings.json` in the run folder:
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from testbed.devices import CommandResult, Device
+from testbed.devices.transport import sha256_file
 from testbed.errors import DeviceError
 from testbed.results import Figure
 
@@ -58,19 +60,28 @@ class NativeRunFailed(DeviceError):
     """The program ran and failed, or left outputs that cannot be read."""
 
 
+def stage_program(device: Device, program: Path) -> str:
+    """The program's path on the device, pushed once per content: bin/SHA/NAME is reused while the
+    device still holds those exact bytes (checked by size and sha256 on the device)."""
+    digest = sha256_file(program)
+    remote = f"bin/{digest[:16]}/{program.name}"
+    if device.transport.remote_digest(remote) != (program.stat().st_size, digest):
+        device.push(program, remote, mode=0o755)
+    return remote
+
+
 def run_native(device: Device, job: NativeJob) -> NativeResult:
     run_dir = f"runs/{secrets.token_hex(6)}"
-    program = f"{run_dir}/{job.program.name}"
     try:
         with tempfile.TemporaryDirectory(prefix="testbed-native-") as tmp:
             tmp = Path(tmp)
-            device.push(job.program, program, mode=0o755)
+            program = stage_program(device, job.program)
             for name, array in job.inputs.items():
                 local = tmp / f"{name}.npy"
                 np.save(local, np.ascontiguousarray(array))
                 device.push(local, f"{run_dir}/{name}.npy")
             def once():
-                return device.run([f"./{job.program.name}", *map(str, job.args)], timeout=job.timeout, cwd=run_dir)
+                return device.run([f"../../{program}", *map(str, job.args)], timeout=job.timeout, cwd=run_dir)
 
             result, health = device.measured(once) if job.measured else (once(), {})
             if result.returncode != 0:
