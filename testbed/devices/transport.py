@@ -211,6 +211,7 @@ class RemoteShell(Transport):
                 if parent != self.work_dir:
                     self._shell(f"mkdir -p {shlex.quote(parent)}", 30)
                 self._send(local, target, mode)
+                got = self.remote_digest(remote)
             except ConnectionLost as e:
                 self._drop()
                 problem = f"connection lost during the transfer: {e}"
@@ -218,7 +219,6 @@ class RemoteShell(Transport):
             except DeviceUnreachable as e:
                 problem = str(e)
                 continue
-            got = self.remote_digest(remote)
             if got == (size, digest):
                 return
             problem = (f"device has {got[0]} bytes, sha256 {got[1][:12]}..." if got else "file missing on device")
