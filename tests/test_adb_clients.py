@@ -14,12 +14,12 @@ from testbed.devices.transport import sha256_file
 from testbed.errors import DeviceUnreachable
 from testbed.peers.fixtures import adb_connect
 
-pytestmark = pytest.mark.skipif(shutil.which("adb") is None, reason="Debian's adb client is not installed")
-
 
 @pytest.fixture(scope="module")
 def debian_adb(loopback_adbd, adb_key):
     """`adb` with its own server port and HOME (so it signs with the session key), connected."""
+    if shutil.which("adb") is None:
+        pytest.fail("Debian's adb client is not installed (apt install adb; scripts/bootstrap.sh --test does)")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -57,6 +57,8 @@ class Sshd:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Sshd":
+        if not Path("/usr/sbin/sshd").exists():
+            raise RuntimeError("sshd is not installed (apt install openssh-server; scripts/bootstrap.sh --test does)")
         for key in (self.host_key, self.client_key):
             if not key.exists():
                 subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
