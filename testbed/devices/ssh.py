@@ -45,6 +45,7 @@ class SshTransport(RemoteShell):
 
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small packets go out at once
         except OSError as e:
             raise DeviceUnreachable(f"{self.name}: nothing answers at {self.host}:{self.port} ({e.strerror or e})") from None
         client = paramiko.SSHClient()
