@@ -4,14 +4,15 @@
 The program contract (kernels/bench/'s benchmark-and-dump programs follow it):
   cwd        a fresh run folder (runs/ID) holding the inputs as NAME.npy; the program itself is
              pushed once per content to bin/SHA/NAME
-  argv       ./PROGRAM followed by the job's args; kernels/bench programs take IN_DIR OUT_DIR first,
+  argv       the program followed by the job's args; kernels/bench programs take IN_DIR OUT_DIR first,
              which are both the run folder: args=[".", ".", "form=chunkwise", "reps=5", ...]
   writes     each output as NAME.npy and `timings.json` in the run folder:
              {"seconds": [one per timed repetition...], ...whatever else the program records}
   exit 0     on success; anything else is a failed run, reported with its stderr
 
-Nothing here trusts "it ran": outputs that are missing, unreadable or of the wrong shape are errors,
-and a run that fails is never retried (it is a measurement and may have effects).
+Nothing here trusts "it ran": a non-zero exit and outputs that are missing or unreadable are errors
+(the caller's oracle judges the values), and a run that fails is never retried (it is a measurement
+and may have effects).
 """
 
 from __future__ import annotations
