@@ -93,3 +93,10 @@ def test_a_missing_adbkey_is_created_as_adb_does(tmp_path):
 
     n, e = parse_android_pubkey(pub.encode())
     assert n.bit_length() == 2048 and e == 65537
+
+
+def test_the_default_key_is_the_usual_android_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    key = ensure_adb_key()
+    assert key == tmp_path / ".android" / "adbkey" and Path(f"{key}.pub").exists()
+    assert ensure_adb_key() == key and key.read_bytes() == ensure_adb_key().read_bytes()  # kept, not remade
