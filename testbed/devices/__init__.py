@@ -14,6 +14,7 @@ saying why, so `pytest --device=pixel` without a phone stops at once.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import select
@@ -103,13 +104,14 @@ class Peer:
     """A loopback device the profile starts itself (peer.command), stopped with the Device.
 
     The command's placeholders: {python} this interpreter, {sandbox} a fresh temporary folder,
-    {adbkey_pub} the public half of the adb key the transport will use. It must print
+    {adbkey_pub} the public half of the adb key the transport will use, {pid} this process (a peer
+    should exit when it ends: the CLI never closes the device it ran on). It must print
     `... listening on HOST:PORT` first."""
 
     def __init__(self, command: list[str], key_pub: str, timeout: float):
         self.sandbox = tempfile.mkdtemp(prefix="testbed-peer-")
-        argv = [str(a).format(python=sys.executable, sandbox=os.path.join(self.sandbox, "fs"), adbkey_pub=key_pub)
-                for a in command]
+        argv = [str(a).format(python=sys.executable, sandbox=os.path.join(self.sandbox, "fs"), adbkey_pub=key_pub,
+                              pid=os.getpid()) for a in command]
         self.log = os.path.join(self.sandbox, "peer.log")
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True,
@@ -122,6 +124,7 @@ class Peer:
             self.stop()
             raise DeviceUnreachable(f"the loopback peer {' '.join(argv[:4])} did not start: {err.strip()}")
         self.host, self.port = found.group(1), int(found.group(2))
+        atexit.register(self.stop)  # its sandbox too
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -44,6 +44,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from testbed import PROJECT_ROOT
@@ -579,7 +580,19 @@ def sync_send_file(stream: Stream, device: FakeDevice, path: str) -> None:
 # --- server ------------------------------------------------------------------------------------------
 
 
+def exit_with_parent(pid: int) -> None:
+    """A peer started by a testbed process must not outlive it, however that process ends."""
+    def watch():
+        while os.getppid() == pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def serve(args) -> None:
+    if args.parent:
+        exit_with_parent(args.parent)
     device = FakeDevice(args)
     listener = socket.create_server(("127.0.0.1", args.port))
     print(f"adbd listening on 127.0.0.1:{listener.getsockname()[1]}", flush=True)
@@ -601,6 +614,7 @@ def parse_args(argv=None):
     p.add_argument("--quota", type=int, default=None, help="bytes the sandbox may hold (pushes beyond fail)")
     p.add_argument("--corrupt-recv", type=int, default=0, help="flip a byte in the first N pulls")
     p.add_argument("--drop-after-bytes", type=int, default=None, help="cut the connection once mid-push")
+    p.add_argument("--parent", type=int, default=0, help="exit when this process (the one that started us) ends")
     return p.parse_args(argv)
 
 

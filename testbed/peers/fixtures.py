@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import subprocess
 import sys
@@ -49,7 +50,7 @@ class LoopbackAdbd:
         self.sandbox = sandbox
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "testbed.peers.adbd", "--sandbox", str(sandbox),
-             "--authorized-keys", str(key_pub), "--prop", "ro.product.model=Loopback",
+             "--authorized-keys", str(key_pub), "--parent", str(os.getpid()), "--prop", "ro.product.model=Loopback",
              "--prop", "ro.product.cpu.abi=armeabi-v7a", *flags],
             stdout=subprocess.PIPE, text=True, cwd=PROJECT_ROOT)
         line = self.proc.stdout.readline()
