@@ -48,3 +48,26 @@ def test_pytest_with_an_absent_phone_stops_at_once_saying_why():
     assert p.returncode == 3
     assert "device 'pixel' is unreachable" in p.stdout + p.stderr and "no USB device" in p.stdout + p.stderr
     assert " passed" not in p.stdout and " failed" not in p.stdout  # no test ran
+
+
+def test_a_loopback_peer_dies_with_the_process_that_started_it():
+    """`testbed run ... device=adb-loopback` never closes its device; the peer must not outlive it,
+    even when the process ends without cleaning up (os._exit skips atexit)."""
+    import os
+    import time
+
+    code = ("import os; from testbed.devices import connect, load_profile; "
+            "d = connect(load_profile('adb-loopback')); print(d.peer.proc.pid, flush=True); os._exit(0)")
+    pid = int(subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                             timeout=60).stdout)
+
+    def alive():
+        try:
+            return "\tZ" not in open(f"/proc/{pid}/status").read().split("State:")[1][:4]
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive()
