@@ -57,9 +57,11 @@ def test_a_loopback_peer_dies_with_the_process_that_started_it():
     import time
 
     code = ("import os; from testbed.devices import connect, load_profile; "
-            "d = connect(load_profile('adb-loopback')); print(d.peer.proc.pid, flush=True); os._exit(0)")
-    pid = int(subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                             timeout=60).stdout)
+            "d = connect(load_profile('adb-loopback')); print(d.peer.proc.pid, d.peer.sandbox, flush=True); "
+            "os._exit(0)")
+    pid, sandbox = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                                  timeout=60).stdout.split()
+    pid = int(pid)
 
     def alive():
         try:
@@ -71,3 +73,6 @@ def test_a_loopback_peer_dies_with_the_process_that_started_it():
     while alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive()
+    import shutil
+
+    shutil.rmtree(sandbox)  # what the dead process would have removed at exit
