@@ -16,7 +16,7 @@ import sys
 
 import pandas as pd
 
-from testbed import config, experiments, nightly, report, runner, tables
+from testbed import config, device_cli, experiments, nightly, report, runner, tables
 from testbed.errors import DeviceUnreachable, UsageError
 
 
@@ -139,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--device", default="host")
     i.add_argument("--backend", default="ggml", help="what produced it (e.g. ggml-htp)")
     i.set_defaults(fn=cmd_ingest)
-    nightly.register(sub), report.register(sub)
+    nightly.register(sub), report.register(sub), device_cli.register(sub)
     return p
 
 

@@ -11,3 +11,10 @@ class DeviceUnreachable(Exception):
     """A device profile is valid but the device cannot be reached, with the reason why."""
 
     exit_status = 3
+
+
+class DeviceError(Exception):
+    """The device was reached, but an operation on it failed and a retry (where safe) did not help:
+    a transfer that could not be verified, a full device, a command killed at its timeout."""
+
+    exit_status = 4

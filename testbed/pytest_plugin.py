@@ -1,6 +1,9 @@
 """pytest plugin: `pytest --device=NAME` selects the device profile the equivalence suites run on.
 
-  device fixture                 the connected device (session-scoped)
+  device fixture                 the connected device (session-scoped; closed, and its loopback peer
+                                 stopped, at the end). A device other than the host is connected when
+                                 the session starts, so an unreachable one stops pytest at once,
+                                 saying why, before any test runs.
   @pytest.mark.requires("cap")   skip unless the device's profile lists that capability
   results_dir fixture            a per-session results store, so tests never write into results/
 """
@@ -12,6 +15,9 @@ import pytest
 from testbed.config import choices
 from testbed.devices import connect, load_profile
 from testbed.errors import DeviceUnreachable, UsageError
+
+# The real peers the device tests talk to (loopback adbd, sshd) and their fixtures.
+pytest_plugins = ["testbed.peers.fixtures"]
 
 
 def pytest_addoption(parser):
@@ -48,13 +54,31 @@ def device_profile(pytestconfig):
     return pytestconfig._testbed_profile
 
 
+def _connect(config):
+    if getattr(config, "_testbed_device", None) is None:
+        profile = config._testbed_profile
+        try:
+            config._testbed_device = connect(profile)
+        except DeviceUnreachable as e:
+            pytest.exit(f"device {profile.name!r} is unreachable: {e}", returncode=3)
+    return config._testbed_device
+
+
+def pytest_sessionstart(session):
+    if session.config._testbed_profile.transport != "local":
+        _connect(session.config)
+
+
+def pytest_sessionfinish(session):
+    device = getattr(session.config, "_testbed_device", None)
+    if device is not None:
+        device.close()
+        session.config._testbed_device = None
+
+
 @pytest.fixture(scope="session")
-def device(device_profile):
-    try:
-        dev = connect(device_profile)
-    except DeviceUnreachable as e:
-        pytest.exit(f"device {device_profile.name!r} is unreachable: {e}", returncode=3)
-    yield dev
+def device(pytestconfig):
+    return _connect(pytestconfig)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,109 @@
+"""`testbed devices` and `testbed doctor DEVICE`.
+
+  testbed devices            every profile in devices/, and whether each answers now (and why not)
+  testbed doctor DEVICE      connect, then check every tool and path the profile names, the shell
+                             utilities testbed relies on, and the fingerprint; say what is missing
+                             (exit 0 all present, 1 something missing, 3 unreachable)
+"""
+
+from __future__ import annotations
+
+import shlex
+from concurrent.futures import ThreadPoolExecutor
+
+from testbed import tables
+from testbed.config import choices
+from testbed.devices import connect, load_profile
+from testbed.errors import DeviceError, DeviceUnreachable, UsageError
+
+# What the remote discipline runs on a device (testbed.devices.transport): cd, timeout, sha256, stat.
+DEVICE_UTILITIES = ("sh", "timeout", "sha256sum", "stat", "mkdir", "rm")
+
+
+def reachability(name: str) -> str:
+    try:
+        device = connect(load_profile(name))
+    except (DeviceUnreachable, DeviceError) as e:
+        return f"no: {str(e).removeprefix(name + ': ')}"
+    except UsageError as e:
+        return f"invalid profile: {e}"
+    device.close()
+    return "yes"
+
+
+def cmd_devices(args) -> int:
+    import pandas as pd
+
+    names = choices("device")
+    profiles = {}
+    for n in names:
+        try:
+            profiles[n] = load_profile(n)
+        except UsageError as e:
+            profiles[n] = e
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        reach = dict(zip(names, pool.map(reachability, names))) if args.check else {}
+    rows = []
+    for n, p in profiles.items():
+        if isinstance(p, UsageError):
+            rows.append({"device": n, "transport": "", "abi": "", "capabilities": "", "reachable": f"invalid: {p}"})
+            continue
+        rows.append({"device": n, "transport": p.transport, "abi": p.abi, "capabilities": ", ".join(p.capabilities),
+                     "reachable": reach.get(n, "not checked")})
+    print(tables.markdown(pd.DataFrame(rows)))
+    return 0
+
+
+def doctor(name: str) -> tuple[list[tuple[str, str, str]], dict]:
+    """[(check, 'ok' | 'MISSING', detail)], fingerprint. Raises DeviceUnreachable."""
+    profile = load_profile(name)
+    device = connect(profile)
+    checks = [("reach", "ok", f"{profile.transport}; work folder {device.transport.work_dir} writable")]
+    try:
+        if profile.transport in ("adb", "ssh"):
+            for util in DEVICE_UTILITIES:
+                r = device.run(["sh", "-c", 'command -v "$1"', "sh", util], timeout=30)
+                checks.append((f"utility {util}", "ok" if r.returncode == 0 else "MISSING",
+                               r.stdout.strip() or "not on the device's PATH"))
+        if profile.transport == "qemu":
+            sysroot = profile.connection.get("sysroot")
+            if sysroot:
+                r = device.run(["test", "-d", sysroot], timeout=30)
+                checks.append(("qemu sysroot", "ok" if r.returncode == 0 else "MISSING", sysroot))
+        for tool, path in sorted(profile.tools.items()):
+            r = device.run(["sh", "-c", 'test -x "$1" || command -v "$1"', "sh", path], timeout=30)
+            checks.append((f"tool {tool}", "ok" if r.returncode == 0 else "MISSING",
+                           path if r.returncode == 0 else f"{path} is not an executable on the device"))
+        fingerprint = device.fingerprint()
+    finally:
+        device.close()
+    return checks, fingerprint
+
+
+def cmd_doctor(args) -> int:
+    try:
+        checks, fp = doctor(args.device)
+    except DeviceUnreachable as e:
+        print(f"{args.device}: UNREACHABLE: {e}")
+        return DeviceUnreachable.exit_status
+    for check, status, detail in checks:
+        print(f"{status:8} {check:28} {detail}")
+    print("fingerprint: " + ", ".join(f"{k}={fp.get(k)}" for k in ("model", "abi", "os", "governor", "cores")))
+    temps = fp.get("temperatures_c") or {}
+    print("temperatures: " + (", ".join(f"{k} {v:.1f} C" for k, v in temps.items()) or "not readable"))
+    missing = [c for c in checks if c[1] != "ok"]
+    if missing:
+        print(f"{args.device}: {len(missing)} missing: " + ", ".join(shlex.quote(c[0]) for c in missing))
+        return 1
+    print(f"{args.device}: everything the profile names is present")
+    return 0
+
+
+def register(sub) -> None:
+    """Add the two commands to testbed's argparse subcommands."""
+    d = sub.add_parser("devices", help="list device profiles and whether each is reachable")
+    d.add_argument("--no-check", dest="check", action="store_false", help="list only; do not connect")
+    d.set_defaults(fn=cmd_devices)
+    doc = sub.add_parser("doctor", help="check every tool and path a device profile names")
+    doc.add_argument("device", help=f"one of: {', '.join(choices('device'))}")
+    doc.set_defaults(fn=cmd_doctor)

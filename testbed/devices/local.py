@@ -1,0 +1,125 @@
+"""The host itself (local) and ARM binaries on the host under qemu-user (qemu).
+
+qemu is for correctness, never timing: emulated code runs 40-70x slower than on a device.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from testbed.devices.transport import (CommandResult, CommandTimeout, Transport, TransferError, confine, quoted,
+                                       sha256_file)
+
+
+class LocalTransport(Transport):
+    """Files are copied into the work folder; commands run there as subprocesses in their own process
+    group, so a timeout kills the whole tree, not just the first process."""
+
+    kind = "local"
+
+    def __init__(self, name: str, work_dir: str):
+        self.name = name
+        self.root = Path(work_dir)
+        self.work_dir = str(self.root)
+
+    def connect(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            from testbed.errors import DeviceUnreachable
+
+            raise DeviceUnreachable(f"{self.name}: cannot create the work folder {self.root}: {e.strerror}") from None
+
+    def path(self, remote: str) -> Path:
+        return self.root / confine(remote)
+
+    def push(self, local: Path, remote: str, mode: int = 0o644) -> None:
+        dest = self.path(remote)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.part")
+        try:
+            shutil.copyfile(local, tmp)
+            os.chmod(tmp, mode)
+            os.replace(tmp, dest)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise TransferError(f"{self.name}: push of {Path(local).name} to {dest} failed: {e.strerror}") from None
+
+    def pull(self, remote: str, local: Path) -> None:
+        source = self.path(remote)
+        if not source.is_file():
+            raise TransferError(f"{self.name}: cannot pull {source}: no such file")
+        tmp = Path(local).with_name(f".{Path(local).name}.part")
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, local)
+
+    def remote_digest(self, remote: str) -> tuple[int, str] | None:
+        path = self.path(remote)
+        return (path.stat().st_size, sha256_file(path)) if path.is_file() else None
+
+    def command(self, argv: list[str], folder: Path) -> list[str]:
+        return [str(a) for a in argv]
+
+    def run(self, argv: list[str], timeout: float = 60.0, cwd: str = "") -> CommandResult:
+        folder = self.path(cwd) if cwd else self.root
+        folder.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        proc = subprocess.Popen(self.command(argv, folder), cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, errors="replace", start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise CommandTimeout(f"{self.name}: {quoted(argv)} did not finish in {timeout:g} s; killed") from None
+        return CommandResult(proc.returncode, out, err, time.monotonic() - t0)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+# ELF e_machine values of the ABIs qemu-user emulates here.
+ELF_MACHINES = {"qemu-arm": 40, "qemu-aarch64": 183}
+
+
+def elf_machine(path: Path) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(20)
+    except OSError:
+        return None
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return None
+    return int.from_bytes(head[18:20], "little")
+
+
+class QemuTransport(LocalTransport):
+    """Like local, but a program built for the emulated ABI is started through qemu-user (with -L
+    SYSROOT for dynamically linked ones); host programs (sh, cat) run as they are."""
+
+    kind = "qemu"
+
+    def __init__(self, name: str, work_dir: str, emulator: str, sysroot: str = ""):
+        super().__init__(name, work_dir)
+        self.emulator = emulator
+        self.sysroot = sysroot
+
+    def connect(self) -> None:
+        if shutil.which(self.emulator) is None:
+            from testbed.errors import DeviceUnreachable
+
+            raise DeviceUnreachable(f"{self.name}: emulator {self.emulator!r} is not installed (Debian: qemu-user)")
+        super().connect()
+
+    def command(self, argv: list[str], folder: Path) -> list[str]:
+        argv = [str(a) for a in argv]
+        program = Path(argv[0]) if os.path.isabs(argv[0]) else folder / argv[0]
+        if elf_machine(program) != ELF_MACHINES.get(self.emulator):
+            return argv
+        prefix = [self.emulator] + (["-L", self.sysroot] if self.sysroot else [])
+        return prefix + [str(program)] + argv[1:]

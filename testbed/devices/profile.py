@@ -1,0 +1,175 @@
+"""Device profiles: devices/NAME.yaml, validated on load with errors that name the field.
+
+A profile says what a device is (ABI, capabilities, accelerators, thread counts), how to reach it
+(`transport` and its `connection` fields), where it may write (`work_dir`), where its tools live
+(`tools`) and how measurements on it are disciplined (`health`). Users add a device by adding a file.
+
+Fields by transport (all optional unless marked):
+  local   connection: {}
+  qemu    connection: {emulator (required): qemu-arm | qemu-aarch64, sysroot: path for -L}
+  adb     connection: {serial: USB serial, or host + port for TCP; key: adbkey path (created if
+          absent), auth_timeout_s}; peer: {command: [argv]} starts a loopback device on connect
+  ssh     connection: {host (required), port, user (required), key (required), known_hosts,
+          host_key_sha256}; one of known_hosts or host_key_sha256 is required
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from testbed.config import DEVICES_DIR, choices
+from testbed.errors import UsageError
+
+TRANSPORTS = ("local", "qemu", "adb", "ssh")
+ABIS = ("host", "armeabi-v7a", "arm64-v8a", "x86_64")
+TOOLS = ("iree-run-module", "iree-benchmark-module", "test-backend-ops", "llama-bench")
+
+# Per transport: connection field -> (type, required). Types are checked, unknown keys refused.
+CONNECTION_FIELDS: dict[str, dict[str, tuple[type, bool]]] = {
+    "local": {},
+    "qemu": {"emulator": (str, True), "sysroot": (str, False)},
+    "adb": {"serial": (str, False), "host": (str, False), "port": (int, False), "key": (str, False),
+            "auth_timeout_s": (float, False)},
+    "ssh": {"host": (str, True), "port": (int, False), "user": (str, True), "key": (str, True),
+            "known_hosts": (str, False), "host_key_sha256": (str, False)},
+}
+ACCELERATOR_FIELDS = {"vulkan_target": str, "htp": str, "backend": str}
+HEALTH_FIELDS = {"cooldown_below_c": float, "cooldown_delay_s": float, "cooldown_max_wait_s": float,
+                 "warmup": int, "throttle_fraction": float}
+TIMEOUT_FIELDS = {"connect_s": float, "command_s": float, "transfer_s": float}
+
+
+@dataclass
+class Profile:
+    """What a device is and how to reach it (validated from devices/NAME.yaml)."""
+
+    name: str
+    transport: str
+    abi: str
+    description: str = ""
+    capabilities: list[str] = field(default_factory=list)
+    threads: list[int] = field(default_factory=lambda: [1])
+    work_dir: str = ""
+    tools: dict[str, str] = field(default_factory=dict)
+    connection: dict[str, Any] = field(default_factory=dict)
+    accelerators: dict[str, Any] = field(default_factory=dict)
+    health: dict[str, Any] = field(default_factory=dict)
+    timeouts: dict[str, float] = field(default_factory=dict)
+    peer: dict[str, Any] = field(default_factory=dict)
+
+    REQUIRED = ("name", "transport", "abi")
+
+    @classmethod
+    def from_config(cls, node: DictConfig | dict, source: str) -> "Profile":
+        data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        bad = _Checker(source)
+        known = [f.name for f in fields(cls)]
+        for key in data:
+            if key not in known:
+                bad(key, data[key], f"is not a profile field; accepted: {', '.join(known)}")
+        for key in cls.REQUIRED:
+            if data.get(key) in (None, ""):
+                bad(key, None, "is required")
+        bad.choice("transport", data["transport"], TRANSPORTS)
+        bad.choice("abi", data["abi"], ABIS)
+        for key in ("name", "description", "work_dir"):
+            bad.typed(key, data.get(key, ""), str)
+        caps = data.get("capabilities", [])
+        if not isinstance(caps, list) or not all(isinstance(c, str) for c in caps):
+            bad("capabilities", caps, "must be a list of names")
+        threads = data.get("threads", [1])
+        if not isinstance(threads, list) or not threads or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in threads):
+            bad("threads", threads, "must be a non-empty list of positive integers")
+        tools = data.get("tools", {}) or {}
+        bad.mapping("tools", tools, {t: str for t in TOOLS})
+        conn = data.get("connection", {}) or {}
+        spec = CONNECTION_FIELDS[data["transport"]]
+        bad.mapping("connection", conn, {k: t for k, (t, _) in spec.items()})
+        for key, (_, required) in spec.items():
+            if required and conn.get(key) in (None, ""):
+                bad(f"connection.{key}", None, f"is required for transport {data['transport']}")
+        if data["transport"] == "ssh" and not (conn.get("known_hosts") or conn.get("host_key_sha256")):
+            bad("connection.known_hosts", None,
+                "or connection.host_key_sha256 is required: ssh host keys are checked, never accepted blindly")
+        if data["transport"] == "adb" and conn.get("host") and conn.get("serial"):
+            bad("connection.serial", conn["serial"], "and connection.host are exclusive (USB or TCP)")
+        if data["transport"] in ("adb", "ssh"):
+            work = str(data.get("work_dir", ""))
+            # cleanup empties this folder: it must be absolute and at least two levels deep
+            if not work.startswith("/") or len([p for p in work.split("/") if p]) < 2:
+                bad("work_dir", data.get("work_dir"), "must be an absolute device path at least two levels "
+                                                      "deep (e.g. /data/local/tmp/testbed)")
+        bad.mapping("accelerators", data.get("accelerators", {}) or {}, ACCELERATOR_FIELDS)
+        bad.mapping("health", data.get("health", {}) or {}, HEALTH_FIELDS)
+        bad.mapping("timeouts", data.get("timeouts", {}) or {}, TIMEOUT_FIELDS)
+        peer = data.get("peer", {}) or {}
+        bad.mapping("peer", peer, {"command": list})
+        if peer and data["transport"] != "adb":
+            bad("peer", peer, "is only for adb profiles (a loopback adbd)")
+        return cls(**{**data, "tools": tools, "connection": conn, "peer": peer,
+                      "accelerators": data.get("accelerators") or {}, "health": data.get("health") or {},
+                      "timeouts": data.get("timeouts") or {}})
+
+    def has(self, capability: str) -> bool:
+        return capability in self.capabilities
+
+    def timeout(self, kind: str) -> float:
+        # transfer_s: the longest a push or pull may go without progress
+        defaults = {"connect_s": 5.0, "command_s": 600.0, "transfer_s": 60.0}
+        return float(self.timeouts.get(kind, defaults[kind]))
+
+
+class _Checker:
+    """Raises a UsageError naming the file, the field, the bad value and what is accepted."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def __call__(self, key: str, value: Any, problem: str):
+        shown = "" if value is None else f" {value!r}"
+        raise UsageError(f"{self.source}: field {key!r}{shown} {problem}")
+
+    def choice(self, key: str, value: Any, accepted: tuple) -> None:
+        if value not in accepted:
+            self(key, value, f"is not accepted; accepted: {', '.join(accepted)}")
+
+    def typed(self, key: str, value: Any, kind: type) -> None:
+        ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            self(key, value, f"is not {'a' if kind is not int else 'an'} {kind.__name__}")
+
+    def mapping(self, key: str, value: Any, spec: dict[str, type]) -> None:
+        if not isinstance(value, dict):
+            self(key, value, "must be a mapping")
+        for k, v in value.items():
+            if k not in spec:
+                self(f"{key}.{k}", v, f"is not accepted; accepted: {', '.join(spec) or '(none)'}")
+            if v is not None:
+                self.typed(f"{key}.{k}", v, spec[k])
+
+
+def load_profile(name: str) -> Profile:
+    if name not in choices("device"):
+        raise UsageError(f"unknown device {name!r}; accepted: {', '.join(choices('device'))}")
+    path = DEVICES_DIR / f"{name}.yaml"
+    return load_profile_file(path)
+
+
+def load_profile_file(path: Path) -> Profile:
+    try:
+        node = OmegaConf.load(path)
+    except Exception as e:  # noqa: BLE001 -- YAML errors come in many types; all are bad input
+        raise UsageError(f"{path.name}: not a valid YAML profile: {str(e).splitlines()[0]}") from None
+    if not isinstance(node, DictConfig):
+        raise UsageError(f"{path.name}: a profile must be a mapping of fields")
+    profile = Profile.from_config(node, f"devices/{path.name}")
+    if profile.name != path.stem:
+        raise UsageError(f"devices/{path.name}: field 'name' {profile.name!r} must equal the file name {path.stem!r}")
+    return profile

@@ -1,0 +1,261 @@
+"""The transport interface, and what every remote POSIX device shares.
+
+A transport does four things: push a file, pull a file, run a command with a timeout (exit code,
+stdout, stderr), and clean up its work folder. Paths given to push and pull are relative to the work
+folder and may not leave it; commands run in it. Every command is an argv list, each argument quoted
+for the device's shell, so a file name or config value can never inject a command.
+
+Remote devices (ADB, SSH) share the same discipline:
+  run       `cd WORK && timeout -s KILL T argv...`: the device kills a hung command itself; if the
+            device stops answering, the host gives up at T plus a grace period, drops the
+            connection (which kills the command's process group on the device) and raises
+            CommandTimeout. A run is never retried: it may have had effects, and a benchmark run
+            twice is a different measurement.
+  push      send, then check size and sha256 on the device; a mismatch or a lost connection is
+            retried (a push is idempotent); a device that refuses (full, read-only) is not.
+  pull      sha256 on the device first, then receive into a temporary file, check, rename: a
+            corrupted or cut transfer never leaves a file that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import posixpath
+import secrets
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from testbed.errors import DeviceError, DeviceUnreachable
+
+
+@dataclass
+class CommandResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float = 0.0
+
+
+class TransferError(DeviceError):
+    """A push or pull that failed or could not be verified."""
+
+
+class CommandTimeout(DeviceError, TimeoutError):
+    """A command that did not finish within its timeout; it was killed."""
+
+
+class ConnectionLost(Exception):
+    """Raised by a transport's primitives when the link to the device broke (internal)."""
+
+
+# The exit statuses `timeout -s KILL` leaves: 124 (GNU when the child exits on the signal) and 137
+# (128 + SIGKILL).
+KILLED_AT_TIMEOUT = (124, 137)
+HOST_GRACE_S = 10.0
+
+
+def confine(path: str) -> str:
+    """A path inside the work folder, normalised; anything absolute or climbing out is refused."""
+    p = posixpath.normpath(str(path))
+    if p.startswith("/") or p == ".." or p.startswith("../") or p in ("", "."):
+        raise ValueError(f"path {path!r} is outside the work folder (give a relative path inside it)")
+    return p
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def quoted(argv: list[str]) -> str:
+    return " ".join(shlex.quote(str(a)) for a in argv)
+
+
+class Transport:
+    """push / pull / run / cleanup, relative to `work_dir`."""
+
+    kind = "abstract"
+    work_dir: str
+
+    def push(self, local: Path, remote: str, mode: int = 0o644) -> None:
+        raise NotImplementedError
+
+    def pull(self, remote: str, local: Path) -> None:
+        raise NotImplementedError
+
+    def run(self, argv: list[str], timeout: float = 60.0, cwd: str = "") -> CommandResult:
+        """Run argv in the work folder (or its subfolder `cwd`), killed after `timeout` seconds."""
+        raise NotImplementedError
+
+    def remote_digest(self, remote: str) -> tuple[int, str] | None:
+        """(size, sha256) of a file in the work folder, computed where it lies; None if absent."""
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteShell(Transport):
+    """A device reached over a link with a POSIX shell on the far side (toybox or coreutils).
+
+    Subclasses provide the primitives: _open() (connect, raising DeviceUnreachable), _close(),
+    _exec(script, host_timeout) -> CommandResult, _send(local, abs_path, mode), _recv(abs_path, local),
+    each raising ConnectionLost when the link breaks and TimeoutError when the host deadline passes."""
+
+    attempts = 2  # transfers: the first try and one retry
+
+    def __init__(self, name: str, work_dir: str):
+        self.name = name
+        self.work_dir = work_dir.rstrip("/") or "/"
+        self._connected = False
+
+    # -- primitives -------------------------------------------------------------------------------
+    def _open(self) -> None:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+    def _exec(self, script: str, host_timeout: float) -> CommandResult:
+        raise NotImplementedError
+
+    def _send(self, local: Path, path: str, mode: int) -> None:
+        raise NotImplementedError
+
+    def _recv(self, path: str, local: Path) -> None:
+        raise NotImplementedError
+
+    # -- connection -------------------------------------------------------------------------------
+    def connect(self) -> None:
+        self._open()
+        self._connected = True
+        made = self._shell(f"mkdir -p {shlex.quote(self.work_dir)} && test -w {shlex.quote(self.work_dir)}", 30)
+        if made.returncode != 0:
+            raise DeviceUnreachable(f"{self.name}: cannot create or write the work folder {self.work_dir}: "
+                                    f"{(made.stderr or made.stdout).strip() or 'exit ' + str(made.returncode)}")
+
+    def _ensure(self) -> None:
+        if not self._connected:
+            self._open()
+            self._connected = True
+
+    def _drop(self) -> None:
+        self._connected = False
+        try:
+            self._close()
+        except Exception:  # noqa: BLE001 -- the link is already broken; closing is best effort
+            pass
+
+    def close(self) -> None:
+        self._drop()
+
+    def _shell(self, script: str, timeout: float) -> CommandResult:
+        """Run a composed shell script (internal: callers quote every value they put in it)."""
+        self._ensure()
+        try:
+            return self._exec(script, timeout + HOST_GRACE_S)
+        except ConnectionLost as e:
+            self._drop()
+            raise DeviceUnreachable(f"{self.name}: connection lost: {e}") from None
+        except TimeoutError:
+            self._drop()  # closing the link kills the command on the device
+            raise CommandTimeout(f"{self.name}: the device stopped answering within {timeout:g} s") from None
+
+    # -- the interface ----------------------------------------------------------------------------
+    def path(self, remote: str) -> str:
+        return posixpath.join(self.work_dir, confine(remote))
+
+    def run(self, argv: list[str], timeout: float = 60.0, cwd: str = "") -> CommandResult:
+        limit = max(1, math.ceil(timeout))
+        folder = self.path(cwd) if cwd else self.work_dir
+        script = f"cd {shlex.quote(folder)} && timeout -s KILL {limit} {quoted(argv)}"
+        t0 = time.monotonic()
+        try:
+            result = self._shell(script, timeout)
+        except CommandTimeout:
+            raise CommandTimeout(f"{self.name}: {quoted(argv)} did not finish in {timeout:g} s; killed") from None
+        except DeviceUnreachable as e:
+            raise DeviceUnreachable(f"{e} (while running {quoted(argv)}; not retried)") from None
+        result.seconds = time.monotonic() - t0
+        if result.returncode in KILLED_AT_TIMEOUT and result.seconds >= limit - 0.5:
+            raise CommandTimeout(f"{self.name}: {quoted(argv)} did not finish in {timeout:g} s; killed")
+        return result
+
+    def remote_digest(self, remote: str, timeout: float = 120.0) -> tuple[int, str] | None:
+        """(size, sha256) of a file in the work folder, computed on the device; None if absent."""
+        r = self.run(["sh", "-c", 'stat -c %s -- "$1" && sha256sum -- "$1"', "sh", confine(remote)], timeout)
+        lines = r.stdout.split()
+        if r.returncode != 0 or len(lines) < 2 or not lines[0].isdigit():
+            return None
+        return int(lines[0]), lines[1].lower()
+
+    def push(self, local: Path, remote: str, mode: int = 0o644) -> None:
+        local = Path(local)
+        size, digest = local.stat().st_size, sha256_file(local)
+        target = self.path(remote)
+        parent = posixpath.dirname(target)
+        problem = ""
+        for _ in range(self.attempts):
+            try:
+                self._ensure()
+                if parent != self.work_dir:
+                    self._shell(f"mkdir -p {shlex.quote(parent)}", 30)
+                self._send(local, target, mode)
+                got = self.remote_digest(remote)
+            except ConnectionLost as e:
+                self._drop()
+                problem = f"connection lost during the transfer: {e}"
+                continue
+            except DeviceUnreachable as e:
+                problem = str(e)
+                continue
+            if got == (size, digest):
+                return
+            problem = (f"device has {got[0]} bytes, sha256 {got[1][:12]}..." if got else "file missing on device")
+            problem += f"; sent {size} bytes, sha256 {digest[:12]}..."
+        raise TransferError(f"{self.name}: push of {local.name} to {target} failed after "
+                            f"{self.attempts} attempts: {problem}")
+
+    def pull(self, remote: str, local: Path) -> None:
+        local = Path(local)
+        source = self.path(remote)
+        expected = self.remote_digest(remote)
+        if expected is None:
+            raise TransferError(f"{self.name}: cannot pull {source}: no such file on the device")
+        tmp = local.with_name(f".{local.name}.{secrets.token_hex(4)}.part")
+        problem = ""
+        try:
+            for _ in range(self.attempts):
+                try:
+                    self._ensure()
+                    self._recv(source, tmp)
+                except ConnectionLost as e:
+                    self._drop()
+                    problem = f"connection lost during the transfer: {e}"
+                    continue
+                except DeviceUnreachable as e:
+                    problem = str(e)
+                    continue
+                got = (tmp.stat().st_size, sha256_file(tmp)) if tmp.exists() else None
+                if got == expected:
+                    os.replace(tmp, local)
+                    return
+                problem = (f"received {got[0]} bytes, sha256 {got[1][:12]}..." if got else "nothing received")
+                problem += f"; the device has {expected[0]} bytes, sha256 {expected[1][:12]}..."
+            raise TransferError(f"{self.name}: pull of {source} failed after {self.attempts} attempts: {problem}")
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def cleanup(self) -> None:
+        """Empty the work folder (the folder itself stays, so later runs can write)."""
+        self._shell(f"cd {shlex.quote(self.work_dir)} && rm -rf -- ./* ./.[!.]* 2>/dev/null; true", 60)

@@ -1,0 +1,80 @@
+"""llama.cpp's tools on a device: test-backend-ops (test and perf modes) and llama-bench, into records.
+
+The tools live where the profile's `tools` say; the backend (`-b`) defaults to the profile's
+`accelerators.backend` (HTP0 on the Hexagon phone). Verdicts follow testbed.llamacpp_output: a run that did not
+finish, or whose counts disagree, is an error record, never a pass.
+"""
+
+from __future__ import annotations
+
+from testbed import llamacpp_output as out
+from testbed.devices import Device
+from testbed.results import Figure, Record
+from testbed.runners.iree import tool
+
+
+def test_backend_ops(device: Device, op: str, backend: str, timeout: float | None = None) -> tuple[out.TboReport, list[str]]:
+    """Run test mode; returns the parsed report and every reason it may not be read as a pass."""
+    result = device.run([tool(device, "test-backend-ops"), "test", "-o", op, "-b", backend], timeout)
+    report = out.parse_test(result.stdout)
+    problems = report.problems()
+    if result.returncode != 0:
+        problems.append(f"test-backend-ops exited {result.returncode}: {result.stderr.strip()[-200:]}")
+    return report, problems
+
+
+def test_records(experiment: str, op: str, backend: str, report: out.TboReport, problems: list[str]) -> list[Record]:
+    """One oracle record per case, then the run's tally ('36/36 OK') as its own verdict."""
+    records = []
+    for case in report.tested:
+        verdict = "pass" if case.status == "OK" else "fail"
+        margin = None if case.nmse is None else case.threshold - case.nmse
+        records.append(Record(experiment, f"{case.name}/{backend}", "oracle", "test-backend-ops", verdict, margin,
+                              {"nmse": case.nmse} if case.nmse is not None else {},
+                              params={"op": op, "backend": backend, "params": case.params}, detail=case.detail))
+    finished = report.summary is not None and report.final is not None
+    verdict = "pass" if not problems else ("fail" if finished else "error")
+    records.append(Record(experiment, f"{op}/{backend}/tally", "oracle", "test-backend-ops", verdict, None,
+                          {"tally": report.tally(), "passed": report.passed, "tested": len(report.tested),
+                           "unsupported": len(report.cases) - len(report.tested)},
+                          params={"op": op, "backend": backend}, detail="; ".join(problems)))
+    return records
+
+
+def perf_records(device: Device, experiment: str, op: str, backend: str, timeout: float | None = None) -> list[Record]:
+    """Perf mode under the profile's health discipline (cool-down, warm-up, throttling flag)."""
+    result, health = device.measured(
+        lambda: device.run([tool(device, "test-backend-ops"), "perf", "-o", op, "-b", backend], timeout))
+    rows = out.parse_perf(result.stdout)
+    if result.returncode != 0 or not rows:
+        from testbed.errors import DeviceError
+
+        raise DeviceError(f"{device.name}: test-backend-ops perf -o {op} -b {backend} exited {result.returncode} "
+                          f"with {len(rows)} result lines: {result.stderr.strip()[-200:]}")
+    records = []
+    for row in rows:
+        us = Figure(row.us_per_run, row.us_per_run, row.us_per_run, row.runs, "us")  # the tool reports a mean
+        figures = {"time": us}
+        if row.gbps is not None:
+            figures["bandwidth"] = Figure(row.gbps, row.gbps, row.gbps, row.runs, "GB/s")
+        records.append(Record(experiment, f"{row.name}/{backend}/perf", "measure", figures=figures, metrics=health,
+                              work={f"per_run_{row.per_run_unit}": row.per_run, "runs": row.runs,
+                                    "what": "test-backend-ops perf: mean over its runs"},
+                              params={"op": op, "backend": backend, "params": row.params}))
+    return records
+
+
+def llama_bench_records(device: Device, experiment: str, model: str, prompt: int, threads: int, reps: int,
+                        extra: list[str] = (), timeout: float | None = None) -> list[Record]:
+    argv = [tool(device, "llama-bench"), "-m", model, "-p", str(prompt), "-n", "0", "-t", str(threads),
+            "-r", str(reps), "-o", "json", *extra]
+    result, health = device.measured(lambda: device.run(argv, timeout))
+    if result.returncode != 0:
+        from testbed.errors import DeviceError
+
+        raise DeviceError(f"{device.name}: llama-bench exited {result.returncode}: {result.stderr.strip()[-300:]}")
+    return [Record(experiment, f"{row.test}/t{threads}", "measure", figures={"tokens_per_s": row.figure()},
+                   metrics=health,
+                   work={"tokens": prompt, "what": f"llama-bench {row.test}: prompt tokens per second"},
+                   params={"model": model, "threads": threads, "test": row.test, "backend": row.backend})
+            for row in out.parse_bench(result.stdout)]

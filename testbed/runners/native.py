@@ -1,0 +1,109 @@
+"""Run a native benchmark-and-dump program on a device: push it and its .npy inputs, run it, pull its
+.npy outputs and its timings, then compare on the host.
+
+The program contract (kernels/bench/'s benchmark-and-dump programs follow it):
+  cwd        a fresh run folder (runs/ID) holding the inputs as NAME.npy; the program itself is
+             pushed once per content to bin/SHA/NAME
+  argv       the program followed by the job's args; kernels/bench programs take IN_DIR OUT_DIR first,
+             which are both the run folder: args=[".", ".", "form=chunkwise", "reps=5", ...]
+  writes     each output as NAME.npy and `timings.json` in the run folder:
+             {"seconds": [one per timed repetition...], ...whatever else the program records}
+  exit 0     on success; anything else is a failed run, reported with its stderr
+
+Nothing here trusts "it ran": a non-zero exit and outputs that are missing or unreadable are errors
+(the caller's oracle judges the values), and a run that fails is never retried (it is a measurement
+and may have effects).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from testbed.devices import CommandResult, Device
+from testbed.devices.transport import sha256_file
+from testbed.errors import DeviceError
+from testbed.results import Figure
+
+
+@dataclass
+class NativeJob:
+    program: Path
+    inputs: dict[str, np.ndarray]
+    outputs: list[str]
+    args: list[str] = field(default_factory=list)
+    timeout: float | None = None
+    measured: bool = True  # under the profile's health discipline (cool-down, warm-up, throttle flag)
+
+
+@dataclass
+class NativeResult:
+    outputs: dict[str, np.ndarray]
+    timings: dict[str, Any]
+    command: CommandResult
+    health: dict[str, Any] = field(default_factory=dict)  # for the record's metrics
+
+    def figure(self, unit_scale: float = 1.0, unit: str = "s") -> Figure:
+        """The program's own per-repetition times as a Figure (median/min/max/reps)."""
+        samples = self.timings.get("seconds") or []
+        if not samples:
+            raise DeviceError("the program reported no timing samples (timings.json has no \"seconds\")")
+        return Figure.of([s * unit_scale for s in samples], unit)
+
+
+class NativeRunFailed(DeviceError):
+    """The program ran and failed, or left outputs that cannot be read."""
+
+
+def stage_program(device: Device, program: Path) -> str:
+    """The program's path on the device, pushed once per content: bin/SHA/NAME is reused while the
+    device still holds those exact bytes (checked by size and sha256 on the device)."""
+    digest = sha256_file(program)
+    remote = f"bin/{digest[:16]}/{program.name}"
+    if device.transport.remote_digest(remote) != (program.stat().st_size, digest):
+        device.push(program, remote, mode=0o755)
+    return remote
+
+
+def run_native(device: Device, job: NativeJob) -> NativeResult:
+    run_dir = f"runs/{secrets.token_hex(6)}"
+    try:
+        with tempfile.TemporaryDirectory(prefix="testbed-native-") as tmp:
+            tmp = Path(tmp)
+            program = stage_program(device, job.program)
+            for name, array in job.inputs.items():
+                local = tmp / f"{name}.npy"
+                np.save(local, np.ascontiguousarray(array))
+                device.push(local, f"{run_dir}/{name}.npy")
+            def once():
+                return device.run([f"../../{program}", *map(str, job.args)], timeout=job.timeout, cwd=run_dir)
+
+            result, health = device.measured(once) if job.measured else (once(), {})
+            if result.returncode != 0:
+                raise NativeRunFailed(f"{device.name}: {job.program.name} exited {result.returncode}: "
+                                      f"{(result.stderr or result.stdout).strip()[-300:]}")
+            outputs = {}
+            for name in job.outputs:
+                local = tmp / f"{name}.npy"
+                device.pull(f"{run_dir}/{name}.npy", local)
+                try:
+                    outputs[name] = np.load(local, allow_pickle=False)
+                except ValueError as e:
+                    raise NativeRunFailed(f"{device.name}: output {name}.npy is not a valid .npy file: {e}") from None
+            device.pull(f"{run_dir}/timings.json", tmp / "timings.json")
+            try:
+                timings = json.loads((tmp / "timings.json").read_text())
+            except json.JSONDecodeError as e:
+                raise NativeRunFailed(f"{device.name}: timings.json is not JSON: {e}") from None
+            return NativeResult(outputs, timings, result, health)
+    finally:
+        try:
+            device.run(["rm", "-rf", run_dir], timeout=60)
+        except Exception:  # noqa: BLE001 -- cleanup must not hide the run's own error
+            pass

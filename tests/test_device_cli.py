@@ -1,0 +1,78 @@
+"""`testbed devices`, `testbed doctor DEVICE`, and `pytest --device=pixel` with no phone attached."""
+
+import subprocess
+import sys
+
+from testbed import PROJECT_ROOT
+from testbed.cli import main
+
+
+def test_devices_lists_every_profile_and_why_one_is_unreachable(capsys):
+    assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines()[2:]}
+    assert {"host", "qemu-arm32", "qemu-aarch64", "pixel", "arm32", "hexagon", "board", "adb-loopback"} <= set(rows)
+    assert rows["adb-loopback"].rstrip(" |").endswith("yes")  # its peer starts on connect
+    assert "no: no USB device with an ADB interface" in rows["pixel"]
+
+
+def test_doctor_checks_what_a_profile_names(capsys):
+    assert main(["doctor", "adb-loopback"]) == 0
+    out = capsys.readouterr().out
+    assert "ok       utility sha256sum" in out and "model=Loopback" in out
+
+
+def test_doctor_says_what_is_missing(capsys, tmp_path, monkeypatch):
+    import testbed.config as config
+
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    (devices / "half.yaml").write_text(
+        "name: half\ntransport: qemu\nabi: armeabi-v7a\nconnection: {emulator: qemu-arm, sysroot: /no/such/sysroot}\n"
+        "tools: {llama-bench: /no/such/llama-bench}\n")
+    monkeypatch.setitem(config.GROUPS, "device", devices)
+    monkeypatch.setattr("testbed.devices.profile.DEVICES_DIR", devices)
+    assert main(["doctor", "half"]) == 1
+    out = capsys.readouterr().out
+    assert "MISSING  qemu sysroot" in out and "MISSING  tool llama-bench" in out and "2 missing" in out
+
+
+def test_doctor_on_an_unreachable_device_exits_3_saying_why(capsys):
+    assert main(["doctor", "pixel"]) == 3
+    assert "UNREACHABLE" in capsys.readouterr().out
+
+
+def test_pytest_with_an_absent_phone_stops_at_once_saying_why():
+    p = subprocess.run([sys.executable, "-m", "pytest", "--device=pixel", "-p", "no:cacheprovider", "tests/test_native_runner.py"],
+                       cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3
+    assert "device 'pixel' is unreachable" in p.stdout + p.stderr and "no USB device" in p.stdout + p.stderr
+    assert " passed" not in p.stdout and " failed" not in p.stdout  # no test ran
+
+
+def test_a_loopback_peer_dies_with_the_process_that_started_it():
+    """`testbed run ... device=adb-loopback` never closes its device; the peer must not outlive it,
+    even when the process ends without cleaning up (os._exit skips atexit)."""
+    import os
+    import time
+
+    code = ("import os; from testbed.devices import connect, load_profile; "
+            "d = connect(load_profile('adb-loopback')); print(d.peer.proc.pid, d.peer.sandbox, flush=True); "
+            "os._exit(0)")
+    pid, sandbox = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                                  timeout=60).stdout.split()
+    pid = int(pid)
+
+    def alive():
+        try:
+            return "\tZ" not in open(f"/proc/{pid}/status").read().split("State:")[1][:4]
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive()
+    import shutil
+
+    shutil.rmtree(sandbox)  # what the dead process would have removed at exit

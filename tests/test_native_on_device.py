@@ -1,0 +1,74 @@
+"""The GDN kernels' benchmark-and-dump program (kernels/bench/tb_gdn_bench) on the selected device,
+through its transport: `pytest --device=qemu-arm32 | qemu-aarch64 | adb-loopback | host` runs the
+same equivalence suite, the program built for the device's ABI, pushed with its .npy inputs, run,
+its outputs pulled and judged against the float64 reference by NMSE (test-backend-ops' 1e-7).
+
+Also, in any session, the ARM builds over ADB to the loopback phone (qemu-user behind adbd)."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from testbed import kernel_build
+from testbed.experiments.gdn import TBO_CASES
+from testbed.oracles import check_nmse
+from testbed.runners.native import NativeJob, run_native
+from tests.native_support import reference64
+
+TARGET_FOR_ABI = {"host": "host", "x86_64": "host", "armeabi-v7a": "arm32", "arm64-v8a": "aarch64"}
+COMPILERS = {"arm32": "arm-linux-gnueabihf-gcc", "aarch64": "aarch64-linux-gnu-gcc", "host": "cc"}
+# Cases across llama.cpp's matrix: scalar and vector gates, grouped value heads, several chunks.
+CASES = [TBO_CASES[i] for i in (5, 7, 15, 19, 27)]
+NAMES = ("q", "k", "v", "g", "beta", "state")
+
+
+def programs_for(abi: str):
+    target = TARGET_FOR_ABI[abi]
+    if shutil.which(COMPILERS[target]) is None:
+        pytest.skip(f"{COMPILERS[target]} is not installed")
+    return kernel_build.build_programs(target) / "tb_gdn_bench"
+
+
+def gdn_on(device, program, x, form: str, chunk: int = 16, inputs=None):
+    arrays = dict(zip(NAMES, inputs or x.arrays()))
+    args = [".", ".", f"form={form}", f"chunk={chunk}", "head_map=tiled", "warmup=0", "reps=1"]
+    return run_native(device, NativeJob(program, arrays, ["out", "state"], args, measured=False))
+
+
+@pytest.mark.requires("native")
+@pytest.mark.parametrize("form", ["serial", "chunkwise"])
+def test_gdn_program_on_the_device_matches_the_reference(device, form):
+    program = programs_for(device.profile.abi)
+    for case in CASES:
+        x = case.inputs(seed=0)
+        result = gdn_on(device, program, x, form)
+        verdict = check_nmse(reference64(x, "tiled"), result.outputs)
+        assert verdict.passed, f"{case.name} {form} on {device.name}: {verdict.detail}"
+        assert len(result.timings["seconds"]) == 1
+
+
+@pytest.mark.requires("native")
+def test_inputs_staged_in_the_wrong_order_are_caught(device):
+    """A realistic runner bug: q and k swapped when staged. The program runs fine; the oracle fails."""
+    program = programs_for(device.profile.abi)
+    x = CASES[0].inputs(seed=0)
+    q, k, *rest = x.arrays()
+    result = gdn_on(device, program, x, "chunkwise", inputs=[k, q, *rest])
+    assert not check_nmse(reference64(x, "tiled"), result.outputs).passed
+
+
+@pytest.mark.parametrize("abi", ["armeabi-v7a", "arm64-v8a"])
+def test_arm_builds_over_adb_are_bitexact_with_qemu_direct(adb_device, abi):
+    """The same ARM program through ADB and run directly: the transport must not change a bit."""
+    from testbed import native_programs
+
+    program = programs_for(abi)
+    x = CASES[3].inputs(seed=1)
+    over_adb = gdn_on(adb_device, program, x, "chunkwise").outputs
+    direct, _ = native_programs.run_program(program.parent, TARGET_FOR_ABI[abi], "tb_gdn_bench",
+                                            dict(zip(NAMES, x.arrays())),
+                                            {"form": "chunkwise", "chunk": 16, "head_map": "tiled",
+                                             "warmup": 0, "reps": 1})
+    for name in ("out", "state"):
+        assert np.array_equal(over_adb[name].view(np.uint32), direct[name].view(np.uint32))

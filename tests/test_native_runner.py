@@ -1,0 +1,60 @@
+"""The native runner on the selected device (`pytest --device=NAME`): push a static program built for
+the device's ABI and its .npy input, run it, pull its output and timings, compare with numpy.
+
+This is the native equivalence suite in miniature, with a tiny program until kernels/ provides the
+real benchmark-and-dump programs: it runs on host, qemu-arm32, qemu-aarch64 and adb-loopback alike."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from testbed.oracles import check_bitexact
+from testbed.peers.fixtures import compile_static
+from testbed.runners.native import NativeJob, NativeRunFailed, run_native
+
+SOURCE = Path(__file__).parent / "data" / "axpb.c"
+
+
+def reference(x: np.ndarray, a: float, b: float) -> np.ndarray:
+    """a*x + b in float32, one rounding per operation (as the C code with -ffp-contract=off)."""
+    return (np.float32(a) * x + np.float32(b)).astype(np.float32)
+
+
+def job_for(device, x, defines=()):
+    return NativeJob(compile_static(SOURCE, device.profile.abi, defines), {"x": x}, ["y"], ["1.5", "-0.25", "3"])
+
+
+@pytest.mark.requires("native")
+def test_the_program_matches_numpy_bit_for_bit(device):
+    x = np.random.default_rng(1).standard_normal(1001).astype(np.float32)
+    result = run_native(device, job_for(device, x))
+    verdict = check_bitexact({"y": reference(x, 1.5, -0.25)}, result.outputs)
+    assert verdict.passed, verdict.detail
+    t = result.figure()
+    assert t.reps == 3 and 0 < t.min <= t.median <= t.max
+    assert {"throttled", "temperatures_c_before", "temperatures_c_after", "cooldown"} <= set(result.health)
+
+
+@pytest.mark.requires("native")
+def test_a_planted_tail_bug_is_caught(device):
+    x = np.random.default_rng(2).standard_normal(1001).astype(np.float32)
+    result = run_native(device, job_for(device, x, ("PLANTED_BUG",)))
+    verdict = check_bitexact({"y": reference(x, 1.5, -0.25)}, result.outputs)
+    assert not verdict.passed and "1 elements differ, first at flat index 1000" in verdict.detail
+
+
+@pytest.mark.requires("native")
+def test_a_failing_program_is_an_error_with_its_stderr(device):
+    wrong = np.arange(10, dtype=np.float64)  # the program reads float32 only
+    with pytest.raises(NativeRunFailed, match="exited 3: cannot read x.npy"):
+        run_native(device, NativeJob(compile_static(SOURCE, device.profile.abi), {"x": wrong}, ["y"], ["1", "0", "1"]))
+    assert device.run(["ls", "runs"]).stdout.strip() == ""  # the run folder was removed
+
+
+@pytest.mark.parametrize("abi", ["armeabi-v7a", "arm64-v8a"])
+def test_arm_programs_through_adb_and_qemu(adb_device, abi):
+    """In any session: both ARM ABIs over the loopback adbd (qemu-user behind it)."""
+    x = np.linspace(-3, 3, 257, dtype=np.float32)
+    result = run_native(adb_device, NativeJob(compile_static(SOURCE, abi), {"x": x}, ["y"], ["1.5", "-0.25", "2"]))
+    assert check_bitexact({"y": reference(x, 1.5, -0.25)}, result.outputs).passed
