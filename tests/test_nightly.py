@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from testbed import PROJECT_ROOT, config, devices, nightly
+from testbed import PROJECT_ROOT, config, nightly
+from testbed.devices import profile as device_profiles
 from testbed.cli import main
-from testbed.errors import DeviceUnreachable
 from testbed.results import ResultsStore
 
 
@@ -61,25 +61,13 @@ def lab(tmp_path, monkeypatch):
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    (folder / "phone.yaml").write_text(f"name: phone\ntransport: ssh\nabi: arm64-v8a\n"
-                                       f"connection: {{host: 127.0.0.1, port: {port}}}\n")
+    (folder / "phone.yaml").write_text(f"name: phone\ntransport: ssh\nabi: arm64-v8a\nwork_dir: /tmp/testbed-phone\n"
+                                       f"connection: {{host: 127.0.0.1, port: {port}, user: nobody,\n"
+                                       f"  key: {tmp_path / 'no_key'}, known_hosts: {tmp_path / 'known_hosts'}}}\n")
     monkeypatch.setattr(config, "DEVICES_DIR", folder)
     monkeypatch.setitem(config.GROUPS, "device", folder)
-    monkeypatch.setattr(devices, "DEVICES_DIR", folder)
+    monkeypatch.setattr(device_profiles, "DEVICES_DIR", folder)
     return folder
-
-
-def open_over_tcp(name: str) -> devices.Device:
-    """Open a device; an SSH device is first reached over TCP, as its transport would (issue 7 brings
-    the transport itself; until then this is the part of it that decides reachability)."""
-    profile = devices.load_profile(name)
-    if profile.transport == "ssh":
-        address = (profile.connection["host"], profile.connection["port"])
-        try:
-            socket.create_connection(address, timeout=2).close()
-        except OSError as e:
-            raise DeviceUnreachable(f"{name}: ssh {address[0]}:{address[1]}: {e.strerror or e}") from None
-    return devices.connect(profile)
 
 
 def write_suite(folder: Path, name: str, body: str) -> Path:
@@ -116,7 +104,7 @@ def test_devices_in_parallel_busy_and_unreachable(tmp_path, lab, results_dir):
     try:
         assert holder.stdout.readline().strip() == "held"
         log = Lines()
-        status, summary = nightly.run_night(suite, ResultsStore(results_dir), open_over_tcp, log)
+        status, summary = nightly.run_night(suite, ResultsStore(results_dir), nightly.open_device, log)
     finally:
         holder.stdin.close()
         holder.wait(timeout=10)
@@ -135,7 +123,7 @@ def test_devices_in_parallel_busy_and_unreachable(tmp_path, lab, results_dir):
     night = ResultsStore(results_dir / "nights").records()[0]
     assert {d: s["status"] for d, s in night["devices"].items()} == {"host": "ok", "bench2": "busy", "phone": "unreachable"}
     page = (results_dir / "report" / "report.md").read_text()
-    assert "phone: unreachable (phone: ssh 127.0.0.1:" in page and "bench2: busy (held by pid" in page
+    assert "phone: unreachable (phone: nothing answers at 127.0.0.1:" in page and "bench2: busy (held by pid" in page
     # the locks were released: the next night gets every device at once
     for device in suite.devices:
         with nightly.device_lock(suite.lock_dir, device, 0, "test"):
