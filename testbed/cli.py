@@ -96,25 +96,47 @@ def cmd_table(args) -> int:
 
 
 def cmd_ingest(args) -> int:
-    """Store the output of a tool run elsewhere (today: llama.cpp's test-backend-ops)."""
-    from testbed import tbo
+    """Store llama.cpp's test-backend-ops output from a run elsewhere (test or perf mode, console or CSV)."""
+    import csv
+    import io
+
+    from testbed import llamacpp_output as out
     from testbed.devices import load_profile
     from testbed.results import RunInfo
+    from testbed.runners import llamacpp
 
     rc = config.load([f"device={args.device}"], experiment=args.experiment)
     profile = load_profile(rc.device)
     try:
         text = open(args.file, encoding="utf-8", errors="replace").read()
-        records = tbo.to_records(text, rc.experiment)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{args.file}: {e}") from None
+    except OSError as e:
+        raise UsageError(f"{args.file}: {e.strerror}") from None
+    if text.lstrip().startswith(('"backend_name"', "backend_name")):
+        rows = list(csv.DictReader(io.StringIO(text)))
+        report = out.TboReport(cases=out.parse_csv(text))
+        # CSV has no summary or final status lines; a file that parses is a finished run
+        report.summary, report.final = (report.passed, len(report.tested)), "n/a (csv)"
+        tool_backend = ",".join(sorted({r["backend_name"] for r in rows})) or "?"
+        problems = [f"{c.name}: {c.detail or c.status}" for c in report.tested if c.status != "OK"]
+        problems += [] if report.tested else ["no case was tested"]
+    else:
+        report = out.parse_test(text)
+        tool_backend = ",".join(report.backends) or "?"
+        problems = report.problems()
+    perf = out.parse_perf(text)
+    if perf:
+        records = llamacpp.perf_rows_records(rc.experiment, tool_backend, perf)
+    elif report.cases:
+        records = llamacpp.test_records(rc.experiment, report.cases[0].op, tool_backend, report, problems)
+    else:
+        raise UsageError(f"{args.file}: no test-backend-ops case lines (test or perf mode) in it")
     info = RunInfo(experiment=rc.experiment, device=rc.device, backend=args.backend, config={"source": args.file},
                    fingerprint={"abi": profile.abi, "source": "ingested"})
     rows = [info.stamp(r) for r in records]
     runner.results_store(rc).append(rows)
-    suites = [r for r in rows if r["oracle"] == "test-backend-ops-suite"]
-    for r in suites:
-        print(f"{r['case']}: {r['detail']} ({r['verdict']})")
+    for r in rows:
+        if r["case"].endswith("/tally"):
+            print(f"{r['case']}: {r['metrics']['tally']} ({r['verdict']}) {r['detail']}".rstrip())
     print(f"{len(rows)} records from {args.file} stored for {rc.experiment} on {rc.device}")
     return 1 if any(r["kind"] == "oracle" and r["verdict"] != "pass" for r in rows) else 0
 

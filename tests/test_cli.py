@@ -67,12 +67,34 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, message, results_
     assert not results_dir.exists()
 
 
-def test_ingest_stores_a_phone_run_of_test_backend_ops(results_dir, seed_fixtures, capsys):
-    path = seed_fixtures / "test-backend-ops" / "test_mode_b_CPU.stdout"
+@pytest.mark.parametrize("name", ["test_mode_b_CPU.stdout", "test_mode_b_CPU.csv"])
+def test_ingest_stores_a_phone_run_of_test_backend_ops(name, results_dir, seed_fixtures, capsys):
+    path = seed_fixtures / "test-backend-ops" / name
     assert main(["ingest", str(path), "--backend", "ggml-cpu"]) == 0
-    assert "36/36 OK" in capsys.readouterr().out
+    assert "GATED_DELTA_NET/CPU/tally: 36/36 OK (pass)" in capsys.readouterr().out
     stored = ResultsStore(results_dir).records("gdn")
     assert len(stored) == 37 and all(r["backend"] == "ggml-cpu" for r in stored)
+
+
+def test_ingest_of_a_failing_csv_row_fails(results_dir, seed_fixtures, tmp_path, capsys):
+    lines = (seed_fixtures / "test-backend-ops" / "test_mode_b_CPU.csv").read_text().splitlines()
+    lines[5] = lines[5].replace(',"1","",""', ',"1","NMSE = 0.0123 > 1e-07",""')
+    (tmp_path / "bad.csv").write_text("\n".join(lines) + "\n")
+    assert main(["ingest", str(tmp_path / "bad.csv")]) == 1
+    assert "35/36 OK (fail)" in capsys.readouterr().out
+
+
+def test_ingest_of_perf_output_stores_measurements(results_dir, seed_fixtures):
+    assert main(["ingest", str(seed_fixtures / "test-backend-ops" / "perf_b_CPU.stdout")]) == 0
+    stored = ResultsStore(results_dir).records("gdn")
+    assert len(stored) == 12 and {r["kind"] for r in stored} == {"measure"}
+    assert stored[0]["figures"]["time"]["median"] == pytest.approx(165.48)
+
+
+def test_ingest_of_a_skipped_backend_is_refused(results_dir, seed_fixtures, capsys):
+    assert main(["ingest", str(seed_fixtures / "test-backend-ops" / "test_mode_default.stdout")]) == 2
+    assert "no test-backend-ops case lines" in capsys.readouterr().err
+    assert not results_dir.exists()
 
 
 def test_pytest_with_an_unknown_device_is_a_usage_error(tmp_path):

@@ -68,3 +68,15 @@ def test_bad_arguments_are_named():
         ref.gdn_serial(*x.arrays(), head_map="rows")
     with pytest.raises(ValueError, match="multiple of key heads"):
         ref.key_heads(3, 4)
+
+
+def test_our_shape_matrix_is_llama_cpps(seed_fixtures):
+    """TBO_CASES lists exactly the cases the real test-backend-ops ran, in its order."""
+    from testbed import llamacpp_output
+
+    report = llamacpp_output.parse_test((seed_fixtures / "test-backend-ops" / "test_mode_b_CPU.stdout").read_text())
+    keys = ("head_count", "head_size", "n_seq_tokens", "n_seqs", "v_repeat", "permuted", "kda", "K")
+    theirs = [tuple(int(c.param(k)) for k in keys) for c in report.cases]
+    ours = [(c.head_count, c.head_size, c.n_seq_tokens, c.n_seqs, c.v_repeat, int(c.permuted), int(c.kda), c.K)
+            for c in TBO_CASES]
+    assert ours == theirs

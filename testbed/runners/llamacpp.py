@@ -51,6 +51,12 @@ def perf_records(device: Device, experiment: str, op: str, backend: str, timeout
 
         raise DeviceError(f"{device.name}: test-backend-ops perf -o {op} -b {backend} exited {result.returncode} "
                           f"with {len(rows)} result lines: {result.stderr.strip()[-200:]}")
+    return perf_rows_records(experiment, backend, rows, health)
+
+
+def perf_rows_records(experiment: str, backend: str, rows: list[out.Perf], health: dict | None = None) -> list[Record]:
+    """Perf-mode rows as measure records (also for output produced elsewhere: `testbed ingest`)."""
+    health = health or {}
     records = []
     for row in rows:
         us = Figure(row.us_per_run, row.us_per_run, row.us_per_run, row.runs, "us")  # the tool reports a mean
@@ -60,7 +66,7 @@ def perf_records(device: Device, experiment: str, op: str, backend: str, timeout
         records.append(Record(experiment, f"{row.name}/{backend}/perf", "measure", figures=figures, metrics=health,
                               work={f"per_run_{row.per_run_unit}": row.per_run, "runs": row.runs,
                                     "what": "test-backend-ops perf: mean over its runs"},
-                              params={"op": op, "backend": backend, "params": row.params}))
+                              params={"op": row.op, "backend": backend, "params": row.params}))
     return records
 
 
