@@ -29,7 +29,7 @@ from testbed.oracles import check_bitexact, check_nmse
 from testbed.results import Figure, Record
 
 PARAMS = {
-    "backend": Choice(("refimpl", "native")),
+    "backend": Choice(("refimpl", "native", "ggml")),
     "threads": Int(1, 256),
     "mode": Choice(("oracle", "bench", "all")),
     "chunk": Int(1, 4096),
@@ -146,7 +146,7 @@ def backend(name: str, head_map: str, threads: int = 1) -> Backend:
             chunkwise=lambda x, c: native.gdn_chunkwise(*x.arrays(), chunk=c, head_map=head_map, threads=threads),
             artifacts=native.build_info(),
         )
-    raise UsageError(f"backend={name!r} is not available for gdn; accepted: refimpl, native")
+    raise UsageError(f"backend={name!r} has no serial/chunkwise pair on the host; accepted: refimpl, native")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -156,6 +156,10 @@ def validate(cfg: DictConfig) -> None:
         from testbed import native
 
         native.library()
+    elif cfg.backend == "ggml":
+        if not (cfg.device.get("tools") or {}).get("test-backend-ops"):
+            raise UsageError(f"backend=ggml runs llama.cpp's test-backend-ops on the device; device={cfg.device.name} "
+                             f"names no tools.test-backend-ops in devices/{cfg.device.name}.yaml")
     elif cfg.threads != 1:
         raise UsageError(f"threads={cfg.threads} needs backend=native; backend={cfg.backend} runs on one thread")
 
@@ -258,7 +262,25 @@ def bench_records(cfg: DictConfig, ctx) -> Iterator[Record]:
             )
 
 
+def ggml_records(cfg: DictConfig, ctx) -> Iterator[Record]:
+    """ggml's GATED_DELTA_NET on the device (seed 002's phones): llama.cpp's own harness is the oracle
+    (one verdict per case and the "36/36 OK" tally), its perf mode the measurement."""
+    from testbed.runners import llamacpp
+
+    backend = ctx.device.profile.accelerators.get("backend") or "CPU"
+    if cfg.mode in ("oracle", "all"):
+        ctx.progress(f"test-backend-ops -o GATED_DELTA_NET -b {backend}")
+        report, problems = llamacpp.test_backend_ops(ctx.device, "GATED_DELTA_NET", backend)
+        yield from llamacpp.test_records("gdn", "GATED_DELTA_NET", backend, report, problems)
+    if cfg.mode in ("bench", "all"):
+        ctx.progress(f"test-backend-ops perf -o GATED_DELTA_NET -b {backend}")
+        yield from llamacpp.perf_records(ctx.device, "gdn", "GATED_DELTA_NET", backend)
+
+
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
+    if cfg.backend == "ggml":
+        yield from ggml_records(cfg, ctx)
+        return
     if cfg.mode in ("oracle", "all"):
         yield from oracle_records(cfg, ctx)
     if cfg.mode in ("bench", "all"):
@@ -292,7 +314,11 @@ def summary(df: pd.DataFrame) -> list[pd.DataFrame]:
     rows = []
     oracles = df[df["kind"] == "oracle"]
     if len(oracles):
-        for (oracle, form), grp in oracles.groupby(["oracle", "params.form"], sort=False):
+        # testbed's own records name their form; ggml's (test-backend-ops) end in /BACKEND or /tally
+        form = oracles["case"].str.rsplit("/", n=1).str[-1]
+        if "params.form" in oracles:
+            form = oracles["params.form"].fillna(form)
+        for (oracle, form), grp in oracles.groupby([oracles["oracle"], form], sort=False):
             nm = pd.to_numeric(grp.get("metrics.nmse"), errors="coerce") if "metrics.nmse" in grp else None
             rows.append({"what": f"{oracle} {form}", "cases": len(grp),
                          "pass": int((grp["verdict"] == "pass").sum()),
