@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -20,18 +19,10 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from testbed.config import Int
-from testbed.results import Figure, Record
+from testbed.measure import time_call
+from testbed.results import Record
 
 PARAMS = {"size_mb": Int(1, 4096), "reps": Int(1, 100)}
-
-
-def _timed(fn, reps: int) -> Figure:
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return Figure.of(samples, "s")
 
 
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
@@ -42,13 +33,13 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
         src.write_bytes(os.urandom(size))
         try:
             ctx.progress(f"push {cfg.size_mb} MiB x{cfg.reps}")
-            push = _timed(lambda: device.push(src, "transport/payload.bin"), cfg.reps)
+            push = time_call(lambda: device.push(src, "transport/payload.bin"), reps=cfg.reps, warmup=0)
             ctx.progress(f"pull {cfg.size_mb} MiB x{cfg.reps}")
-            pull = _timed(lambda: device.pull("transport/payload.bin", back), cfg.reps)
+            pull = time_call(lambda: device.pull("transport/payload.bin", back), reps=cfg.reps, warmup=0)
         finally:
             device.run(["rm", "-rf", "transport"], timeout=60)
     ctx.progress(f"run `true` x{cfg.reps * 4}")
-    rtt = _timed(lambda: device.run(["true"], timeout=60), cfg.reps * 4)
+    rtt = time_call(lambda: device.run(["true"], timeout=60), reps=cfg.reps * 4, warmup=0)
     for name, t in (("push", push), ("pull", pull)):
         yield Record("transport", name, "measure",
                      figures={"time": t, "rate": t.rate(size / 1e6, "MB/s")},
