@@ -21,7 +21,7 @@ pytest_plugins = ["testbed.peers.fixtures"]
 
 
 def pytest_addoption(parser):
-    parser.addoption("--device", default="host", help=f"device profile to run on (devices/*.yaml)")
+    parser.addoption("--device", default="host", help="device profile to run on (devices/*.yaml)")
 
 
 def pytest_configure(config):

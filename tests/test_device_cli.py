@@ -53,7 +53,6 @@ def test_pytest_with_an_absent_phone_stops_at_once_saying_why():
 def test_a_loopback_peer_dies_with_the_process_that_started_it():
     """`testbed run ... device=adb-loopback` never closes its device; the peer must not outlive it,
     even when the process ends without cleaning up (os._exit skips atexit)."""
-    import os
     import time
 
     code = ("import os; from testbed.devices import connect, load_profile; "

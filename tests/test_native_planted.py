@@ -3,7 +3,6 @@ library, and the oracle that guards the kernel must catch it (while the real ker
 same checks in tests/test_native.py)."""
 
 import numpy as np
-import pytest
 
 from tests.native_support import GDN_CASES, mutant_library, reference64
 from refimpl import gemma
