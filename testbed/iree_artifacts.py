@@ -66,6 +66,7 @@ class Target:
     description: str
     device_kind: str                 # "local" (CPU, llvm-cpu) or "vulkan"
     flags: tuple[str, ...]
+    drivers: tuple[str, ...]         # runtime drivers that load the module; the first is the default
     runs_here: bool
     vulkan_device: str | None = None  # a Vulkan device runs the module only if its name contains this
 
@@ -79,7 +80,7 @@ def load_target(name: str) -> Target:
         raise UsageError(f"unknown IREE target {name!r}; accepted: {', '.join(target_names())}")
     data = OmegaConf.to_container(OmegaConf.load(TARGETS_DIR / f"{name}.yaml"), resolve=True)
     return Target(name=name, description=data["description"], device_kind=data["device_kind"],
-                  flags=tuple(data["flags"]), runs_here=bool(data["runs_here"]),
+                  flags=tuple(data["flags"]), drivers=tuple(data["drivers"]), runs_here=bool(data["runs_here"]),
                   vulkan_device=data.get("vulkan_device"))
 
 

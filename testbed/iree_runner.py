@@ -229,3 +229,36 @@ def _npy_files(folder: Path, arrays: Sequence[np.ndarray], n_outputs: int) -> tu
         np.save(path, np.ascontiguousarray(a))
         inputs.append(str(path))
     return inputs, [str(folder / f"output{i}.npy") for i in range(n_outputs)]
+
+
+class TargetRunner:
+    """Graphs compiled on first use (through the artifact cache) and kept loaded: call a Graph on
+    arrays on one target and driver."""
+
+    def __init__(self, target: str, driver: str | None = None, progress=lambda msg: None,
+                 cache_dir: Path | None = None):
+        from testbed.iree_artifacts import load_target
+
+        self.target = load_target(target)
+        self.driver = driver or self.target.drivers[0]
+        if self.driver not in self.target.drivers:
+            raise ContractError(f"driver {self.driver!r} does not load {target} modules; accepted: "
+                                f"{', '.join(self.target.drivers)}")
+        self.progress, self.cache_dir = progress, cache_dir
+        self.artifacts: dict[str, Artifact] = {}
+        self._sessions: dict[tuple, RuntimeSession] = {}
+
+    def session(self, graph) -> RuntimeSession:
+        """The loaded module for `graph`. A graph's name says everything its text depends on (the
+        graph builders put every shape and option in it), so it is exported once per runner."""
+        from testbed.iree_artifacts import compile_graph, weights_digest
+
+        key = (graph.name, weights_digest(graph.weights))
+        if key not in self._sessions:
+            artifact = compile_graph(graph, self.target, self.cache_dir, self.progress)
+            self.artifacts[graph.name] = artifact
+            self._sessions[key] = RuntimeSession(artifact, self.driver)
+        return self._sessions[key]
+
+    def __call__(self, graph, *arrays: np.ndarray) -> list[np.ndarray]:
+        return self.session(graph)(*arrays)

@@ -26,7 +26,8 @@ from testbed.oracles import check_bitexact, check_nmse
 from testbed.results import Figure, Record
 
 PARAMS = {
-    "backend": Choice(("refimpl",)),
+    "backend": Choice(("refimpl", "iree")),
+    "target": Choice(("host", "lavapipe")),   # IREE targets that run on this machine (backend=iree)
     "mode": Choice(("oracle", "bench", "all")),
     "chunk": Int(1, 4096),
     "head_map": Choice(ref.HEAD_MAPS),
@@ -126,13 +127,22 @@ class Backend:
     chunkwise: Callable
 
 
-def backend(name: str, head_map: str) -> Backend:
+def backend(name: str, head_map: str, target: str = "host", progress=lambda msg: None) -> Backend:
+    if name == "iree":
+        from testbed.graphs import gdn as graphs
+        from testbed.iree_runner import TargetRunner
+
+        run = TargetRunner(target, progress=progress)
+        return Backend(
+            serial=lambda x: tuple(run(graphs.graph("serial", x, head_map=head_map), *x.arrays())),
+            chunkwise=lambda x, c: tuple(run(graphs.graph("chunkwise", x, c, head_map), *x.arrays())),
+        )
     if name == "refimpl":
         return Backend(
             serial=lambda x: ref.gdn_serial(*x.arrays(), head_map=head_map),
             chunkwise=lambda x, c: ref.gdn_chunkwise(*x.arrays(), chunk=c, head_map=head_map),
         )
-    raise UsageError(f"backend={name!r} is not available for gdn; accepted: refimpl")
+    raise UsageError(f"backend={name!r} is not available for gdn; accepted: refimpl, iree")
 
 
 def snapshots(fn: Callable, x: ref.GDNInputs, K: int) -> np.ndarray:
@@ -171,7 +181,7 @@ def serial_in_chunks(x: ref.GDNInputs, chunk: int, head_map: str):
 
 
 def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
-    be = backend(cfg.backend, cfg.head_map)
+    be = backend(cfg.backend, cfg.head_map, cfg.target, ctx.progress)
     cases = matrix(cfg.matrix)
     for i, case in enumerate(cases):
         ctx.progress(f"gdn oracle {i + 1}/{len(cases)} {case.name}")
@@ -202,7 +212,7 @@ def sgemm_rate(size: int = 512, reps: int = 5) -> Figure:
 
 
 def bench_records(cfg: DictConfig, ctx) -> Iterator[Record]:
-    be = backend(cfg.backend, cfg.head_map)
+    be = backend(cfg.backend, cfg.head_map, cfg.target, ctx.progress)
     b = cfg.bench
     sgemm = sgemm_rate()
     for t_len in b.tokens:
