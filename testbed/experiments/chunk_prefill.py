@@ -1,0 +1,306 @@
+"""Experiment `chunk_prefill`: chunk prefill with past against the all-positions redecode (seed 000).
+
+oracle mode  each configured case (P cached positions, n utterance tokens, chunk C): the token at
+             position P+n-1 from ceil(n/C) chunk calls must equal redecode's and the token-by-token
+             decode's; logits and the cache within tolerance (testbed.token_oracle).
+bench mode   on the chosen backend, the time of one chunk call of C rows and of one decode step,
+             both against bench.past cached positions, with FLOPs counted (refimpl.gemma.graph_flops);
+             then the projected latency of each configured utterance length: ceil(n/C) chunk calls
+             against n decode steps, each followed by reply_tokens decode steps.
+
+`testbed sweep chunk=32,64` prints one row per C (verdicts, margin, chunk-call and decode-step time)
+and, below it, the projected-latency table over the configured length distribution naming the C
+with the lowest expected latency; the seed's device figures (fixture CSV) are rendered by the same
+table code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from refimpl import gemma
+from testbed import gemma_backends, tables
+from testbed.checkpoints import load_checkpoint
+from testbed.config import Choice, Float, Int, IntList, project_path
+from testbed.errors import UsageError
+from testbed.measure import time_alternating
+from testbed.prompts import load_prompt
+from testbed.results import Record
+from testbed.token_oracle import Reference, TokenCase, check_token_at_position
+
+PRESETS = {"tiny": gemma.tiny_config, "functiongemma": gemma.functiongemma_config}
+FIXTURES_FALLBACK = Path("/work/shared/fixtures")
+
+PARAMS = {
+    "backend": Choice(tuple(gemma_backends.available())),
+    "mode": Choice(("oracle", "bench", "all")),
+    "chunk": Int(1, 4096),
+    "logit_atol": Float(0.0),
+    "cache_atol": Float(0.0),
+    "threads": Int(1, 256),
+    "seed": Int(0),
+    "model.preset": Choice(tuple(PRESETS)),
+    "model.weights_seed": Int(0),
+    "bench.past": Int(0, 1 << 20),
+    "bench.warmup": Int(0, 100),
+    "bench.reps": Int(1, 1000),
+    "latency.utterance_tokens": IntList(1, 1 << 20),
+    "latency.reply_tokens": Int(0, 1 << 20),
+    "fixture.decode_s": Float(0.0),
+}
+
+
+# --- configuration ---------------------------------------------------------------------------------
+
+
+def cases(cfg: DictConfig) -> list[TokenCase]:
+    out = []
+    for i, c in enumerate(OmegaConf.to_container(cfg.cases) if OmegaConf.is_list(cfg.cases) else [None]):
+        if not isinstance(c, dict) or set(c) != {"past", "tokens"}:
+            raise UsageError(f"cases[{i}]={c!r} is not accepted; accepted: {{past: P, tokens: n}} entries")
+        for key in ("past", "tokens"):
+            if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < 1:
+                raise UsageError(f"cases[{i}].{key}={c[key]!r} is not accepted; accepted: integers >= 1")
+        out.append(TokenCase(c["past"], c["tokens"], cfg.chunk))
+    return out
+
+
+def model_config(cfg: DictConfig) -> gemma.GemmaConfig:
+    """The model's shape, without weights (a checkpoint's config.json or GGUF header decides)."""
+    return load_model(*_model_key(cfg))[0] if cfg.model.checkpoint else _preset(cfg)
+
+
+def _preset(cfg: DictConfig) -> gemma.GemmaConfig:
+    overrides = OmegaConf.to_container(cfg.model.overrides) or {}
+    fields = {f.name for f in dataclasses.fields(gemma.GemmaConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise UsageError(f"model.overrides.{unknown[0]} is not a model field; accepted: {', '.join(sorted(fields))}")
+    try:
+        return PRESETS[cfg.model.preset](**overrides)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"model.overrides {overrides}: {e}") from None
+
+
+def _model_key(cfg: DictConfig) -> tuple:
+    overrides = tuple(sorted((OmegaConf.to_container(cfg.model.overrides) or {}).items()))
+    checkpoint = str(project_path(cfg.model.checkpoint)) if cfg.model.checkpoint else None
+    return cfg.model.preset, overrides, cfg.model.weights_seed, checkpoint
+
+
+@functools.lru_cache(maxsize=2)
+def load_model(preset: str, overrides: tuple, weights_seed: int, checkpoint: str | None):
+    """(config, weights), kept for the next job of a sweep: seeded FunctionGemma weights take seconds."""
+    if checkpoint:
+        return load_checkpoint(checkpoint)
+    model = PRESETS[preset](**dict(overrides))
+    return model, gemma.init_weights(model, weights_seed)
+
+
+def prompt_length(cfg: DictConfig) -> int:
+    needs = [c.past + c.tokens for c in cases(cfg)] if cfg.mode in ("oracle", "all") else []
+    if cfg.mode in ("bench", "all"):
+        needs.append(cfg.bench.past + cfg.chunk)
+    return max(needs)
+
+
+def validate(cfg: DictConfig) -> None:
+    cases(cfg)
+    if cfg.mode in ("bench", "all") and cfg.bench.past < 1:
+        raise UsageError(f"bench.past={cfg.bench.past} is out of range; accepted: integers >= 1")
+    weights = cfg.latency.weights
+    if weights is not None:
+        w = list(weights)
+        if len(w) != len(cfg.latency.utterance_tokens) or any(not isinstance(x, (int, float)) or x < 0 for x in w) \
+                or sum(w) <= 0:
+            raise UsageError(f"latency.weights={w} is not accepted; accepted: null or "
+                             f"{len(cfg.latency.utterance_tokens)} non-negative numbers, not all zero")
+    model = model_config(cfg)
+    expected = cfg.model.expected_token
+    if expected is not None and (not isinstance(expected, int) or not 0 <= expected < model.vocab):
+        raise UsageError(f"model.expected_token={expected!r} is not accepted; accepted: null or 0..{model.vocab - 1}")
+    if cfg.model.prompt != "seed":
+        load_prompt(str(project_path(cfg.model.prompt)), prompt_length(cfg), model.vocab, cfg.seed)
+
+
+# --- run -------------------------------------------------------------------------------------------
+
+
+def _setup(cfg: DictConfig, ctx):
+    model, w = load_model(*_model_key(cfg))
+    source = "seed" if cfg.model.prompt == "seed" else str(project_path(cfg.model.prompt))
+    prompt = load_prompt(source, prompt_length(cfg), model.vocab, cfg.seed)
+    return model, w, prompt, gemma_backends.make(cfg.backend, w, model, cfg, ctx.device)
+
+
+def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
+    ref = Reference(w, model, prompt)
+    for case in cases(cfg):
+        ctx.progress(f"chunk_prefill oracle {case.name}")
+        verdicts = check_token_at_position(backend, ref, case, expected=cfg.model.expected_token,
+                                           logit_atol=cfg.logit_atol, cache_atol=cfg.cache_atol)
+        params = {"past": case.past, "tokens": case.tokens, "chunk": case.chunk, "position": case.position,
+                  "calls": case.calls}
+        for v in verdicts:
+            yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin,
+                         v.metrics, params=params, detail=v.detail)
+
+
+def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -> tuple[float, float]:
+    """(chunk path, token-by-token path) seconds for an utterance of n tokens plus a reply."""
+    return math.ceil(n / chunk) * chunk_s + reply * decode_s, (n + reply) * decode_s
+
+
+def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
+    p, c = cfg.bench.past, cfg.chunk
+    ctx.progress(f"chunk_prefill bench P={p} C={c}")
+    _, past_k, past_v = backend.prefill_at(prompt[:p], p - 1)
+    chunk_in = gemma.chunk_inputs(model, prompt[p:p + c], p, c)
+    decode_in = gemma.chunk_inputs(model, prompt[p:p + 1], p, 1)
+    times = time_alternating({"chunk_call": lambda: backend.prefill_with_past(chunk_in, past_k, past_v),
+                              "decode_step": lambda: backend.decode_with_past(decode_in, past_k, past_v)},
+                             reps=cfg.bench.reps, warmup=cfg.bench.warmup)
+    params = {"past": p, "chunk": c, "threads": cfg.threads}
+    for name, rows in (("chunk_call", c), ("decode_step", 1)):
+        flops = gemma.graph_flops(model, rows, p)
+        yield Record("chunk_prefill", f"P={p},C={c}/{name}", "measure",
+                     figures={"time": times[name], "gflops": times[name].rate(flops / 1e9, "GFLOP/s"),
+                              "rows_per_s": times[name].rate(rows, "rows/s")},
+                     work={"flops": flops, "rows": rows, "keys": p + rows,
+                           "flop_count": "refimpl.gemma.graph_flops: projections, attention, MLP, one LM-head row"},
+                     params=params | {"form": name})
+    chunk_s, decode_s = times["chunk_call"].median, times["decode_step"].median
+    for n in cfg.latency.utterance_tokens:
+        by_chunk, by_token = projected(n, c, chunk_s, decode_s, cfg.latency.reply_tokens)
+        yield Record("chunk_prefill", f"n={n},C={c}/projection", "measure",
+                     metrics={"chunk_path_s": by_chunk, "decode_path_s": by_token, "speedup": by_token / by_chunk},
+                     work={"chunk_calls": math.ceil(n / c), "reply_tokens": cfg.latency.reply_tokens},
+                     params=params | {"form": "projection", "utterance_tokens": n})
+
+
+def run(cfg: DictConfig, ctx) -> Iterator[Record]:
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=cfg.threads):
+        model, w, prompt, backend = _setup(cfg, ctx)
+        if cfg.mode in ("oracle", "all"):
+            yield from oracle_records(cfg, ctx, model, w, prompt, backend)
+        if cfg.mode in ("bench", "all"):
+            yield from bench_records(cfg, ctx, model, w, prompt, backend)
+
+
+# --- tables ----------------------------------------------------------------------------------------
+
+
+def latency_table(chunk_s: dict[int, float], decode_s: float, lengths, weights, reply: int) -> tuple[pd.DataFrame, int]:
+    """Projected seconds per utterance length: token by token, and for each C; the last row is the
+    expectation over the length distribution. Returns the table and the C of lowest expectation."""
+    lengths = list(lengths)
+    p = np.asarray(weights if weights is not None else [1.0] * len(lengths), float)
+    p = p / p.sum()
+    rows = []
+    for n in lengths:
+        row = {"utterance tokens": str(n), "token by token s": projected(n, 1, 0.0, decode_s, reply)[1]}
+        for c, t in sorted(chunk_s.items()):
+            row[f"C={c} s"] = projected(n, c, t, decode_s, reply)[0]
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    expected = {"utterance tokens": "expected"} | {col: float(np.dot(p, df[col])) for col in df.columns[1:]}
+    df = pd.concat([df, pd.DataFrame([expected])], ignore_index=True)
+    best = min(chunk_s, key=lambda c: expected[f"C={c} s"])
+    return df, best
+
+
+def render_latency(title: str, chunk_s: dict[int, float], decode_s: float, lengths, weights, reply: int) -> str:
+    df, best = latency_table(chunk_s, decode_s, lengths, weights, reply)
+    last = df.iloc[-1]
+    return "\n".join([
+        f"{title}: chunk call {', '.join(f'C={c} {t:.4g} s' for c, t in sorted(chunk_s.items()))}; "
+        f"decode {decode_s:.4g} s/token; reply {reply} tokens",
+        tables.markdown(df),
+        f"best C = {best}: expected {last[f'C={best} s']:.4g} s per utterance vs {last['token by token s']:.4g} s "
+        f"token by token",
+    ])
+
+
+def fixture_file(cfg: DictConfig) -> Path:
+    """The seed's CSV: under fixtures_dir (relative to the project root), else the shared folder."""
+    for folder in (project_path(cfg.fixtures_dir), FIXTURES_FALLBACK):
+        if (folder / cfg.fixture.file).is_file():
+            return folder / cfg.fixture.file
+    raise UsageError(f"fixture {cfg.fixture.file!r} not found in {project_path(cfg.fixtures_dir)} "
+                     f"or {FIXTURES_FALLBACK}")
+
+
+def fixture_chunk_times(path: Path, target: str) -> dict[int, float]:
+    df = pd.read_csv(path, comment="#")
+    rows = df[(df["target"] == target) & df["chunk_call_s"].notna()]
+    if rows.empty:
+        known = sorted(df.loc[df["chunk_call_s"].notna(), "target"].unique())
+        raise UsageError(f"fixture.target={target!r} has no chunk-call times in {path.name}; accepted: {', '.join(known)}")
+    return {int(r.chunk): float(r.chunk_call_s) for r in rows.itertuples()}
+
+
+def render_fixture(cfg: DictConfig) -> str:
+    path = fixture_file(cfg)
+    return render_latency(f"seed 000 figures ({cfg.fixture.target}, {path.name})",
+                          fixture_chunk_times(path, cfg.fixture.target), cfg.fixture.decode_s,
+                          cfg.latency.utterance_tokens, cfg.latency.weights, cfg.latency.reply_tokens)
+
+
+def view(df: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for _, r in df.iterrows():
+        base = {"device": r["device"], "backend": r["backend"], "case": r["case"]}
+        if r["kind"] == "oracle":
+            rows.append(base | {"verdict": r["verdict"], "margin": r["margin"],
+                                "token": r.get("metrics.token_ref"), "chunk token": r.get("metrics.token_chunk"),
+                                "ref top1-top2": r.get("metrics.margin_ref"),
+                                "max |diff|": r.get(f"metrics.max_abs_{r['oracle']}_diff"), "detail": r["detail"]})
+        elif r.get("params.form") == "projection":
+            rows.append(base | {"chunk path s": r.get("metrics.chunk_path_s"),
+                                "token by token s": r.get("metrics.decode_path_s"), "speedup": r.get("metrics.speedup")})
+        else:
+            rows.append(base | {"ms": r["figures.time.median"] * 1e3, "min ms": r["figures.time.min"] * 1e3,
+                                "max ms": r["figures.time.max"] * 1e3, "reps": r["figures.time.reps"],
+                                "GFLOP/s": r.get("figures.gflops.median")})
+    return pd.DataFrame(rows)
+
+
+def sweep_row(df: pd.DataFrame) -> dict:
+    """Per job: C, the token verdicts with their worst margin, the worst logit difference, times."""
+    row: dict = {"chunk": int(df["params.chunk"].dropna().iloc[0]) if "params.chunk" in df else None}
+    oracles = df[df["kind"] == "oracle"]
+    if len(oracles):
+        tokens = oracles[oracles["oracle"] == "token"]
+        row["token verdicts"] = " ".join(f"{c.split('/')[0]}:{v}" for c, v in zip(tokens["case"], tokens["verdict"]))
+        row["oracles"] = f"{int((oracles['verdict'] == 'pass').sum())}/{len(oracles)} pass"
+        row["token margin"] = float(tokens["margin"].min())
+        diffs = pd.to_numeric(oracles.get("metrics.max_abs_logits_diff"), errors="coerce")
+        row["max |dlogit|"] = float(diffs.max())
+    for form in ("chunk_call", "decode_step"):
+        m = df[df.get("params.form") == form] if "params.form" in df else df.iloc[:0]
+        if len(m):
+            row[f"{form} s"] = float(m["figures.time.median"].iloc[0])
+    return row
+
+
+def sweep_footer(rows: pd.DataFrame, jobs) -> str:
+    cfg = jobs[0].cfg
+    parts = []
+    if "chunk_call s" in rows and rows["chunk_call s"].notna().any():
+        measured = rows.dropna(subset=["chunk_call s"])
+        chunk_s = {int(c): float(t) for c, t in zip(measured["chunk"], measured["chunk_call s"])}
+        title = f"projected utterance latency, {cfg.backend} on {jobs[0].device} (measured)"
+        parts.append(render_latency(title, chunk_s, float(measured["decode_step s"].median()),
+                                    cfg.latency.utterance_tokens, cfg.latency.weights, cfg.latency.reply_tokens))
+    parts.append(render_fixture(cfg))
+    return "\n\n".join(parts)

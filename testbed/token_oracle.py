@@ -1,0 +1,187 @@
+"""The token-at-position oracle for chunk prefill with past (seed 000).
+
+A case is (P cached positions, an utterance of n tokens, chunk size C). The candidate path: the cache
+of positions 0..P-1 from the backend's prefill_at, then the n tokens in ceil(n/C) prefill_with_past
+calls (the last one zero-padded to C; pad rows are dropped from the cache between calls), selecting
+the last real row. It must agree with
+
+- redecode (refimpl, the ground truth) at position P+n-1: same argmax, and logits within logit_atol;
+- the token-by-token path: n decode_with_past calls from the same P-position cache;
+- a pinned expected token, if the config gives one (the seed's real model gives 48);
+- the cache: the returned K/V rows of real tokens equal prefill_at's K/V for positions 0..P+n-1
+  (K/V rows are position-independent once written), and each pad row equals its token run alone at
+  its table position (the contract: a pad row attends only itself). Each call's K/V must have P+C
+  rows (the contract's result shape).
+
+Three verdicts per case: "token" (margin: the candidate's logit for the reference token minus its
+best other logit, so negative when the argmax differs), "logits" and "cache" (margin: log10 of
+tolerance over the worst difference). Beside them: the reference's own top-1 minus top-2 margin.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from refimpl import gemma
+from testbed.contract import prefill_with_past_contract
+from testbed.gemma_backends import GemmaBackend
+from testbed.oracles import Verdict
+
+InputsBuilder = Callable[..., gemma.ChunkInputs]
+
+
+@dataclass(frozen=True)
+class TokenCase:
+    past: int
+    tokens: int
+    chunk: int
+
+    @property
+    def position(self) -> int:
+        return self.past + self.tokens - 1
+
+    @property
+    def calls(self) -> int:
+        return math.ceil(self.tokens / self.chunk)
+
+    @property
+    def name(self) -> str:
+        return f"P={self.past},n={self.tokens},C={self.chunk}"
+
+
+def top2_margin(logits: np.ndarray) -> float:
+    """Top-1 minus top-2 logit: how far the argmax is from flipping."""
+    a, b = np.partition(logits.astype(np.float64), -2)[-2:][::-1]
+    return float(max(a, b) - min(a, b))
+
+
+def margin_for(logits: np.ndarray, token: int) -> float:
+    """logits[token] minus the best other logit: positive iff `token` is the strict argmax."""
+    others = np.delete(logits.astype(np.float64), token)
+    return float(logits[token] - others.max())
+
+
+def closeness(name: str, diff: float, atol: float, detail: str) -> Verdict:
+    passed = bool(np.isfinite(diff) and diff <= atol)
+    margin = 30.0 if diff == 0 else (float("-inf") if not np.isfinite(diff) else min(30.0, math.log10(atol / diff)))
+    return Verdict(name, passed, margin, {f"max_abs_{name}_diff": diff, f"{name}_atol": atol},
+                   "" if passed else detail)
+
+
+class Reference:
+    """refimpl's answers for one prompt, computed once and shared by every case of a run."""
+
+    def __init__(self, w: dict, cfg: gemma.GemmaConfig, prompt: np.ndarray):
+        self.w, self.cfg, self.prompt = w, cfg, np.asarray(prompt)
+        self._logits: dict[int, np.ndarray] = {}
+        self._kv: tuple[list, list] | None = None
+
+    def logits(self, position: int) -> np.ndarray:
+        if position not in self._logits:
+            self._logits[position] = gemma.redecode(self.w, self.cfg, self.prompt, position)
+        return self._logits[position]
+
+    def kv(self, rows: int) -> tuple[list, list]:
+        """K/V of positions 0..rows-1 (a row depends only on tokens up to it, so one prefill serves all)."""
+        if self._kv is None or self._kv[0][0].shape[1] < rows:
+            _, k, v = gemma.prefill_at(self.w, self.cfg, self.prompt[: max(rows, 1)], 0)
+            self._kv = (k, v)
+        return [k[:, :rows] for k in self._kv[0]], [v[:, :rows] for v in self._kv[1]]
+
+    def pad_row(self, token: int, position: int) -> tuple[list, list]:
+        """K/V of one token alone at `position`: what a pad row must hold."""
+        empty_k, empty_v = gemma.empty_cache(self.cfg)
+        _, k, v = gemma.decode_with_past(self.w, self.cfg, token, position, empty_k, empty_v)
+        return k, v
+
+
+class ContractBroken(Exception):
+    """A graph returned results of the wrong shape: the case fails without running further."""
+
+
+def _check_rows(cfg, case_chunk: int, past_rows: int, ks, vs) -> None:
+    spec = prefill_with_past_contract(cfg, case_chunk, past_rows).results
+    for i, (k, v) in enumerate(zip(ks, vs)):
+        for a, s in ((k, spec[1 + 2 * i]), (v, spec[2 + 2 * i])):
+            if tuple(a.shape) != s.shape:
+                raise ContractBroken(f"{s.name} has shape {tuple(a.shape)}, the contract says {s.shape} "
+                                     f"(K/V must be extended by the chunk's {case_chunk} rows)")
+
+
+def run_chunks(backend: GemmaBackend, cfg, prompt, case: TokenCase, past_k, past_v,
+               build: InputsBuilder = gemma.chunk_inputs):
+    """The candidate path: the utterance in ceil(n/C) chunk calls. Returns the last call's logits, the
+    cache of real rows, and the last call's raw K/V and inputs (for the pad-row check)."""
+    positions = np.arange(case.past, dtype=np.int64)
+    ks, vs = past_k, past_v
+    for start in range(case.past, case.past + case.tokens, case.chunk):
+        part = prompt[start: min(start + case.chunk, case.past + case.tokens)]
+        inp = build(cfg, part, positions.size, case.chunk, past_positions=positions)
+        logits, raw_k, raw_v = backend.prefill_with_past(inp, ks, vs)
+        _check_rows(cfg, case.chunk, positions.size, raw_k, raw_v)
+        keep = positions.size + inp.n
+        ks, vs = [k[:, :keep] for k in raw_k], [v[:, :keep] for v in raw_v]
+        positions = np.concatenate([positions, inp.positions[: inp.n]])
+    return logits, ks, vs, raw_k, raw_v, inp
+
+
+def run_decode(backend: GemmaBackend, cfg, prompt, case: TokenCase, past_k, past_v,
+               build: InputsBuilder = gemma.chunk_inputs) -> np.ndarray:
+    ks, vs = past_k, past_v
+    for pos in range(case.past, case.past + case.tokens):
+        inp = build(cfg, prompt[pos: pos + 1], pos, 1, start=pos)
+        logits, ks, vs = backend.decode_with_past(inp, ks, vs)
+    return logits
+
+
+def check_token_at_position(backend: GemmaBackend, ref: Reference, case: TokenCase, *, expected: int | None = None,
+                            logit_atol: float = 1e-3, cache_atol: float = 1e-3,
+                            build: InputsBuilder = gemma.chunk_inputs) -> list[Verdict]:
+    cfg, prompt = ref.cfg, ref.prompt
+    if case.position >= prompt.size:
+        raise ValueError(f"case {case.name} reaches position {case.position} of a {prompt.size}-token prompt")
+    _, past_k, past_v = backend.prefill_at(prompt[: case.past], case.past - 1)
+    reference = ref.logits(case.position)
+    ref_token = int(np.argmax(reference))
+    info = {"position": case.position, "calls": case.calls, "token_ref": ref_token,
+            "margin_ref": top2_margin(reference), "expected": expected}
+    try:
+        chunk_logits, ks, vs, raw_k, raw_v, last = run_chunks(backend, cfg, prompt, case, past_k, past_v, build)
+    except ContractBroken as e:
+        return [Verdict(name, False, float("-inf"), info, str(e)) for name in ("token", "logits", "cache")]
+    decode_logits = run_decode(backend, cfg, prompt, case, past_k, past_v, build)
+
+    # token: chunk == redecode == token-by-token (== pinned)
+    tokens = {"chunk": int(np.argmax(chunk_logits)), "decode": int(np.argmax(decode_logits))}
+    problems = [f"{path} gives token {t}, redecode {ref_token}" for path, t in tokens.items() if t != ref_token]
+    margin = min(margin_for(chunk_logits, ref_token), margin_for(decode_logits, ref_token))
+    if expected is not None and ref_token != expected:
+        problems.append(f"redecode gives token {ref_token}, the config pins {expected}")
+        margin = min(margin, margin_for(reference, expected))
+    token = Verdict("token", not problems, margin,
+                    {**info, "token_chunk": tokens["chunk"], "token_decode": tokens["decode"],
+                     "margin_chunk": top2_margin(chunk_logits)}, "; ".join(problems))
+
+    # logits: both paths within tolerance of redecode
+    diff = max(float(np.abs(chunk_logits - reference).max()), float(np.abs(decode_logits - reference).max()))
+    logits = closeness("logits", diff, logit_atol, f"max |logit - redecode| {diff:.3g} > {logit_atol:g}")
+    logits.metrics.update(info)
+
+    # cache: real rows as prefill_at's, pad rows as their token alone
+    want_k, want_v = ref.kv(case.past + case.tokens)
+    real = max(float(np.abs(a - b).max()) for a, b in zip(ks + vs, want_k + want_v))
+    pad = 0.0
+    first_pad = raw_k[0].shape[1] - case.chunk + last.n
+    for row in range(last.n, case.chunk):
+        pk, pv = ref.pad_row(int(last.tokens[row]), int(last.table_positions[row]))
+        col = first_pad + row - last.n
+        pad = max(pad, max(float(np.abs(a[:, col:col + 1] - b).max()) for a, b in zip(raw_k + raw_v, pk + pv)))
+    cache = closeness("cache", max(real, pad), cache_atol,
+                      f"cache differs from prefill_at by {real:.3g} on real rows, {pad:.3g} on pad rows "
+                      f"(tolerance {cache_atol:g})")
+    cache.metrics.update({**info, "max_abs_real_rows_diff": real, "max_abs_pad_rows_diff": pad})
+    return [token, logits, cache]
