@@ -193,7 +193,7 @@ def export_stablehlo(graph: Graph) -> str:
     names = list(graph.weights)
     if graph.weights_as_constants or not names:
         weights = {n: np.asarray(w) for n, w in graph.weights.items()}
-        text = jax.jit(lambda *args: tuple(graph.fn(weights, *args))).lower(*arg_structs).as_text()
+        text = jax.jit(lambda *args: tuple(graph.fn(weights, *args)), keep_unused=True).lower(*arg_structs).as_text()
         return _rename_main(text, graph.contract.function, public=True)
 
     weight_structs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in graph.weights.values()]
@@ -201,7 +201,7 @@ def export_stablehlo(graph: Graph) -> str:
     def with_weights(*flat):
         return tuple(graph.fn(dict(zip(names, flat[: len(names)])), *flat[len(names):]))
 
-    text = jax.jit(with_weights).lower(*weight_structs, *arg_structs).as_text()
+    text = jax.jit(with_weights, keep_unused=True).lower(*weight_structs, *arg_structs).as_text()
     body = f"{graph.contract.function}$graph"
     text = _rename_main(text, body, public=False)
     return _insert_before_module_end(text, _parameter_wrapper(graph, body))

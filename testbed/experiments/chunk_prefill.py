@@ -42,6 +42,10 @@ FIXTURES_FALLBACK = Path("/work/shared/fixtures")
 PARAMS = {
     "backend": Choice(tuple(gemma_backends.available())),
     "mode": Choice(("oracle", "bench", "all")),
+    "target": Choice(("host", "lavapipe")),
+    "iree.driver": Choice((None, "local-sync", "local-task", "vulkan")),
+    "iree.past_bucket": Int(1, 4096),
+    "iree.weights": Choice(("parameters", "constants")),
     "chunk": Int(1, 4096),
     "logit_atol": Float(0.0),
     "cache_atol": Float(0.0),
