@@ -49,7 +49,8 @@ from testbed.errors import UsageError
 TARGETS_DIR = CONFIG_DIR / "iree_target"
 CACHE_DIR = PROJECT_ROOT / ".cache" / "iree"
 PARAMETER_SCOPE = "model"
-MLIR_DTYPES = {"float32": "f32", "float16": "f16", "int32": "i32", "int64": "i64"}
+MLIR_DTYPES = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16", "int64": "i64",
+               "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "ui8", "bool": "i1"}
 
 
 class ContractError(Exception):
