@@ -244,3 +244,35 @@ def test_device_targets_compile(gdn_inputs, target, fmt, arch, mali_artifact, ho
     if target != "mali":
         with pytest.raises(IncompatibleModule, match=f"compiled for {target}"):
             RuntimeSession(art, "local-sync")
+
+
+# --- the gdn experiment's iree backend -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["host", "lavapipe"])
+def test_gdn_experiment_backend_iree(target):
+    """`gdn backend=iree`: both forms of an awkward case (T = 65 over chunks of 64, grouped value
+    heads, KDA gate) through the experiment's own backend and oracle."""
+    from testbed.experiments import gdn
+
+    case = next(c for c in gdn.AWKWARD_CASES if c.n_seq_tokens == 65 and c.kda)
+    x = case.inputs(0)
+    x64 = ref.GDNInputs(*(a.astype(np.float64) for a in x.arrays()))
+    reference = dict(zip(("out", "state"), ref.gdn_serial(*x64.arrays())))
+    be = gdn.backend("iree", "tiled", target)
+    for got in (be.serial(x), be.chunkwise(x, 64)):
+        v = check_nmse(reference, outputs(got))
+        assert v.passed, v.detail
+
+
+@pytest.mark.parametrize("experiment, override, message", [
+    ("gdn", "target=arm32", "target='arm32' is not accepted; accepted: host, lavapipe"),
+    ("chunk_prefill", "target=mali", "target='mali' is not accepted; accepted: host, lavapipe"),
+    ("chunk_prefill", "iree.weights=fp16", "iree.weights='fp16' is not accepted; accepted: parameters, constants"),
+    ("iree_chunk_bench", "timer=stopwatch", "timer='stopwatch' is not accepted; accepted: tool, python"),
+])
+def test_bad_iree_options_are_one_line_usage_errors(experiment, override, message):
+    from testbed import config, runner
+
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        runner.check(config.load(["backend=iree", override], experiment=experiment))
