@@ -23,6 +23,7 @@ import json
 import platform
 import re
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
@@ -231,12 +232,19 @@ def _npy_files(folder: Path, arrays: Sequence[np.ndarray], n_outputs: int) -> tu
     return inputs, [str(folder / f"output{i}.npy") for i in range(n_outputs)]
 
 
+def compile_progress_on_terminal(msg: str) -> None:
+    """Where compile progress goes when the caller has no progress line of its own (a backend
+    built outside an experiment's context): one updating line on an interactive stderr."""
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K" + msg[:120] + ("\n" if "done in" in msg else ""))
+        sys.stderr.flush()
+
+
 class TargetRunner:
     """Graphs compiled on first use (through the artifact cache) and kept loaded: call a Graph on
     arrays on one target and driver."""
 
-    def __init__(self, target: str, driver: str | None = None, progress=lambda msg: None,
-                 cache_dir: Path | None = None):
+    def __init__(self, target: str, driver: str | None = None, progress=None, cache_dir: Path | None = None):
         from testbed.iree_artifacts import load_target
 
         self.target = load_target(target)
@@ -244,7 +252,7 @@ class TargetRunner:
         if self.driver not in self.target.drivers:
             raise ContractError(f"driver {self.driver!r} does not load {target} modules; accepted: "
                                 f"{', '.join(self.target.drivers)}")
-        self.progress, self.cache_dir = progress, cache_dir
+        self.progress, self.cache_dir = progress or compile_progress_on_terminal, cache_dir
         self.artifacts: dict[str, Artifact] = {}
         self._sessions: dict[tuple, RuntimeSession] = {}
 

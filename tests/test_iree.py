@@ -236,7 +236,7 @@ def test_target_runner_uses_the_targets_driver(gdn_inputs, gdn_reference):
 @pytest.mark.parametrize("target, fmt, arch", [("arm32", "embedded-elf-arm_32", None),
                                                ("aarch64", "embedded-elf-arm_64", None),
                                                ("mali", "vulkan-spirv-fb", "valhall4")])
-def test_device_targets_compile(gdn_inputs, target, fmt, arch, mali_artifact, host_artifacts):
+def test_device_targets_compile(gdn_inputs, target, fmt, arch, mali_artifact):
     art = mali_artifact if target == "mali" else compile_graph(graphs.graph("serial", gdn_inputs), target)
     need = ModuleRequirements.of(art.module)
     assert need.formats == (fmt,)

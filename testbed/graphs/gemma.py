@@ -128,7 +128,7 @@ def _convert(c: gemma_contract.Contract) -> Contract:
                     tuple(TensorSpec(s.name, tuple(s.shape), s.dtype) for s in c.results))
 
 
-def _with_past(cfg: ref.GemmaConfig, names: list[str], args, chunk: int):
+def _with_past(cfg: ref.GemmaConfig, names: list[str], args):
     named = dict(zip(names, args))
     tables = {t: (named[f"cos_{t}"], named[f"sin_{t}"]) for t in cfg.types_in_use}
     masks = {t: named[f"mask_{t}"] for t in cfg.types_in_use}
@@ -142,7 +142,7 @@ def prefill_with_past(cfg: ref.GemmaConfig, w: dict, chunk: int, past: int, cons
     names = [a.name for a in contract.args]
 
     def fn(weights, *args):
-        tokens, tables, past_k, past_v, masks = _with_past(cfg, names, args, chunk)
+        tokens, tables, past_k, past_v, masks = _with_past(cfg, names, args)
         x, ks, vs = _layers(weights, cfg, embed(weights, cfg, tokens), tables, past_k, past_v, masks)
         return _interleave(lm_head(weights, cfg, args[-1] @ x), ks, vs)
 
@@ -155,7 +155,7 @@ def decode_with_past(cfg: ref.GemmaConfig, w: dict, past: int, constants: bool =
     names = [a.name for a in contract.args]
 
     def fn(weights, *args):
-        tokens, tables, past_k, past_v, masks = _with_past(cfg, names, args, 1)
+        tokens, tables, past_k, past_v, masks = _with_past(cfg, names, args)
         x, ks, vs = _layers(weights, cfg, embed(weights, cfg, tokens), tables, past_k, past_v, masks)
         return _interleave(lm_head(weights, cfg, x[0]), ks, vs)
 
