@@ -119,13 +119,13 @@ class RuntimeSession:
                                 f"it has {', '.join(module.function_names)}")
         check_signature(self.contract, function.reflection["iree.abi.declaration"])
         modules = [rt.create_hal_module(instance, self.device)]
-        if artifact.manifest.get("parameters", {}).get("entries"):
-            if artifact.parameters is None:
-                raise ContractError(f"{artifact.module} loads parameters but no parameter archive was given")
+        if artifact.parameters is not None:
             index = rt.ParameterIndex()
             index.load(str(artifact.parameters))
-            scope = artifact.manifest["parameters"].get("scope", "model")
+            scope = artifact.manifest.get("parameters", {}).get("scope", "model")
             modules.insert(0, rt.create_io_parameters_module(instance, index.create_provider(scope=scope)))
+        elif artifact.manifest.get("parameters", {}).get("entries"):
+            raise ContractError(f"{artifact.module} loads parameters but no parameter archive was given")
         self._context = rt.VmContext(instance, [*modules, module])
         self._function = function
 

@@ -4,6 +4,8 @@ parameters vs constants, the FunctionGemma contract's 44/37 signature, Vulkan, d
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -13,8 +15,9 @@ from refimpl import gemma
 from testbed import config, runner
 from testbed.gemma_backends import make
 from testbed.graphs import gemma as graphs
-from testbed.iree_artifacts import compile_graph, parse_declaration
-from testbed.iree_runner import ModuleRequirements, RuntimeSession, TargetRunner
+from testbed.contract import pack_prefill_with_past
+from testbed.iree_artifacts import Artifact, compile_graph, parse_declaration
+from testbed.iree_runner import ModuleRequirements, RuntimeSession, TargetRunner, run_tool
 from testbed.token_oracle import Reference, TokenCase, check_token_at_position
 
 
@@ -86,7 +89,6 @@ def test_one_module_serves_other_weights_and_constants_agree(tiny, prompt):
     chunk, past = 8, 64
     inp = gemma.chunk_inputs(cfg, prompt[past:past + 5], past, chunk)
     _, past_k, past_v = gemma.prefill_at(other, cfg, prompt[:past], past - 1)
-    from testbed.contract import pack_prefill_with_past
     args = pack_prefill_with_past(cfg, inp, past_k, past_v)
     want = gemma.prefill_with_past(other, cfg, inp.tokens, inp.tables, past_k, past_v, inp.masks, inp.select)
 
@@ -130,3 +132,23 @@ def test_chunk_graph_compiles_for_device_targets(tiny, target, fmt):
     art = compile_graph(graphs.prefill_with_past(cfg, w, 8, 64), target)
     assert ModuleRequirements.of(art.module).formats == (fmt,)
     assert art.parameters is not None and art.parameters.stat().st_size > sum(a.nbytes for a in w.values())
+
+
+def test_user_artifact_with_parameters_runs_through_the_same_runners(tiny, prompt, tmp_path):
+    """A user's export: module, parameter archive and a manifest naming both, run in-process and
+    through iree-run-module, against refimpl."""
+    cfg, w = tiny
+    art = compile_graph(graphs.prefill_with_past(cfg, w, 8, 64), "host")
+    user = tmp_path / "exported"
+    user.mkdir()
+    shutil.copy(art.module, user / "prefill.vmfb")
+    shutil.copy(art.parameters, user / "weights.irpa")
+    (user / "manifest.json").write_text(json.dumps({**art.contract.to_json(), "module": "prefill.vmfb",
+                                                    "parameters": {"scope": "model", "archive": "weights.irpa"}}))
+    theirs = Artifact.load(user)
+    inp = gemma.chunk_inputs(cfg, prompt[64:70], 64, 8)
+    _, past_k, past_v = gemma.prefill_at(w, cfg, prompt[:64], 63)
+    args = pack_prefill_with_past(cfg, inp, past_k, past_v)
+    want, _, _ = gemma.prefill_with_past(w, cfg, inp.tokens, inp.tables, past_k, past_v, inp.masks, inp.select)
+    for got in (RuntimeSession(theirs)(*args), run_tool(theirs, "local-sync", args, work_dir=tmp_path)):
+        assert np.abs(got[0] - want).max() < 1e-4
