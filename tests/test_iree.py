@@ -251,11 +251,12 @@ def test_device_targets_compile(gdn_inputs, target, fmt, arch, mali_artifact):
 
 @pytest.mark.parametrize("target", ["host", "lavapipe"])
 def test_gdn_experiment_backend_iree(target):
-    """`gdn backend=iree`: both forms of an awkward case (T = 65 over chunks of 64, grouped value
-    heads, KDA gate) through the experiment's own backend and oracle."""
+    """`gdn backend=iree`: both forms of an awkward case (T = 65 over chunks of 64, two sequences,
+    grouped value heads) through the experiment's own backend. (The KDA cases compile for longer;
+    `testbed run gdn backend=iree` runs them all.)"""
     from testbed.experiments import gdn
 
-    case = next(c for c in gdn.AWKWARD_CASES if c.n_seq_tokens == 65 and c.kda)
+    case = next(c for c in gdn.AWKWARD_CASES if c.n_seq_tokens == 65 and not c.kda)
     x = case.inputs(0)
     x64 = ref.GDNInputs(*(a.astype(np.float64) for a in x.arrays()))
     reference = dict(zip(("out", "state"), ref.gdn_serial(*x64.arrays())))

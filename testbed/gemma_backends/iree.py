@@ -24,7 +24,7 @@ from testbed.iree_runner import TargetRunner
 def backend(w, cfg: ref.GemmaConfig, run_cfg, device=None) -> GemmaBackend:
     options = run_cfg.get("iree", {}) or {}
     runner = TargetRunner(run_cfg.target, options.get("driver"))
-    bucket = int(options.get("past_bucket", 64))
+    bucket = int(options.get("past_bucket", 128))
     constants = options.get("weights", "parameters") == "constants"
 
     def with_past(inp: ref.ChunkInputs, past_k, past_v, decode: bool):
