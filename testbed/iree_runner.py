@@ -75,6 +75,18 @@ def vulkan_device_name() -> str:
     return devices[0]["name"]
 
 
+def vulkan_devices_by_arch() -> dict[str, str]:
+    """--iree-vulkan-target=ARCH -> the Vulkan device name that runs it, from the target configs."""
+    from testbed.iree_artifacts import load_target, target_names
+
+    out = {}
+    for target in map(load_target, target_names()):
+        for flag in target.flags:
+            if flag.startswith("--iree-vulkan-target=") and target.vulkan_device:
+                out[flag.split("=", 1)[1]] = target.vulkan_device
+    return out
+
+
 def check_runs_on(artifact: Artifact, driver: str) -> None:
     """Refuse, before loading, a module that this driver's device cannot run correctly."""
     if driver not in DRIVERS:
@@ -92,9 +104,11 @@ def check_runs_on(artifact: Artifact, driver: str) -> None:
         raise IncompatibleModule(f"{artifact.module} was compiled for {built_for} "
                                  f"({', '.join(need.formats)}), not Vulkan: compile for target=lavapipe")
     name = vulkan_device_name()
-    expected = artifact.target.get("vulkan_device")
-    archs_here = [a for a in need.gpu_archs if a.lower() in name.lower()]
-    if (expected and expected.lower() not in name.lower()) or (need.gpu_archs and not archs_here):
+    # The module's own GPU architecture decides (a manifest could be wrong): each Vulkan target's
+    # config says which device names run its architecture; an unknown one must appear in the name.
+    devices_for = vulkan_devices_by_arch()
+    wanted = [devices_for.get(arch, arch) for arch in need.gpu_archs] or [artifact.target.get("vulkan_device")]
+    if not all(w and w.lower() in name.lower() for w in wanted):
         raise IncompatibleModule(
             f"{artifact.module} was compiled for Vulkan target {', '.join(need.gpu_archs) or '?'} ({built_for}), "
             f"but this Vulkan device is {name!r}; it would run and return wrong results: "

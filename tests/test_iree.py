@@ -224,6 +224,16 @@ def test_modules_for_other_devices_are_refused_before_running(host_artifacts, la
         RuntimeSession(mali_artifact, "vulkan")
 
 
+def test_on_a_mali_device_the_mali_module_is_accepted(monkeypatch, mali_artifact, lavapipe_artifact):
+    """The same check on a phone's Vulkan device name (the check reads only the name)."""
+    from testbed import iree_runner
+
+    monkeypatch.setattr(iree_runner, "vulkan_device_name", lambda: "Mali-G78 MC24")
+    iree_runner.check_runs_on(mali_artifact, "vulkan")
+    with pytest.raises(IncompatibleModule, match="Vulkan target llvmpipe .*Mali-G78"):
+        iree_runner.check_runs_on(lavapipe_artifact, "vulkan")
+
+
 def test_target_runner_uses_the_targets_driver(gdn_inputs, gdn_reference):
     runner = TargetRunner("lavapipe")
     assert runner.driver == "vulkan"
