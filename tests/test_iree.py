@@ -287,3 +287,46 @@ def test_bad_iree_options_are_one_line_usage_errors(experiment, override, messag
 
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         runner.check(config.load(["backend=iree", override], experiment=experiment))
+
+
+# --- the iree_artifact experiment: a user's folder from the command line ---------------------------
+
+
+def _user_folder(tmp_path, art, inputs, expected):
+    user = tmp_path / "export"
+    for sub in ("inputs", "expected"):
+        (user / sub).mkdir(parents=True)
+    shutil.copy(art.module, user / "module.vmfb")
+    (user / "manifest.json").write_text(json.dumps(art.contract.to_json()))
+    for i, a in enumerate(inputs):
+        np.save(user / "inputs" / f"input{i}.npy", a)
+    for i, a in enumerate(expected):
+        np.save(user / "expected" / f"output{i}.npy", a)
+    return user
+
+
+@pytest.mark.parametrize("runner_kind", ["python", "tool"])
+def test_iree_artifact_experiment_checks_a_users_folder(results_dir, tmp_path, host_artifacts, gdn_inputs,
+                                                        gdn_reference, runner_kind):
+    from testbed import config, runner
+
+    x = gdn_inputs
+    # planted: the reference computed with the other grouped-head mapping (Hugging Face's
+    # interleaved instead of llama.cpp's tiled) must fail the oracle
+    x64 = [a.astype(np.float64) for a in x.arrays()]
+    wrong = ref.gdn_serial(*x64, head_map="interleaved")
+    for expected, verdict in (((gdn_reference["out"], gdn_reference["state"]), "pass"), (wrong, "fail")):
+        user = _user_folder(tmp_path / verdict, host_artifacts["serial"], x.arrays(), expected)
+        rc = config.load([f"artifact={user}", f"inputs={user / 'inputs'}", f"expected={user / 'expected'}",
+                          f"runner={runner_kind}"], experiment="iree_artifact")
+        (record,) = runner.execute(rc).rows
+        assert record["verdict"] == verdict, record["detail"]
+
+
+def test_iree_artifact_experiment_bad_folder(tmp_path):
+    from testbed import config, runner
+
+    with pytest.raises(UsageError, match="artifact=.* is not a folder"):
+        runner.check(config.load([f"artifact={tmp_path / 'nope'}"], experiment="iree_artifact"))
+    with pytest.raises(UsageError, match="artifact is not set"):
+        runner.check(config.load([], experiment="iree_artifact"))
