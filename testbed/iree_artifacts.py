@@ -10,7 +10,8 @@ An artifact is a folder that says everything needed to run and to rebuild it:
     compiler_version.txt     `iree-compile --version`
     flags.txt                the target's flags, one a line
     parameters-<digest>.irpa parameter archives (weights), one per set of weights; any archive with
-                             the manifest's names and shapes serves the same module
+                             the manifest's names and shapes serves the same module (hard links to
+                             the cache's parameters/ store, so modules of one model share the bytes)
 
 The folder's name carries a hash of the graph text, the contract's shapes, the compiler version and
 the flags, so the same graph for the same target compiles once; weights are not in the key when they
@@ -402,15 +403,28 @@ def _run_with_ticker(command: list[str], cwd: Path, what: str, progress: Callabl
 
 
 def _write_parameters(folder: Path, weights: Mapping[str, np.ndarray]) -> Path:
-    """The weights as an IREE parameter archive (.irpa) named by their digest; written once."""
+    """The weights as an IREE parameter archive (.irpa) named by their digest, written once into the
+    cache's parameter store and hard-linked into each artifact folder that uses them (the chunk and
+    decode modules of one model share a gigabyte of weights, not copy it)."""
     import iree.runtime as rt
 
-    path = folder / f"parameters-{weights_digest(weights)[:16]}.irpa"
-    if not path.is_file():
+    name = f"parameters-{weights_digest(weights)[:16]}.irpa"
+    path = folder / name
+    if path.is_file():
+        return path
+    stored = folder.parent / "parameters" / name
+    if not stored.is_file():
+        stored.parent.mkdir(parents=True, exist_ok=True)
         index = rt.ParameterIndex()
-        for name, w in weights.items():
-            index.add_buffer(name, np.ascontiguousarray(w).tobytes())
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        for key, w in weights.items():
+            index.add_buffer(key, np.ascontiguousarray(w).tobytes())
+        partial = stored.with_name(f".{name}.{os.getpid()}")
         index.create_archive_file(str(partial))
-        os.replace(partial, path)
+        os.replace(partial, stored)
+    try:
+        os.link(stored, path)
+    except FileExistsError:
+        pass
+    except OSError:  # a file system without hard links
+        shutil.copyfile(stored, path)
     return path

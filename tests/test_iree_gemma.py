@@ -95,6 +95,9 @@ def test_one_module_serves_other_weights_and_constants_agree(tiny, prompt):
     first = compile_graph(graphs.prefill_with_past(cfg, w, chunk, past), "host")
     reused = compile_graph(graphs.prefill_with_past(cfg, other, chunk, past), "host")
     assert not reused.compiled and reused.folder == first.folder and reused.parameters != first.parameters
+    # the archive is stored once per cache and linked into each artifact folder that loads it
+    assert reused.parameters.stat().st_nlink >= 2
+    assert (reused.folder.parent / "parameters" / reused.parameters.name).samefile(reused.parameters)
     by_params = RuntimeSession(reused)(*args)
     by_constants = TargetRunner("host")(graphs.prefill_with_past(cfg, other, chunk, past, constants=True), *args)
     assert np.abs(by_params[0] - want[0]).max() < 1e-4
