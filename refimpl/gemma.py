@@ -28,7 +28,7 @@ builder shows as a difference. Plain functions on numpy arrays, no I/O; float32 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -278,7 +278,7 @@ class ChunkInputs:
     masks: dict[str, np.ndarray]      # layer type -> [1, heads, C, P + C]
     select: np.ndarray                # [C] float32 one-hot
     n: int                            # real tokens
-    table_positions: np.ndarray = field(default=None)  # [C] positions the tables were built for
+    table_positions: np.ndarray       # [C] positions the tables were built for (pads continue the chunk)
 
 
 def chunk_inputs(cfg: GemmaConfig, tokens, past_len: int, chunk: int, past_positions=None,
@@ -287,8 +287,9 @@ def chunk_inputs(cfg: GemmaConfig, tokens, past_len: int, chunk: int, past_posit
 
     past_positions: the position each past row holds (-1 empty); default 0..past_len-1. The chunk
     starts at `start`, default one after the newest past position. Pad rows get table rows for the
-    positions that continue the chunk (they are masked off, so any finite table would do) and mask
-    position -1. select_row defaults to the last real row."""
+    positions that continue the chunk and mask position -1 (they attend only themselves, so their
+    K/V rows are those of their token alone at that position). select_row defaults to the last real
+    row."""
     tokens = np.asarray(tokens, np.int64).reshape(-1)
     n = tokens.size
     if not 1 <= n <= chunk:

@@ -201,7 +201,8 @@ def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
             layers=int(meta(K.LLM.BLOCK_COUNT)), heads=int(meta(K.Attention.HEAD_COUNT)),
             kv_heads=int(meta(K.Attention.HEAD_COUNT_KV)), head_dim=head_dim,
             mlp=int(meta(K.LLM.FEED_FORWARD_LENGTH)), window=int(meta(K.Attention.SLIDING_WINDOW)),
-            rope_global=float(meta(K.Rope.FREQ_BASE)), rope_local=float(meta(K.Rope.FREQ_BASE_SWA, 10_000.0)),
+            rope_global=float(meta(K.Rope.FREQ_BASE)),
+            rope_local=float(meta("{arch}.rope.freq_base_swa", 10_000.0)),  # written by newer converters only
             query_pre_attn_scalar=float(head_dim), rms_eps=_from_float32(meta(K.Attention.LAYERNORM_RMS_EPS)),
             final_logit_softcap=fields.get(K.LLM.FINAL_LOGIT_SOFTCAPPING.format(arch=arch)),
             tie_embeddings="output.weight" not in tensors,

@@ -32,6 +32,7 @@ from testbed.checkpoints import load_checkpoint
 from testbed.config import Choice, Float, Int, IntList, project_path
 from testbed.errors import UsageError
 from testbed.measure import time_alternating
+from testbed.oracles import digest
 from testbed.prompts import load_prompt
 from testbed.results import Record
 from testbed.token_oracle import Reference, TokenCase, check_token_at_position
@@ -66,8 +67,10 @@ PARAMS = {
 
 
 def cases(cfg: DictConfig) -> list[TokenCase]:
+    if not OmegaConf.is_list(cfg.cases) or not len(cfg.cases):
+        raise UsageError(f"cases={cfg.cases!r} is not accepted; accepted: a non-empty list of {{past: P, tokens: n}}")
     out = []
-    for i, c in enumerate(OmegaConf.to_container(cfg.cases) if OmegaConf.is_list(cfg.cases) else [None]):
+    for i, c in enumerate(OmegaConf.to_container(cfg.cases)):
         if not isinstance(c, dict) or set(c) != {"past", "tokens"}:
             raise UsageError(f"cases[{i}]={c!r} is not accepted; accepted: {{past: P, tokens: n}} entries")
         for key in ("past", "tokens"):
@@ -102,11 +105,14 @@ def _model_key(cfg: DictConfig) -> tuple:
 
 @functools.lru_cache(maxsize=2)
 def load_model(preset: str, overrides: tuple, weights_seed: int, checkpoint: str | None):
-    """(config, weights), kept for the next job of a sweep: seeded FunctionGemma weights take seconds."""
+    """(config, weights, weights digest), kept for the next job of a sweep: seeded FunctionGemma weights
+    take seconds."""
     if checkpoint:
-        return load_checkpoint(checkpoint)
-    model = PRESETS[preset](**dict(overrides))
-    return model, gemma.init_weights(model, weights_seed)
+        model, w = load_checkpoint(checkpoint)
+    else:
+        model = PRESETS[preset](**dict(overrides))
+        w = gemma.init_weights(model, weights_seed)
+    return model, w, digest(*(w[name] for name in sorted(w)))
 
 
 def prompt_length(cfg: DictConfig) -> int:
@@ -129,8 +135,13 @@ def validate(cfg: DictConfig) -> None:
                              f"{len(cfg.latency.utterance_tokens)} non-negative numbers, not all zero")
     model = model_config(cfg)
     expected = cfg.model.expected_token
-    if expected is not None and (not isinstance(expected, int) or not 0 <= expected < model.vocab):
-        raise UsageError(f"model.expected_token={expected!r} is not accepted; accepted: null or 0..{model.vocab - 1}")
+    if expected is not None:
+        if not isinstance(expected, int) or not 0 <= expected < model.vocab:
+            raise UsageError(f"model.expected_token={expected!r} is not accepted; accepted: null or 0..{model.vocab - 1}")
+        ends = sorted({c.position for c in cases(cfg)})
+        if cfg.mode != "bench" and len(ends) > 1:
+            raise UsageError(f"model.expected_token={expected} pins one token but the cases end at positions "
+                             f"{', '.join(map(str, ends))}; accepted: cases that all end at one position")
     if cfg.model.prompt != "seed":
         load_prompt(str(project_path(cfg.model.prompt)), prompt_length(cfg), model.vocab, cfg.seed)
 
@@ -139,10 +150,11 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _setup(cfg: DictConfig, ctx):
-    model, w = load_model(*_model_key(cfg))
+    model, w, weights_sha = load_model(*_model_key(cfg))
     source = "seed" if cfg.model.prompt == "seed" else str(project_path(cfg.model.prompt))
     prompt = load_prompt(source, prompt_length(cfg), model.vocab, cfg.seed)
-    return model, w, prompt, gemma_backends.make(cfg.backend, w, model, cfg, ctx.device)
+    artifacts = {"weights_sha256": weights_sha, "prompt_sha256": digest(prompt)}
+    return model, w, prompt, gemma_backends.make(cfg.backend, w, model, cfg, ctx.device), artifacts
 
 
 def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
@@ -194,11 +206,13 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(limits=cfg.threads):
-        model, w, prompt, backend = _setup(cfg, ctx)
-        if cfg.mode in ("oracle", "all"):
-            yield from oracle_records(cfg, ctx, model, w, prompt, backend)
-        if cfg.mode in ("bench", "all"):
-            yield from bench_records(cfg, ctx, model, w, prompt, backend)
+        model, w, prompt, backend, artifacts = _setup(cfg, ctx)
+        parts = [oracle_records] if cfg.mode == "oracle" else [bench_records] if cfg.mode == "bench" \
+            else [oracle_records, bench_records]
+        for part in parts:
+            for record in part(cfg, ctx, model, w, prompt, backend):
+                record.artifacts = artifacts  # which weights and prompt every verdict and figure is about
+                yield record
 
 
 # --- tables ----------------------------------------------------------------------------------------
@@ -288,6 +302,7 @@ def sweep_row(df: pd.DataFrame) -> dict:
         row["token verdicts"] = " ".join(f"{c.split('/')[0]}:{v}" for c, v in zip(tokens["case"], tokens["verdict"]))
         row["oracles"] = f"{int((oracles['verdict'] == 'pass').sum())}/{len(oracles)} pass"
         row["token margin"] = float(tokens["margin"].min())
+        row["ref top1-top2"] = float(pd.to_numeric(tokens["metrics.margin_ref"]).min())
         diffs = pd.to_numeric(oracles.get("metrics.max_abs_logits_diff"), errors="coerce")
         row["max |dlogit|"] = float(diffs.max())
     for form in ("chunk_call", "decode_step"):
@@ -298,13 +313,19 @@ def sweep_row(df: pd.DataFrame) -> dict:
 
 
 def sweep_footer(rows: pd.DataFrame, jobs) -> str:
+    """One latency table per (backend, device, model) of the sweep, then the seed's figures."""
+    groups: dict[tuple, list[dict]] = {}
+    for (_, row), rc in zip(rows.iterrows(), jobs):
+        if pd.notna(row.get("chunk_call s")):
+            key = (rc.cfg.backend, rc.device, rc.cfg.model.checkpoint or rc.cfg.model.preset)
+            groups.setdefault(key, []).append(row)
     cfg = jobs[0].cfg
     parts = []
-    if "chunk_call s" in rows and rows["chunk_call s"].notna().any():
-        measured = rows.dropna(subset=["chunk_call s"])
-        chunk_s = {int(c): float(t) for c, t in zip(measured["chunk"], measured["chunk_call s"])}
-        title = f"projected utterance latency, {cfg.backend} on {jobs[0].device} (measured)"
-        parts.append(render_latency(title, chunk_s, float(measured["decode_step s"].median()),
-                                    cfg.latency.utterance_tokens, cfg.latency.weights, cfg.latency.reply_tokens))
+    for (backend, device, model), measured in groups.items():
+        chunk_s = {int(r["chunk"]): float(r["chunk_call s"]) for r in measured}
+        decode_s = float(np.median([r["decode_step s"] for r in measured]))
+        parts.append(render_latency(f"projected utterance latency, {model} on {backend} / {device} (measured)",
+                                    chunk_s, decode_s, cfg.latency.utterance_tokens, cfg.latency.weights,
+                                    cfg.latency.reply_tokens))
     parts.append(render_fixture(cfg))
     return "\n\n".join(parts)
