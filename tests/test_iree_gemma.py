@@ -155,3 +155,17 @@ def test_user_artifact_with_parameters_runs_through_the_same_runners(tiny, promp
     want, _, _ = gemma.prefill_with_past(w, cfg, inp.tokens, inp.tables, past_k, past_v, inp.masks, inp.select)
     for got in (RuntimeSession(theirs)(*args), run_tool(theirs, "local-sync", args, work_dir=tmp_path)):
         assert np.abs(got[0] - want).max() < 1e-4
+
+
+def test_chunk_bench_records_both_calls_and_the_ratio(results_dir):
+    """`testbed run iree_chunk_bench` at a small shape: figures from iree-benchmark-module, FLOPs
+    counted, the ratio stated beside the seed's (the numbers themselves are measured, not tested)."""
+    rc = config.load(["past=64", "chunk=8", "reps=2"], experiment="iree_chunk_bench")
+    rows = {r["params"]["form"]: r for r in runner.execute(rc).rows}
+    assert set(rows) == {"chunk_call", "decode_step", "ratio"}
+    for form in ("chunk_call", "decode_step"):
+        assert rows[form]["figures"]["time"]["reps"] == 2 and rows[form]["work"]["flops"] > 0
+    ratio = rows["ratio"]["metrics"]
+    assert ratio["decode_steps_per_chunk_call"] == pytest.approx(
+        rows["chunk_call"]["figures"]["time"]["median"] / rows["decode_step"]["figures"]["time"]["median"])
+    assert ratio["seed_decode_steps_per_chunk_call"] == pytest.approx(4.58 / 0.26)

@@ -54,7 +54,7 @@ def call_inputs(model: gemma.GemmaConfig, past: int, rows: int, seed: int) -> li
 
 
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
-    model, w = load_model(*_model_key(cfg))
+    model, w = load_model(*_model_key(cfg))[:2]
     run = TargetRunner(cfg.target, cfg.driver, progress=ctx.progress)
     calls = {
         "chunk_call": (graphs.prefill_with_past(model, w, cfg.chunk, cfg.past),
