@@ -95,9 +95,13 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
 def view(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for _, r in df.iterrows():
+        if r["kind"] == "oracle":  # a run that broke leaves one "error" record saying why
+            rows.append({"case": r["case"], "verdict": r["verdict"], "detail": r["detail"]})
+            continue
         base = {"target": r.get("params.target"), "driver": r.get("params.driver"), "timer": r.get("params.timer"),
-                "model": f"L{r.get('params.layers')} h{r.get('params.hidden')} hd{r.get('params.head_dim')} "
-                         f"V{r.get('params.vocab')}", "case": r["case"]}
+                "model": "L{} h{} hd{} V{}".format(*(int(r[f"params.{k}"]) for k in ("layers", "hidden", "head_dim",
+                                                                                     "vocab"))),
+                "case": r["case"]}
         if r.get("params.form") == "ratio":
             rows.append(base | {"decode steps per chunk call": r.get("metrics.decode_steps_per_chunk_call"),
                                 "seed (Mali)": r.get("metrics.seed_decode_steps_per_chunk_call")})
