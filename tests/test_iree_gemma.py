@@ -53,6 +53,8 @@ def test_chunk_prefill_experiment_passes_on_iree_host(results_dir):
     assert verdicts == {"token": "pass", "logits": "pass", "cache": "pass"}, outcome.rows
     token = next(r for r in outcome.rows if r["oracle"] == "token")
     assert token["metrics"]["token_chunk"] == token["metrics"]["token_ref"]
+    cache = next(r for r in outcome.rows if r["oracle"] == "cache")
+    assert cache["metrics"]["nmse_kv"] < 1e-7  # K/V as refimpl's by NMSE (test-backend-ops' threshold)
 
 
 def test_planted_wrong_mask_fails_through_a_correct_module(tiny, prompt, host_backend):

@@ -282,7 +282,9 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
             rows.append(base | {"verdict": r["verdict"], "margin": r["margin"],
                                 "token": r.get("metrics.token_ref"), "chunk token": r.get("metrics.token_chunk"),
                                 "ref top1-top2": r.get("metrics.margin_ref"),
-                                "max |diff|": r.get(f"metrics.max_abs_{r['oracle']}_diff"), "detail": r["detail"]})
+                                "max |diff|": r.get(f"metrics.max_abs_{r['oracle']}_diff"),
+                                "K/V NMSE": r.get("metrics.nmse_kv"),
+                                "detail": r["detail"]})
         elif r.get("params.form") == "projection":
             rows.append(base | {"chunk path s": r.get("metrics.chunk_path_s"),
                                 "token by token s": r.get("metrics.decode_path_s"), "speedup": r.get("metrics.speedup")})
