@@ -269,18 +269,28 @@ class TargetRunner:
         self.progress, self.cache_dir = progress or compile_progress_on_terminal, cache_dir
         self.artifacts: dict[str, Artifact] = {}
         self._sessions: dict[tuple, RuntimeSession] = {}
+        self._digests: dict[int, tuple] = {}
 
     def session(self, graph) -> RuntimeSession:
         """The loaded module for `graph`. A graph's name says everything its text depends on (the
         graph builders put every shape and option in it), so it is exported once per runner."""
-        from testbed.iree_artifacts import compile_graph, weights_digest
+        from testbed.iree_artifacts import compile_graph
 
-        key = (graph.name, weights_digest(graph.weights))
+        key = (graph.name, self._digest(graph.weights))
         if key not in self._sessions:
             artifact = compile_graph(graph, self.target, self.cache_dir, self.progress)
             self.artifacts[graph.name] = artifact
             self._sessions[key] = RuntimeSession(artifact, self.driver)
         return self._sessions[key]
+
+    def _digest(self, weights) -> str:
+        """The weights' digest, once per weights object (hashing a gigabyte per call would cost
+        more than the call); the object is kept so its id cannot be reused."""
+        from testbed.iree_artifacts import weights_digest
+
+        if id(weights) not in self._digests:
+            self._digests[id(weights)] = (weights, weights_digest(weights))
+        return self._digests[id(weights)][1]
 
     def __call__(self, graph, *arrays: np.ndarray) -> list[np.ndarray]:
         return self.session(graph)(*arrays)

@@ -29,7 +29,7 @@ def backend(w, cfg: ref.GemmaConfig, run_cfg, device=None) -> GemmaBackend:
 
     def with_past(inp: ref.ChunkInputs, past_k, past_v, decode: bool):
         past = past_k[0].shape[1]
-        empty = -past % bucket if bucket > 1 else 0
+        empty = -past % bucket
         padded = past + empty
         chunk = inp.tokens.size
         graph = (graphs.decode_with_past(cfg, w, padded, constants) if decode
