@@ -29,7 +29,7 @@ import numpy as np
 from refimpl import gemma
 from testbed.contract import prefill_with_past_contract
 from testbed.gemma_backends import GemmaBackend
-from testbed.oracles import Verdict
+from testbed.oracles import Verdict, nmse
 
 InputsBuilder = Callable[..., gemma.ChunkInputs]
 
@@ -183,5 +183,6 @@ def check_token_at_position(backend: GemmaBackend, ref: Reference, case: TokenCa
     cache = closeness("cache", max(real, pad), cache_atol,
                       f"cache differs from prefill_at by {real:.3g} on real rows, {pad:.3g} on pad rows "
                       f"(tolerance {cache_atol:g})")
-    cache.metrics.update({**info, "max_abs_real_rows_diff": real, "max_abs_pad_rows_diff": pad})
+    kv_nmse = nmse(np.concatenate([a.ravel() for a in want_k + want_v]), np.concatenate([a.ravel() for a in ks + vs]))
+    cache.metrics.update({**info, "max_abs_real_rows_diff": real, "max_abs_pad_rows_diff": pad, "nmse_kv": kv_nmse})
     return [token, logits, cache]

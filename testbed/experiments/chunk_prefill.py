@@ -43,6 +43,10 @@ FIXTURES_FALLBACK = Path("/work/shared/fixtures")
 PARAMS = {
     "backend": Choice(tuple(gemma_backends.available())),
     "mode": Choice(("oracle", "bench", "all")),
+    "target": Choice(("host", "lavapipe")),
+    "iree.driver": Choice((None, "local-sync", "local-task", "vulkan")),
+    "iree.past_bucket": Int(1, 4096),
+    "iree.weights": Choice(("parameters", "constants")),
     "chunk": Int(1, 4096),
     "logit_atol": Float(0.0),
     "cache_atol": Float(0.0),
@@ -278,7 +282,9 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
             rows.append(base | {"verdict": r["verdict"], "margin": r["margin"],
                                 "token": r.get("metrics.token_ref"), "chunk token": r.get("metrics.token_chunk"),
                                 "ref top1-top2": r.get("metrics.margin_ref"),
-                                "max |diff|": r.get(f"metrics.max_abs_{r['oracle']}_diff"), "detail": r["detail"]})
+                                "max |diff|": r.get(f"metrics.max_abs_{r['oracle']}_diff"),
+                                "K/V NMSE": r.get("metrics.nmse_kv"),
+                                "detail": r["detail"]})
         elif r.get("params.form") == "projection":
             rows.append(base | {"chunk path s": r.get("metrics.chunk_path_s"),
                                 "token by token s": r.get("metrics.decode_path_s"), "speedup": r.get("metrics.speedup")})

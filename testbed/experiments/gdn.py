@@ -29,8 +29,9 @@ from testbed.oracles import check_bitexact, check_nmse
 from testbed.results import Figure, Record
 
 PARAMS = {
-    "backend": Choice(("refimpl", "native", "ggml")),
+    "backend": Choice(("refimpl", "native", "iree", "ggml")),
     "threads": Int(1, 256),
+    "target": Choice(("host", "lavapipe")),   # IREE targets that run on this machine (backend=iree)
     "mode": Choice(("oracle", "bench", "all")),
     "chunk": Int(1, 4096),
     "head_map": Choice(ref.HEAD_MAPS),
@@ -132,7 +133,18 @@ class Backend:
     artifacts: dict = field(default_factory=dict)
 
 
-def backend(name: str, head_map: str, threads: int = 1) -> Backend:
+def backend(name: str, head_map: str, threads: int = 1, target: str = "host", progress=lambda msg: None) -> Backend:
+    """The serial/chunkwise pair of a backend that runs on the host: threads for native, the IREE
+    target (and compile progress) for iree."""
+    if name == "iree":
+        from testbed.graphs import gdn as graphs
+        from testbed.iree_runner import TargetRunner
+
+        run = TargetRunner(target, progress=progress)
+        return Backend(
+            serial=lambda x: tuple(run(graphs.graph("serial", x, head_map=head_map), *x.arrays())),
+            chunkwise=lambda x, c: tuple(run(graphs.graph("chunkwise", x, c, head_map), *x.arrays())),
+        )
     if name == "refimpl":
         return Backend(
             serial=lambda x: ref.gdn_serial(*x.arrays(), head_map=head_map),
@@ -146,7 +158,7 @@ def backend(name: str, head_map: str, threads: int = 1) -> Backend:
             chunkwise=lambda x, c: native.gdn_chunkwise(*x.arrays(), chunk=c, head_map=head_map, threads=threads),
             artifacts=native.build_info(),
         )
-    raise UsageError(f"backend={name!r} has no serial/chunkwise pair on the host; accepted: refimpl, native")
+    raise UsageError(f"backend={name!r} has no serial/chunkwise pair on the host; accepted: refimpl, native, iree")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -202,7 +214,7 @@ def serial_in_chunks(x: ref.GDNInputs, chunk: int, head_map: str, serial: Callab
 
 
 def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
-    be = backend(cfg.backend, cfg.head_map, cfg.threads)
+    be = backend(cfg.backend, cfg.head_map, cfg.threads, cfg.target, ctx.progress)
     cases = matrix(cfg.matrix)
     for i, case in enumerate(cases):
         ctx.progress(f"gdn oracle {i + 1}/{len(cases)} {case.name}")
@@ -234,7 +246,7 @@ def sgemm_rate(size: int = 512, reps: int = 5) -> Figure:
 
 
 def bench_records(cfg: DictConfig, ctx) -> Iterator[Record]:
-    be = backend(cfg.backend, cfg.head_map, cfg.threads)
+    be = backend(cfg.backend, cfg.head_map, cfg.threads, cfg.target, ctx.progress)
     b = cfg.bench
     sgemm = sgemm_rate()
     for t_len in b.tokens:

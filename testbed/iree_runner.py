@@ -1,0 +1,296 @@
+"""Run IREE artifacts: in-process through the Python runtime, or through iree-run-module and
+iree-benchmark-module with .npy inputs and outputs (the command a device runs).
+
+Before anything runs, the module is checked against the device that would run it and against its
+contract:
+  - the device kind and executable format the module was compiled for, read from the module's own
+    bytes (IREE embeds its `#hal.device.target<...>` and executable formats), against the driver:
+    a Vulkan module is refused on a CPU driver, an arm32 module on this x86 host;
+  - for Vulkan, the GPU architecture the module was compiled for (`arch = "..."`) against the
+    device's name: a valhall4 (Mali) module runs on lavapipe and returns wrong numbers without an
+    error, so it is refused with the target to compile for instead;
+  - the contract against the module's exported signature (reflection), naming the first difference;
+  - the caller's arrays against the contract.
+
+Read-back on Vulkan: a device-local result cannot be imported to a host pointer on lavapipe
+(minImportedHostPointerAlignment 4096), so results are copied on the device queue into a
+host-visible staging buffer and read from its mapping.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from testbed.iree_artifacts import Artifact, ContractError, check_signature
+from testbed.results import Figure
+
+CPU_DRIVERS = ("local-sync", "local-task")
+DRIVERS = (*CPU_DRIVERS, "vulkan")
+# platform.machine() -> the ELF format IREE's llvm-cpu backend emits for it
+HOST_ELF = {"x86_64": "embedded-elf-x86_64", "aarch64": "embedded-elf-arm_64", "armv7l": "embedded-elf-arm_32"}
+
+
+class IncompatibleModule(Exception):
+    """The module was compiled for another kind of device than the one asked to run it."""
+
+
+@dataclass(frozen=True)
+class ModuleRequirements:
+    """What a compiled module needs from a device, as recorded inside the module."""
+
+    device_kinds: tuple[str, ...]      # "local", "vulkan"
+    formats: tuple[str, ...]           # embedded-elf-x86_64, vulkan-spirv-fb, ...
+    gpu_archs: tuple[str, ...]         # llvmpipe, valhall4, ...
+
+    @classmethod
+    def of(cls, module: Path) -> "ModuleRequirements":
+        data = module.read_bytes()
+
+        def found(pattern: bytes) -> tuple[str, ...]:
+            return tuple(sorted({m.decode() for m in re.findall(pattern, data)}))
+
+        return cls(found(rb'hal\.device\.target<"([\w-]+)"'),
+                   found(rb"(embedded-elf-\w+|system-elf-\w+|vmvx-bytecode-fb|vulkan-spirv-fb)"),
+                   found(rb'arch = "([\w.-]+)"'))
+
+
+@lru_cache(maxsize=None)
+def vulkan_device_name() -> str:
+    import iree.runtime as rt
+
+    devices = rt.get_driver("vulkan").query_available_devices()
+    if not devices:
+        raise IncompatibleModule("no Vulkan device is available (is mesa-vulkan-drivers installed?)")
+    return devices[0]["name"]
+
+
+def vulkan_devices_by_arch() -> dict[str, str]:
+    """--iree-vulkan-target=ARCH -> the Vulkan device name that runs it, from the target configs."""
+    from testbed.iree_artifacts import load_target, target_names
+
+    out = {}
+    for target in map(load_target, target_names()):
+        for flag in target.flags:
+            if flag.startswith("--iree-vulkan-target=") and target.vulkan_device:
+                out[flag.split("=", 1)[1]] = target.vulkan_device
+    return out
+
+
+def check_runs_on(artifact: Artifact, driver: str) -> None:
+    """Refuse, before loading, a module that this driver's device cannot run correctly."""
+    if driver not in DRIVERS:
+        raise ContractError(f"driver {driver!r} is not supported; accepted: {', '.join(DRIVERS)}")
+    need = ModuleRequirements.of(artifact.module)
+    built_for = artifact.target.get("name", "an unknown target")
+    if driver in CPU_DRIVERS:
+        host_format = HOST_ELF.get(platform.machine(), f"embedded-elf-{platform.machine()}")
+        if host_format not in need.formats:
+            raise IncompatibleModule(
+                f"{artifact.module} was compiled for {built_for} ({', '.join(need.formats) or 'no CPU format'}); "
+                f"{driver} on this host runs {host_format}: compile for target=host")
+        return
+    if "vulkan-spirv-fb" not in need.formats:
+        raise IncompatibleModule(f"{artifact.module} was compiled for {built_for} "
+                                 f"({', '.join(need.formats)}), not Vulkan: compile for target=lavapipe")
+    name = vulkan_device_name()
+    # The module's own GPU architecture decides (a manifest could be wrong): each Vulkan target's
+    # config says which device names run its architecture; an unknown one must appear in the name.
+    devices_for = vulkan_devices_by_arch()
+    wanted = [devices_for.get(arch, arch) for arch in need.gpu_archs] or [artifact.target.get("vulkan_device")]
+    if not all(w and w.lower() in name.lower() for w in wanted):
+        raise IncompatibleModule(
+            f"{artifact.module} was compiled for Vulkan target {', '.join(need.gpu_archs) or '?'} ({built_for}), "
+            f"but this Vulkan device is {name!r}; it would run and return wrong results: "
+            f"compile for target=lavapipe")
+
+
+class RuntimeSession:
+    """One loaded module in the Python runtime: call it with numpy arrays, get numpy arrays."""
+
+    def __init__(self, artifact: Artifact, driver: str = "local-sync"):
+        import iree.runtime as rt
+
+        check_runs_on(artifact, driver)
+        self.artifact, self.driver, self.contract = artifact, driver, artifact.contract
+        self._rt = rt
+        self.device = rt.get_device(driver)
+        instance = rt.VmInstance()
+        module = rt.VmModule.mmap(instance, str(artifact.module))
+        function = module.lookup_function(self.contract.function)
+        if function is None:
+            raise ContractError(f"{artifact.module} exports no function {self.contract.function!r}; "
+                                f"it has {', '.join(module.function_names)}")
+        check_signature(self.contract, function.reflection["iree.abi.declaration"])
+        modules = [rt.create_hal_module(instance, self.device)]
+        if artifact.parameters is not None:
+            index = rt.ParameterIndex()
+            index.load(str(artifact.parameters))
+            scope = artifact.manifest.get("parameters", {}).get("scope", "model")
+            modules.insert(0, rt.create_io_parameters_module(instance, index.create_provider(scope=scope)))
+        elif artifact.manifest.get("parameters", {}).get("entries"):
+            raise ContractError(f"{artifact.module} loads parameters but no parameter archive was given")
+        self._context = rt.VmContext(instance, [*modules, module])
+        self._function = function
+
+    def __call__(self, *arrays: np.ndarray) -> list[np.ndarray]:
+        rt = self._rt
+        self.contract.check_inputs(arrays)
+        args = rt.VmVariantList(len(arrays))
+        for a in arrays:
+            args.push_ref(self.device.allocator.allocate_buffer_copy(
+                memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT,
+                device=self.device, buffer=np.ascontiguousarray(a),
+                element_type=rt.array_interop.map_dtype_to_element_type(a.dtype)))
+        results = rt.VmVariantList(len(self.contract.results))
+        self._context.invoke(self._function, args, results)
+        return [self._read_back(results.get_as_object(i, rt.HalBufferView), spec.dtype)
+                for i, spec in enumerate(self.contract.results)]
+
+    def _read_back(self, view, dtype: str) -> np.ndarray:
+        """Copy a result to the host: map it if the host may, else stage it through a host-visible
+        buffer on the device's queue (lavapipe's device-local memory cannot be imported)."""
+        rt = self._rt
+        buffer = view.get_buffer()
+        mappable = (buffer.memory_type() & int(rt.MemoryType.HOST_VISIBLE)
+                    and buffer.allowed_usage() & int(rt.BufferUsage.MAPPING_SCOPED))
+        if not mappable:
+            staging = self.device.allocator.allocate_buffer(
+                memory_type=rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE,
+                allowed_usage=rt.BufferUsage.TRANSFER | rt.BufferUsage.MAPPING,
+                allocation_size=buffer.byte_length())
+            semaphore = self.device.create_semaphore(0)
+            self.device.queue_copy(buffer, staging, [], [(semaphore, 1)])
+            rt.HalFence.create_at(semaphore, 1).wait()
+            buffer = staging
+        shape = tuple(view.shape)
+        return np.array(buffer.map().asarray(shape, np.dtype(dtype)), copy=True)
+
+
+# --- the command-line tools (what a device runs) ---------------------------------------------------
+
+
+def runtime_tool(name: str) -> str:
+    """iree-run-module / iree-benchmark-module / iree-dump-module from iree-base-runtime."""
+    import iree._runtime_libs as libs
+
+    return str(Path(libs.__file__).parent / name)
+
+
+def tool_command(artifact: Artifact, driver: str, inputs: Sequence[str], outputs: Sequence[str] = (),
+                 tool: str = "iree-run-module", module: str | None = None, parameters: str | None = None,
+                 extra: Sequence[str] = ()) -> list[str]:
+    """The argv for one call, with paths as the device sees them (`module`/`parameters` override the
+    artifact's local paths, e.g. a phone's work folder)."""
+    command = [tool, f"--module={module or artifact.module}", f"--device={driver}",
+               f"--function={artifact.contract.function}"]
+    if artifact.parameters is not None or parameters:
+        scope = artifact.manifest.get("parameters", {}).get("scope", "model")
+        command.append(f"--parameters={scope}={parameters or artifact.parameters}")
+    command += [f"--input=@{p}" for p in inputs] + [f"--output=@{p}" for p in outputs]
+    return command + list(extra)
+
+
+def run_tool(artifact: Artifact, driver: str, arrays: Sequence[np.ndarray],
+             work_dir: str | Path | None = None) -> list[np.ndarray]:
+    """One call through iree-run-module on this host, inputs and outputs as .npy files."""
+    check_runs_on(artifact, driver)
+    contract = artifact.contract
+    contract.check_inputs(arrays)
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+        inputs, outputs = _npy_files(Path(tmp), arrays, len(contract.results))
+        command = tool_command(artifact, driver, inputs, outputs)
+        command[0] = runtime_tool(command[0])
+        out = subprocess.run(command, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"iree-run-module failed, exit {out.returncode}: {out.stderr.strip()[:2000]}")
+        return [np.load(p) for p in outputs]
+
+
+def benchmark_tool(artifact: Artifact, driver: str, arrays: Sequence[np.ndarray], reps: int = 5,
+                   work_dir: str | Path | None = None) -> Figure:
+    """Seconds per call from iree-benchmark-module (one repetition = google-benchmark's own loop of
+    calls; its mean per call is one sample)."""
+    check_runs_on(artifact, driver)
+    artifact.contract.check_inputs(arrays)
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+        inputs, _ = _npy_files(Path(tmp), arrays, 0)
+        command = tool_command(artifact, driver, inputs, tool="iree-benchmark-module",
+                               extra=[f"--benchmark_repetitions={reps}", "--benchmark_format=json",
+                                      "--benchmark_min_time=0.05s"])
+        command[0] = runtime_tool(command[0])
+        out = subprocess.run(command, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"iree-benchmark-module failed, exit {out.returncode}: {out.stderr.strip()[:2000]}")
+    runs = [b for b in json.loads(out.stdout)["benchmarks"] if b.get("run_type") == "iteration"]
+    scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+    return Figure.of([b["real_time"] * scale[b["time_unit"]] for b in runs], "s")
+
+
+def _npy_files(folder: Path, arrays: Sequence[np.ndarray], n_outputs: int) -> tuple[list[str], list[str]]:
+    inputs = []
+    for i, a in enumerate(arrays):
+        path = folder / f"input{i}.npy"
+        np.save(path, np.ascontiguousarray(a))
+        inputs.append(str(path))
+    return inputs, [str(folder / f"output{i}.npy") for i in range(n_outputs)]
+
+
+def compile_progress_on_terminal(msg: str) -> None:
+    """Where compile progress goes when the caller has no progress line of its own (a backend
+    built outside an experiment's context): one updating line on an interactive stderr."""
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K" + msg[:120] + ("\n" if "done in" in msg else ""))
+        sys.stderr.flush()
+
+
+class TargetRunner:
+    """Graphs compiled on first use (through the artifact cache) and kept loaded: call a Graph on
+    arrays on one target and driver."""
+
+    def __init__(self, target: str, driver: str | None = None, progress=None, cache_dir: Path | None = None):
+        from testbed.iree_artifacts import load_target
+
+        self.target = load_target(target)
+        self.driver = driver or self.target.drivers[0]
+        if self.driver not in self.target.drivers:
+            raise ContractError(f"driver {self.driver!r} does not load {target} modules; accepted: "
+                                f"{', '.join(self.target.drivers)}")
+        self.progress, self.cache_dir = progress or compile_progress_on_terminal, cache_dir
+        self.artifacts: dict[str, Artifact] = {}
+        self._sessions: dict[tuple, RuntimeSession] = {}
+        self._digests: dict[int, tuple] = {}
+
+    def session(self, graph) -> RuntimeSession:
+        """The loaded module for `graph`. A graph's name says everything its text depends on (the
+        graph builders put every shape and option in it), so it is exported once per runner."""
+        from testbed.iree_artifacts import compile_graph
+
+        key = (graph.name, self._digest(graph.weights))
+        if key not in self._sessions:
+            artifact = compile_graph(graph, self.target, self.cache_dir, self.progress)
+            self.artifacts[graph.name] = artifact
+            self._sessions[key] = RuntimeSession(artifact, self.driver)
+        return self._sessions[key]
+
+    def _digest(self, weights) -> str:
+        """The weights' digest, once per weights object (hashing a gigabyte per call would cost
+        more than the call); the object is kept so its id cannot be reused."""
+        from testbed.iree_artifacts import weights_digest
+
+        if id(weights) not in self._digests:
+            self._digests[id(weights)] = (weights, weights_digest(weights))
+        return self._digests[id(weights)][1]
+
+    def __call__(self, graph, *arrays: np.ndarray) -> list[np.ndarray]:
+        return self.session(graph)(*arrays)
