@@ -31,8 +31,8 @@ DEVICES_DIR = PROJECT_ROOT / "devices"
 GROUPS = {"experiment": CONFIG_DIR / "experiment", "model": CONFIG_DIR / "model", "device": DEVICES_DIR}
 
 
-# `${default_backend:${device.capabilities}}` in an experiment config: on a device with llama.cpp's
-# tools (seed 002's phones) the op under test is ggml's, run there; elsewhere testbed's reference.
+# `${default_backend:${oc.select:device.capabilities,[]}}` in an experiment config: on a device with
+# llama.cpp's tools (seed 002's phones) the op under test is ggml's, run there; elsewhere the reference.
 OmegaConf.register_new_resolver(
     "default_backend", lambda caps: "ggml" if "llamacpp" in caps else "refimpl", replace=True)
 
