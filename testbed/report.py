@@ -172,16 +172,17 @@ def tail_sweep(inp: Inputs) -> Section | None:
         for source, rows in frame.groupby("source", sort=False):
             table = breakeven.tail_table(rows)
             point = breakeven.breakeven_tail(rows)
+            said = point if point is not None else f"not reached up to tail {int(rows['tail'].max())}"
             table["seed padded tok/s"] = [beside.padded_tps.get(t) for t in table["tail"]]
             table["seed scalar tok/s"] = [beside.scalar_tps.get(t) for t in table["tail"]]
             table["seed winner"] = [breakeven.winner(beside.padded_tps[t], beside.scalar_tps[t])
                                     if t in beside.index else None for t in table["tail"]]
-            section.tables.append(frame_table(f"{device}, {source}: breakeven tail {point} (seed: {seed_breakeven})",
+            section.tables.append(frame_table(f"{device}, {source}: breakeven tail {said} (seed: {seed_breakeven})",
                                               table))
             of_seed = str(source).startswith("fixture:")  # the seed's own sweep, loaded as records
             section.images.append({"file": plots.tail_plot(inp.out, f"{device} {source}", rows, point,
                                                            None if of_seed else seed_df, seed_breakeven),
-                                   "caption": f"{device}, {source}: throughput against tail, breakeven {point}"})
+                                   "caption": f"{device}, {source}: throughput against tail, breakeven {said}"})
             inp.breakevens.setdefault(device, {})[source] = point
     return section
 
