@@ -341,3 +341,13 @@ def rollback_padded_append(cache, snap: PaddedAppendSnapshot) -> None:
     else:
         _clear(s, kept)
     s.length = snap.length_after_exact
+
+
+@dataclass(frozen=True)
+class CacheOps:
+    """The three operations a prefill engine performs on a cache. These are the reference's; the
+    native kernels bring their own (testbed.native.sliding_cache_ops), and a planted-bug test swaps one."""
+
+    append: object = append
+    snapshot: object = snapshot_padded_append
+    rollback: object = rollback_padded_append

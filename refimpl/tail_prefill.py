@@ -170,7 +170,7 @@ class Prefill:
 
 
 def run_rows(w: dict, cfg: gemma.GemmaConfig, caches: ModelCaches, tokens, rows: int, position: int,
-             attention=batched_attention) -> np.ndarray:
+             attention=batched_attention, ops: sc.CacheOps = sc.CacheOps()) -> np.ndarray:
     """One graph call: `tokens` (<= rows) at positions from `position`, zero-padded to `rows`, against
     the caches; every row (pads at position -1) is appended to every cache and state. Returns the
     logits of the last row, as the graphs do."""
@@ -183,14 +183,14 @@ def run_rows(w: dict, cfg: gemma.GemmaConfig, caches: ModelCaches, tokens, rows:
     logits, ks, vs = gemma.prefill_with_past(w, cfg, inp.tokens, inp.tables, [h[0] for h in held],
                                              [h[1] for h in held], masks, inp.select, attention)
     for cache, k, v in zip(caches.layers, ks, vs):
-        sc.append(cache, k[:, -rows:], v[:, -rows:], inp.positions)
+        ops.append(cache, k[:, -rows:], v[:, -rows:], inp.positions)
     for state in caches.states:
         sc.push_conv(state, gemma.embed(w, cfg, inp.tokens))
     return logits
 
 
 def prefill(w: dict, cfg: gemma.GemmaConfig, tokens, graph: ChunkGraph, caches: ModelCaches,
-            policy: TailPolicy = TailPolicy(), attention=batched_attention) -> Prefill:
+            policy: TailPolicy = TailPolicy(), attention=batched_attention, ops: sc.CacheOps = sc.CacheOps()) -> Prefill:
     """Prefill `tokens` from position 0 into empty `caches` (filled in place)."""
     tokens = np.asarray(tokens).reshape(-1)
     n, c = tokens.size, graph.rows
@@ -200,33 +200,33 @@ def prefill(w: dict, cfg: gemma.GemmaConfig, tokens, graph: ChunkGraph, caches: 
     tail = n - full * c
     logits = None
     for b in range(full):
-        logits = run_rows(w, cfg, caches, tokens[b * c:(b + 1) * c], c, b * c, attention)
+        logits = run_rows(w, cfg, caches, tokens[b * c:(b + 1) * c], c, b * c, attention, ops)
     pad, reason = policy.decide(tail, c, caches)
     start = full * c
     if pad:
         # The last real token is rolled back with the pads: its row in the chunk yields no logits.
         real, pads = tail - 1, c - (tail - 1)
-        snapshots = [sc.snapshot_padded_append(cache, real, pads) for cache in caches.layers]
-        run_rows(w, cfg, caches, tokens[start:], c, start, attention)  # logits of a pad row: unused
+        snapshots = [ops.snapshot(cache, real, pads) for cache in caches.layers]
+        run_rows(w, cfg, caches, tokens[start:], c, start, attention, ops)  # logits of a pad row: unused
         for cache, snap in zip(caches.layers, snapshots):
-            sc.rollback_padded_append(cache, snap)
-        logits = run_rows(w, cfg, caches, tokens[n - 1:], 1, n - 1, attention)
+            ops.rollback(cache, snap)
+        logits = run_rows(w, cfg, caches, tokens[n - 1:], 1, n - 1, attention, ops)
         telemetry = Telemetry(n, c, start, real, c - tail, 1, "padded", reason)
     else:
         for p in range(start, n):
-            logits = run_rows(w, cfg, caches, tokens[p:p + 1], 1, p, attention)
+            logits = run_rows(w, cfg, caches, tokens[p:p + 1], 1, p, attention, ops)
         telemetry = Telemetry(n, c, start, 0, 0, tail, "scalar" if tail else "none", reason)
     return Prefill(logits, telemetry, caches, n)
 
 
 def generate(w: dict, cfg: gemma.GemmaConfig, state: Prefill, steps: int,
-             attention=batched_attention) -> list[int]:
+             attention=batched_attention, ops: sc.CacheOps = sc.CacheOps()) -> list[int]:
     """Greedy continuation: the first token from the prefill's logits, then `steps - 1` step-graph
     calls (the caches grow)."""
     out = [state.first_token]
     position = state.position
     for _ in range(steps - 1):
-        logits = run_rows(w, cfg, state.caches, [out[-1]], 1, position, attention)
+        logits = run_rows(w, cfg, state.caches, [out[-1]], 1, position, attention, ops)
         out.append(int(np.argmax(logits)))
         position += 1
     return out

@@ -246,9 +246,8 @@ def _layout_caches(cache, lib) -> dict[str, SlidingCache]:
 
 def sliding_cache_ops(lib=None):
     """refimpl.sliding_cache's append / snapshot / rollback, done by the native kernels on the cache's
-    bytes (testbed.tail_oracles.CacheOps). Full caches and conv states keep the reference's code."""
+    bytes (refimpl.sliding_cache.CacheOps). Full caches and conv states keep the reference's code."""
     from refimpl import sliding_cache as sc
-    from testbed.tail_oracles import CacheOps
 
     def append(cache, k, v, positions):
         if not isinstance(cache, sc.SlidingCache):
@@ -282,4 +281,4 @@ def sliding_cache_ops(lib=None):
             count = native.count
         cache.rows.length = count
 
-    return CacheOps(append=append, snapshot=snapshot, rollback=rollback)
+    return sc.CacheOps(append=append, snapshot=snapshot, rollback=rollback)

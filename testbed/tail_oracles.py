@@ -80,15 +80,6 @@ def grid(windows=(16, 24), sinks=(0, 3), dtypes=sc.STORAGE_DTYPES) -> list[GridC
     return cases
 
 
-@dataclass
-class CacheOps:
-    """The cache operations under test (a planted-bug test swaps one)."""
-
-    append: Callable = sc.append
-    snapshot: Callable = sc.snapshot_padded_append
-    rollback: Callable = sc.rollback_padded_append
-
-
 def _rows(rng, n: int) -> tuple[np.ndarray, np.ndarray]:
     k = rng.standard_normal((KV_HEADS, n, HEAD_DIM)).astype(np.float32)
     v = rng.standard_normal((KV_HEADS, n, HEAD_DIM)).astype(np.float32)
@@ -111,7 +102,7 @@ def expected_layout(case: GridCase, k: np.ndarray, v: np.ndarray, positions: np.
     return out
 
 
-def check_padded_rollback(case: GridCase, ops: CacheOps = CacheOps(), seed: int = 0) -> Verdict:
+def check_padded_rollback(case: GridCase, ops: sc.CacheOps = sc.CacheOps(), seed: int = 0) -> Verdict:
     """Padded append + rollback == exact append == the contract's layout, every byte."""
     rng = np.random.default_rng([seed, case.prefix, case.real, case.pads, case.window, case.sink,
                                  sc.STORAGE_DTYPES.index(case.dtype)])
@@ -178,12 +169,14 @@ class Engine:
     policy: tp.TailPolicy
     make_caches: Callable[[], tp.ModelCaches]
     attention: Callable = tp.batched_attention
+    ops: sc.CacheOps = sc.CacheOps()
 
     def prefill(self, tokens) -> tp.Prefill:
-        return tp.prefill(self.w, self.cfg, tokens, self.graph, self.make_caches(), self.policy, self.attention)
+        return tp.prefill(self.w, self.cfg, tokens, self.graph, self.make_caches(), self.policy, self.attention,
+                          self.ops)
 
     def generate(self, state: tp.Prefill, steps: int) -> list[int]:
-        return tp.generate(self.w, self.cfg, state, steps, self.attention)
+        return tp.generate(self.w, self.cfg, state, steps, self.attention, self.ops)
 
 
 def logit_margin(logits: np.ndarray) -> float:

@@ -65,3 +65,29 @@ def test_chunk_prefill_with_the_native_attention_layer_passes_its_oracles(result
     outcome = run(["backend=native", "mode=oracle"], "chunk_prefill")
     oracles = outcome.frame()
     assert len(oracles) and (oracles["verdict"] == "pass").all() and (oracles["backend"] == "native").all()
+
+
+def test_tail_with_the_native_attention_and_cache_ops_passes_its_oracles(results_dir):
+    """The padded-tail engine on the kernels: byte-identical cache grid and first-token suite."""
+    tiny = ["shape.vocab=256", "shape.hidden=64", "shape.heads=4", "shape.head_dim=16", "shape.mlp=128"]
+    outcome = run(["backend=native", "mode=oracle", *tiny, "oracle.grid_windows=[16]", "oracle.grid_sinks=[0,3]"],
+                  "tail")
+    df = outcome.frame()
+    assert set(df["oracle"]) == {"cache_bytes", "first_token", "determinism", "telemetry", "exact_state"}
+    assert (df["verdict"] == "pass").all() and (df["backend"] == "native").all()
+
+
+def test_tail_native_cache_ops_that_keep_pad_rows_fail_the_cache_oracle(results_dir, monkeypatch):
+    """A native rollback that forgets to drop the pads (the seed's garbled-output bug) is caught."""
+    from refimpl import sliding_cache as sc
+    from testbed.experiments import tail
+
+    real_ops = native.sliding_cache_ops()
+    monkeypatch.setattr(tail, "cache_ops", lambda cfg: sc.CacheOps(real_ops.append, real_ops.snapshot,
+                                                                    lambda cache, snap: None))
+    tiny = ["shape.vocab=256", "shape.hidden=64", "shape.heads=4", "shape.head_dim=16", "shape.mlp=128"]
+    outcome = run(["backend=native", "mode=oracle", *tiny, "oracle.grid_windows=[16]", "oracle.grid_sinks=[0]"],
+                  "tail")
+    df = outcome.frame()
+    failed = df[df["verdict"] != "pass"]
+    assert {"cache_bytes", "exact_state"} <= set(failed["oracle"])

@@ -5,7 +5,8 @@ import dataclasses
 import numpy as np
 
 from refimpl import sliding_cache as sc
-from testbed.tail_oracles import CacheOps, check_padded_rollback, grid
+from refimpl.sliding_cache import CacheOps
+from testbed.tail_oracles import check_padded_rollback, grid
 
 
 def failures(ops):

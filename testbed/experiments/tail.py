@@ -31,7 +31,7 @@ from testbed.results import Figure, Record
 from testbed.tail_oracles import Engine, check_first_token, check_padded_rollback, grid, kill_switch, prompt_lengths
 
 PARAMS = {
-    "backend": Choice(("refimpl",)),
+    "backend": Choice(("refimpl", "native")),
     "mode": Choice(("bench", "oracle", "all", "fixture")),
     "chunk": Int(1, 4096),
     "calibration_tokens": Int(1, 1 << 16),
@@ -65,6 +65,10 @@ def _lengths(cfg: DictConfig) -> list[int]:
 
 
 def validate(cfg: DictConfig) -> None:
+    if cfg.backend == "native":
+        from testbed import native
+
+        native.library()  # a missing or stale library says how to rebuild before anything runs
     if cfg.tail >= cfg.chunk:
         raise UsageError(f"tail={cfg.tail} is out of range; accepted: integers from 0 to chunk - 1 = {cfg.chunk - 1}")
     if cfg.prompt_tokens:
@@ -133,12 +137,29 @@ def policy_threshold(cfg: DictConfig, device: str) -> int:
 # --- run -------------------------------------------------------------------------------------------
 
 
+def cache_ops(cfg: DictConfig) -> sc.CacheOps:
+    """The cache append / snapshot / rollback under test: refimpl's, or the native kernels'."""
+    if cfg.backend == "native":
+        from testbed import native
+
+        return native.sliding_cache_ops()
+    return sc.CacheOps()
+
+
 def make_engine(cfg: DictConfig, mcfg: gemma.GemmaConfig, w: dict, threshold: int) -> Engine:
+    """The engine on the chosen backend: refimpl's numpy attention and cache operations, or the
+    native kernels' attention layer and cache operations (kernels/)."""
     calibration = np.arange(cfg.calibration_tokens) % mcfg.vocab
     graph = tp.trace_chunk_graph(cfg.chunk, calibration)
     c = cfg.cache
-    return Engine(w, mcfg, graph, tp.TailPolicy(threshold),
-                  lambda: tp.model_caches(mcfg, c.dtype, c.sink, c.group, c.conv_kernel))
+    engine = Engine(w, mcfg, graph, tp.TailPolicy(threshold),
+                    lambda: tp.model_caches(mcfg, c.dtype, c.sink, c.group, c.conv_kernel))
+    engine.ops = cache_ops(cfg)
+    if cfg.backend == "native":
+        from testbed import native
+
+        engine.attention = lambda q, k, v, mask, scale: native.attention(q, k, v, mask, scale, threads=cfg.threads)
+    return engine
 
 
 def prompt(mcfg: gemma.GemmaConfig, n: int, seed: int) -> np.ndarray:
@@ -149,7 +170,7 @@ def oracle_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Re
     cases = grid(tuple(cfg.oracle.grid_windows), tuple(cfg.oracle.grid_sinks))
     for i, case in enumerate(cases):
         ctx.progress(f"tail cache grid {i + 1}/{len(cases)} {case.name}")
-        v = check_padded_rollback(case, seed=cfg.seed)
+        v = check_padded_rollback(case, cache_ops(cfg), seed=cfg.seed)
         yield Record("tail", f"cache/{case.name}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
                      params=dict(vars(case)), detail=v.detail)
     engine = make_engine(cfg, mcfg, w, threshold)
