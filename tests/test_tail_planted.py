@@ -23,11 +23,11 @@ def model():
     return cfg, gemma.init_weights(cfg, seed=0)
 
 
-def verdicts(model, n, graph=None, policy=tp.TailPolicy(), **cache):
+def verdicts(model, n, graph=None, policy=tp.TailPolicy(), ops=tp.sc.CacheOps(), **cache):
     cfg, w = model
     graph = graph or tp.trace_chunk_graph(CHUNK, np.arange(46))
     tokens = np.random.default_rng(n).integers(0, cfg.vocab, n)
-    eng = Engine(w, cfg, graph, policy, lambda: tp.model_caches(cfg, **cache))
+    eng = Engine(w, cfg, graph, policy, lambda: tp.model_caches(cfg, **cache), ops=ops)
     return {v.oracle: v for v in check_first_token(eng, tokens, CHUNK)}
 
 
@@ -55,9 +55,8 @@ def test_chunk_size_from_the_calibration_prompt_is_caught(model):
     assert "chunk graph has 46 rows, configured chunk is 128" in v["telemetry"].detail
 
 
-def test_pads_left_in_the_engine_caches_are_caught(model, monkeypatch):
-    monkeypatch.setattr(tp.sc, "rollback_padded_append", lambda cache, snap: None)
-    v = verdicts(model, 8 * CHUNK - 1)
+def test_pads_left_in_the_engine_caches_are_caught(model):
+    v = verdicts(model, 8 * CHUNK - 1, ops=tp.sc.CacheOps(rollback=lambda cache, snap: None))
     assert not v["exact_state"].passed
 
 
