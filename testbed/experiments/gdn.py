@@ -8,8 +8,10 @@ bench mode   serial vs chunkwise at the benchmark shape (16 heads, head size 128
              token count: time, tokens/s, GFLOP/s on gdn_flops' count, and the fraction of a
              single-thread sgemm rate measured in the same run.
 
-Backends: refimpl (numpy) and native (the C kernels of kernels/, built by `pip install`, with
-`threads` splitting heads over threads; its records name the kernels' source hash and vector path).
+Backends: refimpl (numpy); native (the C kernels of kernels/, built by `pip install`, with
+`threads` splitting heads over threads; its records name the kernels' source hash and vector path);
+iree (the jax graphs of testbed/graphs/gdn.py compiled for `target`); ggml (llama.cpp's own op on a
+device with its tools: test-backend-ops is then the oracle and its perf mode the measurement).
 """
 
 from __future__ import annotations
