@@ -45,8 +45,8 @@ def _summary(outcome: runner.Outcome, module) -> str:
 
 def cmd_run(args) -> int:
     rc = config.load(args.overrides, experiment=args.experiment)
-    module, _ = runner.check(rc)
-    outcome = runner.execute(rc, progress=_progress_line)
+    outcome = runner.execute(rc, progress=_progress_line)  # checks every parameter before running
+    module = experiments.load(rc.experiment)
     if sys.stderr.isatty():
         sys.stderr.write("\r\033[K")
     print(_summary(outcome, module))

@@ -84,19 +84,65 @@ class Transport:
     kind = "abstract"
     work_dir: str
 
+    def _verified(self, what: str, attempt) -> None:
+        """Run one transfer `attempt` up to self.attempts times. The attempt returns None once the
+        bytes on the far side verified, else what was wrong; a lost connection is dropped and the
+        transfer retried, as is a device that did not answer."""
+        problem = ""
+        for _ in range(self.attempts):
+            try:
+                self._ensure()
+                problem = attempt()
+            except ConnectionLost as e:
+                self._drop()
+                problem = f"connection lost during the transfer: {e}"
+                continue
+            except DeviceUnreachable as e:
+                problem = str(e)
+                continue
+            if problem is None:
+                return
+        raise TransferError(f"{self.name}: {what} failed after {self.attempts} attempts: {problem}")
+
     def push(self, local: Path, remote: str, mode: int = 0o644) -> None:
-        raise NotImplementedError
+        local = Path(local)
+        size, digest = local.stat().st_size, sha256_file(local)
+        target = self.path(remote)
+        parent = posixpath.dirname(target)
+
+        def attempt() -> str | None:
+            if parent != self.work_dir:
+                self._shell(f"mkdir -p {shlex.quote(parent)}", 30)
+            self._send(local, target, mode)
+            got = self.remote_digest(remote)
+            if got == (size, digest):
+                return None
+            problem = (f"device has {got[0]} bytes, sha256 {got[1][:12]}..." if got else "file missing on device")
+            return problem + f"; sent {size} bytes, sha256 {digest[:12]}..."
+
+        self._verified(f"push of {local.name} to {target}", attempt)
 
     def pull(self, remote: str, local: Path) -> None:
-        raise NotImplementedError
+        local = Path(local)
+        source = self.path(remote)
+        expected = self.remote_digest(remote)
+        if expected is None:
+            raise TransferError(f"{self.name}: cannot pull {source}: no such file on the device")
+        tmp = local.with_name(f".{local.name}.{secrets.token_hex(4)}.part")
 
-    def run(self, argv: list[str], timeout: float = 60.0, cwd: str = "") -> CommandResult:
-        """Run argv in the work folder (or its subfolder `cwd`), killed after `timeout` seconds."""
-        raise NotImplementedError
+        def attempt() -> str | None:
+            self._recv(source, tmp)
+            got = (tmp.stat().st_size, sha256_file(tmp)) if tmp.exists() else None
+            if got == expected:
+                os.replace(tmp, local)
+                return None
+            problem = (f"received {got[0]} bytes, sha256 {got[1][:12]}..." if got else "nothing received")
+            return problem + f"; the device has {expected[0]} bytes, sha256 {expected[1][:12]}..."
 
-    def remote_digest(self, remote: str) -> tuple[int, str] | None:
-        """(size, sha256) of a file in the work folder, computed where it lies; None if absent."""
-        raise NotImplementedError
+        try:
+            self._verified(f"pull of {source}", attempt)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def cleanup(self) -> None:
         raise NotImplementedError
