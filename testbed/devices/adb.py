@@ -11,10 +11,12 @@ per call so program output cannot fake it.
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import shlex
 import socket
+import time
 from pathlib import Path
 
 from testbed.devices.transport import CommandResult, ConnectionLost, RemoteShell, TransferError
@@ -25,14 +27,44 @@ USB_DEVICES = Path("/sys/bus/usb/devices")
 
 
 def ensure_adb_key(path: str = DEFAULT_KEY) -> Path:
-    """The adb RSA key pair (private key PEM + Android-format .pub), created if absent."""
-    key = Path(os.path.expanduser(path))
-    if not key.exists() or not key.with_name(key.name + ".pub").exists():
-        from adb_shell.auth.keygen import keygen
+    """The adb RSA key pair (private key PEM + Android-format .pub), as Debian's adb keeps it.
 
-        key.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        keygen(str(key))
-        os.chmod(key, 0o600)
+    The private key is never overwritten: it is what every phone trusts. A missing one is created
+    0600 from its first byte (O_EXCL, so a concurrent `adb` or testbed that creates it first wins and
+    its key is used). The public half is always derived from the private key on disk, so a .pub that
+    is missing or belongs to another key (two writers racing) is rebuilt rather than trusted."""
+    from adb_shell.auth.keygen import encode_pubkey, get_user_info
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = Path(os.path.expanduser(path))
+    key.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not key.exists():
+        pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        try:
+            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass  # another writer made it first: use theirs
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(pem)
+                f.flush()
+                os.fsync(f.fileno())
+    for _ in range(50):  # a concurrent writer may still be filling the private key in
+        try:
+            public = base64.b64encode(encode_pubkey(str(key))) + get_user_info().encode()
+            break
+        except ValueError:
+            time.sleep(0.1)
+    else:
+        raise DeviceUnreachable(f"{key} is not a PEM RSA private key; adb keys are made by `adb keygen {key}`")
+    pub = key.with_name(key.name + ".pub")
+    current = pub.read_bytes().split(b" ")[0] if pub.is_file() else b""
+    if current != public.split(b" ")[0]:
+        tmp = pub.with_name(f"{pub.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        tmp.write_bytes(public)
+        os.replace(tmp, pub)
     return key
 
 
