@@ -6,7 +6,8 @@
   testbed ingest FILE [--device NAME]             store test-backend-ops output run elsewhere
 
 Exit status: 0 all oracles passed, 1 an oracle failed (or no records to show), 2 bad input,
-3 a device could not be reached.
+3 a device could not be reached, 4 a device operation failed, 5 the results store cannot be written,
+128+N stopped by signal N (SIGINT, SIGTERM, SIGHUP; the run is stored as broken).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import pandas as pd
 
 from testbed import config, device_cli, experiments, nightly, report, runner, tables
-from testbed.errors import DeviceUnreachable, UsageError
+from testbed.errors import DeviceUnreachable, StoreError, UsageError
 
 
 def _progress_line(msg: str) -> None:
@@ -167,6 +168,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    runner.stop_on_signals()
     try:
         return args.fn(args)
     except UsageError as e:
@@ -175,9 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceUnreachable as e:
         print(f"testbed: device unreachable: {e}", file=sys.stderr)
         return e.exit_status
-    except KeyboardInterrupt:
-        print("testbed: interrupted; the run was recorded as an error", file=sys.stderr)
-        return 130
+    except StoreError as e:
+        print(f"testbed: {e}", file=sys.stderr)
+        return e.exit_status
+    except (KeyboardInterrupt, runner.Interrupted) as e:
+        signum = e.signum if isinstance(e, runner.Interrupted) else 2
+        print(f"testbed: {str(e) or 'interrupted'}; a run in progress was recorded as broken", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":
