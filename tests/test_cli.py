@@ -93,7 +93,7 @@ def test_ingest_of_perf_output_stores_measurements(results_dir, seed_fixtures):
 
 def test_ingest_of_a_skipped_backend_is_refused(results_dir, seed_fixtures, capsys):
     assert main(["ingest", str(seed_fixtures / "test-backend-ops" / "test_mode_default.stdout")]) == 2
-    assert "no test-backend-ops case lines" in capsys.readouterr().err
+    assert "no test-backend-ops case line with a verdict" in capsys.readouterr().err
     assert not results_dir.exists()
 
 
