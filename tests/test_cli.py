@@ -58,6 +58,13 @@ def test_table_formats_read_only_stored_records(results_dir, capsys):
         (["run", "gdn", "chunk=32,64"], "is a sweep; use `testbed sweep`"),
         (["sweep", "experiment=gdn", "chunk=32,0"], "chunk=0 is out of range"),
         (["table", "nosuch"], "unknown experiment 'nosuch'"),
+        (["run", "gdn", "threshold=nan"], "threshold=nan is not a finite number; accepted: numbers from 0.0 to 1.0"),
+        (["run", "gdn", "threshold=inf"], "threshold=inf is not a finite number"),
+        (["run", "gdn", "=5"], "override '=5' names no key; accepted: key=value"),
+        (["sweep", "experiment=gdn", "chunk=glob(*)"], "glob() sweeps over config groups are not supported"),
+        (["sweep", "experiment=gdn", "chunk=range(1,100000)"], "is 99999 runs; accepted: at most 500"),
+        (["sweep", "experiment=gdn", "chunk=range(1,30)", "tail=range(0,30)"], "is 870 runs; accepted: at most 500"),
+        (["sweep", "experiment=gdn", "chunk=range(5,1)"], "is a sweep of no values"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, message, results_dir, capsys):
