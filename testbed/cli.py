@@ -4,6 +4,7 @@
   testbed sweep [experiment=NAME] key=v1,v2 ...   the cartesian product (Hydra sweep syntax), one table
   testbed table EXPERIMENT [--format md|csv|json] tables from stored records only
   testbed ingest FILE [--device NAME]             store test-backend-ops output run elsewhere
+  testbed records verify | rm ... | export        inspect and repair the results store
 
 Exit status: 0 all oracles passed, 1 an oracle failed (or no records to show), 2 bad input,
 3 a device could not be reached, 4 a device operation failed, 5 the results store cannot be written,
@@ -17,7 +18,7 @@ import sys
 
 import pandas as pd
 
-from testbed import config, device_cli, experiments, nightly, report, runner, tables
+from testbed import config, device_cli, experiments, nightly, records_cli, report, runner, tables
 from testbed.errors import DeviceUnreachable, StoreError, UsageError
 
 
@@ -149,7 +150,7 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--force", action="store_true",
                    help="store output that names another backend than the device's, or that is stored already")
     i.set_defaults(fn=cmd_ingest)
-    nightly.register(sub), report.register(sub), device_cli.register(sub)
+    nightly.register(sub), report.register(sub), device_cli.register(sub), records_cli.register(sub)
     return p
 
 

@@ -195,9 +195,13 @@ LINE_BREAK = re.compile(rb"\n|\x00+")
 class Scan:
     """What a read of the store found: committed rows in order, and every line it set aside."""
 
-    rows: list[dict] = field(default_factory=list)
+    batches: list[list[dict]] = field(default_factory=list)  # committed, in order (a schema-1 row alone)
     problems: list[str] = field(default_factory=list)  # "LINE: why", for lines that are not usable
     uncommitted: dict[str, int] = field(default_factory=dict)  # batch -> rows without a commit line
+
+    @property
+    def rows(self) -> list[dict]:
+        return [row for batch in self.batches for row in batch]
 
 
 class ResultsStore:
@@ -231,13 +235,8 @@ class ResultsStore:
         lines = [json.dumps({**r, "batch": batch}, sort_keys=True) for r in rows]
         lines.append(json.dumps({"commit": batch, "rows": len(rows)}))
         data = ("\n".join(lines) + "\n").encode()
+        fd = self._locked()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        except OSError as e:
-            raise StoreError(f"results store {self.path} cannot be written: {e.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             begin = os.fstat(fd).st_size
             if begin and os.pread(fd, 1, begin - 1) != b"\n":
                 data = b"\n" + data  # a torn line before us ends here, not inside our first row
@@ -252,6 +251,54 @@ class ResultsStore:
                     raise StoreError(f"results store {self.path}: {len(rows)} records not stored: "
                                      f"{e.strerror}") from None
                 raise
+        finally:
+            os.close(fd)
+
+    def _locked(self) -> int:
+        """The store file, open for appending under its exclusive lock. `rewrite` replaces the file
+        while holding the lock, so a writer that waited on the old one opens the new one."""
+        while True:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            except OSError as e:
+                raise StoreError(f"results store {self.path} cannot be written: {e.strerror}") from None
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.stat(self.path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(fd).st_ino:
+                return fd
+            os.close(fd)
+
+    def rewrite(self, keep) -> tuple[Scan, list[dict]]:
+        """Replace the store with the committed rows `keep(row)` accepts, batch by batch, under the lock;
+        the old file stays beside it (records.jsonl.before-TIME). Returns what was read and what was
+        dropped. Unusable lines and uncommitted batches are not carried over: nothing reads them."""
+        fd = self._locked()
+        try:
+            found = self.scan()
+            dropped = [row for batch in found.batches for row in batch if not keep(row)]
+            stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+            fresh = self.root / f".{self.FILE}.{uuid.uuid4().hex[:8]}.new"
+            try:
+                with open(fresh, "wb") as f:
+                    for batch in found.batches:
+                        kept = [row for row in batch if keep(row)]
+                        if kept:
+                            name = uuid.uuid4().hex[:16]
+                            f.write("".join(json.dumps({**r, "batch": name}, sort_keys=True) + "\n"
+                                            for r in kept).encode())
+                            f.write((json.dumps({"commit": name, "rows": len(kept)}) + "\n").encode())
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(self.path, self.root / f"{self.FILE}.before-{stamp}")
+                os.replace(fresh, self.path)
+            except OSError as e:
+                fresh.unlink(missing_ok=True)
+                raise StoreError(f"results store {self.path} not rewritten (left as it was): {e.strerror}") from None
+            return found, dropped
         finally:
             os.close(fd)
 
@@ -283,14 +330,14 @@ class ResultsStore:
             elif "commit" in row:
                 rows = pending.pop(row["commit"], [])
                 if len(rows) == row.get("rows"):
-                    found.rows.extend(rows)
+                    found.batches.append(rows)
                 else:
                     found.problems.append(f"{n}: batch {row['commit']} commits {row.get('rows')} rows "
                                           f"but {len(rows)} were read")
             elif "batch" in row:
                 pending.setdefault(row.pop("batch"), []).append(row)
             else:
-                found.rows.append(row)  # schema 1: a run's records were written in one append
+                found.batches.append([row])  # schema 1: a run's records were written in one append
         found.uncommitted = {batch: len(rows) for batch, rows in pending.items()}
         return found
 
