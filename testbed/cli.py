@@ -120,7 +120,7 @@ def cmd_ingest(args) -> int:
                    fingerprint={"abi": profile.abi, "source": "ingested"})
     rows = [info.stamp(r) for r in ingest.records(rc.experiment, tool_backend, parsed)]
     store.check_writable()
-    store.append(rows)
+    store.append([info.mark("started"), *rows, info.mark("ended", "complete")])  # one batch: whole or nothing
     for r in rows:
         if r["case"].endswith("/tally"):
             print(f"{r['case']}: {r['metrics']['tally']} ({r['verdict']}) {r['detail']}".rstrip())
