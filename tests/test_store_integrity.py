@@ -19,7 +19,8 @@ def rows(n, verdict="pass", info=None):
     return [info.stamp(Record("gdn", f"case{i}", "oracle", "nmse", verdict, 1.0)) for i in range(n)]
 
 
-@pytest.mark.parametrize("damage", [b'{"schema": 2, "experi', b"\x00" * 4096, b'{"experiment": "gdn"\x00\x00\x00'])
+@pytest.mark.parametrize("damage", [b'{"schema": 2, "experi', b"\x00" * 4096, b'{"experiment": "gdn"\x00\x00\x00'],
+                         ids=["torn", "nul-padding", "torn-and-nul-padded"])
 def test_a_torn_or_nul_padded_last_line_never_swallows_the_next_batch(tmp_path, damage):
     store = ResultsStore(tmp_path)
     store.append(rows(2))
@@ -82,6 +83,14 @@ def test_lines_that_are_not_utf8_or_not_objects_are_skipped_with_one_warning(tmp
     with pytest.warns(UserWarning, match="skipped 3 unusable lines") as caught:
         assert len(store.records()) == 3
     assert len(caught) == 1
+
+
+def test_a_record_without_the_fields_every_record_has_is_skipped(tmp_path):
+    store = ResultsStore(tmp_path)
+    store.append(rows(1))
+    store.append([{"record_id": "x", "experiment": "gdn", "verdict": "pass"}])
+    with pytest.warns(UserWarning, match="skipped 1 records without the fields"):
+        assert len(store.records()) == 1
 
 
 def test_a_record_of_a_newer_schema_is_skipped_not_crashed_on(tmp_path):
