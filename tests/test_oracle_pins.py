@@ -10,7 +10,7 @@ import pytest
 from testbed import history
 from testbed.oracles import check_nmse, nmse
 from testbed.token_oracle import Reference, TokenCase, check_token_at_position
-from tests.test_chunk_prefill_planted import CFG, model
+from tests.test_chunk_prefill_planted import model
 
 
 # --- NMSE --------------------------------------------------------------------------------------------

@@ -7,8 +7,6 @@ import json
 import os
 import threading
 
-import pytest
-
 from testbed.cli import main
 from testbed.results import Record, ResultsStore, RunInfo
 

@@ -8,8 +8,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 from testbed import PROJECT_ROOT, nightly, report
 from testbed.cli import main
 from testbed.results import Figure, Record, ResultsStore, RunInfo

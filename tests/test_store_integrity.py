@@ -2,7 +2,6 @@
 runs that never end, and a store that cannot be written (issue 13, items 2-4, 13, 14)."""
 
 import errno
-import json
 import os
 
 import pytest
