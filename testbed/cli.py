@@ -16,7 +16,7 @@ import sys
 
 import pandas as pd
 
-from testbed import config, device_cli, experiments, nightly, report, runner, tables
+from testbed import config, device_cli, emulation, experiments, nightly, report, runner, tables
 from testbed.errors import DeviceUnreachable, UsageError
 
 
@@ -91,7 +91,11 @@ def cmd_table(args) -> int:
         print(f"no records for {rc.experiment} in {store.path}; run `testbed run {rc.experiment}` first",
               file=sys.stderr)
         return 1
-    print(tables.render(module.view(df), args.format))
+    speed, emulated = emulation.split_frame(df)
+    print(tables.render(module.view(speed), args.format))
+    if len(emulated):
+        print(f"\nleft out: {len(emulated)} figure(s) {emulation.REASON}:", file=sys.stderr)
+        print(tables.render(emulation.listing(emulated.to_dict("records")), "md"), file=sys.stderr)
     return 0
 
 

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import jinja2
 import pandas as pd
 
-from testbed import breakeven, experiments, history, plots, seed
+from testbed import breakeven, emulation, experiments, history, plots, seed
 from testbed.errors import UsageError
 from testbed.tables import _cell as format_number
 
@@ -364,7 +364,7 @@ def tool_versions() -> dict[str, str]:
 def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_log: list[dict] = (),
           since: dt.datetime | None = None) -> dict:
     """Write the report folder `out` from `records`; return its JSON content."""
-    window = select(records, since)
+    window, emulated = emulation.split(select(records, since))
     current_runs = history.latest_runs(window)
     flags = (history.oracle_flips(window)
              + history.figure_regressions(window, settings["history_nights"], settings["min_history"]))
@@ -375,6 +375,10 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
         inp = Inputs(window, [r for r in window if r["run_id"] in current_runs], fixtures, staging, settings,
                      list(night_log), flags)
         sections = [s for s in (fn(inp) for fn in SECTIONS) if s is not None]
+        if emulated:
+            sections.insert(1, Section("emulated", "Figures left out",
+                                       [f"{len(emulated)} figure(s) {emulation.REASON}."],
+                                       [frame_table("emulated figures by device", emulation.listing(emulated))]))
         content = {
             "generated": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "since": since.isoformat() if since else None,
