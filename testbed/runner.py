@@ -21,6 +21,7 @@ import pandas as pd
 from testbed import backends, experiments
 from testbed.config import RunConfig, check_params, project_path
 from testbed.devices import Device, connect, load_profile
+from testbed.errors import DeviceError
 from testbed.results import Record, ResultsStore, RunInfo
 
 
@@ -42,7 +43,7 @@ def check(rc: RunConfig):
     return module, profile
 
 
-class ComputedElsewhere(RuntimeError):
+class ComputedElsewhere(DeviceError):
     """A record of a run on a device carries no evidence that the device computed it."""
 
 

@@ -43,3 +43,19 @@ def test_a_host_computation_filed_under_a_device_is_an_error(results_dir, monkey
         device.close()
     rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
     assert [(r["verdict"], r["device"]) for r in rows] == [("error", "qemu-arm32")]  # no pass stored
+
+
+def test_a_program_killed_on_the_device_leaves_an_error_record_with_its_stderr(results_dir, monkeypatch, tmp_path):
+    """The device program dies mid-run (a crash, the OOM killer): the run is an error record carrying the
+    program's last words, and nothing of it reads as passed."""
+    from testbed.backends.native import gdn as native_gdn
+
+    crashing = tmp_path / "programs" / "tb_gdn_bench"
+    crashing.parent.mkdir()
+    crashing.write_text("#!/bin/sh\necho 'tb_gdn_bench: out of memory in chunk 3' >&2\nkill -9 $$\n")
+    crashing.chmod(0o755)
+    monkeypatch.setattr(native_gdn, "build_programs", lambda target: crashing.parent)
+    assert cli.main(["run", "gdn", "backend=native", "mode=oracle", "matrix=awkward"]) == 4
+    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    assert [r["verdict"] for r in rows] == ["error"]
+    assert "tb_gdn_bench exited -9" in rows[0]["detail"] and "out of memory in chunk 3" in rows[0]["detail"]
