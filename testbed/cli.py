@@ -40,6 +40,11 @@ def _summary(outcome: runner.Outcome, module) -> str:
     )
     for _, r in oracles[oracles["verdict"] != "pass"].iterrows() if len(oracles) else []:
         lines.append(f"FAIL {r['case']}: {r['detail']}")
+    load = outcome.info.host_load
+    if load.get("noisy") and len(df) > len(oracles):
+        lines.append(f"WARNING: this host was loaded while measuring (1-minute load "
+                     f"{max(load['load_1m_before'], load['load_1m_after']):.1f} on {load['cores']} cores): "
+                     f"the figures are noisy; the records say so (host_load.noisy)")
     return "\n".join(lines)
 
 
