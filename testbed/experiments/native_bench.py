@@ -95,6 +95,9 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     shape = f"heads={a.heads},kv={a.kv_heads},hd={a.head_dim},P={a.past},C={a.chunk}"
     params = {"kernel": "attention", "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
               "past": a.past, "chunk": a.chunk, "threads": cfg.threads}
+    # what a call through the program costs beyond the kernel, per run (warm-up calls excluded)
+    outside = {form: Figure.of([e["detail"]["command_seconds"] - e["device_seconds"] for e in evidence[form][1:]
+                                or evidence[form]], "s") for form in samples}
     for form, t in times.items():
         verdict = check_nmse({"out": reference}, {"out": outputs[form]})
         yield Record("native_bench", f"attention/{shape}/{form}", "oracle", "nmse", verdict.verdict, verdict.margin,
@@ -103,11 +106,14 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
         yield Record(
             "native_bench", f"attention/{shape}/{form}", "measure",
             figures={"time": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(a.chunk, "tokens/s"),
-                     "gflops": t.rate(flops[form] / 1e9, "GFLOP/s")},
+                     "gflops": t.rate(flops[form] / 1e9, "GFLOP/s"),
+                     "outside_kernel": outside[form].scaled(1e3, "ms")},
             metrics={"speedup_vs_decode": times["decode_steps"].median / t.median},
             work={"flops": flops[form], "flop_count": "4 heads rows keys head_dim (q k^T and p v)",
                   "rows": a.chunk, "calls": 1 if form == "chunk" else a.chunk,
-                  "timer": "tb_attention_bench's clock on the device, around the kernel call(s) only"},
+                  "timer": "tb_attention_bench's clock on the device, around the kernel call(s) only",
+                  "outside_kernel": "the program run as the host saw it minus the kernel time: process start, "
+                                    "input load, output write and the link (the first run's warm-up excluded)"},
             params=params | {"form": form}, evidence=evidence[form],
         )
 
@@ -153,5 +159,6 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                      "time": r.get("figures.time.median"), "unit": r.get("figures.time.unit"),
                      "GFLOP/s": None if is_cache else r.get("figures.gflops.median"),
                      "x decode": None if is_cache else r.get("metrics.speedup_vs_decode"),
+                     "outside kernel ms": None if is_cache else r.get("figures.outside_kernel.median"),
                      "rollback / decode step": r.get("metrics.rollback_vs_decode_step") if is_cache else None})
     return pd.DataFrame(rows)
