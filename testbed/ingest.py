@@ -14,7 +14,7 @@ unless it is evidently whole and evidently the device's:
   - the same outputs were not stored before for this experiment and device: a run's .stdout and its
     .csv are one run, not two (--force stores it again: two runs may print the same).
 
-Then the verdicts follow testbed.llamacpp_output: a console run without its summary lines is an
+Then the verdicts follow testbed.backends.llamacpp.output: a console run without its summary lines is an
 error record, never a pass.
 """
 
@@ -29,7 +29,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from testbed import llamacpp_output as out
+from testbed.backends.llamacpp import output as out
 from testbed.errors import UsageError
 from testbed.results import Record
 
@@ -118,7 +118,7 @@ def check_device(path: str, parsed: Output, device: str, expected: str, force: b
 
 
 def records(experiment: str, backend: str, parsed: Output) -> list[Record]:
-    from testbed.runners import llamacpp
+    from testbed.backends.llamacpp import runner as llamacpp
 
     if parsed.perf:
         return llamacpp.perf_rows_records(experiment, backend, parsed.perf)

@@ -5,6 +5,14 @@ as it goes: a "started" mark, each record as soon as the experiment yields it, t
 A run that fails or is interrupted (Ctrl-C, SIGTERM, SIGHUP: testbed.cli turns them into
 `Interrupted`) stores one more record, verdict "error" with what happened, and ends "broke"; one
 killed outright has no end mark. Either way what it measured is kept, and read back as incomplete.
+
+A record's `device` is the machine that computed it. So before anything runs, a backend the device
+cannot run is refused (refimpl runs only on the host); and every record of a run on any device but
+the host must carry evidence that the device ran it (testbed.backends.Evidence: what ran, its
+sha256, the command, the device's own time), checked before the record is stored: a record without
+it breaks the run, and is never stored as a verdict or a figure. Records of a profile with capability
+`emulated` (qemu-user, the loopback adbd, lavapipe) say so: real for correctness, never for speed.
+Each record carries the host's load from the run's start until it was made (host_load).
 """
 
 from __future__ import annotations
@@ -16,9 +24,10 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from testbed import experiments
+from testbed import backends, experiments
 from testbed.config import RunConfig, check_params, project_path
 from testbed.devices import Device, connect, load_profile
+from testbed.errors import DeviceError
 from testbed.results import Record, ResultsStore, RunInfo
 
 
@@ -54,12 +63,31 @@ def results_store(rc: RunConfig) -> ResultsStore:
 
 
 def check(rc: RunConfig):
-    """Everything that can be checked before running: parameters, cross-parameter rules, the profile."""
+    """Everything that can be checked before running: parameters, the backend against the device,
+    cross-parameter rules, the profile."""
     module = experiments.load(rc.experiment)
     check_params(rc.cfg, module.PARAMS)
+    profile = load_profile(rc.device)
+    backend = rc.cfg.get("backend")
+    if backend in backends.names():
+        backends.refuse_mismatch(backend, rc.device, rc.cfg.device.get("capabilities"))
     if hasattr(module, "validate"):
         module.validate(rc.cfg)
-    return module, load_profile(rc.device)
+    return module, profile
+
+
+class ComputedElsewhere(DeviceError):
+    """A record of a run on a device carries no evidence that the device computed it."""
+
+
+def check_evidence(records: list[Record], profile) -> None:
+    if profile.transport == "local" and not profile.has("emulated"):
+        return  # the host itself: what ran here ran on the host
+    bare = [r.case for r in records if not r.evidence]
+    if bare:
+        raise ComputedElsewhere(f"{len(bare)} record(s) of a run on device {profile.name} carry no evidence that "
+                                f"the device computed them (first: {bare[0]}); nothing computed on the host is "
+                                f"stored under a device's name")
 
 
 @dataclass
@@ -75,6 +103,17 @@ class Outcome:
         return sum(r["kind"] == "oracle" and r["verdict"] != "pass" for r in self.rows)
 
 
+def host_load(before: dict | None = None) -> dict:
+    """The 1-minute load average and the cores; with `before`, the run's worst of both readings and
+    whether it was noisy: more runnable tasks than cores means measurements shared the CPUs (on a
+    device run too: the host drives the transport and, under emulation, computes)."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if before is None:
+        return {"load_1m_before": load, "cores": cores}
+    worst = max(before["load_1m_before"], load)
+    return {**before, "load_1m_after": load, "noisy": worst > cores}
+
+
 def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = None) -> Outcome:
     module, profile = check(rc)
     store = results_store(rc)
@@ -82,13 +121,16 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
     device = device or connect(profile)
     info = RunInfo(
         experiment=rc.experiment, device=rc.device, backend=str(rc.cfg.get("backend", "refimpl")),
-        config=rc.flat(), fingerprint=device.fingerprint(),
+        config=rc.flat(), fingerprint=device.fingerprint(), emulated=profile.has("emulated"),
     )
     ctx = experiments.Context(device=device, progress=progress)
+    load_before = host_load()
     rows: list[dict] = []
     store.append([info.mark("started")])
     try:
         for record in module.run(rc.cfg, ctx):
+            check_evidence([record], profile)  # before anything is stored under the device's name
+            info.host_load = host_load(load_before)
             row = info.stamp(record)
             store.append([row])
             rows.append(row)

@@ -77,15 +77,24 @@ def test_a_crashed_tool_leaves_no_passing_tally(adb_device, tmp_path, results_di
 
 
 def test_a_device_lost_mid_run_stores_one_error_record(adbd_factory, adb_key, tmp_path, results_dir):
-    adbd = adbd_factory()
-    device = with_tools(adb_connect(adbd, adb_key), tmp_path, (fixtures() / "test_mode_b_CPU.stdout").read_text())
-    (tmp_path / "hang").write_text("#!/bin/sh\nsleep 30\n")
-    device.push(tmp_path / "hang", "tools/test-backend-ops", mode=0o755)
     import threading
+    import time
 
-    threading.Timer(1.0, adbd.kill).start()
     from testbed.errors import DeviceUnreachable
 
+    adbd = adbd_factory()
+    device = with_tools(adb_connect(adbd, adb_key), tmp_path, (fixtures() / "test_mode_b_CPU.stdout").read_text())
+    (tmp_path / "hang").write_text('#!/bin/sh\ntouch "$0.started"\nsleep 30\n')
+    device.push(tmp_path / "hang", "tools/test-backend-ops", mode=0o755)
+    started = adbd.sandbox / "testbed" / "tools" / "test-backend-ops.started"
+
+    def kill_once_the_tool_runs():  # not on a timer: under load a timer can fire before the run starts
+        deadline = time.monotonic() + 120
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        adbd.kill()
+
+    threading.Thread(target=kill_once_the_tool_runs, daemon=True).start()
     with pytest.raises(DeviceUnreachable, match="connection lost"):
         runner.execute(run_config("mode=test"), device=device)
     rows = ResultsStore(results_dir).records()
@@ -101,17 +110,17 @@ def test_a_device_without_the_tools_is_refused_before_connecting():
 
 def test_gdn_on_a_phone_with_llama_cpp_tools_runs_ggmls_op(adb_device, tmp_path, results_dir):
     """`testbed run gdn device=hexagon`: on a device whose profile has llama.cpp's tools the gdn
-    experiment defaults to backend=ggml and reports the harness' tally, like seed 002's "28/28 OK"."""
+    experiment defaults to backend=llamacpp and reports the harness' tally, like seed 002's "28/28 OK"."""
     device = with_tools(adb_device, tmp_path, (fixtures() / "test_mode_b_CPU.stdout").read_text())
     device = Device(dataclasses.replace(device.profile, capabilities=[*device.profile.capabilities, "llamacpp"]),
                     device.transport)
     rc = config.load(["experiment=gdn", "device=adb-loopback", "+device.capabilities=[cpu,llamacpp]",
                       f"+device.tools.test-backend-ops={TOOLS}/test-backend-ops"])
-    assert rc.cfg.backend == "ggml"
+    assert rc.cfg.backend == "llamacpp"
     outcome = runner.execute(rc, device=device)
     df = outcome.frame()
     tally = df[df["case"].str.endswith("/tally")].iloc[0]
-    assert (tally["verdict"], tally["metrics.tally"], tally["backend"]) == ("pass", "36/36 OK", "ggml")
+    assert (tally["verdict"], tally["metrics.tally"], tally["backend"]) == ("pass", "36/36 OK", "llamacpp")
     assert (df["kind"] == "measure").sum() == 12  # perf mode: us/run and GB/s per case
 
     from testbed.cli import _summary

@@ -1,5 +1,5 @@
 """llama.cpp's tools, their outputs read: test-backend-ops (verdicts, perf figures) and llama-bench
-(tokens per second). Outputs come from runs on devices (testbed.runners.llamacpp), so a run that was
+(tokens per second). Outputs come from runs on devices (testbed.backends.llamacpp.runner), so a run that was
 cut short must never read as passed.
 
 test-backend-ops
@@ -85,6 +85,7 @@ class TboReport:
     summary: tuple[int, int] | None = None  # the tool's own "N/M tests passed"
     backends: dict[str, str] = field(default_factory=dict)
     final: str | None = None
+    evidence: list[dict] = field(default_factory=list)  # the device run that printed it, when there was one
 
     @property
     def tested(self) -> list[Case]:
