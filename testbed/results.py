@@ -253,13 +253,16 @@ class ResultsStore:
             begin = os.fstat(fd).st_size
             if begin and os.pread(fd, 1, begin - 1) != b"\n":
                 data = b"\n" + data  # a torn line before us ends here, not inside our first row
+            view = memoryview(data)
             try:
-                view = memoryview(data)
                 while view:  # os.write may write less than asked; the lock keeps the batch contiguous
                     view = view[os.write(fd, view):]
                 os.fsync(fd)
-            except BaseException as e:  # a full disk, or a signal mid-write: leave the file as it was
-                os.ftruncate(fd, begin)
+            except BaseException as e:
+                # A full disk or a failed sync: take the batch back. A signal (Ctrl-C) once every byte
+                # is written: keep it, readers may already have seen it whole; before that, take it back.
+                if isinstance(e, OSError) or view:
+                    os.ftruncate(fd, begin)
                 if isinstance(e, OSError):
                     raise StoreError(f"results store {self.path}: {len(rows)} records not stored: "
                                      f"{e.strerror}") from None

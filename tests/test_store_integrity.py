@@ -149,3 +149,29 @@ def test_a_full_store_is_found_before_the_run(results_dir, monkeypatch, capsys):
     assert main(["run", "gdn"]) == 5
     err = capsys.readouterr().err.strip()
     assert "only 12288 bytes free" in err and "\n" not in err
+
+
+def test_a_signal_keeps_a_batch_written_whole_and_takes_back_a_partial_one(tmp_path, monkeypatch):
+    """Readers may have seen a batch whose every byte is written: a Ctrl-C during its fsync keeps it.
+    One during the write takes it back."""
+    store = ResultsStore(tmp_path)
+
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.append(rows(2))
+    monkeypatch.undo()
+    assert len(store.records()) == 2
+    real_write = os.write
+
+    def cut(fd, data):
+        monkeypatch.setattr(os, "write", lambda fd, data: (_ for _ in ()).throw(KeyboardInterrupt()))
+        return real_write(fd, bytes(data[:50]))
+
+    monkeypatch.setattr(os, "write", cut)
+    with pytest.raises(KeyboardInterrupt):
+        store.append(rows(3))
+    monkeypatch.undo()
+    assert len(store.records()) == 2 and store.scan().problems == []

@@ -2,13 +2,13 @@
 default backend is the first its profile lists, and a run on a device whose records carry no evidence
 of the device (a host computation filed under its name) is an error, never stored as a pass."""
 
-import json
 
 import pytest
 
 from testbed import backends, cli, config, runner
 from testbed.backends.refimpl import gdn as refimpl_gdn
 from testbed.devices import connect, load_profile
+from testbed.results import ResultsStore, passed
 
 
 @pytest.mark.parametrize("argv", [["run", "gdn", "device=qemu-arm32", "backend=refimpl"],
@@ -41,7 +41,7 @@ def test_a_host_computation_filed_under_a_device_is_an_error(results_dir, monkey
             runner.execute(rc, device=device)
     finally:
         device.close()
-    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    rows = ResultsStore(results_dir).records()
     assert [(r["verdict"], r["device"]) for r in rows] == [("error", "qemu-arm32")]  # no pass stored
 
 
@@ -56,15 +56,16 @@ def test_a_program_killed_on_the_device_leaves_an_error_record_with_its_stderr(r
     crashing.chmod(0o755)
     monkeypatch.setattr(native_gdn, "build_programs", lambda target: crashing.parent)
     assert cli.main(["run", "gdn", "backend=native", "mode=oracle", "matrix=awkward"]) == 4
-    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    rows = ResultsStore(results_dir).records()
     assert [r["verdict"] for r in rows] == ["error"]
     assert "tb_gdn_bench exited -9" in rows[0]["detail"] and "out of memory in chunk 3" in rows[0]["detail"]
 
 
 def test_a_device_that_drops_mid_run_is_an_error_record_and_unreachable(results_dir, monkeypatch):
     """The loopback phone's adbd dies after the third program run of the oracle matrix (deterministic:
-    killed from inside the run, not on a timer): the run ends as one error record saying the device was
-    lost, and the CLI reports the device unreachable (exit 3), which is how a nightly lists it."""
+    killed from inside the run, not on a timer): the run ends with an error record saying the device was
+    lost, what it measured before is kept but never counts as passed, and the CLI reports the device
+    unreachable (exit 3), which is how a nightly lists it."""
     import os
     import signal
 
@@ -86,6 +87,8 @@ def test_a_device_that_drops_mid_run_is_an_error_record_and_unreachable(results_
         assert cli.main(["run", "gdn", "device=adb-loopback", "mode=oracle", "matrix=awkward"]) == 3
     finally:
         device.close()
-    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
-    assert [(r["verdict"], r["device"]) for r in rows] == [("error", "adb-loopback")]
-    assert "connection lost" in rows[0]["detail"] and rows[0]["metrics"]["records_before_error"] >= 1
+    rows = ResultsStore(results_dir).records()
+    (error,) = [r for r in rows if r["verdict"] == "error"]
+    assert error["device"] == "adb-loopback" and "connection lost" in error["detail"]
+    assert error["metrics"]["records_before_error"] == len(rows) - 1 >= 1
+    assert all(r["incomplete"] and not passed(r) for r in rows)
