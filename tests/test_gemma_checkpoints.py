@@ -4,6 +4,7 @@ gguf) load into the same logits as the weights held in memory; mismatches name t
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import gguf
 import numpy as np
@@ -95,18 +96,104 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path, weights):
         checkpoints.load_checkpoint(tmp_path / "c.gguf")
 
 
-def test_config_json_problems_are_one_line(tmp_path, weights):
+LINEAR_8 = {"rope_type": "linear", "factor": 8.0}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, r"rope_type='yarn' is not implemented; accepted: default, linear"),
+    ({"rope_scaling": {"factor": 8.0}}, r"full_attention: factor=8\.0 is not implemented for rope_type='default'"),
+    ({"rope_parameters": {"sliding_attention": LINEAR_8, "full_attention": {}}}, r"sliding_attention: factor=8\.0"),
+    ({"rope_parameters": {"full_attention": {**LINEAR_8, "partial_rotary_factor": 0.5}}},
+     r"partial_rotary_factor=0\.5 is not implemented"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, r"keyed by layer type"),
+    ({"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping=50\.0 is not implemented; accepted: None"),
+    ({"hidden_activation": "silu"}, r"hidden_activation='silu' is not implemented"),
+    ({"attention_bias": True}, r"attention_bias=True"),
+    ({"use_bidirectional_attention": True}, r"use_bidirectional_attention=True"),
+    ({"model_type": "gemma2"}, r"model_type='gemma2' is not implemented; accepted: 'gemma3_text', 'gemma3'"),
+    ({"sliding_window": None}, r"sliding_window=None is not accepted"),
+    ({"quantization_config": {"bits": 4}}, r"key 'quantization_config'=\{'bits': 4\} is not implemented"),
+    ({"layer_types": ["chunked_attention"] * 6}, r"layer type 'chunked_attention' is not accepted"),
+])
+def test_config_json_that_would_compute_something_else_is_refused(tmp_path, weights, change, message):
     folder = checkpoints.save_hf_folder(tmp_path / "hf", CFG, weights)
     hf = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**hf, "rope_scaling": {"factor": 8.0}}))
-    with pytest.raises(UsageError, match="rope_scaling"):
+    (folder / "config.json").write_text(json.dumps({**hf, **change}))
+    with pytest.raises(UsageError, match=message) as e:
         checkpoints.load_checkpoint(folder)
+    assert "\n" not in str(e.value)
+
+
+def test_config_json_missing_keys_take_transformers_defaults(tmp_path, weights):
+    """An absent key means what it means to transformers (the multimodal releases' text_config states
+    only what differs): query_pre_attn_scalar 256, not head_dim."""
+    folder = checkpoints.save_hf_folder(tmp_path / "hf", CFG, weights)
+    hf = json.loads((folder / "config.json").read_text())
+    del hf["query_pre_attn_scalar"], hf["rope_parameters"]
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": hf}))
+    cfg, _ = checkpoints.load_checkpoint(folder)
+    assert (cfg.query_pre_attn_scalar, cfg.rope_local, cfg.rope_global) == (256.0, 10_000.0, 1_000_000.0)
     del hf["head_dim"]
     (folder / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(UsageError, match="lacks 'head_dim'"):
+    with pytest.raises(UsageError, match=r"q_proj\.weight' has shape \(64, 64\), the config needs \(1024, 64\)"):
         checkpoints.load_checkpoint(folder)
     with pytest.raises(UsageError, match="accepted: a folder"):
         checkpoints.load_checkpoint(tmp_path / "nothing.bin")
+
+
+def rewrite_gguf(src, dst, set_keys: dict | None = None, drop: tuple = ()):
+    """A copy of a GGUF with metadata keys set ({key: (value, GGUFValueType)}) or dropped."""
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(dst), "gemma3")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in drop:
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    for key, (value, vtype) in (set_keys or {}).items():
+        writer.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+T = gguf.GGUFValueType
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("gemma3.rope.scaling.type", ("yarn", T.STRING), r"gemma3\.rope\.scaling\.type='yarn' is not implemented"),
+    ("gemma3.rope.dimension_count", (8, T.UINT32), r"gemma3\.rope\.dimension_count=8 is not implemented; accepted: 16"),
+    ("gemma3.attn_logit_softcapping", (50.0, T.FLOAT32), r"gemma3\.attn_logit_softcapping=50\.0 is not implemented"),
+    ("gemma3.attention.causal", (False, T.BOOL), r"gemma3\.attention\.causal=False is not implemented"),
+])
+def test_gguf_metadata_that_would_compute_something_else_is_refused(tmp_path, weights, key, value, message):
+    path = checkpoints.save_gguf(tmp_path / "m.gguf", CFG, weights)
+    with pytest.raises(UsageError, match=message):
+        checkpoints.load_checkpoint(rewrite_gguf(path, tmp_path / "bad.gguf", {key: value}))
+
+
+def test_gguf_metadata_is_read_as_llamacpp_reads_it(tmp_path, weights):
+    """The converter's keys (linear scaling, the local base) are written and read back; absent ones
+    take llama.cpp's defaults: linear scaling type, base 10,000 for both layer types, and no sliding
+    window means every layer global."""
+    cfg = gemma.tiny_config(vocab=96, window=8, rope_local=100.0, rope_global=5_000.0, rope_scaling_global=8.0)
+    path = checkpoints.save_gguf(tmp_path / "m.gguf", cfg, weights)
+    fields = {name: f.contents() for name, f in gguf.GGUFReader(path).fields.items()}
+    assert (fields["gemma3.rope.scaling.type"], fields["gemma3.rope.scaling.factor"]) == ("linear", 8.0)
+    assert (fields["gemma3.rope.freq_base"], fields["gemma3.rope.freq_base_swa"]) == (5_000.0, 100.0)
+    assert checkpoints.load_checkpoint(path)[0] == cfg
+    alternating = replace(cfg, layer_types=("local", "global") * 3)  # not llama.cpp's default pattern
+    assert checkpoints.load_checkpoint(checkpoints.save_gguf(tmp_path / "a.gguf", alternating, weights))[0] == alternating
+    bare = rewrite_gguf(path, tmp_path / "bare.gguf", drop=("gemma3.rope.scaling.type", "gemma3.rope.freq_base_swa",
+                                                             "gemma3.attention.sliding_window"))
+    loaded = checkpoints.load_checkpoint(bare)[0]
+    assert (loaded.rope_scaling_global, loaded.rope_local, loaded.types_in_use) == (8.0, 10_000.0, ("global",))
+    with pytest.raises(UsageError, match=r"query_pre_attn_scalar=24 cannot be stored in a GGUF; accepted: 16"):
+        checkpoints.save_gguf(tmp_path / "q.gguf", gemma.tiny_config(query_pre_attn_scalar=24.0), weights)
 
 
 def test_prompts_from_json_npy_and_seed(tmp_path):
