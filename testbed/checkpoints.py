@@ -169,7 +169,8 @@ def config_to_hf(cfg: GemmaConfig) -> dict:
         "layer_types": ["full_attention" if t == "global" else "sliding_attention" for t in cfg.layer_types],
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local},
                             "full_attention": global_rope},
-        "query_pre_attn_scalar": cfg.query_pre_attn_scalar, "rms_norm_eps": cfg.rms_eps,
+        # transformers 5 validates this field as an int
+        "query_pre_attn_scalar": int(q) if (q := cfg.query_pre_attn_scalar) == int(q) else q, "rms_norm_eps": cfg.rms_eps,
         "final_logit_softcapping": cfg.final_logit_softcap, "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": None,
     }

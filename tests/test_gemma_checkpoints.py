@@ -199,9 +199,9 @@ def test_gguf_metadata_is_read_as_llamacpp_reads_it(tmp_path, weights):
 def test_prompts_from_json_npy_and_seed(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps({"tokens": [5, 6, 7, 8]}))
     np.save(tmp_path / "p.npy", np.array([1, 2, 3]))
-    assert prompts.load_prompt(str(tmp_path / "p.json"), 3, 10, 0).tolist() == [5, 6, 7]
-    assert prompts.load_prompt(str(tmp_path / "p.npy"), 3, 10, 0).tolist() == [1, 2, 3]
-    assert np.array_equal(prompts.load_prompt("seed", 5, 10, 1), prompts.load_prompt("seed", 5, 10, 1))
+    assert prompts.load_prompt(str(tmp_path / "p.json"), 3, 10, 0).ids.tolist() == [5, 6, 7]
+    assert prompts.load_prompt(str(tmp_path / "p.npy"), 3, 10, 0).ids.tolist() == [1, 2, 3]
+    assert np.array_equal(prompts.load_prompt("seed", 5, 10, 1).ids, prompts.load_prompt("seed", 5, 10, 1).ids)
     with pytest.raises(UsageError, match="holds token id 8; accepted: ids from 0 to 7"):
         prompts.load_prompt(str(tmp_path / "p.json"), 4, 8, 0)
     with pytest.raises(UsageError, match="has 3 tokens; the cases need at least 4"):

@@ -213,3 +213,14 @@ def test_gdn_matches_transformers_with_the_interleaved_head_map(hf_form):
         assert nmse(hf_out, out) < TOLERANCE and nmse(hf_state, state) < TOLERANCE, ours.__name__
         tiled_out, _ = ours(*x.arrays(), head_map="tiled")
         assert nmse(hf_out, tiled_out) > 1e-3, "the head maps must differ for this check to mean anything"
+
+
+def test_transformers_reads_what_testbed_writes(tmp_path):
+    """save_hf_folder writes config.json as transformers 5 does: transformers loads it into the model
+    refimpl computes (scaled global RoPE, non-default bases and query scale)."""
+    cfg = gemma.tiny_config(vocab=96, window=8, rope_local=100.0, rope_global=5_000.0, rope_scaling_global=4.0,
+                            query_pre_attn_scalar=24.0)
+    w = gemma.init_weights(cfg, 5)
+    folder = checkpoints.save_hf_folder(tmp_path / "hf", cfg, w)
+    model = Gemma3ForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    assert_agree(cfg, w, Made(folder, model, np.random.default_rng(5).integers(0, 96, TOKENS)))
