@@ -13,7 +13,6 @@ import pytest
 
 from refimpl import gemma
 from testbed import checkpoints, cli, prompts
-from testbed.errors import UsageError
 from testbed.oracles import digest
 from testbed.results import ResultsStore
 
