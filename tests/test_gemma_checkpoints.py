@@ -209,3 +209,38 @@ def test_prompts_from_json_npy_and_seed(tmp_path):
     (tmp_path / "bad.json").write_text('["a"]')
     with pytest.raises(UsageError, match="integer token ids"):
         prompts.load_prompt(str(tmp_path / "bad.json"), 1, 10, 0)
+
+
+# The forms of Google's released Gemma 3 configs (transformers 4.50): a text-only one with every key,
+# and the multimodal ones whose text_config states only what differs from transformers' defaults.
+GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+    "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+    "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+    "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144,
+}
+GEMMA3_4B_TEXT = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                  "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                  "sliding_window": 1024}
+GEMMA3_27B_TEXT = {**GEMMA3_4B_TEXT, "head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+                   "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+                   "query_pre_attn_scalar": 168}
+
+
+def test_released_config_forms_load_with_their_rope_scaling_and_query_scale():
+    one = checkpoints.config_from_hf(GEMMA3_1B, "1b")
+    assert (one.rope_scaling_global, one.window, one.layer_types.count("global")) == (1.0, 512, 4)
+    multimodal = {"model_type": "gemma3", "mm_tokens_per_image": 256, "vision_config": {"hidden_size": 1152}}
+    four = checkpoints.config_from_hf({**multimodal, "text_config": GEMMA3_4B_TEXT}, "4b")
+    assert (four.rope_scaling_global, four.rope_global, four.rope_local) == (8.0, 1e6, 1e4)
+    assert (four.heads, four.kv_heads, four.head_dim, four.query_pre_attn_scalar, four.vocab) == (8, 4, 256, 256, 262208)
+    big = checkpoints.config_from_hf({**multimodal, "text_config": GEMMA3_27B_TEXT}, "27b")
+    # transformers' 27B query scale is the one llama.cpp derives from 62 blocks; the 4B's is head_dim
+    for cfg in (four, big):
+        assert cfg.query_pre_attn_scalar == checkpoints.gguf_query_pre_attn_scalar(cfg.layers, cfg.hidden, cfg.heads,
+                                                                                    cfg.head_dim)
+    assert big.query_pre_attn_scalar == 168 != big.head_dim

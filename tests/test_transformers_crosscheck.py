@@ -224,3 +224,24 @@ def test_transformers_reads_what_testbed_writes(tmp_path):
     folder = checkpoints.save_hf_folder(tmp_path / "hf", cfg, w)
     model = Gemma3ForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     assert_agree(cfg, w, Made(folder, model, np.random.default_rng(5).integers(0, 96, TOKENS)))
+
+
+@pytest.mark.parametrize("name", ["GEMMA3_1B", "GEMMA3_4B_TEXT", "GEMMA3_27B_TEXT"])
+def test_config_fields_and_defaults_are_what_transformers_resolves(name):
+    """The loader's defaults (HF_DEFAULTS) and RoPE resolution against the installed transformers'
+    own Gemma3TextConfig, on the forms of the released configs."""
+    from tests import test_gemma_checkpoints as released
+
+    given = getattr(released, name)
+    ours = checkpoints.config_from_hf(given, name)
+    theirs = Gemma3TextConfig(**given)
+    rope = theirs.rope_parameters
+    assert (ours.vocab, ours.hidden, ours.layers, ours.heads, ours.kv_heads, ours.head_dim, ours.mlp, ours.window) == \
+        (theirs.vocab_size, theirs.hidden_size, theirs.num_hidden_layers, theirs.num_attention_heads,
+         theirs.num_key_value_heads, theirs.head_dim, theirs.intermediate_size, theirs.sliding_window)
+    assert list(ours.layer_types) == [checkpoints.HF_LAYER_TYPES[t] for t in theirs.layer_types]
+    assert (ours.rope_local, ours.rope_global) == (rope["sliding_attention"]["rope_theta"],
+                                                   rope["full_attention"]["rope_theta"])
+    assert ours.rope_scaling_global == rope["full_attention"].get("factor", 1.0)
+    assert (ours.query_pre_attn_scalar, ours.rms_eps, ours.tie_embeddings) == \
+        (theirs.query_pre_attn_scalar, theirs.rms_norm_eps, theirs.tie_word_embeddings)
