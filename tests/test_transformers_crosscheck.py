@@ -14,7 +14,10 @@ Every comparison is an NMSE (testbed.oracles.nmse) under TOLERANCE: float32 on b
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is made here: never reach for a hub
 
 import numpy as np
 import pytest
@@ -194,17 +197,19 @@ def test_planted_gguf_norm_offset_slip_is_caught(made_62, tmp_path, monkeypatch)
 # --- Gated DeltaNet against transformers' torch fallbacks -------------------------------------------
 
 
-@pytest.mark.parametrize("hf_form", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"])
-def test_gdn_matches_transformers_with_the_interleaved_head_map(hf_form):
-    """Qwen3-Next / Qwen3.5 run the gated delta rule with grouped value heads (3 per key head here)
+@pytest.mark.parametrize("form", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"])
+@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
+def test_gdn_matches_transformers_with_the_interleaved_head_map(model, form):
+    """Qwen3-Next and Qwen3.5 run the gated delta rule with grouped value heads (3 per key head here)
     through these torch functions when no fused kernel is installed. They repeat_interleave the key
     heads, so value head h reads key head h // 3: refimpl.gdn's `interleaved` map, not llama.cpp's
     `tiled` one. 100 tokens cross one chunk boundary of 64 with a mild gate, so the state carries."""
-    from transformers.models.qwen3_next import modeling_qwen3_next
+    import importlib
 
+    modeling = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
     x = gdn.draw_inputs(n_seqs=2, tokens=100, h_k=2, d=16, v_repeat=3, gate="mild", seed=3)
     # transformers' state is [.., d_k, d_v]; refimpl.gdn stores it transposed, as ggml does
-    hf_out, hf_state = getattr(modeling_qwen3_next, hf_form)(
+    hf_out, hf_state = getattr(modeling, form)(
         *(torch.from_numpy(a) for a in (x.q, x.k, x.v, x.g, x.beta)),
         initial_state=torch.from_numpy(np.swapaxes(x.state, -1, -2).copy()), output_final_state=True)
     hf_out, hf_state = hf_out.numpy(), np.swapaxes(hf_state.numpy(), -1, -2)
