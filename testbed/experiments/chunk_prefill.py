@@ -146,10 +146,10 @@ def validate(cfg: DictConfig) -> None:
         if cfg.mode != "bench" and len(ends) > 1:
             raise UsageError(f"model.expected_token={expected} pins one token but the cases end at positions "
                              f"{', '.join(map(str, ends))}; accepted: cases that all end at one position")
-    prompt(cfg, model)
+    run_prompt(cfg, model)
 
 
-def prompt(cfg: DictConfig, model: gemma.GemmaConfig):
+def run_prompt(cfg: DictConfig, model: gemma.GemmaConfig):
     """The run's prompt (testbed.prompts): seeded ids, a file, or text through the checkpoint's tokenizer."""
     return load_prompt(str(cfg.model.prompt), prompt_length(cfg), model.vocab, cfg.seed,
                        find_tokenizer(cfg.model.checkpoint), cfg.model.chat)
@@ -160,9 +160,9 @@ def prompt(cfg: DictConfig, model: gemma.GemmaConfig):
 
 def _setup(cfg: DictConfig, ctx):
     model, w, weights_sha = load_model(*_model_key(cfg))
-    ids = prompt(cfg, model)
-    artifacts = {"weights_sha256": weights_sha, **ids.artifacts()}
-    return model, w, ids.ids, backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device), artifacts
+    prompt = run_prompt(cfg, model)
+    artifacts = {"weights_sha256": weights_sha, **prompt.artifacts()}
+    return model, w, prompt.ids, backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device), artifacts
 
 
 def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
