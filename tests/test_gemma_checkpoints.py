@@ -141,8 +141,8 @@ def test_config_json_missing_keys_take_transformers_defaults(tmp_path, weights):
         checkpoints.load_checkpoint(tmp_path / "nothing.bin")
 
 
-def rewrite_gguf(src, dst, set_keys: dict | None = None, drop: tuple = ()):
-    """A copy of a GGUF with metadata keys set ({key: (value, GGUFValueType)}) or dropped."""
+def rewrite_gguf(src, dst, set_keys: dict | None = None, drop: tuple = (), add_tensors: dict | None = None):
+    """A copy of a GGUF with metadata keys set ({key: (value, GGUFValueType)}) or dropped, and tensors added."""
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(str(dst), "gemma3")
     for name, field in reader.fields.items():
@@ -154,6 +154,8 @@ def rewrite_gguf(src, dst, set_keys: dict | None = None, drop: tuple = ()):
         writer.add_key_value(key, value, vtype)
     for t in reader.tensors:
         writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    for name, a in (add_tensors or {}).items():
+        writer.add_tensor(name, a)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -174,6 +176,13 @@ def test_gguf_metadata_that_would_compute_something_else_is_refused(tmp_path, we
     path = checkpoints.save_gguf(tmp_path / "m.gguf", CFG, weights)
     with pytest.raises(UsageError, match=message):
         checkpoints.load_checkpoint(rewrite_gguf(path, tmp_path / "bad.gguf", {key: value}))
+
+
+def test_gguf_tensor_the_model_does_not_use_is_refused(tmp_path, weights):
+    path = checkpoints.save_gguf(tmp_path / "m.gguf", CFG, weights)
+    bias = {"blk.0.attn_q.bias": np.zeros(CFG.heads * CFG.head_dim, np.float32)}
+    with pytest.raises(UsageError, match=r"unexpected tensor 'blk\.0\.attn_q\.bias'"):
+        checkpoints.load_checkpoint(rewrite_gguf(path, tmp_path / "bias.gguf", add_tensors=bias))
 
 
 def test_gguf_metadata_is_read_as_llamacpp_reads_it(tmp_path, weights):
