@@ -175,11 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceUnreachable as e:
         print(f"testbed: device unreachable: {e}", file=sys.stderr)
         return e.exit_status
-    except StoreError as e:
-        print(f"testbed: {e}", file=sys.stderr)
-        return e.exit_status
     except DeviceError as e:
         print(f"testbed: device error: {e}; the run was recorded as an error", file=sys.stderr)
+        return e.exit_status
+    except StoreError as e:
+        print(f"testbed: {e}", file=sys.stderr)
         return e.exit_status
     except (KeyboardInterrupt, runner.Interrupted) as e:
         signum = e.signum if isinstance(e, runner.Interrupted) else 2

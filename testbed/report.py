@@ -258,12 +258,13 @@ def chunk_choice(inp: Inputs) -> Section | None:
     return section
 
 
+GDN_BENCH_FIGURES = {"time", "tokens_per_s", "gflops"}
+
+
 def is_gdn_bench(record: dict) -> bool:
-    """A gdn experiment's own bench record, with what gdn_throughput reads (ingested test-backend-ops
-    perf rows are gdn measures too, with other fields)."""
-    return (record["params"].keys() >= {"chunk", "tokens", "form"}
-            and record["figures"].keys() >= {"time", "tokens_per_s", "gflops"}
-            and "speedup_vs_serial" in record["metrics"])
+    """A gdn experiment's own bench record (ingested test-backend-ops perf rows are gdn measures too)."""
+    return (record["params"].keys() >= {"chunk", "tokens", "form"} and record["figures"].keys() >= GDN_BENCH_FIGURES
+            and "speedup_vs_serial" in record["metrics"])  # sgemm_fraction: host runs only
 
 
 def gdn_throughput(inp: Inputs) -> Section | None:

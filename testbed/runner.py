@@ -8,11 +8,11 @@ killed outright has no end mark. Either way what it measured is kept, and read b
 
 A record's `device` is the machine that computed it. So before anything runs, a backend the device
 cannot run is refused (refimpl runs only on the host); and every record of a run on any device but
-the host must carry evidence that the device ran it (testbed.backends.Evidence: what ran, its
-sha256, the command, the device's own time), checked before the record is stored: a record without
-it breaks the run, and is never stored as a verdict or a figure. Records of a profile with capability
-`emulated` (qemu-user, the loopback adbd, lavapipe) say so: real for correctness, never for speed.
-Each record carries the host's load from the run's start until it was made (host_load).
+the host must carry evidence that the device ran it (testbed.backends.Evidence: what ran, its sha256,
+the command, the device's own time) before it is stored, or the run breaks there. Records of a
+profile with capability `emulated` (qemu-user, the loopback adbd, lavapipe) say so: real for
+correctness, never for speed. Each record carries the host's load so far (noisy when it exceeded the
+cores).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
     try:
         raise_if_stopped()
         for record in module.run(rc.cfg, ctx):
-            check_evidence([record], profile)  # before anything is stored under the device's name
+            check_evidence([record], profile)
             info.host_load = host_load(load_before)
             row = info.stamp(record)
             with storing():

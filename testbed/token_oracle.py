@@ -16,7 +16,8 @@ the host, with
 
 Three verdicts per case: "token" (margin: the candidate's logit for the reference token minus its
 best other logit, so negative when the argmax differs), "logits" and "cache" (margin: log10 of
-tolerance over the worst difference). Beside them: the reference's own top-1 minus top-2 margin.
+tolerance over the worst difference). Beside them: the reference's own top-1 minus top-2 margin, and,
+where the checkpoint has a tokenizer, each token as text (token_text beside token_ref).
 
 A tie: where the reference's top logits are closer than logit_atol, a backend within tolerance may
 rank them either way (a correct reduced-precision backend does). The position is recorded as a tie
@@ -112,7 +113,8 @@ class Reference:
 
 def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCase, *, expected: int | None = None,
                             logit_atol: float = 1e-3, cache_atol: float = 1e-3,
-                            build: InputsBuilder = gemma.chunk_inputs) -> list[Verdict]:
+                            build: InputsBuilder = gemma.chunk_inputs,
+                            token_text: Callable[[int], str] | None = None) -> list[Verdict]:
     prompt = ref.prompt
     if case.position >= prompt.size:
         raise ValueError(f"case {case.name} reaches position {case.position} of a {prompt.size}-token prompt")
@@ -120,6 +122,12 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
     ref_token = int(np.argmax(reference))
     info = {"position": case.position, "calls": case.calls, "token_ref": ref_token,
             "margin_ref": top2_margin(reference), "expected": expected}
+    if token_text:
+        info["token_text"] = token_text(ref_token)
+
+    def named(token: int) -> str:
+        return f"{token} ({token_text(token)!r})" if token_text else str(token)
+
     try:
         run = backend.utterance(prompt, case, build)
     except ContractBroken as e:
@@ -128,15 +136,16 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
 
     # token: chunk == redecode == token-by-token (== pinned), any of them where the reference ties
     accepted = tied_tokens(reference, logit_atol)
-    said = f"redecode {ref_token}" if len(accepted) == 1 else f"redecode ties {accepted} within {logit_atol:g}"
+    said = f"redecode {named(ref_token)}" if len(accepted) == 1 else f"redecode ties {accepted} within {logit_atol:g}"
     tokens = {"chunk": int(np.argmax(chunk_logits)), "decode": int(np.argmax(decode_logits))}
-    problems = [f"{path} gives token {t}, {said}" for path, t in tokens.items() if t not in accepted]
+    problems = [f"{path} gives token {named(t)}, {said}" for path, t in tokens.items() if t not in accepted]
     margin = min(margin_for(chunk_logits, accepted), margin_for(decode_logits, accepted))
     if expected is not None and expected not in accepted:
-        problems.append(f"{said}, the config pins {expected}")
+        problems.append(f"{said}, the config pins {named(expected)}")
         margin = min(margin, margin_for(reference, [expected]))
+    chunk_text = {"token_chunk_text": token_text(tokens["chunk"])} if token_text else {}
     token = Verdict("token", not problems, margin,
-                    {**info, "token_chunk": tokens["chunk"], "token_decode": tokens["decode"],
+                    {**info, "token_chunk": tokens["chunk"], "token_decode": tokens["decode"], **chunk_text,
                      "margin_chunk": top2_margin(chunk_logits), "tie": len(accepted) > 1,
                      "tied_tokens": accepted}, "; ".join(problems))
 

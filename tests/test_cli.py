@@ -118,7 +118,7 @@ def test_a_figure_taken_on_a_loaded_host_says_so(results_dir, capsys, monkeypatc
                  "cache.window=32", "cache.real=5", "bench.reps=1", "bench.warmup=0"]) == 0
     assert "WARNING: this host was loaded while measuring" in capsys.readouterr().out
     rows = ResultsStore(results_dir).records()
-    assert all(r["host_load"]["noisy"] for r in rows)
+    assert rows and all(r["host_load"]["noisy"] for r in rows)
 
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert main(["run", "native_bench", "attention.past=40", "attention.chunk=8", "attention.head_dim=32",

@@ -46,8 +46,8 @@ def test_an_interrupted_run_keeps_its_records_as_incomplete_with_one_error_recor
     record says what happened; nothing of the run counts as passed."""
     real = gdn.oracle_records
 
-    def interrupted(cfg, ctx, *backend):
-        for n, rec in enumerate(real(cfg, ctx, *backend)):
+    def interrupted(cfg, ctx, be):
+        for n, rec in enumerate(real(cfg, ctx, be)):
             if n == 5:
                 raise KeyboardInterrupt
             yield rec
@@ -63,7 +63,7 @@ def test_an_interrupted_run_keeps_its_records_as_incomplete_with_one_error_recor
 
 
 def test_a_crashing_run_says_what_broke(results_dir, monkeypatch):
-    def broken(cfg, ctx, *backend):
+    def broken(cfg, ctx, be):
         raise RuntimeError("kernel returned garbage")
         yield
 

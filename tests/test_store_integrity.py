@@ -105,8 +105,8 @@ def test_records_are_stored_as_the_run_goes_and_a_killed_run_reads_as_incomplete
     real = gdn.oracle_records
     seen = []
 
-    def killed_after_five(cfg, ctx, *backend):
-        for n, rec in enumerate(real(cfg, ctx, *backend)):
+    def killed_after_five(cfg, ctx, be):
+        for n, rec in enumerate(real(cfg, ctx, be)):
             if n == 5:
                 seen.extend(ResultsStore(results_dir).records())  # stored before the run ends
                 raise SystemExit("kill -9 stand-in: the run stops with no end mark")
