@@ -187,9 +187,15 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
     entry = {"night": night, "suite": suite.name, "started": started.isoformat(timespec="seconds"),
              "tools": report.tool_versions()}
     store_nights(store).append([entry])  # what a killed night leaves in the log
-    with ThreadPoolExecutor(max_workers=len(suite.devices), thread_name_prefix="device") as pool:
-        futures = [pool.submit(work, d, suite.jobs[d], suite, night, log, open_device) for d in suite.devices]
-        results = [f.result() for f in futures]
+    try:
+        with ThreadPoolExecutor(max_workers=len(suite.devices), thread_name_prefix="device") as pool:
+            futures = [pool.submit(work, d, suite.jobs[d], suite, night, log, open_device) for d in suite.devices]
+            results = [f.result() for f in futures]
+    except runner.Interrupted as e:  # the workers stop at their next record (runner.STOP)
+        stopped = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        store_nights(store).append([{**entry, "finished": stopped, "exit_status": 128 + e.signum,
+                                     "report": f"not written: {e}"}])
+        raise
     tonight = {run for r in results for run in r.run_ids}
     records = store.records()
     settings = report.settings()

@@ -55,7 +55,8 @@ def check_nmse(ref: dict[str, np.ndarray], out: dict[str, np.ndarray], threshold
         o = out[name]
         bad = {side: int(np.sum(~np.isfinite(a))) for side, a in (("output", o), ("reference", r))}
         if any(bad.values()):
-            problems.append(f"{name}: " + ", ".join(f"the {side} has {n} NaN/inf values" for side, n in bad.items() if n))
+            problems.append(f"{name}: " + ", ".join(f"the {side} has {n} NaN/inf values"
+                                                    for side, n in bad.items() if n))
             metrics[f"nmse_{name}"] = float("inf")
             worst = float("inf")
             continue

@@ -124,7 +124,8 @@ def cmd_rm(args) -> int:
         log = {n["night"]: n for n in report.night_log(store.root)}
         unknown = sorted(nights - log.keys())
         if unknown:
-            raise UsageError(f"--night {unknown[0]!r} is not in the night log; accepted: {', '.join(sorted(log)) or 'none'}")
+            raise UsageError(f"--night {unknown[0]!r} is not in the night log; "
+                             f"accepted: {', '.join(sorted(log)) or 'none'}")
         runs |= {run for n in nights for d in log[n].get("devices", {}).values() for run in d.get("runs", [])}
 
     def selected(row: dict) -> bool:

@@ -191,6 +191,10 @@ def unfinished_run_record(start: dict, kept: int) -> dict:
             "record_id": f"{start['run_id']}-unfinished", "time": start["time"], **body, "incomplete": True}
 
 
+# What every record has (RunInfo.stamp); readers and reports rely on them.
+RECORD_FIELDS = ("record_id", "run_id", "experiment", "case", "kind", "device", "backend", "started", "config",
+                 "fingerprint", "git_commit", "testbed_version", "params", "figures", "metrics")
+
 # The free space a run needs before it starts: room for its records with a wide margin.
 MIN_FREE_BYTES = 1 << 20
 # How many of the skipped lines one warning names.
@@ -249,13 +253,16 @@ class ResultsStore:
             begin = os.fstat(fd).st_size
             if begin and os.pread(fd, 1, begin - 1) != b"\n":
                 data = b"\n" + data  # a torn line before us ends here, not inside our first row
+            view = memoryview(data)
             try:
-                view = memoryview(data)
                 while view:  # os.write may write less than asked; the lock keeps the batch contiguous
                     view = view[os.write(fd, view):]
                 os.fsync(fd)
-            except BaseException as e:  # a full disk, or a signal mid-write: leave the file as it was
-                os.ftruncate(fd, begin)
+            except BaseException as e:
+                # A full disk or a failed sync: take the batch back. A signal (Ctrl-C) once every byte
+                # is written: keep it, readers may already have seen it whole; before that, take it back.
+                if isinstance(e, OSError) or view:
+                    os.ftruncate(fd, begin)
                 if isinstance(e, OSError):
                     raise StoreError(f"results store {self.path}: {len(rows)} records not stored: "
                                      f"{e.strerror}") from None
@@ -362,18 +369,25 @@ class ResultsStore:
 
     def records(self, experiment: str | None = None) -> list[dict]:
         """The stored records, each run's marked incomplete unless the run ended complete, plus one
-        error record per run that never ended."""
+        error record per run that never ended. A row that says it is a record but lacks a field every
+        record has is skipped with a warning (tables and reports would stumble on it)."""
         rows = self.rows()
-        starts = {r["run_id"]: r for r in rows if r.get("run_mark") == "started"}
-        outcomes = {r["run_id"]: r.get("outcome") for r in rows if r.get("run_mark") == "ended"}
-        out, kept = [], {}
+        starts = {r["run_id"]: r for r in rows if r.get("run_mark") == "started" and "run_id" in r}
+        outcomes = {r["run_id"]: r.get("outcome") for r in rows if r.get("run_mark") == "ended" and "run_id" in r}
+        out, kept, malformed = [], {}, 0
         for r in rows:
-            if "record_id" not in r or "experiment" not in r:
+            if "record_id" not in r:
                 continue
-            if r.get("run_id") in starts and outcomes.get(r["run_id"]) != "complete":
+            if any(f not in r for f in RECORD_FIELDS):
+                malformed += 1
+                continue
+            if r["run_id"] in starts and outcomes.get(r["run_id"]) != "complete":
                 r["incomplete"] = True
                 kept[r["run_id"]] = kept.get(r["run_id"], 0) + 1
             out.append(r)
+        if malformed:
+            warnings.warn(f"{self.path}: skipped {malformed} records without the fields every record has "
+                          f"({', '.join(RECORD_FIELDS)})")
         out += [unfinished_run_record(start, kept.get(run, 0)) for run, start in starts.items() if run not in outcomes]
         return [r for r in out if experiment is None or r["experiment"] == experiment]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pandas as pd
@@ -40,10 +41,12 @@ class Interrupted(BaseException):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
 
 
-# Set when a signal arrives. The main thread is interrupted by the handler itself; runs in worker
-# threads (testbed nightly) see this between two records and stop the same way.
+# Set when a signal arrives. The main thread is interrupted by the handler itself, except while it
+# stores (`storing`: a record half-handled would be stored yet uncounted); runs in worker threads
+# (testbed nightly) and a deferred main thread see STOP after each record and stop the same way.
 STOP = threading.Event()
 STOP_SIGNAL: list[int] = []
+_storing = threading.local()
 
 
 def stop_on_signals() -> None:
@@ -52,10 +55,26 @@ def stop_on_signals() -> None:
     def handler(signum, frame):
         STOP_SIGNAL[:] = [signum]
         STOP.set()
-        raise Interrupted(signum)
+        if not getattr(_storing, "now", False):  # the handler runs in the main thread: its flag
+            raise Interrupted(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
+
+
+@contextmanager
+def storing():
+    """A stretch a signal may not cut: it is acted on right after (raise_if_stopped)."""
+    _storing.now = True
+    try:
+        yield
+    finally:
+        _storing.now = False
+
+
+def raise_if_stopped() -> None:
+    if STOP.is_set():
+        raise Interrupted(STOP_SIGNAL[0] if STOP_SIGNAL else signal.SIGTERM)
 
 
 def results_store(rc: RunConfig) -> ResultsStore:
@@ -126,16 +145,18 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
     ctx = experiments.Context(device=device, progress=progress)
     load_before = host_load()
     rows: list[dict] = []
-    store.append([info.mark("started")])
+    with storing():
+        store.append([info.mark("started")])
     try:
+        raise_if_stopped()
         for record in module.run(rc.cfg, ctx):
             check_evidence([record], profile)
             info.host_load = host_load(load_before)
             row = info.stamp(record)
-            store.append([row])
-            rows.append(row)
-            if STOP.is_set():
-                raise Interrupted(STOP_SIGNAL[0] if STOP_SIGNAL else signal.SIGTERM)
+            with storing():
+                store.append([row])
+                rows.append(row)
+            raise_if_stopped()
     except BaseException as e:  # noqa: BLE001  -- signals included: the store must say the run broke
         if isinstance(e, KeyboardInterrupt):
             what = "interrupted"
@@ -143,9 +164,11 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
             what = str(e)
         else:
             what = f"{type(e).__name__}: {e}"
-        store.append([info.stamp(Record(rc.experiment, "run", "oracle", "run", "error", None,
-                                        {"records_before_error": len(rows)}, detail=what)),
-                      info.mark("ended", "broke")])
+        with storing():
+            store.append([info.stamp(Record(rc.experiment, "run", "oracle", "run", "error", None,
+                                            {"records_before_error": len(rows)}, detail=what)),
+                          info.mark("ended", "broke")])
         raise
-    store.append([info.mark("ended", "complete")])
+    with storing():  # a signal now finds the run complete; the next run (of a sweep) stops at its start
+        store.append([info.mark("ended", "complete")])
     return Outcome(info, rows)

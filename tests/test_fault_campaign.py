@@ -96,7 +96,8 @@ def audit(store: ResultsStore, seen: set[str], said: dict[str, tuple[int, int]] 
         mine = [r for r in records if r["run_id"] == run and r["kind"] == "oracle"]
         lost += max(0, n_oracles - len(mine))
         assert sum(passed(r) for r in mine) == n_pass, f"run {run}: the summary said {n_pass} passed"
-    complete = {r["run_id"] for r in store.scan().rows if r.get("run_mark") == "ended" and r.get("outcome") == "complete"}
+    complete = {r["run_id"] for r in store.scan().rows
+                if r.get("run_mark") == "ended" and r.get("outcome") == "complete"}
     false_passes = [r["record_id"] for r in records if passed(r) and r["run_id"] not in complete]
     COUNTS["stored_seen"] += len(seen)
     COUNTS["lost"] += lost

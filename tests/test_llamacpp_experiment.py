@@ -77,15 +77,24 @@ def test_a_crashed_tool_leaves_no_passing_tally(adb_device, tmp_path, results_di
 
 
 def test_a_device_lost_mid_run_stores_one_error_record(adbd_factory, adb_key, tmp_path, results_dir):
-    adbd = adbd_factory()
-    device = with_tools(adb_connect(adbd, adb_key), tmp_path, (fixtures() / "test_mode_b_CPU.stdout").read_text())
-    (tmp_path / "hang").write_text("#!/bin/sh\nsleep 30\n")
-    device.push(tmp_path / "hang", "tools/test-backend-ops", mode=0o755)
     import threading
+    import time
 
-    threading.Timer(1.0, adbd.kill).start()
     from testbed.errors import DeviceUnreachable
 
+    adbd = adbd_factory()
+    device = with_tools(adb_connect(adbd, adb_key), tmp_path, (fixtures() / "test_mode_b_CPU.stdout").read_text())
+    (tmp_path / "hang").write_text('#!/bin/sh\ntouch "$0.started"\nsleep 30\n')
+    device.push(tmp_path / "hang", "tools/test-backend-ops", mode=0o755)
+    started = adbd.sandbox / "testbed" / "tools" / "test-backend-ops.started"
+
+    def kill_once_the_tool_runs():  # not on a timer: under load a timer can fire before the run starts
+        deadline = time.monotonic() + 120
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        adbd.kill()
+
+    threading.Thread(target=kill_once_the_tool_runs, daemon=True).start()
     with pytest.raises(DeviceUnreachable, match="connection lost"):
         runner.execute(run_config("mode=test"), device=device)
     rows = ResultsStore(results_dir).records()

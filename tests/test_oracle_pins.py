@@ -10,7 +10,7 @@ import pytest
 from testbed import history
 from testbed.oracles import check_nmse, nmse
 from testbed.token_oracle import Reference, TokenCase, check_token_at_position
-from tests.test_chunk_prefill_planted import CFG, model
+from tests.test_chunk_prefill_planted import model
 
 
 # --- NMSE --------------------------------------------------------------------------------------------
@@ -99,7 +99,8 @@ def test_a_flip_where_the_reference_is_not_tied_still_fails():
 def run(i: int, median: float, lo: float, hi: float) -> dict:
     return {"experiment": "gdn", "device": "host", "config": {"chunk": 64}, "case": "bench", "oracle": None,
             "kind": "measure", "run_id": f"r{i}", "record_id": f"rec{i}", "started": f"2026-01-{i + 1:02d}T00:00:00",
-            "git_commit": f"c{i}", "figures": {"time": {"median": median, "min": lo, "max": hi, "reps": 5, "unit": "ms"}}}
+            "git_commit": f"c{i}",
+            "figures": {"time": {"median": median, "min": lo, "max": hi, "reps": 5, "unit": "ms"}}}
 
 
 EARLIER = [run(0, 10.0, 9.5, 10.5), run(1, 10.2, 9.8, 10.8), run(2, 9.9, 9.6, 10.4)]  # envelope 9.5 to 10.8

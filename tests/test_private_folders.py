@@ -79,9 +79,9 @@ def test_pytest_on_a_device_a_night_holds_stops_at_once_naming_the_holder(tmpdir
         cwd=PROJECT_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        p = subprocess.run([sys.executable, "-m", "pytest", "--device=adb-loopback", "-q", "--co", "-p", "no:cacheprovider",
-                            "tests/test_results.py"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
-                           timeout=120)
+        p = subprocess.run([sys.executable, "-m", "pytest", "--device=adb-loopback", "-q", "--co",
+                            "-p", "no:cacheprovider", "tests/test_results.py"],
+                           cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=120)
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)

@@ -114,3 +114,19 @@ def test_a_build_killed_mid_swap_puts_the_previous_report_back(tmp_path):
     out.rename(tmp_path / ".rep.old")  # killed after moving the previous report aside
     report.tidy(out)
     assert (out / "report.html").exists() and not (tmp_path / ".rep.old").exists()
+
+
+def test_a_night_stopped_by_a_signal_says_so_in_the_log(tmp_path, results_dir, monkeypatch):
+    import signal
+
+    from testbed import runner
+
+    def stopped(*args, **kwargs):
+        raise runner.Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(nightly, "work", stopped)
+    suite = nightly.Suite("s", ["host"], {"host": []}, tmp_path / "locks", 0, tmp_path / "rep")
+    with pytest.raises(runner.Interrupted):
+        nightly.run_night(suite, ResultsStore(results_dir), log=lambda d, m: None)
+    (night,) = report.night_log(results_dir)
+    assert night["exit_status"] == 128 + signal.SIGTERM and "interrupted by SIGTERM" in night["report"]

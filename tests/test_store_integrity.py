@@ -2,7 +2,6 @@
 runs that never end, and a store that cannot be written (issue 13, items 2-4, 13, 14)."""
 
 import errno
-import json
 import os
 
 import pytest
@@ -19,7 +18,8 @@ def rows(n, verdict="pass", info=None):
     return [info.stamp(Record("gdn", f"case{i}", "oracle", "nmse", verdict, 1.0)) for i in range(n)]
 
 
-@pytest.mark.parametrize("damage", [b'{"schema": 2, "experi', b"\x00" * 4096, b'{"experiment": "gdn"\x00\x00\x00'])
+@pytest.mark.parametrize("damage", [b'{"schema": 2, "experi', b"\x00" * 4096, b'{"experiment": "gdn"\x00\x00\x00'],
+                         ids=["torn", "nul-padding", "torn-and-nul-padded"])
 def test_a_torn_or_nul_padded_last_line_never_swallows_the_next_batch(tmp_path, damage):
     store = ResultsStore(tmp_path)
     store.append(rows(2))
@@ -84,6 +84,14 @@ def test_lines_that_are_not_utf8_or_not_objects_are_skipped_with_one_warning(tmp
     assert len(caught) == 1
 
 
+def test_a_record_without_the_fields_every_record_has_is_skipped(tmp_path):
+    store = ResultsStore(tmp_path)
+    store.append(rows(1))
+    store.append([{"record_id": "x", "experiment": "gdn", "verdict": "pass"}])
+    with pytest.warns(UserWarning, match="skipped 1 records without the fields"):
+        assert len(store.records()) == 1
+
+
 def test_a_record_of_a_newer_schema_is_skipped_not_crashed_on(tmp_path):
     store = ResultsStore(tmp_path)
     store.append(rows(1))
@@ -141,3 +149,29 @@ def test_a_full_store_is_found_before_the_run(results_dir, monkeypatch, capsys):
     assert main(["run", "gdn"]) == 5
     err = capsys.readouterr().err.strip()
     assert "only 12288 bytes free" in err and "\n" not in err
+
+
+def test_a_signal_keeps_a_batch_written_whole_and_takes_back_a_partial_one(tmp_path, monkeypatch):
+    """Readers may have seen a batch whose every byte is written: a Ctrl-C during its fsync keeps it.
+    One during the write takes it back."""
+    store = ResultsStore(tmp_path)
+
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.append(rows(2))
+    monkeypatch.undo()
+    assert len(store.records()) == 2
+    real_write = os.write
+
+    def cut(fd, data):
+        monkeypatch.setattr(os, "write", lambda fd, data: (_ for _ in ()).throw(KeyboardInterrupt()))
+        return real_write(fd, bytes(data[:50]))
+
+    monkeypatch.setattr(os, "write", cut)
+    with pytest.raises(KeyboardInterrupt):
+        store.append(rows(3))
+    monkeypatch.undo()
+    assert len(store.records()) == 2 and store.scan().problems == []

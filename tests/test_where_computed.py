@@ -62,8 +62,9 @@ def test_a_program_killed_on_the_device_leaves_an_error_record_with_its_stderr(r
 
 def test_a_device_that_drops_mid_run_is_an_error_record_and_unreachable(results_dir, monkeypatch):
     """The loopback phone's adbd dies after the third program run of the oracle matrix (deterministic:
-    killed from inside the run, not on a timer): the run ends as one error record saying the device was
-    lost, and the CLI reports the device unreachable (exit 3), which is how a nightly lists it."""
+    killed from inside the run, not on a timer): the run ends with an error record saying the device was
+    lost, what it measured before is kept but never counts as passed, and the CLI reports the device
+    unreachable (exit 3), which is how a nightly lists it."""
     import os
     import signal
 
