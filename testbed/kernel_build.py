@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS_DIR = ROOT / "kernels"
 LIBRARY_NAME = "_tb_kernels"
-PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench")
+PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench", "tb_model_bench")
 TARGETS = ("host", "arm32", "aarch64")
 REBUILD_HINT = "rebuild with `pip install -e .` (or `python setup.py build_ext --inplace`) in the project root"
 

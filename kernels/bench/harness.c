@@ -26,6 +26,8 @@ void die(const char *fmt, ...) {
 static size_t dtype_size(const char *dtype) {
     if (!strcmp(dtype, "<f4")) return 4;
     if (!strcmp(dtype, "|u1")) return 1;
+    if (!strcmp(dtype, "<i4")) return 4;
+    if (!strcmp(dtype, "<i8")) return 8;
     die("unsupported dtype %s", dtype);
     return 0;
 }

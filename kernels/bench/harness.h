@@ -10,7 +10,7 @@
 #define NPY_MAX_DIMS 8
 
 typedef struct {
-    char dtype[8];        /* "<f4" or "|u1" */
+    char dtype[8];        /* "<f4", "|u1", "<i4" or "<i8" */
     int ndim;
     size_t shape[NPY_MAX_DIMS];
     size_t count;         /* number of elements */

@@ -1,0 +1,346 @@
+"""The model engine in C (kernels/tb_model.h) run on a device: chunk prefill with past (seed 000) and
+chunked prefill with a padded tail and rollback on sliding-window caches (seed 003).
+
+The engine program (kernels/bench/tb_model_bench.c) is built for the device's ABI, pushed once per
+content, given the weights as ONE safetensors file (exported here, cached by content hash, pushed once
+per content) and the prompt as tokens.npy, and runs the whole utterance or prompt on the device: the
+KV caches never leave it; what an oracle compares (logits, K/V, cache bytes) is pulled at the end.
+
+    chunk_prefill(device, cfg, w, prompt, case)  -> ChunkRun   (P past tokens, n tokens in chunks of C)
+    tail(device, cfg, w, prompt, TailSettings)   -> TailRun    (padded or scalar tail, cache bytes)
+
+Every run carries its evidence: the program's sha256, the command, the device-side seconds. The
+oracles stay on the host and compare against refimpl: `replay_backend` hands a ChunkRun to the
+token-at-position oracle, `DeviceTailEngine` gives the first-token oracle device-run prefills.
+
+Weights: f32 as given, or f16 / int8 (symmetric, one float32 scale per `group` inputs of each row,
+refimpl.sliding_cache.quantize_int8); `dequantized` gives what refimpl must run on to be the
+reference for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from refimpl import gemma
+from refimpl import sliding_cache as sc
+from refimpl import tail_prefill as tp
+from testbed import kernel_build
+from testbed.devices import Device
+from testbed.devices.transport import sha256_file
+from testbed.errors import UsageError
+from testbed.gemma_backends import GemmaBackend
+from testbed.runners.native import NativeJob, NativeResult, run_native, stage_program
+from testbed.token_oracle import TokenCase
+
+PROGRAM = "tb_model_bench"
+WEIGHT_DTYPES = ("f32", "f16", "int8")
+CACHE_DTYPES = {"float32": "f32", "float16": "f16", "int8": "int8"}  # refimpl's names -> the program's
+TARGET_FOR_ABI = {"host": "host", "x86_64": "host", "armeabi-v7a": "arm32", "arm64-v8a": "aarch64"}
+WEIGHTS_DIR = kernel_build.ROOT / ".cache" / "engine"
+
+
+# --- weights -----------------------------------------------------------------------------------------
+
+
+def _stored(name: str, a: np.ndarray, dtype: str, group: int) -> dict[str, np.ndarray]:
+    """One tensor as the file stores it: matrices in the weight dtype (int8 with NAME_scale), vectors
+    (the norms) always float32."""
+    a = np.asarray(a, np.float32)
+    if a.ndim == 1 or dtype == "f32":
+        return {name: a}
+    if dtype == "f16":
+        return {name: a.astype(np.float16)}
+    if a.shape[1] % group:
+        raise UsageError(f"int8 weight group {group} does not divide {name}'s {a.shape[1]} inputs")
+    q, scale = sc.quantize_int8(a, group)
+    return {name: q, f"{name}_scale": scale}
+
+
+def stored_tensors(w: dict, dtype: str = "f32", group: int = 32) -> dict[str, np.ndarray]:
+    if dtype not in WEIGHT_DTYPES:
+        raise UsageError(f"weights dtype {dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
+    out = {}
+    for name in sorted(w):
+        out.update(_stored(name, w[name], dtype, group))
+    return out
+
+
+def dequantized(w: dict, dtype: str = "f32", group: int = 32) -> dict[str, np.ndarray]:
+    """The float32 weights the engine computes with: refimpl's reference for f16 / int8 weights."""
+    stored = stored_tensors(w, dtype, group)
+    out = {}
+    for name in w:
+        a = stored[name]
+        if a.dtype == np.int8:
+            rows, cols = a.shape
+            scale = stored[f"{name}_scale"]
+            a = (a.astype(np.float32).reshape(rows, cols // group, group) * scale[:, :, None]).reshape(rows, cols)
+        out[name] = a.astype(np.float32)
+    return out
+
+
+def export_weights(cfg: gemma.GemmaConfig, w: dict, dtype: str = "f32", group: int = 32,
+                   folder: Path = WEIGHTS_DIR) -> Path:
+    """The weights as one safetensors file, named by the hash of its content (written once)."""
+    from safetensors.numpy import save_file
+
+    if not cfg.tie_embeddings:
+        raise UsageError("the engine computes tied logits only (tie_embeddings=True)")
+    tensors = stored_tensors(w, dtype, group)
+    h = hashlib.sha256(f"{dtype} {group}".encode())
+    for name, a in tensors.items():
+        h.update(f"{name} {a.dtype} {a.shape}".encode() + np.ascontiguousarray(a).tobytes())
+    path = folder / f"weights-{h.hexdigest()[:20]}.safetensors"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".tmp{os.getpid()}")
+        save_file({k: np.ascontiguousarray(a) for k, a in tensors.items()}, str(partial),
+                  metadata={"format": "testbed-gemma", "weights_dtype": dtype, "group": str(group)})
+        partial.replace(path)
+    return path
+
+
+def model_args(cfg: gemma.GemmaConfig, dtype: str = "f32", group: int = 32) -> list[str]:
+    """The model's shape as the program's arguments (the weights file must match it exactly)."""
+    types = "".join("G" if t == "global" else "L" for t in cfg.layer_types)
+    return [f"vocab={cfg.vocab}", f"hidden={cfg.hidden}", f"layers={cfg.layers}", f"heads={cfg.heads}",
+            f"kv_heads={cfg.kv_heads}", f"head_dim={cfg.head_dim}", f"mlp={cfg.mlp}", f"window={cfg.window}",
+            f"types={types}", f"rope_local={cfg.rope_local!r}", f"rope_global={cfg.rope_global!r}",
+            f"attn_scale={cfg.scale!r}", f"eps={cfg.rms_eps!r}", f"softcap={cfg.final_logit_softcap or 0.0!r}",
+            f"wdtype={dtype}", f"wgroup={group}"]
+
+
+# --- running the program -------------------------------------------------------------------------------
+
+
+def program_for(device: Device) -> Path:
+    """The engine program built for the device's ABI (cached by content hash)."""
+    abi = device.profile.abi
+    if abi not in TARGET_FOR_ABI:
+        raise UsageError(f"device {device.name}: no engine build for ABI {abi!r}; accepted: {', '.join(TARGET_FOR_ABI)}")
+    return kernel_build.build_programs(TARGET_FOR_ABI[abi]) / PROGRAM
+
+
+@dataclass
+class Evidence:
+    """Where a result came from: the program's bytes, what ran, and the device's own clock."""
+
+    device: str
+    program_sha256: str
+    weights_sha256: str
+    command: list[str]
+    seconds: dict[str, list[float]]
+
+    def metrics(self) -> dict:
+        return {"program_sha256": self.program_sha256, "weights_sha256": self.weights_sha256,
+                "command": " ".join(self.command), "device": self.device,
+                **{f"device_{k}_median": float(np.median(v)) for k, v in self.seconds.items() if v}}
+
+
+def _run(device: Device, cfg: gemma.GemmaConfig, w: dict, tokens, args: list[str], outputs: list[str],
+         weights_dtype: str, group: int, program: Path | None, measured: bool) -> tuple[NativeResult, Evidence]:
+    program = program or program_for(device)
+    weights = export_weights(cfg, w, weights_dtype, group)
+    remote_weights = stage_program(device, weights)
+    argv = [".", ".", f"weights=../../{remote_weights}", *model_args(cfg, weights_dtype, group), *args]
+    job = NativeJob(program, {"tokens": np.asarray(tokens, np.int32)}, outputs, argv, measured=measured)
+    result = run_native(device, job)
+    seconds = {k: list(v) for k, v in result.timings.items() if k.endswith("seconds") and isinstance(v, list)}
+    return result, Evidence(device.name, sha256_file(program), sha256_file(weights), [PROGRAM, *argv], seconds)
+
+
+# --- chunk prefill with past (seed 000) -------------------------------------------------------------
+
+
+@dataclass
+class ChunkRun:
+    """One utterance on the device: P past tokens, then n tokens in ceil(n/C) chunk calls."""
+
+    case: TokenCase
+    tokens: np.ndarray          # the prompt the device ran (P + n tokens)
+    call_logits: np.ndarray     # [calls, vocab]: each call's selected row (its last real one)
+    k: list[np.ndarray]         # per layer [kv_heads, P' + C, head_dim] after the last call, pads included
+    v: list[np.ndarray]
+    decode_logits: np.ndarray   # [vocab]: the same n tokens as decode steps, at the last position
+    timings: dict
+    evidence: Evidence
+
+
+def chunk_prefill(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, case: TokenCase, *,
+                  weights_dtype: str = "f32", group: int = 32, threads: int = 1, warmup: int = 0, reps: int = 1,
+                  reference: bool = False, program: Path | None = None) -> ChunkRun:
+    """Run `case` on the device. `w`: the float32 weights (exported in weights_dtype)."""
+    tokens = np.asarray(prompt, np.int64)[: case.past + case.tokens]
+    args = ["mode=chunk", f"past={case.past}", f"tokens={case.tokens}", f"chunk={case.chunk}", f"threads={threads}",
+            f"warmup={warmup}", f"reps={reps}", f"reference={int(reference)}"]
+    result, evidence = _run(device, cfg, w, tokens, args, ["chunk_logits", "k", "v", "decode_logits"],
+                            weights_dtype, group, program, measured=reps > 1)
+    out = result.outputs
+    return ChunkRun(case, tokens, out["chunk_logits"], list(out["k"]), list(out["v"]), out["decode_logits"],
+                    result.timings, evidence)
+
+
+def replay_backend(run: ChunkRun) -> GemmaBackend:
+    """The device's run as the graphs the token-at-position oracle calls (testbed.token_oracle): the
+    oracle's calls must arrive in the order the device made them, with the tokens it ran, and get the
+    device's results. prefill_at returns the device's past rows; each chunk call its logits and the
+    K/V it returned (every call's rows are a prefix of the last call's: rows never change once
+    written); the decode path only its last step's logits (the earlier steps' are not pulled)."""
+    past, chunk, n = run.case.past, run.case.chunk, run.case.tokens
+    decode_steps = iter(range(n))
+
+    def rows(count: int):
+        return [k[:, :count] for k in run.k], [v[:, :count] for v in run.v]
+
+    def prefill_at(tokens, row):
+        if not np.array_equal(np.asarray(tokens), run.tokens[:past]):
+            raise ValueError("prefill_at asked for another past than the device ran")
+        return None, *rows(past)
+
+    def prefill_with_past(inp, past_k, past_v):
+        held = past_k[0].shape[1]
+        if (held - past) % chunk or not np.array_equal(inp.tokens[:inp.n], run.tokens[held:held + inp.n]):
+            raise ValueError(f"a chunk call after {held} rows is not one the device made")
+        return run.call_logits[(held - past) // chunk], *rows(held + chunk)
+
+    def decode_with_past(inp, past_k, past_v):
+        step = next(decode_steps)
+        return (run.decode_logits if step == n - 1 else None), past_k, past_v
+
+    return GemmaBackend("native", prefill_at, prefill_with_past, decode_with_past)
+
+
+# --- the padded tail (seed 003) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TailSettings:
+    chunk: int
+    cache_dtype: str = "float32"   # refimpl's name: float32 | float16 | int8
+    cache_group: int = 16
+    sink: int = 0
+    threshold: int = tp.DEFAULT_THRESHOLD
+    state: bool = False            # the model has a conv / recurrent state: padding must stay off
+    generate: int = 1              # greedy tokens generated after the prefill, on the device
+    exact_tail: bool = False       # the byte-identical oracle's reference: append the tail's real rows only
+    weights_dtype: str = "f32"
+    weights_group: int = 32
+    threads: int = 1
+
+
+@dataclass
+class DevicePrefill(tp.Prefill):
+    """refimpl's Prefill, from the device: its caches rebuilt from the pulled bytes, and the tokens the
+    device generated greedily right after it."""
+
+    generated: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TailRun:
+    prefill: DevicePrefill
+    timings: dict
+    evidence: Evidence
+    scalar_telemetry: tp.Telemetry | None = None  # compare=True: the scalar variant timed beside
+
+
+def _telemetry(t: dict) -> tp.Telemetry:
+    return tp.Telemetry(**t)
+
+
+def _caches(cfg: gemma.GemmaConfig, s: TailSettings, out: dict, lengths: list[int]) -> tp.ModelCaches:
+    """refimpl caches holding the device's bytes (sliding for local layers, full for global ones)."""
+    layers = []
+    for i, t in enumerate(cfg.layer_types):
+        def part(name, dtype):
+            return out[f"layer{i}.{name}"].view(dtype)
+
+        k, v = part("k", s.cache_dtype), part("v", s.cache_dtype)
+        slots = k.shape[1]
+        k, v = k.reshape(cfg.kv_heads, slots, cfg.head_dim), v.reshape(cfg.kv_heads, slots, cfg.head_dim)
+        if s.cache_dtype == "int8":
+            groups = cfg.head_dim // s.cache_group
+            k_scale = part("k_scale", np.float32).reshape(cfg.kv_heads, slots, groups)
+            v_scale = part("v_scale", np.float32).reshape(cfg.kv_heads, slots, groups)
+        else:
+            k_scale = v_scale = np.zeros((cfg.kv_heads, slots, 0), np.float32)
+        rows = sc.RowStorage(s.cache_dtype, s.cache_group, k, v, k_scale, v_scale, out[f"layer{i}.positions"], lengths[i])
+        layers.append(sc.SlidingCache(cfg.window, s.sink, rows) if t == "local" else sc.FullCache(rows))
+    return tp.ModelCaches(layers)
+
+
+def tail(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSettings, *, warmup: int = 0,
+         reps: int = 1, compare: bool = False, program: Path | None = None) -> TailRun:
+    """Prefill `prompt` on the device with the tail policy; the kill switch is the host's
+    TESTBED_DISABLE_PREFILL_TAIL_PAD, forwarded to the program."""
+    if s.cache_dtype not in CACHE_DTYPES:
+        raise UsageError(f"cache dtype {s.cache_dtype!r} is not one of {', '.join(CACHE_DTYPES)}")
+    tokens = np.asarray(prompt, np.int64).reshape(-1)
+    args = ["mode=tail", f"chunk={s.chunk}", f"cache={CACHE_DTYPES[s.cache_dtype]}", f"cache_group={s.cache_group}",
+            f"sink={s.sink}", f"threshold={s.threshold}", f"state={int(s.state)}", f"generate={s.generate}",
+            f"exact_tail={int(s.exact_tail)}", f"compare={int(compare)}",
+            f"{tp.KILL_SWITCH}={os.environ.get(tp.KILL_SWITCH, '0')}", f"threads={s.threads}", f"warmup={warmup}",
+            f"reps={reps}"]
+    parts = ["k", "v", "positions"] + (["k_scale", "v_scale"] if s.cache_dtype == "int8" else [])
+    outputs = ["logits", "generated"] + [f"layer{i}.{p}" for i in range(cfg.layers) for p in parts]
+    result, evidence = _run(device, cfg, w, tokens, args, outputs, s.weights_dtype, s.weights_group, program,
+                            measured=reps > 1)
+    out, timings = result.outputs, result.timings
+    caches = _caches(cfg, s, out, timings["lengths"])
+    prefill = DevicePrefill(out["logits"], _telemetry(timings["telemetry"]), caches, tokens.size,
+                            [int(t) for t in out["generated"]])
+    scalar = _telemetry(timings["scalar_telemetry"]) if compare else None
+    return TailRun(prefill, timings, evidence, scalar)
+
+
+@dataclass
+class DeviceTailEngine:
+    """What testbed.tail_oracles.check_first_token drives (its Engine's prefill and generate), with
+    every prefill run on the device. `make_caches` and `policy` describe the same caches and policy on
+    the host, for callers that ask the policy what it would decide."""
+
+    device: Device
+    cfg: gemma.GemmaConfig
+    w: dict
+    settings: TailSettings
+    program: Path | None = None
+    runs: list[TailRun] = field(default_factory=list)
+
+    @property
+    def graph(self) -> tp.ChunkGraph:
+        return tp.ChunkGraph(self.settings.chunk)
+
+    @property
+    def policy(self) -> tp.TailPolicy:
+        return tp.TailPolicy(self.settings.threshold)
+
+    def make_caches(self) -> tp.ModelCaches:
+        s = self.settings
+        return tp.model_caches(self.cfg, s.cache_dtype, s.sink, s.cache_group, 2 if s.state else 0)
+
+    def prefill(self, tokens) -> DevicePrefill:
+        run = tail(self.device, self.cfg, self.w, tokens, self.settings, program=self.program)
+        self.runs.append(run)
+        return run.prefill
+
+    def generate(self, state: DevicePrefill, steps: int) -> list[int]:
+        """The tokens the device generated after this prefill (it generates settings.generate)."""
+        if steps > len(state.generated):
+            raise ValueError(f"{steps} tokens asked, the device generated {len(state.generated)} "
+                             f"(TailSettings.generate)")
+        return state.generated[:steps]
+
+
+def weights_stream_bytes(cfg: gemma.GemmaConfig, dtype: str = "f32", group: int = 32) -> int:
+    """Bytes of the weight matrices one decode step reads once (every projection and the tied LM head)."""
+    per = {"f32": 4.0, "f16": 2.0, "int8": 1.0 + 4.0 / group}[dtype]
+    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    layer = cfg.hidden * (2 * q + 2 * kv) + 3 * cfg.hidden * cfg.mlp
+    return int(math.ceil(per * (cfg.layers * layer + cfg.vocab * cfg.hidden)))
