@@ -346,7 +346,7 @@ def rollback_padded_append(cache, snap: PaddedAppendSnapshot) -> None:
 @dataclass(frozen=True)
 class CacheOps:
     """The three operations a prefill engine performs on a cache. These are the reference's; the
-    native kernels bring their own (testbed.native.sliding_cache_ops), and a planted-bug test swaps one."""
+    native kernels bring their own (testbed.backends.native.library.sliding_cache_ops), and a planted-bug test swaps one."""
 
     append: object = append
     snapshot: object = snapshot_padded_append

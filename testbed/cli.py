@@ -100,10 +100,10 @@ def cmd_ingest(args) -> int:
     import csv
     import io
 
-    from testbed import llamacpp_output as out
+    from testbed.backends.llamacpp import output as out
     from testbed.devices import load_profile
     from testbed.results import RunInfo
-    from testbed.runners import llamacpp
+    from testbed.backends.llamacpp import runner as llamacpp
 
     rc = config.load([f"device={args.device}"], experiment=args.experiment)
     profile = load_profile(rc.device)

@@ -1,9 +1,10 @@
 """The token-at-position oracle for chunk prefill with past (seed 000).
 
-A case is (P cached positions, an utterance of n tokens, chunk size C). The candidate path: the cache
-of positions 0..P-1 from the backend's prefill_at, then the n tokens in ceil(n/C) prefill_with_past
-calls (the last one zero-padded to C; pad rows are dropped from the cache between calls), selecting
-the last real row. It must agree with
+A case is (P cached positions, an utterance of n tokens, chunk size C). The candidate path runs on
+the backend's device (`backend.utterance`, testbed.backends): the cache of positions 0..P-1 from
+prefill_at, then the n tokens in ceil(n/C) prefill_with_past calls (the last one zero-padded to C; pad
+rows are dropped from the cache between calls), selecting the last real row. It must agree, here on
+the host, with
 
 - redecode (refimpl, the ground truth) at position P+n-1: same argmax, and logits within logit_atol;
 - the token-by-token path: n decode_with_past calls from the same P-position cache;
@@ -27,8 +28,7 @@ from typing import Callable
 import numpy as np
 
 from refimpl import gemma
-from testbed.contract import prefill_with_past_contract
-from testbed.gemma_backends import GemmaBackend
+from testbed.backends import ContractBroken, GemmaRunner
 from testbed.oracles import Verdict, nmse
 
 InputsBuilder = Callable[..., gemma.ChunkInputs]
@@ -99,61 +99,21 @@ class Reference:
         return k, v
 
 
-class ContractBroken(Exception):
-    """A graph returned results of the wrong shape: the case fails without running further."""
-
-
-def _check_rows(cfg, case_chunk: int, past_rows: int, ks, vs) -> None:
-    spec = prefill_with_past_contract(cfg, case_chunk, past_rows).results
-    for i, (k, v) in enumerate(zip(ks, vs)):
-        for a, s in ((k, spec[1 + 2 * i]), (v, spec[2 + 2 * i])):
-            if tuple(a.shape) != s.shape:
-                raise ContractBroken(f"{s.name} has shape {tuple(a.shape)}, the contract says {s.shape} "
-                                     f"(K/V must be extended by the chunk's {case_chunk} rows)")
-
-
-def run_chunks(backend: GemmaBackend, cfg, prompt, case: TokenCase, past_k, past_v,
-               build: InputsBuilder = gemma.chunk_inputs):
-    """The candidate path: the utterance in ceil(n/C) chunk calls. Returns the last call's logits, the
-    cache of real rows, and the last call's raw K/V and inputs (for the pad-row check)."""
-    positions = np.arange(case.past, dtype=np.int64)
-    ks, vs = past_k, past_v
-    for start in range(case.past, case.past + case.tokens, case.chunk):
-        part = prompt[start: min(start + case.chunk, case.past + case.tokens)]
-        inp = build(cfg, part, positions.size, case.chunk, past_positions=positions)
-        logits, raw_k, raw_v = backend.prefill_with_past(inp, ks, vs)
-        _check_rows(cfg, case.chunk, positions.size, raw_k, raw_v)
-        keep = positions.size + inp.n
-        ks, vs = [k[:, :keep] for k in raw_k], [v[:, :keep] for v in raw_v]
-        positions = np.concatenate([positions, inp.positions[: inp.n]])
-    return logits, ks, vs, raw_k, raw_v, inp
-
-
-def run_decode(backend: GemmaBackend, cfg, prompt, case: TokenCase, past_k, past_v,
-               build: InputsBuilder = gemma.chunk_inputs) -> np.ndarray:
-    ks, vs = past_k, past_v
-    for pos in range(case.past, case.past + case.tokens):
-        inp = build(cfg, prompt[pos: pos + 1], pos, 1, start=pos)
-        logits, ks, vs = backend.decode_with_past(inp, ks, vs)
-    return logits
-
-
-def check_token_at_position(backend: GemmaBackend, ref: Reference, case: TokenCase, *, expected: int | None = None,
+def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCase, *, expected: int | None = None,
                             logit_atol: float = 1e-3, cache_atol: float = 1e-3,
                             build: InputsBuilder = gemma.chunk_inputs) -> list[Verdict]:
-    cfg, prompt = ref.cfg, ref.prompt
+    prompt = ref.prompt
     if case.position >= prompt.size:
         raise ValueError(f"case {case.name} reaches position {case.position} of a {prompt.size}-token prompt")
-    _, past_k, past_v = backend.prefill_at(prompt[: case.past], case.past - 1)
     reference = ref.logits(case.position)
     ref_token = int(np.argmax(reference))
     info = {"position": case.position, "calls": case.calls, "token_ref": ref_token,
             "margin_ref": top2_margin(reference), "expected": expected}
     try:
-        chunk_logits, ks, vs, raw_k, raw_v, last = run_chunks(backend, cfg, prompt, case, past_k, past_v, build)
+        run = backend.utterance(prompt, case, build)
     except ContractBroken as e:
         return [Verdict(name, False, float("-inf"), info, str(e)) for name in ("token", "logits", "cache")]
-    decode_logits = run_decode(backend, cfg, prompt, case, past_k, past_v, build)
+    chunk_logits, decode_logits, ks, vs, last = run.chunk_logits, run.decode_logits, run.k, run.v, run.last
 
     # token: chunk == redecode == token-by-token (== pinned)
     tokens = {"chunk": int(np.argmax(chunk_logits)), "decode": int(np.argmax(decode_logits))}
@@ -175,11 +135,10 @@ def check_token_at_position(backend: GemmaBackend, ref: Reference, case: TokenCa
     want_k, want_v = ref.kv(case.past + case.tokens)
     real = max(float(np.abs(a - b).max()) for a, b in zip(ks + vs, want_k + want_v))
     pad = 0.0
-    first_pad = raw_k[0].shape[1] - case.chunk + last.n
     for row in range(last.n, case.chunk):
         pk, pv = ref.pad_row(int(last.tokens[row]), int(last.table_positions[row]))
-        col = first_pad + row - last.n
-        pad = max(pad, max(float(np.abs(a[:, col:col + 1] - b).max()) for a, b in zip(raw_k + raw_v, pk + pv)))
+        col = row - last.n
+        pad = max(pad, max(float(np.abs(a[:, col:col + 1] - b).max()) for a, b in zip(run.pad_k + run.pad_v, pk + pv)))
     cache = closeness("cache", max(real, pad), cache_atol,
                       f"cache differs from prefill_at by {real:.3g} on real rows, {pad:.3g} on pad rows "
                       f"(tolerance {cache_atol:g})")

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from refimpl import gdn as ref
-from testbed import kernel_build, native
+from testbed.backends.native import build as kernel_build, library as native
 from testbed.experiments.gdn import AWKWARD_CASES, TBO_CASES
 
 GDN_CASES = TBO_CASES + AWKWARD_CASES

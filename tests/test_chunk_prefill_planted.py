@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from refimpl import gemma
-from testbed.gemma_backends import refimpl as refimpl_backend
+from testbed.backends.refimpl import gemma as refimpl_backend
 from testbed.token_oracle import Reference, TokenCase, check_token_at_position
 
 CFG = gemma.tiny_config()          # window 512, layers 0-4 local, 5 global

@@ -72,7 +72,7 @@ def test_bad_arguments_are_named():
 
 def test_our_shape_matrix_is_llama_cpps(seed_fixtures):
     """TBO_CASES lists exactly the cases the real test-backend-ops ran, in its order."""
-    from testbed import llamacpp_output
+    from testbed.backends.llamacpp import output as llamacpp_output
 
     report = llamacpp_output.parse_test((seed_fixtures / "test-backend-ops" / "test_mode_b_CPU.stdout").read_text())
     keys = ("head_count", "head_size", "n_seq_tokens", "n_seqs", "v_repeat", "permuted", "kda", "K")

@@ -16,10 +16,10 @@ import pytest
 
 from refimpl import gdn as ref
 from testbed.errors import UsageError
-from testbed.graphs import gdn as graphs
-from testbed.iree_artifacts import (Artifact, Contract, ContractError, TensorSpec, check_signature,
+from testbed.backends.iree.graphs import gdn as graphs
+from testbed.backends.iree.artifacts import (Artifact, Contract, ContractError, TensorSpec, check_signature,
                                     compile_graph, load_target, target_names)
-from testbed.iree_runner import (IncompatibleModule, ModuleRequirements, RuntimeSession, TargetRunner,
+from testbed.backends.iree.runtime import (IncompatibleModule, ModuleRequirements, RuntimeSession, TargetRunner,
                                  benchmark_tool, run_tool, tool_command)
 from testbed.oracles import check_nmse
 
@@ -122,7 +122,7 @@ def test_artifact_folder_holds_everything_to_rebuild(host_artifacts, tmp_path):
     shutil.copytree(art.folder, copy)
     (copy / "module.vmfb").unlink()
     command = (copy / "compile_command.sh").read_text().splitlines()[-1]
-    from testbed.iree_artifacts import compiler_path
+    from testbed.backends.iree.artifacts import compiler_path
     subprocess.run(command.replace("iree-compile", compiler_path(), 1), shell=True, cwd=copy, check=True)
     assert (copy / "module.vmfb").read_bytes() == art.module.read_bytes()
 
@@ -226,7 +226,7 @@ def test_modules_for_other_devices_are_refused_before_running(host_artifacts, la
 
 def test_on_a_mali_device_the_mali_module_is_accepted(monkeypatch, mali_artifact, lavapipe_artifact):
     """The same check on a phone's Vulkan device name (the check reads only the name)."""
-    from testbed import iree_runner
+    from testbed.backends.iree import runtime as iree_runner
 
     monkeypatch.setattr(iree_runner, "vulkan_device_name", lambda: "Mali-G78 MC24")
     iree_runner.check_runs_on(mali_artifact, "vulkan")

@@ -13,11 +13,11 @@ from omegaconf import OmegaConf
 
 from refimpl import gemma
 from testbed import config, runner
-from testbed.gemma_backends import make
-from testbed.graphs import gemma as graphs
+from testbed import backends
+from testbed.backends.iree.graphs import gemma as graphs
 from testbed.contract import pack_prefill_with_past
-from testbed.iree_artifacts import Artifact, compile_graph, parse_declaration
-from testbed.iree_runner import ModuleRequirements, RuntimeSession, TargetRunner, run_tool
+from testbed.backends.iree.artifacts import Artifact, compile_graph, parse_declaration
+from testbed.backends.iree.runtime import ModuleRequirements, RuntimeSession, TargetRunner, run_tool
 from testbed.token_oracle import Reference, TokenCase, check_token_at_position
 
 
@@ -35,7 +35,7 @@ def prompt(tiny):
 def iree_backend(tiny, target="host"):
     cfg, w = tiny
     run_cfg = OmegaConf.create({"target": target, "iree": {"driver": None, "past_bucket": 128, "weights": "parameters"}})
-    return make("iree", w, cfg, run_cfg, None)
+    return backends.load("iree", "gemma").backend(w, cfg, run_cfg, None)
 
 
 @pytest.fixture(scope="session")

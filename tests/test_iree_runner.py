@@ -15,7 +15,7 @@ from testbed import PROJECT_ROOT
 from testbed.devices import Device
 from testbed.errors import UsageError
 from testbed.oracles import check_nmse
-from testbed.runners.iree import IreeJob, benchmark_command, benchmark_module, run_command, run_module
+from testbed.backends.iree.device import IreeJob, benchmark_command, benchmark_module, run_command, run_module
 
 pytestmark = pytest.mark.skipif(shutil.which("iree-compile") is None, reason="iree-base-compiler is not installed")
 

@@ -4,7 +4,7 @@ llama.cpp's tools (capability `llamacpp`)."""
 
 import pytest
 
-from testbed.runners import llamacpp
+from testbed.backends.llamacpp import runner as llamacpp
 
 
 @pytest.mark.requires("llamacpp")

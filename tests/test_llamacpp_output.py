@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from testbed import PROJECT_ROOT
-from testbed import llamacpp_output as out
+from testbed.backends.llamacpp import output as out
 from testbed.errors import DeviceError
 
 

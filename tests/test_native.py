@@ -11,7 +11,7 @@ import pytest
 from tests.native_support import GDN_CASES, reference64
 from refimpl import gdn as ref
 from refimpl import gemma
-from testbed import kernel_build, native
+from testbed.backends.native import build as kernel_build, library as native
 from testbed.oracles import check_bitexact, check_nmse
 from testbed.tail_oracles import check_padded_rollback, grid
 

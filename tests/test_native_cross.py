@@ -18,7 +18,7 @@ from tests.native_support import GDN_CASES, reference64
 from refimpl import gemma
 from refimpl import sliding_cache as sc
 from tests.test_native import attention_inputs
-from testbed import kernel_build, native_programs
+from testbed.backends.native import build as kernel_build, programs as native_programs
 from testbed.oracles import check_bitexact, check_nmse
 from testbed.tail_oracles import GROUP, HEAD_DIM, KV_HEADS, grid
 

@@ -3,7 +3,8 @@ before any work with one line and exit status 2, a stale library named with its 
 
 import pytest
 
-from testbed import cli, config, kernel_build, native, runner
+from testbed import cli, config, runner
+from testbed.backends.native import build as kernel_build, library as native
 
 
 def run(overrides, experiment):

@@ -10,10 +10,10 @@ import shutil
 import numpy as np
 import pytest
 
-from testbed import kernel_build
+from testbed.backends.native import build as kernel_build
 from testbed.experiments.gdn import TBO_CASES
 from testbed.oracles import check_nmse
-from testbed.runners.native import NativeJob, run_native
+from testbed.backends.native.device import NativeJob, run_native
 from tests.native_support import reference64
 
 TARGET_FOR_ABI = {"host": "host", "x86_64": "host", "armeabi-v7a": "arm32", "arm64-v8a": "aarch64"}
@@ -61,7 +61,7 @@ def test_inputs_staged_in_the_wrong_order_are_caught(device):
 @pytest.mark.parametrize("abi", ["armeabi-v7a", "arm64-v8a"])
 def test_arm_builds_over_adb_are_bitexact_with_qemu_direct(adb_device, abi):
     """The same ARM program through ADB and run directly: the transport must not change a bit."""
-    from testbed import native_programs
+    from testbed.backends.native import programs as native_programs
 
     program = programs_for(abi)
     x = CASES[3].inputs(seed=1)

@@ -7,7 +7,7 @@ import numpy as np
 from tests.native_support import GDN_CASES, mutant_library, reference64
 from refimpl import gemma
 from tests.test_native import ATTENTION_CASES, attention_inputs
-from testbed import native
+from testbed.backends.native import library as native
 from testbed.oracles import check_nmse
 from testbed.tail_oracles import check_padded_rollback, grid
 

@@ -11,7 +11,7 @@ import pytest
 
 from testbed.oracles import check_bitexact
 from testbed.peers.fixtures import compile_static
-from testbed.runners.native import NativeJob, NativeRunFailed, run_native
+from testbed.backends.native.device import NativeJob, NativeRunFailed, run_native
 
 SOURCE = Path(__file__).parent / "data" / "axpb.c"
 

@@ -27,11 +27,10 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma
-from testbed import gemma_backends, tables
+from testbed import backends, tables
 from testbed.checkpoints import load_checkpoint
 from testbed.config import Choice, Float, Int, IntList, project_path
 from testbed.errors import UsageError
-from testbed.measure import time_alternating
 from testbed.oracles import digest
 from testbed.prompts import load_prompt
 from testbed.results import Record
@@ -41,7 +40,7 @@ PRESETS = {"tiny": gemma.tiny_config, "functiongemma": gemma.functiongemma_confi
 FIXTURES_FALLBACK = Path("/work/shared/fixtures")
 
 PARAMS = {
-    "backend": Choice(tuple(gemma_backends.available())),
+    "backend": Choice(tuple(backends.implementing("gemma"))),
     "mode": Choice(("oracle", "bench", "all")),
     "target": Choice(("host", "lavapipe")),
     "iree.driver": Choice((None, "local-sync", "local-task", "vulkan")),
@@ -154,7 +153,7 @@ def _setup(cfg: DictConfig, ctx):
     source = "seed" if cfg.model.prompt == "seed" else str(project_path(cfg.model.prompt))
     prompt = load_prompt(source, prompt_length(cfg), model.vocab, cfg.seed)
     artifacts = {"weights_sha256": weights_sha, "prompt_sha256": digest(prompt)}
-    return model, w, prompt, gemma_backends.make(cfg.backend, w, model, cfg, ctx.device), artifacts
+    return model, w, prompt, backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device), artifacts
 
 
 def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
@@ -178,12 +177,7 @@ def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -
 def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
     p, c = cfg.bench.past, cfg.chunk
     ctx.progress(f"chunk_prefill bench P={p} C={c}")
-    _, past_k, past_v = backend.prefill_at(prompt[:p], p - 1)
-    chunk_in = gemma.chunk_inputs(model, prompt[p:p + c], p, c)
-    decode_in = gemma.chunk_inputs(model, prompt[p:p + 1], p, 1)
-    times = time_alternating({"chunk_call": lambda: backend.prefill_with_past(chunk_in, past_k, past_v),
-                              "decode_step": lambda: backend.decode_with_past(decode_in, past_k, past_v)},
-                             reps=cfg.bench.reps, warmup=cfg.bench.warmup)
+    times = backend.bench(prompt, p, c, cfg.bench.reps, cfg.bench.warmup)
     params = {"past": p, "chunk": c, "threads": cfg.threads}
     for name, rows in (("chunk_call", c), ("decode_step", 1)):
         flops = gemma.graph_flops(model, rows, p)

@@ -10,7 +10,7 @@ bench mode   serial vs chunkwise at the benchmark shape (16 heads, head size 128
 
 Backends: refimpl (numpy); native (the C kernels of kernels/, built by `pip install`, with
 `threads` splitting heads over threads; its records name the kernels' source hash and vector path);
-iree (the jax graphs of testbed/graphs/gdn.py compiled for `target`); ggml (llama.cpp's own op on a
+iree (the jax graphs of testbed/backends/iree/graphs/gdn.py compiled for `target`); ggml (llama.cpp's own op on a
 device with its tools: test-backend-ops is then the oracle and its perf mode the measurement).
 """
 
@@ -139,8 +139,8 @@ def backend(name: str, head_map: str, threads: int = 1, target: str = "host", pr
     """The serial/chunkwise pair of a backend that runs on the host: threads for native, the IREE
     target (and compile progress) for iree."""
     if name == "iree":
-        from testbed.graphs import gdn as graphs
-        from testbed.iree_runner import TargetRunner
+        from testbed.backends.iree.graphs import gdn as graphs
+        from testbed.backends.iree.runtime import TargetRunner
 
         run = TargetRunner(target, progress=progress)
         return Backend(
@@ -153,7 +153,7 @@ def backend(name: str, head_map: str, threads: int = 1, target: str = "host", pr
             chunkwise=lambda x, c: ref.gdn_chunkwise(*x.arrays(), chunk=c, head_map=head_map),
         )
     if name == "native":
-        from testbed import native
+        from testbed.backends.native import library as native
 
         return Backend(
             serial=lambda x: native.gdn_serial(*x.arrays(), head_map=head_map, threads=threads),
@@ -167,7 +167,7 @@ def validate(cfg: DictConfig) -> None:
     """Before any work: the native library must load (a missing or stale one says how to rebuild),
     and threads only mean something for it."""
     if cfg.backend == "native":
-        from testbed import native
+        from testbed.backends.native import library as native
 
         native.library()
     elif cfg.backend == "ggml":
@@ -279,7 +279,7 @@ def bench_records(cfg: DictConfig, ctx) -> Iterator[Record]:
 def ggml_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     """ggml's GATED_DELTA_NET on the device (seed 002's phones): llama.cpp's own harness is the oracle
     (one verdict per case and the "36/36 OK" tally), its perf mode the measurement."""
-    from testbed.runners import llamacpp
+    from testbed.backends.llamacpp import runner as llamacpp
 
     backend = ctx.device.profile.accelerators.get("backend") or "CPU"
     if cfg.mode in ("oracle", "all"):

@@ -17,8 +17,8 @@ from omegaconf import DictConfig
 
 from testbed.config import Choice, Float, project_path
 from testbed.errors import UsageError
-from testbed.iree_artifacts import Artifact
-from testbed.iree_runner import DRIVERS, RuntimeSession, run_tool
+from testbed.backends.iree.artifacts import Artifact
+from testbed.backends.iree.runtime import DRIVERS, RuntimeSession, run_tool
 from testbed.oracles import check_nmse
 from testbed.results import Record
 

@@ -22,8 +22,8 @@ from refimpl import gemma
 from testbed.config import Choice, Float, Int
 from testbed.contract import pack_prefill_with_past
 from testbed.experiments.chunk_prefill import PRESETS, _model_key, load_model
-from testbed.graphs import gemma as graphs
-from testbed.iree_runner import TargetRunner, benchmark_tool
+from testbed.backends.iree.graphs import gemma as graphs
+from testbed.backends.iree.runtime import TargetRunner, benchmark_tool
 from testbed.measure import time_alternating
 from testbed.results import Record
 

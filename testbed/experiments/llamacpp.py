@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from testbed.config import Choice, Int
 from testbed.errors import UsageError
 from testbed.results import Record
-from testbed.runners import llamacpp
+from testbed.backends.llamacpp import runner as llamacpp
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def validate(cfg: DictConfig) -> None:
     if c.window <= a.chunk + c.sink:
         raise UsageError(f"attention.chunk={a.chunk} does not fit the cache tail (window {c.window} - sink "
                          f"{c.sink}); padding needs window > chunk + sink")
-    from testbed import native
+    from testbed.backends.native import library as native
 
     native.library()
 
@@ -60,7 +60,7 @@ def attention_flops(heads: int, rows: int, keys: int, head_dim: int) -> int:
 
 
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
-    from testbed import native
+    from testbed.backends.native import library as native
 
     artifacts = native.build_info()
     a, c, b = cfg.attention, cfg.cache, cfg.bench

@@ -66,7 +66,7 @@ def _lengths(cfg: DictConfig) -> list[int]:
 
 def validate(cfg: DictConfig) -> None:
     if cfg.backend == "native":
-        from testbed import native
+        from testbed.backends.native import library as native
 
         native.library()  # a missing or stale library says how to rebuild before anything runs
     if cfg.tail >= cfg.chunk:
@@ -140,7 +140,7 @@ def policy_threshold(cfg: DictConfig, device: str) -> int:
 def cache_ops(cfg: DictConfig) -> sc.CacheOps:
     """The cache append / snapshot / rollback under test: refimpl's, or the native kernels'."""
     if cfg.backend == "native":
-        from testbed import native
+        from testbed.backends.native import library as native
 
         return native.sliding_cache_ops()
     return sc.CacheOps()
@@ -156,7 +156,7 @@ def make_engine(cfg: DictConfig, mcfg: gemma.GemmaConfig, w: dict, threshold: in
                     lambda: tp.model_caches(mcfg, c.dtype, c.sink, c.group, c.conv_kernel))
     engine.ops = cache_ops(cfg)
     if cfg.backend == "native":
-        from testbed import native
+        from testbed.backends.native import library as native
 
         engine.attention = lambda q, k, v, mask, scale: native.attention(q, k, v, mask, scale, threads=cfg.threads)
     return engine

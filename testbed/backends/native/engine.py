@@ -31,13 +31,12 @@ import numpy as np
 from refimpl import gemma
 from refimpl import sliding_cache as sc
 from refimpl import tail_prefill as tp
-from testbed import kernel_build
+from testbed.backends import Evidence
+from testbed.backends.native import build as kernel_build
+from testbed.backends.native.device import NativeJob, NativeResult, run_native, stage_program
 from testbed.devices import Device
 from testbed.devices.transport import sha256_file
 from testbed.errors import UsageError
-from testbed.gemma_backends import GemmaBackend
-from testbed.runners.native import NativeJob, NativeResult, run_native, stage_program
-from testbed.token_oracle import TokenCase
 
 PROGRAM = "tb_model_bench"
 WEIGHT_DTYPES = ("f32", "f16", "int8")

@@ -4,7 +4,7 @@ Standard library only: setup.py loads this file by path during `pip install`, be
 package are importable.
 
   host library   kernels/*.c compiled into testbed/_tb_kernels*.so by setup.py (a setuptools
-                 extension without Python bindings, loaded with ctypes by testbed/native.py). The
+                 extension without Python bindings, loaded with ctypes by testbed/backends/native/library.py). The
                  sha256 of the kernel sources is compiled in, so a library older than its sources is
                  detected instead of silently measured.
   programs       static benchmark-and-dump programs per target (host, arm32, aarch64) built by
@@ -21,7 +21,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 KERNELS_DIR = ROOT / "kernels"
 LIBRARY_NAME = "_tb_kernels"
 PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench", "tb_model_bench")

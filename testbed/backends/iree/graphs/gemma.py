@@ -2,7 +2,7 @@
 
 Same math and same flat argument order as refimpl.gemma and testbed.contract (K/V cached after
 k-norm and RoPE, per layer [kv_heads, rows, head_dim]; tables and masks built on the host by
-refimpl.gemma's builders). Weights are a dict by Hugging Face name; testbed.iree_artifacts turns
+refimpl.gemma's builders). Weights are a dict by Hugging Face name; testbed.backends.iree.artifacts turns
 them into module parameters (one module serves any weights of the shape) or constants.
 
   prefill_with_past  args: the contract's 44-argument order for FunctionGemma; results: the
@@ -25,7 +25,7 @@ import numpy as np
 
 from refimpl import gemma as ref
 from testbed import contract as gemma_contract
-from testbed.iree_artifacts import Contract, Graph, TensorSpec
+from testbed.backends.iree.artifacts import Contract, Graph, TensorSpec
 
 
 def rms_norm(x, w, eps):

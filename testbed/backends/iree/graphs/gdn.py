@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from refimpl import gdn as ref
-from testbed.iree_artifacts import Contract, Graph, TensorSpec
+from testbed.backends.iree.artifacts import Contract, Graph, TensorSpec
 
 ARG_NAMES = ("q", "k", "v", "g", "beta", "state")
 FORMS = ("serial", "chunkwise")

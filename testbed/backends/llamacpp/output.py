@@ -1,5 +1,5 @@
 """llama.cpp's tools, their outputs read: test-backend-ops (verdicts, perf figures) and llama-bench
-(tokens per second). Outputs come from runs on devices (testbed.runners.llamacpp), so a run that was
+(tokens per second). Outputs come from runs on devices (testbed.backends.llamacpp.runner), so a run that was
 cut short must never read as passed.
 
 test-backend-ops

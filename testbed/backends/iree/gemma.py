@@ -1,4 +1,4 @@
-"""The Gemma graphs compiled with IREE (testbed.graphs.gemma) as a backend: `backend=iree target=NAME`.
+"""The Gemma graphs compiled with IREE (testbed.backends.iree.graphs.gemma) as a backend: `backend=iree target=NAME`.
 
 Each graph is compiled per shape through the artifact cache. The past K/V length is rounded up to a
 multiple of `iree.past_bucket` with empty cache rows, so the token-by-token path does not need one
@@ -16,9 +16,9 @@ import numpy as np
 
 from refimpl import gemma as ref
 from testbed.contract import pack_prefill_with_past
-from testbed.gemma_backends import GemmaBackend
-from testbed.graphs import gemma as graphs
-from testbed.iree_runner import TargetRunner
+from testbed.backends import GemmaBackend
+from testbed.backends.iree.graphs import gemma as graphs
+from testbed.backends.iree.runtime import TargetRunner
 
 
 def backend(w, cfg: ref.GemmaConfig, run_cfg, device=None) -> GemmaBackend:
@@ -57,4 +57,5 @@ def backend(w, cfg: ref.GemmaConfig, run_cfg, device=None) -> GemmaBackend:
         prefill_at=prefill_at,
         prefill_with_past=lambda inp, k, v: with_past(inp, k, v, decode=False),
         decode_with_past=lambda inp, k, v: with_past(inp, k, v, decode=True),
+        cfg=cfg,
     )

@@ -1,16 +1,16 @@
 """llama.cpp's tools on a device: test-backend-ops (test and perf modes) and llama-bench, into records.
 
 The tools live where the profile's `tools` say; the backend (`-b`) defaults to the profile's
-`accelerators.backend` (HTP0 on the Hexagon phone). Verdicts follow testbed.llamacpp_output: a run that did not
+`accelerators.backend` (HTP0 on the Hexagon phone). Verdicts follow testbed.backends.llamacpp.output: a run that did not
 finish, or whose counts disagree, is an error record, never a pass.
 """
 
 from __future__ import annotations
 
-from testbed import llamacpp_output as out
+from testbed.backends.llamacpp import output as out
 from testbed.devices import Device
 from testbed.results import Figure, Record
-from testbed.runners.iree import tool
+from testbed.backends.iree.device import tool
 
 
 def test_backend_ops(device: Device, op: str, backend: str, timeout: float | None = None) -> tuple[out.TboReport, list[str]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed import kernel_build
+from testbed.backends.native import build as kernel_build
 from testbed.errors import UsageError
 
 _F32P = ctypes.POINTER(ctypes.c_float)
@@ -45,7 +45,7 @@ class _Cache(ctypes.Structure):
 
 
 def library_path() -> Path | None:
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[2]  # the testbed package, where setup.py puts it
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = here / f"{kernel_build.LIBRARY_NAME}{suffix}"
         if path.is_file():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from refimpl import gemma
-from testbed.gemma_backends import GemmaBackend
+from testbed.backends import GemmaBackend
 
 
 def backend(w, cfg, run_cfg=None, device=None, attention=gemma.attention) -> GemmaBackend:
@@ -16,4 +16,5 @@ def backend(w, cfg, run_cfg=None, device=None, attention=gemma.attention) -> Gem
         prefill_at=lambda tokens, row: gemma.prefill_at(w, cfg, tokens, row, attention),
         prefill_with_past=prefill_with_past,
         decode_with_past=prefill_with_past,
+        cfg=cfg,
     )

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from testbed.iree_artifacts import Artifact, ContractError, check_signature
+from testbed.backends.iree.artifacts import Artifact, ContractError, check_signature
 from testbed.results import Figure
 
 CPU_DRIVERS = ("local-sync", "local-task")
@@ -77,7 +77,7 @@ def vulkan_device_name() -> str:
 
 def vulkan_devices_by_arch() -> dict[str, str]:
     """--iree-vulkan-target=ARCH -> the Vulkan device name that runs it, from the target configs."""
-    from testbed.iree_artifacts import load_target, target_names
+    from testbed.backends.iree.artifacts import load_target, target_names
 
     out = {}
     for target in map(load_target, target_names()):
@@ -259,7 +259,7 @@ class TargetRunner:
     arrays on one target and driver."""
 
     def __init__(self, target: str, driver: str | None = None, progress=None, cache_dir: Path | None = None):
-        from testbed.iree_artifacts import load_target
+        from testbed.backends.iree.artifacts import load_target
 
         self.target = load_target(target)
         self.driver = driver or self.target.drivers[0]
@@ -274,7 +274,7 @@ class TargetRunner:
     def session(self, graph) -> RuntimeSession:
         """The loaded module for `graph`. A graph's name says everything its text depends on (the
         graph builders put every shape and option in it), so it is exported once per runner."""
-        from testbed.iree_artifacts import compile_graph
+        from testbed.backends.iree.artifacts import compile_graph
 
         key = (graph.name, self._digest(graph.weights))
         if key not in self._sessions:
@@ -286,7 +286,7 @@ class TargetRunner:
     def _digest(self, weights) -> str:
         """The weights' digest, once per weights object (hashing a gigabyte per call would cost
         more than the call); the object is kept so its id cannot be reused."""
-        from testbed.iree_artifacts import weights_digest
+        from testbed.backends.iree.artifacts import weights_digest
 
         if id(weights) not in self._digests:
             self._digests[id(weights)] = (weights, weights_digest(weights))

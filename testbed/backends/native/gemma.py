@@ -1,4 +1,4 @@
-"""The reference Gemma graphs with the native attention layer (kernels/, through testbed.native):
+"""The reference Gemma graphs with the native attention layer (kernels/, through testbed.backends.native.library):
 norms, projections, RoPE and MLP stay numpy float32; every attention call, chunk or decode step,
 runs tb_attention with `threads` threads over heads."""
 
@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from testbed import native
-from testbed.gemma_backends import GemmaBackend, refimpl
+from testbed.backends.native import library as native
+from testbed.backends import GemmaBackend
+from testbed.backends.refimpl import gemma as refimpl
 
 
 def backend(w, cfg, run_cfg=None, device=None) -> GemmaBackend:
