@@ -46,6 +46,8 @@ PARAMS = {
     "iree.driver": Choice((None, "local-sync", "local-task", "vulkan")),
     "iree.past_bucket": Int(1, 4096),
     "iree.weights": Choice(("parameters", "constants")),
+    "native.weights": Choice(("f32", "f16", "int8")),
+    "native.group": Int(1, 1 << 16),
     "chunk": Int(1, 4096),
     "logit_atol": Float(0.0),
     "cache_atol": Float(0.0),
@@ -153,7 +155,13 @@ def _setup(cfg: DictConfig, ctx):
     source = "seed" if cfg.model.prompt == "seed" else str(project_path(cfg.model.prompt))
     prompt = load_prompt(source, prompt_length(cfg), model.vocab, cfg.seed)
     artifacts = {"weights_sha256": weights_sha, "prompt_sha256": digest(prompt)}
-    return model, w, prompt, backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device), artifacts
+    backend = backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device)
+    if cfg.backend == "native" and cfg.native.weights != "f32":
+        # the engine computes with the weights its file stores: refimpl on those is the reference
+        from testbed.backends.native.engine import dequantized
+
+        w = dequantized(w, cfg.native.weights, cfg.native.group)
+    return model, w, prompt, backend, artifacts
 
 
 def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
@@ -164,9 +172,10 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
                                            logit_atol=cfg.logit_atol, cache_atol=cfg.cache_atol)
         params = {"past": case.past, "tokens": case.tokens, "chunk": case.chunk, "position": case.position,
                   "calls": case.calls}
+        evidence = {"evidence": backend.evidence.take()}
         for v in verdicts:
             yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin,
-                         v.metrics, params=params, detail=v.detail)
+                         v.metrics | evidence, params=params, detail=v.detail)
 
 
 def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -> tuple[float, float]:
@@ -178,12 +187,13 @@ def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
     p, c = cfg.bench.past, cfg.chunk
     ctx.progress(f"chunk_prefill bench P={p} C={c}")
     times = backend.bench(prompt, p, c, cfg.bench.reps, cfg.bench.warmup)
+    evidence = {"evidence": backend.evidence.take()}
     params = {"past": p, "chunk": c, "threads": cfg.threads}
     for name, rows in (("chunk_call", c), ("decode_step", 1)):
         flops = gemma.graph_flops(model, rows, p)
         yield Record("chunk_prefill", f"P={p},C={c}/{name}", "measure",
                      figures={"time": times[name], "gflops": times[name].rate(flops / 1e9, "GFLOP/s"),
-                              "rows_per_s": times[name].rate(rows, "rows/s")},
+                              "rows_per_s": times[name].rate(rows, "rows/s")}, metrics=evidence,
                      work={"flops": flops, "rows": rows, "keys": p + rows,
                            "flop_count": "refimpl.gemma.graph_flops: projections, attention, MLP, one LM-head row"},
                      params=params | {"form": name})

@@ -9,9 +9,10 @@ KV caches never leave it; what an oracle compares (logits, K/V, cache bytes) is 
     chunk_prefill(device, cfg, w, prompt, case)  -> ChunkRun   (P past tokens, n tokens in chunks of C)
     tail(device, cfg, w, prompt, TailSettings)   -> TailRun    (padded or scalar tail, cache bytes)
 
-Every run carries its evidence: the program's sha256, the command, the device-side seconds. The
-oracles stay on the host and compare against refimpl: `replay_backend` hands a ChunkRun to the
-token-at-position oracle, `DeviceTailEngine` gives the first-token oracle device-run prefills.
+Every run carries its Evidence (testbed.backends): the program's sha256, the command, the device-side
+seconds. The oracles stay on the host and compare against refimpl: testbed/backends/native/gemma.py
+hands a ChunkRun to the token-at-position oracle as an Utterance; `DeviceTailEngine` gives the
+first-token oracle device-run prefills.
 
 Weights: f32 as given, or f16 / int8 (symmetric, one float32 scale per `group` inputs of each row,
 refimpl.sliding_cache.quantize_int8); `dequantized` gives what refimpl must run on to be the
@@ -127,20 +128,11 @@ def program_for(device: Device) -> Path:
     return kernel_build.build_programs(TARGET_FOR_ABI[abi]) / PROGRAM
 
 
-@dataclass
-class Evidence:
-    """Where a result came from: the program's bytes, what ran, and the device's own clock."""
-
-    device: str
-    program_sha256: str
-    weights_sha256: str
-    command: list[str]
-    seconds: dict[str, list[float]]
-
-    def metrics(self) -> dict:
-        return {"program_sha256": self.program_sha256, "weights_sha256": self.weights_sha256,
-                "command": " ".join(self.command), "device": self.device,
-                **{f"device_{k}_median": float(np.median(v)) for k, v in self.seconds.items() if v}}
+def _evidence(device: Device, program: Path, weights: Path, argv: list[str], timings: dict) -> Evidence:
+    seconds = {k: v for k, v in timings.items() if k.endswith("seconds") and isinstance(v, list)}
+    return Evidence(device.name, PROGRAM, sha256_file(program), " ".join([PROGRAM, *argv]),
+                    float(np.median(timings["seconds"])) if timings.get("seconds") else None,
+                    {"weights_sha256": sha256_file(weights), "seconds": seconds})
 
 
 def _run(device: Device, cfg: gemma.GemmaConfig, w: dict, tokens, args: list[str], outputs: list[str],
@@ -151,8 +143,7 @@ def _run(device: Device, cfg: gemma.GemmaConfig, w: dict, tokens, args: list[str
     argv = [".", ".", f"weights=../../{remote_weights}", *model_args(cfg, weights_dtype, group), *args]
     job = NativeJob(program, {"tokens": np.asarray(tokens, np.int32)}, outputs, argv, measured=measured)
     result = run_native(device, job)
-    seconds = {k: list(v) for k, v in result.timings.items() if k.endswith("seconds") and isinstance(v, list)}
-    return result, Evidence(device.name, sha256_file(program), sha256_file(weights), [PROGRAM, *argv], seconds)
+    return result, _evidence(device, program, weights, argv, result.timings)
 
 
 # --- chunk prefill with past (seed 000) -------------------------------------------------------------
@@ -162,8 +153,6 @@ def _run(device: Device, cfg: gemma.GemmaConfig, w: dict, tokens, args: list[str
 class ChunkRun:
     """One utterance on the device: P past tokens, then n tokens in ceil(n/C) chunk calls."""
 
-    case: TokenCase
-    tokens: np.ndarray          # the prompt the device ran (P + n tokens)
     call_logits: np.ndarray     # [calls, vocab]: each call's selected row (its last real one)
     k: list[np.ndarray]         # per layer [kv_heads, P' + C, head_dim] after the last call, pads included
     v: list[np.ndarray]
@@ -172,48 +161,20 @@ class ChunkRun:
     evidence: Evidence
 
 
-def chunk_prefill(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, case: TokenCase, *,
-                  weights_dtype: str = "f32", group: int = 32, threads: int = 1, warmup: int = 0, reps: int = 1,
-                  reference: bool = False, program: Path | None = None) -> ChunkRun:
-    """Run `case` on the device. `w`: the float32 weights (exported in weights_dtype)."""
+def chunk_prefill(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, case, *, weights_dtype: str = "f32",
+                  group: int = 32, threads: int = 1, warmup: int = 0, reps: int = 1, reference: bool = False,
+                  program: Path | None = None) -> ChunkRun:
+    """Run a chunk-prefill case (testbed.token_oracle.TokenCase) on the device. `w`: float32 weights,
+    exported in weights_dtype. reps > 1 times a chunk call and a decode step interleaved (and, with
+    `reference`, this run's sgemm and streaming-read rates)."""
     tokens = np.asarray(prompt, np.int64)[: case.past + case.tokens]
     args = ["mode=chunk", f"past={case.past}", f"tokens={case.tokens}", f"chunk={case.chunk}", f"threads={threads}",
             f"warmup={warmup}", f"reps={reps}", f"reference={int(reference)}"]
     result, evidence = _run(device, cfg, w, tokens, args, ["chunk_logits", "k", "v", "decode_logits"],
                             weights_dtype, group, program, measured=reps > 1)
     out = result.outputs
-    return ChunkRun(case, tokens, out["chunk_logits"], list(out["k"]), list(out["v"]), out["decode_logits"],
-                    result.timings, evidence)
-
-
-def replay_backend(run: ChunkRun) -> GemmaBackend:
-    """The device's run as the graphs the token-at-position oracle calls (testbed.token_oracle): the
-    oracle's calls must arrive in the order the device made them, with the tokens it ran, and get the
-    device's results. prefill_at returns the device's past rows; each chunk call its logits and the
-    K/V it returned (every call's rows are a prefix of the last call's: rows never change once
-    written); the decode path only its last step's logits (the earlier steps' are not pulled)."""
-    past, chunk, n = run.case.past, run.case.chunk, run.case.tokens
-    decode_steps = iter(range(n))
-
-    def rows(count: int):
-        return [k[:, :count] for k in run.k], [v[:, :count] for v in run.v]
-
-    def prefill_at(tokens, row):
-        if not np.array_equal(np.asarray(tokens), run.tokens[:past]):
-            raise ValueError("prefill_at asked for another past than the device ran")
-        return None, *rows(past)
-
-    def prefill_with_past(inp, past_k, past_v):
-        held = past_k[0].shape[1]
-        if (held - past) % chunk or not np.array_equal(inp.tokens[:inp.n], run.tokens[held:held + inp.n]):
-            raise ValueError(f"a chunk call after {held} rows is not one the device made")
-        return run.call_logits[(held - past) // chunk], *rows(held + chunk)
-
-    def decode_with_past(inp, past_k, past_v):
-        step = next(decode_steps)
-        return (run.decode_logits if step == n - 1 else None), past_k, past_v
-
-    return GemmaBackend("native", prefill_at, prefill_with_past, decode_with_past)
+    return ChunkRun(out["chunk_logits"], list(out["k"]), list(out["v"]), out["decode_logits"], result.timings,
+                    evidence)
 
 
 # --- the padded tail (seed 003) ---------------------------------------------------------------------
