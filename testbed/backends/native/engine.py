@@ -21,6 +21,7 @@ reference for them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -237,16 +238,19 @@ def _caches(cfg: gemma.GemmaConfig, s: TailSettings, out: dict, lengths: list[in
 
 
 def tail(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSettings, *, warmup: int = 0,
-         reps: int = 1, compare: bool = False, program: Path | None = None) -> TailRun:
-    """Prefill `prompt` on the device with the tail policy; the kill switch is the host's
-    TESTBED_DISABLE_PREFILL_TAIL_PAD, forwarded to the program."""
+         reps: int = 1, compare: bool = False, kill_switch: bool | None = None,
+         program: Path | None = None) -> TailRun:
+    """Prefill `prompt` on the device with the tail policy. The kill switch: the host's
+    TESTBED_DISABLE_PREFILL_TAIL_PAD unless given, forwarded to the program."""
+    if kill_switch is None:
+        kill_switch = os.environ.get(tp.KILL_SWITCH) == "1"
     if s.cache_dtype not in CACHE_DTYPES:
         raise UsageError(f"cache dtype {s.cache_dtype!r} is not one of {', '.join(CACHE_DTYPES)}")
     tokens = np.asarray(prompt, np.int64).reshape(-1)
     args = ["mode=tail", f"chunk={s.chunk}", f"cache={CACHE_DTYPES[s.cache_dtype]}", f"cache_group={s.cache_group}",
             f"sink={s.sink}", f"threshold={s.threshold}", f"state={int(s.state)}", f"generate={s.generate}",
             f"exact_tail={int(s.exact_tail)}", f"compare={int(compare)}",
-            f"{tp.KILL_SWITCH}={os.environ.get(tp.KILL_SWITCH, '0')}", f"threads={s.threads}", f"warmup={warmup}",
+            f"{tp.KILL_SWITCH}={int(kill_switch)}", f"threads={s.threads}", f"warmup={warmup}",
             f"reps={reps}"]
     parts = ["k", "v", "positions"] + (["k_scale", "v_scale"] if s.cache_dtype == "int8" else [])
     outputs = ["logits", "generated"] + [f"layer{i}.{p}" for i in range(cfg.layers) for p in parts]
@@ -258,6 +262,18 @@ def tail(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSetting
                             [int(t) for t in out["generated"]])
     scalar = _telemetry(timings["scalar_telemetry"]) if compare else None
     return TailRun(prefill, timings, evidence, scalar)
+
+
+def rollback_runs(device: Device, cfg: gemma.GemmaConfig, w: dict, case, s: TailSettings, seed: int = 0,
+                  program: Path | None = None) -> tuple[TailRun, TailRun]:
+    """For the byte-identical oracle (testbed.tail_oracles.check_engine_rollback): the prompt of
+    `case` (an EngineGridCase) with its tail padded then rolled back, and with the padded call
+    appending only its real rows. Padding is forced (threshold 0, kill switch off)."""
+    model = dataclasses.replace(cfg, window=case.window)
+    tokens = np.random.default_rng([seed, case.prompt]).integers(0, cfg.vocab, case.prompt)
+    base = dataclasses.replace(s, chunk=case.chunk, cache_dtype=case.dtype, sink=case.sink, threshold=0, state=False)
+    return tuple(tail(device, model, w, tokens, dataclasses.replace(base, exact_tail=exact), kill_switch=False,
+                      program=program) for exact in (False, True))
 
 
 @dataclass
