@@ -320,8 +320,9 @@ static void save_cache(int layer, const tb_kv_cache *c, int sliding) {
     for (int p = 0; p < 5; p++) {
         if (!tb_kv_has_part(c, p)) continue;
         const tb_sliding_cache *s = &c->part[p];
-        /* a sliding cache's every slot; a full cache's rows in use (refimpl's FullCache holds no more) */
-        const int slots = sliding ? s->window : s->count;
+        /* a sliding cache's every slot; a full cache's rows in use, the layer's length (refimpl's
+         * FullCache holds no more) */
+        const int slots = sliding ? s->window : tb_kv_count(c);
         char name[64];
         snprintf(name, sizeof name, "layer%d.%s", layer, parts[p]);
         uint8_t *rows = malloc((size_t)s->planes * (slots ? slots : 1) * s->row_bytes);

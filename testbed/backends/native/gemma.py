@@ -10,6 +10,7 @@ oracle what that call's pad rows must hold.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -29,12 +30,13 @@ class EngineRunner:
     threads: int = 1
     weights_dtype: str = "f32"
     weights_group: int = 32
+    program: Path | None = None  # another build of the engine program (the tests' planted bugs)
     name: str = "native"
     evidence: EvidenceLog = field(default_factory=EvidenceLog)
 
     def _run(self, prompt, case, **timing) -> engine.ChunkRun:
         run = engine.chunk_prefill(self.device, self.cfg, self.w, prompt, case, weights_dtype=self.weights_dtype,
-                                   group=self.weights_group, threads=self.threads, **timing)
+                                   group=self.weights_group, threads=self.threads, program=self.program, **timing)
         self.evidence.add(run.evidence)
         return run
 
