@@ -31,10 +31,16 @@ DEVICES_DIR = PROJECT_ROOT / "devices"
 GROUPS = {"experiment": CONFIG_DIR / "experiment", "model": CONFIG_DIR / "model", "device": DEVICES_DIR}
 
 
-# `${default_backend:${oc.select:device.capabilities,[]}}` in an experiment config: on a device with
-# llama.cpp's tools (seed 002's phones) the op under test is ggml's, run there; elsewhere the reference.
-OmegaConf.register_new_resolver(
-    "default_backend", lambda caps: "ggml" if "llamacpp" in caps else "refimpl", replace=True)
+# `${default_backend:${oc.select:device.capabilities,[]},[refimpl,native]}` in an experiment config:
+# the first backend of testbed.backends.PREFERENCE that the device's profile lists and the experiment
+# accepts (the host: refimpl; an ARM board: native; lavapipe: iree; seed 002's phones: llamacpp).
+def _default_backend(capabilities, accepted):
+    from testbed.backends import default_for
+
+    return default_for(list(capabilities), list(accepted))
+
+
+OmegaConf.register_new_resolver("default_backend", _default_backend, replace=True)
 
 
 def choices(group: str) -> list[str]:

@@ -73,6 +73,8 @@ class Record:
     params: dict[str, Any] = field(default_factory=dict)
     artifacts: dict[str, str] = field(default_factory=dict)
     detail: str = ""
+    # what ran on the device for this record (testbed.backends.Evidence dicts); empty on the host
+    evidence: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
         if self.kind not in ("oracle", "measure"):
@@ -120,6 +122,8 @@ class RunInfo:
     backend: str
     config: dict[str, Any]
     fingerprint: dict[str, Any]
+    # computed under emulation (qemu-user, lavapipe): real for correctness, never for speed
+    emulated: bool = False
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     git_commit: str = field(default_factory=git_commit)
     started: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
@@ -136,6 +140,7 @@ class RunInfo:
             "started": self.started,
             "device": self.device,
             "backend": self.backend,
+            "emulated": self.emulated,
             "fingerprint": _jsonable(self.fingerprint),
             "config": _jsonable(self.config),
             "git_commit": self.git_commit,

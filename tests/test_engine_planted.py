@@ -7,6 +7,7 @@ import pytest
 
 from refimpl import gemma
 from testbed.backends.native import engine
+from testbed.backends.native.build import target_for_abi
 from testbed.backends.native import gemma as native_gemma
 from testbed.tail_oracles import check_engine_rollback, check_first_token, engine_grid
 from testbed.token_oracle import Reference, TokenCase, check_token_at_position
@@ -24,7 +25,7 @@ def weights():
 
 
 def program(device, file, find, replace):
-    return mutant_program(engine.TARGET_FOR_ABI[device.profile.abi], file, find, replace)
+    return mutant_program(target_for_abi(device.profile.abi), file, find, replace)
 
 
 def grid_failures(device, weights, prog, **grid):

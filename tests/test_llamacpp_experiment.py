@@ -101,17 +101,17 @@ def test_a_device_without_the_tools_is_refused_before_connecting():
 
 def test_gdn_on_a_phone_with_llama_cpp_tools_runs_ggmls_op(adb_device, tmp_path, results_dir):
     """`testbed run gdn device=hexagon`: on a device whose profile has llama.cpp's tools the gdn
-    experiment defaults to backend=ggml and reports the harness' tally, like seed 002's "28/28 OK"."""
+    experiment defaults to backend=llamacpp and reports the harness' tally, like seed 002's "28/28 OK"."""
     device = with_tools(adb_device, tmp_path, (fixtures() / "test_mode_b_CPU.stdout").read_text())
     device = Device(dataclasses.replace(device.profile, capabilities=[*device.profile.capabilities, "llamacpp"]),
                     device.transport)
     rc = config.load(["experiment=gdn", "device=adb-loopback", "+device.capabilities=[cpu,llamacpp]",
                       f"+device.tools.test-backend-ops={TOOLS}/test-backend-ops"])
-    assert rc.cfg.backend == "ggml"
+    assert rc.cfg.backend == "llamacpp"
     outcome = runner.execute(rc, device=device)
     df = outcome.frame()
     tally = df[df["case"].str.endswith("/tally")].iloc[0]
-    assert (tally["verdict"], tally["metrics.tally"], tally["backend"]) == ("pass", "36/36 OK", "ggml")
+    assert (tally["verdict"], tally["metrics.tally"], tally["backend"]) == ("pass", "36/36 OK", "llamacpp")
     assert (df["kind"] == "measure").sum() == 12  # perf mode: us/run and GB/s per case
 
     from testbed.cli import _summary

@@ -29,12 +29,17 @@ def test_native_bench_records_ratios(results_dir):
     outcome = run(["attention.past=40", "attention.chunk=8", "attention.head_dim=32", "cache.window=32",
                    "cache.real=5", "bench.reps=2", "bench.warmup=0"], "native_bench")
     df = outcome.frame()
-    attention = df[df["params.kernel"] == "attention"]
+    measured = df[df["kind"] == "measure"]
+    attention = measured[measured["params.kernel"] == "attention"]
     assert sorted(attention["params.form"]) == ["chunk", "decode_steps"]
     assert (attention["metrics.speedup_vs_decode"] > 0).all()
-    cache = df[df["params.kernel"] == "sliding_cache"]
-    assert set(cache["params.form"]) == {"padded+rollback", "exact_append", "decode_step"}
+    cache = measured[measured["params.kernel"] == "sliding_cache"]
+    assert set(cache["params.form"]) == {"exact_append", "snapshot", "padded_append", "rollback"}
     assert (cache["metrics.rollback_vs_decode_step"] >= 0).all()
+    # every timed call computed the full result: both attention forms and the rolled-back cache checked
+    oracles = df[df["kind"] == "oracle"]
+    assert len(oracles) == 3 and (oracles["verdict"] == "pass").all()
+    assert all(ev and ev[0]["device"] == "host" for ev in df["evidence"])
 
 
 @pytest.mark.parametrize("argv,says", [
@@ -54,7 +59,7 @@ def test_a_stale_library_stops_the_run_with_the_rebuild_command(results_dir, cap
     monkeypatch.setattr(kernel_build, "source_hash", lambda *a: "0" * 64)
     native.library.cache_clear()
     try:
-        assert cli.main(["run", "gdn", "backend=native"]) == 2
+        assert cli.main(["run", "chunk_prefill", "backend=native"]) == 2
     finally:
         monkeypatch.undo()
         native.library.cache_clear()

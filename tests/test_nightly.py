@@ -62,6 +62,7 @@ def lab(tmp_path, monkeypatch):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     (folder / "phone.yaml").write_text(f"name: phone\ntransport: ssh\nabi: arm64-v8a\nwork_dir: /tmp/testbed-phone\n"
+                                       f"capabilities: [cpu, native]\n"
                                        f"connection: {{host: 127.0.0.1, port: {port}, user: nobody,\n"
                                        f"  key: {tmp_path / 'no_key'}, known_hosts: {tmp_path / 'known_hosts'}}}\n")
     monkeypatch.setattr(config, "DEVICES_DIR", folder)

@@ -162,17 +162,25 @@ double now_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* CPU time of the whole process, every thread: beside wall time it tells a loaded or throttled run
+ * (wall >> cpu / threads) from a slow kernel. */
+static double cpu_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 void bench_and_record(const char *program, const char *kernel, bench_fn fn, void *ctx, const char *extra_json) {
     long warmup = arg_int("warmup", 1), reps = arg_int("reps", 1);
     if (warmup < 0 || reps < 1) die("warmup must be >= 0 and reps >= 1 (got %ld, %ld)", warmup, reps);
-    double *seconds = malloc(sizeof(double) * (size_t)reps);
-    if (!seconds) die("out of memory");
+    double *seconds = malloc(sizeof(double) * (size_t)reps), *cpu = malloc(sizeof(double) * (size_t)reps);
+    if (!seconds || !cpu) die("out of memory");
     for (long i = 0; i < warmup; i++)
         if (fn(ctx)) die("%s failed in warm-up", kernel);
     for (long i = 0; i < reps; i++) {
-        double t0 = now_seconds();
+        double c0 = cpu_seconds(), t0 = now_seconds();
         int rc = fn(ctx);
-        seconds[i] = now_seconds() - t0;
+        seconds[i] = now_seconds() - t0, cpu[i] = cpu_seconds() - c0;
         if (rc) die("%s returned error %d", kernel, rc);
     }
     char path[4096];
@@ -184,7 +192,9 @@ void bench_and_record(const char *program, const char *kernel, bench_fn fn, void
             program, kernel, tb_vector_path(), tb_source_hash(), warmup, reps, extra_json ? extra_json : "",
             extra_json && *extra_json ? ", " : "");
     for (long i = 0; i < reps; i++) fprintf(f, "%s%.9g", i ? ", " : "", seconds[i]);
+    fprintf(f, "], \"cpu_seconds\": [");
+    for (long i = 0; i < reps; i++) fprintf(f, "%s%.9g", i ? ", " : "", cpu[i]);
     fprintf(f, "]}\n");
     if (fclose(f)) die("cannot write %s", path);
-    free(seconds);
+    free(seconds), free(cpu);
 }

@@ -68,18 +68,19 @@ def default_for(capabilities, accepted) -> str:
     return next((n for n in PREFERENCE if n in accepted), accepted[0])
 
 
-def refuse_mismatch(backend: str, profile) -> None:
+def refuse_mismatch(backend: str, device: str, capabilities) -> None:
     """Before anything runs: a backend the device cannot run is refused with one line, naming what the
     device can run instead. refimpl never runs anywhere but the host: a record under a device's name
     must have been computed there."""
-    if profile.has(backend):
+    caps = list(capabilities or ())
+    if backend in caps:
         return
-    others = [n for n in PREFERENCE if profile.has(n) and n != "refimpl"]
+    others = [n for n in PREFERENCE if n in caps and n != "refimpl"]
     if backend == "refimpl":
-        raise UsageError(f"backend=refimpl runs on the host; for device={profile.name} use "
+        raise UsageError(f"backend=refimpl runs on the host; for device={device} use "
                          + (" or ".join(f"backend={n}" for n in others) or "a backend its profile lists"))
-    raise UsageError(f"device={profile.name} cannot run backend={backend} (its profile's capabilities: "
-                     f"{', '.join(profile.capabilities)}); accepted: {', '.join(others) or 'none'}")
+    raise UsageError(f"device={device} cannot run backend={backend} (its profile's capabilities: "
+                     f"{', '.join(caps)}); accepted: {', '.join(others) or 'none'}")
 
 
 # --- evidence --------------------------------------------------------------------------------------

@@ -125,6 +125,10 @@ def prompt_length(cfg: DictConfig) -> int:
 
 def validate(cfg: DictConfig) -> None:
     cases(cfg)
+    if cfg.backend == "native":
+        from testbed.backends.native import library
+
+        library.library()  # a missing or stale library says how to rebuild before anything runs
     if cfg.mode in ("bench", "all") and cfg.bench.past < 1:
         raise UsageError(f"bench.past={cfg.bench.past} is out of range; accepted: integers >= 1")
     weights = cfg.latency.weights

@@ -8,15 +8,17 @@ bench mode   serial vs chunkwise at the benchmark shape (16 heads, head size 128
              token count: time, tokens/s, GFLOP/s on gdn_flops' count, and the fraction of a
              single-thread sgemm rate measured in the same run.
 
-Backends: refimpl (numpy); native (the C kernels of kernels/, built by `pip install`, with
-`threads` splitting heads over threads; its records name the kernels' source hash and vector path);
-iree (the jax graphs of testbed/backends/iree/graphs/gdn.py compiled for `target`); ggml (llama.cpp's own op on a
-device with its tools: test-backend-ops is then the oracle and its perf mode the measurement).
+Backends (testbed/backends/NAME/gdn.py; the device's default is the first its profile has):
+refimpl (numpy, the host only); native (kernels/bench/tb_gdn_bench built for the device's ABI and run
+there, `threads` splitting heads; its records carry the program's sha256, command and device time);
+iree (the jax graphs compiled for `target`); llamacpp (llama.cpp's own op on a device with its tools:
+test-backend-ops is then the oracle and its perf mode the measurement). The references and the
+oracles always run here, on the host.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
@@ -24,14 +26,15 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from refimpl import gdn as ref
+from testbed import backends
 from testbed.config import Choice, Float, Int, IntList
 from testbed.errors import UsageError
-from testbed.measure import time_alternating, time_call
+from testbed.measure import time_call
 from testbed.oracles import check_bitexact, check_nmse
 from testbed.results import Figure, Record
 
 PARAMS = {
-    "backend": Choice(("refimpl", "native", "iree", "ggml")),
+    "backend": Choice(("refimpl", "native", "iree", "llamacpp")),
     "threads": Int(1, 256),
     "target": Choice(("host", "lavapipe")),   # IREE targets that run on this machine (backend=iree)
     "mode": Choice(("oracle", "bench", "all")),
@@ -125,56 +128,14 @@ def matrix(name: str) -> list[Case]:
 # --- backends --------------------------------------------------------------------------------------
 
 
-@dataclass
-class Backend:
-    """The two forms under test: serial(x) and chunkwise(x, chunk), each -> (out, final state);
-    artifacts: what the records name as the code measured."""
-
-    serial: Callable
-    chunkwise: Callable
-    artifacts: dict = field(default_factory=dict)
-
-
-def backend(name: str, head_map: str, threads: int = 1, target: str = "host", progress=lambda msg: None) -> Backend:
-    """The serial/chunkwise pair of a backend that runs on the host: threads for native, the IREE
-    target (and compile progress) for iree."""
-    if name == "iree":
-        from testbed.backends.iree.graphs import gdn as graphs
-        from testbed.backends.iree.runtime import TargetRunner
-
-        run = TargetRunner(target, progress=progress)
-        return Backend(
-            serial=lambda x: tuple(run(graphs.graph("serial", x, head_map=head_map), *x.arrays())),
-            chunkwise=lambda x, c: tuple(run(graphs.graph("chunkwise", x, c, head_map), *x.arrays())),
-        )
-    if name == "refimpl":
-        return Backend(
-            serial=lambda x: ref.gdn_serial(*x.arrays(), head_map=head_map),
-            chunkwise=lambda x, c: ref.gdn_chunkwise(*x.arrays(), chunk=c, head_map=head_map),
-        )
-    if name == "native":
-        from testbed.backends.native import library as native
-
-        return Backend(
-            serial=lambda x: native.gdn_serial(*x.arrays(), head_map=head_map, threads=threads),
-            chunkwise=lambda x, c: native.gdn_chunkwise(*x.arrays(), chunk=c, head_map=head_map, threads=threads),
-            artifacts=native.build_info(),
-        )
-    raise UsageError(f"backend={name!r} has no serial/chunkwise pair on the host; accepted: refimpl, native, iree")
-
-
 def validate(cfg: DictConfig) -> None:
-    """Before any work: the native library must load (a missing or stale one says how to rebuild),
-    and threads only mean something for it."""
-    if cfg.backend == "native":
-        from testbed.backends.native import library as native
-
-        native.library()
-    elif cfg.backend == "ggml":
+    """Before any work: llama.cpp's tools must be named by the profile; threads only mean something
+    for the native kernels."""
+    if cfg.backend == "llamacpp":
         if not (cfg.device.get("tools") or {}).get("test-backend-ops"):
-            raise UsageError(f"backend=ggml runs llama.cpp's test-backend-ops on the device; device={cfg.device.name} "
+            raise UsageError(f"backend=llamacpp runs llama.cpp's test-backend-ops on the device; device={cfg.device.name} "
                              f"names no tools.test-backend-ops in devices/{cfg.device.name}.yaml")
-    elif cfg.threads != 1:
+    elif cfg.threads != 1 and cfg.backend != "native":
         raise UsageError(f"threads={cfg.threads} needs backend=native; backend={cfg.backend} runs on one thread")
 
 
@@ -198,25 +159,10 @@ def run_forms(fn: Callable, x: ref.GDNInputs, K: int) -> dict[str, np.ndarray]:
     return result
 
 
-def serial_in_chunks(x: ref.GDNInputs, chunk: int, head_map: str, serial: Callable | None = None):
-    """The serial recurrence restructured as a loop over chunks that carries the state: the same
-    arithmetic in the same order, so it must be bit-exact with one serial call. `serial` (GDNInputs ->
-    (out, state)) is the backend's; refimpl's by default."""
-    serial = serial or (lambda y: ref.gdn_serial(*y.arrays(), head_map=head_map))
-    t_len = x.q.shape[1]
-    outs, state = [], x.state
-    for c0 in range(0, t_len, chunk):
-        sl = slice(c0, c0 + chunk)
-        o, state = serial(ref.GDNInputs(x.q[:, sl], x.k[:, sl], x.v[:, sl], x.g[:, sl], x.beta[:, sl], state))
-        outs.append(o)
-    return np.concatenate(outs, axis=1), state
-
-
 # --- run -------------------------------------------------------------------------------------------
 
 
-def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
-    be = backend(cfg.backend, cfg.head_map, cfg.threads, cfg.target, ctx.progress)
+def oracle_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
     cases = matrix(cfg.matrix)
     for i, case in enumerate(cases):
         ctx.progress(f"gdn oracle {i + 1}/{len(cases)} {case.name}")
@@ -227,14 +173,15 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
         for form, fn in (("serial", be.serial), ("chunkwise", lambda y: be.chunkwise(y, cfg.chunk))):
             v = check_nmse(reference, run_forms(fn, x, case.K), cfg.threshold)
             yield Record("gdn", f"{case.name}/{form}", "oracle", "nmse", v.verdict, v.margin,
-                         v.metrics, params=params | {"form": form}, artifacts=be.artifacts, detail=v.detail)
+                         v.metrics, params=params | {"form": form}, artifacts=dict(be.artifacts), detail=v.detail,
+                         evidence=be.evidence.take())
         if case.gate == "mild" or case.n_seq_tokens > cfg.chunk:
             whole = dict(zip(("out", "state"), be.serial(x)))
-            looped = dict(zip(("out", "state"), serial_in_chunks(x, cfg.chunk, cfg.head_map, be.serial)))
+            looped = dict(zip(("out", "state"), be.serial_chunk_loop(x, cfg.chunk)))
             v = check_bitexact(whole, looped)
             yield Record("gdn", f"{case.name}/serial-chunk-loop", "oracle", "bitexact", v.verdict, v.margin,
-                         v.metrics, params=params | {"form": "serial-chunk-loop"}, artifacts=be.artifacts,
-                         detail=v.detail)
+                         v.metrics, params=params | {"form": "serial-chunk-loop"}, artifacts=dict(be.artifacts),
+                         detail=v.detail, evidence=be.evidence.take())
 
 
 def sgemm_rate(size: int = 512, reps: int = 5) -> Figure:
@@ -247,36 +194,40 @@ def sgemm_rate(size: int = 512, reps: int = 5) -> Figure:
     return t.rate(2.0 * size**3, "FLOP/s")
 
 
-def bench_records(cfg: DictConfig, ctx) -> Iterator[Record]:
-    be = backend(cfg.backend, cfg.head_map, cfg.threads, cfg.target, ctx.progress)
+def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
     b = cfg.bench
-    sgemm = sgemm_rate()
+    # numpy's sgemm is a reference rate only where the kernels ran: on this host
+    sgemm = sgemm_rate() if ctx.device.profile.transport == "local" else None
     for t_len in b.tokens:
         ctx.progress(f"gdn bench H={b.heads} hs={b.head_size} T={t_len}")
         x = ref.draw_inputs(1, t_len, b.heads, b.head_size, kda=b.kda, seed=cfg.seed)
-        times = time_alternating(
-            {"serial": lambda: be.serial(x), "chunkwise": lambda: be.chunkwise(x, cfg.chunk)},
-            reps=b.reps, warmup=b.warmup,
-        )
+        times = be.bench(x, cfg.chunk, b.reps, b.warmup)
         flops = ref.gdn_flops(1, t_len, b.heads, b.head_size, b.kda)
         case = f"H={b.heads},hs={b.head_size},T={t_len},kda={int(b.kda)}"
-        for form, t in times.items():
+        evidence = be.evidence.take()
+        for form in ("serial", "chunkwise"):
+            t = times[form]
             gflops = t.rate(flops / 1e9, "GFLOP/s")
+            figures = {"time": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(t_len, "tokens/s"), "gflops": gflops}
+            metrics = {"speedup_vs_serial": times["serial"].median / t.median}
+            if f"{form}_cpu" in times:
+                figures["cpu_time"] = times[f"{form}_cpu"].scaled(1e3, "ms")
+            if sgemm is not None:
+                figures["sgemm_1t"] = sgemm.scaled(1e-9, "GFLOP/s")
+                metrics["sgemm_fraction"] = gflops.median / (sgemm.median * 1e-9)
             yield Record(
                 "gdn", f"{case}/{form}", "measure",
-                figures={"time": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(t_len, "tokens/s"),
-                         "gflops": gflops, "sgemm_1t": sgemm.scaled(1e-9, "GFLOP/s")},
-                metrics={"sgemm_fraction": gflops.median / (sgemm.median * 1e-9),
-                         "speedup_vs_serial": times["serial"].median / t.median},
+                figures=figures,
+                metrics=metrics,
                 work={"flops": flops, "flop_count": "gdn_flops: 7 d^2 + 4 d per token and head",
                       "tokens": t_len},
                 params={"heads": b.heads, "head_size": b.head_size, "tokens": t_len, "kda": b.kda,
                         "chunk": cfg.chunk, "form": form, "threads": cfg.threads},
-                artifacts=be.artifacts,
+                artifacts=dict(be.artifacts), evidence=evidence,
             )
 
 
-def ggml_records(cfg: DictConfig, ctx) -> Iterator[Record]:
+def llamacpp_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     """ggml's GATED_DELTA_NET on the device (seed 002's phones): llama.cpp's own harness is the oracle
     (one verdict per case and the "36/36 OK" tally), its perf mode the measurement."""
     from testbed.backends.llamacpp import runner as llamacpp
@@ -292,13 +243,14 @@ def ggml_records(cfg: DictConfig, ctx) -> Iterator[Record]:
 
 
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
-    if cfg.backend == "ggml":
-        yield from ggml_records(cfg, ctx)
+    if cfg.backend == "llamacpp":
+        yield from llamacpp_records(cfg, ctx)
         return
+    be = backends.load(cfg.backend, "gdn").runner(cfg, ctx.device, ctx.progress)
     if cfg.mode in ("oracle", "all"):
-        yield from oracle_records(cfg, ctx)
+        yield from oracle_records(cfg, ctx, be)
     if cfg.mode in ("bench", "all"):
-        yield from bench_records(cfg, ctx)
+        yield from bench_records(cfg, ctx, be)
 
 
 # --- tables ----------------------------------------------------------------------------------------

@@ -1,13 +1,15 @@
-"""Experiment `native_bench`: the native attention and sliding-cache kernels, measured as ratios.
+"""Experiment `native_bench`: the native attention and sliding-cache kernels on the device, as ratios.
 
 attention  one chunk of C query rows against P past + C new keys, vs the same C rows as C decode
-           calls (C = 1, each against the cache filled up to its own position): speedup.
+           calls (C = 1, each against the cache filled up to its own position): speedup. Both run in
+           tb_attention_bench on the device, timed by its own clock around the kernel calls only (no
+           host call between decode steps), alternating chunk and decode-steps runs per repetition.
+           Both outputs are checked against the numpy reference (NMSE), so every timed call
+           computed the full result.
 rollback   the padded tail's extra cache work (snapshot before the padded append, rollback after it)
-           on one layer's K and V at the model shape, vs one decode step of that layer's attention.
-
-Every ratio is taken from timings interleaved in one run (testbed.measure.time_alternating).
-Decode calls go through ctypes one by one, as an engine's step loop would; the per-call overhead
-(microseconds) is included and small beside a call's work.
+           on one layer's K and V at the model shape, against an unpadded append, in tb_cache_bench
+           (each operation timed apart, interleaved in every repetition), vs one decode step of that
+           layer's attention (the decode-steps time over C).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from refimpl import gemma
+from testbed.backends.native.build import build_programs, target_for_abi
+from testbed.backends.native.device import NativeJob, run_native
 from testbed.config import Choice, Int
 from testbed.errors import UsageError
-from testbed.measure import time_alternating
-from testbed.results import Record
+from testbed.oracles import check_nmse
+from testbed.results import Figure, Record
 
 PARAMS = {
     "backend": Choice(("native",)),
@@ -49,9 +53,6 @@ def validate(cfg: DictConfig) -> None:
     if c.window <= a.chunk + c.sink:
         raise UsageError(f"attention.chunk={a.chunk} does not fit the cache tail (window {c.window} - sink "
                          f"{c.sink}); padding needs window > chunk + sink")
-    from testbed.backends.native import library as native
-
-    native.library()
 
 
 def attention_flops(heads: int, rows: int, keys: int, head_dim: int) -> int:
@@ -60,88 +61,87 @@ def attention_flops(heads: int, rows: int, keys: int, head_dim: int) -> int:
 
 
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
-    from testbed.backends.native import library as native
-
-    artifacts = native.build_info()
     a, c, b = cfg.attention, cfg.cache, cfg.bench
+    target = target_for_abi(ctx.device.profile.abi)
+    ctx.progress(f"native_bench: building the programs for {target}")
+    programs = build_programs(target)
     rng = np.random.default_rng(cfg.seed)
     n_keys = a.past + a.chunk
     q = rng.standard_normal((a.heads, a.chunk, a.head_dim)).astype(np.float32)
     k = rng.standard_normal((a.kv_heads, n_keys, a.head_dim)).astype(np.float32)
     v = rng.standard_normal((a.kv_heads, n_keys, a.head_dim)).astype(np.float32)
-    positions = np.arange(a.past, n_keys)
-    mask = gemma.attention_mask(positions, np.arange(n_keys), c.window, a.heads, "global")
-    scale = 1.0 / np.sqrt(a.head_dim)
-    # decode step i sees the cache up to its own row: its mask row, cut to that length
-    step_masks = [np.ascontiguousarray(mask[:, :, i:i + 1, :a.past + i + 1]) for i in range(a.chunk)]
-    step_queries = [np.ascontiguousarray(q[:, i:i + 1]) for i in range(a.chunk)]
+    mask = gemma.attention_mask(np.arange(a.past, n_keys), np.arange(n_keys), c.window, a.heads, "global")
+    reference = gemma.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask,
+                                1 / np.sqrt(a.head_dim))
 
-    def chunk_call():
-        native.attention(q, k, v, mask, scale, threads=cfg.threads)
+    def attention_run(form: str, warmup: int, reps: int):
+        args = ["{inputs}", ".", f"form={form}", f"threads={cfg.threads}", f"warmup={warmup}", f"reps={reps}"]
+        return run_native(ctx.device, NativeJob(programs / "tb_attention_bench", {"q": q, "k": k, "v": v, "mask": mask},
+                                                ["out"], args, measured=reps > 0))
 
-    def decode_calls():
-        for i in range(a.chunk):
-            native.attention(step_queries[i], k, v, step_masks[i], scale, threads=cfg.threads,
-                             length=a.past + i + 1)
-
-    ctx.progress("native_bench attention: chunk vs decode steps")
-    times = time_alternating({"chunk": chunk_call, "decode_steps": decode_calls}, reps=b.reps, warmup=b.warmup)
+    ctx.progress("native_bench attention: chunk vs decode steps, on the device")
+    samples: dict[str, list[float]] = {"chunk": [], "decode_steps": []}
+    evidence: dict[str, list] = {"chunk": [], "decode_steps": []}
+    outputs = {}
+    for rep in range(b.reps):
+        for form in samples:
+            result = attention_run(form, b.warmup if rep == 0 else 0, 1)
+            samples[form] += result.timings["seconds"]
+            evidence[form].append(result.evidence.as_dict())
+            outputs[form] = result.outputs["out"]
+    times = {form: Figure.of(s, "s") for form, s in samples.items()}
     flops = {"chunk": attention_flops(a.heads, a.chunk, n_keys, a.head_dim),
              "decode_steps": sum(attention_flops(a.heads, 1, a.past + i + 1, a.head_dim) for i in range(a.chunk))}
     shape = f"heads={a.heads},kv={a.kv_heads},hd={a.head_dim},P={a.past},C={a.chunk}"
+    params = {"kernel": "attention", "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
+              "past": a.past, "chunk": a.chunk, "threads": cfg.threads}
     for form, t in times.items():
+        verdict = check_nmse({"out": reference}, {"out": outputs[form]})
+        yield Record("native_bench", f"attention/{shape}/{form}", "oracle", "nmse", verdict.verdict, verdict.margin,
+                     verdict.metrics, params=params | {"form": form}, detail=verdict.detail,
+                     evidence=evidence[form][-1:])
         yield Record(
             "native_bench", f"attention/{shape}/{form}", "measure",
             figures={"time": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(a.chunk, "tokens/s"),
                      "gflops": t.rate(flops[form] / 1e9, "GFLOP/s")},
             metrics={"speedup_vs_decode": times["decode_steps"].median / t.median},
             work={"flops": flops[form], "flop_count": "4 heads rows keys head_dim (q k^T and p v)",
-                  "rows": a.chunk, "calls": 1 if form == "chunk" else a.chunk},
-            params={"kernel": "attention", "form": form, "heads": a.heads, "kv_heads": a.kv_heads,
-                    "head_dim": a.head_dim, "past": a.past, "chunk": a.chunk, "threads": cfg.threads},
-            artifacts=artifacts,
+                  "rows": a.chunk, "calls": 1 if form == "chunk" else a.chunk,
+                  "timer": "tb_attention_bench's clock on the device, around the kernel call(s) only"},
+            params=params | {"form": form}, evidence=evidence[form],
         )
 
-    # Rollback: one layer's K and V caches (float32 rows of head_dim per KV head), full window.
-    ctx.progress("native_bench cache rollback vs one decode step")
+    # Rollback: one layer's K and V caches (float32 rows of head_dim per KV head), a full window.
+    ctx.progress("native_bench cache rollback vs one decode step, on the device")
     row_bytes = a.head_dim * 4
     full = rng.integers(0, 256, (2 * a.kv_heads, c.window, row_bytes), dtype=np.uint8)
-    chunk_rows = rng.integers(0, 256, (2 * a.kv_heads, a.chunk, row_bytes), dtype=np.uint8)
+    rows = rng.integers(0, 256, (2 * a.kv_heads, a.chunk, row_bytes), dtype=np.uint8)
     n_pad = a.chunk - c.real
-    work = full.copy()
-
-    def padded_with_rollback():
-        work[:] = full  # the same starting cache every time (a copy of window rows, timed alike below)
-        cache = native.SlidingCache(work, count=c.window, sink=c.sink)
-        saved = cache.snapshot(c.real, n_pad)
-        cache.append(chunk_rows)
-        cache.rollback(n_pad, saved)
-
-    def exact_append():
-        work[:] = full
-        native.SlidingCache(work, count=c.window, sink=c.sink).append(chunk_rows[:, :c.real])
-
-    decode_step = step_queries[-1], step_masks[-1], a.past + a.chunk
-    times = time_alternating(
-        {"padded+rollback": padded_with_rollback, "exact_append": exact_append,
-         "decode_step": lambda: native.attention(decode_step[0], k, v, decode_step[1], scale,
-                                                 threads=cfg.threads, length=decode_step[2])},
-        reps=b.reps, warmup=b.warmup)
-    rollback_cost = max(times["padded+rollback"].median - times["exact_append"].median, 0.0)
+    result = run_native(ctx.device, NativeJob(
+        programs / "tb_cache_bench", {"cache": full, "rows": rows}, ["exact", "rolled"],
+        ["{inputs}", ".", f"count={c.window}", f"sink={c.sink}", f"n_pad={n_pad}", f"warmup={b.warmup}",
+         f"reps={b.reps}"], measured=True))
+    ops = {name: Figure.of(s, "s") for name, s in result.timings["seconds"].items()}
+    padded = np.asarray(result.timings["seconds"]["snapshot"]) + np.asarray(result.timings["seconds"]["padded_append"]) \
+        + np.asarray(result.timings["seconds"]["rollback"])
+    extra = Figure.of(np.maximum(padded - np.asarray(result.timings["seconds"]["exact_append"]), 0.0), "s")
+    decode_step = times["decode_steps"].median / a.chunk
+    same = bool(np.array_equal(result.outputs["exact"], result.outputs["rolled"]))
     shape = f"window={c.window},sink={c.sink},real={c.real},pads={n_pad},kv={a.kv_heads},hd={a.head_dim}"
-    for form, t in times.items():
+    params = {"kernel": "sliding_cache", "window": c.window, "sink": c.sink, "real": c.real, "pads": n_pad,
+              "kv_heads": a.kv_heads, "head_dim": a.head_dim, "threads": cfg.threads}
+    yield Record("native_bench", f"cache/{shape}/byte-identical", "oracle", "bitexact", "pass" if same else "fail",
+                 0.0 if same else float("-inf"), {"rows_compared": int(full.shape[1])}, params=params,
+                 detail="" if same else "padded append + rollback left other bytes than the exact append",
+                 evidence=[result.evidence.as_dict()])
+    for form, t in ops.items():
         yield Record(
             "native_bench", f"cache/{shape}/{form}", "measure",
             figures={"time": t.scaled(1e6, "us")},
-            metrics={"rollback_us": rollback_cost * 1e6,
-                     "rollback_vs_decode_step": rollback_cost / times["decode_step"].median},
-            work={"bytes_per_copy": int(full.nbytes), "what": {
-                "padded+rollback": "cache reset copy + snapshot + padded append + rollback",
-                "exact_append": "cache reset copy + unpadded append",
-                "decode_step": f"one attention call, C=1 against {decode_step[2]} keys"}[form]},
-            params={"kernel": "sliding_cache", "form": form, "window": c.window, "sink": c.sink, "real": c.real,
-                    "pads": n_pad, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "threads": cfg.threads},
-            artifacts=artifacts,
+            metrics={"rollback_extra_us": extra.median * 1e6, "rollback_vs_decode_step": extra.median / decode_step},
+            work={"bytes_per_plane_row": row_bytes, "planes": int(full.shape[0]),
+                  "timer": "tb_cache_bench's clock on the device, each operation apart"},
+            params=params | {"form": form}, evidence=[result.evidence.as_dict()],
         )
 
 

@@ -81,6 +81,7 @@ class TboReport:
     summary: tuple[int, int] | None = None  # the tool's own "N/M tests passed"
     backends: dict[str, str] = field(default_factory=dict)
     final: str | None = None
+    evidence: list[dict] = field(default_factory=list)  # the device run that printed it, when there was one
 
     @property
     def tested(self) -> list[Case]:

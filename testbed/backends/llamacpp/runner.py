@@ -7,16 +7,29 @@ finish, or whose counts disagree, is an error record, never a pass.
 
 from __future__ import annotations
 
-from testbed.backends.llamacpp import output as out
-from testbed.devices import Device
-from testbed.results import Figure, Record
+from testbed.backends import Evidence
 from testbed.backends.iree.device import tool
+from testbed.backends.llamacpp import output as out
+from testbed.devices import CommandResult, Device
+from testbed.devices.transport import quoted
+from testbed.results import Figure, Record
+
+
+def evidence(device: Device, argv: list[str], result: CommandResult) -> list[dict]:
+    """What ran on the device: the tool's sha256 read there, the command, and the command's duration
+    (llama.cpp's tools time their own work; this is the whole run, as the link saw it)."""
+    digest = device.run(["sha256sum", argv[0]], timeout=120)
+    sha = digest.stdout.split()[0] if digest.returncode == 0 and digest.stdout.split() else "unreadable"
+    return [Evidence(device.name, argv[0].rsplit("/", 1)[-1], sha, quoted(argv), result.seconds,
+                     {"clock": "the command's duration seen through the transport"}).as_dict()]
 
 
 def test_backend_ops(device: Device, op: str, backend: str, timeout: float | None = None) -> tuple[out.TboReport, list[str]]:
     """Run test mode; returns the parsed report and every reason it may not be read as a pass."""
-    result = device.run([tool(device, "test-backend-ops"), "test", "-o", op, "-b", backend], timeout)
+    argv = [tool(device, "test-backend-ops"), "test", "-o", op, "-b", backend]
+    result = device.run(argv, timeout)
     report = out.parse_test(result.stdout)
+    report.evidence = evidence(device, argv, result)
     problems = report.problems()
     if result.returncode != 0:
         problems.append(f"test-backend-ops exited {result.returncode}: {result.stderr.strip()[-200:]}")
@@ -31,27 +44,31 @@ def test_records(experiment: str, op: str, backend: str, report: out.TboReport, 
         margin = None if case.nmse is None else case.threshold - case.nmse
         records.append(Record(experiment, f"{case.name}/{backend}", "oracle", "test-backend-ops", verdict, margin,
                               {"nmse": case.nmse} if case.nmse is not None else {},
-                              params={"op": op, "backend": backend, "params": case.params}, detail=case.detail))
+                              params={"op": op, "backend": backend, "params": case.params}, detail=case.detail,
+                              evidence=report.evidence))
     finished = report.summary is not None and report.final is not None
     verdict = "pass" if not problems else ("fail" if finished else "error")
     records.append(Record(experiment, f"{op}/{backend}/tally", "oracle", "test-backend-ops", verdict, None,
                           {"tally": report.tally(), "passed": report.passed, "tested": len(report.tested),
                            "unsupported": len(report.cases) - len(report.tested)},
-                          params={"op": op, "backend": backend}, detail="; ".join(problems)))
+                          params={"op": op, "backend": backend}, detail="; ".join(problems), evidence=report.evidence))
     return records
 
 
 def perf_records(device: Device, experiment: str, op: str, backend: str, timeout: float | None = None) -> list[Record]:
     """Perf mode under the profile's health discipline (cool-down, warm-up, throttling flag)."""
-    result, health = device.measured(
-        lambda: device.run([tool(device, "test-backend-ops"), "perf", "-o", op, "-b", backend], timeout))
+    argv = [tool(device, "test-backend-ops"), "perf", "-o", op, "-b", backend]
+    result, health = device.measured(lambda: device.run(argv, timeout))
     rows = out.parse_perf(result.stdout)
     if result.returncode != 0 or not rows:
         from testbed.errors import DeviceError
 
         raise DeviceError(f"{device.name}: test-backend-ops perf -o {op} -b {backend} exited {result.returncode} "
                           f"with {len(rows)} result lines: {result.stderr.strip()[-200:]}")
-    return perf_rows_records(experiment, backend, rows, health)
+    records, ran = perf_rows_records(experiment, backend, rows, health), evidence(device, argv, result)
+    for r in records:
+        r.evidence = ran
+    return records
 
 
 def perf_rows_records(experiment: str, backend: str, rows: list[out.Perf], health: dict | None = None) -> list[Record]:
@@ -79,8 +96,10 @@ def llama_bench_records(device: Device, experiment: str, model: str, prompt: int
         from testbed.errors import DeviceError
 
         raise DeviceError(f"{device.name}: llama-bench exited {result.returncode}: {result.stderr.strip()[-300:]}")
+    ran = evidence(device, argv, result)
     return [Record(experiment, f"{row.test}/t{threads}", "measure", figures={"tokens_per_s": row.figure()},
                    metrics=health,
                    work={"tokens": prompt, "what": f"llama-bench {row.test}: prompt tokens per second"},
-                   params={"model": model, "threads": threads, "test": row.test, "backend": row.backend})
+                   params={"model": model, "threads": threads, "test": row.test, "backend": row.backend},
+                   evidence=ran)
             for row in out.parse_bench(result.stdout)]

@@ -26,6 +26,8 @@ KERNELS_DIR = ROOT / "kernels"
 LIBRARY_NAME = "_tb_kernels"
 PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench", "tb_model_bench")
 TARGETS = ("host", "arm32", "aarch64")
+# A device profile's ABI -> the programs' build target (the host profile's ABI is "host").
+TARGET_FOR_ABI = {"host": "host", "armeabi-v7a": "arm32", "arm64-v8a": "aarch64"}
 REBUILD_HINT = "rebuild with `pip install -e .` (or `python setup.py build_ext --inplace`) in the project root"
 
 
@@ -96,6 +98,15 @@ def _programs_hash(target: str, fused: bool, kernels_dir: Path = KERNELS_DIR) ->
             h.update(str(path.relative_to(kernels_dir)).encode() + b"\0" + path.read_bytes() + b"\0")
     h.update(os.environ.get("ANDROID_NDK_HOME", "").encode())
     return h.hexdigest()
+
+
+def target_for_abi(abi: str) -> str:
+    """The build target whose programs run on a device of this ABI."""
+    if abi == "x86_64" and platform.machine() == "x86_64":
+        return "host"
+    if abi not in TARGET_FOR_ABI:
+        raise BuildError(f"no program build for ABI {abi!r}; the programs build for: {', '.join(TARGET_FOR_ABI)}")
+    return TARGET_FOR_ABI[abi]
 
 
 def build_programs(target: str, fused: bool = False, cache_dir: Path | None = None,

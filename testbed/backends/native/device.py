@@ -5,7 +5,9 @@ The program contract (kernels/bench/'s benchmark-and-dump programs follow it):
   cwd        a fresh run folder (runs/ID) holding the inputs as NAME.npy; the program itself is
              pushed once per content to bin/SHA/NAME
   argv       the program followed by the job's args; kernels/bench programs take IN_DIR OUT_DIR first,
-             which are both the run folder: args=[".", ".", "form=chunkwise", "reps=5", ...]
+             which are both the run folder: args=[".", ".", "form=chunkwise", "reps=5", ...]. An arg
+             "{inputs}" instead stages the inputs once per content in inputs/SHA/ and names that
+             folder: an oracle matrix runs each case's inputs through several forms, pushed once.
   writes     each output as NAME.npy and `timings.json` in the run folder:
              {"seconds": [one per timed repetition...], ...whatever else the program records}
   exit 0     on success; anything else is a failed run, reported with its stderr
@@ -17,17 +19,20 @@ and may have effects).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import tempfile
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from testbed.backends import Evidence
 from testbed.devices import CommandResult, Device
-from testbed.devices.transport import sha256_file
+from testbed.devices.transport import quoted, sha256_file
 from testbed.errors import DeviceError
 from testbed.results import Figure
 
@@ -48,6 +53,7 @@ class NativeResult:
     timings: dict[str, Any]
     command: CommandResult
     health: dict[str, Any] = field(default_factory=dict)  # for the record's metrics
+    evidence: Evidence | None = None
 
     def figure(self, unit_scale: float = 1.0, unit: str = "s") -> Figure:
         """The program's own per-repetition times as a Figure (median/min/max/reps)."""
@@ -61,14 +67,44 @@ class NativeRunFailed(DeviceError):
     """The program ran and failed, or left outputs that cannot be read."""
 
 
+@lru_cache(maxsize=64)
+def _digest(path: Path, mtime_ns: int, size: int) -> str:
+    return sha256_file(path)
+
+
+def program_digest(program: Path) -> str:
+    st = program.stat()
+    return _digest(program, st.st_mtime_ns, st.st_size)
+
+
 def stage_program(device: Device, program: Path) -> str:
     """The program's path on the device, pushed once per content: bin/SHA/NAME is reused while the
     device still holds those exact bytes (checked by size and sha256 on the device)."""
-    digest = sha256_file(program)
+    digest = program_digest(program)
     remote = f"bin/{digest[:16]}/{program.name}"
     if device.transport.remote_digest(remote) != (program.stat().st_size, digest):
         device.push(program, remote, mode=0o755)
     return remote
+
+
+def stage_inputs(device: Device, inputs: dict[str, np.ndarray], tmp: Path) -> str:
+    """inputs/SHA/ holding NAME.npy for each input, pushed once per content: a `.complete` marker,
+    written after every file was pushed and verified, says the folder may be reused."""
+    files = {}
+    for name, array in sorted(inputs.items()):
+        files[name] = tmp / f"{name}.npy"
+        np.save(files[name], np.ascontiguousarray(array))
+    h = hashlib.sha256()
+    for name, path in files.items():
+        h.update(name.encode() + b"\0" + sha256_file(path).encode())
+    folder = f"inputs/{h.hexdigest()[:20]}"
+    if device.run(["test", "-f", f"{folder}/.complete"], timeout=60).returncode != 0:
+        for name, path in files.items():
+            device.push(path, f"{folder}/{name}.npy")
+        marker = tmp / ".complete"
+        marker.write_text("")
+        device.push(marker, f"{folder}/.complete")
+    return folder
 
 
 def run_native(device: Device, job: NativeJob) -> NativeResult:
@@ -77,12 +113,20 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
         with tempfile.TemporaryDirectory(prefix="testbed-native-") as tmp:
             tmp = Path(tmp)
             program = stage_program(device, job.program)
-            for name, array in job.inputs.items():
-                local = tmp / f"{name}.npy"
-                np.save(local, np.ascontiguousarray(array))
-                device.push(local, f"{run_dir}/{name}.npy")
+            args = list(map(str, job.args))
+            if "{inputs}" in args:
+                shared = f"../../{stage_inputs(device, job.inputs, tmp)}"
+                args = [shared if a == "{inputs}" else a for a in args]
+                device.run(["mkdir", "-p", run_dir], timeout=60)  # it holds the outputs only
+            else:
+                for name, array in job.inputs.items():
+                    local = tmp / f"{name}.npy"
+                    np.save(local, np.ascontiguousarray(array))
+                    device.push(local, f"{run_dir}/{name}.npy")
+            argv = [f"../../{program}", *args]
+
             def once():
-                return device.run([f"../../{program}", *map(str, job.args)], timeout=job.timeout, cwd=run_dir)
+                return device.run(argv, timeout=job.timeout, cwd=run_dir)
 
             result, health = device.measured(once) if job.measured else (once(), {})
             if result.returncode != 0:
@@ -101,7 +145,14 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
                 timings = json.loads((tmp / "timings.json").read_text())
             except json.JSONDecodeError as e:
                 raise NativeRunFailed(f"{device.name}: timings.json is not JSON: {e}") from None
-            return NativeResult(outputs, timings, result, health)
+            seconds = timings.get("seconds") or []
+            # one list of repetitions, or one per timed operation (tb_cache_bench)
+            samples = [x for v in seconds.values() for x in v] if isinstance(seconds, dict) else seconds
+            evidence = Evidence(device.name, job.program.name, program_digest(job.program), quoted(argv),
+                                float(sum(samples)) if samples else None,
+                                {"timed_calls": len(samples), "cpu_seconds": sum(timings.get("cpu_seconds") or []),
+                                 "clock": "the program's CLOCK_MONOTONIC on the device"})
+            return NativeResult(outputs, timings, result, health, evidence)
     finally:
         try:
             device.run(["rm", "-rf", run_dir], timeout=60)

@@ -43,7 +43,6 @@ from testbed.errors import UsageError
 PROGRAM = "tb_model_bench"
 WEIGHT_DTYPES = ("f32", "f16", "int8")
 CACHE_DTYPES = {"float32": "f32", "float16": "f16", "int8": "int8"}  # refimpl's names -> the program's
-TARGET_FOR_ABI = {"host": "host", "x86_64": "host", "armeabi-v7a": "arm32", "arm64-v8a": "aarch64"}
 WEIGHTS_DIR = kernel_build.ROOT / ".cache" / "engine"
 
 
@@ -123,10 +122,7 @@ def model_args(cfg: gemma.GemmaConfig, dtype: str = "f32", group: int = 32) -> l
 
 def program_for(device: Device) -> Path:
     """The engine program built for the device's ABI (cached by content hash)."""
-    abi = device.profile.abi
-    if abi not in TARGET_FOR_ABI:
-        raise UsageError(f"device {device.name}: no engine build for ABI {abi!r}; accepted: {', '.join(TARGET_FOR_ABI)}")
-    return kernel_build.build_programs(TARGET_FOR_ABI[abi]) / PROGRAM
+    return kernel_build.build_programs(kernel_build.target_for_abi(device.profile.abi)) / PROGRAM
 
 
 def _evidence(device: Device, program: Path, weights: Path, argv: list[str], timings: dict) -> Evidence:
