@@ -135,25 +135,26 @@ double tb_engine_matmul_seconds(const tb_engine *e) { return e->matmul_seconds; 
 
 /* --- matrix products with weights in their stored dtype -------------------------------------------- */
 
-/* Row `row` of w as float32 into out [cols]. */
-static void weight_row(const tb_matrix *w, int row, float *out) {
+/* Row `row` of w as float32: in place for f32, else dequantised into `scratch` [cols]. */
+static const float *weight_row(const tb_matrix *w, int row, float *scratch) {
     const size_t at = (size_t)row * w->cols;
-    if (w->dtype == TB_F32) {
-        memcpy(out, (const float *)w->data + at, sizeof(float) * w->cols);
-    } else if (w->dtype == TB_F16) {
+    if (w->dtype == TB_F32) return (const float *)w->data + at;
+    if (w->dtype == TB_F16) {
         const uint16_t *h = (const uint16_t *)w->data + at;
-        for (int i = 0; i < w->cols; i++) out[i] = tb_f16_to_f32(h[i]);
+        for (int i = 0; i < w->cols; i++) scratch[i] = tb_f16_to_f32(h[i]);
     } else {
         const int8_t *q = (const int8_t *)w->data + at;
         const float *s = w->scales + (size_t)row * (w->cols / w->group);
-        for (int i = 0; i < w->cols; i++) out[i] = (float)q[i] * s[i / w->group];
+        for (int i = 0; i < w->cols; i++) scratch[i] = (float)q[i] * s[i / w->group];
     }
+    return scratch;
 }
 
 /* Output columns in blocks: a block of weight rows is dequantised and transposed once into [in, block]
  * and multiplied with all the input rows by the tb_linalg micro-kernel (each output one chain over
  * the input index in order, whatever the number of rows). Fewer than DOT_ROWS input rows (a decode
- * step, the LM head) read each weight row once with dot products instead: no transposition. */
+ * step, the LM head) stream the weight rows once instead, four at a time through dot4 (a decode step
+ * is bound by reading the weights: no transposition, no copy of an f32 row). */
 #define OUT_BLOCK 64
 #define DOT_ROWS 4
 
@@ -164,29 +165,48 @@ typedef struct {
     float *y;
 } matmul_call;
 
+static void dot_block(const matmul_call *c, int o0, int nb, float *scratch) {
+    const int in = c->w->cols, out = c->w->rows;
+    int j = 0;
+    for (; j + 4 <= nb; j += 4) {
+        const float *w0 = weight_row(c->w, o0 + j, scratch), *w1 = weight_row(c->w, o0 + j + 1, scratch + in);
+        const float *w2 = weight_row(c->w, o0 + j + 2, scratch + 2 * in), *w3 = weight_row(c->w, o0 + j + 3, scratch + 3 * in);
+        for (int r = 0; r < c->rows; r++) {
+            float s[4];
+            dot4(c->x + (size_t)r * in, w0, w1, w2, w3, in, s);
+            memcpy(c->y + (size_t)r * out + o0 + j, s, sizeof s);
+        }
+    }
+    for (; j < nb; j++) {
+        const float *wr = weight_row(c->w, o0 + j, scratch);
+        for (int r = 0; r < c->rows; r++) c->y[(size_t)r * out + o0 + j] = dot(c->x + (size_t)r * in, wr, in);
+    }
+}
+
+static void gemm_block(const matmul_call *c, int o0, int nb, float *scratch, float *bt) {
+    const int in = c->w->cols, out = c->w->rows;
+    for (int j = 0; j < nb; j++) {
+        const float *wr = weight_row(c->w, o0 + j, scratch);
+        for (int i = 0; i < in; i++) bt[(size_t)i * nb + j] = wr[i];
+    }
+    gemm_nn(c->rows, nb, in, c->x, in, bt, nb, c->y + o0, out, 0, 0);
+}
+
 static int matmul_blocks(void *arg, int begin, int end) {
     const matmul_call *c = arg;
-    const int in = c->w->cols, out = c->w->rows;
-    const int by_dot = c->rows < DOT_ROWS;
-    float *row = malloc(sizeof(float) * in);
+    const int in = c->w->cols, out = c->w->rows, by_dot = c->rows < DOT_ROWS;
+    float *scratch = malloc(sizeof(float) * 4 * in);
     float *bt = by_dot ? NULL : malloc(sizeof(float) * (size_t)in * OUT_BLOCK);
-    if (!row || (!by_dot && !bt)) {
-        free(row), free(bt);
+    if (!scratch || (!by_dot && !bt)) {
+        free(scratch), free(bt);
         return TB_E_MEMORY;
     }
     for (int b = begin; b < end; b++) {
         const int o0 = b * OUT_BLOCK, nb = out - o0 < OUT_BLOCK ? out - o0 : OUT_BLOCK;
-        for (int j = 0; j < nb; j++) {
-            weight_row(c->w, o0 + j, row);
-            if (by_dot) {
-                for (int r = 0; r < c->rows; r++) c->y[(size_t)r * out + o0 + j] = dot(c->x + (size_t)r * in, row, in);
-            } else {
-                for (int i = 0; i < in; i++) bt[(size_t)i * nb + j] = row[i];
-            }
-        }
-        if (!by_dot) gemm_nn(c->rows, nb, in, c->x, in, bt, nb, c->y + o0, out, 0, 0);
+        if (by_dot) dot_block(c, o0, nb, scratch);
+        else gemm_block(c, o0, nb, scratch, bt);
     }
-    free(row), free(bt);
+    free(scratch), free(bt);
     return TB_OK;
 }
 
@@ -351,9 +371,8 @@ int tb_model_prefill_with_past(tb_engine *e, const int32_t *tokens, int n, int r
         if (!e->evicts[i] && tb_kv_count(&e->cache[i]) + keep > e->cache[i].part[TB_KV_K].window) return TB_E_REFUSED;
 
     const float scale = (float)sqrt((double)c->hidden);
-    float *row = e->h;
     for (int r = 0; r < rows; r++) {
-        weight_row(&e->m->embed, r < n ? tokens[r] : 0, row);
+        const float *row = weight_row(&e->m->embed, r < n ? tokens[r] : 0, e->h);
         for (int j = 0; j < c->hidden; j++) e->x[(size_t)r * c->hidden + j] = row[j] * scale;
         e->positions[r] = r < n ? start + r : -1;
     }

@@ -176,10 +176,10 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
                                            logit_atol=cfg.logit_atol, cache_atol=cfg.cache_atol)
         params = {"past": case.past, "tokens": case.tokens, "chunk": case.chunk, "position": case.position,
                   "calls": case.calls}
-        evidence = {"evidence": backend.evidence.take()}
+        evidence = backend.evidence.take()
         for v in verdicts:
             yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin,
-                         v.metrics | evidence, params=params, detail=v.detail)
+                         v.metrics, params=params, detail=v.detail, evidence=evidence)
 
 
 def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -> tuple[float, float]:
@@ -191,13 +191,13 @@ def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
     p, c = cfg.bench.past, cfg.chunk
     ctx.progress(f"chunk_prefill bench P={p} C={c}")
     times = backend.bench(prompt, p, c, cfg.bench.reps, cfg.bench.warmup)
-    evidence = {"evidence": backend.evidence.take()}
+    evidence = backend.evidence.take()
     params = {"past": p, "chunk": c, "threads": cfg.threads}
     for name, rows in (("chunk_call", c), ("decode_step", 1)):
         flops = gemma.graph_flops(model, rows, p)
         yield Record("chunk_prefill", f"P={p},C={c}/{name}", "measure",
                      figures={"time": times[name], "gflops": times[name].rate(flops / 1e9, "GFLOP/s"),
-                              "rows_per_s": times[name].rate(rows, "rows/s")}, metrics=evidence,
+                              "rows_per_s": times[name].rate(rows, "rows/s")}, evidence=evidence,
                      work={"flops": flops, "rows": rows, "keys": p + rows,
                            "flop_count": "refimpl.gemma.graph_flops: projections, attention, MLP, one LM-head row"},
                      params=params | {"form": name})
@@ -207,7 +207,7 @@ def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
         yield Record("chunk_prefill", f"n={n},C={c}/projection", "measure",
                      metrics={"chunk_path_s": by_chunk, "decode_path_s": by_token, "speedup": by_token / by_chunk},
                      work={"chunk_calls": math.ceil(n / c), "reply_tokens": cfg.latency.reply_tokens},
-                     params=params | {"form": "projection", "utterance_tokens": n})
+                     params=params | {"form": "projection", "utterance_tokens": n}, evidence=evidence)
 
 
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:

@@ -181,9 +181,9 @@ def cache_grid_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterato
         ctx.progress(f"tail engine cache grid {i + 1}/{len(cases)} {case.name}")
         padded, exact = rollback_runs(ctx.device, mcfg, w, case, engine_settings(cfg, threshold), seed=cfg.seed)
         v = check_engine_rollback(case, mcfg.layer_types, padded.prefill, exact.prefill)
-        yield Record("tail", f"cache/{case.name}", "oracle", v.oracle, v.verdict, v.margin,
-                     v.metrics | {"evidence": [padded.evidence.as_dict(), exact.evidence.as_dict()]},
-                     params=dict(vars(case)), detail=v.detail)
+        yield Record("tail", f"cache/{case.name}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
+                     params=dict(vars(case)), detail=v.detail,
+                     evidence=[padded.evidence.as_dict(), exact.evidence.as_dict()])
 
 
 def oracle_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
@@ -191,11 +191,15 @@ def oracle_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Re
     engine = make_engine(cfg, mcfg, w, threshold, ctx.device)
     for n in prompt_lengths(cfg.chunk, [tuple(p) for p in cfg.oracle.around_chunk]):
         ctx.progress(f"tail first-token suite N={n}")
-        for v in check_first_token(engine, prompt(mcfg, n, cfg.seed), cfg.chunk, cfg.oracle.generate):
+        verdicts = check_first_token(engine, prompt(mcfg, n, cfg.seed), cfg.chunk, cfg.oracle.generate)
+        evidence = [run.evidence.as_dict() for run in getattr(engine, "runs", [])]  # the device's prefills
+        if evidence:
+            engine.runs.clear()
+        for v in verdicts:
             yield Record("tail", f"N={n}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
                          params={"prompt_tokens": n, "tail": n % cfg.chunk, "chunk": cfg.chunk,
                                  "threshold": threshold, "source": source_label(cfg, ctx.device.profile.name)},
-                         detail=v.detail)
+                         detail=v.detail, evidence=evidence)
 
 
 def call_flops(mcfg: gemma.GemmaConfig, rows: int, past: int) -> int:
@@ -263,14 +267,14 @@ def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Rec
             figures={"ttft": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(n, "tokens/s"),
                      "gflops": t.rate(flops / 1e9, "GFLOP/s")},
             metrics={**{f"telemetry.{k}": v for k, v in vars(tel).items()},
-                     "policy_pads": would_pad[0], "policy_reason": would_pad[1],
-                     **({"evidence": evidence[n, mode]} if evidence else {})},
+                     "policy_pads": would_pad[0], "policy_reason": would_pad[1]},
             work={"rows_computed": rows, "graph_calls": calls, "flops": flops,
                   "flop_count": "gemma.graph_flops per call, local layers over the rows their window holds",
                   "what": "time from prompt to first token (prefill + argmax): " + (
                       "the engine's own clock on the device" if evidence else "wall time, reference model")},
             params={"prompt_tokens": n, "tail": tel.tail, "mode": mode, "chunk": cfg.chunk,
                     "threshold": threshold, "source": label, "threads": cfg.threads},
+            evidence=evidence.get((n, mode), []),
         )
 
 
