@@ -11,6 +11,11 @@ up, with the expected tail derived from the chunk size the telemetry reports, wh
 configured one; and the states that are exact in both modes (every cache's positions, conv states)
 must be identical. How many generated tokens agree is reported beside the verdict, not judged: chunk
 and step graphs round differently, so a near-tie may flip a later token.
+
+Byte-identical cache of an engine run (check_engine_rollback): a whole prefill whose tail was padded
+and rolled back, against the same prefill whose padded call appended only its real rows, every cache
+byte of every layer, and the positions those the cache contract gives (engine_grid: prompt lengths
+that meet the windows empty, unevicted, evicted by the pads only, and full).
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ bench    for each prompt length N (blocks * chunk + tail, or prompt_tokens): tim
 oracle   the byte-identical cache grid and the first-token suite (C+2, C+9, 2C-1, 8C-1 by default).
 fixture  the seed's measured sweep (M4 Pro, gemma-4-e2b-it) as records, so the same table shows it.
 
+backend=refimpl runs the numpy model on the host; backend=native runs the model engine in C
+(kernels/tb_model.h) on the device: every prefill, its cache bytes pulled for the host's oracles,
+the grid as whole engine prefills (padded + rollback against the exact append), the bench timed
+by the program's own clock.
+
 `testbed sweep experiment=tail tail=0,2,4,...` prints one row per tail and the breakeven tail;
 `testbed table tail` prints the reviewer's table and breakeven per source from stored records.
 """
