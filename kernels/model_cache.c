@@ -186,19 +186,22 @@ int tb_kv_snapshot_padded(const tb_kv_cache *c, int n_real, int n_pad, tb_kv_sna
         s->saved[p] = malloc((size_t)part->planes * (n_pad ? n_pad : 1) * part->row_bytes);
         int rc = s->saved[p] ? tb_cache_snapshot(part, n_real, n_pad, s->saved[p], &s->n_saved) : TB_E_MEMORY;
         if (rc != TB_OK) {
-            for (int q = 0; q <= p; q++) free(s->saved[q]), s->saved[q] = NULL;
+            tb_kv_snapshot_free(s);
             return rc;
         }
     }
     return TB_OK;
 }
 
+void tb_kv_snapshot_free(tb_kv_snapshot *s) {
+    for (int p = 0; p < 5; p++) free(s->saved[p]), s->saved[p] = NULL;
+}
+
 int tb_kv_rollback_padded(tb_kv_cache *c, tb_kv_snapshot *s) {
     int rc = TB_OK;
-    for (int p = 0; p < 5; p++) {
-        if (s->saved[p] && rc == TB_OK) rc = tb_cache_rollback(&c->part[p], s->n_pad, s->saved[p], s->n_saved);
-        free(s->saved[p]), s->saved[p] = NULL;
-    }
+    for (int p = 0; p < 5 && rc == TB_OK; p++)
+        if (s->saved[p]) rc = tb_cache_rollback(&c->part[p], s->n_pad, s->saved[p], s->n_saved);
+    tb_kv_snapshot_free(s);
     return rc;
 }
 

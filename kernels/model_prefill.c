@@ -52,9 +52,8 @@ int tb_model_prefill(tb_engine *e, const int32_t *tokens, int n, int chunk, cons
         if (rc == TB_OK)
             rc = tb_model_prefill_with_past(e, tokens + start, tail, chunk, start, p->exact_tail ? real : chunk, 0, NULL);
         for (int i = 0; i < taken; i++) {
-            int r = rc == TB_OK ? tb_kv_rollback_padded(tb_engine_cache(e, i), &snaps[i]) : TB_OK;
-            for (int q = 0; q < 5; q++) free(snaps[i].saved[q]), snaps[i].saved[q] = NULL;
-            rc = rc == TB_OK ? r : rc;
+            if (rc == TB_OK) rc = tb_kv_rollback_padded(tb_engine_cache(e, i), &snaps[i]);
+            else tb_kv_snapshot_free(&snaps[i]);
         }
         free(snaps);
         if (rc == TB_OK) rc = tb_model_decode_with_past(e, tokens[n - 1], n - 1, logits);

@@ -104,6 +104,7 @@ typedef struct {
 
 int tb_kv_snapshot_padded(const tb_kv_cache *c, int n_real, int n_pad, tb_kv_snapshot *s);
 int tb_kv_rollback_padded(tb_kv_cache *c, tb_kv_snapshot *s); /* frees s */
+void tb_kv_snapshot_free(tb_kv_snapshot *s);                  /* a snapshot not rolled back */
 
 /* The engine: a model, one cache per layer, scratch for calls of up to max_rows rows. */
 typedef struct tb_engine tb_engine;

@@ -208,10 +208,6 @@ class TailRun:
     scalar_telemetry: tp.Telemetry | None = None  # compare=True: the scalar variant timed beside
 
 
-def _telemetry(t: dict) -> tp.Telemetry:
-    return tp.Telemetry(**t)
-
-
 def _caches(cfg: gemma.GemmaConfig, s: TailSettings, out: dict, lengths: list[int]) -> tp.ModelCaches:
     """refimpl caches holding the device's bytes (sliding for local layers, full for global ones)."""
     layers = []
@@ -254,9 +250,9 @@ def tail(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSetting
                             measured=reps > 1)
     out, timings = result.outputs, result.timings
     caches = _caches(cfg, s, out, timings["lengths"])
-    prefill = DevicePrefill(out["logits"], _telemetry(timings["telemetry"]), caches, tokens.size,
+    prefill = DevicePrefill(out["logits"], tp.Telemetry(**timings["telemetry"]), caches, tokens.size,
                             [int(t) for t in out["generated"]])
-    scalar = _telemetry(timings["scalar_telemetry"]) if compare else None
+    scalar = tp.Telemetry(**timings["scalar_telemetry"]) if compare else None
     return TailRun(prefill, timings, evidence, scalar)
 
 
