@@ -174,9 +174,10 @@ int tb_tail_decide(const tb_engine *e, const tb_tail_policy *p, int tail, int ch
 int tb_model_prefill(tb_engine *e, const int32_t *tokens, int n, int chunk, const tb_tail_policy *p,
                      float *logits, tb_telemetry *t);
 
-/* Seconds spent in the weight matrix products since the engine was created (the engine's own
- * timer: what a chunk call's matmul rate is computed from). */
-double tb_engine_matmul_seconds(const tb_engine *e);
+/* Seconds spent in the weight matrix products since the engine was created, by the wall clock and
+ * by the process's CPU clock (the engine's own timer: what a chunk call's matmul rate is computed
+ * from; on a shared machine the CPU clock leaves out the time other processes held the core). */
+void tb_engine_matmul_seconds(const tb_engine *e, double *wall, double *cpu);
 
 #ifdef __cplusplus
 }

@@ -35,6 +35,9 @@ const char *out_dir(void);
 void flush_denormals(void);
 
 double now_seconds(void);
+/* CPU time of the whole process, every thread: beside wall time it tells a loaded or throttled run
+ * (wall >> cpu / threads) from a slow kernel. */
+double cpu_seconds(void);
 
 /* Run fn(ctx) warmup times, then reps times timed; write DIR/timings.json. fn returns a TB_* code. */
 typedef int (*bench_fn)(void *ctx);

@@ -9,7 +9,8 @@
  *       [layers, kv_heads, rows, head_dim] after the last call, decode_logits [vocab] (the same n
  *       tokens one decode step at a time from the P-row cache).
  *       Timed, interleaved: one chunk call of C rows and one decode step against the P-row cache
- *       ("seconds", "decode_seconds"; "matmul_seconds": the chunk call's weight products).
+ *       ("seconds", "decode_seconds"; "matmul_seconds": the chunk call's weight products; each also
+ *       by the process's CPU clock: "cpu_seconds", "decode_cpu_seconds", "matmul_cpu_seconds").
  *   tb_model_bench IN OUT weights=FILE MODEL... mode=tail chunk=C cache=f32|f16|int8 cache_group=G
  *       sink=S [state=0|1] [threshold=8] [generate=G] [exact_tail=0|1] [compare=0|1]
  *       The prompt through chunked prefill with a padded or scalar tail (refimpl/tail_prefill.py):
@@ -193,15 +194,29 @@ static reference_work reference_setup(const tb_model_config *c, int rows) {
     return r;
 }
 
-static void reference_time(reference_work *r, double *gemm_s, double *stream_s) {
-    double t0 = now_seconds();
+/* A moment by both clocks, and the time since one: wall and CPU seconds. */
+typedef struct {
+    double wall, cpu;
+} stamp;
+
+static stamp stamp_now(void) { return (stamp){now_seconds(), cpu_seconds()}; }
+
+static void since(stamp t0, double *wall, double *cpu) {
+    *wall = now_seconds() - t0.wall, *cpu = cpu_seconds() - t0.cpu;
+}
+
+/* s[0], s[1]: the sgemm's wall and CPU seconds; s[2], s[3]: the streaming read's. */
+static void reference_time(reference_work *r, double *s) {
+    stamp t0 = stamp_now();
     gemm_nn(r->m, r->n, r->k, r->a, r->k, r->b, r->n, r->c, r->n, 0, 0);
-    *gemm_s = now_seconds() - t0;
-    t0 = now_seconds();
-    vf acc = vf_zero();
-    for (size_t i = 0; i + VF_LANES <= r->stream_floats; i += VF_LANES) acc = vf_add(acc, vf_load(r->stream + i));
-    *stream_s = now_seconds() - t0;
-    r->c[0] += vf_hsum(acc); /* keeps the read */
+    since(t0, &s[0], &s[1]);
+    t0 = stamp_now();
+    /* four independent sums, so the adds never limit the read */
+    vf acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
+    for (size_t i = 0; i + 4 * VF_LANES <= r->stream_floats; i += 4 * VF_LANES)
+        for (int a = 0; a < 4; a++) acc[a] = vf_add(acc[a], vf_load(r->stream + i + a * VF_LANES));
+    since(t0, &s[2], &s[3]);
+    for (int a = 0; a < 4; a++) r->c[0] += vf_hsum(acc[a]); /* keeps the read */
 }
 
 /* --- mode=chunk ------------------------------------------------------------------------------------ */
@@ -259,29 +274,36 @@ static void run_chunk(const tb_model *m, const int32_t *tokens, size_t n_tokens,
     npy_save(out_dir(), "decode_logits", "<f4", 1, vocab_shape, scratch);
     check(tb_engine_drop(e, n), "rewind");
 
-    /* timed: one chunk call and one decode step against the P-row cache, interleaved */
+    /* timed: one chunk call and one decode step against the P-row cache, interleaved; every figure
+     * by the wall clock and by the CPU clock */
     const long warmup = positive("warmup", 1, 0), reps = positive("reps", 1, 1), reference = arg_int("reference", 0);
-    const int first = n < chunk ? n : chunk;
-    double *t = calloc((size_t)reps * 5, sizeof(double));
+    const int first = n < chunk ? n : chunk, columns = reference ? 10 : 6;
+    double *t = calloc((size_t)reps * 10, sizeof(double)), scratch_times[10];
     if (!t) die("out of memory");
     reference_work ref = reference ? reference_setup(c, chunk) : (reference_work){0};
     for (long r = -warmup; r < reps; r++) {
-        double *s = r >= 0 ? t + 5 * r : t, t0 = now_seconds(), mm0 = tb_engine_matmul_seconds(e);
+        double *s = r >= 0 ? t + 10 * r : scratch_times, mm_wall, mm_cpu, wall, cpu;
+        tb_engine_matmul_seconds(e, &mm_wall, &mm_cpu);
+        stamp t0 = stamp_now();
         check(tb_model_prefill_with_past(e, tokens + past, first, chunk, past, chunk, first - 1, scratch), "chunk call");
-        s[0] = now_seconds() - t0, s[1] = tb_engine_matmul_seconds(e) - mm0;
+        since(t0, &s[0], &s[1]);
+        tb_engine_matmul_seconds(e, &wall, &cpu);
+        s[2] = wall - mm_wall, s[3] = cpu - mm_cpu;
         check(tb_engine_drop(e, chunk), "rewind");
-        t0 = now_seconds();
+        t0 = stamp_now();
         check(tb_model_decode_with_past(e, tokens[past], past, scratch), "decode step");
-        s[2] = now_seconds() - t0;
+        since(t0, &s[4], &s[5]);
         check(tb_engine_drop(e, 1), "rewind");
-        if (reference) reference_time(&ref, &s[3], &s[4]);
+        if (reference) reference_time(&ref, s + 6);
     }
     FILE *f = open_timings("chunk", warmup, reps, threads);
     fprintf(f, ", \"past\": %d, \"tokens\": %d, \"chunk\": %d, \"calls\": %d, \"rows\": %d", past, n, chunk, calls, rows);
-    const char *names[5] = {"seconds", "matmul_seconds", "decode_seconds", "sgemm_seconds", "stream_seconds"};
+    const char *names[10] = {"seconds", "cpu_seconds", "matmul_seconds", "matmul_cpu_seconds", "decode_seconds",
+                             "decode_cpu_seconds", "sgemm_seconds", "sgemm_cpu_seconds", "stream_seconds",
+                             "stream_cpu_seconds"};
     double *series = malloc(sizeof(double) * (size_t)reps);
-    for (int col = 0; col < (reference ? 5 : 3); col++) {
-        for (long r = 0; r < reps; r++) series[r] = t[5 * r + col];
+    for (int col = 0; col < columns; col++) {
+        for (long r = 0; r < reps; r++) series[r] = t[10 * r + col];
         print_series(f, names[col], series, reps);
     }
     if (reference)
