@@ -77,23 +77,6 @@ static uint16_t f32_to_f16(float x) {
     return (uint16_t)(sign | h);
 }
 
-float tb_f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu;
-    uint32_t b;
-    if (exp == 0x1f) b = sign | 0x7f800000u | (mant << 13);
-    else if (exp) b = sign | ((exp + 112u) << 23) | (mant << 13);
-    else if (!mant) b = sign;
-    else { /* subnormal: normalise */
-        int e = -1;
-        uint32_t m = mant;
-        do e++, m <<= 1; while (!(m & 0x400u));
-        b = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ffu) << 13);
-    }
-    float x;
-    memcpy(&x, &b, 4);
-    return x;
-}
-
 /* --- rows in and out ------------------------------------------------------------------------------ */
 
 /* One row of head_dim floats into the storage dtype (int8: `group`-element groups, one scale each,
