@@ -2,7 +2,7 @@
 
   testbed run EXPERIMENT [key=value ...]          one run, records stored, summary printed
   testbed sweep [experiment=NAME] key=v1,v2 ...   the cartesian product (Hydra sweep syntax), one table
-  testbed table EXPERIMENT [--format md|csv|json] tables from stored records only
+  testbed table EXPERIMENT [--format md|csv|json|jsonl] tables from stored records only
   testbed ingest FILE [--device NAME]             store test-backend-ops output run elsewhere
 
 Exit status: 0 all oracles passed, 1 an oracle failed (or no records to show), 2 bad input,
@@ -12,12 +12,13 @@ Exit status: 0 all oracles passed, 1 an oracle failed (or no records to show), 2
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import pandas as pd
 
-from testbed import config, device_cli, experiments, nightly, report, runner, tables
-from testbed.errors import DeviceUnreachable, UsageError
+from testbed import config, device_cli, emulation, experiments, nightly, report, runner, tables
+from testbed.errors import DeviceError, DeviceUnreachable, UsageError
 
 
 def _progress_line(msg: str) -> None:
@@ -40,6 +41,11 @@ def _summary(outcome: runner.Outcome, module) -> str:
     )
     for _, r in oracles[oracles["verdict"] != "pass"].iterrows() if len(oracles) else []:
         lines.append(f"FAIL {r['case']}: {r['detail']}")
+    load = outcome.info.host_load
+    if load.get("noisy") and len(df) > len(oracles):
+        lines.append(f"WARNING: this host was loaded while measuring (1-minute load "
+                     f"{max(load['load_1m_before'], load['load_1m_after']):.1f} on {load['cores']} cores): "
+                     f"the figures are noisy; the records say so (host_load.noisy)")
     return "\n".join(lines)
 
 
@@ -91,7 +97,11 @@ def cmd_table(args) -> int:
         print(f"no records for {rc.experiment} in {store.path}; run `testbed run {rc.experiment}` first",
               file=sys.stderr)
         return 1
-    print(tables.render(module.view(df), args.format))
+    speed, emulated = emulation.split_frame(df)
+    print(tables.render(module.view(speed), args.format))
+    if len(emulated):
+        print(f"\nleft out: {len(emulated)} figure(s) {emulation.REASON}:", file=sys.stderr)
+        print(tables.render(emulation.listing(emulated.to_dict("records")), "md"), file=sys.stderr)
     return 0
 
 
@@ -175,9 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceUnreachable as e:
         print(f"testbed: device unreachable: {e}", file=sys.stderr)
         return e.exit_status
+    except DeviceError as e:
+        print(f"testbed: device error: {e}; the run was recorded as an error", file=sys.stderr)
+        return e.exit_status
     except KeyboardInterrupt:
         print("testbed: interrupted; the run was recorded as an error", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `testbed table gdn | head`: the reader had enough; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -112,7 +112,8 @@ def figure_regressions(records: list[dict], history: int, min_history: int) -> l
     """Figures of each series' latest run that are worse than all of the (at least `min_history`,
     at most `history`) runs before."""
     flags = []
-    measures = by_run_time([r for r in records if r["kind"] == "measure"])
+    # emulated figures are not a device's speed (testbed.emulation): no regression is judged on them
+    measures = by_run_time([r for r in records if r["kind"] == "measure" and not r.get("emulated")])
     measures.sort(key=series_key)  # stable: each series stays in run-time order
     for key, group in groupby(measures, key=series_key):
         rows = list(group)[-(history + 1):]

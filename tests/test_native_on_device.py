@@ -16,6 +16,8 @@ from testbed.oracles import check_nmse
 from testbed.backends.native.device import NativeJob, run_native
 from tests.native_support import reference64
 
+pytestmark = pytest.mark.device
+
 TARGET_FOR_ABI = {"host": "host", "x86_64": "host", "armeabi-v7a": "arm32", "arm64-v8a": "aarch64"}
 COMPILERS = {"arm32": "arm-linux-gnueabihf-gcc", "aarch64": "aarch64-linux-gnu-gcc", "host": "cc"}
 # Cases across llama.cpp's matrix: scalar and vector gates, grouped value heads, several chunks.

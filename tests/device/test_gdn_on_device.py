@@ -1,0 +1,61 @@
+"""`pytest --device=NAME -m device`: the gdn experiment's whole oracle matrix (llama.cpp's 36 cases, the
+awkward lengths, the mild gates) with backend=native, computed ON the selected device by the
+benchmark-and-dump program built for its ABI, judged here against the float64 reference.
+
+Each test checks the device-side evidence of every record (the program's sha256 is the one built for
+the device's ABI, the device clock's seconds are there), so a computation on the host cannot pass."""
+
+import pytest
+
+from testbed import config, runner
+from testbed.backends.native.build import build_programs, target_for_abi
+from testbed.backends.native.device import program_digest
+
+pytestmark = [pytest.mark.device, pytest.mark.requires("native")]
+
+
+def run_on(device, overrides):
+    rc = config.load([f"device={device.name}", "backend=native", *overrides])
+    return runner.execute(rc, device=device)
+
+
+def assert_computed_on(device, rows, program: str):
+    expected = program_digest(build_programs(target_for_abi(device.profile.abi)) / program)
+    for row in rows:
+        assert row["device"] == device.name and row["emulated"] == device.profile.has("emulated")
+        assert row["evidence"], f"{row['case']} carries no evidence"
+        for ran in row["evidence"]:
+            assert (ran["device"], ran["ran"], ran["sha256"]) == (device.name, program, expected)
+            assert ran["device_seconds"] is not None and ran["device_seconds"] >= 0
+
+
+def test_gdn_oracle_matrix_passes_on_the_device(device, results_dir):
+    outcome = run_on(device, ["experiment=gdn", "mode=oracle", "matrix=all", "chunk=16"])
+    oracles = [r for r in outcome.rows if r["kind"] == "oracle"]
+    assert len(oracles) > 36 * 2 and outcome.failed == 0, [r["detail"] for r in oracles if r["verdict"] != "pass"][:3]
+    assert {r["oracle"] for r in oracles} == {"nmse", "bitexact"}
+    assert_computed_on(device, outcome.rows, "tb_gdn_bench")
+
+
+def test_gdn_benchmark_times_the_kernel_with_the_devices_clock(device, results_dir):
+    outcome = run_on(device, ["experiment=gdn", "mode=bench", "bench.heads=2", "bench.head_size=32",
+                              "bench.tokens=[65]", "bench.reps=2", "bench.warmup=0"])
+    measures = [r for r in outcome.rows if r["kind"] == "measure"]
+    assert sorted(r["params"]["form"] for r in measures) == ["chunkwise", "serial"]
+    for r in measures:
+        assert r["figures"]["time"]["reps"] == 2 and r["figures"]["cpu_time"]["reps"] == 2
+        # the figure is the program's own per-call time, not the command's round trip
+        device_ms = sorted(1e3 * ran["device_seconds"] for ran in r["evidence"] if f"form={r['params']['form']}" in ran["command"])
+        assert r["figures"]["time"]["min"] == pytest.approx(device_ms[0]) and len(device_ms) == 2
+    assert_computed_on(device, outcome.rows, "tb_gdn_bench")
+
+
+def test_native_bench_runs_on_the_device(device, results_dir):
+    outcome = run_on(device, ["experiment=native_bench", "attention.past=40", "attention.chunk=8",
+                              "attention.head_dim=32", "cache.window=32", "cache.real=5", "bench.reps=2",
+                              "bench.warmup=0"])
+    assert outcome.failed == 0
+    attention = [r for r in outcome.rows if r["params"].get("kernel") == "attention"]
+    cache = [r for r in outcome.rows if r["params"].get("kernel") == "sliding_cache"]
+    assert_computed_on(device, attention, "tb_attention_bench")
+    assert_computed_on(device, cache, "tb_cache_bench")

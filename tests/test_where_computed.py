@@ -1,0 +1,91 @@
+"""A record's device is the machine that computed it: refimpl is refused off the host, a device's
+default backend is the first its profile lists, and a run on a device whose records carry no evidence
+of the device (a host computation filed under its name) is an error, never stored as a pass."""
+
+import json
+
+import pytest
+
+from testbed import backends, cli, config, runner
+from testbed.backends.refimpl import gdn as refimpl_gdn
+from testbed.devices import connect, load_profile
+
+
+@pytest.mark.parametrize("argv", [["run", "gdn", "device=qemu-arm32", "backend=refimpl"],
+                                  ["sweep", "experiment=tail", "tail=0,8", "device=qemu-aarch64", "backend=refimpl"]])
+def test_refimpl_on_a_device_is_refused_in_one_line(argv, results_dir, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "backend=refimpl runs on the host; for device=qemu-" in err and "use backend=native" in err
+    assert "\n" not in err and not (results_dir / "records.jsonl").exists()
+
+
+def test_a_backend_the_device_lacks_is_refused(results_dir, capsys):
+    assert cli.main(["run", "gdn", "device=qemu-arm32", "backend=iree"]) == 2
+    assert "device=qemu-arm32 cannot run backend=iree" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device,expected", [("host", "refimpl"), ("qemu-arm32", "native"), ("hexagon", "llamacpp")])
+def test_a_devices_default_backend_is_the_first_it_has(device, expected):
+    assert config.load([f"device={device}"], experiment="gdn").cfg.backend == expected
+
+
+def test_a_host_computation_filed_under_a_device_is_an_error(results_dir, monkeypatch):
+    """The planted bug: a backend that computes on the host whatever device it is given (what every
+    experiment did before), run with device=qemu-arm32. Its records carry no device evidence."""
+    monkeypatch.setattr(backends, "load", lambda name, technique: refimpl_gdn)
+    rc = config.load(["device=qemu-arm32", "mode=oracle", "matrix=awkward"], experiment="gdn")
+    device = connect(load_profile("qemu-arm32"))
+    try:
+        with pytest.raises(runner.ComputedElsewhere, match="no evidence that the device computed them"):
+            runner.execute(rc, device=device)
+    finally:
+        device.close()
+    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    assert [(r["verdict"], r["device"]) for r in rows] == [("error", "qemu-arm32")]  # no pass stored
+
+
+def test_a_program_killed_on_the_device_leaves_an_error_record_with_its_stderr(results_dir, monkeypatch, tmp_path):
+    """The device program dies mid-run (a crash, the OOM killer): the run is an error record carrying the
+    program's last words, and nothing of it reads as passed."""
+    from testbed.backends.native import gdn as native_gdn
+
+    crashing = tmp_path / "programs" / "tb_gdn_bench"
+    crashing.parent.mkdir()
+    crashing.write_text("#!/bin/sh\necho 'tb_gdn_bench: out of memory in chunk 3' >&2\nkill -9 $$\n")
+    crashing.chmod(0o755)
+    monkeypatch.setattr(native_gdn, "build_programs", lambda target: crashing.parent)
+    assert cli.main(["run", "gdn", "backend=native", "mode=oracle", "matrix=awkward"]) == 4
+    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    assert [r["verdict"] for r in rows] == ["error"]
+    assert "tb_gdn_bench exited -9" in rows[0]["detail"] and "out of memory in chunk 3" in rows[0]["detail"]
+
+
+def test_a_device_that_drops_mid_run_is_an_error_record_and_unreachable(results_dir, monkeypatch):
+    """The loopback phone's adbd dies after the third program run of the oracle matrix (deterministic:
+    killed from inside the run, not on a timer): the run ends as one error record saying the device was
+    lost, and the CLI reports the device unreachable (exit 3), which is how a nightly lists it."""
+    import os
+    import signal
+
+    from testbed.backends.native import gdn as native_gdn
+
+    device = connect(load_profile("adb-loopback"))
+    calls = []
+
+    def dropping(dev, job):
+        calls.append(job)
+        if len(calls) == 3:
+            os.kill(device.peer.proc.pid, signal.SIGKILL)
+        return real(dev, job)
+
+    real = native_gdn.run_native
+    monkeypatch.setattr(native_gdn, "run_native", dropping)
+    monkeypatch.setattr(runner, "connect", lambda profile: device)
+    try:
+        assert cli.main(["run", "gdn", "device=adb-loopback", "mode=oracle", "matrix=awkward"]) == 3
+    finally:
+        device.close()
+    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    assert [(r["verdict"], r["device"]) for r in rows] == [("error", "adb-loopback")]
+    assert "connection lost" in rows[0]["detail"] and rows[0]["metrics"]["records_before_error"] >= 1
