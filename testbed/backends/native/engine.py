@@ -125,13 +125,6 @@ def program_for(device: Device) -> Path:
     return kernel_build.build_programs(kernel_build.target_for_abi(device.profile.abi)) / PROGRAM
 
 
-def _evidence(device: Device, program: Path, weights: Path, argv: list[str], timings: dict) -> Evidence:
-    seconds = {k: v for k, v in timings.items() if k.endswith("seconds") and isinstance(v, list)}
-    return Evidence(device.name, PROGRAM, sha256_file(program), " ".join([PROGRAM, *argv]),
-                    float(np.median(timings["seconds"])) if timings.get("seconds") else None,
-                    {"weights_sha256": sha256_file(weights), "seconds": seconds})
-
-
 def _run(device: Device, cfg: gemma.GemmaConfig, w: dict, tokens, args: list[str], outputs: list[str],
          weights_dtype: str, group: int, program: Path | None, measured: bool) -> tuple[NativeResult, Evidence]:
     program = program or program_for(device)
@@ -140,7 +133,10 @@ def _run(device: Device, cfg: gemma.GemmaConfig, w: dict, tokens, args: list[str
     argv = [".", ".", f"weights=../../{remote_weights}", *model_args(cfg, weights_dtype, group), *args]
     job = NativeJob(program, {"tokens": np.asarray(tokens, np.int32)}, outputs, argv, measured=measured)
     result = run_native(device, job)
-    return result, _evidence(device, program, weights, argv, result.timings)
+    # the device's evidence names the program; the weights it computed with are part of what ran
+    evidence = dataclasses.replace(result.evidence, detail={**result.evidence.detail,
+                                                            "weights_sha256": sha256_file(weights)})
+    return result, evidence
 
 
 # --- chunk prefill with past (seed 000) -------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The model engine in C (kernels/tb_model.h, program tb_model_bench) on the selected device
-(`pytest --device=NAME`), judged on the host against refimpl by the experiments' own oracles:
+(`pytest --device=NAME -m device`), judged on the host against refimpl by the experiments' own oracles:
 token at position for both seed cases with K/V NMSE, f16 and int8 weights against refimpl on the
 dequantised weights, the first-token suite around chunk boundaries, the byte-identical cache of a
 padded tail rolled back over the grid (dtypes, sinks, windows) with the bytes pulled from the device,
@@ -21,7 +21,7 @@ from testbed.oracles import digest, nmse
 from testbed.tail_oracles import check_engine_rollback, check_first_token, engine_grid, kill_switch
 from testbed.token_oracle import Reference, TokenCase, check_token_at_position
 
-pytestmark = pytest.mark.requires("native")
+pytestmark = [pytest.mark.device, pytest.mark.requires("native")]
 
 TINY = gemma.tiny_config()                      # window 512: the seed cases attend across it
 SMALL = gemma.tiny_config(window=64)            # the tail suite: chunk 16, lengths C+2 .. 8C-1

@@ -1,6 +1,6 @@
 """Planted bugs in the model engine (kernels/model*.c): each is a realistic one-line slip built into
 its own engine program (tests/native_support.mutant_program) for the selected device, and the oracle
-that guards it must catch it, while the real engine passes the same checks (tests/test_engine.py)."""
+that guards it must catch it, while the real engine passes the same checks (tests/device/test_engine_on_device.py)."""
 
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ from testbed.tail_oracles import check_engine_rollback, check_first_token, engin
 from testbed.token_oracle import Reference, TokenCase, check_token_at_position
 from tests.native_support import mutant_program
 
-pytestmark = pytest.mark.requires("native")
+pytestmark = [pytest.mark.device, pytest.mark.requires("native")]
 
 SMALL = gemma.tiny_config(window=64)
 CHUNK = 16
