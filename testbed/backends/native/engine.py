@@ -35,9 +35,8 @@ from refimpl import sliding_cache as sc
 from refimpl import tail_prefill as tp
 from testbed.backends import Evidence
 from testbed.backends.native import build as kernel_build
-from testbed.backends.native.device import NativeJob, NativeResult, run_native, stage_program
+from testbed.backends.native.device import NativeJob, NativeResult, program_digest, run_native, stage_program
 from testbed.devices import Device
-from testbed.devices.transport import sha256_file
 from testbed.errors import UsageError
 
 PROGRAM = "tb_model_bench"
@@ -135,7 +134,7 @@ def _run(device: Device, cfg: gemma.GemmaConfig, w: dict, tokens, args: list[str
     result = run_native(device, job)
     # the device's evidence names the program; the weights it computed with are part of what ran
     evidence = dataclasses.replace(result.evidence, detail={**result.evidence.detail,
-                                                            "weights_sha256": sha256_file(weights)})
+                                                            "weights_sha256": program_digest(weights)})
     return result, evidence
 
 
