@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma
 from testbed import backends, tables
+from testbed.backends.native.engine import WEIGHT_DTYPES, dequantized
 from testbed.checkpoints import load_checkpoint
 from testbed.config import Choice, Float, Int, IntList, project_path
 from testbed.errors import UsageError
@@ -46,7 +47,7 @@ PARAMS = {
     "iree.driver": Choice((None, "local-sync", "local-task", "vulkan")),
     "iree.past_bucket": Int(1, 4096),
     "iree.weights": Choice(("parameters", "constants")),
-    "native.weights": Choice(("f32", "f16", "int8")),
+    "native.weights": Choice(WEIGHT_DTYPES),
     "native.group": Int(1, 1 << 16),
     "chunk": Int(1, 4096),
     "logit_atol": Float(0.0),
@@ -162,8 +163,6 @@ def _setup(cfg: DictConfig, ctx):
     backend = backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device)
     if cfg.backend == "native" and cfg.native.weights != "f32":
         # the engine computes with the weights its file stores: refimpl on those is the reference
-        from testbed.backends.native.engine import dequantized
-
         w = dequantized(w, cfg.native.weights, cfg.native.group)
     return model, w, prompt, backend, artifacts
 
