@@ -105,18 +105,15 @@ def test_padded_rollback_is_byte_identical_over_the_grid(device, weights):
         assert v.passed, f"{case.name}: {v.detail}"
 
 
-@pytest.mark.parametrize("settings,env,reason", [
-    ({"state": True}, None, "conv/recurrent state cannot be rolled back"),
-    ({}, "1", f"kill switch {tp.KILL_SWITCH}=1"),
-    ({"threshold": 12}, None, "tail 11 <= threshold 12"),
-    ({"sink": 50}, None, "window 64 <= chunk 16 + sink 50"),
-])
-def test_guards_keep_the_tail_scalar(device, weights, settings, env, reason):
+@pytest.mark.parametrize("settings,killed", [({"state": True}, False), ({}, True), ({"threshold": 12}, False),
+                                             ({"sink": 50}, False)], ids=["state", "kill switch", "threshold", "window"])
+def test_guards_keep_the_tail_scalar_for_refimpls_reason(device, weights, settings, killed):
     eng = tail_engine(device, weights, **settings)
     tokens = np.random.default_rng(2).integers(0, SMALL.vocab, 2 * CHUNK + 11)
-    with kill_switch(env == "1"):
+    with kill_switch(killed):
         state = eng.prefill(tokens)
-    assert (state.telemetry.tail_mode, state.telemetry.reason) == ("scalar", reason)
+        pads, reason = eng.policy.decide(11, CHUNK, eng.make_caches())  # refimpl's TailPolicy, same caches
+    assert not pads and (state.telemetry.tail_mode, state.telemetry.reason) == ("scalar", reason)
     assert state.telemetry.scalar_tail_tokens == 11
     with kill_switch(False):
         assert tail_engine(device, weights).prefill(tokens).telemetry.tail_mode == "padded"
