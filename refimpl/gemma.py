@@ -4,7 +4,8 @@ The model (per layer i, type "local" or "global"):
 
     x      = embed[tokens] * sqrt(hidden)
     h      = rmsnorm(x) ; q, k, v = h Wq, h Wk, h Wv      heads-first [heads, C, head_dim]
-    q, k   = rope(rmsnorm_head(q)), rope(rmsnorm_head(k)) RoPE base 10,000 local / 1,000,000 global
+    q, k   = rope(rmsnorm_head(q)), rope(rmsnorm_head(k)) RoPE base 10,000 local / 1,000,000 global,
+                                                          global positions optionally scaled linearly
     K, V   = past K, V extended by the chunk's k, v        cached AFTER k-norm and RoPE
     x     += rmsnorm(softmax(q K^T * scale + mask) V Wo)  grouped KV heads (head h reads h // group)
     x     += rmsnorm(down(gelu_tanh(gate(h)) * up(h)))    h = rmsnorm(x)
@@ -51,6 +52,7 @@ class GemmaConfig:
     layer_types: tuple[str, ...] | None = None  # default: layer i is global iff i % 6 == 5
     rope_local: float = 10_000.0
     rope_global: float = 1_000_000.0
+    rope_scaling_global: float = 1.0  # linear RoPE scaling of the global layers (Gemma 3 4B and up: 8)
     query_pre_attn_scalar: float | None = None  # default: head_dim
     rms_eps: float = 1e-6
     final_logit_softcap: float | None = None
@@ -70,6 +72,8 @@ class GemmaConfig:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if not self.rope_scaling_global > 0:
+            raise ValueError(f"rope_scaling_global ({self.rope_scaling_global}) must be positive")
         object.__setattr__(self, "layer_types", types)
         if self.query_pre_attn_scalar is None:
             object.__setattr__(self, "query_pre_attn_scalar", float(self.head_dim))
@@ -81,6 +85,10 @@ class GemmaConfig:
 
     def rope_base(self, layer_type: str) -> float:
         return self.rope_local if layer_type == "local" else self.rope_global
+
+    def rope_scaling(self, layer_type: str) -> float:
+        """Linear RoPE scaling factor: Gemma 3 scales only its global layers' positions."""
+        return 1.0 if layer_type == "local" else self.rope_scaling_global
 
     @property
     def scale(self) -> float:
@@ -159,10 +167,13 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1 + np.tanh(DTYPE(math.sqrt(2 / math.pi)) * (x + DTYPE(0.044715) * x**3)))
 
 
-def rope_tables(positions: np.ndarray, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(positions: np.ndarray, head_dim: int, base: float,
+                scaling: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin [len(positions), head_dim] for the rotate-half RoPE convention (frequencies
-    repeated over both halves). Angles in float64, then float32, so large positions stay exact."""
-    inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    repeated over both halves). Angles in float64, then float32, so large positions stay exact.
+    Linear scaling divides every frequency by `scaling` (Hugging Face's "linear" rope_type, llama.cpp's
+    freq_scale = 1/factor); dividing by 1.0 is exact, so unscaled tables are unchanged."""
+    inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim) / scaling
     angles = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]
     angles = np.concatenate([angles, angles], axis=-1)
     return np.cos(angles).astype(DTYPE), np.sin(angles).astype(DTYPE)
@@ -308,7 +319,8 @@ def chunk_inputs(cfg: GemmaConfig, tokens, past_len: int, chunk: int, past_posit
     positions = np.where(np.arange(chunk) < n, table_positions, -1)
     select = np.zeros(chunk, DTYPE)
     select[row] = 1
-    tables = {t: rope_tables(table_positions, cfg.head_dim, cfg.rope_base(t)) for t in cfg.types_in_use}
+    tables = {t: rope_tables(table_positions, cfg.head_dim, cfg.rope_base(t), cfg.rope_scaling(t))
+              for t in cfg.types_in_use}
     return ChunkInputs(padded, positions, tables, chunk_masks(cfg, past, positions), select, n, table_positions)
 
 
@@ -365,7 +377,8 @@ def redecode(w: dict, cfg: GemmaConfig, tokens, position: int, attention: Attent
     x = embed(w, cfg, tokens)
     past_k, past_v = empty_cache(cfg)
     for i, t in enumerate(cfg.layer_types):
-        cos, sin = rope_tables(pos, cfg.head_dim, cfg.rope_local if t == "local" else cfg.rope_global)
+        base, scaling = (cfg.rope_local, 1.0) if t == "local" else (cfg.rope_global, cfg.rope_scaling_global)
+        cos, sin = rope_tables(pos, cfg.head_dim, base, scaling)
         mask = np.broadcast_to(np.where(visible[t], 0.0, MASKED).astype(DTYPE), (1, cfg.heads, *visible[t].shape))
         x, _, _ = decoder_layer(w, cfg, i, x, cos, sin, past_k[i], past_v[i], mask, attention)
     return lm_head(w, cfg, x[position])

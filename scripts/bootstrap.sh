@@ -3,7 +3,8 @@
 #   scripts/bootstrap.sh          the host job: a C compiler and the Python package with its extras
 #   scripts/bootstrap.sh --test   also what the test suites drive for real: ARM cross compilers and
 #                                 qemu-user, Debian's adb client, openssh-server, Mesa's software Vulkan
-#                                 (lavapipe) and Chromium for the report check
+#                                 (lavapipe), Chromium for the report check, and torch + transformers
+#                                 for the cross-checks against Hugging Face (the `hf` extra)
 set -eu
 cd "$(dirname "$0")/.."
 
@@ -12,7 +13,11 @@ TEST_PACKAGES="qemu-user gcc-arm-linux-gnueabihf gcc-aarch64-linux-gnu libc6-dev
   adb openssh-server mesa-vulkan-drivers libvulkan1 chromium"
 
 packages="$HOST_PACKAGES"
-[ "${1:-}" = "--test" ] && packages="$packages $TEST_PACKAGES"
+extras="full"
+if [ "${1:-}" = "--test" ]; then
+  packages="$packages $TEST_PACKAGES"
+  extras="full,hf"
+fi
 
 missing=""
 for p in $packages; do
@@ -28,4 +33,4 @@ if [ -n "$missing" ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
 fi
 
-python3 -m pip install -q --disable-pip-version-check -e '.[full]'
+python3 -m pip install -q --disable-pip-version-check -e ".[$extras]"

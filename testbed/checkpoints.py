@@ -11,8 +11,12 @@ Conventions of the formats that matter here:
 - GGUF: tensor names and metadata keys from the `gguf` package's own tables (arch "gemma3"); numpy
   shapes are ggml's `ne` reversed, so a projection reads [out, in] as in Hugging Face. llama.cpp's
   converter stores Gemma's RMSNorm weights with the +1 offset folded in (its norm multiplies by w), so
-  1 is subtracted on load and added on write. The local RoPE base and the query scale are not stored:
-  llama.cpp uses 10,000 and 1/sqrt(head_dim), and so do we.
+  1 is subtracted on load and added on write. The query scale is not stored: llama.cpp derives it from
+  the block count (gguf_query_pre_attn_scalar), and so do we.
+
+Nothing is ignored silently: a config.json key or GGUF metadata key that may change the computation
+and that the reference model does not implement (a RoPE type, soft-capping of attention logits, an
+activation, bidirectional attention, an unknown key) is a UsageError naming it.
 """
 
 from __future__ import annotations
@@ -49,59 +53,126 @@ def check_weights(weights: dict[str, np.ndarray], cfg: GemmaConfig, source: str)
 
 # --- Hugging Face folder ---------------------------------------------------------------------------
 
+# What transformers computes with when a key is absent (Gemma3TextConfig, transformers 4.50 to 5.x): the
+# multimodal releases' text_config states only what differs from these.
+HF_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "sliding_window_pattern": 6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "attention_bias": False,
+    "use_bidirectional_attention": False, "layer_types": None, "rope_parameters": None, "rope_scaling": None,
+    "model_type": "gemma3_text",
+}
+# Keys that do not change what the model computes from token ids: bookkeeping, token ids of the
+# tokenizer, generation and training settings (dropout is off at inference), and the context length
+# (read only by RoPE types this loader refuses). transformers 5 saves _sliding_window_pattern but never
+# reads it back. Any key neither here nor in HF_DEFAULTS is refused: it may change the computation.
+HF_INERT_KEYS = frozenset({
+    "architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "bos_token_id",
+    "eos_token_id", "pad_token_id", "use_cache", "cache_implementation", "initializer_range",
+    "attention_dropout", "max_position_embeddings", "_sliding_window_pattern", "output_hidden_states",
+    "output_attentions", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label",
+    "label2id", "problem_type", "tokenizer_class",
+})
+HF_MODEL_TYPES = ("gemma3_text", "gemma3")
+HF_LAYER_TYPES = {"sliding_attention": "local", "full_attention": "global"}
+HF_ROPE_TYPES = ("default", "linear")
 
-def config_from_hf(hf: dict, source: str) -> GemmaConfig:
-    hf = hf.get("text_config", hf)
 
-    def need(key):
-        if key not in hf:
-            raise UsageError(f"{source}: config.json lacks {key!r}")
-        return hf[key]
+def hf_rope(hf: dict, source: str) -> dict:
+    """The RoPE settings as transformers 5 resolves them: `rope_parameters` per layer type; a config
+    saved by transformers 4 has rope_theta (global), rope_local_base_freq and rope_scaling instead,
+    and rope_scaling applies to the global layers only. Returns GemmaConfig's rope fields."""
+    given = hf["rope_parameters"] or {}
+    if not isinstance(given, dict) or not set(given) <= set(HF_LAYER_TYPES):
+        raise UsageError(f"{source}: rope_parameters={given!r} is not accepted; accepted: a dict keyed by "
+                         f"layer type ({', '.join(HF_LAYER_TYPES)})")
+    params = {t: dict(given.get(t) or {}) for t in HF_LAYER_TYPES}
+    if hf["rope_scaling"] is not None:
+        params["full_attention"].update(hf["rope_scaling"])
+    params["full_attention"].setdefault("rope_theta", hf["rope_theta"])
+    params["sliding_attention"].setdefault("rope_theta", hf["rope_local_base_freq"])
+    theta, factor = {}, {}
+    for layer_type, p in params.items():
+        kind = p.get("rope_type", p.get("type", "default"))
+        where = f"{source}: RoPE of {layer_type}"
+        if kind not in HF_ROPE_TYPES:
+            raise UsageError(f"{where}: rope_type={kind!r} is not implemented; accepted: {', '.join(HF_ROPE_TYPES)}")
+        known = {"rope_type", "type", "rope_theta"} | ({"factor"} if kind == "linear" else set())
+        unknown = sorted(set(p) - known)
+        if unknown:
+            raise UsageError(f"{where}: {unknown[0]}={p[unknown[0]]!r} is not implemented for rope_type={kind!r}; "
+                             f"accepted keys: {', '.join(sorted(known))}")
+        if kind == "linear" and "factor" not in p:
+            raise UsageError(f"{where}: rope_type='linear' needs a factor")
+        theta[layer_type], factor[layer_type] = float(p["rope_theta"]), float(p.get("factor", 1.0))
+    if factor["sliding_attention"] != 1.0:
+        raise UsageError(f"{source}: RoPE of sliding_attention: factor={factor['sliding_attention']} is not "
+                         f"implemented; accepted: linear scaling of the full_attention layers only")
+    return {"rope_local": theta["sliding_attention"], "rope_global": theta["full_attention"],
+            "rope_scaling_global": factor["full_attention"]}
 
-    for key in ("rope_scaling", "attn_logit_softcapping"):
-        if hf.get(key) is not None:
-            raise UsageError(f"{source}: config.json {key}={hf[key]!r} is not supported (accepted: null)")
-    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
-    if act != "gelu_pytorch_tanh":
-        raise UsageError(f"{source}: hidden_activation={act!r} is not supported; accepted: gelu_pytorch_tanh")
-    layers = int(need("num_hidden_layers"))
-    if "layer_types" in hf:
-        names = {"sliding_attention": "local", "full_attention": "global"}
-        bad = [t for t in hf["layer_types"] if t not in names]
+
+def config_from_hf(config: dict, source: str) -> GemmaConfig:
+    """A Gemma 3 config.json (text-only, or the text_config of a multimodal one) as transformers reads
+    it. Whatever would make transformers compute something this model does not is refused."""
+    given = config.get("text_config", config)
+    unknown = sorted(set(given) - set(HF_DEFAULTS) - HF_INERT_KEYS)
+    if unknown:
+        raise UsageError(f"{source}: key {unknown[0]!r}={given[unknown[0]]!r} is not implemented by this loader "
+                         f"(it may change the computation); accepted keys: testbed.checkpoints.HF_DEFAULTS "
+                         f"and HF_INERT_KEYS")
+    hf = {**HF_DEFAULTS, **given}
+    refused = {"model_type": HF_MODEL_TYPES, "hidden_activation": ("gelu_pytorch_tanh",),
+               "attn_logit_softcapping": (None,), "attention_bias": (False,),
+               "use_bidirectional_attention": (False,)}
+    for key, accepted in refused.items():
+        if hf[key] not in accepted:
+            raise UsageError(f"{source}: {key}={hf[key]!r} is not implemented; accepted: "
+                             f"{', '.join(map(repr, accepted))}")
+    for key in ("query_pre_attn_scalar", "sliding_window"):
+        if not isinstance(hf[key], (int, float)) or isinstance(hf[key], bool) or hf[key] <= 0:
+            raise UsageError(f"{source}: {key}={hf[key]!r} is not accepted; accepted: a positive number")
+    layers = int(hf["num_hidden_layers"])
+    if hf["layer_types"] is not None:
+        bad = [t for t in hf["layer_types"] if t not in HF_LAYER_TYPES]
         if bad:
-            raise UsageError(f"{source}: layer type {bad[0]!r} is not accepted; accepted: {', '.join(names)}")
-        types = [names[t] for t in hf["layer_types"]]
+            raise UsageError(f"{source}: layer type {bad[0]!r} is not accepted; accepted: {', '.join(HF_LAYER_TYPES)}")
+        types = [HF_LAYER_TYPES[t] for t in hf["layer_types"]]
     else:
-        pattern = int(hf.get("sliding_window_pattern", 6))
+        pattern = int(hf["sliding_window_pattern"])
         types = ["global" if (i + 1) % pattern == 0 else "local" for i in range(layers)]
     try:
         return GemmaConfig(
-            vocab=int(need("vocab_size")), hidden=int(need("hidden_size")), layers=layers,
-            heads=int(need("num_attention_heads")), kv_heads=int(need("num_key_value_heads")),
-            head_dim=int(need("head_dim")), mlp=int(need("intermediate_size")),
-            window=int(hf.get("sliding_window", 512)), layer_types=tuple(types),
-            rope_local=float(hf.get("rope_local_base_freq", 10_000.0)),
-            rope_global=float(hf.get("rope_theta", 1_000_000.0)),
-            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or need("head_dim")),
-            rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            final_logit_softcap=hf.get("final_logit_softcapping"),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            vocab=int(hf["vocab_size"]), hidden=int(hf["hidden_size"]), layers=layers,
+            heads=int(hf["num_attention_heads"]), kv_heads=int(hf["num_key_value_heads"]),
+            head_dim=int(hf["head_dim"]), mlp=int(hf["intermediate_size"]), window=int(hf["sliding_window"]),
+            layer_types=tuple(types), **hf_rope(hf, source),
+            query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]), rms_eps=float(hf["rms_norm_eps"]),
+            final_logit_softcap=hf["final_logit_softcapping"], tie_embeddings=bool(hf["tie_word_embeddings"]),
         )
     except ValueError as e:
         raise UsageError(f"{source}: {e}") from None
 
 
 def config_to_hf(cfg: GemmaConfig) -> dict:
+    """config.json as transformers 5 saves it (RoPE under rope_parameters, per layer type)."""
+    global_rope = {"rope_type": "default", "rope_theta": cfg.rope_global}
+    if cfg.rope_scaling_global != 1.0:
+        global_rope = {"rope_type": "linear", "factor": cfg.rope_scaling_global, "rope_theta": cfg.rope_global}
     return {
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
         "vocab_size": cfg.vocab, "hidden_size": cfg.hidden, "num_hidden_layers": cfg.layers,
         "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
         "intermediate_size": cfg.mlp, "sliding_window": cfg.window,
         "layer_types": ["full_attention" if t == "global" else "sliding_attention" for t in cfg.layer_types],
-        "rope_local_base_freq": cfg.rope_local, "rope_theta": cfg.rope_global,
-        "query_pre_attn_scalar": cfg.query_pre_attn_scalar, "rms_norm_eps": cfg.rms_eps,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local},
+                            "full_attention": global_rope},
+        # transformers 5 validates this field as an int
+        "query_pre_attn_scalar": int(q) if (q := cfg.query_pre_attn_scalar) == int(q) else q, "rms_norm_eps": cfg.rms_eps,
         "final_logit_softcapping": cfg.final_logit_softcap, "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_activation": "gelu_pytorch_tanh", "rope_scaling": None, "attn_logit_softcapping": None,
+        "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": None,
     }
 
 
@@ -171,7 +242,35 @@ def _from_float32(x) -> float:
     return float(f"{float(x):.7g}")
 
 
+# llama.cpp's converter adds 1 to every Gemma 3 norm weight (its RMSNorm multiplies by w, Gemma's by 1 + w).
+GGUF_NORM_SHIFT = 1.0
+# Metadata that does not change what llama.cpp computes for gemma3: descriptions, the tokenizer, the
+# quantizer's notes, the GGUF header's own counts, the context length, and two RoPE keys read only by
+# YaRN (refused below). Any other key is refused: llama.cpp may compute with it.
+GGUF_INERT_PREFIXES = ("general.", "tokenizer.", "quantize.", "GGUF.")
+GGUF_INERT_KEYS = ("{arch}.context_length", "{arch}.rope.scaling.finetuned", "{arch}.rope.scaling.original_context_length")
+
+
+def gguf_query_pre_attn_scalar(layers: int, hidden: int, heads: int, head_dim: int) -> float:
+    """GGUF stores no query scale; llama.cpp derives it from the block count: Gemma 3 27B (62 layers)
+    scales queries by 1/sqrt(hidden / heads), every other size by 1/sqrt(head_dim)."""
+    return float(hidden // heads) if layers == 62 else float(head_dim)
+
+
+def gguf_layer_types(layers: int, window: int, pattern) -> tuple[str, ...]:
+    """As llama.cpp reads gemma3: no sliding window (absent or 0) means every layer is global; else
+    `sliding_window_pattern` is one bool per layer (true = local), or n (default 6): layer i is local
+    iff i % n < n - 1 (n = 0: every layer local)."""
+    if not window:
+        return ("global",) * layers
+    if isinstance(pattern, list):
+        return tuple("local" if p else "global" for p in pattern)
+    n = int(pattern)
+    return tuple("local" if n == 0 or i % n < n - 1 else "global" for i in range(layers))
+
+
 def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
+    """A gemma3 GGUF read as llama.cpp reads it (src/models/gemma3.cpp, llama_model::load_hparams)."""
     import gguf
 
     path = Path(path)
@@ -183,30 +282,51 @@ def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
     arch = fields.get("general.architecture")
     if arch != GGUF_ARCH:
         raise UsageError(f"{path}: architecture {arch!r} is not accepted; accepted: {GGUF_ARCH}")
+    read: set[str] = {k.format(arch=arch) for k in GGUF_INERT_KEYS}
 
     def meta(key, default=None):
+        """A metadata value; without a default, a missing key is refused."""
         full = key.format(arch=arch)
+        read.add(full)
         if full not in fields and default is None:
             raise UsageError(f"{path}: metadata {full!r} is missing")
         return fields.get(full, default)
+
+    def refuse(key, value, accepted):
+        raise UsageError(f"{path}: metadata {key.format(arch=arch)}={value!r} is not implemented; accepted: {accepted}")
 
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise UsageError(f"{path}: missing tensor 'token_embd.weight'")
     K = gguf.Keys
-    head_dim = int(meta(K.Attention.KEY_LENGTH))
+    hidden, heads, layers = int(meta(K.LLM.EMBEDDING_LENGTH)), int(meta(K.Attention.HEAD_COUNT)), int(meta(K.LLM.BLOCK_COUNT))
+    head_dim = int(meta(K.Attention.KEY_LENGTH, hidden // heads))
+    for key in (K.Attention.VALUE_LENGTH, K.Rope.DIMENSION_COUNT):
+        if int(meta(key, head_dim)) != head_dim:
+            refuse(key, int(meta(key)), f"{head_dim} (the key length)")
+    scaling_type = meta(K.Rope.SCALING_TYPE, "linear")  # llama.cpp's default type
+    # 0: not scaled; rope.scale_linear is the key's old name, still read by llama.cpp
+    factor = float(meta(K.Rope.SCALING_FACTOR, meta("{arch}.rope.scale_linear", 0.0)))
+    if scaling_type not in ("linear", "none") or (scaling_type == "none" and factor not in (0.0, 1.0)):
+        refuse(K.Rope.SCALING_TYPE, scaling_type, "linear, or none without a factor")
+    window = int(meta(K.Attention.SLIDING_WINDOW, 0))
+    softcap = float(meta(K.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0))
+    settings = dict(
+        vocab=int(tensors["token_embd.weight"].data.shape[0]), hidden=hidden, layers=layers, heads=heads,
+        kv_heads=int(meta(K.Attention.HEAD_COUNT_KV)), head_dim=head_dim, mlp=int(meta(K.LLM.FEED_FORWARD_LENGTH)),
+        window=window or GemmaConfig.window,
+        layer_types=gguf_layer_types(layers, window, meta(K.Attention.SLIDING_WINDOW_PATTERN, 6)),
+        rope_global=float(meta(K.Rope.FREQ_BASE, 10_000.0)), rope_local=float(meta(K.Rope.FREQ_BASE_SWA, 10_000.0)),
+        rope_scaling_global=factor or 1.0,
+        query_pre_attn_scalar=gguf_query_pre_attn_scalar(layers, hidden, heads, head_dim),
+        rms_eps=_from_float32(meta(K.Attention.LAYERNORM_RMS_EPS)), final_logit_softcap=softcap or None,
+        tie_embeddings="output.weight" not in tensors,
+    )
+    unknown = sorted(k for k in fields if k not in read and not k.startswith(GGUF_INERT_PREFIXES))
+    if unknown:
+        refuse(unknown[0], fields[unknown[0]], "the gemma3 keys testbed.checkpoints.load_gguf reads")
     try:
-        cfg = GemmaConfig(
-            vocab=int(tensors["token_embd.weight"].data.shape[0]), hidden=int(meta(K.LLM.EMBEDDING_LENGTH)),
-            layers=int(meta(K.LLM.BLOCK_COUNT)), heads=int(meta(K.Attention.HEAD_COUNT)),
-            kv_heads=int(meta(K.Attention.HEAD_COUNT_KV)), head_dim=head_dim,
-            mlp=int(meta(K.LLM.FEED_FORWARD_LENGTH)), window=int(meta(K.Attention.SLIDING_WINDOW)),
-            rope_global=float(meta(K.Rope.FREQ_BASE)),
-            rope_local=float(meta("{arch}.rope.freq_base_swa", 10_000.0)),  # written by newer converters only
-            query_pre_attn_scalar=float(head_dim), rms_eps=_from_float32(meta(K.Attention.LAYERNORM_RMS_EPS)),
-            final_logit_softcap=fields.get(K.LLM.FINAL_LOGIT_SOFTCAPPING.format(arch=arch)),
-            tie_embeddings="output.weight" not in tensors,
-        )
+        cfg = GemmaConfig(**settings)
     except ValueError as e:
         raise UsageError(f"{path}: {e}") from None
     names = _gguf_names(cfg.layers)
@@ -217,16 +337,21 @@ def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
         if t is None:
             raise UsageError(f"{path}: missing tensor {gguf_name!r} ({hf_name})")
         a = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        weights[hf_name] = a - 1 if hf_name.endswith("norm.weight") else a
+        weights[hf_name] = a - GGUF_NORM_SHIFT if hf_name.endswith("norm.weight") else a
     if tensors:
         raise UsageError(f"{path}: unexpected tensor {next(iter(tensors))!r} (not a tensor of this Gemma config)")
     return cfg, check_weights(weights, cfg, str(path))
 
 
 def save_gguf(path: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray]) -> Path:
-    """A float32 GGUF in llama.cpp's converter's form (names, metadata, norm weights + 1)."""
+    """A float32 GGUF in llama.cpp's converter's form (names, metadata, norm weights + 1). A config the
+    format cannot carry (a query scale llama.cpp would not derive) is refused, not written wrong."""
     import gguf
 
+    derived = gguf_query_pre_attn_scalar(cfg.layers, cfg.hidden, cfg.heads, cfg.head_dim)
+    if cfg.query_pre_attn_scalar != derived:
+        raise UsageError(f"query_pre_attn_scalar={cfg.query_pre_attn_scalar:g} cannot be stored in a GGUF; "
+                         f"accepted: {derived:g} (what llama.cpp derives for {cfg.layers} layers)")
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), GGUF_ARCH)
     writer.add_block_count(cfg.layers)
@@ -236,8 +361,15 @@ def save_gguf(path: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray]
     writer.add_head_count_kv(cfg.kv_heads)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_sliding_window(cfg.window)
+    if "local" in cfg.layer_types:
+        writer.add_sliding_window(cfg.window)
+        if cfg.layer_types != gguf_layer_types(cfg.layers, cfg.window, 6):
+            writer.add_sliding_window_pattern([t == "local" for t in cfg.layer_types])
     writer.add_rope_freq_base(cfg.rope_global)
+    writer.add_rope_freq_base_swa(cfg.rope_local)
+    if cfg.rope_scaling_global != 1.0:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope_scaling_global)
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
     if cfg.final_logit_softcap:
         writer.add_final_logit_softcapping(cfg.final_logit_softcap)
@@ -245,7 +377,7 @@ def save_gguf(path: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray]
     for hf_name, a in weights.items():
         gguf_name = "output.weight" if hf_name == "lm_head.weight" else names.get_name(hf_name, try_suffixes=(".weight",))
         a = np.ascontiguousarray(a, np.float32)
-        writer.add_tensor(gguf_name, a + 1 if hf_name.endswith("norm.weight") else a)
+        writer.add_tensor(gguf_name, a + GGUF_NORM_SHIFT if hf_name.endswith("norm.weight") else a)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

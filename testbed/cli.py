@@ -4,9 +4,11 @@
   testbed sweep [experiment=NAME] key=v1,v2 ...   the cartesian product (Hydra sweep syntax), one table
   testbed table EXPERIMENT [--format md|csv|json|jsonl] tables from stored records only
   testbed ingest FILE [--device NAME]             store test-backend-ops output run elsewhere
+  testbed records verify | rm ... | export        inspect and repair the results store
 
 Exit status: 0 all oracles passed, 1 an oracle failed (or no records to show), 2 bad input,
-3 a device could not be reached.
+3 a device could not be reached, 4 a device operation failed, 5 the results store cannot be written,
+128+N stopped by signal N (SIGINT, SIGTERM, SIGHUP; the run is stored as broken).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import sys
 
 import pandas as pd
 
-from testbed import config, device_cli, emulation, experiments, nightly, report, runner, tables
-from testbed.errors import DeviceError, DeviceUnreachable, UsageError
+from testbed import config, device_cli, emulation, experiments, nightly, records_cli, report, runner, tables
+from testbed.errors import DeviceError, DeviceUnreachable, StoreError, UsageError
 
 
 def _progress_line(msg: str) -> None:
@@ -106,44 +108,29 @@ def cmd_table(args) -> int:
 
 
 def cmd_ingest(args) -> int:
-    """Store llama.cpp's test-backend-ops output from a run elsewhere (test or perf mode, console or CSV)."""
-    import csv
-    import io
-
-    from testbed.backends.llamacpp import output as out
+    """Store llama.cpp's test-backend-ops output from a run elsewhere (testbed.ingest says what is refused)."""
+    from testbed import ingest
     from testbed.devices import load_profile
     from testbed.results import RunInfo
-    from testbed.backends.llamacpp import runner as llamacpp
 
+    ingest.check_experiment(args.experiment)
     rc = config.load([f"device={args.device}"], experiment=args.experiment)
     profile = load_profile(rc.device)
-    try:
-        text = open(args.file, encoding="utf-8", errors="replace").read()
-    except OSError as e:
-        raise UsageError(f"{args.file}: {e.strerror}") from None
-    if text.lstrip().startswith(('"backend_name"', "backend_name")):
-        rows = list(csv.DictReader(io.StringIO(text)))
-        report = out.TboReport(cases=out.parse_csv(text))
-        # CSV has no summary or final status lines; a file that parses is a finished run
-        report.summary, report.final = (report.passed, len(report.tested)), "n/a (csv)"
-        tool_backend = ",".join(sorted({r["backend_name"] for r in rows})) or "?"
-        problems = [f"{c.name}: {c.detail or c.status}" for c in report.tested if c.status != "OK"]
-        problems += [] if report.tested else ["no case was tested"]
-    else:
-        report = out.parse_test(text)
-        tool_backend = ",".join(report.backends) or "?"
-        problems = report.problems()
-    perf = out.parse_perf(text)
-    if perf:
-        records = llamacpp.perf_rows_records(rc.experiment, tool_backend, perf)
-    elif report.cases:
-        records = llamacpp.test_records(rc.experiment, report.cases[0].op, tool_backend, report, problems)
-    else:
-        raise UsageError(f"{args.file}: no test-backend-ops case lines (test or perf mode) in it")
-    info = RunInfo(experiment=rc.experiment, device=rc.device, backend=args.backend, config={"source": args.file},
+    parsed = ingest.parse_file(args.file, ingest.read_regular(args.file))
+    ingest.check_device(args.file, parsed, rc.device, profile.accelerators.get("backend") or "CPU", args.force)
+    store = runner.results_store(rc)
+    digest = parsed.digest(rc.device)
+    earlier = None if args.force else ingest.already_stored(store.records(rc.experiment), digest)
+    if earlier is not None:
+        raise UsageError(f"{args.file}: this run is already stored (run {earlier['run_id']}, from "
+                         f"{earlier['config'].get('source')}); nothing stored (--force stores it again)")
+    tool_backend = ",".join(sorted(parsed.backends)) or "?"
+    info = RunInfo(experiment=rc.experiment, device=rc.device, backend=args.backend,
+                   config={"source": args.file, "source_digest": digest},
                    fingerprint={"abi": profile.abi, "source": "ingested"})
-    rows = [info.stamp(r) for r in records]
-    runner.results_store(rc).append(rows)
+    rows = [info.stamp(r) for r in ingest.records(rc.experiment, tool_backend, parsed)]
+    store.check_writable()
+    store.append([info.mark("started"), *rows, info.mark("ended", "complete")])  # one batch: whole or nothing
     for r in rows:
         if r["case"].endswith("/tally"):
             print(f"{r['case']}: {r['metrics']['tally']} ({r['verdict']}) {r['detail']}".rstrip())
@@ -167,16 +154,19 @@ def parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_table)
     i = sub.add_parser("ingest", help="store a tool's output: test-backend-ops console or CSV")
     i.add_argument("file")
-    i.add_argument("--experiment", default="gdn")
+    i.add_argument("--experiment", default="gdn", help="gdn or llamacpp")
     i.add_argument("--device", default="host")
     i.add_argument("--backend", default="ggml", help="what produced it (e.g. ggml-htp)")
+    i.add_argument("--force", action="store_true",
+                   help="store output that names another backend than the device's, or that is stored already")
     i.set_defaults(fn=cmd_ingest)
-    nightly.register(sub), report.register(sub), device_cli.register(sub)
+    nightly.register(sub), report.register(sub), device_cli.register(sub), records_cli.register(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    runner.stop_on_signals()
     try:
         return args.fn(args)
     except UsageError as e:
@@ -188,9 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceError as e:
         print(f"testbed: device error: {e}; the run was recorded as an error", file=sys.stderr)
         return e.exit_status
-    except KeyboardInterrupt:
-        print("testbed: interrupted; the run was recorded as an error", file=sys.stderr)
-        return 130
+    except StoreError as e:
+        print(f"testbed: {e}", file=sys.stderr)
+        return e.exit_status
+    except (KeyboardInterrupt, runner.Interrupted) as e:
+        signum = e.signum if isinstance(e, runner.Interrupted) else 2
+        print(f"testbed: {str(e) or 'interrupted'}; a run in progress was recorded as broken", file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:  # `testbed table gdn | head`: the reader had enough; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

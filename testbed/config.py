@@ -12,6 +12,7 @@ is accepted, before any work is done or anything is written.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -20,6 +21,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import RangeSweep, ValueType
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
@@ -54,18 +56,53 @@ def _register_devices() -> None:
         store.store(group="device", name=path.stem, node=OmegaConf.load(path), package="device")
 
 
+# The most runs one sweep may expand to: every job is composed and checked before the first runs, and
+# a typo such as chunk=range(1,100000) would otherwise compose for hours before saying anything.
+MAX_SWEEP_RUNS = 500
+
+
 def parse_overrides(overrides: Iterable[str]) -> list:
+    overrides = list(overrides)
     try:
-        return OverridesParser.create().parse_overrides(list(overrides))
+        parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as e:
-        raise UsageError(f"cannot parse overrides {list(overrides)}: {str(e).splitlines()[0]}") from None
+        raise UsageError(f"cannot parse overrides {overrides}: {str(e).splitlines()[0]}") from None
+    for o in parsed:
+        if not o.key_or_group:
+            raise UsageError(f"override {o.input_line!r} names no key; accepted: key=value, e.g. chunk=32")
+    return parsed
+
+
+def sweep_length(override) -> int:
+    """How many values a sweep override stands for, counted without listing them."""
+    value = override.value()
+    if isinstance(value, RangeSweep):
+        if not value.step or (value.stop - value.start) / value.step < 0:
+            return 0
+        return math.ceil((value.stop - value.start) / value.step)
+    return len(value.list)
 
 
 def expand_sweep(overrides: Iterable[str]) -> list[list[str]]:
     """`chunk=32,64 tail=0,2` -> the cartesian product as lists of plain overrides (Hydra's syntax,
-    including range() and choice(); the basic sweeper's product, in the order given)."""
+    including range() and choice(); the basic sweeper's product, in the order given), at most
+    MAX_SWEEP_RUNS of them."""
+    parsed = parse_overrides(overrides)
+    runs = 1
+    for o in parsed:
+        if o.value_type == ValueType.GLOB_CHOICE_SWEEP:
+            raise UsageError(f"{o.input_line!r}: glob() sweeps over config groups are not supported; "
+                             "accepted: a list (key=a,b), range() or choice()")
+        if o.is_sweep_override():
+            count = sweep_length(o)
+            if count == 0:
+                raise UsageError(f"{o.input_line!r} is a sweep of no values; accepted: a non-empty list or range")
+            runs *= count
+    if runs > MAX_SWEEP_RUNS:
+        raise UsageError(f"the sweep {' '.join(o.input_line for o in parsed if o.is_sweep_override())} is "
+                         f"{runs} runs; accepted: at most {MAX_SWEEP_RUNS} (split it into several sweeps)")
     axes = []
-    for o in parse_overrides(overrides):
+    for o in parsed:
         key = o.input_line.split("=", 1)[0]
         values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
         axes.append([f"{key}={v}" for v in values])
@@ -133,7 +170,7 @@ def load(overrides: Iterable[str] = (), experiment: str | None = None) -> RunCon
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         try:
             cfg = compose("config", overrides=overrides, return_hydra_config=True)
-        except HydraException as e:
+        except (HydraException, ValueError) as e:  # Hydra raises ValueError for some malformed overrides
             raise _explain(e, overrides) from None
     chosen = cfg.hydra.runtime.choices
     name, device = chosen["experiment"], chosen["device"]
@@ -194,8 +231,8 @@ class Float:
     hi: float | None = None
 
     def check(self, key: str, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UsageError(f"{key}={value!r} is not a number; accepted: {self.describe()}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UsageError(f"{key}={value!r} is not a finite number; accepted: {self.describe()}")
         if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
             raise UsageError(f"{key}={value} is out of range; accepted: {self.describe()}")
 

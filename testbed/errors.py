@@ -18,3 +18,10 @@ class DeviceError(Exception):
     a transfer that could not be verified, a full device, a command killed at its timeout."""
 
     exit_status = 4
+
+
+class StoreError(Exception):
+    """The results store cannot take a run's records (read-only, full, not a folder): found before the
+    run starts, or a batch that could not be written whole (and so was not written at all)."""
+
+    exit_status = 5

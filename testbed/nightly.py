@@ -7,13 +7,16 @@ checked before the first one starts, so a usage or configuration error runs noth
 nothing.
 
 Devices run concurrently, one worker thread per device, each running its jobs one after the other
-(the work is on the devices, the host mostly waits). A device is held for the whole night through a
-lock file in lock_dir (flock, released by the kernel if the process dies), so a second nightly on
-the same machine waits for the device, up to lock_wait_s, then reports it busy. A device that cannot
+(the work is on the devices, the host mostly waits). A device is held for the whole night through its
+lock (testbed.devices.private: a per-user private folder, the same lock `pytest --device=NAME`
+takes), so a second nightly or a test session waits for the device, up to lock_wait_s, then reports
+it busy, naming the holder. A device that cannot
 be reached (DeviceUnreachable, when connecting or during a run) is reported and the others go on.
 
-Each night appends one line to RESULTS/nights/records.jsonl (which runs, each device's status, tool
-versions); the report reads it beside the records. Exit status: 0 every oracle passed and nothing
+Each night appends a "started" entry to RESULTS/nights/records.jsonl when it begins and its full
+entry (which runs, each device's status, tool versions, exit status) once the report is written, so
+a killed night still shows in the log, and the logged exit status is the one the process returns;
+the report reads the log beside the records. Exit status: 0 every oracle passed and nothing
 regressed; 1 an oracle failed, a run broke, or a figure or oracle regressed; 2 a usage or
 configuration error; 3 a device was unreachable or busy and nothing else went wrong.
 """
@@ -21,15 +24,11 @@ configuration error; 3 a device was unreachable or busy and nothing else went wr
 from __future__ import annotations
 
 import datetime as dt
-import fcntl
-import os
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -42,15 +41,12 @@ from omegaconf import OmegaConf
 from testbed import config, history, report, runner
 from testbed.config import CONFIG_DIR, RunConfig
 from testbed.devices import Device, connect, load_profile
+from testbed.devices.private import DeviceBusy, device_lock
 from testbed.errors import DeviceUnreachable, UsageError
 from testbed.results import ResultsStore
 
 SUITE_DIR = CONFIG_DIR / "suite"
 SCREEN = 12  # at most this many failure or regression lines in the summary; the report has them all
-
-
-class DeviceBusy(Exception):
-    """Another run holds the device's lock for longer than this night may wait."""
 
 
 # --- the suite ------------------------------------------------------------------------------------
@@ -61,7 +57,7 @@ class Suite:
     name: str
     devices: list[str]
     jobs: dict[str, list[RunConfig]]  # device -> its jobs, in the suite's order
-    lock_dir: Path
+    lock_dir: Path | None  # None: the per-user default, shared with pytest --device
     lock_wait_s: float
     report_out: Path | None
 
@@ -102,39 +98,12 @@ def load_suite(overrides: list[str], suite_dir: Path = SUITE_DIR) -> Suite:
                 rc = config.load([f"device={device}", *combo], experiment=experiment)
                 runner.check(rc)
                 jobs[device].append(rc)
-    lock_dir = Path(spec.get("lock_dir") or Path(tempfile.gettempdir()) / "testbed-locks")
+    lock_dir = Path(spec["lock_dir"]) if spec.get("lock_dir") else None
     wait = spec.get("lock_wait_s", 0)
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
         raise UsageError(f"suite {name}: lock_wait_s={wait!r} is not accepted; accepted: seconds >= 0")
     out = spec.get("report_out")
     return Suite(name, devices, jobs, lock_dir, float(wait), config.project_path(out) if out else None)
-
-
-# --- holding a device -----------------------------------------------------------------------------
-
-
-@contextmanager
-def device_lock(lock_dir: Path, device: str, wait_s: float, holder: str):
-    """Hold `device` exclusively: an flock on lock_dir/DEVICE.lock, waited for up to wait_s."""
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    path = lock_dir / f"{device}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    who = path.read_text(errors="replace").strip() or "another process"
-                    raise DeviceBusy(f"held by {who} ({path}); waited {wait_s:g} s") from None
-                time.sleep(0.2)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}, {holder}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
 # --- one worker per device ------------------------------------------------------------------------
@@ -173,7 +142,7 @@ def work(device: str, jobs: list[RunConfig], suite: Suite, night: str, log: Log,
     result = DeviceNight(device)
     started = time.monotonic()
     try:
-        with device_lock(suite.lock_dir, device, suite.lock_wait_s, f"night {night}"):
+        with device_lock(device, suite.lock_wait_s, f"testbed nightly, night {night}", suite.lock_dir):
             handle = open_device(device)
             for i, rc in enumerate(jobs, 1):
                 log(device, f"{i}/{len(jobs)} {job_label(rc)}")
@@ -210,15 +179,17 @@ def open_device(name: str) -> Device:
 
 def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], Device] = open_device,
               log: Log | None = None) -> tuple[int, str]:
-    """Run the suite, append the night to the log, write the report; (exit status, summary)."""
+    """Run the suite, write the report, log the night; (exit status, summary)."""
     log = Log() if log is None else log
     started = dt.datetime.now(dt.timezone.utc)
     night = started.strftime("%Y-%m-%dT%H%M%SZ-") + uuid.uuid4().hex[:6]
     earlier = report.night_log(store.root)
+    entry = {"night": night, "suite": suite.name, "started": started.isoformat(timespec="seconds"),
+             "tools": report.tool_versions()}
+    store_nights(store).append([entry])  # what a killed night leaves in the log
     with ThreadPoolExecutor(max_workers=len(suite.devices), thread_name_prefix="device") as pool:
         futures = [pool.submit(work, d, suite.jobs[d], suite, night, log, open_device) for d in suite.devices]
         results = [f.result() for f in futures]
-    finished = dt.datetime.now(dt.timezone.utc)
     tonight = {run for r in results for run in r.run_ids}
     records = store.records()
     settings = report.settings()
@@ -226,15 +197,18 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
              + history.figure_regressions(records, settings["history_nights"], settings["min_history"])
              if f.run_id in tonight]
     status = exit_status(results, flags)
-    store_nights(store).append([{
-        "night": night, "suite": suite.name, "started": started.isoformat(timespec="seconds"),
-        "finished": finished.isoformat(timespec="seconds"), "tools": report.tool_versions(),
-        "devices": {r.device: {"status": r.status, "reason": r.reason, "runs": r.run_ids} for r in results},
-        "exit_status": status,
-    }])
-    out, _ = report.write(store, suite.report_out)
+    finished = dt.datetime.now(dt.timezone.utc)
+    entry.update(finished=finished.isoformat(timespec="seconds"), exit_status=status,
+                 devices={r.device: {"status": r.status, "reason": r.reason, "runs": r.run_ids} for r in results})
+    store_nights(store).append([entry])  # before the report, which shows it
+    try:
+        out, _ = report.write(store, suite.report_out)
+        report_line = f"report: {out / 'report.html'}"
+    except Exception as e:  # noqa: BLE001 -- the night's runs are stored; say the report broke, exit 1
+        status, report_line = 1, f"report: not written: {type(e).__name__}: {e}"
+        store_nights(store).append([{**entry, "exit_status": status, "report": report_line}])  # the last word
     compared = compared_with(earlier, records, tonight, settings["min_history"])
-    return status, summary(suite, night, results, flags, compared, out, status, finished - started)
+    return status, summary(suite, night, results, flags, compared, report_line, status, finished - started)
 
 
 def store_nights(store: ResultsStore) -> ResultsStore:
@@ -266,7 +240,7 @@ def compared_with(earlier: list[dict], records: list[dict], tonight: set[str], m
 
 
 def summary(suite: Suite, night: str, results: list[DeviceNight], flags: list[history.Flag], compared: str,
-            out: Path, status: int, took: dt.timedelta) -> str:
+            report_line: str, status: int, took: dt.timedelta) -> str:
     lines = [f"nightly {suite.name}: night {night} ({took.total_seconds():.0f} s)"]
     for r in results:
         what = (f"{len(r.run_ids)} runs, oracles {r.passed}/{r.oracles} pass, {r.measurements} measurements"
@@ -279,8 +253,10 @@ def summary(suite: Suite, night: str, results: list[DeviceNight], flags: list[hi
     if len(problems) > SCREEN:
         lines.append(f"... and {len(problems) - SCREEN} more in the report")
     lines.append(compared)
-    lines.append(f"report: {out / 'report.html'}")
-    meaning = {0: "all oracles pass, no regression", 1: f"{len(failures)} failures, {len(flags)} regressions",
+    lines.append(report_line)
+    meaning = {0: "all oracles pass, no regression",
+               1: f"{len(failures)} failures, {len(flags)} regressions"
+                  + ("; the report was not written" if "not written" in report_line else ""),
                3: "a device was unreachable or busy"}
     lines.append(f"exit {status}: {meaning[status]}")
     return "\n".join(lines)

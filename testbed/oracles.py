@@ -43,7 +43,8 @@ def nmse(ref: np.ndarray, out: np.ndarray) -> float:
 
 
 def check_nmse(ref: dict[str, np.ndarray], out: dict[str, np.ndarray], threshold: float = NMSE_THRESHOLD) -> Verdict:
-    """NMSE of every named output against the reference, each <= threshold; NaN or inf fails.
+    """NMSE of every named output against the reference, each <= threshold; NaN or inf on either side
+    fails. (A NaN in the reference makes the NMSE NaN, which max() and <= let through as a pass.)
 
     Margin: log10(threshold / worst NMSE), the orders of magnitude of headroom (capped at 30 for an
     exact match)."""
@@ -52,8 +53,9 @@ def check_nmse(ref: dict[str, np.ndarray], out: dict[str, np.ndarray], threshold
     problems = []
     for name, r in ref.items():
         o = out[name]
-        if not np.all(np.isfinite(o)):
-            problems.append(f"{name} has {int(np.sum(~np.isfinite(o)))} NaN/inf values")
+        bad = {side: int(np.sum(~np.isfinite(a))) for side, a in (("output", o), ("reference", r))}
+        if any(bad.values()):
+            problems.append(f"{name}: " + ", ".join(f"the {side} has {n} NaN/inf values" for side, n in bad.items() if n))
             metrics[f"nmse_{name}"] = float("inf")
             worst = float("inf")
             continue

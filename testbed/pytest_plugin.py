@@ -4,6 +4,10 @@
                                  stopped, at the end). A device other than the host is connected when
                                  the session starts, so an unreachable one stops pytest at once,
                                  saying why, before any test runs.
+                                 A session on a device other than the host holds the device's lock
+                                 (testbed.devices.private, the one testbed nightly takes) from start
+                                 to end; if another session or a night holds it, pytest stops at once,
+                                 naming the holder.
   @pytest.mark.requires("cap")   skip unless the device's profile lists that capability
   results_dir fixture            a per-session results store, so tests never write into results/
 """
@@ -12,8 +16,13 @@ from __future__ import annotations
 
 import pytest
 
+import os
+import sys
+from contextlib import ExitStack
+
 from testbed.config import choices
 from testbed.devices import connect, load_profile
+from testbed.devices.private import DeviceBusy, device_lock
 from testbed.errors import DeviceUnreachable, UsageError
 
 # The real peers the device tests talk to (loopback adbd, sshd) and their fixtures.
@@ -65,8 +74,16 @@ def _connect(config):
 
 
 def pytest_sessionstart(session):
-    if session.config._testbed_profile.transport != "local":
-        _connect(session.config)
+    profile = session.config._testbed_profile
+    if profile.transport == "local":
+        return
+    held = ExitStack()
+    try:
+        held.enter_context(device_lock(profile.name, 0, f"pytest session ({' '.join(sys.argv)}) in {os.getcwd()}"))
+    except (DeviceBusy, UsageError) as e:
+        pytest.exit(f"cannot take device {profile.name!r}: {e}", returncode=3)
+    session.config._testbed_lock = held
+    _connect(session.config)
 
 
 def pytest_sessionfinish(session):
@@ -74,6 +91,10 @@ def pytest_sessionfinish(session):
     if device is not None:
         device.close()
         session.config._testbed_device = None
+    lock = getattr(session.config, "_testbed_lock", None)
+    if lock is not None:
+        lock.close()
+        session.config._testbed_lock = None
 
 
 @pytest.fixture(scope="session")

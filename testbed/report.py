@@ -10,7 +10,12 @@ experiment that has not run yet (or does not exist yet) costs nothing. "Current"
 run of each experiment, device and configuration; older runs are its history (testbed.history).
 
 The folder is written beside its destination and moved into place at the end: a report is either
-the previous one or the complete new one, never half of each.
+the previous one or the complete new one, never half of each. A report folder holds a marker file
+(MARKER); an existing folder without one is never replaced (`--out results` must not delete the
+records), and what a killed build left beside it (staging folders, the previous report mid-swap) is
+cleaned up or put back by the next build.
+
+Everything on the page is HTML-escaped: device output, config values and names are data, never markup.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import os
+import re
 import shutil
 import sys
-import tempfile
+import uuid
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -31,9 +38,11 @@ import pandas as pd
 
 from testbed import breakeven, emulation, experiments, history, plots, seed
 from testbed.errors import UsageError
+from testbed.results import passed as counts_as_passed
 from testbed.tables import _cell as format_number
 
 TEMPLATES = Path(__file__).parent / "templates"
+MARKER = ".testbed-report"  # in every report folder: what may be replaced by the next report
 TOOLS = ("numpy", "pandas", "hydra-core", "jinja2", "matplotlib", "iree-base-runtime", "iree-base-compiler",
          "jax", "paramiko", "adb-shell")
 
@@ -134,17 +143,18 @@ def oracle_matrix(inp: Inputs) -> Section | None:
             if not group:
                 row.append(cell(""))
                 continue
-            worst = min(group, key=lambda r: (r["verdict"] == "pass", _number(r.get("margin"), math.inf)))
-            passed = sum(r["verdict"] == "pass" for r in group)
+            worst = min(group, key=lambda r: (counts_as_passed(r), _number(r.get("margin"), math.inf)))
+            passed = sum(counts_as_passed(r) for r in group)
             margin = _number(worst.get("margin"), None)
             text = f"{passed}/{len(group)} pass" + (f", margin {format_number(margin)}" if margin is not None else "")
             row.append(cell(text, inp.cite(worst), "pass" if passed == len(group) else "fail"))
         rows.append(row)
-    failing = [r for r in oracles if r["verdict"] != "pass"]
+    failing = [r for r in oracles if not counts_as_passed(r)]
     for r in failing:
         inp.cite(r)
     lines = [f"{len(oracles) - len(failing)}/{len(oracles)} oracle verdicts pass in the current runs; "
-             "each cell links to its worst record (the failing one, else the smallest margin)."]
+             "each cell links to its worst record (the failing one, else the smallest margin). A verdict "
+             "of a run that did not end complete never counts as a pass."]
     return Section("oracles", "Oracle matrix", lines,
                    [Table("device x backend x experiment:oracle", ["device", "backend", *columns], rows)])
 
@@ -248,8 +258,17 @@ def chunk_choice(inp: Inputs) -> Section | None:
     return section
 
 
+GDN_BENCH_FIGURES = {"time", "tokens_per_s", "gflops"}
+
+
+def is_gdn_bench(record: dict) -> bool:
+    """A gdn experiment's own bench record (ingested test-backend-ops perf rows are gdn measures too)."""
+    return (record["params"].keys() >= {"chunk", "tokens", "form"} and record["figures"].keys() >= GDN_BENCH_FIGURES
+            and "speedup_vs_serial" in record["metrics"])  # sgemm_fraction: host runs only
+
+
 def gdn_throughput(inp: Inputs) -> Section | None:
-    measures = inp.current_of("gdn", "measure")
+    measures = [r for r in inp.current_of("gdn", "measure") if is_gdn_bench(r)]
     if not measures:
         return None
     rows = [{"device": r["device"], "backend": r["backend"], "chunk": r["params"]["chunk"],
@@ -267,6 +286,26 @@ def gdn_throughput(inp: Inputs) -> Section | None:
                          "thread count, timed between the kernel's repetitions (host runs only).")
     section.tables.append(frame_table("gdn bench records", df))
     return section
+
+
+def other_measurements(inp: Inputs) -> Section | None:
+    """Every current measurement no section above is about (e.g. ingested test-backend-ops perf rows):
+    each figure's median with its spread, so whatever the project stores is in the report."""
+    shown = {"tail", "chunk_prefill"}
+    rest = [r for r in inp.current if r["kind"] == "measure" and r["experiment"] not in shown
+            and not (r["experiment"] == "gdn" and is_gdn_bench(r))]
+    if not rest:
+        return None
+    rows = [[cell(r["experiment"]), cell(r["device"]), cell(r["backend"]), cell(r["case"]), cell(name),
+             cell(_number(fig.get("median"), None)), cell(_number(fig.get("min"), None)),
+             cell(_number(fig.get("max"), None)), cell(fig.get("reps")), cell(fig.get("unit")),
+             cell(r["record_id"][:12], inp.cite(r))]
+            for r in sorted(rest, key=lambda r: (r["experiment"], r["device"], r["case"]))
+            for name, fig in sorted(r["figures"].items()) if isinstance(fig, dict)]
+    return Section("measurements", "Other measurements", [
+        "Current measurements of experiments and tools the sections above do not cover."],
+        [Table("measure records", ["experiment", "device", "backend", "case", "figure", "median", "min", "max",
+                                   "reps", "unit", "record"], rows)])
 
 
 def nights_over_time(inp: Inputs) -> Section | None:
@@ -300,10 +339,11 @@ def regressions(inp: Inputs) -> Section:
 def nights(inp: Inputs) -> Section | None:
     if not inp.nights:
         return None
-    rows = [[cell(n["night"]), cell(n["suite"]), cell(n["started"]), cell(n["finished"]),
+    rows = [[cell(n["night"]), cell(n["suite"]), cell(n["started"]),
+             cell(n.get("finished") or "never: the night was killed, or is still running"),
              cell("; ".join(f"{d}: {s['status']}" + (f" ({s['reason']})" if s["reason"] else "")
-                            for d, s in n["devices"].items())),
-             cell(n["exit_status"], cls="pass" if n["exit_status"] == 0 else "fail")]
+                            for d, s in n.get("devices", {}).items())),
+             cell(n.get("exit_status"), cls="pass" if n.get("exit_status") == 0 else "fail")]
             for n in inp.nights[-inp.settings["history_nights"]:]]
     return Section("nights", "Recent nights", tables=[Table("nightly runs", ["night", "suite", "started",
                                                                              "finished", "devices", "exit"], rows)])
@@ -345,7 +385,7 @@ def cited_records(inp: Inputs) -> Section | None:
 
 # The page, in order. Each function returns None when it has nothing to show.
 SECTIONS: list[Callable[[Inputs], Section | None]] = [
-    oracle_matrix, regressions, tail_sweep, chunk_choice, gdn_throughput, nights_over_time, nights,
+    oracle_matrix, regressions, tail_sweep, chunk_choice, gdn_throughput, other_measurements, nights_over_time, nights,
     provenance, cited_records,
 ]
 
@@ -363,6 +403,25 @@ def tool_versions() -> dict[str, str]:
     return out
 
 
+def markdown_text(value) -> str:
+    """A value as inert Markdown text: no HTML (Markdown passes HTML through), no links, no table
+    breaks, one line."""
+    text = str(value)
+    for raw, safe in (("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ("\\", "\\\\"), ("|", "\\|"), ("[", "\\["),
+                      ("]", "\\]"), ("`", "\\`"), ("\r", " "), ("\n", " ")):
+        text = text.replace(raw, safe)
+    return text
+
+
+# HTML is escaped everywhere (the templates' names end in .html.j2); Markdown through `markdown_text`.
+TEMPLATE_ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES),
+                                  autoescape=jinja2.select_autoescape(enabled_extensions=("html.j2",),
+                                                                      default_for_string=True),
+                                  undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                                  trim_blocks=True, lstrip_blocks=True)
+TEMPLATE_ENV.filters["md"] = markdown_text
+
+
 def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_log: list[dict] = (),
           since: dt.datetime | None = None) -> dict:
     """Write the report folder `out` from `records`; return its JSON content."""
@@ -371,9 +430,13 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
     flags = (history.oracle_flips(window)
              + history.figure_regressions(window, settings["history_nights"], settings["min_history"]))
     out = Path(out)
+    check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tidy(out)
+    staging = out.with_name(f".{out.name}.staging-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    staging.mkdir(mode=0o700)
     try:
+        (staging / MARKER).write_text("a testbed report: `testbed report` replaces this folder\n")
         inp = Inputs(window, [r for r in window if r["run_id"] in current_runs], fixtures, staging, settings,
                      list(night_log), flags)
         sections = [s for s in (fn(inp) for fn in SECTIONS) if s is not None]
@@ -391,11 +454,8 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
             "breakeven_tail": inp.breakevens,
             "sections": [asdict(s) for s in sections],
         }
-        env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=jinja2.select_autoescape(["html"]),
-                                 undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                                 trim_blocks=True, lstrip_blocks=True)
         for name in ("report.html", "report.md"):
-            (staging / name).write_text(env.get_template(name + ".j2").render(**content), encoding="utf-8")
+            (staging / name).write_text(TEMPLATE_ENV.get_template(name + ".j2").render(**content), encoding="utf-8")
         (staging / "report.json").write_text(json.dumps(content, indent=1, default=str), encoding="utf-8")
         staging.chmod(0o755)  # mkdtemp made it private; a report is for reading, e.g. from a web server
         _replace(staging, out)
@@ -405,11 +465,43 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
     return content
 
 
+def check_replaceable(out: Path) -> None:
+    """Refuse (one line, exit 2) to build into an existing path that is not a previous report."""
+    if (out.exists() or out.is_symlink()) and not (out.is_dir() and not out.is_symlink() and (out / MARKER).is_file()):
+        raise UsageError(f"--out {out} exists and is not a testbed report (it has no {MARKER}); "
+                         "accepted: a new folder, or a report folder to replace")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def tidy(out: Path) -> None:
+    """Undo what a killed build left beside `out`: staging folders of dead builds, and the previous
+    report if the build died between moving it aside and moving the new one in."""
+    ours = re.compile(re.escape(f".{out.name}.staging-") + r"(\d+)-[0-9a-f]{6}")
+    for leftover in out.parent.glob(f".{out.name}.staging-*"):
+        match = ours.fullmatch(leftover.name)
+        if match and not _alive(int(match.group(1))):
+            shutil.rmtree(leftover, ignore_errors=True)
+    old = out.with_name(f".{out.name}.old")
+    if old.is_dir() and (old / MARKER).is_file():
+        if out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.rename(out)
+
+
 def _replace(staging: Path, out: Path) -> None:
     """Move the finished folder into place; the previous report is removed only after."""
     if out.exists():
         old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
         out.rename(old)
         staging.rename(out)
         shutil.rmtree(old)
@@ -419,7 +511,7 @@ def _replace(staging: Path, out: Path) -> None:
 
 def summary(inp: Inputs, flags: list[history.Flag]) -> dict:
     oracles = [r for r in inp.current if r["kind"] == "oracle"]
-    return {"oracles": len(oracles), "oracles_passed": sum(r["verdict"] == "pass" for r in oracles),
+    return {"oracles": len(oracles), "oracles_passed": sum(counts_as_passed(r) for r in oracles),
             "measurements": sum(r["kind"] == "measure" for r in inp.current),
             "regressions": len(flags), "devices": sorted({r["device"] for r in inp.current})}
 
@@ -435,10 +527,15 @@ def settings() -> dict:
 
 
 def night_log(results_root: Path) -> list[dict]:
-    """The nightly runs' own log (testbed.nightly), oldest first."""
+    """The nightly runs' own log (testbed.nightly), oldest first: each night's last entry, so a night
+    that was killed after its "started" entry reads as such, with no exit status."""
     from testbed.results import ResultsStore
 
-    return sorted(ResultsStore(results_root / "nights").records(), key=lambda n: n["started"])
+    latest = {}
+    for entry in ResultsStore(results_root / "nights").rows():
+        if "night" in entry and "started" in entry:
+            latest[entry["night"]] = entry
+    return sorted(latest.values(), key=lambda n: n["started"])
 
 
 def write(store, out: Path | None, since: dt.datetime | None = None) -> tuple[Path, dict]:

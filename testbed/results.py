@@ -1,12 +1,25 @@
-"""The results store: one JSON record per verdict or measurement, appended atomically.
+"""The results store: one JSON record per verdict or measurement, in batches that commit whole or not at all.
 
-A store is a folder holding `records.jsonl`. A run collects its records in memory and appends them in
-one write under an exclusive lock, followed by fsync, when it ends. So an interrupted or crashed run
-appends either nothing or a single record with verdict "error" that says what happened; never a
-half-written batch that could read as passed. A torn last line (power loss mid-write) is skipped on
-read with a warning.
+A store is a folder holding `records.jsonl`, one JSON object a line, three kinds of line:
 
-Tables are pandas views over records (`frame`), flattened with dotted column names.
+  a row        a record (or any dict, e.g. the nightly log's entries) tagged with its batch id
+  a commit     {"commit": BATCH, "rows": N}: the batch's N rows are complete
+  a run mark   a row {"run_mark": "started" | "ended", ...}: where a run began and how it ended
+
+`append` writes one batch (its rows, then its commit line) under an exclusive lock and fsyncs it; if
+anything fails on the way (a full disk, a signal), the file is truncated back to where the batch
+began. A batch cut short anyway (kill -9, power loss) has no commit line, so the reader never sees it.
+A torn or NUL-padded line left by such a crash is set apart by a newline before the next batch, so
+it can never swallow that batch's first line.
+
+A run stores each record as it is produced (testbed.runner), between its two marks. The reader marks
+every record of a run that did not end complete `"incomplete": true` (never counted as passed, see
+`passed`), and adds one "error" record for a run that started and never ended (killed, or still
+running), so such a run reads as broken wherever verdicts are counted.
+
+Lines the reader cannot use (not UTF-8, not a JSON object, a newer schema) are skipped with one
+warning per read; `testbed records verify` lists them. Tables are pandas views over records
+(`frame`), flattened with dotted column names.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import subprocess
 import uuid
 import warnings
@@ -27,8 +41,9 @@ import numpy as np
 import pandas as pd
 
 from testbed import PROJECT_ROOT, __version__
+from testbed.errors import StoreError
 
-SCHEMA = 1
+SCHEMA = 2  # 2: rows in committed batches, runs between marks (1: one write per run, no marks)
 VERDICTS = ("pass", "fail", "error")
 
 
@@ -131,16 +146,13 @@ class RunInfo:
     git_commit: str = field(default_factory=git_commit)
     started: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
-    def stamp(self, record: Record) -> dict:
-        """The stored form of a record: the run's context plus the record's own fields."""
-        body = _jsonable(asdict(record))
-        body["figures"] = {k: _jsonable(v) for k, v in record.figures.items()}
+    def context(self) -> dict:
+        """What every stored row of this run carries."""
         return {
             "schema": SCHEMA,
-            "record_id": uuid.uuid4().hex,
             "run_id": self.run_id,
-            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "started": self.started,
+            "experiment": self.experiment,
             "device": self.device,
             "backend": self.backend,
             "emulated": self.emulated,
@@ -149,12 +161,60 @@ class RunInfo:
             "config": _jsonable(self.config),
             "git_commit": self.git_commit,
             "testbed_version": __version__,
-            **body,
         }
+
+    def stamp(self, record: Record) -> dict:
+        """The stored form of a record: the run's context plus the record's own fields."""
+        body = _jsonable(asdict(record))
+        body["figures"] = {k: _jsonable(v) for k, v in record.figures.items()}
+        return {**self.context(), "record_id": uuid.uuid4().hex,
+                "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **body}
+
+    def mark(self, which: str, outcome: str | None = None) -> dict:
+        """A run mark: "started" before the first record, "ended" (outcome complete or broke) after the last."""
+        return {**self.context(), "run_mark": which, "outcome": outcome,
+                "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+def passed(record: dict) -> bool:
+    """A verdict that counts as passed: "pass", from a run that ended complete."""
+    return record.get("verdict") == "pass" and not record.get("incomplete")
+
+
+def unfinished_run_record(start: dict, kept: int) -> dict:
+    """The "error" record the reader adds for a run that started and never ended."""
+    record = Record(start["experiment"], "run", "oracle", "run", "error", None, {"records_kept": kept},
+                    detail=f"the run never ended (killed, or still running); {kept} records of it are kept, "
+                           "marked incomplete")
+    body = _jsonable(asdict(record))
+    return {**{k: v for k, v in start.items() if k not in ("run_mark", "outcome", "batch")},
+            "record_id": f"{start['run_id']}-unfinished", "time": start["time"], **body, "incomplete": True}
+
+
+# The free space a run needs before it starts: room for its records with a wide margin.
+MIN_FREE_BYTES = 1 << 20
+# How many of the skipped lines one warning names.
+NAMED_PROBLEMS = 3
+# A torn line may be NUL-padded (a filesystem extends the file before the data lands): NUL runs are line
+# breaks too, so the valid line after them is still read.
+LINE_BREAK = re.compile(rb"\n|\x00+")
+
+
+@dataclass
+class Scan:
+    """What a read of the store found: committed rows in order, and every line it set aside."""
+
+    batches: list[list[dict]] = field(default_factory=list)  # committed, in order (a schema-1 row alone)
+    problems: list[str] = field(default_factory=list)  # "LINE: why", for lines that are not usable
+    uncommitted: dict[str, int] = field(default_factory=dict)  # batch -> rows without a commit line
+
+    @property
+    def rows(self) -> list[dict]:
+        return [row for batch in self.batches for row in batch]
 
 
 class ResultsStore:
-    """A folder of records. `append` is atomic per batch; `records` and `frame` read them back."""
+    """A folder of records. `append` commits a batch whole or not at all; `records` and `frame` read them."""
 
     FILE = "records.jsonl"
 
@@ -162,38 +222,160 @@ class ResultsStore:
         self.root = Path(root)
         self.path = self.root / self.FILE
 
+    # -- writing ----------------------------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        """Raise StoreError (one line) unless a run's records can be written here: before running."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+            free = os.statvfs(self.root)
+        except OSError as e:
+            raise StoreError(f"results store {self.path} cannot be written: {e.strerror}") from None
+        if free.f_bavail * free.f_frsize < MIN_FREE_BYTES:
+            raise StoreError(f"results store {self.path}: only {free.f_bavail * free.f_frsize} bytes free; "
+                             f"a run needs at least {MIN_FREE_BYTES >> 20} MiB")
+
     def append(self, rows: list[dict]) -> None:
+        """Write `rows` as one batch: all of them with their commit line, or (on any failure) nothing."""
         if not rows:
             return
-        self.root.mkdir(parents=True, exist_ok=True)
-        data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        batch = uuid.uuid4().hex[:16]
+        lines = [json.dumps({**r, "batch": batch}, sort_keys=True) for r in rows]
+        lines.append(json.dumps({"commit": batch, "rows": len(rows)}))
+        data = ("\n".join(lines) + "\n").encode()
+        fd = self._locked()
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            view = memoryview(data)
-            while view:  # os.write may write less than asked; the lock keeps the batch contiguous
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
+            begin = os.fstat(fd).st_size
+            if begin and os.pread(fd, 1, begin - 1) != b"\n":
+                data = b"\n" + data  # a torn line before us ends here, not inside our first row
+            try:
+                view = memoryview(data)
+                while view:  # os.write may write less than asked; the lock keeps the batch contiguous
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            except BaseException as e:  # a full disk, or a signal mid-write: leave the file as it was
+                os.ftruncate(fd, begin)
+                if isinstance(e, OSError):
+                    raise StoreError(f"results store {self.path}: {len(rows)} records not stored: "
+                                     f"{e.strerror}") from None
+                raise
         finally:
             os.close(fd)
 
+    def _locked(self) -> int:
+        """The store file, open for appending under its exclusive lock. `rewrite` replaces the file
+        while holding the lock, so a writer that waited on the old one opens the new one."""
+        while True:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            except OSError as e:
+                raise StoreError(f"results store {self.path} cannot be written: {e.strerror}") from None
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.stat(self.path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current == os.fstat(fd).st_ino:
+                return fd
+            os.close(fd)
+
+    def rewrite(self, keep) -> tuple[Scan, list[dict]]:
+        """Replace the store with the committed rows `keep(row)` accepts, batch by batch, under the lock;
+        the old file stays beside it (records.jsonl.before-TIME). Returns what was read and what was
+        dropped. Unusable lines and uncommitted batches are not carried over: nothing reads them."""
+        fd = self._locked()
+        try:
+            found = self.scan()
+            dropped = [row for batch in found.batches for row in batch if not keep(row)]
+            stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+            fresh = self.root / f".{self.FILE}.{uuid.uuid4().hex[:8]}.new"
+            try:
+                with open(fresh, "wb") as f:
+                    for batch in found.batches:
+                        kept = [row for row in batch if keep(row)]
+                        if kept:
+                            name = uuid.uuid4().hex[:16]
+                            f.write("".join(json.dumps({**r, "batch": name}, sort_keys=True) + "\n"
+                                            for r in kept).encode())
+                            f.write((json.dumps({"commit": name, "rows": len(kept)}) + "\n").encode())
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(self.path, self.root / f"{self.FILE}.before-{stamp}")
+                os.replace(fresh, self.path)
+            except OSError as e:
+                fresh.unlink(missing_ok=True)
+                raise StoreError(f"results store {self.path} not rewritten (left as it was): {e.strerror}") from None
+            return found, dropped
+        finally:
+            os.close(fd)
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def scan(self) -> Scan:
+        """Every committed row, in order, and what was set aside (see the module's docstring)."""
+        found = Scan()
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return found
+        pending: dict[str, list[dict]] = {}
+        for n, raw in enumerate(LINE_BREAK.split(data), 1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                found.problems.append(f"{n}: not UTF-8")
+                continue
+            except json.JSONDecodeError:
+                found.problems.append(f"{n}: not JSON, a torn line (an interrupted write)")
+                continue
+            if not isinstance(row, dict):
+                found.problems.append(f"{n}: a JSON {type(row).__name__}, not an object")
+            elif isinstance(row.get("schema"), int) and row["schema"] > SCHEMA:
+                found.problems.append(f"{n}: schema {row['schema']}, newer than this testbed's {SCHEMA}")
+            elif "commit" in row:
+                rows = pending.pop(row["commit"], [])
+                if len(rows) == row.get("rows"):
+                    found.batches.append(rows)
+                else:
+                    found.problems.append(f"{n}: batch {row['commit']} commits {row.get('rows')} rows "
+                                          f"but {len(rows)} were read")
+            elif "batch" in row:
+                pending.setdefault(row.pop("batch"), []).append(row)
+            else:
+                found.batches.append([row])  # schema 1: a run's records were written in one append
+        found.uncommitted = {batch: len(rows) for batch, rows in pending.items()}
+        return found
+
+    def rows(self) -> list[dict]:
+        """Every committed row (records, run marks, or a log's entries), warning once about the rest."""
+        found = self.scan()
+        if found.problems:
+            named = "; ".join(found.problems[:NAMED_PROBLEMS])
+            more = f" and {len(found.problems) - NAMED_PROBLEMS} more" if len(found.problems) > NAMED_PROBLEMS else ""
+            warnings.warn(f"{self.path}: skipped {len(found.problems)} unusable lines (line {named}{more}); "
+                          f"`testbed records verify` lists them")
+        return found.rows
+
     def records(self, experiment: str | None = None) -> list[dict]:
-        if not self.path.exists():
-            return []
-        out = []
-        with open(self.path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.endswith("\n"):
-                    warnings.warn(f"{self.path}:{n}: skipping a torn last line (an interrupted write)")
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    warnings.warn(f"{self.path}:{n}: skipping a line that is not JSON")
-                    continue
-                if experiment is None or row.get("experiment") == experiment:
-                    out.append(row)
-        return out
+        """The stored records, each run's marked incomplete unless the run ended complete, plus one
+        error record per run that never ended."""
+        rows = self.rows()
+        starts = {r["run_id"]: r for r in rows if r.get("run_mark") == "started"}
+        outcomes = {r["run_id"]: r.get("outcome") for r in rows if r.get("run_mark") == "ended"}
+        out, kept = [], {}
+        for r in rows:
+            if "record_id" not in r or "experiment" not in r:
+                continue
+            if r.get("run_id") in starts and outcomes.get(r["run_id"]) != "complete":
+                r["incomplete"] = True
+                kept[r["run_id"]] = kept.get(r["run_id"], 0) + 1
+            out.append(r)
+        out += [unfinished_run_record(start, kept.get(run, 0)) for run, start in starts.items() if run not in outcomes]
+        return [r for r in out if experiment is None or r["experiment"] == experiment]
 
     def frame(self, experiment: str | None = None) -> pd.DataFrame:
         """Records as a flat DataFrame: nested fields become dotted columns (figures.x.median, ...)."""

@@ -1,19 +1,25 @@
 """Run one configured experiment on its device and store its records.
 
-The run's records are kept in memory and appended to the store in one atomic batch at the end. If
-the run fails or is interrupted, only one record is appended: verdict "error" with what happened.
+The store is checked before anything runs (testbed.results: writable, with room). The run is stored
+as it goes: a "started" mark, each record as soon as the experiment yields it, then an "ended" mark.
+A run that fails or is interrupted (Ctrl-C, SIGTERM, SIGHUP: testbed.cli turns them into
+`Interrupted`) stores one more record, verdict "error" with what happened, and ends "broke"; one
+killed outright has no end mark. Either way what it measured is kept, and read back as incomplete.
 
 A record's `device` is the machine that computed it. So before anything runs, a backend the device
-cannot run is refused (refimpl runs only on the host); and after, every record of a run on any device
-but the host must carry evidence that the device ran it (testbed.backends.Evidence: what ran, its
-sha256, the command, the device's own time), or the run is an error and nothing of it is stored as a
-verdict or a figure. Records of a profile with capability `emulated` (qemu-user, the loopback adbd,
-lavapipe) say so: real for correctness, never for speed.
+cannot run is refused (refimpl runs only on the host); and every record of a run on any device but
+the host must carry evidence that the device ran it (testbed.backends.Evidence: what ran, its sha256,
+the command, the device's own time) before it is stored, or the run breaks there. Records of a
+profile with capability `emulated` (qemu-user, the loopback adbd, lavapipe) say so: real for
+correctness, never for speed. Each record carries the host's load so far (noisy when it exceeded the
+cores).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from dataclasses import dataclass
 
 import pandas as pd
@@ -23,6 +29,33 @@ from testbed.config import RunConfig, check_params, project_path
 from testbed.devices import Device, connect, load_profile
 from testbed.errors import DeviceError
 from testbed.results import Record, ResultsStore, RunInfo
+
+
+class Interrupted(BaseException):
+    """A signal asked testbed to stop (SIGINT, SIGTERM, SIGHUP). A BaseException, as KeyboardInterrupt:
+    no `except Exception` on the way may swallow it."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
+# Set when a signal arrives. The main thread is interrupted by the handler itself; runs in worker
+# threads (testbed nightly) see this between two records and stop the same way.
+STOP = threading.Event()
+STOP_SIGNAL: list[int] = []
+
+
+def stop_on_signals() -> None:
+    """Turn SIGINT, SIGTERM and SIGHUP into `Interrupted`, so a run stores what happened before it exits."""
+
+    def handler(signum, frame):
+        STOP_SIGNAL[:] = [signum]
+        STOP.set()
+        raise Interrupted(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
 
 
 def results_store(rc: RunConfig) -> ResultsStore:
@@ -83,25 +116,36 @@ def host_load(before: dict | None = None) -> dict:
 
 def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = None) -> Outcome:
     module, profile = check(rc)
+    store = results_store(rc)
+    store.check_writable()
     device = device or connect(profile)
     info = RunInfo(
         experiment=rc.experiment, device=rc.device, backend=str(rc.cfg.get("backend", "refimpl")),
         config=rc.flat(), fingerprint=device.fingerprint(), emulated=profile.has("emulated"),
     )
-    store = results_store(rc)
     ctx = experiments.Context(device=device, progress=progress)
     load_before = host_load()
-    records: list[Record] = []
+    rows: list[dict] = []
+    store.append([info.mark("started")])
     try:
         for record in module.run(rc.cfg, ctx):
-            records.append(record)
-        check_evidence(records, profile)
-        info.host_load = host_load(load_before)
-    except BaseException as e:  # noqa: BLE001  -- Ctrl-C included: the store must say the run broke
-        what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+            check_evidence([record], profile)
+            info.host_load = host_load(load_before)
+            row = info.stamp(record)
+            store.append([row])
+            rows.append(row)
+            if STOP.is_set():
+                raise Interrupted(STOP_SIGNAL[0] if STOP_SIGNAL else signal.SIGTERM)
+    except BaseException as e:  # noqa: BLE001  -- signals included: the store must say the run broke
+        if isinstance(e, KeyboardInterrupt):
+            what = "interrupted"
+        elif isinstance(e, Interrupted):
+            what = str(e)
+        else:
+            what = f"{type(e).__name__}: {e}"
         store.append([info.stamp(Record(rc.experiment, "run", "oracle", "run", "error", None,
-                                        {"records_before_error": len(records)}, detail=what))])
+                                        {"records_before_error": len(rows)}, detail=what)),
+                      info.mark("ended", "broke")])
         raise
-    rows = [info.stamp(r) for r in records]
-    store.append(rows)
+    store.append([info.mark("ended", "complete")])
     return Outcome(info, rows)

@@ -59,6 +59,13 @@ def test_table_formats_read_only_stored_records(results_dir, capsys):
         (["run", "gdn", "chunk=32,64"], "is a sweep; use `testbed sweep`"),
         (["sweep", "experiment=gdn", "chunk=32,0"], "chunk=0 is out of range"),
         (["table", "nosuch"], "unknown experiment 'nosuch'"),
+        (["run", "gdn", "threshold=nan"], "threshold=nan is not a finite number; accepted: numbers from 0.0 to 1.0"),
+        (["run", "gdn", "threshold=inf"], "threshold=inf is not a finite number"),
+        (["run", "gdn", "=5"], "override '=5' names no key; accepted: key=value"),
+        (["sweep", "experiment=gdn", "chunk=glob(*)"], "glob() sweeps over config groups are not supported"),
+        (["sweep", "experiment=gdn", "chunk=range(1,100000)"], "is 99999 runs; accepted: at most 500"),
+        (["sweep", "experiment=gdn", "chunk=range(1,30)", "tail=range(0,30)"], "is 870 runs; accepted: at most 500"),
+        (["sweep", "experiment=gdn", "chunk=range(5,1)"], "is a sweep of no values"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, message, results_dir, capsys):
@@ -94,7 +101,7 @@ def test_ingest_of_perf_output_stores_measurements(results_dir, seed_fixtures):
 
 def test_ingest_of_a_skipped_backend_is_refused(results_dir, seed_fixtures, capsys):
     assert main(["ingest", str(seed_fixtures / "test-backend-ops" / "test_mode_default.stdout")]) == 2
-    assert "no test-backend-ops case lines" in capsys.readouterr().err
+    assert "no test-backend-ops case line with a verdict" in capsys.readouterr().err
     assert not results_dir.exists()
 
 
@@ -110,8 +117,8 @@ def test_a_figure_taken_on_a_loaded_host_says_so(results_dir, capsys, monkeypatc
     assert main(["run", "native_bench", "attention.past=40", "attention.chunk=8", "attention.head_dim=32",
                  "cache.window=32", "cache.real=5", "bench.reps=1", "bench.warmup=0"]) == 0
     assert "WARNING: this host was loaded while measuring" in capsys.readouterr().out
-    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
-    assert all(r["host_load"]["noisy"] for r in rows)
+    rows = ResultsStore(results_dir).records()
+    assert rows and all(r["host_load"]["noisy"] for r in rows)
 
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert main(["run", "native_bench", "attention.past=40", "attention.chunk=8", "attention.head_dim=32",

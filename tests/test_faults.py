@@ -153,3 +153,20 @@ def test_a_hung_command_is_killed_even_if_it_ignores_sigterm(ssh_device):
     with pytest.raises(CommandTimeout):
         ssh_device.run(["sh", "-c", "trap '' TERM; sleep 60"], timeout=1)
     assert time.monotonic() - t0 < 5
+
+
+def test_an_ssh_handshake_cut_short_is_a_transfer_error_not_a_raw_eof(ssh_device, tmp_path, monkeypatch):
+    """sshd dying mid-handshake makes paramiko raise EOFError; a push must still end in TransferError."""
+    import paramiko
+
+    (tmp_path / "f").write_text("x")
+
+    def cut(*args, **kwargs):
+        raise EOFError()
+
+    ssh_device.transport._drop()
+    monkeypatch.setattr(paramiko.SSHClient, "connect", cut)
+    with pytest.raises(TransferError, match="EOFError"):
+        ssh_device.push(tmp_path / "f", "f")
+    monkeypatch.undo()
+    ssh_device.push(tmp_path / "f", "f")  # and the next push reconnects

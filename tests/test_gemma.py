@@ -28,6 +28,8 @@ def test_default_layer_pattern_is_every_sixth_global():
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="multiple of kv_heads"):
         gemma.tiny_config(heads=3)
+    with pytest.raises(ValueError, match="rope_scaling_global"):
+        gemma.tiny_config(rope_scaling_global=0.0)
     with pytest.raises(ValueError, match="'sliding'"):
         gemma.tiny_config(layers=1, layer_types=("sliding",))
 
@@ -82,6 +84,18 @@ def test_rope_depends_only_on_relative_position():
     assert score(7, 3) != pytest.approx(score(7, 4), abs=1e-3)
 
 
+def test_linear_rope_scaling_divides_positions_and_leaves_unscaled_tables_unchanged():
+    positions = np.arange(0, 64, 8)
+    scaled = gemma.rope_tables(positions, 16, 10_000.0, 8.0)
+    np.testing.assert_allclose(scaled, gemma.rope_tables(positions / 8, 16, 10_000.0), atol=1e-6)
+    assert all(np.array_equal(a, b) for a, b in zip(gemma.rope_tables(positions, 16, 10_000.0, 1.0),
+                                                    gemma.rope_tables(positions, 16, 10_000.0)))
+    cfg = small(rope_scaling_global=8.0)
+    inp = gemma.chunk_inputs(cfg, [1, 2, 3], 0, 4)
+    assert np.array_equal(inp.tables["global"][0], gemma.rope_tables(np.arange(4), 16, cfg.rope_global, 8.0)[0])
+    assert np.array_equal(inp.tables["local"][0], gemma.rope_tables(np.arange(4), 16, cfg.rope_local)[0])
+
+
 def naive_logits(w, cfg, tokens, position):
     """Per position, per head, in float64 with explicit loops: the model as the docstring states it."""
     f = {k: v.astype(np.float64) for k, v in w.items()}
@@ -90,12 +104,12 @@ def naive_logits(w, cfg, tokens, position):
     x = [f["model.embed_tokens.weight"][t] * math.sqrt(cfg.hidden) for t in tokens[:n_tok]]
     for i, kind in enumerate(cfg.layer_types):
         p = f"model.layers.{i}."
-        base = cfg.rope_local if kind == "local" else cfg.rope_global
+        base, scaling = (cfg.rope_local, 1.0) if kind == "local" else (cfg.rope_global, cfg.rope_scaling_global)
 
         def rotate(vec, pos):
             out = vec.copy()
             for a in range(half):
-                ang = pos * base ** (-2 * a / d)
+                ang = pos * base ** (-2 * a / d) / scaling
                 out[a] = vec[a] * math.cos(ang) - vec[a + half] * math.sin(ang)
                 out[a + half] = vec[a + half] * math.cos(ang) + vec[a] * math.sin(ang)
             return out
@@ -128,8 +142,9 @@ def naive_logits(w, cfg, tokens, position):
     return f["model.embed_tokens.weight"] @ norm(x[position], f["model.norm.weight"])
 
 
-def test_redecode_matches_the_model_written_out():
-    cfg = small(heads=4, kv_heads=2)
+@pytest.mark.parametrize("rope", [{}, {"rope_global": 5_000.0, "rope_scaling_global": 4.0}], ids=["default", "scaled"])
+def test_redecode_matches_the_model_written_out(rope):
+    cfg = small(heads=4, kv_heads=2, **rope)
     w = gemma.init_weights(cfg, 3)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab, 9)
     for position in (0, 8):  # 8 > window: the local layer drops early keys
@@ -137,8 +152,9 @@ def test_redecode_matches_the_model_written_out():
                                    atol=2e-4)
 
 
-def test_decode_chain_and_chunks_match_redecode_at_every_position():
-    cfg = small()
+@pytest.mark.parametrize("rope", [{}, {"rope_scaling_global": 8.0}], ids=["default", "scaled"])
+def test_decode_chain_and_chunks_match_redecode_at_every_position(rope):
+    cfg = small(**rope)
     w = gemma.init_weights(cfg, 0)
     tokens = np.random.default_rng(2).integers(0, cfg.vocab, 11)
     ks, vs = gemma.empty_cache(cfg)

@@ -270,7 +270,9 @@ def test_gdn_experiment_backend_iree(target):
     x = case.inputs(0)
     x64 = ref.GDNInputs(*(a.astype(np.float64) for a in x.arrays()))
     reference = dict(zip(("out", "state"), ref.gdn_serial(*x64.arrays())))
-    be = gdn.backend("iree", "tiled", target=target)
+    from testbed.backends.iree.gdn import IreeGDN
+
+    be = IreeGDN(target, "tiled")
     for got in (be.serial(x), be.chunkwise(x, 64)):
         v = check_nmse(reference, outputs(got))
         assert v.passed, v.detail

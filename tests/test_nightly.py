@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from testbed import PROJECT_ROOT, config, nightly
+from testbed import report as report_module
+from testbed.devices.private import device_lock
 from testbed.devices import profile as device_profiles
 from testbed.cli import main
 from testbed.results import ResultsStore
@@ -31,7 +33,7 @@ def test_second_night_is_compared_with_the_first(tmp_path):
     first = run_cli("nightly", "suite=smoke", lock, env=env)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "first night: nothing to compare with yet" in first.stdout
-    nights = ResultsStore(tmp_path / "results" / "nights").records()
+    nights = report_module.night_log(tmp_path / "results")
     assert len(nights) == 1 and nights[0]["devices"]["host"]["status"] == "ok"
 
     second = run_cli("nightly", "suite=smoke", lock, env=env)
@@ -98,8 +100,8 @@ def test_devices_in_parallel_busy_and_unreachable(tmp_path, lab, results_dir):
 
     # another nightly on this machine holds bench2
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pathlib import Path; from testbed.nightly import device_lock\n"
-         f"with device_lock(Path({str(tmp_path / 'locks')!r}), 'bench2', 0, 'night other'):\n"
+        [sys.executable, "-c", "import sys; from pathlib import Path; from testbed.devices.private import device_lock\n"
+         f"with device_lock('bench2', 0, 'night other', Path({str(tmp_path / 'locks')!r})):\n"
          "    print('held', flush=True); sys.stdin.read()"],
         cwd=PROJECT_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -121,13 +123,13 @@ def test_devices_in_parallel_busy_and_unreachable(tmp_path, lab, results_dir):
     assert first("[phone] unreachable") < first("[host] ok")
     records = ResultsStore(results_dir).records()
     assert {r["device"] for r in records} == {"host"} and len(records) == 36
-    night = ResultsStore(results_dir / "nights").records()[0]
+    (night,) = report_module.night_log(results_dir)
     assert {d: s["status"] for d, s in night["devices"].items()} == {"host": "ok", "bench2": "busy", "phone": "unreachable"}
     page = (results_dir / "report" / "report.md").read_text()
-    assert "phone: unreachable (phone: nothing answers at 127.0.0.1:" in page and "bench2: busy (held by pid" in page
+    assert "phone: unreachable (phone: nothing answers at 127.0.0.1:" in page and "bench2: busy (device bench2 is busy: held by pid" in page
     # the locks were released: the next night gets every device at once
     for device in suite.devices:
-        with nightly.device_lock(suite.lock_dir, device, 0, "test"):
+        with device_lock(device, 0, "test", suite.lock_dir):
             pass
 
 

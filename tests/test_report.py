@@ -33,8 +33,9 @@ HOST_RUN = ["mode=all", "matrix=awkward", "bench.tokens=[64]", "bench.heads=4", 
 def host_records(tmp_path_factory) -> list[dict]:
     """One real gdn run on the host: oracle verdicts and bench figures with their repetitions."""
     root = tmp_path_factory.mktemp("host-run")
-    rc = config.load([*HOST_RUN, f"results_dir={root}"], experiment="gdn")
-    runner.execute(rc)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TESTBED_RESULTS", str(root))  # it wins over results_dir, whatever the caller's is
+        runner.execute(config.load(HOST_RUN, experiment="gdn"))
     records = ResultsStore(root).records()
     assert {r["kind"] for r in records} == {"oracle", "measure"}
     return records
@@ -45,10 +46,12 @@ def tail_records(tmp_path_factory) -> list[dict]:
     """A real tail measurement on the host at tail 10, the seed's sweep loaded as records by the
     tail experiment (mode=fixture), and real chunk_prefill timings at C = 16 and 32."""
     root = tmp_path_factory.mktemp("tail-runs")
-    for experiment, overrides in (("tail", ["tail=10", "reps=2", "warmup=0"]), ("tail", ["mode=fixture"]),
-                                  ("chunk_prefill", ["mode=bench", "chunk=16"]),
-                                  ("chunk_prefill", ["mode=bench", "chunk=32"])):
-        runner.execute(config.load([*overrides, f"results_dir={root}"], experiment=experiment))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TESTBED_RESULTS", str(root))
+        for experiment, overrides in (("tail", ["tail=10", "reps=2", "warmup=0"]), ("tail", ["mode=fixture"]),
+                                      ("chunk_prefill", ["mode=bench", "chunk=16"]),
+                                      ("chunk_prefill", ["mode=bench", "chunk=32"])):
+            runner.execute(config.load(overrides, experiment=experiment))
     return ResultsStore(root).records()
 
 
@@ -248,7 +251,7 @@ def test_report_command_since_and_bad_input(tmp_path, host_records, monkeypatch,
     assert main(["report", "--since", since, "--out", str(out)]) == 0
     content = json.loads((out / "report.json").read_text())
     assert content["records"] == len(host_records)  # the first run is before --since
-    assert list(out.glob(".*")) == [] and list(tmp_path.glob(".out.*")) == []  # nothing left staged
+    assert [p.name for p in out.glob(".*")] == [report.MARKER] and list(tmp_path.glob(".out.*")) == []  # nothing left staged
 
 
 def test_a_report_that_fails_midway_leaves_the_previous_one(tmp_path, host_records, monkeypatch):

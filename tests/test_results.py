@@ -6,7 +6,7 @@ import pytest
 
 from testbed import config, runner
 from testbed.experiments import gdn
-from testbed.results import Figure, Record, ResultsStore, RunInfo
+from testbed.results import Figure, Record, ResultsStore, RunInfo, passed
 
 
 def rows(n, verdict="pass"):
@@ -30,7 +30,7 @@ def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path):
     store.append(rows(2))
     with open(store.path, "a") as f:
         f.write(json.dumps(rows(1)[0])[:40])  # a crash in the middle of a write
-    with pytest.warns(UserWarning, match="torn last line"):
+    with pytest.warns(UserWarning, match="torn line"):
         assert len(store.records()) == 2
 
 
@@ -41,12 +41,13 @@ def test_figures_keep_their_spread():
     assert (r.median, r.min, r.max) == (3.0, 2.0, 6.0)
 
 
-def test_an_interrupted_run_leaves_one_error_record_and_no_pass(results_dir, monkeypatch):
-    """Ctrl-C in the middle of the oracle matrix: the store gets a single "error" record."""
+def test_an_interrupted_run_keeps_its_records_as_incomplete_with_one_error_record(results_dir, monkeypatch):
+    """Ctrl-C in the middle of the oracle matrix: what ran is kept, marked incomplete, and one "error"
+    record says what happened; nothing of the run counts as passed."""
     real = gdn.oracle_records
 
-    def interrupted(cfg, ctx):
-        for n, rec in enumerate(real(cfg, ctx)):
+    def interrupted(cfg, ctx, be):
+        for n, rec in enumerate(real(cfg, ctx, be)):
             if n == 5:
                 raise KeyboardInterrupt
             yield rec
@@ -56,13 +57,13 @@ def test_an_interrupted_run_leaves_one_error_record_and_no_pass(results_dir, mon
     with pytest.raises(KeyboardInterrupt):
         runner.execute(rc)
     stored = ResultsStore(results_dir).records()
-    assert len(stored) == 1
-    assert stored[0]["verdict"] == "error" and stored[0]["detail"] == "interrupted"
-    assert stored[0]["metrics"]["records_before_error"] == 5
+    assert len(stored) == 6 and all(r["incomplete"] for r in stored) and not any(passed(r) for r in stored)
+    (error,) = [r for r in stored if r["verdict"] == "error"]
+    assert error["detail"] == "interrupted" and error["metrics"]["records_before_error"] == 5
 
 
 def test_a_crashing_run_says_what_broke(results_dir, monkeypatch):
-    def broken(cfg, ctx):
+    def broken(cfg, ctx, be):
         raise RuntimeError("kernel returned garbage")
         yield
 

@@ -2,13 +2,12 @@
 default backend is the first its profile lists, and a run on a device whose records carry no evidence
 of the device (a host computation filed under its name) is an error, never stored as a pass."""
 
-import json
-
 import pytest
 
 from testbed import backends, cli, config, runner
 from testbed.backends.refimpl import gdn as refimpl_gdn
 from testbed.devices import connect, load_profile
+from testbed.results import ResultsStore
 
 
 @pytest.mark.parametrize("argv", [["run", "gdn", "device=qemu-arm32", "backend=refimpl"],
@@ -41,7 +40,7 @@ def test_a_host_computation_filed_under_a_device_is_an_error(results_dir, monkey
             runner.execute(rc, device=device)
     finally:
         device.close()
-    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    rows = ResultsStore(results_dir).records()
     assert [(r["verdict"], r["device"]) for r in rows] == [("error", "qemu-arm32")]  # no pass stored
 
 
@@ -56,7 +55,7 @@ def test_a_program_killed_on_the_device_leaves_an_error_record_with_its_stderr(r
     crashing.chmod(0o755)
     monkeypatch.setattr(native_gdn, "build_programs", lambda target: crashing.parent)
     assert cli.main(["run", "gdn", "backend=native", "mode=oracle", "matrix=awkward"]) == 4
-    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    rows = ResultsStore(results_dir).records()
     assert [r["verdict"] for r in rows] == ["error"]
     assert "tb_gdn_bench exited -9" in rows[0]["detail"] and "out of memory in chunk 3" in rows[0]["detail"]
 
@@ -86,6 +85,9 @@ def test_a_device_that_drops_mid_run_is_an_error_record_and_unreachable(results_
         assert cli.main(["run", "gdn", "device=adb-loopback", "mode=oracle", "matrix=awkward"]) == 3
     finally:
         device.close()
-    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
-    assert [(r["verdict"], r["device"]) for r in rows] == [("error", "adb-loopback")]
-    assert "connection lost" in rows[0]["detail"] and rows[0]["metrics"]["records_before_error"] >= 1
+    rows = ResultsStore(results_dir).records()
+    # what was judged before the drop is kept, marked as from an incomplete run; the run is an error
+    assert all(r["device"] == "adb-loopback" and r["incomplete"] for r in rows)
+    error = rows[-1]
+    assert error["verdict"] == "error" and "connection lost" in error["detail"]
+    assert error["metrics"]["records_before_error"] == len(rows) - 1 >= 1

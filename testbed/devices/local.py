@@ -6,14 +6,15 @@ qemu is for correctness, never timing: emulated code runs 40-70x slower than on 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
-from testbed.devices.transport import (CommandResult, CommandTimeout, Transport, TransferError, confine, quoted,
-                                       sha256_file)
+from testbed.devices.transport import (CommandResult, CommandTimeout, OutsideWorkFolder, Transport, TransferError,
+                                       check_argv, confine, quoted, sha256_file)
 
 
 class LocalTransport(Transport):
@@ -38,11 +39,20 @@ class LocalTransport(Transport):
     def path(self, remote: str) -> Path:
         return self.root / confine(remote)
 
+    def inside(self, remote: str) -> Path:
+        """The path of `remote`, checked not to lead out of the work folder through a symlink."""
+        target = self.path(remote)
+        resolved = Path(os.path.realpath(target))
+        if not resolved.is_relative_to(os.path.realpath(self.root)):
+            raise OutsideWorkFolder(f"{self.name}: {remote!r} leads out of the work folder {self.root} "
+                                    f"(to {resolved}: a symlink); refused")
+        return target
+
     def push(self, local: Path, remote: str, mode: int = 0o644) -> None:
-        dest = self.path(remote)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.part")
+        dest = self.inside(remote)
+        tmp = dest.with_name(f".tb-{secrets.token_hex(4)}.part")  # short: dest's own name may be NAME_MAX long
         try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(local, tmp)
             os.chmod(tmp, mode)
             os.replace(tmp, dest)
@@ -51,22 +61,26 @@ class LocalTransport(Transport):
             raise TransferError(f"{self.name}: push of {Path(local).name} to {dest} failed: {e.strerror}") from None
 
     def pull(self, remote: str, local: Path) -> None:
-        source = self.path(remote)
+        source = self.inside(remote)
         if not source.is_file():
             raise TransferError(f"{self.name}: cannot pull {source}: no such file")
-        tmp = Path(local).with_name(f".{Path(local).name}.part")
-        shutil.copyfile(source, tmp)
-        os.replace(tmp, local)
+        tmp = Path(local).with_name(f".tb-{secrets.token_hex(4)}.part")
+        try:
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, local)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise TransferError(f"{self.name}: pull of {source} to {local} failed: {e.strerror}") from None
 
     def remote_digest(self, remote: str) -> tuple[int, str] | None:
-        path = self.path(remote)
+        path = self.inside(remote)
         return (path.stat().st_size, sha256_file(path)) if path.is_file() else None
 
     def command(self, argv: list[str], folder: Path) -> list[str]:
-        return [str(a) for a in argv]
+        return check_argv(argv)
 
     def run(self, argv: list[str], timeout: float = 60.0, cwd: str = "") -> CommandResult:
-        folder = self.path(cwd) if cwd else self.root
+        folder = self.inside(cwd) if cwd else self.root
         folder.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         proc = subprocess.Popen(self.command(argv, folder), cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -117,7 +131,7 @@ class QemuTransport(LocalTransport):
         super().connect()
 
     def command(self, argv: list[str], folder: Path) -> list[str]:
-        argv = [str(a) for a in argv]
+        argv = check_argv(argv)
         program = Path(argv[0]) if os.path.isabs(argv[0]) else folder / argv[0]
         if elf_machine(program) != ELF_MACHINES.get(self.emulator):
             return argv

@@ -58,16 +58,19 @@ class SshTransport(RemoteShell):
             client.connect(self.host, self.port, username=self.user, key_filename=self.key, sock=sock,
                            timeout=self.connect_timeout, auth_timeout=self.connect_timeout,
                            banner_timeout=self.connect_timeout, allow_agent=False, look_for_keys=False)
+            sftp = client.open_sftp()
         except paramiko.BadHostKeyException as e:
+            client.close()
             raise DeviceUnreachable(f"{self.name}: host key of {self.host}:{self.port} CHANGED: it offers "
                                     f"{key_fingerprint(e.key)}, {self.known_hosts} expects "
                                     f"{key_fingerprint(e.expected_key)}; refusing") from None
         except paramiko.SSHException as e:
+            client.close()
             raise DeviceUnreachable(f"{self.name}: {self.user}@{self.host}:{self.port}: {e}") from None
-        except OSError as e:
-            raise DeviceUnreachable(f"{self.name}: {self.host}:{self.port}: {e}") from None
-        self.client = client
-        self.sftp = client.open_sftp()
+        except (OSError, EOFError) as e:  # a server that dies mid-handshake ends the stream: EOFError
+            client.close()
+            raise DeviceUnreachable(f"{self.name}: {self.host}:{self.port}: {type(e).__name__}: {e}") from None
+        self.client, self.sftp = client, sftp
         self.sftp.get_channel().settimeout(self.stall_timeout)
 
     def _close(self) -> None:
@@ -106,10 +109,12 @@ class SshTransport(RemoteShell):
         return CommandResult(rc, out.decode(errors="replace"), err.decode(errors="replace"))
 
     def _send(self, local: Path, path: str, mode: int) -> None:
+        import paramiko
+
         try:
             self.sftp.put(str(local), path)
             self.sftp.chmod(path, mode)
-        except (EOFError, socket.timeout, ConnectionError) as e:
+        except (EOFError, socket.timeout, ConnectionError, paramiko.SSHException) as e:
             raise ConnectionLost(f"{type(e).__name__}: {e}") from None
         except OSError as e:  # SFTP status errors (no space, permission) arrive as IOError
             if self.client is None or not self.client.get_transport().is_active():
@@ -117,9 +122,11 @@ class SshTransport(RemoteShell):
             raise TransferError(f"{self.name}: the device refused {path}: {e}") from None
 
     def _recv(self, path: str, local: Path) -> None:
+        import paramiko
+
         try:
             self.sftp.get(path, str(local))
-        except (EOFError, socket.timeout, ConnectionError) as e:
+        except (EOFError, socket.timeout, ConnectionError, paramiko.SSHException) as e:
             raise ConnectionLost(f"{type(e).__name__}: {e}") from None
         except OSError as e:
             if self.client is None or not self.client.get_transport().is_active():

@@ -2,8 +2,11 @@
 
 A transport does four things: push a file, pull a file, run a command with a timeout (exit code,
 stdout, stderr), and clean up its work folder. Paths given to push and pull are relative to the work
-folder and may not leave it; commands run in it. Every command is an argv list, each argument quoted
-for the device's shell, so a file name or config value can never inject a command.
+folder and may not leave it: lexically (confine: no absolute path, no ..), and on the device itself,
+where a symlink may point anywhere, so the path is resolved there and checked before every push, pull
+and cwd (OutsideWorkFolder). Commands run in it. Every command is an argv list, each argument quoted
+for the device's shell, so a file name or config value can never inject a command; an argument with a
+NUL byte, which no command line can carry, is refused before anything is sent.
 
 Remote devices (ADB, SSH) share the same discipline:
   run       `cd WORK && timeout -s KILL T argv...`: the device kills a hung command itself; if the
@@ -52,18 +55,52 @@ class ConnectionLost(Exception):
     """Raised by a transport's primitives when the link to the device broke (internal)."""
 
 
+class OutsideWorkFolder(DeviceError, ValueError):
+    """A path that leaves the work folder: lexically, or through a symlink on the device."""
+
+
 # The exit statuses `timeout -s KILL` leaves: 124 (GNU when the child exits on the signal) and 137
 # (128 + SIGKILL).
 KILLED_AT_TIMEOUT = (124, 137)
 HOST_GRACE_S = 10.0
 
 
+NAME_MAX = 255  # bytes in one path component (Linux and Android)
+
+
 def confine(path: str) -> str:
-    """A path inside the work folder, normalised; anything absolute or climbing out is refused."""
+    """A path inside the work folder, normalised; anything absolute or climbing out is refused, as is
+    what no device can name (a NUL byte, a component longer than NAME_MAX bytes)."""
     p = posixpath.normpath(str(path))
     if p.startswith("/") or p == ".." or p.startswith("../") or p in ("", "."):
-        raise ValueError(f"path {path!r} is outside the work folder (give a relative path inside it)")
+        raise OutsideWorkFolder(f"path {path!r} is outside the work folder (give a relative path inside it)")
+    if "\0" in p:
+        raise ValueError(f"path {path!r} contains a NUL byte; accepted: names without one")
+    long = [c for c in p.split("/") if len(c.encode()) > NAME_MAX]
+    if long:
+        raise ValueError(f"path {path!r} has a name of {len(long[0].encode())} bytes; accepted: at most {NAME_MAX}")
     return p
+
+
+def check_argv(argv: list) -> list[str]:
+    """The arguments as strings; refused if one holds a NUL byte (the OS cuts an argument there)."""
+    args = [str(a) for a in argv]
+    for i, a in enumerate(args):
+        if "\0" in a:
+            raise ValueError(f"argument {i} ({a!r}) contains a NUL byte, which no command line can carry")
+    return args
+
+
+# Resolves "$2" (a path under the work folder "$1", which may not exist yet) on the device: the
+# deepest part that exists, symlinks followed; exit 0 if that is inside the work folder, else print
+# where it leads and exit 1. POSIX sh, coreutils or toybox.
+RESOLVE_INSIDE = r'''w=$(cd -P -- "$1" && pwd -P) || exit 3
+t=$2
+while [ ! -e "$t" ] && [ ! -L "$t" ]; do t=$(dirname -- "$t"); done
+if [ -L "$t" ]; then r=$(readlink -f -- "$t") || r=""
+else r=$(cd -P -- "$(dirname -- "$t")" && printf '%s/%s' "$(pwd -P)" "$(basename -- "$t")") || r=""; fi
+case "$r/" in "$w"/*) exit 0 ;; esac
+printf '%s' "${r:-an unresolvable symlink}"; exit 1'''
 
 
 def sha256_file(path: Path) -> str:
@@ -75,7 +112,7 @@ def sha256_file(path: Path) -> str:
 
 
 def quoted(argv: list[str]) -> str:
-    return " ".join(shlex.quote(str(a)) for a in argv)
+    return " ".join(shlex.quote(a) for a in check_argv(argv))
 
 
 class Transport:
@@ -221,9 +258,18 @@ class RemoteShell(Transport):
     def path(self, remote: str) -> str:
         return posixpath.join(self.work_dir, confine(remote))
 
+    def inside(self, remote: str) -> str:
+        """The absolute path of `remote`, checked on the device not to lead out of the work folder."""
+        target = self.path(remote)
+        r = self._shell(f"sh -c {shlex.quote(RESOLVE_INSIDE)} sh {quoted([self.work_dir, target])}", 30)
+        if r.returncode != 0:
+            raise OutsideWorkFolder(f"{self.name}: {remote!r} leads out of the work folder {self.work_dir} "
+                                    f"(to {r.stdout.strip() or '?'}: a symlink on the device); refused")
+        return target
+
     def run(self, argv: list[str], timeout: float = 60.0, cwd: str = "") -> CommandResult:
         limit = max(1, math.ceil(timeout))
-        folder = self.path(cwd) if cwd else self.work_dir
+        folder = self.inside(cwd) if cwd else self.work_dir
         script = f"cd {shlex.quote(folder)} && timeout -s KILL {limit} {quoted(argv)}"
         t0 = time.monotonic()
         try:
@@ -239,7 +285,8 @@ class RemoteShell(Transport):
 
     def remote_digest(self, remote: str, timeout: float = 120.0) -> tuple[int, str] | None:
         """(size, sha256) of a file in the work folder, computed on the device; None if absent."""
-        r = self.run(["sh", "-c", 'stat -c %s -- "$1" && sha256sum -- "$1"', "sh", confine(remote)], timeout)
+        # sha256sum reads stdin: given a name with a backslash or newline it would escape its output
+        r = self.run(["sh", "-c", 'stat -c %s -- "$1" && sha256sum < "$1"', "sh", confine(remote)], timeout)
         lines = r.stdout.split()
         if r.returncode != 0 or len(lines) < 2 or not lines[0].isdigit():
             return None
@@ -254,6 +301,7 @@ class RemoteShell(Transport):
         for _ in range(self.attempts):
             try:
                 self._ensure()
+                self.inside(remote)  # each attempt: the device may have changed in between
                 if parent != self.work_dir:
                     self._shell(f"mkdir -p {shlex.quote(parent)}", 30)
                 self._send(local, target, mode)
@@ -274,7 +322,7 @@ class RemoteShell(Transport):
 
     def pull(self, remote: str, local: Path) -> None:
         local = Path(local)
-        source = self.path(remote)
+        source = self.inside(remote)
         expected = self.remote_digest(remote)
         if expected is None:
             raise TransferError(f"{self.name}: cannot pull {source}: no such file on the device")

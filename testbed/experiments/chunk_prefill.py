@@ -33,7 +33,7 @@ from testbed.checkpoints import load_checkpoint
 from testbed.config import Choice, Float, Int, IntList, project_path
 from testbed.errors import UsageError
 from testbed.oracles import digest
-from testbed.prompts import load_prompt
+from testbed.prompts import find_tokenizer, load_prompt
 from testbed.results import Record
 from testbed.token_oracle import Reference, TokenCase, check_token_at_position
 
@@ -56,6 +56,7 @@ PARAMS = {
     "seed": Int(0),
     "model.preset": Choice(tuple(PRESETS)),
     "model.weights_seed": Int(0),
+    "model.chat": Choice((False, True)),
     "bench.past": Int(0, 1 << 20),
     "bench.warmup": Int(0, 100),
     "bench.reps": Int(1, 1000),
@@ -148,8 +149,13 @@ def validate(cfg: DictConfig) -> None:
         if cfg.mode != "bench" and len(ends) > 1:
             raise UsageError(f"model.expected_token={expected} pins one token but the cases end at positions "
                              f"{', '.join(map(str, ends))}; accepted: cases that all end at one position")
-    if cfg.model.prompt != "seed":
-        load_prompt(str(project_path(cfg.model.prompt)), prompt_length(cfg), model.vocab, cfg.seed)
+    run_prompt(cfg, model)
+
+
+def run_prompt(cfg: DictConfig, model: gemma.GemmaConfig):
+    """The run's prompt (testbed.prompts): seeded ids, a file, or text through the checkpoint's tokenizer."""
+    return load_prompt(str(cfg.model.prompt), prompt_length(cfg), model.vocab, cfg.seed,
+                       find_tokenizer(cfg.model.checkpoint), cfg.model.chat)
 
 
 # --- run -------------------------------------------------------------------------------------------
@@ -157,22 +163,23 @@ def validate(cfg: DictConfig) -> None:
 
 def _setup(cfg: DictConfig, ctx):
     model, w, weights_sha = load_model(*_model_key(cfg))
-    source = "seed" if cfg.model.prompt == "seed" else str(project_path(cfg.model.prompt))
-    prompt = load_prompt(source, prompt_length(cfg), model.vocab, cfg.seed)
-    artifacts = {"weights_sha256": weights_sha, "prompt_sha256": digest(prompt)}
+    prompt = run_prompt(cfg, model)
+    artifacts = {"weights_sha256": weights_sha, **prompt.artifacts()}
     backend = backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device)
     if cfg.backend == "native" and cfg.native.weights != "f32":
         # the engine computes with the weights its file stores: refimpl on those is the reference
         w = dequantized(w, cfg.native.weights, cfg.native.group)
-    return model, w, prompt, backend, artifacts
+    return model, w, prompt.ids, backend, artifacts
 
 
 def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
     ref = Reference(w, model, prompt)
+    tokenizer = find_tokenizer(cfg.model.checkpoint)
     for case in cases(cfg):
         ctx.progress(f"chunk_prefill oracle {case.name}")
         verdicts = check_token_at_position(backend, ref, case, expected=cfg.model.expected_token,
-                                           logit_atol=cfg.logit_atol, cache_atol=cfg.cache_atol)
+                                           logit_atol=cfg.logit_atol, cache_atol=cfg.cache_atol,
+                                           token_text=tokenizer.token_text if tokenizer else None)
         params = {"past": case.past, "tokens": case.tokens, "chunk": case.chunk, "position": case.position,
                   "calls": case.calls}
         evidence = backend.evidence.take()
@@ -286,8 +293,10 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
     for _, r in df.iterrows():
         base = {"device": r["device"], "backend": r["backend"], "case": r["case"]}
         if r["kind"] == "oracle":
-            rows.append(base | {"verdict": r["verdict"], "margin": r["margin"],
-                                "token": r.get("metrics.token_ref"), "chunk token": r.get("metrics.token_chunk"),
+            text = r.get("metrics.token_text")  # where the checkpoint has a tokenizer
+            rows.append(base | {"verdict": r["verdict"], "margin": r["margin"], "token": r.get("metrics.token_ref"),
+                                **({"token text": text} if pd.notna(text) else {}),
+                                "chunk token": r.get("metrics.token_chunk"),
                                 "ref top1-top2": r.get("metrics.margin_ref"),
                                 "max |diff|": r.get(f"metrics.max_abs_{r['oracle']}_diff"),
                                 "K/V NMSE": r.get("metrics.nmse_kv"),

@@ -40,11 +40,15 @@ from testbed.results import Figure
 
 # --- test-backend-ops ------------------------------------------------------------------------------
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Colour codes; the ESC byte is optional because outputs that went through a tool that drops control
+# bytes keep the rest ("[1;32mOK[0m"), which must still read as OK.
+ANSI = re.compile(r"\x1b?\[[0-9;]*m")
 CASE = re.compile(r"^\s+([A-Z][A-Z0-9_]*)\((.*)\):\s*(.*?)\s*$")
 NMSE = re.compile(r"NMSE = ([-+0-9.eE]+|nan|inf) > ([-+0-9.eE]+)")
 SUMMARY = re.compile(r"^\s*(\d+)/(\d+) tests passed")
 BACKEND = re.compile(r"^\s*Backend (\S+): (OK|FAIL|SKIPPED)")
+BACKEND_HEADER = re.compile(r"^Backend \d+/\d+: (\S+)")
+SKIPPING = re.compile(r"^\s*Skipping (\S+) backend")
 PERF = re.compile(
     r"(\d+) runs -\s+([\d.]+) us/run -\s+([\d.]+) (kB|MB|GB|kFLOP|MFLOP|GFLOP|TFLOP)/run -\s+([\d.]+) "
     r"(GB/s|kFLOPS|MFLOPS|GFLOPS|TFLOPS)")
@@ -133,6 +137,18 @@ def parse_test(text: str) -> TboReport:
         elif line.strip() in ("OK", "FAIL"):
             report.final = line.strip()
     return report
+
+
+def named_backends(text: str) -> set[str]:
+    """The backends a console output ran ("Backend 1/1: CPU" and "Backend CPU: OK"), less the ones
+    it says it skipped."""
+    named, skipped = set(), set()
+    for line in clean(text).splitlines():
+        if m := BACKEND_HEADER.match(line) or BACKEND.match(line):
+            (skipped if m.re is BACKEND and m.group(2) == "SKIPPED" else named).add(m.group(1))
+        elif m := SKIPPING.match(line):
+            skipped.add(m.group(1))
+    return named - skipped
 
 
 def parse_csv(text: str) -> list[Case]:

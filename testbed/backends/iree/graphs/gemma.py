@@ -189,7 +189,7 @@ def redecode(cfg: ref.GemmaConfig, w: dict, n: int, constants: bool = False) -> 
 
     contract = _convert(gemma_contract.redecode_contract(cfg, n))
     pos = np.arange(n)
-    tables = {t: ref.rope_tables(pos, cfg.head_dim, cfg.rope_base(t)) for t in cfg.types_in_use}
+    tables = {t: ref.rope_tables(pos, cfg.head_dim, cfg.rope_base(t), cfg.rope_scaling(t)) for t in cfg.types_in_use}
     past_k, past_v = ref.empty_cache(cfg)
 
     def fn(weights, tokens, select):

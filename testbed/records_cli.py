@@ -1,0 +1,180 @@
+"""`testbed records`: inspect and repair the results store.
+
+  testbed records verify                  what the reader sets aside or has to explain: lines that
+                                          are torn, not UTF-8, not objects or of a newer schema;
+                                          batches that never committed; records stored twice; runs
+                                          that never ended; output ingested twice. Exit 1 if any.
+  testbed records rm SELECTOR [--dry-run] remove records, selected by --run ID, --night NIGHT (its
+                                          runs and its log entries) and/or --where KEY=VALUE (dotted
+                                          keys: experiment=gdn, config.chunk=64, verdict=error); all
+                                          given must match. --run and --night remove a run's marks
+                                          too; --where only records (so a broken run stays broken).
+                                          The old file is kept beside it as records.jsonl.before-TIME.
+  testbed records export [--where ...] [--format jsonl|csv|json]
+                                          the records as the reader sees them (incomplete runs
+                                          marked, unfinished runs' error records included)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+
+import pandas as pd
+
+from testbed import config, report, runner
+from testbed.errors import UsageError
+from testbed.results import ResultsStore
+
+SHOWN = 5  # line numbers or ids named per finding; the count is always whole
+
+
+def parse_where(items: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise UsageError(f"--where {item!r} is not KEY=VALUE; accepted e.g. experiment=gdn, config.chunk=64")
+        out.append((key, value))
+    return out
+
+
+def lookup(row: dict, dotted: str):
+    """row["config"]["chunk"] for config.chunk; config keys are themselves dotted (bench.tokens), so
+    the rest of the key after a mapping is tried whole first."""
+    node = row
+    parts = dotted.split(".")
+    while parts:
+        if not isinstance(node, dict):
+            return None
+        rest = ".".join(parts)
+        if rest in node:
+            return node[rest]
+        node, parts = node.get(parts[0]), parts[1:]
+    return node
+
+
+def matches(row: dict, where: list[tuple[str, str]]) -> bool:
+    """Every KEY=VALUE holds; values compare as their JSON text (64 == "64", true == "true")."""
+    def text(v):
+        return v if isinstance(v, str) else json.dumps(v)
+
+    return all(text(lookup(row, key)) == value for key, value in where)
+
+
+def store_of_config() -> ResultsStore:
+    return runner.results_store(config.load([]))
+
+
+def verify(store: ResultsStore) -> list[str]:
+    found = store.scan()
+    findings = []
+    if found.problems:
+        findings.append(f"{len(found.problems)} unusable lines (line {'; '.join(found.problems[:SHOWN])})")
+    if found.uncommitted:
+        rows = sum(found.uncommitted.values())
+        findings.append(f"{len(found.uncommitted)} batches never committed ({rows} rows, not read): "
+                        "a write cut short")
+    rows = found.rows
+    ids = Counter(r["record_id"] for r in rows if "record_id" in r)
+    twice = [i for i, n in ids.items() if n > 1]
+    if twice:
+        findings.append(f"{len(twice)} records stored more than once ({', '.join(twice[:SHOWN])})")
+    started = {r["run_id"] for r in rows if r.get("run_mark") == "started"}
+    ended = {r["run_id"]: r.get("outcome") for r in rows if r.get("run_mark") == "ended"}
+    never = sorted(started - ended.keys())
+    if never:
+        findings.append(f"{len(never)} runs never ended (killed, or still running): {', '.join(never[:SHOWN])}")
+    broke = sorted(run for run, outcome in ended.items() if outcome != "complete")
+    if broke:
+        findings.append(f"{len(broke)} runs broke (each has its error record): {', '.join(broke[:SHOWN])}")
+    sources = {}
+    for r in rows:
+        digest = r.get("config", {}).get("source_digest") if isinstance(r.get("config"), dict) else None
+        if digest:
+            sources.setdefault(digest, set()).add(r["run_id"])
+    again = [sorted(runs) for runs in sources.values() if len(runs) > 1]
+    if again:
+        findings.append(f"{len(again)} ingested outputs stored more than once (runs {', '.join(again[0])}...)")
+    return findings
+
+
+def cmd_verify(args) -> int:
+    store = store_of_config()
+    findings = verify(store)
+    found = store.scan()
+    records = sum("record_id" in r for r in found.rows)
+    runs = len({r.get("run_id") for r in found.rows if "record_id" in r})
+    for line in findings:
+        print(f"{store.path}: {line}")
+    print(f"{store.path}: {records} records in {runs} runs; "
+          + ("no problems" if not findings else f"{len(findings)} kinds of problem"))
+    return 1 if findings else 0
+
+
+def cmd_rm(args) -> int:
+    if not (args.run or args.night or args.where):
+        raise UsageError("records rm needs a selector; accepted: --run ID, --night NIGHT, --where KEY=VALUE")
+    where = parse_where(args.where)
+    store = store_of_config()
+    runs = set(args.run)
+    nights = set(args.night)
+    if nights:
+        log = {n["night"]: n for n in report.night_log(store.root)}
+        unknown = sorted(nights - log.keys())
+        if unknown:
+            raise UsageError(f"--night {unknown[0]!r} is not in the night log; accepted: {', '.join(sorted(log)) or 'none'}")
+        runs |= {run for n in nights for d in log[n].get("devices", {}).values() for run in d.get("runs", [])}
+
+    def selected(row: dict) -> bool:
+        by_run = not (args.run or args.night) or row.get("run_id") in runs
+        if "record_id" in row:
+            return by_run and matches(row, where)
+        return bool(args.run or args.night) and row.get("run_id") in runs and not where  # a run's marks
+
+    if args.dry_run:
+        chosen = [r for r in store.scan().rows if selected(r)]
+        records = [r for r in chosen if "record_id" in r]
+        print(f"would remove {len(records)} records of {len({r['run_id'] for r in records})} runs "
+              f"(and {len(chosen) - len(records)} run marks) from {store.path}; nothing changed")
+        return 0
+    found, dropped = store.rewrite(lambda row: not selected(row))
+    if nights:
+        ResultsStore(store.root / "nights").rewrite(lambda entry: entry.get("night") not in nights)
+    records = [r for r in dropped if "record_id" in r]
+    print(f"removed {len(records)} records of {len({r['run_id'] for r in records})} runs "
+          f"(and {len(dropped) - len(records)} run marks) from {store.path}"
+          + (f"; also left out {len(found.problems)} unusable lines and {len(found.uncommitted)} uncommitted "
+             "batches" if found.problems or found.uncommitted else "")
+          + "; the previous file is kept beside it (records.jsonl.before-*)")
+    return 0
+
+
+def cmd_export(args) -> int:
+    where = parse_where(args.where)
+    rows = [r for r in store_of_config().records() if matches(r, where)]
+    if args.format == "jsonl":
+        sys.stdout.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+    elif args.format == "json":
+        print(json.dumps(rows, indent=1, sort_keys=True))
+    else:
+        sys.stdout.write(pd.json_normalize(rows, sep=".").to_csv(index=False) if rows else "")
+    return 0
+
+
+def register(commands) -> None:
+    r = commands.add_parser("records", help="inspect and repair the results store: verify, rm, export")
+    sub = r.add_subparsers(dest="action", required=True)
+    v = sub.add_parser("verify", help="torn lines, uncommitted batches, duplicates, unfinished runs; exit 1 if any")
+    v.set_defaults(fn=cmd_verify)
+    rm = sub.add_parser("rm", help="remove records by run, night or filter (the old file is kept beside)")
+    rm.add_argument("--run", action="append", default=[], help="a run id (repeatable)")
+    rm.add_argument("--night", action="append", default=[], help="a night of testbed nightly (repeatable)")
+    rm.add_argument("--where", action="append", default=[], help="KEY=VALUE, e.g. experiment=gdn (repeatable)")
+    rm.add_argument("--dry-run", action="store_true", help="say what would be removed; change nothing")
+    rm.set_defaults(fn=cmd_rm)
+    e = sub.add_parser("export", help="the records as the reader sees them")
+    e.add_argument("--where", action="append", default=[], help="KEY=VALUE (repeatable)")
+    e.add_argument("--format", choices=("jsonl", "json", "csv"), default="jsonl")
+    e.set_defaults(fn=cmd_export)

@@ -1,0 +1,121 @@
+"""Oracles and regression detection pinned to values worked out by hand (issue 13, items 7 and 24)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from testbed import history
+from testbed.oracles import check_nmse, nmse
+from testbed.token_oracle import Reference, TokenCase, check_token_at_position
+from tests.test_chunk_prefill_planted import CFG, model
+
+
+# --- NMSE --------------------------------------------------------------------------------------------
+
+def test_nmse_is_a_sum_over_a_sum():
+    """sum((ref - out)^2) / sum(ref^2), worked out by hand: 1/30 and 4/12 (a mean in the numerator
+    alone would give 1/120 and 4/144)."""
+    assert nmse(np.array([1.0, 2.0, 3.0, 4.0]), np.array([1.0, 2.0, 3.0, 5.0])) == pytest.approx(1 / 30, rel=1e-15)
+    ref, out = np.ones((3, 4)), np.ones((3, 4))
+    out[0, 0] = 3.0
+    assert nmse(ref, out) == pytest.approx(4 / 12, rel=1e-15)
+    assert nmse(np.zeros(3), np.zeros(3)) == 0.0 and nmse(np.zeros(3), np.ones(3)) == float("inf")
+
+
+def test_nmse_verdict_threshold_and_margin():
+    ref, out = np.array([1.0, 2.0, 3.0, 4.0]), np.array([1.0, 2.0, 3.0, 4.0 + 1e-3])
+    v = check_nmse({"y": ref}, {"y": out}, threshold=1e-7)  # NMSE 1e-6 / 30 = 3.33e-8
+    assert v.passed and v.metrics["nmse"] == pytest.approx(1e-6 / 30) and v.margin == pytest.approx(np.log10(3.0))
+    assert not check_nmse({"y": ref}, {"y": out}, threshold=1e-8).passed
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nan_or_inf_in_the_reference_next_to_a_wrong_output_fails(bad):
+    ref = np.array([1.0, bad, 2.0, 3.0])
+    wrong = np.array([9.0, 1.0, -2.0, 7.0])
+    v = check_nmse({"y": ref}, {"y": wrong})
+    assert not v.passed and "the reference has 1 NaN/inf values" in v.detail
+    assert not check_nmse({"y": wrong}, {"y": ref}).passed  # and on the output's side
+
+
+# --- the token verdict at a tie ------------------------------------------------------------------------
+
+CASE = TokenCase(past=40, tokens=12, chunk=16)
+
+
+class ShiftedReference(Reference):
+    """The model's reference, with its second-best logit at the case's position set `gap` below the best."""
+
+    def __init__(self, base: Reference, gap: float):
+        super().__init__(base.w, base.cfg, base.prompt)
+        self.gap = gap
+
+    def logits(self, position):
+        logits = super().logits(position).copy()
+        if position == CASE.position:
+            a, b = np.argsort(logits)[::-1][:2]
+            logits[b] = logits[a] - self.gap
+        return logits
+
+
+def flipping(backend, ref: Reference):
+    """A backend within 2e-4 of the shifted reference's logits but ranking its top two the other way:
+    what a correct reduced-precision backend does at a near tie."""
+    top = ref.logits(CASE.position)
+    a, b = np.argsort(top)[::-1][:2]
+
+    def flip(result):
+        logits, k, v = result
+        if logits.shape == top.shape:
+            logits = top.copy()
+            logits[b] = top[a] + 2e-4
+        return logits, k, v
+
+    return dataclasses.replace(backend, prefill_with_past=lambda *a_: flip(backend.prefill_with_past(*a_)),
+                               decode_with_past=lambda *a_: flip(backend.decode_with_past(*a_)))
+
+
+def test_a_tie_within_tolerance_accepts_either_token():
+    w, base, good = model()
+    ref = ShiftedReference(base, gap=5e-4)  # closer than logit_atol=1e-3
+    token, logits, _ = check_token_at_position(flipping(good, ref), ref, CASE, logit_atol=1e-3)
+    assert logits.passed
+    assert token.passed, token.detail
+    assert token.metrics["tie"] and len(token.metrics["tied_tokens"]) == 2 and token.margin > 0
+
+
+def test_a_flip_where_the_reference_is_not_tied_still_fails():
+    w, base, good = model()
+    ref = ShiftedReference(base, gap=2e-3)  # further apart than the tolerance: no tie
+    token = check_token_at_position(flipping(good, ref), ref, CASE, logit_atol=1e-3)[0]
+    assert not token.passed and not token.metrics["tie"] and token.margin < 0
+
+
+# --- regression detection ------------------------------------------------------------------------------
+
+def run(i: int, median: float, lo: float, hi: float) -> dict:
+    return {"experiment": "gdn", "device": "host", "config": {"chunk": 64}, "case": "bench", "oracle": None,
+            "kind": "measure", "run_id": f"r{i}", "record_id": f"rec{i}", "started": f"2026-01-{i + 1:02d}T00:00:00",
+            "git_commit": f"c{i}", "figures": {"time": {"median": median, "min": lo, "max": hi, "reps": 5, "unit": "ms"}}}
+
+
+EARLIER = [run(0, 10.0, 9.5, 10.5), run(1, 10.2, 9.8, 10.8), run(2, 9.9, 9.6, 10.4)]  # envelope 9.5 to 10.8
+
+
+def test_a_noisy_night_with_its_median_just_past_the_envelope_is_not_a_regression():
+    noisy = run(3, 10.85, 9.9, 11.5)  # median past 10.8, but its fastest reps inside the spread
+    assert history.figure_regressions(EARLIER + [noisy], history=7, min_history=2) == []
+
+
+def test_a_night_whose_every_rep_is_past_the_envelope_is_flagged_with_its_change():
+    slow = run(3, 11.2, 10.9, 11.5)  # every rep slower than every earlier rep (10.8)
+    (flag,) = history.figure_regressions(EARLIER + [slow], history=7, min_history=2)
+    assert flag.what == "time" and flag.before == "10 ms" and flag.change == "+12.0%"  # vs the median 10.0
+    assert flag.spread == "9.5 to 10.8 over 3 runs" and flag.since == slow["started"]
+
+
+def test_one_earlier_night_is_not_enough_history_to_judge():
+    assert history.figure_regressions(EARLIER[:1] + [run(3, 20.0, 19.0, 21.0)], history=7, min_history=2) == []

@@ -1,0 +1,113 @@
+"""`testbed records verify | rm | export` (issue 13, item 21)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+
+import pytest
+
+from testbed.cli import main
+from testbed.results import Record, ResultsStore, RunInfo
+
+
+def run_rows(n, verdict="pass", experiment="gdn", chunk=64):
+    info = RunInfo(experiment, "host", "refimpl", {"chunk": chunk}, {"abi": "x86_64"})
+    return info, [info.mark("started"),
+                  *(info.stamp(Record(experiment, f"case{i}", "oracle", "nmse", verdict, 1.0)) for i in range(n)),
+                  info.mark("ended", "complete")]
+
+
+def test_verify_names_every_kind_of_damage_and_exits_1(results_dir, capsys):
+    store = ResultsStore(results_dir)
+    _, good = run_rows(3)
+    store.append(good)
+    assert main(["records", "verify"]) == 0
+    assert "3 records in 1 runs; no problems" in capsys.readouterr().out
+    killed, rows = run_rows(2)
+    store.append(rows[:2])  # started, one record, then a kill
+    store.append([good[1]])  # a record stored twice
+    with open(store.path, "ab") as f:
+        f.write(b'{"batch": "cut", "record_id": "x"}\n{"torn')  # a batch without its commit, then a torn line
+    assert main(["records", "verify"]) == 1
+    out = capsys.readouterr().out
+    assert "1 unusable lines" in out and "1 batches never committed (1 rows" in out
+    assert "1 records stored more than once" in out and f"1 runs never ended (killed, or still running): {killed.run_id}" in out
+
+
+def test_rm_by_run_with_a_dry_run_first(results_dir, capsys):
+    store = ResultsStore(results_dir)
+    keep, kept_rows = run_rows(3)
+    gone, _ = run_rows(2, "fail")
+    store.append(kept_rows)
+    store.append(_)
+    before = store.path.read_bytes()
+    assert main(["records", "rm", "--run", gone.run_id, "--dry-run"]) == 0
+    assert "would remove 2 records of 1 runs (and 2 run marks)" in capsys.readouterr().out
+    assert store.path.read_bytes() == before
+    assert main(["records", "rm", "--run", gone.run_id]) == 0
+    assert "removed 2 records of 1 runs (and 2 run marks)" in capsys.readouterr().out
+    assert {r["run_id"] for r in store.records()} == {keep.run_id}
+    assert [p.name.startswith("records.jsonl.before-") for p in results_dir.iterdir()].count(True) == 1
+    assert main(["records", "verify"]) == 0
+
+
+def test_rm_by_filter_keeps_a_broken_run_broken(results_dir, capsys):
+    store = ResultsStore(results_dir)
+    _, a = run_rows(2, chunk=32)
+    b, b_rows = run_rows(3, chunk=64)
+    store.append(a)
+    store.append(b_rows[:3])  # run b never ended
+    assert main(["records", "rm", "--where", "config.chunk=64", "--where", "case=case0"]) == 0
+    stored = store.records()
+    assert [r["case"] for r in stored if r["run_id"] == b.run_id] == ["case1", "run"]  # its error record stays
+    assert main(["records", "rm"]) == 2
+    assert "needs a selector" in capsys.readouterr().err
+    assert main(["records", "rm", "--where", "nonsense"]) == 2
+
+
+def test_rm_a_night_removes_its_runs_and_its_log_entries(results_dir, capsys):
+    store = ResultsStore(results_dir)
+    night_run, rows = run_rows(2)
+    other, other_rows = run_rows(1)
+    store.append(rows)
+    store.append(other_rows)
+    ResultsStore(results_dir / "nights").append([{"night": "N1", "suite": "s", "started": "2026-01-01T00:00:00",
+                                                   "devices": {"host": {"status": "ok", "reason": "",
+                                                                        "runs": [night_run.run_id]}}}])
+    assert main(["records", "rm", "--night", "N2"]) == 2
+    assert main(["records", "rm", "--night", "N1"]) == 0
+    assert {r["run_id"] for r in store.records()} == {other.run_id}
+    assert ResultsStore(results_dir / "nights").rows() == []
+
+
+def test_export_shows_what_the_reader_sees(results_dir, capsys):
+    store = ResultsStore(results_dir)
+    _, rows = run_rows(2, "fail")
+    store.append(rows[:3])  # never ended
+    assert main(["records", "export", "--where", "verdict=error"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["incomplete"] is True
+    assert main(["records", "export", "--format", "csv"]) == 0
+    assert capsys.readouterr().out.count("\n") == 4  # header and three records
+
+
+def test_a_writer_waiting_during_a_rewrite_lands_in_the_new_file(tmp_path):
+    store = ResultsStore(tmp_path)
+    _, rows = run_rows(1)
+    store.append(rows)
+    fd = os.open(store.path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # stands in for `records rm` holding the lock
+    _, late = run_rows(1)
+    writer = threading.Thread(target=store.append, args=(late,))
+    writer.start()
+    writer.join(0.5)
+    assert writer.is_alive()  # waiting for the lock
+    fresh = tmp_path / "fresh"
+    fresh.write_bytes(store.path.read_bytes())
+    os.replace(fresh, store.path)
+    os.close(fd)
+    writer.join(30)
+    assert len(store.records()) == 2
