@@ -11,6 +11,11 @@ up, with the expected tail derived from the chunk size the telemetry reports, wh
 configured one; and the states that are exact in both modes (every cache's positions, conv states)
 must be identical. How many generated tokens agree is reported beside the verdict, not judged: chunk
 and step graphs round differently, so a near-tie may flip a later token.
+
+Byte-identical cache of an engine run (check_engine_rollback): a whole prefill whose tail was padded
+and rolled back, against the same prefill whose padded call appended only its real rows, every cache
+byte of every layer, and the positions those the cache contract gives (engine_grid: prompt lengths
+that meet the windows empty, unevicted, evicted by the pads only, and full).
 """
 
 from __future__ import annotations
@@ -273,3 +278,85 @@ def check_first_token(engine: Engine, tokens, configured_chunk: int, generate_st
 def prompt_lengths(chunk: int, around: list[tuple[int, int]]) -> list[int]:
     """Prompt lengths blocks * chunk + offset (e.g. (1, 2) -> C + 2, (8, -1) -> 8C - 1)."""
     return [b * chunk + o for b, o in around]
+
+
+# --- byte-identical cache of a whole engine run --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineGridCase:
+    """A model prefill whose tail runs padded, on caches of `window` rows with `sink` sinks: what the
+    sliding caches hold when the tail arrives decides which rows the pads evict."""
+
+    prompt: int
+    chunk: int
+    window: int
+    sink: int
+    dtype: str
+
+    @property
+    def held(self) -> int:
+        """Rows a sliding cache holds when the tail arrives (the full chunks, at most the window)."""
+        return min(self.prompt // self.chunk * self.chunk, self.window)
+
+    @property
+    def covers(self) -> str:
+        real, padded = self.prompt % self.chunk - 1, self.chunk  # the last real token is rolled back
+        return GridCase(self.held, real, padded - real, self.window, self.sink, self.dtype).covers
+
+    @property
+    def name(self) -> str:
+        return f"N={self.prompt},C={self.chunk},window={self.window},sink={self.sink},dtype={self.dtype}"
+
+
+def engine_grid(chunk: int = 7, windows=(16, 24), sinks=(0, 3), dtypes=sc.STORAGE_DTYPES) -> list[EngineGridCase]:
+    """Prompt lengths that put each window's caches in the situations of `grid` when the padded tail
+    arrives: empty, no eviction, eviction by the pads only, already full (overshoot); a window that
+    is not a multiple of the chunk (chunk 7 for windows 16 and 24) reaches all of them."""
+    cases = []
+    for window in windows:
+        for sink in sinks:
+            if window <= chunk + sink:
+                raise ValueError(f"window {window} <= chunk {chunk} + sink {sink}: the tail would not be padded")
+            # window + 1: the pads alone evict when window % chunk < chunk - 1; window + 3: the real
+            # rows evict too; 3 * window + ...: the cache is full long before the tail
+            lengths = [chunk - 1, chunk + 3, window + 1, window + 3, 3 * window + chunk // 2 + 1]
+            for dtype in dtypes:
+                cases += [EngineGridCase(n, chunk, window, sink, dtype) for n in dict.fromkeys(lengths)
+                          if n % chunk >= 2]
+    return cases
+
+
+def contract_positions(case: EngineGridCase, layer_type: str) -> np.ndarray:
+    """The positions a cache must hold after prefilling case.prompt tokens, from the cache contract
+    alone: a full cache every position; a sliding one the first `sink` and the newest window - sink,
+    then empty slots (-1)."""
+    positions = np.arange(case.prompt, dtype=np.int64)
+    if layer_type != "local":
+        return positions
+    if case.prompt > case.window:
+        positions = np.r_[positions[:case.sink], positions[case.prompt - (case.window - case.sink):]]
+    return np.r_[positions, np.full(case.window - positions.size, sc.EMPTY, np.int64)]
+
+
+def check_engine_rollback(case: EngineGridCase, layer_types, padded: tp.Prefill, exact: tp.Prefill) -> Verdict:
+    """An engine's prefill with its tail padded then rolled back, against the same prefill whose
+    padded call appended only its real rows: every cache byte equal (data, scales, positions, length,
+    empty slots), and the positions those of the cache contract. The padded run must have padded."""
+    problems = []
+    if padded.telemetry.tail_mode != "padded":
+        problems.append(f"the tail was not padded ({padded.telemetry.reason}): nothing was rolled back")
+    want, got = {}, {}
+    for i, (t, a, b) in enumerate(zip(layer_types, exact.caches.layers, padded.caches.layers)):
+        want.update({f"layer{i}.{k}": x for k, x in sc.cache_bytes(a).items()})
+        got.update({f"layer{i}.{k}": x for k, x in sc.cache_bytes(b).items()})
+        if not np.array_equal(b.rows.positions, contract_positions(case, t)):
+            problems.append(f"layer {i} holds positions {b.rows.positions.tolist()}, the contract "
+                            f"{contract_positions(case, t).tolist()}")
+    same = check_bitexact(want, got)
+    if not same.passed:
+        problems.append(f"padded+rollback != exact append: {same.detail}")
+    metrics = {"covers": case.covers, "sha256": digest(*got.values()), "sha256_expected": digest(*want.values()),
+               "differing": -same.margin}
+    return Verdict("cache_bytes", not problems, same.margin - (len(problems) - (not same.passed)), metrics,
+                   "; ".join(problems))

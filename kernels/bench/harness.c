@@ -26,6 +26,8 @@ void die(const char *fmt, ...) {
 static size_t dtype_size(const char *dtype) {
     if (!strcmp(dtype, "<f4")) return 4;
     if (!strcmp(dtype, "|u1")) return 1;
+    if (!strcmp(dtype, "<i4")) return 4;
+    if (!strcmp(dtype, "<i8")) return 8;
     die("unsupported dtype %s", dtype);
     return 0;
 }
@@ -160,9 +162,7 @@ double now_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* CPU time of the whole process, every thread: beside wall time it tells a loaded or throttled run
- * (wall >> cpu / threads) from a slow kernel. */
-static double cpu_seconds(void) {
+double cpu_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;

@@ -10,7 +10,7 @@
 #define NPY_MAX_DIMS 8
 
 typedef struct {
-    char dtype[8];        /* "<f4" or "|u1" */
+    char dtype[8];        /* "<f4", "|u1", "<i4" or "<i8" */
     int ndim;
     size_t shape[NPY_MAX_DIMS];
     size_t count;         /* number of elements */
@@ -35,6 +35,9 @@ const char *out_dir(void);
 void flush_denormals(void);
 
 double now_seconds(void);
+/* CPU time of the whole process, every thread: beside wall time it tells a loaded or throttled run
+ * (wall >> cpu / threads) from a slow kernel. */
+double cpu_seconds(void);
 
 /* Run fn(ctx) warmup times, then reps times timed; write DIR/timings.json. fn returns a TB_* code.
  * With the argument cold_mb=N (> 0) every timed repetition starts with the caches evicted (N MiB

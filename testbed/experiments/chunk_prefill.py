@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma
 from testbed import backends, tables
+from testbed.backends.native.engine import WEIGHT_DTYPES, dequantized
 from testbed.checkpoints import load_checkpoint
 from testbed.config import Choice, Float, Int, IntList, project_path
 from testbed.errors import UsageError
@@ -46,6 +47,8 @@ PARAMS = {
     "iree.driver": Choice((None, "local-sync", "local-task", "vulkan")),
     "iree.past_bucket": Int(1, 4096),
     "iree.weights": Choice(("parameters", "constants")),
+    "native.weights": Choice(WEIGHT_DTYPES),
+    "native.group": Int(1, 1 << 16),
     "chunk": Int(1, 4096),
     "logit_atol": Float(0.0),
     "cache_atol": Float(0.0),
@@ -162,7 +165,11 @@ def _setup(cfg: DictConfig, ctx):
     model, w, weights_sha = load_model(*_model_key(cfg))
     prompt = run_prompt(cfg, model)
     artifacts = {"weights_sha256": weights_sha, **prompt.artifacts()}
-    return model, w, prompt.ids, backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device), artifacts
+    backend = backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device)
+    if cfg.backend == "native" and cfg.native.weights != "f32":
+        # the engine computes with the weights its file stores: refimpl on those is the reference
+        w = dequantized(w, cfg.native.weights, cfg.native.group)
+    return model, w, prompt.ids, backend, artifacts
 
 
 def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
@@ -175,9 +182,10 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
                                            token_text=tokenizer.token_text if tokenizer else None)
         params = {"past": case.past, "tokens": case.tokens, "chunk": case.chunk, "position": case.position,
                   "calls": case.calls}
+        evidence = backend.evidence.take()
         for v in verdicts:
             yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin,
-                         v.metrics, params=params, detail=v.detail)
+                         v.metrics, params=params, detail=v.detail, evidence=evidence)
 
 
 def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -> tuple[float, float]:
@@ -189,12 +197,13 @@ def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
     p, c = cfg.bench.past, cfg.chunk
     ctx.progress(f"chunk_prefill bench P={p} C={c}")
     times = backend.bench(prompt, p, c, cfg.bench.reps, cfg.bench.warmup)
+    evidence = backend.evidence.take()
     params = {"past": p, "chunk": c, "threads": cfg.threads}
     for name, rows in (("chunk_call", c), ("decode_step", 1)):
         flops = gemma.graph_flops(model, rows, p)
         yield Record("chunk_prefill", f"P={p},C={c}/{name}", "measure",
                      figures={"time": times[name], "gflops": times[name].rate(flops / 1e9, "GFLOP/s"),
-                              "rows_per_s": times[name].rate(rows, "rows/s")},
+                              "rows_per_s": times[name].rate(rows, "rows/s")}, evidence=evidence,
                      work={"flops": flops, "rows": rows, "keys": p + rows,
                            "flop_count": "refimpl.gemma.graph_flops: projections, attention, MLP, one LM-head row"},
                      params=params | {"form": name})
@@ -204,7 +213,7 @@ def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
         yield Record("chunk_prefill", f"n={n},C={c}/projection", "measure",
                      metrics={"chunk_path_s": by_chunk, "decode_path_s": by_token, "speedup": by_token / by_chunk},
                      work={"chunk_calls": math.ceil(n / c), "reply_tokens": cfg.latency.reply_tokens},
-                     params=params | {"form": "projection", "utterance_tokens": n})
+                     params=params | {"form": "projection", "utterance_tokens": n}, evidence=evidence)
 
 
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:

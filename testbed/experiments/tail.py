@@ -7,6 +7,11 @@ bench    for each prompt length N (blocks * chunk + tail, or prompt_tokens): tim
 oracle   the byte-identical cache grid and the first-token suite (C+2, C+9, 2C-1, 8C-1 by default).
 fixture  the seed's measured sweep (M4 Pro, gemma-4-e2b-it) as records, so the same table shows it.
 
+backend=refimpl runs the numpy model on the host; backend=native runs the model engine in C
+(kernels/tb_model.h) on the device: every prefill, its cache bytes pulled for the host's oracles,
+the grid as whole engine prefills (padded + rollback against the exact append), the bench timed
+by the program's own clock.
+
 `testbed sweep experiment=tail tail=0,2,4,...` prints one row per tail and the breakeven tail;
 `testbed table tail` prints the reviewer's table and breakeven per source from stored records.
 """
@@ -28,7 +33,8 @@ from testbed.config import Choice, Int, IntList, project_path
 from testbed.errors import UsageError
 from testbed.measure import time_alternating
 from testbed.results import Figure, Record
-from testbed.tail_oracles import Engine, check_first_token, check_padded_rollback, grid, kill_switch, prompt_lengths
+from testbed.tail_oracles import (Engine, check_engine_rollback, check_first_token, check_padded_rollback, engine_grid,
+                                  grid, kill_switch, prompt_lengths)
 
 PARAMS = {
     "backend": Choice(("refimpl", "native")),
@@ -56,6 +62,7 @@ PARAMS = {
     "oracle.generate": Int(1, 1000),
     "oracle.grid_windows": IntList(2, 4096),
     "oracle.grid_sinks": IntList(0, 4096),
+    "oracle.grid_chunk": Int(2, 4096),
 }
 
 
@@ -65,10 +72,6 @@ def _lengths(cfg: DictConfig) -> list[int]:
 
 
 def validate(cfg: DictConfig) -> None:
-    if cfg.backend == "native":
-        from testbed.backends.native import library as native
-
-        native.library()  # a missing or stale library says how to rebuild before anything runs
     if cfg.tail >= cfg.chunk:
         raise UsageError(f"tail={cfg.tail} is out of range; accepted: integers from 0 to chunk - 1 = {cfg.chunk - 1}")
     if cfg.prompt_tokens:
@@ -137,50 +140,71 @@ def policy_threshold(cfg: DictConfig, device: str) -> int:
 # --- run -------------------------------------------------------------------------------------------
 
 
-def cache_ops(cfg: DictConfig) -> sc.CacheOps:
-    """The cache append / snapshot / rollback under test: refimpl's, or the native kernels'."""
+def engine_settings(cfg: DictConfig, threshold: int):
+    """backend=native: the C engine's settings (testbed.backends.native.engine.TailSettings)."""
+    from testbed.backends.native.engine import TailSettings
+
+    c = cfg.cache
+    return TailSettings(cfg.chunk, c.dtype, c.group, c.sink, threshold, c.conv_kernel > 0, cfg.oracle.generate,
+                        threads=cfg.threads)
+
+
+def make_engine(cfg: DictConfig, mcfg: gemma.GemmaConfig, w: dict, threshold: int, device):
+    """The engine on the chosen backend: refimpl's numpy model on the host, or the model engine in C
+    (kernels/tb_model.h) on `device`, every prefill run there."""
     if cfg.backend == "native":
-        from testbed.backends.native import library as native
+        from testbed.backends.native.engine import DeviceTailEngine
 
-        return native.sliding_cache_ops()
-    return sc.CacheOps()
-
-
-def make_engine(cfg: DictConfig, mcfg: gemma.GemmaConfig, w: dict, threshold: int) -> Engine:
-    """The engine on the chosen backend: refimpl's numpy attention and cache operations, or the
-    native kernels' attention layer and cache operations (kernels/)."""
+        return DeviceTailEngine(device, mcfg, w, engine_settings(cfg, threshold))
     calibration = np.arange(cfg.calibration_tokens) % mcfg.vocab
     graph = tp.trace_chunk_graph(cfg.chunk, calibration)
     c = cfg.cache
-    engine = Engine(w, mcfg, graph, tp.TailPolicy(threshold),
-                    lambda: tp.model_caches(mcfg, c.dtype, c.sink, c.group, c.conv_kernel))
-    engine.ops = cache_ops(cfg)
-    if cfg.backend == "native":
-        from testbed.backends.native import library as native
-
-        engine.attention = lambda q, k, v, mask, scale: native.attention(q, k, v, mask, scale, threads=cfg.threads)
-    return engine
+    return Engine(w, mcfg, graph, tp.TailPolicy(threshold),
+                  lambda: tp.model_caches(mcfg, c.dtype, c.sink, c.group, c.conv_kernel))
 
 
 def prompt(mcfg: gemma.GemmaConfig, n: int, seed: int) -> np.ndarray:
     return np.random.default_rng([seed, n]).integers(0, mcfg.vocab, n)
 
 
-def oracle_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
-    cases = grid(tuple(cfg.oracle.grid_windows), tuple(cfg.oracle.grid_sinks))
+def cache_grid_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
+    """The byte-identical cache grid: refimpl's cache operations on the host; for backend=native, whole
+    engine prefills on the device, padded + rollback against the exact append, the bytes pulled."""
+    windows, sinks = tuple(cfg.oracle.grid_windows), tuple(cfg.oracle.grid_sinks)
+    if cfg.backend != "native":
+        cases = grid(windows, sinks)
+        for i, case in enumerate(cases):
+            ctx.progress(f"tail cache grid {i + 1}/{len(cases)} {case.name}")
+            v = check_padded_rollback(case, seed=cfg.seed)
+            yield Record("tail", f"cache/{case.name}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
+                         params=dict(vars(case)), detail=v.detail)
+        return
+    from testbed.backends.native.engine import rollback_runs
+
+    cases = engine_grid(cfg.oracle.grid_chunk, windows, sinks)
     for i, case in enumerate(cases):
-        ctx.progress(f"tail cache grid {i + 1}/{len(cases)} {case.name}")
-        v = check_padded_rollback(case, cache_ops(cfg), seed=cfg.seed)
+        ctx.progress(f"tail engine cache grid {i + 1}/{len(cases)} {case.name}")
+        padded, exact = rollback_runs(ctx.device, mcfg, w, case, engine_settings(cfg, threshold), seed=cfg.seed)
+        v = check_engine_rollback(case, mcfg.layer_types, padded.prefill, exact.prefill)
         yield Record("tail", f"cache/{case.name}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
-                     params=dict(vars(case)), detail=v.detail)
-    engine = make_engine(cfg, mcfg, w, threshold)
+                     params=dict(vars(case)), detail=v.detail,
+                     evidence=[padded.evidence.as_dict(), exact.evidence.as_dict()])
+
+
+def oracle_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
+    yield from cache_grid_records(cfg, ctx, mcfg, w, threshold)
+    engine = make_engine(cfg, mcfg, w, threshold, ctx.device)
     for n in prompt_lengths(cfg.chunk, [tuple(p) for p in cfg.oracle.around_chunk]):
         ctx.progress(f"tail first-token suite N={n}")
-        for v in check_first_token(engine, prompt(mcfg, n, cfg.seed), cfg.chunk, cfg.oracle.generate):
+        verdicts = check_first_token(engine, prompt(mcfg, n, cfg.seed), cfg.chunk, cfg.oracle.generate)
+        evidence = [run.evidence.as_dict() for run in getattr(engine, "runs", [])]  # the device's prefills
+        if evidence:
+            engine.runs.clear()
+        for v in verdicts:
             yield Record("tail", f"N={n}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
                          params={"prompt_tokens": n, "tail": n % cfg.chunk, "chunk": cfg.chunk,
                                  "threshold": threshold, "source": source_label(cfg, ctx.device.profile.name)},
-                         detail=v.detail)
+                         detail=v.detail, evidence=evidence)
 
 
 def call_flops(mcfg: gemma.GemmaConfig, rows: int, past: int) -> int:
@@ -208,24 +232,35 @@ def prefill_flops(mcfg: gemma.GemmaConfig, tel: tp.Telemetry) -> int:
 def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
     # Padding is forced wherever the guards allow (threshold 0): the sweep measures what the policy's
     # threshold is then chosen from. Scalar is the kill switch. Every (N, mode) is one variant, and
-    # all variants alternate, so 1023 and 1024 are compared under the same machine load.
-    forced = make_engine(cfg, mcfg, w, 0)
+    # all variants alternate, so 1023 and 1024 are compared under the same machine load; on the
+    # native engine the program alternates the two modes of each N and times them with its own clock.
+    forced = make_engine(cfg, mcfg, w, 0, ctx.device)
     label = source_label(cfg, ctx.device.profile.name)
     lengths = _lengths(cfg)
     prompts = {n: prompt(mcfg, n, cfg.seed) for n in lengths}
-    telemetry = {}
-
-    def variant(n: int, mode: str):
-        def run():
-            with kill_switch(mode == "scalar"):
-                state = forced.prefill(prompts[n])
-            telemetry[n, mode] = state.telemetry
-            return state.first_token  # the first token is out: that is TTFT
-        return run
-
+    telemetry, evidence = {}, {}
     ctx.progress(f"tail bench N={','.join(map(str, lengths))}")
-    times = time_alternating({(n, mode): variant(n, mode) for n in lengths for mode in ("padded", "scalar")},
-                             reps=cfg.reps, warmup=cfg.warmup)
+    if cfg.backend == "native":
+        from testbed.backends.native.engine import tail as engine_tail
+
+        times = {}
+        for n in lengths:
+            run = engine_tail(ctx.device, mcfg, w, prompts[n], forced.settings, warmup=cfg.warmup, reps=cfg.reps,
+                              compare=True, kill_switch=False)
+            times[n, "padded"], times[n, "scalar"] = (Figure.of(run.timings[k], "s") for k in ("seconds", "scalar_seconds"))
+            telemetry[n, "padded"], telemetry[n, "scalar"] = run.prefill.telemetry, run.scalar_telemetry
+            evidence[n, "padded"] = evidence[n, "scalar"] = [run.evidence.as_dict()]
+    else:
+        def variant(n: int, mode: str):
+            def run():
+                with kill_switch(mode == "scalar"):
+                    state = forced.prefill(prompts[n])
+                telemetry[n, mode] = state.telemetry
+                return state.first_token  # the first token is out: that is TTFT
+            return run
+
+        times = time_alternating({(n, mode): variant(n, mode) for n in lengths for mode in ("padded", "scalar")},
+                                 reps=cfg.reps, warmup=cfg.warmup)
     for (n, mode), t in times.items():
         tel = telemetry[n, mode]
         would_pad = tp.TailPolicy(threshold).decide(tel.tail, forced.graph.rows, forced.make_caches())
@@ -240,9 +275,11 @@ def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Rec
                      "policy_pads": would_pad[0], "policy_reason": would_pad[1]},
             work={"rows_computed": rows, "graph_calls": calls, "flops": flops,
                   "flop_count": "gemma.graph_flops per call, local layers over the rows their window holds",
-                  "what": "wall time from prompt to first token (prefill + argmax), reference model"},
+                  "what": "time from prompt to first token (prefill + argmax): " + (
+                      "the engine's own clock on the device" if evidence else "wall time, reference model")},
             params={"prompt_tokens": n, "tail": tel.tail, "mode": mode, "chunk": cfg.chunk,
                     "threshold": threshold, "source": label, "threads": cfg.threads},
+            evidence=evidence.get((n, mode), []),
         )
 
 

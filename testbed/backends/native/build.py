@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 KERNELS_DIR = ROOT / "kernels"
 LIBRARY_NAME = "_tb_kernels"
-PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench")
+PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench", "tb_model_bench")
 TARGETS = ("host", "arm32", "aarch64")
 # A device profile's ABI -> the programs' build target (the host profile's ABI is "host").
 TARGET_FOR_ABI = {"host": "host", "armeabi-v7a": "arm32", "arm64-v8a": "aarch64"}
@@ -91,11 +91,11 @@ class BuildError(RuntimeError):
     """A toolchain is missing or a compile failed; the message says which and why."""
 
 
-def _programs_hash(target: str, fused: bool) -> str:
+def _programs_hash(target: str, fused: bool, kernels_dir: Path = KERNELS_DIR) -> str:
     h = hashlib.sha256(f"{target} fused={int(fused)}".encode())
-    for path in sorted(KERNELS_DIR.rglob("*")):
+    for path in sorted(kernels_dir.rglob("*")):
         if path.is_file() and (path.suffix in (".c", ".h") or path.name == "Makefile"):
-            h.update(str(path.relative_to(KERNELS_DIR)).encode() + b"\0" + path.read_bytes() + b"\0")
+            h.update(str(path.relative_to(kernels_dir)).encode() + b"\0" + path.read_bytes() + b"\0")
     h.update(os.environ.get("ANDROID_NDK_HOME", "").encode())
     return h.hexdigest()
 
@@ -109,13 +109,15 @@ def target_for_abi(abi: str) -> str:
     return TARGET_FOR_ABI[abi]
 
 
-def build_programs(target: str, fused: bool = False, cache_dir: Path | None = None) -> Path:
+def build_programs(target: str, fused: bool = False, cache_dir: Path | None = None,
+                   kernels_dir: Path = KERNELS_DIR) -> Path:
     """Build (or reuse) the static programs for `target`; returns the folder holding them.
-    fused=False (the default) gives the builds that are bit-exact across targets."""
+    fused=False (the default) gives the builds that are bit-exact across targets. kernels_dir: a copy
+    of kernels/, possibly altered (the tests' planted bugs)."""
     if target not in TARGETS:
         raise ValueError(f"target {target!r} is not one of {', '.join(TARGETS)}")
     cache_dir = cache_dir or ROOT / ".cache" / "kernels"
-    out = cache_dir / f"{target}{'-fused' if fused else ''}-{_programs_hash(target, fused)[:16]}"
+    out = cache_dir / f"{target}{'-fused' if fused else ''}-{_programs_hash(target, fused, kernels_dir)[:16]}"
     if all((out / p).is_file() for p in PROGRAMS):
         return out
     if shutil.which("make") is None:
@@ -123,8 +125,8 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    argv = ["make", "-s", f"-j{os.cpu_count() or 1}", "-C", str(KERNELS_DIR), f"TARGET={target}", f"OUT={tmp}",
-            f"SOURCE_HASH={source_hash()}", f"FUSED={int(fused)}", "programs"]
+    argv = ["make", "-s", f"-j{os.cpu_count() or 1}", "-C", str(kernels_dir), f"TARGET={target}", f"OUT={tmp}",
+            f"SOURCE_HASH={source_hash(kernels_dir)}", f"FUSED={int(fused)}", "programs"]
     p = subprocess.run(argv, capture_output=True, text=True)
     if p.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)

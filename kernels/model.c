@@ -1,0 +1,442 @@
+/* The decoder's forward pass (tb_model.h): one call of R rows through every layer against the caches.
+ * Numerics: float32 throughout; every reduction in the fixed order of tb_linalg.h and exp/tanh from
+ * plain arithmetic (tb_simd.h), so an unfused build gives the same bits on every target. Weight
+ * matrices stay in their stored dtype and are dequantised block by block inside the matrix product. */
+#define _POSIX_C_SOURCE 199309L
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "tb_linalg.h"
+#include "tb_model.h"
+#include "tb_model_internal.h"
+#include "tb_parallel.h"
+
+struct tb_engine {
+    const tb_model *m;
+    tb_engine_options o;
+    tb_kv_cache cache[TB_MAX_LAYERS];
+    int evicts[TB_MAX_LAYERS]; /* a sliding cache; the others must never overflow */
+    int max_keys;              /* the most keys one call can attend: largest cache + max_rows */
+    double matmul_seconds[2]; /* wall, CPU */
+    /* scratch for one call */
+    float *x, *h, *q, *k, *v, *qh, *kh, *vh, *att, *gate, *up, *t, *cos[2], *sin[2], *keys_k, *keys_v, *mask;
+    int64_t *positions, *key_positions;
+};
+
+static double clock_seconds(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* --- checks ---------------------------------------------------------------------------------------- */
+
+static int matrix_ok(const tb_matrix *w, int rows, int cols) {
+    if (!w->data || w->rows != rows || w->cols != cols) return 0;
+    if (w->dtype == TB_INT8) return w->group > 0 && cols % w->group == 0 && w->scales;
+    return w->dtype == TB_F32 || w->dtype == TB_F16;
+}
+
+int tb_model_check(const tb_model *m) {
+    const tb_model_config *c = &m->cfg;
+    if (c->vocab < 1 || c->hidden < 1 || c->layers < 1 || c->layers > TB_MAX_LAYERS || c->heads < 1 ||
+        c->kv_heads < 1 || c->heads % c->kv_heads || c->head_dim < 2 || c->head_dim % 2 || c->mlp < 1 || c->window < 1)
+        return TB_E_SHAPE;
+    const int q = c->heads * c->head_dim, kv = c->kv_heads * c->head_dim;
+    if (!matrix_ok(&m->embed, c->vocab, c->hidden) || !m->final_norm) return TB_E_SHAPE;
+    for (int i = 0; i < c->layers; i++) {
+        const tb_layer_weights *l = &m->layer[i];
+        if (c->layer_type[i] != TB_LOCAL && c->layer_type[i] != TB_GLOBAL) return TB_E_SHAPE;
+        if (!matrix_ok(&l->q, q, c->hidden) || !matrix_ok(&l->k, kv, c->hidden) || !matrix_ok(&l->v, kv, c->hidden) ||
+            !matrix_ok(&l->o, c->hidden, q) || !matrix_ok(&l->gate, c->mlp, c->hidden) ||
+            !matrix_ok(&l->up, c->mlp, c->hidden) || !matrix_ok(&l->down, c->hidden, c->mlp))
+            return TB_E_SHAPE;
+        if (!l->q_norm || !l->k_norm || !l->input_norm || !l->post_attn_norm || !l->pre_ff_norm || !l->post_ff_norm)
+            return TB_E_SHAPE;
+    }
+    return TB_OK;
+}
+
+/* --- engine ---------------------------------------------------------------------------------------- */
+
+void tb_engine_free(tb_engine *e) {
+    if (!e) return;
+    for (int i = 0; i < TB_MAX_LAYERS; i++) tb_kv_free(&e->cache[i]);
+    float *scratch[] = {e->x, e->h, e->q, e->k, e->v, e->qh, e->kh, e->vh, e->att, e->gate, e->up, e->t, e->cos[0], e->cos[1],
+                        e->sin[0], e->sin[1], e->keys_k, e->keys_v, e->mask};
+    for (size_t i = 0; i < sizeof scratch / sizeof *scratch; i++) free(scratch[i]);
+    free(e->positions), free(e->key_positions), free(e);
+}
+
+int tb_engine_create(const tb_model *m, const tb_engine_options *o, tb_engine **out) {
+    *out = NULL;
+    if (tb_model_check(m) != TB_OK) return TB_E_SHAPE;
+    const tb_model_config *c = &m->cfg;
+    if (o->max_rows < 1 || o->capacity < 1 || o->threads < 1 || (o->sliding && (o->sink < 0 || o->sink >= c->window)))
+        return TB_E_SHAPE;
+    tb_engine *e = calloc(1, sizeof *e);
+    if (!e) return TB_E_MEMORY;
+    e->m = m, e->o = *o;
+    int largest = o->capacity;
+    for (int i = 0; i < c->layers; i++) {
+        e->evicts[i] = o->sliding && c->layer_type[i] == TB_LOCAL;
+        const int rows = e->evicts[i] ? c->window : o->capacity;
+        largest = rows > largest ? rows : largest;
+        int rc = tb_kv_init(&e->cache[i], c->kv_heads, c->head_dim, rows, e->evicts[i] ? o->sink : 0, o->cache_dtype,
+                            o->cache_group);
+        if (rc != TB_OK) {
+            tb_engine_free(e);
+            return rc;
+        }
+    }
+    const size_t r = (size_t)o->max_rows, hd = (size_t)c->head_dim;
+    e->max_keys = largest + o->max_rows;
+    const size_t sizes[] = {r * c->hidden, r * c->hidden, r * c->heads * hd, r * c->kv_heads * hd, r * c->kv_heads * hd,
+                            r * c->heads * hd, r * c->kv_heads * hd, r * c->kv_heads * hd, r * c->heads * hd,
+                            r * c->mlp, r * c->mlp, r * c->mlp,
+                            r * hd, r * hd, r * hd, r * hd, (size_t)c->kv_heads * e->max_keys * hd,
+                            (size_t)c->kv_heads * e->max_keys * hd, (size_t)c->heads * r * e->max_keys};
+    float **slots[] = {&e->x, &e->h, &e->q, &e->k, &e->v, &e->qh, &e->kh, &e->vh, &e->att, &e->gate, &e->up, &e->t,
+                       &e->cos[0],
+                       &e->cos[1], &e->sin[0], &e->sin[1], &e->keys_k, &e->keys_v, &e->mask};
+    int ok = 1;
+    for (size_t i = 0; i < sizeof slots / sizeof *slots; i++) ok &= (*slots[i] = malloc(sizeof(float) * sizes[i])) != NULL;
+    e->positions = malloc(sizeof(int64_t) * r * 2);
+    e->key_positions = malloc(sizeof(int64_t) * e->max_keys);
+    if (!ok || !e->positions || !e->key_positions) {
+        tb_engine_free(e);
+        return TB_E_MEMORY;
+    }
+    *out = e;
+    return TB_OK;
+}
+
+tb_kv_cache *tb_engine_cache(tb_engine *e, int layer) { return &e->cache[layer]; }
+int tb_engine_layers(const tb_engine *e) { return e->m->cfg.layers; }
+int tb_engine_evicts(const tb_engine *e, int layer) { return e->evicts[layer]; }
+
+void tb_engine_clear(tb_engine *e) {
+    for (int i = 0; i < e->m->cfg.layers; i++) tb_kv_clear(&e->cache[i]);
+}
+
+int tb_engine_drop(tb_engine *e, int n) {
+    for (int i = 0; i < e->m->cfg.layers; i++)
+        if (n > tb_kv_count(&e->cache[i])) return TB_E_SHAPE;
+    for (int i = 0; i < e->m->cfg.layers; i++) {
+        int rc = tb_kv_drop(&e->cache[i], n);
+        if (rc != TB_OK) return rc;
+    }
+    return TB_OK;
+}
+
+void tb_engine_matmul_seconds(const tb_engine *e, double *wall, double *cpu) {
+    *wall = e->matmul_seconds[0], *cpu = e->matmul_seconds[1];
+}
+
+/* --- matrix products with weights in their stored dtype -------------------------------------------- */
+
+/* n halves to float32: the normal numbers by a rebias the compiler vectorises, then, only when the
+ * row has any, zeros, subnormals, infinities and NaNs by tb_f16_to_f32. Exact either way. */
+static void f16_row(int n, const uint16_t *h, float *out) {
+    uint32_t special = 0;
+    for (int i = 0; i < n; i++) {
+        const uint32_t x = h[i], e = x & 0x7c00u;
+        const uint32_t bits = ((x & 0x8000u) << 16) | (((x & 0x7fffu) << 13) + (112u << 23));
+        memcpy(out + i, &bits, sizeof bits);
+        special |= (e == 0) | (e == 0x7c00u);
+    }
+    if (special)
+        for (int i = 0; i < n; i++)
+            if ((h[i] & 0x7c00u) == 0 || (h[i] & 0x7c00u) == 0x7c00u) out[i] = tb_f16_to_f32(h[i]);
+}
+
+/* Row `row` of w as float32: in place for f32, else dequantised into `scratch` [cols]. */
+static const float *weight_row(const tb_matrix *w, int row, float *scratch) {
+    const size_t at = (size_t)row * w->cols;
+    if (w->dtype == TB_F32) return (const float *)w->data + at;
+    if (w->dtype == TB_F16) {
+        f16_row(w->cols, (const uint16_t *)w->data + at, scratch);
+    } else {
+        const int8_t *q = (const int8_t *)w->data + at;
+        const float *s = w->scales + (size_t)row * (w->cols / w->group);
+        for (int g0 = 0; g0 < w->cols; g0 += w->group, s++)
+            for (int i = g0; i < g0 + w->group; i++) scratch[i] = (float)q[i] * *s;
+    }
+    return scratch;
+}
+
+/* Output columns in blocks: a block of weight rows is dequantised and transposed once into [in, block]
+ * and multiplied with all the input rows by the tb_linalg micro-kernel (each output one chain over
+ * the input index in order, whatever the number of rows). Fewer than DOT_ROWS input rows (a decode
+ * step, the LM head) stream the weight rows once instead, four at a time through dot4 (a decode step
+ * is bound by reading the weights: no transposition, no copy of an f32 row). */
+#define OUT_BLOCK 64
+#define DOT_ROWS 4
+
+typedef struct {
+    const tb_matrix *w;
+    const float *x;
+    int rows;
+    float *y;
+} matmul_call;
+
+/* Eight dot products of x with w[0..7] (dot()'s order: eight independent chains, so more weight rows
+ * stream in flight). */
+static void dot8(const float *x, const float *const *w, int n, float *out) {
+    vf acc[8];
+    for (int r = 0; r < 8; r++) acc[r] = vf_zero();
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) {
+        const vf xv = vf_load(x + i);
+        for (int r = 0; r < 8; r++) acc[r] = vf_madd(xv, vf_load(w[r] + i), acc[r]);
+    }
+    for (int r = 0; r < 8; r++) {
+        float s = vf_hsum(acc[r]);
+        for (int k = i; k < n; k++) s = madd1(x[k], w[r][k], s);
+        out[r] = s;
+    }
+}
+
+static void dot_block(const matmul_call *c, int o0, int nb, float *scratch) {
+    const int in = c->w->cols, out = c->w->rows;
+    int j = 0;
+    for (; j + 8 <= nb; j += 8) {
+        const float *w[8];
+        for (int r = 0; r < 8; r++) w[r] = weight_row(c->w, o0 + j + r, scratch + (size_t)r * in);
+        for (int r = 0; r < c->rows; r++) {
+            float s[8];
+            dot8(c->x + (size_t)r * in, w, in, s);
+            memcpy(c->y + (size_t)r * out + o0 + j, s, sizeof s);
+        }
+    }
+    for (; j + 4 <= nb; j += 4) {
+        const float *w0 = weight_row(c->w, o0 + j, scratch), *w1 = weight_row(c->w, o0 + j + 1, scratch + in);
+        const float *w2 = weight_row(c->w, o0 + j + 2, scratch + 2 * in), *w3 = weight_row(c->w, o0 + j + 3, scratch + 3 * in);
+        for (int r = 0; r < c->rows; r++) {
+            float s[4];
+            dot4(c->x + (size_t)r * in, w0, w1, w2, w3, in, s);
+            memcpy(c->y + (size_t)r * out + o0 + j, s, sizeof s);
+        }
+    }
+    for (; j < nb; j++) {
+        const float *wr = weight_row(c->w, o0 + j, scratch);
+        for (int r = 0; r < c->rows; r++) c->y[(size_t)r * out + o0 + j] = dot(c->x + (size_t)r * in, wr, in);
+    }
+}
+
+static void gemm_block(const matmul_call *c, int o0, int nb, float *scratch, float *bt) {
+    const int in = c->w->cols, out = c->w->rows;
+    for (int j = 0; j < nb; j++) {
+        const float *wr = weight_row(c->w, o0 + j, scratch);
+        for (int i = 0; i < in; i++) bt[(size_t)i * nb + j] = wr[i];
+    }
+    gemm_nn(c->rows, nb, in, c->x, in, bt, nb, c->y + o0, out, 0, 0);
+}
+
+static int matmul_blocks(void *arg, int begin, int end) {
+    const matmul_call *c = arg;
+    const int in = c->w->cols, out = c->w->rows, by_dot = c->rows < DOT_ROWS;
+    float *scratch = malloc(sizeof(float) * 8 * in);
+    float *bt = by_dot ? NULL : malloc(sizeof(float) * (size_t)in * OUT_BLOCK);
+    if (!scratch || (!by_dot && !bt)) {
+        free(scratch), free(bt);
+        return TB_E_MEMORY;
+    }
+    for (int b = begin; b < end; b++) {
+        const int o0 = b * OUT_BLOCK, nb = out - o0 < OUT_BLOCK ? out - o0 : OUT_BLOCK;
+        if (by_dot) dot_block(c, o0, nb, scratch);
+        else gemm_block(c, o0, nb, scratch, bt);
+    }
+    free(scratch), free(bt);
+    return TB_OK;
+}
+
+/* y [rows, w->rows] = x [rows, w->cols] w^T */
+static int matmul(tb_engine *e, const tb_matrix *w, const float *x, int rows, float *y) {
+    matmul_call c = {w, x, rows, y};
+    const double wall = clock_seconds(CLOCK_MONOTONIC), cpu = clock_seconds(CLOCK_PROCESS_CPUTIME_ID);
+    int rc = tb_parallel_for((w->rows + OUT_BLOCK - 1) / OUT_BLOCK, e->o.threads, matmul_blocks, &c);
+    e->matmul_seconds[0] += clock_seconds(CLOCK_MONOTONIC) - wall;
+    e->matmul_seconds[1] += clock_seconds(CLOCK_PROCESS_CPUTIME_ID) - cpu;
+    return rc;
+}
+
+/* --- element-wise pieces --------------------------------------------------------------------------- */
+
+/* Gemma's RMSNorm of `rows` rows of n: y = x / sqrt(mean(x^2) + eps) * (1 + w); y may alias x. */
+static void rms_norm(const float *x, const float *w, int rows, int n, float eps, float *y) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * n;
+        float *yr = y + (size_t)r * n;
+        const float rms = sqrtf(dot(xr, xr, n) / (float)n + eps);
+        for (int i = 0; i < n; i++) yr[i] = xr[i] / rms * (1.0f + w[i]);
+    }
+}
+
+/* tanh(x) = 1 - 2 / (exp(2x) + 1) in place, with the portable exp. */
+static void tanh_n(float *x, int n) {
+    for (int i = 0; i < n; i++) x[i] *= 2.0f;
+    exp_n(x, x, n);
+    for (int i = 0; i < n; i++) x[i] = 1.0f - 2.0f / (x[i] + 1.0f);
+}
+
+/* gate = gelu_tanh(gate) * up over n values (t: scratch for the tanh). */
+static void gelu_times(float *gate, const float *up, float *t, int n) {
+    const float c = (float)sqrt(2.0 / 3.14159265358979323846);
+    for (int i = 0; i < n; i++) {
+        const float x = gate[i];
+        t[i] = c * (x + 0.044715f * (x * x * x));
+    }
+    tanh_n(t, n);
+    for (int i = 0; i < n; i++) gate[i] = 0.5f * gate[i] * (1.0f + t[i]) * up[i];
+}
+
+/* cos and sin [rows, head_dim] for table positions start.. (rotate-half: frequencies repeated over both
+ * halves); angles in float64, then float32, as refimpl.gemma.rope_tables. */
+static void rope_tables(int64_t start, int rows, int hd, double base, float *cos_out, float *sin_out) {
+    const int half = hd / 2;
+    for (int j = 0; j < half; j++) {
+        const double inv_freq = pow(base, -(double)(2 * j) / (double)hd);
+        for (int r = 0; r < rows; r++) {
+            const double angle = (double)(start + r) * inv_freq;
+            const float c = (float)cos(angle), s = (float)sin(angle);
+            cos_out[(size_t)r * hd + j] = cos_out[(size_t)r * hd + j + half] = c;
+            sin_out[(size_t)r * hd + j] = sin_out[(size_t)r * hd + j + half] = s;
+        }
+    }
+}
+
+/* x [rows, heads * hd] per head: RMSNorm over hd with w, RoPE, then heads-first into out [heads, rows, hd]. */
+static void norm_rope_heads(const float *x, int rows, int heads, int hd, const float *w, float eps, const float *cos_t,
+                            const float *sin_t, float *out) {
+    const int half = hd / 2;
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < heads; h++) {
+            float *y = out + ((size_t)h * rows + r) * hd;
+            rms_norm(x + ((size_t)r * heads + h) * hd, w, 1, hd, eps, y);
+            const float *c = cos_t + (size_t)r * hd, *s = sin_t + (size_t)r * hd;
+            for (int j = 0; j < half; j++) {
+                const float a = y[j], b = y[j + half];
+                y[j] = a * c[j] + -b * s[j];
+                y[j + half] = b * c[j + half] + a * s[j + half];
+            }
+        }
+}
+
+static void heads_first(const float *x, int rows, int heads, int hd, float *out) {
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < heads; h++)
+            memcpy(out + ((size_t)h * rows + r) * hd, x + ((size_t)r * heads + h) * hd, sizeof(float) * hd);
+}
+
+static void rows_first(const float *x, int rows, int heads, int hd, float *out) {
+    for (int h = 0; h < heads; h++)
+        for (int r = 0; r < rows; r++)
+            memcpy(out + ((size_t)r * heads + h) * hd, x + ((size_t)h * rows + r) * hd, sizeof(float) * hd);
+}
+
+#define MASKED (-1e30f)
+
+/* The additive mask [heads, rows, keys] of refimpl.gemma.attention_mask: keys are the held rows then
+ * the call's own; a key at position -1 is never attended by a real row; a real row at position a
+ * attends keys in [0, a], a local layer's only those > a - window; a pad row only its own column. */
+static void build_mask(const int64_t *query_pos, int rows, const int64_t *key_pos, int keys, int local, int window,
+                       int heads, float *mask) {
+    for (int r = 0; r < rows; r++) {
+        float *m = mask + (size_t)r * keys;
+        const int64_t a = query_pos[r];
+        for (int j = 0; j < keys; j++) {
+            const int64_t p = key_pos[j];
+            int allowed = p >= 0 && p <= a && (!local || p >= a - window + 1);
+            if (a < 0) allowed = j == keys - rows + r;
+            m[j] = allowed ? 0.0f : MASKED;
+        }
+    }
+    for (int h = 1; h < heads; h++) memcpy(mask + (size_t)h * rows * keys, mask, sizeof(float) * rows * keys);
+}
+
+/* --- one call -------------------------------------------------------------------------------------- */
+
+static int layer(tb_engine *e, int i, int rows, int keep) {
+    const tb_model_config *c = &e->m->cfg;
+    const tb_layer_weights *w = &e->m->layer[i];
+    const int hd = c->head_dim, type = c->layer_type[i];
+    tb_kv_cache *cache = &e->cache[i];
+    const int held = tb_kv_count(cache), keys = held + rows;
+    int rc;
+
+    rms_norm(e->x, w->input_norm, rows, c->hidden, c->rms_eps, e->h);
+    if ((rc = matmul(e, &w->q, e->h, rows, e->q)) || (rc = matmul(e, &w->k, e->h, rows, e->k)) ||
+        (rc = matmul(e, &w->v, e->h, rows, e->v)))
+        return rc;
+    norm_rope_heads(e->q, rows, c->heads, hd, w->q_norm, c->rms_eps, e->cos[type], e->sin[type], e->qh);
+    norm_rope_heads(e->k, rows, c->kv_heads, hd, w->k_norm, c->rms_eps, e->cos[type], e->sin[type], e->kh);
+    heads_first(e->v, rows, c->kv_heads, hd, e->vh);
+
+    /* keys: the held rows (decoded to float32), then this call's own rows */
+    tb_kv_read(cache, e->keys_k, e->keys_v, e->key_positions, keys);
+    for (int h = 0; h < c->kv_heads; h++) {
+        memcpy(e->keys_k + ((size_t)h * keys + held) * hd, e->kh + (size_t)h * rows * hd, sizeof(float) * rows * hd);
+        memcpy(e->keys_v + ((size_t)h * keys + held) * hd, e->vh + (size_t)h * rows * hd, sizeof(float) * rows * hd);
+    }
+    memcpy(e->key_positions + held, e->positions, sizeof(int64_t) * rows);
+    build_mask(e->positions, rows, e->key_positions, keys, type == TB_LOCAL, c->window, c->heads, e->mask);
+    if ((rc = tb_attention(c->heads, c->kv_heads, rows, keys, keys, hd, e->qh, e->keys_k, e->keys_v, e->mask,
+                           c->attn_scale, e->att, e->o.threads)))
+        return rc;
+    /* the chunk's rows join the cache once this layer has read it */
+    if ((rc = tb_kv_append(cache, e->kh, e->vh, rows, e->positions, keep))) return rc;
+
+    rows_first(e->att, rows, c->heads, hd, e->q);
+    if ((rc = matmul(e, &w->o, e->q, rows, e->h))) return rc;
+    rms_norm(e->h, w->post_attn_norm, rows, c->hidden, c->rms_eps, e->h);
+    for (size_t j = 0; j < (size_t)rows * c->hidden; j++) e->x[j] += e->h[j];
+
+    rms_norm(e->x, w->pre_ff_norm, rows, c->hidden, c->rms_eps, e->h);
+    if ((rc = matmul(e, &w->gate, e->h, rows, e->gate)) || (rc = matmul(e, &w->up, e->h, rows, e->up))) return rc;
+    gelu_times(e->gate, e->up, e->t, rows * c->mlp);
+    if ((rc = matmul(e, &w->down, e->gate, rows, e->h))) return rc;
+    rms_norm(e->h, w->post_ff_norm, rows, c->hidden, c->rms_eps, e->h);
+    for (size_t j = 0; j < (size_t)rows * c->hidden; j++) e->x[j] += e->h[j];
+    return TB_OK;
+}
+
+int tb_model_prefill_with_past(tb_engine *e, const int32_t *tokens, int n, int rows, int64_t start, int keep,
+                               int select, float *logits) {
+    const tb_model_config *c = &e->m->cfg;
+    if (rows < 1 || rows > e->o.max_rows || n < 0 || n > rows || keep < 0 || keep > rows || start < 0 ||
+        (logits && (select < 0 || select >= rows)))
+        return TB_E_REFUSED;
+    for (int r = 0; r < n; r++)
+        if (tokens[r] < 0 || tokens[r] >= c->vocab) return TB_E_REFUSED;
+    for (int i = 0; i < c->layers; i++)
+        if (!e->evicts[i] && tb_kv_count(&e->cache[i]) + keep > e->cache[i].part[TB_KV_K].window) return TB_E_REFUSED;
+
+    const float scale = (float)sqrt((double)c->hidden);
+    for (int r = 0; r < rows; r++) {
+        const float *row = weight_row(&e->m->embed, r < n ? tokens[r] : 0, e->h);
+        for (int j = 0; j < c->hidden; j++) e->x[(size_t)r * c->hidden + j] = row[j] * scale;
+        e->positions[r] = r < n ? start + r : -1;
+    }
+    rope_tables(start, rows, c->head_dim, c->rope_local, e->cos[TB_LOCAL], e->sin[TB_LOCAL]);
+    rope_tables(start, rows, c->head_dim, c->rope_global, e->cos[TB_GLOBAL], e->sin[TB_GLOBAL]);
+    for (int i = 0; i < c->layers; i++) {
+        int rc = layer(e, i, rows, keep);
+        if (rc != TB_OK) return rc;
+    }
+    if (!logits) return TB_OK;
+    rms_norm(e->x + (size_t)select * c->hidden, e->m->final_norm, 1, c->hidden, c->rms_eps, e->h);
+    int rc = matmul(e, &e->m->embed, e->h, 1, logits);
+    if (rc == TB_OK && c->softcap > 0.0f) {
+        for (int v = 0; v < c->vocab; v++) logits[v] /= c->softcap;
+        tanh_n(logits, c->vocab);
+        for (int v = 0; v < c->vocab; v++) logits[v] *= c->softcap;
+    }
+    return rc;
+}
+
+int tb_model_decode_with_past(tb_engine *e, int32_t token, int64_t position, float *logits) {
+    return tb_model_prefill_with_past(e, &token, 1, 1, position, 1, 0, logits);
+}

@@ -1,0 +1,34 @@
+"""`pytest --device=NAME -m device`: the chunk_prefill and tail experiments with backend=native, every
+prefill computed ON the selected device by the model engine built for its ABI, judged here against
+refimpl; every record carries the device's evidence of the engine program built for that ABI."""
+
+import pytest
+
+from testbed import config, runner
+from tests.device.test_gdn_on_device import assert_computed_on
+
+pytestmark = [pytest.mark.device, pytest.mark.requires("native")]
+TINY_TAIL = ["shape.vocab=256", "shape.hidden=64", "shape.heads=4", "shape.head_dim=16", "shape.mlp=128"]
+
+
+def run_on(device, overrides):
+    return runner.execute(config.load([f"device={device.name}", "backend=native", *overrides]), device=device)
+
+
+def test_chunk_prefill_seed_cases_pass_on_the_device(device, results_dir):
+    outcome = run_on(device, ["experiment=chunk_prefill", "mode=all", "bench.reps=1", "bench.warmup=0"])
+    oracles = [r for r in outcome.rows if r["kind"] == "oracle"]
+    assert len(oracles) == 6 and outcome.failed == 0, [r["detail"] for r in oracles if r["verdict"] != "pass"]
+    assert_computed_on(device, outcome.rows, "tb_model_bench")
+    weights = {ran["detail"]["weights_sha256"] for r in outcome.rows for ran in r["evidence"]}
+    assert len(weights) == 1 and len(weights.pop()) == 64
+
+
+def test_tail_oracles_and_bench_pass_on_the_device(device, results_dir):
+    outcome = run_on(device, ["experiment=tail", "mode=all", *TINY_TAIL, "oracle.grid_windows=[16]",
+                              "oracle.grid_sinks=[3]", "oracle.around_chunk=[[1,9]]", "prompt_tokens=[137]",
+                              "reps=1", "warmup=0"])
+    oracles = [r for r in outcome.rows if r["kind"] == "oracle"]
+    assert outcome.failed == 0, [r["detail"] for r in oracles if r["verdict"] != "pass"][:3]
+    assert {r["oracle"] for r in oracles} == {"cache_bytes", "first_token", "determinism", "telemetry", "exact_state"}
+    assert_computed_on(device, outcome.rows, "tb_model_bench")

@@ -1,0 +1,74 @@
+"""The model engine program built for arm32 and aarch64, run under qemu-user, byte for byte against
+the same program built for the host (FUSED=0, -ffp-contract=off, denormals flushed: every target
+computes the same bits). Tiny shapes: emulation is slow, and its timings are never used."""
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from refimpl import gemma
+from testbed.backends.native import build as kernel_build, programs as native_programs
+from testbed.backends.native import engine
+from testbed.oracles import check_bitexact, nmse
+
+ARM_TARGETS = ("arm32", "aarch64")
+COMPILERS = {"arm32": "arm-linux-gnueabihf-gcc", "aarch64": "aarch64-linux-gnu-gcc", "host": "cc"}
+MODEL = gemma.tiny_config(window=24)
+WEIGHTS = gemma.init_weights(MODEL, 3)
+PROMPT = np.random.default_rng(5).integers(0, MODEL.vocab, 80).astype(np.int32)
+RUNS = {
+    # P past rows across the window, then n tokens in chunk calls, the last one padded
+    "chunk": ["mode=chunk", "past=30", "tokens=13", "chunk=8"],
+    # a padded tail rolled back on int8 caches with sinks, over an evicting window, with f16 weights
+    "tail": ["mode=tail", "chunk=8", "cache=int8", "cache_group=8", "sink=3", "threshold=0", "generate=3"],
+}
+
+
+@pytest.fixture(scope="module")
+def programs():
+    def build(target):
+        missing = native_programs.emulator_missing(target) or (
+            None if shutil.which(COMPILERS[target]) else f"{COMPILERS[target]} is not installed")
+        return None if missing else kernel_build.build_programs(target)
+
+    with ThreadPoolExecutor(3) as pool:
+        return dict(zip(("host", *ARM_TARGETS), pool.map(build, ("host", *ARM_TARGETS))))
+
+
+def run(programs_dir, target, mode):
+    weights_dtype = "f16" if mode == "tail" else "f32"
+    path = engine.export_weights(MODEL, WEIGHTS, weights_dtype, 32)
+    args = dict(a.split("=", 1) for a in [f"weights={path}", *engine.model_args(MODEL, weights_dtype, 32), *RUNS[mode],
+                                          "warmup=0", "reps=1"])
+    tokens = PROMPT[:43] if mode == "chunk" else PROMPT[:2 * 8 + 5 + 24]
+    outputs, timings = native_programs.run_program(programs_dir, target, engine.PROGRAM, {"tokens": tokens}, args,
+                                                   timeout=600)
+    return outputs, timings
+
+
+@pytest.fixture(scope="module")
+def host_runs(programs):
+    return {mode: run(programs["host"], "host", mode) for mode in RUNS}
+
+
+def test_host_chunk_run_matches_refimpl(host_runs):
+    outputs, _ = host_runs["chunk"]
+    _, k, _ = gemma.prefill_at(WEIGHTS, MODEL, PROMPT[:43], 0)
+    assert nmse(np.stack(k), outputs["k"][:, :, :43]) <= 1e-10
+
+
+@pytest.mark.parametrize("mode", RUNS)
+@pytest.mark.parametrize("target", ARM_TARGETS)
+def test_engine_under_qemu_is_bitexact_with_the_host_build(programs, host_runs, target, mode):
+    if programs[target] is None:
+        pytest.skip(f"no {target} toolchain or emulator")
+    outputs, timings = run(programs[target], target, mode)
+    want, want_timings = host_runs[mode]
+    assert set(outputs) == set(want)
+    v = check_bitexact(want, outputs)
+    assert v.passed, f"{target} {mode}: {v.detail}"
+    if mode == "tail":
+        assert timings["telemetry"] == want_timings["telemetry"] and timings["telemetry"]["tail_mode"] == "padded"
+        assert timings["vector_path"] != want_timings["vector_path"]  # a NEON build, not the host's code
