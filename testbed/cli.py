@@ -17,7 +17,7 @@ import sys
 import pandas as pd
 
 from testbed import config, device_cli, experiments, nightly, report, runner, tables
-from testbed.errors import DeviceUnreachable, UsageError
+from testbed.errors import DeviceError, DeviceUnreachable, UsageError
 
 
 def _progress_line(msg: str) -> None:
@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_status
     except DeviceUnreachable as e:
         print(f"testbed: device unreachable: {e}", file=sys.stderr)
+        return e.exit_status
+    except DeviceError as e:  # reached, but it cannot do this (a tool missing, a run that failed)
+        print(f"testbed: device error: {e}", file=sys.stderr)
         return e.exit_status
     except KeyboardInterrupt:
         print("testbed: interrupted; the run was recorded as an error", file=sys.stderr)

@@ -417,6 +417,7 @@ class RunFolder:
             raise IreeRunFailed(f"{self.device.name}: {name} is not a valid .npy file: {e}") from None
 
     def __enter__(self) -> "RunFolder":
+        self.device.run(["mkdir", "-p", self.path], timeout=60)
         return self
 
     def __exit__(self, *exc) -> None:
