@@ -67,7 +67,7 @@ class DeviceGemma:
         self.w, self.cfg, self.target, self.iree = w, cfg, target, iree
         self.bucket, self.constants, self.progress = bucket, constants, progress
         self.artifacts: dict[str, Artifact] = {}
-        self._staged: dict[str, StagedModule] = {}
+        self.staged: dict[str, StagedModule] = {}  # graph name -> its module on the device
 
     @property
     def evidence(self) -> EvidenceLog:
@@ -76,11 +76,11 @@ class DeviceGemma:
     def module(self, graph) -> StagedModule:
         """Compiled for the target (through the artifact cache) and staged on the device, once per graph
         (a graph's name carries every shape and option its text depends on)."""
-        if graph.name not in self._staged:
+        if graph.name not in self.staged:
             artifact = compile_graph(graph, self.target, progress=self.progress)
             self.artifacts[graph.name] = artifact
-            self._staged[graph.name] = self.iree.stage(artifact)
-        return self._staged[graph.name]
+            self.staged[graph.name] = self.iree.stage(artifact)
+        return self.staged[graph.name]
 
     def capacity(self, rows: int) -> int:
         return -(-rows // self.bucket) * self.bucket
