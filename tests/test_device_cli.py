@@ -75,3 +75,19 @@ def test_a_loopback_peer_dies_with_the_process_that_started_it():
     import shutil
 
     shutil.rmtree(sandbox)  # what the dead process would have removed at exit
+
+
+def test_doctor_says_how_to_get_an_arm32_iree_runtime(capsys):
+    """No armv7 IREE runtime exists as a package: doctor names what is missing and how to build it."""
+    assert main(["doctor", "qemu-arm32"]) == 3
+    out = capsys.readouterr().out
+    assert "MISSING  iree runtime" in out and "Cross-build iree-run-module" in out
+    assert "name them in devices/qemu-arm32.yaml as tools.iree-run-module" in out
+
+
+def test_doctor_checks_that_the_iree_tools_start_on_an_arm64_device(capsys):
+    """The aarch64 manylinux tools, under qemu-aarch64 with the glibc sysroot, of the compiler's release."""
+    assert main(["doctor", "qemu-aarch64"]) == 0
+    out = capsys.readouterr().out
+    assert "ok       iree runtime" in out and "= the compiler's" in out
+    assert "ok       iree iree-run-module" in out and "ok       iree iree-benchmark-module" in out

@@ -61,9 +61,9 @@ def outputs(results):
 
 
 def test_targets_are_config():
-    assert {"host", "arm32", "aarch64", "mali", "lavapipe"} <= set(target_names())
+    assert {"host", "arm32", "aarch64", "aarch64-linux", "mali", "lavapipe"} <= set(target_names())
     assert "--iree-vulkan-target=llvmpipe" in load_target("lavapipe").flags
-    with pytest.raises(UsageError, match="unknown IREE target 'pixel'; accepted: aarch64, arm32"):
+    with pytest.raises(UsageError, match="unknown IREE target 'pixel'; accepted: aarch64, aarch64-linux, arm32"):
         load_target("pixel")
 
 
