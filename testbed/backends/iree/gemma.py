@@ -5,7 +5,8 @@ runs there, one iree-run-module per graph call, on .npy files in a run folder on
 (testbed.backends.iree.device): the host pushes the small inputs it builds for each call (tokens,
 RoPE tables, masks, select: refimpl.gemma.chunk_inputs in testbed.contract's argument order), the K/V
 a call returns stay on the device as the next call's inputs, and the host pulls only what the oracle
-compares. The device path is used for the host as well, so a host record is made the same way as a
+compares: the last chunk call's selected logits and K/V (its real and pad rows, and the cache's empty
+rows between them: fewer than `iree.past_bucket`), and the last decode step's logits. The device path is used for the host as well, so a host record is made the same way as a
 phone's and carries the same evidence; the in-process Python runtime (`device=None`) is kept for the
 graphs' own unit tests, which call the graphs directly without files.
 
