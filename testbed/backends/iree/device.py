@@ -45,6 +45,7 @@ import numpy as np
 
 from testbed import PROJECT_ROOT
 from testbed.backends import Evidence, EvidenceLog
+from testbed.backends.iree.runtime import HOST_ELF, ModuleRequirements
 from testbed.devices import CommandResult, Device
 from testbed.devices.transport import sha256_file
 from testbed.errors import DeviceError, UsageError
@@ -55,8 +56,6 @@ RUNTIME_TOOLS = ("iree-run-module", "iree-benchmark-module")
 TOOLS_CACHE = PROJECT_ROOT / ".cache" / "iree-tools"
 # A profile's ABI -> the ELF format IREE's llvm-cpu backend emits for that CPU.
 ABI_ELF = {"armeabi-v7a": "embedded-elf-arm_32", "arm64-v8a": "embedded-elf-arm_64", "x86_64": "embedded-elf-x86_64"}
-# platform.machine() -> the same, for ABI `host`
-HOST_ELF = {"x86_64": "embedded-elf-x86_64", "aarch64": "embedded-elf-arm_64", "armv7l": "embedded-elf-arm_32"}
 # --iree-llvmcpu-target-triple's architecture -> the same
 TRIPLE_ELF = {"armv7a": "embedded-elf-arm_32", "armv7": "embedded-elf-arm_32", "aarch64": "embedded-elf-arm_64",
               "arm64": "embedded-elf-arm_64", "x86_64": "embedded-elf-x86_64"}
@@ -140,8 +139,6 @@ def check_target_fits(target_name: str, profile) -> None:
 def check_module_fits(module: Path, profile) -> None:
     """The same, read from the module's own bytes (its embedded executable formats and GPU
     architecture): a module brought from elsewhere is refused before it is pushed."""
-    from testbed.backends.iree.runtime import ModuleRequirements
-
     need = ModuleRequirements.of(module)
     if profile.iree.get("hal_device") == "vulkan":
         from testbed.backends.iree.artifacts import load_target
