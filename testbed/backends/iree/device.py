@@ -199,8 +199,10 @@ def aarch64_tools_folder(progress: Callable[[str], None] = lambda msg: None) -> 
             for name in wanted:
                 (staging / name).write_bytes(wheel.read(f"iree/_runtime_libs/{name}"))
                 (staging / name).chmod(0o755)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.rename(staging, folder)
+        try:
+            os.rename(staging, folder)  # atomic: the folder exists only complete
+        except OSError:  # another process unpacked the same wheel first
+            pass
     progress(f"aarch64 IREE runtime tools in {folder}")
     return folder
 
