@@ -11,6 +11,9 @@ Fields by transport (all optional unless marked):
           absent), auth_timeout_s}; peer: {command: [argv]} starts a loopback device on connect
   ssh     connection: {host (required), port, user (required), key (required), known_hosts,
           host_key_sha256}; one of known_hosts or host_key_sha256 is required
+
+`iree: {target, hal_device}` names what backend=iree compiles for (experiments/iree_target/TARGET.yaml)
+and the HAL device iree-run-module uses there (local-sync, local-task, vulkan).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from testbed.config import DEVICES_DIR, choices
+from testbed.config import CONFIG_DIR, DEVICES_DIR, choices
 from testbed.errors import UsageError
 
 TRANSPORTS = ("local", "qemu", "adb", "ssh")
@@ -40,6 +43,8 @@ CONNECTION_FIELDS: dict[str, dict[str, tuple[type, bool]]] = {
 ACCELERATOR_FIELDS = {"vulkan_target": str, "htp": str, "backend": str}
 HEALTH_FIELDS = {"cooldown_below_c": float, "cooldown_delay_s": float, "cooldown_max_wait_s": float,
                  "warmup": int, "throttle_fraction": float}
+IREE_FIELDS = {"target": str, "hal_device": str}
+IREE_HAL_DEVICES = ("local-sync", "local-task", "vulkan")
 TIMEOUT_FIELDS = {"connect_s": float, "command_s": float, "transfer_s": float}
 
 
@@ -60,6 +65,7 @@ class Profile:
     health: dict[str, Any] = field(default_factory=dict)
     timeouts: dict[str, float] = field(default_factory=dict)
     peer: dict[str, Any] = field(default_factory=dict)
+    iree: dict[str, str] = field(default_factory=dict)
 
     REQUIRED = ("name", "transport", "abi")
 
@@ -107,11 +113,17 @@ class Profile:
         bad.mapping("accelerators", data.get("accelerators", {}) or {}, ACCELERATOR_FIELDS)
         bad.mapping("health", data.get("health", {}) or {}, HEALTH_FIELDS)
         bad.mapping("timeouts", data.get("timeouts", {}) or {}, TIMEOUT_FIELDS)
+        iree = data.get("iree", {}) or {}
+        bad.mapping("iree", iree, IREE_FIELDS)
+        if iree:
+            targets = tuple(sorted(p.stem for p in (CONFIG_DIR / "iree_target").glob("*.yaml")))
+            bad.choice("iree.target", iree.get("target"), targets)
+            bad.choice("iree.hal_device", iree.get("hal_device"), IREE_HAL_DEVICES)
         peer = data.get("peer", {}) or {}
         bad.mapping("peer", peer, {"command": list})
         if peer and data["transport"] != "adb":
             bad("peer", peer, "is only for adb profiles (a loopback adbd)")
-        return cls(**{**data, "tools": tools, "connection": conn, "peer": peer,
+        return cls(**{**data, "tools": tools, "connection": conn, "peer": peer, "iree": iree,
                       "accelerators": data.get("accelerators") or {}, "health": data.get("health") or {},
                       "timeouts": data.get("timeouts") or {}})
 

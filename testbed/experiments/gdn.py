@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 
 from refimpl import gdn as ref
 from testbed import backends
+from testbed.backends.iree.artifacts import target_names
 from testbed.config import Choice, Float, Int, IntList
 from testbed.errors import UsageError
 from testbed.oracles import check_bitexact, check_nmse
@@ -38,7 +39,7 @@ from testbed.results import Figure, Record
 PARAMS = {
     "backend": Choice(("refimpl", "native", "iree", "llamacpp")),
     "threads": Int(1, 256),
-    "target": Choice(("host", "lavapipe")),   # IREE targets that run on this machine (backend=iree)
+    "target": Choice(tuple(target_names())),  # backend=iree; must fit the device (checked in validate)
     "mode": Choice(("oracle", "bench", "all")),
     "chunk": Int(1, 4096),
     "head_map": Choice(ref.HEAD_MAPS),
@@ -137,8 +138,13 @@ def validate(cfg: DictConfig) -> None:
         if not (cfg.device.get("tools") or {}).get("test-backend-ops"):
             raise UsageError(f"backend=llamacpp runs llama.cpp's test-backend-ops on the device; device={cfg.device.name} "
                              f"names no tools.test-backend-ops in devices/{cfg.device.name}.yaml")
-    elif cfg.threads != 1 and cfg.backend != "native":
-        raise UsageError(f"threads={cfg.threads} needs backend=native; backend={cfg.backend} runs on one thread")
+    elif cfg.backend == "iree":  # a module for another kind of device is refused before anything compiles
+        from testbed.backends.iree.device import check_target_fits
+        from testbed.devices import load_profile
+
+        check_target_fits(cfg.target, load_profile(cfg.device.name))
+    if cfg.threads != 1 and cfg.backend == "refimpl":
+        raise UsageError(f"threads={cfg.threads} needs backend=native or iree; backend=refimpl runs on one thread")
 
 
 def snapshots(fn: Callable, x: ref.GDNInputs, K: int) -> np.ndarray:
