@@ -95,6 +95,13 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     reference = cfg.op == "GATED_DELTA_NET" and cfg.mode in ("test", "all")
     programs = tuple(needed_tools(cfg)) + (("tb_ggml_gdn",) if reference else ())
     tools = llamacpp.resolve_tools(device, cfg.llamacpp.build, cfg.llamacpp.source or "", programs, ctx.progress)
+    for record in records(cfg, ctx, backend, tools, reference):
+        record.artifacts.update(tools.artifacts())  # which llama.cpp: compared forks differ here
+        yield record
+
+
+def records(cfg: DictConfig, ctx, backend: str, tools: llamacpp.Tools, reference: bool) -> Iterator[Record]:
+    device = ctx.device
     if cfg.mode in ("test", "all"):
         ctx.progress(f"test-backend-ops -o {cfg.op} -b {backend}")
         report, problems = llamacpp.test_backend_ops(device, cfg.op, backend, tools)
@@ -103,8 +110,7 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
             from testbed.experiments.gdn import AWKWARD_CASES, TBO_CASES
 
             yield from ggml_gdn.oracle_records("llamacpp", device, tools.built.program("tb_ggml_gdn"),
-                                               TBO_CASES + AWKWARD_CASES, cfg.seed, progress=ctx.progress,
-                                               artifacts=tools.artifacts())
+                                               TBO_CASES + AWKWARD_CASES, cfg.seed, progress=ctx.progress)
     if cfg.mode in ("perf", "all"):
         ctx.progress(f"test-backend-ops perf -o {cfg.op} -b {backend}")
         yield from llamacpp.perf_records(device, "llamacpp", cfg.op, backend, tools)
@@ -128,3 +134,23 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                                     f"{r.get('figures.time.median'):.2f} us/run, "
                                     f"{r.get('figures.bandwidth.median', float('nan')):.2f} GB/s")})
     return pd.DataFrame(rows)
+
+
+def sweep_row(df: pd.DataFrame) -> dict:
+    """One job of a sweep; over sources it compares forks side by side:
+    `testbed sweep experiment=llamacpp device=qemu-aarch64 llamacpp.source=UPSTREAM,PATCHED` gives per
+    fork the harness' tally, testbed's reference verdicts on ggml's op, and us/run per perf case."""
+    row = {}
+    oracles = df[df["kind"] == "oracle"]
+    tally = oracles[oracles["case"].str.endswith("/tally")]
+    if len(tally):
+        row["test-backend-ops"] = tally["metrics.tally"].iloc[0]
+    ours = oracles[oracles["oracle"] == "nmse"]
+    if len(ours):
+        row["testbed reference"] = f"{int((ours['verdict'] == 'pass').sum())}/{len(ours)} pass"
+    for _, r in df[df["case"].str.endswith("/perf")].iterrows():
+        row[f"us/run {r['params.params']}"] = r["figures.time.median"]
+    if "figures.tokens_per_s.median" in df:
+        for _, r in df[df["figures.tokens_per_s.median"].notna()].iterrows():
+            row[f"{r['case']} tokens/s"] = round(float(r["figures.tokens_per_s.median"]), 1)
+    return row
