@@ -271,16 +271,21 @@ def build(target: str, source: str = "", programs: tuple[str, ...] = ("test-back
               build_dir / "build.log", progress, f"building {' '.join(missing)} for {target}")
         seconds = time.monotonic() - t0
         out.mkdir(parents=True, exist_ok=True)
-        for name in missing:
-            tmp = out / f".{name}.tmp"
-            shutil.copy2(build_dir / name, tmp)
-            tmp.rename(out / name)  # a program appears whole or not at all
         previous = json.loads(info_path.read_text()) if info_path.is_file() else {"builds": []}
         info = {"target": target, "source": str(tree), "source_sha256": digest, "key": key, "options": options,
                 "ccache": bool(launcher),
                 "builds": previous["builds"] + [{"programs": missing, "seconds": round(seconds, 1)}]}
-        info_path.write_text(json.dumps(info, indent=1) + "\n")
+        # build.json first, then each program, each appearing whole or not at all
+        _write_whole(info_path, lambda tmp: tmp.write_text(json.dumps(info, indent=1) + "\n"))
+        for name in missing:
+            _write_whole(out / name, lambda tmp: shutil.copy2(build_dir / name, tmp))
         return Built(target, out, digest, info)
+
+
+def _write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    write(tmp)
+    tmp.rename(path)
 
 
 def _step(argv: list[str], env: dict, log: Path, progress: Callable[[str], None], what: str) -> None:
