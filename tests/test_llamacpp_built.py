@@ -132,6 +132,17 @@ def test_qemu_aarch64_runs_the_real_harness_and_ggmls_op_passes_testbeds_referen
 
 
 @AARCH64
+def test_perf_mode_measures_on_qemu_aarch64_and_marks_the_figure_emulated(aarch64_tools, results_dir):
+    # perf runs each case for about a second of a real CPU's time (a minute under qemu): one case
+    outcome, df = run_llamacpp("device=qemu-aarch64", "mode=perf", "cases='head_count=16,head_size=64,n_seq_tokens=1,'")
+    assert df["case"].tolist() == ["GATED_DELTA_NET(type=f32,head_count=16,head_size=64,n_seq_tokens=1,n_seqs=1,"
+                                   "v_repeat=1,permuted=0,kda=0,K=1)/CPU/perf"]
+    perf = df.iloc[0]
+    assert perf["figures.time.median"] > 0 and perf["work.runs"] > 0 and perf["emulated"]
+    assert perf["evidence"][0]["sha256"] == sha256_file(aarch64_tools.program("test-backend-ops"))
+
+
+@AARCH64
 def test_a_gdn_bug_planted_in_ggml_passes_test_backend_ops_and_is_caught_by_testbed(planted_tree, results_dir):
     outcome, df = run_llamacpp("device=qemu-aarch64", "mode=test", f"llamacpp.source={planted_tree}")
     tally = df[df["case"] == "GATED_DELTA_NET/CPU/tally"].iloc[0]

@@ -1,10 +1,11 @@
 """Experiment `llamacpp`: llama.cpp's tools on a device (seed 002's gate and figure).
 
-test   test-backend-ops -o OP -b BACKEND: one verdict per case and the run's tally ("36/36 OK");
+test   test-backend-ops -o OP -b BACKEND [-p CASES]: one verdict per case and the run's tally ("36/36 OK");
        for GATED_DELTA_NET with tools testbed built, also ggml's op run on the device by tb_ggml_gdn
        and judged by testbed's float64 reference (testbed.backends.llamacpp.ggml_gdn: the oracle
        `-b CPU` lacks, since it compares ggml's CPU backend with itself)
-perf   test-backend-ops perf: us/run and GB/s per case (the tool's means)
+perf   test-backend-ops perf: us/run and GB/s per case (the tool's means; about a second of CPU time
+       per case, so an emulated device is given a few with `cases=REGEX`)
 bench  llama-bench -p 512: prompt tokens per second (pp512) over its repetitions
 
 Where the tools come from (testbed.backends.llamacpp.build): `llamacpp.build=auto` (the default)
@@ -33,6 +34,18 @@ from testbed.results import Record
 
 
 @dataclass(frozen=True)
+class Regex:
+    """A regular expression (test-backend-ops -p matches it against each case's parameters), or empty."""
+
+    def check(self, key: str, value: Any) -> None:
+        try:
+            re.compile(value)
+        except (re.error, TypeError):
+            raise UsageError(f"{key}={value!r} is not accepted; accepted: a regular expression over the case "
+                             f"parameters (e.g. 'n_seq_tokens=1,'), or empty for every case") from None
+
+
+@dataclass(frozen=True)
 class Source:
     """A llama.cpp tree's path, or empty for the sdist's."""
 
@@ -57,6 +70,7 @@ PARAMS = {
     "mode": Choice(("test", "perf", "bench", "all")),
     "op": Name(),
     "backend": Name(),
+    "cases": Regex(),
     "prompt": Int(1, 1 << 16),
     "threads": Int(0, 256),
     "reps": Int(1, 100),
@@ -104,7 +118,7 @@ def records(cfg: DictConfig, ctx, backend: str, tools: llamacpp.Tools, reference
     device = ctx.device
     if cfg.mode in ("test", "all"):
         ctx.progress(f"test-backend-ops -o {cfg.op} -b {backend}")
-        report, problems = llamacpp.test_backend_ops(device, cfg.op, backend, tools)
+        report, problems = llamacpp.test_backend_ops(device, cfg.op, backend, tools, cfg.cases)
         yield from llamacpp.test_records("llamacpp", cfg.op, backend, report, problems)
         if reference and tools.built:
             from testbed.experiments.gdn import AWKWARD_CASES, TBO_CASES
@@ -113,7 +127,7 @@ def records(cfg: DictConfig, ctx, backend: str, tools: llamacpp.Tools, reference
                                                TBO_CASES + AWKWARD_CASES, cfg.seed, progress=ctx.progress)
     if cfg.mode in ("perf", "all"):
         ctx.progress(f"test-backend-ops perf -o {cfg.op} -b {backend}")
-        yield from llamacpp.perf_records(device, "llamacpp", cfg.op, backend, tools)
+        yield from llamacpp.perf_records(device, "llamacpp", cfg.op, backend, tools, cfg.cases)
     if cfg.mode in ("bench", "all") and cfg.gguf:
         threads = cfg.threads or max(device.profile.threads)
         ctx.progress(f"llama-bench -p {cfg.prompt} -t {threads}")

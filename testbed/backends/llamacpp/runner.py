@@ -80,10 +80,15 @@ def evidence(device: Device, argv: list[str], result: CommandResult) -> list[dic
                      {"clock": "the command's duration seen through the transport"}).as_dict()]
 
 
-def test_backend_ops(device: Device, op: str, backend: str, tools: Tools | None = None,
+def harness_argv(tools: Tools, mode: str, op: str, backend: str, cases: str) -> list[str]:
+    """test-backend-ops MODE -o OP -b BACKEND [-p CASES] (CASES: a regex over the case parameters)."""
+    return [tools.path("test-backend-ops"), mode, "-o", op, "-b", backend] + (["-p", cases] if cases else [])
+
+
+def test_backend_ops(device: Device, op: str, backend: str, tools: Tools | None = None, cases: str = "",
                      timeout: float | None = None) -> tuple[out.TboReport, list[str]]:
     """Run test mode; returns the parsed report and every reason it may not be read as a pass."""
-    argv = [(tools or profile_tools(device)).path("test-backend-ops"), "test", "-o", op, "-b", backend]
+    argv = harness_argv(tools or profile_tools(device), "test", op, backend, cases)
     result = device.run(argv, timeout)
     report = out.parse_test(result.stdout)
     report.evidence = evidence(device, argv, result)
@@ -113,9 +118,10 @@ def test_records(experiment: str, op: str, backend: str, report: out.TboReport, 
 
 
 def perf_records(device: Device, experiment: str, op: str, backend: str, tools: Tools | None = None,
-                 timeout: float | None = None) -> list[Record]:
-    """Perf mode under the profile's health discipline (cool-down, warm-up, throttling flag)."""
-    argv = [(tools or profile_tools(device)).path("test-backend-ops"), "perf", "-o", op, "-b", backend]
+                 cases: str = "", timeout: float | None = None) -> list[Record]:
+    """Perf mode under the profile's health discipline (cool-down, warm-up, throttling flag). Each
+    case runs for about a second of a real CPU's time: under emulation, select a few with `cases`."""
+    argv = harness_argv(tools or profile_tools(device), "perf", op, backend, cases)
     result, health = device.measured(lambda: device.run(argv, timeout))
     rows = out.parse_perf(result.stdout)
     if result.returncode != 0 or not rows:
