@@ -132,6 +132,17 @@ def test_qemu_aarch64_runs_the_real_harness_and_ggmls_op_passes_testbeds_referen
 
 
 @AARCH64
+def test_gdn_with_backend_llamacpp_on_qemu_aarch64_judges_ggmls_op_by_the_reference(aarch64_tools, results_dir):
+    outcome = runner.execute(config.load(["experiment=gdn", "device=qemu-aarch64", "backend=llamacpp", "mode=oracle",
+                                          "matrix=awkward"]))
+    df = outcome.frame()
+    assert df[df["case"] == "GATED_DELTA_NET/CPU/tally"].iloc[0]["metrics.tally"] == "36/36 OK"
+    ours = df[df["oracle"] == "nmse"]
+    assert len(ours) == 12 and (ours["verdict"] == "pass").all() and outcome.failed == 0
+    assert (ours["case"].str.endswith("/ggml-CPU")).all() and (ours["params.gate"] == "mild").all()
+
+
+@AARCH64
 def test_perf_mode_measures_on_qemu_aarch64_and_marks_the_figure_emulated(aarch64_tools, results_dir):
     # perf runs each case for about a second of a real CPU's time (a minute under qemu): one case
     outcome, df = run_llamacpp("device=qemu-aarch64", "mode=perf", "cases='head_count=16,head_size=64,n_seq_tokens=1,'")
