@@ -18,7 +18,8 @@ Targets, chosen from the device profile (target_for):
                 binaries (no sysroot needed under qemu-aarch64 or on a phone), GGML_NATIVE off
   android-htp   a phone whose profile has `htp`: the Android NDK with ggml's Hexagon backend
                 (GGML_HEXAGON); needs ANDROID_NDK_HOME and HEXAGON_SDK_ROOT / HEXAGON_TOOLS_ROOT
-                (Qualcomm's SDK, not in any registry here) and is refused with that message otherwise
+                (Qualcomm's SDK, not in any registry here) and is refused with that message otherwise;
+                not exercised on these machines, which have neither
 
 Every build is CPU-only otherwise, without OpenMP (threads from ggml's own pool; OpenMP and static
 glibc do not mix). The source is first copied to .cache/llamacpp/src/HASH/ (HASH = sha256 over the
