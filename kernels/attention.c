@@ -1,7 +1,15 @@
 /* One attention layer of C query rows against L = P + C keys (past and the chunk's own), float32.
  * Per query head h and row c: out = softmax(scale q_c . k_p + mask[h][c][p]) v over p < L, with
  * max subtraction; KV head h / (heads / kv_heads). A fully masked position (mask -1e30) gets
- * weight exp(-1e30 - max) = 0 exactly. */
+ * weight exp(-1e30 - max) = 0 exactly.
+ *
+ * A chunk (8 or more query rows per KV head) walks the keys in blocks of KEY_BLOCK with an online
+ * softmax (each block's scores, then the running max, sum and output rescaled by exp(old max - new
+ * max)), so its working set is a few blocks whatever the context: without blocking the scores of
+ * 8k keys spill out of cache and the rate falls by 5x. A block whose keys are all masked for a row
+ * leaves weights exp(0) = 1 there until a block with a real key resets them by a factor exp(-1e30) =
+ * 0, exactly. A decode step (fewer rows) reads each key once with dot products and needs no blocks. */
+#include <math.h>
 #include <stdlib.h>
 
 #include "tb_kernels.h"
@@ -16,9 +24,10 @@ typedef struct {
     int parts; /* work items per KV head */
 } attention_call;
 
-/* From 8 query rows up (per KV head: query heads x C), scores are one matrix product against the
+/* From 8 query rows up (per KV head: query heads x C), scores are matrix products against blocks of
  * transposed keys; fewer rows (a decode step) read the keys in place with dot products. */
 #define SCORES_BY_PRODUCT 8
+#define KEY_BLOCK 128
 
 /* Raw scores of n query rows by dot products, key block by key block: each block of keys is read
  * from memory once for all the rows (the query heads that share a KV head). */
@@ -49,6 +58,43 @@ static void softmax_row(const float *mask_row, int l, float scale, float *p) {
     for (j = 0; j < l; j++) p[j] /= sum;
 }
 
+/* n query rows (n >= SCORES_BY_PRODUCT) against keys and values in blocks, online softmax.
+ * Scratch: kt [hd][KEY_BLOCK], s [n][KEY_BLOCK], row_max and row_sum [n]. */
+static void attend_blocked(const attention_call *a, const float *q, int n, const float *k, const float *v,
+                           const float *mask, float *out, float *kt, float *s, float *row_max, float *row_sum) {
+    const int l = a->l, hd = a->hd;
+    for (int r = 0; r < n; r++) row_max[r] = -INFINITY, row_sum[r] = 0.0f;
+    for (int j0 = 0; j0 < l; j0 += KEY_BLOCK) {
+        const int bl = l - j0 < KEY_BLOCK ? l - j0 : KEY_BLOCK;
+        for (int j = 0; j < bl; j++)
+            for (int i = 0; i < hd; i++) kt[(size_t)i * bl + j] = k[(size_t)(j0 + j) * hd + i];
+        gemm_nn(n, bl, hd, q, hd, kt, bl, s, bl, 0, 0);
+        for (int r = 0; r < n; r++) {
+            float *sr = s + (size_t)r * bl, *o = out + (size_t)r * hd;
+            const float *m = mask + (size_t)r * l + j0;
+            float block_max = -INFINITY;
+            for (int j = 0; j < bl; j++) {
+                sr[j] = sr[j] * a->scale + m[j];
+                block_max = sr[j] > block_max ? sr[j] : block_max;
+            }
+            const float new_max = block_max > row_max[r] ? block_max : row_max[r];
+            for (int j = 0; j < bl; j++) sr[j] -= new_max;
+            exp_n(sr, sr, bl);
+            float sum = 0.0f;
+            for (int j = 0; j < bl; j++) sum += sr[j];
+            if (j0 > 0) { /* the earlier blocks' weights were taken against the old max */
+                float shift = row_max[r] - new_max;
+                exp_n(&shift, &shift, 1);
+                row_sum[r] *= shift;
+                scale_n(o, shift, hd);
+            }
+            row_sum[r] += sum, row_max[r] = new_max;
+        }
+        gemm_nn(n, hd, bl, s, bl, v + (size_t)j0 * hd, hd, out, hd, j0 > 0, 0);
+    }
+    for (int r = 0; r < n; r++) scale_n(out + (size_t)r * hd, 1.0f / row_sum[r], hd);
+}
+
 /* The query rows of KV head kvh are the `group` = (heads / kv_heads) * C consecutive rows from
  * kvh * group of q, mask and out viewed as [heads * C] rows. A work item is one KV head's rows, or a
  * part of them when there are more threads than KV heads. */
@@ -56,9 +102,11 @@ static int attention_items(void *arg, int begin, int end) {
     const attention_call *a = arg;
     const int group = a->heads / a->kv_heads * a->c, parts = a->parts;
     const int most = (group + parts - 1) / parts;
-    float *p = malloc(sizeof(float) * (size_t)most * a->l);
-    float *kt = most >= SCORES_BY_PRODUCT ? malloc(sizeof(float) * (size_t)a->hd * a->l) : NULL; /* [hd][l] */
-    if (!p || (most >= SCORES_BY_PRODUCT && !kt)) {
+    const int blocked = most >= SCORES_BY_PRODUCT;
+    /* blocked: scores of one key block, transposed keys, running max and sum; else all scores */
+    float *p = malloc(sizeof(float) * (blocked ? (size_t)most * KEY_BLOCK + 2 * (size_t)most : (size_t)most * a->l));
+    float *kt = blocked ? malloc(sizeof(float) * (size_t)a->hd * KEY_BLOCK) : NULL;
+    if (!p || (blocked && !kt)) {
         free(p), free(kt);
         return TB_E_MEMORY;
     }
@@ -69,12 +117,12 @@ static int attention_items(void *arg, int begin, int end) {
         const float *k = a->k + (size_t)kvh * a->kv_rows * a->hd, *v = a->v + (size_t)kvh * a->kv_rows * a->hd;
         const float *q = a->q + (size_t)r0 * a->hd;
         if (n >= SCORES_BY_PRODUCT) {
-            for (int j = 0; j < a->l; j++)
-                for (int i = 0; i < a->hd; i++) kt[(size_t)i * a->l + j] = k[(size_t)j * a->hd + i];
-            gemm_nn(n, a->l, a->hd, q, a->hd, kt, a->l, p, a->l, 0, 0);
-        } else {
-            score_rows(q, n, k, a->l, a->hd, p);
+            float *s = p, *row_max = p + (size_t)most * KEY_BLOCK, *row_sum = row_max + most;
+            attend_blocked(a, q, n, k, v, a->mask + (size_t)r0 * a->l, a->out + (size_t)r0 * a->hd, kt, s, row_max,
+                           row_sum);
+            continue;
         }
+        score_rows(q, n, k, a->l, a->hd, p);
         for (int r = 0; r < n; r++) softmax_row(a->mask + (size_t)(r0 + r) * a->l, a->l, a->scale, p + (size_t)r * a->l);
         gemm_nn(n, a->hd, a->l, p, a->l, v, a->hd, a->out + (size_t)r0 * a->hd, a->hd, 0, 0);
     }

@@ -2,7 +2,7 @@
 
   testbed run EXPERIMENT [key=value ...]          one run, records stored, summary printed
   testbed sweep [experiment=NAME] key=v1,v2 ...   the cartesian product (Hydra sweep syntax), one table
-  testbed table EXPERIMENT [--format md|csv|json] tables from stored records only
+  testbed table EXPERIMENT [--format md|csv|json|jsonl] tables from stored records only
   testbed ingest FILE [--device NAME]             store test-backend-ops output run elsewhere
 
 Exit status: 0 all oracles passed, 1 an oracle failed (or no records to show), 2 bad input,
@@ -12,6 +12,7 @@ Exit status: 0 all oracles passed, 1 an oracle failed (or no records to show), 2
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import pandas as pd
@@ -40,6 +41,11 @@ def _summary(outcome: runner.Outcome, module) -> str:
     )
     for _, r in oracles[oracles["verdict"] != "pass"].iterrows() if len(oracles) else []:
         lines.append(f"FAIL {r['case']}: {r['detail']}")
+    load = outcome.info.host_load
+    if load.get("noisy") and len(df) > len(oracles):
+        lines.append(f"WARNING: this host was loaded while measuring (1-minute load "
+                     f"{max(load['load_1m_before'], load['load_1m_after']):.1f} on {load['cores']} cores): "
+                     f"the figures are noisy; the records say so (host_load.noisy)")
     return "\n".join(lines)
 
 
@@ -185,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("testbed: interrupted; the run was recorded as an error", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `testbed table gdn | head`: the reader had enough; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

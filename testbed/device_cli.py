@@ -74,10 +74,31 @@ def doctor(name: str) -> tuple[list[tuple[str, str, str]], dict]:
             r = device.run(["sh", "-c", 'test -x "$1" || command -v "$1"', "sh", path], timeout=30)
             checks.append((f"tool {tool}", "ok" if r.returncode == 0 else "MISSING",
                            path if r.returncode == 0 else f"{path} is not an executable on the device"))
+        if profile.has("native"):
+            checks.append(native_check(device))
         fingerprint = device.fingerprint()
     finally:
         device.close()
     return checks, fingerprint
+
+
+def native_check(device) -> tuple[str, str, str]:
+    """backend=native builds its programs for the device's ABI here and pushes them: the toolchain must
+    be on this host, and a program must start on the device (run without arguments, it prints its
+    usage and exits 2)."""
+    from testbed.backends.native.build import BuildError, build_programs, target_for_abi
+    from testbed.backends.native.device import stage_program
+
+    try:
+        program = build_programs(target_for_abi(device.profile.abi)) / "tb_gdn_bench"
+    except BuildError as e:
+        return "native programs", "MISSING", str(e)
+    remote = stage_program(device, program)
+    r = device.run([f"./{remote}"], timeout=120)
+    if r.returncode == 2 and "usage" in (r.stderr + r.stdout):
+        return "native programs", "ok", f"{program.parent.name} builds here and runs on the device"
+    return "native programs", "MISSING", (f"{remote} does not start on the device (exit {r.returncode}: "
+                                          f"{(r.stderr or r.stdout).strip()[-200:]})")
 
 
 def cmd_doctor(args) -> int:

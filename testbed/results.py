@@ -124,6 +124,9 @@ class RunInfo:
     fingerprint: dict[str, Any]
     # computed under emulation (qemu-user, lavapipe): real for correctness, never for speed
     emulated: bool = False
+    # this host's load while the run went on (testbed.runner.host_load): a figure taken on a loaded
+    # machine says so
+    host_load: dict[str, Any] = field(default_factory=dict)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     git_commit: str = field(default_factory=git_commit)
     started: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
@@ -141,6 +144,7 @@ class RunInfo:
             "device": self.device,
             "backend": self.backend,
             "emulated": self.emulated,
+            "host_load": self.host_load,
             "fingerprint": _jsonable(self.fingerprint),
             "config": _jsonable(self.config),
             "git_commit": self.git_commit,

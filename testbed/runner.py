@@ -70,6 +70,17 @@ class Outcome:
         return sum(r["kind"] == "oracle" and r["verdict"] != "pass" for r in self.rows)
 
 
+def host_load(before: dict | None = None) -> dict:
+    """The 1-minute load average and the cores; with `before`, the run's worst of both readings and
+    whether it was noisy: more runnable tasks than cores means measurements shared the CPUs (on a
+    device run too: the host drives the transport and, under emulation, computes)."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if before is None:
+        return {"load_1m_before": load, "cores": cores}
+    worst = max(before["load_1m_before"], load)
+    return {**before, "load_1m_after": load, "noisy": worst > cores}
+
+
 def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = None) -> Outcome:
     module, profile = check(rc)
     device = device or connect(profile)
@@ -79,11 +90,13 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
     )
     store = results_store(rc)
     ctx = experiments.Context(device=device, progress=progress)
+    load_before = host_load()
     records: list[Record] = []
     try:
         for record in module.run(rc.cfg, ctx):
             records.append(record)
         check_evidence(records, profile)
+        info.host_load = host_load(load_before)
     except BaseException as e:  # noqa: BLE001  -- Ctrl-C included: the store must say the run broke
         what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
         store.append([info.stamp(Record(rc.experiment, "run", "oracle", "run", "error", None,

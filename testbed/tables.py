@@ -7,7 +7,7 @@ import math
 
 import pandas as pd
 
-FORMATS = ("md", "csv", "json")
+FORMATS = ("md", "csv", "json", "jsonl")
 
 
 def _cell(v) -> str:
@@ -35,6 +35,7 @@ def render(df: pd.DataFrame, fmt: str) -> str:
         return markdown(df)
     if fmt == "csv":
         return df.to_csv(index=False)
-    if fmt == "json":
-        return json.dumps(json.loads(df.to_json(orient="records", double_precision=15)), indent=1)
+    if fmt in ("json", "jsonl"):  # numbers stay numbers; missing values are null
+        rows = json.loads(df.to_json(orient="records", double_precision=15))
+        return json.dumps(rows, indent=1) if fmt == "json" else "\n".join(json.dumps(r) for r in rows)
     raise ValueError(f"format {fmt!r} is not one of {FORMATS}")

@@ -1,6 +1,7 @@
 """The testbed command end to end: run, sweep, table, ingest, and every kind of bad input."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -102,3 +103,31 @@ def test_pytest_with_an_unknown_device_is_a_usage_error(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 4  # pytest's usage-error status
     assert "--device='nosuch' is not a device profile; accepted: " in p.stderr and "host" in p.stderr
+
+
+def test_a_figure_taken_on_a_loaded_host_says_so(results_dir, capsys, monkeypatch):
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * (os.cpu_count() or 1), 0.0, 0.0))
+    assert main(["run", "native_bench", "attention.past=40", "attention.chunk=8", "attention.head_dim=32",
+                 "cache.window=32", "cache.real=5", "bench.reps=1", "bench.warmup=0"]) == 0
+    assert "WARNING: this host was loaded while measuring" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    assert all(r["host_load"]["noisy"] for r in rows)
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert main(["run", "native_bench", "attention.past=40", "attention.chunk=8", "attention.head_dim=32",
+                 "cache.window=32", "cache.real=5", "bench.reps=1", "bench.warmup=0"]) == 0
+    assert "WARNING" not in capsys.readouterr().out
+
+
+def test_table_as_jsonl_keeps_numbers_and_a_closed_pipe_is_quiet(results_dir):
+    assert main(["run", "gdn", "mode=oracle", "matrix=awkward"]) == 0
+    env = {**os.environ, "TESTBED_RESULTS": str(results_dir)}
+    full = subprocess.run([sys.executable, "-m", "testbed", "table", "gdn", "--format", "jsonl"], env=env,
+                          capture_output=True, text=True, check=True)
+    rows = [json.loads(line) for line in full.stdout.splitlines()]
+    assert len(rows) > 10 and all(r["verdict"] == "pass" for r in rows)
+    assert all(isinstance(r["nmse"], float) for r in rows if r["oracle"] == "nmse")
+    # `| head -1`: the reader closes the pipe after one line; testbed exits 0 without a traceback
+    piped = subprocess.run(f"{sys.executable} -m testbed table gdn --format jsonl | head -1", shell=True, env=env,
+                           capture_output=True, text=True)
+    assert piped.returncode == 0 and piped.stdout.count("\n") == 1 and "Traceback" not in piped.stderr

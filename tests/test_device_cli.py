@@ -75,3 +75,16 @@ def test_a_loopback_peer_dies_with_the_process_that_started_it():
     import shutil
 
     shutil.rmtree(sandbox)  # what the dead process would have removed at exit
+
+
+def test_doctor_says_when_the_native_programs_cannot_be_built_for_the_device(monkeypatch, capsys):
+    """A host without the device's cross compiler: doctor names the missing toolchain, exit 1."""
+    from testbed.backends.native import build
+
+    def no_toolchain(target):
+        raise build.BuildError("arm-linux-gnueabihf-gcc is not installed (Debian: gcc-arm-linux-gnueabihf)")
+
+    monkeypatch.setattr(build, "build_programs", no_toolchain)
+    assert main(["doctor", "qemu-arm32"]) == 1
+    out = capsys.readouterr().out
+    assert "MISSING  native programs" in out and "gcc-arm-linux-gnueabihf" in out

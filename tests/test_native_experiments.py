@@ -27,12 +27,15 @@ def test_gdn_native_oracles_and_bench_records(results_dir):
 
 def test_native_bench_records_ratios(results_dir):
     outcome = run(["attention.past=40", "attention.chunk=8", "attention.head_dim=32", "cache.window=32",
-                   "cache.real=5", "bench.reps=2", "bench.warmup=0"], "native_bench")
+                   "cache.real=5", "bench.reps=2", "bench.warmup=0", "bench.cold_mb=8"], "native_bench")
     df = outcome.frame()
     measured = df[df["kind"] == "measure"]
     attention = measured[measured["params.kernel"] == "attention"]
-    assert sorted(attention["params.form"]) == ["chunk", "decode_steps"]
-    assert (attention["metrics.speedup_vs_decode"] > 0).all()
+    assert sorted(attention["params.form"]) == ["chunk", "decode_step_cold", "decode_step_hot", "decode_steps"]
+    chunk_vs_steps = attention[attention["params.form"].isin(["chunk", "decode_steps"])]
+    assert (chunk_vs_steps["metrics.speedup_vs_decode"] > 0).all()
+    one_step = attention[attention["params.form"].str.startswith("decode_step_")]
+    assert (one_step["figures.bandwidth.unit"] == "GB/s").all() and (one_step["work.bytes"] > 0).all()
     cache = measured[measured["params.kernel"] == "sliding_cache"]
     assert set(cache["params.form"]) == {"exact_append", "snapshot", "padded_append", "rollback"}
     assert (cache["metrics.rollback_vs_decode_step"] >= 0).all()

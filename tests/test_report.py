@@ -71,7 +71,7 @@ def scale_time(record: dict, factor: float, case: str) -> dict:
     for name, fig in record["figures"].items():
         if fig["unit"] == "ms":
             fig.update(median=fig["median"] * factor, min=fig["min"] * factor, max=fig["max"] * factor)
-        elif fig["unit"].endswith("/s") and name != "sgemm_1t":
+        elif fig["unit"].endswith("/s") and name != "sgemm":
             fig.update(median=fig["median"] / factor, min=fig["min"] / factor, max=fig["max"] / factor)
     return record
 
@@ -179,11 +179,12 @@ def test_planted_regression_flagged_and_noise_not(tmp_path, host_records):
     # a slowdown clearly outside what the two nights spread over: every slow rep above every rep before
     before = [r["figures"] for r in host_records + noise if r["case"] == case]
     outside = max(max(f[name]["max"] for f in before) / min(f[name]["min"] for f in before)
-                  for name in ("time", "tokens_per_s", "gflops"))
+                  for name in ("time", "tokens_per_s", "gflops", "gflops_form"))
     slow = later_night(host_records, 2, lambda r: scale_time(r, 1.2 * outside, case))
     slower = later_night(host_records, 3, lambda r: scale_time(r, 1.3 * outside, case))
     flags = build(tmp_path, host_records + noise + slow + slower)["flags"]
-    assert {(f["case"], f["what"]) for f in flags} == {(case, "time"), (case, "tokens_per_s"), (case, "gflops")}
+    assert {(f["case"], f["what"]) for f in flags} == {(case, "time"), (case, "tokens_per_s"), (case, "gflops"),
+                                                       (case, "gflops_form")}
     time_flag = next(f for f in flags if f["what"] == "time")
     assert time_flag["since"] == slow[0]["started"]  # the streak began with the first slow night
     baseline = sorted(r["figures"]["time"]["median"] for r in host_records + noise if r["case"] == case)

@@ -59,3 +59,33 @@ def test_a_program_killed_on_the_device_leaves_an_error_record_with_its_stderr(r
     rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
     assert [r["verdict"] for r in rows] == ["error"]
     assert "tb_gdn_bench exited -9" in rows[0]["detail"] and "out of memory in chunk 3" in rows[0]["detail"]
+
+
+def test_a_device_that_drops_mid_run_is_an_error_record_and_unreachable(results_dir, monkeypatch):
+    """The loopback phone's adbd dies after the third program run of the oracle matrix (deterministic:
+    killed from inside the run, not on a timer): the run ends as one error record saying the device was
+    lost, and the CLI reports the device unreachable (exit 3), which is how a nightly lists it."""
+    import os
+    import signal
+
+    from testbed.backends.native import gdn as native_gdn
+
+    device = connect(load_profile("adb-loopback"))
+    calls = []
+
+    def dropping(dev, job):
+        calls.append(job)
+        if len(calls) == 3:
+            os.kill(device.peer.proc.pid, signal.SIGKILL)
+        return real(dev, job)
+
+    real = native_gdn.run_native
+    monkeypatch.setattr(native_gdn, "run_native", dropping)
+    monkeypatch.setattr(runner, "connect", lambda profile: device)
+    try:
+        assert cli.main(["run", "gdn", "device=adb-loopback", "mode=oracle", "matrix=awkward"]) == 3
+    finally:
+        device.close()
+    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    assert [(r["verdict"], r["device"]) for r in rows] == [("error", "adb-loopback")]
+    assert "connection lost" in rows[0]["detail"] and rows[0]["metrics"]["records_before_error"] >= 1

@@ -168,14 +168,29 @@ static double cpu_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* Evict the caches before a cold repetition: write, then read, a buffer of `mb` MiB (larger than any
+ * last-level cache), so the kernel's operands come from memory as a first call's would. */
+static void evict_caches(long mb) {
+    static unsigned char *junk;
+    static volatile unsigned sink;
+    size_t n = (size_t)mb << 20;
+    if (!junk && !(junk = malloc(n))) die("out of memory for cold=1 (%ld MiB)", mb);
+    memset(junk, (int)(sink & 0xff) + 1, n);
+    unsigned s = 0;
+    for (size_t i = 0; i < n; i += 64) s += junk[i];
+    sink = s;
+}
+
 void bench_and_record(const char *program, const char *kernel, bench_fn fn, void *ctx, const char *extra_json) {
-    long warmup = arg_int("warmup", 1), reps = arg_int("reps", 1);
+    long warmup = arg_int("warmup", 1), reps = arg_int("reps", 1), cold_mb = arg_int("cold_mb", 0);
+    if (cold_mb < 0) die("cold_mb must be >= 0 (got %ld)", cold_mb);
     if (warmup < 0 || reps < 1) die("warmup must be >= 0 and reps >= 1 (got %ld, %ld)", warmup, reps);
     double *seconds = malloc(sizeof(double) * (size_t)reps), *cpu = malloc(sizeof(double) * (size_t)reps);
     if (!seconds || !cpu) die("out of memory");
     for (long i = 0; i < warmup; i++)
         if (fn(ctx)) die("%s failed in warm-up", kernel);
     for (long i = 0; i < reps; i++) {
+        if (cold_mb) evict_caches(cold_mb); /* outside the timed region */
         double c0 = cpu_seconds(), t0 = now_seconds();
         int rc = fn(ctx);
         seconds[i] = now_seconds() - t0, cpu[i] = cpu_seconds() - c0;
@@ -186,8 +201,8 @@ void bench_and_record(const char *program, const char *kernel, bench_fn fn, void
     FILE *f = fopen(path, "w");
     if (!f) die("cannot write %s", path);
     fprintf(f, "{\"program\": \"%s\", \"kernel\": \"%s\", \"vector_path\": \"%s\", \"source_hash\": \"%s\", "
-               "\"warmup\": %ld, \"reps\": %ld, %s%s\"seconds\": [",
-            program, kernel, tb_vector_path(), tb_source_hash(), warmup, reps, extra_json ? extra_json : "",
+               "\"warmup\": %ld, \"reps\": %ld, \"cold_mb\": %ld, %s%s\"seconds\": [",
+            program, kernel, tb_vector_path(), tb_source_hash(), warmup, reps, cold_mb, extra_json ? extra_json : "",
             extra_json && *extra_json ? ", " : "");
     for (long i = 0; i < reps; i++) fprintf(f, "%s%.9g", i ? ", " : "", seconds[i]);
     fprintf(f, "], \"cpu_seconds\": [");

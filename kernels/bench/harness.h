@@ -36,7 +36,9 @@ void flush_denormals(void);
 
 double now_seconds(void);
 
-/* Run fn(ctx) warmup times, then reps times timed; write DIR/timings.json. fn returns a TB_* code. */
+/* Run fn(ctx) warmup times, then reps times timed; write DIR/timings.json. fn returns a TB_* code.
+ * With the argument cold_mb=N (> 0) every timed repetition starts with the caches evicted (N MiB
+ * written and read first, outside the timing): a first call's cost instead of a hot loop's. */
 typedef int (*bench_fn)(void *ctx);
 void bench_and_record(const char *program, const char *kernel, bench_fn fn, void *ctx, const char *extra_json);
 

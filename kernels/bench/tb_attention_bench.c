@@ -58,8 +58,8 @@ static int run(void *arg) {
 }
 
 int main(int argc, char **argv) {
-    static const char *const keys[] = {"form", "scale", "threads", "warmup", "reps", NULL};
-    args_init(argc, argv, "form=chunk|decode_steps scale=X threads=N warmup=N reps=N", keys);
+    static const char *const keys[] = {"form", "scale", "threads", "warmup", "reps", "cold_mb", NULL};
+    args_init(argc, argv, "form=chunk|decode_steps scale=X threads=N warmup=N reps=N cold_mb=N", keys);
     flush_denormals();
     attention_job j = {0};
     j.q = npy_load(in_dir(), "q", "<f4"), j.k = npy_load(in_dir(), "k", "<f4"), j.v = npy_load(in_dir(), "v", "<f4");

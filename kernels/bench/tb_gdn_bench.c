@@ -67,8 +67,8 @@ static int run(void *arg) {
 }
 
 int main(int argc, char **argv) {
-    static const char *const keys[] = {"form", "chunk", "head_map", "threads", "warmup", "reps", NULL};
-    args_init(argc, argv, "form=serial|chunkwise|serial-chunk-loop chunk=N head_map=tiled|interleaved threads=N warmup=N reps=N", keys);
+    static const char *const keys[] = {"form", "chunk", "head_map", "threads", "warmup", "reps", "cold_mb", NULL};
+    args_init(argc, argv, "form=serial|chunkwise|serial-chunk-loop chunk=N head_map=tiled|interleaved threads=N warmup=N reps=N cold_mb=N", keys);
     flush_denormals();
     gdn_job j = {0};
     const char *form = arg_str("form", "chunkwise"), *head_map = arg_str("head_map", "tiled");

@@ -5,8 +5,10 @@ oracle mode  every case of the shape matrix: the backend's serial and chunkwise 
              and bit-exact equality for a pure loop restructuring (the serial recurrence run as a
              loop of chunks carrying the state must not change a single bit).
 bench mode   serial vs chunkwise at the benchmark shape (16 heads, head size 128 by default) for each
-             token count: time, tokens/s, GFLOP/s on gdn_flops' count, and the fraction of a
-             single-thread sgemm rate measured in the same run.
+             token count, the forms' repetitions interleaved: time (wall and, for native, CPU),
+             tokens/s, GFLOP/s on gdn_flops' serial count, GFLOP/s on the work each form really does
+             (gdn_chunkwise_flops), and on the host the fraction of numpy's sgemm rate at the same
+             thread count, timed between the kernel's repetitions.
 
 Backends (testbed/backends/NAME/gdn.py; the device's default is the first its profile has):
 refimpl (numpy, the host only); native (kernels/bench/tb_gdn_bench built for the device's ABI and run
@@ -18,6 +20,7 @@ oracles always run here, on the host.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -29,7 +32,6 @@ from refimpl import gdn as ref
 from testbed import backends
 from testbed.config import Choice, Float, Int, IntList
 from testbed.errors import UsageError
-from testbed.measure import time_call
 from testbed.oracles import check_bitexact, check_nmse
 from testbed.results import Figure, Record
 
@@ -190,42 +192,67 @@ def oracle_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
                          detail=v.detail, evidence=be.evidence.take())
 
 
-def sgemm_rate(size: int = 512, reps: int = 5) -> Figure:
-    """Single-thread float32 matmul rate (FLOP/s) at a size comparable to the chunk products."""
+SGEMM_SIZE = 512  # comparable to the chunk products at head size 128
+
+
+def sgemm_seconds(threads: int) -> float:
+    """One float32 512^3 matmul by numpy's BLAS on `threads` threads: the reference rate, timed between
+    the kernel's repetitions so both see the same machine (load, clock, thermal state)."""
+    import time
+
     from threadpoolctl import threadpool_limits
 
-    a = np.random.default_rng(0).standard_normal((size, size), np.float32)
-    with threadpool_limits(limits=1):
-        t = time_call(lambda: a @ a, reps=reps, warmup=1)
-    return t.rate(2.0 * size**3, "FLOP/s")
+    a = _sgemm_operand()
+    with threadpool_limits(limits=threads):
+        t0 = time.perf_counter()
+        a @ a
+        return time.perf_counter() - t0
+
+
+@functools.lru_cache(maxsize=1)
+def _sgemm_operand() -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((SGEMM_SIZE, SGEMM_SIZE), np.float32)
 
 
 def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
     b = cfg.bench
-    # numpy's sgemm is a reference rate only where the kernels ran: on this host
-    sgemm = sgemm_rate() if ctx.device.profile.transport == "local" else None
+    # numpy's sgemm is a reference rate only where the kernels ran: this host, not under emulation
+    here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
     for t_len in b.tokens:
         ctx.progress(f"gdn bench H={b.heads} hs={b.head_size} T={t_len}")
         x = ref.draw_inputs(1, t_len, b.heads, b.head_size, kda=b.kda, seed=cfg.seed)
-        times = be.bench(x, cfg.chunk, b.reps, b.warmup)
+        sgemm_s: list[float] = []
+        times = be.bench(x, cfg.chunk, b.reps, b.warmup,
+                         between=(lambda: sgemm_s.append(sgemm_seconds(cfg.threads))) if here else None)
+        sgemm = Figure.of(sgemm_s, "s").rate(2.0 * SGEMM_SIZE**3, "FLOP/s") if sgemm_s else None
         flops = ref.gdn_flops(1, t_len, b.heads, b.head_size, b.kda)
+        form_flops = {"serial": flops,
+                      "chunkwise": ref.gdn_chunkwise_flops(1, t_len, b.heads, b.head_size, cfg.chunk, b.kda)}
         case = f"H={b.heads},hs={b.head_size},T={t_len},kda={int(b.kda)}"
         evidence = be.evidence.take()
         for form in ("serial", "chunkwise"):
             t = times[form]
             gflops = t.rate(flops / 1e9, "GFLOP/s")
-            figures = {"time": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(t_len, "tokens/s"), "gflops": gflops}
+            done = t.rate(form_flops[form] / 1e9, "GFLOP/s")  # on the work this form really does
+            figures = {"time": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(t_len, "tokens/s"), "gflops": gflops,
+                       "gflops_form": done}
             metrics = {"speedup_vs_serial": times["serial"].median / t.median}
             if f"{form}_cpu" in times:
                 figures["cpu_time"] = times[f"{form}_cpu"].scaled(1e3, "ms")
             if sgemm is not None:
-                figures["sgemm_1t"] = sgemm.scaled(1e-9, "GFLOP/s")
-                metrics["sgemm_fraction"] = gflops.median / (sgemm.median * 1e-9)
+                figures["sgemm"] = sgemm.scaled(1e-9, "GFLOP/s")
+                metrics["sgemm_fraction"] = done.median / (sgemm.median * 1e-9)
             yield Record(
                 "gdn", f"{case}/{form}", "measure",
                 figures=figures,
                 metrics=metrics,
-                work={"flops": flops, "flop_count": "gdn_flops: 7 d^2 + 4 d per token and head",
+                work={"flops": flops, "flop_count": "gdn_flops: the serial recurrence's 7 d^2 + 4 d per token "
+                                                    "and head; `gflops` uses it for both forms",
+                      "flops_form": form_flops[form],
+                      "flop_count_form": "the work this form really does (gdn_chunkwise_flops for chunkwise); "
+                                         "`gflops_form` and sgemm_fraction use it",
+                      "sgemm": f"numpy {SGEMM_SIZE}^3 float32 matmul on {cfg.threads} thread(s), one between each "
+                               "pair of kernel repetitions" if sgemm is not None else "not measured off this host",
                       "tokens": t_len},
                 params={"heads": b.heads, "head_size": b.head_size, "tokens": t_len, "kda": b.kda,
                         "chunk": cfg.chunk, "form": form, "threads": cfg.threads},

@@ -5,7 +5,9 @@ attention  one chunk of C query rows against P past + C new keys, vs the same C 
            tb_attention_bench on the device, timed by its own clock around the kernel calls only (no
            host call between decode steps), alternating chunk and decode-steps runs per repetition.
            Both outputs are checked against the numpy reference (NMSE), so every timed call
-           computed the full result.
+           computed the full result. Then one decode step (the last row against every key) hot
+           (operands in cache after a warm-up call) and cold (the caches evicted before it, as a
+           first call after other work finds them), with the bytes it must read and their rate.
 rollback   the padded tail's extra cache work (snapshot before the padded append, rollback after it)
            on one layer's K and V at the model shape, against an unpadded append, in tb_cache_bench
            (each operation timed apart, interleaved in every repetition), vs one decode step of that
@@ -41,6 +43,7 @@ PARAMS = {
     "cache.real": Int(0, 4096),
     "bench.warmup": Int(0, 100),
     "bench.reps": Int(1, 1000),
+    "bench.cold_mb": Int(1, 4096),
 }
 
 
@@ -74,9 +77,11 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     reference = gemma.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask,
                                 1 / np.sqrt(a.head_dim))
 
-    def attention_run(form: str, warmup: int, reps: int):
-        args = ["{inputs}", ".", f"form={form}", f"threads={cfg.threads}", f"warmup={warmup}", f"reps={reps}"]
-        return run_native(ctx.device, NativeJob(programs / "tb_attention_bench", {"q": q, "k": k, "v": v, "mask": mask},
+    def attention_run(form: str, warmup: int, reps: int, inputs=None, cold_mb: int = 0):
+        args = ["{inputs}", ".", f"form={form}", f"threads={cfg.threads}", f"warmup={warmup}", f"reps={reps}",
+                f"cold_mb={cold_mb}"]
+        return run_native(ctx.device, NativeJob(programs / "tb_attention_bench",
+                                                inputs or {"q": q, "k": k, "v": v, "mask": mask},
                                                 ["out"], args, measured=reps > 0))
 
     ctx.progress("native_bench attention: chunk vs decode steps, on the device")
@@ -95,6 +100,9 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     shape = f"heads={a.heads},kv={a.kv_heads},hd={a.head_dim},P={a.past},C={a.chunk}"
     params = {"kernel": "attention", "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
               "past": a.past, "chunk": a.chunk, "threads": cfg.threads}
+    # what a call through the program costs beyond the kernel, per run (warm-up calls excluded)
+    outside = {form: Figure.of([e["detail"]["command_seconds"] - e["device_seconds"] for e in evidence[form][1:]
+                                or evidence[form]], "s") for form in samples}
     for form, t in times.items():
         verdict = check_nmse({"out": reference}, {"out": outputs[form]})
         yield Record("native_bench", f"attention/{shape}/{form}", "oracle", "nmse", verdict.verdict, verdict.margin,
@@ -103,13 +111,18 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
         yield Record(
             "native_bench", f"attention/{shape}/{form}", "measure",
             figures={"time": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(a.chunk, "tokens/s"),
-                     "gflops": t.rate(flops[form] / 1e9, "GFLOP/s")},
+                     "gflops": t.rate(flops[form] / 1e9, "GFLOP/s"),
+                     "outside_kernel": outside[form].scaled(1e3, "ms")},
             metrics={"speedup_vs_decode": times["decode_steps"].median / t.median},
             work={"flops": flops[form], "flop_count": "4 heads rows keys head_dim (q k^T and p v)",
                   "rows": a.chunk, "calls": 1 if form == "chunk" else a.chunk,
-                  "timer": "tb_attention_bench's clock on the device, around the kernel call(s) only"},
+                  "timer": "tb_attention_bench's clock on the device, around the kernel call(s) only",
+                  "outside_kernel": "the program run as the host saw it minus the kernel time: process start, "
+                                    "input load, output write and the link (the first run's warm-up excluded)"},
             params=params | {"form": form}, evidence=evidence[form],
         )
+
+    yield from decode_step_records(cfg, attention_run, q, k, v, mask, params)
 
     # Rollback: one layer's K and V caches (float32 rows of head_dim per KV head), a full window.
     ctx.progress("native_bench cache rollback vs one decode step, on the device")
@@ -145,6 +158,34 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
         )
 
 
+def decode_step_records(cfg, attention_run, q, k, v, mask, params) -> Iterator[Record]:
+    """One decode step, the chunk's last row against all P + C keys, hot and cold, alternating."""
+    a, b = cfg.attention, cfg.bench
+    step = {"q": np.ascontiguousarray(q[:, -1:]), "k": k, "v": v, "mask": np.ascontiguousarray(mask[:, :, -1:])}
+    runs = {"decode_step_hot": dict(warmup=1, cold_mb=0), "decode_step_cold": dict(warmup=0, cold_mb=b.cold_mb)}
+    samples: dict[str, list[float]] = {form: [] for form in runs}
+    evidence: dict[str, list] = {form: [] for form in runs}
+    for _ in range(b.reps):
+        for form, how in runs.items():
+            result = attention_run("chunk", how["warmup"], 1, step, how["cold_mb"])
+            samples[form] += result.timings["seconds"]
+            evidence[form].append(result.evidence.as_dict())
+    n_keys = a.past + a.chunk
+    # what one step must read: K and V of every key, and its mask row per head
+    streamed = 4 * (2 * a.kv_heads * n_keys * a.head_dim + a.heads * n_keys)
+    for form, s in samples.items():
+        t = Figure.of(s, "s")
+        yield Record(
+            "native_bench", f"attention/heads={a.heads},kv={a.kv_heads},hd={a.head_dim},keys={n_keys}/{form}",
+            "measure", figures={"time": t.scaled(1e3, "ms"), "bandwidth": t.rate(streamed / 1e9, "GB/s")},
+            metrics={"cold_vs_hot": Figure.of(samples["decode_step_cold"], "s").median
+                     / Figure.of(samples["decode_step_hot"], "s").median},
+            work={"bytes": streamed, "bytes_count": "K and V of every key (float32) and one mask row per head",
+                  "cold": f"caches evicted before each timed call ({b.cold_mb} MiB written and read)"
+                          if form.endswith("cold") else "a warm-up call first: operands in cache if they fit"},
+            params=params | {"form": form, "keys": n_keys}, evidence=evidence[form])
+
+
 def view(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for _, r in df[df["kind"] == "measure"].iterrows():
@@ -153,5 +194,7 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                      "time": r.get("figures.time.median"), "unit": r.get("figures.time.unit"),
                      "GFLOP/s": None if is_cache else r.get("figures.gflops.median"),
                      "x decode": None if is_cache else r.get("metrics.speedup_vs_decode"),
+                     "outside kernel ms": None if is_cache else r.get("figures.outside_kernel.median"),
+                     "GB/s": r.get("figures.bandwidth.median"),
                      "rollback / decode step": r.get("metrics.rollback_vs_decode_step") if is_cache else None})
     return pd.DataFrame(rows)

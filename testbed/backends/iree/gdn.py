@@ -29,9 +29,11 @@ class IreeGDN:
     def serial_chunk_loop(self, x, chunk: int):
         return serial_in_chunks(self.serial, x, chunk)
 
-    def bench(self, x, chunk: int, reps: int, warmup: int) -> dict:
-        return time_alternating({"serial": lambda: self.serial(x), "chunkwise": lambda: self.chunkwise(x, chunk)},
-                                reps=reps, warmup=warmup)
+    def bench(self, x, chunk: int, reps: int, warmup: int, between=None) -> dict:
+        fns = {"serial": lambda: self.serial(x), "chunkwise": lambda: self.chunkwise(x, chunk)}
+        times = time_alternating(fns | ({"between": between} if between else {}), reps=reps, warmup=warmup)
+        times.pop("between", None)
+        return times
 
 
 def runner(cfg, device, progress=lambda msg: None) -> IreeGDN:

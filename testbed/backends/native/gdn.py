@@ -55,9 +55,10 @@ class NativeGDN:
     def serial_chunk_loop(self, x, chunk: int):
         return self._arrays(x, "serial-chunk-loop", chunk)
 
-    def bench(self, x, chunk: int, reps: int, warmup: int) -> dict:
+    def bench(self, x, chunk: int, reps: int, warmup: int, between=None) -> dict:
         """Serial and chunkwise, alternating one program run per repetition (each with its own
-        warm-up), timed by the program's clock on the device: wall and CPU seconds per call."""
+        warm-up), timed by the program's clock on the device: wall and CPU seconds per call.
+        `between()` runs after each pair (a reference timed in the same conditions)."""
         seconds: dict[str, list[float]] = {"serial": [], "chunkwise": []}
         cpu: dict[str, list[float]] = {"serial": [], "chunkwise": []}
         for _ in range(reps):
@@ -65,6 +66,8 @@ class NativeGDN:
                 t = self._run(x, form, chunk, warmup=warmup, reps=1, measured=True).timings
                 seconds[form] += t["seconds"]
                 cpu[form] += t.get("cpu_seconds") or []
+            if between is not None:
+                between()
         return {form: Figure.of(s, "s") for form, s in seconds.items()} | {
             f"{form}_cpu": Figure.of(c, "s") for form, c in cpu.items() if c}
 

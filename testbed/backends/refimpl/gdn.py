@@ -25,9 +25,11 @@ class RefimplGDN:
     def serial_chunk_loop(self, x, chunk: int):
         return serial_in_chunks(self.serial, x, chunk)
 
-    def bench(self, x, chunk: int, reps: int, warmup: int) -> dict:
-        return time_alternating({"serial": lambda: self.serial(x), "chunkwise": lambda: self.chunkwise(x, chunk)},
-                                reps=reps, warmup=warmup)
+    def bench(self, x, chunk: int, reps: int, warmup: int, between=None) -> dict:
+        fns = {"serial": lambda: self.serial(x), "chunkwise": lambda: self.chunkwise(x, chunk)}
+        times = time_alternating(fns | ({"between": between} if between else {}), reps=reps, warmup=warmup)
+        times.pop("between", None)
+        return times
 
 
 def serial_in_chunks(serial, x: ref.GDNInputs, chunk: int):
