@@ -10,6 +10,8 @@ from testbed.backends.llamacpp import ggml_gdn
 from testbed.backends.llamacpp import runner as llamacpp
 from testbed.experiments.gdn import AWKWARD_CASES, TBO_CASES
 
+pytestmark = pytest.mark.device
+
 
 @pytest.fixture(scope="module")
 def tools(device):
