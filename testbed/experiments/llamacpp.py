@@ -140,7 +140,7 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
     for _, r in df.iterrows():
         if r["kind"] == "oracle" and (r["case"].endswith("/tally") or r["verdict"] != "pass"):
             rows.append({"device": r["device"], "case": r["case"], "verdict": r["verdict"],
-                         "result": r.get("metrics.tally") or r.get("detail")})
+                         "result": r["metrics.tally"] if r["case"].endswith("/tally") else r.get("detail")})
         elif r["kind"] == "measure":
             tps = r.get("figures.tokens_per_s.median")
             rows.append({"device": r["device"], "case": r["case"], "verdict": "",
