@@ -279,7 +279,7 @@ def build(target: str, source: str = "", programs: tuple[str, ...] = ("test-back
         # build.json first, then each program, each appearing whole or not at all
         _write_whole(info_path, lambda tmp: tmp.write_text(json.dumps(info, indent=1) + "\n"))
         for name in missing:
-            _write_whole(out / name, lambda tmp: shutil.copy2(build_dir / name, tmp))
+            _write_whole(out / name, lambda tmp: shutil.copy2(build_dir / "bin" / name, tmp))
         return Built(target, out, digest, info)
 
 
