@@ -135,9 +135,15 @@ def validate(cfg: DictConfig) -> None:
     """Before any work: llama.cpp's tools must be named by the profile; threads only mean something
     for the native kernels."""
     if cfg.backend == "llamacpp":
+        from testbed.backends.llamacpp import build as builder
+
         if not (cfg.device.get("tools") or {}).get("test-backend-ops"):
-            raise UsageError(f"backend=llamacpp runs llama.cpp's test-backend-ops on the device; device={cfg.device.name} "
-                             f"names no tools.test-backend-ops in devices/{cfg.device.name}.yaml")
+            try:  # the tools are built for the device (testbed.backends.llamacpp.build)
+                builder.cmake_options(builder.target_for(cfg.device.name, cfg.device.abi, cfg.device.get("capabilities")))
+            except builder.BuildError as e:
+                raise UsageError(f"backend=llamacpp runs llama.cpp's test-backend-ops on the device; device={cfg.device.name} "
+                                 f"names no tools.test-backend-ops in devices/{cfg.device.name}.yaml and they cannot "
+                                 f"be built for it: {e}") from None
     elif cfg.backend == "iree":  # a module for another kind of device is refused before anything compiles
         from testbed.backends.iree.device import check_target_fits
         from testbed.devices import load_profile
@@ -262,17 +268,24 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
 
 def llamacpp_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     """ggml's GATED_DELTA_NET on the device (seed 002's phones): llama.cpp's own harness is the oracle
-    (one verdict per case and the "36/36 OK" tally), its perf mode the measurement."""
+    (one verdict per case and the "36/36 OK" tally), its perf mode the measurement. Where testbed built
+    the tools (the profile names none), ggml's op is also judged by the float64 reference over the
+    matrix (testbed.backends.llamacpp.ggml_gdn): test-backend-ops -b CPU compares ggml with itself."""
+    from testbed.backends.llamacpp import ggml_gdn
     from testbed.backends.llamacpp import runner as llamacpp
 
     backend = ctx.device.profile.accelerators.get("backend") or "CPU"
+    tools = llamacpp.resolve_tools(ctx.device, "auto", "", ("test-backend-ops", "tb_ggml_gdn"), ctx.progress)
     if cfg.mode in ("oracle", "all"):
         ctx.progress(f"test-backend-ops -o GATED_DELTA_NET -b {backend}")
-        report, problems = llamacpp.test_backend_ops(ctx.device, "GATED_DELTA_NET", backend)
+        report, problems = llamacpp.test_backend_ops(ctx.device, "GATED_DELTA_NET", backend, tools)
         yield from llamacpp.test_records("gdn", "GATED_DELTA_NET", backend, report, problems)
+        if tools.built:
+            yield from ggml_gdn.oracle_records("gdn", ctx.device, tools.built.program("tb_ggml_gdn"), matrix(cfg.matrix),
+                                               cfg.seed, cfg.threshold, ctx.progress, tools.artifacts())
     if cfg.mode in ("bench", "all"):
         ctx.progress(f"test-backend-ops perf -o GATED_DELTA_NET -b {backend}")
-        yield from llamacpp.perf_records(ctx.device, "gdn", "GATED_DELTA_NET", backend)
+        yield from llamacpp.perf_records(ctx.device, "gdn", "GATED_DELTA_NET", backend, tools)
 
 
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
