@@ -233,6 +233,13 @@ def causal_conv(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return sum(rows[j:j + c] * weight[:, j] for j in range(kernel)).astype(DTYPE)
 
 
+def conv_state_after(rows: np.ndarray, n: int, kernel: int) -> np.ndarray:
+    """The conv state after n real rows: of rows [K - 1 + C, channels] (the old state, then the
+    call's rows), the last K - 1 up to the last real row, which the next call's kernel reads. Pad rows
+    after them are never part of it."""
+    return rows[n:n + kernel - 1]
+
+
 def rope_partial(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """RoPE on the first cos.shape[-1] dims of x [heads, C, head_dim]; the rest pass unrotated."""
     r = cos.shape[-1]
@@ -273,8 +280,6 @@ def linear_attention(w: dict, cfg: HybridConfig, i: int, h: np.ndarray, past: di
     c, d = h.shape[0], cfg.linear_head_dim
     rows = np.concatenate([past["conv"], h @ w[p + "in_proj_qkv.weight"].T])    # [K - 1 + C, conv_dim]
     qkv = silu(causal_conv(rows, w[p + "conv1d.weight"][:, 0, :]))
-    # The rows the next call's kernel reads: the last K - 1 up to the last real row, pads excluded.
-    conv_state = rows[n:n + cfg.conv_kernel - 1]
     q = l2norm(qkv[:, :cfg.key_dim].reshape(1, c, cfg.linear_k_heads, d))
     k = l2norm(qkv[:, cfg.key_dim:2 * cfg.key_dim].reshape(1, c, cfg.linear_k_heads, d))
     v = qkv[:, 2 * cfg.key_dim:].reshape(1, c, cfg.linear_v_heads, d)
@@ -285,7 +290,7 @@ def linear_attention(w: dict, cfg: HybridConfig, i: int, h: np.ndarray, past: di
                         head_map=HEAD_MAP)
     z = (h @ w[p + "in_proj_z.weight"].T).reshape(c, cfg.linear_v_heads, d)
     o = gated_rms_norm(out[0], z, w[p + "norm.weight"], cfg.rms_eps).reshape(c, cfg.value_dim)
-    return (o @ w[p + "out_proj.weight"].T).astype(DTYPE), {"conv": conv_state, "recurrent": state[0]}
+    return (o @ w[p + "out_proj.weight"].T).astype(DTYPE), {"conv": conv_state_after(rows, n, cfg.conv_kernel), "recurrent": state[0]}
 
 
 def full_attention(w: dict, cfg: HybridConfig, i: int, h: np.ndarray, past: dict, n: int,
