@@ -83,18 +83,25 @@ def as_list(value) -> list[int]:
 
 def validate(cfg: DictConfig) -> None:
     """The native GDN is the host's ctypes library: it computes here, so the device must be this host.
-    The oracle cases must fit: P + n within the prompt, n within one chunk."""
+    What the mode runs must fit: oracle cases P + n within the prompt and n within one chunk, tails
+    shorter than a chunk."""
     if cfg.backend == "native" and (cfg.device.get("transport") != "local" or cfg.device.get("abi") != "host"):
         raise UsageError(f"backend=native runs the GDN kernels through ctypes on this host; device={cfg.device.name} "
                          f"is not the host (accepted: device=host, or backend=refimpl)")
-    past, tokens = as_list(cfg.oracle.past), as_list(cfg.oracle.tokens)
-    if len(past) != len(tokens):
-        raise UsageError(f"oracle.past has {len(past)} entries and oracle.tokens {len(tokens)}; accepted: one n per P")
-    for p, n in zip(past, tokens):
-        if n > cfg.chunk or p + n > cfg.oracle.prompt_tokens:
-            raise UsageError(f"oracle case P={p}, n={n} does not fit chunk={cfg.chunk} and "
-                             f"oracle.prompt_tokens={cfg.oracle.prompt_tokens}; accepted: n <= chunk, P + n <= prompt")
-    bad = [t for t in as_list(cfg.oracle.tails) + as_list(cfg.bench.tails) if t >= cfg.chunk]
+    parts = PARTS[cfg.mode]
+    tails = []
+    if "oracle" in parts:
+        past, tokens = as_list(cfg.oracle.past), as_list(cfg.oracle.tokens)
+        if len(past) != len(tokens):
+            raise UsageError(f"oracle.past has {len(past)} entries and oracle.tokens {len(tokens)}; accepted: one n per P")
+        for p, n in zip(past, tokens):
+            if n > cfg.chunk or p + n > cfg.oracle.prompt_tokens:
+                raise UsageError(f"oracle case P={p}, n={n} does not fit chunk={cfg.chunk} and oracle.prompt_tokens="
+                                 f"{cfg.oracle.prompt_tokens}; accepted: n <= chunk, P + n <= prompt")
+        tails += as_list(cfg.oracle.tails)
+    if "tail" in parts:
+        tails += as_list(cfg.bench.tails)
+    bad = [t for t in tails if t >= cfg.chunk]
     if bad:
         raise UsageError(f"tail {bad[0]} is not shorter than chunk={cfg.chunk}; accepted: tails 0..{cfg.chunk - 1}")
 
