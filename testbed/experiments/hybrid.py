@@ -39,7 +39,7 @@ from testbed import breakeven
 from testbed.config import Choice, Float, Int, IntList
 from testbed.errors import UsageError
 from testbed.hybrid_oracles import check_chunk_with_past, check_pad_identity, check_padded_tail
-from testbed.measure import time_alternating
+from testbed.measure import time_alternating_clocks
 from testbed.oracles import nmse
 from testbed.results import Record
 
@@ -165,8 +165,13 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
 # --- measurements ------------------------------------------------------------------------------------
 
 
-def figures(t, tokens: int) -> dict:
-    return {"time": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(tokens, "tokens/s")}
+def figures(clocks: dict, tokens: int, flops: int) -> dict:
+    """Wall and CPU time, and the rates per each: on a shared machine the CPU figures are what the
+    work cost, the wall figures what a user waited."""
+    wall, cpu = clocks["wall"], clocks["cpu"]
+    return {"time": wall.scaled(1e3, "ms"), "tokens_per_s": wall.rate(tokens, "tokens/s"),
+            "cpu_time": cpu.scaled(1e3, "ms"), "tokens_per_cpu_s": cpu.rate(tokens, "tokens/s"),
+            "gflops_cpu": cpu.rate(flops / 1e9, "GFLOP/s")}
 
 
 def crossover_records(cfg: DictConfig, ctx) -> Iterator[Record]:
@@ -182,16 +187,15 @@ def crossover_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     for length in as_list(b.contexts):
         ctx.progress(f"hybrid crossover L={length}")
         prompt = np.random.default_rng(cfg.seed).integers(0, hybrid.vocab, length)
-        times = time_alternating({name: partial(qwen35.prefill, w, m, prompt, b.prefill_chunk, fn)
-                                  for name, (m, w, fn) in runs.items()}, reps=b.reps, warmup=b.warmup)
+        times = time_alternating_clocks({name: partial(qwen35.prefill, w, m, prompt, b.prefill_chunk, fn)
+                                         for name, (m, w, fn) in runs.items()}, reps=b.reps, warmup=b.warmup)
+        cpu = {name: t["cpu"].median for name, t in times.items()}
         for name, (m, _, _) in runs.items():
             flops = qwen35.prefill_flops(m, length, b.prefill_chunk)
-            t = times[name]
             yield Record(
                 "hybrid", f"L={length}/{name}", "measure",
-                figures=figures(t, length) | {"gflops": t.rate(flops / 1e9, "GFLOP/s")},
-                metrics={"x_dense": times["dense"].median / t.median,
-                         "x_serial": times["hybrid-serial"].median / t.median},
+                figures=figures(times[name], length, flops),
+                metrics={"x_dense_cpu": cpu["dense"] / cpu[name], "x_serial_cpu": cpu["hybrid-serial"] / cpu[name]},
                 work={"flops": flops, "flop_count": "qwen35.prefill_flops (GDN: gdn_flops, the serial count)",
                       "tokens": length},
                 params={"part": "crossover", "context": length, "model": name, "prefill_chunk": b.prefill_chunk,
@@ -211,16 +215,17 @@ def tail_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     ctx.progress(f"hybrid tail N={lengths}")
     calls = {(n, mode): partial(qwen35.prefill, w, model, prompt[:n], cfg.chunk, fn, mode)
              for n in lengths for mode in ("padded", "scalar")}
-    times = time_alternating(calls, reps=b.reps, warmup=b.warmup)
+    times = time_alternating_clocks(calls, reps=b.reps, warmup=b.warmup)
     arts = artifacts(cfg)
-    for (n, mode), t in times.items():
+    for (n, mode), clocks in times.items():
         tail = n - cfg.chunk
         rows = cfg.chunk if mode == "padded" and tail else tail
         flops = qwen35.graph_flops(model, cfg.chunk, 0) + (
             qwen35.graph_flops(model, rows, cfg.chunk) if mode == "padded" or not tail
             else sum(qwen35.graph_flops(model, 1, cfg.chunk + i) for i in range(tail)))
         yield Record("hybrid", f"N={n}/{mode}", "measure",
-                     figures={"ttft": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(n, "tokens/s")},
+                     figures=figures(clocks, n, flops) | {"ttft": clocks["wall"].scaled(1e3, "ms"),
+                                                          "ttft_cpu": clocks["cpu"].scaled(1e3, "ms")},
                      work={"flops": flops, "tokens": n},
                      params={"part": "tail", "prompt_tokens": n, "tail": tail, "mode": mode, "chunk": cfg.chunk,
                              "gdn_chunk": cfg.gdn_chunk, "threads": cfg.threads},
@@ -298,15 +303,17 @@ def measure_frame(df: pd.DataFrame, part: str) -> pd.DataFrame:
 
 
 def crossover_table(df: pd.DataFrame) -> pd.DataFrame:
-    """tokens/s per context and model (latest record of each), beside the seed's figures."""
+    """tokens per CPU second per context and model (latest record of each; the wall figures are in the
+    records), beside the seed's figures."""
     m = measure_frame(df, "crossover")
     if m.empty:
         return pd.DataFrame()
     m = m.groupby(["device", "backend", "params.context", "params.model"]).tail(1)
     rows = pd.DataFrame({"device": m["device"], "backend": m["backend"], "context": m["params.context"].astype(int),
-                         "model": m["params.model"], "tokens/s": m["figures.tokens_per_s.median"].astype(float)})
+                         "model": m["params.model"], "tokens/s": m["figures.tokens_per_cpu_s.median"].astype(float)})
     wide = rows.pivot_table(index=["device", "backend", "context"], columns="model", values="tokens/s").reset_index()
     wide.columns.name = None
+    wide.insert(3, "tokens/s per", "CPU s")
     for model in MODELS:
         if model in wide:
             wide[model] = wide[model].round(1)
@@ -325,7 +332,7 @@ def crossover_summary(df: pd.DataFrame) -> pd.DataFrame:
     for (device, backend), grp in m.groupby(["device", "backend"]):
         grp = grp.groupby(["params.context", "params.model"]).tail(1)
         frame = pd.DataFrame({"context": grp["params.context"].astype(int), "model": grp["params.model"],
-                              "tokens/s": grp["figures.tokens_per_s.median"].astype(float)})
+                              "tokens/s": grp["figures.tokens_per_cpu_s.median"].astype(float)})
         for hybrid in ("hybrid-serial", "hybrid-chunkwise"):
             rows.append({"device": device, "backend": backend, "hybrid": hybrid,
                          **crossover_context(frame, hybrid), "seed": SEED["crossover"]})
@@ -333,18 +340,19 @@ def crossover_summary(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def tail_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """breakeven's columns from CPU-time figures (tok/s and TTFT per CPU second)."""
     m = measure_frame(df, "tail")
     if m.empty:
         return pd.DataFrame()
     m = m.groupby(["params.prompt_tokens", "params.mode"]).tail(1)
     wide = m.pivot_table(index=["params.prompt_tokens", "params.tail"], columns="params.mode",
-                         values=["figures.tokens_per_s.median", "figures.ttft.median"], aggfunc="last").dropna()
+                         values=["figures.tokens_per_cpu_s.median", "figures.ttft_cpu.median"], aggfunc="last").dropna()
     return pd.DataFrame({
         "prompt_tokens": wide.index.get_level_values(0).astype(int), "tail": wide.index.get_level_values(1).astype(int),
-        "padded_tps": wide[("figures.tokens_per_s.median", "padded")].to_numpy(),
-        "scalar_tps": wide[("figures.tokens_per_s.median", "scalar")].to_numpy(),
-        "padded_ttft_ms": wide[("figures.ttft.median", "padded")].to_numpy(),
-        "scalar_ttft_ms": wide[("figures.ttft.median", "scalar")].to_numpy()})
+        "padded_tps": wide[("figures.tokens_per_cpu_s.median", "padded")].to_numpy(),
+        "scalar_tps": wide[("figures.tokens_per_cpu_s.median", "scalar")].to_numpy(),
+        "padded_ttft_ms": wide[("figures.ttft_cpu.median", "padded")].to_numpy(),
+        "scalar_ttft_ms": wide[("figures.ttft_cpu.median", "scalar")].to_numpy()})
 
 
 def tail_table(df: pd.DataFrame) -> pd.DataFrame:
