@@ -286,11 +286,12 @@ def linear_attention(w: dict, cfg: HybridConfig, i: int, h: np.ndarray, past: di
     real = (np.arange(c) < n).astype(DTYPE)[:, None]                             # pads: beta = g = 0
     beta = sigmoid(h @ w[p + "in_proj_b.weight"].T) * real
     g = -np.exp(w[p + "A_log"]) * softplus(h @ w[p + "in_proj_a.weight"].T + w[p + "dt_bias"]) * real
-    out, state = gdn_fn(q, k, v, g[None].astype(DTYPE), beta[None].astype(DTYPE), past["recurrent"][None],
-                        head_map=HEAD_MAP)
+    out, recurrent = gdn_fn(q, k, v, g[None].astype(DTYPE), beta[None].astype(DTYPE), past["recurrent"][None],
+                            head_map=HEAD_MAP)
     z = (h @ w[p + "in_proj_z.weight"].T).reshape(c, cfg.linear_v_heads, d)
     o = gated_rms_norm(out[0], z, w[p + "norm.weight"], cfg.rms_eps).reshape(c, cfg.value_dim)
-    return (o @ w[p + "out_proj.weight"].T).astype(DTYPE), {"conv": conv_state_after(rows, n, cfg.conv_kernel), "recurrent": state[0]}
+    state = {"conv": conv_state_after(rows, n, cfg.conv_kernel), "recurrent": recurrent[0]}
+    return (o @ w[p + "out_proj.weight"].T).astype(DTYPE), state
 
 
 def full_attention(w: dict, cfg: HybridConfig, i: int, h: np.ndarray, past: dict, n: int,
@@ -325,7 +326,8 @@ def decoder_layers(w: dict, cfg: HybridConfig, x: np.ndarray, past: HybridState,
             o, state = full_attention(w, cfg, i, h, past.layers[i], n, cos, sin, mask)
         x = x + o
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_eps)
-        m = (silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        m = silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)
+        m = m @ w[p + "mlp.down_proj.weight"].T
         x = (x + m).astype(DTYPE)
         states.append(state)
     return x, states

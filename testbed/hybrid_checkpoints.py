@@ -103,7 +103,8 @@ def check_weights(weights: dict[str, np.ndarray], cfg: HybridConfig, source: str
         if name not in weights:
             raise UsageError(f"{source}: missing tensor {name!r} of shape {shape}")
         if tuple(weights[name].shape) != shape:
-            raise UsageError(f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, the config needs {shape}")
+            raise UsageError(f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, "
+                             f"the config needs {shape}")
         out[name] = np.ascontiguousarray(weights[name], dtype=np.float32)
     return out
 

@@ -93,7 +93,8 @@ def validate(cfg: DictConfig) -> None:
     if "oracle" in parts:
         past, tokens = as_list(cfg.oracle.past), as_list(cfg.oracle.tokens)
         if len(past) != len(tokens):
-            raise UsageError(f"oracle.past has {len(past)} entries and oracle.tokens {len(tokens)}; accepted: one n per P")
+            raise UsageError(f"oracle.past has {len(past)} entries and oracle.tokens {len(tokens)}; "
+                             f"accepted: one n per P")
         for p, n in zip(past, tokens):
             if n > cfg.chunk or p + n > cfg.oracle.prompt_tokens:
                 raise UsageError(f"oracle case P={p}, n={n} does not fit chunk={cfg.chunk} and oracle.prompt_tokens="
@@ -154,7 +155,8 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
             length = cfg.chunk + t
             ctx.progress(f"hybrid oracle {form} padded tail N={length}")
             for v in check_padded_tail(w, model, prompt[:length], cfg.chunk, fn, cfg.threshold):
-                yield record(f"N={length},tail={t},C={cfg.chunk}/{form}", v, base | {"prompt_tokens": length, "tail": t})
+                yield record(f"N={length},tail={t},C={cfg.chunk}/{form}", v,
+                             base | {"prompt_tokens": length, "tail": t})
         # numpy's chunkwise products reblock with the row count, so only its serial form is bit-exact
         if cfg.backend == "native" or form == "serial":
             x = gdn.draw_inputs(1, 37, model.linear_k_heads, model.linear_head_dim,
