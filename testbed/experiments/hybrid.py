@@ -16,6 +16,9 @@ crossover  prefill tokens/s of a prompt of L tokens (prefill_chunk rows per call
            serial vs chunkwise (the seed's 93 -> 150 goal is 1.6x). On the `bench.shape` model.
 tail       padded vs scalar tail (prompt = chunk + t for each t of bench.tails), interleaved:
            does padding pay now that the state allows it, and from which tail (breakeven).
+Timings alternate between the variants and are taken on both clocks; the tables read the CPU-time
+rates (tokens per CPU second), since this host is shared and its wall times swing with other load.
+
 drift      the chunkwise GDN's products in fp16 with f32 or fp16 accumulation (an NPU matrix unit)
            against f32: NMSE of the logits at every position and of the final states, and the share
            of positions whose argmax agrees, over prompts of bench.drift_tokens.
