@@ -24,12 +24,19 @@ PROMPT_TOKENS = 150  # across transformers' own GDN chunk of 64, twice
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16,
             linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+VARIANTS = {
+    "lllf": TINY,  # Qwen3.5's pattern: three GDN layers, then one full
+    # every other layer full, tied embeddings, a kernel of 3, RoPE over half the head
+    "lflf-tied": {**TINY, "full_attention_interval": 2, "tie_word_embeddings": True, "linear_conv_kernel_dim": 3,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
+}
 
 
-@pytest.fixture(scope="session")
-def hf_run(tmp_path_factory):
+@pytest.fixture(scope="session", params=VARIANTS)
+def hf_run(request, tmp_path_factory):
     """(folder, prompt, logits [T, vocab], {array name: value} in refimpl's layouts) from transformers."""
-    config = transformers.Qwen3_5TextConfig(**TINY)
+    settings = VARIANTS[request.param]
+    config = transformers.Qwen3_5TextConfig(**settings)
     torch.manual_seed(0)
     model = transformers.Qwen3_5ForCausalLM(config).eval()
     with torch.no_grad():
@@ -49,7 +56,7 @@ def hf_run(tmp_path_factory):
     with torch.no_grad():
         logits = model(torch.tensor(prompt)[None], cache=cache, use_cache=True).logits[0].numpy()
     states = {}
-    kernel = TINY["linear_conv_kernel_dim"]
+    kernel = settings["linear_conv_kernel_dim"]
     for i, t in enumerate(config.layer_types):
         if t == "linear_attention":
             # transformers keeps the last K conv inputs channels-first; the next call reads K - 1
@@ -68,9 +75,13 @@ def checkpoint(hf_run):
 
 
 def test_loader_reads_the_architecture(checkpoint):
-    cfg, _ = checkpoint
-    assert cfg.layer_types == ("linear", "linear", "linear", "full")
-    assert (cfg.linear_k_heads, cfg.linear_v_heads, cfg.rotary_dim) == (2, 4, 8)
+    cfg, w = checkpoint
+    if cfg.tie_embeddings:
+        assert cfg.layer_types == ("linear", "full") * 2 and (cfg.conv_kernel, cfg.rotary_dim) == (3, 16)
+        assert "lm_head.weight" not in w
+    else:
+        assert cfg.layer_types == ("linear", "linear", "linear", "full") and (cfg.conv_kernel, cfg.rotary_dim) == (4, 8)
+    assert (cfg.linear_k_heads, cfg.linear_v_heads) == (2, 4)
 
 
 def test_logits_and_states_match_transformers(hf_run, checkpoint):
