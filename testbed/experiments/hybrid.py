@@ -324,8 +324,9 @@ def crossover_table(df: pd.DataFrame) -> pd.DataFrame:
             wide[model] = wide[model].round(1)
     if {"hybrid-serial", "hybrid-chunkwise"} <= set(wide.columns):
         wide["chunkwise x serial"] = (wide["hybrid-chunkwise"] / wide["hybrid-serial"]).round(2)
-    wide["seed hybrid"] = wide["context"].map(SEED["hybrid"])
-    wide["seed dense"] = wide["context"].map(SEED["dense"])
+    # object columns: whole numbers print whole beside the blanks of lengths the seed did not measure
+    wide["seed hybrid"] = pd.Series([SEED["hybrid"].get(L) for L in wide["context"]], dtype=object)
+    wide["seed dense"] = pd.Series([SEED["dense"].get(L) for L in wide["context"]], dtype=object)
     return wide
 
 
@@ -341,7 +342,7 @@ def crossover_summary(df: pd.DataFrame) -> pd.DataFrame:
         for hybrid in ("hybrid-serial", "hybrid-chunkwise"):
             rows.append({"device": device, "backend": backend, "hybrid": hybrid,
                          **crossover_context(frame, hybrid), "seed": SEED["crossover"]})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, dtype=object)
 
 
 def tail_frame(df: pd.DataFrame) -> pd.DataFrame:
