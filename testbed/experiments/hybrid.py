@@ -10,9 +10,10 @@ oracle     per GDN form: chunk prefill with past against redecode (token at the 
            allows it: see tests/test_hybrid_oracles.py). On the `shape` model.
 crossover  prefill tokens/s of a prompt of L tokens (prefill_chunk rows per call) for each L of
            bench.contexts: the dense model (every layer full attention, same width and depth), the
-           hybrid with serial GDN and with chunkwise GDN, all interleaved. The crossover context is
-           where the hybrid overtakes the dense model, from a fit of seconds per token = a + b L for
-           each (the seed's ~24-28k is such an extrapolation from 512..8k). L = 512 gives pp512
+           hybrid with serial GDN, with chunkwise GDN, and with no recurrence at all (the GDN's share
+           of the time, hence the most a faster GDN can gain), all interleaved. The crossover context
+           is where the hybrid overtakes the dense model, from a fit of seconds per token = a + b L
+           for each (the seed's ~24-28k is such an extrapolation from 512..8k). L = 512 gives pp512
            serial vs chunkwise (the seed's 93 -> 150 goal is 1.6x). On the `bench.shape` model.
 tail       padded vs scalar tail (prompt = chunk + t for each t of bench.tails), interleaved:
            does padding pay now that the state allows it, and from which tail (breakeven).
@@ -49,7 +50,7 @@ from testbed.results import Record
 MODES = ("oracle", "crossover", "tail", "drift", "bench", "all")
 PARTS = {"oracle": ("oracle",), "crossover": ("crossover",), "tail": ("tail",), "drift": ("drift",),
          "bench": ("crossover", "tail", "drift"), "all": ("oracle", "crossover", "tail", "drift")}
-MODELS = ("dense", "hybrid-serial", "hybrid-chunkwise")
+MODELS = ("dense", "hybrid-serial", "hybrid-chunkwise", "hybrid-no-recurrence")
 # The seed's figures (26/05, phone NPU, Qwen3.5 hybrid vs a dense model): prefill tokens/s.
 SEED = {"hybrid": {512: 93, 2048: 97, 8192: 91}, "dense": {512: 285, 8192: 182}, "crossover": "~24-28k",
         "pp512_goal": 150 / 93}
@@ -115,6 +116,13 @@ def model_config(shape: DictConfig) -> qwen35.HybridConfig:
         return qwen35.HybridConfig(**{k: int(shape[k]) for k in SHAPE_KEYS})
     except ValueError as e:
         raise UsageError(f"shape: {e}") from None
+
+
+def no_recurrence(q, k, v, g, beta, state, head_map):
+    """A GDN op that does no work (zero output, state unchanged): the hybrid timed with it is
+    everything but the recurrence, so 1 - its time / the serial hybrid's is the recurrence's share,
+    and 1 / (1 - share) the most any faster GDN form can gain on this model (Amdahl)."""
+    return np.zeros_like(v), state
 
 
 def gdn_forms(cfg: DictConfig) -> dict[str, qwen35.GDNFn]:
@@ -187,7 +195,8 @@ def crossover_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     forms = gdn_forms(cfg)
     runs = {"dense": (dense, w_d, forms["serial"]),  # no GDN layer: the form is never called
             "hybrid-serial": (hybrid, w_h, forms["serial"]),
-            "hybrid-chunkwise": (hybrid, w_h, forms["chunkwise"])}
+            "hybrid-chunkwise": (hybrid, w_h, forms["chunkwise"]),
+            "hybrid-no-recurrence": (hybrid, w_h, no_recurrence)}
     arts = artifacts(cfg)
     for length in as_list(b.contexts):
         ctx.progress(f"hybrid crossover L={length}")
@@ -324,6 +333,11 @@ def crossover_table(df: pd.DataFrame) -> pd.DataFrame:
             wide[model] = wide[model].round(1)
     if {"hybrid-serial", "hybrid-chunkwise"} <= set(wide.columns):
         wide["chunkwise x serial"] = (wide["hybrid-chunkwise"] / wide["hybrid-serial"]).round(2)
+    if {"hybrid-serial", "hybrid-no-recurrence"} <= set(wide.columns):
+        # the serial recurrence's share of the hybrid's time, and the bound it puts on any GDN speed-up
+        share = 1 - wide["hybrid-serial"] / wide["hybrid-no-recurrence"]
+        wide["GDN share"] = share.round(3)
+        wide["bound x serial"] = (1 / (1 - share)).round(2)
     # object columns: whole numbers print whole beside the blanks of lengths the seed did not measure
     wide["seed hybrid"] = pd.Series([SEED["hybrid"].get(L) for L in wide["context"]], dtype=object)
     wide["seed dense"] = pd.Series([SEED["dense"].get(L) for L in wide["context"]], dtype=object)
