@@ -47,6 +47,9 @@ def test_measurements_write_records_and_tables(results_dir, capsys):
     assert by_model["dense"]["work"]["flops"] > by_model["hybrid-serial"]["work"]["flops"]  # attention grows in L
     tails = {(r["params"]["tail"], r["params"]["mode"]): r for r in rows if r["params"]["part"] == "tail"}
     assert set(tails) == {(t, m) for t in (0, 3, 9) for m in ("padded", "scalar")}
+    # the padded tail computes a whole chunk where the scalar one computes 3 rows; tail 0 pads nothing
+    assert tails[(3, "padded")]["work"]["flops"] > tails[(3, "scalar")]["work"]["flops"]
+    assert tails[(0, "padded")]["work"]["flops"] == tails[(0, "scalar")]["work"]["flops"]
     drift = {r["params"]["precision"]: r["metrics"] for r in rows if r["params"]["part"] == "drift"}
     assert set(drift) == {"fp16-acc32", "fp16-acc16"}
     # fp16 rounding moves the logits, but far less than a wrong model would
