@@ -10,7 +10,7 @@ default three Gated DeltaNet ("linear") layers for each gated full-attention ("f
             g    = -exp(A_log) * softplus(h Wa + dt_bias)      log-decay per value head
             beta = sigmoid(h Wb)
             o    = GDN(q, k, v, g, beta, S)                   value head h reads key head h // (H_v/H_k)
-            o    = rmsnorm_gated(o, silu(h Wz)) Wout           per value head, plain w weights
+            o    = (rmsnorm(o) * w * silu(h Wz)) Wout          per value head, plain weight w
     full:   q | gate = h Wq (per head: d query then d gate) ; k = h Wk ; v = h Wv
             q, k = rope_partial(rmsnorm_head(q)), rope_partial(rmsnorm_head(k))  first 1/4 of d
             o    = (softmax(q K^T / sqrt(d) + mask) V * sigmoid(gate)) Wo
