@@ -326,6 +326,7 @@ def crossover_table(df: pd.DataFrame) -> pd.DataFrame:
     rows = pd.DataFrame({"device": m["device"], "backend": m["backend"], "context": m["params.context"].astype(int),
                          "model": m["params.model"], "tokens/s": m["figures.tokens_per_cpu_s.median"].astype(float)})
     wide = rows.pivot_table(index=["device", "backend", "context"], columns="model", values="tokens/s").reset_index()
+    wide = wide[["device", "backend", "context", *(m for m in MODELS if m in wide)]]  # MODELS' order
     wide.columns.name = None
     wide.insert(3, "tokens/s per", "CPU s")
     for model in MODELS:
