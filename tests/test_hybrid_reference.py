@@ -121,10 +121,11 @@ def test_planted_conv_state_one_row_early_fails(hf_run, checkpoint, monkeypatch)
     assert not v.passed
 
 
-def test_planted_plain_attention_without_output_gate_fails(hf_run, checkpoint, monkeypatch):
+def test_planted_sigmoid_gates_forced_open_fail(hf_run, checkpoint, monkeypatch):
+    """Every sigmoid read as 1: attention's output gate and the GDN's beta (plain attention, full writes)."""
     _, prompt, hf_logits, _ = hf_run
     cfg, w = checkpoint
-    monkeypatch.setattr(qwen35, "sigmoid", lambda x: np.ones_like(x))  # gates and beta forced open
+    monkeypatch.setattr(qwen35, "sigmoid", lambda x: np.ones_like(x))
     logits, _ = qwen35.redecode(w, cfg, prompt)
     assert not check_nmse({"logits": hf_logits}, {"logits": logits}).passed
 
