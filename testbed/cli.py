@@ -16,7 +16,7 @@ import sys
 
 import pandas as pd
 
-from testbed import config, device_cli, emulation, experiments, nightly, report, runner, tables
+from testbed import config, device_cli, emulation, experiments, farm, nightly, report, runner, tables
 from testbed.errors import DeviceError, DeviceUnreachable, UsageError
 
 
@@ -165,13 +165,13 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--device", default="host")
     i.add_argument("--backend", default="ggml", help="what produced it (e.g. ggml-htp)")
     i.set_defaults(fn=cmd_ingest)
-    nightly.register(sub), report.register(sub), device_cli.register(sub)
+    nightly.register(sub), report.register(sub), device_cli.register(sub), farm.register(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
     try:
+        args = parser().parse_args(argv)  # the parser lists the config's names, the lab's included
         return args.fn(args)
     except UsageError as e:
         print(f"testbed: error: {e}", file=sys.stderr)

@@ -31,7 +31,6 @@ def test_doctor_says_what_is_missing(capsys, tmp_path, monkeypatch):
         "name: half\ntransport: qemu\nabi: armeabi-v7a\nconnection: {emulator: qemu-arm, sysroot: /no/such/sysroot}\n"
         "tools: {llama-bench: /no/such/llama-bench}\n")
     monkeypatch.setitem(config.GROUPS, "device", devices)
-    monkeypatch.setattr("testbed.devices.profile.DEVICES_DIR", devices)
     assert main(["doctor", "half"]) == 1
     out = capsys.readouterr().out
     assert "MISSING  qemu sysroot" in out and "MISSING  tool llama-bench" in out and "2 missing" in out

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from testbed import PROJECT_ROOT, config, nightly
-from testbed.devices import profile as device_profiles
 from testbed.cli import main
 from testbed.results import ResultsStore
 
@@ -65,9 +64,7 @@ def lab(tmp_path, monkeypatch):
                                        f"capabilities: [cpu, native]\n"
                                        f"connection: {{host: 127.0.0.1, port: {port}, user: nobody,\n"
                                        f"  key: {tmp_path / 'no_key'}, known_hosts: {tmp_path / 'known_hosts'}}}\n")
-    monkeypatch.setattr(config, "DEVICES_DIR", folder)
     monkeypatch.setitem(config.GROUPS, "device", folder)
-    monkeypatch.setattr(device_profiles, "DEVICES_DIR", folder)
     return folder
 
 

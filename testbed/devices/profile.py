@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from testbed.config import DEVICES_DIR, choices
+from testbed.config import group_file
 from testbed.errors import UsageError
 
 TRANSPORTS = ("local", "qemu", "adb", "ssh")
@@ -156,10 +156,7 @@ class _Checker:
 
 
 def load_profile(name: str) -> Profile:
-    if name not in choices("device"):
-        raise UsageError(f"unknown device {name!r}; accepted: {', '.join(choices('device'))}")
-    path = DEVICES_DIR / f"{name}.yaml"
-    return load_profile_file(path)
+    return load_profile_file(group_file("device", name))
 
 
 def load_profile_file(path: Path) -> Profile:

@@ -1,0 +1,283 @@
+"""The lab: devices on many hosts, one nightly over all of them, one store, one report (Ray).
+
+  testbed farm node [--address HEAD:PORT] [--devices a,b]   start this host's Ray node
+  testbed farm status --address HEAD:PORT                   the nodes, their devices, which are busy
+  testbed nightly farm=HEAD:PORT [suite=NAME ...]           the night, run on the cluster
+
+Each host runs a Ray node that advertises one custom resource per device attached to it,
+`device:NAME` with capacity 1, for each profile it can reach. The nightly submits one Ray task per
+(device, job) asking for that device's resource, so Ray runs it on the host that owns the device, one
+at a time per device: the resource is the lease. Ray is the scheduler; this module only says what
+runs where and collects what comes back.
+
+A task reaches its device through the ordinary transports, holds the host's device lock (so a local
+`testbed nightly` on that host waits for it too), runs the job with the ordinary runner into a
+scratch store on its node, and returns the records. The driver appends each job's records to the one
+store as the job ends, so a record once returned is never lost; testbed.nightly then writes the
+night log and the one report.
+
+A measurement is bound to its device: a task is never retried or moved (max_retries=0). When a node
+dies, its running tasks fail with a Ray error, and the tasks still waiting for its devices would wait
+for ever (Ray keeps them as infeasible), so the driver watches ray.nodes() and cancels them. A job
+lost either way, or whose device stopped answering, ends as one error record naming the node; its
+device is listed unreachable and its remaining jobs are cancelled; the rest of the night goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from testbed import config, device_cli, nightly, runner
+from testbed.config import RunConfig
+from testbed.devices import load_profile
+from testbed.errors import DeviceUnreachable, UsageError
+from testbed.results import Record, ResultsStore, RunInfo
+
+RESOURCE = "device:"
+NAMESPACE = "testbed"
+CONNECT_S = 10.0  # how long the head may take to accept a connection
+WATCH_S = 1.0  # how often the driver, while waiting for results, looks for nodes that died
+
+
+def resource(device: str) -> str:
+    return RESOURCE + device
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("the farm needs Ray, which is not installed; accepted: pip install 'testbed[farm]'") from None
+    return ray
+
+
+def join(address: str):
+    """Connect this process to the lab's cluster as a driver (once)."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"farm={address!r} is not an address; accepted: HEAD:PORT, the head's Ray address")
+    try:  # ray.init keeps retrying an address where nothing listens, for minutes: ask once first
+        socket.create_connection((host, int(port)), timeout=CONNECT_S).close()
+    except OSError as e:
+        raise UsageError(f"farm={address}: no Ray cluster answers there ({e.strerror or e}); accepted: the "
+                         f"HEAD:PORT of a head started by `testbed farm node`") from None
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+    return ray
+
+
+# --- the nodes ------------------------------------------------------------------------------------
+
+
+def node_label(node: dict) -> str:
+    """How records and reports name a node: its host and the start of its Ray node id."""
+    return f"{node['NodeManagerHostname']} {node['NodeID'][:8]}"
+
+
+def owners(ray) -> dict[str, dict]:
+    """device -> the live node that advertises it."""
+    return {key[len(RESOURCE):]: node for node in ray.nodes() if node["Alive"]
+            for key in node["Resources"] if key.startswith(RESOURCE)}
+
+
+# --- on a node: one job ---------------------------------------------------------------------------
+
+
+def run_job(experiment: str, overrides: list[str], lock_dir: str, lock_wait_s: float, night: str) -> dict:
+    """Runs on the node that owns the device: the job, into a scratch store; returns its records and
+    how it ended (status ok | unreachable | busy, and the error if the run broke)."""
+    import ray
+
+    rc = config.load(overrides, experiment=experiment)
+    node = {"node_id": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(),
+            "started": time.time()}
+    ended = {"status": "ok", "reason": "", "error": "", "run_id": ""}
+    before = os.environ.get("TESTBED_RESULTS")
+    with tempfile.TemporaryDirectory(prefix="testbed-farm-") as scratch:
+        os.environ["TESTBED_RESULTS"] = scratch  # a Ray worker runs one task at a time
+        try:
+            with nightly.device_lock(Path(lock_dir), rc.device, lock_wait_s, f"farm night {night}"):
+                device = nightly.open_device(rc.device)
+                try:
+                    ended["run_id"] = runner.execute(rc, device=device).info.run_id
+                finally:
+                    device.close()
+        except nightly.DeviceBusy as e:
+            ended.update(status="busy", reason=str(e))
+        except DeviceUnreachable as e:
+            ended.update(status="unreachable", reason=str(e))
+        except Exception as e:  # noqa: BLE001 -- the runner stored an error record; the driver reports it
+            ended["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            if before is None:
+                del os.environ["TESTBED_RESULTS"]
+            else:
+                os.environ["TESTBED_RESULTS"] = before
+        rows = ResultsStore(scratch).records()
+    node["finished"] = time.time()
+    for row in rows:
+        row["farm"] = node
+    return {**ended, "rows": rows}
+
+
+# --- the driver -----------------------------------------------------------------------------------
+
+
+def error_rows(rc: RunConfig, why: str, node: dict) -> list[dict]:
+    """The one record of a job that was lost before it could store its own: verdict error, naming the node."""
+    info = RunInfo(experiment=rc.experiment, device=rc.device, backend=str(rc.cfg.get("backend", "refimpl")),
+                   config=rc.flat(), fingerprint={"profile": rc.device},
+                   emulated=load_profile(rc.device).has("emulated"))
+    row = info.stamp(Record(rc.experiment, "run", "oracle", "run", "error", None, {"records_before_error": 0},
+                            detail=why))
+    row["farm"] = {"node_id": node["NodeID"], "hostname": node["NodeManagerHostname"]}
+    return [row]
+
+
+def driver(address: str):
+    """nightly.run_night's `drive` for farm=ADDRESS."""
+    def drive(suite: nightly.Suite, store: ResultsStore, night: str, log: nightly.Log) -> list[nightly.DeviceNight]:
+        return on_the_farm(join(address), suite, store, night, log)
+    return drive
+
+
+def on_the_farm(ray, suite: nightly.Suite, store: ResultsStore, night: str,
+                log: nightly.Log) -> list[nightly.DeviceNight]:
+    """Every job as a task on its device's node; each job's records appended to `store` as it ends."""
+    started = time.monotonic()
+    results = {d: nightly.DeviceNight(d) for d in suite.devices}
+    owner = owners(ray)
+    task = ray.remote(run_job).options(max_retries=0, num_cpus=0)
+    pending: dict = {}  # ObjectRef -> (device, job)
+    for device in suite.devices:
+        if device not in owner:
+            give_up(results[device], f"no farm node advertises {resource(device)}", log)
+            continue
+        log(device, f"{len(suite.jobs[device])} jobs on node {node_label(owner[device])}")
+        for rc in suite.jobs[device]:
+            ref = task.options(resources={resource(device): 1}, name=f"{device}: {nightly.job_label(rc)}").remote(
+                rc.experiment, rc.overrides, str(suite.lock_dir), suite.lock_wait_s, night)
+            pending[ref] = (device, rc)
+    lost: dict[str, str] = {}  # device -> why its remaining jobs were cancelled
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=WATCH_S)
+        for ref in done:
+            device, rc = pending.pop(ref)
+            why = collect(ray, ref, rc, owner[device], lost.get(device), results[device], store, log)
+            results[device].seconds = time.monotonic() - started
+            if why and device not in lost:
+                lost[device] = why
+                cancel(ray, pending, device)
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        for device in {d for d, _ in pending.values()} - set(lost):
+            if owner[device]["NodeID"] not in alive:
+                lost[device] = f"node {node_label(owner[device])} died"
+                log(device, f"{lost[device]}: its jobs end as error records")
+                cancel(ray, pending, device)
+    for r in results.values():
+        log(r.device, f"{r.status}{': ' + r.reason if r.reason else ''} ({r.seconds:.1f} s)")
+    return list(results.values())
+
+
+def cancel(ray, pending: dict, device: str) -> None:
+    for ref, (d, _) in pending.items():
+        if d == device:
+            ray.cancel(ref)
+
+
+def give_up(result: nightly.DeviceNight, why: str, log: nightly.Log) -> None:
+    result.status, result.reason = "unreachable", why
+    log(result.device, f"unreachable: {why}")
+
+
+def collect(ray, ref, rc: RunConfig, node: dict, lost: str | None, result: nightly.DeviceNight,
+            store: ResultsStore, log: nightly.Log) -> str:
+    """Store one finished task's records and count them; why the device is lost, or ''."""
+    label = nightly.job_label(rc)
+    try:
+        ended = ray.get(ref)
+    except ray.exceptions.TaskCancelledError:
+        ended = {"status": "unreachable", "reason": f"not run: {lost}", "rows": []}
+    except ray.exceptions.RayError as e:  # the node or the worker died under the task
+        what = str(e).strip().splitlines()[0][:160]
+        ended = {"status": "unreachable", "rows": [],
+                 "reason": f"lost on node {node_label(node)} ({type(e).__name__}: {what})"}
+    rows = ended["rows"] or (error_rows(rc, ended["reason"], node) if ended["status"] != "ok" else [])
+    store.append(rows)
+    if ended["status"] != "ok":
+        if result.status == "ok":
+            result.status, result.reason = ended["status"], ended["reason"]
+        log(result.device, f"{label}: {ended['status']}: {ended['reason']}")
+        return ended["reason"]
+    if ended["error"]:
+        result.failures.append(f"{result.device} {label}: run broke: {ended['error']}")
+        log(result.device, f"{label} broke on node {node_label(node)}: {ended['error']}")
+    else:
+        result.count(ended["run_id"], rows)
+        log(result.device, f"{label}: {len(rows)} records from node {node_label(node)}")
+    return ""
+
+
+# --- the commands ---------------------------------------------------------------------------------
+
+
+def node_resources(names: list[str]) -> tuple[dict[str, float], list[str]]:
+    """The resources this host's node advertises, one per device that answers now, and a line for
+    each device left out and why."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        reach = dict(zip(names, pool.map(device_cli.reachability, names)))
+    left_out = [f"{name}: left out, {answer}" for name, answer in reach.items() if answer != "yes"]
+    return {resource(name): 1.0 for name, answer in reach.items() if answer == "yes"}, left_out
+
+
+def cmd_node(args) -> int:
+    known = config.choices("device")
+    names = args.devices.split(",") if args.devices else known
+    for name in names:
+        if name not in known:
+            raise UsageError(f"--devices: unknown device {name!r}; accepted: {', '.join(known)}")
+    resources, left_out = node_resources(names)
+    for line in left_out:
+        print(line, file=sys.stderr)
+    if not resources:
+        print("farm node: no device answers here; nothing to advertise", file=sys.stderr)
+        return DeviceUnreachable.exit_status
+    where = [f"--address={args.address}"] if args.address else ["--head", f"--port={args.port}"]
+    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", *where, f"--resources={json.dumps(resources)}"]
+    print(f"farm node: advertising {', '.join(resources)}", file=sys.stderr)
+    return subprocess.run(argv).returncode
+
+
+def cmd_status(args) -> int:
+    ray = join(args.address)
+    free = ray.available_resources()
+    for node in sorted(ray.nodes(), key=lambda n: (not n["Alive"], n["NodeManagerHostname"], n["NodeID"])):
+        devices = sorted(k[len(RESOURCE):] for k in node["Resources"] if k.startswith(RESOURCE))
+        shown = ", ".join(f"{d} ({'idle' if free.get(resource(d), 0) >= 1 else 'running a job'})"
+                          for d in devices) if node["Alive"] else ", ".join(devices)
+        print(f"{node_label(node):<32} {node['NodeManagerAddress']:<16} {'alive' if node['Alive'] else 'dead':<6} "
+              f"{shown or '(no devices)'}")
+    return 0
+
+
+def register(commands) -> None:
+    f = commands.add_parser("farm", help="the lab's Ray cluster: start this host's node, or show the nodes")
+    sub = f.add_subparsers(dest="farm_command", required=True)
+    n = sub.add_parser("node", help="start this host's Ray node, advertising the devices that answer")
+    n.add_argument("--address", help="the head's HEAD:PORT to join (default: start the head here)")
+    n.add_argument("--port", type=int, default=6379, help="the head's port (with no --address)")
+    n.add_argument("--devices", help="a,b,...: the profiles attached here (default: every profile that answers)")
+    n.set_defaults(fn=cmd_node)
+    s = sub.add_parser("status", help="the nodes, their devices, which run a job now")
+    s.add_argument("--address", required=True, help="the head's HEAD:PORT")
+    s.set_defaults(fn=cmd_status)
