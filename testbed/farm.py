@@ -157,7 +157,7 @@ def on_the_farm(ray, suite: nightly.Suite, store: ResultsStore, night: str,
     started = time.monotonic()
     results = {d: nightly.DeviceNight(d) for d in suite.devices}
     owner = owners(ray)
-    task = ray.remote(run_job).options(max_retries=0, num_cpus=0)
+    task = ray.remote(max_retries=0, num_cpus=0)(run_job)
     pending: dict = {}  # ObjectRef -> (device, job)
     for device in suite.devices:
         if device not in owner:
@@ -209,9 +209,8 @@ def collect(ray, ref, rc: RunConfig, node: dict, lost: str | None, result: night
     except ray.exceptions.TaskCancelledError:
         ended = {"status": "unreachable", "reason": f"not run: {lost}", "rows": []}
     except ray.exceptions.RayError as e:  # the node or the worker died under the task
-        what = str(e).strip().splitlines()[0][:160]
         ended = {"status": "unreachable", "rows": [],
-                 "reason": f"lost on node {node_label(node)} ({type(e).__name__}: {what})"}
+                 "reason": f"lost on node {node_label(node)}: it died under the job ({type(e).__name__})"}
     rows = ended["rows"] or (error_rows(rc, ended["reason"], node) if ended["status"] != "ok" else [])
     store.append(rows)
     if ended["status"] != "ok":
