@@ -3,7 +3,7 @@
 #   scripts/bootstrap.sh          the host job: a C compiler and the Python package with its extras
 #   scripts/bootstrap.sh --test   also what the test suites drive for real: ARM cross compilers and
 #                                 qemu-user, Debian's adb client, openssh-server, Mesa's software Vulkan
-#                                 (lavapipe) and Chromium for the report check
+#                                 (lavapipe), Chromium for the report check, and Ray (the farm extra)
 set -eu
 cd "$(dirname "$0")/.."
 
@@ -28,4 +28,6 @@ if [ -n "$missing" ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
 fi
 
-python3 -m pip install -q --disable-pip-version-check -e '.[full]'
+extras="full"
+[ "${1:-}" = "--test" ] && extras="full,farm"  # the tests run a three-node Ray cluster on this machine
+python3 -m pip install -q --disable-pip-version-check -e ".[$extras]"

@@ -87,3 +87,20 @@ def test_doctor_says_when_the_native_programs_cannot_be_built_for_the_device(mon
     assert main(["doctor", "qemu-arm32"]) == 1
     out = capsys.readouterr().out
     assert "MISSING  native programs" in out and "gcc-arm-linux-gnueabihf" in out
+
+
+def test_doctor_says_when_adb_shell_cannot_reach_usb(monkeypatch, capsys):
+    """A USB phone's profile on a host without adb-shell's USB extra: doctor names it before connecting."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_usb1(name, *args, **kwargs):
+        if name == "usb1":
+            raise ImportError("No module named 'usb1'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_usb1)
+    assert main(["doctor", "pixel"]) == 3  # and no phone is attached either
+    out = capsys.readouterr().out
+    assert out.startswith("MISSING  adb-shell usb support") and "pip install 'testbed[usb]'" in out
