@@ -8,7 +8,9 @@ The primary config is experiments/config.yaml. Config groups:
 A lab keeps its own devices, experiments and suites outside the project: TESTBED_LAB=DIR names a
 folder with any of devices/, experiment/, model/ and suite/, searched after the project's own (a name
 the project has is the project's). Ray workers and subprocesses see it because it is an environment
-variable, not a setting of one process.
+variable, not a setting of one process. Other packages add experiments through the entry point group
+`testbed.experiments`: `NAME = package.module`, the experiment's module, with its config NAME.yaml
+beside it.
 
 Every problem a user can cause is raised as a UsageError with one line naming the bad value and what
 is accepted, before any work is done or anything is written.
@@ -16,6 +18,8 @@ is accepted, before any work is done or anything is written.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import itertools
 import os
 from dataclasses import dataclass
@@ -38,6 +42,7 @@ GROUPS = {"experiment": CONFIG_DIR / "experiment", "model": CONFIG_DIR / "model"
 SUITE_DIR = CONFIG_DIR / "suite"
 LAB_ENV = "TESTBED_LAB"
 LAB_FOLDERS = {"experiment": "experiment", "model": "model", "device": "devices", "suite": "suite"}
+ENTRY_POINTS = "testbed.experiments"
 
 
 # `${default_backend:${oc.select:device.capabilities,[]},[refimpl,native]}` in an experiment config:
@@ -71,9 +76,23 @@ def group_dirs(group: str) -> list[Path]:
     return [own] + ([lab / LAB_FOLDERS[group]] if lab else [])
 
 
+def packaged_experiments() -> dict[str, Path]:
+    """Experiments other packages provide (entry point group testbed.experiments): name -> its config."""
+    found = {}
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        spec = importlib.util.find_spec(entry.value)
+        config = Path(spec.origin).parent / f"{entry.name}.yaml" if spec and spec.origin else None
+        if config is None or not config.is_file():
+            raise UsageError(f"entry point {ENTRY_POINTS} {entry.name} = {entry.value}: no config {entry.name}.yaml "
+                             f"beside the module; accepted: a module with its NAME.yaml in the same folder")
+        found[entry.name] = config
+    return found
+
+
 def choices(group: str) -> list[str]:
-    """The names a config group accepts: its YAML files."""
-    return sorted({p.stem for folder in group_dirs(group) for p in folder.glob("*.yaml")})
+    """The names a config group accepts: its YAML files (and, for experiments, other packages')."""
+    names = {p.stem for folder in group_dirs(group) for p in folder.glob("*.yaml")}
+    return sorted(names | set(packaged_experiments()) if group == "experiment" else names)
 
 
 def group_file(group: str, name: str) -> Path:
@@ -84,10 +103,14 @@ def group_file(group: str, name: str) -> Path:
     raise UsageError(f"unknown {group} {name!r}; accepted: {', '.join(choices(group))}")
 
 
-def _register_devices() -> None:
+def _register() -> None:
+    """Give Hydra the configs that are not in its search path: device profiles (kept in devices/ so
+    profiles live in one place) and other packages' experiments."""
     store = ConfigStore.instance()
     for name in choices("device"):
         store.store(group="device", name=name, node=OmegaConf.load(group_file("device", name)), package="device")
+    for name, path in packaged_experiments().items():
+        store.store(group="experiment", name=name, node=OmegaConf.load(path), package="_global_")
 
 
 def _search_path() -> list[str]:
@@ -171,7 +194,7 @@ def load(overrides: Iterable[str] = (), experiment: str | None = None) -> RunCon
         overrides = [f"experiment={experiment}", *overrides]
 
     GlobalHydra.instance().clear()
-    _register_devices()
+    _register()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         try:
             cfg = compose("config", overrides=[*overrides, *_search_path()], return_hydra_config=True)
