@@ -1,7 +1,7 @@
 """The lab: devices on many hosts, one nightly over all of them, one store, one report (Ray).
 
   testbed farm node [--address HEAD:PORT] [--devices a,b]   start this host's Ray node
-  testbed farm status --address HEAD:PORT                   the nodes, their devices, which are busy
+  testbed farm status --address HEAD:PORT                   the nodes, their devices, what runs where
   testbed nightly farm=HEAD:PORT [suite=NAME ...]           the night, run on the cluster
 
 Each host runs a Ray node that advertises one custom resource per device attached to it,
@@ -43,6 +43,7 @@ from testbed.results import Record, ResultsStore, RunInfo
 
 RESOURCE = "device:"
 NAMESPACE = "testbed"
+BOARD = "board"  # the named actor that knows which job runs on which device now
 CONNECT_S = 10.0  # how long the head may take to accept a connection
 WATCH_S = 1.0  # how often the driver, while waiting for results, looks for nodes that died
 
@@ -76,6 +77,29 @@ def join(address: str):
     return ray
 
 
+class Board:
+    """What runs where now, for `testbed farm status`: each task says when it starts and ends a job.
+    Ray's own task listing needs its dashboard, which the plain `ray` package does not have."""
+
+    def __init__(self):
+        self.running: dict[str, dict] = {}
+
+    def start(self, device: str, job: str, node_id: str) -> None:
+        self.running[device] = {"job": job, "node_id": node_id, "since": time.time()}
+
+    def end(self, device: str) -> None:
+        self.running.pop(device, None)
+
+    def show(self) -> dict[str, dict]:
+        return self.running
+
+
+def board(ray):
+    """The cluster's one board, on the head (made by the first who asks; it lives as long as the cluster)."""
+    return ray.remote(Board).options(name=BOARD, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                                     num_cpus=0, resources={"node:__internal_head__": 0.001}).remote()
+
+
 # --- the nodes ------------------------------------------------------------------------------------
 
 
@@ -101,6 +125,8 @@ def run_job(experiment: str, overrides: list[str], lock_dir: str, lock_wait_s: f
     rc = config.load(overrides, experiment=experiment)
     node = {"node_id": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(),
             "started": time.time()}
+    shown = board(ray)
+    shown.start.remote(rc.device, nightly.job_label(rc), node["node_id"])
     ended = {"status": "ok", "reason": "", "error": "", "run_id": ""}
     before = os.environ.get("TESTBED_RESULTS")
     with tempfile.TemporaryDirectory(prefix="testbed-farm-") as scratch:
@@ -123,6 +149,7 @@ def run_job(experiment: str, overrides: list[str], lock_dir: str, lock_wait_s: f
                 del os.environ["TESTBED_RESULTS"]
             else:
                 os.environ["TESTBED_RESULTS"] = before
+            shown.end.remote(rc.device)
         rows = ResultsStore(scratch).records()
     node["finished"] = time.time()
     for row in rows:
@@ -259,13 +286,16 @@ def cmd_node(args) -> int:
 
 def cmd_status(args) -> int:
     ray = join(args.address)
-    free = ray.available_resources()
+    running = ray.get(board(ray).show.remote(), timeout=CONNECT_S)
     for node in sorted(ray.nodes(), key=lambda n: (not n["Alive"], n["NodeManagerHostname"], n["NodeID"])):
         devices = sorted(k[len(RESOURCE):] for k in node["Resources"] if k.startswith(RESOURCE))
-        shown = ", ".join(f"{d} ({'idle' if free.get(resource(d), 0) >= 1 else 'running a job'})"
-                          for d in devices) if node["Alive"] else ", ".join(devices)
-        print(f"{node_label(node):<32} {node['NodeManagerAddress']:<16} {'alive' if node['Alive'] else 'dead':<6} "
-              f"{shown or '(no devices)'}")
+        print(f"node {node_label(node)} at {node['NodeManagerAddress']}: {'alive' if node['Alive'] else 'dead'}, "
+              f"{len(devices)} device(s)")
+        for device in devices:
+            job = running.get(device) if node["Alive"] else None
+            now = (f"running {job['job']} for {time.time() - job['since']:.0f} s"
+                   if job and job["node_id"] == node["NodeID"] else "idle" if node["Alive"] else "gone with its node")
+            print(f"  {device:<16} {now}")
     return 0
 
 

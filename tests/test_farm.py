@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from testbed import PROJECT_ROOT, config, farm
+from testbed.cli import main
 from testbed.results import ResultsStore
 
 ray = pytest.importorskip("ray", reason="the farm extra: pip install 'testbed[farm]'")
@@ -123,6 +124,11 @@ def nightly(lab: Path, results: Path, *overrides: str, address: str) -> subproce
                             cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def farm_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "testbed", "farm", *args], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
 def overlaps(a: dict, b: dict) -> bool:
     return a["started"] < b["finished"] and b["started"] < a["finished"]
 
@@ -171,11 +177,17 @@ def test_a_node_that_dies_mid_night_ends_in_error_records_for_its_devices_only(l
         # kill the phones' node once it has returned a record: some of its jobs are done, some not
         wait_for("a record from the doomed node",
                  lambda: any(r["device"].startswith("phone-") for r in store.records()), 300)
+        status = farm_cli("status", f"--address={cluster.address}")
         cluster.remove_node(doomed)
         out, err = proc.communicate(timeout=600)
     finally:
         proc.kill()
     assert proc.returncode == 3, out + err  # a device unreachable, nothing else wrong
+    # what ran where, as the lab sees it: the phones' node, one gdn job on a phone at least
+    assert status.returncode == 0, status.stderr
+    print(status.stdout)
+    assert doomed.node_id[:8] in status.stdout
+    assert "running gdn mode=oracle matrix=awkward chunk=" in status.stdout
     records = store.records()
     kept = [r for r in records if r["device"].startswith("phone-") and r["verdict"] != "error"]
     errors = [r for r in records if r["verdict"] == "error"]
@@ -209,16 +221,21 @@ def test_a_device_no_node_advertises_is_listed_unreachable(lab, cluster, tmp_pat
                                      "reason": "no farm node advertises device:qemu-aarch64"}
 
 
-def test_the_node_advertises_only_devices_that_answer(lab, monkeypatch):
-    monkeypatch.setenv("TESTBED_LAB", str(lab))
-    resources, left_out = farm.node_resources(["host", "pixel"])
-    assert resources == {"device:host": 1.0}
-    assert len(left_out) == 1 and left_out[0].startswith("pixel: left out, no: ")
-
-
 def test_a_farm_address_where_nothing_answers_is_one_clear_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "testbed", "nightly", "suite=smoke", "farm=127.0.0.1:9"],
                           cwd=PROJECT_ROOT, env={**os.environ, "TESTBED_RESULTS": str(tmp_path)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("testbed: error: farm=127.0.0.1:9: no Ray cluster answers there"), proc.stderr
+
+
+def test_farm_node_starts_ray_with_one_resource_per_device_that_answers(monkeypatch, capsys):
+    started = []
+    monkeypatch.setattr(farm.subprocess, "run", lambda argv: started.append(argv) or subprocess.CompletedProcess(argv, 0))
+    assert main(["farm", "node", "--address=10.0.0.1:6379", "--devices=host,pixel"]) == 0
+    assert started == [[sys.executable, "-m", "ray.scripts.scripts", "start", "--address=10.0.0.1:6379",
+                        '--resources={"device:host": 1.0}']]
+    err = capsys.readouterr().err
+    assert "pixel: left out, no: " in err and "farm node: advertising device:host" in err
+    assert main(["farm", "node", "--devices=host,nosuch"]) == 2
+    assert "--devices: unknown device 'nosuch'; accepted: " in capsys.readouterr().err
