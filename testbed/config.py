@@ -119,6 +119,13 @@ def _search_path() -> list[str]:
     return [f"hydra.searchpath=[file://{lab.resolve()}]"] if lab else []
 
 
+def split_farm(overrides: Iterable[str]) -> tuple[str | None, list[str]]:
+    """farm=HEAD:PORT (run on a lab's Ray cluster: testbed.farm) apart from the configuration's overrides."""
+    overrides = list(overrides)
+    farm = [o.split("=", 1)[1] for o in overrides if o.startswith("farm=")]
+    return (farm[-1] if farm else None), [o for o in overrides if not o.startswith("farm=")]
+
+
 def parse_overrides(overrides: Iterable[str]) -> list:
     try:
         return OverridesParser.create().parse_overrides(list(overrides))

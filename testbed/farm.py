@@ -3,6 +3,7 @@
   testbed farm node [--address HEAD:PORT] [--devices a,b]   start this host's Ray node
   testbed farm status --address HEAD:PORT                   the nodes, their devices, what runs where
   testbed nightly farm=HEAD:PORT [suite=NAME ...]           the night, run on the cluster
+  testbed run|sweep ... farm=HEAD:PORT                      a run or a sweep there (devices side by side)
 
 Each host runs a Ray node that advertises one custom resource per device attached to it,
 `device:NAME` with capacity 1, for each profile it can reach. The nightly submits one Ray task per
@@ -33,12 +34,13 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 from testbed import config, device_cli, nightly, runner
 from testbed.config import RunConfig
 from testbed.devices import load_profile
-from testbed.errors import DeviceUnreachable, UsageError
+from testbed.errors import DeviceError, DeviceUnreachable, UsageError
 from testbed.results import Record, ResultsStore, RunInfo
 
 RESOURCE = "device:"
@@ -117,9 +119,9 @@ def owners(ray) -> dict[str, dict]:
 # --- on a node: one job ---------------------------------------------------------------------------
 
 
-def run_job(experiment: str, overrides: list[str], lock_dir: str, lock_wait_s: float, night: str) -> dict:
+def run_job(experiment: str, overrides: list[str], lock_dir: str, lock_wait_s: float, holder: str) -> dict:
     """Runs on the node that owns the device: the job, into a scratch store; returns its records and
-    how it ended (status ok | unreachable | busy, and the error if the run broke)."""
+    how it ended (status ok | unreachable | busy, the run's info, and the error if the run broke)."""
     import ray
 
     rc = config.load(overrides, experiment=experiment)
@@ -127,15 +129,15 @@ def run_job(experiment: str, overrides: list[str], lock_dir: str, lock_wait_s: f
             "started": time.time()}
     shown = board(ray)
     shown.start.remote(rc.device, nightly.job_label(rc), node["node_id"])
-    ended = {"status": "ok", "reason": "", "error": "", "run_id": ""}
+    ended = {"status": "ok", "reason": "", "error": "", "info": None}
     before = os.environ.get("TESTBED_RESULTS")
     with tempfile.TemporaryDirectory(prefix="testbed-farm-") as scratch:
         os.environ["TESTBED_RESULTS"] = scratch  # a Ray worker runs one task at a time
         try:
-            with nightly.device_lock(Path(lock_dir), rc.device, lock_wait_s, f"farm night {night}"):
+            with nightly.device_lock(Path(lock_dir), rc.device, lock_wait_s, holder):
                 device = nightly.open_device(rc.device)
                 try:
-                    ended["run_id"] = runner.execute(rc, device=device).info.run_id
+                    ended["info"] = asdict(runner.execute(rc, device=device).info)
                 finally:
                     device.close()
         except nightly.DeviceBusy as e:
@@ -171,65 +173,52 @@ def error_rows(rc: RunConfig, why: str, node: dict) -> list[dict]:
     return [row]
 
 
-def driver(address: str):
-    """nightly.run_night's `drive` for farm=ADDRESS."""
-    def drive(suite: nightly.Suite, store: ResultsStore, night: str, log: nightly.Log) -> list[nightly.DeviceNight]:
-        return on_the_farm(join(address), suite, store, night, log)
-    return drive
-
-
-def on_the_farm(ray, suite: nightly.Suite, store: ResultsStore, night: str,
-                log: nightly.Log) -> list[nightly.DeviceNight]:
-    """Every job as a task on its device's node; each job's records appended to `store` as it ends."""
-    started = time.monotonic()
-    results = {d: nightly.DeviceNight(d) for d in suite.devices}
+def on_the_farm(ray, jobs: list[RunConfig], store: ResultsStore, log: nightly.Log, lock_dir: Path,
+                lock_wait_s: float, holder: str):
+    """Every job as a task on its device's node. Yields (job, how it ended) as each job ends, its
+    records already appended to `store`. A device no node advertises: its jobs end unreachable at once."""
     owner = owners(ray)
     task = ray.remote(max_retries=0, num_cpus=0)(run_job)
-    pending: dict = {}  # ObjectRef -> (device, job)
-    for device in suite.devices:
+    pending: dict = {}  # ObjectRef -> job
+    for device in dict.fromkeys(rc.device for rc in jobs):
+        mine = [rc for rc in jobs if rc.device == device]
         if device not in owner:
-            give_up(results[device], f"no farm node advertises {resource(device)}", log)
+            log(device, f"unreachable: no farm node advertises {resource(device)}")
+            for rc in mine:
+                yield rc, {"status": "unreachable", "reason": f"no farm node advertises {resource(device)}",
+                           "rows": []}
             continue
-        log(device, f"{len(suite.jobs[device])} jobs on node {node_label(owner[device])}")
-        for rc in suite.jobs[device]:
+        log(device, f"{len(mine)} job(s) on node {node_label(owner[device])}")
+        for rc in mine:
             ref = task.options(resources={resource(device): 1}, name=f"{device}: {nightly.job_label(rc)}").remote(
-                rc.experiment, rc.overrides, str(suite.lock_dir), suite.lock_wait_s, night)
-            pending[ref] = (device, rc)
+                rc.experiment, rc.overrides, str(lock_dir), lock_wait_s, holder)
+            pending[ref] = rc
     lost: dict[str, str] = {}  # device -> why its remaining jobs were cancelled
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1, timeout=WATCH_S)
         for ref in done:
-            device, rc = pending.pop(ref)
-            why = collect(ray, ref, rc, owner[device], lost.get(device), results[device], store, log)
-            results[device].seconds = time.monotonic() - started
-            if why and device not in lost:
-                lost[device] = why
-                cancel(ray, pending, device)
+            rc = pending.pop(ref)
+            ended = collect(ray, ref, rc, owner[rc.device], lost.get(rc.device), store, log)
+            if ended["status"] != "ok" and rc.device not in lost:
+                lost[rc.device] = ended["reason"]
+                cancel(ray, pending, rc.device)
+            yield rc, ended
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        for device in {d for d, _ in pending.values()} - set(lost):
+        for device in {rc.device for rc in pending.values()} - set(lost):
             if owner[device]["NodeID"] not in alive:
                 lost[device] = f"node {node_label(owner[device])} died"
                 log(device, f"{lost[device]}: its jobs end as error records")
                 cancel(ray, pending, device)
-    for r in results.values():
-        log(r.device, f"{r.status}{': ' + r.reason if r.reason else ''} ({r.seconds:.1f} s)")
-    return list(results.values())
 
 
 def cancel(ray, pending: dict, device: str) -> None:
-    for ref, (d, _) in pending.items():
-        if d == device:
+    for ref, rc in pending.items():
+        if rc.device == device:
             ray.cancel(ref)
 
 
-def give_up(result: nightly.DeviceNight, why: str, log: nightly.Log) -> None:
-    result.status, result.reason = "unreachable", why
-    log(result.device, f"unreachable: {why}")
-
-
-def collect(ray, ref, rc: RunConfig, node: dict, lost: str | None, result: nightly.DeviceNight,
-            store: ResultsStore, log: nightly.Log) -> str:
-    """Store one finished task's records and count them; why the device is lost, or ''."""
+def collect(ray, ref, rc: RunConfig, node: dict, lost: str | None, store: ResultsStore, log: nightly.Log) -> dict:
+    """One finished task: how it ended, its records (or the one error record of a lost job) stored."""
     label = nightly.job_label(rc)
     try:
         ended = ray.get(ref)
@@ -238,20 +227,58 @@ def collect(ray, ref, rc: RunConfig, node: dict, lost: str | None, result: night
     except ray.exceptions.RayError as e:  # the node or the worker died under the task
         ended = {"status": "unreachable", "rows": [],
                  "reason": f"lost on node {node_label(node)}: it died under the job ({type(e).__name__})"}
-    rows = ended["rows"] or (error_rows(rc, ended["reason"], node) if ended["status"] != "ok" else [])
-    store.append(rows)
+    if ended["status"] != "ok" and not ended["rows"]:
+        ended["rows"] = error_rows(rc, ended["reason"], node)
+    store.append(ended["rows"])
     if ended["status"] != "ok":
-        if result.status == "ok":
-            result.status, result.reason = ended["status"], ended["reason"]
-        log(result.device, f"{label}: {ended['status']}: {ended['reason']}")
-        return ended["reason"]
-    if ended["error"]:
-        result.failures.append(f"{result.device} {label}: run broke: {ended['error']}")
-        log(result.device, f"{label} broke on node {node_label(node)}: {ended['error']}")
+        log(rc.device, f"{label}: {ended['status']}: {ended['reason']}")
+    elif ended["error"]:
+        log(rc.device, f"{label} broke on node {node_label(node)}: {ended['error']}")
     else:
-        result.count(ended["run_id"], rows)
-        log(result.device, f"{label}: {len(rows)} records from node {node_label(node)}")
-    return ""
+        log(rc.device, f"{label}: {len(ended['rows'])} records from node {node_label(node)}")
+    return ended
+
+
+# --- what runs on the farm: a night, a run, a sweep -----------------------------------------------
+
+
+def driver(address: str):
+    """nightly.run_night's `drive` for farm=ADDRESS."""
+    def drive(suite: nightly.Suite, store: ResultsStore, night: str, log: nightly.Log) -> list[nightly.DeviceNight]:
+        started = time.monotonic()
+        results = {d: nightly.DeviceNight(d) for d in suite.devices}
+        jobs = [rc for d in suite.devices for rc in suite.jobs[d]]
+        for rc, ended in on_the_farm(join(address), jobs, store, log, suite.lock_dir, suite.lock_wait_s,
+                                     f"farm night {night}"):
+            result = results[rc.device]
+            result.seconds = time.monotonic() - started
+            if ended["status"] != "ok":
+                if result.status == "ok":  # the first reason a device was lost is the one that counts
+                    result.status, result.reason = ended["status"], ended["reason"]
+            elif ended["error"]:
+                result.failures.append(f"{rc.device} {nightly.job_label(rc)}: run broke: {ended['error']}")
+            else:
+                result.count(ended["info"]["run_id"], ended["rows"])
+        for r in results.values():
+            log(r.device, f"{r.status}{': ' + r.reason if r.reason else ''} ({r.seconds:.1f} s)")
+        return list(results.values())
+    return drive
+
+
+def execute(address: str, jobs: list[RunConfig], store: ResultsStore) -> list[runner.Outcome]:
+    """`testbed run` and `sweep` with farm=ADDRESS: the jobs on their devices' nodes (devices side by
+    side), their records in `store`; the outcomes in the jobs' order. A job that did not end well
+    raises as runner.execute would, once every job has ended."""
+    locks = Path(tempfile.gettempdir()) / "testbed-locks"  # the nightly's default: a device a night holds is busy
+    ended = {id(rc): how for rc, how in on_the_farm(join(address), jobs, store, nightly.Log(), locks, 0.0,
+                                                   f"farm run, pid {os.getpid()}")}
+    for rc in jobs:
+        how = ended[id(rc)]
+        if how["status"] != "ok":
+            raise DeviceUnreachable(f"{rc.device}: {how['reason']}")
+        if how["error"]:
+            raise DeviceError(f"{rc.device} {nightly.job_label(rc)}: {how['error']}")
+    return [runner.Outcome(RunInfo(**ended[id(rc)]["info"]), ended[id(rc)]["rows"]) for rc in jobs]
 
 
 # --- the commands ---------------------------------------------------------------------------------

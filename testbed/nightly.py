@@ -302,13 +302,13 @@ def summary(suite: Suite, night: str, results: list[DeviceNight], flags: list[hi
 
 
 def command(args) -> int:
-    farm = [o.split("=", 1)[1] for o in args.overrides if o.startswith("farm=")]
-    suite = load_suite([o for o in args.overrides if not o.startswith("farm=")])
+    farm, overrides = config.split_farm(args.overrides)
+    suite = load_suite(overrides)
     store = runner.results_store(config.load([]))
     if farm:  # the lab's Ray cluster runs the jobs on the hosts that own the devices
         from testbed import farm as lab
 
-        status, text = run_night(suite, store, drive=lab.driver(farm[-1]))
+        status, text = run_night(suite, store, drive=lab.driver(farm))
     else:
         status, text = run_night(suite, store)
     print(text)

@@ -159,6 +159,25 @@ def test_each_job_runs_on_the_node_that_owns_its_device(lab, cluster, tmp_path):
     assert out.strip().splitlines()[-1] == "exit 0: all oracles pass, no regression"
 
 
+def test_a_sweep_runs_each_job_on_its_devices_node(lab, cluster, tmp_path):
+    env = {**os.environ, **node_env(lab), "TESTBED_RESULTS": str(tmp_path)}
+    sweep = subprocess.run([sys.executable, "-m", "testbed", "sweep", "experiment=gdn", "device=host,qemu-arm32",
+                            "mode=oracle", "matrix=awkward", f"farm={cluster.address}"], cwd=PROJECT_ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert sweep.returncode == 0, sweep.stdout + sweep.stderr
+    assert "2 runs, 0 oracle failures" in sweep.stdout
+    records = ResultsStore(tmp_path).records()
+    assert {r["device"] for r in records} == {"host", "qemu-arm32"}
+    assert all(r["farm"]["node_id"] == cluster.owners[r["device"]] for r in records)
+    # a device no node owns: one line, exit 3, nothing run
+    run = subprocess.run([sys.executable, "-m", "testbed", "run", "gdn", "device=qemu-aarch64", "mode=oracle",
+                          f"farm={cluster.address}"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert run.stderr.splitlines()[-1] == ("testbed: device unreachable: qemu-aarch64: no farm node advertises "
+                                           "device:qemu-aarch64")
+
+
 def wait_for(what: str, check, limit_s: float):
     deadline = time.monotonic() + limit_s
     while not check():
