@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from pathlib import Path
 
 from testbed.devices.adb import AdbTransport
 from testbed.errors import DeviceUnreachable
