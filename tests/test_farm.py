@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -78,6 +79,19 @@ def lab(tmp_path_factory) -> Path:
             experiment: gdn
             overrides: [mode=oracle, matrix=awkward]
             devices: [host]
+        lock_dir: ""
+        """))
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (folder / "devices" / "phone-gone.yaml").write_text(
+        phone("phone-gone").split("peer:")[0].replace("host: 127.0.0.1", f"host: 127.0.0.1\n  port: {port}"))
+    (folder / "suite" / "gone.yaml").write_text(textwrap.dedent("""\
+        devices: [host, phone-gone]
+        runs:
+          gdn:
+            experiment: gdn
+            overrides: [mode=oracle, matrix=awkward, "chunk=16,32"]
         lock_dir: ""
         """))
     (folder / "suite" / "doomed.yaml").write_text(textwrap.dedent("""\
@@ -228,6 +242,23 @@ def test_a_node_that_dies_mid_night_ends_in_error_records_for_its_devices_only(l
     nights = next(s for s in report["sections"] if s["id"] == "nights")["tables"][0]["rows"]
     assert "phone-c: unreachable (" in json.dumps(nights[-1])
     print(out)
+
+
+def test_a_device_that_does_not_answer_ends_in_error_records_naming_its_node(lab, cluster, tmp_path):
+    with environment(**node_env(lab)):
+        node = cluster.add_node(num_cpus=1, object_store_memory=SMALL_STORE, resources={farm.resource("phone-gone"): 1})
+    cluster.wait_for_nodes()
+    proc = nightly(lab, tmp_path, "suite=gone", address=cluster.address)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 3, out + err
+    records = ResultsStore(tmp_path).records()
+    gone = [r for r in records if r["device"] == "phone-gone"]
+    assert len(gone) == 2 and all(r["verdict"] == "error" and r["farm"]["node_id"] == node.node_id for r in gone)
+    assert "nothing answers at 127.0.0.1" in gone[0]["detail"] or "nothing answers at 127.0.0.1" in gone[1]["detail"]
+    assert {r["device"] for r in records if r["verdict"] == "pass"} == {"host"}
+    night = ResultsStore(tmp_path / "nights").records()[-1]["devices"]
+    assert night["host"]["status"] == "ok" and night["phone-gone"]["status"] == "unreachable"
+    cluster.remove_node(node)
 
 
 def test_a_device_no_node_advertises_is_listed_unreachable(lab, cluster, tmp_path):
