@@ -183,10 +183,9 @@ def on_the_farm(ray, jobs: list[RunConfig], store: ResultsStore, log: nightly.Lo
     for device in dict.fromkeys(rc.device for rc in jobs):
         mine = [rc for rc in jobs if rc.device == device]
         if device not in owner:
-            log(device, f"unreachable: no farm node advertises {resource(device)}")
+            log(device, f"unreachable: {unowned(device)}")
             for rc in mine:
-                yield rc, {"status": "unreachable", "reason": f"no farm node advertises {resource(device)}",
-                           "rows": []}
+                yield rc, {"status": "unreachable", "reason": unowned(device), "rows": []}
             continue
         log(device, f"{len(mine)} job(s) on node {node_label(owner[device])}")
         for rc in mine:
@@ -209,6 +208,10 @@ def on_the_farm(ray, jobs: list[RunConfig], store: ResultsStore, log: nightly.Lo
                 lost[device] = f"node {node_label(owner[device])} died"
                 log(device, f"{lost[device]}: its jobs end as error records")
                 cancel(ray, pending, device)
+
+
+def unowned(device: str) -> str:
+    return f"no farm node advertises {resource(device)}"
 
 
 def cancel(ray, pending: dict, device: str) -> None:
@@ -246,10 +249,12 @@ def driver(address: str):
     """nightly.run_night's `drive` for farm=ADDRESS."""
     def drive(suite: nightly.Suite, store: ResultsStore, night: str, log: nightly.Log) -> list[nightly.DeviceNight]:
         started = time.monotonic()
+        ray = join(address)
         results = {d: nightly.DeviceNight(d) for d in suite.devices}
+        for device in set(suite.devices) - set(owners(ray)):  # listed even if none of tonight's jobs is its
+            results[device].status, results[device].reason = "unreachable", unowned(device)
         jobs = [rc for d in suite.devices for rc in suite.jobs[d]]
-        for rc, ended in on_the_farm(join(address), jobs, store, log, suite.lock_dir, suite.lock_wait_s,
-                                     f"farm night {night}"):
+        for rc, ended in on_the_farm(ray, jobs, store, log, suite.lock_dir, suite.lock_wait_s, f"farm night {night}"):
             result = results[rc.device]
             result.seconds = time.monotonic() - started
             if ended["status"] != "ok":
