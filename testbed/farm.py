@@ -188,9 +188,13 @@ def on_the_farm(ray, jobs: list[RunConfig], store: ResultsStore, log: nightly.Lo
                 yield rc, {"status": "unreachable", "reason": unowned(device), "rows": []}
             continue
         log(device, f"{len(mine)} job(s) on node {node_label(owner[device])}")
+        # Ray starts its workers with OMP_NUM_THREADS=1; a job must see the host's cores as a local run
+        # does (the numpy around a measurement uses them; measured sections set their own limits)
+        cores = {"env_vars": {"OMP_NUM_THREADS": str(int(owner[device]["Resources"].get("CPU", 1)))}}
         for rc in mine:
-            ref = task.options(resources={resource(device): 1}, name=f"{device}: {nightly.job_label(rc)}").remote(
-                rc.experiment, rc.overrides, str(lock_dir), lock_wait_s, holder)
+            ref = task.options(resources={resource(device): 1}, name=f"{device}: {nightly.job_label(rc)}",
+                               runtime_env=cores).remote(rc.experiment, rc.overrides, str(lock_dir), lock_wait_s,
+                                                         holder)
             pending[ref] = rc
     lost: dict[str, str] = {}  # device -> why its remaining jobs were cancelled
     while pending:
