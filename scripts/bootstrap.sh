@@ -4,8 +4,9 @@
 #   scripts/bootstrap.sh --test   also what the test suites drive for real: ARM cross compilers and
 #                                 qemu-user, Debian's adb client, openssh-server, Mesa's software Vulkan
 #                                 (lavapipe), Chromium for the report check, torch + transformers
-#                                 for the cross-checks against Hugging Face (the `hf` extra), and CMake,
-#                                 Ninja, ccache and the aarch64 C++ compiler that build llama.cpp's tools
+#                                 for the cross-checks against Hugging Face (the `hf` extra), CMake,
+#                                 Ninja, ccache and the aarch64 C++ compiler that build llama.cpp's tools,
+#                                 and Ray (the farm extra: the tests run a three-node cluster here)
 set -eu
 cd "$(dirname "$0")/.."
 
@@ -17,7 +18,7 @@ packages="$HOST_PACKAGES"
 extras="full"
 if [ "${1:-}" = "--test" ]; then
   packages="$packages $TEST_PACKAGES"
-  extras="full,hf"
+  extras="full,hf,farm"
 fi
 
 missing=""

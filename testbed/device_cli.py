@@ -57,6 +57,17 @@ def cmd_devices(args) -> int:
     return 0
 
 
+def host_checks(profile) -> list[tuple[str, str, str]]:
+    """What this host needs to reach the device at all, checked without reaching it."""
+    if profile.transport != "adb" or profile.connection.get("host") or profile.connection.get("server"):
+        return []
+    try:
+        import usb1  # noqa: F401 -- adb-shell's USB transport is built on it
+    except ImportError:
+        return [("adb-shell usb support", "MISSING", "a phone over USB needs libusb bindings: pip install 'testbed[usb]'")]
+    return [("adb-shell usb support", "ok", "usb1 (libusb) importable")]
+
+
 def doctor(name: str) -> tuple[list[tuple[str, str, str]], dict]:
     """[(check, 'ok' | 'MISSING', detail)], fingerprint. Raises DeviceUnreachable."""
     profile = load_profile(name)
@@ -135,6 +146,9 @@ def iree_runtime_checks(device) -> list[tuple[str, str, str]]:
 
 
 def cmd_doctor(args) -> int:
+    needs = host_checks(load_profile(args.device))
+    for check, status, detail in needs:
+        print(f"{status:8} {check:28} {detail}")
     try:
         checks, fp = doctor(args.device)
     except DeviceUnreachable as e:
@@ -145,7 +159,7 @@ def cmd_doctor(args) -> int:
     print("fingerprint: " + ", ".join(f"{k}={fp.get(k)}" for k in ("model", "abi", "os", "governor", "cores")))
     temps = fp.get("temperatures_c") or {}
     print("temperatures: " + (", ".join(f"{k} {v:.1f} C" for k, v in temps.items()) or "not readable"))
-    missing = [c for c in checks if c[1] != "ok"]
+    missing = [c for c in needs + checks if c[1] != "ok"]
     if missing:
         print(f"{args.device}: {len(missing)} missing: " + ", ".join(shlex.quote(c[0]) for c in missing))
         from testbed.backends.iree.device import ToolMissing

@@ -31,7 +31,6 @@ def test_doctor_says_what_is_missing(capsys, tmp_path, monkeypatch):
         "name: half\ntransport: qemu\nabi: armeabi-v7a\nconnection: {emulator: qemu-arm, sysroot: /no/such/sysroot}\n"
         "tools: {llama-bench: /no/such/llama-bench}\n")
     monkeypatch.setitem(config.GROUPS, "device", devices)
-    monkeypatch.setattr("testbed.devices.profile.DEVICES_DIR", devices)
     assert main(["doctor", "half"]) == 1
     out = capsys.readouterr().out
     assert "MISSING  qemu sysroot" in out and "MISSING  tool llama-bench" in out and "2 missing" in out
@@ -104,3 +103,20 @@ def test_doctor_checks_that_the_iree_tools_start_on_an_arm64_device(capsys):
     out = capsys.readouterr().out
     assert "ok       iree runtime" in out and "= the compiler's" in out
     assert "ok       iree iree-run-module" in out and "ok       iree iree-benchmark-module" in out
+
+
+def test_doctor_says_when_adb_shell_cannot_reach_usb(monkeypatch, capsys):
+    """A USB phone's profile on a host without adb-shell's USB extra: doctor names it before connecting."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_usb1(name, *args, **kwargs):
+        if name == "usb1":
+            raise ImportError("No module named 'usb1'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_usb1)
+    assert main(["doctor", "pixel"]) == 3  # and no phone is attached either
+    out = capsys.readouterr().out
+    assert out.startswith("MISSING  adb-shell usb support") and "pip install 'testbed[usb]'" in out
