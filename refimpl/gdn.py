@@ -110,7 +110,28 @@ def gdn_serial(q, k, v, g, beta, state=None, head_map: str = "tiled"):
     return out, m
 
 
-def _chunk_step(s, q, k, v, g, beta, scale):
+def _fp16_acc32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b with fp16 inputs and float32 accumulation: a product of two fp16 numbers is exact in
+    float32 (11 + 11 significant bits), so only the inputs' rounding and the f32 sum remain."""
+    f16 = np.float16
+    return a.astype(f16).astype(np.float32) @ b.astype(f16).astype(np.float32)
+
+
+def _fp16_acc16(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b with fp16 inputs and an fp16 accumulator rounded after every multiply-add."""
+    a16, b16 = a.astype(np.float16), b.astype(np.float16)
+    acc = np.zeros(a.shape[:-1] + b.shape[-1:], np.float16)
+    for c in range(a.shape[-1]):
+        acc = (acc.astype(np.float32) + a16[..., :, c:c + 1].astype(np.float32) * b16[..., c:c + 1, :]).astype(np.float16)
+    return acc.astype(np.float32)
+
+
+# The chunkwise form's matrix products, as a matrix unit computes them (an NPU's HMX takes fp16
+# tiles). The forward substitution and the state stay float32, as on a vector unit.
+PRECISIONS = {"f32": np.matmul, "fp16-acc32": _fp16_acc32, "fp16-acc16": _fp16_acc16}
+
+
+def _chunk_step(s, q, k, v, g, beta, scale, matmul=np.matmul):
     """One chunk of L tokens for every (sequence, head) at once, with the state S = [.., d_k, d_v].
 
     The WY / UT form: within the chunk the delta rule's L rank-1 updates are replaced by a unit lower
@@ -142,8 +163,8 @@ def _chunk_step(s, q, k, v, g, beta, scale):
     else:
         diff = G[..., :, None] - G[..., None, :]
         decay_ij = np.exp(np.where(lower, diff, -np.inf))
-        kk = np.einsum("...ic,...jc->...ij", k, k) * decay_ij
-        qk = np.einsum("...ic,...jc->...ij", q, k) * decay_ij
+        kk = matmul(k, np.swapaxes(k, -1, -2)) * decay_ij
+        qk = matmul(q, np.swapaxes(k, -1, -2)) * decay_ij
         q_in = q * np.exp(G)[..., None]
         k_in = k * np.exp(G)[..., None]
         k_out = k * np.exp(G[..., -1:] - G)[..., None]
@@ -156,18 +177,21 @@ def _chunk_step(s, q, k, v, g, beta, scale):
     eye = np.eye(L, dtype=dtype)
     for i in range(L):
         t_inv[..., i, :] = eye[i] - np.einsum("...j,...jc->...c", a[..., i, :i], t_inv[..., :i, :])
-    u = t_inv @ (b * v)                                               # [.., L, d_v]
-    w = t_inv @ (b * k_in)                                            # [.., L, d_k]
-    v_new = u - w @ s                                                 # the deltas given the state
-    out = q_in @ s + np.where(lower, qk, 0).astype(dtype) @ v_new
-    s_next = state_decay * s + np.swapaxes(k_out, -1, -2) @ v_new
+    u = matmul(t_inv, b * v)                                          # [.., L, d_v]
+    w = matmul(t_inv, b * k_in)                                       # [.., L, d_k]
+    v_new = u - matmul(w, s)                                          # the deltas given the state
+    out = matmul(q_in, s) + matmul(np.where(lower, qk, 0).astype(dtype), v_new)
+    s_next = state_decay * s + matmul(np.swapaxes(k_out, -1, -2), v_new)
     return scale * out, s_next
 
 
-def gdn_chunkwise(q, k, v, g, beta, state=None, chunk: int = 64, head_map: str = "tiled"):
-    """Chunkwise form: ceil(T / chunk) steps; the last chunk may be shorter. Same returns as serial."""
+def gdn_chunkwise(q, k, v, g, beta, state=None, chunk: int = 64, head_map: str = "tiled", precision: str = "f32"):
+    """Chunkwise form: ceil(T / chunk) steps; the last chunk may be shorter. Same returns as serial.
+    `precision`: how the matrix products round (PRECISIONS; the KDA gate's k-k and q-k products stay f32)."""
     if chunk <= 0:
         raise ValueError(f"chunk must be a positive integer, got {chunk}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {tuple(PRECISIONS)}")
     n_seqs, t_len, _, d = q.shape
     h_v = v.shape[2]
     dtype = q.dtype
@@ -183,7 +207,8 @@ def gdn_chunkwise(q, k, v, g, beta, state=None, chunk: int = 64, head_map: str =
     for c0 in range(0, t_len, chunk):
         c1 = min(c0 + chunk, t_len)
         out[:, :, c0:c1], s = _chunk_step(
-            s, qh[:, :, c0:c1], kh[:, :, c0:c1], vh[:, :, c0:c1], gh[:, :, c0:c1], bh[:, :, c0:c1], scale
+            s, qh[:, :, c0:c1], kh[:, :, c0:c1], vh[:, :, c0:c1], gh[:, :, c0:c1], bh[:, :, c0:c1], scale,
+            PRECISIONS[precision],
         )
     return np.ascontiguousarray(np.moveaxis(out, 2, 1)), np.ascontiguousarray(np.swapaxes(s, -1, -2))
 

@@ -3,20 +3,22 @@
 #   scripts/bootstrap.sh          the host job: a C compiler and the Python package with its extras
 #   scripts/bootstrap.sh --test   also what the test suites drive for real: ARM cross compilers and
 #                                 qemu-user, Debian's adb client, openssh-server, Mesa's software Vulkan
-#                                 (lavapipe), Chromium for the report check, and torch + transformers
-#                                 for the cross-checks against Hugging Face (the `hf` extra)
+#                                 (lavapipe), Chromium for the report check, torch + transformers
+#                                 for the cross-checks against Hugging Face (the `hf` extra), CMake,
+#                                 Ninja, ccache and the aarch64 C++ compiler that build llama.cpp's tools,
+#                                 and Ray (the farm extra: the tests run a three-node cluster here)
 set -eu
 cd "$(dirname "$0")/.."
 
 HOST_PACKAGES="gcc make"
 TEST_PACKAGES="qemu-user gcc-arm-linux-gnueabihf gcc-aarch64-linux-gnu libc6-dev-armhf-cross libc6-dev-arm64-cross
-  adb openssh-server mesa-vulkan-drivers libvulkan1 chromium"
+  adb openssh-server mesa-vulkan-drivers libvulkan1 chromium g++ g++-aarch64-linux-gnu cmake ninja-build ccache"
 
 packages="$HOST_PACKAGES"
 extras="full"
 if [ "${1:-}" = "--test" ]; then
   packages="$packages $TEST_PACKAGES"
-  extras="full,hf"
+  extras="full,hf,farm"
 fi
 
 missing=""

@@ -1,12 +1,12 @@
 #!/usr/bin/env sh
 # The test command: the whole suite on the host, then the suites that run the optimised path on a
-# device (`-m device`) on each emulated device this machine has (qemu-user, the loopback adbd,
+# device (`-m device`) on each emulated device this machine has (qemu-user, the loopback adbds,
 # lavapipe): what runs on a device is checked there, with the device-side evidence, in every run.
 # Extra arguments go to every pytest run (e.g. -x, -k NAME).
 set -eu
 cd "$(dirname "$0")/.."
 python3 -m pytest --device=host "$@"
-for device in qemu-arm32 qemu-aarch64 adb-loopback; do
+for device in qemu-arm32 qemu-aarch64 adb-loopback adb-loopback-arm64 lavapipe; do
   echo "== pytest --device=$device -m device"
   python3 -m pytest --device="$device" -m device -q "$@"
 done

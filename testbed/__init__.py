@@ -4,6 +4,13 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
-# The checkout holds the configuration (experiments/, devices/) beside the code; the package is
-# installed editable, so the project root is one folder up from here.
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+_PACKAGE = Path(__file__).resolve().parent
+
+# In a checkout (installed editable or not at all) the configuration, experiments/ and devices/, sits
+# beside the package, and so do results/ and .cache/. An installed wheel carries a copy of the
+# configuration inside the package, as _shipped/ (setup.py puts it there); its results and caches go
+# where testbed is run, since site-packages is no place for them.
+if (_PACKAGE.parent / "experiments" / "config.yaml").is_file():
+    PROJECT_ROOT = CONFIG_ROOT = _PACKAGE.parent
+else:
+    PROJECT_ROOT, CONFIG_ROOT = Path.cwd(), _PACKAGE / "_shipped"

@@ -5,6 +5,7 @@
   testbed table EXPERIMENT [--format md|csv|json|jsonl] tables from stored records only
   testbed ingest FILE [--device NAME]             store test-backend-ops output run elsewhere
   testbed records verify | rm ... | export        inspect and repair the results store
+  (run and sweep take farm=HEAD:PORT: the jobs run on the lab's hosts that own their devices)
 
 Exit status: 0 all oracles passed, 1 an oracle failed (or no records to show), 2 bad input,
 3 a device could not be reached, 4 a device operation failed, 5 the results store cannot be written,
@@ -19,7 +20,7 @@ import sys
 
 import pandas as pd
 
-from testbed import config, device_cli, emulation, experiments, nightly, records_cli, report, runner, tables
+from testbed import config, device_cli, emulation, experiments, farm, nightly, records_cli, report, runner, tables
 from testbed.errors import DeviceError, DeviceUnreachable, StoreError, UsageError
 
 
@@ -52,8 +53,13 @@ def _summary(outcome: runner.Outcome, module) -> str:
 
 
 def cmd_run(args) -> int:
-    rc = config.load(args.overrides, experiment=args.experiment)
-    outcome = runner.execute(rc, progress=_progress_line)  # checks every parameter before running
+    address, overrides = config.split_farm(args.overrides)
+    rc = config.load(overrides, experiment=args.experiment)
+    if address:  # on the lab's node that owns the device
+        runner.check(rc)
+        [outcome] = farm.execute(address, [rc], runner.results_store(rc))
+    else:
+        outcome = runner.execute(rc, progress=_progress_line)  # checks every parameter before running
     module = experiments.load(rc.experiment)
     if sys.stderr.isatty():
         sys.stderr.write("\r\033[K")
@@ -61,27 +67,35 @@ def cmd_run(args) -> int:
     return 1 if outcome.failed else 0
 
 
-def cmd_sweep(args) -> int:
+def _sweep_here(jobs: list[config.RunConfig]):
+    """The sweep's jobs one after the other in this process, with a progress bar (a log when not a tty)."""
     from tqdm import tqdm
 
-    jobs = [config.load(combo) for combo in config.expand_sweep(args.overrides)]
-    modules = [runner.check(rc)[0] for rc in jobs]  # every job is checked before the first one runs
-    rows, failed = [], 0
     tty = sys.stderr.isatty()
     bar = tqdm(total=len(jobs), desc="sweep", unit="run", file=sys.stderr, disable=not tty)
-    for i, (rc, module) in enumerate(zip(jobs, modules)):
+    for i, rc in enumerate(jobs):
         label = " ".join(o for o in rc.overrides if o.split("=")[0] not in ("experiment",))
         bar.set_postfix_str(label)
         if not tty:  # a log, not a bar: one line per job
             print(f"[{i + 1}/{len(jobs)}] {rc.experiment} {label}", file=sys.stderr, flush=True)
-        outcome = runner.execute(rc, progress=lambda msg: bar.set_postfix_str(f"{label} | {msg}"[:100]))
+        yield runner.execute(rc, progress=lambda msg: bar.set_postfix_str(f"{label} | {msg}"[:100]))
+        bar.update()
+    bar.close()
+
+
+def cmd_sweep(args) -> int:
+    address, overrides = config.split_farm(args.overrides)
+    jobs = [config.load(combo) for combo in config.expand_sweep(overrides)]
+    modules = [runner.check(rc)[0] for rc in jobs]  # every job is checked before the first one runs
+    # with farm=, on the lab's nodes that own the devices, devices side by side
+    outcomes = farm.execute(address, jobs, runner.results_store(jobs[0])) if address else _sweep_here(jobs)
+    rows, failed = [], 0
+    for rc, module, outcome in zip(jobs, modules, outcomes):
         failed += outcome.failed
         summarise = getattr(module, "sweep_row", lambda df: module.view(df).iloc[0].to_dict())
         rows.append({"experiment": rc.experiment, **dict(o.split("=", 1) for o in rc.overrides
                                                           if not o.startswith("experiment=")),
                      **summarise(outcome.frame())})
-        bar.update()
-    bar.close()
     print(tables.markdown(pd.DataFrame(rows)))
     for module in dict.fromkeys(modules):
         if hasattr(module, "sweep_footer"):
@@ -165,13 +179,14 @@ def parser() -> argparse.ArgumentParser:
                    help="store output that names another backend than the device's, or that is stored already")
     i.set_defaults(fn=cmd_ingest)
     nightly.register(sub), report.register(sub), device_cli.register(sub), records_cli.register(sub)
+    farm.register(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
     runner.stop_on_signals()
     try:
+        args = parser().parse_args(argv)  # the parser lists the config's names, the lab's included
         return args.fn(args)
     except UsageError as e:
         print(f"testbed: error: {e}", file=sys.stderr)

@@ -5,14 +5,24 @@ The primary config is experiments/config.yaml. Config groups:
   model       experiments/model/NAME.yaml
   device      devices/NAME.yaml                 (registered from devices/ so profiles live in one place)
 
+A lab keeps its own devices, experiments and suites outside the project: TESTBED_LAB=DIR names a
+folder with any of devices/, experiment/, model/ and suite/, searched after the project's own (a name
+the project has is the project's). Ray workers and subprocesses see it because it is an environment
+variable, not a setting of one process. Other packages add experiments through the entry point group
+`testbed.experiments`: `NAME = package.module`, the experiment's module, with its config NAME.yaml
+beside it.
+
 Every problem a user can cause is raised as a UsageError with one line naming the bad value and what
 is accepted, before any work is done or anything is written.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import itertools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -25,12 +35,16 @@ from hydra.core.override_parser.types import RangeSweep, ValueType
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from testbed import PROJECT_ROOT
+from testbed import CONFIG_ROOT, PROJECT_ROOT
 from testbed.errors import UsageError
 
-CONFIG_DIR = PROJECT_ROOT / "experiments"
-DEVICES_DIR = PROJECT_ROOT / "devices"
+CONFIG_DIR = CONFIG_ROOT / "experiments"
+DEVICES_DIR = CONFIG_ROOT / "devices"
 GROUPS = {"experiment": CONFIG_DIR / "experiment", "model": CONFIG_DIR / "model", "device": DEVICES_DIR}
+SUITE_DIR = CONFIG_DIR / "suite"
+LAB_ENV = "TESTBED_LAB"
+LAB_FOLDERS = {"experiment": "experiment", "model": "model", "device": "devices", "suite": "suite"}
+ENTRY_POINTS = "testbed.experiments"
 
 
 # `${default_backend:${oc.select:device.capabilities,[]},[refimpl,native]}` in an experiment config:
@@ -45,15 +59,73 @@ def _default_backend(capabilities, accepted):
 OmegaConf.register_new_resolver("default_backend", _default_backend, replace=True)
 
 
+def lab_dir() -> Path | None:
+    """The lab's own folder (TESTBED_LAB), or None."""
+    value = os.environ.get(LAB_ENV)
+    if not value:
+        return None
+    lab = Path(value).expanduser()
+    if not lab.is_dir():
+        raise UsageError(f"{LAB_ENV}={value!r} is not a folder; accepted: a folder with any of "
+                         f"{', '.join(f + '/' for f in LAB_FOLDERS.values())}")
+    return lab
+
+
+def group_dirs(group: str) -> list[Path]:
+    """Where a group's YAML files are looked for, first match wins: the project's folder, the lab's."""
+    own = SUITE_DIR if group == "suite" else GROUPS[group]
+    lab = lab_dir()
+    return [own] + ([lab / LAB_FOLDERS[group]] if lab else [])
+
+
+def packaged_experiments() -> dict[str, Path]:
+    """Experiments other packages provide (entry point group testbed.experiments): name -> its config."""
+    found = {}
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        spec = importlib.util.find_spec(entry.value)
+        config = Path(spec.origin).parent / f"{entry.name}.yaml" if spec and spec.origin else None
+        if config is None or not config.is_file():
+            raise UsageError(f"entry point {ENTRY_POINTS} {entry.name} = {entry.value}: no config {entry.name}.yaml "
+                             f"beside the module; accepted: a module with its NAME.yaml in the same folder")
+        found[entry.name] = config
+    return found
+
+
 def choices(group: str) -> list[str]:
-    """The names a config group accepts: its YAML files."""
-    return sorted(p.stem for p in GROUPS[group].glob("*.yaml"))
+    """The names a config group accepts: its YAML files (and, for experiments, other packages')."""
+    names = {p.stem for folder in group_dirs(group) for p in folder.glob("*.yaml")}
+    return sorted(names | set(packaged_experiments()) if group == "experiment" else names)
 
 
-def _register_devices() -> None:
+def group_file(group: str, name: str) -> Path:
+    """The YAML file of `name` in `group`; a UsageError naming what is accepted if there is none."""
+    for folder in group_dirs(group):
+        if (folder / f"{name}.yaml").is_file():
+            return folder / f"{name}.yaml"
+    raise UsageError(f"unknown {group} {name!r}; accepted: {', '.join(choices(group))}")
+
+
+def _register() -> None:
+    """Give Hydra the configs that are not in its search path: device profiles (kept in devices/ so
+    profiles live in one place) and other packages' experiments."""
     store = ConfigStore.instance()
-    for path in sorted(DEVICES_DIR.glob("*.yaml")):
-        store.store(group="device", name=path.stem, node=OmegaConf.load(path), package="device")
+    for name in choices("device"):
+        store.store(group="device", name=name, node=OmegaConf.load(group_file("device", name)), package="device")
+    for name, path in packaged_experiments().items():
+        store.store(group="experiment", name=name, node=OmegaConf.load(path), package="_global_")
+
+
+def _search_path() -> list[str]:
+    """The lab's folder as a Hydra search path override (its experiment/ and model/ groups)."""
+    lab = lab_dir()
+    return [f"hydra.searchpath=[file://{lab.resolve()}]"] if lab else []
+
+
+def split_farm(overrides: Iterable[str]) -> tuple[str | None, list[str]]:
+    """farm=HEAD:PORT (run on a lab's Ray cluster: testbed.farm) apart from the configuration's overrides."""
+    overrides = list(overrides)
+    farm = [o.split("=", 1)[1] for o in overrides if o.startswith("farm=")]
+    return (farm[-1] if farm else None), [o for o in overrides if not o.startswith("farm=")]
 
 
 # The most runs one sweep may expand to: every job is composed and checked before the first runs, and
@@ -166,10 +238,10 @@ def load(overrides: Iterable[str] = (), experiment: str | None = None) -> RunCon
         overrides = [f"experiment={experiment}", *overrides]
 
     GlobalHydra.instance().clear()
-    _register_devices()
+    _register()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         try:
-            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+            cfg = compose("config", overrides=[*overrides, *_search_path()], return_hydra_config=True)
         except (HydraException, ValueError) as e:  # Hydra raises ValueError for some malformed overrides
             raise _explain(e, overrides) from None
     chosen = cfg.hydra.runtime.choices
@@ -197,7 +269,7 @@ def _explain(error: HydraException, overrides: list[str]) -> UsageError:
         base = [o for o in overrides if o.split("=", 1)[0] in GROUPS]
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            keys = _leaf_keys(compose("config", overrides=base))
+            keys = _leaf_keys(compose("config", overrides=[*base, *_search_path()]))
         top = sorted({k.split(".")[0] + (".*" if "." in k else "") for k in keys} | set(GROUPS))
         return UsageError(f"unknown key {key!r}; accepted keys: {', '.join(top)}")
     return UsageError(text.splitlines()[0])

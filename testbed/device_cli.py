@@ -2,8 +2,11 @@
 
   testbed devices            every profile in devices/, and whether each answers now (and why not)
   testbed doctor DEVICE      connect, then check every tool and path the profile names, the shell
-                             utilities testbed relies on, and the fingerprint; say what is missing
-                             (exit 0 all present, 1 something missing, 3 unreachable)
+                             utilities testbed relies on, the IREE runtime tools of a profile that
+                             names an IREE target (where they come from, that they start on the
+                             device, that their release is the compiler's), and the fingerprint; say
+                             what is missing and how to get it (exit 0 all present, 1 something
+                             missing, 3 unreachable or no IREE runtime for an IREE profile)
 """
 
 from __future__ import annotations
@@ -54,6 +57,17 @@ def cmd_devices(args) -> int:
     return 0
 
 
+def host_checks(profile) -> list[tuple[str, str, str]]:
+    """What this host needs to reach the device at all, checked without reaching it."""
+    if profile.transport != "adb" or profile.connection.get("host") or profile.connection.get("server"):
+        return []
+    try:
+        import usb1  # noqa: F401 -- adb-shell's USB transport is built on it
+    except ImportError:
+        return [("adb-shell usb support", "MISSING", "a phone over USB needs libusb bindings: pip install 'testbed[usb]'")]
+    return [("adb-shell usb support", "ok", "usb1 (libusb) importable")]
+
+
 def doctor(name: str) -> tuple[list[tuple[str, str, str]], dict]:
     """[(check, 'ok' | 'MISSING', detail)], fingerprint. Raises DeviceUnreachable."""
     profile = load_profile(name)
@@ -76,6 +90,8 @@ def doctor(name: str) -> tuple[list[tuple[str, str, str]], dict]:
                            path if r.returncode == 0 else f"{path} is not an executable on the device"))
         if profile.has("native"):
             checks.append(native_check(device))
+        if profile.iree:
+            checks += iree_runtime_checks(device)
         fingerprint = device.fingerprint()
     finally:
         device.close()
@@ -101,7 +117,38 @@ def native_check(device) -> tuple[str, str, str]:
                                           f"{(r.stderr or r.stdout).strip()[-200:]})")
 
 
+IREE_RUNTIME = "iree runtime"
+
+
+def iree_runtime_checks(device) -> list[tuple[str, str, str]]:
+    """Where backend=iree's tools come from for this device, whether they start there (a dynamically
+    linked tool needs its loader: qemu's sysroot), and whether their release is the compiler's."""
+    from testbed.backends.iree.device import RUNTIME_TOOLS, IreeDevice, ToolMissing, compiler_release
+
+    try:
+        iree = IreeDevice(device)
+    except ToolMissing as e:
+        return [(IREE_RUNTIME, "MISSING", str(e))]
+    checks = []
+    version, _ = compiler_release()
+    release = iree.source.release
+    checks.append((IREE_RUNTIME, "ok", f"{iree.source.how}" + (f", IREE {release} = the compiler's {version}"
+                                                                 if release else " (release not checked)")))
+    with iree.folder() as run:
+        for tool in RUNTIME_TOOLS:
+            path = iree.tool(tool)
+            r = device.run([path, "--help"], timeout=120, cwd=run.path)
+            starts = r.returncode == 0 and "--module" in r.stdout + r.stderr
+            checks.append((f"iree {tool}", "ok" if starts else "MISSING",
+                           path if starts else f"{path} does not start on the device: "
+                           f"{(r.stderr or r.stdout).strip()[-200:] or 'exit ' + str(r.returncode)}"))
+    return checks
+
+
 def cmd_doctor(args) -> int:
+    needs = host_checks(load_profile(args.device))
+    for check, status, detail in needs:
+        print(f"{status:8} {check:28} {detail}")
     try:
         checks, fp = doctor(args.device)
     except DeviceUnreachable as e:
@@ -112,10 +159,12 @@ def cmd_doctor(args) -> int:
     print("fingerprint: " + ", ".join(f"{k}={fp.get(k)}" for k in ("model", "abi", "os", "governor", "cores")))
     temps = fp.get("temperatures_c") or {}
     print("temperatures: " + (", ".join(f"{k} {v:.1f} C" for k, v in temps.items()) or "not readable"))
-    missing = [c for c in checks if c[1] != "ok"]
+    missing = [c for c in needs + checks if c[1] != "ok"]
     if missing:
         print(f"{args.device}: {len(missing)} missing: " + ", ".join(shlex.quote(c[0]) for c in missing))
-        return 1
+        from testbed.backends.iree.device import ToolMissing
+
+        return ToolMissing.exit_status if any(c[0] == IREE_RUNTIME for c in missing) else 1
     print(f"{args.device}: everything the profile names is present")
     return 0
 

@@ -19,16 +19,28 @@ def time_call(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> Figur
     return Figure.of(samples, "s")
 
 
-def time_alternating(fns: dict[str, Callable[[], object]], reps: int = 5, warmup: int = 1) -> dict[str, Figure]:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def time_alternating_clocks(fns: dict[str, Callable[[], object]], reps: int = 5,
+                            warmup: int = 1) -> dict[str, dict[str, Figure]]:
     """Time several variants with their repetitions interleaved (A B A B ...), so slow drifts of a
-    noisy machine (thermal, other load) fall on all of them alike; compare their ratios."""
+    noisy machine (thermal, other load) fall on all of them alike; compare their ratios. Each
+    repetition on both clocks: wall, and this process's CPU time (on a shared machine, what the work
+    itself cost, whatever else ran)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    samples: dict[str, dict[str, list[float]]] = {name: {c: [] for c in CLOCKS} for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            start = {c: clock() for c, clock in CLOCKS.items()}
             fn()
-            samples[name].append(time.perf_counter() - t0)
-    return {name: Figure.of(s, "s") for name, s in samples.items()}
+            for c, clock in CLOCKS.items():
+                samples[name][c].append(clock() - start[c])
+    return {name: {c: Figure.of(s, "s") for c, s in by_clock.items()} for name, by_clock in samples.items()}
+
+
+def time_alternating(fns: dict[str, Callable[[], object]], reps: int = 5, warmup: int = 1) -> dict[str, Figure]:
+    """time_alternating_clocks' wall-clock figures."""
+    return {name: clocks["wall"] for name, clocks in time_alternating_clocks(fns, reps, warmup).items()}

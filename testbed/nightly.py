@@ -12,6 +12,8 @@ lock (testbed.devices.private: a per-user private folder, the same lock `pytest 
 takes), so a second nightly or a test session waits for the device, up to lock_wait_s, then reports
 it busy, naming the holder. A device that cannot
 be reached (DeviceUnreachable, when connecting or during a run) is reported and the others go on.
+With farm=HEAD:PORT the jobs run on a lab's Ray cluster instead, each on the host that owns its
+device (testbed.farm); the store, the night log and the report stay here.
 
 Each night appends a "started" entry to RESULTS/nights/records.jsonl when it begins and its full
 entry (which runs, each device's status, tool versions, exit status) once the report is written, so
@@ -39,13 +41,12 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from testbed import config, history, report, runner
-from testbed.config import CONFIG_DIR, RunConfig
+from testbed.config import RunConfig
 from testbed.devices import Device, connect, load_profile
 from testbed.devices.private import DeviceBusy, device_lock
 from testbed.errors import DeviceUnreachable, UsageError
 from testbed.results import ResultsStore
 
-SUITE_DIR = CONFIG_DIR / "suite"
 SCREEN = 12  # at most this many failure or regression lines in the summary; the report has them all
 
 
@@ -62,11 +63,14 @@ class Suite:
     report_out: Path | None
 
 
-def load_suite(overrides: list[str], suite_dir: Path = SUITE_DIR) -> Suite:
-    """Compose suite=NAME (default: default) with the other overrides, and check every job."""
-    names = sorted(p.stem for p in suite_dir.glob("*.yaml"))
+def load_suite(overrides: list[str], suite_dir: Path | None = None) -> Suite:
+    """Compose suite=NAME (default: default) with the other overrides, and check every job. Suites are
+    looked for in suite_dir if given, else in the project's and the lab's suite folders."""
     chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("suite=")]
     name = chosen[-1] if chosen else "default"
+    if suite_dir is None:
+        suite_dir = config.group_file("suite", name).parent
+    names = sorted(p.stem for p in suite_dir.glob("*.yaml"))
     if name not in names:
         raise UsageError(f"unknown suite {name!r}; accepted: {', '.join(names)}")
     rest = [o for o in overrides if not o.startswith("suite=")]
@@ -121,6 +125,16 @@ class DeviceNight:
     failures: list[str] = field(default_factory=list)  # one line per failing oracle or broken run
     seconds: float = 0.0
 
+    def count(self, run_id: str, rows: list[dict]) -> None:
+        """Add one finished run's records."""
+        self.run_ids.append(run_id)
+        oracles = [r for r in rows if r["kind"] == "oracle"]
+        self.oracles += len(oracles)
+        self.passed += sum(r["verdict"] == "pass" for r in oracles)
+        self.measurements += len(rows) - len(oracles)
+        self.failures += [f"{self.device} {r['experiment']} {r['case']}: {r['verdict']} {r['detail']}"
+                          for r in oracles if r["verdict"] != "pass"]
+
 
 class Log:
     """Progress lines from several workers, one whole line at a time."""
@@ -154,13 +168,7 @@ def work(device: str, jobs: list[RunConfig], suite: Suite, night: str, log: Log,
                     result.failures.append(f"{device} {job_label(rc)}: run broke: {type(e).__name__}: {e}")
                     log(device, f"{i}/{len(jobs)} broke: {type(e).__name__}: {e}")
                     continue
-                result.run_ids.append(outcome.info.run_id)
-                oracles = [r for r in outcome.rows if r["kind"] == "oracle"]
-                result.oracles += len(oracles)
-                result.passed += sum(r["verdict"] == "pass" for r in oracles)
-                result.measurements += len(outcome.rows) - len(oracles)
-                result.failures += [f"{device} {r['experiment']} {r['case']}: {r['verdict']} {r['detail']}"
-                                    for r in oracles if r["verdict"] != "pass"]
+                result.count(outcome.info.run_id, outcome.rows)
     except DeviceBusy as e:
         result.status, result.reason = "busy", str(e)
     except DeviceUnreachable as e:
@@ -177,9 +185,18 @@ def open_device(name: str) -> Device:
 # --- the night ------------------------------------------------------------------------------------
 
 
+def on_this_host(suite: Suite, night: str, log: Log,
+                 open_device: Callable[[str], Device] = open_device) -> list[DeviceNight]:
+    """Every device's jobs, one worker thread per device; the runner stores the records."""
+    with ThreadPoolExecutor(max_workers=len(suite.devices), thread_name_prefix="device") as pool:
+        futures = [pool.submit(work, d, suite.jobs[d], suite, night, log, open_device) for d in suite.devices]
+        return [f.result() for f in futures]
+
+
 def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], Device] = open_device,
-              log: Log | None = None) -> tuple[int, str]:
-    """Run the suite, write the report, log the night; (exit status, summary)."""
+              log: Log | None = None, drive=None) -> tuple[int, str]:
+    """Run the suite, write the report, log the night; (exit status, summary). `drive`
+    runs the jobs and stores their records (default: on_this_host; testbed.farm: on a Ray cluster)."""
     log = Log() if log is None else log
     started = dt.datetime.now(dt.timezone.utc)
     night = started.strftime("%Y-%m-%dT%H%M%SZ-") + uuid.uuid4().hex[:6]
@@ -188,9 +205,7 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
              "tools": report.tool_versions()}
     store_nights(store).append([entry])  # what a killed night leaves in the log
     try:
-        with ThreadPoolExecutor(max_workers=len(suite.devices), thread_name_prefix="device") as pool:
-            futures = [pool.submit(work, d, suite.jobs[d], suite, night, log, open_device) for d in suite.devices]
-            results = [f.result() for f in futures]
+        results = drive(suite, store, night, log) if drive else on_this_host(suite, night, log, open_device)
     except runner.Interrupted as e:  # the workers stop at their next record (runner.STOP)
         stopped = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         store_nights(store).append([{**entry, "finished": stopped, "exit_status": 128 + e.signum,
@@ -269,14 +284,21 @@ def summary(suite: Suite, night: str, results: list[DeviceNight], flags: list[hi
 
 
 def command(args) -> int:
-    suite = load_suite(args.overrides)
+    farm, overrides = config.split_farm(args.overrides)
+    suite = load_suite(overrides)
     store = runner.results_store(config.load([]))
-    status, text = run_night(suite, store)
+    if farm:  # the lab's Ray cluster runs the jobs on the hosts that own the devices
+        from testbed import farm as lab
+
+        status, text = run_night(suite, store, drive=lab.driver(farm))
+    else:
+        status, text = run_night(suite, store)
     print(text)
     return status
 
 
 def register(commands) -> None:
     n = commands.add_parser("nightly", help="run a suite (experiments/suite/) on its devices, then the report")
-    n.add_argument("overrides", nargs="*", help="suite=NAME (default: default) and key=value for the suite's keys")
+    n.add_argument("overrides", nargs="*", help="suite=NAME (default: default), farm=HEAD:PORT (run on the lab's "
+                                                "Ray cluster) and key=value for the suite's keys")
     n.set_defaults(fn=command)

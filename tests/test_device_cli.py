@@ -31,7 +31,6 @@ def test_doctor_says_what_is_missing(capsys, tmp_path, monkeypatch):
         "name: half\ntransport: qemu\nabi: armeabi-v7a\nconnection: {emulator: qemu-arm, sysroot: /no/such/sysroot}\n"
         "tools: {llama-bench: /no/such/llama-bench}\n")
     monkeypatch.setitem(config.GROUPS, "device", devices)
-    monkeypatch.setattr("testbed.devices.profile.DEVICES_DIR", devices)
     assert main(["doctor", "half"]) == 1
     out = capsys.readouterr().out
     assert "MISSING  qemu sysroot" in out and "MISSING  tool llama-bench" in out and "2 missing" in out
@@ -82,9 +81,42 @@ def test_doctor_says_when_the_native_programs_cannot_be_built_for_the_device(mon
     from testbed.backends.native import build
 
     def no_toolchain(target):
-        raise build.BuildError("arm-linux-gnueabihf-gcc is not installed (Debian: gcc-arm-linux-gnueabihf)")
+        raise build.BuildError("aarch64-linux-gnu-gcc is not installed (Debian: gcc-aarch64-linux-gnu)")
 
     monkeypatch.setattr(build, "build_programs", no_toolchain)
-    assert main(["doctor", "qemu-arm32"]) == 1
+    assert main(["doctor", "qemu-aarch64"]) == 1
     out = capsys.readouterr().out
-    assert "MISSING  native programs" in out and "gcc-arm-linux-gnueabihf" in out
+    assert "MISSING  native programs" in out and "gcc-aarch64-linux-gnu" in out
+
+
+def test_doctor_says_how_to_get_an_arm32_iree_runtime(capsys):
+    """No armv7 IREE runtime exists as a package: doctor names what is missing and how to build it."""
+    assert main(["doctor", "qemu-arm32"]) == 3
+    out = capsys.readouterr().out
+    assert "MISSING  iree runtime" in out and "Cross-build iree-run-module" in out
+    assert "name them in devices/qemu-arm32.yaml as tools.iree-run-module" in out
+
+
+def test_doctor_checks_that_the_iree_tools_start_on_an_arm64_device(capsys):
+    """The aarch64 manylinux tools, under qemu-aarch64 with the glibc sysroot, of the compiler's release."""
+    assert main(["doctor", "qemu-aarch64"]) == 0
+    out = capsys.readouterr().out
+    assert "ok       iree runtime" in out and "= the compiler's" in out
+    assert "ok       iree iree-run-module" in out and "ok       iree iree-benchmark-module" in out
+
+
+def test_doctor_says_when_adb_shell_cannot_reach_usb(monkeypatch, capsys):
+    """A USB phone's profile on a host without adb-shell's USB extra: doctor names it before connecting."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_usb1(name, *args, **kwargs):
+        if name == "usb1":
+            raise ImportError("No module named 'usb1'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_usb1)
+    assert main(["doctor", "pixel"]) == 3  # and no phone is attached either
+    out = capsys.readouterr().out
+    assert out.startswith("MISSING  adb-shell usb support") and "pip install 'testbed[usb]'" in out

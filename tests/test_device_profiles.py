@@ -18,9 +18,19 @@ connection: {serial: "", key: ~/.android/adbkey}
 
 def test_every_shipped_profile_loads():
     names = choices("device")
-    assert {"host", "qemu-arm32", "qemu-aarch64", "pixel", "arm32", "hexagon", "board", "adb-loopback"} <= set(names)
+    assert {"host", "qemu-arm32", "qemu-aarch64", "pixel", "arm32", "hexagon", "board", "adb-loopback",
+            "adb-loopback-arm64", "lavapipe"} <= set(names)
     for name in names:
         assert load_profile(name).name == name
+
+
+def test_every_iree_capable_profile_names_its_target_and_hal_device():
+    from testbed.backends.iree.device import check_target_fits
+
+    capable = [p for p in map(load_profile, choices("device")) if p.has("iree")]
+    assert {"host", "lavapipe", "qemu-aarch64", "adb-loopback-arm64", "arm32", "pixel"} <= {p.name for p in capable}
+    for p in capable:
+        check_target_fits(p.iree["target"], p)  # its own target fits it
 
 
 def write(tmp_path, text, name="phone"):
@@ -46,6 +56,9 @@ def test_a_good_user_profile_loads(tmp_path):
     (("abi: arm64-v8a", "abi: arm64-v8a\ntools: {llama-cli: /x}"), "'tools.llama-cli'"),
     (("abi: arm64-v8a", "abi: arm64-v8a\nhealth: {warmup: many}"), "'health.warmup' 'many'"),
     (("name: phone", "name: other"), "'name' 'other'"),
+    (("abi: arm64-v8a", "abi: arm64-v8a\niree: {target: tpu, hal_device: vulkan}"), "'iree.target' 'tpu'"),
+    (("abi: arm64-v8a", "abi: arm64-v8a\niree: {target: mali, hal_device: cuda}"), "'iree.hal_device' 'cuda'"),
+    (("abi: arm64-v8a", "abi: arm64-v8a\niree: {target: mali, driver: vulkan}"), "'iree.driver'"),
 ])
 def test_a_bad_profile_names_the_field(tmp_path, change, field):
     with pytest.raises(UsageError) as e:

@@ -61,9 +61,9 @@ def outputs(results):
 
 
 def test_targets_are_config():
-    assert {"host", "arm32", "aarch64", "mali", "lavapipe"} <= set(target_names())
+    assert {"host", "arm32", "aarch64", "aarch64-linux", "mali", "lavapipe"} <= set(target_names())
     assert "--iree-vulkan-target=llvmpipe" in load_target("lavapipe").flags
-    with pytest.raises(UsageError, match="unknown IREE target 'pixel'; accepted: aarch64, arm32"):
+    with pytest.raises(UsageError, match="unknown IREE target 'pixel'; accepted: aarch64, aarch64-linux, arm32"):
         load_target("pixel")
 
 
@@ -270,17 +270,20 @@ def test_gdn_experiment_backend_iree(target):
     x = case.inputs(0)
     x64 = ref.GDNInputs(*(a.astype(np.float64) for a in x.arrays()))
     reference = dict(zip(("out", "state"), ref.gdn_serial(*x64.arrays())))
-    from testbed.backends.iree.gdn import IreeGDN
+    from testbed import config
+    from testbed.backends.iree import gdn as iree_gdn
+    from testbed.devices import connect, load_profile
 
-    be = IreeGDN(target, "tiled")
+    device = connect(load_profile(target))  # the host, or the lavapipe profile (the host's software GPU)
+    be = iree_gdn.runner(config.load([f"device={target}", "backend=iree"], experiment="gdn").cfg, device)
     for got in (be.serial(x), be.chunkwise(x, 64)):
         v = check_nmse(reference, outputs(got))
         assert v.passed, v.detail
 
 
 @pytest.mark.parametrize("experiment, override, message", [
-    ("gdn", "target=arm32", "target='arm32' is not accepted; accepted: host, lavapipe"),
-    ("chunk_prefill", "target=mali", "target='mali' is not accepted; accepted: host, lavapipe"),
+    ("gdn", "target=arm32", "target=arm32 builds embedded-elf-arm_32 code; device=host (host) runs embedded-elf-x86_64"),
+    ("chunk_prefill", "target=mali", "target=mali builds vulkan modules; device=host runs local ones"),
     ("chunk_prefill", "iree.weights=fp16", "iree.weights='fp16' is not accepted; accepted: parameters, constants"),
     ("iree_chunk_bench", "timer=stopwatch", "timer='stopwatch' is not accepted; accepted: tool, python"),
 ])

@@ -1,89 +1,165 @@
-"""The IREE runner: commands built from the profile, and a real module compiled with iree-compile,
-pushed, run with iree-run-module and benchmarked with iree-benchmark-module, on the host and over ADB
-(the loopback phone runs the host's IREE tools: it is the host underneath)."""
+"""The IREE runner on a device (testbed.backends.iree.device): a real module compiled with iree-compile,
+staged once per content, run with iree-run-module and benchmarked with iree-benchmark-module, on the
+host and over ADB (the loopback arm64 phone runs the aarch64 manylinux tools under qemu-aarch64); its
+output judged by an oracle that can fail; targets and modules refused on a device of another kind."""
 
 import dataclasses
-import hashlib
 import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from testbed import PROJECT_ROOT
+from testbed.backends.iree.artifacts import Contract, Graph, TensorSpec, compile_graph
+from testbed.backends.iree.device import (IreeDevice, IreeRunFailed, ToolMissing, check_target_fits, device_flags,
+                                          host_tools_folder, stage)
 from testbed.devices import Device
+from testbed.devices.profile import Profile
+from testbed.devices.transport import sha256_file
 from testbed.errors import UsageError
 from testbed.oracles import check_nmse
-from testbed.backends.iree.device import IreeJob, benchmark_command, benchmark_module, run_command, run_module
+from testbed.peers.fixtures import adb_connect
 
 pytestmark = pytest.mark.skipif(shutil.which("iree-compile") is None, reason="iree-base-compiler is not installed")
 
-MLIR = """
-func.func @main(%a: tensor<1000xf32>, %b: tensor<1000xf32>) -> tensor<1000xf32> {
-  %0 = arith.mulf %a, %b : tensor<1000xf32>
-  %1 = arith.addf %0, %a : tensor<1000xf32>
-  return %1 : tensor<1000xf32>
-}
-"""
+N = 1000
+HOST_IREE = {"target": "host", "hal_device": "local-task"}
+ARM64_IREE = {"target": "aarch64-linux", "hal_device": "local-sync"}
+
+
+def fma_graph() -> Graph:
+    spec = TensorSpec("a", (N,), "float32")
+    return Graph("fma_test", lambda w, a, b: (a * b + a,),
+                 Contract("main", (spec, dataclasses.replace(spec, name="b")), (dataclasses.replace(spec, name="y"),)))
 
 
 @pytest.fixture(scope="module")
-def module() -> Path:
-    """Compiled for this host's CPU, cached by the source's hash."""
-    out = PROJECT_ROOT / ".cache" / "iree" / f"fma-{hashlib.sha256(MLIR.encode()).hexdigest()[:16]}.vmfb"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        src = out.with_suffix(".mlir")
-        src.write_text(MLIR)
-        subprocess.run(["iree-compile", "--iree-hal-target-device=local",
-                        "--iree-hal-local-target-device-backends=llvm-cpu", "--iree-llvmcpu-target-cpu=host",
-                        str(src), "-o", str(out)], check=True, capture_output=True)
-    return out
+def host_module():
+    return compile_graph(fma_graph(), "host")
 
 
-def host_tools(device: Device) -> Device:
-    """The device, told where the host's IREE runtime tools are (their real binaries, not shims)."""
-    import iree._runtime_libs as libs
+@pytest.fixture(scope="module")
+def arm64_module():
+    return compile_graph(fma_graph(), "aarch64-linux")
 
-    where = Path(libs.__file__).parent
-    tools = {t: str(where / t) for t in ("iree-run-module", "iree-benchmark-module")}
-    return Device(dataclasses.replace(device.profile, tools=tools), device.transport)
+
+def with_iree(device: Device, iree: dict, **fields) -> Device:
+    """The same connection, under a profile that names an IREE target (and maybe tools)."""
+    return Device(dataclasses.replace(device.profile, iree=iree, **fields), device.transport)
+
+
+@pytest.fixture(scope="module")
+def arm64_phone(loopback_adbd, adb_key):
+    """The loopback adbd as an arm64-v8a phone: the exec shim runs aarch64 ELF under qemu-aarch64."""
+    device = adb_connect(loopback_adbd, adb_key, name="loopback-arm64", abi="arm64-v8a", iree=ARM64_IREE)
+    yield device
+    device.close()
 
 
 def inputs():
     rng = np.random.default_rng(5)
-    return [rng.standard_normal(1000).astype(np.float32), rng.standard_normal(1000).astype(np.float32)]
+    return rng.standard_normal(N).astype(np.float32), rng.standard_normal(N).astype(np.float32)
 
 
-def test_commands_carry_the_profile_tools_device_and_threads(adb_device, module):
-    dev = Device(dataclasses.replace(adb_device.profile, tools={"iree-run-module": "/data/local/tmp/iree/run",
-                                                                "iree-benchmark-module": "/data/local/tmp/iree/bench"}),
-                 adb_device.transport)
-    job = IreeJob(module, "main", inputs(), 1, "local-task", threads=4)
-    assert run_command(dev, job) == ["/data/local/tmp/iree/run", f"--module={module.name}", "--function=main",
-                                     "--device=local-task", "--task_topology_group_count=4",
-                                     "--input=@in0.npy", "--input=@in1.npy", "--output=@out0.npy"]
-    bench = benchmark_command(dev, dataclasses.replace(job, hal_device="vulkan"), repetitions=7)
-    assert "--device=vulkan" in bench and "--benchmark_repetitions=7" in bench
-    assert not any(a.startswith("--task_topology") for a in bench)
-    with pytest.raises(UsageError, match="no tools.iree-run-module"):
-        run_command(adb_device, job)
+def test_hal_device_flags():
+    assert device_flags("local-task", 4) == ["--device=local-task", "--task_topology_group_count=4"]
+    assert device_flags("vulkan", 4) == ["--device=vulkan"]
     with pytest.raises(UsageError, match="'cuda' is not accepted"):
-        run_command(dev, dataclasses.replace(job, hal_device="cuda"))
+        device_flags("cuda", 1)
 
 
-@pytest.mark.parametrize("where", ["local_device", "adb_device"])
-def test_a_module_runs_and_the_oracle_judges_its_output(request, where, module):
-    device = host_tools(request.getfixturevalue(where))
+@pytest.mark.parametrize("where", ["local", "adb-arm64"])
+def test_a_module_runs_on_the_device_and_the_oracle_judges_its_output(request, where, host_module, arm64_module):
+    if where == "local":
+        device, artifact = with_iree(request.getfixturevalue("local_device"), HOST_IREE), host_module
+    else:
+        device, artifact = request.getfixturevalue("arm64_phone"), arm64_module
+    iree = IreeDevice(device, threads=2)
+    staged = iree.stage(artifact)
     a, b = inputs()
-    (out,) = run_module(device, IreeJob(module, "main", [a, b], 1, "local-task", threads=2))
-    assert check_nmse({"y": a * b + a}, {"y": out}, 1e-12).passed
-    # inputs given in the wrong order: it still "runs", and the oracle says it is wrong
-    (swapped,) = run_module(device, IreeJob(module, "main", [b, a], 1, "local-task", threads=2))
-    assert not check_nmse({"y": a * b + a}, {"y": swapped}, 1e-7).passed
+    with iree.folder() as run:
+        iree.run(run, staged, [run.put("a.npy", a), run.put("b.npy", b)], ["y.npy"])
+        assert check_nmse({"y": a * b + a}, {"y": run.get("y.npy")}, 1e-12).passed
+        # inputs in the wrong order: it still "runs", and the oracle says it is wrong
+        iree.run(run, staged, ["b.npy", "a.npy"], ["y.npy"])
+        assert not check_nmse({"y": a * b + a}, {"y": run.get("y.npy")}, 1e-7).passed
+    evidence = iree.evidence.take()
+    assert [e["sha256"] for e in evidence] == [sha256_file(artifact.module)] * 2
+    assert device.transport.remote_digest(staged.module) == (artifact.module.stat().st_size, evidence[0]["sha256"])
+    assert all(e["device"] == device.name and e["device_seconds"] > 0 for e in evidence)
 
 
-def test_benchmark_gives_a_figure_over_repetitions(local_device, module):
-    f = benchmark_module(host_tools(local_device), IreeJob(module, "main", inputs(), 1, "local-task", 1), 3, "20x")
+def test_benchmark_gives_a_figure_from_the_tools_timer(local_device, host_module):
+    iree = IreeDevice(with_iree(local_device, HOST_IREE))
+    staged = iree.stage(host_module)
+    with iree.folder() as run:
+        a, b = inputs()
+        f = iree.benchmark(run, staged, [run.put("a.npy", a), run.put("b.npy", b)], reps=3, min_time="20x")
     assert f.reps == 3 and f.unit == "s" and 0 < f.min <= f.median <= f.max
+    (evidence,) = iree.evidence.take()
+    assert "real_time" in evidence["detail"]["timer"] and evidence["device_seconds"] == f.median
+
+
+def test_files_are_pushed_once_per_content_and_again_when_the_device_lost_them(local_device, host_module):
+    remote = stage(local_device, host_module.module, "artifacts")
+    on_device = local_device.transport.path(remote)
+    first = on_device.stat().st_mtime_ns
+    assert stage(local_device, host_module.module, "artifacts") == remote and on_device.stat().st_mtime_ns == first
+    on_device.write_bytes(b"not the module")  # the device's copy changed: pushed again
+    assert stage(local_device, host_module.module, "artifacts") == remote
+    assert sha256_file(on_device) == sha256_file(host_module.module)
+
+
+def test_a_module_for_another_kind_of_device_is_refused_before_it_is_pushed(arm64_phone, host_module):
+    iree = IreeDevice(arm64_phone)
+    with pytest.raises(UsageError, match="runs embedded-elf-arm_64"):
+        iree.stage(host_module)
+    assert arm64_phone.transport.remote_digest(f"artifacts/{sha256_file(host_module.module)[:16]}/module.vmfb") is None
+
+
+@pytest.mark.parametrize("target, profile, message", [
+    ("lavapipe", {"abi": "host", "iree": {"target": "host", "hal_device": "local-sync"}}, "builds vulkan modules"),
+    ("host", {"abi": "host", "iree": {"target": "lavapipe", "hal_device": "vulkan"}}, "builds local modules"),
+    ("mali", {"abi": "host", "iree": {"target": "lavapipe", "hal_device": "vulkan"}}, "Vulkan code for valhall4"),
+    ("arm32", {"abi": "arm64-v8a", "iree": ARM64_IREE}, "builds embedded-elf-arm_32 code"),
+    ("host", {"abi": "arm64-v8a", "iree": ARM64_IREE}, "use target=aarch64-linux"),
+])
+def test_a_target_that_does_not_fit_the_device_is_refused(target, profile, message):
+    with pytest.raises(UsageError, match=message):
+        check_target_fits(target, Profile(name="d", transport="local", **profile))
+
+
+def test_an_arm32_device_without_tools_is_told_how_to_get_them(tmp_path):
+    profile = Profile(name="arm", transport="qemu", abi="armeabi-v7a", work_dir=str(tmp_path),
+                      connection={"emulator": "qemu-arm"}, iree={"target": "arm32", "hal_device": "local-sync"})
+    from testbed.devices import connect
+
+    device = connect(profile)
+    with pytest.raises(ToolMissing, match="no armv7 build.*Cross-build iree-run-module.*revision [0-9a-f]{40}.*"
+                                          "tools.iree-run-module") as e:
+        IreeDevice(device)
+    assert e.value.exit_status == 3
+
+
+def test_a_failing_tool_is_an_error_with_its_stderr(local_device, host_module, tmp_path):
+    """The real iree-run-module on a module the device's copy of which was cut short: it exits
+    non-zero and the error carries its own words."""
+    iree = IreeDevice(with_iree(local_device, HOST_IREE))
+    staged = iree.stage(host_module)
+    cut = tmp_path / "module.vmfb"
+    cut.write_bytes(host_module.module.read_bytes()[:4096])
+    local_device.push(cut, staged.module)
+    try:
+        with iree.folder() as run, pytest.raises(IreeRunFailed, match=r"iree-run-module exited [1-9].*\S") as e:
+            a, b = inputs()
+            iree.run(run, staged, [run.put("a.npy", a), run.put("b.npy", b)], ["y.npy"])
+        assert "main" in str(e.value) and not iree.evidence.take()
+    finally:
+        local_device.push(host_module.module, staged.module)
+
+
+def test_profile_tools_are_used_where_the_profile_says(local_device):
+    tools = {t: str(host_tools_folder() / t) for t in ("iree-run-module", "iree-benchmark-module")}
+    iree = IreeDevice(with_iree(local_device, HOST_IREE, tools=tools))
+    assert iree.tool("iree-run-module") == tools["iree-run-module"] and iree.source.origin == "device"
+    with pytest.raises(ToolMissing, match="not tools.iree-benchmark-module"):
+        IreeDevice(with_iree(local_device, HOST_IREE, tools={"iree-run-module": tools["iree-run-module"]}))

@@ -67,9 +67,7 @@ def lab(tmp_path, monkeypatch):
                                        f"capabilities: [cpu, native]\n"
                                        f"connection: {{host: 127.0.0.1, port: {port}, user: nobody,\n"
                                        f"  key: {tmp_path / 'no_key'}, known_hosts: {tmp_path / 'known_hosts'}}}\n")
-    monkeypatch.setattr(config, "DEVICES_DIR", folder)
     monkeypatch.setitem(config.GROUPS, "device", folder)
-    monkeypatch.setattr(device_profiles, "DEVICES_DIR", folder)
     return folder
 
 

@@ -1,5 +1,6 @@
 """The transport interface on every kind of device, against real peers: the host, a loopback adbd
-driven by adb-shell, and a real sshd driven by paramiko. Same tests, same expectations."""
+driven by adb-shell, the same kind of adbd through Debian's adb server, and a real sshd driven by
+paramiko. Same tests, same expectations."""
 
 import os
 
@@ -13,7 +14,7 @@ from testbed.devices.transport import confine
 AWKWARD_NAMES = ["plain.bin", "with space.bin", "quote'in\"it.bin", "$(touch pwned).bin", "semi;colon.bin"]
 
 
-@pytest.fixture(params=["local", "adb", "ssh"])
+@pytest.fixture(params=["local", "adb", "adb_server", "ssh"])
 def dev(request):
     return request.getfixturevalue(f"{request.param}_device")
 

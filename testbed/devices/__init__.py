@@ -5,6 +5,7 @@
                 transfers, retries where safe)
   local.py      the host, and ARM binaries under qemu-user
   adb.py        ADB via adb-shell (TCP, USB)
+  adb_server.py ADB through an adb server (adb -H HOST -P PORT), sharing USB with the system's adb
   ssh.py        SSH via paramiko (SFTP, explicit host-key policy)
   health.py     fingerprint, temperatures, battery, throttling, cool-down
 
@@ -142,6 +143,10 @@ def transport_for(profile: Profile, connection: dict | None = None) -> Transport
     if profile.transport == "qemu":
         work = profile.work_dir or str(user_temp(profile.name))
         return QemuTransport(profile.name, work, conn["emulator"], conn.get("sysroot") or "")
+    if profile.transport == "adb" and conn.get("server"):
+        from testbed.devices.adb_server import AdbServerTransport
+
+        return AdbServerTransport(profile.name, profile.work_dir, conn, t, profile.timeout("transfer_s"))
     if profile.transport == "adb":
         from testbed.devices.adb import AdbTransport
 

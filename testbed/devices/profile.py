@@ -8,9 +8,13 @@ Fields by transport (all optional unless marked):
   local   connection: {}
   qemu    connection: {emulator (required): qemu-arm | qemu-aarch64, sysroot: path for -L}
   adb     connection: {serial: USB serial, or host + port for TCP; key: adbkey path (created if
-          absent), auth_timeout_s}; peer: {command: [argv]} starts a loopback device on connect
+          absent), auth_timeout_s}; peer: {command: [argv]} starts a loopback device on connect;
+          or {server: "HOST:PORT" of an adb server (adb -H HOST -P PORT), serial: as it lists it}
   ssh     connection: {host (required), port, user (required), key (required), known_hosts,
           host_key_sha256}; one of known_hosts or host_key_sha256 is required
+
+`iree: {target, hal_device}` names what backend=iree compiles for (experiments/iree_target/TARGET.yaml)
+and the HAL device iree-run-module uses there (local-sync, local-task, vulkan).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from testbed.config import DEVICES_DIR, choices
+from testbed.config import CONFIG_DIR, group_file
 from testbed.errors import UsageError
 
 TRANSPORTS = ("local", "qemu", "adb", "ssh")
@@ -33,13 +37,15 @@ CONNECTION_FIELDS: dict[str, dict[str, tuple[type, bool]]] = {
     "local": {},
     "qemu": {"emulator": (str, True), "sysroot": (str, False)},
     "adb": {"serial": (str, False), "host": (str, False), "port": (int, False), "key": (str, False),
-            "auth_timeout_s": (float, False)},
+            "auth_timeout_s": (float, False), "server": (str, False)},
     "ssh": {"host": (str, True), "port": (int, False), "user": (str, True), "key": (str, True),
             "known_hosts": (str, False), "host_key_sha256": (str, False)},
 }
 ACCELERATOR_FIELDS = {"vulkan_target": str, "htp": str, "backend": str}
 HEALTH_FIELDS = {"cooldown_below_c": float, "cooldown_delay_s": float, "cooldown_max_wait_s": float,
                  "warmup": int, "throttle_fraction": float}
+IREE_FIELDS = {"target": str, "hal_device": str}
+IREE_HAL_DEVICES = ("local-sync", "local-task", "vulkan")
 TIMEOUT_FIELDS = {"connect_s": float, "command_s": float, "transfer_s": float}
 
 
@@ -60,6 +66,7 @@ class Profile:
     health: dict[str, Any] = field(default_factory=dict)
     timeouts: dict[str, float] = field(default_factory=dict)
     peer: dict[str, Any] = field(default_factory=dict)
+    iree: dict[str, str] = field(default_factory=dict)
 
     REQUIRED = ("name", "transport", "abi")
 
@@ -98,6 +105,14 @@ class Profile:
                 "or connection.host_key_sha256 is required: ssh host keys are checked, never accepted blindly")
         if data["transport"] == "adb" and conn.get("host") and conn.get("serial"):
             bad("connection.serial", conn["serial"], "and connection.host are exclusive (USB or TCP)")
+        if data["transport"] == "adb" and conn.get("server"):
+            host, _, port = conn["server"].rpartition(":")
+            if not host or not port.isdigit():
+                bad("connection.server", conn["server"], "is not accepted; accepted: HOST:PORT of an adb server "
+                                                         "(its default: 127.0.0.1:5037)")
+            if conn.get("host"):
+                bad("connection.host", conn["host"], "and connection.server are exclusive (adbd directly, or "
+                                                     "through an adb server)")
         if data["transport"] in ("adb", "ssh"):
             work = str(data.get("work_dir", ""))
             # cleanup empties this folder: it must be absolute and at least two levels deep
@@ -107,11 +122,17 @@ class Profile:
         bad.mapping("accelerators", data.get("accelerators", {}) or {}, ACCELERATOR_FIELDS)
         bad.mapping("health", data.get("health", {}) or {}, HEALTH_FIELDS)
         bad.mapping("timeouts", data.get("timeouts", {}) or {}, TIMEOUT_FIELDS)
+        iree = data.get("iree", {}) or {}
+        bad.mapping("iree", iree, IREE_FIELDS)
+        if iree:
+            targets = tuple(sorted(p.stem for p in (CONFIG_DIR / "iree_target").glob("*.yaml")))
+            bad.choice("iree.target", iree.get("target"), targets)
+            bad.choice("iree.hal_device", iree.get("hal_device"), IREE_HAL_DEVICES)
         peer = data.get("peer", {}) or {}
         bad.mapping("peer", peer, {"command": list})
         if peer and data["transport"] != "adb":
             bad("peer", peer, "is only for adb profiles (a loopback adbd)")
-        return cls(**{**data, "tools": tools, "connection": conn, "peer": peer,
+        return cls(**{**data, "tools": tools, "connection": conn, "peer": peer, "iree": iree,
                       "accelerators": data.get("accelerators") or {}, "health": data.get("health") or {},
                       "timeouts": data.get("timeouts") or {}})
 
@@ -156,10 +177,7 @@ class _Checker:
 
 
 def load_profile(name: str) -> Profile:
-    if name not in choices("device"):
-        raise UsageError(f"unknown device {name!r}; accepted: {', '.join(choices('device'))}")
-    path = DEVICES_DIR / f"{name}.yaml"
-    return load_profile_file(path)
+    return load_profile_file(group_file("device", name))
 
 
 def load_profile_file(path: Path) -> Profile:

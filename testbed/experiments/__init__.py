@@ -1,4 +1,5 @@
 """Experiments: each module here is one experiment, named like its config experiments/experiment/NAME.yaml.
+Other packages add theirs through the entry point group testbed.experiments (see testbed.config).
 
 An experiment module provides:
   PARAMS                  {dotted key: rule} checked before anything runs (testbed.config rules)
@@ -12,6 +13,7 @@ An experiment module provides:
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
@@ -21,11 +23,17 @@ from testbed.errors import UsageError
 
 
 def load(name: str) -> ModuleType:
+    """The experiment's module: testbed's own, or another package's (entry point group testbed.experiments)."""
+    from testbed.config import ENTRY_POINTS
+
+    packaged = {e.name: e.value for e in importlib.metadata.entry_points(group=ENTRY_POINTS)}
+    module = packaged.get(name, f"testbed.experiments.{name}")
     try:
-        return importlib.import_module(f"testbed.experiments.{name}")
+        return importlib.import_module(module)
     except ModuleNotFoundError as e:
-        if e.name == f"testbed.experiments.{name}":
-            raise UsageError(f"experiment {name!r} has a config but no module testbed/experiments/{name}.py") from None
+        if e.name == module:
+            raise UsageError(f"experiment {name!r} has a config but no module testbed/experiments/{name}.py "
+                             f"nor an entry point {name} in group {ENTRY_POINTS}") from None
         raise
 
 

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from refimpl import gemma
 from testbed import backends, tables
 from testbed.backends.native.engine import WEIGHT_DTYPES, dequantized
+from testbed.backends.iree.artifacts import target_names
 from testbed.checkpoints import load_checkpoint
 from testbed.config import Choice, Float, Int, IntList, project_path
 from testbed.errors import UsageError
@@ -43,7 +44,7 @@ FIXTURES_FALLBACK = Path("/work/shared/fixtures")
 PARAMS = {
     "backend": Choice(tuple(backends.implementing("gemma"))),
     "mode": Choice(("oracle", "bench", "all")),
-    "target": Choice(("host", "lavapipe")),
+    "target": Choice(tuple(target_names())),
     "iree.driver": Choice((None, "local-sync", "local-task", "vulkan")),
     "iree.past_bucket": Int(1, 4096),
     "iree.weights": Choice(("parameters", "constants")),
@@ -127,10 +128,11 @@ def prompt_length(cfg: DictConfig) -> int:
 
 def validate(cfg: DictConfig) -> None:
     cases(cfg)
-    if cfg.backend == "native":
-        from testbed.backends.native import library
+    if cfg.backend == "iree":  # a module for another kind of device is refused before anything compiles
+        from testbed.backends.iree.device import check_target_fits
+        from testbed.devices import load_profile
 
-        library.library()  # a missing or stale library says how to rebuild before anything runs
+        check_target_fits(cfg.target, load_profile(cfg.device.name))
     if cfg.mode in ("bench", "all") and cfg.bench.past < 1:
         raise UsageError(f"bench.past={cfg.bench.past} is out of range; accepted: integers >= 1")
     weights = cfg.latency.weights

@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 
 from refimpl import gdn as ref
 from testbed import backends
+from testbed.backends.iree.artifacts import target_names
 from testbed.config import Choice, Float, Int, IntList
 from testbed.errors import UsageError
 from testbed.oracles import check_bitexact, check_nmse
@@ -38,7 +39,7 @@ from testbed.results import Figure, Record
 PARAMS = {
     "backend": Choice(("refimpl", "native", "iree", "llamacpp")),
     "threads": Int(1, 256),
-    "target": Choice(("host", "lavapipe")),   # IREE targets that run on this machine (backend=iree)
+    "target": Choice(tuple(target_names())),  # backend=iree; must fit the device (checked in validate)
     "mode": Choice(("oracle", "bench", "all")),
     "chunk": Int(1, 4096),
     "head_map": Choice(ref.HEAD_MAPS),
@@ -134,11 +135,22 @@ def validate(cfg: DictConfig) -> None:
     """Before any work: llama.cpp's tools must be named by the profile; threads only mean something
     for the native kernels."""
     if cfg.backend == "llamacpp":
+        from testbed.backends.llamacpp import build as builder
+
         if not (cfg.device.get("tools") or {}).get("test-backend-ops"):
-            raise UsageError(f"backend=llamacpp runs llama.cpp's test-backend-ops on the device; device={cfg.device.name} "
-                             f"names no tools.test-backend-ops in devices/{cfg.device.name}.yaml")
-    elif cfg.threads != 1 and cfg.backend != "native":
-        raise UsageError(f"threads={cfg.threads} needs backend=native; backend={cfg.backend} runs on one thread")
+            try:  # the tools are built for the device (testbed.backends.llamacpp.build)
+                builder.cmake_options(builder.target_for(cfg.device.name, cfg.device.abi, cfg.device.get("capabilities")))
+            except builder.BuildError as e:
+                raise UsageError(f"backend=llamacpp runs llama.cpp's test-backend-ops on the device; device={cfg.device.name} "
+                                 f"names no tools.test-backend-ops in devices/{cfg.device.name}.yaml and they cannot "
+                                 f"be built for it: {e}") from None
+    elif cfg.backend == "iree":  # a module for another kind of device is refused before anything compiles
+        from testbed.backends.iree.device import check_target_fits
+        from testbed.devices import load_profile
+
+        check_target_fits(cfg.target, load_profile(cfg.device.name))
+    if cfg.threads != 1 and cfg.backend == "refimpl":
+        raise UsageError(f"threads={cfg.threads} needs backend=native or iree; backend=refimpl runs on one thread")
 
 
 def snapshots(fn: Callable, x: ref.GDNInputs, K: int) -> np.ndarray:
@@ -256,17 +268,24 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
 
 def llamacpp_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     """ggml's GATED_DELTA_NET on the device (seed 002's phones): llama.cpp's own harness is the oracle
-    (one verdict per case and the "36/36 OK" tally), its perf mode the measurement."""
+    (one verdict per case and the "36/36 OK" tally), its perf mode the measurement. Where testbed built
+    the tools (the profile names none), ggml's op is also judged by the float64 reference over the
+    matrix (testbed.backends.llamacpp.ggml_gdn): test-backend-ops -b CPU compares ggml with itself."""
+    from testbed.backends.llamacpp import ggml_gdn
     from testbed.backends.llamacpp import runner as llamacpp
 
     backend = ctx.device.profile.accelerators.get("backend") or "CPU"
+    tools = llamacpp.resolve_tools(ctx.device, "auto", "", ("test-backend-ops", "tb_ggml_gdn"), ctx.progress)
     if cfg.mode in ("oracle", "all"):
         ctx.progress(f"test-backend-ops -o GATED_DELTA_NET -b {backend}")
-        report, problems = llamacpp.test_backend_ops(ctx.device, "GATED_DELTA_NET", backend)
+        report, problems = llamacpp.test_backend_ops(ctx.device, "GATED_DELTA_NET", backend, tools)
         yield from llamacpp.test_records("gdn", "GATED_DELTA_NET", backend, report, problems)
+        if tools.built:
+            yield from ggml_gdn.oracle_records("gdn", ctx.device, tools.built.program("tb_ggml_gdn"), matrix(cfg.matrix),
+                                               cfg.seed, cfg.threshold, ctx.progress, tools.artifacts())
     if cfg.mode in ("bench", "all"):
         ctx.progress(f"test-backend-ops perf -o GATED_DELTA_NET -b {backend}")
-        yield from llamacpp.perf_records(ctx.device, "gdn", "GATED_DELTA_NET", backend)
+        yield from llamacpp.perf_records(ctx.device, "gdn", "GATED_DELTA_NET", backend, tools)
 
 
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:

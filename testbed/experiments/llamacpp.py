@@ -1,8 +1,19 @@
 """Experiment `llamacpp`: llama.cpp's tools on a device (seed 002's gate and figure).
 
-test   test-backend-ops -o OP -b BACKEND: one verdict per case and the run's tally ("36/36 OK")
-perf   test-backend-ops perf: us/run and GB/s per case (the tool's means)
+test   test-backend-ops -o OP -b BACKEND [-p CASES]: one verdict per case and the run's tally ("36/36 OK");
+       for GATED_DELTA_NET with tools testbed built, also ggml's op run on the device by tb_ggml_gdn
+       and judged by testbed's float64 reference (testbed.backends.llamacpp.ggml_gdn: the oracle
+       `-b CPU` lacks, since it compares ggml's CPU backend with itself)
+perf   test-backend-ops perf: us/run and GB/s per case (the tool's means; about a second of CPU time
+       per case, so an emulated device is given a few with `cases=REGEX`)
 bench  llama-bench -p 512: prompt tokens per second (pp512) over its repetitions
+
+Where the tools come from (testbed.backends.llamacpp.build): `llamacpp.build=auto` (the default)
+uses the profile's `tools` and builds them from source for the device's ABI when it names none;
+`true` always builds, `false` never. `llamacpp.source=PATH` builds a llama.cpp tree; empty, the
+llama.cpp vendored by the llama-cpp-python sdist (downloaded by pip once).
+
+  testbed run llamacpp device=qemu-aarch64 gguf=model.gguf   # built for aarch64, run under qemu
 """
 
 from __future__ import annotations
@@ -14,10 +25,36 @@ from typing import Any, Iterator
 import pandas as pd
 from omegaconf import DictConfig
 
+from testbed.backends.llamacpp import build as builder
+from testbed.backends.llamacpp import ggml_gdn
+from testbed.backends.llamacpp import runner as llamacpp
 from testbed.config import Choice, Int
 from testbed.errors import UsageError
 from testbed.results import Record
-from testbed.backends.llamacpp import runner as llamacpp
+
+
+@dataclass(frozen=True)
+class Regex:
+    """A regular expression (test-backend-ops -p matches it against each case's parameters), or empty."""
+
+    def check(self, key: str, value: Any) -> None:
+        try:
+            re.compile(value)
+        except (re.error, TypeError):
+            raise UsageError(f"{key}={value!r} is not accepted; accepted: a regular expression over the case "
+                             f"parameters (e.g. 'n_seq_tokens=1,'), or empty for every case") from None
+
+
+@dataclass(frozen=True)
+class Source:
+    """A llama.cpp tree's path, or empty for the sdist's."""
+
+    def check(self, key: str, value: Any) -> None:
+        if value is None or value == "":
+            return
+        if not isinstance(value, str):
+            raise UsageError(f"{key}={value!r} is not accepted; accepted: a llama.cpp tree's path, or empty")
+        builder.resolve_source(value)  # raises, naming what a tree must hold
 
 
 @dataclass(frozen=True)
@@ -33,37 +70,68 @@ PARAMS = {
     "mode": Choice(("test", "perf", "bench", "all")),
     "op": Name(),
     "backend": Name(),
+    "cases": Regex(),
     "prompt": Int(1, 1 << 16),
     "threads": Int(0, 256),
     "reps": Int(1, 100),
+    "llamacpp.build": Choice(llamacpp.BUILD),
+    "llamacpp.source": Source(),
 }
 
 
+def needed_tools(cfg: DictConfig) -> list[str]:
+    return (["test-backend-ops"] if cfg.mode in ("test", "perf", "all") else []) + \
+           (["llama-bench"] if cfg.mode in ("bench", "all") and cfg.gguf else [])
+
+
 def validate(cfg: DictConfig) -> None:
-    """The device must name the tools this mode runs (checked before connecting)."""
+    """Before connecting: the device has the tools this mode runs, or they can be built for it."""
     tools = cfg.device.get("tools") or {}
-    needed = (["test-backend-ops"] if cfg.mode in ("test", "perf", "all") else []) + \
-             (["llama-bench"] if cfg.mode in ("bench", "all") and cfg.gguf else [])
-    missing = [t for t in needed if not tools.get(t)]
-    if missing:
-        raise UsageError(f"device={cfg.device.name} has no tools.{missing[0]} in devices/{cfg.device.name}.yaml; "
-                         f"devices with llama.cpp tools: hexagon, or add the path to the profile")
+    build = cfg.llamacpp.build
+    if not llamacpp.wants_build(build, bool(tools.get("test-backend-ops"))):
+        missing = [t for t in needed_tools(cfg) if not tools.get(t)]
+        if missing:
+            raise UsageError(f"device={cfg.device.name} has no tools.{missing[0]} in devices/{cfg.device.name}.yaml "
+                             f"and llamacpp.build={str(build).lower()}; accepted: llamacpp.build=auto or true, or "
+                             f"the path in the profile")
+        return
+    try:
+        target = builder.target_for(cfg.device.name, cfg.device.abi, cfg.device.get("capabilities"))
+        builder.cmake_options(target)
+    except builder.BuildError as e:
+        raise UsageError(f"device={cfg.device.name} has no tools.test-backend-ops in devices/{cfg.device.name}.yaml "
+                         f"and they cannot be built for it: {e}") from None
 
 
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     device = ctx.device
     backend = cfg.backend or device.profile.accelerators.get("backend") or "CPU"
+    reference = cfg.op == "GATED_DELTA_NET" and cfg.mode in ("test", "all")
+    programs = tuple(needed_tools(cfg)) + (("tb_ggml_gdn",) if reference else ())
+    tools = llamacpp.resolve_tools(device, cfg.llamacpp.build, cfg.llamacpp.source or "", programs, ctx.progress)
+    for record in records(cfg, ctx, backend, tools, reference):
+        record.artifacts.update(tools.artifacts())  # which llama.cpp: compared forks differ here
+        yield record
+
+
+def records(cfg: DictConfig, ctx, backend: str, tools: llamacpp.Tools, reference: bool) -> Iterator[Record]:
+    device = ctx.device
     if cfg.mode in ("test", "all"):
         ctx.progress(f"test-backend-ops -o {cfg.op} -b {backend}")
-        report, problems = llamacpp.test_backend_ops(device, cfg.op, backend)
+        report, problems = llamacpp.test_backend_ops(device, cfg.op, backend, tools, cfg.cases)
         yield from llamacpp.test_records("llamacpp", cfg.op, backend, report, problems)
+        if reference and tools.built:
+            from testbed.experiments.gdn import AWKWARD_CASES, TBO_CASES
+
+            yield from ggml_gdn.oracle_records("llamacpp", device, tools.built.program("tb_ggml_gdn"),
+                                               TBO_CASES + AWKWARD_CASES, cfg.seed, progress=ctx.progress)
     if cfg.mode in ("perf", "all"):
         ctx.progress(f"test-backend-ops perf -o {cfg.op} -b {backend}")
-        yield from llamacpp.perf_records(device, "llamacpp", cfg.op, backend)
+        yield from llamacpp.perf_records(device, "llamacpp", cfg.op, backend, tools, cfg.cases)
     if cfg.mode in ("bench", "all") and cfg.gguf:
         threads = cfg.threads or max(device.profile.threads)
         ctx.progress(f"llama-bench -p {cfg.prompt} -t {threads}")
-        yield from llamacpp.llama_bench_records(device, "llamacpp", cfg.gguf, cfg.prompt, threads, cfg.reps)
+        yield from llamacpp.llama_bench_records(device, "llamacpp", cfg.gguf, cfg.prompt, threads, cfg.reps, tools)
 
 
 def view(df: pd.DataFrame) -> pd.DataFrame:
@@ -72,7 +140,7 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
     for _, r in df.iterrows():
         if r["kind"] == "oracle" and (r["case"].endswith("/tally") or r["verdict"] != "pass"):
             rows.append({"device": r["device"], "case": r["case"], "verdict": r["verdict"],
-                         "result": r.get("metrics.tally") or r.get("detail")})
+                         "result": r["metrics.tally"] if r["case"].endswith("/tally") else r.get("detail")})
         elif r["kind"] == "measure":
             tps = r.get("figures.tokens_per_s.median")
             rows.append({"device": r["device"], "case": r["case"], "verdict": "",
@@ -80,3 +148,23 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                                     f"{r.get('figures.time.median'):.2f} us/run, "
                                     f"{r.get('figures.bandwidth.median', float('nan')):.2f} GB/s")})
     return pd.DataFrame(rows)
+
+
+def sweep_row(df: pd.DataFrame) -> dict:
+    """One job of a sweep; over sources it compares forks side by side:
+    `testbed sweep experiment=llamacpp device=qemu-aarch64 llamacpp.source=UPSTREAM,PATCHED` gives per
+    fork the harness' tally, testbed's reference verdicts on ggml's op, and us/run per perf case."""
+    row = {}
+    oracles = df[df["kind"] == "oracle"]
+    tally = oracles[oracles["case"].str.endswith("/tally")]
+    if len(tally):
+        row["test-backend-ops"] = tally["metrics.tally"].iloc[0]
+    ours = oracles[oracles["oracle"] == "nmse"]
+    if len(ours):
+        row["testbed reference"] = f"{int((ours['verdict'] == 'pass').sum())}/{len(ours)} pass"
+    for _, r in df[df["case"].str.endswith("/perf")].iterrows():
+        row[f"us/run {r['params.params']}"] = r["figures.time.median"]
+    if "figures.tokens_per_s.median" in df:
+        for _, r in df[df["figures.tokens_per_s.median"].notna()].iterrows():
+            row[f"{r['case']} tokens/s"] = round(float(r["figures.tokens_per_s.median"]), 1)
+    return row

@@ -98,7 +98,9 @@ def signature_matches(key: tuple[int, int], token: bytes, signature: bytes) -> b
 
 EXEC_SHIM_C = r"""
 /* Preloaded into the fake device's shell: an exec of an ELF for another machine becomes an exec of
-   the qemu-user emulator named by $TB_QEMU_<e_machine>, which is what binfmt_misc would do. */
+   the qemu-user emulator named by $TB_QEMU_<e_machine>, which is what binfmt_misc would do. A
+   dynamically linked program finds its loader and libraries under $TB_QEMU_LD_<e_machine> (qemu -L),
+   and the emulated program does not inherit this host library as its own LD_PRELOAD (qemu -U). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -110,28 +112,41 @@ EXEC_SHIM_C = r"""
 extern char **environ;
 typedef int (*execve_fn)(const char *, char *const[], char *const[]);
 
-static const char *emulator_for(const char *path) {
+static int elf_machine(const char *path) {
     unsigned char h[20];
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return NULL;
+    if (fd < 0) return -1;
     ssize_t n = read(fd, h, sizeof h);
     close(fd);
-    if (n < (ssize_t)sizeof h || memcmp(h, "\177ELF", 4) != 0) return NULL;
-    char name[32];
-    snprintf(name, sizeof name, "TB_QEMU_%d", h[18] | (h[19] << 8));
+    if (n < (ssize_t)sizeof h || memcmp(h, "\177ELF", 4) != 0) return -1;
+    return h[18] | (h[19] << 8);
+}
+
+static const char *setting(const char *prefix, int machine) {
+    char name[40];
+    snprintf(name, sizeof name, "%s%d", prefix, machine);
     return getenv(name);
 }
 
 static int run(const char *path, char *const argv[], char *const envp[]) {
     execve_fn real = (execve_fn)dlsym(RTLD_NEXT, "execve");
-    const char *qemu = emulator_for(path);
+    int machine = elf_machine(path);
+    const char *qemu = machine < 0 ? NULL : setting("TB_QEMU_", machine);
     if (!qemu) return real(path, argv, envp);
+    const char *sysroot = setting("TB_QEMU_LD_", machine);
     int argc = 0;
     while (argv[argc]) argc++;
-    char **args = calloc(argc + 3, sizeof *args);
-    args[0] = (char *)qemu;
-    args[1] = (char *)path;
-    for (int i = 1; i < argc; i++) args[i + 1] = argv[i];
+    char **args = calloc(argc + 7, sizeof *args);
+    int a = 0;
+    args[a++] = (char *)qemu;
+    args[a++] = "-U";
+    args[a++] = "LD_PRELOAD";
+    if (sysroot) {
+        args[a++] = "-L";
+        args[a++] = (char *)sysroot;
+    }
+    args[a++] = (char *)path;
+    for (int i = 1; i < argc; i++) args[a++] = argv[i];
     return real(qemu, args, envp);
 }
 
@@ -145,6 +160,9 @@ int execvp(const char *file, char *const argv[]) {
 """
 
 EMULATORS = {40: "qemu-arm", 183: "qemu-aarch64"}  # ELF e_machine: ARM, AArch64
+# Debian's cross sysroots (libc6-armhf-cross, libc6-arm64-cross): the loader and libraries of
+# dynamically linked ARM programs, such as the aarch64 IREE tools from the manylinux wheel.
+SYSROOTS = {40: "/usr/arm-linux-gnueabihf", 183: "/usr/aarch64-linux-gnu"}
 
 
 def build_exec_shim() -> Path:
@@ -212,6 +230,8 @@ class FakeDevice:
         if any(emulators.values()):
             env["LD_PRELOAD"] = str(build_exec_shim())
             env.update({f"TB_QEMU_{m}": path for m, path in emulators.items() if path})
+            env.update({f"TB_QEMU_LD_{m}": SYSROOTS[m] for m, path in emulators.items()
+                        if path and os.path.isdir(SYSROOTS[m])})
         return env
 
     # Device paths <-> sandbox paths.

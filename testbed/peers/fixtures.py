@@ -3,6 +3,8 @@
   adb_key            an adb RSA key pair in a session folder (never the user's ~/.android)
   adbd_factory       start(**flags) -> a loopback adbd subprocess; all stopped at session end
   adb_device         a Device on the session's loopback adbd, through adb-shell
+  adb_server         Debian's adb server on its own port, connected to a loopback adbd of its own
+  adb_server_device  a Device on that adbd through that server (adb -H 127.0.0.1 -P PORT)
   sshd               Debian's sshd on 127.0.0.1 for the session (own config, host key, user)
   ssh_device         a Device on it, through paramiko
   local_device       the host, with a session work folder
@@ -14,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +105,46 @@ def loopback_adbd(adbd_factory) -> LoopbackAdbd:
 @pytest.fixture(scope="session")
 def adb_device(loopback_adbd, adb_key):
     device = adb_connect(loopback_adbd, adb_key)
+    yield device
+    device.close()
+
+
+class AdbServer:
+    """Debian's `adb` server on 127.0.0.1:PORT, with its own HOME so it signs with the session key
+    (`adb -P PORT`: adb starts a server only on this machine, so no -H)."""
+
+    def __init__(self, key: Path):
+        if shutil.which("adb") is None:
+            pytest.fail("Debian's adb client is not installed (apt install adb; scripts/bootstrap.sh --test does)")
+        with socket.socket() as s:  # a free port for this server alone, never the user's 5037
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.env = {**os.environ, "HOME": str(Path(key).parent.parent)}
+
+    def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(["adb", "-P", str(self.port), *args], env=self.env,
+                              capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL, check=check)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="session")
+def adb_server(adbd_factory, adb_key):
+    """(the server, the serial of its loopback phone)."""
+    server, adbd = AdbServer(adb_key), adbd_factory()
+    server("start-server")
+    serial = f"{adbd.host}:{adbd.port}"
+    assert "connected to" in server("connect", serial).stdout
+    yield server, serial
+    server("kill-server", check=False)
+
+
+@pytest.fixture(scope="session")
+def adb_server_device(adb_server):
+    server, serial = adb_server
+    device = connect(adb_profile("loopback-via-server"), {"server": server.address, "serial": serial})
     yield device
     device.close()
 

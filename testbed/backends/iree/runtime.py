@@ -1,5 +1,6 @@
-"""Run IREE artifacts: in-process through the Python runtime, or through iree-run-module and
-iree-benchmark-module with .npy inputs and outputs (the command a device runs).
+"""Run IREE artifacts on this host: in-process through the Python runtime, or through the host's
+iree-run-module and iree-benchmark-module with .npy inputs and outputs (testbed.backends.iree.device
+runs the same tools on a device, through its transport).
 
 Before anything runs, the module is checked against the device that would run it and against its
 contract:
@@ -19,7 +20,6 @@ host-visible staging buffer and read from its mapping.
 
 from __future__ import annotations
 
-import json
 import platform
 import re
 import subprocess
@@ -232,9 +232,9 @@ def benchmark_tool(artifact: Artifact, driver: str, arrays: Sequence[np.ndarray]
         out = subprocess.run(command, capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"iree-benchmark-module failed, exit {out.returncode}: {out.stderr.strip()[:2000]}")
-    runs = [b for b in json.loads(out.stdout)["benchmarks"] if b.get("run_type") == "iteration"]
-    scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
-    return Figure.of([b["real_time"] * scale[b["time_unit"]] for b in runs], "s")
+    from testbed.backends.iree.device import parse_benchmark_json
+
+    return parse_benchmark_json(out.stdout)
 
 
 def _npy_files(folder: Path, arrays: Sequence[np.ndarray], n_outputs: int) -> tuple[list[str], list[str]]:

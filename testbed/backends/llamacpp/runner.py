@@ -1,18 +1,74 @@
 """llama.cpp's tools on a device: test-backend-ops (test and perf modes) and llama-bench, into records.
 
-The tools live where the profile's `tools` say; the backend (`-b`) defaults to the profile's
-`accelerators.backend` (HTP0 on the Hexagon phone). Verdicts follow testbed.backends.llamacpp.output: a run that did not
-finish, or whose counts disagree, is an error record, never a pass.
+The tools are either where the profile's `tools` say (a phone prepared by hand), or built from source
+for the device's ABI by testbed.backends.llamacpp.build and pushed once per content (`resolve_tools`).
+The backend (`-b`) defaults to the profile's `accelerators.backend` (HTP0 on the Hexagon phone).
+Verdicts follow testbed.backends.llamacpp.output: a run that did not finish, or whose counts disagree,
+is an error record, never a pass.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from testbed.backends import Evidence
 from testbed.backends.iree.device import tool
+from testbed.backends.llamacpp import build as builder
 from testbed.backends.llamacpp import output as out
+from testbed.backends.native.device import stage_program
 from testbed.devices import CommandResult, Device
 from testbed.devices.transport import quoted
+from testbed.errors import UsageError
 from testbed.results import Figure, Record
+
+BUILD = ("auto", True, False)
+
+
+@dataclass
+class Tools:
+    """Where llama.cpp's programs are on a device: built and pushed by testbed (`built` says what
+    built them), or else the profile's `tools`."""
+
+    device: Device
+    paths: dict[str, str]
+    built: builder.Built | None = None
+
+    def path(self, name: str) -> str:
+        return self.paths[name] if self.built else tool(self.device, name)
+
+    def artifacts(self) -> dict:
+        if self.built is None:
+            return {"tools": "the profile's"}
+        return {"llamacpp_source_sha256": self.built.source_hash, "llamacpp_source": self.built.info["source"],
+                "build_target": self.built.target}
+
+
+def profile_tools(device: Device) -> Tools:
+    return Tools(device, {})
+
+
+def wants_build(build, profile_names_tools: bool) -> bool:
+    """build: "auto" builds when the profile names no tools; True always builds; False never does."""
+    if build not in BUILD:
+        raise UsageError(f"llamacpp.build={build!r} is not accepted; accepted: auto, true, false")
+    return build is True or (build == "auto" and not profile_names_tools)
+
+
+def resolve_tools(device: Device, build, source: str, programs: tuple[str, ...],
+                  progress: Callable[[str], None] = lambda m: None) -> Tools:
+    """The profile's tools, or `programs` built for the device (see testbed.backends.llamacpp.build)
+    and pushed to it once per content (bin/SHA/NAME in its work folder)."""
+    if not wants_build(build, bool(device.profile.tools.get("test-backend-ops"))):
+        return profile_tools(device)
+    profile = device.profile
+    built = builder.build(builder.target_for(profile.name, profile.abi, profile.capabilities), source, programs,
+                          progress)
+    paths = {}
+    for name in programs:
+        progress(f"pushing {name} to {device.name} (once per content)")
+        paths[name] = str(device.transport.path(stage_program(device, built.program(name))))
+    return Tools(device, paths, built)
 
 
 def evidence(device: Device, argv: list[str], result: CommandResult) -> list[dict]:
@@ -24,9 +80,15 @@ def evidence(device: Device, argv: list[str], result: CommandResult) -> list[dic
                      {"clock": "the command's duration seen through the transport"}).as_dict()]
 
 
-def test_backend_ops(device: Device, op: str, backend: str, timeout: float | None = None) -> tuple[out.TboReport, list[str]]:
+def harness_argv(tools: Tools, mode: str, op: str, backend: str, cases: str) -> list[str]:
+    """test-backend-ops MODE -o OP -b BACKEND [-p CASES] (CASES: a regex over the case parameters)."""
+    return [tools.path("test-backend-ops"), mode, "-o", op, "-b", backend] + (["-p", cases] if cases else [])
+
+
+def test_backend_ops(device: Device, op: str, backend: str, tools: Tools | None = None, cases: str = "",
+                     timeout: float | None = None) -> tuple[out.TboReport, list[str]]:
     """Run test mode; returns the parsed report and every reason it may not be read as a pass."""
-    argv = [tool(device, "test-backend-ops"), "test", "-o", op, "-b", backend]
+    argv = harness_argv(tools or profile_tools(device), "test", op, backend, cases)
     result = device.run(argv, timeout)
     report = out.parse_test(result.stdout)
     report.evidence = evidence(device, argv, result)
@@ -55,9 +117,11 @@ def test_records(experiment: str, op: str, backend: str, report: out.TboReport, 
     return records
 
 
-def perf_records(device: Device, experiment: str, op: str, backend: str, timeout: float | None = None) -> list[Record]:
-    """Perf mode under the profile's health discipline (cool-down, warm-up, throttling flag)."""
-    argv = [tool(device, "test-backend-ops"), "perf", "-o", op, "-b", backend]
+def perf_records(device: Device, experiment: str, op: str, backend: str, tools: Tools | None = None,
+                 cases: str = "", timeout: float | None = None) -> list[Record]:
+    """Perf mode under the profile's health discipline (cool-down, warm-up, throttling flag). Each
+    case runs for about a second of a real CPU's time: under emulation, select a few with `cases`."""
+    argv = harness_argv(tools or profile_tools(device), "perf", op, backend, cases)
     result, health = device.measured(lambda: device.run(argv, timeout))
     rows = out.parse_perf(result.stdout)
     if result.returncode != 0 or not rows:
@@ -88,8 +152,8 @@ def perf_rows_records(experiment: str, backend: str, rows: list[out.Perf], healt
 
 
 def llama_bench_records(device: Device, experiment: str, model: str, prompt: int, threads: int, reps: int,
-                        extra: list[str] = (), timeout: float | None = None) -> list[Record]:
-    argv = [tool(device, "llama-bench"), "-m", model, "-p", str(prompt), "-n", "0", "-t", str(threads),
+                        tools: Tools | None = None, extra: list[str] = (), timeout: float | None = None) -> list[Record]:
+    argv = [(tools or profile_tools(device)).path("llama-bench"), "-m", model, "-p", str(prompt), "-n", "0", "-t", str(threads),
             "-r", str(reps), "-o", "json", *extra]
     result, health = device.measured(lambda: device.run(argv, timeout))
     if result.returncode != 0:

@@ -8,6 +8,10 @@ them into module parameters (one module serves any weights of the shape) or cons
   prefill_with_past  args: the contract's 44-argument order for FunctionGemma; results: the
                      selected row's logits, then K, V per layer extended by the chunk
   decode_with_past   the same with C = 1 and no select
+  decode_in_cache    decode_with_past on a fixed-capacity cache: its arguments and a one-hot `write`
+                     [capacity] last; results: the logits, then K, V per layer [kv_heads, capacity,
+                     head_dim] with the new row written at `write` (what a device's decode loop
+                     needs: the cache keeps its shape, so one module serves every step)
   prefill_at         tokens, select for positions 0..n-1; its tables and masks come from the host
                      builders at trace time (positions are implied), folded in as constants
   redecode           tokens, select -> logits only; like refimpl.redecode it builds its masks by its
@@ -160,6 +164,31 @@ def decode_with_past(cfg: ref.GemmaConfig, w: dict, past: int, constants: bool =
         return _interleave(lm_head(weights, cfg, x[0]), ks, vs)
 
     return Graph(f"gemma_{_model_tag(cfg)}_decode_with_past_P{past}{'_const' if constants else ''}",
+                 fn, contract, w, constants)
+
+
+def decode_in_cache(cfg: ref.GemmaConfig, w: dict, capacity: int, constants: bool = False) -> Graph:
+    """decode_with_past against `capacity` cache rows (empty ones masked by the host's mask), the new
+    row then written into the cache at the one-hot `write` row instead of appended."""
+    import jax.numpy as jnp
+
+    base = _convert(gemma_contract.decode_with_past_contract(cfg, capacity))
+    names = [a.name for a in base.args]
+    kv = (cfg.kv_heads, capacity, cfg.head_dim)
+    results = (base.results[0], *(TensorSpec(r.name, kv, r.dtype) for r in base.results[1:]))
+    contract = Contract("decode_in_cache", (*base.args, TensorSpec("write", (capacity,), "float32")), results)
+
+    def fn(weights, *args):
+        tokens, tables, past_k, past_v, masks = _with_past(cfg, names, args[:-1])
+        x, ks, vs = _layers(weights, cfg, embed(weights, cfg, tokens), tables, past_k, past_v, masks)
+        row = args[-1][None, :, None] > 0
+
+        def written(extended):  # [kv, capacity + 1, d]: the cache, then the new row
+            return jnp.where(row, extended[:, -1:], extended[:, :-1])
+
+        return _interleave(lm_head(weights, cfg, x[0]), [written(k) for k in ks], [written(v) for v in vs])
+
+    return Graph(f"gemma_{_model_tag(cfg)}_decode_in_cache_P{capacity}{'_const' if constants else ''}",
                  fn, contract, w, constants)
 
 

@@ -1,0 +1,304 @@
+"""llama.cpp's tools built from real source for a device's ABI, cached by content.
+
+The source is a llama.cpp tree given by path, or by default the one the `llama-cpp-python` sdist
+vendors (SDIST), which `pip download` fetches from the package index into .cache/llamacpp/sdist/ the
+first time. Neither is part of this repository; testbed only holds the CMake project that builds
+what it runs (CMakeLists.txt beside this file):
+
+  test-backend-ops  llama.cpp's op harness (tests/test-backend-ops.cpp), linked against ggml alone
+  tb_ggml_gdn       testbed's own program running ggml's GATED_DELTA_NET on .npy inputs, so that
+                    testbed's float64 reference judges ggml's CPU op (test-backend-ops cannot: it
+                    compares a backend with ggml's CPU backend, with itself when it is the CPU)
+  llama-bench       llama.cpp's benchmark (compiles libllama too: only built when asked for)
+
+Targets, chosen from the device profile (target_for):
+
+  host          the machine itself, GGML_NATIVE on (what this CPU has)
+  aarch64       arm64-v8a Linux or Android CPU: Debian's aarch64-linux-gnu cross compiler, static
+                binaries (no sysroot needed under qemu-aarch64 or on a phone), GGML_NATIVE off
+  android-htp   a phone whose profile has `htp`: the Android NDK with ggml's Hexagon backend
+                (GGML_HEXAGON); needs ANDROID_NDK_HOME and HEXAGON_SDK_ROOT / HEXAGON_TOOLS_ROOT
+                (Qualcomm's SDK, not in any registry here) and is refused with that message otherwise;
+                not exercised on these machines, which have neither
+
+Every build is CPU-only otherwise, without OpenMP (threads from ggml's own pool; OpenMP and static
+glibc do not mix). The source is first copied to .cache/llamacpp/src/HASH/ (HASH = sha256 over the
+files a build reads), so a build is of exactly the bytes it is cached under even if the checkout
+changes meanwhile, and built in HASH/build-TARGET-OPTIONS/. The programs land in
+.cache/llamacpp/TARGET-KEY/ (KEY covers the source hash, the target's CMake options and compilers,
+and testbed's CMake project and program); a second request for the same key costs a hash. With ccache
+installed, compiles are shared between sources too: a patched copy of llama.cpp recompiles only the
+files it changed (CCACHE_BASEDIR makes paths relative to the snapshot).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from testbed.backends.native.build import KERNELS_DIR, ROOT
+from testbed.errors import UsageError
+
+SDIST = ("llama-cpp-python", "0.3.36")
+HERE = Path(__file__).resolve().parent
+CACHE = ROOT / ".cache" / "llamacpp"
+PROGRAMS = ("test-backend-ops", "tb_ggml_gdn", "llama-bench")
+TARGETS = ("host", "aarch64", "android-htp")
+# Top-level entries of a llama.cpp tree a build never reads (the snapshot and its hash leave them out).
+NOT_BUILT = ("models", "docs", "media", "examples", "pocs", "gguf-py", "scripts", "benches", "skills")
+# testbed's own inputs to the build: the CMake project, the program and the .npy harness it links.
+OWN_FILES = (HERE / "CMakeLists.txt", HERE / "tb_ggml_gdn.c", KERNELS_DIR / "bench" / "harness.c",
+             KERNELS_DIR / "bench" / "harness.h", KERNELS_DIR / "tb_parallel.c", KERNELS_DIR / "tb_parallel.h",
+             KERNELS_DIR / "tb_kernels.h", KERNELS_DIR / "tb_simd.h")
+
+
+class BuildError(RuntimeError):
+    """A source, toolchain or SDK is missing, or a build step failed; the message says which."""
+
+
+@dataclass(frozen=True)
+class Built:
+    """The programs of one build, on the host."""
+
+    target: str
+    folder: Path
+    source_hash: str
+    info: dict
+
+    def program(self, name: str) -> Path:
+        return self.folder / name
+
+
+# --- the source ------------------------------------------------------------------------------------
+
+
+def sdist_source(cache: Path = CACHE, progress: Callable[[str], None] = print) -> Path:
+    """The llama.cpp tree vendored by the llama-cpp-python sdist, downloaded once by pip."""
+    name, version = SDIST
+    archive_dir = cache / "sdist"
+    stem = f"{name.replace('-', '_')}-{version}"
+    tree = archive_dir / stem / "vendor" / "llama.cpp"
+    if tree.is_dir():
+        return tree
+    archive_dir.mkdir(parents=True, exist_ok=True)
+    archive = archive_dir / f"{stem}.tar.gz"
+    if not archive.is_file():
+        progress(f"downloading the {name}=={version} sdist (76 MB) with pip")
+        p = subprocess.run(["python3", "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                            "--disable-pip-version-check", "-d", str(archive_dir), f"{name}=={version}"],
+                           capture_output=True, text=True)
+        if p.returncode != 0 or not archive.is_file():
+            raise BuildError(f"pip could not download {name}=={version}: {(p.stderr or p.stdout).strip()[-300:]}")
+    progress(f"extracting {archive.name}")
+    tmp = archive_dir / f".{stem}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp, filter="data")
+    try:
+        (tmp / stem).rename(archive_dir / stem)
+    except OSError:
+        pass  # another process extracted it first
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tree
+
+
+def resolve_source(source: str, progress: Callable[[str], None] = print) -> Path:
+    """`source`: empty for the sdist's llama.cpp, or the path of a llama.cpp tree."""
+    if not source:
+        return sdist_source(progress=progress)
+    tree = Path(source).expanduser().resolve()
+    if not (tree / "ggml" / "include" / "ggml.h").is_file() or not (tree / "tests" / "test-backend-ops.cpp").is_file():
+        raise UsageError(f"llamacpp.source={source!r} is not a llama.cpp tree; accepted: a folder holding "
+                         "ggml/include/ggml.h and tests/test-backend-ops.cpp, or empty for the "
+                         f"{SDIST[0]}=={SDIST[1]} sdist")
+    return tree
+
+
+def _built_files(tree: Path) -> list[Path]:
+    files = []
+    for entry in sorted(tree.iterdir()):
+        if entry.name.startswith((".", "build")) or entry.name in NOT_BUILT:
+            continue
+        files += [entry] if entry.is_file() else sorted(p for p in entry.rglob("*") if p.is_file())
+    return files
+
+
+def source_hash(tree: Path) -> str:
+    """sha256 over the relative names and bytes of every file a build may read."""
+    h = hashlib.sha256()
+    for path in _built_files(tree):
+        h.update(str(path.relative_to(tree)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def snapshot(tree: Path, digest: str, cache: Path = CACHE) -> Path:
+    """A copy of the built files under src/HASH/ (made once; `.complete` marks a whole copy)."""
+    dest = cache / "src" / digest[:16]
+    if (dest / ".complete").is_file():
+        return dest
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for path in _built_files(tree):
+        target = tmp / path.relative_to(tree)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+    (tmp / ".complete").write_text(digest + "\n")
+    try:
+        tmp.rename(dest)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process made the same copy first
+    return dest
+
+
+# --- targets ---------------------------------------------------------------------------------------
+
+
+def target_for(name: str, abi: str, capabilities) -> str:
+    """The build whose programs run on the device of this profile name, ABI and capabilities."""
+    if abi == "host":
+        return "host"
+    if abi == "arm64-v8a":
+        return "android-htp" if "htp" in (capabilities or ()) else "aarch64"
+    raise BuildError(f"device={name} has ABI {abi!r}; llama.cpp's tools are built for: host, arm64-v8a "
+                     "(aarch64, or android-htp where the profile has htp)")
+
+
+def _require(tool: str, package: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        raise BuildError(f"`{tool}` is not installed (Debian: apt-get install {package})")
+    return path
+
+
+def cmake_options(target: str) -> list[str]:
+    """The target's CMake cache settings (its toolchain given on the command line)."""
+    common = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_OPENMP=OFF",
+              "-DGGML_CCACHE=OFF", "-DLLAMA_BUILD_NUMBER=0"]
+    if target == "host":
+        return common + ["-DGGML_NATIVE=ON"]
+    if target == "aarch64":
+        return common + ["-DGGML_NATIVE=OFF", "-DCMAKE_SYSTEM_NAME=Linux", "-DCMAKE_SYSTEM_PROCESSOR=aarch64",
+                         f"-DCMAKE_C_COMPILER={_require('aarch64-linux-gnu-gcc', 'gcc-aarch64-linux-gnu')}",
+                         f"-DCMAKE_CXX_COMPILER={_require('aarch64-linux-gnu-g++', 'g++-aarch64-linux-gnu')}",
+                         "-DCMAKE_EXE_LINKER_FLAGS=-static"]
+    if target == "android-htp":
+        ndk, sdk, tools = (os.environ.get(v, "") for v in ("ANDROID_NDK_HOME", "HEXAGON_SDK_ROOT", "HEXAGON_TOOLS_ROOT"))
+        if not (ndk and sdk and tools):
+            raise BuildError("building for a Hexagon phone needs the Android NDK and Qualcomm's Hexagon SDK: set "
+                             "ANDROID_NDK_HOME, HEXAGON_SDK_ROOT and HEXAGON_TOOLS_ROOT (unset here); or run on "
+                             "an aarch64 device (device=qemu-aarch64, backend CPU)")
+        return common + ["-DGGML_NATIVE=OFF", f"-DCMAKE_TOOLCHAIN_FILE={ndk}/build/cmake/android.toolchain.cmake",
+                         "-DANDROID_ABI=arm64-v8a", "-DANDROID_PLATFORM=android-31", "-DGGML_HEXAGON=ON",
+                         f"-DHEXAGON_SDK_ROOT={sdk}", f"-DHEXAGON_TOOLS_ROOT={tools}"]
+    raise BuildError(f"target {target!r} is not accepted; accepted: {', '.join(TARGETS)}")
+
+
+def _toolchain_identity(options: list[str]) -> str:
+    """The compilers' versions (a compiler upgrade is a different build)."""
+    compilers = [o.split("=", 1)[1] for o in options if o.startswith(("-DCMAKE_C_COMPILER=", "-DCMAKE_CXX_COMPILER="))]
+    versions = []
+    for cc in compilers or ["cc", "c++"]:
+        p = subprocess.run([cc, "--version"], capture_output=True, text=True)
+        versions.append(p.stdout.splitlines()[0] if p.returncode == 0 and p.stdout else cc)
+    return "\n".join(versions)
+
+
+def build_key(target: str, digest: str, options: list[str]) -> str:
+    h = hashlib.sha256(f"{target}\n{digest}\n{chr(10).join(options)}\n{_toolchain_identity(options)}\n".encode())
+    if target == "host":
+        h.update(_host_cpu().encode())  # GGML_NATIVE: what this CPU has
+    for path in OWN_FILES:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _host_cpu() -> str:
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+# --- building --------------------------------------------------------------------------------------
+
+
+def build(target: str, source: str = "", programs: tuple[str, ...] = ("test-backend-ops", "tb_ggml_gdn"),
+          progress: Callable[[str], None] = print, cache: Path = CACHE) -> Built:
+    """Build (or reuse) `programs` for `target` from `source` (see resolve_source)."""
+    unknown = [p for p in programs if p not in PROGRAMS]
+    if unknown:
+        raise BuildError(f"program {unknown[0]!r} is not accepted; accepted: {', '.join(PROGRAMS)}")
+    options = cmake_options(target)
+    tree = resolve_source(source, progress)
+    digest = source_hash(tree)
+    key = build_key(target, digest, options)
+    out = cache / f"{target}-{key[:16]}"
+    info_path = out / "build.json"
+    if all((out / p).is_file() for p in programs):
+        return Built(target, out, digest, json.loads(info_path.read_text()))
+    _require("cmake", "cmake")
+    _require("ninja", "ninja-build")
+    snap = snapshot(tree, digest, cache)
+    build_dir = snap / f"build-{target}-{key[:12]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per folder; a second process waits, then reuses
+        missing = [p for p in programs if not (out / p).is_file()]
+        if not missing:
+            return Built(target, out, digest, json.loads(info_path.read_text()))
+        env = dict(os.environ)
+        launcher = []
+        if shutil.which("ccache"):
+            env |= {"CCACHE_DIR": str(cache / "ccache"), "CCACHE_BASEDIR": str(snap.parent),
+                    "CCACHE_NOHASHDIR": "1", "CCACHE_SLOPPINESS": "time_macros"}
+            launcher = ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+        t0 = time.monotonic()
+        if not (build_dir / "build.ninja").is_file():
+            progress(f"llama.cpp for {target}: configuring {snap.name} ({tree})")
+            _step(["cmake", "-S", str(HERE), "-B", str(build_dir), "-G", "Ninja", f"-DLLAMACPP_SOURCE={snap}",
+                   f"-DTESTBED_KERNELS={KERNELS_DIR}", f"-DTESTBED_SOURCE_HASH={digest}", *options, *launcher],
+                  env, build_dir / "configure.log", progress, f"configuring llama.cpp for {target}")
+        jobs = min(2, os.cpu_count() or 1)
+        _step(["nice", "-n", "10", "cmake", "--build", str(build_dir), f"-j{jobs}", "--target", *missing], env,
+              build_dir / "build.log", progress, f"building {' '.join(missing)} for {target}")
+        seconds = time.monotonic() - t0
+        out.mkdir(parents=True, exist_ok=True)
+        previous = json.loads(info_path.read_text()) if info_path.is_file() else {"builds": []}
+        info = {"target": target, "source": str(tree), "source_sha256": digest, "key": key, "options": options,
+                "ccache": bool(launcher),
+                "builds": previous["builds"] + [{"programs": missing, "seconds": round(seconds, 1)}]}
+        # build.json first, then each program, each appearing whole or not at all
+        _write_whole(info_path, lambda tmp: tmp.write_text(json.dumps(info, indent=1) + "\n"))
+        for name in missing:
+            _write_whole(out / name, lambda tmp: shutil.copy2(build_dir / "bin" / name, tmp))
+        return Built(target, out, digest, info)
+
+
+def _write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    write(tmp)
+    tmp.rename(path)
+
+
+def _step(argv: list[str], env: dict, log: Path, progress: Callable[[str], None], what: str) -> None:
+    """Run a build step, its output to `log` and its progress lines ("[12/57] Building ...") to the
+    terminal; a failure raises with the log's last lines."""
+    with open(log, "w") as f:
+        p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in p.stdout:
+            f.write(line)
+            if line.startswith("["):
+                progress(f"{what}: {line.strip()[:100]}")
+        p.wait()
+    if p.returncode != 0:
+        tail = [line for line in log.read_text().splitlines() if line.strip()][-4:]
+        raise BuildError(f"{what} failed (exit {p.returncode}; log {log}): {' | '.join(tail)}")

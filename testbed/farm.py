@@ -1,0 +1,348 @@
+"""The lab: devices on many hosts, one nightly over all of them, one store, one report (Ray).
+
+  testbed farm node [--address HEAD:PORT] [--devices a,b]   start this host's Ray node
+  testbed farm status --address HEAD:PORT                   the nodes, their devices, what runs where
+  testbed nightly farm=HEAD:PORT [suite=NAME ...]           the night, run on the cluster
+  testbed run|sweep ... farm=HEAD:PORT                      a run or a sweep there (devices side by side)
+
+Each host runs a Ray node that advertises one custom resource per device attached to it,
+`device:NAME` with capacity 1, for each profile it can reach. The nightly submits one Ray task per
+(device, job) asking for that device's resource, so Ray runs it on the host that owns the device, one
+at a time per device: the resource is the lease. Ray is the scheduler; this module only says what
+runs where and collects what comes back.
+
+A task reaches its device through the ordinary transports, holds the host's device lock (so a local
+`testbed nightly` on that host waits for it too), runs the job with the ordinary runner into a
+scratch store on its node, and returns the records. The driver appends each job's records to the one
+store as the job ends, so a record once returned is never lost; testbed.nightly then writes the
+night log and the one report.
+
+A measurement is bound to its device: a task is never retried or moved (max_retries=0). When a node
+dies, its running tasks fail with a Ray error, and the tasks still waiting for its devices would wait
+for ever (Ray keeps them as infeasible), so the driver watches ray.nodes() and cancels them. A job
+lost either way, or whose device stopped answering, ends as one error record naming the node; its
+device is listed unreachable and its remaining jobs are cancelled; the rest of the night goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+from testbed import config, device_cli, nightly, runner
+from testbed.config import RunConfig
+from testbed.devices import load_profile
+from testbed.errors import DeviceError, DeviceUnreachable, UsageError
+from testbed.results import Record, ResultsStore, RunInfo
+
+RESOURCE = "device:"
+NAMESPACE = "testbed"
+BOARD = "board"  # the named actor that knows which job runs on which device now
+CONNECT_S = 10.0  # how long the head may take to accept a connection
+WATCH_S = 1.0  # how often the driver, while waiting for results, looks for nodes that died
+
+
+def resource(device: str) -> str:
+    return RESOURCE + device
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("the farm needs Ray, which is not installed; accepted: pip install 'testbed[farm]'") from None
+    return ray
+
+
+def join(address: str):
+    """Connect this process to the lab's cluster as a driver (once)."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"farm={address!r} is not an address; accepted: HEAD:PORT, the head's Ray address")
+    try:  # ray.init keeps retrying an address where nothing listens, for minutes: ask once first
+        socket.create_connection((host, int(port)), timeout=CONNECT_S).close()
+    except OSError as e:
+        raise UsageError(f"farm={address}: no Ray cluster answers there ({e.strerror or e}); accepted: the "
+                         f"HEAD:PORT of a head started by `testbed farm node`") from None
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+    return ray
+
+
+class Board:
+    """What runs where now, for `testbed farm status`: each task says when it starts and ends a job.
+    Ray's own task listing needs its dashboard, which the plain `ray` package does not have."""
+
+    def __init__(self):
+        self.running: dict[str, dict] = {}
+
+    def start(self, device: str, job: str, node_id: str) -> None:
+        self.running[device] = {"job": job, "node_id": node_id, "since": time.time()}
+
+    def end(self, device: str) -> None:
+        self.running.pop(device, None)
+
+    def show(self) -> dict[str, dict]:
+        return self.running
+
+
+def board(ray):
+    """The cluster's one board, on the head (made by the first who asks; it lives as long as the cluster)."""
+    return ray.remote(Board).options(name=BOARD, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                                     num_cpus=0, resources={"node:__internal_head__": 0.001}).remote()
+
+
+# --- the nodes ------------------------------------------------------------------------------------
+
+
+def node_label(node: dict) -> str:
+    """How records and reports name a node: its host and the start of its Ray node id."""
+    return f"{node['NodeManagerHostname']} {node['NodeID'][:8]}"
+
+
+def owners(ray) -> dict[str, dict]:
+    """device -> the live node that advertises it."""
+    return {key[len(RESOURCE):]: node for node in ray.nodes() if node["Alive"]
+            for key in node["Resources"] if key.startswith(RESOURCE)}
+
+
+# --- on a node: one job ---------------------------------------------------------------------------
+
+
+def run_job(experiment: str, overrides: list[str], lock_dir: str, lock_wait_s: float, holder: str) -> dict:
+    """Runs on the node that owns the device: the job, into a scratch store; returns its records and
+    how it ended (status ok | unreachable | busy, the run's info, and the error if the run broke)."""
+    import ray
+
+    rc = config.load(overrides, experiment=experiment)
+    node = {"node_id": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(),
+            "started": time.time()}
+    shown = board(ray)
+    shown.start.remote(rc.device, nightly.job_label(rc), node["node_id"])
+    ended = {"status": "ok", "reason": "", "error": "", "info": None}
+    before = os.environ.get("TESTBED_RESULTS")
+    with tempfile.TemporaryDirectory(prefix="testbed-farm-") as scratch:
+        os.environ["TESTBED_RESULTS"] = scratch  # a Ray worker runs one task at a time
+        try:
+            with nightly.device_lock(Path(lock_dir), rc.device, lock_wait_s, holder):
+                device = nightly.open_device(rc.device)
+                try:
+                    ended["info"] = asdict(runner.execute(rc, device=device).info)
+                finally:
+                    device.close()
+        except nightly.DeviceBusy as e:
+            ended.update(status="busy", reason=str(e))
+        except DeviceUnreachable as e:
+            ended.update(status="unreachable", reason=str(e))
+        except Exception as e:  # noqa: BLE001 -- the runner stored an error record; the driver reports it
+            ended["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            if before is None:
+                del os.environ["TESTBED_RESULTS"]
+            else:
+                os.environ["TESTBED_RESULTS"] = before
+            shown.end.remote(rc.device)
+        rows = ResultsStore(scratch).records()
+    node["finished"] = time.time()
+    for row in rows:
+        row["farm"] = node
+    return {**ended, "rows": rows}
+
+
+# --- the driver -----------------------------------------------------------------------------------
+
+
+def error_rows(rc: RunConfig, why: str, node: dict) -> list[dict]:
+    """The one record of a job that was lost before it could store its own: verdict error, naming the node."""
+    info = RunInfo(experiment=rc.experiment, device=rc.device, backend=str(rc.cfg.get("backend", "refimpl")),
+                   config=rc.flat(), fingerprint={"profile": rc.device},
+                   emulated=load_profile(rc.device).has("emulated"))
+    row = info.stamp(Record(rc.experiment, "run", "oracle", "run", "error", None, {"records_before_error": 0},
+                            detail=why))
+    row["farm"] = {"node_id": node["NodeID"], "hostname": node["NodeManagerHostname"]}
+    return [row]
+
+
+def on_the_farm(ray, jobs: list[RunConfig], store: ResultsStore, log: nightly.Log, lock_dir: Path,
+                lock_wait_s: float, holder: str):
+    """Every job as a task on its device's node. Yields (job, how it ended) as each job ends, its
+    records already appended to `store`. A device no node advertises: its jobs end unreachable at once."""
+    owner = owners(ray)
+    task = ray.remote(max_retries=0, num_cpus=0)(run_job)
+    pending: dict = {}  # ObjectRef -> job
+    for device in dict.fromkeys(rc.device for rc in jobs):
+        mine = [rc for rc in jobs if rc.device == device]
+        if device not in owner:
+            log(device, f"unreachable: {unowned(device)}")
+            for rc in mine:
+                yield rc, {"status": "unreachable", "reason": unowned(device), "rows": []}
+            continue
+        log(device, f"{len(mine)} job(s) on node {node_label(owner[device])}")
+        # Ray starts its workers with OMP_NUM_THREADS=1; a job must see the host's cores as a local run
+        # does (the numpy around a measurement uses them; measured sections set their own limits)
+        cores = {"env_vars": {"OMP_NUM_THREADS": str(int(owner[device]["Resources"].get("CPU", 1)))}}
+        for rc in mine:
+            ref = task.options(resources={resource(device): 1}, name=f"{device}: {nightly.job_label(rc)}",
+                               runtime_env=cores).remote(rc.experiment, rc.overrides, str(lock_dir), lock_wait_s,
+                                                         holder)
+            pending[ref] = rc
+    lost: dict[str, str] = {}  # device -> why its remaining jobs were cancelled
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=WATCH_S)
+        for ref in done:
+            rc = pending.pop(ref)
+            ended = collect(ray, ref, rc, owner[rc.device], lost.get(rc.device), store, log)
+            if ended["status"] != "ok" and rc.device not in lost:
+                lost[rc.device] = ended["reason"]
+                cancel(ray, pending, rc.device)
+            yield rc, ended
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        for device in {rc.device for rc in pending.values()} - set(lost):
+            if owner[device]["NodeID"] not in alive:
+                lost[device] = f"node {node_label(owner[device])} died"
+                log(device, f"{lost[device]}: its jobs end as error records")
+                cancel(ray, pending, device)
+
+
+def unowned(device: str) -> str:
+    return f"no farm node advertises {resource(device)}"
+
+
+def cancel(ray, pending: dict, device: str) -> None:
+    for ref, rc in pending.items():
+        if rc.device == device:
+            ray.cancel(ref)
+
+
+def collect(ray, ref, rc: RunConfig, node: dict, lost: str | None, store: ResultsStore, log: nightly.Log) -> dict:
+    """One finished task: how it ended, its records (or the one error record of a lost job) stored."""
+    label = nightly.job_label(rc)
+    try:
+        ended = ray.get(ref)
+    except ray.exceptions.TaskCancelledError:
+        ended = {"status": "unreachable", "reason": f"not run: {lost}", "rows": []}
+    except ray.exceptions.RayError as e:  # the node or the worker died under the task
+        ended = {"status": "unreachable", "rows": [],
+                 "reason": f"lost on node {node_label(node)}: it died under the job ({type(e).__name__})"}
+    if ended["status"] != "ok" and not ended["rows"]:
+        ended["rows"] = error_rows(rc, ended["reason"], node)
+    store.append(ended["rows"])
+    if ended["status"] != "ok":
+        log(rc.device, f"{label}: {ended['status']}: {ended['reason']}")
+    elif ended["error"]:
+        log(rc.device, f"{label} broke on node {node_label(node)}: {ended['error']}")
+    else:
+        log(rc.device, f"{label}: {len(ended['rows'])} records from node {node_label(node)}")
+    return ended
+
+
+# --- what runs on the farm: a night, a run, a sweep -----------------------------------------------
+
+
+def driver(address: str):
+    """nightly.run_night's `drive` for farm=ADDRESS."""
+    def drive(suite: nightly.Suite, store: ResultsStore, night: str, log: nightly.Log) -> list[nightly.DeviceNight]:
+        started = time.monotonic()
+        ray = join(address)
+        results = {d: nightly.DeviceNight(d) for d in suite.devices}
+        for device in set(suite.devices) - set(owners(ray)):  # listed even if none of tonight's jobs is its
+            results[device].status, results[device].reason = "unreachable", unowned(device)
+        jobs = [rc for d in suite.devices for rc in suite.jobs[d]]
+        for rc, ended in on_the_farm(ray, jobs, store, log, suite.lock_dir, suite.lock_wait_s, f"farm night {night}"):
+            result = results[rc.device]
+            result.seconds = time.monotonic() - started
+            if ended["status"] != "ok":
+                if result.status == "ok":  # the first reason a device was lost is the one that counts
+                    result.status, result.reason = ended["status"], ended["reason"]
+            elif ended["error"]:
+                result.failures.append(f"{rc.device} {nightly.job_label(rc)}: run broke: {ended['error']}")
+            else:
+                result.count(ended["info"]["run_id"], ended["rows"])
+        for r in results.values():
+            log(r.device, f"{r.status}{': ' + r.reason if r.reason else ''} ({r.seconds:.1f} s)")
+        return list(results.values())
+    return drive
+
+
+def execute(address: str, jobs: list[RunConfig], store: ResultsStore) -> list[runner.Outcome]:
+    """`testbed run` and `sweep` with farm=ADDRESS: the jobs on their devices' nodes (devices side by
+    side), their records in `store`; the outcomes in the jobs' order. A job that did not end well
+    raises as runner.execute would, once every job has ended."""
+    locks = Path(tempfile.gettempdir()) / "testbed-locks"  # the nightly's default: a device a night holds is busy
+    ended = {id(rc): how for rc, how in on_the_farm(join(address), jobs, store, nightly.Log(), locks, 0.0,
+                                                   f"farm run, pid {os.getpid()}")}
+    for rc in jobs:
+        how = ended[id(rc)]
+        if how["status"] != "ok":
+            raise DeviceUnreachable(f"{rc.device}: {how['reason']}")
+        if how["error"]:
+            raise DeviceError(f"{rc.device} {nightly.job_label(rc)}: {how['error']}")
+    return [runner.Outcome(RunInfo(**ended[id(rc)]["info"]), ended[id(rc)]["rows"]) for rc in jobs]
+
+
+# --- the commands ---------------------------------------------------------------------------------
+
+
+def node_resources(names: list[str]) -> tuple[dict[str, float], list[str]]:
+    """The resources this host's node advertises, one per device that answers now, and a line for
+    each device left out and why."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        reach = dict(zip(names, pool.map(device_cli.reachability, names)))
+    left_out = [f"{name}: left out, {answer}" for name, answer in reach.items() if answer != "yes"]
+    return {resource(name): 1.0 for name, answer in reach.items() if answer == "yes"}, left_out
+
+
+def cmd_node(args) -> int:
+    known = config.choices("device")
+    names = args.devices.split(",") if args.devices else known
+    for name in names:
+        if name not in known:
+            raise UsageError(f"--devices: unknown device {name!r}; accepted: {', '.join(known)}")
+    resources, left_out = node_resources(names)
+    for line in left_out:
+        print(line, file=sys.stderr)
+    if not resources:
+        print("farm node: no device answers here; nothing to advertise", file=sys.stderr)
+        return DeviceUnreachable.exit_status
+    where = [f"--address={args.address}"] if args.address else ["--head", f"--port={args.port}"]
+    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", *where, f"--resources={json.dumps(resources)}"]
+    print(f"farm node: advertising {', '.join(resources)}", file=sys.stderr)
+    return subprocess.run(argv).returncode
+
+
+def cmd_status(args) -> int:
+    ray = join(args.address)
+    running = ray.get(board(ray).show.remote(), timeout=CONNECT_S)
+    for node in sorted(ray.nodes(), key=lambda n: (not n["Alive"], n["NodeManagerHostname"], n["NodeID"])):
+        devices = sorted(k[len(RESOURCE):] for k in node["Resources"] if k.startswith(RESOURCE))
+        print(f"node {node_label(node)} at {node['NodeManagerAddress']}: {'alive' if node['Alive'] else 'dead'}, "
+              f"{len(devices)} device(s)")
+        for device in devices:
+            job = running.get(device) if node["Alive"] else None
+            now = (f"running {job['job']} for {time.time() - job['since']:.0f} s"
+                   if job and job["node_id"] == node["NodeID"] else "idle" if node["Alive"] else "gone with its node")
+            print(f"  {device:<16} {now}")
+    return 0
+
+
+def register(commands) -> None:
+    f = commands.add_parser("farm", help="the lab's Ray cluster: start this host's node, or show the nodes")
+    sub = f.add_subparsers(dest="farm_command", required=True)
+    n = sub.add_parser("node", help="start this host's Ray node, advertising the devices that answer")
+    n.add_argument("--address", help="the head's HEAD:PORT to join (default: start the head here)")
+    n.add_argument("--port", type=int, default=6379, help="the head's port (with no --address)")
+    n.add_argument("--devices", help="a,b,...: the profiles attached here (default: every profile that answers)")
+    n.set_defaults(fn=cmd_node)
+    s = sub.add_parser("status", help="the nodes, their devices, which run a job now")
+    s.add_argument("--address", required=True, help="the head's HEAD:PORT")
+    s.set_defaults(fn=cmd_status)

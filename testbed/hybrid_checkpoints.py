@@ -1,0 +1,124 @@
+"""Qwen3.5 text checkpoints (a Hugging Face folder: config.json + *.safetensors) for refimpl.qwen35.
+
+Strict, like testbed.checkpoints for Gemma: a config field that would change the computation and that
+the reference does not implement is refused, as is a missing, unexpected or misshapen tensor; each
+refusal is one UsageError naming the value and what is accepted. Fields that cannot change the
+logits of a text prompt (token ids, dtype, bookkeeping) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from refimpl.qwen35 import HF_LAYER_TYPES, HybridConfig, weight_shapes
+from testbed.checkpoints import read_safetensors
+from testbed.errors import UsageError
+
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5")  # qwen3_5 nests the text model's fields under text_config
+# Read into HybridConfig (the rest of the computation is fixed by the architecture).
+READ = {"vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+        "linear_value_head_dim", "linear_conv_kernel_dim", "layer_types", "rope_parameters", "rms_norm_eps",
+        "tie_word_embeddings", "full_attention_interval"}
+# Must hold these values: the reference implements nothing else.
+FIXED = {"hidden_act": "silu", "attention_bias": False}
+# Cannot change a text prompt's logits: ids, storage dtype, limits, training-only settings, bookkeeping.
+IGNORED = {"model_type", "architectures", "transformers_version", "dtype", "torch_dtype", "bos_token_id",
+           "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "max_position_embeddings",
+           "attention_dropout", "output_hidden_states", "output_attentions", "return_dict", "id2label", "label2id",
+           "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "_name_or_path", "tokenizer_class"}
+ROPE_READ = {"rope_theta", "partial_rotary_factor"}
+# Multimodal RoPE sections: a text prompt's three position streams are equal, so they rotate alike.
+ROPE_IGNORED = {"mrope_section", "mrope_interleaved"}
+
+
+def config_from_hf(hf: dict, source: str) -> HybridConfig:
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise UsageError(f"{source}: model_type {model_type!r} is not accepted; accepted: {', '.join(MODEL_TYPES)}")
+    if model_type == "qwen3_5":
+        hf = hf.get("text_config") or {}
+    unknown = sorted(set(hf) - READ - set(FIXED) - IGNORED)
+    if unknown:
+        raise UsageError(f"{source}: config field {unknown[0]!r} is not known to the reference model; accepted: "
+                         f"{', '.join(sorted(READ | set(FIXED)))} (and bookkeeping fields)")
+    for key, value in FIXED.items():
+        if hf.get(key, value) != value:
+            raise UsageError(f"{source}: {key}={hf[key]!r} is not supported; accepted: {value!r}")
+    rope = dict(hf.get("rope_parameters") or {})
+    if rope.pop("rope_type", "default") != "default":
+        raise UsageError(f"{source}: rope_parameters.rope_type={hf['rope_parameters']['rope_type']!r} is not "
+                         f"supported; accepted: 'default'")
+    bad = sorted(set(rope) - ROPE_READ - ROPE_IGNORED)
+    if bad:
+        raise UsageError(f"{source}: rope_parameters.{bad[0]} is not supported; accepted: "
+                         f"{', '.join(sorted(ROPE_READ | ROPE_IGNORED))}")
+    if hf.get("linear_key_head_dim", 128) != hf.get("linear_value_head_dim", 128):
+        raise UsageError(f"{source}: linear_key_head_dim={hf.get('linear_key_head_dim')} differs from "
+                         f"linear_value_head_dim={hf.get('linear_value_head_dim')}; accepted: equal head sizes")
+
+    def need(key):
+        if key not in hf:
+            raise UsageError(f"{source}: config.json lacks {key!r}")
+        return hf[key]
+
+    layers = int(need("num_hidden_layers"))
+    if "layer_types" in hf:
+        bad = [t for t in hf["layer_types"] if t not in HF_LAYER_TYPES]
+        if bad:
+            raise UsageError(f"{source}: layer type {bad[0]!r} is not accepted; accepted: {', '.join(HF_LAYER_TYPES)}")
+        types = tuple(HF_LAYER_TYPES[t] for t in hf["layer_types"])
+    else:
+        interval = int(hf.get("full_attention_interval", 4))
+        types = tuple("full" if (i + 1) % interval == 0 else "linear" for i in range(layers))
+    try:
+        return HybridConfig(
+            vocab=int(need("vocab_size")), hidden=int(need("hidden_size")), layers=layers,
+            mlp=int(need("intermediate_size")), heads=int(need("num_attention_heads")),
+            kv_heads=int(need("num_key_value_heads")), head_dim=int(need("head_dim")),
+            linear_k_heads=int(hf.get("linear_num_key_heads", 16)),
+            linear_v_heads=int(hf.get("linear_num_value_heads", 32)),
+            linear_head_dim=int(hf.get("linear_key_head_dim", 128)),
+            conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), layer_types=types,
+            rope_theta=float(rope.get("rope_theta", 10_000.0)),
+            rotary_fraction=float(rope.get("partial_rotary_factor", 0.25)),
+            rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+    except ValueError as e:
+        raise UsageError(f"{source}: {e}") from None
+
+
+def check_weights(weights: dict[str, np.ndarray], cfg: HybridConfig, source: str) -> dict[str, np.ndarray]:
+    """The tensors the config needs, as float32; any mismatch names the tensor."""
+    shapes = weight_shapes(cfg)
+    for name in weights:
+        if name not in shapes and not (name == "lm_head.weight" and cfg.tie_embeddings):
+            raise UsageError(f"{source}: unexpected tensor {name!r} (not a tensor of this Qwen3.5 config)")
+    out = {}
+    for name, shape in shapes.items():
+        if name not in weights:
+            raise UsageError(f"{source}: missing tensor {name!r} of shape {shape}")
+        if tuple(weights[name].shape) != shape:
+            raise UsageError(f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, "
+                             f"the config needs {shape}")
+        out[name] = np.ascontiguousarray(weights[name], dtype=np.float32)
+    return out
+
+
+def load_hf_folder(folder: str | Path) -> tuple[HybridConfig, dict[str, np.ndarray]]:
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise UsageError(f"checkpoint folder {folder} has no config.json")
+    cfg = config_from_hf(json.loads(config_file.read_text()), str(config_file))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"checkpoint folder {folder} has no *.safetensors file")
+    weights = {}
+    for f in files:
+        weights.update(read_safetensors(f))
+    return cfg, check_weights(weights, cfg, str(folder))

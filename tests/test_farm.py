@@ -1,0 +1,291 @@
+"""The lab on one machine: a Ray cluster of three nodes, each owning different devices (the host on the
+head, qemu-arm32 on one worker node, two loopback adbd "phones" on another), driven by
+`testbed nightly farm=ADDRESS`. Every job runs on the node that owns its device, devices in parallel
+and one job at a time per device; a node killed mid-night ends in error records for its devices only.
+
+The phones are profiles in a lab folder (TESTBED_LAB): Ray's workers are other processes, which see
+the environment they were started with and never a monkeypatch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from testbed import PROJECT_ROOT, config, farm
+from testbed.cli import main
+from testbed.results import ResultsStore
+
+ray = pytest.importorskip("ray", reason="the farm extra: pip install 'testbed[farm]'")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+SMALL_STORE = 80 << 20  # Ray's default object store per node is ~450 MB; records are tiny
+
+
+def phone(name: str) -> str:
+    profile = (config.DEVICES_DIR / "adb-loopback.yaml").read_text()
+    return profile.replace("name: adb-loopback", f"name: {name}")
+
+
+@contextmanager
+def environment(**values: str):
+    """Set environment variables for what starts meanwhile (Ray nodes and their workers), then restore."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("lab")
+    (folder / "devices").mkdir()
+    for name in ("phone-a", "phone-b", "phone-c", "phone-d"):
+        (folder / "devices" / f"{name}.yaml").write_text(phone(name))
+    (folder / "suite").mkdir()
+    (folder / "suite" / "lab.yaml").write_text(textwrap.dedent("""\
+        devices: [host, qemu-arm32, phone-a, phone-b]
+        runs:
+          gdn:
+            experiment: gdn
+            overrides: [mode=oracle, matrix=awkward, "chunk=16,32"]
+            devices: [host, qemu-arm32]
+          gdn_phones:
+            experiment: gdn
+            overrides: [mode=oracle, matrix=awkward, chunk=16]
+            devices: [phone-a, phone-b]
+        lock_dir: ""
+        lock_wait_s: 60
+        report_out: ""
+        """))
+    (folder / "suite" / "unowned.yaml").write_text(textwrap.dedent("""\
+        devices: [host, qemu-aarch64]
+        runs:
+          gdn:
+            experiment: gdn
+            overrides: [mode=oracle, matrix=awkward]
+            devices: [host]
+        lock_dir: ""
+        """))
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (folder / "devices" / "phone-gone.yaml").write_text(
+        phone("phone-gone").split("peer:")[0].replace("host: 127.0.0.1", f"host: 127.0.0.1\n  port: {port}"))
+    (folder / "suite" / "gone.yaml").write_text(textwrap.dedent("""\
+        devices: [host, phone-gone]
+        runs:
+          gdn:
+            experiment: gdn
+            overrides: [mode=oracle, matrix=awkward, "chunk=16,32"]
+        lock_dir: ""
+        """))
+    (folder / "suite" / "doomed.yaml").write_text(textwrap.dedent("""\
+        devices: [host, phone-c, phone-d]
+        runs:
+          gdn:
+            experiment: gdn
+            overrides: [mode=oracle, matrix=awkward, "chunk=16,32,48"]
+            devices: [host]
+          gdn_phones:
+            experiment: gdn
+            overrides: [mode=oracle, matrix=awkward, "chunk=16,32,48"]
+            devices: [phone-c, phone-d]
+        lock_dir: ""
+        lock_wait_s: 60
+        report_out: ""
+        """))
+    return folder
+
+
+def node_env(lab: Path) -> dict:
+    return {"TESTBED_LAB": str(lab), "PYTHONPATH": str(PROJECT_ROOT)}
+
+
+@pytest.fixture(scope="session")
+def cluster(lab):
+    """Three nodes; which node owns which device: {device: node id}."""
+    with environment(**node_env(lab)):
+        c = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "object_store_memory": SMALL_STORE, "resources": {farm.resource("host"): 1}})
+        arm = c.add_node(num_cpus=1, object_store_memory=SMALL_STORE, resources={farm.resource("qemu-arm32"): 1})
+        phones = c.add_node(num_cpus=1, object_store_memory=SMALL_STORE,
+                            resources={farm.resource("phone-a"): 1, farm.resource("phone-b"): 1})
+    c.owners = {"host": c.head_node.node_id, "qemu-arm32": arm.node_id,
+                "phone-a": phones.node_id, "phone-b": phones.node_id}
+    yield c
+    c.shutdown()
+
+
+def nightly(lab: Path, results: Path, *overrides: str, address: str) -> subprocess.Popen:
+    env = {**os.environ, **node_env(lab), "TESTBED_RESULTS": str(results)}
+    return subprocess.Popen([sys.executable, "-m", "testbed", "nightly", f"farm={address}",
+                             f"lock_dir={results / 'locks'}", *overrides],
+                            cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def farm_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "testbed", "farm", *args], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def overlaps(a: dict, b: dict) -> bool:
+    return a["started"] < b["finished"] and b["started"] < a["finished"]
+
+
+def test_each_job_runs_on_the_node_that_owns_its_device(lab, cluster, tmp_path):
+    proc = nightly(lab, tmp_path, "suite=lab", address=cluster.address)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out + err
+    records = ResultsStore(tmp_path).records()
+    runs = {}
+    for r in records:
+        assert r["farm"]["node_id"] == cluster.owners[r["device"]], (r["device"], r["farm"])
+        runs.setdefault(r["run_id"], r)
+    assert sorted(r["device"] for r in runs.values()) == sorted(["host", "qemu-arm32"] * 2 + ["phone-a", "phone-b"])
+    oracles = [r for r in records if r["kind"] == "oracle"]
+    assert oracles and all(r["verdict"] == "pass" for r in oracles)
+    # one job at a time per device (its resource is the lease), devices side by side
+    by_device = {}
+    for r in runs.values():
+        by_device.setdefault(r["device"], []).append(r["farm"])
+    for device in ("host", "qemu-arm32"):
+        assert not overlaps(*by_device[device]), f"two jobs at once on {device}: {by_device[device]}"
+    assert any(overlaps(a, b) for da, ja in by_device.items() for db, jb in by_device.items() if da < db
+               for a in ja for b in jb), "no two devices ran at the same time"
+    night = ResultsStore(tmp_path / "nights").records()[-1]
+    assert {d: s["status"] for d, s in night["devices"].items()} == dict.fromkeys(cluster.owners, "ok")
+    assert (tmp_path / "report" / "report.html").exists()
+    assert out.strip().splitlines()[-1] == "exit 0: all oracles pass, no regression"
+
+
+def test_a_sweep_runs_each_job_on_its_devices_node(lab, cluster, tmp_path):
+    env = {**os.environ, **node_env(lab), "TESTBED_RESULTS": str(tmp_path)}
+    sweep = subprocess.run([sys.executable, "-m", "testbed", "sweep", "experiment=gdn", "device=host,qemu-arm32",
+                            "mode=oracle", "matrix=awkward", f"farm={cluster.address}"], cwd=PROJECT_ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert sweep.returncode == 0, sweep.stdout + sweep.stderr
+    assert "2 runs, 0 oracle failures" in sweep.stdout
+    records = ResultsStore(tmp_path).records()
+    assert {r["device"] for r in records} == {"host", "qemu-arm32"}
+    assert all(r["farm"]["node_id"] == cluster.owners[r["device"]] for r in records)
+    # a device no node owns: one line, exit 3, nothing run
+    run = subprocess.run([sys.executable, "-m", "testbed", "run", "gdn", "device=qemu-aarch64", "mode=oracle",
+                          f"farm={cluster.address}"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert run.stderr.splitlines()[-1] == ("testbed: device unreachable: qemu-aarch64: no farm node advertises "
+                                           "device:qemu-aarch64")
+
+
+def wait_for(what: str, check, limit_s: float):
+    deadline = time.monotonic() + limit_s
+    while not check():
+        assert time.monotonic() < deadline, f"waited {limit_s:g} s for {what}"
+        time.sleep(0.5)
+
+
+def test_a_node_that_dies_mid_night_ends_in_error_records_for_its_devices_only(lab, cluster, tmp_path):
+    with environment(**node_env(lab)):
+        doomed = cluster.add_node(num_cpus=1, object_store_memory=SMALL_STORE,
+                                  resources={farm.resource("phone-c"): 1, farm.resource("phone-d"): 1})
+    cluster.wait_for_nodes()
+    store = ResultsStore(tmp_path)
+    proc = nightly(lab, tmp_path, "suite=doomed", address=cluster.address)
+    try:
+        # kill the phones' node once it has returned a record: some of its jobs are done, some not
+        wait_for("a record from the doomed node",
+                 lambda: any(r["device"].startswith("phone-") for r in store.records()), 300)
+        status = farm_cli("status", f"--address={cluster.address}")
+        cluster.remove_node(doomed)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 3, out + err  # a device unreachable, nothing else wrong
+    # what ran where, as the lab sees it: the phones' node, one gdn job on a phone at least
+    assert status.returncode == 0, status.stderr
+    print(status.stdout)
+    assert doomed.node_id[:8] in status.stdout
+    assert "running gdn mode=oracle matrix=awkward chunk=" in status.stdout
+    records = store.records()
+    kept = [r for r in records if r["device"].startswith("phone-") and r["verdict"] != "error"]
+    errors = [r for r in records if r["verdict"] == "error"]
+    assert kept, "the records the doomed node returned before it died were lost"
+    assert errors and {r["device"] for r in errors} <= {"phone-c", "phone-d"}
+    for r in errors:  # each names the node
+        assert doomed.node_id[:8] in r["detail"] and r["farm"]["node_id"] == doomed.node_id, r["detail"]
+    jobs_per_phone = 3
+    for device in ("phone-c", "phone-d"):  # every job of a dead device ends, as records or as one error
+        assert len({r["run_id"] for r in records if r["device"] == device}) == jobs_per_phone, device
+    host = [r for r in records if r["device"] == "host"]
+    assert len({r["run_id"] for r in host}) == 3 and all(r["verdict"] == "pass" for r in host)
+    night = ResultsStore(tmp_path / "nights").records()[-1]
+    assert night["devices"]["host"]["status"] == "ok"
+    for device in ("phone-c", "phone-d"):
+        assert night["devices"][device]["status"] == "unreachable"
+        assert doomed.node_id[:8] in night["devices"][device]["reason"]
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    nights = next(s for s in report["sections"] if s["id"] == "nights")["tables"][0]["rows"]
+    assert "phone-c: unreachable (" in json.dumps(nights[-1])
+    print(out)
+
+
+def test_a_device_that_does_not_answer_ends_in_error_records_naming_its_node(lab, cluster, tmp_path):
+    with environment(**node_env(lab)):
+        node = cluster.add_node(num_cpus=1, object_store_memory=SMALL_STORE, resources={farm.resource("phone-gone"): 1})
+    cluster.wait_for_nodes()
+    proc = nightly(lab, tmp_path, "suite=gone", address=cluster.address)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 3, out + err
+    records = ResultsStore(tmp_path).records()
+    gone = [r for r in records if r["device"] == "phone-gone"]
+    assert len(gone) == 2 and all(r["verdict"] == "error" and r["farm"]["node_id"] == node.node_id for r in gone)
+    assert "nothing answers at 127.0.0.1" in gone[0]["detail"] or "nothing answers at 127.0.0.1" in gone[1]["detail"]
+    assert {r["device"] for r in records if r["verdict"] == "pass"} == {"host"}
+    night = ResultsStore(tmp_path / "nights").records()[-1]["devices"]
+    assert night["host"]["status"] == "ok" and night["phone-gone"]["status"] == "unreachable"
+    cluster.remove_node(node)
+
+
+def test_a_device_no_node_advertises_is_listed_unreachable(lab, cluster, tmp_path):
+    proc = nightly(lab, tmp_path, "suite=unowned", address=cluster.address)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 3, out + err
+    night = ResultsStore(tmp_path / "nights").records()[-1]["devices"]
+    assert night["host"]["status"] == "ok"
+    assert night["qemu-aarch64"] == {"status": "unreachable", "runs": [],
+                                     "reason": "no farm node advertises device:qemu-aarch64"}
+
+
+def test_a_farm_address_where_nothing_answers_is_one_clear_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "testbed", "nightly", "suite=smoke", "farm=127.0.0.1:9"],
+                          cwd=PROJECT_ROOT, env={**os.environ, "TESTBED_RESULTS": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("testbed: error: farm=127.0.0.1:9: no Ray cluster answers there"), proc.stderr
+
+
+def test_farm_node_starts_ray_with_one_resource_per_device_that_answers(monkeypatch, capsys):
+    started = []
+    monkeypatch.setattr(farm.subprocess, "run", lambda argv: started.append(argv) or subprocess.CompletedProcess(argv, 0))
+    assert main(["farm", "node", "--address=10.0.0.1:6379", "--devices=host,pixel"]) == 0
+    assert started == [[sys.executable, "-m", "ray.scripts.scripts", "start", "--address=10.0.0.1:6379",
+                        '--resources={"device:host": 1.0}']]
+    err = capsys.readouterr().err
+    assert "pixel: left out, no: " in err and "farm node: advertising device:host" in err
+    assert main(["farm", "node", "--devices=host,nosuch"]) == 2
+    assert "--devices: unknown device 'nosuch'; accepted: " in capsys.readouterr().err

@@ -1,0 +1,95 @@
+"""The `hybrid` experiment through the CLI: oracle records, the crossover, tail and drift records and
+tables, sweeps over the GDN chunk and the context, and bad input refused in one line."""
+
+import pandas as pd
+import pytest
+
+from testbed import cli
+from testbed.experiments import hybrid
+from testbed.results import ResultsStore
+
+SMALL = ["chunk=16", "gdn_chunk=8", "oracle.prompt_tokens=60", "oracle.past=[0,20]", "oracle.tokens=[16,5]",
+         "oracle.tails=[3]"]
+TINY_BENCH = ["bench.shape.vocab=128", "bench.shape.hidden=32", "bench.shape.layers=4", "bench.shape.mlp=64",
+              "bench.shape.heads=2", "bench.shape.kv_heads=1", "bench.shape.head_dim=16",
+              "bench.shape.linear_k_heads=1", "bench.shape.linear_v_heads=2", "bench.shape.linear_head_dim=16",
+              "bench.prefill_chunk=16", "bench.reps=1", "bench.warmup=0"]
+
+
+def records(results_dir):
+    return ResultsStore(results_dir).records("hybrid")
+
+
+@pytest.mark.parametrize("backend", ["refimpl", "native"])
+def test_oracle_mode_passes_and_says_where_it_ran(results_dir, backend):
+    assert cli.main(["run", "hybrid", f"backend={backend}", "mode=oracle", *SMALL]) == 0
+    rows = records(results_dir)
+    assert {r["oracle"] for r in rows} == {"token", "state", "first_token", "tail_state", "pad_identity"}
+    assert all(r["verdict"] == "pass" and r["device"] == "host" and r["backend"] == backend for r in rows)
+    assert {r["params"]["gdn"] for r in rows} == {"serial", "chunkwise"}
+    # 2 chunk cases x 2 verdicts + 1 tail x 2 verdicts per form; pad identity where bit-exact is due
+    assert len(rows) == 2 * 6 + (2 if backend == "native" else 1)
+
+
+def test_measurements_write_records_and_tables(results_dir, capsys):
+    assert cli.main(["run", "hybrid", "backend=native", "mode=bench", *SMALL, *TINY_BENCH, "bench.contexts=[32,64]",
+                     "bench.tails=[0,3,9]", "bench.drift_tokens=[40]"]) == 0
+    rows = records(results_dir)
+    cross = [r for r in rows if r["params"]["part"] == "crossover"]
+    assert sorted((r["params"]["context"], r["params"]["model"]) for r in cross) == sorted(
+        (L, m) for L in (32, 64) for m in hybrid.MODELS)
+    for r in cross:
+        fig = r["figures"]["tokens_per_s"]
+        assert fig["reps"] == 1 and fig["min"] <= fig["median"] <= fig["max"] and r["work"]["flops"] > 0
+    by_model = {r["params"]["model"]: r for r in cross if r["params"]["context"] == 64}
+    assert by_model["dense"]["params"]["layer_types"] == "ffff"
+    assert by_model["hybrid-serial"]["params"]["layer_types"] == "lllf"
+    assert by_model["dense"]["work"]["flops"] > by_model["hybrid-serial"]["work"]["flops"]  # attention grows in L
+    tails = {(r["params"]["tail"], r["params"]["mode"]): r for r in rows if r["params"]["part"] == "tail"}
+    assert set(tails) == {(t, m) for t in (0, 3, 9) for m in ("padded", "scalar")}
+    # the padded tail computes a whole chunk where the scalar one computes 3 rows; tail 0 pads nothing
+    assert tails[(3, "padded")]["work"]["flops"] > tails[(3, "scalar")]["work"]["flops"]
+    assert tails[(0, "padded")]["work"]["flops"] == tails[(0, "scalar")]["work"]["flops"]
+    drift = {r["params"]["precision"]: r["metrics"] for r in rows if r["params"]["part"] == "drift"}
+    assert set(drift) == {"fp16-acc32", "fp16-acc16"}
+    # fp16 rounding moves the logits, but far less than a wrong model would
+    assert 0 < drift["fp16-acc32"]["nmse_logits"] < 1e-2 and drift["fp16-acc32"]["token_agreement"] > 0.9
+    out = capsys.readouterr().out
+    assert "chunkwise x serial" in out and "seed dense" in out
+    assert "fitted crossover L" in out and "breakeven" in out and "NMSE logits" in out
+    assert cli.main(["table", "hybrid"]) == 0
+    assert "hybrid-chunkwise" in capsys.readouterr().out
+
+
+def test_crossover_from_a_fit_of_seconds_per_token():
+    """Dense: 1 ms + 1 us * L per token; hybrid: 3 ms flat. Crossover at L = 2000, beyond 512..1024."""
+    rows = [{"context": L, "model": m, "tokens/s": 1 / s}
+            for L in (512, 1024) for m, s in (("dense", 1e-3 + 1e-6 * L), ("hybrid-serial", 3e-3))]
+    got = hybrid.crossover_context(pd.DataFrame(rows), "hybrid-serial")
+    assert got == {"first measured L where faster": None, "fitted crossover L": 2000}
+
+
+def test_sweep_over_gdn_chunk_and_context(results_dir, capsys):
+    assert cli.main(["sweep", "experiment=hybrid", "backend=native", "mode=crossover", *TINY_BENCH,
+                     "gdn_chunk=4,16", "bench.contexts=32,64"]) == 0
+    out = capsys.readouterr().out
+    assert sum(line.startswith("| hybrid ") for line in out.splitlines()) == 4
+    assert "crossover with dense: hybrid-serial:" in out
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["backend=native", "device=qemu-aarch64"], "backend=native runs the GDN kernels through ctypes on this host"),
+    (["oracle.past=[0]", "oracle.tokens=[16,5]"], "oracle.past has 1 entries and oracle.tokens 2"),
+    (["chunk=16", "oracle.tokens=[64,52,1,64]"], "oracle case P=0, n=64 does not fit chunk=16"),
+    (["mode=tail", "chunk=16", "bench.tails=[20]"], "tail 20 is not shorter than chunk=16"),
+    (["mode=fast"], "mode='fast' is not accepted"),
+    (["bench.shape.heads=3"], None),
+])
+def test_bad_input_is_refused_in_one_line(results_dir, capsys, overrides, message):
+    if message is None:  # checked when the model is built: heads must divide by kv_heads
+        assert cli.main(["run", "hybrid", "mode=crossover", "bench.contexts=[8]", *overrides]) != 0
+        assert "heads (3) must be a multiple of kv_heads (2)" in capsys.readouterr().err
+        return
+    assert cli.main(["run", "hybrid", *overrides]) != 0
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

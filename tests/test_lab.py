@@ -1,0 +1,71 @@
+"""A lab's own devices, experiments and suites (TESTBED_LAB=DIR), and experiments from other packages
+(the entry point group testbed.experiments): seen by every command, in other processes too."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from testbed import PROJECT_ROOT, config
+
+
+def cli(*args, env, cwd=PROJECT_ROOT):
+    return subprocess.run([sys.executable, "-m", "testbed", *args], cwd=cwd, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_lab_folder_adds_devices_and_suites(tmp_path):
+    lab = tmp_path / "lab"
+    (lab / "devices").mkdir(parents=True)
+    (lab / "devices" / "bench9.yaml").write_text(
+        f"name: bench9\ntransport: local\nabi: host\ncapabilities: [cpu, refimpl]\nwork_dir: {tmp_path / 'w'}\n")
+    (lab / "suite").mkdir()
+    (lab / "suite" / "tiny.yaml").write_text(textwrap.dedent("""\
+        devices: [bench9]
+        runs:
+          gdn:
+            experiment: gdn
+            overrides: [mode=oracle, matrix=awkward]
+        lock_dir: ""
+        """))
+    env = {"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(tmp_path / "results")}
+    night = cli("nightly", "suite=tiny", f"lock_dir={tmp_path / 'locks'}", env=env)
+    assert night.returncode == 0, night.stdout + night.stderr
+    assert "  bench9         ok           1 runs, oracles 36/36 pass" in night.stdout
+
+
+def test_a_lab_that_is_not_a_folder_is_one_line(tmp_path):
+    r = cli("run", "gdn", env={"TESTBED_LAB": str(tmp_path / "nowhere")})
+    assert r.returncode == 2
+    assert r.stderr == (f"testbed: error: TESTBED_LAB='{tmp_path / 'nowhere'}' is not a folder; accepted: a folder "
+                        "with any of experiment/, model/, devices/, suite/\n")
+
+
+def test_another_package_adds_an_experiment_through_an_entry_point(tmp_path):
+    package = tmp_path / "site" / "labexp"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "hello.py").write_text(textwrap.dedent('''\
+        """A lab's own experiment: one oracle that always holds."""
+        from testbed.config import Int
+        from testbed.results import Record
+
+        PARAMS = {"greetings": Int(1, 10)}
+
+        def run(cfg, ctx):
+            for i in range(cfg.greetings):
+                yield Record("hello", f"greeting {i}", "oracle", "equal", "pass", 0.0)
+
+        def view(frame):
+            return frame[["case", "verdict"]]
+        '''))
+    (package / "hello.yaml").write_text("greetings: 2\n")
+    info = tmp_path / "site" / "labexp-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: labexp\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[testbed.experiments]\nhello = labexp.hello\n")
+    env = {"PYTHONPATH": str(tmp_path / "site"), "TESTBED_RESULTS": str(tmp_path / "results")}
+    r = cli("run", "hello", "greetings=3", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "hello on host (refimpl): oracles 3/3 pass" in r.stdout
+    assert "hello" not in config.choices("experiment")  # only where the package is installed
