@@ -118,6 +118,10 @@ def cmd_table(args) -> int:
     if len(emulated):
         print(f"\nleft out: {len(emulated)} figure(s) {emulation.REASON}:", file=sys.stderr)
         print(tables.render(emulation.listing(emulated.to_dict("records")), "md"), file=sys.stderr)
+    if "incomplete" in df and df["incomplete"].fillna(False).astype(bool).any():
+        runs = sorted(df.loc[df["incomplete"].fillna(False).astype(bool), "run_id"].unique())
+        print(f"note: {len(runs)} run(s) did not end complete ({', '.join(runs[:5])}): their rows are shown as "
+              "stored, and their verdicts never count as passed (`testbed records verify`)", file=sys.stderr)
     return 0
 
 

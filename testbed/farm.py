@@ -40,6 +40,7 @@ from pathlib import Path
 from testbed import config, device_cli, nightly, runner
 from testbed.config import RunConfig
 from testbed.devices import load_profile
+from testbed.devices.private import DeviceBusy, device_lock
 from testbed.errors import DeviceError, DeviceUnreachable, UsageError
 from testbed.results import Record, ResultsStore, RunInfo
 
@@ -134,13 +135,13 @@ def run_job(experiment: str, overrides: list[str], lock_dir: str, lock_wait_s: f
     with tempfile.TemporaryDirectory(prefix="testbed-farm-") as scratch:
         os.environ["TESTBED_RESULTS"] = scratch  # a Ray worker runs one task at a time
         try:
-            with nightly.device_lock(Path(lock_dir), rc.device, lock_wait_s, holder):
+            with device_lock(rc.device, lock_wait_s, holder, Path(lock_dir) if lock_dir else None):
                 device = nightly.open_device(rc.device)
                 try:
                     ended["info"] = asdict(runner.execute(rc, device=device).info)
                 finally:
                     device.close()
-        except nightly.DeviceBusy as e:
+        except DeviceBusy as e:
             ended.update(status="busy", reason=str(e))
         except DeviceUnreachable as e:
             ended.update(status="unreachable", reason=str(e))
@@ -173,7 +174,7 @@ def error_rows(rc: RunConfig, why: str, node: dict) -> list[dict]:
     return [row]
 
 
-def on_the_farm(ray, jobs: list[RunConfig], store: ResultsStore, log: nightly.Log, lock_dir: Path,
+def on_the_farm(ray, jobs: list[RunConfig], store: ResultsStore, log: nightly.Log, lock_dir: Path | None,
                 lock_wait_s: float, holder: str):
     """Every job as a task on its device's node. Yields (job, how it ended) as each job ends, its
     records already appended to `store`. A device no node advertises: its jobs end unreachable at once."""
@@ -193,8 +194,8 @@ def on_the_farm(ray, jobs: list[RunConfig], store: ResultsStore, log: nightly.Lo
         cores = {"env_vars": {"OMP_NUM_THREADS": str(int(owner[device]["Resources"].get("CPU", 1)))}}
         for rc in mine:
             ref = task.options(resources={resource(device): 1}, name=f"{device}: {nightly.job_label(rc)}",
-                               runtime_env=cores).remote(rc.experiment, rc.overrides, str(lock_dir), lock_wait_s,
-                                                         holder)
+                               runtime_env=cores).remote(rc.experiment, rc.overrides,
+                                                         str(lock_dir) if lock_dir else "", lock_wait_s, holder)
             pending[ref] = rc
     lost: dict[str, str] = {}  # device -> why its remaining jobs were cancelled
     while pending:
@@ -278,7 +279,7 @@ def execute(address: str, jobs: list[RunConfig], store: ResultsStore) -> list[ru
     """`testbed run` and `sweep` with farm=ADDRESS: the jobs on their devices' nodes (devices side by
     side), their records in `store`; the outcomes in the jobs' order. A job that did not end well
     raises as runner.execute would, once every job has ended."""
-    locks = Path(tempfile.gettempdir()) / "testbed-locks"  # the nightly's default: a device a night holds is busy
+    locks = None  # each node's per-user default (testbed.devices.private), the one its nightly and pytest take
     ended = {id(rc): how for rc, how in on_the_farm(join(address), jobs, store, nightly.Log(), locks, 0.0,
                                                    f"farm run, pid {os.getpid()}")}
     for rc in jobs:

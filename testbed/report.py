@@ -465,9 +465,21 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
     return content
 
 
+def is_report(folder: Path) -> bool:
+    """A folder `build` wrote: it has the marker, or (written before the marker existed) it holds
+    nothing but a report's own files."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    if (folder / MARKER).is_file():
+        return True
+    names = {p.name for p in folder.iterdir()}
+    own = {"report.html", "report.md", "report.json"}
+    return own <= names and all(n in own or (n.endswith(".png") and (folder / n).is_file()) for n in names)
+
+
 def check_replaceable(out: Path) -> None:
     """Refuse (one line, exit 2) to build into an existing path that is not a previous report."""
-    if (out.exists() or out.is_symlink()) and not (out.is_dir() and not out.is_symlink() and (out / MARKER).is_file()):
+    if (out.exists() or out.is_symlink()) and not is_report(out):
         raise UsageError(f"--out {out} exists and is not a testbed report (it has no {MARKER}); "
                          "accepted: a new folder, or a report folder to replace")
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from testbed import PROJECT_ROOT, config, farm
+from testbed import report as report_module
 from testbed.cli import main
 from testbed.results import ResultsStore
 
@@ -167,7 +168,7 @@ def test_each_job_runs_on_the_node_that_owns_its_device(lab, cluster, tmp_path):
         assert not overlaps(*by_device[device]), f"two jobs at once on {device}: {by_device[device]}"
     assert any(overlaps(a, b) for da, ja in by_device.items() for db, jb in by_device.items() if da < db
                for a in ja for b in jb), "no two devices ran at the same time"
-    night = ResultsStore(tmp_path / "nights").records()[-1]
+    night = report_module.night_log(tmp_path)[-1]
     assert {d: s["status"] for d, s in night["devices"].items()} == dict.fromkeys(cluster.owners, "ok")
     assert (tmp_path / "report" / "report.html").exists()
     assert out.strip().splitlines()[-1] == "exit 0: all oracles pass, no regression"
@@ -233,7 +234,7 @@ def test_a_node_that_dies_mid_night_ends_in_error_records_for_its_devices_only(l
         assert len({r["run_id"] for r in records if r["device"] == device}) == jobs_per_phone, device
     host = [r for r in records if r["device"] == "host"]
     assert len({r["run_id"] for r in host}) == 3 and all(r["verdict"] == "pass" for r in host)
-    night = ResultsStore(tmp_path / "nights").records()[-1]
+    night = report_module.night_log(tmp_path)[-1]
     assert night["devices"]["host"]["status"] == "ok"
     for device in ("phone-c", "phone-d"):
         assert night["devices"][device]["status"] == "unreachable"
@@ -256,7 +257,7 @@ def test_a_device_that_does_not_answer_ends_in_error_records_naming_its_node(lab
     assert len(gone) == 2 and all(r["verdict"] == "error" and r["farm"]["node_id"] == node.node_id for r in gone)
     assert "nothing answers at 127.0.0.1" in gone[0]["detail"] or "nothing answers at 127.0.0.1" in gone[1]["detail"]
     assert {r["device"] for r in records if r["verdict"] == "pass"} == {"host"}
-    night = ResultsStore(tmp_path / "nights").records()[-1]["devices"]
+    night = report_module.night_log(tmp_path)[-1]["devices"]
     assert night["host"]["status"] == "ok" and night["phone-gone"]["status"] == "unreachable"
     cluster.remove_node(node)
 
@@ -265,7 +266,7 @@ def test_a_device_no_node_advertises_is_listed_unreachable(lab, cluster, tmp_pat
     proc = nightly(lab, tmp_path, "suite=unowned", address=cluster.address)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 3, out + err
-    night = ResultsStore(tmp_path / "nights").records()[-1]["devices"]
+    night = report_module.night_log(tmp_path)[-1]["devices"]
     assert night["host"]["status"] == "ok"
     assert night["qemu-aarch64"] == {"status": "unreachable", "runs": [],
                                      "reason": "no farm node advertises device:qemu-aarch64"}

@@ -110,3 +110,15 @@ def test_a_writer_waiting_during_a_rewrite_lands_in_the_new_file(tmp_path):
     os.close(fd)
     writer.join(30)
     assert len(store.records()) == 2
+
+
+def test_table_says_which_runs_did_not_end_complete(results_dir, capsys):
+    from testbed import config, runner
+
+    runner.execute(config.load(["mode=oracle", "matrix=awkward"], experiment="gdn"))
+    killed, rows = run_rows(2)
+    ResultsStore(results_dir).append(rows[:3])  # never ended
+    capsys.readouterr()
+    assert main(["table", "gdn"]) == 0
+    err = capsys.readouterr().err
+    assert f"note: 1 run(s) did not end complete ({killed.run_id})" in err

@@ -12,6 +12,7 @@ import pytest
 
 from testbed import PROJECT_ROOT, nightly, report
 from testbed.cli import main
+from testbed.errors import UsageError
 from testbed.results import Figure, Record, ResultsStore, RunInfo
 from tests.test_report import FIXTURES
 
@@ -57,6 +58,19 @@ def test_out_refuses_a_folder_that_is_not_a_report(tmp_path, monkeypatch, capsys
     assert main(["report", "--out", str(tmp_path / "rep")]) == 1  # the hostile oracle fails
     assert main(["report", "--out", str(tmp_path / "rep")]) == 1
     assert (tmp_path / "rep" / "report.html").exists()
+
+
+def test_a_report_written_before_the_marker_is_still_replaced(tmp_path):
+    old = tmp_path / "report"
+    old.mkdir()
+    for name in ("report.html", "report.md", "report.json", "tail-host.png"):
+        (old / name).write_text("old")
+    report.build([], old, FIXTURES, report.settings())
+    assert (old / report.MARKER).is_file() and (old / "report.html").read_text() != "old"
+    (old / report.MARKER).unlink()
+    (old / "records.jsonl").write_text("{}\n")  # not only a report's files: refused
+    with pytest.raises(UsageError, match="is not a testbed report"):
+        report.build([], old, FIXTURES, report.settings())
 
 
 def test_reports_and_nights_take_ingested_perf_records(results_dir, seed_fixtures, tmp_path, monkeypatch, capsys):
