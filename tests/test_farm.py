@@ -29,6 +29,8 @@ ray = pytest.importorskip("ray", reason="the farm extra: pip install 'testbed[fa
 from ray.cluster_utils import Cluster  # noqa: E402
 
 SMALL_STORE = 80 << 20  # Ray's default object store per node is ~450 MB; records are tiny
+# every node on loopback: the cluster's traffic never leaves this machine's 127.0.0.1
+NODE = {"num_cpus": 1, "object_store_memory": SMALL_STORE, "node_ip_address": "127.0.0.1"}
 
 
 def phone(name: str) -> str:
@@ -121,10 +123,9 @@ def node_env(lab: Path) -> dict:
 def cluster(lab):
     """Three nodes; which node owns which device: {device: node id}."""
     with environment(**node_env(lab)):
-        c = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "object_store_memory": SMALL_STORE, "resources": {farm.resource("host"): 1}})
-        arm = c.add_node(num_cpus=1, object_store_memory=SMALL_STORE, resources={farm.resource("qemu-arm32"): 1})
-        phones = c.add_node(num_cpus=1, object_store_memory=SMALL_STORE,
+        c = Cluster(initialize_head=True, head_node_args={**NODE, "resources": {farm.resource("host"): 1}})
+        arm = c.add_node(**NODE, resources={farm.resource("qemu-arm32"): 1})
+        phones = c.add_node(**NODE,
                             resources={farm.resource("phone-a"): 1, farm.resource("phone-b"): 1})
     c.owners = {"host": c.head_node.node_id, "qemu-arm32": arm.node_id,
                 "phone-a": phones.node_id, "phone-b": phones.node_id}
@@ -202,16 +203,24 @@ def wait_for(what: str, check, limit_s: float):
 
 def test_a_node_that_dies_mid_night_ends_in_error_records_for_its_devices_only(lab, cluster, tmp_path):
     with environment(**node_env(lab)):
-        doomed = cluster.add_node(num_cpus=1, object_store_memory=SMALL_STORE,
+        doomed = cluster.add_node(**NODE,
                                   resources={farm.resource("phone-c"): 1, farm.resource("phone-d"): 1})
     cluster.wait_for_nodes()
     store = ResultsStore(tmp_path)
     proc = nightly(lab, tmp_path, "suite=doomed", address=cluster.address)
     try:
-        # kill the phones' node once it has returned a record: some of its jobs are done, some not
+        # kill the phones' node once it has returned a record and `farm status` shows it running the
+        # next one: some of its jobs are done, some not
         wait_for("a record from the doomed node",
                  lambda: any(r["device"].startswith("phone-") for r in store.records()), 300)
-        status = farm_cli("status", f"--address={cluster.address}")
+        seen = []
+
+        def running() -> bool:
+            seen.append(farm_cli("status", f"--address={cluster.address}"))
+            return "running gdn mode=oracle matrix=awkward chunk=" in seen[-1].stdout
+
+        wait_for("farm status showing a phone's job running", running, 300)
+        status = seen[-1]
         cluster.remove_node(doomed)
         out, err = proc.communicate(timeout=600)
     finally:
@@ -247,7 +256,7 @@ def test_a_node_that_dies_mid_night_ends_in_error_records_for_its_devices_only(l
 
 def test_a_device_that_does_not_answer_ends_in_error_records_naming_its_node(lab, cluster, tmp_path):
     with environment(**node_env(lab)):
-        node = cluster.add_node(num_cpus=1, object_store_memory=SMALL_STORE, resources={farm.resource("phone-gone"): 1})
+        node = cluster.add_node(**NODE, resources={farm.resource("phone-gone"): 1})
     cluster.wait_for_nodes()
     proc = nightly(lab, tmp_path, "suite=gone", address=cluster.address)
     out, err = proc.communicate(timeout=600)

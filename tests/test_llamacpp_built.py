@@ -206,6 +206,7 @@ def tiny_gemma3_gguf(path: Path, vocab: int = 512) -> Path:
 
 
 @AARCH64
+@pytest.mark.slow_build  # libllama and common: 10+ minutes cold on 2 cores; `pytest -m slow_build`
 def test_llama_bench_measures_pp512_of_a_tiny_gemma3_on_qemu_aarch64(aarch64_bench, tmp_path, results_dir):
     model = tiny_gemma3_gguf(tmp_path / "tiny-gemma3.gguf")
     outcome, df = run_llamacpp("device=qemu-aarch64", "mode=bench", f"gguf={model}", "reps=1")
