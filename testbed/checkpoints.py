@@ -201,18 +201,25 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def load_hf_folder(folder: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
+def read_hf_folder(folder: str | Path) -> tuple[dict, dict[str, np.ndarray], str]:
+    """A Hugging Face folder's config.json (parsed) and every tensor of its *.safetensors files, and
+    the config file's name for messages; the model's own loader checks both."""
     folder = Path(folder)
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise UsageError(f"checkpoint folder {folder} has no config.json")
-    cfg = config_from_hf(json.loads(config_file.read_text()), str(config_file))
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise UsageError(f"checkpoint folder {folder} has no *.safetensors file")
     weights = {}
     for f in files:
         weights.update(read_safetensors(f))
+    return json.loads(config_file.read_text()), weights, str(config_file)
+
+
+def load_hf_folder(folder: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
+    config, weights, source = read_hf_folder(folder)
+    cfg = config_from_hf(config, source)
     return cfg, check_weights(weights, cfg, str(folder))
 
 

@@ -8,13 +8,12 @@ logits of a text prompt (token ids, dtype, bookkeeping) are accepted and ignored
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from refimpl.qwen35 import HF_LAYER_TYPES, HybridConfig, weight_shapes
-from testbed.checkpoints import read_safetensors
+from testbed.checkpoints import read_hf_folder
 from testbed.errors import UsageError
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")  # qwen3_5 nests the text model's fields under text_config
@@ -110,15 +109,6 @@ def check_weights(weights: dict[str, np.ndarray], cfg: HybridConfig, source: str
 
 
 def load_hf_folder(folder: str | Path) -> tuple[HybridConfig, dict[str, np.ndarray]]:
-    folder = Path(folder)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise UsageError(f"checkpoint folder {folder} has no config.json")
-    cfg = config_from_hf(json.loads(config_file.read_text()), str(config_file))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise UsageError(f"checkpoint folder {folder} has no *.safetensors file")
-    weights = {}
-    for f in files:
-        weights.update(read_safetensors(f))
+    config, weights, source = read_hf_folder(folder)
+    cfg = config_from_hf(config, source)
     return cfg, check_weights(weights, cfg, str(folder))
