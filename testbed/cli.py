@@ -183,22 +183,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# How each kind of error a user can meet is said (subclasses speak as their base).
+SAYS = {UsageError: "error: {}", DeviceUnreachable: "device unreachable: {}",
+        DeviceError: "device error: {}; the run was recorded as an error", StoreError: "{}"}
+
+
 def main(argv: list[str] | None = None) -> int:
     runner.stop_on_signals()
     try:
         args = parser().parse_args(argv)  # the parser lists the config's names, the lab's included
         return args.fn(args)
-    except UsageError as e:
-        print(f"testbed: error: {e}", file=sys.stderr)
-        return e.exit_status
-    except DeviceUnreachable as e:
-        print(f"testbed: device unreachable: {e}", file=sys.stderr)
-        return e.exit_status
-    except DeviceError as e:
-        print(f"testbed: device error: {e}; the run was recorded as an error", file=sys.stderr)
-        return e.exit_status
-    except StoreError as e:
-        print(f"testbed: {e}", file=sys.stderr)
+    except (UsageError, DeviceUnreachable, DeviceError, StoreError) as e:  # one line each, its own status
+        kind = next(k for k in type(e).__mro__ if k in SAYS)
+        print(f"testbed: {SAYS[kind].format(e)}", file=sys.stderr)
         return e.exit_status
     except (KeyboardInterrupt, runner.Interrupted) as e:
         signum = e.signum if isinstance(e, runner.Interrupted) else 2
