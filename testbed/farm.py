@@ -71,13 +71,28 @@ def join(address: str):
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise UsageError(f"farm={address!r} is not an address; accepted: HEAD:PORT, the head's Ray address")
-    try:  # ray.init keeps retrying an address where nothing listens, for minutes: ask once first
-        socket.create_connection((host, int(port)), timeout=CONNECT_S).close()
+    # ray.init keeps retrying an address where nothing listens, for minutes: ask once first, at the
+    # address Ray will really dial (it rewrites a loopback host to this machine's outward interface).
+    dialled = ray_dials(ray, address)
+    try:
+        socket.create_connection(dialled, timeout=CONNECT_S).close()
     except OSError as e:
-        raise UsageError(f"farm={address}: no Ray cluster answers there ({e.strerror or e}); accepted: the "
-                         f"HEAD:PORT of a head started by `testbed farm node`") from None
+        rewritten = "" if dialled == (host, int(port)) else f" (Ray dials {dialled[0]}:{dialled[1]} for it)"
+        raise UsageError(f"farm={address}: no Ray cluster answers there{rewritten} ({e.strerror or e}); accepted: "
+                         f"the HEAD:PORT of a head started by `testbed farm node`") from None
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
     return ray
+
+
+def ray_dials(ray, address: str) -> tuple[str, int]:
+    """The host and port ray.init connects to for `address`."""
+    host, _, port = address.rpartition(":")
+    try:
+        from ray._private.services import canonicalize_bootstrap_address  # not public; the rule is Ray's
+        host, _, port = canonicalize_bootstrap_address(address).rpartition(":")
+    except (ImportError, AttributeError, ValueError):
+        pass
+    return host, int(port)
 
 
 class Board:
