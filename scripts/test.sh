@@ -5,7 +5,7 @@
 # Extra arguments go to every pytest run (e.g. -x, -k NAME).
 set -eu
 cd "$(dirname "$0")/.."
-python3 -m pytest --device=host "$@"
+python3 -m pytest --device=host --durations=20 "$@"
 for device in qemu-arm32 qemu-aarch64 adb-loopback adb-loopback-arm64 lavapipe; do
   echo "== pytest --device=$device -m device"
   python3 -m pytest --device="$device" -m device -q "$@"
