@@ -294,11 +294,11 @@ static void gelu_times(float *gate, const float *up, float *t, int n) {
 }
 
 /* cos and sin [rows, head_dim] for table positions start.. (rotate-half: frequencies repeated over both
- * halves); angles in float64, then float32, as refimpl.gemma.rope_tables. */
-static void rope_tables(int64_t start, int rows, int hd, double base, float *cos_out, float *sin_out) {
+ * halves, each divided by the linear scaling); angles in float64, then float32, as refimpl.gemma.rope_tables. */
+static void rope_tables(int64_t start, int rows, int hd, double base, double scaling, float *cos_out, float *sin_out) {
     const int half = hd / 2;
     for (int j = 0; j < half; j++) {
-        const double inv_freq = pow(base, -(double)(2 * j) / (double)hd);
+        const double inv_freq = pow(base, -(double)(2 * j) / (double)hd) / scaling;
         for (int r = 0; r < rows; r++) {
             const double angle = (double)(start + r) * inv_freq;
             const float c = (float)cos(angle), s = (float)sin(angle);
@@ -420,8 +420,8 @@ int tb_model_prefill_with_past(tb_engine *e, const int32_t *tokens, int n, int r
         for (int j = 0; j < c->hidden; j++) e->x[(size_t)r * c->hidden + j] = row[j] * scale;
         e->positions[r] = r < n ? start + r : -1;
     }
-    rope_tables(start, rows, c->head_dim, c->rope_local, e->cos[TB_LOCAL], e->sin[TB_LOCAL]);
-    rope_tables(start, rows, c->head_dim, c->rope_global, e->cos[TB_GLOBAL], e->sin[TB_GLOBAL]);
+    rope_tables(start, rows, c->head_dim, c->rope_local, 1.0, e->cos[TB_LOCAL], e->sin[TB_LOCAL]);
+    rope_tables(start, rows, c->head_dim, c->rope_global, c->rope_global_scaling, e->cos[TB_GLOBAL], e->sin[TB_GLOBAL]);
     for (int i = 0; i < c->layers; i++) {
         int rc = layer(e, i, rows, keep);
         if (rc != TB_OK) return rc;

@@ -41,6 +41,7 @@ typedef struct {
     int vocab, hidden, layers, heads, kv_heads, head_dim, mlp, window;
     int layer_type[TB_MAX_LAYERS]; /* TB_LOCAL or TB_GLOBAL */
     double rope_local, rope_global;
+    double rope_global_scaling; /* linear RoPE scaling of the global layers (frequencies / it); 1 = none */
     float attn_scale; /* query_pre_attn_scalar ** -0.5 */
     float rms_eps;
     float softcap; /* final logit soft cap; 0 = none */

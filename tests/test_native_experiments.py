@@ -87,3 +87,12 @@ def test_tail_on_the_native_engine_passes_its_oracles(results_dir):
     assert sorted(bench["params.mode"]) == ["padded", "scalar"]
     assert set(bench["metrics.telemetry.tail_mode"]) == {"padded", "scalar"}
     assert all(runs and runs[0]["ran"] == "tb_model_bench" for runs in df["evidence"])
+
+
+def test_the_native_engine_scales_the_global_layers_rope_as_the_model_says(results_dir):
+    """Gemma 3 4B and up divide the global layers' RoPE frequencies by a linear factor (8); the engine
+    must take it from the model (it once ignored it: every global layer rotated at the unscaled rate)."""
+    scaled = ["+model.overrides.rope_global=5000.0", "+model.overrides.rope_scaling_global=4.0",
+              "+model.overrides.window=16", "chunk=8", "cases=[{past: 40, tokens: 11}]"]
+    oracles = run(["backend=native", "mode=oracle", *scaled], "chunk_prefill").frame().query("kind == 'oracle'")
+    assert len(oracles) and (oracles["verdict"] == "pass").all(), oracles[["case", "oracle", "detail"]]

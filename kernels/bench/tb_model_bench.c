@@ -23,7 +23,8 @@
  *       The kill switch is the environment variable TESTBED_DISABLE_PREFILL_TAIL_PAD, or the same
  *       KEY=VALUE as an argument (for transports that cannot set a program's environment).
  *   MODEL: vocab= hidden= layers= heads= kv_heads= head_dim= mlp= window= types=LLLLLG (L local,
- *       G global) rope_local= rope_global= attn_scale= eps= softcap= (0: none) wdtype=f32|f16|int8
+ *       G global) rope_local= rope_global= rope_global_scaling= (1: none) attn_scale= eps= softcap= (0: none)
+ *       wdtype=f32|f16|int8
  *       wgroup= (int8 weights' scale group); and threads= warmup= reps= [reference=1: also time a
  *       float32 matrix product and a streaming read in the same run, the rates to compare with].
  * A request outside the cache or the vocabulary is refused before anything runs; a weights file of
@@ -38,7 +39,7 @@
 #include "safetensors.h"
 
 static const char *const KEYS[] = {"weights", "mode", "vocab", "hidden", "layers", "heads", "kv_heads", "head_dim",
-                                   "mlp", "window", "types", "rope_local", "rope_global", "attn_scale", "eps",
+                                   "mlp", "window", "types", "rope_local", "rope_global", "rope_global_scaling", "attn_scale", "eps",
                                    "softcap", "wdtype", "wgroup", "past", "tokens", "chunk", "capacity", "cache",
                                    "cache_group", "sink", "state", "threshold", "generate", "exact_tail", "compare",
                                    TB_KILL_SWITCH, "threads", "warmup", "reps", "reference", NULL};
@@ -99,6 +100,8 @@ static void load_model(tb_model *m, st_file *f) {
     c->kv_heads = (int)positive("kv_heads", 0, 1), c->head_dim = (int)positive("head_dim", 0, 2);
     c->mlp = (int)positive("mlp", 0, 1), c->window = (int)positive("window", 0, 1);
     c->rope_local = arg_float("rope_local", 10000.0), c->rope_global = arg_float("rope_global", 1000000.0);
+    c->rope_global_scaling = arg_float("rope_global_scaling", 1.0);
+    if (!(c->rope_global_scaling > 0.0)) die("rope_global_scaling=%g must be > 0", c->rope_global_scaling);
     c->attn_scale = (float)arg_float("attn_scale", 0.0), c->rms_eps = (float)arg_float("eps", 1e-6);
     c->softcap = (float)arg_float("softcap", 0.0);
     const char *types = arg_str("types", "");

@@ -112,6 +112,7 @@ def model_args(cfg: gemma.GemmaConfig, dtype: str = "f32", group: int = 32) -> l
     return [f"vocab={cfg.vocab}", f"hidden={cfg.hidden}", f"layers={cfg.layers}", f"heads={cfg.heads}",
             f"kv_heads={cfg.kv_heads}", f"head_dim={cfg.head_dim}", f"mlp={cfg.mlp}", f"window={cfg.window}",
             f"types={types}", f"rope_local={cfg.rope_local!r}", f"rope_global={cfg.rope_global!r}",
+            f"rope_global_scaling={cfg.rope_scaling_global!r}",
             f"attn_scale={cfg.scale!r}", f"eps={cfg.rms_eps!r}", f"softcap={cfg.final_logit_softcap or 0.0!r}",
             f"wdtype={dtype}", f"wgroup={group}"]
 
