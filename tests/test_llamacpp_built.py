@@ -65,12 +65,6 @@ def aarch64_tools():
 
 
 @pytest.fixture(scope="session")
-def aarch64_bench():
-    """llama-bench compiles libllama and common besides ggml: built only for the benchmark test."""
-    return build.build("aarch64", programs=("llama-bench",))
-
-
-@pytest.fixture(scope="session")
 def host_tools():
     return build.build("host", programs=GGML_PROGRAMS)
 
@@ -163,58 +157,6 @@ def test_a_gdn_bug_planted_in_ggml_passes_test_backend_ops_and_is_caught_by_test
     # not by a hair: even one token under a mild gate (exp(g) ~ 0.95) is 1000x over the threshold
     assert (caught["metrics.nmse"] > 1e3 * 1e-7).all() and caught["detail"].str.contains("NMSE").all()
     assert outcome.failed == 48
-
-
-def tiny_gemma3_gguf(path: Path, vocab: int = 512) -> Path:
-    """A Gemma 3 GGUF that llama.cpp loads: refimpl's tiny model (six layers, five sliding-window ones)
-    with seeded weights, its tensors under llama.cpp's names, and what llama.cpp's loader requires
-    beyond the weights: a context length and a vocabulary (a placeholder SentencePiece one; llama-bench
-    draws random token ids, so no text is ever tokenized)."""
-    import gguf
-
-    from refimpl.gemma import init_weights, tiny_config
-
-    cfg = tiny_config(vocab=vocab)
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_context_length(4096)
-    writer.add_block_count(cfg.layers)
-    writer.add_embedding_length(cfg.hidden)
-    writer.add_feed_forward_length(cfg.mlp)
-    writer.add_head_count(cfg.heads)
-    writer.add_head_count_kv(cfg.kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_sliding_window(cfg.window)
-    writer.add_rope_freq_base(cfg.rope_global)
-    writer.add_layer_norm_rms_eps(cfg.rms_eps)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, vocab)])
-    writer.add_token_scores([0.0] * vocab)
-    writer.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-                           + [gguf.TokenType.NORMAL] * (vocab - 3))
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, cfg.layers)
-    for name, weight in init_weights(cfg).items():
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), weight)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-@AARCH64
-@pytest.mark.slow_build  # libllama and common: 10+ minutes cold on 2 cores; `pytest -m slow_build`
-def test_llama_bench_measures_pp512_of_a_tiny_gemma3_on_qemu_aarch64(aarch64_bench, tmp_path, results_dir):
-    model = tiny_gemma3_gguf(tmp_path / "tiny-gemma3.gguf")
-    outcome, df = run_llamacpp("device=qemu-aarch64", "mode=bench", f"gguf={model}", "reps=1")
-    pp = df[df["case"] == "pp512/t1"].iloc[0]
-    assert pp["kind"] == "measure" and pp["figures.tokens_per_s.median"] > 0
-    assert pp["emulated"]  # qemu: a correctness device, its figures kept out of tables and reports
-    assert pp["evidence"][0]["sha256"] == sha256_file(aarch64_bench.program("llama-bench"))
-    assert pp["params.model"] == str(model)
 
 
 @AARCH64

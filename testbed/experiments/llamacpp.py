@@ -7,6 +7,11 @@ test   test-backend-ops -o OP -b BACKEND [-p CASES]: one verdict per case and th
 perf   test-backend-ops perf: us/run and GB/s per case (the tool's means; about a second of CPU time
        per case, so an emulated device is given a few with `cases=REGEX`)
 bench  llama-bench -p 512: prompt tokens per second (pp512) over its repetitions
+logits llama.cpp's logits for a Gemma 3 GGUF (gguf=, a file on this host, pushed once per content),
+       computed on the device by libllama (tb_llama_logits) at every position of a seeded prompt, and
+       judged against testbed's own reading of the same file (testbed.checkpoints.load_gguf, then
+       refimpl.gemma): a third reference beside transformers, which shares neither loader nor graph
+       with testbed. Not part of `all`: it builds libllama (minutes, once per source and target).
 
 Where the tools come from (testbed.backends.llamacpp.build): `llamacpp.build=auto` (the default)
 uses the profile's `tools` and builds them from source for the device's ABI when it names none;
@@ -20,16 +25,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
 from testbed.backends.llamacpp import build as builder
-from testbed.backends.llamacpp import ggml_gdn
+from testbed.backends.llamacpp import ggml_gdn, models
 from testbed.backends.llamacpp import runner as llamacpp
-from testbed.config import Choice, Int
+from testbed.config import Choice, Float, Int
 from testbed.errors import UsageError
+from testbed.oracles import check_nmse
 from testbed.results import Record
 
 
@@ -67,13 +75,15 @@ class Name:
 
 
 PARAMS = {
-    "mode": Choice(("test", "perf", "bench", "all")),
+    "mode": Choice(("test", "perf", "bench", "logits", "all")),
     "op": Name(),
     "backend": Name(),
     "cases": Regex(),
     "prompt": Int(1, 1 << 16),
     "threads": Int(0, 256),
     "reps": Int(1, 100),
+    "logits.tokens": Int(1, 4096),
+    "logits.nmse": Float(0.0, 1.0),
     "llamacpp.build": Choice(llamacpp.BUILD),
     "llamacpp.source": Source(),
 }
@@ -81,13 +91,21 @@ PARAMS = {
 
 def needed_tools(cfg: DictConfig) -> list[str]:
     return (["test-backend-ops"] if cfg.mode in ("test", "perf", "all") else []) + \
-           (["llama-bench"] if cfg.mode in ("bench", "all") and cfg.gguf else [])
+           (["llama-bench"] if cfg.mode in ("bench", "all") and cfg.gguf else []) + \
+           (["tb_llama_logits"] if cfg.mode == "logits" else [])
 
 
 def validate(cfg: DictConfig) -> None:
     """Before connecting: the device has the tools this mode runs, or they can be built for it."""
     tools = cfg.device.get("tools") or {}
     build = cfg.llamacpp.build
+    if cfg.mode == "logits":
+        if not cfg.gguf or not Path(str(cfg.gguf)).is_file():
+            raise UsageError(f"gguf={cfg.gguf!r} is not accepted with mode=logits; accepted: a Gemma 3 GGUF file "
+                             "on this host (it is pushed to the device)")
+        if build is False:
+            raise UsageError("mode=logits runs testbed's own tb_llama_logits, which is only built from source; "
+                             "accepted: llamacpp.build=auto or true")
     if not llamacpp.wants_build(build, bool(tools.get("test-backend-ops"))):
         missing = [t for t in needed_tools(cfg) if not tools.get(t)]
         if missing:
@@ -128,10 +146,32 @@ def records(cfg: DictConfig, ctx, backend: str, tools: llamacpp.Tools, reference
     if cfg.mode in ("perf", "all"):
         ctx.progress(f"test-backend-ops perf -o {cfg.op} -b {backend}")
         yield from llamacpp.perf_records(device, "llamacpp", cfg.op, backend, tools, cfg.cases)
+    if cfg.mode == "logits":
+        yield from logits_records(cfg, ctx, tools)
     if cfg.mode in ("bench", "all") and cfg.gguf:
         threads = cfg.threads or max(device.profile.threads)
         ctx.progress(f"llama-bench -p {cfg.prompt} -t {threads}")
         yield from llamacpp.llama_bench_records(device, "llamacpp", cfg.gguf, cfg.prompt, threads, cfg.reps, tools)
+
+
+def logits_records(cfg: DictConfig, ctx, tools: llamacpp.Tools) -> Iterator[Record]:
+    """One oracle record: llama.cpp's logits on the device against refimpl's for the same GGUF."""
+    from refimpl import gemma
+    from testbed.checkpoints import load_checkpoint
+
+    model, weights = load_checkpoint(cfg.gguf)  # refuses any architecture but gemma3, naming it
+    tokens = np.random.default_rng(cfg.seed).integers(0, model.vocab, cfg.logits.tokens)
+    ctx.progress(f"llama.cpp's logits for {len(tokens)} tokens of {Path(cfg.gguf).name} on {ctx.device.name}")
+    theirs, evidence = models.logits(ctx.device, tools.built, Path(cfg.gguf), tokens)
+    ctx.progress("refimpl's logits for the same tokens (every position redecoded)")
+    ours = np.stack([gemma.redecode(weights, model, tokens, p) for p in range(len(tokens))])
+    v = check_nmse({"logits": ours}, {"logits": theirs}, cfg.logits.nmse)
+    agreement = float(np.mean(ours.argmax(-1) == theirs.argmax(-1))) if theirs.shape == ours.shape else 0.0
+    yield Record("llamacpp", f"logits/T={len(tokens)}", "oracle", "llama.cpp logits", v.verdict, v.margin,
+                 {**v.metrics, "argmax_agreement": agreement},
+                 params={"gguf": str(cfg.gguf), "tokens": len(tokens),
+                         "reference": "testbed.checkpoints.load_gguf + refimpl.gemma.redecode (float32)"},
+                 detail=v.detail, evidence=[evidence])
 
 
 def view(df: pd.DataFrame) -> pd.DataFrame:

@@ -10,6 +10,8 @@ what it runs (CMakeLists.txt beside this file):
                     testbed's float64 reference judges ggml's CPU op (test-backend-ops cannot: it
                     compares a backend with ggml's CPU backend, with itself when it is the CPU)
   llama-bench       llama.cpp's benchmark (compiles libllama too: only built when asked for)
+  tb_llama_logits   testbed's own program: libllama's logits for every position of a token sequence,
+                    llama.cpp's answer for a GGUF model (a third reference; libllama, only when asked)
 
 Targets, chosen from the device profile (target_for):
 
@@ -51,12 +53,12 @@ from testbed.errors import UsageError
 SDIST = ("llama-cpp-python", "0.3.36")
 HERE = Path(__file__).resolve().parent
 CACHE = ROOT / ".cache" / "llamacpp"
-PROGRAMS = ("test-backend-ops", "tb_ggml_gdn", "llama-bench")
+PROGRAMS = ("test-backend-ops", "tb_ggml_gdn", "llama-bench", "tb_llama_logits")
 TARGETS = ("host", "aarch64", "android-htp")
 # Top-level entries of a llama.cpp tree a build never reads (the snapshot and its hash leave them out).
 NOT_BUILT = ("models", "docs", "media", "examples", "pocs", "gguf-py", "scripts", "benches", "skills")
 # testbed's own inputs to the build: the CMake project, the program and the .npy harness it links.
-OWN_FILES = (HERE / "CMakeLists.txt", HERE / "tb_ggml_gdn.c", KERNELS_DIR / "bench" / "harness.c",
+OWN_FILES = (HERE / "CMakeLists.txt", HERE / "tb_ggml_gdn.c", HERE / "tb_llama_logits.c", KERNELS_DIR / "bench" / "harness.c",
              KERNELS_DIR / "bench" / "harness.h", KERNELS_DIR / "tb_parallel.c", KERNELS_DIR / "tb_parallel.h",
              KERNELS_DIR / "tb_kernels.h", KERNELS_DIR / "tb_simd.h")
 
