@@ -240,8 +240,8 @@ def derived_from(a: str, b: str, rows: list[dict]) -> bool:
 
 def quantities(rows: list[dict]) -> list[tuple[str, list[str]]]:
     """The figures of the latest of `rows` (one series' runs), grouped by what was measured: (the
-    figure to judge, the figures derived from it). A group's judged figure is its first timing, else
-    its first rate; a group of neither (a fraction, a count) is left out."""
+    figure that stands for the group, the figures derived from it). That is the group's first timing,
+    else its first rate, else its first figure (a fraction, a count)."""
     groups: list[list[str]] = []
     for name in rows[-1].get("figures", {}):
         home = next((g for g in groups if any(derived_from(m, name, rows) for m in g)), None)
@@ -252,10 +252,9 @@ def quantities(rows: list[dict]) -> list[tuple[str, list[str]]]:
     out = []
     for group in groups:
         units = {n: rows[-1]["figures"][n]["unit"] for n in group}
-        judged = next((n for n in group if lower_is_better(units[n])), None) or next(
-            (n for n in group if higher_is_better(units[n])), None)
-        if judged is not None:
-            out.append((judged, [n for n in group if n != judged]))
+        primary = next((n for n in group if lower_is_better(units[n])), None) or next(
+            (n for n in group if higher_is_better(units[n])), group[0])
+        out.append((primary, [n for n in group if n != primary]))
     return out
 
 
@@ -279,10 +278,12 @@ def judge_figures(records: list[dict], history: int, min_history: int) -> list[J
     for key, group in groupby(measures, key=series_key):
         rows = list(group)[-(history + 1):]
         for name, derived in quantities(rows):
+            unit = rows[-1]["figures"][name]["unit"]
+            if not (lower_is_better(unit) or higher_is_better(unit)):
+                continue  # a fraction or a count: neither better high nor low
             runs = [r for r in rows if name in r.get("figures", {})]
             medians = [float(r["figures"][name]["median"]) for r in runs]  # "nan" is stored as a string
-            verdict = judge_step(medians, lower_is_better(runs[-1]["figures"][name]["unit"]),
-                                 min_history=min_history)
+            verdict = judge_step(medians, lower_is_better(unit), min_history=min_history)
             out.append(Judgement(key, name, derived, runs, verdict))
     return out
 
