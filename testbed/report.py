@@ -324,6 +324,12 @@ def regressions(inp: Inputs) -> Section:
         f"after at least {inp.settings['min_history']}, by more than the run-to-run noise allows and by at least "
         f"{history.MIN_CHANGE:.0%} "
         f"(testbed.history); an oracle when it passed before and fails now."])
+    judged = history.judge_figures(inp.records, inp.settings["judged_runs"], inp.settings["min_history"])
+    unjudged = [j for j in judged if j.verdict.reason.startswith("not judged")]
+    if unjudged:
+        section.lines.append(f"Not judged yet: {len(unjudged)} of {len(judged)} current measured quantities, whose "
+                             f"history is too short (e.g. {unjudged[0].what} of {unjudged[0].series[0]} "
+                             f"{unjudged[0].series[3]} on {unjudged[0].series[1]}: {unjudged[0].verdict.reason}).")
     if not flags:
         section.lines.append("None: no current figure has stepped to a worse level beyond the run-to-run noise "
                              "of its history, and no oracle that passed before fails now.")

@@ -207,6 +207,14 @@ def test_planted_regression_flagged_once_and_noise_not(tmp_path, host_records):
     assert f"time (and {', '.join(time_flag['derived'])})" in md
 
 
+def test_a_history_too_short_to_judge_says_so(tmp_path, host_records):
+    content = build(tmp_path, host_records + later_night(host_records, 1))
+    section = next(s for s in content["sections"] if s["id"] == "regressions")
+    assert content["flags"] == [] and any(line.startswith("Not judged yet: ") and
+                                          f"1 earlier runs, {report.settings()['min_history']} needed" in line
+                                          for line in section["lines"])
+
+
 def test_noise_is_measured_not_a_fixed_percentage(host_records):
     """The same 8% slowdown is a regression for a steady figure and noise for a jittery one."""
     case = bench_case(host_records)
