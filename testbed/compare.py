@@ -36,7 +36,7 @@ from testbed.errors import UsageError
 from testbed.results import ResultsStore, passed
 
 ALPHA = 0.05
-COMMIT = re.compile(r"[0-9a-f]{4,40}")
+COMMIT = re.compile(r"[0-9a-f]{4,40}(-dirty)?")  # what testbed.results.git_commit stores, or a prefix
 # Runs per side up to which the Mann-Whitney distribution is counted exactly; beyond, its normal limit.
 EXACT_UP_TO = 25
 NAMED = 3  # how many known commits and nights an error about a side names
@@ -69,10 +69,13 @@ def resolve(spec: str, default: ResultsStore, nights: list[dict]) -> Side:
             return Side(f"night {spec}", chosen)
         raise UsageError(f"night {spec!r} left no records in {default.path} (killed before its first run, or its "
                          "records were removed)")
-    commits = sorted({r["git_commit"] for r in records if r["git_commit"].startswith(spec)}) if COMMIT.fullmatch(spec) else []
+    commits = sorted({r["git_commit"] for r in records if r["git_commit"].startswith(spec)}
+                     if COMMIT.fullmatch(spec) else [])
+    if spec in commits:  # a whole commit, though a dirty tree's runs of it start the same way
+        commits = [spec]
     if len(commits) > 1:
-        raise UsageError(f"commit prefix {spec!r} names {len(commits)} commits ({', '.join(c[:12] for c in commits[:NAMED])}"
-                         f"); accepted: a prefix long enough to name one")
+        raise UsageError(f"commit prefix {spec!r} names {len(commits)} commits "
+                         f"({', '.join(c[:12] for c in commits[:NAMED])}); accepted: a prefix long enough to name one")
     if commits:
         return Side(f"commit {commits[0][:12]}", [r for r in records if r["git_commit"] == commits[0]])
     known_commits = sorted({r["git_commit"][:10] for r in records})[:NAMED]
@@ -116,8 +119,10 @@ def can_decide(n: int, m: int) -> bool:
     return n > 0 and m > 0 and 2 / math.comb(n + m, n) < ALPHA
 
 
-def judge_change(a: list[float], b: list[float], unit: str) -> tuple[float, float | None, str]:
+def judge_change(a: list[float], b: list[float], unit: str) -> tuple[float | None, float | None, str]:
     """(relative change of B's median run against A's, p, verdict) for per-run medians a and b."""
+    if not np.median(a) > 0:
+        return None, None, "no change to state: A's median is not above 0"
     change = float(np.median(b) / np.median(a) - 1)
     if not can_decide(len(a), len(b)):
         return change, None, f"too few runs to tell ({len(a)} vs {len(b)})"

@@ -148,6 +148,21 @@ def test_a_side_that_matches_nothing_is_one_line_and_exit_2(tmp_path, results, c
     assert results.path.read_bytes() == before  # nothing written
 
 
+def test_a_whole_commit_is_not_confused_with_its_dirty_tree(results, capsys):
+    clean = "abcd1111" * 5
+    store_runs(results, clean, seed=18, runs=4)
+    store_runs(results, clean + "-dirty", seed=19, runs=4, first_night=4, slower=2.0)
+    status, out, err = compare_cli(capsys, clean, clean + "-dirty", "--format", "json")
+    assert status == 1 and rows_by_quantity(out)["time"]["verdict"] == "slower"
+    assert f"A: commit {clean[:12]} (4 runs)" in err
+
+
+def test_a_zero_median_gets_no_change_rather_than_an_infinite_one():
+    """A time that can be 0 (native_bench's extra time of a padded append, clipped at 0)."""
+    assert compare.judge_change([0.0] * 4, [1.0, 2.0, 1.5, 1.2], "ms") == (
+        None, None, "no change to state: A's median is not above 0")
+
+
 def test_the_exact_mann_whitney_p_by_hand():
     """Three against three fully apart: 2 of the C(6, 3) = 20 orderings are as extreme, p = 0.1; four
     against four: 2/70. Identical samples: U sits at its centre, p = 1."""

@@ -38,7 +38,8 @@ def stored_run(night: int, seconds: np.ndarray, cpu_seconds: np.ndarray) -> dict
                    started=f"2026-01-{night + 1:02d}T02:00:00+00:00")
     t = Figure.of(seconds, "s")
     return info.stamp(Record("gdn", "H=4,hs=64,T=512/chunkwise", "measure", figures={
-        "time": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(TOKENS, "tokens/s"), "gflops": t.rate(FLOPS / 1e9, "GFLOP/s"),
+        "time": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(TOKENS, "tokens/s"),
+        "gflops": t.rate(FLOPS / 1e9, "GFLOP/s"),
         "cpu_time": Figure.of(cpu_seconds, "s").scaled(1e3, "ms")}))
 
 
