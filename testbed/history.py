@@ -209,7 +209,8 @@ def judge_step(medians: list[float], lower_is_better: bool, *, min_history: int 
     elif abs(verdict.change) < min_change:
         verdict.reason = f"too small: {verdict.change:+.1%}, below the {min_change:.0%} that counts"
     elif latest < min_latest:
-        verdict.reason = f"not yet: {beyond} in the latest run only; {min_latest} runs at the new level confirm a step"
+        verdict.reason = (f"not yet: {beyond} in the latest {latest} run(s); {min_latest} runs at the new level "
+                          "confirm a step")
     else:
         verdict.regressed = True
         verdict.reason = f"regressed: {beyond}, over the last {latest} runs"
