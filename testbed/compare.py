@@ -210,7 +210,8 @@ def frame(a: list[dict], b: list[dict]) -> pd.DataFrame:
     columns = ["experiment", "device", "backend", "config", "case", "quantity", "derived", "unit",
                "a_median", "a_min", "a_max", "a_runs", "b_median", "b_min", "b_max", "b_runs", "change_pct", "p",
                "a_verdict", "b_verdict", "verdict"]
-    return pd.DataFrame(figure_rows(a, b) + oracle_rows(a, b), columns=columns)
+    df = pd.DataFrame(figure_rows(a, b) + oracle_rows(a, b), columns=columns)
+    return df.astype({"a_runs": "Int64", "b_runs": "Int64"})  # counts, null on an oracle's row
 
 
 def for_people(df: pd.DataFrame) -> pd.DataFrame:

@@ -21,9 +21,9 @@ CASE = "H=4,hs=64,T=512/chunkwise"
 
 
 def store_run(store: ResultsStore, commit: str, night: int, seconds: np.ndarray, cpu_seconds: np.ndarray,
-              verdict: str = "pass", emulated: bool = False) -> str:
+              verdict: str = "pass", emulated: bool = False, chunk: int = 64) -> str:
     """One run of gdn on the host: its bench figures and one oracle verdict, stored between run marks."""
-    info = RunInfo("gdn", "host", "native", {"chunk": 64, "results_dir": str(store.root)}, {}, emulated=emulated,
+    info = RunInfo("gdn", "host", "native", {"chunk": chunk, "results_dir": str(store.root)}, {}, emulated=emulated,
                    git_commit=commit, started=f"2026-02-{night + 1:02d}T02:00:00+00:00")
     t = Figure.of(seconds, "s")
     bench = Record("gdn", CASE, "measure", figures={
@@ -69,7 +69,7 @@ def test_a_planted_slowdown_between_commits_is_slower_beyond_noise(results, caps
     medians = {side: [r["figures"]["time"]["median"] for r in results.records()
                       if r["kind"] == "measure" and r["git_commit"].startswith(side)] for side in ("aaaa", "bbbb")}
     assert time["change_pct"] == pytest.approx(100 * (np.median(medians["bbbb"]) / np.median(medians["aaaa"]) - 1))
-    assert (time["a_runs"], time["b_runs"]) == (6, 6) and time["p"] < compare.ALPHA
+    assert [time["a_runs"], time["b_runs"]] == [6, 6] and type(time["a_runs"]) is int and time["p"] < compare.ALPHA
     assert time["a_min"] == min(r["figures"]["time"]["min"] for r in results.records()
                                 if r["kind"] == "measure" and r["git_commit"].startswith("aaaa"))
     assert rows["nmse"]["verdict"] == "pass" and rows["nmse"]["b_verdict"] == "6/6 pass"
@@ -96,6 +96,17 @@ def test_stores_as_sides_and_the_table_for_people(tmp_path, results, capsys):
     assert cells[:4] == ["gdn", "host", "native", CASE] and cells[-1] == "slower"
     assert cells[5].endswith("ms, 5 runs") and "[" in cells[5] and cells[7].startswith("+")
     assert f"A: store {before.root} (5 runs)" in out
+
+
+def test_two_configs_of_one_case_are_two_rows_told_apart_by_their_config(results, capsys):
+    for chunk, seed in ((32, 22), (64, 23)):
+        store_runs(results, "aaaa1111" * 5, seed=seed, runs=4, chunk=chunk)
+        store_runs(results, "bbbb2222" * 5, seed=seed + 10, runs=4, first_night=4, chunk=chunk)
+    status, out, _ = compare_cli(capsys, "aaaa", "bbbb")
+    header = next(line for line in out.splitlines() if line.startswith("| experiment"))
+    time_rows = [line for line in out.splitlines() if "time (and tokens_per_s)" in line]
+    assert [c.strip() for c in header.split("|")][4] == "config" and len(time_rows) == 2
+    assert time_rows[0].split("|")[4] != time_rows[1].split("|")[4]
 
 
 def test_nights_as_sides(results, capsys):
