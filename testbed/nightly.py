@@ -215,7 +215,7 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
     records = store.records()
     settings = report.settings()
     flags = [f for f in history.oracle_flips(records)
-             + history.figure_regressions(records, settings["history_nights"], settings["min_history"])
+             + history.figure_regressions(records, settings["judged_runs"], settings["min_history"])
              if f.run_id in tonight]
     status = exit_status(results, flags)
     finished = dt.datetime.now(dt.timezone.utc)

@@ -318,21 +318,31 @@ def nights_over_time(inp: Inputs) -> Section | None:
 def regressions(inp: Inputs) -> Section:
     flags = inp.flags
     section = Section("regressions", "Regressions", [
-        f"A figure is flagged when every repetition of its latest run is worse than every repetition of the "
-        f"earlier runs of the same experiment, device and config (the last {inp.settings['history_nights']}, "
-        f"and at least {inp.settings['min_history']} of them); an oracle when it passed before and fails now."])
+        f"A measured quantity is flagged once (a timing, with the rates computed from it named beside it) "
+        f"when the per-run medians of the same experiment, device and config (the last "
+        f"{inp.settings['judged_runs']} runs) step to a worse level, seen in at least {history.MIN_LATEST} runs "
+        f"after at least {inp.settings['min_history']}, by more than the run-to-run noise allows and by at least "
+        f"{history.MIN_CHANGE:.0%} "
+        f"(testbed.history); an oracle when it passed before and fails now."])
+    judged = history.judge_figures(inp.records, inp.settings["judged_runs"], inp.settings["min_history"])
+    unjudged = [j for j in judged if j.verdict.reason.startswith("not judged")]
+    if unjudged:
+        section.lines.append(f"Not judged yet: {len(unjudged)} of {len(judged)} current measured quantities, whose "
+                             f"history is too short (e.g. {unjudged[0].what} of {unjudged[0].series[0]} "
+                             f"{unjudged[0].series[3]} on {unjudged[0].series[1]}: {unjudged[0].verdict.reason}).")
     if not flags:
-        section.lines.append("None: every current figure is within the run-to-run spread of its history, "
-                             "and no oracle that passed before fails now.")
+        section.lines.append("None: no current figure has stepped to a worse level beyond the run-to-run noise "
+                             "of its history, and no oracle that passed before fails now.")
         return section
     rows = []
     for f in flags:
         record = next(r for r in inp.records if r["record_id"] == f.record_id)
+        what = f"{f.what} (and {', '.join(f.derived)})" if f.derived else f.what
         rows.append([cell(f.kind), cell(f.experiment), cell(f.device), cell(f.config_key),
-                     cell(f.case, inp.cite(record)), cell(f.what), cell(f.now), cell(f.before), cell(f.spread),
+                     cell(f.case, inp.cite(record)), cell(what), cell(f.now), cell(f.before), cell(f.spread),
                      cell(f.change, cls="fail"), cell(f"{f.since} ({f.since_commit[:10]})")])
     section.tables.append(Table("flags", ["kind", "experiment", "device", "config", "case", "what", "now",
-                                          "before (median)", "before (spread)", "change", "since"], rows))
+                                          "before (median)", "before (noise)", "change", "since"], rows))
     return section
 
 
@@ -428,7 +438,7 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
     window, emulated = emulation.split(select(records, since))
     current_runs = history.latest_runs(window)
     flags = (history.oracle_flips(window)
-             + history.figure_regressions(window, settings["history_nights"], settings["min_history"]))
+             + history.figure_regressions(window, settings["judged_runs"], settings["min_history"]))
     out = Path(out)
     check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -38,10 +38,11 @@ def test_second_night_is_compared_with_the_first(tmp_path):
 
     second = run_cli("nightly", "suite=smoke", lock, env=env)
     print(second.stdout)
-    # oracles are compared with the first night; figures need two earlier nights to be judged
+    # oracles are compared with the first night; figures need min_history earlier nights to be judged
     assert second.returncode == 0, second.stdout + second.stderr
     assert (f"compared with 1 earlier night(s), the last {nights[0]['night']}: 1/1 of tonight's configs have "
-            "earlier runs (oracles compared), 0/1 the 2 needed to judge figures") in second.stdout
+            f"earlier runs (oracles compared), 0/1 the {report_module.settings()['min_history']} needed to judge "
+            "figures") in second.stdout
     report = json.loads((tmp_path / "results" / "report" / "report.json").read_text())
     night_table = next(s for s in report["sections"] if s["id"] == "nights")["tables"][0]
     assert len(night_table["rows"]) == 2

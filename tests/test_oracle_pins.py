@@ -1,4 +1,4 @@
-"""Oracles and regression detection pinned to values worked out by hand (issue 13, items 7 and 24)."""
+"""Oracles and regression detection pinned to values worked out by hand (issue 13, items 7 and 24; issue 14, item 7)."""
 
 from __future__ import annotations
 
@@ -96,27 +96,15 @@ def test_a_flip_where_the_reference_is_not_tied_still_fails():
 
 # --- regression detection ------------------------------------------------------------------------------
 
-def run(i: int, median: float, lo: float, hi: float) -> dict:
-    return {"experiment": "gdn", "device": "host", "config": {"chunk": 64}, "case": "bench", "oracle": None,
-            "kind": "measure", "run_id": f"r{i}", "record_id": f"rec{i}", "started": f"2026-01-{i + 1:02d}T00:00:00",
-            "git_commit": f"c{i}",
-            "figures": {"time": {"median": median, "min": lo, "max": hi, "reps": 5, "unit": "ms"}}}
+def test_the_level_fit_weighs_a_step_against_its_penalty():
+    """Six runs at 1 and two at 2: one level (median 1) deviates by 1 + 1 = 2, two levels by 0. With a
+    penalty of 1 per level that is 2 + 1 = 3 against 0 + 2 = 2: two levels. With a penalty of 3: 5 against
+    6, one level."""
+    medians = [1.0] * 6 + [2.0] * 2
+    assert history.fit_levels(medians, penalty=1.0) == [0, 6]
+    assert history.fit_levels(medians, penalty=3.0) == [0]
 
 
-EARLIER = [run(0, 10.0, 9.5, 10.5), run(1, 10.2, 9.8, 10.8), run(2, 9.9, 9.6, 10.4)]  # envelope 9.5 to 10.8
-
-
-def test_a_noisy_night_with_its_median_just_past_the_envelope_is_not_a_regression():
-    noisy = run(3, 10.85, 9.9, 11.5)  # median past 10.8, but its fastest reps inside the spread
-    assert history.figure_regressions(EARLIER + [noisy], history=7, min_history=2) == []
-
-
-def test_a_night_whose_every_rep_is_past_the_envelope_is_flagged_with_its_change():
-    slow = run(3, 11.2, 10.9, 11.5)  # every rep slower than every earlier rep (10.8)
-    (flag,) = history.figure_regressions(EARLIER + [slow], history=7, min_history=2)
-    assert flag.what == "time" and flag.before == "10 ms" and flag.change == "+12.0%"  # vs the median 10.0
-    assert flag.spread == "9.5 to 10.8 over 3 runs" and flag.since == slow["started"]
-
-
-def test_one_earlier_night_is_not_enough_history_to_judge():
-    assert history.figure_regressions(EARLIER[:1] + [run(3, 20.0, 19.0, 21.0)], history=7, min_history=2) == []
+def test_the_noise_of_consecutive_differences():
+    """Differences 1, 2, 1: median 1, over the median |x - y| of two standard normal draws (0.9539)."""
+    assert history.difference_noise([0.0, 1.0, 3.0, 4.0]) == pytest.approx(1 / 0.9539, rel=1e-12)

@@ -1,0 +1,194 @@
+"""`testbed compare A B`: records written through the real store, the command run through the CLI.
+
+Runs are simulated with the noise of tests/test_history.py (seeded lognormal repetitions with 2x
+outliers, never timed) and stored the way a run stores them: run marks around its records.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from testbed import compare
+from testbed.cli import main
+from testbed.results import Figure, Record, ResultsStore, RunInfo
+from tests.test_history import SLOWDOWN, TOKENS, repetitions
+
+CASE = "H=4,hs=64,T=512/chunkwise"
+
+
+def store_run(store: ResultsStore, commit: str, night: int, seconds: np.ndarray, cpu_seconds: np.ndarray,
+              verdict: str = "pass", emulated: bool = False, chunk: int = 64) -> str:
+    """One run of gdn on the host: its bench figures and one oracle verdict, stored between run marks."""
+    info = RunInfo("gdn", "host", "native", {"chunk": chunk, "results_dir": str(store.root)}, {}, emulated=emulated,
+                   git_commit=commit, started=f"2026-02-{night + 1:02d}T02:00:00+00:00")
+    t = Figure.of(seconds, "s")
+    bench = Record("gdn", CASE, "measure", figures={
+        "time": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(TOKENS, "tokens/s"),
+        "cpu_time": Figure.of(cpu_seconds, "s").scaled(1e3, "ms")})
+    oracle = Record("gdn", "H=4,hs=64,T=64", "oracle", "nmse", verdict, 1.0 if verdict == "pass" else -2.0)
+    store.append([info.mark("started"), info.stamp(bench), info.stamp(oracle), info.mark("ended", "complete")])
+    return info.run_id
+
+
+def store_runs(store: ResultsStore, commit: str, seed: int, runs: int, first_night: int = 0, slower: float = 1.0,
+               **kw) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [store_run(store, commit, first_night + i, repetitions(rng, slower), repetitions(rng), **kw)
+            for i in range(runs)]
+
+
+def compare_cli(capsys, *args) -> tuple[int, str, str]:
+    status = main(["compare", *args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch) -> ResultsStore:
+    monkeypatch.setenv("TESTBED_RESULTS", str(tmp_path / "results"))
+    return ResultsStore(tmp_path / "results")
+
+
+def rows_by_quantity(out: str) -> dict[str, dict]:
+    return {r["quantity"]: r for r in json.loads(out)}
+
+
+def test_a_planted_slowdown_between_commits_is_slower_beyond_noise(results, capsys):
+    store_runs(results, "aaaa1111" * 5, seed=1, runs=6)
+    store_runs(results, "bbbb2222" * 5, seed=2, runs=6, first_night=6, slower=SLOWDOWN)
+    status, out, err = compare_cli(capsys, "aaaa", "bbbb22", "--format", "json")
+    assert status == 1, err  # B is slower
+    rows = rows_by_quantity(out)
+    time, cpu = rows["time"], rows["cpu_time"]
+    assert time["verdict"] == "slower" and time["derived"] == "tokens_per_s" and "tokens_per_s" not in rows
+    assert cpu["verdict"] == "within noise"  # the CPU time was not slowed
+    medians = {side: [r["figures"]["time"]["median"] for r in results.records()
+                      if r["kind"] == "measure" and r["git_commit"].startswith(side)] for side in ("aaaa", "bbbb")}
+    assert time["change_pct"] == pytest.approx(100 * (np.median(medians["bbbb"]) / np.median(medians["aaaa"]) - 1))
+    assert [time["a_runs"], time["b_runs"]] == [6, 6] and type(time["a_runs"]) is int and time["p"] < compare.ALPHA
+    assert time["a_min"] == min(r["figures"]["time"]["min"] for r in results.records()
+                                if r["kind"] == "measure" and r["git_commit"].startswith("aaaa"))
+    assert rows["nmse"]["verdict"] == "pass" and rows["nmse"]["b_verdict"] == "6/6 pass"
+    assert "Mann-Whitney" in err  # the rule is stated; stdout holds the data alone
+
+
+def test_the_same_distribution_twice_is_within_noise(results, capsys):
+    store_runs(results, "aaaa1111" * 5, seed=3, runs=6)
+    store_runs(results, "cccc3333" * 5, seed=4, runs=6, first_night=6)
+    status, out, _ = compare_cli(capsys, "aaaa", "cccc", "--format", "json")
+    assert status == 0
+    assert {r["quantity"]: r["verdict"] for r in json.loads(out)} == {
+        "time": "within noise", "cpu_time": "within noise", "nmse": "pass"}
+
+
+def test_stores_as_sides_and_the_table_for_people(tmp_path, results, capsys):
+    before, after = ResultsStore(tmp_path / "before"), ResultsStore(tmp_path / "after")
+    store_runs(before, "aaaa1111" * 5, seed=5, runs=5)
+    store_runs(after, "aaaa1111" * 5, seed=6, runs=5, slower=SLOWDOWN)  # the same commit, a slower machine
+    status, out, _ = compare_cli(capsys, str(before.root), str(after.root))
+    assert status == 1
+    line = next(row for row in out.splitlines() if "time (and tokens_per_s)" in row)
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:4] == ["gdn", "host", "native", CASE] and cells[-1] == "slower"
+    assert cells[5].endswith("ms, 5 runs") and "[" in cells[5] and cells[7].startswith("+")
+    assert f"A: store {before.root} (5 runs)" in out
+
+
+def test_two_configs_of_one_case_are_two_rows_told_apart_by_their_config(results, capsys):
+    for chunk, seed in ((32, 22), (64, 23)):
+        store_runs(results, "aaaa1111" * 5, seed=seed, runs=4, chunk=chunk)
+        store_runs(results, "bbbb2222" * 5, seed=seed + 10, runs=4, first_night=4, chunk=chunk)
+    status, out, _ = compare_cli(capsys, "aaaa", "bbbb")
+    header = next(line for line in out.splitlines() if line.startswith("| experiment"))
+    time_rows = [line for line in out.splitlines() if "time (and tokens_per_s)" in line]
+    assert [c.strip() for c in header.split("|")][4] == "config" and len(time_rows) == 2
+    assert time_rows[0].split("|")[4] != time_rows[1].split("|")[4]
+
+
+def test_nights_as_sides(results, capsys):
+    nights = ResultsStore(results.root / "nights")
+    for night, seed, slower in (("2026-02-01T020000Z-aaaaaa", 7, 1.0), ("2026-02-09T020000Z-bbbbbb", 8, 2.0)):
+        runs = store_runs(results, "dddd4444" * 5, seed=seed, runs=5, slower=slower)
+        nights.append([{"night": night, "suite": "default", "started": night,
+                        "devices": {"host": {"status": "ok", "reason": "", "runs": runs}}}])
+    status, out, _ = compare_cli(capsys, "2026-02-01T020000Z-aaaaaa", "2026-02-09T020000Z-bbbbbb", "--format", "csv")
+    assert status == 1 and out.splitlines()[0].startswith("experiment,device,backend,config,case,quantity")
+    assert any(line.startswith("gdn,host,native,") and ",time," in line and line.endswith(",slower")
+               for line in out.splitlines())
+
+
+def test_an_oracle_that_passed_and_now_fails_is_said_loudly(results, capsys):
+    store_runs(results, "aaaa1111" * 5, seed=9, runs=4)
+    store_runs(results, "eeee5555" * 5, seed=10, runs=4, first_night=4, verdict="fail")
+    status, out, err = compare_cli(capsys, "aaaa", "eeee")
+    assert status == 1
+    assert "PASS -> FAIL" in next(row for row in out.splitlines() if "nmse" in row)
+    assert "PASS -> FAIL: gdn on host (native) H=4,hs=64,T=64 nmse: 4/4 pass in A, 0/4 pass in B" in err
+
+
+def test_too_few_runs_are_said_not_guessed(results, capsys):
+    store_runs(results, "aaaa1111" * 5, seed=11, runs=2)
+    store_runs(results, "ffff6666" * 5, seed=12, runs=2, first_night=2, slower=2.0)
+    status, out, _ = compare_cli(capsys, "aaaa", "ffff", "--format", "json")
+    assert rows_by_quantity(out)["time"]["verdict"] == "too few runs to tell (2 vs 2)" and status == 0
+
+
+def test_emulated_figures_are_not_compared_for_speed(results, capsys):
+    store_runs(results, "aaaa1111" * 5, seed=13, runs=5, emulated=True)
+    store_runs(results, "abab7777" * 5, seed=14, runs=5, first_night=5, slower=2.0, emulated=True)
+    status, out, _ = compare_cli(capsys, "aaaa", "abab", "--format", "json")
+    assert [r["quantity"] for r in json.loads(out)] == ["nmse"] and status == 0
+
+
+@pytest.mark.parametrize("make, spec, says", [
+    (lambda tmp: None, "0123abcd", "'0123abcd' matches nothing; accepted: a results store folder"),
+    (lambda tmp: (tmp / "empty").mkdir(), "{tmp}/empty", "is a folder without records.jsonl; accepted:"),
+    (lambda tmp: None, "abcd", "commit prefix 'abcd' names 2 commits (abcd1111abcd, abcd2222abcd); accepted:"),
+])
+def test_a_side_that_matches_nothing_is_one_line_and_exit_2(tmp_path, results, capsys, make, spec, says):
+    store_runs(results, "abcd1111" * 5, seed=15, runs=1)
+    store_runs(results, "abcd2222" * 5, seed=16, runs=1, first_night=1)
+    make(tmp_path)
+    before = results.path.read_bytes()
+    status, out, err = compare_cli(capsys, "abcd1111", spec.format(tmp=tmp_path))
+    assert status == 2 and out == "" and says in err and len(err.strip().splitlines()) == 1
+    assert results.path.read_bytes() == before  # nothing written
+
+
+def test_a_whole_commit_is_not_confused_with_its_dirty_tree(results, capsys):
+    clean = "abcd1111" * 5
+    store_runs(results, clean, seed=18, runs=4)
+    store_runs(results, clean + "-dirty", seed=19, runs=4, first_night=4, slower=2.0)
+    status, out, err = compare_cli(capsys, clean, clean + "-dirty", "--format", "json")
+    assert status == 1 and rows_by_quantity(out)["time"]["verdict"] == "slower"
+    assert f"A: commit {clean[:12]} (4 runs)" in err
+
+
+def test_a_zero_median_gets_no_change_rather_than_an_infinite_one():
+    """A time that can be 0 (native_bench's extra time of a padded append, clipped at 0)."""
+    assert compare.judge_change([0.0] * 4, [1.0, 2.0, 1.5, 1.2], "ms") == (
+        None, None, "no change to state: A's median is not above 0")
+
+
+def test_the_exact_mann_whitney_p_by_hand():
+    """Three against three fully apart: 2 of the C(6, 3) = 20 orderings are as extreme, p = 0.1; four
+    against four: 2/70. Identical samples: U sits at its centre, p = 1."""
+    assert compare.mann_whitney_p([1, 2, 3], [4, 5, 6]) == pytest.approx(0.1)
+    assert compare.mann_whitney_p([1, 2, 3, 4], [5, 6, 7, 8]) == pytest.approx(2 / 70)
+    assert compare.mann_whitney_p([1, 2, 3], [1, 2, 3]) == 1.0
+    # one ordering away from the extreme: U = 1, counted twice as often (U = 0 and U = 1), p = 4/70
+    assert compare.mann_whitney_p([1, 2, 3, 5], [4, 6, 7, 8]) == pytest.approx(4 / 70)
+    assert not compare.can_decide(3, 3) and compare.can_decide(4, 4) and compare.can_decide(3, 5)
+
+
+def test_the_normal_limit_agrees_with_the_exact_count_just_past_where_it_takes_over():
+    n = compare.EXACT_UP_TO + 1
+    rng = np.random.default_rng(17)
+    a, b = list(rng.normal(0, 1, n)), list(rng.normal(0.6, 1, n))
+    u = sum(x > y for x in a for y in b)
+    exact = 2 * sum(compare._u_counts(n, n)[:min(u, n * n - u) + 1]) / math.comb(2 * n, n)
+    assert 1e-3 < exact < 0.5 and compare.mann_whitney_p(a, b) == pytest.approx(exact, rel=0.05)
