@@ -2,7 +2,8 @@
 
   testbed run EXPERIMENT [key=value ...]          one run, records stored, summary printed
   testbed sweep [experiment=NAME] key=v1,v2 ...   the cartesian product (Hydra sweep syntax), one table
-  testbed table EXPERIMENT [--format md|csv|json|jsonl] tables from stored records only
+  testbed table EXPERIMENT [--format md|csv|json|jsonl] tables from stored records only (json, jsonl
+                                                  and csv are data: numbers, raw samples, breakevens apart)
   testbed ingest FILE [--device NAME]             store test-backend-ops output run elsewhere
   testbed records verify | rm ... | export        inspect and repair the results store
   (run and sweep take farm=HEAD:PORT: the jobs run on the lab's hosts that own their devices)
@@ -114,7 +115,9 @@ def cmd_table(args) -> int:
               file=sys.stderr)
         return 1
     speed, emulated = emulation.split_frame(df)
-    print(tables.render(module.view(speed), args.format))
+    # a conclusion over the rows (a sweep's breakeven) is its own object, not one more row
+    breakevens = module.breakevens(speed) if hasattr(module, "breakevens") else []
+    print(tables.render(module.view(speed), args.format, breakevens))
     if len(emulated):
         print(f"\nleft out: {len(emulated)} figure(s) {emulation.REASON}:", file=sys.stderr)
         print(tables.render(emulation.listing(emulated.to_dict("records")), "md"), file=sys.stderr)
