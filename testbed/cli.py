@@ -38,6 +38,8 @@ def _summary(outcome: runner.Outcome, module) -> str:
     # An experiment may condense its run into several small tables; the full view is `testbed table`.
     shown = module.summary(df) if hasattr(module, "summary") else [module.view(df)]
     lines = [*(tables.markdown(t) + "\n" for t in shown)] if len(df) else ["(no records)", ""]
+    if len(df) and hasattr(module, "breakevens"):
+        lines += [tables.breakeven_line(b) for b in module.breakevens(df)]
     lines.append(
         f"{outcome.info.experiment} on {outcome.info.device} ({outcome.info.backend}): "
         f"oracles {n_pass}/{len(oracles)} pass, {len(df) - len(oracles)} measurements; "

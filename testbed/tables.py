@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pandas as pd
 
 FORMATS = ("md", "csv", "json", "jsonl")
@@ -27,6 +28,14 @@ def _cell(v) -> str:
             return f"{v:.3g}"
         return f"{v:.4g}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)
+
+
+def _json_value(v):
+    if isinstance(v, np.generic):
+        v = v.item()
+    if v is None or v is pd.NA or v is pd.NaT or (isinstance(v, float) and math.isnan(v)):
+        return None
+    return v
 
 
 def samples(row: pd.Series) -> dict[str, list[float]]:
@@ -63,9 +72,9 @@ def render(df: pd.DataFrame, fmt: str, breakevens: list[dict] = ()) -> str:
         return "\n".join([markdown(df), *("\n" + breakeven_line(b) for b in breakevens)])
     if fmt == "csv":
         return for_people(df).to_csv(index=False) + "".join(f"# {breakeven_line(b)}\n" for b in breakevens)
-    if fmt in ("json", "jsonl"):  # numbers stay numbers; missing values are null
-        rows = json.loads(df.to_json(orient="records", double_precision=15))
+    if fmt in ("json", "jsonl"):  # numbers stay numbers, to the last bit; missing values are null
+        rows = [{str(k): _json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
         if fmt == "json":
-            return json.dumps({"rows": rows, "breakevens": list(breakevens)}, indent=1)
-        return "\n".join([*(json.dumps(r) for r in rows), *(json.dumps({"breakeven": b}) for b in breakevens)])
+            return json.dumps({"rows": rows, "breakevens": list(breakevens)}, indent=1, default=str)
+        return "\n".join([*(json.dumps(r, default=str) for r in rows), *(json.dumps({"breakeven": b}) for b in breakevens)])
     raise ValueError(f"format {fmt!r} is not one of {FORMATS}")

@@ -39,7 +39,7 @@ def test_table_formats_read_only_stored_records(results_dir, capsys):
     main(["run", "gdn", "mode=oracle", "matrix=awkward"])
     capsys.readouterr()
     assert main(["table", "gdn", "--format", "json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["rows"]
     assert len(rows) == 36 and {r["verdict"] for r in rows} == {"pass"}
     assert main(["table", "gdn", "--format", "csv"]) == 0
     assert capsys.readouterr().out.startswith("device,backend,chunk,case")
