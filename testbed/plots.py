@@ -49,8 +49,8 @@ def tail_plot(out: Path, device: str, df: pd.DataFrame, breakeven: int | None,
     (unless these are the seed's own figures: seed_df None)."""
     fig, ax = _pyplot().subplots(figsize=(7, 4))
     df = df.sort_values("tail")
-    ax.plot(df["tail"], df.padded_tps, "o-", label=f"{device} padded")
-    ax.plot(df["tail"], df.scalar_tps, "s-", label=f"{device} scalar")
+    ax.plot(df["tail"], df.padded_tps, "o-", label="padded")  # the title names the device
+    ax.plot(df["tail"], df.scalar_tps, "s-", label="scalar")
     if breakeven is not None:
         ax.axvline(breakeven, color="k", lw=1, label=f"breakeven {breakeven}")
     if seed_df is not None:

@@ -2,12 +2,17 @@
 
     report.html   the page (jinja2), its images beside it (PNG, matplotlib)
     report.md     the same content as Markdown
-    report.json   the same content as data, plus the figures programs check (breakevens, flags)
+    report.json   the same content as data (each table cell's value: numbers stay numbers), plus
+                  the figures programs check (breakevens, flags, each device's verdict)
 
 It is built from stored records only (testbed.results.ResultsStore) and the seeds' fixtures. Each
 section is a function of the records it is about and is left out when there are none, so an
 experiment that has not run yet (or does not exist yet) costs nothing. "Current" means the newest
 run of each experiment, device and configuration; older runs are its history (testbed.history).
+
+The page opens with one verdict per device (green, amber or red, with the reason; `device_verdict`).
+Every table and plot is of one device, backend and model (testbed.implementations): figures of two
+implementations side by side in one choice, or one series, would answer no question.
 
 The folder is written beside its destination and moved into place at the end: a report is either
 the previous one or the complete new one, never half of each. A report folder holds a marker file
@@ -685,7 +690,8 @@ def summary_line(out: Path, content: dict) -> str:
     s = content["summary"]
     return (f"report {out / 'report.html'}: {content['records']} records, {len(content['current_runs'])} current "
             f"runs on {', '.join(s['devices']) or 'no device'}; oracles {s['oracles_passed']}/{s['oracles']} pass; "
-            f"{s['regressions']} regressions")
+            f"{s['regressions']} regressions; " + (", ".join(f"{v['device']} {v['colour']}" for v in s["verdicts"])
+                                                    or "no device verdicts"))
 
 
 def command(args) -> int:
