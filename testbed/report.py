@@ -322,10 +322,10 @@ def gdn_throughput(inp: Inputs) -> Section | None:
                          "for both forms; `of sgemm` is the form's rate on the work it really does over numpy's "
                          "sgemm at the same thread count, timed between the kernel's repetitions (host runs only).")
     for impl in sorted({implementations.of(r) for r in measures}):
-        time = lambda r, stat: r["figures"]["time"][stat]  # noqa: E731
         rows = [{"tokens": r["params"]["tokens"], "form": r["params"]["form"], "chunk": r["params"]["chunk"],
-                 "threads": r["params"].get("threads", 1), "ms": time(r, "median"), "min ms": time(r, "min"),
-                 "max ms": time(r, "max"), "tokens/s": r["figures"]["tokens_per_s"]["median"],
+                 "threads": r["params"].get("threads", 1), "ms": r["figures"]["time"]["median"],
+                 "min ms": r["figures"]["time"]["min"], "max ms": r["figures"]["time"]["max"],
+                 "tokens/s": r["figures"]["tokens_per_s"]["median"],
                  "GFLOP/s": r["figures"]["gflops"]["median"],
                  # the sgemm reference is measured only on the host (none on a device)
                  "sgemm GFLOP/s": r["figures"].get("sgemm", {}).get("median"),

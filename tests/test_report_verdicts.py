@@ -116,6 +116,13 @@ def loaded(record: dict) -> dict:
     return quiet(record) if record["kind"] == "oracle" else record
 
 
+def store_of(tmp_path: Path, *runs: list[dict]) -> ResultsStore:
+    store = ResultsStore(tmp_path / "results")
+    for run in runs:
+        store.append(run)
+    return store
+
+
 def build_from(store: ResultsStore, out: Path, nights=()) -> tuple[dict, Page]:
     content = report.build(store.records(), out, FIXTURES, report.settings(), list(nights))
     return content, Page((out / "report.html").read_text())
@@ -228,7 +235,7 @@ def test_chunk_choice_and_history_never_mix_backends(tmp_path, two_backends, mon
         return real_save(fig, out, name)
 
     monkeypatch.setattr(plots, "_save", save)
-    content, page = build_from(ResultsStore(two_backends), tmp_path / "report")
+    content, _ = build_from(ResultsStore(two_backends), tmp_path / "report")
     chunk = next(s for s in content["sections"] if s["id"] == "chunk")
     ours = [t for t in chunk["tables"] if t["caption"].startswith("host / ")]
     assert len(ours) == 2
@@ -273,13 +280,6 @@ def test_gdn_table_per_backend_with_numbers_as_numbers(tmp_path, gdn_run):
     # the page's table says it per backend too: no gdn row without its backend in the caption
     assert {t["caption"] for t in page.tables if "4 heads x 32" in t["caption"]} == \
         {"host / native / 4 heads x 32", "host / refimpl / 4 heads x 32"}
-
-
-def store_of(tmp_path: Path, *runs: list[dict]) -> ResultsStore:
-    store = ResultsStore(tmp_path / "results")
-    for run in runs:
-        store.append(run)
-    return store
 
 
 # --- item 11: bit-exact, provenance folded ---------------------------------------------------------
