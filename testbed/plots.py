@@ -31,6 +31,12 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")
 
 
+def literal(text: str) -> str:
+    """A name as matplotlib draws it, character for character: a `$` would start mathtext, and a
+    device, backend or case named with `$\\frac{$` would stop the report from being drawn."""
+    return str(text).replace("$", r"\$")
+
+
 def legend_outside(ax) -> None:
     """The legend to the right of the plotted area, never over the data; `_save` widens the image to
     hold it."""
@@ -60,7 +66,7 @@ def tail_plot(out: Path, device: str, df: pd.DataFrame, breakeven: int | None,
             ax.axvline(seed_breakeven, color="grey", ls=":", lw=1, label=f"seed breakeven {seed_breakeven}")
     ax.set_xlabel("tail (tokens after the last full chunk)")
     ax.set_ylabel("prefill tokens/s")
-    ax.set_title(f"padded vs scalar tail: {device}", fontsize=9)
+    ax.set_title(literal(f"padded vs scalar tail: {device}"), fontsize=9)
     legend_outside(ax)
     return _save(fig, out, f"tail-{slug(device)}.png")
 
@@ -74,7 +80,7 @@ def chunk_plot(out: Path, device: str, calls: dict[int, float], decode_s: float 
         ax.plot(chunks, [c * decode_s for c in chunks], "s--", label=f"C decode steps ({decode_s:.3g} s each)")
     ax.set_xlabel("chunk size C (tokens)")
     ax.set_ylabel("seconds")
-    ax.set_title(f"chunk call and decode time: {device}", fontsize=9)
+    ax.set_title(literal(f"chunk call and decode time: {device}"), fontsize=9)
     legend_outside(ax)
     return _save(fig, out, f"chunk-{slug(device)}.png")
 
@@ -134,12 +140,12 @@ def history_plots(out: Path, records: list[dict], nights: int) -> list[dict]:
         fig, ax = _pyplot().subplots(figsize=(8, 4))
         for label in series:
             xs = sorted(points[label])
-            ax.plot(xs, [points[label][x] for x in xs], "o-", label=label)
+            ax.plot(xs, [points[label][x] for x in xs], "o-", label=literal(label))
         first_of_run = {r["run_id"]: r for r in reversed(group)}
         ax.set_xticks(range(len(runs)), [run_label(first_of_run[run]) for run in runs], fontsize=7)
         ax.set_xlabel("run (commit, night)")
         ax.set_ylabel(" or ".join(sorted(units)) + " (median)")
-        ax.set_title(f"{experiment} on {impl.label}: last {len(runs)} runs", fontsize=9)
+        ax.set_title(literal(f"{experiment} on {impl.label}: last {len(runs)} runs"), fontsize=9)
         legend_outside(ax)
         name = f"history-{slug(experiment)}-{slug(impl.label)}.png"
         images.append({"file": _save(fig, out, name),

@@ -30,7 +30,7 @@ from testbed.results import ResultsStore
 from tests.test_report import FIXTURES
 
 GDN_RUN = ["run", "gdn", "matrix=awkward", "bench.tokens=[64]", "bench.heads=4", "bench.head_size=32", "bench.reps=3"]
-HOSTILE = '<script>alert("x")</script><img src=x onerror=alert(1)>'
+HOSTILE = '<script>alert("x")</script><img src=x onerror=alert(1)>$\\frac{$'  # markup, and mathtext for the plots
 
 
 class Page(HTMLParser):
@@ -181,10 +181,11 @@ def test_banner_escapes_hostile_device_and_backend_names(tmp_path, gdn_run):
         record["backend"] = record["config"]["backend"] = HOSTILE
         return quiet(record)
 
-    store = ResultsStore(tmp_path / "results")
-    store.append(copy_run(gdn_run, HOSTILE, hostile_backend))
+    store = store_of(tmp_path, copy_run(gdn_run, HOSTILE, hostile_backend, days_ago=1),
+                     copy_run(gdn_run, HOSTILE, hostile_backend))  # two runs: a history plot names them too
     content, page = build_from(store, tmp_path / "report")
     assert [v["device"] for v in content["summary"]["verdicts"]] == [HOSTILE]
+    assert any(img["file"].startswith("history-") for s in content["sections"] for img in s["images"])
     (colour, text), = page.verdicts
     assert colour == "green" and text.startswith(HOSTILE + ": green")  # shown as text, whole
     assert not [tag for tag, attrs in page.tags if tag == "script" or (tag == "img" and attrs.get("src") == "x")]
