@@ -123,6 +123,17 @@ def store_of(tmp_path: Path, *runs: list[dict]) -> ResultsStore:
     return store
 
 
+def slower(factor: float):
+    """A run whose bench took `factor` times as long, every repetition: times up, rates down."""
+    def change(record: dict) -> dict:
+        for fig in record["figures"].values():
+            scale = factor if fig["unit"] in ("s", "ms", "us") else 1 / factor if fig["unit"].endswith("/s") else 1
+            fig.update(median=fig["median"] * scale, min=min(fig["min"] * scale, fig["max"] * scale),
+                       max=max(fig["min"] * scale, fig["max"] * scale), samples=[x * scale for x in fig["samples"]])
+        return quiet(record)
+    return change
+
+
 def build_from(store: ResultsStore, out: Path, nights=()) -> tuple[dict, Page]:
     content = report.build(store.records(), out, FIXTURES, report.settings(), list(nights))
     return content, Page((out / "report.html").read_text())
@@ -154,13 +165,15 @@ def test_banner_is_red_amber_or_green_per_device_with_its_reason(tmp_path, gdn_r
     store.append(copy_run(gdn_run, "phone-loaded", loaded))
     store.append(copy_run(gdn_run, "phone-clean", quiet))
     store.append(copy_run(gdn_run, "phone-old", quiet, days_ago=report.settings()["stale_after_days"] + 3))
+    for i in range(8):  # six nights as measured, then two at a third of the speed: a regression
+        store.append(copy_run(gdn_run, "phone-slower", slower(3.0 if i >= 6 else 1.0), days_ago=(8 - i) / 8))
     night = {"night": "n1", "suite": "s", "started": gdn_run[0]["started"], "tools": {},
              "devices": {"phone-clean": {"status": "ok", "reason": ""},
                          "phone-gone": {"status": "unreachable", "reason": "adb: no device 10.0.0.7:5555"}}}
     content, page = build_from(store, tmp_path / "report", [night])
 
     expected = {"phone-failing": "red", "phone-loaded": "amber", "phone-clean": "green", "phone-old": "amber",
-                "phone-gone": "amber"}
+                "phone-gone": "amber", "phone-slower": "amber"}
     assert {v["device"]: v["colour"] for v in content["summary"]["verdicts"]} == expected
     shown = {text.split(":")[0]: (colour, text) for colour, text in page.verdicts}
     assert {device: colour for device, (colour, _) in shown.items()} == expected
@@ -170,6 +183,7 @@ def test_banner_is_red_amber_or_green_per_device_with_its_reason(tmp_path, gdn_r
     assert "loaded machine (load 9.0 on 2 cores)" in shown["phone-loaded"][1]
     n = sum(r["kind"] == "oracle" for r in gdn_run)
     assert f"all {n} oracle verdicts pass" in shown["phone-clean"][1]
+    assert "regression flag" in shown["phone-slower"][1] and "all" in shown["phone-slower"][1]
     assert "stale" in shown["phone-old"][1] and "unreachable (adb: no device" in shown["phone-gone"][1]
     # the banner comes before every section
     first_section = next(i for i, (tag, _) in enumerate(page.tags) if tag == "h2")
