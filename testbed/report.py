@@ -425,8 +425,8 @@ def provenance(inp: Inputs) -> Section:
     return Section("provenance", "Provenance", [
         "Tool versions " + ("of the last night: " if inp.nights else "where the report was built: ")
         + ", ".join(f"{k} {v}" for k, v in tools.items()),
-        f"{len(runs)} current runs, each with its config values (open a line to read them), then each device's "
-        "fingerprint."], details=details)
+        f"{len(runs)} current runs, then each device's fingerprint, one line each; the values are folded beneath "
+        "each line on the page, and in report.json."], details=details)
 
 
 def cited_records(inp: Inputs) -> Section | None:
