@@ -452,10 +452,10 @@ SECTIONS: list[Callable[[Inputs], Section | None]] = [
 # --- the verdict banner: one line per device at the top of the page -----------------------------------
 
 
-def _load_text(record: dict) -> str:
+def _busiest_load(record: dict) -> float:
+    """The higher of the 1-minute load averages taken before and after the record's run."""
     load = record.get("host_load") or {}
-    busiest = max(load.get("load_1m_before", 0.0), load.get("load_1m_after", 0.0))
-    return f"load {busiest:.1f} on {load.get('cores', '?')} cores"
+    return max(load.get("load_1m_before", 0.0), load.get("load_1m_after", 0.0))
 
 
 def device_verdict(inp: Inputs, device: str) -> dict:
@@ -468,7 +468,8 @@ def device_verdict(inp: Inputs, device: str) -> dict:
     failing = [r for r in oracles if not counts_as_passed(r)]
     if failing:
         first = failing[0]
-        said = first.get("detail") or first.get("verdict")
+        said = ("its run did not end complete" if first.get("verdict") == "pass"
+                else first.get("detail") or first.get("verdict"))
         return {"device": device, "colour": "red",
                 "reason": f"{len(failing)} of {len(oracles)} oracle verdicts fail or err; first: {first['experiment']} "
                           f"{first['case']} ({implementations.of(first).backend}): {said}"}
@@ -478,10 +479,9 @@ def device_verdict(inp: Inputs, device: str) -> dict:
         concerns.append(f"{len(flags)} regression flag{'s' * (len(flags) != 1)} ({flags[0].line()})")
     noisy = {r["run_id"]: r for r in records if r["kind"] == "measure" and (r.get("host_load") or {}).get("noisy")}
     if noisy:
-        worst = max(noisy.values(), key=lambda r: max(r["host_load"].get("load_1m_before", 0.0),
-                                                      r["host_load"].get("load_1m_after", 0.0)))
+        worst = max(noisy.values(), key=_busiest_load)
         concerns.append(f"figures of {len(noisy)} run{'s' * (len(noisy) != 1)} measured on a loaded machine "
-                        f"({_load_text(worst)}): noisy")
+                        f"(load {_busiest_load(worst):.1f} on {worst['host_load'].get('cores', '?')} cores): noisy")
     if records:
         newest = max(dt.datetime.fromisoformat(r["started"]) for r in records)
         age = inp.now - newest

@@ -165,6 +165,11 @@ def test_banner_is_red_amber_or_green_per_device_with_its_reason(tmp_path, gdn_r
     store.append(copy_run(gdn_run, "phone-loaded", loaded))
     store.append(copy_run(gdn_run, "phone-clean", quiet))
     store.append(copy_run(gdn_run, "phone-old", quiet, days_ago=report.settings()["stale_after_days"] + 3))
+    killed = copy_run(gdn_run, "phone-killed", quiet)  # its run started and never ended: no verdict counts
+    context = ("schema", "run_id", "started", "experiment", "device", "backend", "emulated", "host_load",
+               "fingerprint", "config", "git_commit", "testbed_version", "time")  # what RunInfo.mark writes
+    store.append([{**{k: killed[0][k] for k in context}, "run_mark": "started", "outcome": None}])
+    store.append(killed)
     for i in range(8):  # six nights as measured, then two at a third of the speed: a regression
         store.append(copy_run(gdn_run, "phone-slower", slower(3.0 if i >= 6 else 1.0), days_ago=(8 - i) / 8))
     night = {"night": "n1", "suite": "s", "started": gdn_run[0]["started"], "tools": {},
@@ -173,7 +178,7 @@ def test_banner_is_red_amber_or_green_per_device_with_its_reason(tmp_path, gdn_r
     content, page = build_from(store, tmp_path / "report", [night])
 
     expected = {"phone-failing": "red", "phone-loaded": "amber", "phone-clean": "green", "phone-old": "amber",
-                "phone-gone": "amber", "phone-slower": "amber"}
+                "phone-gone": "amber", "phone-slower": "amber", "phone-killed": "red"}
     assert {v["device"]: v["colour"] for v in content["summary"]["verdicts"]} == expected
     shown = {text.split(":")[0]: (colour, text) for colour, text in page.verdicts}
     assert {device: colour for device, (colour, _) in shown.items()} == expected
@@ -181,6 +186,7 @@ def test_banner_is_red_amber_or_green_per_device_with_its_reason(tmp_path, gdn_r
     assert "1 of" in shown["phone-failing"][1] and victim["case"] in shown["phone-failing"][1] \
         and "nmse 1e-05 > 1e-07" in shown["phone-failing"][1]
     assert "loaded machine (load 9.0 on 2 cores)" in shown["phone-loaded"][1]
+    assert "did not end complete" in shown["phone-killed"][1] or "never ended" in shown["phone-killed"][1]
     n = sum(r["kind"] == "oracle" for r in gdn_run)
     assert f"all {n} oracle verdicts pass" in shown["phone-clean"][1]
     assert "regression flag" in shown["phone-slower"][1] and "all" in shown["phone-slower"][1]
