@@ -2,7 +2,8 @@
 
   testbed run EXPERIMENT [key=value ...]          one run, records stored, summary printed
   testbed sweep [experiment=NAME] key=v1,v2 ...   the cartesian product (Hydra sweep syntax), one table
-  testbed table EXPERIMENT [--format md|csv|json|jsonl] tables from stored records only
+  testbed table EXPERIMENT [--format md|csv|json|jsonl] tables from stored records only (json, jsonl
+                                                  and csv are data: numbers, raw samples, breakevens apart)
   testbed ingest FILE [--device NAME]             store test-backend-ops output run elsewhere
   testbed records verify | rm ... | export        inspect and repair the results store
   testbed compare A B [--format md|csv|json|jsonl] two commits, nights or stores: each change, beyond noise or not
@@ -38,6 +39,8 @@ def _summary(outcome: runner.Outcome, module) -> str:
     # An experiment may condense its run into several small tables; the full view is `testbed table`.
     shown = module.summary(df) if hasattr(module, "summary") else [module.view(df)]
     lines = [*(tables.markdown(t) + "\n" for t in shown)] if len(df) else ["(no records)", ""]
+    if len(df) and hasattr(module, "breakevens"):
+        lines += [tables.breakeven_line(b) for b in module.breakevens(df)]
     lines.append(
         f"{outcome.info.experiment} on {outcome.info.device} ({outcome.info.backend}): "
         f"oracles {n_pass}/{len(oracles)} pass, {len(df) - len(oracles)} measurements; "
@@ -115,7 +118,9 @@ def cmd_table(args) -> int:
               file=sys.stderr)
         return 1
     speed, emulated = emulation.split_frame(df)
-    print(tables.render(module.view(speed), args.format))
+    # a conclusion over the rows (a sweep's breakeven) is its own object, not one more row
+    breakevens = module.breakevens(speed) if hasattr(module, "breakevens") else []
+    print(tables.render(module.view(speed), args.format, breakevens))
     if len(emulated):
         print(f"\nleft out: {len(emulated)} figure(s) {emulation.REASON}:", file=sys.stderr)
         print(tables.render(emulation.listing(emulated.to_dict("records")), "md"), file=sys.stderr)

@@ -6,14 +6,12 @@ page can refer to its images by relative path.
 
 from __future__ import annotations
 
-import datetime as dt
 import re
-from itertools import groupby
 from pathlib import Path
 
 import pandas as pd
 
-from testbed import history
+from testbed import history, implementations
 
 DPI = 100
 
@@ -33,9 +31,20 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")
 
 
+def literal(text: str) -> str:
+    """A name as matplotlib draws it, character for character: a `$` would start mathtext, and a
+    device, backend or case named with `$\\frac{$` would stop the report from being drawn."""
+    return str(text).replace("$", r"\$")
+
+
+def legend_outside(ax) -> None:
+    """The legend to the right of the plotted area, never over the data; `_save` widens the image to
+    hold it."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
+
+
 def _save(fig, out: Path, name: str) -> str:
-    fig.tight_layout()
-    fig.savefig(out / name, dpi=DPI)
+    fig.savefig(out / name, dpi=DPI, bbox_inches="tight")  # the legend outside the axes is kept
     _pyplot().close(fig)
     return name
 
@@ -46,8 +55,8 @@ def tail_plot(out: Path, device: str, df: pd.DataFrame, breakeven: int | None,
     (unless these are the seed's own figures: seed_df None)."""
     fig, ax = _pyplot().subplots(figsize=(7, 4))
     df = df.sort_values("tail")
-    ax.plot(df["tail"], df.padded_tps, "o-", label=f"{device} padded")
-    ax.plot(df["tail"], df.scalar_tps, "s-", label=f"{device} scalar")
+    ax.plot(df["tail"], df.padded_tps, "o-", label="padded")  # the title names the device
+    ax.plot(df["tail"], df.scalar_tps, "s-", label="scalar")
     if breakeven is not None:
         ax.axvline(breakeven, color="k", lw=1, label=f"breakeven {breakeven}")
     if seed_df is not None:
@@ -57,8 +66,8 @@ def tail_plot(out: Path, device: str, df: pd.DataFrame, breakeven: int | None,
             ax.axvline(seed_breakeven, color="grey", ls=":", lw=1, label=f"seed breakeven {seed_breakeven}")
     ax.set_xlabel("tail (tokens after the last full chunk)")
     ax.set_ylabel("prefill tokens/s")
-    ax.set_title(f"padded vs scalar tail: {device}", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_title(literal(f"padded vs scalar tail: {device}"), fontsize=9)
+    legend_outside(ax)
     return _save(fig, out, f"tail-{slug(device)}.png")
 
 
@@ -71,40 +80,74 @@ def chunk_plot(out: Path, device: str, calls: dict[int, float], decode_s: float 
         ax.plot(chunks, [c * decode_s for c in chunks], "s--", label=f"C decode steps ({decode_s:.3g} s each)")
     ax.set_xlabel("chunk size C (tokens)")
     ax.set_ylabel("seconds")
-    ax.set_title(f"chunk call and decode time: {device}")
-    ax.legend(fontsize=8)
+    ax.set_title(literal(f"chunk call and decode time: {device}"), fontsize=9)
+    legend_outside(ax)
     return _save(fig, out, f"chunk-{slug(device)}.png")
 
 
-# At most this many lines per history plot: the series with the most nights.
+# At most this many lines per history plot: the series with the most runs.
 MAX_LINES = 8
 # What counts as throughput: tokens (gdn, tail) or rows of a graph call (chunk_prefill) per second.
 THROUGHPUT_UNITS = ("tokens/s", "rows/s")
+# Where results and the machine's own description are kept says nothing about what a series measured.
+NOT_A_SETTING = ("results_dir", "fixtures_dir", "device.")
+
+
+def run_label(record: dict) -> str:
+    """A run on the history axis: its short commit over its night (the date it started)."""
+    commit = str(record["git_commit"])
+    short = commit[:7] + ("+" if commit.endswith("-dirty") else "")  # + : built from uncommitted changes
+    return f"{short}\n{record['started'][:10]}"
+
+
+def setting_differences(records: list[dict]) -> dict[str, str]:
+    """Per config key (history.config_key): the config values in which its runs differ from the other
+    configs among `records`, as "chunk=16 threads=2"; "" when there is one config."""
+    configs = {history.config_key(r): r["config"] for r in records}
+    keys = sorted({k for c in configs.values() for k in c if not k.startswith(NOT_A_SETTING)})
+    differ = [k for k in keys if len({repr(c.get(k)) for c in configs.values()}) > 1]
+    return {key: " ".join(f"{k}={c.get(k)}" for k in differ) for key, c in configs.items()}
 
 
 def history_plots(out: Path, records: list[dict], nights: int) -> list[dict]:
-    """Per experiment and device: every throughput figure over its last `nights` runs."""
-    points: dict[tuple, list[tuple[dt.datetime, float, str]]] = {}
-    measures = sorted((r for r in records if r["kind"] == "measure"),
-                      key=lambda r: (r["experiment"], r["device"], r["started"]))
-    for r in measures:
-        for name, fig in r["figures"].items():
-            if fig["unit"] in THROUGHPUT_UNITS:
-                key = (r["experiment"], r["device"], f"{r['case']} {name} [{history.config_key(r)[:6]}]")
-                points.setdefault(key, []).append((dt.datetime.fromisoformat(r["started"]), fig["median"], fig["unit"]))
+    """Per experiment, device, backend and model (never mixed): every throughput figure over its last
+    `nights` runs, one point per run placed by commit and night, each series named by its case, figure
+    and the settings that set it apart, never by a config hash."""
+    measures = [r for r in records if r["kind"] == "measure"
+                and any(f.get("unit") in THROUGHPUT_UNITS for f in r["figures"].values())]
     images = []
-    for (experiment, device), group in groupby(sorted(points), key=lambda k: k[:2]):
-        series = sorted(group, key=lambda k: -len(points[k]))[:MAX_LINES]
-        if max(len(points[k][-nights:]) for k in series) < 2:
-            continue  # one night is not a trend
+    groups = sorted({(r["experiment"], implementations.of(r)) for r in measures})
+    for experiment, impl in groups:
+        group = history.by_run_time([r for r in measures if (r["experiment"], implementations.of(r)) == (experiment, impl)])
+        settings = setting_differences(group)
+        runs = list(dict.fromkeys(r["run_id"] for r in group))[-nights:]
+        if len(runs) < 2:
+            continue  # one run is not a trend
+        position = {run: i for i, run in enumerate(runs)}
+        points: dict[str, dict[int, float]] = {}
+        units = set()
+        for r in group:
+            if r["run_id"] not in position:
+                continue
+            for name, fig in r["figures"].items():
+                if fig.get("unit") in THROUGHPUT_UNITS:
+                    label = " ".join(filter(None, (r["case"], name, settings[history.config_key(r)])))
+                    points.setdefault(label, {})[position[r["run_id"]]] = fig["median"]
+                    units.add(fig["unit"])
+        series = sorted(points, key=lambda label: (-len(points[label]), label))[:MAX_LINES]
+        if max(len(points[label]) for label in series) < 2:
+            continue
         fig, ax = _pyplot().subplots(figsize=(8, 4))
-        for key in series:
-            when, value, _ = zip(*points[key][-nights:])
-            ax.plot(when, value, "o-", label=key[2])
-        ax.set_ylabel(" or ".join(sorted({points[k][0][2] for k in series})) + " (median)")
-        ax.set_title(f"{experiment} on {device}: last {nights} runs")
-        ax.legend(fontsize=6)
-        fig.autofmt_xdate()
-        images.append({"file": _save(fig, out, f"history-{slug(experiment)}-{slug(device)}.png"),
-                       "caption": f"{experiment} on {device}: throughput over recent runs"})
+        for label in series:
+            xs = sorted(points[label])
+            ax.plot(xs, [points[label][x] for x in xs], "o-", label=literal(label))
+        first_of_run = {r["run_id"]: r for r in reversed(group)}
+        ax.set_xticks(range(len(runs)), [run_label(first_of_run[run]) for run in runs], fontsize=7)
+        ax.set_xlabel("run (commit, night)")
+        ax.set_ylabel(" or ".join(sorted(units)) + " (median)")
+        ax.set_title(literal(f"{experiment} on {impl.label}: last {len(runs)} runs"), fontsize=9)
+        legend_outside(ax)
+        name = f"history-{slug(experiment)}-{slug(impl.label)}.png"
+        images.append({"file": _save(fig, out, name),
+                       "caption": f"{experiment} on {impl.label}: throughput over recent runs"})
     return images

@@ -2,12 +2,17 @@
 
     report.html   the page (jinja2), its images beside it (PNG, matplotlib)
     report.md     the same content as Markdown
-    report.json   the same content as data, plus the figures programs check (breakevens, flags)
+    report.json   the same content as data (each table cell's value: numbers stay numbers), plus
+                  the figures programs check (breakevens, flags, each device's verdict)
 
 It is built from stored records only (testbed.results.ResultsStore) and the seeds' fixtures. Each
 section is a function of the records it is about and is left out when there are none, so an
 experiment that has not run yet (or does not exist yet) costs nothing. "Current" means the newest
 run of each experiment, device and configuration; older runs are its history (testbed.history).
+
+The page opens with one verdict per device (green, amber or red, with the reason; `device_verdict`).
+Every table and plot is of one device, backend and model (testbed.implementations): figures of two
+implementations side by side in one choice, or one series, would answer no question.
 
 The folder is written beside its destination and moved into place at the end: a report is either
 the previous one or the complete new one, never half of each. A report folder holds a marker file
@@ -34,9 +39,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jinja2
+import numpy as np
 import pandas as pd
 
-from testbed import breakeven, emulation, experiments, history, plots, seed
+from testbed import breakeven, emulation, experiments, history, implementations, plots, seed
 from testbed.errors import UsageError
 from testbed.results import passed as counts_as_passed
 from testbed.tables import _cell as format_number
@@ -64,20 +70,40 @@ class Section:
     lines: list[str] = field(default_factory=list)
     tables: list[Table] = field(default_factory=list)
     images: list[dict] = field(default_factory=list)  # {"file": name.png, "caption": str}
+    # closed on the page until opened: {"summary": one line, "data": what it summarises}
+    details: list[dict] = field(default_factory=list)
 
 
-def cell(value: Any, href: str | None = None, cls: str | None = None) -> dict:
-    if isinstance(value, float) and math.isnan(value):
-        text = ""
-    elif isinstance(value, float):
-        text = format_number(value)
-    else:
-        text = "" if value is None else str(value)
-    return {"text": text, "href": href, "cls": cls}
+def plain(value: Any) -> Any:
+    """A value as JSON data: numpy scalars as Python numbers, NaN and pandas' missing values as None."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or value is pd.NA or value is pd.NaT or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return value
+
+
+def cell(value: Any, href: str | None = None, cls: str | None = None, text: str | None = None) -> dict:
+    """One table cell: its value as data (what report.json holds) and its text for people (the value
+    formatted, unless the cell says it in words)."""
+    value = plain(value)
+    if text is None:
+        text = "" if value is None else format_number(value) if isinstance(value, float) else str(value)
+    return {"value": value, "text": text, "href": href, "cls": cls}
 
 
 def frame_table(caption: str, df: pd.DataFrame) -> Table:
     return Table(caption, [str(c) for c in df.columns], [[cell(v) for v in row] for row in df.itertuples(index=False)])
+
+
+def table_data(table: Table) -> dict:
+    """A table as report.json holds it: one object per row, each cell's value (numbers stay numbers)."""
+    return {"caption": table.caption, "columns": table.columns,
+            "rows": [dict(zip(table.columns, (c["value"] for c in row))) for row in table.rows]}
+
+
+def section_data(section: Section) -> dict:
+    return {**asdict(section), "tables": [table_data(t) for t in section.tables]}
 
 
 def anchor(record_id: str) -> str:
@@ -95,11 +121,12 @@ class Inputs:
     current: list[dict]
     fixtures: Path
     out: Path  # where images are written
+    now: dt.datetime  # when the report is built: what "stale" is measured from
     settings: dict
     nights: list[dict]
     flags: list[history.Flag]
     referenced: dict[str, dict] = field(default_factory=dict)  # records a table links to, by id
-    breakevens: dict[str, dict] = field(default_factory=dict)  # device -> {source: breakeven tail}
+    breakevens: list[dict] = field(default_factory=list)  # per device, backend, model, source: the tail
 
     def cite(self, record: dict) -> str:
         self.referenced[record["record_id"]] = record
@@ -128,26 +155,40 @@ def select(records: list[dict], since: dt.datetime | None) -> list[dict]:
 # --- sections -------------------------------------------------------------------------------------
 
 
+# Oracles that pass only on equality, bit for bit or byte for byte (their margin is minus the count of
+# values that differ): a pass is "bit-exact", never "margin 0", which would read as "on the edge".
+EXACT_ORACLES = frozenset({"bitexact", "cache_bytes", "exact_state", "pad_identity", "determinism"})
+
+
+def verdict_text(oracle: str, passed: int, total: int, margin: float | None) -> str:
+    if oracle in EXACT_ORACLES and passed == total:
+        return f"{passed}/{total} pass, bit-exact"
+    return f"{passed}/{total} pass" + (f", margin {format_number(margin)}" if margin is not None else "")
+
+
 def oracle_matrix(inp: Inputs) -> Section | None:
-    """Device x backend x oracle: how many passed, the smallest margin, a link to the worst record."""
+    """Device x backend x model x oracle: how many passed, the smallest margin (or bit-exact), a link
+    to the worst record."""
     oracles = [r for r in inp.current if r["kind"] == "oracle"]
     if not oracles:
         return None
     columns = sorted({f"{r['experiment']}:{r['oracle']}" for r in oracles})
     rows = []
-    for device, backend in sorted({(r["device"], r["backend"]) for r in oracles}):
-        row = [cell(device), cell(backend)]
+    for impl in sorted({implementations.of(r) for r in oracles}):
+        row = [cell(impl.device), cell(impl.backend), cell(impl.model)]
         for column in columns:
-            group = [r for r in oracles if (r["device"], r["backend"]) == (device, backend)
-                     and f"{r['experiment']}:{r['oracle']}" == column]
+            group = [r for r in oracles if implementations.of(r) == impl and f"{r['experiment']}:{r['oracle']}" == column]
             if not group:
-                row.append(cell(""))
+                row.append(cell(None))
                 continue
             worst = min(group, key=lambda r: (counts_as_passed(r), _number(r.get("margin"), math.inf)))
             passed = sum(counts_as_passed(r) for r in group)
             margin = _number(worst.get("margin"), None)
-            text = f"{passed}/{len(group)} pass" + (f", margin {format_number(margin)}" if margin is not None else "")
-            row.append(cell(text, inp.cite(worst), "pass" if passed == len(group) else "fail"))
+            value = {"passed": passed, "total": len(group), "margin": margin,
+                     "bit_exact": worst["oracle"] in EXACT_ORACLES and passed == len(group),
+                     "worst_record": worst["record_id"]}
+            row.append(cell(value, inp.cite(worst), "pass" if passed == len(group) else "fail",
+                            text=verdict_text(worst["oracle"], passed, len(group), margin)))
         rows.append(row)
     failing = [r for r in oracles if not counts_as_passed(r)]
     for r in failing:
@@ -156,7 +197,8 @@ def oracle_matrix(inp: Inputs) -> Section | None:
              "each cell links to its worst record (the failing one, else the smallest margin). A verdict "
              "of a run that did not end complete never counts as a pass."]
     return Section("oracles", "Oracle matrix", lines,
-                   [Table("device x backend x experiment:oracle", ["device", "backend", *columns], rows)])
+                   [Table("device x backend x model x experiment:oracle", ["device", "backend", "model", *columns],
+                          rows)])
 
 
 def _number(value, default):
@@ -177,8 +219,8 @@ def tail_sweep(inp: Inputs) -> Section | None:
     section = Section("tail", "Breakeven: padded vs scalar tail", [
         f"Seed ({seed.source_line(inp.fixtures / seed.TAIL_SWEEP)}): breakeven tail {seed_breakeven}; "
         "tails below it stay scalar."])
-    for device in sorted({r["device"] for r in records}):
-        frame = sweep_frame(pd.json_normalize([r for r in records if r["device"] == device], sep="."))
+    for impl in sorted({implementations.of(r) for r in records}):
+        frame = sweep_frame(pd.json_normalize([r for r in records if implementations.of(r) == impl], sep="."))
         for source, rows in frame.groupby("source", sort=False):
             table = breakeven.tail_table(rows)
             point = breakeven.breakeven_tail(rows)
@@ -187,13 +229,15 @@ def tail_sweep(inp: Inputs) -> Section | None:
             table["seed scalar tok/s"] = [beside.scalar_tps.get(t) for t in table["tail"]]
             table["seed winner"] = [breakeven.winner(beside.padded_tps[t], beside.scalar_tps[t])
                                     if t in beside.index else None for t in table["tail"]]
-            section.tables.append(frame_table(f"{device}, {source}: breakeven tail {said} (seed: {seed_breakeven})",
-                                              table))
+            section.tables.append(frame_table(f"{impl.label}, {source}: breakeven tail {said} "
+                                              f"(seed: {seed_breakeven})", table))
             of_seed = str(source).startswith("fixture:")  # the seed's own sweep, loaded as records
-            section.images.append({"file": plots.tail_plot(inp.out, f"{device} {source}", rows, point,
+            section.images.append({"file": plots.tail_plot(inp.out, f"{impl.label} {source}", rows, point,
                                                            None if of_seed else seed_df, seed_breakeven),
-                                   "caption": f"{device}, {source}: throughput against tail, breakeven {said}"})
-            inp.breakevens.setdefault(device, {})[source] = point
+                                   "caption": f"{impl.label}, {source}: throughput against tail, breakeven {said}"})
+            inp.breakevens.append({"device": impl.device, "backend": impl.backend, "model": impl.model,
+                                   "source": source, "tail": point,
+                                   "threshold": breakeven.threshold_from_breakeven(point)})
     return section
 
 
@@ -232,18 +276,20 @@ def chunk_times(records: list[dict]) -> tuple[dict[int, float], float | None]:
 def chunk_choice(inp: Inputs) -> Section | None:
     section = Section("chunk", "Breakeven: chunk-size choice")
     quoted = inp.settings["seed_decode_s_per_token"]
-    for device in sorted({r["device"] for r in inp.current_of("chunk_prefill", "measure")}):
-        records = [r for r in inp.current_of("chunk_prefill", "measure") if r["device"] == device]
+    measures = inp.current_of("chunk_prefill", "measure")
+    # one choice per device, backend and model: refimpl's calls say nothing about native's best C
+    for impl in sorted({implementations.of(r) for r in measures}):
+        records = [r for r in measures if implementations.of(r) == impl]
         calls, decode_s = chunk_times(records)
         if not calls:
             continue
-        decode_s = decode_s or quoted.get(device)
+        decode_s = decode_s or quoted.get(impl.device)
         # the run's own utterance distribution where its config has one
         lengths = list(records[0]["config"].get("latency.utterance_tokens") or inp.settings["utterance_lengths"])
-        section.tables.append(frame_table(f"{device}: utterances of {lengths} tokens",
+        section.tables.append(frame_table(f"{impl.label}: utterances of {lengths} tokens",
                                           chunk_choice_table(calls, lengths, decode_s)))
-        section.images.append({"file": plots.chunk_plot(inp.out, device, calls, decode_s),
-                               "caption": f"{device}: chunk call and decode time against C"})
+        section.images.append({"file": plots.chunk_plot(inp.out, impl.label, calls, decode_s),
+                               "caption": f"{impl.label}: chunk call and decode time against C"})
     if not section.tables:
         return None
     lengths = inp.settings["utterance_lengths"]
@@ -271,20 +317,23 @@ def gdn_throughput(inp: Inputs) -> Section | None:
     measures = [r for r in inp.current_of("gdn", "measure") if is_gdn_bench(r)]
     if not measures:
         return None
-    rows = [{"device": r["device"], "backend": r["backend"], "chunk": r["params"]["chunk"],
-             "tokens": r["params"]["tokens"], "form": r["params"]["form"], "ms": r["figures"]["time"]["median"],
-             "tokens/s": r["figures"]["tokens_per_s"]["median"], "GFLOP/s": r["figures"]["gflops"]["median"],
-             # the sgemm reference is measured only on the host (none on a device)
-             "sgemm GFLOP/s": r["figures"].get("sgemm", {}).get("median"),
-             "of sgemm": r["metrics"].get("sgemm_fraction"), "x serial": r["metrics"]["speedup_vs_serial"],
-             "reps": r["figures"]["time"]["reps"]}
-            for r in measures]
-    df = pd.DataFrame(rows).sort_values(["device", "tokens", "form", "chunk"]).reset_index(drop=True)
-    section = Section("gdn", "GDN throughput per device and chunk")
-    section.lines.append("Median of the repetitions; GFLOP/s on gdn_flops' serial count for both forms; "
-                         "`of sgemm` is the form's rate on the work it really does over numpy's sgemm at the same "
-                         "thread count, timed between the kernel's repetitions (host runs only).")
-    section.tables.append(frame_table("gdn bench records", df))
+    section = Section("gdn", "GDN throughput per device, backend and model")
+    section.lines.append("Median of the repetitions with their min and max; GFLOP/s on gdn_flops' serial count "
+                         "for both forms; `of sgemm` is the form's rate on the work it really does over numpy's "
+                         "sgemm at the same thread count, timed between the kernel's repetitions (host runs only).")
+    for impl in sorted({implementations.of(r) for r in measures}):
+        rows = [{"tokens": r["params"]["tokens"], "form": r["params"]["form"], "chunk": r["params"]["chunk"],
+                 "threads": r["params"].get("threads", 1), "ms": r["figures"]["time"]["median"],
+                 "min ms": r["figures"]["time"]["min"], "max ms": r["figures"]["time"]["max"],
+                 "tokens/s": r["figures"]["tokens_per_s"]["median"],
+                 "GFLOP/s": r["figures"]["gflops"]["median"],
+                 # the sgemm reference is measured only on the host (none on a device)
+                 "sgemm GFLOP/s": r["figures"].get("sgemm", {}).get("median"),
+                 "of sgemm": r["metrics"].get("sgemm_fraction"), "x serial": r["metrics"]["speedup_vs_serial"],
+                 "reps": r["figures"]["time"]["reps"]}
+                for r in measures if implementations.of(r) == impl]
+        df = pd.DataFrame(rows).sort_values(["tokens", "form", "chunk", "threads"]).reset_index(drop=True)
+        section.tables.append(frame_table(impl.label, df))
     return section
 
 
@@ -296,23 +345,26 @@ def other_measurements(inp: Inputs) -> Section | None:
             and not (r["experiment"] == "gdn" and is_gdn_bench(r))]
     if not rest:
         return None
-    rows = [[cell(r["experiment"]), cell(r["device"]), cell(r["backend"]), cell(r["case"]), cell(name),
+    rows = [[cell(r["experiment"]), cell(r["device"]), cell(implementations.of(r).backend),
+             cell(implementations.of(r).model), cell(r["case"]), cell(name),
              cell(_number(fig.get("median"), None)), cell(_number(fig.get("min"), None)),
              cell(_number(fig.get("max"), None)), cell(fig.get("reps")), cell(fig.get("unit")),
              cell(r["record_id"][:12], inp.cite(r))]
-            for r in sorted(rest, key=lambda r: (r["experiment"], r["device"], r["case"]))
+            for r in sorted(rest, key=lambda r: (r["experiment"], implementations.of(r), r["case"]))
             for name, fig in sorted(r["figures"].items()) if isinstance(fig, dict)]
     return Section("measurements", "Other measurements", [
         "Current measurements of experiments and tools the sections above do not cover."],
-        [Table("measure records", ["experiment", "device", "backend", "case", "figure", "median", "min", "max",
-                                   "reps", "unit", "record"], rows)])
+        [Table("measure records", ["experiment", "device", "backend", "model", "case", "figure", "median", "min",
+                                   "max", "reps", "unit", "record"], rows)])
 
 
 def nights_over_time(inp: Inputs) -> Section | None:
     images = plots.history_plots(inp.out, inp.records, inp.settings["history_nights"])
     if not images:
         return None
-    return Section("history", "Throughput over recent nights", images=images)
+    return Section("history", "Throughput over recent nights", [
+        "One plot per experiment, device, backend and model; one point per run, placed by its commit and night."],
+        images=images)
 
 
 def regressions(inp: Inputs) -> Section:
@@ -350,7 +402,7 @@ def nights(inp: Inputs) -> Section | None:
     if not inp.nights:
         return None
     rows = [[cell(n["night"]), cell(n["suite"]), cell(n["started"]),
-             cell(n.get("finished") or "never: the night was killed, or is still running"),
+             cell(n.get("finished"), text=n.get("finished") or "never: the night was killed, or is still running"),
              cell("; ".join(f"{d}: {s['status']}" + (f" ({s['reason']})" if s["reason"] else "")
                             for d, s in n.get("devices", {}).items())),
              cell(n.get("exit_status"), cls="pass" if n.get("exit_status") == 0 else "fail")]
@@ -359,25 +411,32 @@ def nights(inp: Inputs) -> Section | None:
                                                                              "finished", "devices", "exit"], rows)])
 
 
+def run_line(r: dict) -> str:
+    """One run in one line: what ran where, when, at which commit."""
+    impl = implementations.of(r)
+    return (f"{r['experiment']} on {impl.label}, started {r['started']}, commit {str(r['git_commit'])[:10]}, "
+            f"testbed {r['testbed_version']}, run {r['run_id']}, config {history.config_key(r)}")
+
+
 def provenance(inp: Inputs) -> Section:
+    """Each current run and each device's fingerprint as one line, its values folded away beneath it."""
     runs = {}
     for r in inp.current:
         runs.setdefault(r["run_id"], r)
-    rows = [[cell(r["run_id"]), cell(r["experiment"]), cell(r["device"]), cell(r["backend"]), cell(r["started"]),
-             cell(r["git_commit"]), cell(r["testbed_version"]), cell(history.config_key(r)),
-             cell(json.dumps({k: v for k, v in r["config"].items() if not k.startswith("device.")}, sort_keys=True))]
-            for r in sorted(runs.values(), key=lambda r: (r["experiment"], r["device"], r["started"]))]
+    details = [{"summary": run_line(r),
+                "data": {k: v for k, v in r["config"].items() if not k.startswith("device.")}}
+               for r in sorted(runs.values(), key=lambda r: (r["experiment"], implementations.of(r), r["started"]))]
     fingerprints = {}
     for r in sorted(inp.current, key=lambda r: r["started"]):
         fingerprints[r["device"]] = r["fingerprint"]
+    details += [{"summary": f"{device}: device fingerprint of its latest run", "data": fingerprint}
+                for device, fingerprint in sorted(fingerprints.items())]
     tools = dict(inp.nights[-1]["tools"]) if inp.nights else tool_versions()
     return Section("provenance", "Provenance", [
         "Tool versions " + ("of the last night: " if inp.nights else "where the report was built: ")
-        + ", ".join(f"{k} {v}" for k, v in tools.items())],
-        [Table("current runs", ["run", "experiment", "device", "backend", "started", "commit", "testbed",
-                                "config", "config values"], rows),
-         Table("device fingerprints (latest run)", ["device", "fingerprint"],
-               [[cell(d), cell(json.dumps(f, sort_keys=True))] for d, f in sorted(fingerprints.items())])])
+        + ", ".join(f"{k} {v}" for k, v in tools.items()),
+        f"{len(runs)} current runs, then each device's fingerprint, one line each; the values are folded beneath "
+        "each line on the page, and in report.json."], details=details)
 
 
 def cited_records(inp: Inputs) -> Section | None:
@@ -398,6 +457,69 @@ SECTIONS: list[Callable[[Inputs], Section | None]] = [
     oracle_matrix, regressions, tail_sweep, chunk_choice, gdn_throughput, other_measurements, nights_over_time, nights,
     provenance, cited_records,
 ]
+
+
+# --- the verdict banner: one line per device at the top of the page -----------------------------------
+
+
+def _busiest_load(record: dict) -> float:
+    """The higher of the 1-minute load averages taken before and after the record's run."""
+    load = record.get("host_load") or {}
+    return max(load.get("load_1m_before", 0.0), load.get("load_1m_after", 0.0))
+
+
+def device_verdict(inp: Inputs, device: str) -> dict:
+    """Red: a current oracle fails or errs (a run that did not end complete counts as an error). Amber:
+    every current oracle passes, but a figure or oracle is flagged as a regression, figures were
+    measured on a loaded machine, the device's runs are stale, it was missing from the last night, or
+    it has no verdicts at all. Green otherwise. The reason names what decided the colour."""
+    records = [r for r in inp.current if r["device"] == device]
+    oracles = [r for r in records if r["kind"] == "oracle"]
+    failing = [r for r in oracles if not counts_as_passed(r)]
+    if failing:
+        first = failing[0]
+        said = ("its run did not end complete" if first.get("verdict") == "pass"
+                else first.get("detail") or first.get("verdict"))
+        return {"device": device, "colour": "red",
+                "reason": f"{len(failing)} of {len(oracles)} oracle verdicts fail or err; first: {first['experiment']} "
+                          f"{first['case']} ({implementations.of(first).backend}): {said}"}
+    concerns = []
+    flags = [f for f in inp.flags if f.device == device]
+    if flags:
+        concerns.append(f"{len(flags)} regression flag{'s' * (len(flags) != 1)} ({flags[0].line()})")
+    noisy = {r["run_id"]: r for r in records if r["kind"] == "measure" and (r.get("host_load") or {}).get("noisy")}
+    if noisy:
+        worst = max(noisy.values(), key=_busiest_load)
+        concerns.append(f"figures of {len(noisy)} run{'s' * (len(noisy) != 1)} measured on a loaded machine "
+                        f"(load {_busiest_load(worst):.1f} on {worst['host_load'].get('cores', '?')} cores): noisy")
+    if records:
+        newest = max(dt.datetime.fromisoformat(r["started"]) for r in records)
+        age = inp.now - newest
+        if age > dt.timedelta(days=inp.settings["stale_after_days"]):
+            concerns.append(f"stale: its newest run started {age.days} days before this report "
+                            f"({newest.date().isoformat()})")
+    else:
+        concerns.append("no current runs")
+    last_night = (inp.nights[-1].get("devices") or {}).get(device) if inp.nights else None
+    if last_night and last_night.get("status") != "ok":
+        concerns.append(f"missing from the last night: {last_night['status']}"
+                        + (f" ({last_night['reason']})" if last_night.get("reason") else ""))
+    if records and not oracles:
+        concerns.append("no oracle verdicts in its current runs")
+    if concerns:
+        passing = f"all {len(oracles)} oracle verdicts pass, but " if oracles else ""
+        return {"device": device, "colour": "amber", "reason": passing + "; ".join(concerns)}
+    return {"device": device, "colour": "green",
+            "reason": f"all {len(oracles)} oracle verdicts pass; no regression flag; figures measured on a quiet "
+                      f"machine; newest run {newest.date().isoformat()}"}
+
+
+def verdict_banner(inp: Inputs) -> list[dict]:
+    """One verdict per device of the current runs and of the last night."""
+    devices = {r["device"] for r in inp.current}
+    if inp.nights:
+        devices |= set(inp.nights[-1].get("devices") or {})
+    return [device_verdict(inp, device) for device in sorted(devices)]
 
 
 # --- building and writing -------------------------------------------------------------------------
@@ -430,6 +552,7 @@ TEMPLATE_ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES),
                                   undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                                   trim_blocks=True, lstrip_blocks=True)
 TEMPLATE_ENV.filters["md"] = markdown_text
+TEMPLATE_ENV.filters["pretty"] = lambda data: json.dumps(data, indent=1, sort_keys=True, default=str)
 
 
 def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_log: list[dict] = (),
@@ -447,25 +570,26 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
     staging.mkdir(mode=0o700)
     try:
         (staging / MARKER).write_text("a testbed report: `testbed report` replaces this folder\n")
-        inp = Inputs(window, [r for r in window if r["run_id"] in current_runs], fixtures, staging, settings,
-                     list(night_log), flags)
+        inp = Inputs(window, [r for r in window if r["run_id"] in current_runs], fixtures, staging,
+                     dt.datetime.now(dt.timezone.utc), settings, list(night_log), flags)
         sections = [s for s in (fn(inp) for fn in SECTIONS) if s is not None]
         if emulated:
             sections.insert(1, Section("emulated", "Figures left out",
                                        [f"{len(emulated)} figure(s) {emulation.REASON}."],
                                        [frame_table("emulated figures by device", emulation.listing(emulated))]))
         content = {
-            "generated": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "generated": inp.now.isoformat(timespec="seconds"),
             "since": since.isoformat() if since else None,
             "records": len(window),
             "current_runs": sorted(current_runs),
             "summary": summary(inp, flags),
             "flags": [asdict(f) for f in flags],
-            "breakeven_tail": inp.breakevens,
-            "sections": [asdict(s) for s in sections],
+            "breakevens": inp.breakevens,
+            "sections": [section_data(s) for s in sections],
         }
-        for name in ("report.html", "report.md"):
-            (staging / name).write_text(TEMPLATE_ENV.get_template(name + ".j2").render(**content), encoding="utf-8")
+        for name in ("report.html", "report.md"):  # for people: the sections' cells, rendered
+            page = TEMPLATE_ENV.get_template(name + ".j2").render({**content, "sections": [asdict(s) for s in sections]})
+            (staging / name).write_text(page, encoding="utf-8")
         (staging / "report.json").write_text(json.dumps(content, indent=1, default=str), encoding="utf-8")
         staging.chmod(0o755)  # mkdtemp made it private; a report is for reading, e.g. from a web server
         _replace(staging, out)
@@ -535,7 +659,8 @@ def summary(inp: Inputs, flags: list[history.Flag]) -> dict:
     oracles = [r for r in inp.current if r["kind"] == "oracle"]
     return {"oracles": len(oracles), "oracles_passed": sum(counts_as_passed(r) for r in oracles),
             "measurements": sum(r["kind"] == "measure" for r in inp.current),
-            "regressions": len(flags), "devices": sorted({r["device"] for r in inp.current})}
+            "regressions": len(flags), "devices": sorted({r["device"] for r in inp.current}),
+            "verdicts": verdict_banner(inp)}
 
 
 # --- the command ----------------------------------------------------------------------------------
@@ -575,7 +700,8 @@ def summary_line(out: Path, content: dict) -> str:
     s = content["summary"]
     return (f"report {out / 'report.html'}: {content['records']} records, {len(content['current_runs'])} current "
             f"runs on {', '.join(s['devices']) or 'no device'}; oracles {s['oracles_passed']}/{s['oracles']} pass; "
-            f"{s['regressions']} regressions")
+            f"{s['regressions']} regressions; " + (", ".join(f"{v['device']} {v['colour']}" for v in s["verdicts"])
+                                                    or "no device verdicts"))
 
 
 def command(args) -> int:

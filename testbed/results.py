@@ -49,27 +49,32 @@ VERDICTS = ("pass", "fail", "error")
 
 @dataclass
 class Figure:
-    """A measured quantity over repetitions: median with min and max, and how many reps."""
+    """A measured quantity over repetitions: median with min and max, how many reps, and each
+    repetition's value in the order they were taken (None where only the summary is known, e.g. a
+    seed's quoted figure), so tables for programs can hand out the raw samples."""
 
     median: float
     min: float
     max: float
     reps: int
     unit: str
+    samples: list[float] | None = None
 
     @classmethod
     def of(cls, samples: Iterable[float], unit: str) -> "Figure":
         s = np.asarray(list(samples), dtype=float)
-        return cls(float(np.median(s)), float(s.min()), float(s.max()), int(s.size), unit)
+        return cls(float(np.median(s)), float(s.min()), float(s.max()), int(s.size), unit, s.tolist())
 
     def scaled(self, factor: float, unit: str) -> "Figure":
         """The same figure in another unit (factor > 0; a rate inverts min and max)."""
         lo, hi = sorted((self.min * factor, self.max * factor))
-        return Figure(self.median * factor, lo, hi, self.reps, unit)
+        samples = None if self.samples is None else [x * factor for x in self.samples]
+        return Figure(self.median * factor, lo, hi, self.reps, unit, samples)
 
     def rate(self, amount: float, unit: str) -> "Figure":
         """amount / time, for a figure of seconds: tokens/s, FLOP/s. min/max swap."""
-        return Figure(amount / self.median, amount / self.max, amount / self.min, self.reps, unit)
+        samples = None if self.samples is None else [amount / x for x in self.samples]
+        return Figure(amount / self.median, amount / self.max, amount / self.min, self.reps, unit, samples)
 
 
 @dataclass

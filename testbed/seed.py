@@ -17,6 +17,7 @@ from testbed.results import Figure, Record, RunInfo
 TAIL_SWEEP = "tail_sweep_m4pro_gemma4_e2b.csv"
 CHUNK_PREFILL = "chunk_prefill_functiongemma.csv"
 SHARED_FIXTURES = Path("/work/shared/fixtures")
+SEED_MODEL = "FunctionGemma (seed 000)"  # the model of the seed's chunk-call figures
 EXPECTED_TOKEN = 48  # the all-positions redecode token at position 851 for the seed's model and prompt
 
 
@@ -44,7 +45,7 @@ def chunk_prefill_records(path: Path) -> list[tuple[RunInfo, list[Record]]]:
     df = read(path)
     runs = []
     for target, rows in df.groupby("target", sort=False):
-        info = RunInfo("chunk_prefill", target, "seed", {"source": source_line(path)},
+        info = RunInfo("chunk_prefill", target, "seed", {"source": source_line(path), "model.name": SEED_MODEL},
                        {"target": target, "source": path.name})
         records = []
         for r in rows.itertuples(index=False):

@@ -58,7 +58,7 @@ def test_run_and_table(results_dir, capsys):
     assert cli.main(["run", "chunk_prefill", "chunk=16", *SMALL]) == 0
     assert "oracles 3/3 pass, 6 measurements" in capsys.readouterr().out
     assert cli.main(["table", "chunk_prefill", "--format", "json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["rows"]
     assert {r["case"] for r in rows} >= {"P=40,n=20,C=16/token", "P=40,C=16/chunk_call", "n=52,C=16/projection"}
 
 

@@ -20,7 +20,9 @@ def test_run_gdn_stores_records_and_prints_a_summary(results_dir, capsys):
     records = ResultsStore(results_dir).records("gdn")
     assert len(records) == 38
     measure = next(r for r in records if r["kind"] == "measure")
-    assert set(measure["figures"]["time"]) == {"median", "min", "max", "reps", "unit"}
+    time = measure["figures"]["time"]
+    assert set(time) == {"median", "min", "max", "reps", "unit", "samples"}
+    assert len(time["samples"]) == time["reps"] and min(time["samples"]) == time["min"]  # every repetition kept
     assert measure["work"]["flops"] > 0 and measure["fingerprint"]["cores"] >= 1
     assert measure["config"]["bench.tokens"] == [64]
 
@@ -39,7 +41,7 @@ def test_table_formats_read_only_stored_records(results_dir, capsys):
     main(["run", "gdn", "mode=oracle", "matrix=awkward"])
     capsys.readouterr()
     assert main(["table", "gdn", "--format", "json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["rows"]
     assert len(rows) == 36 and {r["verdict"] for r in rows} == {"pass"}
     assert main(["table", "gdn", "--format", "csv"]) == 0
     assert capsys.readouterr().out.startswith("device,backend,chunk,case")

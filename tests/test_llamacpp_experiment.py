@@ -63,7 +63,7 @@ def test_a_run_reports_36_of_36_ok_and_pp512(adb_device, tmp_path, results_dir):
     from testbed.experiments import llamacpp as module
 
     shown = _summary(outcome, module)  # what `testbed run llamacpp device=hexagon` prints
-    assert "36/36 OK" in shown and "pp512/t8" in shown and "93.3 tokens/s" in shown
+    assert "36/36 OK" in shown and "pp512/t8" in shown and "| tokens/s" in shown and "93.34" in shown
 
 
 def test_a_crashed_tool_leaves_no_passing_tally(adb_device, tmp_path, results_dir):

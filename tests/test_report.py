@@ -105,8 +105,13 @@ def seed_records(tmp_path: Path) -> list[dict]:
 # --- content ---------------------------------------------------------------------------------------
 
 
-def column(table: dict, name: str) -> list[str]:
-    return [row[table["columns"].index(name)]["text"] for row in table["rows"]]
+def column(table: dict, name: str) -> list:
+    return [row[name] for row in table["rows"]]
+
+
+def breakeven_of(content: dict, device: str, source: str) -> int | None:
+    (found,) = [b["tail"] for b in content["breakevens"] if (b["device"], b["source"]) == (device, source)]
+    return found
 
 
 def test_report_tables_from_host_runs_and_seed(tmp_path, host_records, tail_records):
@@ -116,19 +121,18 @@ def test_report_tables_from_host_runs_and_seed(tmp_path, host_records, tail_reco
 
     # the tail sweep: the seed's numbers give a breakeven of 10 (tail 8 scalar wins, tail 10 padded)
     fixture_source = f"fixture:{seed.TAIL_SWEEP}"
-    assert content["breakeven_tail"]["host"][fixture_source] == 10
-    tables = {t["caption"].split(":")[0] + ":" + t["caption"].split(":")[1]: t for t in sections["tail"]["tables"]}
+    assert breakeven_of(content, "host", fixture_source) == 10
     seed_table = next(t for t in sections["tail"]["tables"] if fixture_source in t["caption"])
     assert "breakeven tail 10 (seed: 10)" in seed_table["caption"]
     sweep = pd.read_csv(FIXTURES / seed.TAIL_SWEEP, comment="#")
-    assert column(seed_table, "tail") == [str(t) for t in sweep["tail"]]
+    assert column(seed_table, "tail") == list(sweep["tail"])
     for winner, p, s in zip(column(seed_table, "winner"), sweep.padded_tps, sweep.scalar_tps):
         assert winner == "tie" or winner.split()[0] == ("padded" if p > s else "scalar")
     # the host's own measurement at tail 10, with the seed's figures at the same tail beside it
     measured = next(t for t in sections["tail"]["tables"] if t is not seed_table)
-    assert column(measured, "tail") == ["10"] and len(tables) == 2
+    assert column(measured, "tail") == [10] and len(sections["tail"]["tables"]) == 2
     at_10 = sweep.set_index("tail").loc[10]
-    assert [float(column(measured, "seed padded tok/s")[0]), float(column(measured, "seed scalar tok/s")[0])] == \
+    assert [column(measured, "seed padded tok/s")[0], column(measured, "seed scalar tok/s")[0]] == \
         [at_10.padded_tps, at_10.scalar_tps]
 
     # the chunk-size choice on the Mali: one 64-call per 36..52-token utterance beats two 32-calls
@@ -137,34 +141,35 @@ def test_report_tables_from_host_runs_and_seed(tmp_path, host_records, tail_reco
     lengths = report.settings()["utterance_lengths"]
     projected = {c: sum(math.ceil(n / c) * mali[c] for n in lengths) / len(lengths) for c in mali.index}
     table = next(t for t in sections["chunk"]["tables"] if t["caption"].startswith("mali"))
-    assert table["caption"] == f"mali-vulkan-valhall4: utterances of {lengths} tokens"
-    chosen = [row[0]["text"] for row in table["rows"] if row[-1]["text"]]
-    assert chosen == [str(min(projected, key=projected.get))]
+    assert table["caption"] == f"mali-vulkan-valhall4 / seed / {seed.SEED_MODEL}: utterances of {lengths} tokens"
+    chosen = [row["C"] for row in table["rows"] if row["choice"]]
+    assert chosen == [min(projected, key=projected.get)]
 
     # the host's own chunk calls: the C of least mean projected latency over its run's utterance lengths
-    host_table = next(t for t in sections["chunk"]["tables"] if t["caption"].startswith("host"))
+    host_table = next(t for t in sections["chunk"]["tables"] if t["caption"].startswith("host / refimpl / tiny:"))
     timed = {r["params"]["chunk"]: r["figures"]["time"]["median"] for r in tail_records
              if r["experiment"] == "chunk_prefill" and r["params"].get("form") == "chunk_call"}
     run_lengths = next(r["config"]["latency.utterance_tokens"] for r in tail_records if r["experiment"] == "chunk_prefill")
     mean = {c: sum(math.ceil(n / c) * t for n in run_lengths) / len(run_lengths) for c, t in timed.items()}
-    assert column(host_table, "C") == ["16", "32"]
-    assert [row[0]["text"] for row in host_table["rows"] if row[-1]["text"]] == [str(min(mean, key=mean.get))]
+    assert column(host_table, "C") == [16, 32]
+    assert [row["C"] for row in host_table["rows"] if row["choice"]] == [min(mean, key=mean.get)]
 
     # the oracle matrix: one cell per device, backend and oracle, counts as in the store
     matrix = sections["oracles"]["tables"][0]
-    host = next(row for row in matrix["rows"] if row[0]["text"] == "host")
+    host = next(row for row in matrix["rows"] if row["device"] == "host" and row["gdn:nmse"])
+    ids = {r["record_id"] for r in host_records}
     for oracle in ("nmse", "bitexact"):
         n = sum(r["oracle"] == oracle for r in host_records if r["kind"] == "oracle")
-        cell = host[matrix["columns"].index(f"gdn:{oracle}")]
-        assert cell["text"].startswith(f"{n}/{n} pass") and cell["href"].startswith("#rec-")
-    assert any(row[0]["text"] == "mali-vulkan-valhall4" for row in matrix["rows"])
+        cell = host[f"gdn:{oracle}"]
+        assert (cell["passed"], cell["total"]) == (n, n) and cell["worst_record"] in ids
+    assert any(row["device"] == "mali-vulkan-valhall4" for row in matrix["rows"])
 
     # GDN throughput: one row per bench record, with the sgemm fraction the run measured
-    gdn = sections["gdn"]["tables"][0]
+    (gdn,) = sections["gdn"]["tables"]  # one run: one device, backend and model
     measures = [r for r in host_records if r["kind"] == "measure"]
-    assert len(gdn["rows"]) == len(measures)
-    fractions = sorted(float(row[gdn["columns"].index("of sgemm")]["text"]) for row in gdn["rows"])
-    assert fractions == pytest.approx(sorted(r["metrics"]["sgemm_fraction"] for r in measures), rel=1e-3)
+    assert gdn["caption"] == "host / refimpl / 4 heads x 64" and len(gdn["rows"]) == len(measures)
+    fractions = sorted(column(gdn, "of sgemm"))
+    assert fractions == sorted(r["metrics"]["sgemm_fraction"] for r in measures)
 
     # the same content for people (Markdown) and the page's images beside it
     md = (tmp_path / "report" / "report.md").read_text()
@@ -172,7 +177,7 @@ def test_report_tables_from_host_runs_and_seed(tmp_path, host_records, tail_reco
     for section in content["sections"]:
         for image in section["images"]:
             assert (tmp_path / "report" / image["file"]).stat().st_size > 1000
-    assert json.loads((tmp_path / "report" / "report.json").read_text())["breakeven_tail"]["host"][fixture_source] == 10
+    assert breakeven_of(json.loads((tmp_path / "report" / "report.json").read_text()), "host", fixture_source) == 10
 
 
 def jittered_nights(records: list[dict], first_day: int, factors: list[float], case: str) -> list[list[dict]]:
@@ -238,12 +243,12 @@ def test_oracle_that_flips_to_fail_is_flagged(tmp_path, host_records):
     flips = [f for f in content["flags"] if f["kind"] == "oracle"]
     assert [(f["case"], f["change"], f["since"]) for f in flips] == [(victim["case"], "pass -> fail", bad[0]["started"])]
     matrix = next(s for s in content["sections"] if s["id"] == "oracles")["tables"][0]
-    host = next(row for row in matrix["rows"] if row[0]["text"] == "host")
-    cell = host[matrix["columns"].index("gdn:nmse")]
+    (host,) = [row for row in matrix["rows"] if row["device"] == "host"]
+    cell = host["gdn:nmse"]
     n = sum(r["oracle"] == "nmse" for r in host_records)
-    assert cell["cls"] == "fail" and cell["text"].startswith(f"{n - 1}/{n} pass")
+    assert (cell["passed"], cell["total"]) == (n - 1, n)
     record_id = next(r["record_id"] for r in bad if r["case"] == victim["case"])
-    assert cell["href"] == f"#rec-{record_id[:12]}"
+    assert cell["worst_record"] == record_id
     assert f'id="rec-{record_id[:12]}"' in (tmp_path / "report" / "report.html").read_text()
 
 

@@ -40,17 +40,19 @@ def test_sweep_prints_rows_and_breakeven_then_table_reads_them(results_dir, caps
     assert "\nbreakeven: " in out
     assert cli.main(["table", "tail", "--format", "json"]) == 0
     table = json.loads(capsys.readouterr().out)
-    assert [r["N"] for r in table] == [128, 148, 188, "breakeven"]
-    if table[-1]["tail"] is not None:  # padding won for good: the policy can take its threshold
+    assert [r["N"] for r in table["rows"]] == [128, 148, 188]  # rows are rows; the breakeven is apart
+    (found,) = table["breakevens"]
+    assert found["largest_tail"] == 60 and found["tails"] == 3
+    if found["tail"] is not None:  # padding won for good: the policy can take its threshold
         rc = config.load(["experiment=tail", *TINY, "threshold=measured"])
-        assert tail.policy_threshold(rc.cfg, "host") == table[-1]["tail"] - 1
+        assert tail.policy_threshold(rc.cfg, "host") == found["tail"] - 1 == found["threshold"]
 
 
 def test_fixture_mode_prints_the_reviewers_table_and_breakeven_10(results_dir, capsys):
     assert cli.main(["run", "tail", "mode=fixture"]) == 0
     out = capsys.readouterr().out
     assert "scalar +2.5%" in out and "padded +123%" in out
-    assert "| breakeven " in out and "padded from tail 10 (threshold 9)" in out
+    assert "breakeven (fixture:" in out and "padded from tail 10 (threshold 9)" in out
 
 
 def test_oracle_mode_passes_on_the_host(results_dir, capsys):

@@ -309,7 +309,7 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
         else:
             rows.append(base | {"ms": r["figures.time.median"] * 1e3, "min ms": r["figures.time.min"] * 1e3,
                                 "max ms": r["figures.time.max"] * 1e3, "reps": r["figures.time.reps"],
-                                "GFLOP/s": r.get("figures.gflops.median")})
+                                "GFLOP/s": r.get("figures.gflops.median"), "samples": tables.samples(r)})
     return pd.DataFrame(rows)
 
 

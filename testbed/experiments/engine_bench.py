@@ -23,6 +23,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma
+from testbed import tables
 from testbed.backends.native import engine
 from testbed.config import Choice, Float, Int
 from testbed.results import Figure, Record
@@ -107,5 +108,5 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                      else r.get("figures.decode_step.median"),
                      "reference": r.get("figures.sgemm.median") if "matmul" in r["case"]
                      else r.get("figures.stream.median"),
-                     "unit": "GFLOP/s" if "matmul" in r["case"] else "s"})
+                     "unit": "GFLOP/s" if "matmul" in r["case"] else "s", "samples": tables.samples(r)})
     return pd.DataFrame(rows)

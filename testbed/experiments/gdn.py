@@ -29,7 +29,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from refimpl import gdn as ref
-from testbed import backends
+from testbed import backends, tables
 from testbed.backends.iree.artifacts import target_names
 from testbed.config import Choice, Float, Int, IntList
 from testbed.errors import UsageError
@@ -317,7 +317,7 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                          "tokens/s": r.get("figures.tokens_per_s.median"),
                          "GFLOP/s": r.get("figures.gflops.median"),
                          "x serial": r.get("metrics.speedup_vs_serial"),
-                         "of sgemm": r.get("metrics.sgemm_fraction")})
+                         "of sgemm": r.get("metrics.sgemm_fraction"), "samples": tables.samples(r)})
     return pd.DataFrame(rows)
 
 

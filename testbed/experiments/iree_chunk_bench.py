@@ -19,6 +19,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from refimpl import gemma
+from testbed import tables
 from testbed.config import Choice, Float, Int
 from testbed.contract import pack_prefill_with_past
 from testbed.experiments.chunk_prefill import PRESETS, _model_key, load_model
@@ -108,5 +109,5 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
         else:
             rows.append(base | {"ms": r["figures.time.median"] * 1e3, "min ms": r["figures.time.min"] * 1e3,
                                 "max ms": r["figures.time.max"] * 1e3, "reps": r["figures.time.reps"],
-                                "GFLOP/s": r.get("figures.gflops.median")})
+                                "GFLOP/s": r.get("figures.gflops.median"), "samples": tables.samples(r)})
     return pd.DataFrame(rows)

@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
+from testbed import tables
 from testbed.backends.llamacpp import build as builder
 from testbed.backends.llamacpp import ggml_gdn, models
 from testbed.backends.llamacpp import runner as llamacpp
@@ -181,12 +182,10 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
         if r["kind"] == "oracle" and (r["case"].endswith("/tally") or r["verdict"] != "pass"):
             rows.append({"device": r["device"], "case": r["case"], "verdict": r["verdict"],
                          "result": r["metrics.tally"] if r["case"].endswith("/tally") else r.get("detail")})
-        elif r["kind"] == "measure":
-            tps = r.get("figures.tokens_per_s.median")
+        elif r["kind"] == "measure":  # figures as numbers, each in its own column
             rows.append({"device": r["device"], "case": r["case"], "verdict": "",
-                         "result": (f"{tps:.1f} tokens/s" if pd.notna(tps) else
-                                    f"{r.get('figures.time.median'):.2f} us/run, "
-                                    f"{r.get('figures.bandwidth.median', float('nan')):.2f} GB/s")})
+                         "tokens/s": r.get("figures.tokens_per_s.median"), "us/run": r.get("figures.time.median"),
+                         "GB/s": r.get("figures.bandwidth.median"), "samples": tables.samples(r)})
     return pd.DataFrame(rows)
 
 

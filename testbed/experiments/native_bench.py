@@ -23,6 +23,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from refimpl import gemma
+from testbed import tables
 from testbed.backends.native.build import build_programs, target_for_abi
 from testbed.backends.native.device import NativeJob, run_native
 from testbed.config import Choice, Int
@@ -196,5 +197,6 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                      "x decode": None if is_cache else r.get("metrics.speedup_vs_decode"),
                      "outside kernel ms": None if is_cache else r.get("figures.outside_kernel.median"),
                      "GB/s": r.get("figures.bandwidth.median"),
-                     "rollback / decode step": r.get("metrics.rollback_vs_decode_step") if is_cache else None})
+                     "rollback / decode step": r.get("metrics.rollback_vs_decode_step") if is_cache else None,
+                     "samples": tables.samples(r)})
     return pd.DataFrame(rows)

@@ -344,28 +344,28 @@ def sweep_frame(df: pd.DataFrame) -> pd.DataFrame:
     })
 
 
-def breakeven_row(sweep: pd.DataFrame) -> dict:
+def breakeven_of(source: str, sweep: pd.DataFrame) -> dict:
+    """The sweep's breakeven as data: the tail padding wins from (None: not up to the largest tail
+    measured), the policy threshold it gives, and the sentence a person reads."""
     b = breakeven.breakeven_tail(sweep)
     largest = int(sweep["tail"].max())
-    if b is None:
-        return {"N": "breakeven", "winner": f"none: padding does not win at tail {largest}"}
-    return {"N": "breakeven", "tail": b, "winner": f"padded from tail {b} (threshold {b - 1})"}
+    says = (f"none: padding does not win at tail {largest}" if b is None
+            else f"padded from tail {b} (threshold {b - 1})")
+    return {"source": source, "tail": b, "threshold": breakeven.threshold_from_breakeven(b),
+            "largest_tail": largest, "tails": int(sweep["tail"].nunique()), "says": says}
 
 
 MIN_SWEEP_TAILS = 3  # fewer tails are a comparison (1023 vs 1024), not a sweep with a breakeven
 
 
 def view(df: pd.DataFrame) -> pd.DataFrame:
-    """Measurements: the reviewer's table per source, closed by its breakeven row when it has at
-    least MIN_SWEEP_TAILS tails. Without measurements: the oracle verdicts."""
+    """Measurements: the reviewer's table per source (its breakeven is `breakevens`). Without
+    measurements: the oracle verdicts."""
     sweep = sweep_frame(df)
     if len(sweep):
         parts = []
         for source, rows in sweep.groupby("source", sort=False):
-            # object columns keep whole numbers whole beside the breakeven row's blanks
-            table = breakeven.tail_table(rows).astype(object)
-            if rows["tail"].nunique() >= MIN_SWEEP_TAILS:
-                table = pd.concat([table, pd.DataFrame([breakeven_row(rows)], dtype=object)], ignore_index=True)
+            table = breakeven.tail_table(rows)
             table.insert(0, "source", source)
             parts.append(table)
         return pd.concat(parts, ignore_index=True)
@@ -376,6 +376,15 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
         "padded mode": oracles.get("metrics.padded_mode"), "agree": oracles.get("metrics.sequence_agree"),
         "detail": oracles["detail"],
     }).reset_index(drop=True) if len(oracles) else pd.DataFrame()
+
+
+def breakevens(df: pd.DataFrame) -> list[dict]:
+    """The breakeven of each source's sweep that has at least MIN_SWEEP_TAILS tails."""
+    sweep = sweep_frame(df)
+    if sweep.empty:
+        return []
+    return [breakeven_of(source, rows) for source, rows in sweep.groupby("source", sort=False)
+            if rows["tail"].nunique() >= MIN_SWEEP_TAILS]
 
 
 def sweep_row(df: pd.DataFrame) -> dict:
@@ -401,4 +410,4 @@ def sweep_footer(rows: pd.DataFrame, jobs) -> str:
         return ""
     sweep = rows.rename(columns=TABLE_TO_SWEEP).dropna(subset=["padded_tps"])
     sweep["tail"] = sweep["tail"].astype(int)
-    return "breakeven: " + breakeven_row(sweep)["winner"]
+    return "breakeven: " + breakeven_of("this sweep", sweep)["says"]

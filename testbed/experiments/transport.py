@@ -18,6 +18,7 @@ from typing import Iterator
 import pandas as pd
 from omegaconf import DictConfig
 
+from testbed import tables
 from testbed.config import Int
 from testbed.measure import time_call
 from testbed.results import Record
@@ -55,5 +56,6 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
         rate = r.get("figures.rate.median")
         rows.append({"device": r["device"], "case": r["case"], "median": r["figures.time.median"],
                      "unit": r["figures.time.unit"], "min": r["figures.time.min"], "max": r["figures.time.max"],
-                     "reps": r["figures.time.reps"], "MB/s": None if pd.isna(rate) else round(float(rate), 1)})
+                     "reps": r["figures.time.reps"], "MB/s": None if pd.isna(rate) else float(rate),
+                     "samples": tables.samples(r)})
     return pd.DataFrame(rows)
