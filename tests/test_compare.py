@@ -54,7 +54,7 @@ def results(tmp_path, monkeypatch) -> ResultsStore:
 
 
 def rows_by_quantity(out: str) -> dict[str, dict]:
-    return {r["quantity"]: r for r in json.loads(out)}
+    return {r["quantity"]: r for r in json.loads(out)["rows"]}
 
 
 def test_a_planted_slowdown_between_commits_is_slower_beyond_noise(results, capsys):
@@ -81,7 +81,7 @@ def test_the_same_distribution_twice_is_within_noise(results, capsys):
     store_runs(results, "cccc3333" * 5, seed=4, runs=6, first_night=6)
     status, out, _ = compare_cli(capsys, "aaaa", "cccc", "--format", "json")
     assert status == 0
-    assert {r["quantity"]: r["verdict"] for r in json.loads(out)} == {
+    assert {r["quantity"]: r["verdict"] for r in json.loads(out)["rows"]} == {
         "time": "within noise", "cpu_time": "within noise", "nmse": "pass"}
 
 
@@ -141,7 +141,7 @@ def test_emulated_figures_are_not_compared_for_speed(results, capsys):
     store_runs(results, "aaaa1111" * 5, seed=13, runs=5, emulated=True)
     store_runs(results, "abab7777" * 5, seed=14, runs=5, first_night=5, slower=2.0, emulated=True)
     status, out, _ = compare_cli(capsys, "aaaa", "abab", "--format", "json")
-    assert [r["quantity"] for r in json.loads(out)] == ["nmse"] and status == 0
+    assert [r["quantity"] for r in json.loads(out)["rows"]] == ["nmse"] and status == 0
 
 
 @pytest.mark.parametrize("make, spec, says", [
