@@ -5,9 +5,13 @@ A side is one of (tried in this order):
   a results store   a folder holding records.jsonl: every record in it
   a night id        a night of `testbed nightly` (its night log, RESULTS/nights): the runs it made
   a commit          a hex prefix (4+ digits) of the records' git commit, in the configured store
+  a setting         KEY=VALUE: the runs in the configured store whose configuration has KEY = VALUE,
+                    e.g. two llama.cpp forks swept in one store (`testbed sweep experiment=llamacpp
+                    llamacpp.source=UPSTREAM,PATCHED`): `testbed compare llamacpp.source=UPSTREAM
+                    llamacpp.source=PATCHED` gives their tallies, perf per case and pp512 side by side
 
 Records are matched on experiment, device, backend, configuration (as testbed.history compares runs:
-where results and fixtures live is not part of it), case and the measured quantity or oracle. A
+where results and fixtures live is not part of it, nor the KEY of a setting side), case and the measured quantity or oracle. A
 measured quantity is a timing with the rates computed from it (testbed.history.quantities): one row,
 the derived figures named beside it.
 
@@ -37,6 +41,7 @@ from testbed.results import ResultsStore, passed
 
 ALPHA = 0.05
 COMMIT = re.compile(r"[0-9a-f]{4,40}(-dirty)?")  # what testbed.results.git_commit stores, or a prefix
+SETTING = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_.]*)=(?P<value>.*)", re.S)
 # Runs per side up to which the Mann-Whitney distribution is counted exactly; beyond, its normal limit.
 EXACT_UP_TO = 25
 NAMED = 3  # how many known commits and nights an error about a side names
@@ -46,6 +51,18 @@ NAMED = 3  # how many known commits and nights an error about a side names
 class Side:
     label: str  # what the user gave, and what it turned out to be
     records: list[dict]
+    setting: str | None = None  # a setting side's KEY: the two sides differ in it, so matching ignores it
+
+
+def _same_value(stored, given: str) -> bool:
+    """A stored config value against a command line's text: as text, or as YAML reads it (64, true)."""
+    import yaml
+
+    try:
+        parsed = yaml.safe_load(given)
+    except yaml.YAMLError:
+        parsed = given
+    return str(stored) == given or (stored == parsed and type(stored) is type(parsed))
 
 
 def resolve(spec: str, default: ResultsStore, nights: list[dict]) -> Side:
@@ -78,11 +95,21 @@ def resolve(spec: str, default: ResultsStore, nights: list[dict]) -> Side:
                          f"({', '.join(c[:12] for c in commits[:NAMED])}); accepted: a prefix long enough to name one")
     if commits:
         return Side(f"commit {commits[0][:12]}", [r for r in records if r["git_commit"] == commits[0]])
+    if (setting := SETTING.fullmatch(spec)) is not None:
+        key, value = setting["key"], setting["value"]
+        chosen = [r for r in records if key in r.get("config", {}) and _same_value(r["config"][key], value)]
+        if chosen:
+            return Side(f"{key}={value}", chosen, key)
+        known = sorted({str(r["config"][key]) for r in records if key in r.get("config", {})})[:NAMED]
+        raise UsageError(f"setting {spec!r} matches no record in {default.path}; accepted: KEY=VALUE of a stored run's "
+                         + (f"configuration ({key} was: {', '.join(known)})" if known else
+                            f"configuration ({key!r} is in none)"))
     known_commits = sorted({r["git_commit"][:10] for r in records})[:NAMED]
     known_nights = [n["night"] for n in nights][-NAMED:]
     raise UsageError(f"{spec!r} matches nothing; accepted: a results store folder (with {ResultsStore.FILE}), a "
                      f"night id (e.g. {', '.join(known_nights) or 'none logged'}) or a commit prefix of 4+ hex digits "
-                     f"(e.g. {', '.join(known_commits) or f'none stored in {default.path}'})")
+                     f"(e.g. {', '.join(known_commits) or f'none stored in {default.path}'}), or KEY=VALUE of a run's "
+                     "configuration")
 
 
 # --- the two-sample rule ---------------------------------------------------------------------------
@@ -139,8 +166,8 @@ def judge_change(a: list[float], b: list[float], unit: str) -> tuple[float | Non
 # --- matching ---------------------------------------------------------------------------------------
 
 
-def _match_key(r: dict) -> tuple:
-    return r["experiment"], r["device"], r.get("backend", ""), history.config_key(r), r["case"]
+def _match_key(r: dict, ignoring: tuple[str, ...] = ()) -> tuple:
+    return r["experiment"], r["device"], r.get("backend", ""), history.config_key(r, ignoring), r["case"]
 
 
 def _summary(side: str, figs: list[dict]) -> dict:
@@ -152,13 +179,13 @@ def _summary(side: str, figs: list[dict]) -> dict:
             f"{side}_runs": len(figs)}
 
 
-def figure_rows(a: list[dict], b: list[dict]) -> list[dict]:
+def figure_rows(a: list[dict], b: list[dict], ignoring: tuple[str, ...] = ()) -> list[dict]:
     """One row per measured quantity of every series, judged where both sides measured it."""
     rows = []
     sides = {"A": emulation.split([r for r in a if r["kind"] == "measure"])[0],
              "B": emulation.split([r for r in b if r["kind"] == "measure"])[0]}
-    for key in sorted({_match_key(r) for side in sides.values() for r in side}):
-        runs = {s: history.by_run_time([r for r in recs if _match_key(r) == key]) for s, recs in sides.items()}
+    for key in sorted({_match_key(r, ignoring) for side in sides.values() for r in side}):
+        runs = {s: history.by_run_time([r for r in recs if _match_key(r, ignoring) == key]) for s, recs in sides.items()}
         for name, derived in history.quantities(runs["A"] + runs["B"]):
             figs = {s: [r["figures"][name] for r in rs if name in r.get("figures", {})] for s, rs in runs.items()}
             unit = (figs["B"] or figs["A"])[-1]["unit"]
@@ -178,13 +205,13 @@ def _tally(records: list[dict]) -> str:
     return f"{sum(passed(r) for r in records)}/{len(records)} pass"
 
 
-def oracle_rows(a: list[dict], b: list[dict]) -> list[dict]:
+def oracle_rows(a: list[dict], b: list[dict], ignoring: tuple[str, ...] = ()) -> list[dict]:
     """One row per oracle of every matched case: its pass counts on either side, and what changed."""
     def by_key(records):
         out: dict[tuple, list[dict]] = {}
         for r in records:
             if r["kind"] == "oracle":
-                out.setdefault((*_match_key(r), r.get("oracle") or ""), []).append(r)
+                out.setdefault((*_match_key(r, ignoring), r.get("oracle") or ""), []).append(r)
         return out
 
     sides = {"A": by_key(a), "B": by_key(b)}
@@ -205,12 +232,12 @@ def oracle_rows(a: list[dict], b: list[dict]) -> list[dict]:
     return rows
 
 
-def frame(a: list[dict], b: list[dict]) -> pd.DataFrame:
+def frame(a: list[dict], b: list[dict], ignoring: tuple[str, ...] = ()) -> pd.DataFrame:
     """The comparison as data: numeric columns for figures, pass counts for oracles."""
     columns = ["experiment", "device", "backend", "config", "case", "quantity", "derived", "unit",
                "a_median", "a_min", "a_max", "a_runs", "b_median", "b_min", "b_max", "b_runs", "change_pct", "p",
                "a_verdict", "b_verdict", "verdict"]
-    df = pd.DataFrame(figure_rows(a, b) + oracle_rows(a, b), columns=columns)
+    df = pd.DataFrame(figure_rows(a, b, ignoring) + oracle_rows(a, b, ignoring), columns=columns)
     return df.astype({"a_runs": "Int64", "b_runs": "Int64"})  # counts, null on an oracle's row
 
 
@@ -247,7 +274,7 @@ def command(args) -> int:
     default = runner.results_store(config.load([]))
     nights = report.night_log(default.root)
     a, b = (resolve(spec, default, nights) for spec in (args.a, args.b))
-    df = frame(a.records, b.records)
+    df = frame(a.records, b.records, tuple({s.setting for s in (a, b) if s.setting}))
     if df.empty:
         print(f"A ({a.label}) and B ({b.label}) have no experiment, device and case in common", file=sys.stderr)
         return 1
@@ -269,7 +296,8 @@ def command(args) -> int:
 def register(commands) -> None:
     c = commands.add_parser("compare", help="two commits, nights or stores side by side: each change and whether "
                                             "it is beyond noise")
-    c.add_argument("a", help="a results store folder, a night id (testbed nightly's log) or a commit prefix")
+    c.add_argument("a", help="a results store folder, a night id (testbed nightly's log), a commit prefix, or "
+                                "KEY=VALUE of a stored run's configuration (e.g. llamacpp.source=PATH)")
     c.add_argument("b", help="the same kinds as A; changes are B against A")
     c.add_argument("--format", choices=tables.FORMATS, default="md")
     c.set_defaults(fn=command)

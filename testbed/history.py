@@ -36,9 +36,10 @@ from itertools import groupby
 NOT_PART_OF_CONFIG = ("results_dir", "fixtures_dir")
 
 
-def config_key(record: dict) -> str:
-    """A short digest of the record's configuration: equal digests mean comparable runs."""
-    config = {k: v for k, v in record.get("config", {}).items() if k not in NOT_PART_OF_CONFIG}
+def config_key(record: dict, ignoring: tuple[str, ...] = ()) -> str:
+    """A short digest of the record's configuration: equal digests mean comparable runs. `ignoring`:
+    settings left out besides where things live (the one two sides of a comparison differ in)."""
+    config = {k: v for k, v in record.get("config", {}).items() if k not in NOT_PART_OF_CONFIG + tuple(ignoring)}
     return hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
 
 

@@ -21,9 +21,10 @@ CASE = "H=4,hs=64,T=512/chunkwise"
 
 
 def store_run(store: ResultsStore, commit: str, night: int, seconds: np.ndarray, cpu_seconds: np.ndarray,
-              verdict: str = "pass", emulated: bool = False, chunk: int = 64) -> str:
+              verdict: str = "pass", emulated: bool = False, chunk: int = 64, source: str | None = None) -> str:
     """One run of gdn on the host: its bench figures and one oracle verdict, stored between run marks."""
-    info = RunInfo("gdn", "host", "native", {"chunk": chunk, "results_dir": str(store.root)}, {}, emulated=emulated,
+    config = {"chunk": chunk, "results_dir": str(store.root), **({"llamacpp.source": source} if source else {})}
+    info = RunInfo("gdn", "host", "native", config, {}, emulated=emulated,
                    git_commit=commit, started=f"2026-02-{night + 1:02d}T02:00:00+00:00")
     t = Figure.of(seconds, "s")
     bench = Record("gdn", CASE, "measure", figures={
@@ -192,3 +193,22 @@ def test_the_normal_limit_agrees_with_the_exact_count_just_past_where_it_takes_o
     u = sum(x > y for x in a for y in b)
     exact = 2 * sum(compare._u_counts(n, n)[:min(u, n * n - u) + 1]) / math.comb(2 * n, n)
     assert 1e-3 < exact < 0.5 and compare.mann_whitney_p(a, b) == pytest.approx(exact, rel=0.05)
+
+
+def test_two_sources_swept_into_one_store_are_compared_by_their_setting(results, capsys):
+    """Seed 002's "93 -> 98: neutral or not?": upstream and a patched fork, swept on one commit."""
+    store_runs(results, "aaaa1111" * 5, seed=31, runs=5, source="/src/upstream")
+    store_runs(results, "aaaa1111" * 5, seed=32, runs=5, first_night=5, source="/src/fork", slower=SLOWDOWN,
+               verdict="fail")
+    status, out, err = compare_cli(capsys, "llamacpp.source=/src/upstream", "llamacpp.source=/src/fork",
+                                   "--format", "json")
+    rows = rows_by_quantity(out)
+    assert rows["time"]["verdict"] == "slower" and rows["nmse"]["verdict"] == "PASS -> FAIL"
+    assert status == 1 and "PASS -> FAIL" in err
+
+
+def test_a_setting_no_run_has_is_refused_naming_the_values_stored(results, capsys):
+    store_runs(results, "aaaa1111" * 5, seed=33, runs=1, source="/src/upstream")
+    status, _, err = compare_cli(capsys, "llamacpp.source=/src/upstream", "llamacpp.source=/src/typo")
+    assert status == 2
+    assert "setting 'llamacpp.source=/src/typo' matches no record" in err and "/src/upstream" in err

@@ -192,7 +192,9 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
 def sweep_row(df: pd.DataFrame) -> dict:
     """One job of a sweep; over sources it compares forks side by side:
     `testbed sweep experiment=llamacpp device=qemu-aarch64 llamacpp.source=UPSTREAM,PATCHED` gives per
-    fork the harness' tally, testbed's reference verdicts on ggml's op, and us/run per perf case."""
+    fork the harness' tally, testbed's reference verdicts on ggml's op, and us/run per perf case.
+    Whether a change is beyond noise takes several runs a side: `testbed compare llamacpp.source=UPSTREAM
+    llamacpp.source=PATCHED` judges every figure over the stored runs of each."""
     row = {}
     oracles = df[df["kind"] == "oracle"]
     tally = oracles[oracles["case"].str.endswith("/tally")]
