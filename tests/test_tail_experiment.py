@@ -33,17 +33,37 @@ def test_bench_records_one_per_length_and_mode(results_dir, capsys):
     assert "| 140 " in out and "winner" in out and "breakeven" not in out  # two tails: no sweep
 
 
-def test_sweep_prints_rows_and_breakeven_then_table_reads_them(results_dir, capsys):
-    assert cli.main(["sweep", "experiment=tail", *TINY, "tail=0,20,60", "reps=2", "warmup=0"]) == 0
+def test_a_sweep_over_tails_is_one_interleaved_job_then_table_reads_it(results_dir, capsys):
+    assert cli.main(["sweep", "experiment=tail", *TINY, "tail=0,20,60", "reps=3", "warmup=0"]) == 0
     out = capsys.readouterr().out
-    assert sum(line.startswith("| tail ") for line in out.splitlines()) == 3  # one row per job
-    assert "\nbreakeven: " in out
+    assert "1 runs" in out and "| [0,20,60] " in out  # the three tails in one job, its breakeven in the row
+    assert "breakeven tail" in out
+    rows = records(results_dir)
+    assert len({r["run_id"] for r in rows}) == 1 and len(rows) == 6
+    # each repetition ran every (N, mode) once: the positions of the six variants fill 0..5 per rep
+    positions = [r["metrics"]["interleave.positions"] for r in rows]
+    for rep in zip(*positions):
+        assert sorted(rep) == list(range(6))
+    assert len({tuple(p) for p in positions}) > 1 and all(r["params"]["order_seed"] == 0 for r in rows)
+    for r in rows:  # CPU time beside wall time, each with its spread
+        for name in ("ttft", "ttft_cpu"):
+            fig = r["figures"][name]
+            assert fig["reps"] == 3 and fig["min"] <= fig["median"] <= fig["max"]
     assert cli.main(["table", "tail", "--format", "json"]) == 0
     table = json.loads(capsys.readouterr().out)
     assert [r["N"] for r in table] == [128, 148, 188, "breakeven"]
     if table[-1]["tail"] is not None:  # padding won for good: the policy can take its threshold
         rc = config.load(["experiment=tail", *TINY, "threshold=measured"])
         assert tail.policy_threshold(rc.cfg, "host") == table[-1]["tail"] - 1
+
+
+def test_the_table_shows_each_sources_latest_run_whole(results_dir, capsys):
+    assert cli.main(["run", "tail", *TINY, "tail=[0,20,60]", "reps=1", "warmup=0"]) == 0
+    assert cli.main(["run", "tail", *TINY, "tail=[4,8]", "reps=1", "warmup=0"]) == 0
+    capsys.readouterr()
+    assert cli.main(["table", "tail", "--format", "json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    assert [r["N"] for r in table] == [132, 136]  # not stitched with the first run's tails
 
 
 def test_fixture_mode_prints_the_reviewers_table_and_breakeven_10(results_dir, capsys):
