@@ -44,11 +44,16 @@ def interleaved_order(keys: list[Hashable], reps: int, seed: int | None) -> list
 
 @dataclass
 class Interleaved:
-    """Variants timed interleaved: per variant and clock, a Figure in seconds; the order they ran in."""
+    """Variants timed interleaved: their samples per clock, in repetition order; the order they ran in."""
 
-    figures: dict[Hashable, dict[str, Figure]]
+    samples: dict[Hashable, dict[str, list[float]]]  # per variant and clock, seconds, one per repetition
     order: list[list[Hashable]]  # per repetition, the variants in the order they were timed
     seed: int | None             # the shuffle's seed (None: the given order every repetition)
+
+    @property
+    def figures(self) -> dict[Hashable, dict[str, Figure]]:
+        """Per variant and clock, a Figure in seconds (median, min, max, reps)."""
+        return {key: {c: Figure.of(s, "s") for c, s in by_clock.items()} for key, by_clock in self.samples.items()}
 
     def positions(self, key: Hashable) -> list[int]:
         """Where `key` ran in each repetition (0 = first)."""
@@ -71,8 +76,7 @@ def time_interleaved(fns: dict[Hashable, Callable[[], object]], reps: int = 5, w
         for key in rep:
             for clock, seconds in timer(fns[key]).items():
                 samples[key].setdefault(clock, []).append(seconds)
-    figures = {key: {c: Figure.of(s, "s") for c, s in by_clock.items()} for key, by_clock in samples.items()}
-    return Interleaved(figures, order, seed)
+    return Interleaved(samples, order, seed)
 
 
 def time_alternating_clocks(fns: dict[str, Callable[[], object]], reps: int = 5,

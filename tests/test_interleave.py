@@ -97,3 +97,13 @@ def test_the_interleaved_sweep_finds_the_breakeven_of_the_mean_load(seed):
     calls = {(t, mode): timer.variant(t, mode) for t in TAILS for mode in ("padded", "scalar")}
     timed = time_interleaved(calls, reps=REPS, warmup=0, seed=seed, timer=timer)
     assert breakeven_of(timed.figures) == expected_breakeven()
+
+
+def test_a_sweep_keeps_the_keys_measured_together_in_each_job():
+    from testbed import config, experiments
+
+    together = experiments.sweep_together(config.swept_experiments(["experiment=tail"]))
+    assert together == ["tail"]
+    assert config.expand_sweep(["experiment=tail", "tail=0,4,8", "chunk=64,128"], together) == [
+        ["experiment=tail", "tail=[0,4,8]", "chunk=64"], ["experiment=tail", "tail=[0,4,8]", "chunk=128"]]
+    assert len(config.expand_sweep(["experiment=tail", "tail=0,4,8", "chunk=64,128"])) == 6  # otherwise a job each
