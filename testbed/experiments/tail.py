@@ -405,8 +405,10 @@ def sweep_row(df: pd.DataFrame) -> dict:
     row: dict = {}
     sweep = sweep_frame(df)
     if len(sweep):
-        found = breakeven_row(sweep)
-        row.update({"tails": len(sweep), "breakeven tail": found.get("tail"), "winner": found["winner"]})
+        row["tails"] = int(sweep["tail"].nunique())
+        if row["tails"] >= MIN_SWEEP_TAILS:
+            found = breakeven_row(sweep)
+            row.update({"breakeven tail": found.get("tail"), "winner": found["winner"]})
     oracles = df[df["kind"] == "oracle"]
     if len(oracles):
         row["oracles"] = f"{int((oracles['verdict'] == 'pass').sum())}/{len(oracles)} pass"
