@@ -69,9 +69,11 @@ class DriftingTimer:
 
 
 def breakeven_of(figures) -> int | None:
+    def rate(t: int, mode: str) -> float:
+        return 1 / figures[t, mode]["wall"].median
+
     rows = [{"prompt_tokens": 128 + t, "tail": t, "padded_ttft_ms": 0.0, "scalar_ttft_ms": 0.0,
-             "padded_tps": 1 / figures[t, "padded"]["wall"].median, "scalar_tps": 1 / figures[t, "scalar"]["wall"].median}
-            for t in TAILS]
+             "padded_tps": rate(t, "padded"), "scalar_tps": rate(t, "scalar")} for t in TAILS]
     return breakeven.breakeven_tail(pd.DataFrame(rows))
 
 

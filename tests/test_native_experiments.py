@@ -61,6 +61,7 @@ def test_native_bench_ratios_are_per_repetition_of_interleaved_variants(results_
         assert sorted(positions) == [0, 1, 2, 3]
     for rate in ("gflops", "gflops_cpu"):
         assert (variants[f"figures.{rate}.reps"] == reps).all() and (variants[f"figures.{rate}.min"] > 0).all()
+    assert (variants["metrics.wall_over_cpu"] > 0).all()
     ratios = part[part["params.kernel"] == "ratio"].set_index("params.top")
     assert ratios["params.bottom"].to_dict() == {"attention keys=96": "attention keys=16", "gdn chunkwise": "sgemm"}
     assert ratios["metrics.target"].to_dict() == {"attention keys=96": 0.8, "gdn chunkwise": 0.7}

@@ -280,7 +280,8 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
                      figures={"time": wall.scaled(1e3, "ms"), "cpu_time": cpu.scaled(1e3, "ms"),
                               "gflops": wall.rate(flops[name] / 1e9, "GFLOP/s"),
                               "gflops_cpu": cpu.rate(flops[name] / 1e9, "GFLOP/s")},
-                     metrics={"interleave.positions": timed.positions(name)},
+                     # above 1: the call waited for the CPU (preempted on a loaded host), longer calls more often
+                     metrics={"interleave.positions": timed.positions(name), "wall_over_cpu": wall.median / cpu.median},
                      work={"flops": flops[name], "flop_count": (
                          "gdn_chunkwise_flops: the work the chunkwise form really does" if name.startswith("gdn")
                          else "2 n^3" if name == "sgemm" else "4 heads rows keys head_dim (q k^T and p v)"),
@@ -314,14 +315,15 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
     for _, r in df[df["kind"] == "measure"].iterrows():
         if r.get("params.kernel") == "ratio":
             rows.append({"device": r["device"], "case": r["case"], "threads": r.get("params.threads"),
-                         "ratio (CPU)": r.get("figures.ratio_cpu.median"), "ratio (wall)": r.get("figures.ratio.median"),
+                         "ratio (CPU)": r.get("figures.ratio_cpu.median"),
+                         "ratio (wall)": r.get("figures.ratio.median"),
                          "target": r.get("metrics.target")})
             continue
         is_cache = r.get("params.kernel") == "sliding_cache"
         rows.append({"device": r["device"], "case": r["case"], "threads": r.get("params.threads"),
                      "time": r.get("figures.time.median"), "unit": r.get("figures.time.unit"),
                      "GFLOP/s": None if is_cache else r.get("figures.gflops.median"),
-                     "GFLOP/s (CPU)": r.get("figures.gflops_cpu.median"),
+                     "GFLOP/s (CPU)": r.get("figures.gflops_cpu.median"), "wall / CPU": r.get("metrics.wall_over_cpu"),
                      "x decode": None if is_cache else r.get("metrics.speedup_vs_decode"),
                      "outside kernel ms": None if is_cache else r.get("figures.outside_kernel.median"),
                      "GB/s": r.get("figures.bandwidth.median"),
