@@ -2,6 +2,7 @@
 
 import json
 
+import pandas as pd
 import pytest
 
 from testbed import cli, config
@@ -51,10 +52,33 @@ def test_a_sweep_over_tails_is_one_interleaved_job_then_table_reads_it(results_d
             assert fig["reps"] == 3 and fig["min"] <= fig["median"] <= fig["max"]
     assert cli.main(["table", "tail", "--format", "json"]) == 0
     table = json.loads(capsys.readouterr().out)
-    assert [r["N"] for r in table] == [128, 148, 188, "breakeven"]
-    if table[-1]["tail"] is not None:  # padding won for good: the policy can take its threshold
+    assert [r["N"] for r in table] == [128, 148, 188, "breakeven", "breakeven (CPU time)"]
+    by_wall = table[-2]
+    if by_wall["tail"] is not None:  # padding won for good: the policy can take its threshold
         rc = config.load(["experiment=tail", *TINY, "threshold=measured"])
-        assert tail.policy_threshold(rc.cfg, "host") == table[-1]["tail"] - 1
+        assert tail.policy_threshold(rc.cfg, "host") == by_wall["tail"] - 1
+
+
+def sweep_records(wall_tps: dict, cpu_tps: dict) -> pd.DataFrame:
+    """Stored tail measurements of one run, padded tokens/s per tail by wall and by CPU time; scalar
+    at 100 tokens/s on both clocks."""
+    rows = []
+    for t in wall_tps:
+        for mode in ("padded", "scalar"):
+            wall, cpu = (wall_tps[t], cpu_tps[t]) if mode == "padded" else (100.0, 100.0)
+            rows.append({"kind": "measure", "time": "2026-01-01T00:00:00", "run_id": "r1", "params.source": "s",
+                         "params.prompt_tokens": 128 + t, "params.tail": t, "params.mode": mode,
+                         "figures.tokens_per_s.median": wall, "figures.ttft.median": 1e3 * (128 + t) / wall,
+                         "figures.tokens_per_cpu_s.median": cpu, "figures.ttft_cpu.median": 1e3 * (128 + t) / cpu})
+    return pd.DataFrame(rows)
+
+
+def test_the_breakeven_by_cpu_time_reads_the_cpu_figures():
+    # by wall time a waiting spell made padding lose at tail 16; by CPU time it wins from tail 8
+    df = sweep_records({4: 90.0, 8: 120.0, 16: 95.0, 24: 130.0}, {4: 90.0, 8: 120.0, 16: 125.0, 24: 130.0})
+    rows = tail.view(df).set_index("N")
+    assert rows.loc["breakeven", "tail"] == 24 and rows.loc["breakeven (CPU time)", "tail"] == 8
+    assert tail.sweep_row(df)["breakeven tail"] == 24 and tail.sweep_row(df)["breakeven tail (CPU time)"] == 8
 
 
 def test_the_table_shows_each_sources_latest_run_whole(results_dir, capsys):

@@ -341,10 +341,17 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
 # --- tables ----------------------------------------------------------------------------------------
 
 
-def sweep_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """Measurements in breakeven's columns, one row per (source, N), from each source's latest run
-    only: a sweep is one interleaved measurement, never stitched from jobs under different loads."""
-    if df.empty or "kind" not in df:
+# Per clock, the figures a sweep reads: throughput and TTFT by wall time (what a user waits) or by
+# this process's or the engine's CPU time (what the work cost, whatever else ran on a loaded host).
+CLOCK_FIGURES = {"wall": ("tokens_per_s", "ttft"), "cpu": ("tokens_per_cpu_s", "ttft_cpu")}
+
+
+def sweep_frame(df: pd.DataFrame, clock: str = "wall") -> pd.DataFrame:
+    """Measurements in breakeven's columns by `clock`, one row per (source, N), from each source's
+    latest run only: a sweep is one interleaved measurement, never stitched from jobs under different
+    loads. Sources without that clock's figures (the seed's fixture has no CPU time) are left out."""
+    tps, ttft = (f"figures.{name}.median" for name in CLOCK_FIGURES[clock])
+    if df.empty or "kind" not in df or tps not in df:
         return pd.DataFrame()
     m = df[df["kind"] == "measure"]
     if m.empty:
@@ -353,41 +360,52 @@ def sweep_frame(df: pd.DataFrame) -> pd.DataFrame:
     latest_run = m.groupby("params.source")["run_id"].transform("last")
     m = m[m["run_id"] == latest_run].groupby(["params.source", "params.prompt_tokens", "params.mode"]).tail(1)
     wide = m.pivot_table(index=["params.source", "params.prompt_tokens", "params.tail"], columns="params.mode",
-                         values=["figures.tokens_per_s.median", "figures.ttft.median"], aggfunc="last")
+                         values=[tps, ttft], aggfunc="last")
     wide = wide.dropna()
+    if wide.empty:
+        return pd.DataFrame()
     return pd.DataFrame({
         "source": wide.index.get_level_values(0),
         "prompt_tokens": wide.index.get_level_values(1).astype(int),
         "tail": wide.index.get_level_values(2).astype(int),
-        "padded_tps": wide[("figures.tokens_per_s.median", "padded")].to_numpy(),
-        "scalar_tps": wide[("figures.tokens_per_s.median", "scalar")].to_numpy(),
-        "padded_ttft_ms": wide[("figures.ttft.median", "padded")].to_numpy(),
-        "scalar_ttft_ms": wide[("figures.ttft.median", "scalar")].to_numpy(),
+        "padded_tps": wide[(tps, "padded")].to_numpy(),
+        "scalar_tps": wide[(tps, "scalar")].to_numpy(),
+        "padded_ttft_ms": wide[(ttft, "padded")].to_numpy(),
+        "scalar_ttft_ms": wide[(ttft, "scalar")].to_numpy(),
     })
 
 
-def breakeven_row(sweep: pd.DataFrame) -> dict:
+BREAKEVEN_ROW = {"wall": "breakeven", "cpu": "breakeven (CPU time)"}
+
+
+def breakeven_row(sweep: pd.DataFrame, clock: str = "wall") -> dict:
     b = breakeven.breakeven_tail(sweep)
     largest = int(sweep["tail"].max())
     if b is None:
-        return {"N": "breakeven", "winner": f"none: padding does not win at tail {largest}"}
-    return {"N": "breakeven", "tail": b, "winner": f"padded from tail {b} (threshold {b - 1})"}
+        return {"N": BREAKEVEN_ROW[clock], "winner": f"none: padding does not win at tail {largest}"}
+    return {"N": BREAKEVEN_ROW[clock], "tail": b, "winner": f"padded from tail {b} (threshold {b - 1})"}
 
 
 MIN_SWEEP_TAILS = 3  # fewer tails are a comparison (1023 vs 1024), not a sweep with a breakeven
 
 
 def view(df: pd.DataFrame) -> pd.DataFrame:
-    """Measurements: the reviewer's table per source, closed by its breakeven row when it has at
-    least MIN_SWEEP_TAILS tails. Without measurements: the oracle verdicts."""
-    sweep = sweep_frame(df)
+    """Measurements: the reviewer's table per source (wall time), closed by its breakeven rows when
+    it has at least MIN_SWEEP_TAILS tails: by wall time, and by CPU time where the records have it (on
+    a loaded host the CPU curve is the work's own; the wall curve also holds the scheduler's waits).
+    Without measurements: the oracle verdicts."""
+    sweep, cpu = sweep_frame(df), sweep_frame(df, "cpu")
     if len(sweep):
         parts = []
         for source, rows in sweep.groupby("source", sort=False):
             # object columns keep whole numbers whole beside the breakeven row's blanks
             table = breakeven.tail_table(rows).astype(object)
             if rows["tail"].nunique() >= MIN_SWEEP_TAILS:
-                table = pd.concat([table, pd.DataFrame([breakeven_row(rows)], dtype=object)], ignore_index=True)
+                found = [breakeven_row(rows)]
+                cpu_rows = cpu[cpu["source"] == source] if len(cpu) else cpu
+                if len(cpu_rows):
+                    found.append(breakeven_row(cpu_rows, "cpu"))
+                table = pd.concat([table, pd.DataFrame(found, dtype=object)], ignore_index=True)
             table.insert(0, "source", source)
             parts.append(table)
         return pd.concat(parts, ignore_index=True)
@@ -401,14 +419,17 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def sweep_row(df: pd.DataFrame) -> dict:
-    """Per sweep job (all its tails measured interleaved): how many tails, its breakeven, the oracle tally."""
+    """Per sweep job (all its tails measured interleaved): how many tails, its breakeven by wall and by
+    CPU time, the oracle tally."""
     row: dict = {}
-    sweep = sweep_frame(df)
+    sweep, cpu = sweep_frame(df), sweep_frame(df, "cpu")
     if len(sweep):
         row["tails"] = int(sweep["tail"].nunique())
         if row["tails"] >= MIN_SWEEP_TAILS:
             found = breakeven_row(sweep)
             row.update({"breakeven tail": found.get("tail"), "winner": found["winner"]})
+            if len(cpu):
+                row["breakeven tail (CPU time)"] = breakeven_row(cpu, "cpu").get("tail")
     oracles = df[df["kind"] == "oracle"]
     if len(oracles):
         row["oracles"] = f"{int((oracles['verdict'] == 'pass').sum())}/{len(oracles)} pass"
