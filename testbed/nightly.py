@@ -94,11 +94,11 @@ def load_suite(overrides: list[str], suite_dir: Path | None = None) -> Suite:
         if experiment is None:
             raise UsageError(f"suite {name}: run {label!r} names no experiment; accepted: "
                              f"{', '.join(config.choices('experiment'))}")
+        together = experiments.sweep_together(config.swept_experiments([f"experiment={experiment}"]))
         for device in run.get("devices") or devices:
             if device not in jobs:
                 raise UsageError(f"suite {name}: run {label!r} names device {device!r}, "
                                  f"which is not in the suite's devices: {', '.join(devices)}")
-            together = experiments.sweep_together(config.swept_experiments([f"experiment={experiment}"]))
             for combo in config.expand_sweep(run.get("overrides") or [], together):
                 rc = config.load([f"device={device}", *combo], experiment=experiment)
                 runner.check(rc)
