@@ -89,7 +89,8 @@ def _sweep_here(jobs: list[config.RunConfig]):
 
 def cmd_sweep(args) -> int:
     address, overrides = config.split_farm(args.overrides)
-    jobs = [config.load(combo) for combo in config.expand_sweep(overrides)]
+    together = experiments.sweep_together(config.swept_experiments(overrides))
+    jobs = [config.load(combo) for combo in config.expand_sweep(overrides, together)]
     modules = [runner.check(rc)[0] for rc in jobs]  # every job is checked before the first one runs
     # with farm=, on the lab's nodes that own the devices, devices side by side
     outcomes = farm.execute(address, jobs, runner.results_store(jobs[0])) if address else _sweep_here(jobs)

@@ -155,13 +155,17 @@ def sweep_length(override) -> int:
     return len(value.list)
 
 
-def expand_sweep(overrides: Iterable[str]) -> list[list[str]]:
+def expand_sweep(overrides: Iterable[str], together: Iterable[str] = ()) -> list[list[str]]:
     """`chunk=32,64 tail=0,2` -> the cartesian product as lists of plain overrides (Hydra's syntax,
     including range() and choice(); the basic sweeper's product, in the order given), at most
-    MAX_SWEEP_RUNS of them."""
+    MAX_SWEEP_RUNS of them. A sweep over a key in `together` is not split into jobs: every job gets
+    its whole list (`tail=0,2` -> `tail=[0,2]`), which the experiment measures interleaved in one job."""
+    together = set(together)
     parsed = parse_overrides(overrides)
     runs = 1
     for o in parsed:
+        if o.key_or_group in together:
+            continue
         if o.value_type == ValueType.GLOB_CHOICE_SWEEP:
             raise UsageError(f"{o.input_line!r}: glob() sweeps over config groups are not supported; "
                              "accepted: a list (key=a,b), range() or choice()")
@@ -176,9 +180,24 @@ def expand_sweep(overrides: Iterable[str]) -> list[list[str]]:
     axes = []
     for o in parsed:
         key = o.input_line.split("=", 1)[0]
+        if o.is_sweep_override() and o.key_or_group in together:
+            axes.append([f"{key}=[{','.join(o.sweep_string_iterator())}]"])
+            continue
         values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
         axes.append([f"{key}={v}" for v in values])
     return [list(combo) for combo in itertools.product(*axes)]
+
+
+def swept_experiments(overrides: Iterable[str]) -> list[str]:
+    """The experiments a sweep's overrides name (experiment=a,b is itself a sweep), or the default one."""
+    for o in parse_overrides(overrides):
+        if o.key_or_group == "experiment":
+            names = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+            for name in names:
+                if name not in choices("experiment"):
+                    raise UsageError(f"unknown experiment {name!r}; accepted: {', '.join(choices('experiment'))}")
+            return names
+    return [load([]).experiment]
 
 
 def _group_choice(parsed: list, group: str, default: str | None) -> str | None:
@@ -334,6 +353,11 @@ class IntList:
             raise UsageError(f"{key} is empty; accepted: a list of {Int(self.lo, self.hi).describe()}")
         for item in items:
             Int(self.lo, self.hi).check(key, item)
+
+
+def as_list(value) -> list[int]:
+    """An IntList parameter given as a list or, from a sweep, as one value."""
+    return [int(v) for v in value] if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) else [int(value)]
 
 
 def check_params(cfg: DictConfig, params: dict) -> None:

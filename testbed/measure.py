@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+import numpy as np
 
 from testbed.results import Figure
 
@@ -22,23 +25,64 @@ def time_call(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> Figur
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def time_alternating_clocks(fns: dict[str, Callable[[], object]], reps: int = 5,
-                            warmup: int = 1) -> dict[str, dict[str, Figure]]:
-    """Time several variants with their repetitions interleaved (A B A B ...), so slow drifts of a
-    noisy machine (thermal, other load) fall on all of them alike; compare their ratios. Each
-    repetition on both clocks: wall, and this process's CPU time (on a shared machine, what the work
-    itself cost, whatever else ran)."""
+def host_clocks(fn: Callable[[], object]) -> dict[str, float]:
+    """Seconds `fn` took on both clocks: wall, and this process's CPU time (on a shared machine,
+    what the work itself cost, whatever else ran)."""
+    start = {c: clock() for c, clock in CLOCKS.items()}
+    fn()
+    return {c: clock() - start[c] for c, clock in CLOCKS.items()}
+
+
+def interleaved_order(keys: list[Hashable], reps: int, seed: int | None) -> list[list[Hashable]]:
+    """Per repetition, every key once. Without a seed, in the given order each time (A B A B);
+    with one, each repetition shuffled by numpy's generator seeded [seed, rep], so a drift within a
+    repetition (load rising while it runs) does not fall on the same variant each time."""
+    if seed is None:
+        return [list(keys) for _ in range(reps)]
+    return [[keys[i] for i in np.random.default_rng([seed, rep]).permutation(len(keys))] for rep in range(reps)]
+
+
+@dataclass
+class Interleaved:
+    """Variants timed interleaved: their samples per clock, in repetition order; the order they ran in."""
+
+    samples: dict[Hashable, dict[str, list[float]]]  # per variant and clock, seconds, one per repetition
+    order: list[list[Hashable]]  # per repetition, the variants in the order they were timed
+    seed: int | None             # the shuffle's seed (None: the given order every repetition)
+
+    @property
+    def figures(self) -> dict[Hashable, dict[str, Figure]]:
+        """Per variant and clock, a Figure in seconds (median, min, max, reps)."""
+        return {key: {c: Figure.of(s, "s") for c, s in by_clock.items()} for key, by_clock in self.samples.items()}
+
+    def positions(self, key: Hashable) -> list[int]:
+        """Where `key` ran in each repetition (0 = first)."""
+        return [rep.index(key) for rep in self.order]
+
+
+def time_interleaved(fns: dict[Hashable, Callable[[], object]], reps: int = 5, warmup: int = 1,
+                     seed: int | None = None, timer: Callable[[Callable[[], object]], dict[str, float]] = host_clocks,
+                     ) -> Interleaved:
+    """Time several variants with their repetitions interleaved: every repetition runs each variant
+    once (interleaved_order), so slow drifts of a noisy machine (thermal, other load) fall on all of
+    them alike; compare their ratios. `timer` runs a variant and returns its seconds per clock: the
+    host's clocks around the call, or a device program's own clocks read from what it returns."""
+    order = interleaved_order(list(fns), reps, seed)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    samples: dict[str, dict[str, list[float]]] = {name: {c: [] for c in CLOCKS} for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = {c: clock() for c, clock in CLOCKS.items()}
-            fn()
-            for c, clock in CLOCKS.items():
-                samples[name][c].append(clock() - start[c])
-    return {name: {c: Figure.of(s, "s") for c, s in by_clock.items()} for name, by_clock in samples.items()}
+    samples: dict[Hashable, dict[str, list[float]]] = {key: {} for key in fns}
+    for rep in order:
+        for key in rep:
+            for clock, seconds in timer(fns[key]).items():
+                samples[key].setdefault(clock, []).append(seconds)
+    return Interleaved(samples, order, seed)
+
+
+def time_alternating_clocks(fns: dict[str, Callable[[], object]], reps: int = 5,
+                            warmup: int = 1) -> dict[str, dict[str, Figure]]:
+    """time_interleaved in the given order every repetition (A B A B ...): per variant, wall and CPU."""
+    return time_interleaved(fns, reps, warmup).figures
 
 
 def time_alternating(fns: dict[str, Callable[[], object]], reps: int = 5, warmup: int = 1) -> dict[str, Figure]:

@@ -40,7 +40,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from testbed import config, history, report, runner
+from testbed import config, experiments, history, report, runner
 from testbed.config import RunConfig
 from testbed.devices import Device, connect, load_profile
 from testbed.devices.private import DeviceBusy, device_lock
@@ -94,11 +94,12 @@ def load_suite(overrides: list[str], suite_dir: Path | None = None) -> Suite:
         if experiment is None:
             raise UsageError(f"suite {name}: run {label!r} names no experiment; accepted: "
                              f"{', '.join(config.choices('experiment'))}")
+        together = experiments.sweep_together(config.swept_experiments([f"experiment={experiment}"]))
         for device in run.get("devices") or devices:
             if device not in jobs:
                 raise UsageError(f"suite {name}: run {label!r} names device {device!r}, "
                                  f"which is not in the suite's devices: {', '.join(devices)}")
-            for combo in config.expand_sweep(run.get("overrides") or []):
+            for combo in config.expand_sweep(run.get("overrides") or [], together):
                 rc = config.load([f"device={device}", *combo], experiment=experiment)
                 runner.check(rc)
                 jobs[device].append(rc)

@@ -117,14 +117,14 @@ def test_pytest_with_an_unknown_device_is_a_usage_error(tmp_path):
 def test_a_figure_taken_on_a_loaded_host_says_so(results_dir, capsys, monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * (os.cpu_count() or 1), 0.0, 0.0))
     assert main(["run", "native_bench", "attention.past=40", "attention.chunk=8", "attention.head_dim=32",
-                 "cache.window=32", "cache.real=5", "bench.reps=1", "bench.warmup=0"]) == 0
+                 "cache.window=32", "cache.real=5", "bench.reps=1", "bench.warmup=0", "ratios.reps=0"]) == 0
     assert "WARNING: this host was loaded while measuring" in capsys.readouterr().out
     rows = ResultsStore(results_dir).records()
     assert rows and all(r["host_load"]["noisy"] for r in rows)
 
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert main(["run", "native_bench", "attention.past=40", "attention.chunk=8", "attention.head_dim=32",
-                 "cache.window=32", "cache.real=5", "bench.reps=1", "bench.warmup=0"]) == 0
+                 "cache.window=32", "cache.real=5", "bench.reps=1", "bench.warmup=0", "ratios.reps=0"]) == 0
     assert "WARNING" not in capsys.readouterr().out
 
 

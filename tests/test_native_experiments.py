@@ -27,7 +27,8 @@ def test_gdn_native_oracles_and_bench_records(results_dir):
 
 def test_native_bench_records_ratios(results_dir):
     outcome = run(["attention.past=40", "attention.chunk=8", "attention.head_dim=32", "cache.window=32",
-                   "cache.real=5", "bench.reps=2", "bench.warmup=0", "bench.cold_mb=8"], "native_bench")
+                   "cache.real=5", "bench.reps=2", "bench.warmup=0", "bench.cold_mb=8", "ratios.reps=0"],
+                  "native_bench")
     df = outcome.frame()
     measured = df[df["kind"] == "measure"]
     attention = measured[measured["params.kernel"] == "attention"]
@@ -45,11 +46,45 @@ def test_native_bench_records_ratios(results_dir):
     assert all(ev and ev[0]["device"] == "host" for ev in df["evidence"])
 
 
+def test_native_bench_ratios_are_per_repetition_of_interleaved_variants(results_dir):
+    reps = 3
+    outcome = run(["attention.past=40", "attention.chunk=8", "attention.head_dim=32", "cache.window=32",
+                   "cache.real=5", "bench.reps=1", "bench.warmup=0", "bench.cold_mb=8", f"ratios.reps={reps}",
+                   "ratios.key_counts=[16,96]", "ratios.gdn.heads=2", "ratios.gdn.head_size=32",
+                   "ratios.gdn.tokens=70", "ratios.gdn.chunk=16", "ratios.sgemm=64"], "native_bench")
+    df = outcome.frame()
+    part = df[df["params.part"] == "ratios"]
+    variants = part[(part["kind"] == "measure") & (part["params.kernel"] != "ratio")].set_index("params.kernel")
+    assert sorted(variants.index) == ["attention keys=16", "attention keys=96", "gdn chunkwise", "sgemm"]
+    # every repetition ran every variant once: their positions fill 0..3 in each repetition
+    for positions in zip(*variants["metrics.interleave.positions"]):
+        assert sorted(positions) == [0, 1, 2, 3]
+    for rate in ("gflops", "gflops_cpu"):
+        assert (variants[f"figures.{rate}.reps"] == reps).all() and (variants[f"figures.{rate}.min"] > 0).all()
+    assert (variants["metrics.wall_over_cpu"] > 0).all()
+    ratios = part[part["params.kernel"] == "ratio"].set_index("params.top")
+    assert ratios["params.bottom"].to_dict() == {"attention keys=96": "attention keys=16", "gdn chunkwise": "sgemm"}
+    assert ratios["metrics.target"].to_dict() == {"attention keys=96": 0.8, "gdn chunkwise": 0.7}
+    for top, r in ratios.iterrows():
+        # a ratio per repetition: within the ratios of the two variants' extreme rates
+        fig = {k: r[f"figures.ratio_cpu.{k}"] for k in ("median", "min", "max", "reps")}
+        assert fig["reps"] == reps and fig["min"] <= fig["median"] <= fig["max"]
+        high, low = variants.loc[top], variants.loc[r["params.bottom"]]
+        slack = 1 + 1e-9  # the same quotients, taken in another order
+        assert high["figures.gflops_cpu.min"] / low["figures.gflops_cpu.max"] <= fig["min"] * slack
+        assert fig["max"] <= high["figures.gflops_cpu.max"] / low["figures.gflops_cpu.min"] * slack
+    # every timed kernel computed the full result
+    checked = part[part["kind"] == "oracle"]
+    assert sorted(checked["params.kernel"]) == ["attention keys=16", "attention keys=96", "gdn chunkwise"]
+    assert (checked["verdict"] == "pass").all()
+
+
 @pytest.mark.parametrize("argv,says", [
     (["run", "gdn", "threads=2"], "threads=2 needs backend=native"),
     (["run", "gdn", "backend=native", "threads=0"], "threads=0 is out of range"),
     (["run", "native_bench", "cache.real=65"], "cache.real=65 exceeds attention.chunk=64"),
     (["run", "native_bench", "cache.window=64"], "does not fit the cache tail"),
+    (["run", "native_bench", "ratios.key_counts=[32,8192]"], "ratios.key_counts=[32, 8192] is not accepted"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, results_dir, capsys):
     assert cli.main(argv) == 2

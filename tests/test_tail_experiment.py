@@ -2,6 +2,7 @@
 
 import json
 
+import pandas as pd
 import pytest
 
 from testbed import cli, config
@@ -33,19 +34,62 @@ def test_bench_records_one_per_length_and_mode(results_dir, capsys):
     assert "| 140 " in out and "winner" in out and "breakeven" not in out  # two tails: no sweep
 
 
-def test_sweep_prints_rows_and_breakeven_then_table_reads_them(results_dir, capsys):
-    assert cli.main(["sweep", "experiment=tail", *TINY, "tail=0,20,60", "reps=2", "warmup=0"]) == 0
+def test_a_sweep_over_tails_is_one_interleaved_job_then_table_reads_it(results_dir, capsys):
+    assert cli.main(["sweep", "experiment=tail", *TINY, "tail=0,20,60", "reps=3", "warmup=0"]) == 0
     out = capsys.readouterr().out
-    assert sum(line.startswith("| tail ") for line in out.splitlines()) == 3  # one row per job
-    assert "\nbreakeven: " in out
+    assert "1 runs" in out and "| [0,20,60] " in out  # the three tails in one job, its breakeven in the row
+    assert "breakeven tail" in out
+    rows = records(results_dir)
+    assert len({r["run_id"] for r in rows}) == 1 and len(rows) == 6
+    # each repetition ran every (N, mode) once: the positions of the six variants fill 0..5 per rep
+    positions = [r["metrics"]["interleave.positions"] for r in rows]
+    for rep in zip(*positions):
+        assert sorted(rep) == list(range(6))
+    assert len({tuple(p) for p in positions}) > 1 and all(r["params"]["order_seed"] == 0 for r in rows)
+    for r in rows:  # CPU time beside wall time, each with its spread
+        for name in ("ttft", "ttft_cpu"):
+            fig = r["figures"][name]
+            assert fig["reps"] == 3 and fig["min"] <= fig["median"] <= fig["max"]
     assert cli.main(["table", "tail", "--format", "json"]) == 0
     table = json.loads(capsys.readouterr().out)
-    assert [r["N"] for r in table["rows"]] == [128, 148, 188]  # rows are rows; the breakeven is apart
-    (found,) = table["breakevens"]
-    assert found["largest_tail"] == 60 and found["tails"] == 3
-    if found["tail"] is not None:  # padding won for good: the policy can take its threshold
+    assert [r["N"] for r in table["rows"]] == [128, 148, 188]  # rows are rows; the breakevens are apart
+    by_wall, by_cpu = table["breakevens"]
+    assert (by_wall["clock"], by_cpu["clock"]) == ("wall", "cpu")
+    assert by_wall["largest_tail"] == 60 and by_wall["tails"] == 3
+    if by_wall["tail"] is not None:  # padding won for good: the policy can take its threshold
         rc = config.load(["experiment=tail", *TINY, "threshold=measured"])
-        assert tail.policy_threshold(rc.cfg, "host") == found["tail"] - 1 == found["threshold"]
+        assert tail.policy_threshold(rc.cfg, "host") == by_wall["tail"] - 1 == by_wall["threshold"]
+
+
+def sweep_records(wall_tps: dict, cpu_tps: dict) -> pd.DataFrame:
+    """Stored tail measurements of one run, padded tokens/s per tail by wall and by CPU time; scalar
+    at 100 tokens/s on both clocks."""
+    rows = []
+    for t in wall_tps:
+        for mode in ("padded", "scalar"):
+            wall, cpu = (wall_tps[t], cpu_tps[t]) if mode == "padded" else (100.0, 100.0)
+            rows.append({"kind": "measure", "time": "2026-01-01T00:00:00", "run_id": "r1", "params.source": "s",
+                         "params.prompt_tokens": 128 + t, "params.tail": t, "params.mode": mode,
+                         "figures.tokens_per_s.median": wall, "figures.ttft.median": 1e3 * (128 + t) / wall,
+                         "figures.tokens_per_cpu_s.median": cpu, "figures.ttft_cpu.median": 1e3 * (128 + t) / cpu})
+    return pd.DataFrame(rows)
+
+
+def test_the_breakeven_by_cpu_time_reads_the_cpu_figures():
+    # by wall time a waiting spell made padding lose at tail 16; by CPU time it wins from tail 8
+    df = sweep_records({4: 90.0, 8: 120.0, 16: 95.0, 24: 130.0}, {4: 90.0, 8: 120.0, 16: 125.0, 24: 130.0})
+    found = {b["clock"]: b["tail"] for b in tail.breakevens(df)}
+    assert found == {"wall": 24, "cpu": 8}
+    assert tail.sweep_row(df)["breakeven tail"] == 24 and tail.sweep_row(df)["breakeven tail (CPU time)"] == 8
+
+
+def test_the_table_shows_each_sources_latest_run_whole(results_dir, capsys):
+    assert cli.main(["run", "tail", *TINY, "tail=[0,20,60]", "reps=1", "warmup=0"]) == 0
+    assert cli.main(["run", "tail", *TINY, "tail=[4,8]", "reps=1", "warmup=0"]) == 0
+    capsys.readouterr()
+    assert cli.main(["table", "tail", "--format", "json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    assert [r["N"] for r in table["rows"]] == [132, 136]  # not stitched with the first run's tails
 
 
 def test_fixture_mode_prints_the_reviewers_table_and_breakeven_10(results_dir, capsys):

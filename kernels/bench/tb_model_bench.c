@@ -12,14 +12,15 @@
  *       ("seconds", "decode_seconds"; "matmul_seconds": the chunk call's weight products; each also
  *       by the process's CPU clock: "cpu_seconds", "decode_cpu_seconds", "matmul_cpu_seconds").
  *   tb_model_bench IN OUT weights=FILE MODEL... mode=tail chunk=C cache=f32|f16|int8 cache_group=G
- *       sink=S [state=0|1] [threshold=8] [generate=G] [exact_tail=0|1] [compare=0|1]
+ *       sink=S [state=0|1] [threshold=8] [generate=G] [exact_tail=0|1]
  *       The prompt through chunked prefill with a padded or scalar tail (refimpl/tail_prefill.py):
  *       writes logits [vocab] (the first generated token's), generated [G] (greedy), and every
  *       layer's cache bytes after the prefill: layerI.k, layerI.v (uint8 [kv_heads, slots, row
  *       bytes]; slots: the window of a sliding cache, the rows held by a full one), layerI.k_scale,
  *       layerI.v_scale (int8 caches), layerI.positions (int64 [slots]); telemetry in timings.json.
- *       Timed: the prefill to the first token ("seconds"); compare=1 alternates it with the scalar
- *       tail (kill switch on) ("scalar_seconds").
+ *       Timed: the prefill to the first token ("seconds", and by the process's CPU clock
+ *       "cpu_seconds"). The host interleaves padded and scalar runs of several prompts, one program
+ *       run each, so the program times one variant.
  *       The kill switch is the environment variable TESTBED_DISABLE_PREFILL_TAIL_PAD, or the same
  *       KEY=VALUE as an argument (for transports that cannot set a program's environment).
  *   MODEL: vocab= hidden= layers= heads= kv_heads= head_dim= mlp= window= types=LLLLLG (L local,
@@ -41,7 +42,7 @@
 static const char *const KEYS[] = {"weights", "mode", "vocab", "hidden", "layers", "heads", "kv_heads", "head_dim",
                                    "mlp", "window", "types", "rope_local", "rope_global", "rope_global_scaling", "attn_scale", "eps",
                                    "softcap", "wdtype", "wgroup", "past", "tokens", "chunk", "capacity", "cache",
-                                   "cache_group", "sink", "state", "threshold", "generate", "exact_tail", "compare",
+                                   "cache_group", "sink", "state", "threshold", "generate", "exact_tail",
                                    TB_KILL_SWITCH, "threads", "warmup", "reps", "reference", NULL};
 static const char *const DTYPES[] = {"f32", "f16", "int8"};
 static const char *const ST_DTYPES[] = {"F32", "F16", "I8"};
@@ -378,8 +379,6 @@ static void run_tail(const tb_model *m, const int32_t *tokens, size_t n_tokens, 
     kill = arg_str(TB_KILL_SWITCH, kill ? kill : "0");
     tb_tail_policy policy = {(int)positive("threshold", 8, 0), !strcmp(kill, "1"), (int)arg_int("state", 0) != 0,
                              (int)arg_int("exact_tail", 0) != 0};
-    tb_tail_policy scalar = policy;
-    scalar.kill_switch = 1;
     /* a full cache holds the padded tail chunk's rows until the rollback, then the generated ones */
     const int need = n / chunk * chunk + chunk + generate;
     tb_engine_options o = {dtype_arg("cache", "f32"), (int)positive("cache_group", 16, 1), 1, sink,
@@ -395,7 +394,7 @@ static void run_tail(const tb_model *m, const int32_t *tokens, size_t n_tokens, 
     int32_t *generated = malloc(sizeof(int32_t) * generate);
     if (!logits || !generated) die("out of memory");
 
-    tb_telemetry tel, scalar_tel = {0};
+    tb_telemetry tel;
     check(tb_model_prefill(e, tokens, n, chunk, &policy, logits, &tel), "prefill");
     size_t vocab_shape[1] = {(size_t)c->vocab}, gen_shape[1] = {(size_t)generate};
     npy_save(out_dir(), "logits", "<f4", 1, vocab_shape, logits);
@@ -408,21 +407,20 @@ static void run_tail(const tb_model *m, const int32_t *tokens, size_t n_tokens, 
     }
     npy_save(out_dir(), "generated", "<i4", 1, gen_shape, generated);
 
-    /* timed: prompt to first token, from empty caches; compare=1 alternates with the scalar tail */
-    const long warmup = positive("warmup", 1, 0), reps = positive("reps", 1, 1), compare = arg_int("compare", 0);
-    double *t = calloc((size_t)reps * 2, sizeof(double));
-    if (!t) die("out of memory");
+    /* timed: prompt to first token, from empty caches, by both clocks */
+    const long warmup = positive("warmup", 1, 0), reps = positive("reps", 1, 1);
+    double *wall = calloc((size_t)reps, sizeof(double)), *cpu = calloc((size_t)reps, sizeof(double));
+    if (!wall || !cpu) die("out of memory");
     for (long r = -warmup; r < reps; r++) {
-        for (int variant = 0; variant < (compare ? 2 : 1); variant++) {
-            tb_engine_clear(e);
-            tb_telemetry ignored;
-            double t0 = now_seconds();
-            check(tb_model_prefill(e, tokens, n, chunk, variant ? &scalar : &policy, logits, variant ? &scalar_tel : &ignored),
-                  "prefill");
-            volatile int first = argmax(logits, c->vocab);
-            (void)first;
-            if (r >= 0) t[2 * r + variant] = now_seconds() - t0;
-        }
+        tb_engine_clear(e);
+        tb_telemetry ignored;
+        stamp t0 = stamp_now();
+        check(tb_model_prefill(e, tokens, n, chunk, &policy, logits, &ignored), "prefill");
+        volatile int first = argmax(logits, c->vocab);
+        (void)first;
+        double w, u;
+        since(t0, &w, &u);
+        if (r >= 0) wall[r] = w, cpu[r] = u;
     }
     FILE *f = open_timings("tail", warmup, reps, threads);
     const tb_sliding_cache *any = NULL;
@@ -430,15 +428,12 @@ static void run_tail(const tb_model *m, const int32_t *tokens, size_t n_tokens, 
         if (c->layer_type[i] == TB_LOCAL) any = &tb_engine_cache(e, i)->part[TB_KV_K];
     const int window = any ? any->window : c->window;
     print_telemetry(f, "telemetry", &tel, &policy, window, sink);
-    if (compare) print_telemetry(f, "scalar_telemetry", &scalar_tel, &scalar, window, sink);
     fprintf(f, ", \"lengths\": [");
     for (int i = 0; i < c->layers; i++) fprintf(f, "%s%d", i ? ", " : "", lengths[i]);
     fprintf(f, "]");
-    double *series = malloc(sizeof(double) * (size_t)reps);
-    for (int variant = 0; variant < (compare ? 2 : 1); variant++) {
-        for (long r = 0; r < reps; r++) series[r] = t[2 * r + variant];
-        print_series(f, variant ? "scalar_seconds" : "seconds", series, reps);
-    }
+    print_series(f, "seconds", wall, reps);
+    print_series(f, "cpu_seconds", cpu, reps);
+    free(wall), free(cpu);
     close_timings(f);
     tb_engine_free(e);
 }

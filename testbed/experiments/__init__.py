@@ -8,6 +8,7 @@ An experiment module provides:
   sweep_row(frame) -> {}  one summary row per sweep job (optional; defaults to view's first row)
   summary(frame) -> [frames]  what `testbed run` prints (optional; defaults to [view(frame)])
   validate(cfg)           cross-parameter checks (optional), raising UsageError
+  SWEEP_TOGETHER          keys a sweep measures interleaved in one job, not one job per value (optional)
 """
 
 from __future__ import annotations
@@ -44,3 +45,9 @@ class Context:
     device: Device
     progress: Callable[[str], None] = field(default=lambda msg: None)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def sweep_together(names: list[str]) -> list[str]:
+    """The keys these experiments measure interleaved in one job rather than one job per value
+    (a module's SWEEP_TOGETHER, e.g. tail's tail lengths): testbed.config.expand_sweep's `together`."""
+    return [key for name in names for key in getattr(load(name), "SWEEP_TOGETHER", ())]

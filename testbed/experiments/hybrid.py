@@ -36,11 +36,11 @@ from typing import Iterator
 
 import numpy as np
 import pandas as pd
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from refimpl import gdn, qwen35
 from testbed import breakeven
-from testbed.config import Choice, Float, Int, IntList
+from testbed.config import Choice, Float, Int, IntList, as_list
 from testbed.errors import UsageError
 from testbed.hybrid_oracles import check_chunk_with_past, check_pad_identity, check_padded_tail
 from testbed.measure import time_alternating_clocks
@@ -78,11 +78,6 @@ PARAMS = {
     "bench.reps": Int(1, 1000),
     "bench.warmup": Int(0, 100),
 }
-
-
-def as_list(value) -> list[int]:
-    """An IntList parameter given as a list or, from a sweep, as one value."""
-    return [int(v) for v in value] if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) else [int(value)]
 
 
 def validate(cfg: DictConfig) -> None:

@@ -8,6 +8,15 @@ attention  one chunk of C query rows against P past + C new keys, vs the same C 
            computed the full result. Then one decode step (the last row against every key) hot
            (operands in cache after a warm-up call) and cold (the caches evicted before it, as a
            first call after other work finds them), with the bytes it must read and their rate.
+ratios     issue 14's kernel targets, measured interleaved in one run (every repetition runs every
+           variant once, in an order shuffled per repetition, seeded by `seed`): chunk attention's
+           GFLOP/s at the most keys over its GFLOP/s at the fewest (target >= 0.8), and GDN
+           chunkwise's GFLOP/s on the work it really does (gdn_chunkwise_flops) over numpy's sgemm
+           on the same threads (target >= 0.7; this host only, where numpy's sgemm is the reference).
+           Each ratio per repetition (the variants of one repetition saw the same machine), by wall
+           and by CPU time: on a loaded host a long call is preempted more often than a short one, so
+           wall ratios of calls of different lengths are skewed; the CPU ratio is the kernel's.
+           Every timed output is checked against the float64 reference (NMSE).
 rollback   the padded tail's extra cache work (snapshot before the padded append, rollback after it)
            on one layer's K and V at the model shape, against an unpadded append, in tb_cache_bench
            (each operation timed apart, interleaved in every repetition), vs one decode step of that
@@ -22,12 +31,14 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
-from refimpl import gemma
+from refimpl import gdn, gemma
 from testbed import tables
 from testbed.backends.native.build import build_programs, target_for_abi
 from testbed.backends.native.device import NativeJob, run_native
-from testbed.config import Choice, Int
+from testbed.backends.native.gdn import INPUTS as GDN_INPUTS
+from testbed.config import Choice, Int, IntList, as_list
 from testbed.errors import UsageError
+from testbed.measure import host_clocks, time_interleaved
 from testbed.oracles import check_nmse
 from testbed.results import Figure, Record
 
@@ -45,7 +56,19 @@ PARAMS = {
     "bench.warmup": Int(0, 100),
     "bench.reps": Int(1, 1000),
     "bench.cold_mb": Int(1, 4096),
+    "ratios.reps": Int(0, 1000),
+    "ratios.key_counts": IntList(1, 1 << 20),
+    "ratios.gdn.heads": Int(1, 256),
+    "ratios.gdn.head_size": Int(1, 1024),
+    "ratios.gdn.tokens": Int(1, 1 << 20),
+    "ratios.gdn.chunk": Int(1, 4096),
+    "ratios.sgemm": Int(1, 8192),
 }
+
+# Issue 14's targets: chunk attention at many keys keeps this share of its rate at few keys; GDN
+# chunkwise reaches this share of sgemm's rate on the work it really does.
+KEYS_TARGET = 0.8
+SGEMM_TARGET = 0.7
 
 
 def validate(cfg: DictConfig) -> None:
@@ -54,6 +77,10 @@ def validate(cfg: DictConfig) -> None:
         raise UsageError(f"attention.heads={a.heads} is not a multiple of attention.kv_heads={a.kv_heads}")
     if c.real > a.chunk:
         raise UsageError(f"cache.real={c.real} exceeds attention.chunk={a.chunk}; accepted: 0..{a.chunk}")
+    keys = as_list(cfg.ratios.key_counts)
+    if cfg.ratios.reps and (len(keys) < 2 or min(keys) < a.chunk):
+        raise UsageError(f"ratios.key_counts={keys} is not accepted; accepted: two or more key counts, each >= "
+                         f"attention.chunk={a.chunk} (the chunk's rows are keys too)")
     if c.window <= a.chunk + c.sink:
         raise UsageError(f"attention.chunk={a.chunk} does not fit the cache tail (window {c.window} - sink "
                          f"{c.sink}); padding needs window > chunk + sink")
@@ -124,6 +151,8 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
         )
 
     yield from decode_step_records(cfg, attention_run, q, k, v, mask, params)
+    if cfg.ratios.reps:
+        yield from ratio_records(cfg, ctx, programs)
 
     # Rollback: one layer's K and V caches (float32 rows of head_dim per KV head), a full window.
     ctx.progress("native_bench cache rollback vs one decode step, on the device")
@@ -187,13 +216,115 @@ def decode_step_records(cfg, attention_run, q, k, v, mask, params) -> Iterator[R
             params=params | {"form": form, "keys": n_keys}, evidence=evidence[form])
 
 
+def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
+    """Chunk attention at each of ratios.key_counts, GDN chunkwise and (on this host) numpy's sgemm, all
+    interleaved; then the two ratios per repetition."""
+    a, r, b = cfg.attention, cfg.ratios, cfg.bench
+    rng = np.random.default_rng([cfg.seed, 14])
+    keys = sorted(set(as_list(r.key_counts)))
+    variants, flops, references, outputs, evidence = {}, {}, {}, {}, {}
+
+    def program_run(name: str, program: str, inputs: dict, output_names: list[str], args: list[str]):
+        def run() -> dict[str, float]:
+            result = run_native(ctx.device, NativeJob(programs / program, inputs, output_names,
+                                                      ["{inputs}", ".", *args, f"threads={cfg.threads}",
+                                                       f"warmup={b.warmup}", "reps=1"], measured=False))
+            outputs[name] = result.outputs
+            evidence.setdefault(name, []).append(result.evidence.as_dict())
+            return {"wall": result.timings["seconds"][0], "cpu": result.timings["cpu_seconds"][0]}
+        return run
+
+    for n_keys in keys:
+        name = f"attention keys={n_keys}"
+        q = rng.standard_normal((a.heads, a.chunk, a.head_dim)).astype(np.float32)
+        k = rng.standard_normal((a.kv_heads, n_keys, a.head_dim)).astype(np.float32)
+        v = rng.standard_normal((a.kv_heads, n_keys, a.head_dim)).astype(np.float32)
+        mask = gemma.attention_mask(np.arange(n_keys - a.chunk, n_keys), np.arange(n_keys), cfg.cache.window, a.heads,
+                                    "global")
+        references[name] = {"out": gemma.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                                    mask, 1 / np.sqrt(a.head_dim))}
+        variants[name] = program_run(name, "tb_attention_bench", {"q": q, "k": k, "v": v, "mask": mask}, ["out"],
+                                     ["form=chunk"])
+        flops[name] = attention_flops(a.heads, a.chunk, n_keys, a.head_dim)
+    g = r.gdn
+    x = gdn.draw_inputs(1, g.tokens, g.heads, g.head_size, seed=cfg.seed)
+    out, state = gdn.gdn_serial(*(arr.astype(np.float64) for arr in x.arrays()))
+    references["gdn chunkwise"] = {"out": out, "state": state}
+    variants["gdn chunkwise"] = program_run("gdn chunkwise", "tb_gdn_bench", dict(zip(GDN_INPUTS, x.arrays())),
+                                            ["out", "state"], ["form=chunkwise", f"chunk={g.chunk}", "head_map=tiled"])
+    flops["gdn chunkwise"] = gdn.gdn_chunkwise_flops(1, g.tokens, g.heads, g.head_size, g.chunk)
+    # numpy's sgemm is a reference rate only where the kernels ran: this host, not under emulation
+    here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
+    if here:
+        from threadpoolctl import threadpool_limits
+
+        m = rng.standard_normal((r.sgemm, r.sgemm)).astype(np.float32)
+
+        def sgemm() -> dict[str, float]:
+            with threadpool_limits(limits=cfg.threads):
+                return host_clocks(lambda: m @ m)
+
+        variants["sgemm"] = sgemm
+        flops["sgemm"] = 2 * r.sgemm**3
+    ctx.progress(f"native_bench ratios: {', '.join(variants)}, interleaved")
+    timed = time_interleaved(variants, reps=r.reps, warmup=1, seed=cfg.seed, timer=lambda run: run())
+    params = {"part": "ratios", "threads": cfg.threads, "order_seed": timed.seed}
+
+    for name, reference in references.items():
+        verdict = check_nmse(reference, {key: outputs[name][key] for key in reference})
+        yield Record("native_bench", f"ratios/{name}", "oracle", "nmse", verdict.verdict, verdict.margin,
+                     verdict.metrics, params=params | {"kernel": name}, detail=verdict.detail,
+                     evidence=evidence[name][-1:])
+    for name, clocks in timed.figures.items():
+        wall, cpu = clocks["wall"], clocks["cpu"]
+        yield Record("native_bench", f"ratios/{name}", "measure",
+                     figures={"time": wall.scaled(1e3, "ms"), "cpu_time": cpu.scaled(1e3, "ms"),
+                              "gflops": wall.rate(flops[name] / 1e9, "GFLOP/s"),
+                              "gflops_cpu": cpu.rate(flops[name] / 1e9, "GFLOP/s")},
+                     # above 1: the call waited for the CPU (preempted on a loaded host), longer calls more often
+                     metrics={"interleave.positions": timed.positions(name), "wall_over_cpu": wall.median / cpu.median},
+                     work={"flops": flops[name], "flop_count": (
+                         "gdn_chunkwise_flops: the work the chunkwise form really does" if name.startswith("gdn")
+                         else "2 n^3" if name == "sgemm" else "4 heads rows keys head_dim (q k^T and p v)"),
+                           "timer": "numpy on this host, around the product" if name == "sgemm"
+                           else "the program's own clocks on the device, around the kernel call"},
+                     params=params | {"kernel": name}, evidence=evidence.get(name, []))
+
+    def ratio(top: str, bottom: str, clock: str) -> Figure:
+        """rate(top) / rate(bottom), one per repetition: the two ran in the same repetition."""
+        per_rep = [(flops[top] / t) / (flops[bottom] / u)
+                   for t, u in zip(timed.samples[top][clock], timed.samples[bottom][clock])]
+        return Figure.of(per_rep, "x")
+
+    pairs = [(f"attention keys={keys[-1]}", f"attention keys={keys[0]}", KEYS_TARGET,
+              f"chunk attention GFLOP/s at {keys[-1]} keys over {keys[0]} keys")]
+    if here:
+        pairs.append(("gdn chunkwise", "sgemm", SGEMM_TARGET,
+                      "GDN chunkwise GFLOP/s (work really done) over numpy sgemm's"))
+    for top, bottom, target, what in pairs:
+        wall, cpu = ratio(top, bottom, "wall"), ratio(top, bottom, "cpu")
+        yield Record("native_bench", f"ratios/{top} vs {bottom}", "measure",
+                     figures={"ratio": wall, "ratio_cpu": cpu},
+                     metrics={"target": target, "meets_target_cpu": cpu.median >= target,
+                              "meets_target_wall": wall.median >= target},
+                     work={"what": what, "ratio": "per repetition, of the two variants run in it; median, min, max"},
+                     params=params | {"kernel": "ratio", "top": top, "bottom": bottom})
+
+
 def view(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for _, r in df[df["kind"] == "measure"].iterrows():
+        if r.get("params.kernel") == "ratio":
+            rows.append({"device": r["device"], "case": r["case"], "threads": r.get("params.threads"),
+                         "ratio (CPU)": r.get("figures.ratio_cpu.median"),
+                         "ratio (wall)": r.get("figures.ratio.median"),
+                         "target": r.get("metrics.target")})
+            continue
         is_cache = r.get("params.kernel") == "sliding_cache"
         rows.append({"device": r["device"], "case": r["case"], "threads": r.get("params.threads"),
                      "time": r.get("figures.time.median"), "unit": r.get("figures.time.unit"),
                      "GFLOP/s": None if is_cache else r.get("figures.gflops.median"),
+                     "GFLOP/s (CPU)": r.get("figures.gflops_cpu.median"), "wall / CPU": r.get("metrics.wall_over_cpu"),
                      "x decode": None if is_cache else r.get("metrics.speedup_vs_decode"),
                      "outside kernel ms": None if is_cache else r.get("figures.outside_kernel.median"),
                      "GB/s": r.get("figures.bandwidth.median"),

@@ -1,9 +1,12 @@
 """Experiment `tail`: padded vs scalar prefill tail on sliding-window caches (seed 003).
 
-bench    for each prompt length N (blocks * chunk + tail, or prompt_tokens): time to first token of
-         the prefill with the tail padded (padding forced wherever the guards allow, threshold 0) and
-         with the scalar tail (kill switch set), all (N, mode) alternating, with repetitions; one
-         record per (N, mode) with TTFT, tokens/s (N / TTFT), GFLOP/s and the telemetry.
+bench    for each prompt length N (blocks * chunk + each tail of the list, or prompt_tokens): time to
+         first token of the prefill with the tail padded (padding forced wherever the guards allow,
+         threshold 0) and with the scalar tail (kill switch set). All (N, mode) are measured in one
+         job, interleaved: each repetition runs every (N, mode) once, in an order shuffled per
+         repetition (seeded by `seed`, recorded), so load drift falls on every point alike and the
+         breakeven comes from one job. One record per (N, mode) with TTFT by wall and CPU clock,
+         tokens/s (N / TTFT), GFLOP/s, the telemetry and where it ran in each repetition.
 oracle   the byte-identical cache grid and the first-token suite (C+2, C+9, 2C-1, 8C-1 by default).
 fixture  the seed's measured sweep (M4 Pro, gemma-4-e2b-it) as records, so the same table shows it.
 
@@ -12,8 +15,10 @@ backend=refimpl runs the numpy model on the host; backend=native runs the model 
 the grid as whole engine prefills (padded + rollback against the exact append), the bench timed
 by the program's own clock.
 
-`testbed sweep experiment=tail tail=0,2,4,...` prints one row per tail and the breakeven tail;
-`testbed table tail` prints the reviewer's table and breakeven per source from stored records.
+`testbed run tail` measures the default list of tails in one job; `testbed sweep experiment=tail
+tail=0,2,4,...` does too (a sweep over tails is one measurement: SWEEP_TOGETHER) and sweeps the other
+keys as jobs (chunk=64,128: one interleaved tail sweep per chunk), one row per job with its
+breakeven. `testbed table tail` prints the reviewer's table and breakeven of each source's latest run.
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ from refimpl import gemma
 from refimpl import sliding_cache as sc
 from refimpl import tail_prefill as tp
 from testbed import PROJECT_ROOT, breakeven
-from testbed.config import Choice, Int, IntList, project_path
+from testbed.config import Choice, Int, IntList, as_list, project_path
 from testbed.errors import UsageError
-from testbed.measure import time_alternating
+from testbed.measure import host_clocks, time_interleaved
 from testbed.results import Figure, Record
 from testbed.tail_oracles import (Engine, check_engine_rollback, check_first_token, check_padded_rollback, engine_grid,
                                   grid, kill_switch, prompt_lengths)
@@ -42,7 +47,7 @@ PARAMS = {
     "chunk": Int(1, 4096),
     "calibration_tokens": Int(1, 1 << 16),
     "blocks": Int(0, 1 << 12),
-    "tail": Int(0, 4095),
+    "tail": IntList(0, 4095),
     "threads": Int(1, 256),
     "reps": Int(1, 1000),
     "warmup": Int(0, 100),
@@ -66,14 +71,19 @@ PARAMS = {
 }
 
 
+# Keys a sweep measures in one job, interleaved, instead of one job per value (testbed.config.expand_sweep).
+SWEEP_TOGETHER = ("tail",)
+
+
 def _lengths(cfg: DictConfig) -> list[int]:
     explicit = list(cfg.prompt_tokens or [])
-    return explicit or [cfg.blocks * cfg.chunk + cfg.tail]
+    return explicit or sorted({cfg.blocks * cfg.chunk + t for t in as_list(cfg.tail)})
 
 
 def validate(cfg: DictConfig) -> None:
-    if cfg.tail >= cfg.chunk:
-        raise UsageError(f"tail={cfg.tail} is out of range; accepted: integers from 0 to chunk - 1 = {cfg.chunk - 1}")
+    for t in as_list(cfg.tail):
+        if t >= cfg.chunk:
+            raise UsageError(f"tail={t} is out of range; accepted: integers from 0 to chunk - 1 = {cfg.chunk - 1}")
     if cfg.prompt_tokens:
         IntList(1, 1 << 20).check("prompt_tokens", cfg.prompt_tokens)
     elif _lengths(cfg)[0] < 1:
@@ -232,24 +242,29 @@ def prefill_flops(mcfg: gemma.GemmaConfig, tel: tp.Telemetry) -> int:
 def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
     # Padding is forced wherever the guards allow (threshold 0): the sweep measures what the policy's
     # threshold is then chosen from. Scalar is the kill switch. Every (N, mode) is one variant, and
-    # all variants alternate, so 1023 and 1024 are compared under the same machine load; on the
-    # native engine the program alternates the two modes of each N and times them with its own clock.
+    # each repetition runs every variant once in its own shuffled order, so 1023 and 1024, padded and
+    # scalar, are compared under the same machine load. On the native engine each variant is one
+    # program run on the device, timed by the program's own clocks (after its own untimed prefill).
     forced = make_engine(cfg, mcfg, w, 0, ctx.device)
     label = source_label(cfg, ctx.device.profile.name)
     lengths = _lengths(cfg)
     prompts = {n: prompt(mcfg, n, cfg.seed) for n in lengths}
     telemetry, evidence = {}, {}
-    ctx.progress(f"tail bench N={','.join(map(str, lengths))}")
+    ctx.progress(f"tail bench N={','.join(map(str, lengths))}, interleaved")
     if cfg.backend == "native":
         from testbed.backends.native.engine import tail as engine_tail
 
-        times = {}
-        for n in lengths:
-            run = engine_tail(ctx.device, mcfg, w, prompts[n], forced.settings, warmup=cfg.warmup, reps=cfg.reps,
-                              compare=True, kill_switch=False)
-            times[n, "padded"], times[n, "scalar"] = (Figure.of(run.timings[k], "s") for k in ("seconds", "scalar_seconds"))
-            telemetry[n, "padded"], telemetry[n, "scalar"] = run.prefill.telemetry, run.scalar_telemetry
-            evidence[n, "padded"] = evidence[n, "scalar"] = [run.evidence.as_dict()]
+        def variant(n: int, mode: str):
+            def run() -> dict[str, float]:
+                r = engine_tail(ctx.device, mcfg, w, prompts[n], forced.settings, reps=1,
+                                kill_switch=mode == "scalar")
+                telemetry[n, mode] = r.prefill.telemetry
+                evidence.setdefault((n, mode), []).append(r.evidence.as_dict())
+                return {"wall": r.timings["seconds"][0], "cpu": r.timings["cpu_seconds"][0]}
+            return run
+
+        def timer(run):
+            return run()  # the program's own clocks
     else:
         def variant(n: int, mode: str):
             def run():
@@ -259,9 +274,11 @@ def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Rec
                 return state.first_token  # the first token is out: that is TTFT
             return run
 
-        times = time_alternating({(n, mode): variant(n, mode) for n in lengths for mode in ("padded", "scalar")},
-                                 reps=cfg.reps, warmup=cfg.warmup)
-    for (n, mode), t in times.items():
+        timer = host_clocks
+    timed = time_interleaved({(n, mode): variant(n, mode) for n in lengths for mode in ("padded", "scalar")},
+                             reps=cfg.reps, warmup=cfg.warmup, seed=cfg.seed, timer=timer)
+    for (n, mode), clocks in timed.figures.items():
+        wall, cpu = clocks["wall"], clocks["cpu"]
         tel = telemetry[n, mode]
         would_pad = tp.TailPolicy(threshold).decide(tel.tail, forced.graph.rows, forced.make_caches())
         rows = tel.chunk_tokens + (tel.chunk_size if tel.tail_mode == "padded" else 0) + tel.scalar_tail_tokens
@@ -269,16 +286,18 @@ def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Rec
         flops = prefill_flops(mcfg, tel)
         yield Record(
             "tail", f"N={n}/{mode}", "measure",
-            figures={"ttft": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(n, "tokens/s"),
-                     "gflops": t.rate(flops / 1e9, "GFLOP/s")},
+            figures={"ttft": wall.scaled(1e3, "ms"), "tokens_per_s": wall.rate(n, "tokens/s"),
+                     "gflops": wall.rate(flops / 1e9, "GFLOP/s"),
+                     "ttft_cpu": cpu.scaled(1e3, "ms"), "tokens_per_cpu_s": cpu.rate(n, "tokens/s")},
             metrics={**{f"telemetry.{k}": v for k, v in vars(tel).items()},
-                     "policy_pads": would_pad[0], "policy_reason": would_pad[1]},
+                     "policy_pads": would_pad[0], "policy_reason": would_pad[1],
+                     "interleave.variants": len(timed.figures), "interleave.positions": timed.positions((n, mode))},
             work={"rows_computed": rows, "graph_calls": calls, "flops": flops,
                   "flop_count": "gemma.graph_flops per call, local layers over the rows their window holds",
                   "what": "time from prompt to first token (prefill + argmax): " + (
-                      "the engine's own clock on the device" if evidence else "wall time, reference model")},
+                      "the engine's own clocks on the device" if evidence else "wall and CPU time, reference model")},
             params={"prompt_tokens": n, "tail": tel.tail, "mode": mode, "chunk": cfg.chunk,
-                    "threshold": threshold, "source": label, "threads": cfg.threads},
+                    "threshold": threshold, "source": label, "threads": cfg.threads, "order_seed": timed.seed},
             evidence=evidence.get((n, mode), []),
         )
 
@@ -322,36 +341,49 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
 # --- tables ----------------------------------------------------------------------------------------
 
 
-def sweep_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """Measurements in breakeven's columns, one row per (source, N): the latest record of each mode."""
-    if df.empty or "kind" not in df:
+# Per clock, the figures a sweep reads: throughput and TTFT by wall time (what a user waits) or by
+# this process's or the engine's CPU time (what the work cost, whatever else ran on a loaded host).
+CLOCK_FIGURES = {"wall": ("tokens_per_s", "ttft"), "cpu": ("tokens_per_cpu_s", "ttft_cpu")}
+
+
+def sweep_frame(df: pd.DataFrame, clock: str = "wall") -> pd.DataFrame:
+    """Measurements in breakeven's columns by `clock`, one row per (source, N), from each source's
+    latest run only: a sweep is one interleaved measurement, never stitched from jobs under different
+    loads. Sources without that clock's figures (the seed's fixture has no CPU time) are left out."""
+    tps, ttft = (f"figures.{name}.median" for name in CLOCK_FIGURES[clock])
+    if df.empty or "kind" not in df or tps not in df:
         return pd.DataFrame()
     m = df[df["kind"] == "measure"]
     if m.empty:
         return pd.DataFrame()
-    m = m.sort_values("time", kind="stable").groupby(["params.source", "params.prompt_tokens", "params.mode"]).tail(1)
+    m = m.sort_values("time", kind="stable")
+    latest_run = m.groupby("params.source")["run_id"].transform("last")
+    m = m[m["run_id"] == latest_run].groupby(["params.source", "params.prompt_tokens", "params.mode"]).tail(1)
     wide = m.pivot_table(index=["params.source", "params.prompt_tokens", "params.tail"], columns="params.mode",
-                         values=["figures.tokens_per_s.median", "figures.ttft.median"], aggfunc="last")
+                         values=[tps, ttft], aggfunc="last")
     wide = wide.dropna()
+    if wide.empty:
+        return pd.DataFrame()
     return pd.DataFrame({
         "source": wide.index.get_level_values(0),
         "prompt_tokens": wide.index.get_level_values(1).astype(int),
         "tail": wide.index.get_level_values(2).astype(int),
-        "padded_tps": wide[("figures.tokens_per_s.median", "padded")].to_numpy(),
-        "scalar_tps": wide[("figures.tokens_per_s.median", "scalar")].to_numpy(),
-        "padded_ttft_ms": wide[("figures.ttft.median", "padded")].to_numpy(),
-        "scalar_ttft_ms": wide[("figures.ttft.median", "scalar")].to_numpy(),
+        "padded_tps": wide[(tps, "padded")].to_numpy(),
+        "scalar_tps": wide[(tps, "scalar")].to_numpy(),
+        "padded_ttft_ms": wide[(ttft, "padded")].to_numpy(),
+        "scalar_ttft_ms": wide[(ttft, "scalar")].to_numpy(),
     })
 
 
-def breakeven_of(source: str, sweep: pd.DataFrame) -> dict:
-    """The sweep's breakeven as data: the tail padding wins from (None: not up to the largest tail
-    measured), the policy threshold it gives, and the sentence a person reads."""
+def breakeven_of(source: str, sweep: pd.DataFrame, clock: str = "wall") -> dict:
+    """The sweep's breakeven as data, by `clock` (wall or CPU time: on a loaded host the CPU curve is
+    the work's own, the wall curve also holds the scheduler's waits): the tail padding wins from (None:
+    not up to the largest tail measured), the policy threshold it gives, and the sentence a person reads."""
     b = breakeven.breakeven_tail(sweep)
     largest = int(sweep["tail"].max())
     says = (f"none: padding does not win at tail {largest}" if b is None
-            else f"padded from tail {b} (threshold {b - 1})")
-    return {"source": source, "tail": b, "threshold": breakeven.threshold_from_breakeven(b),
+            else f"padded from tail {b} (threshold {b - 1})") + (", by CPU time" if clock == "cpu" else "")
+    return {"source": source, "clock": clock, "tail": b, "threshold": breakeven.threshold_from_breakeven(b),
             "largest_tail": largest, "tails": int(sweep["tail"].nunique()), "says": says}
 
 
@@ -379,35 +411,35 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def breakevens(df: pd.DataFrame) -> list[dict]:
-    """The breakeven of each source's sweep that has at least MIN_SWEEP_TAILS tails."""
-    sweep = sweep_frame(df)
+    """The breakevens (by wall time, and by CPU time where the records have it) of each source's sweep
+    that has at least MIN_SWEEP_TAILS tails."""
+    sweep, cpu = sweep_frame(df), sweep_frame(df, "cpu")
+    found = []
     if sweep.empty:
-        return []
-    return [breakeven_of(source, rows) for source, rows in sweep.groupby("source", sort=False)
-            if rows["tail"].nunique() >= MIN_SWEEP_TAILS]
+        return found
+    for source, rows in sweep.groupby("source", sort=False):
+        if rows["tail"].nunique() < MIN_SWEEP_TAILS:
+            continue
+        found.append(breakeven_of(source, rows))
+        cpu_rows = cpu[cpu["source"] == source] if len(cpu) else cpu
+        if len(cpu_rows):
+            found.append(breakeven_of(source, cpu_rows, "cpu"))
+    return found
 
 
 def sweep_row(df: pd.DataFrame) -> dict:
-    """Per sweep job: its table row (a tail sweep has one N per job) and the oracle tally."""
+    """Per sweep job (all its tails measured interleaved): how many tails, its breakeven by wall and by
+    CPU time, the oracle tally."""
     row: dict = {}
-    sweep = sweep_frame(df)
+    sweep, cpu = sweep_frame(df), sweep_frame(df, "cpu")
     if len(sweep):
-        row.update(breakeven.tail_table(sweep).iloc[0].to_dict())
+        row["tails"] = int(sweep["tail"].nunique())
+        if row["tails"] >= MIN_SWEEP_TAILS:
+            found = breakeven_of("this job", sweep)
+            row.update({"breakeven tail": found["tail"], "winner": found["says"]})
+            if len(cpu):
+                row["breakeven tail (CPU time)"] = breakeven_of("this job", cpu, "cpu")["tail"]
     oracles = df[df["kind"] == "oracle"]
     if len(oracles):
         row["oracles"] = f"{int((oracles['verdict'] == 'pass').sum())}/{len(oracles)} pass"
     return row
-
-
-# The table's column names back to breakeven's (the sweep footer only sees the printed rows).
-TABLE_TO_SWEEP = {"N": "prompt_tokens", "padded tok/s": "padded_tps", "scalar tok/s": "scalar_tps",
-                  "padded TTFT (ms)": "padded_ttft_ms", "scalar TTFT (ms)": "scalar_ttft_ms"}
-
-
-def sweep_footer(rows: pd.DataFrame, jobs) -> str:
-    """The breakeven tail over the sweep's rows."""
-    if "padded tok/s" not in rows:
-        return ""
-    sweep = rows.rename(columns=TABLE_TO_SWEEP).dropna(subset=["padded_tps"])
-    sweep["tail"] = sweep["tail"].astype(int)
-    return "breakeven: " + breakeven_of("this sweep", sweep)["says"]

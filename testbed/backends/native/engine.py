@@ -201,7 +201,6 @@ class TailRun:
     prefill: DevicePrefill
     timings: dict
     evidence: Evidence
-    scalar_telemetry: tp.Telemetry | None = None  # compare=True: the scalar variant timed beside
 
 
 def _caches(cfg: gemma.GemmaConfig, s: TailSettings, out: dict, lengths: list[int]) -> tp.ModelCaches:
@@ -226,7 +225,7 @@ def _caches(cfg: gemma.GemmaConfig, s: TailSettings, out: dict, lengths: list[in
 
 
 def tail(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSettings, *, warmup: int = 0,
-         reps: int = 1, compare: bool = False, kill_switch: bool | None = None,
+         reps: int = 1, kill_switch: bool | None = None,
          program: Path | None = None) -> TailRun:
     """Prefill `prompt` on the device with the tail policy. The kill switch: the host's
     TESTBED_DISABLE_PREFILL_TAIL_PAD unless given, forwarded to the program."""
@@ -237,7 +236,7 @@ def tail(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSetting
     tokens = np.asarray(prompt, np.int64).reshape(-1)
     args = ["mode=tail", f"chunk={s.chunk}", f"cache={CACHE_DTYPES[s.cache_dtype]}", f"cache_group={s.cache_group}",
             f"sink={s.sink}", f"threshold={s.threshold}", f"state={int(s.state)}", f"generate={s.generate}",
-            f"exact_tail={int(s.exact_tail)}", f"compare={int(compare)}",
+            f"exact_tail={int(s.exact_tail)}",
             f"{tp.KILL_SWITCH}={int(kill_switch)}", f"threads={s.threads}", f"warmup={warmup}",
             f"reps={reps}"]
     parts = ["k", "v", "positions"] + (["k_scale", "v_scale"] if s.cache_dtype == "int8" else [])
@@ -248,8 +247,7 @@ def tail(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSetting
     caches = _caches(cfg, s, out, timings["lengths"])
     prefill = DevicePrefill(out["logits"], tp.Telemetry(**timings["telemetry"]), caches, tokens.size,
                             [int(t) for t in out["generated"]])
-    scalar = tp.Telemetry(**timings["scalar_telemetry"]) if compare else None
-    return TailRun(prefill, timings, evidence, scalar)
+    return TailRun(prefill, timings, evidence)
 
 
 def rollback_runs(device: Device, cfg: gemma.GemmaConfig, w: dict, case, s: TailSettings, seed: int = 0,
