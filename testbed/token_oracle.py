@@ -14,10 +14,16 @@ the host, with
   its table position (the contract: a pad row attends only itself). Each call's K/V must have P+C
   rows (the contract's result shape).
 
-Three verdicts per case: "token" (margin: the candidate's logit for the reference token minus its
-best other logit, so negative when the argmax differs), "logits" and "cache" (margin: log10 of
-tolerance over the worst difference). Beside them: the reference's own top-1 minus top-2 margin, and,
-where the checkpoint has a tokenizer, each token as text (token_text beside token_ref).
+- the model written out a second time in float64 (refimpl.naive_gemma), which shares no code with
+  refimpl.gemma: redecode and the candidate may share a bug of refimpl.gemma's building blocks (a
+  norm, RoPE, the attention), the naive model does not. Both paths' logits within logit_atol of it,
+  and their token one the naive model accepts.
+
+Four verdicts per case: "token" (margin: the candidate's logit for the reference token minus its
+best other logit, so negative when the argmax differs), "logits", "cache" and "naive" (margin: log10
+of tolerance over the worst difference, null where a difference is not finite). Beside them: the
+reference's own top-1 minus top-2 margin, and, where the checkpoint has a tokenizer, each token as
+text (token_text beside token_ref).
 
 A tie: where the reference's top logits are closer than logit_atol, a backend within tolerance may
 rank them either way (a correct reduced-precision backend does). The position is recorded as a tie
@@ -33,7 +39,7 @@ from typing import Callable
 
 import numpy as np
 
-from refimpl import gemma
+from refimpl import gemma, naive_gemma
 from testbed.backends import ContractBroken, GemmaRunner
 from testbed.oracles import Verdict, nmse
 
@@ -79,7 +85,7 @@ def tied_tokens(reference: np.ndarray, atol: float) -> list[int]:
 
 def closeness(name: str, diff: float, atol: float, detail: str) -> Verdict:
     passed = bool(np.isfinite(diff) and diff <= atol)
-    margin = 30.0 if diff == 0 else (float("-inf") if not np.isfinite(diff) else min(30.0, math.log10(atol / diff)))
+    margin = 30.0 if diff == 0 else (None if not np.isfinite(diff) else min(30.0, math.log10(atol / diff)))
     return Verdict(name, passed, margin, {f"max_abs_{name}_diff": diff, f"{name}_atol": atol},
                    "" if passed else detail)
 
@@ -90,12 +96,19 @@ class Reference:
     def __init__(self, w: dict, cfg: gemma.GemmaConfig, prompt: np.ndarray):
         self.w, self.cfg, self.prompt = w, cfg, np.asarray(prompt)
         self._logits: dict[int, np.ndarray] = {}
+        self._naive: dict[int, np.ndarray] = {}
         self._kv: tuple[list, list] | None = None
 
     def logits(self, position: int) -> np.ndarray:
         if position not in self._logits:
             self._logits[position] = gemma.redecode(self.w, self.cfg, self.prompt, position)
         return self._logits[position]
+
+    def naive_logits(self, position: int) -> np.ndarray:
+        """The float64 logits of refimpl.naive_gemma at `position`: the reference independent of refimpl.gemma."""
+        if position not in self._naive:
+            self._naive[position] = naive_gemma.logits(self.w, self.cfg, self.prompt, position)
+        return self._naive[position]
 
     def kv(self, rows: int) -> tuple[list, list]:
         """K/V of positions 0..rows-1 (a row depends only on tokens up to it, so one prefill serves all)."""
@@ -131,7 +144,7 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
     try:
         run = backend.utterance(prompt, case, build)
     except ContractBroken as e:
-        return [Verdict(name, False, float("-inf"), info, str(e)) for name in ("token", "logits", "cache")]
+        return [Verdict(name, False, None, info, str(e)) for name in ("token", "logits", "cache", "naive")]
     chunk_logits, decode_logits, ks, vs, last = run.chunk_logits, run.decode_logits, run.k, run.v, run.last
 
     # token: chunk == redecode == token-by-token (== pinned), any of them where the reference ties
@@ -167,4 +180,17 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
                       f"(tolerance {cache_atol:g})")
     kv_nmse = nmse(np.concatenate([a.ravel() for a in want_k + want_v]), np.concatenate([a.ravel() for a in ks + vs]))
     cache.metrics.update({**info, "max_abs_real_rows_diff": real, "max_abs_pad_rows_diff": pad, "nmse_kv": kv_nmse})
-    return [token, logits, cache]
+    # naive: both paths against the float64 model written out independently of refimpl.gemma
+    naive_logits = ref.naive_logits(case.position)
+    naive_accepted = tied_tokens(naive_logits, logit_atol)
+    naive_diff = max(float(np.abs(chunk_logits - naive_logits).max()), float(np.abs(decode_logits - naive_logits).max()))
+    naive = closeness("naive", naive_diff, logit_atol,
+                      f"max |logit - naive float64 model| {naive_diff:.3g} > {logit_atol:g}")
+    off = [f"{path} gives token {named(t)}, the naive float64 model {named(naive_accepted[0])}"
+           if len(naive_accepted) == 1 else f"{path} gives token {named(t)}, the naive float64 model ties {naive_accepted}"
+           for path, t in tokens.items() if t not in naive_accepted]
+    naive.metrics.update({**info, "token_naive": int(np.argmax(naive_logits)), "naive_reference": "refimpl.naive_gemma"})
+    if off:
+        naive = Verdict("naive", False, min(margin_for(chunk_logits, naive_accepted), margin_for(decode_logits, naive_accepted)),
+                        naive.metrics, "; ".join(off + ([naive.detail] if naive.detail else [])))
+    return [token, logits, cache, naive]

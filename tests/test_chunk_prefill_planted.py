@@ -11,6 +11,8 @@ import pytest
 
 from refimpl import gemma
 from testbed.backends.refimpl import gemma as refimpl_backend
+from testbed.cli import main
+from testbed.results import ResultsStore
 from testbed.token_oracle import Reference, TokenCase, check_token_at_position
 
 CFG = gemma.tiny_config()          # window 512, layers 0-4 local, 5 global
@@ -145,3 +147,30 @@ def test_chunk_attending_past_only_fails():
 
     vs = verdicts(SMALL, backend=refimpl_backend.backend(w, CFG, attention=past_only_attention))
     assert fails(vs)
+
+
+# --- `testbed run chunk_prefill` with refimpl.gemma itself wrong ---------------------------------------
+
+
+def rms_norm_without_offset(x, w, eps):
+    """RMSNorm scaled by w instead of Gemma's (1 + w): the norm weights read as plain scales."""
+    x = x.astype(gemma.DTYPE)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + gemma.DTYPE(eps)) * w
+
+
+def test_cli_run_fails_when_refimpl_norms_lose_the_weight_offset(results_dir, monkeypatch, capsys):
+    """Redecode, prefill_at and the chunk graph all run through refimpl.gemma, so they agree with one
+    another on the wrong model: only the naive float64 model, with its own norm, can fail them."""
+    run = ["run", "chunk_prefill", "mode=oracle"]
+    assert main(run) == 0
+    monkeypatch.setattr(gemma, "rms_norm", rms_norm_without_offset)
+    assert main(run) == 1
+    out = capsys.readouterr().out
+    records = ResultsStore(results_dir).records("chunk_prefill")
+    planted = [r for r in records if r["run_id"] == records[-1]["run_id"]]
+    verdicts = {(r["params"]["past"], r["oracle"]): r["verdict"] for r in planted}
+    assert {o for (_, o), v in verdicts.items() if v != "pass"} == {"naive"}, verdicts
+    assert all(verdicts[p, "naive"] == "fail" for p, _ in verdicts)  # every case
+    naive = next(r for r in planted if r["oracle"] == "naive")
+    assert naive["metrics"]["max_abs_naive_diff"] > naive["metrics"]["naive_atol"] and naive["margin"] < 0
+    assert "naive float64 model" in naive["detail"] and f"FAIL {naive['case']}" in out

@@ -50,7 +50,7 @@ def test_chunk_prefill_experiment_passes_on_iree_host(results_dir):
                      experiment="chunk_prefill")
     outcome = runner.execute(rc)
     verdicts = {r["oracle"]: r["verdict"] for r in outcome.rows}
-    assert verdicts == {"token": "pass", "logits": "pass", "cache": "pass"}, outcome.rows
+    assert verdicts == {"token": "pass", "logits": "pass", "cache": "pass", "naive": "pass"}, outcome.rows
     token = next(r for r in outcome.rows if r["oracle"] == "token")
     assert token["metrics"]["token_chunk"] == token["metrics"]["token_ref"]
     cache = next(r for r in outcome.rows if r["oracle"] == "cache")
