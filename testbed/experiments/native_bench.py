@@ -5,7 +5,9 @@ attention  one chunk of C query rows against P past + C new keys, vs the same C 
            tb_attention_bench on the device, timed by its own clock around the kernel calls only (no
            host call between decode steps), alternating chunk and decode-steps runs per repetition.
            Both outputs are checked against the numpy reference (NMSE), so every timed call
-           computed the full result. Then one decode step (the last row against every key) hot
+           computed the full result. The mask differs per head (head_biased_mask): a causal mask is
+           the same for every head, so a kernel reading every head's mask rows from one head would
+           pass with it. Then one decode step (the last row against every key) hot
            (operands in cache after a warm-up call) and cold (the caches evicted before it, as a
            first call after other work finds them), with the bytes it must read and their rate.
 rollback   the padded tail's extra cache work (snapshot before the padded append, rollback after it)
@@ -63,6 +65,16 @@ def attention_flops(heads: int, rows: int, keys: int, head_dim: int) -> int:
     return 4 * heads * rows * keys * head_dim
 
 
+def head_biased_mask(mask: np.ndarray) -> np.ndarray:
+    """mask [1, heads, C, L] (C queries, the last C of L keys) with each head's attended entries
+    biased by ALiBi's per-head slope times the query-key distance, so no two heads' masks are alike
+    and a wrong head stride in the kernel changes its output. Masked entries stay masked."""
+    heads, c, l = mask.shape[1:]
+    slopes = 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+    distance = np.maximum(np.arange(l - c, l)[:, None] - np.arange(l)[None, :], 0)
+    return np.where(mask == 0, -slopes[None, :, None, None] * distance, mask).astype(np.float32)
+
+
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     a, c, b = cfg.attention, cfg.cache, cfg.bench
     target = target_for_abi(ctx.device.profile.abi)
@@ -73,7 +85,8 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     q = rng.standard_normal((a.heads, a.chunk, a.head_dim)).astype(np.float32)
     k = rng.standard_normal((a.kv_heads, n_keys, a.head_dim)).astype(np.float32)
     v = rng.standard_normal((a.kv_heads, n_keys, a.head_dim)).astype(np.float32)
-    mask = gemma.attention_mask(np.arange(a.past, n_keys), np.arange(n_keys), c.window, a.heads, "global")
+    mask = head_biased_mask(gemma.attention_mask(np.arange(a.past, n_keys), np.arange(n_keys), c.window, a.heads,
+                                                 "global"))
     reference = gemma.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask,
                                 1 / np.sqrt(a.head_dim))
 
