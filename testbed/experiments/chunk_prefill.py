@@ -2,7 +2,8 @@
 
 oracle mode  each configured case (P cached positions, n utterance tokens, chunk C): the token at
              position P+n-1 from ceil(n/C) chunk calls must equal redecode's and the token-by-token
-             decode's; logits and the cache within tolerance (testbed.token_oracle).
+             decode's; logits and the cache within tolerance; and logits and token those of the
+             model written out in float64 (refimpl.naive_gemma, verdict naive) (testbed.token_oracle).
 bench mode   on the chosen backend, the time of one chunk call of C rows and of one decode step,
              both against bench.past cached positions, with FLOPs counted (refimpl.gemma.graph_flops);
              then the projected latency of each configured utterance length: ceil(n/C) chunk calls
