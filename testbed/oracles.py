@@ -71,6 +71,18 @@ def check_nmse(ref: dict[str, np.ndarray], out: dict[str, np.ndarray], threshold
     return Verdict("nmse", passed, margin, metrics, "; ".join(problems))
 
 
+def head_biased_mask(mask: np.ndarray, query_positions, key_positions) -> np.ndarray:
+    """An additive mask [1, heads, Q, K] with each head's attended entries biased by ALiBi's per-head
+    slope times the distance from the query's position back to the key's. A real mask is the same for
+    every head, so a kernel or graph that reads every head's rows from one head (a wrong or missing
+    head stride) passes with it; with this one no two heads agree and it fails. Masked entries stay
+    masked; the bias depends on positions, not columns, so any cache layout gets the same one."""
+    heads = mask.shape[1]
+    slopes = 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+    distance = np.maximum(np.asarray(query_positions)[:, None] - np.asarray(key_positions)[None, :], 0)
+    return np.where(mask == 0, -slopes[None, :, None, None] * distance, mask).astype(np.float32)
+
+
 def digest(*arrays: np.ndarray) -> str:
     """sha256 over the raw bytes (and shapes and dtypes) of arrays: what byte-identical means."""
     h = hashlib.sha256()

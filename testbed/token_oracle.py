@@ -25,6 +25,11 @@ of tolerance over the worst difference, null where a difference is not finite). 
 reference's own top-1 minus top-2 margin, and, where the checkpoint has a tokenizer, each token as
 text (token_text beside token_ref).
 
+Masks per head (check_mask_heads, for a backend that runs the host's masks): the real masks are the
+same for every head, so a graph reading every head's mask from one head would pass every verdict
+above. The case's utterance with masks that differ per head (testbed.oracles.head_biased_mask) must
+give refimpl.gemma's logits for the same masks, within logit_atol.
+
 A tie: where the reference's top logits are closer than logit_atol, a backend within tolerance may
 rank them either way (a correct reduced-precision backend does). The position is recorded as a tie
 (metrics tie, tied_tokens) and any tied token is accepted; the margin is then how far each path is
@@ -41,7 +46,8 @@ import numpy as np
 
 from refimpl import gemma, naive_gemma
 from testbed.backends import ContractBroken, GemmaRunner
-from testbed.oracles import Verdict, nmse
+from testbed.backends.refimpl import gemma as refimpl_backend
+from testbed.oracles import Verdict, head_biased_mask, nmse
 
 InputsBuilder = Callable[..., gemma.ChunkInputs]
 
@@ -183,14 +189,39 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
     # naive: both paths against the float64 model written out independently of refimpl.gemma
     naive_logits = ref.naive_logits(case.position)
     naive_accepted = tied_tokens(naive_logits, logit_atol)
-    naive_diff = max(float(np.abs(chunk_logits - naive_logits).max()), float(np.abs(decode_logits - naive_logits).max()))
+    naive_said = (f"the naive float64 model {named(naive_accepted[0])}" if len(naive_accepted) == 1
+                  else f"the naive float64 model ties {naive_accepted}")
+    naive_diff = max(float(np.abs(path - naive_logits).max()) for path in (chunk_logits, decode_logits))
     naive = closeness("naive", naive_diff, logit_atol,
                       f"max |logit - naive float64 model| {naive_diff:.3g} > {logit_atol:g}")
-    off = [f"{path} gives token {named(t)}, the naive float64 model {named(naive_accepted[0])}"
-           if len(naive_accepted) == 1 else f"{path} gives token {named(t)}, the naive float64 model ties {naive_accepted}"
-           for path, t in tokens.items() if t not in naive_accepted]
     naive.metrics.update({**info, "token_naive": int(np.argmax(naive_logits)), "naive_reference": "refimpl.naive_gemma"})
-    if off:
-        naive = Verdict("naive", False, min(margin_for(chunk_logits, naive_accepted), margin_for(decode_logits, naive_accepted)),
-                        naive.metrics, "; ".join(off + ([naive.detail] if naive.detail else [])))
+    off = [f"{path} gives token {named(t)}, {naive_said}" for path, t in tokens.items() if t not in naive_accepted]
+    if off:  # the margin is then the token's: how far each path is from a token the naive model accepts
+        margin = min(margin_for(chunk_logits, naive_accepted), margin_for(decode_logits, naive_accepted))
+        naive = Verdict("naive", False, margin, naive.metrics, "; ".join(off + [naive.detail] * bool(naive.detail)))
     return [token, logits, cache, naive]
+
+
+def head_biased_inputs(cfg: gemma.GemmaConfig, tokens, past_len: int, chunk: int, past_positions=None,
+                       **kw) -> gemma.ChunkInputs:
+    """gemma.chunk_inputs with every mask biased per head by position (testbed.oracles.head_biased_mask)."""
+    inp = gemma.chunk_inputs(cfg, tokens, past_len, chunk, past_positions, **kw)
+    past = np.arange(past_len) if past_positions is None else np.asarray(past_positions)
+    keys = np.concatenate([past, inp.positions])
+    inp.masks = {t: head_biased_mask(m, inp.positions, keys) for t, m in inp.masks.items()}
+    return inp
+
+
+def check_mask_heads(backend: GemmaRunner, ref: Reference, case: TokenCase, logit_atol: float = 1e-3) -> Verdict:
+    """The case's utterance with masks that differ per head (head_biased_inputs), on the backend and on
+    refimpl.gemma: the chunk path's and the token-by-token path's logits within logit_atol. Margin:
+    log10 of tolerance over the worst difference, null where it is not finite."""
+    want = refimpl_backend.backend(ref.w, ref.cfg).utterance(ref.prompt, case, head_biased_inputs)
+    got = backend.utterance(ref.prompt, case, head_biased_inputs)
+    diff = max(float(np.abs(np.asarray(got.chunk_logits, np.float64) - want.chunk_logits).max()),
+               float(np.abs(np.asarray(got.decode_logits, np.float64) - want.decode_logits).max()))
+    verdict = closeness("mask_heads", diff, logit_atol,
+                        f"with masks that differ per head the logits differ from refimpl.gemma's by {diff:.3g} "
+                        f"(tolerance {logit_atol:g}): a head reads another head's mask")
+    verdict.metrics["position"] = case.position
+    return verdict

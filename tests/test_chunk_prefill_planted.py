@@ -13,7 +13,7 @@ from refimpl import gemma
 from testbed.backends.refimpl import gemma as refimpl_backend
 from testbed.cli import main
 from testbed.results import ResultsStore
-from testbed.token_oracle import Reference, TokenCase, check_token_at_position
+from testbed.token_oracle import Reference, TokenCase, check_mask_heads, check_token_at_position
 
 CFG = gemma.tiny_config()          # window 512, layers 0-4 local, 5 global
 
@@ -147,6 +147,21 @@ def test_chunk_attending_past_only_fails():
 
     vs = verdicts(SMALL, backend=refimpl_backend.backend(w, CFG, attention=past_only_attention))
     assert fails(vs)
+
+
+def test_a_graph_reading_every_heads_mask_from_one_head_is_caught_by_masks_that_differ_per_head():
+    """A graph that broadcasts head 0's mask over the heads (a missing head stride): the real masks are
+    the same for every head, so only masks that differ per head show it."""
+    w, ref, good = model()
+
+    def head_0_mask(q, k, v, mask, scale):
+        return gemma.attention(q, k, v, np.broadcast_to(mask[:, :1], mask.shape), scale)
+
+    bugged = refimpl_backend.backend(w, CFG, attention=head_0_mask)
+    assert not fails(verdicts(SMALL, backend=bugged)), "with real masks the wrong head stride goes unseen"
+    assert check_mask_heads(good, ref, SMALL).passed
+    v = check_mask_heads(bugged, ref, SMALL)
+    assert not v.passed and v.margin < 0 and "another head's mask" in v.detail
 
 
 # --- `testbed run chunk_prefill` with refimpl.gemma itself wrong ---------------------------------------

@@ -92,7 +92,7 @@ def test_native_bench_catches_mask_rows_read_without_their_head_stride(results_d
     run = ["run", "native_bench", "attention.past=40", "attention.chunk=8", "attention.head_dim=32",
            "cache.window=32", "cache.real=5", "bench.reps=1", "bench.warmup=0", "bench.cold_mb=1"]
     with monkeypatch.context() as same_for_every_head:
-        same_for_every_head.setattr(native_bench, "head_biased_mask", lambda mask: mask)
+        same_for_every_head.setattr(native_bench, "head_biased_mask", lambda mask, queries, keys: mask)
         assert main(run) == 0, "with a causal mask alone the wrong stride goes unseen"
     assert main(run) == 1
     rows = ResultsStore(results_dir).records("native_bench")

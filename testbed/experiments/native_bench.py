@@ -29,7 +29,7 @@ from testbed.backends.native.build import build_programs, target_for_abi
 from testbed.backends.native.device import NativeJob, run_native
 from testbed.config import Choice, Int
 from testbed.errors import UsageError
-from testbed.oracles import check_nmse
+from testbed.oracles import check_nmse, head_biased_mask
 from testbed.results import Figure, Record
 
 PARAMS = {
@@ -65,16 +65,6 @@ def attention_flops(heads: int, rows: int, keys: int, head_dim: int) -> int:
     return 4 * heads * rows * keys * head_dim
 
 
-def head_biased_mask(mask: np.ndarray) -> np.ndarray:
-    """mask [1, heads, C, L] (C queries, the last C of L keys) with each head's attended entries
-    biased by ALiBi's per-head slope times the query-key distance, so no two heads' masks are alike
-    and a wrong head stride in the kernel changes its output. Masked entries stay masked."""
-    heads, c, l = mask.shape[1:]
-    slopes = 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
-    distance = np.maximum(np.arange(l - c, l)[:, None] - np.arange(l)[None, :], 0)
-    return np.where(mask == 0, -slopes[None, :, None, None] * distance, mask).astype(np.float32)
-
-
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     a, c, b = cfg.attention, cfg.cache, cfg.bench
     target = target_for_abi(ctx.device.profile.abi)
@@ -85,8 +75,8 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     q = rng.standard_normal((a.heads, a.chunk, a.head_dim)).astype(np.float32)
     k = rng.standard_normal((a.kv_heads, n_keys, a.head_dim)).astype(np.float32)
     v = rng.standard_normal((a.kv_heads, n_keys, a.head_dim)).astype(np.float32)
-    mask = head_biased_mask(gemma.attention_mask(np.arange(a.past, n_keys), np.arange(n_keys), c.window, a.heads,
-                                                 "global"))
+    queries, keys = np.arange(a.past, n_keys), np.arange(n_keys)
+    mask = head_biased_mask(gemma.attention_mask(queries, keys, c.window, a.heads, "global"), queries, keys)
     reference = gemma.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask,
                                 1 / np.sqrt(a.head_dim))
 
