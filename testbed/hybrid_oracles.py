@@ -7,6 +7,9 @@ chunk with past  P positions prefilled in chunks, then n <= C tokens in one pref
                    token  same argmax at position P + n - 1 (margin: the candidate's logit for the
                           reference token minus its best other logit, so negative when it differs)
                    state  every carried array (K/V rows, conv states, recurrent states) by NMSE
+                 and against the model written out in float64 (refimpl.naive_qwen35, no code shared
+                 with refimpl.qwen35, gemma or gdn, which redecode and the candidate share):
+                   naive  the candidate's logits by NMSE, and the same argmax
 padded tail      a prompt of N = b * C + t tokens prefilled with the tail padded to C rows, and with
                  the tail run one token at a time (scalar):
                    first_token  same argmax after the prompt (the token generation would start with)
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refimpl import gdn, qwen35
+from refimpl import gdn, naive_qwen35, qwen35
 from testbed.oracles import NMSE_THRESHOLD, Verdict, check_bitexact, check_nmse
 from testbed.token_oracle import margin_for, top2_margin
 
@@ -64,7 +67,20 @@ def check_chunk_with_past(w: dict, cfg: qwen35.HybridConfig, prompt, past: int, 
     tokens = np.zeros(chunk, np.int64)
     tokens[:n] = prompt[past:past + n]
     logits, state = qwen35.prefill_with_past(w, cfg, tokens, state, gdn_fn, n=n)
-    return [check_token(ref_logits[-1], logits), check_state(ref_state, state, threshold)]
+    return [check_token(ref_logits[-1], logits), check_state(ref_state, state, threshold),
+            check_naive(naive_qwen35.logits(w, cfg, prompt[:past + n]), logits, threshold)]
+
+
+def check_naive(naive_logits: np.ndarray, candidate: np.ndarray, threshold: float = NMSE_THRESHOLD) -> Verdict:
+    """The candidate's logits against the naive float64 model's: NMSE within threshold, same argmax.
+    Margin: the NMSE's (log10 of threshold over it), at most 0 where the argmax differs."""
+    v = check_nmse({"logits": naive_logits}, {"logits": candidate}, threshold)
+    token = check_token(naive_logits, candidate)
+    problems = [p for p in (v.detail, token.detail and f"{token.detail} (the naive float64 model's)") if p]
+    margin = v.margin if token.passed or v.margin is None else min(v.margin, 0.0)
+    return Verdict("naive", v.passed and token.passed, margin,
+                   {"nmse": v.metrics["nmse"], "token_naive": token.metrics["token_ref"], "token": token.metrics["token"],
+                    "naive_reference": "refimpl.naive_qwen35, float64"}, "; ".join(problems))
 
 
 def check_padded_tail(w: dict, cfg: qwen35.HybridConfig, prompt, chunk: int, gdn_fn: qwen35.GDNFn,

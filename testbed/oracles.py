@@ -47,7 +47,7 @@ def check_nmse(ref: dict[str, np.ndarray], out: dict[str, np.ndarray], threshold
     fails. (A NaN in the reference makes the NMSE NaN, which max() and <= let through as a pass.)
 
     Margin: log10(threshold / worst NMSE), the orders of magnitude of headroom (capped at 30 for an
-    exact match)."""
+    exact match); None where the NMSE is not finite (NaN or inf on either side: no headroom to state)."""
     metrics: dict[str, Any] = {}
     worst = 0.0
     problems = []
@@ -65,10 +65,22 @@ def check_nmse(ref: dict[str, np.ndarray], out: dict[str, np.ndarray], threshold
         worst = max(worst, e)
     metrics["nmse"] = worst
     passed = not problems and worst <= threshold
-    margin = 30.0 if worst == 0.0 else (float("-inf") if not np.isfinite(worst) else float(np.log10(threshold / worst)))
+    margin = None if not np.isfinite(worst) else 30.0 if worst == 0.0 else min(float(np.log10(threshold / worst)), 30.0)
     if not passed and not problems:
         problems.append(f"NMSE {worst:.3g} > {threshold:g}")
-    return Verdict("nmse", passed, min(margin, 30.0), metrics, "; ".join(problems))
+    return Verdict("nmse", passed, margin, metrics, "; ".join(problems))
+
+
+def head_biased_mask(mask: np.ndarray, query_positions, key_positions) -> np.ndarray:
+    """An additive mask [1, heads, Q, K] with each head's attended entries biased by ALiBi's per-head
+    slope times the distance from the query's position back to the key's. A real mask is the same for
+    every head, so a kernel or graph that reads every head's rows from one head (a wrong or missing
+    head stride) passes with it; with this one no two heads agree and it fails. Masked entries stay
+    masked; the bias depends on positions, not columns, so any cache layout gets the same one."""
+    heads = mask.shape[1]
+    slopes = 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+    distance = np.maximum(np.asarray(query_positions)[:, None] - np.asarray(key_positions)[None, :], 0)
+    return np.where(mask == 0, -slopes[None, :, None, None] * distance, mask).astype(np.float32)
 
 
 def digest(*arrays: np.ndarray) -> str:

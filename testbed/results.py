@@ -129,7 +129,9 @@ def _jsonable(x):
     if isinstance(x, np.generic):
         x = x.item()
     if isinstance(x, float) and not math.isfinite(x):
-        return str(x)  # JSON has no NaN/inf; keep them visible as strings
+        # JSON has no NaN/inf, and a string where a number belongs breaks every reader that sorts or
+        # takes a minimum: stored as null (a verdict's detail says what was not finite)
+        return None
     return x
 
 

@@ -8,9 +8,13 @@ for the chronological row list: built here directly from that list, not by the c
 First token: for a prompt, the padded-tail prefill and the scalar-tail prefill (the kill switch set)
 must give the same first token; each mode must be deterministic run to run; the telemetry must add
 up, with the expected tail derived from the chunk size the telemetry reports, which must be the
-configured one; and the states that are exact in both modes (every cache's positions, conv states)
+configured one, and the padding decision must be the design's rule recomputed here from the
+configured threshold, the tail length and the caches' layout (padding_expected), never read from the
+engine's policy; and the states that are exact in both modes (every cache's positions, conv states)
 must be identical. How many generated tokens agree is reported beside the verdict, not judged: chunk
-and step graphs round differently, so a near-tie may flip a later token.
+and step graphs round differently, so a near-tie may flip a later token. Where asked (naive_atol), both
+modes' logits are also judged against the model written out in float64 (refimpl.naive_gemma), which
+shares no code with refimpl.gemma: padded and scalar tails would agree on a bug of the model itself.
 
 Byte-identical cache of an engine run (check_engine_rollback): a whole prefill whose tail was padded
 and rolled back, against the same prefill whose padded call appended only its real rows, every cache
@@ -28,6 +32,7 @@ from typing import Callable
 
 import numpy as np
 
+from refimpl import naive_gemma
 from refimpl import sliding_cache as sc
 from refimpl import tail_prefill as tp
 from testbed.oracles import Verdict, check_bitexact, digest
@@ -201,8 +206,28 @@ def _exact_state(p: tp.Prefill) -> dict[str, np.ndarray]:
     return out
 
 
-def _telemetry_problems(t: tp.Telemetry, configured_chunk: int, padded_allowed: bool) -> list[str]:
+def padding_expected(tail: int, chunk: int, threshold: int, caches: tp.ModelCaches) -> bool:
+    """The design's padding rule (seed 003), written out here rather than asked of the engine's policy:
+    a tail runs padded iff it is longer than the threshold, a sliding cache exists, every sliding
+    window exceeds chunk + sink (the padded chunk fits the tail capacity) and no conv or recurrent state
+    is present. The kill switch is the caller's to apply."""
+    sliding = [c for c in caches.layers if c.kind == "sliding"]
+    fits = bool(sliding) and all(c.window > chunk + c.sink for c in sliding)
+    return tail > threshold and fits and not caches.states
+
+
+def _telemetry_problems(t: tp.Telemetry, configured_chunk: int, padded_allowed: bool,
+                        decision: tuple[int, bool] | None = None) -> list[str]:
+    """What is wrong with one prefill's telemetry. decision: (threshold, padding expected) where the
+    kill switch is off, so the mode the engine chose is judged against the rule."""
     problems = []
+    if decision is not None:
+        threshold, expected = decision
+        tail = t.prompt_tokens % configured_chunk
+        want = "none" if tail == 0 else "padded" if expected else "scalar"
+        if t.tail_mode != want:
+            problems.append(f"a tail of {tail} ran {t.tail_mode} ({t.reason}); the rule (pad tails > threshold "
+                            f"{threshold} where the caches allow it) says {want}")
     if t.chunk_size != configured_chunk:
         problems.append(f"chunk graph has {t.chunk_size} rows, configured chunk is {configured_chunk}")
     tail = t.prompt_tokens % t.chunk_size  # from the chunk size the telemetry reports
@@ -220,8 +245,11 @@ def _telemetry_problems(t: tp.Telemetry, configured_chunk: int, padded_allowed: 
     return problems
 
 
-def check_first_token(engine: Engine, tokens, configured_chunk: int, generate_steps: int = 8) -> list[Verdict]:
-    """Four verdicts for one prompt: first_token, determinism, telemetry, exact_state."""
+def check_first_token(engine: Engine, tokens, configured_chunk: int, threshold: int, generate_steps: int = 8,
+                      naive_atol: float | None = None) -> list[Verdict]:
+    """Four verdicts for one prompt: first_token, determinism, telemetry, exact_state; a fifth, naive,
+    where naive_atol is given (the float64 model costs seconds per prompt at the experiment's shape).
+    threshold: the configured padding threshold the decision is judged by."""
     runs = {}
     for mode, off in (("padded", False), ("scalar", True)):
         with kill_switch(off):
@@ -265,14 +293,40 @@ def check_first_token(engine: Engine, tokens, configured_chunk: int, generate_st
     determinism = Verdict("determinism", not problems, float(-len(problems)),
                           {**info, "cache_sha256": cache_digests["padded"][0]}, "; ".join(problems))
 
-    problems = _telemetry_problems(tel["padded"], configured_chunk, True) + \
+    expected = padding_expected(len(tokens) % configured_chunk, configured_chunk, threshold, engine.make_caches())
+    problems = _telemetry_problems(tel["padded"], configured_chunk, True, (threshold, expected)) + \
         _telemetry_problems(tel["scalar"], configured_chunk, False)
-    telemetry = Verdict("telemetry", not problems, float(-len(problems)), info, "; ".join(problems))
+    telemetry = Verdict("telemetry", not problems, float(-len(problems)),
+                        {**info, "threshold": threshold, "padding_expected": expected}, "; ".join(problems))
 
     state = check_bitexact(exact_state["scalar"], exact_state["padded"])
     exact = Verdict("exact_state", state.passed, state.margin,
                     {**info, "max_abs_k_diff": max(k_diffs) if k_diffs else None}, state.detail)
-    return [first, determinism, telemetry, exact]
+    verdicts = [first, determinism, telemetry, exact]
+    if naive_atol is not None:
+        verdicts.append(check_naive(engine, tokens, {"padded": padded.logits, "scalar": scalar.logits}, naive_atol, info))
+    return verdicts
+
+
+def check_naive(engine: Engine, tokens, logits: dict[str, np.ndarray], atol: float, info: dict) -> Verdict:
+    """Each mode's logits after the prompt within atol of the float64 model written out independently
+    (refimpl.naive_gemma), and its first token one the naive model accepts (its best, or one within
+    atol of it). Margin: log10(atol / worst difference), null where a difference is not finite."""
+    reference = naive_gemma.logits(engine.w, engine.cfg, tokens, len(tokens) - 1)
+    accepted = np.flatnonzero(reference >= reference.max() - atol).tolist()
+    diffs = {mode: float(np.max(np.abs(np.asarray(x, np.float64) - reference))) for mode, x in logits.items()}
+    worst = max(diffs.values())
+    problems = [f"{mode} first token {int(np.argmax(x))}, the naive float64 model {int(np.argmax(reference))}"
+                for mode, x in logits.items() if int(np.argmax(x)) not in accepted]
+    if not worst <= atol:  # NaN fails too
+        problems.append(f"max |logit - naive float64 model| {worst:.3g} > {atol:g}")
+    margin = None if not np.isfinite(worst) else 30.0 if worst == 0 else min(30.0, float(np.log10(atol / worst)))
+    if problems and margin is not None:
+        margin = min(margin, 0.0)  # a token outside the naive model's within tolerance: no headroom
+    metrics = {**info, "token_naive": int(np.argmax(reference)), "naive_atol": atol,
+               **{f"max_abs_{mode}_naive_diff": d for mode, d in diffs.items()},
+               "naive_reference": "refimpl.naive_gemma, float64"}
+    return Verdict("naive", not problems, margin, metrics, "; ".join(problems))
 
 
 def prompt_lengths(chunk: int, around: list[tuple[int, int]]) -> list[int]:

@@ -14,10 +14,21 @@ the host, with
   its table position (the contract: a pad row attends only itself). Each call's K/V must have P+C
   rows (the contract's result shape).
 
-Three verdicts per case: "token" (margin: the candidate's logit for the reference token minus its
-best other logit, so negative when the argmax differs), "logits" and "cache" (margin: log10 of
-tolerance over the worst difference). Beside them: the reference's own top-1 minus top-2 margin, and,
-where the checkpoint has a tokenizer, each token as text (token_text beside token_ref).
+- the model written out a second time in float64 (refimpl.naive_gemma), which shares no code with
+  refimpl.gemma: redecode and the candidate may share a bug of refimpl.gemma's building blocks (a
+  norm, RoPE, the attention), the naive model does not. Both paths' logits within logit_atol of it,
+  and their token one the naive model accepts.
+
+Four verdicts per case: "token" (margin: the candidate's logit for the reference token minus its
+best other logit, so negative when the argmax differs), "logits", "cache" and "naive" (margin: log10
+of tolerance over the worst difference, null where a difference is not finite). Beside them: the
+reference's own top-1 minus top-2 margin, and, where the checkpoint has a tokenizer, each token as
+text (token_text beside token_ref).
+
+Masks per head (check_mask_heads, for a backend that runs the host's masks): the real masks are the
+same for every head, so a graph reading every head's mask from one head would pass every verdict
+above. The case's utterance with masks that differ per head (testbed.oracles.head_biased_mask) must
+give refimpl.gemma's logits for the same masks, within logit_atol.
 
 A tie: where the reference's top logits are closer than logit_atol, a backend within tolerance may
 rank them either way (a correct reduced-precision backend does). The position is recorded as a tie
@@ -33,9 +44,10 @@ from typing import Callable
 
 import numpy as np
 
-from refimpl import gemma
+from refimpl import gemma, naive_gemma
 from testbed.backends import ContractBroken, GemmaRunner
-from testbed.oracles import Verdict, nmse
+from testbed.backends.refimpl import gemma as refimpl_backend
+from testbed.oracles import Verdict, head_biased_mask, nmse
 
 InputsBuilder = Callable[..., gemma.ChunkInputs]
 
@@ -79,7 +91,7 @@ def tied_tokens(reference: np.ndarray, atol: float) -> list[int]:
 
 def closeness(name: str, diff: float, atol: float, detail: str) -> Verdict:
     passed = bool(np.isfinite(diff) and diff <= atol)
-    margin = 30.0 if diff == 0 else (float("-inf") if not np.isfinite(diff) else min(30.0, math.log10(atol / diff)))
+    margin = 30.0 if diff == 0 else (None if not np.isfinite(diff) else min(30.0, math.log10(atol / diff)))
     return Verdict(name, passed, margin, {f"max_abs_{name}_diff": diff, f"{name}_atol": atol},
                    "" if passed else detail)
 
@@ -90,12 +102,19 @@ class Reference:
     def __init__(self, w: dict, cfg: gemma.GemmaConfig, prompt: np.ndarray):
         self.w, self.cfg, self.prompt = w, cfg, np.asarray(prompt)
         self._logits: dict[int, np.ndarray] = {}
+        self._naive: dict[int, np.ndarray] = {}
         self._kv: tuple[list, list] | None = None
 
     def logits(self, position: int) -> np.ndarray:
         if position not in self._logits:
             self._logits[position] = gemma.redecode(self.w, self.cfg, self.prompt, position)
         return self._logits[position]
+
+    def naive_logits(self, position: int) -> np.ndarray:
+        """The float64 logits of refimpl.naive_gemma at `position`: the reference independent of refimpl.gemma."""
+        if position not in self._naive:
+            self._naive[position] = naive_gemma.logits(self.w, self.cfg, self.prompt, position)
+        return self._naive[position]
 
     def kv(self, rows: int) -> tuple[list, list]:
         """K/V of positions 0..rows-1 (a row depends only on tokens up to it, so one prefill serves all)."""
@@ -131,7 +150,7 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
     try:
         run = backend.utterance(prompt, case, build)
     except ContractBroken as e:
-        return [Verdict(name, False, float("-inf"), info, str(e)) for name in ("token", "logits", "cache")]
+        return [Verdict(name, False, None, info, str(e)) for name in ("token", "logits", "cache", "naive")]
     chunk_logits, decode_logits, ks, vs, last = run.chunk_logits, run.decode_logits, run.k, run.v, run.last
 
     # token: chunk == redecode == token-by-token (== pinned), any of them where the reference ties
@@ -167,4 +186,42 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
                       f"(tolerance {cache_atol:g})")
     kv_nmse = nmse(np.concatenate([a.ravel() for a in want_k + want_v]), np.concatenate([a.ravel() for a in ks + vs]))
     cache.metrics.update({**info, "max_abs_real_rows_diff": real, "max_abs_pad_rows_diff": pad, "nmse_kv": kv_nmse})
-    return [token, logits, cache]
+    # naive: both paths against the float64 model written out independently of refimpl.gemma
+    naive_logits = ref.naive_logits(case.position)
+    naive_accepted = tied_tokens(naive_logits, logit_atol)
+    naive_said = (f"the naive float64 model {named(naive_accepted[0])}" if len(naive_accepted) == 1
+                  else f"the naive float64 model ties {naive_accepted}")
+    naive_diff = max(float(np.abs(path - naive_logits).max()) for path in (chunk_logits, decode_logits))
+    naive = closeness("naive", naive_diff, logit_atol,
+                      f"max |logit - naive float64 model| {naive_diff:.3g} > {logit_atol:g}")
+    naive.metrics.update({**info, "token_naive": int(np.argmax(naive_logits)), "naive_reference": "refimpl.naive_gemma"})
+    off = [f"{path} gives token {named(t)}, {naive_said}" for path, t in tokens.items() if t not in naive_accepted]
+    if off:  # the margin is then the token's: how far each path is from a token the naive model accepts
+        margin = min(margin_for(chunk_logits, naive_accepted), margin_for(decode_logits, naive_accepted))
+        naive = Verdict("naive", False, margin, naive.metrics, "; ".join(off + [naive.detail] * bool(naive.detail)))
+    return [token, logits, cache, naive]
+
+
+def head_biased_inputs(cfg: gemma.GemmaConfig, tokens, past_len: int, chunk: int, past_positions=None,
+                       **kw) -> gemma.ChunkInputs:
+    """gemma.chunk_inputs with every mask biased per head by position (testbed.oracles.head_biased_mask)."""
+    inp = gemma.chunk_inputs(cfg, tokens, past_len, chunk, past_positions, **kw)
+    past = np.arange(past_len) if past_positions is None else np.asarray(past_positions)
+    keys = np.concatenate([past, inp.positions])
+    inp.masks = {t: head_biased_mask(m, inp.positions, keys) for t, m in inp.masks.items()}
+    return inp
+
+
+def check_mask_heads(backend: GemmaRunner, ref: Reference, case: TokenCase, logit_atol: float = 1e-3) -> Verdict:
+    """The case's utterance with masks that differ per head (head_biased_inputs), on the backend and on
+    refimpl.gemma: the chunk path's and the token-by-token path's logits within logit_atol. Margin:
+    log10 of tolerance over the worst difference, null where it is not finite."""
+    want = refimpl_backend.backend(ref.w, ref.cfg).utterance(ref.prompt, case, head_biased_inputs)
+    got = backend.utterance(ref.prompt, case, head_biased_inputs)
+    diff = max(float(np.abs(np.asarray(got.chunk_logits, np.float64) - want.chunk_logits).max()),
+               float(np.abs(np.asarray(got.decode_logits, np.float64) - want.decode_logits).max()))
+    verdict = closeness("mask_heads", diff, logit_atol,
+                        f"with masks that differ per head the logits differ from refimpl.gemma's by {diff:.3g} "
+                        f"(tolerance {logit_atol:g}): a head reads another head's mask")
+    verdict.metrics["position"] = case.position
+    return verdict

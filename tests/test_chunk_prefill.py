@@ -25,7 +25,7 @@ def test_sweep_prints_both_verdicts_and_names_the_best_chunk(results_dir, capsys
     assert out.count("best C = ") == 2
     records = ResultsStore(results_dir).records("chunk_prefill")
     oracles = [r for r in records if r["kind"] == "oracle"]
-    assert len(oracles) == 12 and all(r["verdict"] == "pass" for r in oracles)
+    assert len(oracles) == 16 and all(r["verdict"] == "pass" for r in oracles)  # 2 cases x 4 verdicts x 2 C
     timed = [r for r in records if r["params"].get("form") == "chunk_call"]
     assert sorted(r["params"]["chunk"] for r in timed) == [32, 64]
     assert all(r["figures"]["time"]["reps"] == 5 and r["work"]["flops"] > 0 for r in timed)
@@ -56,7 +56,7 @@ def test_fixture_is_rendered(results_dir):
 
 def test_run_and_table(results_dir, capsys):
     assert cli.main(["run", "chunk_prefill", "chunk=16", *SMALL]) == 0
-    assert "oracles 3/3 pass, 6 measurements" in capsys.readouterr().out
+    assert "oracles 4/4 pass, 6 measurements" in capsys.readouterr().out
     assert cli.main(["table", "chunk_prefill", "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert {r["case"] for r in rows} >= {"P=40,n=20,C=16/token", "P=40,C=16/chunk_call", "n=52,C=16/projection"}
@@ -80,7 +80,7 @@ def test_checkpoint_from_config(results_dir, tmp_path, capsys):
     np.save(tmp_path / "prompt.npy", np.arange(61) % 64)
     assert cli.main(["run", "chunk_prefill", "mode=oracle", "chunk=8", "cases=[{past:40,tokens:20}]",
                      f"model.checkpoint={path}", f"model.prompt={tmp_path / 'prompt.npy'}"]) == 0
-    assert "oracles 3/3 pass" in capsys.readouterr().out
+    assert "oracles 4/4 pass" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("override, message", [

@@ -11,7 +11,9 @@ import pytest
 
 from refimpl import gemma
 from testbed.backends.refimpl import gemma as refimpl_backend
-from testbed.token_oracle import Reference, TokenCase, check_token_at_position
+from testbed.cli import main
+from testbed.results import ResultsStore
+from testbed.token_oracle import Reference, TokenCase, check_mask_heads, check_token_at_position
 
 CFG = gemma.tiny_config()          # window 512, layers 0-4 local, 5 global
 
@@ -145,3 +147,45 @@ def test_chunk_attending_past_only_fails():
 
     vs = verdicts(SMALL, backend=refimpl_backend.backend(w, CFG, attention=past_only_attention))
     assert fails(vs)
+
+
+def test_a_graph_reading_every_heads_mask_from_one_head_is_caught_by_masks_that_differ_per_head():
+    """A graph that broadcasts head 0's mask over the heads (a missing head stride): the real masks are
+    the same for every head, so only masks that differ per head show it."""
+    w, ref, good = model()
+
+    def head_0_mask(q, k, v, mask, scale):
+        return gemma.attention(q, k, v, np.broadcast_to(mask[:, :1], mask.shape), scale)
+
+    bugged = refimpl_backend.backend(w, CFG, attention=head_0_mask)
+    assert not fails(verdicts(SMALL, backend=bugged)), "with real masks the wrong head stride goes unseen"
+    assert check_mask_heads(good, ref, SMALL).passed
+    v = check_mask_heads(bugged, ref, SMALL)
+    assert not v.passed and v.margin < 0 and "another head's mask" in v.detail
+
+
+# --- `testbed run chunk_prefill` with refimpl.gemma itself wrong ---------------------------------------
+
+
+def rms_norm_without_offset(x, w, eps):
+    """RMSNorm scaled by w instead of Gemma's (1 + w): the norm weights read as plain scales."""
+    x = x.astype(gemma.DTYPE)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + gemma.DTYPE(eps)) * w
+
+
+def test_cli_run_fails_when_refimpl_norms_lose_the_weight_offset(results_dir, monkeypatch, capsys):
+    """Redecode, prefill_at and the chunk graph all run through refimpl.gemma, so they agree with one
+    another on the wrong model: only the naive float64 model, with its own norm, can fail them."""
+    run = ["run", "chunk_prefill", "mode=oracle"]
+    assert main(run) == 0
+    monkeypatch.setattr(gemma, "rms_norm", rms_norm_without_offset)
+    assert main(run) == 1
+    out = capsys.readouterr().out
+    records = ResultsStore(results_dir).records("chunk_prefill")
+    planted = [r for r in records if r["run_id"] == records[-1]["run_id"]]
+    verdicts = {(r["params"]["past"], r["oracle"]): r["verdict"] for r in planted}
+    assert {o for (_, o), v in verdicts.items() if v != "pass"} == {"naive"}, verdicts
+    assert all(verdicts[p, "naive"] == "fail" for p, _ in verdicts)  # every case
+    naive = next(r for r in planted if r["oracle"] == "naive")
+    assert naive["metrics"]["max_abs_naive_diff"] > naive["metrics"]["naive_atol"] and naive["margin"] < 0
+    assert "naive float64 model" in naive["detail"] and f"FAIL {naive['case']}" in out

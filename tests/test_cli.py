@@ -16,9 +16,9 @@ SMALL = ["matrix=awkward", "bench.tokens=[64]", "bench.heads=4", "bench.head_siz
 def test_run_gdn_stores_records_and_prints_a_summary(results_dir, capsys):
     assert main(["run", "gdn", *SMALL]) == 0
     out = capsys.readouterr().out
-    assert "oracles 36/36 pass, 2 measurements" in out
+    assert "oracles 48/48 pass, 2 measurements" in out
     records = ResultsStore(results_dir).records("gdn")
-    assert len(records) == 38
+    assert len(records) == 50
     measure = next(r for r in records if r["kind"] == "measure")
     time = measure["figures"]["time"]
     assert set(time) == {"median", "min", "max", "reps", "unit", "samples"}
@@ -42,7 +42,7 @@ def test_table_formats_read_only_stored_records(results_dir, capsys):
     capsys.readouterr()
     assert main(["table", "gdn", "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
-    assert len(rows) == 36 and {r["verdict"] for r in rows} == {"pass"}
+    assert len(rows) == 48 and {r["verdict"] for r in rows} == {"pass"}
     assert main(["table", "gdn", "--format", "csv"]) == 0
     assert capsys.readouterr().out.startswith("device,backend,chunk,case")
 

@@ -41,7 +41,7 @@ SEED = 20261130
 RNG = random.Random(SEED)
 COUNTS = Counter(faults=0, lost=0, false_passes=0, stored_seen=0)
 
-ORACLE_RUN = ["run", "gdn", "mode=oracle", "matrix=awkward"]  # 36 verdicts in about a second
+ORACLE_RUN = ["run", "gdn", "mode=oracle", "matrix=awkward"]  # 48 verdicts in about a second
 LONG_ORACLE_RUN = ["run", "gdn", "mode=oracle", "matrix=all"]  # 116 verdicts
 SWEEP = ["sweep", "experiment=gdn", "mode=oracle", "matrix=awkward", "chunk=16,32,48,64"]
 DEADLINE_S = 180  # the longest any one process of the campaign may take before the test gives up
@@ -151,7 +151,7 @@ def test_kill_9_at_a_random_point_of_a_sweep(round_, tmp_path, monkeypatch, caps
     audit(store, seen)
     ended = {r["run_id"] for r in store.scan().rows if r.get("run_mark") == "ended"}
     for run in ended:  # each run of the sweep that ended before the kill is whole
-        assert sum(r["run_id"] == run and r["kind"] == "oracle" for r in read(store)) == 36
+        assert sum(r["run_id"] == run and r["kind"] == "oracle" for r in read(store)) == 48
     still_works(results, tmp_path, monkeypatch, capsys)
 
 
@@ -232,7 +232,7 @@ def test_concurrent_runs_into_one_store(tmp_path, monkeypatch, capsys):
     COUNTS["faults"] += len(procs)
     assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in outs]
     said = {run: counts for out, _ in outs for run, counts in reported(out).items()}
-    assert len(said) == 3 and all(counts == (36, 36) for counts in said.values())
+    assert len(said) == 3 and all(counts == (48, 48) for counts in said.values())
     audit(store, set(), said)
     assert store.scan().problems == [] and main_verify(results, monkeypatch) == 0
     still_works(results, tmp_path, monkeypatch, capsys)

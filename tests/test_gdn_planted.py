@@ -1,12 +1,17 @@
 """Every GDN oracle must be able to fail: each test plants a realistic bug and sees it caught."""
 
+import json
+
 import numpy as np
 import pytest
 
 from refimpl import gdn as ref
+from refimpl.naive_gdn import naive_gdn
 from testbed.backends.refimpl.gdn import serial_in_chunks
+from testbed.cli import main
+from testbed.experiments.gdn import NAIVE_FORM
 from testbed.oracles import check_bitexact, check_nmse
-from tests.naive_gdn import naive_gdn
+from testbed.results import ResultsStore
 
 # Gates that keep the state alive, a length that crosses chunk boundaries, grouped heads.
 CASE = dict(n_seqs=2, tokens=80, h_k=2, d=16, v_repeat=2, gate="mild", seed=5)
@@ -87,3 +92,53 @@ def test_nan_fails_even_when_the_rest_matches():
     bad["out"][0, 3, 1, 2] = np.nan
     v = check_nmse(good, bad)
     assert not v.passed and "NaN" in v.detail
+
+
+# --- `testbed run gdn` with refimpl.gdn itself wrong: the reference shares the bug, the naive loops do not
+
+
+def test_cli_run_fails_when_refimpl_swaps_the_head_maps(results_dir, monkeypatch, capsys):
+    """refimpl.gdn.key_heads giving the interleaved map for `tiled` (and the reverse): the backend's
+    serial and chunkwise forms and the float64 reference all read the same wrong key heads, so only the
+    naive recurrence, with its own head map, can see it."""
+    run = ["run", "gdn", "mode=oracle", "matrix=awkward"]  # grouped value heads (v_repeat 2) in every case
+    assert main(run) == 0
+    right = ref.key_heads
+    other = {"tiled": "interleaved", "interleaved": "tiled"}
+    monkeypatch.setattr(ref, "key_heads", lambda h_k, h_v, head_map="tiled": right(h_k, h_v, other[head_map]))
+    assert main(run) == 1
+    out = capsys.readouterr().out
+    records = ResultsStore(results_dir).records("gdn")
+    swapped = [r for r in records if r["run_id"] == records[-1]["run_id"]]
+    failed = [r for r in swapped if r["verdict"] != "pass"]
+    assert failed and {r["params"]["form"] for r in failed} == {NAIVE_FORM}
+    assert len(failed) == sum(r["params"]["form"] == NAIVE_FORM for r in swapped)  # every case
+    assert "against the naive float64 recurrence" in failed[0]["detail"] and f"FAIL {failed[0]['case']}" in out
+
+
+def test_cli_run_with_nan_outputs_fails_and_stores_numbers_or_null(results_dir, tmp_path, monkeypatch, capsys):
+    """A missing exp (the log-gate used as the decay factor) makes the serial state overflow to inf and
+    NaN at llama.cpp's gates: the run must end in failed verdicts, JSON-valid records whose margins and
+    NMSEs are numbers or null (never strings), a summary that says the worst NMSE is inf, and the
+    table and the report must still read the store."""
+    monkeypatch.setattr(ref, "_decay_factor",
+                        lambda g_t: g_t[:, :, None, None] if g_t.ndim == 2 else g_t[:, :, None, :])
+    assert main(["run", "gdn", "mode=oracle", "matrix=tbo"]) == 1
+    out = capsys.readouterr().out
+    serial_row = next(line for line in out.splitlines() if line.startswith("| nmse serial "))
+    assert serial_row.split("|")[4].strip() == "inf", serial_row
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    lines = (results_dir / "records.jsonl").read_text().splitlines()
+    assert all(json.loads(line, parse_constant=refuse) for line in lines)
+    records = ResultsStore(results_dir).records("gdn")
+    assert all(r["margin"] is None or isinstance(r["margin"], (int, float)) for r in records)
+    non_finite = [r for r in records if "NaN/inf values" in r["detail"]]
+    assert non_finite and all(r["verdict"] == "fail" and r["margin"] is None and r["metrics"]["nmse"] is None
+                              for r in non_finite)
+    assert main(["table", "gdn"]) == 0
+    assert main(["report", "--out", str(tmp_path / "report")]) == 1  # written; 1: oracles failed
+    assert "NaN/inf values" in (tmp_path / "report" / "report.html").read_text()
+    assert "report.html" in capsys.readouterr().out

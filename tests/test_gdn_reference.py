@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from refimpl import gdn as ref
+from refimpl.naive_gdn import naive_gdn
 from testbed.experiments.gdn import AWKWARD_CASES, TBO_CASES, run_forms
 from testbed.oracles import check_nmse, nmse
-from tests.naive_gdn import naive_gdn
 
 
 def f64(x):

@@ -1,17 +1,15 @@
 """The Gemma reference model: masks, RoPE, the four graphs, and a sliding-window cache, on small shapes.
 
-The model itself is checked against a written-out per-position loop in float64 (naive_logits), which
-shares no code with refimpl.gemma's attention, RoPE or masks.
+The model itself is checked against the model written out a second time in float64
+(refimpl.naive_gemma), which shares no code with refimpl.gemma's attention, RoPE, norms or masks.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
-from refimpl import gemma
+from refimpl import gemma, naive_gemma
 
 
 def small(**kw) -> gemma.GemmaConfig:
@@ -96,59 +94,13 @@ def test_linear_rope_scaling_divides_positions_and_leaves_unscaled_tables_unchan
     assert np.array_equal(inp.tables["local"][0], gemma.rope_tables(np.arange(4), 16, cfg.rope_local)[0])
 
 
-def naive_logits(w, cfg, tokens, position):
-    """Per position, per head, in float64 with explicit loops: the model as the docstring states it."""
-    f = {k: v.astype(np.float64) for k, v in w.items()}
-    norm = lambda x, g: x / np.sqrt(np.mean(x * x) + cfg.rms_eps) * (1 + g)  # noqa: E731
-    n_tok, d, half = position + 1, cfg.head_dim, cfg.head_dim // 2
-    x = [f["model.embed_tokens.weight"][t] * math.sqrt(cfg.hidden) for t in tokens[:n_tok]]
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
-        base, scaling = (cfg.rope_local, 1.0) if kind == "local" else (cfg.rope_global, cfg.rope_scaling_global)
-
-        def rotate(vec, pos):
-            out = vec.copy()
-            for a in range(half):
-                ang = pos * base ** (-2 * a / d) / scaling
-                out[a] = vec[a] * math.cos(ang) - vec[a + half] * math.sin(ang)
-                out[a + half] = vec[a + half] * math.cos(ang) + vec[a] * math.sin(ang)
-            return out
-
-        qs, ks, vs = [], [], []
-        for t in range(n_tok):
-            h = norm(x[t], f[p + "input_layernorm.weight"])
-            q = (f[p + "self_attn.q_proj.weight"] @ h).reshape(cfg.heads, d)
-            k = (f[p + "self_attn.k_proj.weight"] @ h).reshape(cfg.kv_heads, d)
-            qs.append([rotate(norm(q[hd], f[p + "self_attn.q_norm.weight"]), t) for hd in range(cfg.heads)])
-            ks.append([rotate(norm(k[hd], f[p + "self_attn.k_norm.weight"]), t) for hd in range(cfg.kv_heads)])
-            vs.append((f[p + "self_attn.v_proj.weight"] @ h).reshape(cfg.kv_heads, d))
-        new_x = []
-        for t in range(n_tok):
-            heads = []
-            for hd in range(cfg.heads):
-                g = hd // (cfg.heads // cfg.kv_heads)
-                seen = [j for j in range(t + 1) if kind == "global" or t - j < cfg.window]
-                s = np.array([qs[t][hd] @ ks[j][g] for j in seen]) * cfg.query_pre_attn_scalar ** -0.5
-                e = np.exp(s - s.max())
-                heads.append(sum(e[m] / e.sum() * vs[j][g] for m, j in enumerate(seen)))
-            o = f[p + "self_attn.o_proj.weight"] @ np.concatenate(heads)
-            y = x[t] + norm(o, f[p + "post_attention_layernorm.weight"])
-            h = norm(y, f[p + "pre_feedforward_layernorm.weight"])
-            gate = f[p + "mlp.gate_proj.weight"] @ h
-            gelu = 0.5 * gate * (1 + np.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)))
-            m = f[p + "mlp.down_proj.weight"] @ (gelu * (f[p + "mlp.up_proj.weight"] @ h))
-            new_x.append(y + norm(m, f[p + "post_feedforward_layernorm.weight"]))
-        x = new_x
-    return f["model.embed_tokens.weight"] @ norm(x[position], f["model.norm.weight"])
-
-
 @pytest.mark.parametrize("rope", [{}, {"rope_global": 5_000.0, "rope_scaling_global": 4.0}], ids=["default", "scaled"])
 def test_redecode_matches_the_model_written_out(rope):
     cfg = small(heads=4, kv_heads=2, **rope)
     w = gemma.init_weights(cfg, 3)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab, 9)
     for position in (0, 8):  # 8 > window: the local layer drops early keys
-        np.testing.assert_allclose(gemma.redecode(w, cfg, tokens, position), naive_logits(w, cfg, tokens, position),
+        np.testing.assert_allclose(gemma.redecode(w, cfg, tokens, position), naive_gemma.logits(w, cfg, tokens, position),
                                    atol=2e-4)
 
 

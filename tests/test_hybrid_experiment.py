@@ -24,11 +24,26 @@ def records(results_dir):
 def test_oracle_mode_passes_and_says_where_it_ran(results_dir, backend):
     assert cli.main(["run", "hybrid", f"backend={backend}", "mode=oracle", *SMALL]) == 0
     rows = records(results_dir)
-    assert {r["oracle"] for r in rows} == {"token", "state", "first_token", "tail_state", "pad_identity"}
+    assert {r["oracle"] for r in rows} == {"token", "state", "naive", "first_token", "tail_state", "pad_identity"}
     assert all(r["verdict"] == "pass" and r["device"] == "host" and r["backend"] == backend for r in rows)
     assert {r["params"]["gdn"] for r in rows} == {"serial", "chunkwise"}
-    # 2 chunk cases x 2 verdicts + 1 tail x 2 verdicts per form; pad identity where bit-exact is due
-    assert len(rows) == 2 * 6 + (2 if backend == "native" else 1)
+    # 2 chunk cases x 3 verdicts + 1 tail x 2 verdicts per form; pad identity where bit-exact is due
+    assert len(rows) == 2 * 8 + (2 if backend == "native" else 1)
+
+
+def test_oracle_mode_fails_when_refimpl_swaps_the_gdn_head_maps(results_dir, monkeypatch):
+    """refimpl.gdn.key_heads giving the tiled map for `interleaved`: redecode and the chunk path both run
+    the GDN layers through it and agree; only the naive float64 model (its own head map) can fail them."""
+    from refimpl import gdn
+
+    right = gdn.key_heads
+    other = {"tiled": "interleaved", "interleaved": "tiled"}
+    monkeypatch.setattr(gdn, "key_heads", lambda h_k, h_v, head_map="tiled": right(h_k, h_v, other[head_map]))
+    assert cli.main(["run", "hybrid", "backend=refimpl", "mode=oracle", *SMALL]) == 1
+    failed = [r for r in records(results_dir) if r["verdict"] != "pass"]
+    assert {r["oracle"] for r in failed} == {"naive"}
+    assert len(failed) == 2 * 2  # every chunk case of both forms
+    assert all(r["metrics"]["nmse"] > r["config"]["threshold"] for r in failed)
 
 
 def test_measurements_write_records_and_tables(results_dir, capsys):

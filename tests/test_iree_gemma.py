@@ -18,7 +18,7 @@ from testbed.backends.iree.graphs import gemma as graphs
 from testbed.contract import pack_prefill_with_past
 from testbed.backends.iree.artifacts import Artifact, compile_graph, parse_declaration
 from testbed.backends.iree.runtime import ModuleRequirements, RuntimeSession, TargetRunner, run_tool
-from testbed.token_oracle import Reference, TokenCase, check_token_at_position
+from testbed.token_oracle import Reference, TokenCase, check_mask_heads, check_token_at_position
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +50,8 @@ def test_chunk_prefill_experiment_passes_on_iree_host(results_dir):
                      experiment="chunk_prefill")
     outcome = runner.execute(rc)
     verdicts = {r["oracle"]: r["verdict"] for r in outcome.rows}
-    assert verdicts == {"token": "pass", "logits": "pass", "cache": "pass"}, outcome.rows
+    assert verdicts == {"token": "pass", "logits": "pass", "cache": "pass", "naive": "pass", "mask_heads": "pass"}, \
+        outcome.rows
     token = next(r for r in outcome.rows if r["oracle"] == "token")
     assert token["metrics"]["token_chunk"] == token["metrics"]["token_ref"]
     cache = next(r for r in outcome.rows if r["oracle"] == "cache")
@@ -71,6 +72,19 @@ def test_planted_wrong_mask_fails_through_a_correct_module(tiny, prompt, host_ba
                                        build=wrong_masks)
     failed = {v.oracle for v in verdicts if not v.passed}
     assert {"logits", "cache"} <= failed, [(v.oracle, v.detail) for v in verdicts]
+
+
+def test_planted_mask_head_stride_fails_only_with_masks_that_differ_per_head(tiny, prompt, monkeypatch):
+    """The graph adding head 0's mask to every head's scores (mask[:, :1] broadcast over the heads): the
+    real masks are the same for every head, so every token-oracle verdict passes; with masks that
+    differ per head the module's logits leave refimpl's."""
+    real = graphs.attention
+    monkeypatch.setattr(graphs, "attention", lambda q, k, v, mask, scale: real(q, k, v, mask[:, :1], scale))
+    cfg, w = tiny
+    planted, ref, case = iree_backend(tiny), Reference(w, cfg, prompt), TokenCase(40, 12, 16)
+    assert all(v.passed for v in check_token_at_position(planted, ref, case))
+    v = check_mask_heads(planted, ref, case)
+    assert not v.passed and v.margin < 0 and "another head's mask" in v.detail
 
 
 def test_redecode_graph_matches_refimpl(tiny, prompt):

@@ -31,7 +31,7 @@ def test_a_lab_folder_adds_devices_and_suites(tmp_path):
     env = {"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(tmp_path / "results")}
     night = cli("nightly", "suite=tiny", f"lock_dir={tmp_path / 'locks'}", env=env)
     assert night.returncode == 0, night.stdout + night.stderr
-    assert "  bench9         ok           1 runs, oracles 36/36 pass" in night.stdout
+    assert "  bench9         ok           1 runs, oracles 48/48 pass" in night.stdout
 
 
 def test_a_lab_that_is_not_a_folder_is_one_line(tmp_path):

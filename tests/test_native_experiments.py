@@ -4,7 +4,7 @@ before any work with one line and exit status 2."""
 import pytest
 
 from testbed import cli, config, runner
-from testbed.backends.native import build as kernel_build, library as native
+from testbed.backends.native import build as kernel_build
 
 
 def run(overrides, experiment):
@@ -114,7 +114,8 @@ def test_tail_on_the_native_engine_passes_its_oracles(results_dir):
                    "prompt_tokens=[140]", "reps=2", "warmup=0"], "tail")
     df = outcome.frame()
     oracles = df[df["kind"] == "oracle"]
-    assert set(oracles["oracle"]) == {"cache_bytes", "first_token", "determinism", "telemetry", "exact_state"}
+    assert set(oracles["oracle"]) == {"cache_bytes", "first_token", "determinism", "telemetry", "exact_state",
+                                      "naive"}
     assert (oracles["verdict"] == "pass").all() and (df["backend"] == "native").all()
     grid = oracles[oracles["oracle"] == "cache_bytes"]
     assert {"eviction by pads only", "overshoot"} <= set(grid["metrics.covers"])

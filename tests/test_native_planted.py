@@ -4,10 +4,13 @@ same checks in tests/test_native.py)."""
 
 import numpy as np
 
-from tests.native_support import GDN_CASES, mutant_library, reference64
+from tests.native_support import GDN_CASES, mutant_library, mutant_program, reference64
 from refimpl import gemma
 from tests.test_native import ATTENTION_CASES, attention_inputs
 from testbed.backends.native import library as native
+from testbed.cli import main
+from testbed.experiments import native_bench
+from testbed.results import ResultsStore
 from testbed.oracles import check_nmse
 from testbed.tail_oracles import check_padded_rollback, grid
 
@@ -75,3 +78,23 @@ def test_rollback_that_reinserts_over_the_sinks_is_caught():
     verdicts = [(c, check_padded_rollback(c, native.sliding_cache_ops(lib))) for c in grid()]
     caught = [c for c, v in verdicts if not v.passed]
     assert caught and all(c.sink > 0 for c in caught)
+
+
+def test_native_bench_catches_mask_rows_read_without_their_head_stride(results_dir, monkeypatch):
+    """The blocked path reading each query row's mask as row r % C of one [C, L] mask, as a kernel
+    written for a mask broadcast over heads does: every head gets head 0's mask. A causal mask is the
+    same for every head and hides it; native_bench's mask differs per head (head_biased_mask)."""
+    def mutant(target):
+        return mutant_program(target, "attention.c", "const float *m = mask + (size_t)r * l + j0;",
+                              "const float *m = mask + (size_t)(r % a->c) * l + j0;", "tb_attention_bench").parent
+
+    monkeypatch.setattr(native_bench, "build_programs", mutant)
+    run = ["run", "native_bench", "attention.past=40", "attention.chunk=8", "attention.head_dim=32",
+           "cache.window=32", "cache.real=5", "bench.reps=1", "bench.warmup=0", "bench.cold_mb=1"]
+    with monkeypatch.context() as same_for_every_head:
+        same_for_every_head.setattr(native_bench, "head_biased_mask", lambda mask, queries, keys: mask)
+        assert main(run) == 0, "with a causal mask alone the wrong stride goes unseen"
+    assert main(run) == 1
+    rows = ResultsStore(results_dir).records("native_bench")
+    failed = [r for r in rows if r["run_id"] == rows[-1]["run_id"] and r["kind"] == "oracle" and r["verdict"] != "pass"]
+    assert [r["params"]["form"] for r in failed] == ["chunk"]  # decode steps take the unblocked path

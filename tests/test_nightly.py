@@ -17,7 +17,6 @@ import pytest
 from testbed import PROJECT_ROOT, config, nightly
 from testbed import report as report_module
 from testbed.devices.private import device_lock
-from testbed.devices import profile as device_profiles
 from testbed.cli import main
 from testbed.results import ResultsStore
 
@@ -114,14 +113,14 @@ def test_devices_in_parallel_busy_and_unreachable(tmp_path, lab, results_dir):
 
     assert status == 3  # nothing failed, but not every device was there
     rows = {line.split()[0]: line.split(None, 2)[1:] for line in summary.splitlines()[1:4]}
-    assert rows["host"][0] == "ok" and "oracles 36/36 pass" in rows["host"][1]
+    assert rows["host"][0] == "ok" and "oracles 48/48 pass" in rows["host"][1]
     assert rows["bench2"][0] == "busy" and "night other" in rows["bench2"][1]
     assert rows["phone"][0] == "unreachable" and "refused" in rows["phone"][1]
     # one worker per device: the phone was given up while the host was still running its experiment
     first = lambda prefix: next(i for i, line in enumerate(log) if line.startswith(prefix))  # noqa: E731
     assert first("[phone] unreachable") < first("[host] ok")
     records = ResultsStore(results_dir).records()
-    assert {r["device"] for r in records} == {"host"} and len(records) == 36
+    assert {r["device"] for r in records} == {"host"} and len(records) == 48
     (night,) = report_module.night_log(results_dir)
     assert {d: s["status"] for d, s in night["devices"].items()} == {"host": "ok", "bench2": "busy", "phone": "unreachable"}
     page = (results_dir / "report" / "report.md").read_text()

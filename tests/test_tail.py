@@ -11,6 +11,7 @@ from testbed.breakeven import breakeven_tail, read_sweep_csv, tail_table, thresh
 from testbed.tail_oracles import Engine, check_first_token, kill_switch, prompt_lengths
 
 CHUNK = 128
+THRESHOLD = tp.DEFAULT_THRESHOLD  # what TailPolicy() pads above
 FIXTURE = "tail_sweep_m4pro_gemma4_e2b.csv"
 
 
@@ -48,7 +49,7 @@ def prompt(model, n, seed=0):
 
 @pytest.mark.parametrize("n", prompt_lengths(CHUNK, [(1, 2), (1, 9), (2, -1), (8, -1)]))
 def test_first_token_suite(model, n):
-    verdicts = {v.oracle: v for v in check_first_token(engine(model), prompt(model, n), CHUNK)}
+    verdicts = {v.oracle: v for v in check_first_token(engine(model), prompt(model, n), CHUNK, THRESHOLD)}
     assert all(v.passed for v in verdicts.values()), {k: v.detail for k, v in verdicts.items()}
     first = verdicts["first_token"].metrics
     tail = n % CHUNK
@@ -69,7 +70,8 @@ def test_padded_first_token_is_the_full_sequence_reference(model):
 
 @pytest.mark.parametrize("dtype,sink", [("float16", 0), ("int8", 4)])
 def test_first_token_suite_on_reduced_caches_and_sinks(model, dtype, sink):
-    verdicts = check_first_token(engine(model, dtype=dtype, sink=sink), prompt(model, 2 * CHUNK + 40), CHUNK)
+    verdicts = check_first_token(engine(model, dtype=dtype, sink=sink), prompt(model, 2 * CHUNK + 40), CHUNK,
+                                 THRESHOLD)
     assert all(v.passed for v in verdicts), [v.detail for v in verdicts]
     assert verdicts[0].metrics["padded_mode"] == "padded"
 
@@ -101,7 +103,7 @@ def test_guards_keep_the_scalar_tail(model):
 
 
 def test_conv_state_with_the_guard_stays_exact(model):
-    verdicts = check_first_token(engine(model, conv_kernel=4), prompt(model, CHUNK + 40), CHUNK)
+    verdicts = check_first_token(engine(model, conv_kernel=4), prompt(model, CHUNK + 40), CHUNK, THRESHOLD)
     assert all(v.passed for v in verdicts)
     assert verdicts[0].metrics["padded_mode"] == "scalar"
 

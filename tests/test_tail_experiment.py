@@ -103,8 +103,13 @@ def test_oracle_mode_passes_on_the_host(results_dir, capsys):
     assert cli.main(["run", "tail", *TINY, "mode=oracle", "oracle.grid_windows=[16]", "oracle.grid_sinks=[0,3]"]) == 0
     rows = records(results_dir)
     oracles = {r["oracle"] for r in rows}
-    assert oracles == {"cache_bytes", "first_token", "determinism", "telemetry", "exact_state"}
+    assert oracles == {"cache_bytes", "first_token", "determinism", "telemetry", "exact_state", "naive"}
     assert all(r["verdict"] == "pass" for r in rows)
+    lengths = sorted({r["params"]["prompt_tokens"] for r in rows if r["oracle"] == "telemetry"})
+    chunk, threshold = rows[0]["config"]["chunk"], rows[0]["config"]["threshold"]
+    assert {chunk + threshold, chunk + threshold + 1} <= set(lengths)  # either side of the padding decision
+    naive = [r for r in rows if r["oracle"] == "naive"]
+    assert [r["params"]["prompt_tokens"] for r in naive] == lengths[:1]  # the float64 model: the shortest only
     assert all(len(r["metrics"]["sha256"]) == 64 for r in rows if r["oracle"] == "cache_bytes")
 
 

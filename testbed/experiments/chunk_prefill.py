@@ -2,7 +2,10 @@
 
 oracle mode  each configured case (P cached positions, n utterance tokens, chunk C): the token at
              position P+n-1 from ceil(n/C) chunk calls must equal redecode's and the token-by-token
-             decode's; logits and the cache within tolerance (testbed.token_oracle).
+             decode's; logits and the cache within tolerance; and logits and token those of the
+             model written out in float64 (refimpl.naive_gemma, verdict naive) (testbed.token_oracle).
+             For backend=iree (its graphs run the host's masks) also the first case with masks that
+             differ per head, against refimpl on the same masks (verdict mask_heads).
 bench mode   on the chosen backend, the time of one chunk call of C rows and of one decode step,
              both against bench.past cached positions, with FLOPs counted (refimpl.gemma.graph_flops);
              then the projected latency of each configured utterance length: ceil(n/C) chunk calls
@@ -36,7 +39,7 @@ from testbed.errors import UsageError
 from testbed.oracles import digest
 from testbed.prompts import find_tokenizer, load_prompt
 from testbed.results import Record
-from testbed.token_oracle import Reference, TokenCase, check_token_at_position
+from testbed.token_oracle import Reference, TokenCase, check_mask_heads, check_token_at_position
 
 PRESETS = {"tiny": gemma.tiny_config, "functiongemma": gemma.functiongemma_config}
 FIXTURES_FALLBACK = Path("/work/shared/fixtures")
@@ -188,6 +191,14 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
         for v in verdicts:
             yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin,
                          v.metrics, params=params, detail=v.detail, evidence=evidence)
+    # IREE's graphs run the host's masks; the native engine builds its own, and refimpl is the reference
+    if cfg.backend == "iree":
+        case = cases(cfg)[0]
+        ctx.progress(f"chunk_prefill oracle {case.name} with masks that differ per head")
+        v = check_mask_heads(backend, ref, case, cfg.logit_atol)
+        yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
+                     params={"past": case.past, "tokens": case.tokens, "chunk": case.chunk, "position": case.position,
+                             "calls": case.calls}, detail=v.detail, evidence=backend.evidence.take())
 
 
 def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -> tuple[float, float]:
@@ -321,7 +332,7 @@ def sweep_row(df: pd.DataFrame) -> dict:
         tokens = oracles[oracles["oracle"] == "token"]
         row["token verdicts"] = " ".join(f"{c.split('/')[0]}:{v}" for c, v in zip(tokens["case"], tokens["verdict"]))
         row["oracles"] = f"{int((oracles['verdict'] == 'pass').sum())}/{len(oracles)} pass"
-        row["token margin"] = float(tokens["margin"].min())
+        row["token margin"] = float(pd.to_numeric(tokens["margin"], errors="coerce").min())
         row["ref top1-top2"] = float(pd.to_numeric(tokens["metrics.margin_ref"]).min())
         diffs = pd.to_numeric(oracles.get("metrics.max_abs_logits_diff"), errors="coerce")
         row["max |dlogit|"] = float(diffs.max())

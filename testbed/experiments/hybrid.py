@@ -5,7 +5,8 @@ with its KV cache). The GDN op comes from the backend: refimpl (numpy) or native
 through ctypes, on this host), in its serial and chunkwise forms. Everything runs here, on the host.
 
 oracle     per GDN form: chunk prefill with past against redecode (token at the position, NMSE of
-           every carried state), the padded tail against the scalar tail (first token, state), and
+           every carried state) and against the float64 model written out independently
+           (refimpl.naive_qwen35: NMSE of the logits, token), the padded tail against the scalar tail (first token, state), and
            pad rows as the identity on the GDN state (bit-exact, for the forms whose arithmetic
            allows it: see tests/test_hybrid_oracles.py). On the `shape` model.
 crossover  prefill tokens/s of a prompt of L tokens (prefill_chunk rows per call) for each L of

@@ -5,7 +5,9 @@ attention  one chunk of C query rows against P past + C new keys, vs the same C 
            tb_attention_bench on the device, timed by its own clock around the kernel calls only (no
            host call between decode steps), alternating chunk and decode-steps runs per repetition.
            Both outputs are checked against the numpy reference (NMSE), so every timed call
-           computed the full result. Then one decode step (the last row against every key) hot
+           computed the full result. The mask differs per head (head_biased_mask): a causal mask is
+           the same for every head, so a kernel reading every head's mask rows from one head would
+           pass with it. Then one decode step (the last row against every key) hot
            (operands in cache after a warm-up call) and cold (the caches evicted before it, as a
            first call after other work finds them), with the bytes it must read and their rate.
 ratios     issue 14's kernel targets, measured interleaved in one run (every repetition runs every
@@ -39,7 +41,7 @@ from testbed.backends.native.gdn import INPUTS as GDN_INPUTS
 from testbed.config import Choice, Int, IntList, as_list
 from testbed.errors import UsageError
 from testbed.measure import host_clocks, time_interleaved
-from testbed.oracles import check_nmse
+from testbed.oracles import check_nmse, head_biased_mask
 from testbed.results import Figure, Record
 
 PARAMS = {
@@ -101,7 +103,8 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     q = rng.standard_normal((a.heads, a.chunk, a.head_dim)).astype(np.float32)
     k = rng.standard_normal((a.kv_heads, n_keys, a.head_dim)).astype(np.float32)
     v = rng.standard_normal((a.kv_heads, n_keys, a.head_dim)).astype(np.float32)
-    mask = gemma.attention_mask(np.arange(a.past, n_keys), np.arange(n_keys), c.window, a.heads, "global")
+    queries, keys = np.arange(a.past, n_keys), np.arange(n_keys)
+    mask = head_biased_mask(gemma.attention_mask(queries, keys, c.window, a.heads, "global"), queries, keys)
     reference = gemma.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask,
                                 1 / np.sqrt(a.head_dim))
 

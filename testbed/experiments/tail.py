@@ -7,7 +7,10 @@ bench    for each prompt length N (blocks * chunk + each tail of the list, or pr
          repetition (seeded by `seed`, recorded), so load drift falls on every point alike and the
          breakeven comes from one job. One record per (N, mode) with TTFT by wall and CPU clock,
          tokens/s (N / TTFT), GFLOP/s, the telemetry and where it ran in each repetition.
-oracle   the byte-identical cache grid and the first-token suite (C+2, C+9, 2C-1, 8C-1 by default).
+oracle   the byte-identical cache grid and the first-token suite (C+2, C+9, 2C-1, 8C-1 by default,
+         and C + threshold, C + threshold + 1 for the padding decision); the shortest prompt's logits
+         also against the float64 model written out independently (refimpl.naive_gemma, verdict
+         naive, within oracle.naive_atol of the cache dtype).
 fixture  the seed's measured sweep (M4 Pro, gemma-4-e2b-it) as records, so the same table shows it.
 
 backend=refimpl runs the numpy model on the host; backend=native runs the model engine in C
@@ -34,7 +37,7 @@ from refimpl import gemma
 from refimpl import sliding_cache as sc
 from refimpl import tail_prefill as tp
 from testbed import PROJECT_ROOT, breakeven
-from testbed.config import Choice, Int, IntList, as_list, project_path
+from testbed.config import Choice, Float, Int, IntList, as_list, project_path
 from testbed.errors import UsageError
 from testbed.measure import host_clocks, time_interleaved
 from testbed.results import Figure, Record
@@ -68,6 +71,7 @@ PARAMS = {
     "oracle.grid_windows": IntList(2, 4096),
     "oracle.grid_sinks": IntList(0, 4096),
     "oracle.grid_chunk": Int(2, 4096),
+    **{f"oracle.naive_atol.{dtype}": Float(0.0) for dtype in sc.STORAGE_DTYPES},
 }
 
 
@@ -201,12 +205,25 @@ def cache_grid_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterato
                      evidence=[padded.evidence.as_dict(), exact.evidence.as_dict()])
 
 
+def suite_lengths(cfg: DictConfig, threshold: int) -> list[int]:
+    """The first-token suite's prompt lengths: oracle.around_chunk, and the two tails either side of the
+    threshold (C + threshold must stay scalar, C + threshold + 1 pad), where they fit in a chunk, so
+    the padding decision is judged where an off-by-one would show."""
+    lengths = prompt_lengths(cfg.chunk, [tuple(p) for p in cfg.oracle.around_chunk])
+    boundary = [cfg.chunk + t for t in (threshold, threshold + 1) if 0 < t < cfg.chunk]
+    return sorted(dict.fromkeys(lengths + boundary))
+
+
 def oracle_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
     yield from cache_grid_records(cfg, ctx, mcfg, w, threshold)
     engine = make_engine(cfg, mcfg, w, threshold, ctx.device)
-    for n in prompt_lengths(cfg.chunk, [tuple(p) for p in cfg.oracle.around_chunk]):
+    lengths = suite_lengths(cfg, threshold)
+    for n in lengths:
         ctx.progress(f"tail first-token suite N={n}")
-        verdicts = check_first_token(engine, prompt(mcfg, n, cfg.seed), cfg.chunk, cfg.oracle.generate)
+        # the float64 model costs seconds per prompt at this shape: it judges the shortest prompt only
+        naive_atol = float(cfg.oracle.naive_atol[cfg.cache.dtype]) if n == lengths[0] else None
+        verdicts = check_first_token(engine, prompt(mcfg, n, cfg.seed), cfg.chunk, threshold, cfg.oracle.generate,
+                                     naive_atol)
         evidence = [run.evidence.as_dict() for run in getattr(engine, "runs", [])]  # the device's prefills
         if evidence:
             engine.runs.clear()

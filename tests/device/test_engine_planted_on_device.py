@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from refimpl import gemma
+from refimpl import tail_prefill as tp
 from testbed.backends.native import engine
 from testbed.backends.native.build import target_for_abi
 from testbed.backends.native import gemma as native_gemma
@@ -42,7 +43,7 @@ def grid_failures(device, weights, prog, **grid):
 def first_token_failures(device, weights, prog, n=CHUNK + 9):
     eng = engine.DeviceTailEngine(device, SMALL, weights, engine.TailSettings(chunk=CHUNK, generate=4), prog)
     tokens = np.random.default_rng([1, n]).integers(0, SMALL.vocab, n)
-    return {v.oracle for v in check_first_token(eng, tokens, CHUNK, generate_steps=4) if not v.passed}
+    return {v.oracle for v in check_first_token(eng, tokens, CHUNK, tp.DEFAULT_THRESHOLD, generate_steps=4) if not v.passed}
 
 
 def test_pads_left_in_the_global_cache_are_caught(device, weights):
@@ -96,3 +97,9 @@ def test_a_window_off_by_one_is_caught(device):
     runner = native_gemma.EngineRunner(w, cfg, device, program=prog)
     failed = {v.oracle for v in check_token_at_position(runner, Reference(w, cfg, prompt), case) if not v.passed}
     assert {"logits", "cache"} <= failed
+
+
+def test_padding_a_tail_at_the_threshold_is_caught(device, weights):
+    # `tail < threshold` where the design keeps `tail <= threshold` scalar: a tail of exactly 8 is padded
+    prog = program(device, "model_prefill.c", "else if (tail <= p->threshold)", "else if (tail < p->threshold)")
+    assert first_token_failures(device, weights, prog, n=CHUNK + tp.DEFAULT_THRESHOLD) == {"telemetry"}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 
 from testbed.backends import EvidenceLog
 from testbed.backends.native.build import build_programs, target_for_abi

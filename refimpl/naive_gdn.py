@@ -1,6 +1,8 @@
 """A second, deliberately naive GDN: explicit loops over sequences, heads and tokens, with the state
-S[i, j] (keys x values) as the math writes it, not transposed. It checks refimpl.gdn independently,
-and its `bug` switch plants the realistic mistakes the oracles must catch."""
+S[i, j] (keys x values) as the math writes it, not transposed, and its own head map. It shares no
+code with refimpl.gdn, which it checks: in the tests, and in `testbed run gdn` as the naive-float64
+oracle (called with float64 inputs, it computes in float64). Its `bug` switch plants the realistic
+mistakes the tests show the oracles catch."""
 
 import numpy as np
 
