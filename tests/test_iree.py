@@ -285,7 +285,7 @@ def test_gdn_experiment_backend_iree(target):
     ("gdn", "target=arm32", "target=arm32 builds embedded-elf-arm_32 code; device=host (host) runs embedded-elf-x86_64"),
     ("chunk_prefill", "target=mali", "target=mali builds vulkan modules; device=host runs local ones"),
     ("chunk_prefill", "iree.weights=fp16", "iree.weights='fp16' is not accepted; accepted: parameters, constants"),
-    ("iree_chunk_bench", "timer=stopwatch", "timer='stopwatch' is not accepted; accepted: tool, python"),
+    ("iree_chunk_bench", "timer=stopwatch", "timer='stopwatch' is not accepted; accepted: tool, python, both"),
 ])
 def test_bad_iree_options_are_one_line_usage_errors(experiment, override, message):
     from testbed import config, runner

@@ -185,3 +185,14 @@ def test_chunk_bench_records_both_calls_and_the_ratio(results_dir):
     assert ratio["decode_steps_per_chunk_call"] == pytest.approx(
         rows["chunk_call"]["figures"]["time"]["median"] / rows["decode_step"]["figures"]["time"]["median"])
     assert ratio["seed_decode_steps_per_chunk_call"] == pytest.approx(4.58 / 0.26)
+
+
+def test_chunk_bench_with_both_timers_records_the_cost_around_the_module(results_dir):
+    """timer=both: the tool's time (the module's work) and the in-process call's (inputs marshalled,
+    outputs read back) in one job; the python call's record carries the difference."""
+    rc = config.load(["past=64", "chunk=8", "reps=2", "timer=both"], experiment="iree_chunk_bench")
+    rows = {(r["params"]["form"], r["params"]["timer"]): r for r in runner.execute(rc).rows}
+    assert set(rows) == {(form, timer) for form in ("chunk_call", "decode_step", "ratio") for timer in ("tool", "python")}
+    for form in ("chunk_call", "decode_step"):
+        tool, python = rows[form, "tool"]["figures"]["time"], rows[form, "python"]["figures"]["time"]
+        assert rows[form, "python"]["metrics"]["around_module_s"] == pytest.approx(python["median"] - tool["median"])
