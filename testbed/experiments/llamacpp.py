@@ -176,10 +176,16 @@ def logits_records(cfg: DictConfig, ctx, tools: llamacpp.Tools) -> Iterator[Reco
 
 
 def view(df: pd.DataFrame) -> pd.DataFrame:
-    """Tallies and failing cases, then figures: us/run and GB/s per perf case, tokens/s per bench."""
+    """Tallies, llama.cpp's logits verdicts and failing cases, then figures: us/run and GB/s per perf
+    case, tokens/s per bench."""
     rows = []
     for _, r in df.iterrows():
-        if r["kind"] == "oracle" and (r["case"].endswith("/tally") or r["verdict"] != "pass"):
+        if r["kind"] == "oracle" and r.get("oracle") == "llama.cpp logits":
+            error, agree = r.get("metrics.nmse"), r.get("metrics.argmax_agreement")
+            rows.append({"device": r["device"], "case": r["case"], "verdict": r["verdict"],
+                         "result": (f"NMSE {error:.3g} against refimpl" if pd.notna(error) else r.get("detail"))
+                         + (f", argmax agrees at {agree:.0%} of positions" if pd.notna(agree) else "")})
+        elif r["kind"] == "oracle" and (r["case"].endswith("/tally") or r["verdict"] != "pass"):
             rows.append({"device": r["device"], "case": r["case"], "verdict": r["verdict"],
                          "result": r["metrics.tally"] if r["case"].endswith("/tally") else r.get("detail")})
         elif r["kind"] == "measure":  # figures as numbers, each in its own column
