@@ -44,7 +44,8 @@ def padded_wins(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> pd.Series
 
 def tail_table(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> pd.DataFrame:
     """The reviewer's table, one row per prompt length in increasing order: N, tail, padded tok/s,
-    scalar tok/s, winner with percentage, padded TTFT (ms), scalar TTFT (ms)."""
+    scalar tok/s, winner with percentage, padded TTFT (ms), scalar TTFT (ms), and each throughput's
+    spread over its repetitions where the sweep has it."""
     _require(df)
     rows = df.sort_values(["prompt_tokens"]).reset_index(drop=True)
     return pd.DataFrame({
@@ -57,6 +58,9 @@ def tail_table(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> pd.DataFra
                    for t, p, s in zip(rows["tail"], rows["padded_tps"], rows["scalar_tps"])],
         "padded TTFT (ms)": rows["padded_ttft_ms"].astype(float).round(0).astype(int),
         "scalar TTFT (ms)": rows["scalar_ttft_ms"].astype(float).round(0).astype(int),
+        # the repetitions' spread, (max - min) / median, where the records have it (the seed's CSV has not)
+        **{f"{mode} spread %": ((rows[f"{mode}_tps_max"] - rows[f"{mode}_tps_min"]) / rows[f"{mode}_tps"] * 100).round(1)
+           for mode in ("padded", "scalar") if f"{mode}_tps_min" in rows},
     })
 
 

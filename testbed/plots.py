@@ -43,6 +43,21 @@ def legend_outside(ax) -> None:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
 
 
+def with_spread(ax, xs, medians, lows=None, highs=None, fmt="o-", **style) -> None:
+    """Medians joined by a line, each with an error bar from its least to its greatest repetition
+    (a figure without its spread is not shown as if it were exact); plain points where none is known."""
+    if lows is None or highs is None:
+        ax.plot(xs, medians, fmt, **style)
+        return
+    below = [max(m - lo, 0.0) for m, lo in zip(medians, lows)]
+    above = [max(hi - m, 0.0) for m, hi in zip(medians, highs)]
+    ax.errorbar(xs, medians, yerr=[below, above], fmt=fmt, capsize=3, elinewidth=0.8, **style)
+
+
+def _columns(df: pd.DataFrame, *names: str):
+    return [df[n].tolist() if n in df else None for n in names]
+
+
 def _save(fig, out: Path, name: str) -> str:
     fig.savefig(out / name, dpi=DPI, bbox_inches="tight")  # the legend outside the axes is kept
     _pyplot().close(fig)
@@ -51,12 +66,14 @@ def _save(fig, out: Path, name: str) -> str:
 
 def tail_plot(out: Path, device: str, df: pd.DataFrame, breakeven: int | None,
               seed_df: pd.DataFrame | None, seed_breakeven: int | None) -> str:
-    """Padded and scalar throughput against tail, the breakeven marked; the seed's dashed beside
-    (unless these are the seed's own figures: seed_df None)."""
+    """Padded and scalar throughput against tail (median, bars from min to max where the records
+    have them), the breakeven marked; the seed's dashed beside (unless these are the seed's own
+    figures: seed_df None)."""
     fig, ax = _pyplot().subplots(figsize=(7, 4))
     df = df.sort_values("tail")
-    ax.plot(df["tail"], df.padded_tps, "o-", label="padded")  # the title names the device
-    ax.plot(df["tail"], df.scalar_tps, "s-", label="scalar")
+    for mode, fmt in (("padded", "o-"), ("scalar", "s-")):  # the title names the device
+        with_spread(ax, df["tail"].tolist(), df[f"{mode}_tps"].tolist(),
+                    *_columns(df, f"{mode}_tps_min", f"{mode}_tps_max"), fmt=fmt, label=mode)
     if breakeven is not None:
         ax.axvline(breakeven, color="k", lw=1, label=f"breakeven {breakeven}")
     if seed_df is not None:
@@ -71,11 +88,15 @@ def tail_plot(out: Path, device: str, df: pd.DataFrame, breakeven: int | None,
     return _save(fig, out, f"tail-{slug(device)}.png")
 
 
-def chunk_plot(out: Path, device: str, calls: dict[int, float], decode_s: float | None) -> str:
-    """One chunk call's time against C, and the time of C decode steps for comparison."""
+def chunk_plot(out: Path, device: str, calls: dict[int, float], decode_s: float | None,
+               spread: dict[int, tuple[float, float]] | None = None) -> str:
+    """One chunk call's time against C (median, bars from min to max where `spread` has them), and
+    the time of C decode steps for comparison."""
     fig, ax = _pyplot().subplots(figsize=(7, 4))
     chunks = sorted(calls)
-    ax.plot(chunks, [calls[c] for c in chunks], "o-", label="one chunk call")
+    known = spread is not None and all(c in spread for c in chunks)
+    with_spread(ax, chunks, [calls[c] for c in chunks], [spread[c][0] for c in chunks] if known else None,
+                [spread[c][1] for c in chunks] if known else None, label="one chunk call")
     if decode_s:
         ax.plot(chunks, [c * decode_s for c in chunks], "s--", label=f"C decode steps ({decode_s:.3g} s each)")
     ax.set_xlabel("chunk size C (tokens)")
@@ -124,7 +145,7 @@ def history_plots(out: Path, records: list[dict], nights: int) -> list[dict]:
         if len(runs) < 2:
             continue  # one run is not a trend
         position = {run: i for i, run in enumerate(runs)}
-        points: dict[str, dict[int, float]] = {}
+        points: dict[str, dict[int, tuple[float, float, float]]] = {}  # median, min, max
         units = set()
         for r in group:
             if r["run_id"] not in position:
@@ -132,7 +153,8 @@ def history_plots(out: Path, records: list[dict], nights: int) -> list[dict]:
             for name, fig in r["figures"].items():
                 if fig.get("unit") in THROUGHPUT_UNITS:
                     label = " ".join(filter(None, (r["case"], name, settings[history.config_key(r)])))
-                    points.setdefault(label, {})[position[r["run_id"]]] = fig["median"]
+                    points.setdefault(label, {})[position[r["run_id"]]] = (fig["median"], fig.get("min", fig["median"]),
+                                                                          fig.get("max", fig["median"]))
                     units.add(fig["unit"])
         series = sorted(points, key=lambda label: (-len(points[label]), label))[:MAX_LINES]
         if max(len(points[label]) for label in series) < 2:
@@ -140,11 +162,11 @@ def history_plots(out: Path, records: list[dict], nights: int) -> list[dict]:
         fig, ax = _pyplot().subplots(figsize=(8, 4))
         for label in series:
             xs = sorted(points[label])
-            ax.plot(xs, [points[label][x] for x in xs], "o-", label=literal(label))
+            with_spread(ax, xs, *([points[label][x][i] for x in xs] for i in range(3)), label=literal(label))
         first_of_run = {r["run_id"]: r for r in reversed(group)}
         ax.set_xticks(range(len(runs)), [run_label(first_of_run[run]) for run in runs], fontsize=7)
         ax.set_xlabel("run (commit, night)")
-        ax.set_ylabel(" or ".join(sorted(units)) + " (median)")
+        ax.set_ylabel(" or ".join(sorted(units)) + " (median, min-max)")
         ax.set_title(literal(f"{experiment} on {impl.label}: last {len(runs)} runs"), fontsize=9)
         legend_outside(ax)
         name = f"history-{slug(experiment)}-{slug(impl.label)}.png"

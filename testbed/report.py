@@ -258,19 +258,22 @@ def chunk_choice_table(chunk_s: dict[int, float], lengths: list[int], decode_s: 
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 
-def chunk_times(records: list[dict]) -> tuple[dict[int, float], float | None]:
-    """Seconds per chunk call by C, and per decode step, from chunk_prefill's measure records
-    (params.form chunk_call / decode_step, figures.time)."""
-    calls, decode = {}, None
+def chunk_times(records: list[dict]) -> tuple[dict[int, float], float | None, dict[int, tuple[float, float]]]:
+    """Seconds per chunk call by C (median, and its min and max), and per decode step, from
+    chunk_prefill's measure records (params.form chunk_call / decode_step, figures.time)."""
+    calls, decode, spread = {}, None, {}
     for r in records:
         fig = r["figures"].get("time")
         if r["kind"] != "measure" or fig is None:
             continue
+        scale = TIME_UNITS[fig["unit"]]
         if r["params"].get("form") == "chunk_call":
-            calls[int(r["params"]["chunk"])] = fig["median"] * TIME_UNITS[fig["unit"]]
+            c = int(r["params"]["chunk"])
+            calls[c] = fig["median"] * scale
+            spread[c] = (fig.get("min", fig["median"]) * scale, fig.get("max", fig["median"]) * scale)
         elif r["params"].get("form") == "decode_step":
-            decode = fig["median"] * TIME_UNITS[fig["unit"]]
-    return calls, decode
+            decode = fig["median"] * scale
+    return calls, decode, spread
 
 
 def chunk_choice(inp: Inputs) -> Section | None:
@@ -280,7 +283,7 @@ def chunk_choice(inp: Inputs) -> Section | None:
     # one choice per device, backend and model: refimpl's calls say nothing about native's best C
     for impl in sorted({implementations.of(r) for r in measures}):
         records = [r for r in measures if implementations.of(r) == impl]
-        calls, decode_s = chunk_times(records)
+        calls, decode_s, spread = chunk_times(records)
         if not calls:
             continue
         decode_s = decode_s or quoted.get(impl.device)
@@ -288,7 +291,7 @@ def chunk_choice(inp: Inputs) -> Section | None:
         lengths = list(records[0]["config"].get("latency.utterance_tokens") or inp.settings["utterance_lengths"])
         section.tables.append(frame_table(f"{impl.label}: utterances of {lengths} tokens",
                                           chunk_choice_table(calls, lengths, decode_s)))
-        section.images.append({"file": plots.chunk_plot(inp.out, impl.label, calls, decode_s),
+        section.images.append({"file": plots.chunk_plot(inp.out, impl.label, calls, decode_s, spread),
                                "caption": f"{impl.label}: chunk call and decode time against C"})
     if not section.tables:
         return None

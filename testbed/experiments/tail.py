@@ -376,12 +376,13 @@ def sweep_frame(df: pd.DataFrame, clock: str = "wall") -> pd.DataFrame:
     m = m.sort_values("time", kind="stable")
     latest_run = m.groupby("params.source")["run_id"].transform("last")
     m = m[m["run_id"] == latest_run].groupby(["params.source", "params.prompt_tokens", "params.mode"]).tail(1)
+    spread = [c for c in (tps.replace(".median", ".min"), tps.replace(".median", ".max")) if c in m]
     wide = m.pivot_table(index=["params.source", "params.prompt_tokens", "params.tail"], columns="params.mode",
                          values=[tps, ttft], aggfunc="last")
     wide = wide.dropna()
     if wide.empty:
         return pd.DataFrame()
-    return pd.DataFrame({
+    frame = pd.DataFrame({
         "source": wide.index.get_level_values(0),
         "prompt_tokens": wide.index.get_level_values(1).astype(int),
         "tail": wide.index.get_level_values(2).astype(int),
@@ -390,6 +391,13 @@ def sweep_frame(df: pd.DataFrame, clock: str = "wall") -> pd.DataFrame:
         "padded_ttft_ms": wide[(ttft, "padded")].to_numpy(),
         "scalar_ttft_ms": wide[(ttft, "scalar")].to_numpy(),
     })
+    if len(spread) == 2:  # each throughput's least and greatest repetition, for the plots' error bars
+        bounds = m.pivot_table(index=["params.source", "params.prompt_tokens", "params.tail"], columns="params.mode",
+                               values=spread, aggfunc="last").reindex(wide.index)
+        for mode in ("padded", "scalar"):
+            frame[f"{mode}_tps_min"] = bounds[(spread[0], mode)].to_numpy()
+            frame[f"{mode}_tps_max"] = bounds[(spread[1], mode)].to_numpy()
+    return frame
 
 
 def breakeven_of(source: str, sweep: pd.DataFrame, clock: str = "wall") -> dict:
