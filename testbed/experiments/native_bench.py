@@ -311,7 +311,9 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
                      metrics={"target": target, "meets_target_cpu": cpu.median >= target,
                               "meets_target_wall": wall.median >= target},
                      work={"what": what, "ratio": "per repetition, of the two variants run in it; median, min, max"},
-                     params=params | {"kernel": "ratio", "top": top, "bottom": bottom})
+                     params=params | {"kernel": "ratio", "top": top, "bottom": bottom},
+                     # the ratio is of the device's own clocks: the evidence of the two runs it divides
+                     evidence=evidence.get(top, [])[-1:] + evidence.get(bottom, [])[-1:])
 
 
 def view(df: pd.DataFrame) -> pd.DataFrame:

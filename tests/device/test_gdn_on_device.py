@@ -53,9 +53,13 @@ def test_gdn_benchmark_times_the_kernel_with_the_devices_clock(device, results_d
 def test_native_bench_runs_on_the_device(device, results_dir):
     outcome = run_on(device, ["experiment=native_bench", "attention.past=40", "attention.chunk=8",
                               "attention.head_dim=32", "cache.window=32", "cache.real=5", "bench.reps=2",
-                              "bench.warmup=0"])
+                              "bench.warmup=0", "ratios.reps=2", "ratios.key_counts=[16,64]", "ratios.gdn.heads=2",
+                              "ratios.gdn.head_size=16", "ratios.gdn.tokens=40", "ratios.gdn.chunk=16"])
     assert outcome.failed == 0
     attention = [r for r in outcome.rows if r["params"].get("kernel") == "attention"]
     cache = [r for r in outcome.rows if r["params"].get("kernel") == "sliding_cache"]
     assert_computed_on(device, attention, "tb_attention_bench")
     assert_computed_on(device, cache, "tb_cache_bench")
+    # the ratio is the device clocks' quotient: it carries the evidence of both runs it divides
+    (ratio,) = [r for r in outcome.rows if r["params"].get("kernel") == "ratio"]
+    assert [e["ran"] for e in ratio["evidence"]] == ["tb_attention_bench"] * 2
