@@ -39,6 +39,14 @@ double now_seconds(void);
  * (wall >> cpu / threads) from a slow kernel. */
 double cpu_seconds(void);
 
+/* Marks around each timed call for the instruction counters: the QEMU plugin
+ * (testbed/counts/qemu_insn_plugin.c) and valgrind's callgrind (--zero-before / --dump-before) count
+ * the guest instructions executed between tb_count_begin() and tb_count_end(), so a count is the
+ * kernel's, apart from the harness around it. They do nothing else; each call costs a few instructions,
+ * counted too, the same in every build. */
+void tb_count_begin(void);
+void tb_count_end(void);
+
 /* Run fn(ctx) warmup times, then reps times timed; write DIR/timings.json. fn returns a TB_* code.
  * With the argument cold_mb=N (> 0) every timed repetition starts with the caches evicted (N MiB
  * written and read first, outside the timing): a first call's cost instead of a hot loop's. */

@@ -114,7 +114,8 @@ def elf_machine(path: Path) -> int | None:
 
 class QemuTransport(LocalTransport):
     """Like local, but a program built for the emulated ABI is started through qemu-user (with -L
-    SYSROOT for dynamically linked ones); host programs (sh, cat) run as they are."""
+    SYSROOT for dynamically linked ones) and the instruction-counting plugin (testbed.counts), which
+    leaves the program's counts in its working folder; host programs (sh, cat) run as they are."""
 
     kind = "qemu"
 
@@ -135,5 +136,7 @@ class QemuTransport(LocalTransport):
         program = Path(argv[0]) if os.path.isabs(argv[0]) else folder / argv[0]
         if elf_machine(program) != ELF_MACHINES.get(self.emulator):
             return argv
-        prefix = [self.emulator] + (["-L", self.sysroot] if self.sysroot else [])
+        from testbed.counts import qemu_plugin_args
+
+        prefix = [self.emulator, *qemu_plugin_args()] + (["-L", self.sysroot] if self.sysroot else [])
         return prefix + [str(program)] + argv[1:]

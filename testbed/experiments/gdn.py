@@ -44,6 +44,7 @@ PARAMS = {
     "threads": Int(1, 256),
     "target": Choice(tuple(target_names())),  # backend=iree; must fit the device (checked in validate)
     "mode": Choice(("oracle", "bench", "all")),
+    "counts": Choice((False, True)),
     "chunk": Int(1, 4096),
     "head_map": Choice(ref.HEAD_MAPS),
     "threshold": Float(0.0, 1.0),
@@ -153,6 +154,9 @@ def validate(cfg: DictConfig) -> None:
         from testbed.devices import load_profile
 
         check_target_fits(cfg.target, load_profile(cfg.device.name))
+    if cfg.counts and cfg.backend != "native":
+        raise UsageError(f"counts=true counts the native programs' instructions; backend={cfg.backend} runs none "
+                         "(accepted: counts=true with backend=native)")
     if cfg.threads != 1 and cfg.backend == "refimpl":
         raise UsageError(f"threads={cfg.threads} needs backend=native or iree; backend=refimpl runs on one thread")
 
@@ -245,7 +249,8 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
         x = ref.draw_inputs(1, t_len, b.heads, b.head_size, kda=b.kda, seed=cfg.seed)
         sgemm_s: list[float] = []
         times = be.bench(x, cfg.chunk, b.reps, b.warmup,
-                         between=(lambda: sgemm_s.append(sgemm_seconds(cfg.threads))) if here else None)
+                         between=(lambda: sgemm_s.append(sgemm_seconds(cfg.threads))) if here else None,
+                         **({"count": True} if cfg.counts else {}))
         sgemm = Figure.of(sgemm_s, "s").rate(2.0 * SGEMM_SIZE**3, "FLOP/s") if sgemm_s else None
         flops = ref.gdn_flops(1, t_len, b.heads, b.head_size, b.kda)
         form_flops = {"serial": flops,
@@ -261,6 +266,8 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
             metrics = {"speedup_vs_serial": times["serial"].median / t.median}
             if f"{form}_cpu" in times:
                 figures["cpu_time"] = times[f"{form}_cpu"].scaled(1e3, "ms")
+            if f"{form}_instructions" in times:  # exact, per call: judged by their own rule, never as time
+                figures["instructions"] = times[f"{form}_instructions"]
             if sgemm is not None:
                 figures["sgemm"] = sgemm.scaled(1e-9, "GFLOP/s")
                 metrics["sgemm_fraction"] = done.median / (sgemm.median * 1e-9)
@@ -275,7 +282,12 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
                                          "`gflops_form` and sgemm_fraction use it",
                       "sgemm": f"numpy {SGEMM_SIZE}^3 float32 matmul on {cfg.threads} thread(s), one between each "
                                "pair of kernel repetitions" if sgemm is not None else "not measured off this host",
-                      "tokens": t_len},
+                      "tokens": t_len,
+                      **({"instructions": "instructions executed per kernel call, between the harness's marks "
+                                          "(testbed.counts): the qemu plugin on an emulated device, valgrind's "
+                                          "callgrind on the host (its build without AVX-512, which valgrind cannot "
+                                          "run); exact, an ISA's and a toolchain's, never a time"}
+                         if "instructions" in figures else {})},
                 params={"heads": b.heads, "head_size": b.head_size, "tokens": t_len, "kda": b.kda,
                         "chunk": cfg.chunk, "form": form, "threads": cfg.threads},
                 artifacts=dict(be.artifacts), evidence=evidence,

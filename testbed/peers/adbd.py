@@ -100,7 +100,9 @@ EXEC_SHIM_C = r"""
 /* Preloaded into the fake device's shell: an exec of an ELF for another machine becomes an exec of
    the qemu-user emulator named by $TB_QEMU_<e_machine>, which is what binfmt_misc would do. A
    dynamically linked program finds its loader and libraries under $TB_QEMU_LD_<e_machine> (qemu -L),
-   and the emulated program does not inherit this host library as its own LD_PRELOAD (qemu -U). */
+   the emulated program does not inherit this host library as its own LD_PRELOAD (qemu -U), and with
+   $TB_QEMU_PLUGIN set it runs under that plugin (testbed's instruction counter: this emulated phone's
+   performance counter). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -136,11 +138,16 @@ static int run(const char *path, char *const argv[], char *const envp[]) {
     const char *sysroot = setting("TB_QEMU_LD_", machine);
     int argc = 0;
     while (argv[argc]) argc++;
-    char **args = calloc(argc + 7, sizeof *args);
+    char **args = calloc(argc + 9, sizeof *args);
     int a = 0;
     args[a++] = (char *)qemu;
     args[a++] = "-U";
     args[a++] = "LD_PRELOAD";
+    const char *plugin = getenv("TB_QEMU_PLUGIN");
+    if (plugin) {
+        args[a++] = "-plugin";
+        args[a++] = (char *)plugin;
+    }
     if (sysroot) {
         args[a++] = "-L";
         args[a++] = (char *)sysroot;
@@ -228,7 +235,10 @@ class FakeDevice:
                      if not (q == "qemu-arm" and host_machine.startswith("arm"))
                      and not (q == "qemu-aarch64" and host_machine == "aarch64")}
         if any(emulators.values()):
+            from testbed.counts import qemu_plugin_args
+
             env["LD_PRELOAD"] = str(build_exec_shim())
+            env["TB_QEMU_PLUGIN"] = qemu_plugin_args()[1]
             env.update({f"TB_QEMU_{m}": path for m, path in emulators.items() if path})
             env.update({f"TB_QEMU_LD_{m}": SYSROOTS[m] for m, path in emulators.items()
                         if path and os.path.isdir(SYSROOTS[m])})

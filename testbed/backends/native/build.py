@@ -91,8 +91,8 @@ class BuildError(RuntimeError):
     """A toolchain is missing or a compile failed; the message says which and why."""
 
 
-def _programs_hash(target: str, fused: bool, kernels_dir: Path = KERNELS_DIR) -> str:
-    h = hashlib.sha256(f"{target} fused={int(fused)}".encode())
+def _programs_hash(target: str, fused: bool, kernels_dir: Path = KERNELS_DIR, avx512: bool = True) -> str:
+    h = hashlib.sha256(f"{target} fused={int(fused)}{'' if avx512 else ' avx512=0'}".encode())
     for path in sorted(kernels_dir.rglob("*")):
         if path.is_file() and (path.suffix in (".c", ".h") or path.name == "Makefile"):
             h.update(str(path.relative_to(kernels_dir)).encode() + b"\0" + path.read_bytes() + b"\0")
@@ -110,14 +110,16 @@ def target_for_abi(abi: str) -> str:
 
 
 def build_programs(target: str, fused: bool = False, cache_dir: Path | None = None,
-                   kernels_dir: Path = KERNELS_DIR) -> Path:
+                   kernels_dir: Path = KERNELS_DIR, avx512: bool = True) -> Path:
     """Build (or reuse) the static programs for `target`; returns the folder holding them.
     fused=False (the default) gives the builds that are bit-exact across targets. kernels_dir: a copy
-    of kernels/, possibly altered (the tests' planted bugs)."""
+    of kernels/, possibly altered (the tests' planted bugs), or another revision's (testbed ab).
+    avx512=False: the host build without AVX-512, which valgrind can run (host instruction counts)."""
     if target not in TARGETS:
         raise ValueError(f"target {target!r} is not one of {', '.join(TARGETS)}")
     cache_dir = cache_dir or ROOT / ".cache" / "kernels"
-    out = cache_dir / f"{target}{'-fused' if fused else ''}-{_programs_hash(target, fused, kernels_dir)[:16]}"
+    variant = ("-fused" if fused else "") + ("" if avx512 else "-noavx512")
+    out = cache_dir / f"{target}{variant}-{_programs_hash(target, fused, kernels_dir, avx512)[:16]}"
     if all((out / p).is_file() for p in PROGRAMS):
         return out
     if shutil.which("make") is None:
@@ -126,7 +128,8 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     argv = ["make", "-s", f"-j{os.cpu_count() or 1}", "-C", str(kernels_dir), f"TARGET={target}", f"OUT={tmp}",
-            f"SOURCE_HASH={source_hash(kernels_dir)}", f"FUSED={int(fused)}", "programs"]
+            f"SOURCE_HASH={source_hash(kernels_dir)}", f"FUSED={int(fused)}", *([] if avx512 else ["AVX512=0"]),
+            "programs"]
     p = subprocess.run(argv, capture_output=True, text=True)
     if p.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)

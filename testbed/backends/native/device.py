@@ -11,6 +11,11 @@ The program contract (kernels/bench/'s benchmark-and-dump programs follow it):
   writes     each output as NAME.npy and `timings.json` in the run folder:
              {"seconds": [one per timed repetition...], ...whatever else the program records}
   exit 0     on success; anything else is a failed run, reported with its stderr
+  counts     on a device whose profile has the capability `counts` (the emulated ones: qemu-user runs
+             every program under testbed's counting plugin), the instructions of each timed call,
+             from the plugin's file in the run folder; with `NativeJob.count` on the host, the program
+             runs under valgrind's callgrind instead (testbed.counts). A count that was due and is
+             missing or does not match the timed calls is an error, never a silent gap.
 
 Nothing here trusts "it ran": a non-zero exit and outputs that are missing or unreadable are errors
 (the caller's oracle judges the values), and a run that fails is never retried (it is a measurement
@@ -30,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from testbed import counts as counting
 from testbed.backends import Evidence
 from testbed.devices import CommandResult, Device
 from testbed.devices.transport import quoted, sha256_file
@@ -45,6 +51,7 @@ class NativeJob:
     args: list[str] = field(default_factory=list)
     timeout: float | None = None
     measured: bool = True  # under the profile's health discipline (cool-down, warm-up, throttle flag)
+    count: bool = False    # on a device that does not count by itself (the host): run under valgrind
 
 
 @dataclass
@@ -54,6 +61,7 @@ class NativeResult:
     command: CommandResult
     health: dict[str, Any] = field(default_factory=dict)  # for the record's metrics
     evidence: Evidence | None = None
+    counts: counting.Counts | None = None  # instructions of each timed call, where they were counted
 
     def figure(self, unit_scale: float = 1.0, unit: str = "s") -> Figure:
         """The program's own per-repetition times as a Figure (median/min/max/reps)."""
@@ -124,6 +132,9 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
                     np.save(local, np.ascontiguousarray(array))
                     device.push(local, f"{run_dir}/{name}.npy")
             argv = [f"../../{program}", *args]
+            valgrind = job.count and not device.profile.has("counts")
+            if valgrind:
+                argv = counting.valgrind_argv(argv)
 
             def once():
                 return device.run(argv, timeout=job.timeout, cwd=run_dir)
@@ -148,14 +159,26 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
             seconds = timings.get("seconds") or []
             # one list of repetitions, or one per timed operation (tb_cache_bench)
             samples = [x for v in seconds.values() for x in v] if isinstance(seconds, dict) else seconds
+            timed_calls = int(timings.get("reps") or 0) or None
+            counts = None
+            if device.profile.has("counts"):
+                device.pull(f"{run_dir}/{counting.COUNTS_FILE}", tmp / "counts.json")
+                counts = counting.parse_plugin_output((tmp / "counts.json").read_text(), timed_calls)
+            elif valgrind:
+                dumps = []
+                for i in range(1, (timed_calls or 1) + 1):
+                    device.pull(f"{run_dir}/{counting.CALLGRIND_FILE}.{i}", tmp / f"cg.{i}")
+                    dumps.append((tmp / f"cg.{i}").read_text())
+                counts = counting.parse_callgrind_dumps(dumps, timed_calls)
             evidence = Evidence(device.name, job.program.name, program_digest(job.program), quoted(argv),
                                 float(sum(samples)) if samples else None,
                                 {"timed_calls": len(samples), "cpu_seconds": sum(timings.get("cpu_seconds") or []),
                                  "clock": "the program's CLOCK_MONOTONIC on the device",
                                  # the whole command as the host saw it: process start, input load,
                                  # warm-up, output write and the link, around the timed kernel calls
-                                 "command_seconds": result.seconds})
-            return NativeResult(outputs, timings, result, health, evidence)
+                                 "command_seconds": result.seconds}
+                                | ({"instructions": counts.metadata()} if counts else {}))
+            return NativeResult(outputs, timings, result, health, evidence, counts)
     finally:
         try:
             device.run(["rm", "-rf", run_dir], timeout=60)

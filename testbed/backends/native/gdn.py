@@ -26,15 +26,20 @@ class NativeGDN:
         target = target_for_abi(device.profile.abi)
         progress(f"building the native programs for {target}")
         self.program: Path = build_programs(target) / "tb_gdn_bench"
+        self.target = target
         self.device, self.head_map, self.threads = device, head_map, threads
         self.evidence = EvidenceLog()
         self.artifacts = {"program": self.program.name, "build_target": target}
 
-    def _run(self, x, form: str, chunk: int, warmup: int = 0, reps: int = 1, measured: bool = False):
+    def _run(self, x, form: str, chunk: int, warmup: int = 0, reps: int = 1, measured: bool = False,
+             count: bool = False):
         args = ["{inputs}", ".", f"form={form}", f"chunk={chunk}", f"head_map={self.head_map}",
                 f"threads={self.threads}", f"warmup={warmup}", f"reps={reps}"]
-        result = run_native(self.device, NativeJob(self.program, dict(zip(INPUTS, x.arrays())), ["out", "state"],
-                                                   args, measured=measured))
+        program = self.program
+        if count and self.target == "host":  # valgrind's build: the same sources without AVX-512
+            program = build_programs("host", avx512=False) / self.program.name
+        result = run_native(self.device, NativeJob(program, dict(zip(INPUTS, x.arrays())), ["out", "state"],
+                                                   args, measured=measured, count=count))
         self.evidence.add(result.evidence)
         self.artifacts["program_sha256"] = result.evidence.sha256
         self.artifacts["vector_path"] = result.timings.get("vector_path")
@@ -54,21 +59,30 @@ class NativeGDN:
     def serial_chunk_loop(self, x, chunk: int):
         return self._arrays(x, "serial-chunk-loop", chunk)
 
-    def bench(self, x, chunk: int, reps: int, warmup: int, between=None) -> dict:
+    def bench(self, x, chunk: int, reps: int, warmup: int, between=None, count: bool = False) -> dict:
         """Serial and chunkwise, alternating one program run per repetition (each with its own
         warm-up), timed by the program's clock on the device: wall and CPU seconds per call.
-        `between()` runs after each pair (a reference timed in the same conditions)."""
+        `between()` runs after each pair (a reference timed in the same conditions). Instructions per
+        call (`FORM_instructions`) come from every run on a device that counts; elsewhere, with
+        `count`, from one more run per form under valgrind, apart from the timed ones."""
         seconds: dict[str, list[float]] = {"serial": [], "chunkwise": []}
         cpu: dict[str, list[float]] = {"serial": [], "chunkwise": []}
+        instructions: dict[str, list[int]] = {"serial": [], "chunkwise": []}
         for _ in range(reps):
             for form in seconds:
-                t = self._run(x, form, chunk, warmup=warmup, reps=1, measured=True).timings
-                seconds[form] += t["seconds"]
-                cpu[form] += t.get("cpu_seconds") or []
+                result = self._run(x, form, chunk, warmup=warmup, reps=1, measured=True)
+                seconds[form] += result.timings["seconds"]
+                cpu[form] += result.timings.get("cpu_seconds") or []
+                if result.counts:
+                    instructions[form].append(result.counts.per_call)
             if between is not None:
                 between()
+        if count and not self.device.profile.has("counts"):
+            for form in instructions:
+                instructions[form].append(self._run(x, form, chunk, warmup=warmup, reps=1, count=True).counts.per_call)
         return {form: Figure.of(s, "s") for form, s in seconds.items()} | {
-            f"{form}_cpu": Figure.of(c, "s") for form, c in cpu.items() if c}
+            f"{form}_cpu": Figure.of(c, "s") for form, c in cpu.items() if c} | {
+            f"{form}_instructions": Figure.of(n, "instructions") for form, n in instructions.items() if n}
 
 
 def runner(cfg, device: Device, progress=lambda msg: None) -> NativeGDN:

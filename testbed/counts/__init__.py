@@ -1,0 +1,147 @@
+"""Exact instruction counts: the regression signal for native code that load cannot move.
+
+Time on a shared machine is noise (per-run medians move +-20% at load 15-25); the number of instructions
+a program executes on given inputs is not. Like rustc-perf (instructions:u) and SQLite (cachegrind),
+testbed counts them:
+
+  emulated devices  every ARM (or Hexagon) program that qemu-user runs for testbed, directly (the qemu
+                    transport) or behind the loopback adbd, runs under a small TCG plugin built from
+                    qemu_insn_plugin.c beside this file (host cc, cached by content under
+                    .cache/counts/). The plugin writes COUNTS_FILE into the program's working folder.
+  the host          valgrind's callgrind, when a run asks for counts (`counts=true`): the program runs
+                    once more under it, never in a timed run.
+
+Both count the instructions executed between the harness's marks (tb_count_begin / tb_count_end in
+kernels/bench/harness.c), one region per timed call: the kernel's instructions, apart from process
+start, input loading and output writing. A count is stored as what it is: instructions on that ISA, by
+that toolchain's build, never time. Identical inputs and program give identical counts; a change of one
+instruction is a change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from testbed.errors import DeviceError
+
+PLUGIN_SOURCE = Path(__file__).with_name("qemu_insn_plugin.c")
+# Written by the plugin into the emulated program's working folder (a run folder of its own).
+COUNTS_FILE = ".tb_instructions.json"
+# Where callgrind writes its dumps in the run folder: FILE.1, FILE.2, ... one per timed call.
+CALLGRIND_FILE = ".tb_callgrind.out"
+
+
+class CountError(DeviceError):
+    """No count could be had, or what the counter wrote cannot be trusted; the message says why."""
+
+
+def _cache_root() -> Path:
+    from testbed import PROJECT_ROOT
+
+    return PROJECT_ROOT / ".cache" / "counts"
+
+
+def plugin_path() -> Path:
+    """The QEMU plugin, compiled from its source at first use and cached by the source's hash (and the
+    compiler's identity), so an edited plugin is rebuilt and an unchanged one never is."""
+    source = PLUGIN_SOURCE.read_bytes()
+    cc = os.environ.get("HOST_CC", "cc")
+    digest = hashlib.sha256(source + b"\0" + cc.encode()).hexdigest()[:16]
+    out = _cache_root() / f"libtb_insn-{digest}.so"
+    if out.is_file():
+        return out
+    if shutil.which(cc) is None:
+        raise CountError(f"no C compiler {cc!r} to build the instruction-counting plugin (Debian: gcc)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    p = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(tmp), str(PLUGIN_SOURCE)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise CountError(f"building the counting plugin failed: {p.stderr.strip()[-300:]}")
+    tmp.replace(out)  # atomic: a concurrent build of the same source leaves one whole file
+    return out
+
+
+def qemu_plugin_args() -> list[str]:
+    """What to put between `qemu-ARCH` and the program: the plugin, writing COUNTS_FILE in the cwd."""
+    return ["-plugin", f"{plugin_path()},out={COUNTS_FILE}"]
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What a counter saw in one program run: the instructions of each marked region (one per timed
+    call, in order) and of the whole process."""
+
+    regions: tuple[int, ...]
+    total: int | None
+    counter: str       # "qemu-tcg-plugin" or "valgrind-callgrind"
+    exact: bool        # False when several guest threads shared the plugin's counter
+
+    @property
+    def per_call(self) -> int:
+        """The count of one call: all timed calls of a run execute the same instructions on the same
+        inputs; where they do not (a kernel with state carried between calls), the median."""
+        ordered = sorted(self.regions)
+        return ordered[len(ordered) // 2]
+
+    def metadata(self) -> dict:
+        return {"counter": self.counter, "exact": self.exact, "regions": list(self.regions),
+                "program_total": self.total}
+
+
+def parse_plugin_output(text: str, expected_regions: int | None = None) -> Counts:
+    """The plugin's JSON -> Counts; refused when it is not the plugin's, or the regions do not match
+    the timed calls the program was asked for (a marker missed or doubled: the count is not the
+    kernel's)."""
+    try:
+        data = json.loads(text)
+        regions = tuple(int(x) for x in data["regions"])
+        total, exact = int(data["total"]), bool(data["exact"])
+        unmatched, dropped = int(data["unmatched_markers"]), int(data["regions_dropped"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CountError(f"the counting plugin's output is not what it writes ({e}): {text[:200]!r}") from None
+    if unmatched or dropped:
+        raise CountError(f"the counting plugin saw {unmatched} unmatched marks and dropped {dropped} regions")
+    _check_regions(regions, expected_regions)
+    return Counts(regions, total, "qemu-tcg-plugin", exact)
+
+
+_SUMMARY = re.compile(r"^(?:summary|totals):\s+(\d+)", re.M)
+
+
+def valgrind_argv(argv: list[str]) -> list[str]:
+    """`argv` under callgrind: costs zeroed on entering tb_count_begin, dumped on entering tb_count_end,
+    so dump N holds exactly the instructions of timed call N (CALLGRIND_FILE.N)."""
+    if shutil.which("valgrind") is None:
+        raise CountError("valgrind is not installed (Debian: valgrind); host instruction counts need it")
+    return ["valgrind", "--tool=callgrind", "--quiet", f"--callgrind-out-file={CALLGRIND_FILE}",
+            "--zero-before=tb_count_begin", "--dump-before=tb_count_end", "--dump-instr=no",
+            "--compress-strings=no", *argv]
+
+
+def parse_callgrind_dumps(dumps: list[str], expected_regions: int | None = None) -> Counts:
+    """The dumps' `summary:` lines (instructions, event Ir) -> Counts, one region per dump."""
+    regions = []
+    for i, text in enumerate(dumps, 1):
+        m = _SUMMARY.search(text)
+        if not m:
+            raise CountError(f"callgrind dump {i} has no summary line")
+        regions.append(int(m.group(1)))
+    _check_regions(tuple(regions), expected_regions)
+    return Counts(tuple(regions), None, "valgrind-callgrind", True)
+
+
+def _check_regions(regions: tuple[int, ...], expected: int | None) -> None:
+    if not regions:
+        raise CountError("the program ran no marked region (is it built with kernels/bench/harness.c's marks?)")
+    if expected is not None and len(regions) != expected:
+        raise CountError(f"the counter saw {len(regions)} marked regions, the program was asked for {expected} "
+                         "timed calls")
