@@ -10,7 +10,7 @@
 set -eu
 cd "$(dirname "$0")/.."
 
-HOST_PACKAGES="gcc make"
+HOST_PACKAGES="gcc make valgrind"
 TEST_PACKAGES="qemu-user gcc-arm-linux-gnueabihf gcc-aarch64-linux-gnu libc6-dev-armhf-cross libc6-dev-arm64-cross
   adb openssh-server mesa-vulkan-drivers libvulkan1 chromium g++ g++-aarch64-linux-gnu cmake ninja-build ccache"
 

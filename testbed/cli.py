@@ -7,6 +7,7 @@
   testbed ingest FILE [--device NAME]             store test-backend-ops output run elsewhere
   testbed records verify | rm ... | export        inspect and repair the results store
   testbed compare A B [--format md|csv|json|jsonl] two commits, nights or stores: each change, beyond noise or not
+  testbed ab A B [key=value ...]                  two source trees' programs measured interleaved in one job
   (run and sweep take farm=HEAD:PORT: the jobs run on the lab's hosts that own their devices)
 
 Exit status: 0 all oracles passed, 1 an oracle failed (or no records to show), 2 bad input,
@@ -22,7 +23,7 @@ import sys
 
 import pandas as pd
 
-from testbed import compare, config, device_cli, emulation, experiments, farm, nightly, records_cli, report, runner, tables
+from testbed import ab, compare, config, device_cli, emulation, experiments, farm, nightly, records_cli, report, runner, tables
 from testbed.errors import DeviceError, DeviceUnreachable, StoreError, UsageError
 
 
@@ -185,7 +186,7 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--force", action="store_true",
                    help="store output that names another backend than the device's, or that is stored already")
     i.set_defaults(fn=cmd_ingest)
-    nightly.register(sub), report.register(sub), compare.register(sub), device_cli.register(sub)
+    nightly.register(sub), report.register(sub), compare.register(sub), ab.register(sub), device_cli.register(sub)
     records_cli.register(sub)
     farm.register(sub)
     return p

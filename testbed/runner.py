@@ -133,7 +133,9 @@ def host_load(before: dict | None = None) -> dict:
     return {**before, "load_1m_after": load, "noisy": worst > cores}
 
 
-def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = None) -> Outcome:
+def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = None, produce=None) -> Outcome:
+    """Run the experiment (or `produce(cfg, ctx)`, another source of its records: testbed ab) and store
+    its records as they come."""
     module, profile = check(rc)
     store = results_store(rc)
     store.check_writable()
@@ -149,7 +151,7 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
         store.append([info.mark("started")])
     try:
         raise_if_stopped()
-        for record in module.run(rc.cfg, ctx):
+        for record in (produce or module.run)(rc.cfg, ctx):
             check_evidence([record], profile)
             info.host_load = host_load(load_before)
             row = info.stamp(record)

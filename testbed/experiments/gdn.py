@@ -294,6 +294,24 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
             )
 
 
+def ab_calls(cfg: DictConfig) -> list:
+    """The bench's measured calls for `testbed ab`: serial and chunkwise at each bench length, one timed
+    call per program run."""
+    from testbed.ab import Call
+    from testbed.backends.native.gdn import INPUTS
+
+    b, calls = cfg.bench, []
+    for t_len in b.tokens:
+        x = ref.draw_inputs(1, t_len, b.heads, b.head_size, kda=b.kda, seed=cfg.seed)
+        case = f"H={b.heads},hs={b.head_size},T={t_len},kda={int(b.kda)}"
+        for form, chunk in (("serial", 1), ("chunkwise", cfg.chunk)):
+            calls.append(Call(f"{case}/{form}", "tb_gdn_bench", dict(zip(INPUTS, x.arrays())),
+                              ["{inputs}", ".", f"form={form}", f"chunk={chunk}", f"head_map={cfg.head_map}",
+                               f"threads={cfg.threads}", f"warmup={b.warmup}", "reps=1"], ["out", "state"],
+                              {"flops": ref.gdn_flops(1, t_len, b.heads, b.head_size, b.kda), "tokens": t_len}))
+    return calls
+
+
 def llamacpp_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     """ggml's GATED_DELTA_NET on the device (seed 002's phones): llama.cpp's own harness is the oracle
     (one verdict per case and the "36/36 OK" tally), its perf mode the measurement. Where testbed built

@@ -1,0 +1,380 @@
+"""`testbed ab A B [key=value ...]`: two source trees' native programs measured against each other in one
+job on one device, and judged on the pairs.
+
+A timing compared across nights compares machines as much as code: on a shared host per-run medians
+move +-20% while a kernel stands still. Measured in one job, interleaved, the two builds see the same
+machine, and their ratio cancels what the machine did. So:
+
+  trees     A and B are git revisions of this checkout (their kernels/ taken with `git archive` into
+            .cache/ab/, by tree hash) or folders holding a kernels/ (`.` is the working tree). Each
+            tree's programs are built for the device (testbed.backends.native.build, cached by content).
+  calls     the experiment's measured calls (its `ab_calls(cfg)`: program, inputs, arguments), e.g.
+            gdn's serial and chunkwise at each bench length. Inputs are staged on the device once.
+  order     per repetition every call runs once for A and once for B; the calls are shuffled and each
+            pair runs AB or BA, alternating per repetition from a random start (ABBA), all from a
+            recorded seed, so a drift during the job falls on both sides alike.
+  pairs     each pair gives B/A by the program's own clocks, wall and CPU time of the timed call.
+  counts    on a device that counts instructions (capability `counts`), every run's; on the host with
+            the experiment's counts=true, one run per tree and call under valgrind.
+
+Judging, per call:
+  instructions  exact: any difference is reported with both counts; B is worse when it executes more
+                than `--threshold` (default 1%) more instructions per call.
+  time          (not on emulated devices: their times say nothing of speed) a Wilcoxon signed-rank
+                test on the log ratios of the pairs, two-sided, Holm-corrected over the calls; B is
+                slower on a clock when the corrected p < 0.05 and the median ratio exceeds 1 +
+                `--min-change` (default 2%). CPU time decides (what the work cost, whatever else ran);
+                wall time is shown beside it. Fewer than 6 pairs cannot reach p < 0.05: "too few pairs".
+Exit status 1 when B is worse on any call by instructions or CPU time; "no change" for the same tree
+twice. The records (experiment's name, case `ab/CALL`) carry per pair ratios as figures `ab_ratio_cpu`
+and `ab_ratio_wall` (unit `ratio`), B's instructions as `instructions` and A's as `instructions_a`,
+and the judgement under metrics `ab` ({a_commit, b_commit, p, pairs, test, verdict, ...}), so the
+nightly's history keeps per-night A/B ratios, not raw cross-night times.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from testbed import PROJECT_ROOT, config, experiments, runner, tables
+from testbed.backends import EvidenceLog
+from testbed.backends.native.build import build_programs, source_hash, target_for_abi
+from testbed.backends.native.device import NativeJob, run_native
+from testbed.errors import UsageError
+from testbed.results import Figure, Record
+
+MIN_PAIRS = 6          # the fewest pairs whose signed-rank test can reach p < 0.05 (two-sided)
+ALPHA = 0.05
+
+
+# --- the two trees ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tree:
+    """One side: what the user named, the commit (or folder) it stands for, and its kernels/."""
+
+    spec: str
+    revision: str
+    kernels_dir: Path
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(PROJECT_ROOT), *args], capture_output=True, text=True)
+
+
+def resolve_tree(spec: str) -> Tree:
+    """A folder (with kernels/ inside, or itself a kernels folder) or a git revision of this checkout."""
+    folder = Path(spec)
+    if folder.is_dir():
+        kernels = folder / "kernels" if (folder / "kernels").is_dir() else folder
+        if not (kernels / "Makefile").is_file() or not (kernels / "tb_kernels.h").is_file():
+            raise UsageError(f"{spec!r} is a folder without testbed's kernels/ (Makefile, tb_kernels.h); accepted: "
+                             "a git revision of this checkout or a folder holding kernels/")
+        return Tree(spec, f"folder:{folder.resolve()}@{source_hash(kernels)[:12]}", kernels.resolve())
+    commit = _git("rev-parse", "--verify", "--quiet", f"{spec}^{{commit}}")
+    if commit.returncode != 0:
+        raise UsageError(f"{spec!r} is neither a folder nor a git revision of {PROJECT_ROOT}; accepted: a revision "
+                         "(HEAD, HEAD~3, a branch, a commit) or a folder holding kernels/")
+    sha = commit.stdout.strip()
+    tree = _git("rev-parse", "--verify", "--quiet", f"{sha}:kernels")
+    if tree.returncode != 0:
+        raise UsageError(f"revision {spec!r} ({sha[:12]}) has no kernels/ folder")
+    out = PROJECT_ROOT / ".cache" / "ab" / f"kernels-{tree.stdout.strip()[:16]}"
+    if not (out / "kernels" / "Makefile").is_file():
+        _extract(sha, out)
+    return Tree(spec, sha, out / "kernels")
+
+
+def _extract(sha: str, out: Path) -> None:
+    """kernels/ of commit `sha` into `out`, whole or not at all."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        archive = subprocess.run(["git", "-C", str(PROJECT_ROOT), "archive", "--format=tar", sha, "kernels"],
+                                 capture_output=True)
+        if archive.returncode != 0:
+            raise UsageError(f"git archive of {sha[:12]} failed: {archive.stderr.decode(errors='replace').strip()}")
+        with tarfile.open(fileobj=__import__("io").BytesIO(archive.stdout)) as tar:
+            tar.extractall(tmp, filter="data")  # no links or paths out of tmp
+        try:
+            tmp.rename(out)
+        except OSError:  # another process extracted the same tree first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# --- the measured calls -----------------------------------------------------------------------------
+
+
+@dataclass
+class Call:
+    """One measured call of an experiment: a benchmark-and-dump program on its inputs."""
+
+    label: str                  # the case, e.g. "H=16,hs=128,T=512,kda=0/chunkwise"
+    program: str                # its name in a build folder (tb_gdn_bench)
+    inputs: dict[str, np.ndarray]
+    args: list[str]             # the program's arguments, reps=1 (one timed call per run)
+    outputs: list[str]
+    work: dict = field(default_factory=dict)
+
+
+@dataclass
+class Side:
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    instructions: list[int] = field(default_factory=list)
+    kernel: str = ""
+    outputs: dict[str, np.ndarray] | None = None
+
+
+def _holm(p: list[float]) -> list[float]:
+    """Holm's step-down adjustment: controls the chance of any false call over the family."""
+    order = sorted(range(len(p)), key=lambda i: p[i])
+    adjusted, running = [1.0] * len(p), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p) - rank) * p[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def signed_rank_p(ratios: list[float]) -> float | None:
+    """Two-sided Wilcoxon signed-rank p of log(B/A) around 0; None below MIN_PAIRS pairs."""
+    from scipy.stats import wilcoxon
+
+    logs = np.log(np.asarray(ratios, float))
+    if len(logs) < MIN_PAIRS:
+        return None
+    if not np.any(logs):
+        return 1.0
+    return float(wilcoxon(logs, zero_method="zsplit", alternative="two-sided").pvalue)
+
+
+def time_verdict(ratios: list[float], p_adjusted: float | None, min_change: float) -> str:
+    if p_adjusted is None:
+        return "too few pairs"
+    median = float(np.median(ratios))
+    if p_adjusted < ALPHA and median > 1 + min_change:
+        return "slower"
+    if p_adjusted < ALPHA and median < 1 / (1 + min_change):
+        return "faster"
+    return "no change"
+
+
+def count_verdict(a: int | None, b: int | None, threshold: float) -> str:
+    if a is None or b is None:
+        return "not counted"
+    if b == a:
+        return "no change"
+    if b > a * (1 + threshold):
+        return "slower"
+    return "changed" if b > a else "fewer"
+
+
+@dataclass
+class Options:
+    reps: int = 10
+    seed: int = 0
+    threshold: float = 0.01   # instructions: a rise above this fraction is a regression
+    min_change: float = 0.02  # time: a median ratio beyond this (and p < 0.05 after Holm) is a change
+
+
+def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: Options):
+    """Yields one Record per call: the pairs' ratios, both sides' counts, the verdicts."""
+    device = ctx.device
+    target = target_for_abi(device.profile.abi)
+    emulated = device.profile.has("emulated")
+    count_here = bool(cfg.get("counts")) and not device.profile.has("counts")
+    builds = {}
+    for side, tree in zip("AB", trees):
+        ctx.progress(f"building {side} ({tree.spec}) for {target}")
+        builds[side] = build_programs(target, kernels_dir=tree.kernels_dir)
+    calls: list[Call] = module.ab_calls(cfg)
+    sides = {(c.label, s): Side() for c in calls for s in "AB"}
+    evidence = {c.label: EvidenceLog() for c in calls}
+    rng = np.random.default_rng(opts.seed)
+    first = {c.label: int(rng.integers(2)) for c in calls}  # each call's pair order in repetition 0
+
+    def run(call: Call, side: str, program: Path, count: bool = False):
+        result = run_native(device, NativeJob(program / call.program, call.inputs, call.outputs, call.args,
+                                              measured=not count, count=count))
+        evidence[call.label].add(result.evidence)
+        return result
+
+    total = len(calls) * opts.reps
+    for rep in range(opts.reps):
+        for n, i in enumerate(rng.permutation(len(calls))):
+            call = calls[i]
+            ctx.progress(f"A/B {rep * len(calls) + n + 1}/{total}: {call.label}")
+            order = "AB" if (first[call.label] + rep) % 2 == 0 else "BA"
+            for side in order:
+                result = run(call, side, builds[side])
+                s = sides[(call.label, side)]
+                s.wall += result.timings["seconds"]
+                s.cpu += result.timings.get("cpu_seconds") or []
+                s.kernel = result.timings.get("kernel", call.program)
+                if result.counts:
+                    s.instructions.append(result.counts.per_call)
+                if s.outputs is None:
+                    s.outputs = result.outputs
+            runner.raise_if_stopped()
+    if count_here:  # one run per tree and call under valgrind, with its build that valgrind can run
+        for side, tree in zip("AB", trees):
+            ctx.progress(f"counting {side}'s instructions under valgrind")
+            counted = build_programs(target, kernels_dir=tree.kernels_dir, avx512=False)
+            for call in calls:
+                sides[(call.label, side)].instructions.append(run(call, side, counted, count=True).counts.per_call)
+
+    ratios = {c.label: {clock: [b / a for a, b in zip(getattr(sides[(c.label, "A")], clock),
+                                                       getattr(sides[(c.label, "B")], clock)) if a > 0]
+                        for clock in ("wall", "cpu")} for c in calls}
+    p_raw = {clock: [signed_rank_p(ratios[c.label][clock]) for c in calls] for clock in ("wall", "cpu")}
+    p_adj = {}
+    for clock, ps in p_raw.items():
+        known = [p for p in ps if p is not None]
+        adjusted = iter(_holm(known))
+        p_adj[clock] = [None if p is None else next(adjusted) for p in ps]
+
+    for i, call in enumerate(calls):
+        a, b = sides[(call.label, "A")], sides[(call.label, "B")]
+        a_count = a.instructions[0] if a.instructions else None
+        b_count = b.instructions[0] if b.instructions else None
+        verdicts = {"instructions": count_verdict(a_count, b_count, opts.threshold)}
+        figures: dict[str, Figure] = {}
+        if b.instructions:
+            figures["instructions"] = Figure.of(b.instructions, "instructions")
+        if a.instructions:
+            figures["instructions_a"] = Figure.of(a.instructions, "instructions")
+        if not emulated:
+            for clock in ("cpu", "wall"):
+                if ratios[call.label][clock]:
+                    figures[f"ab_ratio_{clock}"] = Figure.of(ratios[call.label][clock], "ratio")
+                verdicts[clock] = time_verdict(ratios[call.label][clock], p_adj[clock][i], opts.min_change)
+            figures["time_a"] = Figure.of(a.wall, "s").scaled(1e3, "ms")
+            figures["time_b"] = Figure.of(b.wall, "s").scaled(1e3, "ms")
+        worse = verdicts["instructions"] == "slower" or verdicts.get("cpu") == "slower"
+        same_output = (a.outputs is not None and b.outputs is not None and a.outputs.keys() == b.outputs.keys()
+                       and all(np.array_equal(a.outputs[k], b.outputs[k]) for k in a.outputs))
+        ab = {"a": trees[0].spec, "b": trees[1].spec, "a_commit": trees[0].revision, "b_commit": trees[1].revision,
+              "test": "wilcoxon signed-rank on log(B/A), Holm over calls", "pairs": len(ratios[call.label]["cpu"]),
+              "p": p_adj["cpu"][i], "p_raw": p_raw["cpu"][i], "p_wall": p_adj["wall"][i],
+              "verdicts": verdicts, "verdict": "slower" if worse else _overall(verdicts),
+              "instructions_a": a_count, "instructions_b": b_count,
+              "instructions_change": (b_count / a_count - 1) if a_count and b_count is not None else None,
+              "threshold": opts.threshold, "min_change": opts.min_change, "seed": opts.seed,
+              "order": "ABBA: calls shuffled per repetition, each pair's order alternating from a random start",
+              "same_output": bool(same_output), "kernel": b.kernel, "timed_on_emulator": emulated}
+        yield Record(experiment, f"ab/{call.label}", "measure", figures=figures, metrics={"ab": ab},
+                     work={**call.work, "ab": "B over A, per pair of runs measured back to back in one job"},
+                     params={"reps": opts.reps},
+                     artifacts={"a_programs": str(builds["A"].name), "b_programs": str(builds["B"].name)},
+                     evidence=evidence[call.label].take())
+
+
+def _overall(verdicts: dict) -> str:
+    values = set(verdicts.values()) - {"not counted", "too few pairs"}
+    if values <= {"no change"}:
+        return "no change" if "too few pairs" not in verdicts.values() or "instructions" in verdicts else "too few pairs"
+    if "faster" in values or "fewer" in values:
+        return "faster"
+    return "changed"
+
+
+# --- the command ------------------------------------------------------------------------------------
+
+
+def table(rows: list[dict]) -> pd.DataFrame:
+    out = []
+    for r in rows:
+        ab, fig = r["metrics"]["ab"], r["figures"]
+        change = ab["instructions_change"]
+        out.append({
+            "call": r["case"].removeprefix("ab/"), "kernel": ab["kernel"],
+            "instructions A": ab["instructions_a"], "instructions B": ab["instructions_b"],
+            "instr. change": None if change is None else f"{change:+.3%}",
+            "cpu B/A": fig["ab_ratio_cpu"]["median"] if "ab_ratio_cpu" in fig else None,
+            "wall B/A": fig["ab_ratio_wall"]["median"] if "ab_ratio_wall" in fig else None,
+            "pairs": ab["pairs"], "p (cpu, Holm)": ab["p"],
+            "verdict": ab["verdict"] + ("" if ab["same_output"] else " (outputs differ)"),
+        })
+    return pd.DataFrame(out)
+
+
+def command(args) -> int:
+    trees = (resolve_tree(args.a), resolve_tree(args.b))
+    rc = config.load(args.overrides, experiment="gdn")  # experiment= among the overrides, else gdn
+    module = experiments.load(rc.experiment)
+    if not hasattr(module, "ab_calls"):
+        offered = [n for n in config.choices("experiment") if hasattr(experiments.load(n), "ab_calls")]
+        raise UsageError(f"experiment {rc.experiment!r} has no A/B calls; accepted: {', '.join(offered)}")
+    if rc.cfg.get("backend") != "native":
+        raise UsageError(f"testbed ab measures native programs; backend={rc.cfg.get('backend')} is not accepted "
+                         "(accepted: backend=native)")
+    opts = Options(args.reps, args.seed, args.threshold, args.min_change)
+    progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not sys.stderr.isatty() else \
+        (lambda msg: (sys.stderr.write("\r\033[K" + msg[:120]), sys.stderr.flush()))
+    outcome = runner.execute(rc, progress=progress,
+                             produce=lambda cfg, ctx: measure(cfg, ctx, module, rc.experiment, trees, opts))
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K")
+    rows = outcome.rows
+    df = table([r for r in rows if r["kind"] == "measure"])
+    print(tables.render(df, args.format))
+    worse = [r for r in rows if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] == "slower"]
+    if args.format == "md":
+        where = f"{rc.device}" + (" (emulated: instructions only, times not judged)" if outcome.info.emulated else "")
+        print(f"\nA = {trees[0].spec} ({trees[0].revision[:20]}), B = {trees[1].spec} ({trees[1].revision[:20]}) "
+              f"on {where}, {opts.reps} pairs per call, seed {opts.seed}; run {outcome.info.run_id} stored")
+        for r in worse:
+            ab = r["metrics"]["ab"]
+            what = []
+            if ab["verdicts"]["instructions"] == "slower":
+                what.append(f"instructions {ab['instructions_a']} -> {ab['instructions_b']} "
+                            f"({ab['instructions_change']:+.2%})")
+            if ab["verdicts"].get("cpu") == "slower":
+                what.append(f"CPU time x{r['figures']['ab_ratio_cpu']['median']:.3f} (p={ab['p']:.2g})")
+            print(f"SLOWER {ab['kernel']} {r['case'].removeprefix('ab/')}: {'; '.join(what)}")
+        if not worse:
+            print("B is not worse than A on any call")
+    return 1 if worse else 0
+
+
+def register(commands) -> None:
+    c = commands.add_parser("ab", help="two source trees' native programs measured interleaved in one job; "
+                                       "exit 1 when B is worse")
+    c.add_argument("a", help="a git revision of this checkout (HEAD, HEAD~1, a branch) or a folder holding kernels/ "
+                             "('.' is the working tree)")
+    c.add_argument("b", help="the same kinds as A; B is judged against A")
+    c.add_argument("overrides", nargs="*", help="the experiment's key=value, e.g. experiment=gdn device=qemu-aarch64 "
+                                                "'bench.tokens=[512]'")
+    c.add_argument("--reps", type=_positive, default=10, help="pairs per call (>= 6 to judge time; default 10)")
+    c.add_argument("--seed", type=int, default=0, help="the order's seed (recorded)")
+    c.add_argument("--threshold", type=float, default=0.01, help="instructions: the rise that is a regression "
+                                                                 "(default 0.01 = 1%%)")
+    c.add_argument("--min-change", type=float, default=0.02, help="time: the least median change judged "
+                                                                  "(default 0.02)")
+    c.add_argument("--format", choices=tables.FORMATS, default="md")
+    c.set_defaults(fn=command)
+
+
+def _positive(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not accepted; accepted: an integer >= 1")
+    return value
