@@ -53,6 +53,12 @@ SCREEN = 12  # at most this many failure or regression lines in the summary; the
 # --- the suite ------------------------------------------------------------------------------------
 
 
+class ABJob(RunConfig):
+    """A suite run marked `ab: true`: its native programs measured against the last good night's
+    commit's build in the same job (testbed.ab), so machine drift cancels instead of reading as a
+    regression; the history keeps the per-night A/B ratios."""
+
+
 @dataclass
 class Suite:
     name: str
@@ -61,6 +67,7 @@ class Suite:
     lock_dir: Path | None  # None: the per-user default, shared with pytest --device
     lock_wait_s: float
     report_out: Path | None
+    ab_reps: int = 10  # pairs per call in the A/B jobs
 
 
 def load_suite(overrides: list[str], suite_dir: Path | None = None) -> Suite:
@@ -101,14 +108,22 @@ def load_suite(overrides: list[str], suite_dir: Path | None = None) -> Suite:
                                  f"which is not in the suite's devices: {', '.join(devices)}")
             for combo in config.expand_sweep(run.get("overrides") or [], together):
                 rc = config.load([f"device={device}", *combo], experiment=experiment)
-                runner.check(rc)
+                module, _ = runner.check(rc)
+                if run.get("ab"):
+                    if not hasattr(module, "ab_calls") or rc.cfg.get("backend") != "native":
+                        raise UsageError(f"suite {name}: run {label!r} has ab: true, which needs an experiment with A/B "
+                                         f"calls and backend=native (got {experiment}, backend={rc.cfg.get('backend')})")
+                    rc = ABJob(rc.experiment, rc.device, rc.cfg, rc.overrides)
                 jobs[device].append(rc)
     lock_dir = Path(spec["lock_dir"]) if spec.get("lock_dir") else None
     wait = spec.get("lock_wait_s", 0)
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
         raise UsageError(f"suite {name}: lock_wait_s={wait!r} is not accepted; accepted: seconds >= 0")
     out = spec.get("report_out")
-    return Suite(name, devices, jobs, lock_dir, float(wait), config.project_path(out) if out else None)
+    ab_reps = spec.get("ab_reps", 10)
+    if isinstance(ab_reps, bool) or not isinstance(ab_reps, int) or ab_reps < 1:
+        raise UsageError(f"suite {name}: ab_reps={ab_reps!r} is not accepted; accepted: an integer >= 1")
+    return Suite(name, devices, jobs, lock_dir, float(wait), config.project_path(out) if out else None, ab_reps)
 
 
 # --- one worker per device ------------------------------------------------------------------------
@@ -152,8 +167,35 @@ def job_label(rc: RunConfig) -> str:
     return " ".join([rc.experiment, *(o for o in rc.overrides if not o.startswith(("experiment=", "device=")))])
 
 
+def last_good_commit(nights: list[dict]) -> str | None:
+    """The commit of the newest night that ended with exit status 0 at a clean checkout (a dirty one
+    measured code no commit holds): the baseline of tonight's A/B jobs."""
+    for entry in reversed(nights):
+        commit = entry.get("git_commit") or ""
+        if entry.get("exit_status") == 0 and commit and commit != "unknown" and not commit.endswith("-dirty"):
+            return commit
+    return None
+
+
+def execute_job(rc: RunConfig, handle: Device, suite: Suite, baseline: str | None, log) -> runner.Outcome | None:
+    """One job: a plain run, or an A/B job against `baseline` (None: no good night yet; skipped)."""
+    if not isinstance(rc, ABJob):
+        return runner.execute(rc, device=handle)
+    if baseline is None:
+        log("A/B skipped: no earlier night ended good at a clean commit, so there is no baseline yet")
+        return None
+    from testbed import ab
+
+    trees = (ab.resolve_tree(baseline), ab.resolve_tree("."))
+    opts = ab.Options(reps=suite.ab_reps)
+    module = experiments.load(rc.experiment)
+    log(f"A/B against {baseline[:12]} (the last good night's commit), {opts.reps} pairs per call")
+    return runner.execute(rc, device=handle, produce=lambda cfg, ctx: ab.measure(cfg, ctx, module, rc.experiment,
+                                                                                 trees, opts))
+
+
 def work(device: str, jobs: list[RunConfig], suite: Suite, night: str, log: Log,
-         open_device: Callable[[str], Device]) -> DeviceNight:
+         open_device: Callable[[str], Device], baseline: str | None = None) -> DeviceNight:
     result = DeviceNight(device)
     started = time.monotonic()
     try:
@@ -162,7 +204,9 @@ def work(device: str, jobs: list[RunConfig], suite: Suite, night: str, log: Log,
             for i, rc in enumerate(jobs, 1):
                 log(device, f"{i}/{len(jobs)} {job_label(rc)}")
                 try:
-                    outcome = runner.execute(rc, device=handle)
+                    outcome = execute_job(rc, handle, suite, baseline, lambda msg: log(device, f"{i}/{len(jobs)} {msg}"))
+                    if outcome is None:
+                        continue
                 except DeviceUnreachable:
                     raise
                 except Exception as e:  # noqa: BLE001 -- the runner stored an error record; go on
@@ -187,10 +231,11 @@ def open_device(name: str) -> Device:
 
 
 def on_this_host(suite: Suite, night: str, log: Log,
-                 open_device: Callable[[str], Device] = open_device) -> list[DeviceNight]:
+                 open_device: Callable[[str], Device] = open_device, baseline: str | None = None) -> list[DeviceNight]:
     """Every device's jobs, one worker thread per device; the runner stores the records."""
     with ThreadPoolExecutor(max_workers=len(suite.devices), thread_name_prefix="device") as pool:
-        futures = [pool.submit(work, d, suite.jobs[d], suite, night, log, open_device) for d in suite.devices]
+        futures = [pool.submit(work, d, suite.jobs[d], suite, night, log, open_device, baseline)
+                   for d in suite.devices]
         return [f.result() for f in futures]
 
 
@@ -202,11 +247,16 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
     started = dt.datetime.now(dt.timezone.utc)
     night = started.strftime("%Y-%m-%dT%H%M%SZ-") + uuid.uuid4().hex[:6]
     earlier = report.night_log(store.root)
+    from testbed.results import git_commit
+
     entry = {"night": night, "suite": suite.name, "started": started.isoformat(timespec="seconds"),
-             "tools": report.tool_versions()}
+             "git_commit": git_commit(), "tools": report.tool_versions()}
+    baseline = last_good_commit(earlier)
+    if baseline:
+        entry["ab_baseline"] = baseline
     store_nights(store).append([entry])  # what a killed night leaves in the log
     try:
-        results = drive(suite, store, night, log) if drive else on_this_host(suite, night, log, open_device)
+        results = drive(suite, store, night, log) if drive else on_this_host(suite, night, log, open_device, baseline)
     except runner.Interrupted as e:  # the workers stop at their next record (runner.STOP)
         stopped = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         store_nights(store).append([{**entry, "finished": stopped, "exit_status": 128 + e.signum,
@@ -290,6 +340,10 @@ def command(args) -> int:
     store = runner.results_store(config.load([]))
     if farm:  # the lab's Ray cluster runs the jobs on the hosts that own the devices
         from testbed import farm as lab
+
+        if any(isinstance(rc, ABJob) for jobs in suite.jobs.values() for rc in jobs):
+            raise UsageError(f"suite {suite.name}: A/B runs (ab: true) are measured on this host's devices; "
+                             "farm= does not take them yet (run this suite without farm=, or drop its ab runs)")
 
         status, text = run_night(suite, store, drive=lab.driver(farm))
     else:
