@@ -115,6 +115,33 @@ def _extract(sha: str, out: Path) -> None:
         raise
 
 
+def snapshot(tree: Tree) -> Tree:
+    """A copy of `tree`'s kernels/ under .cache/ab/, named by its content hash: what a later night
+    measures as its A/B baseline, whatever the checkout holds by then (a dirty tree included)."""
+    digest = source_hash(tree.kernels_dir)[:16]
+    out = PROJECT_ROOT / ".cache" / "ab" / f"kernels-src-{digest}"
+    if not (out / "kernels" / "Makefile").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+        try:
+            shutil.copytree(tree.kernels_dir, tmp / "kernels", symlinks=False,
+                            ignore=shutil.ignore_patterns("build", "*.o", "*.so"))
+            try:
+                tmp.rename(out)
+            except OSError:  # another process made the same copy first
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return Tree(tree.spec, f"kernels:{digest} ({tree.revision})", out / "kernels")
+
+
+def snapshotted(digest: str) -> Tree | None:
+    """The copy snapshot() made of the kernels with this content hash, if it is still there."""
+    path = PROJECT_ROOT / ".cache" / "ab" / f"kernels-src-{digest}" / "kernels"
+    return Tree(f"kernels:{digest}", f"kernels:{digest}", path) if (path / "Makefile").is_file() else None
+
+
 # --- the measured calls -----------------------------------------------------------------------------
 
 

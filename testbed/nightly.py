@@ -68,6 +68,7 @@ class Suite:
     lock_wait_s: float
     report_out: Path | None
     ab_reps: int = 10  # pairs per call in the A/B jobs
+    ab_tree: str = "."  # the source tree tonight's A/B jobs measure as B (default: the working tree)
 
 
 def load_suite(overrides: list[str], suite_dir: Path | None = None) -> Suite:
@@ -123,7 +124,13 @@ def load_suite(overrides: list[str], suite_dir: Path | None = None) -> Suite:
     ab_reps = spec.get("ab_reps", 10)
     if isinstance(ab_reps, bool) or not isinstance(ab_reps, int) or ab_reps < 1:
         raise UsageError(f"suite {name}: ab_reps={ab_reps!r} is not accepted; accepted: an integer >= 1")
-    return Suite(name, devices, jobs, lock_dir, float(wait), config.project_path(out) if out else None, ab_reps)
+    ab_tree = spec.get("ab_tree") or "."
+    if any(isinstance(rc, ABJob) for js in jobs.values() for rc in js):
+        from testbed import ab
+
+        ab.resolve_tree(str(config.project_path(ab_tree)))  # a bad tree is a usage error before anything runs
+    return Suite(name, devices, jobs, lock_dir, float(wait), config.project_path(out) if out else None, ab_reps,
+                 str(config.project_path(ab_tree)))
 
 
 # --- one worker per device ------------------------------------------------------------------------
@@ -167,35 +174,37 @@ def job_label(rc: RunConfig) -> str:
     return " ".join([rc.experiment, *(o for o in rc.overrides if not o.startswith(("experiment=", "device=")))])
 
 
-def last_good_commit(nights: list[dict]) -> str | None:
-    """The commit of the newest night that ended with exit status 0 at a clean checkout (a dirty one
-    measured code no commit holds): the baseline of tonight's A/B jobs."""
+def baseline_tree(nights: list[dict]):
+    """The kernels of the newest night that ended with exit status 0, as that night snapshotted them
+    (testbed.ab.snapshot): the A side of tonight's A/B jobs. None before the first good night, or
+    when its snapshot is gone from the cache."""
+    from testbed import ab
+
     for entry in reversed(nights):
-        commit = entry.get("git_commit") or ""
-        if entry.get("exit_status") == 0 and commit and commit != "unknown" and not commit.endswith("-dirty"):
-            return commit
+        if entry.get("exit_status") == 0 and entry.get("kernels"):
+            return ab.snapshotted(entry["kernels"])
     return None
 
 
-def execute_job(rc: RunConfig, handle: Device, suite: Suite, baseline: str | None, log) -> runner.Outcome | None:
-    """One job: a plain run, or an A/B job against `baseline` (None: no good night yet; skipped)."""
+def execute_job(rc: RunConfig, handle: Device, suite: Suite, trees, log) -> runner.Outcome | None:
+    """One job: a plain run, or an A/B job of trees (A: the last good night's kernels, B: tonight's;
+    None: no baseline yet, skipped)."""
     if not isinstance(rc, ABJob):
         return runner.execute(rc, device=handle)
-    if baseline is None:
-        log("A/B skipped: no earlier night ended good at a clean commit, so there is no baseline yet")
+    if trees is None:
+        log("A/B skipped: no earlier night ended good with a kernels snapshot, so there is no baseline yet")
         return None
     from testbed import ab
 
-    trees = (ab.resolve_tree(baseline), ab.resolve_tree("."))
     opts = ab.Options(reps=suite.ab_reps)
     module = experiments.load(rc.experiment)
-    log(f"A/B against {baseline[:12]} (the last good night's commit), {opts.reps} pairs per call")
+    log(f"A/B against {trees[0].revision} (the last good night's kernels), {opts.reps} pairs per call")
     return runner.execute(rc, device=handle, produce=lambda cfg, ctx: ab.measure(cfg, ctx, module, rc.experiment,
                                                                                  trees, opts))
 
 
 def work(device: str, jobs: list[RunConfig], suite: Suite, night: str, log: Log,
-         open_device: Callable[[str], Device], baseline: str | None = None) -> DeviceNight:
+         open_device: Callable[[str], Device], trees=None) -> DeviceNight:
     result = DeviceNight(device)
     started = time.monotonic()
     try:
@@ -204,7 +213,7 @@ def work(device: str, jobs: list[RunConfig], suite: Suite, night: str, log: Log,
             for i, rc in enumerate(jobs, 1):
                 log(device, f"{i}/{len(jobs)} {job_label(rc)}")
                 try:
-                    outcome = execute_job(rc, handle, suite, baseline, lambda msg: log(device, f"{i}/{len(jobs)} {msg}"))
+                    outcome = execute_job(rc, handle, suite, trees, lambda msg: log(device, f"{i}/{len(jobs)} {msg}"))
                     if outcome is None:
                         continue
                 except DeviceUnreachable:
@@ -231,10 +240,10 @@ def open_device(name: str) -> Device:
 
 
 def on_this_host(suite: Suite, night: str, log: Log,
-                 open_device: Callable[[str], Device] = open_device, baseline: str | None = None) -> list[DeviceNight]:
+                 open_device: Callable[[str], Device] = open_device, trees=None) -> list[DeviceNight]:
     """Every device's jobs, one worker thread per device; the runner stores the records."""
     with ThreadPoolExecutor(max_workers=len(suite.devices), thread_name_prefix="device") as pool:
-        futures = [pool.submit(work, d, suite.jobs[d], suite, night, log, open_device, baseline)
+        futures = [pool.submit(work, d, suite.jobs[d], suite, night, log, open_device, trees)
                    for d in suite.devices]
         return [f.result() for f in futures]
 
@@ -251,12 +260,19 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
 
     entry = {"night": night, "suite": suite.name, "started": started.isoformat(timespec="seconds"),
              "git_commit": git_commit(), "tools": report.tool_versions()}
-    baseline = last_good_commit(earlier)
-    if baseline:
-        entry["ab_baseline"] = baseline
+    trees = None
+    if any(isinstance(rc, ABJob) for jobs in suite.jobs.values() for rc in jobs):
+        from testbed import ab
+
+        tonight = ab.snapshot(ab.resolve_tree(suite.ab_tree))
+        entry["kernels"] = tonight.revision.split()[0].removeprefix("kernels:")
+        baseline = baseline_tree(earlier)
+        if baseline is not None:
+            entry["ab_baseline"] = baseline.revision
+            trees = (baseline, tonight)
     store_nights(store).append([entry])  # what a killed night leaves in the log
     try:
-        results = drive(suite, store, night, log) if drive else on_this_host(suite, night, log, open_device, baseline)
+        results = drive(suite, store, night, log) if drive else on_this_host(suite, night, log, open_device, trees)
     except runner.Interrupted as e:  # the workers stop at their next record (runner.STOP)
         stopped = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         store_nights(store).append([{**entry, "finished": stopped, "exit_status": 128 + e.signum,

@@ -55,3 +55,34 @@ def mutant_program(target: str, file: str, find: str, replace: str, program: str
         shutil.copytree(kernel_build.KERNELS_DIR, copy)
         (copy / file).write_text(text.replace(find, replace))
         return kernel_build.build_programs(target, cache_dir=MUTANTS_DIR, kernels_dir=copy) / program
+
+
+def mutant_kernels(file: str, find: str, replace: str) -> Path:
+    """A whole copy of kernels/ with `find` replaced by `replace` in kernels/FILE (exactly once), kept
+    under .cache/kernels/mutants/src-HASH/ (by content): a source tree for `testbed ab` and the nightly."""
+    text = (kernel_build.KERNELS_DIR / file).read_text()
+    assert text.count(find) == 1, f"the planted edit must match kernels/{file} exactly once: {find!r}"
+    digest = __import__("hashlib").sha256(f"{file}\0{find}\0{replace}\0{kernel_build.source_hash()}".encode())
+    out = MUTANTS_DIR / f"src-{digest.hexdigest()[:16]}" / "kernels"
+    if not (out / "Makefile").is_file():
+        MUTANTS_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=MUTANTS_DIR))
+        shutil.copytree(kernel_build.KERNELS_DIR, tmp / "kernels")
+        (tmp / "kernels" / file).write_text(text.replace(find, replace))
+        try:
+            tmp.rename(out.parent)
+        except OSError:  # made by another process meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# A planted slowdown of the GDN chunkwise kernel: more instructions, the same output. Each chunk of
+# each head runs WASTE iterations of a loop on a volatile counter, which the compiler must keep.
+WASTE_AT = "static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int t0, int L) {\n"
+
+
+def slowed_chunkwise(iterations: int) -> Path:
+    """kernels/ with `iterations` wasted loop turns per chunk step of tb_gdn_chunkwise."""
+    waste = (f"    {{ volatile unsigned planted_waste = 0; for (int i = 0; i < {iterations}; i++) "
+             "planted_waste = planted_waste + (unsigned)i; }\n")
+    return mutant_kernels("gdn.c", WASTE_AT, WASTE_AT + waste)

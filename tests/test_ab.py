@@ -1,0 +1,118 @@
+"""`testbed ab A B`: two trees' programs measured interleaved in one job and judged on the pairs.
+
+The same tree twice says "no change" and exits 0; a planted slowdown in B (more instructions, the same
+output) exits 1 naming the kernel and the exact instruction change, on an emulated device by its
+counts and on the host by valgrind's; the untouched kernel is not named. The judges are plain
+functions, shown here to fail on what they must catch and to pass what they must not."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from testbed import ab
+from testbed.errors import UsageError
+from tests.native_support import slowed_chunkwise
+
+# A small GDN bench: 2 heads of 32, 48 tokens, one chunk of 64: cheap under qemu.
+SMALL = ["backend=native", "bench.tokens=[48]", "bench.heads=2", "bench.head_size=32"]
+
+
+def run_ab(tmp_path, *args):
+    env = {**os.environ, "TESTBED_RESULTS": str(tmp_path / "results")}
+    return subprocess.run([sys.executable, "-m", "testbed", "ab", *args], capture_output=True, text=True, env=env,
+                          timeout=1200)
+
+
+def rows(tmp_path, *args):
+    p = run_ab(tmp_path, *args, "--format", "json")
+    return p.returncode, {r["call"]: r for r in json.loads(p.stdout)["rows"]}, p
+
+
+def test_the_same_tree_twice_is_no_change_on_qemu(tmp_path):
+    p = run_ab(tmp_path, "HEAD", "HEAD", "device=qemu-aarch64", *SMALL, "--reps", "2")
+    assert p.returncode == 0, p.stderr + p.stdout
+    assert "B is not worse than A on any call" in p.stdout
+    assert p.stdout.count("| no change") == 2  # serial and chunkwise
+
+
+def calibrated_slowdown(tmp_path, fraction: float):
+    """The planted loop's turns that add `fraction` to the chunkwise call's instructions on
+    qemu-aarch64: counts are linear in the turns, so two counts calibrate them."""
+    _, base, _ = rows(tmp_path, "HEAD", str(slowed_chunkwise(0)), "device=qemu-aarch64", *SMALL, "--reps", "1")
+    call = "H=2,hs=32,T=48,kda=0/chunkwise"
+    _, probe, _ = rows(tmp_path, "HEAD", str(slowed_chunkwise(1000)), "device=qemu-aarch64", *SMALL, "--reps", "1")
+    a = base[call]["instructions B"]
+    per_turn = (probe[call]["instructions B"] - a) / 1000
+    return slowed_chunkwise(int(np.ceil(fraction * a / per_turn))), a
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.25])
+def test_a_planted_slowdown_in_b_exits_1_naming_the_kernel_and_the_change(tmp_path, fraction):
+    slowed, a = calibrated_slowdown(tmp_path, fraction)
+    rc, table, p = rows(tmp_path, "HEAD", str(slowed), "device=qemu-aarch64", *SMALL, "--reps", "2")
+    assert rc == 1, p.stderr
+    chunkwise, serial = table["H=2,hs=32,T=48,kda=0/chunkwise"], table["H=2,hs=32,T=48,kda=0/serial"]
+    assert chunkwise["verdict"] == "slower" and chunkwise["kernel"] == "tb_gdn_chunkwise"
+    change = chunkwise["instructions B"] / chunkwise["instructions A"] - 1
+    assert fraction <= change < fraction + 0.01
+    assert serial["verdict"] == "no change" and serial["instructions A"] == serial["instructions B"]
+    md = run_ab(tmp_path, "HEAD", str(slowed), "device=qemu-aarch64", *SMALL, "--reps", "2").stdout
+    assert f"SLOWER tb_gdn_chunkwise H=2,hs=32,T=48,kda=0/chunkwise: instructions {chunkwise['instructions A']} -> " \
+           f"{chunkwise['instructions B']}" in md
+
+
+def test_on_the_host_counts_judge_and_the_pairs_are_timed(tmp_path):
+    rc, table, p = rows(tmp_path, ".", str(slowed_chunkwise(2000)), "device=host", "counts=true", *SMALL, "--reps", "6")
+    assert rc == 1, p.stderr
+    chunkwise = table["H=2,hs=32,T=48,kda=0/chunkwise"]
+    assert chunkwise["verdict"].startswith("slower")
+    assert chunkwise["pairs"] == 6 and chunkwise["cpu B/A"] > 0 and chunkwise["p (cpu, Holm)"] is not None
+    assert table["H=2,hs=32,T=48,kda=0/serial"]["instructions A"] == table["H=2,hs=32,T=48,kda=0/serial"]["instructions B"]
+
+
+def test_bad_trees_are_refused(tmp_path):
+    with pytest.raises(UsageError, match="neither a folder nor a git revision"):
+        ab.resolve_tree("no-such-revision-xyz")
+    with pytest.raises(UsageError, match="without testbed's kernels"):
+        ab.resolve_tree(str(tmp_path))
+    p = run_ab(tmp_path, "HEAD", "no-such-revision-xyz", "device=qemu-aarch64")
+    assert p.returncode == 2 and "no-such-revision-xyz" in p.stderr and not (tmp_path / "results").exists()
+    p = run_ab(tmp_path, "HEAD", "HEAD", "backend=refimpl")
+    assert p.returncode == 2 and "backend=native" in p.stderr
+
+
+# --- the judges ---------------------------------------------------------------------------------------
+
+
+def test_count_verdicts():
+    assert ab.count_verdict(1000, 1000, 0.01) == "no change"
+    assert ab.count_verdict(1000, 1005, 0.01) == "changed"   # reported, under the threshold
+    assert ab.count_verdict(1000, 1011, 0.01) == "slower"
+    assert ab.count_verdict(1000, 990, 0.01) == "fewer"
+    assert ab.count_verdict(None, 990, 0.01) == "not counted"
+
+
+def noisy_pairs(ratio: float, n: int, seed: int, sigma: float = 0.1):
+    return list(ratio * np.exp(np.random.default_rng(seed).normal(0, sigma, n)))
+
+
+def test_time_judge_finds_a_real_slowdown_and_no_false_one():
+    """Pairs whose log ratios spread as a loaded host's do (sd 0.1): a 25% slowdown over 20 pairs is
+    found in nearly every seed; no change in 200 seeds gives about the 5% the test allows, or fewer
+    (the effect floor removes the rest)."""
+    found = sum(ab.time_verdict(r, ab.signed_rank_p(r), 0.02) == "slower"
+                for r in (noisy_pairs(1.25, 20, s) for s in range(50)))
+    assert found >= 48
+    false = sum(ab.time_verdict(r, ab.signed_rank_p(r), 0.02) != "no change"
+                for r in (noisy_pairs(1.0, 20, s) for s in range(200)))
+    assert false <= 10
+    assert ab.time_verdict([1.3] * 5, ab.signed_rank_p([1.3] * 5), 0.02) == "too few pairs"
+
+
+def test_holm_adjusts_a_family_of_p_values():
+    assert ab._holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert ab._holm([]) == []
