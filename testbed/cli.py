@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import pandas as pd
 
@@ -49,6 +50,9 @@ def _summary(outcome: runner.Outcome, module) -> str:
     )
     for _, r in oracles[oracles["verdict"] != "pass"].iterrows() if len(oracles) else []:
         lines.append(f"FAIL {r['case']}: {r['detail']}")
+    if outcome.info.emulated and len(df) > len(oracles):
+        lines.append(f"NOTE: {outcome.info.device} is emulated: its times above are {emulation.REASON}; its "
+                     "instruction counts are exact")
     load = outcome.info.host_load
     if load.get("noisy") and len(df) > len(oracles):
         lines.append(f"WARNING: this host was loaded while measuring (1-minute load "
@@ -78,11 +82,13 @@ def _sweep_here(jobs: list[config.RunConfig]):
 
     tty = sys.stderr.isatty()
     bar = tqdm(total=len(jobs), desc="sweep", unit="run", file=sys.stderr, disable=not tty)
+    began = time.monotonic()
     for i, rc in enumerate(jobs):
         label = " ".join(o for o in rc.overrides if o.split("=")[0] not in ("experiment",))
         bar.set_postfix_str(label)
-        if not tty:  # a log, not a bar: one line per job
-            print(f"[{i + 1}/{len(jobs)}] {rc.experiment} {label}", file=sys.stderr, flush=True)
+        if not tty:  # a log, not a bar: one line per job, with the time left at the pace so far
+            eta = nightly.time_left(time.monotonic() - began, i, len(jobs))
+            print(f"[{i + 1}/{len(jobs)}] {rc.experiment} {label}{eta}", file=sys.stderr, flush=True)
         yield runner.execute(rc, progress=lambda msg: bar.set_postfix_str(f"{label} | {msg}"[:100]))
         bar.update()
     bar.close()

@@ -203,6 +203,15 @@ def execute_job(rc: RunConfig, handle: Device, suite: Suite, trees, log) -> runn
                                                                                  trees, opts))
 
 
+def time_left(elapsed: float, done: int, total: int) -> str:
+    """" (about N s left)": the jobs still to run at the mean pace of those done; nothing before the
+    first job ends (no pace yet)."""
+    if done == 0:
+        return ""
+    left = elapsed / done * (total - done)
+    return f" (about {left / 60:.0f} min left)" if left >= 120 else f" (about {left:.0f} s left)"
+
+
 def work(device: str, jobs: list[RunConfig], suite: Suite, night: str, log: Log,
          open_device: Callable[[str], Device], trees=None) -> DeviceNight:
     result = DeviceNight(device)
@@ -210,8 +219,9 @@ def work(device: str, jobs: list[RunConfig], suite: Suite, night: str, log: Log,
     try:
         with device_lock(device, suite.lock_wait_s, f"testbed nightly, night {night}", suite.lock_dir):
             handle = open_device(device)
+            began = time.monotonic()
             for i, rc in enumerate(jobs, 1):
-                log(device, f"{i}/{len(jobs)} {job_label(rc)}")
+                log(device, f"{i}/{len(jobs)} {job_label(rc)}{time_left(time.monotonic() - began, i - 1, len(jobs))}")
                 try:
                     outcome = execute_job(rc, handle, suite, trees, lambda msg: log(device, f"{i}/{len(jobs)} {msg}"))
                     if outcome is None:

@@ -356,6 +356,13 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
             rows.append({"device": r["device"], "backend": r["backend"], "chunk": r.get("params.chunk"),
                          "case": r["case"], "oracle": r["oracle"], "verdict": r["verdict"],
                          "margin": r["margin"], "nmse": r.get("metrics.nmse")})
+        elif str(r["case"]).startswith("ab/"):  # testbed ab / the nightly's A/B job: B against A, paired
+            rows.append({"device": r["device"], "backend": r["backend"], "case": r["case"],
+                         "instructions": r.get("figures.instructions.median"),
+                         "instructions A": r.get("figures.instructions_a.median"),
+                         "B/A cpu": r.get("figures.ab_ratio_cpu.median"),
+                         "B/A wall": r.get("figures.ab_ratio_wall.median"),
+                         "A/B verdict": r.get("metrics.ab.verdict"), "samples": tables.samples(r)})
         else:
             rows.append({"device": r["device"], "backend": r["backend"], "chunk": r.get("params.chunk"),
                          "threads": r.get("params.threads", 1), "case": r["case"],
@@ -363,8 +370,11 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                          "tokens/s": r.get("figures.tokens_per_s.median"),
                          "GFLOP/s": r.get("figures.gflops.median"),
                          "x serial": r.get("metrics.speedup_vs_serial"),
-                         "of sgemm": r.get("metrics.sgemm_fraction"), "samples": tables.samples(r)})
-    return pd.DataFrame(rows)
+                         "of sgemm": r.get("metrics.sgemm_fraction"),
+                         # exact counts, per call: a column of their own, never mixed with the times
+                         "instructions": r.get("figures.instructions.median"), "samples": tables.samples(r)})
+    frame = pd.DataFrame(rows)
+    return frame.dropna(axis=1, how="all") if len(frame) else frame
 
 
 def worst_nmse(oracles: pd.DataFrame) -> float | None:
