@@ -57,24 +57,42 @@ def blas_info(threads: int | None = None) -> dict:
     return info
 
 
-def products_timer(products: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], threads: int
+MIN_CALL_SECONDS = 0.05  # a timed reference call lasts at least this long on one thread (see products_timer)
+
+
+def products_timer(products: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], threads: int, repeat: int = 1
                    ) -> Callable[[], dict[str, float]]:
     """A variant for testbed.measure.time_interleaved: every product a @ b into out by numpy's BLAS on
-    `threads` threads, its wall and CPU seconds. CPU: on N > 1 threads this process's CPU clock (every
-    BLAS thread's time, spinning included: what the library is charged); on one thread the calling
-    thread's own CPU clock, the product's work alone: OpenBLAS's workers idle from an N-thread call
-    just before go on spinning for a while, and the process clock would charge them to it (measured
-    here: 6.8 ms of CPU for a 3.0 ms one-thread 512^3 product timed right after a 2-thread one)."""
+    `threads` threads, `repeat` times; its wall and CPU seconds per time (per set of products).
+
+    CPU: on N > 1 threads this process's CPU clock (every BLAS thread's time, spinning included: what
+    the library is charged); on one thread the calling thread's own CPU clock, the product's work
+    alone: OpenBLAS's workers idle from an N-thread call just before go on spinning for a while, and
+    the process clock would charge them to it (measured here: 6.8 ms of CPU for a 3.0 ms one-thread
+    512^3 product timed right after a 2-thread one). `repeat` (repeats_for) makes a call long: the
+    process clock reads the other threads' time as of their last scheduler tick (4 ms at HZ=250), so
+    the CPU figure of a 2 ms call on 2 threads is mostly that staleness (measured: 0.72x its
+    1-thread figure, which no real product can be)."""
     products = list(products)
     cpu = time.process_time if threads > 1 else time.thread_time
 
     def run() -> dict[str, float]:
         with _controller().limit(limits=threads, user_api="blas"):
             wall0, cpu0 = time.perf_counter(), cpu()
-            for a, b, out in products:
-                np.matmul(a, b, out=out)
-            return {"wall": time.perf_counter() - wall0, "cpu": cpu() - cpu0}
+            for _ in range(repeat):
+                for a, b, out in products:
+                    np.matmul(a, b, out=out)
+            return {"wall": (time.perf_counter() - wall0) / repeat, "cpu": (cpu() - cpu0) / repeat}
     return run
+
+
+def repeats_for(products: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                min_seconds: float = MIN_CALL_SECONDS) -> int:
+    """How many times a timed call repeats the products so that it lasts at least min_seconds on one
+    thread (timed once after a warm-up; the same count then serves every thread count)."""
+    once = products_timer(products, 1)
+    once()
+    return max(1, int(np.ceil(min_seconds / max(once()["wall"], 1e-9))))
 
 
 def square_products(n: int, seed=0) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:

@@ -172,9 +172,10 @@ def host_interleaved(cfg: DictConfig, ctx, model, w, program):
         runs.append(program(cfg.bench.warmup, 1))
         return {"wall": runs[-1].timings["matmul_seconds"][0], "cpu": runs[-1].timings["matmul_cpu_seconds"][0]}
 
-    variants = {"engine": engine_run, "sgemm": blas_reference.products_timer(products, cfg.threads)}
+    repeat = blas_reference.repeats_for(products)
+    variants = {"engine": engine_run, "sgemm": blas_reference.products_timer(products, cfg.threads, repeat)}
     if cfg.threads > 1:
-        variants["sgemm 1 thread"] = blas_reference.products_timer(products, 1)
+        variants["sgemm 1 thread"] = blas_reference.products_timer(products, 1, repeat)
     ctx.progress(f"engine_bench: {', '.join(variants)} interleaved, {cfg.bench.reps} repetitions")
     for name, fn in variants.items():
         if name != "engine":  # each program run warms itself up (bench.warmup calls before its timed one)
@@ -193,7 +194,7 @@ def host_interleaved(cfg: DictConfig, ctx, model, w, program):
                "what": f"numpy ({info.get('internal_api')}) float32 products of the chunk call's shapes: "
                        f"{len(products)} products ({model.layers} layers x q k v o gate up down, and the LM head "
                        f"on one row), {'dequantised ' if cfg.weights != 'f32' else ''}model weights, "
-                       f"{cfg.threads} thread(s)"}
+                       f"{cfg.threads} thread(s); each timed call repeats them {repeat} time(s), per-time seconds"}
     return t, runs[0].timings, [r.evidence.as_dict() for r in runs], library
 
 

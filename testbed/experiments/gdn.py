@@ -221,12 +221,15 @@ def sgemm_clocks(threads: int) -> dict[str, float]:
     """One float32 512^3 matmul by numpy's BLAS on `threads` threads (threadpoolctl, user_api blas):
     the reference rate, timed between the kernel's repetitions so both see the same machine (load,
     clock, thermal state); wall and CPU seconds."""
-    return blas_reference.products_timer(_sgemm_products(), threads)()
+    products, repeat = _sgemm_products()
+    return blas_reference.products_timer(products, threads, repeat)()
 
 
 @functools.lru_cache(maxsize=1)
 def _sgemm_products():
-    return blas_reference.square_products(SGEMM_SIZE)
+    """The product and how many times a timed call repeats it (long enough for the CPU clock)."""
+    products = blas_reference.square_products(SGEMM_SIZE)
+    return products, blas_reference.repeats_for(products)
 
 
 def sgemm_between(threads: int, samples: dict[str, list[float]]) -> Callable[[], None]:

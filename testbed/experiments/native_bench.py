@@ -266,10 +266,11 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
     here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
     if here:
         products = blas_reference.square_products(r.sgemm, [cfg.seed, 14])
-        variants["sgemm"] = blas_reference.products_timer(products, cfg.threads)
+        repeat = blas_reference.repeats_for(products)  # calls long enough for the CPU clock
+        variants["sgemm"] = blas_reference.products_timer(products, cfg.threads, repeat)
         flops["sgemm"] = 2 * r.sgemm**3
         if cfg.threads > 1:
-            variants[SGEMM_1] = blas_reference.products_timer(products, 1)
+            variants[SGEMM_1] = blas_reference.products_timer(products, 1, repeat)
             flops[SGEMM_1] = flops["sgemm"]
     ctx.progress(f"native_bench ratios: {', '.join(variants)}, interleaved")
     timed = time_interleaved(variants, reps=r.reps, warmup=1, seed=cfg.seed, timer=lambda run: run())
@@ -293,7 +294,8 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
                      work={"flops": flops[name], "flop_count": (
                          "gdn_chunkwise_flops: the work the chunkwise form really does" if name.startswith("gdn")
                          else "2 n^3" if name in blas else "4 heads rows keys head_dim (q k^T and p v)"),
-                           "timer": "numpy on this host, around the product" if name in blas
+                           "timer": f"numpy on this host, around {repeat} product(s) per call, per product"
+                           if name in blas
                            else "the program's own clocks on the device, around the kernel call",
                            **({"reference": blas[name]} if name in blas else {})},
                      params=params | {"kernel": name}, evidence=evidence.get(name, []))
