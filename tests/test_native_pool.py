@@ -189,6 +189,26 @@ def test_a_pool_whose_workers_end_after_each_call_is_caught():
     assert not pool_is_kept(pool_probe(lib._name, calls=5))
 
 
+def test_calls_from_several_threads_at_once_share_the_pool():
+    # ctypes lets go of the GIL: two Python threads can be inside the library together
+    x = small_inputs(heads=6)
+    want = native.gdn_chunkwise(*x, chunk=16, threads=1)
+    errors = []
+
+    def caller():
+        for _ in range(20):
+            got = native.gdn_chunkwise(*x, chunk=16, threads=2)
+            if not all(np.array_equal(a, b) for a, b in zip(want, got)):
+                errors.append("different bits")
+
+    callers = [threading.Thread(target=caller) for _ in range(3)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in callers) and not errors
+
+
 def test_a_forked_child_computes_with_threads():
     x = small_inputs()
     want = native.gdn_chunkwise(*x, chunk=16, threads=2)  # the parent's pool exists
