@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from refimpl import gdn as ref
 from refimpl.naive_gdn import naive_gdn
-from testbed import backends, tables
+from testbed import backends, blas_reference, tables
 from testbed.backends.iree.artifacts import target_names
 from testbed.config import Choice, Float, Int, IntList
 from testbed.errors import UsageError
@@ -221,23 +221,30 @@ def oracle_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
 SGEMM_SIZE = 512  # comparable to the chunk products at head size 128
 
 
-def sgemm_seconds(threads: int) -> float:
-    """One float32 512^3 matmul by numpy's BLAS on `threads` threads: the reference rate, timed between
-    the kernel's repetitions so both see the same machine (load, clock, thermal state)."""
-    import time
-
-    from threadpoolctl import threadpool_limits
-
-    a = _sgemm_operand()
-    with threadpool_limits(limits=threads):
-        t0 = time.perf_counter()
-        a @ a
-        return time.perf_counter() - t0
+def sgemm_clocks(threads: int) -> dict[str, float]:
+    """One float32 512^3 matmul by numpy's BLAS on `threads` threads (threadpoolctl, user_api blas):
+    the reference rate, timed between the kernel's repetitions so both see the same machine (load,
+    clock, thermal state); wall and CPU seconds."""
+    products, repeat = _sgemm_products()
+    return blas_reference.products_timer(products, threads, repeat)()
 
 
 @functools.lru_cache(maxsize=1)
-def _sgemm_operand() -> np.ndarray:
-    return np.random.default_rng(0).standard_normal((SGEMM_SIZE, SGEMM_SIZE), np.float32)
+def _sgemm_products():
+    """The product and how many times a timed call repeats it (long enough for the CPU clock)."""
+    products = blas_reference.square_products(SGEMM_SIZE)
+    return products, blas_reference.repeats_for(products)
+
+
+def sgemm_between(threads: int, samples: dict[str, list[float]]) -> Callable[[], None]:
+    """What runs between the kernel's repetitions: the sgemm on `threads` threads and, for the
+    spinning rule, on one thread; seconds appended to samples[wall|cpu|cpu_1thread]."""
+    def between() -> None:
+        clocks = sgemm_clocks(threads)
+        samples.setdefault("wall", []).append(clocks["wall"])
+        samples.setdefault("cpu", []).append(clocks["cpu"])
+        samples.setdefault("cpu_1thread", []).append(sgemm_clocks(1)["cpu"] if threads > 1 else clocks["cpu"])
+    return between
 
 
 def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
@@ -247,11 +254,17 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
     for t_len in b.tokens:
         ctx.progress(f"gdn bench H={b.heads} hs={b.head_size} T={t_len}")
         x = ref.draw_inputs(1, t_len, b.heads, b.head_size, kda=b.kda, seed=cfg.seed)
-        sgemm_s: list[float] = []
+        sgemm_s: dict[str, list[float]] = {}
         times = be.bench(x, cfg.chunk, b.reps, b.warmup,
-                         between=(lambda: sgemm_s.append(sgemm_seconds(cfg.threads))) if here else None,
+                         between=sgemm_between(cfg.threads, sgemm_s) if here else None,
                          **({"count": True} if cfg.counts else {}))
-        sgemm = Figure.of(sgemm_s, "s").rate(2.0 * SGEMM_SIZE**3, "FLOP/s") if sgemm_s else None
+        sgemm = Figure.of(sgemm_s["wall"], "s").rate(2.0 * SGEMM_SIZE**3, "FLOP/s") if sgemm_s else None
+        sgemm_cpu = Figure.of(sgemm_s["cpu"], "s").rate(2.0 * SGEMM_SIZE**3, "FLOP/s") if sgemm_s else None
+        spin = blas_reference.spinning(float(np.median(sgemm_s["cpu"])), float(np.median(sgemm_s["cpu_1thread"])),
+                                       cfg.threads) if sgemm_s else {}
+        refused = blas_reference.refusal(spin, cfg.threads)
+        if refused:
+            ctx.progress(f"gdn bench T={t_len}: sgemm_fraction {refused}")
         flops = ref.gdn_flops(1, t_len, b.heads, b.head_size, b.kda)
         form_flops = {"serial": flops,
                       "chunkwise": ref.gdn_chunkwise_flops(1, t_len, b.heads, b.head_size, cfg.chunk, b.kda)}
@@ -270,7 +283,13 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
                 figures["instructions"] = times[f"{form}_instructions"]
             if sgemm is not None:
                 figures["sgemm"] = sgemm.scaled(1e-9, "GFLOP/s")
-                metrics["sgemm_fraction"] = done.median / (sgemm.median * 1e-9)
+                figures["sgemm_cpu"] = sgemm_cpu.scaled(1e-9, "GFLOP/s")
+                # a reference that spins is charged for it: no fraction of it is stored (why is)
+                metrics["sgemm_fraction"] = None if refused else done.median / (sgemm.median * 1e-9)
+                if f"{form}_cpu" in times:
+                    done_cpu = times[f"{form}_cpu"].rate(form_flops[form] / 1e9, "GFLOP/s")
+                    metrics["sgemm_fraction_cpu"] = None if refused else done_cpu.median / (sgemm_cpu.median * 1e-9)
+                metrics |= spin | ({"sgemm_fraction_refused": refused} if refused else {})
             yield Record(
                 "gdn", f"{case}/{form}", "measure",
                 figures=figures,
@@ -281,7 +300,9 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
                       "flop_count_form": "the work this form really does (gdn_chunkwise_flops for chunkwise); "
                                          "`gflops_form` and sgemm_fraction use it",
                       "sgemm": f"numpy {SGEMM_SIZE}^3 float32 matmul on {cfg.threads} thread(s), one between each "
-                               "pair of kernel repetitions" if sgemm is not None else "not measured off this host",
+                               "pair of kernel repetitions (and one on 1 thread, for the spinning rule)"
+                               if sgemm is not None else "not measured off this host",
+                      **({"reference": blas_reference.blas_info(cfg.threads)} if sgemm is not None else {}),
                       "tokens": t_len,
                       **({"instructions": "instructions executed per kernel call, between the harness's marks "
                                           "(testbed.counts): the qemu plugin on an emulated device, valgrind's "
