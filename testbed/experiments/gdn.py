@@ -215,6 +215,7 @@ def oracle_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
 
 
 SGEMM_SIZE = 512  # comparable to the chunk products at head size 128
+PROBE_CASE = "machine_probe/sgemm"
 
 
 def sgemm_seconds(threads: int) -> float:
@@ -240,12 +241,14 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
     b = cfg.bench
     # numpy's sgemm is a reference rate only where the kernels ran: this host, not under emulation
     here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
+    probe_s: list[float] = []  # every sgemm of the run: the machine probe, stored once (testbed.history)
     for t_len in b.tokens:
         ctx.progress(f"gdn bench H={b.heads} hs={b.head_size} T={t_len}")
         x = ref.draw_inputs(1, t_len, b.heads, b.head_size, kda=b.kda, seed=cfg.seed)
         sgemm_s: list[float] = []
         times = be.bench(x, cfg.chunk, b.reps, b.warmup,
                          between=(lambda: sgemm_s.append(sgemm_seconds(cfg.threads))) if here else None)
+        probe_s += sgemm_s
         sgemm = Figure.of(sgemm_s, "s").rate(2.0 * SGEMM_SIZE**3, "FLOP/s") if sgemm_s else None
         flops = ref.gdn_flops(1, t_len, b.heads, b.head_size, b.kda)
         form_flops = {"serial": flops,
@@ -261,8 +264,8 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
             metrics = {"speedup_vs_serial": times["serial"].median / t.median}
             if f"{form}_cpu" in times:
                 figures["cpu_time"] = times[f"{form}_cpu"].scaled(1e3, "ms")
-            if sgemm is not None:
-                figures["sgemm"] = sgemm.scaled(1e-9, "GFLOP/s")
+            if sgemm is not None:  # the rate itself is stored once, in the run's machine probe record
+                metrics["sgemm_gflops"] = sgemm.median * 1e-9
                 metrics["sgemm_fraction"] = done.median / (sgemm.median * 1e-9)
             yield Record(
                 "gdn", f"{case}/{form}", "measure",
@@ -280,6 +283,19 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
                         "chunk": cfg.chunk, "form": form, "threads": cfg.threads},
                 artifacts=dict(be.artifacts), evidence=evidence,
             )
+    if probe_s:
+        yield probe_record(probe_s, cfg.threads)
+
+
+def probe_record(seconds: list[float], threads: int) -> Record:
+    """The run's machine probe: every sgemm timed between the kernel's repetitions, as GFLOP/s, in one
+    record (`role: machine_probe`): it says how fast the machine was, never how fast the code is."""
+    rate = Figure.of(seconds, "s").rate(2.0 * SGEMM_SIZE**3 / 1e9, "GFLOP/s").as_probe()
+    return Record("gdn", f"{PROBE_CASE},threads={threads}", "measure", figures={"sgemm": rate},
+                  work={"flops": 2.0 * SGEMM_SIZE**3, "sgemm": f"numpy {SGEMM_SIZE}^3 float32 matmul on {threads} "
+                                                             "thread(s), one between each pair of kernel repetitions "
+                                                             "of every token count of the run"},
+                  params={"role": "machine_probe", "size": SGEMM_SIZE, "threads": threads})
 
 
 def llamacpp_records(cfg: DictConfig, ctx) -> Iterator[Record]:
@@ -331,7 +347,9 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                          "threads": r.get("params.threads", 1), "case": r["case"],
                          "ms": r.get("figures.time.median"),
                          "tokens/s": r.get("figures.tokens_per_s.median"),
-                         "GFLOP/s": r.get("figures.gflops.median"),
+                         # the machine probe's row: numpy sgemm's rate (the machine, not the code)
+                         "GFLOP/s": r.get("figures.gflops.median") if pd.notna(r.get("figures.gflops.median"))
+                         else r.get("figures.sgemm.median"),
                          "x serial": r.get("metrics.speedup_vs_serial"),
                          "of sgemm": r.get("metrics.sgemm_fraction"), "samples": tables.samples(r)})
     return pd.DataFrame(rows)
