@@ -16,7 +16,10 @@ With farm=HEAD:PORT the jobs run on a lab's Ray cluster instead, each on the hos
 device (testbed.farm); the store, the night log and the report stay here.
 
 Each night appends a "started" entry to RESULTS/nights/records.jsonl when it begins and its full
-entry (which runs, each device's status, tool versions, exit status) once the report is written, so
+entry (which runs, each device's status, tool versions, exit status, every flag of tonight's runs as
+testbed.history.flag_data gives it: quantity, levels before and after, commit range, the machine
+probe's reading, the A/B evidence; and every instruction count that changed tonight) once the report
+is written, so
 a killed night still shows in the log, and the logged exit status is the one the process returns;
 the report reads the log beside the records. Exit status: 0 every oracle passed and nothing
 regressed; 1 an oracle failed, a run broke, or a figure or oracle regressed; 2 a usage or
@@ -215,13 +218,19 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
     tonight = {run for r in results for run in r.run_ids}
     records = store.records()
     settings = report.settings()
-    flags = [f for f in history.oracle_flips(records)
-             + history.figure_regressions(records, settings["judged_runs"], settings["min_history"])
-             if f.run_id in tonight]
+    flags = [f for f in history.flags(records, settings) if f.run_id in tonight]
+    changes = [c for c in history.count_changes(records, settings.get("instruction_rise", history.INSTRUCTION_RISE))
+               if c.run_id in tonight]  # every count that changed tonight, a regression or not
     status = exit_status(results, flags)
     finished = dt.datetime.now(dt.timezone.utc)
     entry.update(finished=finished.isoformat(timespec="seconds"), exit_status=status,
-                 devices={r.device: {"status": r.status, "reason": r.reason, "runs": r.run_ids} for r in results})
+                 devices={r.device: {"status": r.status, "reason": r.reason, "runs": r.run_ids} for r in results},
+                 flags=[history.flag_data(f) for f in flags],
+                 count_changes=[{"experiment": c.series[0], "device": c.series[1], "config_key": c.series[2],
+                                 "case": c.series[3], "what": c.what, "before": c.before, "after": c.after,
+                                 "change": c.change, "verdict": c.verdict,
+                                 "last_clean_commit": c.old["git_commit"], "since_commit": c.new["git_commit"],
+                                 "line": c.line()} for c in changes])
     store_nights(store).append([entry])  # before the report, which shows it
     try:
         out, _ = report.write(store, suite.report_out)
@@ -230,7 +239,7 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
         status, report_line = 1, f"report: not written: {type(e).__name__}: {e}"
         store_nights(store).append([{**entry, "exit_status": status, "report": report_line}])  # the last word
     compared = compared_with(earlier, records, tonight, settings["min_history"])
-    return status, summary(suite, night, results, flags, compared, report_line, status, finished - started)
+    return status, summary(suite, night, results, flags, compared, report_line, status, finished - started, changes)
 
 
 def store_nights(store: ResultsStore) -> ResultsStore:
@@ -262,7 +271,7 @@ def compared_with(earlier: list[dict], records: list[dict], tonight: set[str], m
 
 
 def summary(suite: Suite, night: str, results: list[DeviceNight], flags: list[history.Flag], compared: str,
-            report_line: str, status: int, took: dt.timedelta) -> str:
+            report_line: str, status: int, took: dt.timedelta, changes: list[history.CountChange] = ()) -> str:
     lines = [f"nightly {suite.name}: night {night} ({took.total_seconds():.0f} s)"]
     for r in results:
         what = (f"{len(r.run_ids)} runs, oracles {r.passed}/{r.oracles} pass, {r.measurements} measurements"
@@ -270,7 +279,8 @@ def summary(suite: Suite, night: str, results: list[DeviceNight], flags: list[hi
         lines.append(f"  {r.device:<14} {r.status:<12} {what}")
     failures = [f for r in results for f in r.failures]
     problems = [f"FAIL {f}" for f in failures] + [
-        f"REGRESSION {f.line()}" for f in flags]
+        f"REGRESSION {f.line()}" for f in flags] + [
+        f"CHANGED {c.line()}" for c in changes if not c.regression]  # counts: reported, not flagged
     lines += problems[:SCREEN]
     if len(problems) > SCREEN:
         lines.append(f"... and {len(problems) - SCREEN} more in the report")
