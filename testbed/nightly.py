@@ -33,7 +33,6 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -43,7 +42,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from testbed import config, experiments, history, report, runner
+from testbed import config, experiments, history, report, runner, stop
 from testbed.config import RunConfig
 from testbed.devices import Device, connect, load_profile
 from testbed.devices.private import DeviceBusy, device_lock
@@ -191,10 +190,40 @@ def open_device(name: str) -> Device:
 
 def on_this_host(suite: Suite, night: str, log: Log,
                  open_device: Callable[[str], Device] = open_device) -> list[DeviceNight]:
-    """Every device's jobs, one worker thread per device; the runner stores the records."""
-    with ThreadPoolExecutor(max_workers=len(suite.devices), thread_name_prefix="device") as pool:
-        futures = [pool.submit(work, d, suite.jobs[d], suite, night, log, open_device) for d in suite.devices]
-        return [f.result() for f in futures]
+    """Every device's jobs, one worker thread per device; the runner stores the records. On a signal
+    the workers stop at their next check (testbed.stop: between repetitions, while a device command
+    runs, after each record) and store their run as broken; this thread waits for them at most
+    stop.GRACE_S, then goes on without those still inside one long call (daemon threads: the process
+    does not wait for them; their run reads back as never ended)."""
+    done: dict[str, DeviceNight] = {}
+    errors: list[BaseException] = []
+    # Not Thread.join: a signal's exception raised inside join marks the joined thread as stopped while
+    # it still runs (CPython bpo-45274), and the process would exit under it.
+    finished = {d: threading.Event() for d in suite.devices}
+
+    def worker(device: str) -> None:
+        try:
+            done[device] = work(device, suite.jobs[device], suite, night, log, open_device)
+        except BaseException as e:  # noqa: BLE001 -- handed to the main thread
+            errors.append(e)
+        finally:
+            finished[device].set()
+
+    for d in suite.devices:
+        threading.Thread(target=worker, args=(d,), name=f"device-{d}", daemon=True).start()
+    try:
+        for event in finished.values():
+            while not event.wait(stop.POLL_S):
+                pass
+    except runner.Interrupted:
+        runner.STOP.set()
+        deadline = time.monotonic() + stop.GRACE_S
+        for event in finished.values():
+            event.wait(max(0.0, deadline - time.monotonic()))
+        raise
+    if errors:
+        raise errors[0]
+    return [done[d] for d in suite.devices]
 
 
 def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], Device] = open_device,
