@@ -241,6 +241,11 @@ def test_emulated_counts_are_judged_and_emulated_times_are_not():
     kept, apart = emulation.split(records)
     assert all(set(r["figures"]) == {"instructions"} for r in kept)
     assert all(set(r["figures"]) == {"time"} for r in apart)
+    # the same for a table's flattened frame (testbed table): the counts stay, the times are emptied
+    import pandas as pd
+    kept, apart = emulation.split_frame(pd.json_normalize(records, sep="."))
+    assert len(kept) == len(records) == len(apart)
+    assert kept["figures.instructions.median"].notna().all() and kept["figures.time.median"].isna().all()
 
 
 # the machine probe --------------------------------------------------------------------------------------
