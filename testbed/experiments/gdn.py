@@ -219,6 +219,7 @@ def oracle_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
 
 
 SGEMM_SIZE = 512  # comparable to the chunk products at head size 128
+PROBE_CASE = "machine_probe/sgemm"
 
 
 def sgemm_clocks(threads: int) -> dict[str, float]:
@@ -251,6 +252,7 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
     b = cfg.bench
     # numpy's sgemm is a reference rate only where the kernels ran: this host, not under emulation
     here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
+    probe_s: list[float] = []  # every sgemm of the run: the machine probe, stored once (testbed.history)
     for t_len in b.tokens:
         ctx.progress(f"gdn bench H={b.heads} hs={b.head_size} T={t_len}")
         x = ref.draw_inputs(1, t_len, b.heads, b.head_size, kda=b.kda, seed=cfg.seed)
@@ -258,6 +260,7 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
         times = be.bench(x, cfg.chunk, b.reps, b.warmup,
                          between=sgemm_between(cfg.threads, sgemm_s) if here else None,
                          **({"count": True} if cfg.counts else {}))
+        probe_s += sgemm_s.get("wall", [])
         sgemm = Figure.of(sgemm_s["wall"], "s").rate(2.0 * SGEMM_SIZE**3, "FLOP/s") if sgemm_s else None
         sgemm_cpu = Figure.of(sgemm_s["cpu"], "s").rate(2.0 * SGEMM_SIZE**3, "FLOP/s") if sgemm_s else None
         spin = blas_reference.spinning(float(np.median(sgemm_s["cpu"])), float(np.median(sgemm_s["cpu_1thread"])),
@@ -281,9 +284,9 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
                 figures["cpu_time"] = times[f"{form}_cpu"].scaled(1e3, "ms")
             if f"{form}_instructions" in times:  # exact, per call: judged by their own rule, never as time
                 figures["instructions"] = times[f"{form}_instructions"]
-            if sgemm is not None:
-                figures["sgemm"] = sgemm.scaled(1e-9, "GFLOP/s")
-                figures["sgemm_cpu"] = sgemm_cpu.scaled(1e-9, "GFLOP/s")
+            if sgemm is not None:  # the rate itself is stored once, in the run's machine probe record
+                metrics["sgemm_gflops"] = sgemm.median * 1e-9
+                metrics["sgemm_cpu_gflops"] = sgemm_cpu.median * 1e-9
                 # a reference that spins is charged for it: no fraction of it is stored (why is)
                 metrics["sgemm_fraction"] = None if refused else done.median / (sgemm.median * 1e-9)
                 if f"{form}_cpu" in times:
@@ -313,6 +316,19 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
                         "chunk": cfg.chunk, "form": form, "threads": cfg.threads},
                 artifacts=dict(be.artifacts), evidence=evidence,
             )
+    if probe_s:
+        yield probe_record(probe_s, cfg.threads)
+
+
+def probe_record(seconds: list[float], threads: int) -> Record:
+    """The run's machine probe: every sgemm timed between the kernel's repetitions, as GFLOP/s, in one
+    record (`role: machine_probe`): it says how fast the machine was, never how fast the code is."""
+    rate = Figure.of(seconds, "s").rate(2.0 * SGEMM_SIZE**3 / 1e9, "GFLOP/s").as_probe()
+    return Record("gdn", f"{PROBE_CASE},threads={threads}", "measure", figures={"sgemm": rate},
+                  work={"flops": 2.0 * SGEMM_SIZE**3, "sgemm": f"numpy {SGEMM_SIZE}^3 float32 matmul on {threads} "
+                                                             "thread(s), one between each pair of kernel repetitions "
+                                                             "of every token count of the run"},
+                  params={"role": "machine_probe", "size": SGEMM_SIZE, "threads": threads})
 
 
 def ab_calls(cfg: DictConfig) -> list:
@@ -389,7 +405,9 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                          "threads": r.get("params.threads", 1), "case": r["case"],
                          "ms": r.get("figures.time.median"),
                          "tokens/s": r.get("figures.tokens_per_s.median"),
-                         "GFLOP/s": r.get("figures.gflops.median"),
+                         # the machine probe's row: numpy sgemm's rate (the machine, not the code)
+                         "GFLOP/s": r.get("figures.gflops.median") if pd.notna(r.get("figures.gflops.median"))
+                         else r.get("figures.sgemm.median"),
                          "x serial": r.get("metrics.speedup_vs_serial"),
                          "of sgemm": r.get("metrics.sgemm_fraction"),
                          # exact counts, per call: a column of their own, never mixed with the times
