@@ -188,19 +188,19 @@ def baseline_tree(nights: list[dict]):
     return None
 
 
-def execute_job(rc: RunConfig, handle: Device, suite: Suite, trees, log) -> runner.Outcome | None:
+def execute_job(rc: RunConfig, handle: Device, suite: Suite, trees, log) -> runner.Outcome:
     """One job: a plain run, or an A/B job of trees (A: the last good night's kernels, B: tonight's;
-    None: no baseline yet, skipped)."""
+    before the first good night, tonight's against themselves: no change, and the history starts)."""
     if not isinstance(rc, ABJob):
         return runner.execute(rc, device=handle)
-    if trees is None:
-        log("A/B skipped: no earlier night ended good with a kernels snapshot, so there is no baseline yet")
-        return None
     from testbed import ab
 
     opts = ab.Options(reps=suite.ab_reps)
     module = experiments.load(rc.experiment)
-    log(f"A/B against {trees[0].revision} (the last good night's kernels), {opts.reps} pairs per call")
+    if trees[0] is trees[1]:
+        log("A/B: no earlier good night to measure against yet; tonight's kernels against themselves")
+    else:
+        log(f"A/B against {trees[0].revision} (the last good night's kernels), {opts.reps} pairs per call")
     return runner.execute(rc, device=handle, produce=lambda cfg, ctx: ab.measure(cfg, ctx, module, rc.experiment,
                                                                                  trees, opts))
 
@@ -226,8 +226,6 @@ def work(device: str, jobs: list[RunConfig], suite: Suite, night: str, log: Log,
                 log(device, f"{i}/{len(jobs)} {job_label(rc)}{time_left(time.monotonic() - began, i - 1, len(jobs))}")
                 try:
                     outcome = execute_job(rc, handle, suite, trees, lambda msg: log(device, f"{i}/{len(jobs)} {msg}"))
-                    if outcome is None:
-                        continue
                 except DeviceUnreachable:
                     raise
                 except Exception as e:  # noqa: BLE001 -- the runner stored an error record; go on
@@ -310,7 +308,7 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
         baseline = baseline_tree(earlier)
         if baseline is not None:
             entry["ab_baseline"] = baseline.revision
-            trees = (baseline, tonight)
+        trees = (baseline or tonight, tonight)
     store_nights(store).append([entry])  # what a killed night leaves in the log
     try:
         results = drive(suite, store, night, log) if drive else on_this_host(suite, night, log, open_device, trees)
