@@ -123,11 +123,14 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     ctx.progress("native_bench attention: chunk vs decode steps, on the device")
     samples: dict[str, list[float]] = {"chunk": [], "decode_steps": []}
     evidence: dict[str, list] = {"chunk": [], "decode_steps": []}
+    instructions: dict[str, list[int]] = {"chunk": [], "decode_steps": []}  # where the device counts
     outputs = {}
     for rep in range(b.reps):
         for form in samples:
             result = attention_run(form, b.warmup if rep == 0 else 0, 1)
             samples[form] += result.timings["seconds"]
+            if result.counts:
+                instructions[form].append(result.counts.per_call)
             evidence[form].append(result.evidence.as_dict())
             outputs[form] = result.outputs["out"]
     times = {form: Figure.of(s, "s") for form, s in samples.items()}
@@ -148,7 +151,8 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
             "native_bench", f"attention/{shape}/{form}", "measure",
             figures={"time": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(a.chunk, "tokens/s"),
                      "gflops": t.rate(flops[form] / 1e9, "GFLOP/s"),
-                     "outside_kernel": outside[form].scaled(1e3, "ms")},
+                     "outside_kernel": outside[form].scaled(1e3, "ms"),
+                     **({"instructions": Figure.of(instructions[form], "instructions")} if instructions[form] else {})},
             metrics={"speedup_vs_decode": times["decode_steps"].median / t.median},
             work={"flops": flops[form], "flop_count": "4 heads rows keys head_dim (q k^T and p v)",
                   "rows": a.chunk, "calls": 1 if form == "chunk" else a.chunk,
