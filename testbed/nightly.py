@@ -325,7 +325,7 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
                if c.run_id in tonight]  # every count that changed tonight, a regression or not
     status = exit_status(results, flags)
     finished = dt.datetime.now(dt.timezone.utc)
-    entry.update(finished=finished.isoformat(timespec="seconds"), exit_status=status,
+    entry.update(finished=finished.isoformat(timespec="seconds"), exit_status=status, cpu_seconds=cpu_seconds(),
                  devices={r.device: {"status": r.status, "reason": r.reason, "runs": r.run_ids} for r in results},
                  flags=[history.flag_data(f) for f in flags],
                  count_changes=[{"experiment": c.series[0], "device": c.series[1], "config_key": c.series[2],
@@ -342,6 +342,15 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
         store_nights(store).append([{**entry, "exit_status": status, "report": report_line}])  # the last word
     compared = compared_with(earlier, records, tonight, settings["min_history"])
     return status, summary(suite, night, results, flags, compared, report_line, status, finished - started, changes)
+
+
+def cpu_seconds() -> float:
+    """CPU seconds this process and the programs it ran (device programs, compilers, emulators) have
+    used so far: what a night cost the host, whatever else ran beside it."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def store_nights(store: ResultsStore) -> ResultsStore:
@@ -374,7 +383,7 @@ def compared_with(earlier: list[dict], records: list[dict], tonight: set[str], m
 
 def summary(suite: Suite, night: str, results: list[DeviceNight], flags: list[history.Flag], compared: str,
             report_line: str, status: int, took: dt.timedelta, changes: list[history.CountChange] = ()) -> str:
-    lines = [f"nightly {suite.name}: night {night} ({took.total_seconds():.0f} s)"]
+    lines = [f"nightly {suite.name}: night {night} ({took.total_seconds():.0f} s, {cpu_seconds():.0f} CPU-s)"]
     for r in results:
         what = (f"{len(r.run_ids)} runs, oracles {r.passed}/{r.oracles} pass, {r.measurements} measurements"
                 if r.status == "ok" else r.reason)
