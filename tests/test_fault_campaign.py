@@ -155,6 +155,36 @@ def test_kill_9_at_a_random_point_of_a_sweep(round_, tmp_path, monkeypatch, caps
     still_works(results, tmp_path, monkeypatch, capsys)
 
 
+# --- records rm on a live run ----------------------------------------------------------------------
+
+
+def test_records_rm_on_a_live_run_then_kill_9(tmp_path, monkeypatch, capsys):
+    """`records rm --run` of a run still going is refused (--force too, while its process lives); and if
+    its start mark goes anyway (the old `rm` took it), the run killed after reads incomplete, not passed."""
+    results = tmp_path / "results"
+    store = ResultsStore(results)
+    monkeypatch.setenv("TESTBED_RESULTS", str(results))
+    proc = start(LONG_ORACLE_RUN, results)
+    seen: set[str] = set()
+    deadline = time.monotonic() + DEADLINE_S
+    while len(seen) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        seen |= stored_ids(store)
+        time.sleep(0.01)
+    (run,) = {r["run_id"] for r in store.scan().rows if r.get("run_mark") == "started"}
+    refused = [main(["records", "rm", "--run", run, *force]) for force in ([], ["--force"])]
+    alive = proc.poll() is None
+    store.rewrite(lambda row: row.get("run_mark") != "started")  # the old `rm`: the start mark gone, the run going on
+    seen |= watch(proc, store, kill_after_s=RNG.uniform(0.0, 1.0))
+    COUNTS["faults"] += 1
+    if alive:
+        assert refused == [2, 2] and "is still running" in capsys.readouterr().err
+    audit(store, seen)
+    if run not in {r["run_id"] for r in store.scan().rows if r.get("run_mark") == "ended"}:
+        assert main(["records", "rm", "--run", run, "--force"]) == 0  # its process is gone now
+        assert run not in {r["run_id"] for r in read(store)}
+    still_works(results, tmp_path, monkeypatch, capsys)
+
+
 # --- a full disk ---------------------------------------------------------------------------------
 
 
