@@ -96,22 +96,23 @@ def stage_program(device: Device, program: Path) -> str:
 
 
 def stage_inputs(device: Device, inputs: dict[str, np.ndarray], tmp: Path) -> str:
-    """inputs/SHA/ holding NAME.npy for each input, pushed once per content: a `.complete` marker,
-    written after every file was pushed and verified, says the folder may be reused."""
+    """inputs/SHA/ holding NAME.npy for each input, pushed once per content: a file is reused while the
+    device still holds its exact bytes (size and sha256 checked on the device, all in one command, as
+    programs are), and pushed again otherwise (missing, cut, or changed on the device)."""
     files = {}
     for name, array in sorted(inputs.items()):
         files[name] = tmp / f"{name}.npy"
         np.save(files[name], np.ascontiguousarray(array))
+    digests = {name: sha256_file(path) for name, path in files.items()}
     h = hashlib.sha256()
-    for name, path in files.items():
-        h.update(name.encode() + b"\0" + sha256_file(path).encode())
+    for name in files:
+        h.update(name.encode() + b"\0" + digests[name].encode())
     folder = f"inputs/{h.hexdigest()[:20]}"
-    if device.run(["test", "-f", f"{folder}/.complete"], timeout=60).returncode != 0:
-        for name, path in files.items():
-            device.push(path, f"{folder}/{name}.npy")
-        marker = tmp / ".complete"
-        marker.write_text("")
-        device.push(marker, f"{folder}/.complete")
+    remote = {name: f"{folder}/{name}.npy" for name in files}
+    held = device.transport.remote_digests(list(remote.values()))
+    for name, path in files.items():
+        if held.get(remote[name]) != (path.stat().st_size, digests[name]):
+            device.push(path, remote[name])
     return folder
 
 
