@@ -8,6 +8,9 @@ unless it is evidently whole and evidently the device's:
   - a regular file of at most MAX_BYTES (not a FIFO, a device such as /dev/zero, or a folder);
   - it ends with a newline (a cut file rarely does), and a CSV has every column and every row every
     field of its header;
+  - every line that names a case is understood: a CSV row with a verdict the tool writes (an empty
+    `passed` cell is none), a perf row with runs and a positive time (not nan, inf, 0 or negative);
+    the first that is not is named;
   - it has at least one case line with a verdict the tool prints (OK, FAIL, not supported) or a perf row;
   - the backends it names include the device's (its profile's accelerators.backend, else CPU), unless
     --force: `Backend 1/1: CPU` is not a run on the phone's HTP;
@@ -89,7 +92,10 @@ def parse_csv_file(path: str, text: str) -> Output:
     for n, row in enumerate(rows[1:], 2):
         if len(row) != len(header):
             raise UsageError(f"{path}: CSV row {n} has {len(row)} fields, the header {len(header)}: a cut row")
-    report = out.TboReport(cases=out.parse_csv(text))
+    try:
+        report = out.TboReport(cases=out.parse_csv(text))
+    except out.Unreadable as e:
+        raise UsageError(f"{path}: {e}; accepted: test-backend-ops' own CSV") from None
     # CSV has no summary or final status lines; a file that is whole is a finished run
     report.summary, report.final = (report.passed, len(report.tested)), "n/a (csv)"
     problems = [f"{c.name}: {c.detail or c.status}" for c in report.tested if c.status != "OK"]
@@ -103,7 +109,10 @@ def parse_file(path: str, text: str) -> Output:
     if text.lstrip().startswith(('"backend_name"', "backend_name")):
         return parse_csv_file(path, text)
     report = out.parse_test(text)
-    perf = out.parse_perf(text)
+    try:
+        perf = out.parse_perf(text)
+    except out.Unreadable as e:
+        raise UsageError(f"{path}: {e}; nothing stored") from None
     if not perf and not any(c.status != "FAIL" or "FAIL" in c.detail for c in report.cases):
         raise UsageError(f"{path}: no test-backend-ops case line with a verdict the tool prints (OK, FAIL, "
                          "not supported) and no perf row in it")

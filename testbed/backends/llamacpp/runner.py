@@ -19,7 +19,7 @@ from testbed.backends.llamacpp import output as out
 from testbed.backends.native.device import stage_program
 from testbed.devices import CommandResult, Device
 from testbed.devices.transport import quoted
-from testbed.errors import UsageError
+from testbed.errors import DeviceError, UsageError
 from testbed.results import Figure, Record
 
 BUILD = ("auto", True, False)
@@ -123,10 +123,11 @@ def perf_records(device: Device, experiment: str, op: str, backend: str, tools: 
     case runs for about a second of a real CPU's time: under emulation, select a few with `cases`."""
     argv = harness_argv(tools or profile_tools(device), "perf", op, backend, cases)
     result, health = device.measured(lambda: device.run(argv, timeout))
-    rows = out.parse_perf(result.stdout)
+    try:
+        rows = out.parse_perf(result.stdout)
+    except out.Unreadable as e:
+        raise DeviceError(f"{device.name}: test-backend-ops perf -o {op} -b {backend}: {e}") from None
     if result.returncode != 0 or not rows:
-        from testbed.errors import DeviceError
-
         raise DeviceError(f"{device.name}: test-backend-ops perf -o {op} -b {backend} exited {result.returncode} "
                           f"with {len(rows)} result lines: {result.stderr.strip()[-200:]}")
     records, ran = perf_rows_records(experiment, backend, rows, health), evidence(device, argv, result)
@@ -157,8 +158,6 @@ def llama_bench_records(device: Device, experiment: str, model: str, prompt: int
             "-r", str(reps), "-o", "json", *extra]
     result, health = device.measured(lambda: device.run(argv, timeout))
     if result.returncode != 0:
-        from testbed.errors import DeviceError
-
         raise DeviceError(f"{device.name}: llama-bench exited {result.returncode}: {result.stderr.strip()[-300:]}")
     ran = evidence(device, argv, result)
     return [Record(experiment, f"{row.test}/t{threads}", "measure", figures={"tokens_per_s": row.figure()},
