@@ -137,3 +137,17 @@ def test_a_perf_row_that_is_not_a_measurement_is_refused_naming_its_line(bad, tb
     assert main(["ingest", str(tbo / "perf_b_CPU.stdout")]) == 0
     assert len(ResultsStore(results_dir).records()) == 12
 
+
+def test_a_csv_cut_at_a_row_boundary_is_refused_as_incomplete(tbo, tmp_path, results_dir, capsys):
+    """Issue 24, item 4: a CSV has no summary line; cut right after a row it ends with a newline and every
+    row is whole, so only the op's case list (or --cases, what the command ran) says it is not."""
+    text = (tbo / "test_mode_b_CPU.csv").read_text()
+    (tmp_path / "cut.csv").write_text("".join(text.splitlines(keepends=True)[:-3]))
+    refused([str(tmp_path / "cut.csv")], capsys, "incomplete: 33 of the 36 GATED_DELTA_NET cases")
+    refused([str(tmp_path / "cut.csv"), "--cases", "36"], capsys, "incomplete: 33 case rows, but the command ran 36")
+    other = text.replace('"GATED_DELTA_NET"', '"SSM_SCAN"')
+    (tmp_path / "other.csv").write_text(other)
+    refused([str(tmp_path / "other.csv")], capsys, "testbed has no case list for SSM_SCAN")
+    assert not results_dir.exists()
+    assert main(["ingest", str(tmp_path / "other.csv"), "--cases", "36"]) == 0
+    assert main(["ingest", str(tmp_path / "cut.csv"), "--cases", "33"]) == 0  # a run of 33 cases (-p)
