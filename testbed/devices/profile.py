@@ -31,6 +31,19 @@ from testbed.errors import UsageError
 TRANSPORTS = ("local", "qemu", "adb", "ssh")
 ABIS = ("host", "armeabi-v7a", "arm64-v8a", "x86_64")
 TOOLS = ("iree-run-module", "iree-benchmark-module", "test-backend-ops", "llama-bench")
+# The ELF machine (e_machine) of the programs a device of each ABI runs: every program a device run's
+# evidence names must be an ELF for it (testbed.runner.check_evidence). A new ABI adds a line here.
+ELF_MACHINE_FOR_ABI = {"armeabi-v7a": 40, "arm64-v8a": 183, "x86_64": 62}
+# ABI `host`: this machine's own, by platform.machine()
+HOST_ELF_MACHINE = {"x86_64": 62, "amd64": 62, "aarch64": 183, "arm64": 183, "armv7l": 40}
+ELF_MACHINE_NAMES = {3: "x86", 40: "ARM", 62: "x86-64", 164: "Hexagon", 183: "AArch64"}
+
+
+def elf_machine_for(abi: str) -> int | None:
+    """The e_machine of the programs a device of `abi` runs (None: not known here)."""
+    import platform
+
+    return HOST_ELF_MACHINE.get(platform.machine().lower()) if abi == "host" else ELF_MACHINE_FOR_ABI.get(abi)
 
 # Per transport: connection field -> (type, required). Types are checked, unknown keys refused.
 CONNECTION_FIELDS: dict[str, dict[str, tuple[type, bool]]] = {

@@ -72,12 +72,17 @@ def resolve_tools(device: Device, build, source: str, programs: tuple[str, ...],
 
 
 def evidence(device: Device, argv: list[str], result: CommandResult) -> list[dict]:
-    """What ran on the device: the tool's sha256 read there, the command, and the command's duration
-    (llama.cpp's tools time their own work; this is the whole run, as the link saw it)."""
-    digest = device.run(["sha256sum", argv[0]], timeout=120)
-    sha = digest.stdout.split()[0] if digest.returncode == 0 and digest.stdout.split() else "unreadable"
+    """What ran on the device: the tool's sha256 and ELF machine (its header's e_machine) read there, the
+    command, and the command's duration (llama.cpp's tools time their own work; this is the whole run,
+    as the link saw it)."""
+    read = device.run(["sh", "-c", 'sha256sum < "$1" && od -An -tu1 -j18 -N2 < "$1"', "sh", argv[0]], timeout=120)
+    words = read.stdout.split() if read.returncode == 0 else []
+    sha = words[0] if words else "unreadable"
+    machine = int(words[-2]) + 256 * int(words[-1]) if len(words) >= 4 and words[-1].isdigit() \
+        and words[-2].isdigit() else None
     return [Evidence(device.name, argv[0].rsplit("/", 1)[-1], sha, quoted(argv), result.seconds,
-                     {"clock": "the command's duration seen through the transport"}).as_dict()]
+                     {"clock": "the command's duration seen through the transport",
+                      "elf_machine": machine}).as_dict()]
 
 
 def harness_argv(tools: Tools, mode: str, op: str, backend: str, cases: str) -> list[str]:

@@ -38,6 +38,7 @@ import numpy as np
 from testbed import counts as counting
 from testbed.backends import Evidence
 from testbed.devices import CommandResult, Device
+from testbed.devices.local import elf_machine
 from testbed.devices.transport import quoted, sha256_file
 from testbed.errors import DeviceError
 from testbed.results import Figure
@@ -177,7 +178,9 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
                                  "clock": "the program's CLOCK_MONOTONIC on the device",
                                  # the whole command as the host saw it: process start, input load,
                                  # warm-up, output write and the link, around the timed kernel calls
-                                 "command_seconds": result.seconds}
+                                 "command_seconds": result.seconds,
+                                 # what kind of program the pushed bytes are (runner.check_evidence)
+                                 "elf_machine": elf_machine(job.program)}
                                 | ({"instructions": counts.metadata()} if counts else {}))
             return NativeResult(outputs, timings, result, health, evidence, counts)
     finally:
