@@ -262,6 +262,14 @@ def rollback_runs(device: Device, cfg: gemma.GemmaConfig, w: dict, case, s: Tail
                       program=program) for exact in (False, True))
 
 
+def encoding_runs(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSettings,
+                  program: Path | None = None) -> tuple[TailRun, TailRun]:
+    """For the cache-encoding oracle (testbed.tail_oracles.check_cache_encoding): the prompt prefilled
+    with the settings' cache dtype, and with a float32 cache (which holds the rows the encoder was given)."""
+    return tuple(tail(device, cfg, w, prompt, dataclasses.replace(s, cache_dtype=dtype), program=program)
+                 for dtype in (s.cache_dtype, "float32"))
+
+
 @dataclass
 class DeviceTailEngine:
     """What testbed.tail_oracles.check_first_token drives (its Engine's prefill and generate), with
