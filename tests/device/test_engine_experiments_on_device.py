@@ -18,9 +18,10 @@ def run_on(device, overrides):
 def test_chunk_prefill_seed_cases_pass_on_the_device(device, results_dir):
     outcome = run_on(device, ["experiment=chunk_prefill", "mode=all", "bench.reps=1", "bench.warmup=0"])
     oracles = [r for r in outcome.rows if r["kind"] == "oracle"]
-    assert len(oracles) == 8 and outcome.failed == 0, [r["detail"] for r in oracles if r["verdict"] != "pass"]
-    assert_computed_on(device, outcome.rows, "tb_model_bench")
-    weights = {ran["detail"]["weights_sha256"] for r in outcome.rows for ran in r["evidence"]}
+    assert len(oracles) == 9 and outcome.failed == 0, [r["detail"] for r in oracles if r["verdict"] != "pass"]
+    assert_computed_on(device, [r for r in outcome.rows if r["oracle"] != "mask_heads"], "tb_model_bench")
+    assert_computed_on(device, [r for r in outcome.rows if r["oracle"] == "mask_heads"], "tb_attention_bench")
+    weights = {ran["detail"]["weights_sha256"] for r in outcome.rows for ran in r["evidence"] if ran["ran"] == "tb_model_bench"}
     assert len(weights) == 1 and len(weights.pop()) == 64
 
 
