@@ -41,6 +41,18 @@ def test_nan_or_inf_in_the_reference_next_to_a_wrong_output_fails(bad):
     assert not check_nmse({"y": wrong}, {"y": ref}).passed  # and on the output's side
 
 
+@pytest.mark.parametrize("magnitude", [1e200, 1e-200, 1e300])
+def test_nmse_of_huge_or_tiny_values_is_computed_scaled(magnitude):
+    """Issue 24, item 11: float64 sums of squares of 1e200 overflow (inf / inf = NaN, which max() and
+    <= read as a pass, margin 30) and of 1e-200 underflow (0 / 0)."""
+    ref, out = np.array([1.0, 2.0]) * magnitude, np.array([1.1, 2.0]) * magnitude
+    assert nmse(ref, out) == pytest.approx(0.01 / 5, rel=1e-12)
+    v = check_nmse({"y": ref}, {"y": out})
+    assert not v.passed and v.margin < 0 and v.metrics["nmse"] == pytest.approx(0.002, rel=1e-12)
+    assert check_nmse({"y": ref}, {"y": ref.copy()}).passed
+    assert not check_nmse({"y": np.array([1e308, -1e308])}, {"y": np.array([-1e308, 1e308])}).passed
+
+
 # --- the token verdict at a tie ------------------------------------------------------------------------
 
 CASE = TokenCase(past=40, tokens=12, chunk=16)
