@@ -153,3 +153,24 @@ def test_a_tools_evidence_names_its_elf_machine_read_on_the_device(local_device)
 
     (ran,) = tool_evidence(local_device, [shutil.which("true")], CommandResult(0, "", "", 0.1))
     assert ran["detail"]["elf_machine"] == 62 and len(ran["sha256"]) == 64
+
+
+def test_a_device_output_of_the_wrong_shape_is_one_line_and_exit_4(results_dir, tmp_path, monkeypatch, capsys):
+    """Issue 24, item 12: a stale or cut output (here: out.npy and state.npy of another shape) reached
+    check_nmse, whose ValueError ended the run in a traceback, exit 1."""
+    from testbed.backends.native import gdn as native_gdn
+
+    fake = tmp_path / "programs" / "tb_gdn_bench"
+    fake.parent.mkdir()
+    fake.write_text("#!/usr/bin/env python3\nimport json, sys, numpy as np\n"
+                    "np.save(sys.argv[2] + '/out.npy', np.zeros((1, 3, 2, 4), np.float32))\n"
+                    "np.save(sys.argv[2] + '/state.npy', np.zeros((1, 2, 4, 4), np.float32))\n"
+                    "json.dump({'seconds': [0.001], 'reps': 1}, open(sys.argv[2] + '/timings.json', 'w'))\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(native_gdn, "build_programs", lambda target, **kw: fake.parent)
+    assert cli.main(["run", "gdn", "backend=native", "mode=oracle", "matrix=awkward"]) == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "tb_gdn_bench wrote out.npy of shape (1, 3, 2, 4), expected (" in err and "a stale or cut output" in err
+    rows = ResultsStore(results_dir).records()
+    assert [r["verdict"] for r in rows] == ["error"] and "stale or cut" in rows[0]["detail"]

@@ -8,7 +8,8 @@ The program contract (kernels/bench/'s benchmark-and-dump programs follow it):
              which are both the run folder: args=[".", ".", "form=chunkwise", "reps=5", ...]. An arg
              "{inputs}" instead stages the inputs once per content in inputs/SHA/ and names that
              folder: an oracle matrix runs each case's inputs through several forms, pushed once.
-  writes     each output as NAME.npy and `timings.json` in the run folder:
+  writes     each output as NAME.npy (of the shape the job expects, where it says) and `timings.json`
+             in the run folder:
              {"seconds": [one per timed repetition...], ...whatever else the program records}
   exit 0     on success; anything else is a failed run, reported with its stderr
   counts     on a device whose profile has the capability `counts` (the emulated ones: qemu-user runs
@@ -53,6 +54,9 @@ class NativeJob:
     timeout: float | None = None
     measured: bool = True  # under the profile's health discipline (cool-down, warm-up, throttle flag)
     count: bool = False    # on a device that does not count by itself (the host): run under valgrind
+    # what each output's shape must be (None: any size on that axis); one that is not (a stale or cut
+    # output file) fails the run, as a device operation, instead of reaching an oracle
+    shapes: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -153,6 +157,12 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
                     outputs[name] = np.load(local, allow_pickle=False)
                 except ValueError as e:
                     raise NativeRunFailed(f"{device.name}: output {name}.npy is not a valid .npy file: {e}") from None
+                want = job.shapes.get(name)
+                got = outputs[name].shape
+                if want is not None and (len(got) != len(want) or any(w not in (None, g) for w, g in zip(want, got))):
+                    shown = "(" + ", ".join("*" if w is None else str(w) for w in want) + ")"
+                    raise NativeRunFailed(f"{device.name}: {job.program.name} wrote {name}.npy of shape {got}, "
+                                          f"expected {shown}: a stale or cut output")
             device.pull(f"{run_dir}/timings.json", tmp / "timings.json")
             try:
                 timings = json.loads((tmp / "timings.json").read_text())

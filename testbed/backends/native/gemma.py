@@ -72,7 +72,8 @@ class EngineRunner:
         for form in ("chunk", "decode_steps"):
             result = run_native(self.device, NativeJob(program, {"q": q, "k": k, "v": v, "mask": mask}, ["out"],
                                                        [".", ".", f"form={form}", f"threads={self.threads}",
-                                                        "warmup=0", "reps=1"], measured=False))
+                                                        "warmup=0", "reps=1"], measured=False,
+                                                       shapes={"out": q.shape}))
             self.evidence.add(result.evidence)
             verdicts[form] = check_nmse({"out": want}, {"out": result.outputs["out"]})
         worst = min(verdicts.values(), key=lambda x: x.margin if x.margin is not None else -np.inf)
