@@ -322,7 +322,26 @@ def node_resources(names: list[str]) -> tuple[dict[str, float], list[str]]:
     return {resource(name): 1.0 for name, answer in reach.items() if answer == "yes"}, left_out
 
 
+# The ports `ray start` gives to its own components by default: a head's --port there fails inside Ray
+# (a ValueError) once the node is half started.
+RAY_PORTS = {8265: "Ray's dashboard", 10001: "Ray's client server"}
+RAY_WORKER_PORTS = range(10002, 20000)
+
+
+def check_port(port: int) -> None:
+    if not 1024 <= port <= 65535:
+        raise UsageError(f"--port={port} is not a port a Ray head can take; accepted: 1024-65535 (default 6379)")
+    taken = RAY_PORTS.get(port) or ("inside Ray's worker port range "
+                                    f"{RAY_WORKER_PORTS.start}-{RAY_WORKER_PORTS.stop - 1}" if port in RAY_WORKER_PORTS else "")
+    if taken:
+        raise UsageError(f"--port={port} is {taken}; accepted: a port in 1024-65535 outside "
+                         f"{RAY_WORKER_PORTS.start}-{RAY_WORKER_PORTS.stop - 1} and other than "
+                         f"{', '.join(map(str, RAY_PORTS))} (default 6379)")
+
+
 def cmd_node(args) -> int:
+    if not args.address:
+        check_port(args.port)
     known = config.choices("device")
     names = args.devices.split(",") if args.devices else known
     for name in names:
@@ -342,7 +361,14 @@ def cmd_node(args) -> int:
 
 def cmd_status(args) -> int:
     ray = join(args.address)
-    running = ray.get(board(ray).show.remote(), timeout=CONNECT_S)
+    try:
+        running = ray.get(board(ray).show.remote(), timeout=CONNECT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise DeviceUnreachable(f"farm status: the head at {args.address} did not say what runs where within "
+                                f"{CONNECT_S:g} s (busy, or its node is short of resources); try again") from None
+    except ray.exceptions.RayError as e:
+        raise DeviceUnreachable(f"farm status: the head at {args.address} could not be asked what runs where "
+                                f"({type(e).__name__})") from None
     for node in sorted(ray.nodes(), key=lambda n: (not n["Alive"], n["NodeManagerHostname"], n["NodeID"])):
         devices = sorted(k[len(RESOURCE):] for k in node["Resources"] if k.startswith(RESOURCE))
         print(f"node {node_label(node)} at {node['NodeManagerAddress']}: {'alive' if node['Alive'] else 'dead'}, "
