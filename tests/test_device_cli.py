@@ -120,3 +120,35 @@ def test_doctor_says_when_adb_shell_cannot_reach_usb(monkeypatch, capsys):
     assert main(["doctor", "pixel"]) == 3  # and no phone is attached either
     out = capsys.readouterr().out
     assert out.startswith("MISSING  adb-shell usb support") and "pip install 'testbed[usb]'" in out
+
+
+def test_the_loopback_adbd_starts_from_a_folder_holding_a_testbed_folder(tmp_path, monkeypatch):
+    """Issue 24, item 15: `python -m testbed.peers.adbd` run where the user is imported ./testbed."""
+    from testbed.devices import connect, load_profile
+
+    (tmp_path / "testbed").mkdir()
+    (tmp_path / "testbed" / "__init__.py").write_text("raise ImportError('the wrong testbed')\n")
+    monkeypatch.chdir(tmp_path)
+    device = connect(load_profile("adb-loopback"))
+    try:
+        assert device.run(["echo", "hi"]).stdout.strip() == "hi"
+    finally:
+        device.close()
+
+
+def test_a_peer_that_fails_to_start_is_one_line_in_the_devices_table(tmp_path, monkeypatch, capsys):
+    """Issue 24, item 15: its traceback went into the table cell, line breaks and all."""
+    import testbed.config as config
+
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    (devices / "broken-peer.yaml").write_text(
+        "name: broken-peer\ntransport: adb\nabi: armeabi-v7a\nwork_dir: /data/local/tmp/testbed\n"
+        "connection: {host: 127.0.0.1}\n"
+        "peer: {command: ['{python}', '-c', 'import no_such_module_here']}\n")
+    monkeypatch.setitem(config.GROUPS, "device", devices)
+    assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if "broken-peer" in line]
+    assert "did not start: ModuleNotFoundError: No module named 'no_such_module_here'" in row
+    assert len(out.splitlines()) == 3  # header, rule, the one row
