@@ -29,8 +29,12 @@ def one_line(text: str) -> str:
 
 
 def reachability(name: str) -> str:
+    """yes, or why not; a profile that is not configured (a template) is listed so, never probed."""
     try:
-        device = connect(load_profile(name))
+        profile = load_profile(name)
+        if profile.not_configured():
+            return profile.not_configured()
+        device = connect(profile)
     except (DeviceUnreachable, DeviceError) as e:
         return one_line(f"no: {str(e).removeprefix(name + ': ')}")
     except UsageError as e:

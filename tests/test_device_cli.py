@@ -152,3 +152,41 @@ def test_a_peer_that_fails_to_start_is_one_line_in_the_devices_table(tmp_path, m
     (row,) = [line for line in out.splitlines() if "broken-peer" in line]
     assert "did not start: ModuleNotFoundError: No module named 'no_such_module_here'" in row
     assert len(out.splitlines()) == 3  # header, rule, the one row
+
+
+def test_devices_lists_templates_as_not_configured_and_dials_nothing_outside_loopback(monkeypatch, capsys):
+    """Issue 24, item 17: `testbed devices` probed every shipped profile, the example phone at
+    192.168.1.50:5555 and the board at board.local:22 among them."""
+    import ipaddress
+    import socket
+
+    tried = []
+
+    def local(host) -> bool:
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return host == "localhost"
+
+    real_connect, real_lookup = socket.socket.connect, socket.getaddrinfo
+
+    def connect(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and not local(address[0]):
+            tried.append(address)
+            raise ConnectionRefusedError(f"test: no connect to {address}")
+        return real_connect(sock, address)
+
+    def lookup(host, *args, **kwargs):
+        if host is not None and not local(host):
+            tried.append(host)
+            raise socket.gaierror(f"test: no lookup of {host}")
+        return real_lookup(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    assert main(["devices"]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert tried == []
+    for template in ("arm32", "board"):
+        assert f"not configured: connection.host is empty (devices/{template}.yaml is a template" in rows[template]
+    assert main(["doctor", "board"]) == 3 and tried == []

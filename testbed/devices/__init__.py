@@ -169,6 +169,9 @@ def connect(profile: Profile, connection: dict | None = None) -> Device:
     `connection` overrides the profile's connection fields (tests point a profile at their peers)."""
     peer = None
     conn = dict(profile.connection if connection is None else connection)
+    why = profile.not_configured() if connection is None else None
+    if why:
+        raise DeviceUnreachable(f"{profile.name}: {why}")
     if profile.peer:
         from testbed.devices.adb import ensure_adb_key
 

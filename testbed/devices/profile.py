@@ -111,7 +111,8 @@ class Profile:
         spec = CONNECTION_FIELDS[data["transport"]]
         bad.mapping("connection", conn, {k: t for k, (t, _) in spec.items()})
         for key, (_, required) in spec.items():
-            if required and conn.get(key) in (None, ""):
+            # an address left empty ("") is a template's (not_configured); absent is a mistake
+            if required and (conn.get(key) is None or (conn.get(key) == "" and key != "host")):
                 bad(f"connection.{key}", None, f"is required for transport {data['transport']}")
         if data["transport"] == "ssh" and not (conn.get("known_hosts") or conn.get("host_key_sha256")):
             bad("connection.known_hosts", None,
@@ -151,6 +152,16 @@ class Profile:
 
     def has(self, capability: str) -> bool:
         return capability in self.capabilities
+
+    def not_configured(self) -> str | None:
+        """Why the profile cannot be reached as it stands: a shipped template of real hardware whose
+        address (connection.host) is left empty until a lab sets it. Such a profile is never probed,
+        so nothing is sent to an address nobody chose. None when it is configured."""
+        if self.transport in ("adb", "ssh") and "host" in self.connection and not self.connection["host"] \
+                and not self.peer and not self.connection.get("server"):
+            return (f"not configured: connection.host is empty (devices/{self.name}.yaml is a template: set the "
+                    f"device's address there, or in a copy under $TESTBED_LAB/devices/)")
+        return None
 
     def timeout(self, kind: str) -> float:
         # transfer_s: the longest a push or pull may go without progress
