@@ -1,7 +1,8 @@
 """Builds the native kernels (kernels/) into the package as testbed/_tb_kernels*.so, for both
-`pip install .` and `pip install -e .`, and puts the configuration (experiments/, devices/) inside the
-package of a wheel, as testbed/_shipped/, so an installed testbed has its experiments, models, suites
-and device profiles (an editable install reads them from the checkout). The metadata is in
+`pip install .` and `pip install -e .`, and puts the configuration (experiments/, devices/) and the
+kernel sources (kernels/: the device programs are built from them at first use) inside the package of
+a wheel, as testbed/_shipped/, so an installed testbed has its experiments, models, suites and device
+profiles and can build native programs for any device (an editable install reads them from the checkout). The metadata is in
 pyproject.toml; the build rules are in testbed/backends/native/build.py, loaded by path because the
 package is not importable during its own build."""
 
@@ -13,7 +14,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
-SHIPPED = ("experiments", "devices")
+SHIPPED = ("experiments", "devices", "kernels")
 
 _spec = importlib.util.spec_from_file_location("kernel_build", Path(__file__).parent / "testbed" / "backends" / "native" / "build.py")
 kernel_build = importlib.util.module_from_spec(_spec)
@@ -28,7 +29,7 @@ class build_py_with_config(build_py):
             return
         for folder in SHIPPED:
             shutil.copytree(ROOT / folder, Path(self.build_lib) / "testbed" / "_shipped" / folder,
-                            ignore=shutil.ignore_patterns("*.md"), dirs_exist_ok=True)
+                            ignore=shutil.ignore_patterns("*.md", "*.o", "*.so"), dirs_exist_ok=True)
 
 
 setup(ext_modules=[Extension(**kernel_build.library_extension_args())], cmdclass={"build_py": build_py_with_config})

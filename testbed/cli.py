@@ -149,7 +149,7 @@ def cmd_ingest(args) -> int:
     ingest.check_experiment(args.experiment)
     rc = config.load([f"device={args.device}"], experiment=args.experiment)
     profile = load_profile(rc.device)
-    parsed = ingest.parse_file(args.file, ingest.read_regular(args.file))
+    parsed = ingest.parse_file(args.file, ingest.read_regular(args.file), args.cases)
     ingest.check_device(args.file, parsed, rc.device, profile.accelerators.get("backend") or "CPU", args.force)
     store = runner.results_store(rc)
     digest = parsed.digest(rc.device)
@@ -192,6 +192,8 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--backend", default="ggml", help="what produced it (e.g. ggml-htp)")
     i.add_argument("--force", action="store_true",
                    help="store output that names another backend than the device's, or that is stored already")
+    i.add_argument("--cases", type=int, metavar="N",
+                   help="how many cases the command ran (a CSV of an op testbed has no case list for, or run with -p)")
     i.set_defaults(fn=cmd_ingest)
     nightly.register(sub), report.register(sub), compare.register(sub), ab.register(sub), device_cli.register(sub)
     records_cli.register(sub)

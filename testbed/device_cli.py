@@ -23,13 +23,22 @@ from testbed.errors import DeviceError, DeviceUnreachable, UsageError
 DEVICE_UTILITIES = ("sh", "timeout", "sha256sum", "stat", "mkdir", "rm")
 
 
+def one_line(text: str) -> str:
+    """A table cell: whatever a reason holds (a peer's traceback), on one line."""
+    return " ".join(str(text).split())
+
+
 def reachability(name: str) -> str:
+    """yes, or why not; a profile that is not configured (a template) is listed so, never probed."""
     try:
-        device = connect(load_profile(name))
+        profile = load_profile(name)
+        if profile.not_configured():
+            return profile.not_configured()
+        device = connect(profile)
     except (DeviceUnreachable, DeviceError) as e:
-        return f"no: {str(e).removeprefix(name + ': ')}"
+        return one_line(f"no: {str(e).removeprefix(name + ': ')}")
     except UsageError as e:
-        return f"invalid profile: {e}"
+        return one_line(f"invalid profile: {e}")
     device.close()
     return "yes"
 
@@ -49,7 +58,8 @@ def cmd_devices(args) -> int:
     rows = []
     for n, p in profiles.items():
         if isinstance(p, UsageError):
-            rows.append({"device": n, "transport": "", "abi": "", "capabilities": "", "reachable": f"invalid: {p}"})
+            rows.append({"device": n, "transport": "", "abi": "", "capabilities": "",
+                         "reachable": one_line(f"invalid: {p}")})
             continue
         rows.append({"device": n, "transport": p.transport, "abi": p.abi, "capabilities": ", ".join(p.capabilities),
                      "reachable": reach.get(n, "not checked")})

@@ -136,8 +136,9 @@ def owners(ray) -> dict[str, dict]:
 
 
 def run_job(experiment: str, overrides: list[str], lock_dir: str, lock_wait_s: float, holder: str) -> dict:
-    """Runs on the node that owns the device: the job, into a scratch store; returns its records and
-    how it ended (status ok | unreachable | busy, the run's info, and the error if the run broke)."""
+    """Runs on the node that owns the device: the job, into a scratch store; returns what it stored (its
+    records between its run marks) and how it ended (status ok | unreachable | busy, the run's info, and
+    the error if the run broke)."""
     import ray
 
     rc = config.load(overrides, experiment=experiment)
@@ -168,7 +169,7 @@ def run_job(experiment: str, overrides: list[str], lock_dir: str, lock_wait_s: f
             else:
                 os.environ["TESTBED_RESULTS"] = before
             shown.end.remote(rc.device)
-        rows = ResultsStore(scratch).records()
+        rows = ResultsStore(scratch).rows()
     node["finished"] = time.time()
     for row in rows:
         row["farm"] = node
@@ -179,14 +180,15 @@ def run_job(experiment: str, overrides: list[str], lock_dir: str, lock_wait_s: f
 
 
 def error_rows(rc: RunConfig, why: str, node: dict) -> list[dict]:
-    """The one record of a job that was lost before it could store its own: verdict error, naming the node."""
+    """The one record of a job that was lost before it could store its own (verdict error, naming the
+    node), between the marks of a run that broke."""
     info = RunInfo(experiment=rc.experiment, device=rc.device, backend=str(rc.cfg.get("backend", "refimpl")),
                    config=rc.flat(), fingerprint={"profile": rc.device},
                    emulated=load_profile(rc.device).has("emulated"))
     row = info.stamp(Record(rc.experiment, "run", "oracle", "run", "error", None, {"records_before_error": 0},
                             detail=why))
     row["farm"] = {"node_id": node["NodeID"], "hostname": node["NodeManagerHostname"]}
-    return [row]
+    return [info.mark("started"), row, info.mark("ended", "broke")]
 
 
 def on_the_farm(ray, jobs: list[RunConfig], store: ResultsStore, log: nightly.Log, lock_dir: Path | None,
@@ -241,7 +243,8 @@ def cancel(ray, pending: dict, device: str) -> None:
 
 
 def collect(ray, ref, rc: RunConfig, node: dict, lost: str | None, store: ResultsStore, log: nightly.Log) -> dict:
-    """One finished task: how it ended, its records (or the one error record of a lost job) stored."""
+    """One finished task: how it ended, its rows (or the one error record of a lost job) stored, and its
+    records (the rows that are not run marks)."""
     label = nightly.job_label(rc)
     try:
         ended = ray.get(ref)
@@ -253,12 +256,13 @@ def collect(ray, ref, rc: RunConfig, node: dict, lost: str | None, store: Result
     if ended["status"] != "ok" and not ended["rows"]:
         ended["rows"] = error_rows(rc, ended["reason"], node)
     store.append(ended["rows"])
+    ended["records"] = [row for row in ended["rows"] if "record_id" in row]
     if ended["status"] != "ok":
         log(rc.device, f"{label}: {ended['status']}: {ended['reason']}")
     elif ended["error"]:
         log(rc.device, f"{label} broke on node {node_label(node)}: {ended['error']}")
     else:
-        log(rc.device, f"{label}: {len(ended['rows'])} records from node {node_label(node)}")
+        log(rc.device, f"{label}: {len(ended['records'])} records from node {node_label(node)}")
     return ended
 
 
@@ -283,7 +287,7 @@ def driver(address: str):
             elif ended["error"]:
                 result.failures.append(f"{rc.device} {nightly.job_label(rc)}: run broke: {ended['error']}")
             else:
-                result.count(ended["info"]["run_id"], ended["rows"])
+                result.count(ended["info"]["run_id"], ended["records"])
         for r in results.values():
             log(r.device, f"{r.status}{': ' + r.reason if r.reason else ''} ({r.seconds:.1f} s)")
         return list(results.values())
@@ -303,7 +307,7 @@ def execute(address: str, jobs: list[RunConfig], store: ResultsStore) -> list[ru
             raise DeviceUnreachable(f"{rc.device}: {how['reason']}")
         if how["error"]:
             raise DeviceError(f"{rc.device} {nightly.job_label(rc)}: {how['error']}")
-    return [runner.Outcome(RunInfo(**ended[id(rc)]["info"]), ended[id(rc)]["rows"]) for rc in jobs]
+    return [runner.Outcome(RunInfo(**ended[id(rc)]["info"]), ended[id(rc)]["records"]) for rc in jobs]
 
 
 # --- the commands ---------------------------------------------------------------------------------
@@ -318,7 +322,26 @@ def node_resources(names: list[str]) -> tuple[dict[str, float], list[str]]:
     return {resource(name): 1.0 for name, answer in reach.items() if answer == "yes"}, left_out
 
 
+# The ports `ray start` gives to its own components by default: a head's --port there fails inside Ray
+# (a ValueError) once the node is half started.
+RAY_PORTS = {8265: "Ray's dashboard", 10001: "Ray's client server"}
+RAY_WORKER_PORTS = range(10002, 20000)
+
+
+def check_port(port: int) -> None:
+    if not 1024 <= port <= 65535:
+        raise UsageError(f"--port={port} is not a port a Ray head can take; accepted: 1024-65535 (default 6379)")
+    taken = RAY_PORTS.get(port) or ("inside Ray's worker port range "
+                                    f"{RAY_WORKER_PORTS.start}-{RAY_WORKER_PORTS.stop - 1}" if port in RAY_WORKER_PORTS else "")
+    if taken:
+        raise UsageError(f"--port={port} is {taken}; accepted: a port in 1024-65535 outside "
+                         f"{RAY_WORKER_PORTS.start}-{RAY_WORKER_PORTS.stop - 1} and other than "
+                         f"{', '.join(map(str, RAY_PORTS))} (default 6379)")
+
+
 def cmd_node(args) -> int:
+    if not args.address:
+        check_port(args.port)
     known = config.choices("device")
     names = args.devices.split(",") if args.devices else known
     for name in names:
@@ -338,7 +361,14 @@ def cmd_node(args) -> int:
 
 def cmd_status(args) -> int:
     ray = join(args.address)
-    running = ray.get(board(ray).show.remote(), timeout=CONNECT_S)
+    try:
+        running = ray.get(board(ray).show.remote(), timeout=CONNECT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise DeviceUnreachable(f"farm status: the head at {args.address} did not say what runs where within "
+                                f"{CONNECT_S:g} s (busy, or its node is short of resources); try again") from None
+    except ray.exceptions.RayError as e:
+        raise DeviceUnreachable(f"farm status: the head at {args.address} could not be asked what runs where "
+                                f"({type(e).__name__})") from None
     for node in sorted(ray.nodes(), key=lambda n: (not n["Alive"], n["NodeManagerHostname"], n["NodeID"])):
         devices = sorted(k[len(RESOURCE):] for k in node["Resources"] if k.startswith(RESOURCE))
         print(f"node {node_label(node)} at {node['NodeManagerAddress']}: {'alive' if node['Alive'] else 'dead'}, "

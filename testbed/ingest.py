@@ -8,6 +8,12 @@ unless it is evidently whole and evidently the device's:
   - a regular file of at most MAX_BYTES (not a FIFO, a device such as /dev/zero, or a folder);
   - it ends with a newline (a cut file rarely does), and a CSV has every column and every row every
     field of its header;
+  - a CSV (which has no summary line) holds every case the command ran: each of the op's cases where
+    testbed knows them (GATED_DELTA_NET's 36), else as many as --cases N says; one cut at a row
+    boundary is refused as incomplete;
+  - every line that names a case is understood: a CSV row with a verdict the tool writes (an empty
+    `passed` cell is none), a perf row with runs and a positive time (not nan, inf, 0 or negative);
+    the first that is not is named;
   - it has at least one case line with a verdict the tool prints (OK, FAIL, not supported) or a perf row;
   - the backends it names include the device's (its profile's accelerators.backend, else CPU), unless
     --force: `Backend 1/1: CPU` is not a run on the phone's HTP;
@@ -79,7 +85,36 @@ class Output:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def parse_csv_file(path: str, text: str) -> Output:
+def known_cases(op: str) -> list[str] | None:
+    """The cases `test-backend-ops -o OP` runs (their parameters), where testbed knows them."""
+    if op == "GATED_DELTA_NET":
+        from testbed.experiments.gdn import TBO_CASES
+
+        return [c.tbo_params for c in TBO_CASES]
+    return None
+
+
+def check_whole(path: str, cases: list[out.Case], expected: int | None) -> None:
+    """A CSV has no summary line: only its cases say whether it is whole (see the module's docstring)."""
+    if expected is not None:
+        if len(cases) != expected:
+            raise UsageError(f"{path}: incomplete: {len(cases)} case rows, but the command ran {expected} (--cases); "
+                             f"accepted: the whole CSV of that run")
+        return
+    for op in sorted({c.op for c in cases}):
+        listed = known_cases(op)
+        if listed is None:
+            raise UsageError(f"{path}: a CSV has no summary line and testbed has no case list for {op}, so nothing "
+                             f"says the file is whole; accepted: --cases N, the number of cases the command ran")
+        held = {c.params for c in cases if c.op == op}
+        missing = [p for p in listed if p not in held]
+        if missing:
+            raise UsageError(f"{path}: incomplete: {len(listed) - len(missing)} of the {len(listed)} {op} cases "
+                             f"(first missing: {op}({missing[0]})); accepted: a whole run's CSV, or --cases N "
+                             f"when the command ran fewer (-p)")
+
+
+def parse_csv_file(path: str, text: str, expected: int | None = None) -> Output:
     rows = list(csv.reader(io.StringIO(text)))
     header = rows[0] if rows else []
     missing = [c for c in CSV_COLUMNS if c not in header]
@@ -89,7 +124,11 @@ def parse_csv_file(path: str, text: str) -> Output:
     for n, row in enumerate(rows[1:], 2):
         if len(row) != len(header):
             raise UsageError(f"{path}: CSV row {n} has {len(row)} fields, the header {len(header)}: a cut row")
-    report = out.TboReport(cases=out.parse_csv(text))
+    try:
+        report = out.TboReport(cases=out.parse_csv(text))
+    except out.Unreadable as e:
+        raise UsageError(f"{path}: {e}; accepted: test-backend-ops' own CSV") from None
+    check_whole(path, report.cases, expected)
     # CSV has no summary or final status lines; a file that is whole is a finished run
     report.summary, report.final = (report.passed, len(report.tested)), "n/a (csv)"
     problems = [f"{c.name}: {c.detail or c.status}" for c in report.tested if c.status != "OK"]
@@ -97,13 +136,17 @@ def parse_csv_file(path: str, text: str) -> Output:
     return Output(report, problems, [], {row[header.index("backend_name")] for row in rows[1:]})
 
 
-def parse_file(path: str, text: str) -> Output:
+def parse_file(path: str, text: str, expected: int | None = None) -> Output:
+    """`expected`: how many cases the command ran (--cases), for a CSV of an op testbed has no case list for."""
     if not text.endswith("\n"):
         raise UsageError(f"{path} does not end with a newline: cut short; accepted: a whole test-backend-ops output")
     if text.lstrip().startswith(('"backend_name"', "backend_name")):
-        return parse_csv_file(path, text)
+        return parse_csv_file(path, text, expected)
     report = out.parse_test(text)
-    perf = out.parse_perf(text)
+    try:
+        perf = out.parse_perf(text)
+    except out.Unreadable as e:
+        raise UsageError(f"{path}: {e}; nothing stored") from None
     if not perf and not any(c.status != "FAIL" or "FAIL" in c.detail for c in report.cases):
         raise UsageError(f"{path}: no test-backend-ops case line with a verdict the tool prints (OK, FAIL, "
                          "not supported) and no perf row in it")

@@ -30,11 +30,19 @@ class Verdict:
 
 
 def nmse(ref: np.ndarray, out: np.ndarray) -> float:
-    """Normalised mean squared error, sum((ref - out)^2) / sum(ref^2), in float64 (test-backend-ops)."""
+    """Normalised mean squared error, sum((ref - out)^2) / sum(ref^2), in float64 (test-backend-ops).
+    Both sides are first divided by their largest magnitude (the ratio does not change), so sums of
+    squares of large values (1e200) do not overflow to inf / inf = NaN, nor tiny ones underflow to 0."""
     ref = np.asarray(ref, np.float64)
     out = np.asarray(out, np.float64)
     if ref.shape != out.shape:
         raise ValueError(f"shape mismatch: reference {ref.shape} vs output {out.shape}")
+    scale = float(max(np.max(np.abs(ref), initial=0.0), np.max(np.abs(out), initial=0.0)))
+    if scale == 0.0:
+        return 0.0
+    if not np.isfinite(scale):
+        return float("nan")
+    ref, out = ref / scale, out / scale
     num = float(np.sum((ref - out) ** 2))
     den = float(np.sum(ref**2))
     if den == 0.0:
@@ -62,6 +70,10 @@ def check_nmse(ref: dict[str, np.ndarray], out: dict[str, np.ndarray], threshold
             continue
         e = nmse(r, o)
         metrics[f"nmse_{name}"] = e
+        if not e <= float("inf"):  # NaN: never let max() and <= read it as a pass
+            problems.append(f"{name}: the NMSE is not a number")
+            worst = float("inf")
+            continue
         worst = max(worst, e)
     metrics["nmse"] = worst
     passed = not problems and worst <= threshold

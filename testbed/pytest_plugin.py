@@ -10,6 +10,11 @@
                                  naming the holder.
   @pytest.mark.requires("cap")   skip unless the device's profile lists that capability
   results_dir fixture            a per-session results store, so tests never write into results/
+  network guard                  (ini `network_guard`, or --network-guard=loopback|off; the project's
+                                 pytest config turns it on) no test may send a packet outside loopback:
+                                 a connect, sendto or name lookup off this machine, in the test's
+                                 process or any Python process it starts, is refused and fails the test
+                                 (testbed/netguard)
 """
 
 from __future__ import annotations
@@ -31,6 +36,71 @@ pytest_plugins = ["testbed.peers.fixtures"]
 
 def pytest_addoption(parser):
     parser.addoption("--device", default="host", help="device profile to run on (devices/*.yaml)")
+    parser.addoption("--network-guard", choices=("loopback", "off"), default=None,
+                     help="loopback: fail a test that sends anything outside loopback (default: ini network_guard)")
+    parser.addini("network_guard", "loopback: fail a test that sends anything outside loopback; off: no guard",
+                  default="off")
+
+
+def _network_guard_on(config) -> bool:
+    return (config.getoption("--network-guard") or config.getini("network_guard")) == "loopback"
+
+
+def _start_network_guard(config) -> None:
+    """The guard in this process, and (through PYTHONPATH's sitecustomize) in every Python process the
+    tests start, reporting to a log file this session reads after each test."""
+    import tempfile
+
+    from testbed import netguard
+
+    netguard.install()
+    log = os.environ.get(netguard.ENV_LOG)
+    if not (log and os.path.isfile(log)):  # else a session that started this one reads the same log
+        fd, log = tempfile.mkstemp(prefix="testbed-netguard-", suffix=".log")
+        os.close(fd)
+        os.environ[netguard.ENV_LOG] = log
+        config._testbed_netguard_made = log
+    config._testbed_netguard = (log, os.path.getsize(log))
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(netguard.SITE_DIR) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(netguard.SITE_DIR), *paths) if p)
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_testbed_netguard_made", None)
+    if made:
+        from testbed import netguard
+
+        os.environ.pop(netguard.ENV_LOG, None)
+        os.unlink(made)
+
+
+def network_guard_findings(config) -> list[str]:
+    """What was refused since the last call: in this process, and in the processes the tests started."""
+    from testbed import netguard
+
+    log, offset = config._testbed_netguard
+    netguard.take()  # this process logs its own refusals too
+    with open(log) as f:
+        f.seek(offset)
+        logged = f.read()
+        config._testbed_netguard = (log, f.tell())
+    return logged.splitlines()
+
+
+@pytest.fixture(autouse=True)
+def _network_guard(request):
+    """Fails the test during which anything was sent, or tried to be sent, outside loopback."""
+    config = request.config
+    if getattr(config, "_testbed_netguard", None) is None:
+        yield
+        return
+    network_guard_findings(config)  # what earlier tests' processes did after they ended is not this test's
+    yield
+    found = network_guard_findings(config)
+    if found:
+        pytest.fail(f"the test tried to reach outside loopback ({len(found)} times; first: {found[0]}); the "
+                    f"suite talks to loopback only (network_guard)", pytrace=False)
 
 
 def pytest_configure(config):
@@ -41,6 +111,8 @@ def pytest_configure(config):
         config._testbed_profile = load_profile(name)
     except UsageError as e:
         raise pytest.UsageError(str(e)) from None
+    if _network_guard_on(config):
+        _start_network_guard(config)
 
 
 def pytest_report_header(config):

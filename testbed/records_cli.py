@@ -9,6 +9,8 @@
                                           keys: experiment=gdn, config.chunk=64, verdict=error); all
                                           given must match. --run and --night remove a run's marks
                                           too; --where only records (so a broken run stays broken).
+                                          A run without an end mark (still running, or killed) is
+                                          refused; --force removes it once its process is gone.
                                           The old file is kept beside it as records.jsonl.before-TIME.
   testbed records export [--where ...] [--format jsonl|csv|json]
                                           the records as the reader sees them (incomplete runs
@@ -18,6 +20,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 from collections import Counter
 
@@ -83,9 +87,14 @@ def verify(store: ResultsStore) -> list[str]:
         findings.append(f"{len(twice)} records stored more than once ({', '.join(twice[:SHOWN])})")
     started = {r["run_id"] for r in rows if r.get("run_mark") == "started"}
     ended = {r["run_id"]: r.get("outcome") for r in rows if r.get("run_mark") == "ended"}
-    never = sorted(started - ended.keys())
+    never = sorted(started - ended.keys(), key=str)
     if never:
-        findings.append(f"{len(never)} runs never ended (killed, or still running): {', '.join(never[:SHOWN])}")
+        findings.append(f"{len(never)} runs never ended (killed, or still running): {', '.join(map(str, never[:SHOWN]))}")
+    unmarked = sorted({r.get("run_id") for r in rows if "record_id" in r and r.get("schema") != 1}
+                      - started - ended.keys(), key=str)
+    if unmarked:
+        findings.append(f"{len(unmarked)} runs have records but no start or end mark (read as incomplete): "
+                        f"{', '.join(map(str, unmarked[:SHOWN]))}")
     broke = sorted(run for run, outcome in ended.items() if outcome != "complete")
     if broke:
         findings.append(f"{len(broke)} runs broke (each has its error record): {', '.join(broke[:SHOWN])}")
@@ -98,6 +107,46 @@ def verify(store: ResultsStore) -> list[str]:
     if again:
         findings.append(f"{len(again)} ingested outputs stored more than once (runs {', '.join(again[0])}...)")
     return findings
+
+
+def process_alive(host, pid) -> bool | None:
+    """Whether the process a start mark names still runs: None when that cannot be told here (another
+    host, or a mark from before marks named their process). A zombie is gone."""
+    if not isinstance(pid, int) or host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def refuse_unended(rows: list[dict], runs: set[str], force: bool) -> None:
+    """`rm` of a run without an end mark: a run still going would lose its start mark and its later
+    records would stand alone; refused, unless --force and its process is gone."""
+    ended = {r.get("run_id") for r in rows if r.get("run_mark") == "ended"}
+    starts = {r.get("run_id"): r for r in rows if r.get("run_mark") == "started"}
+    present = {r.get("run_id") for r in rows if "record_id" in r} | starts.keys()
+    for run in sorted(runs & present - ended, key=str):
+        start = starts.get(run, {})
+        alive = process_alive(start.get("host"), start.get("pid"))
+        where = f"process {start.get('pid')} on {start.get('host')}" if "pid" in start else "its process"
+        if alive:
+            raise UsageError(f"--run {run}: the run has no end mark and {where} is still running; "
+                             "accepted: a run that ended (wait for it, or stop it first)")
+        if not force:
+            raise UsageError(f"--run {run}: the run has no end mark (still running, or killed); accepted: a run "
+                             f"that ended, or --force once {where} is gone"
+                             + ("" if alive is False else " (it cannot be checked from here)"))
+        if alive is None and "pid" in start:
+            raise UsageError(f"--run {run}: the run has no end mark and {where} cannot be checked from here; "
+                             "accepted: --force on that host")
 
 
 def cmd_verify(args) -> int:
@@ -127,6 +176,8 @@ def cmd_rm(args) -> int:
             raise UsageError(f"--night {unknown[0]!r} is not in the night log; "
                              f"accepted: {', '.join(sorted(log)) or 'none'}")
         runs |= {run for n in nights for d in log[n].get("devices", {}).values() for run in d.get("runs", [])}
+
+    refuse_unended(store.scan().rows, runs, args.force)
 
     def selected(row: dict) -> bool:
         by_run = not (args.run or args.night) or row.get("run_id") in runs
@@ -174,6 +225,8 @@ def register(commands) -> None:
     rm.add_argument("--night", action="append", default=[], help="a night of testbed nightly (repeatable)")
     rm.add_argument("--where", action="append", default=[], help="KEY=VALUE, e.g. experiment=gdn (repeatable)")
     rm.add_argument("--dry-run", action="store_true", help="say what would be removed; change nothing")
+    rm.add_argument("--force", action="store_true",
+                    help="also remove a run without an end mark, once its process is gone (killed)")
     rm.set_defaults(fn=cmd_rm)
     e = sub.add_parser("export", help="the records as the reader sees them")
     e.add_argument("--where", action="append", default=[], help="KEY=VALUE (repeatable)")

@@ -14,8 +14,10 @@ it can never swallow that batch's first line.
 
 A run stores each record as it is produced (testbed.runner), between its two marks. The reader marks
 every record of a run that did not end complete `"incomplete": true` (never counted as passed, see
-`passed`), and adds one "error" record for a run that started and never ended (killed, or still
-running), so such a run reads as broken wherever verdicts are counted.
+`passed`), and adds one "error" record for a run that never ended (killed, or still running; also one
+whose start mark is gone), so such a run reads as broken wherever verdicts are counted. Only schema-1
+records (stored whole in one write, before runs had marks) count without an end mark. The start mark
+names the run's process (host, pid), so `testbed records rm` can tell a run still going from a dead one.
 
 Lines the reader cannot use (not UTF-8, not a JSON object, a newer schema) are skipped with one
 warning per read; `testbed records verify` lists them. Tables are pandas views over records
@@ -30,6 +32,7 @@ import json
 import math
 import os
 import re
+import socket
 import subprocess
 import uuid
 import warnings
@@ -190,8 +193,10 @@ class RunInfo:
                 "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **body}
 
     def mark(self, which: str, outcome: str | None = None) -> dict:
-        """A run mark: "started" before the first record, "ended" (outcome complete or broke) after the last."""
-        return {**self.context(), "run_mark": which, "outcome": outcome,
+        """A run mark: "started" before the first record (with the host and pid of the process that runs
+        it), "ended" (outcome complete or broke) after the last."""
+        process = {"host": socket.gethostname(), "pid": os.getpid()} if which == "started" else {}
+        return {**self.context(), "run_mark": which, "outcome": outcome, **process,
                 "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -200,14 +205,21 @@ def passed(record: dict) -> bool:
     return record.get("verdict") == "pass" and not record.get("incomplete")
 
 
-def unfinished_run_record(start: dict, kept: int) -> dict:
-    """The "error" record the reader adds for a run that started and never ended."""
-    record = Record(start["experiment"], "run", "oracle", "run", "error", None, {"records_kept": kept},
-                    detail=f"the run never ended (killed, or still running); {kept} records of it are kept, "
-                           "marked incomplete")
+def unfinished_run_record(start: dict, kept: int, marked: bool = True) -> dict:
+    """The "error" record the reader adds for a run that never ended: `start` is its start mark, or
+    (marked=False, the mark is gone) its first record."""
+    why = "the run never ended (killed, or still running)" if marked else \
+        "the run has no start or end mark (removed while it ran?): it never ended complete"
+    record = Record(str(start["experiment"]), "run", "oracle", "run", "error", None, {"records_kept": kept},
+                    detail=f"{why}; {kept} records of it are kept, marked incomplete")
     body = _jsonable(asdict(record))
-    return {**{k: v for k, v in start.items() if k not in ("run_mark", "outcome", "batch")},
-            "record_id": f"{start['run_id']}-unfinished", "time": start["time"], **body, "incomplete": True}
+    context = {k: v for k, v in start.items() if k not in ("run_mark", "outcome", "batch", "host", "pid")}
+    return {**context, "record_id": f"{start['run_id']}-unfinished", "time": start.get("time"), **body,
+            "incomplete": True}
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, str)
 
 
 # What every record has (RunInfo.stamp); readers and reports rely on them.
@@ -387,27 +399,34 @@ class ResultsStore:
         return found.rows
 
     def records(self, experiment: str | None = None) -> list[dict]:
-        """The stored records, each run's marked incomplete unless the run ended complete, plus one
-        error record per run that never ended. A row that says it is a record but lacks a field every
-        record has is skipped with a warning (tables and reports would stumble on it)."""
+        """The stored records, each marked incomplete unless its run ended complete (schema-1 records,
+        from before runs had marks, excepted), plus one error record per run that never ended. A row
+        that says it is a record but lacks a field every record has is skipped with a warning (tables
+        and reports would stumble on it)."""
         rows = self.rows()
-        starts = {r["run_id"]: r for r in rows if r.get("run_mark") == "started" and "run_id" in r}
-        outcomes = {r["run_id"]: r.get("outcome") for r in rows if r.get("run_mark") == "ended" and "run_id" in r}
-        out, kept, malformed = [], {}, 0
+        starts = {r["run_id"]: r for r in rows if r.get("run_mark") == "started" and _is_id(r.get("run_id"))}
+        outcomes = {r["run_id"]: r.get("outcome") for r in rows
+                    if r.get("run_mark") == "ended" and _is_id(r.get("run_id"))}
+        out, kept, unmarked, malformed = [], {}, {}, 0
         for r in rows:
             if "record_id" not in r:
                 continue
-            if any(f not in r for f in RECORD_FIELDS):
+            if any(f not in r for f in RECORD_FIELDS) or not _is_id(r["run_id"]):
                 malformed += 1
                 continue
-            if r["run_id"] in starts and outcomes.get(r["run_id"]) != "complete":
+            run = r["run_id"]
+            if outcomes.get(run) != "complete" and (run in starts or r.get("schema") != 1):
                 r["incomplete"] = True
-                kept[r["run_id"]] = kept.get(r["run_id"], 0) + 1
+                kept[run] = kept.get(run, 0) + 1
+                if run not in starts:
+                    unmarked.setdefault(run, r)
             out.append(r)
         if malformed:
             warnings.warn(f"{self.path}: skipped {malformed} records without the fields every record has "
                           f"({', '.join(RECORD_FIELDS)})")
         out += [unfinished_run_record(start, kept.get(run, 0)) for run, start in starts.items() if run not in outcomes]
+        out += [unfinished_run_record(first, kept[run], marked=False) for run, first in unmarked.items()
+                if run not in outcomes]
         return [r for r in out if experiment is None or r["experiment"] == experiment]
 
     def frame(self, experiment: str | None = None) -> pd.DataFrame:

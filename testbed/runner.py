@@ -87,6 +87,11 @@ class ComputedElsewhere(DeviceError):
 
 
 def check_evidence(records: list[Record], profile) -> None:
+    """Every record of a device run carries evidence, and each piece says what kind of program ran: a
+    program's ELF machine (elf_machine), which must be the one of the profile's ABI
+    (testbed.devices.profile.ELF_MACHINE_FOR_ABI), or an IREE module's executable formats
+    (module_formats), which must hold the device's. A host program under the qemu transport runs
+    natively: without this, a build for the wrong target computes on the host and passes."""
     if profile.transport == "local" and not profile.has("emulated"):
         return  # the host itself: what ran here ran on the host
     bare = [r.case for r in records if not r.evidence]
@@ -94,6 +99,35 @@ def check_evidence(records: list[Record], profile) -> None:
         raise ComputedElsewhere(f"{len(bare)} record(s) of a run on device {profile.name} carry no evidence that "
                                 f"the device computed them (first: {bare[0]}); nothing computed on the host is "
                                 f"stored under a device's name")
+    for r in records:
+        for ran in r.evidence:
+            problem = wrong_kind(ran, profile)
+            if problem:
+                raise ComputedElsewhere(f"{r.case}: {ran.get('ran')} (sha256 {str(ran.get('sha256'))[:16]}) {problem}; "
+                                        f"it did not compute on device {profile.name}")
+
+
+def wrong_kind(ran: dict, profile) -> str | None:
+    """Why this evidence does not show a program for the device's kind (None: it does)."""
+    from testbed.devices.profile import ELF_MACHINE_NAMES, elf_machine_for
+
+    detail = ran.get("detail") if isinstance(ran.get("detail"), dict) else {}
+    if "module_formats" in detail:
+        from testbed.backends.iree.device import module_format_for
+
+        want = module_format_for(profile)
+        formats = detail["module_formats"] or []
+        return None if want in formats else f"is a module for {', '.join(map(str, formats)) or 'nothing known'}, " \
+                                            f"not {want} (device {profile.name}: {profile.abi})"
+    machine, want = detail.get("elf_machine"), elf_machine_for(profile.abi)
+    if want is None:
+        return f"cannot be checked: ABI {profile.abi} has no ELF machine in testbed.devices.profile.ELF_MACHINE_FOR_ABI"
+    if machine is None:
+        return "does not say what kind of program ran (no ELF machine or module format in its evidence)"
+    if machine != want:
+        return (f"is an ELF for machine {machine} ({ELF_MACHINE_NAMES.get(machine, 'unknown')}), not "
+                f"{want} ({ELF_MACHINE_NAMES.get(want, 'unknown')}) of ABI {profile.abi}")
+    return None
 
 
 @dataclass

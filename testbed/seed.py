@@ -68,6 +68,8 @@ def chunk_prefill_records(path: Path) -> list[tuple[RunInfo, list[Record]]]:
 def store_records(store, fixtures: Path) -> int:
     """Append the seed's chunk-call figures as records to `store`, for reports that set the seed's
     targets beside our runs (the seed's tail sweep is the tail experiment's `mode=fixture`)."""
-    rows = [info.stamp(rec) for info, records in chunk_prefill_records(fixtures / CHUNK_PREFILL) for rec in records]
-    store.append(rows)
-    return len(rows)
+    stored = 0
+    for info, records in chunk_prefill_records(fixtures / CHUNK_PREFILL):  # each a whole run, between its marks
+        store.append([info.mark("started"), *(info.stamp(rec) for rec in records), info.mark("ended", "complete")])
+        stored += len(records)
+    return stored

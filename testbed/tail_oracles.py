@@ -20,6 +20,14 @@ Byte-identical cache of an engine run (check_engine_rollback): a whole prefill w
 and rolled back, against the same prefill whose padded call appended only its real rows, every cache
 byte of every layer, and the positions those the cache contract gives (engine_grid: prompt lengths
 that meet the windows empty, unevicted, evicted by the pads only, and full).
+
+Cache encoding (check_cache_encoding): the byte-identical oracle compares the engine with itself, so
+an encoder that writes wrong bytes the same way twice (a scale in the next group's slot, read back
+from there) passes it. So an engine's float16 or int8 cache is also judged against refimpl's encoding
+(refimpl.sliding_cache.encode_rows: float16 rounding, int8 groups of `group`, one float32 scale each,
+in refimpl's layout) of the rows it encoded: the first layer's K and V do not depend on any cache, so
+the same prompt run with a float32 cache gives exactly the rows the encoder was given there, and the
+stored bytes must equal refimpl's encoding of them, every byte.
 """
 
 from __future__ import annotations
@@ -414,3 +422,24 @@ def check_engine_rollback(case: EngineGridCase, layer_types, padded: tp.Prefill,
                "differing": -same.margin}
     return Verdict("cache_bytes", not problems, same.margin - (len(problems) - (not same.passed)), metrics,
                    "; ".join(problems))
+
+
+def check_cache_encoding(float_run: tp.Prefill, got: tp.Prefill) -> Verdict:
+    """An engine's float16 / int8 cache against refimpl's encoding (see the module's docstring):
+    `float_run` is the same engine's prefill of the same prompt with a float32 cache, `got` the run
+    judged. Its first layer's stored rows (data and scales) must be refimpl's encoding of the float32
+    run's first-layer rows, byte for byte, at the same positions."""
+    want_rows, rows = float_run.caches.layers[0].rows, got.caches.layers[0].rows
+    n = rows.length
+    metrics = {"dtype": rows.dtype, "group": rows.group, "rows": n}
+    if want_rows.dtype != "float32" or want_rows.length != n or \
+            not np.array_equal(want_rows.positions[:n], rows.positions[:n]):
+        return Verdict("cache_encoding", False, -1.0, metrics,
+                       f"the float32 run is not the same prefill (dtype {want_rows.dtype}, rows {want_rows.length} "
+                       f"at {want_rows.positions[:want_rows.length].tolist()}; judged: {n} at "
+                       f"{rows.positions[:n].tolist()})")
+    want = sc.encode_rows(rows.dtype, rows.group, want_rows.k[:, :n], want_rows.v[:, :n], rows.positions[:n])
+    same = check_bitexact({name: a[:n] if name == "positions" else a[:, :n] for name, a in want.arrays().items()},
+                          {name: a[:n] if name == "positions" else a[:, :n] for name, a in rows.arrays().items()})
+    return Verdict("cache_encoding", same.passed, same.margin, metrics | {"differing": -same.margin},
+                   "" if same.passed else f"layer 0's {rows.dtype} rows are not refimpl's encoding of them: {same.detail}")

@@ -89,6 +89,15 @@ def tied_tokens(reference: np.ndarray, atol: float) -> list[int]:
     return sorted(int(t) for t in np.flatnonzero(reference >= reference.max() - atol))
 
 
+def not_finite(what: str, logits: np.ndarray) -> str | None:
+    """Why `logits` cannot be judged (NaN or inf among them), or None."""
+    logits = np.asarray(logits, np.float64)
+    nan, inf = int(np.isnan(logits).sum()), int(np.isinf(logits).sum())
+    if not nan and not inf:
+        return None
+    return f"{what} hold {nan} NaN and {inf} inf of {logits.size} values: no token can be judged"
+
+
 def closeness(name: str, diff: float, atol: float, detail: str) -> Verdict:
     passed = bool(np.isfinite(diff) and diff <= atol)
     margin = 30.0 if diff == 0 else (None if not np.isfinite(diff) else min(30.0, math.log10(atol / diff)))
@@ -138,6 +147,10 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
     if case.position >= prompt.size:
         raise ValueError(f"case {case.name} reaches position {case.position} of a {prompt.size}-token prompt")
     reference = ref.logits(case.position)
+    broken = not_finite(f"redecode's logits at position {case.position} (the reference)", reference)
+    if broken:  # nothing to compare with: every verdict fails, saying so
+        info = {"position": case.position, "calls": case.calls, "expected": expected}
+        return [Verdict(name, False, None, info, broken) for name in ("token", "logits", "cache", "naive")]
     ref_token = int(np.argmax(reference))
     info = {"position": case.position, "calls": case.calls, "token_ref": ref_token,
             "margin_ref": top2_margin(reference), "expected": expected}
@@ -157,11 +170,13 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
     accepted = tied_tokens(reference, logit_atol)
     said = f"redecode {named(ref_token)}" if len(accepted) == 1 else f"redecode ties {accepted} within {logit_atol:g}"
     tokens = {"chunk": int(np.argmax(chunk_logits)), "decode": int(np.argmax(decode_logits))}
-    problems = [f"{path} gives token {named(t)}, {said}" for path, t in tokens.items() if t not in accepted]
-    margin = min(margin_for(chunk_logits, accepted), margin_for(decode_logits, accepted))
+    unusable = [why for path, logits in (("chunk", chunk_logits), ("decode", decode_logits))
+                if (why := not_finite(f"the {path} path's logits", logits))]
+    problems = unusable or [f"{path} gives token {named(t)}, {said}" for path, t in tokens.items() if t not in accepted]
+    margin = None if unusable else min(margin_for(chunk_logits, accepted), margin_for(decode_logits, accepted))
     if expected is not None and expected not in accepted:
         problems.append(f"{said}, the config pins {named(expected)}")
-        margin = min(margin, margin_for(reference, [expected]))
+        margin = None if margin is None else min(margin, margin_for(reference, [expected]))
     chunk_text = {"token_chunk_text": token_text(tokens["chunk"])} if token_text else {}
     token = Verdict("token", not problems, margin,
                     {**info, "token_chunk": tokens["chunk"], "token_decode": tokens["decode"], **chunk_text,
@@ -188,6 +203,10 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
     cache.metrics.update({**info, "max_abs_real_rows_diff": real, "max_abs_pad_rows_diff": pad, "nmse_kv": kv_nmse})
     # naive: both paths against the float64 model written out independently of refimpl.gemma
     naive_logits = ref.naive_logits(case.position)
+    broken = not_finite(f"the naive float64 model's logits at position {case.position}", naive_logits)
+    if broken:
+        return [token, logits, cache, Verdict("naive", False, None, {**info, "naive_reference": "refimpl.naive_gemma"},
+                                              broken)]
     naive_accepted = tied_tokens(naive_logits, logit_atol)
     naive_said = (f"the naive float64 model {named(naive_accepted[0])}" if len(naive_accepted) == 1
                   else f"the naive float64 model ties {naive_accepted}")
@@ -196,7 +215,7 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
                       f"max |logit - naive float64 model| {naive_diff:.3g} > {logit_atol:g}")
     naive.metrics.update({**info, "token_naive": int(np.argmax(naive_logits)), "naive_reference": "refimpl.naive_gemma"})
     off = [f"{path} gives token {named(t)}, {naive_said}" for path, t in tokens.items() if t not in naive_accepted]
-    if off:  # the margin is then the token's: how far each path is from a token the naive model accepts
+    if off and not unusable:  # the margin is then the token's: how far each path is from a token the naive model accepts
         margin = min(margin_for(chunk_logits, naive_accepted), margin_for(decode_logits, naive_accepted))
         naive = Verdict("naive", False, margin, naive.metrics, "; ".join(off + [naive.detail] * bool(naive.detail)))
     return [token, logits, cache, naive]

@@ -45,15 +45,19 @@ def reference64(x: ref.GDNInputs, head_map: str) -> dict[str, np.ndarray]:
     return {"out": out, "state": state}
 
 
-def mutant_program(target: str, file: str, find: str, replace: str, program: str = "tb_model_bench") -> Path:
+def mutant_program(target: str, file: str, find: str, replace: str, program: str = "tb_model_bench",
+                   also: tuple[tuple[str, str], ...] = ()) -> Path:
     """The device programs built for `target` from a copy of kernels/ with `find` replaced by `replace`
-    in kernels/FILE (exactly once), cached by content hash under .cache/kernels/mutants/."""
+    in kernels/FILE (exactly once; `also`: more such edits in that file), cached by content hash under
+    .cache/kernels/mutants/."""
     text = (kernel_build.KERNELS_DIR / file).read_text()
-    assert text.count(find) == 1, f"the planted edit must match kernels/{file} exactly once: {find!r}"
+    for old, new in ((find, replace), *also):
+        assert text.count(old) == 1, f"the planted edit must match kernels/{file} exactly once: {old!r}"
+        text = text.replace(old, new)
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "kernels"
         shutil.copytree(kernel_build.KERNELS_DIR, copy)
-        (copy / file).write_text(text.replace(find, replace))
+        (copy / file).write_text(text)
         return kernel_build.build_programs(target, cache_dir=MUTANTS_DIR, kernels_dir=copy) / program
 
 

@@ -189,3 +189,22 @@ def test_cli_run_fails_when_refimpl_norms_lose_the_weight_offset(results_dir, mo
     naive = next(r for r in planted if r["oracle"] == "naive")
     assert naive["metrics"]["max_abs_naive_diff"] > naive["metrics"]["naive_atol"] and naive["margin"] < 0
     assert "naive float64 model" in naive["detail"] and f"FAIL {naive['case']}" in out
+
+
+def test_cli_native_run_catches_an_attention_kernel_with_a_mask_head_stride_of_0(results_dir, monkeypatch, capsys):
+    """Issue 24, item 9: every head's mask rows read from head 0 in the C attention kernel (both its
+    paths). The engine builds masks that are the same for every head, so every utterance passes; the
+    run's mask_heads verdict runs the same kernel with masks that differ per head."""
+    from testbed.backends.native import build as kernel_build
+    from tests.native_support import mutant_program
+
+    mutant = mutant_program("host", "attention.c", "const float *m = mask + (size_t)r * l + j0;",
+                            "const float *m = mask + (size_t)(r % a->c) * l + j0;",
+                            also=(("a->mask + (size_t)(r0 + r) * a->l", "a->mask + (size_t)((r0 + r) % a->c) * a->l"),))
+    monkeypatch.setattr(kernel_build, "build_programs", lambda target, **kw: mutant.parent)
+    assert main(["run", "chunk_prefill", "backend=native", "mode=oracle"]) == 1
+    records = ResultsStore(results_dir).records("chunk_prefill")
+    failed = {r["oracle"] for r in records if r["verdict"] != "pass"}
+    assert failed == {"mask_heads"}, failed  # the utterances themselves pass: their masks hide it
+    (v,) = [r for r in records if r["oracle"] == "mask_heads"]
+    assert "with masks that differ per head" in v["detail"] and v["evidence"][0]["ran"] == "tb_attention_bench"

@@ -120,3 +120,73 @@ def test_doctor_says_when_adb_shell_cannot_reach_usb(monkeypatch, capsys):
     assert main(["doctor", "pixel"]) == 3  # and no phone is attached either
     out = capsys.readouterr().out
     assert out.startswith("MISSING  adb-shell usb support") and "pip install 'testbed[usb]'" in out
+
+
+def test_the_loopback_adbd_starts_from_a_folder_holding_a_testbed_folder(tmp_path, monkeypatch):
+    """Issue 24, item 15: `python -m testbed.peers.adbd` run where the user is imported ./testbed."""
+    from testbed.devices import connect, load_profile
+
+    (tmp_path / "testbed").mkdir()
+    (tmp_path / "testbed" / "__init__.py").write_text("raise ImportError('the wrong testbed')\n")
+    monkeypatch.chdir(tmp_path)
+    device = connect(load_profile("adb-loopback"))
+    try:
+        assert device.run(["echo", "hi"]).stdout.strip() == "hi"
+    finally:
+        device.close()
+
+
+def test_a_peer_that_fails_to_start_is_one_line_in_the_devices_table(tmp_path, monkeypatch, capsys):
+    """Issue 24, item 15: its traceback went into the table cell, line breaks and all."""
+    import testbed.config as config
+
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    (devices / "broken-peer.yaml").write_text(
+        "name: broken-peer\ntransport: adb\nabi: armeabi-v7a\nwork_dir: /data/local/tmp/testbed\n"
+        "connection: {host: 127.0.0.1}\n"
+        "peer: {command: ['{python}', '-c', 'import no_such_module_here']}\n")
+    monkeypatch.setitem(config.GROUPS, "device", devices)
+    assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if "broken-peer" in line]
+    assert "did not start: ModuleNotFoundError: No module named 'no_such_module_here'" in row
+    assert len(out.splitlines()) == 3  # header, rule, the one row
+
+
+def test_devices_lists_templates_as_not_configured_and_dials_nothing_outside_loopback(monkeypatch, capsys):
+    """Issue 24, item 17: `testbed devices` probed every shipped profile, the example phone at
+    192.168.1.50:5555 and the board at board.local:22 among them."""
+    import ipaddress
+    import socket
+
+    tried = []
+
+    def local(host) -> bool:
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return host == "localhost"
+
+    real_connect, real_lookup = socket.socket.connect, socket.getaddrinfo
+
+    def connect(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and not local(address[0]):
+            tried.append(address)
+            raise ConnectionRefusedError(f"test: no connect to {address}")
+        return real_connect(sock, address)
+
+    def lookup(host, *args, **kwargs):
+        if host is not None and not local(host):
+            tried.append(host)
+            raise socket.gaierror(f"test: no lookup of {host}")
+        return real_lookup(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    assert main(["devices"]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert tried == []
+    for template in ("arm32", "board"):
+        assert f"not configured: connection.host is empty (devices/{template}.yaml is a template" in rows[template]
+    assert main(["doctor", "board"]) == 3 and tried == []

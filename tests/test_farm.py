@@ -300,3 +300,28 @@ def test_farm_node_starts_ray_with_one_resource_per_device_that_answers(monkeypa
     assert "pixel: left out, no: " in err and "farm node: advertising device:host" in err
     assert main(["farm", "node", "--devices=host,nosuch"]) == 2
     assert "--devices: unknown device 'nosuch'; accepted: " in capsys.readouterr().err
+
+
+def test_farm_status_on_a_busy_head_is_one_line_and_exit_3(monkeypatch, capsys):
+    """Issue 24, item 13: under load the board's answer timed out: a GetTimeoutError traceback."""
+    class Busy:
+        exceptions = ray.exceptions
+
+        def get(self, ref, timeout=None):
+            raise ray.exceptions.GetTimeoutError("Get timed out: some object(s) not ready.")
+
+    monkeypatch.setattr(farm, "join", lambda address: Busy())
+    monkeypatch.setattr(farm, "board", lambda r: type("B", (), {"show": type("S", (), {"remote": lambda: None})})())
+    assert main(["farm", "status", "--address=127.0.0.1:6379"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did not say what runs where within 10 s" in err
+
+
+@pytest.mark.parametrize("port, says", [(12345, "inside Ray's worker port range 10002-19999"),
+                                        (10001, "Ray's client server"), (80, "accepted: 1024-65535")])
+def test_farm_node_refuses_a_port_ray_takes_for_itself(port, says, monkeypatch, capsys):
+    """Issue 24, item 13: `ray start --head --port` in its worker range failed inside Ray with a raw ValueError."""
+    monkeypatch.setattr(farm, "node_resources", lambda names: pytest.fail("probed devices before checking --port"))
+    assert main(["farm", "node", f"--port={port}", "--devices=host"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"testbed: error: --port={port} ") and says in err

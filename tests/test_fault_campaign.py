@@ -48,9 +48,9 @@ DEADLINE_S = 180  # the longest any one process of the campaign may take before 
 SUMMARY = re.compile(r"oracles (\d+)/(\d+) pass, (\d+) measurements; run (\w+) stored")
 
 
-def start(argv: list[str], results: Path) -> subprocess.Popen:
+def start(argv: list[str], results: Path, **env: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "testbed", *argv], cwd=PROJECT_ROOT,
-                            env={**os.environ, "TESTBED_RESULTS": str(results)},
+                            env={**os.environ, "TESTBED_RESULTS": str(results), **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -152,6 +152,69 @@ def test_kill_9_at_a_random_point_of_a_sweep(round_, tmp_path, monkeypatch, caps
     ended = {r["run_id"] for r in store.scan().rows if r.get("run_mark") == "ended"}
     for run in ended:  # each run of the sweep that ended before the kill is whole
         assert sum(r["run_id"] == run and r["kind"] == "oracle" for r in read(store)) == 48
+    still_works(results, tmp_path, monkeypatch, capsys)
+
+
+# --- records rm on a live run ----------------------------------------------------------------------
+
+
+def test_records_rm_on_a_live_run_then_kill_9(tmp_path, monkeypatch, capsys):
+    """`records rm --run` of a run still going is refused (--force too, while its process lives); and if
+    its start mark goes anyway (the old `rm` took it), the run killed after reads incomplete, not passed."""
+    results = tmp_path / "results"
+    store = ResultsStore(results)
+    monkeypatch.setenv("TESTBED_RESULTS", str(results))
+    proc = start(LONG_ORACLE_RUN, results)
+    seen: set[str] = set()
+    deadline = time.monotonic() + DEADLINE_S
+    while len(seen) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        seen |= stored_ids(store)
+        time.sleep(0.01)
+    (run,) = {r["run_id"] for r in store.scan().rows if r.get("run_mark") == "started"}
+    refused = [main(["records", "rm", "--run", run, *force]) for force in ([], ["--force"])]
+    alive = proc.poll() is None
+    store.rewrite(lambda row: row.get("run_mark") != "started")  # the old `rm`: the start mark gone, the run going on
+    seen |= watch(proc, store, kill_after_s=RNG.uniform(0.0, 1.0))
+    COUNTS["faults"] += 1
+    if alive:
+        assert refused == [2, 2] and "is still running" in capsys.readouterr().err
+    audit(store, seen)
+    if run not in {r["run_id"] for r in store.scan().rows if r.get("run_mark") == "ended"}:
+        assert main(["records", "rm", "--run", run, "--force"]) == 0  # its process is gone now
+        assert run not in {r["run_id"] for r in read(store)}
+    still_works(results, tmp_path, monkeypatch, capsys)
+
+
+# --- inputs staged on a device, changed there --------------------------------------------------------
+
+NATIVE_ORACLE_RUN = ["run", "gdn", "backend=native", "mode=oracle", "matrix=awkward"]
+
+
+def test_staged_inputs_corrupted_on_the_device(tmp_path, monkeypatch, capsys):
+    """The host's work folder holds each case's inputs, staged once per content; bytes changed or cut
+    there must be pushed again, not run (and blamed on the kernel)."""
+    results, temp = tmp_path / "results", tmp_path / "tmp"
+    temp.mkdir()
+    store = ResultsStore(results)
+    said = {}
+    for round_ in range(2):
+        proc = start(NATIVE_ORACLE_RUN, results, TMPDIR=str(temp))  # the host's work folder under it
+        out, err = proc.communicate(timeout=DEADLINE_S)
+        assert proc.returncode == 0, err
+        said.update(reported(out))
+        staged = sorted(temp.glob("testbed-*/host/inputs/*/*.npy"))
+        assert staged
+        for path in staged:  # every staged input: bytes flipped past the header, or the file cut
+            data = bytearray(path.read_bytes())
+            if RNG.random() < 0.5:
+                at = RNG.randrange(128, len(data))
+                data[at] ^= 0xFF
+            else:
+                del data[RNG.randrange(128, len(data)):]
+            path.write_bytes(bytes(data))
+        COUNTS["faults"] += 1
+    assert all(counts == (48, 48) for counts in said.values()) and len(said) == 2
+    audit(store, set(), said)
     still_works(results, tmp_path, monkeypatch, capsys)
 
 

@@ -103,3 +103,51 @@ def test_not_supported_cases_are_neither_passed_nor_tested(tbo, tmp_path, result
     # counting them as OK would make the tool's summary disagree: that reads as a failure, never a pass
     (tmp_path / "miscount.stdout").write_text(text.replace("34/34 tests passed", "36/36 tests passed"))
     assert main(["ingest", str(tmp_path / "miscount.stdout"), "--force"]) == 1
+
+
+def with_passed_column(text: str, cell=lambda n: "1") -> str:
+    """The CSV as newer test-backend-ops write it: a `passed` column; `cell(n)` is row n's value."""
+    lines = text.splitlines()
+    return "\n".join([lines[0] + ',"passed"'] + [f'{line},"{cell(n)}"' for n, line in enumerate(lines[1:])]) + "\n"
+
+
+def test_a_csv_row_without_a_verdict_is_refused_naming_its_line(tbo, tmp_path, results_dir, capsys):
+    """Issue 24, item 3: an empty `passed` cell is no verdict; nor is a `supported` cell the tool never writes."""
+    text = (tbo / "test_mode_b_CPU.csv").read_text()
+    (tmp_path / "ok.csv").write_text(with_passed_column(text))
+    assert main(["ingest", str(tmp_path / "ok.csv")]) == 0
+    (tmp_path / "empty.csv").write_text(with_passed_column(text, lambda n: "" if n == 2 else "1"))
+    refused([str(tmp_path / "empty.csv"), "--force"], capsys, "line 4 (")
+    (tmp_path / "maybe.csv").write_text(text.replace('"test","1"', '"test","maybe"', 1))
+    refused([str(tmp_path / "maybe.csv"), "--force"], capsys, "line 2 (")
+    assert len(ResultsStore(results_dir).records()) == 37  # only the first file's
+
+
+@pytest.mark.parametrize("bad", ["nan us/run", "inf us/run", "-5.00 us/run", "0.00 us/run"])
+def test_a_perf_row_that_is_not_a_measurement_is_refused_naming_its_line(bad, tbo, tmp_path, results_dir, capsys):
+    """Issue 24, item 3: nan/inf/negative times were dropped (12 lines -> 9 records, exit 0), and
+    "0 runs, 0.00 us/run" stored as a real 0 us."""
+    text = (tbo / "perf_b_CPU.stdout").read_text()
+    line = next(n for n, ln in enumerate(text.splitlines(), 1) if "head_count=16,head_size=64," in ln)
+    (tmp_path / "perf.stdout").write_text(text.replace("29.20 us/run", bad))
+    refused([str(tmp_path / "perf.stdout")], capsys, f"line {line} (")
+    (tmp_path / "none.stdout").write_text(text.replace("40950 runs -    29.20", "0 runs -    0.00"))
+    refused([str(tmp_path / "none.stdout")], capsys, f"line {line} (")
+    assert not results_dir.exists()
+    assert main(["ingest", str(tbo / "perf_b_CPU.stdout")]) == 0
+    assert len(ResultsStore(results_dir).records()) == 12
+
+
+def test_a_csv_cut_at_a_row_boundary_is_refused_as_incomplete(tbo, tmp_path, results_dir, capsys):
+    """Issue 24, item 4: a CSV has no summary line; cut right after a row it ends with a newline and every
+    row is whole, so only the op's case list (or --cases, what the command ran) says it is not."""
+    text = (tbo / "test_mode_b_CPU.csv").read_text()
+    (tmp_path / "cut.csv").write_text("".join(text.splitlines(keepends=True)[:-3]))
+    refused([str(tmp_path / "cut.csv")], capsys, "incomplete: 33 of the 36 GATED_DELTA_NET cases")
+    refused([str(tmp_path / "cut.csv"), "--cases", "36"], capsys, "incomplete: 33 case rows, but the command ran 36")
+    other = text.replace('"GATED_DELTA_NET"', '"SSM_SCAN"')
+    (tmp_path / "other.csv").write_text(other)
+    refused([str(tmp_path / "other.csv")], capsys, "testbed has no case list for SSM_SCAN")
+    assert not results_dir.exists()
+    assert main(["ingest", str(tmp_path / "other.csv"), "--cases", "36"]) == 0
+    assert main(["ingest", str(tmp_path / "cut.csv"), "--cases", "33"]) == 0  # a run of 33 cases (-p)

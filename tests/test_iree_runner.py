@@ -163,3 +163,25 @@ def test_profile_tools_are_used_where_the_profile_says(local_device):
     assert iree.tool("iree-run-module") == tools["iree-run-module"] and iree.source.origin == "device"
     with pytest.raises(ToolMissing, match="not tools.iree-benchmark-module"):
         IreeDevice(with_iree(local_device, HOST_IREE, tools={"iree-run-module": tools["iree-run-module"]}))
+
+
+@pytest.fixture(scope="module")
+def arm32_module():
+    return compile_graph(fma_graph(), "arm32")
+
+
+@pytest.mark.parametrize("abi, target, wrong, runs", [
+    ("armeabi-v7a", "arm32", "arm64_module", "embedded-elf-arm_32"),
+    ("arm64-v8a", "aarch64-linux", "arm32_module", "embedded-elf-arm_64"),
+])
+def test_a_module_for_the_other_arm_is_refused_by_its_own_bytes(abi, target, wrong, runs, request):
+    """Issue 24, item 6: both ARM formats start embedded-elf-arm; an aarch64 module for an arm32 device
+    (or the reverse) is refused by the module check itself, not later by accident."""
+    from testbed.backends.iree.device import check_module_fits
+
+    profile = Profile(name="d", transport="local", abi=abi, iree={"target": target, "hal_device": "local-sync"})
+    module = request.getfixturevalue(wrong).module
+    with pytest.raises(UsageError, match=f"runs {runs}"):
+        check_module_fits(module, profile)
+    right = request.getfixturevalue("arm32_module" if wrong == "arm64_module" else "arm64_module").module
+    check_module_fits(right, profile)

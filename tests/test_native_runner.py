@@ -58,3 +58,28 @@ def test_arm_programs_through_adb_and_qemu(adb_device, abi):
     x = np.linspace(-3, 3, 257, dtype=np.float32)
     result = run_native(adb_device, NativeJob(compile_static(SOURCE, abi), {"x": x}, ["y"], ["1.5", "-0.25", "2"]))
     assert check_bitexact({"y": reference(x, 1.5, -0.25)}, result.outputs).passed
+
+
+@pytest.mark.parametrize("which", ["local_device", "ssh_device"])
+def test_staged_inputs_changed_on_the_device_are_pushed_again(which, request, tmp_path):
+    """Issue 24, item 2: inputs staged once per content were reused on a `.complete` marker alone, so
+    inputs corrupted on the device failed every later run there, blamed on the kernel."""
+    from testbed.backends.native.device import stage_inputs
+
+    device = request.getfixturevalue(which)
+    rng = np.random.default_rng(3)
+    inputs = {"q": rng.standard_normal(300).astype(np.float32), "k": rng.standard_normal(77).astype(np.float32)}
+    folder = stage_inputs(device, inputs, tmp_path)
+    for name, damage in (("q", b"\0" * 64), ("k", b"")):  # bytes changed in place, a file cut short
+        local = tmp_path / "back.npy"
+        device.pull(f"{folder}/{name}.npy", local)
+        data = bytearray(local.read_bytes())
+        data[-len(damage) or len(data) - 8:] = damage
+        local.write_bytes(bytes(data))
+        device.push(local, f"{folder}/{name}.npy")
+    again = tmp_path / "again"
+    again.mkdir()
+    assert stage_inputs(device, inputs, again) == folder
+    for name, array in inputs.items():
+        device.pull(f"{folder}/{name}.npy", tmp_path / "back.npy")
+        assert np.array_equal(np.load(tmp_path / "back.npy"), array), name

@@ -41,6 +41,18 @@ def test_nan_or_inf_in_the_reference_next_to_a_wrong_output_fails(bad):
     assert not check_nmse({"y": wrong}, {"y": ref}).passed  # and on the output's side
 
 
+@pytest.mark.parametrize("magnitude", [1e200, 1e-200, 1e300])
+def test_nmse_of_huge_or_tiny_values_is_computed_scaled(magnitude):
+    """Issue 24, item 11: float64 sums of squares of 1e200 overflow (inf / inf = NaN, which max() and
+    <= read as a pass, margin 30) and of 1e-200 underflow (0 / 0)."""
+    ref, out = np.array([1.0, 2.0]) * magnitude, np.array([1.1, 2.0]) * magnitude
+    assert nmse(ref, out) == pytest.approx(0.01 / 5, rel=1e-12)
+    v = check_nmse({"y": ref}, {"y": out})
+    assert not v.passed and v.margin < 0 and v.metrics["nmse"] == pytest.approx(0.002, rel=1e-12)
+    assert check_nmse({"y": ref}, {"y": ref.copy()}).passed
+    assert not check_nmse({"y": np.array([1e308, -1e308])}, {"y": np.array([-1e308, 1e308])}).passed
+
+
 # --- the token verdict at a tie ------------------------------------------------------------------------
 
 CASE = TokenCase(past=40, tokens=12, chunk=16)
@@ -92,6 +104,78 @@ def test_a_flip_where_the_reference_is_not_tied_still_fails():
     ref = ShiftedReference(base, gap=2e-3)  # further apart than the tolerance: no tie
     token = check_token_at_position(flipping(good, ref), ref, CASE, logit_atol=1e-3)[0]
     assert not token.passed and not token.metrics["tie"] and token.margin < 0
+
+
+# --- NaN in the logits ----------------------------------------------------------------------------------
+
+
+class NaNReference(Reference):
+    """The model's reference with one NaN in its logits (or its naive model's) at the case's position:
+    what a checkpoint holding a NaN weight gives."""
+
+    def __init__(self, base: Reference, which: str):
+        super().__init__(base.w, base.cfg, base.prompt)
+        self.which = which
+
+    def _poisoned(self, logits, which):
+        logits = logits.copy()
+        if which == self.which:
+            logits[3] = np.nan
+        return logits
+
+    def logits(self, position):
+        return self._poisoned(super().logits(position), "redecode")
+
+    def naive_logits(self, position):
+        return self._poisoned(super().naive_logits(position), "naive")
+
+
+def test_nan_in_the_reference_logits_is_a_failed_verdict_naming_it():
+    """Issue 24, item 10: tied_tokens gave [] and margin_for raised ValueError (a traceback, exit 1)."""
+    w, base, good = model()
+    verdicts = check_token_at_position(good, NaNReference(base, "redecode"), CASE)
+    assert [v.oracle for v in verdicts] == ["token", "logits", "cache", "naive"]
+    assert all(not v.passed and v.margin is None for v in verdicts)
+    assert all("hold 1 NaN and 0 inf of 256 values" in v.detail and "reference" in v.detail for v in verdicts)
+    token, logits, cache, naive = check_token_at_position(good, NaNReference(base, "naive"), CASE)
+    assert token.passed and logits.passed and cache.passed
+    assert not naive.passed and "naive float64 model's logits" in naive.detail and "1 NaN" in naive.detail
+
+
+def test_nan_in_the_candidates_logits_fails_its_token_verdict_naming_it():
+    w, base, good = model()
+
+    def poisoned(result):
+        logits, k, v = result
+        logits = logits.copy()
+        logits[..., 5] = np.nan
+        return logits, k, v
+
+    bad = dataclasses.replace(good, prefill_with_past=lambda *a: poisoned(good.prefill_with_past(*a)))
+    token, logits, _, naive = check_token_at_position(bad, base, CASE)
+    assert not token.passed and token.margin is None and "the chunk path's logits hold 1 NaN" in token.detail
+    assert not logits.passed and not naive.passed
+
+
+def test_cli_run_with_nan_reference_logits_is_a_failed_verdict_not_a_traceback(results_dir, monkeypatch, capsys):
+    from refimpl import gemma
+
+    from testbed.cli import main
+    from testbed.results import ResultsStore
+
+    real = gemma.redecode
+
+    def nan_redecode(*a, **kw):
+        logits = real(*a, **kw).copy()
+        logits[0] = np.nan
+        return logits
+
+    monkeypatch.setattr(gemma, "redecode", nan_redecode)
+    assert main(["run", "chunk_prefill", "mode=oracle", "cases=[{past:40,tokens:12}]", "chunk=16"]) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "NaN" in out
+    records = ResultsStore(results_dir).records("chunk_prefill")
+    assert records and all(r["verdict"] == "fail" for r in records if r["oracle"] != "naive")
 
 
 # --- regression detection ------------------------------------------------------------------------------

@@ -122,3 +122,48 @@ def test_table_says_which_runs_did_not_end_complete(results_dir, capsys):
     assert main(["table", "gdn"]) == 0
     err = capsys.readouterr().err
     assert f"note: 1 run(s) did not end complete ({killed.run_id})" in err
+
+
+def test_rm_refuses_a_run_without_an_end_mark_unless_forced_once_its_process_is_gone(results_dir, capsys):
+    """Issue 24, item 1: `rm --run` of a run still going took its start mark away, and when the run was
+    then killed its later records read as passed."""
+    import subprocess
+    import sys
+
+    store = ResultsStore(results_dir)
+    live, rows = run_rows(2)
+    store.append(rows[:2])  # started (by this very process, still running), one record
+    before = store.path.read_bytes()
+    for force in ([], ["--force"]):
+        assert main(["records", "rm", "--run", live.run_id, *force]) == 2
+        err = capsys.readouterr().err
+        assert f"--run {live.run_id}: the run has no end mark and process {os.getpid()}" in err
+        assert "still running" in err
+    assert store.path.read_bytes() == before
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed, rows = run_rows(2)
+    store.append([{**rows[0], "pid": int(dead.stdout)}, rows[1]])  # started, one record, then killed
+    assert main(["records", "rm", "--run", killed.run_id]) == 2
+    assert "or --force once process" in capsys.readouterr().err
+    assert main(["records", "rm", "--run", killed.run_id, "--force"]) == 0
+    assert "removed 1 records of 1 runs (and 1 run marks)" in capsys.readouterr().out
+    assert killed.run_id not in {r["run_id"] for r in store.records()}
+
+
+def test_records_of_a_run_without_marks_read_incomplete(results_dir, capsys):
+    """Issue 24, item 1: the start mark gone (removed while the run went on), and the run killed: its
+    records must not read as passed, and `records verify` must say so."""
+    from testbed.results import passed
+
+    store = ResultsStore(results_dir)
+    run, rows = run_rows(3)
+    store.append(rows[1:3])  # two records, neither mark
+    stored = store.records()
+    assert not any(passed(r) for r in stored) and all(r["incomplete"] for r in stored)
+    (error,) = [r for r in stored if r["verdict"] == "error"]
+    assert error["run_id"] == run.run_id and "no start or end mark" in error["detail"]
+    assert main(["records", "verify"]) == 1
+    assert f"1 runs have records but no start or end mark (read as incomplete): {run.run_id}" in \
+        capsys.readouterr().out
+    store.append([rows[-1]])  # its end mark: "ended complete"
+    assert all(passed(r) for r in store.records())

@@ -24,6 +24,7 @@ import pytest
 from testbed import config, history, report, runner, seed
 from testbed.cli import main
 from testbed.results import ResultsStore
+from tests.store_support import as_runs
 
 FIXTURES = seed.fixtures_dir(config.load([]).cfg.fixtures_dir)
 HOST_RUN = ["mode=all", "matrix=awkward", "bench.tokens=[64]", "bench.heads=4", "bench.head_size=64",
@@ -256,7 +257,7 @@ def test_oracle_that_flips_to_fail_is_flagged(tmp_path, host_records):
 
 def test_report_command_since_and_bad_input(tmp_path, host_records, monkeypatch, capsys):
     store = ResultsStore(tmp_path / "results")
-    store.append(host_records + later_night(host_records, 30))
+    store.append(as_runs(host_records + later_night(host_records, 30)))
     monkeypatch.setenv("TESTBED_RESULTS", str(store.root))
     out = tmp_path / "out"
 

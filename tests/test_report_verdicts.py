@@ -27,6 +27,7 @@ import pytest
 from testbed import history, plots, report
 from testbed.cli import main
 from testbed.results import ResultsStore
+from tests.store_support import as_runs
 from tests.test_report import FIXTURES
 
 GDN_RUN = ["run", "gdn", "matrix=awkward", "bench.tokens=[64]", "bench.heads=4", "bench.head_size=32", "bench.reps=3"]
@@ -121,7 +122,7 @@ def loaded(record: dict) -> dict:
 def store_of(tmp_path: Path, *runs: list[dict]) -> ResultsStore:
     store = ResultsStore(tmp_path / "results")
     for run in runs:
-        store.append(run)
+        store.append(as_runs(run))
     return store
 
 
@@ -166,17 +167,17 @@ def test_banner_is_red_amber_or_green_per_device_with_its_reason(tmp_path, gdn_r
         return quiet(record)
 
     store = ResultsStore(tmp_path / "results")
-    store.append(copy_run(gdn_run, "phone-failing", broken))
-    store.append(copy_run(gdn_run, "phone-loaded", loaded))
-    store.append(copy_run(gdn_run, "phone-clean", quiet))
-    store.append(copy_run(gdn_run, "phone-old", quiet, days_ago=report.settings()["stale_after_days"] + 3))
+    store.append(as_runs(copy_run(gdn_run, "phone-failing", broken)))
+    store.append(as_runs(copy_run(gdn_run, "phone-loaded", loaded)))
+    store.append(as_runs(copy_run(gdn_run, "phone-clean", quiet)))
+    store.append(as_runs(copy_run(gdn_run, "phone-old", quiet, days_ago=report.settings()["stale_after_days"] + 3)))
     killed = copy_run(gdn_run, "phone-killed", quiet)  # its run started and never ended: no verdict counts
     context = ("schema", "run_id", "started", "experiment", "device", "backend", "emulated", "host_load",
                "fingerprint", "config", "git_commit", "testbed_version", "time")  # what RunInfo.mark writes
     store.append([{**{k: killed[0][k] for k in context}, "run_mark": "started", "outcome": None}])
     store.append(killed)
     for i in range(8):  # six nights as measured, then two at a third of the speed: a regression
-        store.append(copy_run(gdn_run, "phone-slower", slower(3.0 if i >= 6 else 1.0), days_ago=(8 - i) / 8))
+        store.append(as_runs(copy_run(gdn_run, "phone-slower", slower(3.0 if i >= 6 else 1.0), days_ago=(8 - i) / 8)))
     night = {"night": "n1", "suite": "s", "started": gdn_run[0]["started"], "tools": {},
              "devices": {"phone-clean": {"status": "ok", "reason": ""},
                          "phone-gone": {"status": "unreachable", "reason": "adb: no device 10.0.0.7:5555"}}}

@@ -7,11 +7,12 @@ import pytest
 from testbed import config, runner
 from testbed.experiments import gdn
 from testbed.results import Figure, Record, ResultsStore, RunInfo, passed
+from tests.store_support import as_runs
 
 
 def rows(n, verdict="pass"):
     info = RunInfo("gdn", "host", "refimpl", {"chunk": 64}, {"abi": "x86_64"})
-    return [info.stamp(Record("gdn", f"case{i}", "oracle", "nmse", verdict, 1.0)) for i in range(n)]
+    return as_runs([info.stamp(Record("gdn", f"case{i}", "oracle", "nmse", verdict, 1.0)) for i in range(n)])
 
 
 def test_append_and_read_back(tmp_path):
@@ -29,7 +30,7 @@ def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path):
     store = ResultsStore(tmp_path)
     store.append(rows(2))
     with open(store.path, "a") as f:
-        f.write(json.dumps(rows(1)[0])[:40])  # a crash in the middle of a write
+        f.write(json.dumps(rows(1)[1])[:40])  # a crash in the middle of a write
     with pytest.warns(UserWarning, match="torn line"):
         assert len(store.records()) == 2
 

@@ -11,11 +11,13 @@ from testbed.errors import StoreError
 from testbed.experiments import gdn
 from testbed.results import Record, ResultsStore, RunInfo, passed
 from tests.mounts import tmpfs
+from tests.store_support import as_runs
 
 
-def rows(n, verdict="pass", info=None):
+def rows(n, verdict="pass", info=None, marks=True):
     info = info or RunInfo("gdn", "host", "refimpl", {"chunk": 64}, {"abi": "x86_64"})
-    return [info.stamp(Record("gdn", f"case{i}", "oracle", "nmse", verdict, 1.0)) for i in range(n)]
+    records = [info.stamp(Record("gdn", f"case{i}", "oracle", "nmse", verdict, 1.0)) for i in range(n)]
+    return as_runs(records) if marks else records
 
 
 @pytest.mark.parametrize("damage", [b'{"schema": 2, "experi', b"\x00" * 4096, b'{"experiment": "gdn"\x00\x00\x00'],
@@ -53,7 +55,7 @@ def test_a_batch_that_fails_midway_leaves_the_file_as_it_was(tmp_path, monkeypat
 
     monkeypatch.setattr(os, "write", disk_full_after_some_bytes)
     with pytest.raises(StoreError, match="38 records not stored: No space left on device"):
-        store.append(rows(38))
+        store.append(rows(38, marks=False))
     monkeypatch.setattr(os, "write", real_write)
     assert store.path.read_bytes() == before
     assert len(store.records()) == 3

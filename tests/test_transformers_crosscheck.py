@@ -21,13 +21,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is made here: ne
 
 import numpy as np
 import pytest
-import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from refimpl import gdn, gemma
-from testbed import backends, checkpoints
-from testbed.oracles import nmse
-from testbed.token_oracle import TokenCase
+torch = pytest.importorskip("torch", reason="the hf extra: pip install 'testbed[hf]'")
+pytest.importorskip("transformers", reason="the hf extra: pip install 'testbed[hf]'")
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # noqa: E402
+
+from refimpl import gdn, gemma  # noqa: E402
+from testbed import backends, checkpoints  # noqa: E402
+from testbed.oracles import nmse  # noqa: E402
+from testbed.token_oracle import TokenCase  # noqa: E402
 
 TOLERANCE = 1e-9
 TOKENS = 20  # more than the window of 8: the local layers drop keys

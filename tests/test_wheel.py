@@ -1,5 +1,6 @@
 """`pip install testbed` (a wheel, not editable) carries its configuration: experiments, models, suites
-and device profiles are package data, and results go where it is run."""
+and device profiles are package data, and results go where it is run. It carries the kernel sources and
+the QEMU plugin's source too, so it builds and runs native programs (issue 24, item 14)."""
 
 import subprocess
 import sys
@@ -26,3 +27,12 @@ def test_an_installed_wheel_runs_an_experiment_from_another_folder(tmp_path):
                            capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(env_dir))
     assert (elsewhere / "results" / "records.jsonl").exists()
+    # native code: the programs built from the wheel's own kernel sources, where it is run
+    native = subprocess.run([env_dir / "bin" / "testbed", "run", "gdn", "backend=native", "mode=oracle",
+                             "matrix=awkward"], cwd=elsewhere, capture_output=True, text=True, timeout=900)
+    assert native.returncode == 0, native.stdout + native.stderr
+    assert "gdn on host (native): oracles 48/48 pass" in native.stdout
+    assert list((elsewhere / ".cache" / "kernels").glob("host-*/tb_gdn_bench"))
+    plugin = subprocess.run([python, "-c", "from testbed.counts import PLUGIN_SOURCE; print(PLUGIN_SOURCE.is_file())"],
+                            cwd=elsewhere, capture_output=True, text=True, check=True).stdout
+    assert plugin.strip() == "True"

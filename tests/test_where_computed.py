@@ -92,3 +92,85 @@ def test_a_device_that_drops_mid_run_is_an_error_record_and_unreachable(results_
     error = rows[-1]
     assert error["verdict"] == "error" and "connection lost" in error["detail"]
     assert error["metrics"]["records_before_error"] == len(rows) - 1 >= 1
+
+
+def test_a_host_program_built_for_an_emulated_device_is_refused(results_dir, monkeypatch):
+    """Issue 24, item 5, the planted bug: the host's x86 program built for qemu-aarch64. The qemu transport
+    runs a host ELF natively, so every verdict passed; the evidence's ELF machine says what ran."""
+    from testbed.backends.native import gdn as native_gdn
+
+    import dataclasses
+
+    from testbed.devices import Device
+
+    monkeypatch.setattr(native_gdn, "target_for_abi", lambda abi: "host")
+    real = connect(load_profile("qemu-aarch64"))
+    # without the instruction counts (which a host program leaves none of): only the evidence can tell
+    device = Device(dataclasses.replace(real.profile, capabilities=["cpu", "native", "emulated"]), real.transport)
+    rc = config.load(["device=qemu-aarch64", "backend=native", "mode=oracle", "matrix=awkward"], experiment="gdn")
+    try:
+        with pytest.raises(runner.ComputedElsewhere):
+            runner.execute(rc, device=device)
+    finally:
+        device.close()
+    rows = ResultsStore(results_dir).records()
+    assert [r["verdict"] for r in rows] == ["error"]
+    assert "is an ELF for machine 62 (x86-64), not 183 (AArch64) of ABI arm64-v8a" in rows[0]["detail"]
+
+
+def evidence(**detail) -> list[dict]:
+    return [{"device": "d", "ran": "prog", "sha256": "0" * 64, "command": "prog", "device_seconds": 1.0,
+             **({"detail": detail} if detail else {})}]
+
+
+@pytest.mark.parametrize("device, detail, problem", [
+    ("qemu-arm32", {"elf_machine": 40}, None),
+    ("qemu-arm32", {"elf_machine": 183}, "is an ELF for machine 183 (AArch64), not 40 (ARM)"),
+    ("qemu-arm32", {}, "does not say what kind of program ran"),
+    ("qemu-arm32", {"elf_machine": None}, "does not say what kind of program ran"),
+    ("qemu-aarch64", {"module_formats": ["embedded-elf-arm_64"]}, None),
+    ("qemu-aarch64", {"module_formats": ["embedded-elf-arm_32"]}, "is a module for embedded-elf-arm_32, not "
+                                                                 "embedded-elf-arm_64"),
+    ("lavapipe", {"module_formats": ["vulkan-spirv-fb"]}, None),
+    ("lavapipe", {"module_formats": ["embedded-elf-x86_64"]}, "not vulkan-spirv-fb"),
+])
+def test_evidence_must_show_a_program_of_the_devices_kind(device, detail, problem):
+    from testbed.results import Record
+
+    record = Record("gdn", "case", "oracle", "nmse", "pass", 1.0, evidence=evidence(**detail))
+    if problem is None:
+        runner.check_evidence([record], load_profile(device))
+    else:
+        with pytest.raises(runner.ComputedElsewhere, match=problem.replace("(", r"\(").replace(")", r"\)")):
+            runner.check_evidence([record], load_profile(device))
+
+
+def test_a_tools_evidence_names_its_elf_machine_read_on_the_device(local_device):
+    import shutil
+
+    from testbed.backends.llamacpp.runner import evidence as tool_evidence
+    from testbed.devices import CommandResult
+
+    (ran,) = tool_evidence(local_device, [shutil.which("true")], CommandResult(0, "", "", 0.1))
+    assert ran["detail"]["elf_machine"] == 62 and len(ran["sha256"]) == 64
+
+
+def test_a_device_output_of_the_wrong_shape_is_one_line_and_exit_4(results_dir, tmp_path, monkeypatch, capsys):
+    """Issue 24, item 12: a stale or cut output (here: out.npy and state.npy of another shape) reached
+    check_nmse, whose ValueError ended the run in a traceback, exit 1."""
+    from testbed.backends.native import gdn as native_gdn
+
+    fake = tmp_path / "programs" / "tb_gdn_bench"
+    fake.parent.mkdir()
+    fake.write_text("#!/usr/bin/env python3\nimport json, sys, numpy as np\n"
+                    "np.save(sys.argv[2] + '/out.npy', np.zeros((1, 3, 2, 4), np.float32))\n"
+                    "np.save(sys.argv[2] + '/state.npy', np.zeros((1, 2, 4, 4), np.float32))\n"
+                    "json.dump({'seconds': [0.001], 'reps': 1}, open(sys.argv[2] + '/timings.json', 'w'))\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(native_gdn, "build_programs", lambda target, **kw: fake.parent)
+    assert cli.main(["run", "gdn", "backend=native", "mode=oracle", "matrix=awkward"]) == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "tb_gdn_bench wrote out.npy of shape (1, 3, 2, 4), expected (" in err and "a stale or cut output" in err
+    rows = ResultsStore(results_dir).records()
+    assert [r["verdict"] for r in rows] == ["error"] and "stale or cut" in rows[0]["detail"]

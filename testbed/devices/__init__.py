@@ -108,23 +108,31 @@ class Peer:
     The command's placeholders: {python} this interpreter, {sandbox} a fresh temporary folder,
     {adbkey_pub} the public half of the adb key the transport will use, {pid} this process (a peer
     should exit when it ends: the CLI never closes the device it ran on). It must print
-    `... listening on HOST:PORT` first."""
+    `... listening on HOST:PORT` first.
+
+    It runs in its own folder (the sandbox), with the folder that holds this testbed package first on
+    its PYTHONPATH: a `testbed/` folder where the user happens to be, or another install, is never the
+    testbed it imports."""
 
     def __init__(self, command: list[str], key_pub: str, timeout: float):
         self.sandbox = tempfile.mkdtemp(prefix="testbed-peer-")
         argv = [str(a).format(python=sys.executable, sandbox=os.path.join(self.sandbox, "fs"), adbkey_pub=key_pub,
                               pid=os.getpid()) for a in command]
         self.log = os.path.join(self.sandbox, "peer.log")
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONSAFEPATH": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, cwd=self.sandbox,
+                                         env=env, start_new_session=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
         found = re.search(r"listening on ([\d.]+):(\d+)", line)
         if not found:
-            err = Path(self.log).read_text()[-400:] or "no answer"
+            said = [ln.strip() for ln in Path(self.log).read_text(errors="replace").splitlines() if ln.strip()]
             self.stop()
-            raise DeviceUnreachable(f"the loopback peer {' '.join(argv[:4])} did not start: {err.strip()}")
+            raise DeviceUnreachable(f"the loopback peer {' '.join(argv[:4])} did not start: "
+                                    f"{said[-1][-300:] if said else 'no answer'}")
         self.host, self.port = found.group(1), int(found.group(2))
         atexit.register(self.stop)  # its sandbox too
 
@@ -161,6 +169,9 @@ def connect(profile: Profile, connection: dict | None = None) -> Device:
     `connection` overrides the profile's connection fields (tests point a profile at their peers)."""
     peer = None
     conn = dict(profile.connection if connection is None else connection)
+    why = profile.not_configured() if connection is None else None
+    if why:
+        raise DeviceUnreachable(f"{profile.name}: {why}")
     if profile.peer:
         from testbed.devices.adb import ensure_adb_key
 

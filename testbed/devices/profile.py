@@ -31,6 +31,19 @@ from testbed.errors import UsageError
 TRANSPORTS = ("local", "qemu", "adb", "ssh")
 ABIS = ("host", "armeabi-v7a", "arm64-v8a", "x86_64")
 TOOLS = ("iree-run-module", "iree-benchmark-module", "test-backend-ops", "llama-bench")
+# The ELF machine (e_machine) of the programs a device of each ABI runs: every program a device run's
+# evidence names must be an ELF for it (testbed.runner.check_evidence). A new ABI adds a line here.
+ELF_MACHINE_FOR_ABI = {"armeabi-v7a": 40, "arm64-v8a": 183, "x86_64": 62}
+# ABI `host`: this machine's own, by platform.machine()
+HOST_ELF_MACHINE = {"x86_64": 62, "amd64": 62, "aarch64": 183, "arm64": 183, "armv7l": 40}
+ELF_MACHINE_NAMES = {3: "x86", 40: "ARM", 62: "x86-64", 164: "Hexagon", 183: "AArch64"}
+
+
+def elf_machine_for(abi: str) -> int | None:
+    """The e_machine of the programs a device of `abi` runs (None: not known here)."""
+    import platform
+
+    return HOST_ELF_MACHINE.get(platform.machine().lower()) if abi == "host" else ELF_MACHINE_FOR_ABI.get(abi)
 
 # Per transport: connection field -> (type, required). Types are checked, unknown keys refused.
 CONNECTION_FIELDS: dict[str, dict[str, tuple[type, bool]]] = {
@@ -98,7 +111,8 @@ class Profile:
         spec = CONNECTION_FIELDS[data["transport"]]
         bad.mapping("connection", conn, {k: t for k, (t, _) in spec.items()})
         for key, (_, required) in spec.items():
-            if required and conn.get(key) in (None, ""):
+            # an address left empty ("") is a template's (not_configured); absent is a mistake
+            if required and (conn.get(key) is None or (conn.get(key) == "" and key != "host")):
                 bad(f"connection.{key}", None, f"is required for transport {data['transport']}")
         if data["transport"] == "ssh" and not (conn.get("known_hosts") or conn.get("host_key_sha256")):
             bad("connection.known_hosts", None,
@@ -138,6 +152,16 @@ class Profile:
 
     def has(self, capability: str) -> bool:
         return capability in self.capabilities
+
+    def not_configured(self) -> str | None:
+        """Why the profile cannot be reached as it stands: a shipped template of real hardware whose
+        address (connection.host) is left empty until a lab sets it. Such a profile is never probed,
+        so nothing is sent to an address nobody chose. None when it is configured."""
+        if self.transport in ("adb", "ssh") and "host" in self.connection and not self.connection["host"] \
+                and not self.peer and not self.connection.get("server"):
+            return (f"not configured: connection.host is empty (devices/{self.name}.yaml is a template: set the "
+                    f"device's address there, or in a copy under $TESTBED_LAB/devices/)")
+        return None
 
     def timeout(self, kind: str) -> float:
         # transfer_s: the longest a push or pull may go without progress

@@ -181,6 +181,10 @@ class Transport:
         finally:
             tmp.unlink(missing_ok=True)
 
+    def remote_digests(self, remotes: list[str]) -> dict[str, tuple[int, str] | None]:
+        """remote_digest of each file (None for one that is absent)."""
+        return {remote: self.remote_digest(remote) for remote in remotes}
+
     def cleanup(self) -> None:
         raise NotImplementedError
 
@@ -291,6 +295,19 @@ class RemoteShell(Transport):
         if r.returncode != 0 or len(lines) < 2 or not lines[0].isdigit():
             return None
         return int(lines[0]), lines[1].lower()
+
+    def remote_digests(self, remotes: list[str], timeout: float = 120.0) -> dict[str, tuple[int, str] | None]:
+        """remote_digest of each file, in one command on the device."""
+        script = 'for f do if [ -f "$f" ]; then echo "$(stat -c %s -- "$f") $(sha256sum < "$f")"; else echo -; fi; done'
+        r = self.run(["sh", "-c", script, "sh", *map(confine, remotes)], timeout)
+        lines = r.stdout.splitlines()
+        if r.returncode != 0 or len(lines) != len(remotes):
+            return dict.fromkeys(remotes)
+        got = {}
+        for remote, line in zip(remotes, lines):
+            fields = line.split()
+            got[remote] = (int(fields[0]), fields[1].lower()) if len(fields) >= 2 and fields[0].isdigit() else None
+        return got
 
     def push(self, local: Path, remote: str, mode: int = 0o644) -> None:
         local = Path(local)

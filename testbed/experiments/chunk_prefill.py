@@ -5,7 +5,9 @@ oracle mode  each configured case (P cached positions, n utterance tokens, chunk
              decode's; logits and the cache within tolerance; and logits and token those of the
              model written out in float64 (refimpl.naive_gemma, verdict naive) (testbed.token_oracle).
              For backend=iree (its graphs run the host's masks) also the first case with masks that
-             differ per head, against refimpl on the same masks (verdict mask_heads).
+             differ per head, against refimpl on the same masks (verdict mask_heads); for
+             backend=native, whose engine builds masks the same for every head, its attention kernel
+             at the model's shape and that case's P and C with such masks (verdict mask_heads).
 bench mode   on the chosen backend, the time of one chunk call of C rows and of one decode step,
              both against bench.past cached positions, with FLOPs counted (refimpl.gemma.graph_flops);
              then the projected latency of each configured utterance length: ceil(n/C) chunk calls
@@ -191,11 +193,13 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
         for v in verdicts:
             yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin,
                          v.metrics, params=params, detail=v.detail, evidence=evidence)
-    # IREE's graphs run the host's masks; the native engine builds its own, and refimpl is the reference
-    if cfg.backend == "iree":
+    # IREE's graphs run the host's masks; the native engine builds its own (the same for every head), so
+    # its attention kernel is run with masks that differ per head apart; refimpl is the reference
+    if cfg.backend in ("iree", "native"):
         case = cases(cfg)[0]
         ctx.progress(f"chunk_prefill oracle {case.name} with masks that differ per head")
-        v = check_mask_heads(backend, ref, case, cfg.logit_atol)
+        v = backend.mask_heads(case, cfg.seed) if cfg.backend == "native" else \
+            check_mask_heads(backend, ref, case, cfg.logit_atol)
         yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
                      params={"past": case.past, "tokens": case.tokens, "chunk": case.chunk, "position": case.position,
                              "calls": case.calls}, detail=v.detail, evidence=backend.evidence.take())

@@ -84,6 +84,13 @@ class Case:
             f"vr={self.v_repeat},perm={int(self.permuted)},kda={int(self.kda)},K={self.K},gate={self.gate}"
         )
 
+    @property
+    def tbo_params(self) -> str:
+        """The case as test-backend-ops prints it: GATED_DELTA_NET(THIS)."""
+        return (f"type=f32,head_count={self.head_count},head_size={self.head_size},n_seq_tokens={self.n_seq_tokens},"
+                f"n_seqs={self.n_seqs},v_repeat={self.v_repeat},permuted={int(self.permuted)},kda={int(self.kda)},"
+                f"K={self.K}")
+
     def inputs(self, seed: int) -> ref.GDNInputs:
         x = ref.draw_inputs(
             self.n_seqs, self.n_seq_tokens, self.head_count, self.head_size,

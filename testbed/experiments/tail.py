@@ -41,8 +41,8 @@ from testbed.config import Choice, Float, Int, IntList, as_list, project_path
 from testbed.errors import UsageError
 from testbed.measure import host_clocks, time_interleaved
 from testbed.results import Figure, Record
-from testbed.tail_oracles import (Engine, check_engine_rollback, check_first_token, check_padded_rollback, engine_grid,
-                                  grid, kill_switch, prompt_lengths)
+from testbed.tail_oracles import (Engine, check_cache_encoding, check_engine_rollback, check_first_token,
+                                  check_padded_rollback, engine_grid, grid, kill_switch, prompt_lengths)
 
 PARAMS = {
     "backend": Choice(("refimpl", "native")),
@@ -214,8 +214,25 @@ def suite_lengths(cfg: DictConfig, threshold: int) -> list[int]:
     return sorted(dict.fromkeys(lengths + boundary))
 
 
+def cache_encoding_records(cfg: DictConfig, ctx, mcfg, w, threshold: int, n: int) -> Iterator[Record]:
+    """backend=native with a float16 or int8 cache: the engine's stored rows against refimpl's encoding
+    (the byte-identical grid compares the engine with itself)."""
+    if cfg.backend != "native" or cfg.cache.dtype == "float32":
+        return
+    from testbed.backends.native.engine import encoding_runs
+
+    ctx.progress(f"tail cache encoding N={n}")
+    judged, float_run = encoding_runs(ctx.device, mcfg, w, prompt(mcfg, n, cfg.seed), engine_settings(cfg, threshold))
+    v = check_cache_encoding(float_run.prefill, judged.prefill)
+    yield Record("tail", f"N={n}/cache_encoding", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
+                 params={"prompt_tokens": n, "chunk": cfg.chunk, "cache_dtype": cfg.cache.dtype,
+                         "cache_group": cfg.cache.group, "source": source_label(cfg, ctx.device.profile.name)},
+                 detail=v.detail, evidence=[judged.evidence.as_dict(), float_run.evidence.as_dict()])
+
+
 def oracle_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
     yield from cache_grid_records(cfg, ctx, mcfg, w, threshold)
+    yield from cache_encoding_records(cfg, ctx, mcfg, w, threshold, suite_lengths(cfg, threshold)[0])
     engine = make_engine(cfg, mcfg, w, threshold, ctx.device)
     lengths = suite_lengths(cfg, threshold)
     for n in lengths:

@@ -18,9 +18,10 @@ def run_on(device, overrides):
 def test_chunk_prefill_seed_cases_pass_on_the_device(device, results_dir):
     outcome = run_on(device, ["experiment=chunk_prefill", "mode=all", "bench.reps=1", "bench.warmup=0"])
     oracles = [r for r in outcome.rows if r["kind"] == "oracle"]
-    assert len(oracles) == 8 and outcome.failed == 0, [r["detail"] for r in oracles if r["verdict"] != "pass"]
-    assert_computed_on(device, outcome.rows, "tb_model_bench")
-    weights = {ran["detail"]["weights_sha256"] for r in outcome.rows for ran in r["evidence"]}
+    assert len(oracles) == 9 and outcome.failed == 0, [r["detail"] for r in oracles if r["verdict"] != "pass"]
+    assert_computed_on(device, [r for r in outcome.rows if r["oracle"] != "mask_heads"], "tb_model_bench")
+    assert_computed_on(device, [r for r in outcome.rows if r["oracle"] == "mask_heads"], "tb_attention_bench")
+    weights = {ran["detail"]["weights_sha256"] for r in outcome.rows for ran in r["evidence"] if ran["ran"] == "tb_model_bench"}
     assert len(weights) == 1 and len(weights.pop()) == 64
 
 
@@ -33,3 +34,13 @@ def test_tail_oracles_and_bench_pass_on_the_device(device, results_dir):
     assert {r["oracle"] for r in oracles} == {"cache_bytes", "first_token", "determinism", "telemetry", "exact_state",
                                             "naive"}
     assert_computed_on(device, outcome.rows, "tb_model_bench")
+
+
+def test_tail_on_an_int8_cache_judges_its_encoding_against_refimpl(device, results_dir):
+    """Issue 24, item 8: with a float16 or int8 cache the tail experiment also judges the stored rows
+    against refimpl's encoding (cache_encoding), not only padded against exact (cache_bytes)."""
+    outcome = run_on(device, ["experiment=tail", "mode=oracle", *TINY_TAIL, "cache.dtype=int8", "cache.group=8",
+                              "oracle.grid_windows=[16]", "oracle.grid_sinks=[3]", "oracle.around_chunk=[[1,9]]"])
+    (encoding,) = [r for r in outcome.rows if r["oracle"] == "cache_encoding"]
+    assert encoding["verdict"] == "pass" and encoding["metrics"]["group"] == 8, encoding["detail"]
+    assert outcome.failed == 0

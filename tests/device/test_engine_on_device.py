@@ -94,6 +94,20 @@ def test_first_token_around_chunk_boundaries(device, weights, dtype, sink):
         eng.runs.clear()
 
 
+@pytest.mark.parametrize("dtype,group", [("int8", 4), ("int8", 8), ("float16", 16)])
+def test_the_cache_holds_refimpls_encoding_of_its_rows(device, weights, dtype, group):
+    """Issue 24, item 8: the rollback grid compares the engine with itself; the stored rows are judged
+    against refimpl's encoding too (several int8 groups per row, so a scale in the wrong group shows)."""
+    from testbed.tail_oracles import check_cache_encoding
+
+    s = engine.TailSettings(chunk=CHUNK, generate=1, cache_dtype=dtype, cache_group=group, sink=3)
+    for n in (CHUNK + 9, 8 * CHUNK - 1):  # one chunk and a tail; a full window, evicted
+        tokens = np.random.default_rng([1, n]).integers(0, SMALL.vocab, n)
+        judged, float_run = engine.encoding_runs(device, SMALL, weights, tokens, s)
+        v = check_cache_encoding(float_run.prefill, judged.prefill)
+        assert v.passed, v.detail
+
+
 def test_padded_rollback_is_byte_identical_over_the_grid(device, weights):
     cases = engine_grid(7, windows=(16, 24), sinks=(0, 3))
     assert {c.covers for c in cases} == {"empty cache", "no eviction", "eviction by pads only", "overshoot"}

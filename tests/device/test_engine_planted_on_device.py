@@ -10,7 +10,7 @@ from refimpl import tail_prefill as tp
 from testbed.backends.native import engine
 from testbed.backends.native.build import target_for_abi
 from testbed.backends.native import gemma as native_gemma
-from testbed.tail_oracles import check_engine_rollback, check_first_token, engine_grid
+from testbed.tail_oracles import check_cache_encoding, check_engine_rollback, check_first_token, engine_grid
 from testbed.token_oracle import Reference, TokenCase, check_token_at_position
 from tests.native_support import mutant_program
 
@@ -75,6 +75,20 @@ def test_int8_scales_not_restored_are_caught(device, weights):
                    "        const tb_sliding_cache *part")
     failed = grid_failures(device, weights, prog, sinks=(0,))
     assert failed and all(c.dtype == "int8" for c in failed)
+
+
+def test_an_int8_scale_in_the_next_group_is_caught(device, weights):
+    # Each group's scale written into the next group's slot, and read back from there: the engine
+    # computes right, padded and exact appends match byte for byte, but the cache is not the layout.
+    prog = mutant_program(target_for_abi(device.profile.abi), "model_cache.c", "            scales[gi] = scale;",
+                          "            scales[(gi + 1) % (d / c->group)] = scale;",
+                          also=(("x[i] = (float)(int8_t)data[i] * scales[i / c->group];",
+                                 "x[i] = (float)(int8_t)data[i] * scales[(i / c->group + 1) % (d / c->group)];"),))
+    settings = engine.TailSettings(chunk=CHUNK, generate=1, cache_dtype="int8", cache_group=8, sink=3)
+    tokens = np.random.default_rng([1, CHUNK + 9]).integers(0, SMALL.vocab, CHUNK + 9)
+    judged, float_run = engine.encoding_runs(device, SMALL, weights, tokens, settings, program=prog)
+    v = check_cache_encoding(float_run.prefill, judged.prefill)
+    assert not v.passed and "k_scale" in v.detail
 
 
 def test_the_last_token_not_re_run_is_caught(device, weights):

@@ -136,6 +136,12 @@ def check_target_fits(target_name: str, profile) -> None:
                          f"use target={own.name}")
 
 
+def module_format_for(profile) -> str:
+    """The executable format a device runs: vulkan-spirv-fb where its HAL device is Vulkan, else its
+    CPU's embedded ELF."""
+    return "vulkan-spirv-fb" if profile.iree.get("hal_device") == "vulkan" else device_elf(profile)
+
+
 def check_module_fits(module: Path, profile) -> None:
     """The same, read from the module's own bytes (its embedded executable formats and GPU
     architecture): a module brought from elsewhere is refused before it is pushed."""
@@ -287,6 +293,7 @@ class StagedModule:
     name: str                 # the module's file name and sha256, for the evidence
     sha256: str
     n_results: int
+    formats: tuple[str, ...] = ()  # the executable formats it holds (embedded-elf-arm_64, vulkan-spirv-fb)
 
 
 # --- runs ------------------------------------------------------------------------------------------
@@ -348,7 +355,7 @@ class IreeDevice:
             self._modules[key] = StagedModule(
                 module, params, artifact.manifest.get("parameters", {}).get("scope", "model"),
                 artifact.contract.function, artifact.module.name, file_digest(artifact.module),
-                len(artifact.contract.results))
+                len(artifact.contract.results), ModuleRequirements.of(artifact.module).formats)
         return self._modules[key]
 
     def _argv(self, tool: str, m: StagedModule, inputs: Sequence[str]) -> list[str]:
@@ -366,7 +373,8 @@ class IreeDevice:
         result = self.device.run(argv, cwd=run.path)
         self._check(result, argv)
         self.evidence.add(Evidence(self.device.name, m.name, m.sha256, " ".join(argv), result.seconds,
-                                   {"timer": "the transport's wall clock around the command"}))
+                                   {"timer": "the transport's wall clock around the command",
+                                    "module_formats": list(m.formats)}))
         return result
 
     def benchmark(self, run: "RunFolder", m: StagedModule, inputs: Sequence[str], reps: int = 1,
@@ -383,7 +391,7 @@ class IreeDevice:
         figure = parse_benchmark_json(result.stdout)
         self.evidence.add(Evidence(self.device.name, m.name, m.sha256, " ".join(argv), figure.median,
                                    {"timer": "iree-benchmark-module real_time (the device's clock)",
-                                    "reps": figure.reps}))
+                                    "reps": figure.reps, "module_formats": list(m.formats)}))
         return figure
 
     def _check(self, result: CommandResult, argv: list[str]) -> None:

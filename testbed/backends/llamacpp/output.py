@@ -58,6 +58,14 @@ def clean(text: str) -> str:
     return ANSI.sub("", text)
 
 
+class Unreadable(ValueError):
+    """A line of a tool's output that testbed does not understand: never read as a pass, never dropped."""
+
+    def __init__(self, line: int, text: str, why: str):
+        self.line, self.text, self.why = line, text, why
+        super().__init__(f"line {line} ({text.strip()[:100]!r}): {why}")
+
+
 @dataclass
 class Case:
     op: str
@@ -151,16 +159,26 @@ def named_backends(text: str) -> set[str]:
     return named - skipped
 
 
+BOOLEAN = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
 def parse_csv(text: str) -> list[Case]:
-    """`--output csv`: a case passed when the tool marks it passed (or, in versions without that
-    column, when it is supported and carries no error message)."""
+    """`--output csv` in test mode: a case passed when the tool marks it passed (or, in versions without
+    that column, when it is supported and carries no error message). A row whose mode, `supported` or
+    `passed` cell is not one the tool writes (an empty cell: no verdict) raises Unreadable."""
     cases = []
-    for row in csv.DictReader(io.StringIO(clean(text))):
+    reader = csv.DictReader(io.StringIO(clean(text)))
+    for row in reader:
+        n, line = reader.line_num, ",".join(str(v) for v in row.values())
         if row.get("test_mode") not in (None, "test"):
-            continue
-        supported = row.get("supported") in ("1", "true", "yes")
-        if "passed" in row:
-            ok = row["passed"] in ("1", "true", "yes")
+            raise Unreadable(n, line, f"test_mode {row.get('test_mode')!r}; testbed reads test mode's CSV")
+        supported = BOOLEAN.get(str(row.get("supported")).strip().lower())
+        if supported is None:
+            raise Unreadable(n, line, f"supported is {row.get('supported')!r}, not one of {', '.join(BOOLEAN)}")
+        if "passed" in row and supported:
+            ok = BOOLEAN.get(str(row["passed"]).strip().lower())
+            if ok is None:
+                raise Unreadable(n, line, f"passed is {row['passed']!r}: no verdict")
         else:
             ok = supported and not row.get("error_message")
         status = "unsupported" if not supported else ("OK" if ok else "FAIL")
@@ -189,13 +207,28 @@ class Perf:
 
 
 def parse_perf(text: str) -> list[Perf]:
-    rows = []
-    for line in clean(text).splitlines():
+    """Perf mode's rows. In a perf output (one with a perf row, or a case line that tries to be one),
+    every case line is a perf row or "not supported": any other, and a row of no runs or of a time that
+    is not a positive number (nan, inf, 0.00, negative), raises Unreadable naming its line."""
+    rows, other = [], []
+    for n, line in enumerate(clean(text).splitlines(), 1):
         m = CASE.match(line)
-        p = PERF.search(line) if m else None
-        if p:
-            rows.append(Perf(m.group(1), m.group(2), int(p.group(1)), float(p.group(2)), float(p.group(3)),
-                             p.group(4), float(p.group(5)), p.group(6)))
+        if not m:
+            continue
+        p = PERF.search(line)
+        if p is None:
+            if "not supported" not in m.group(3):
+                other.append((n, line))
+            continue
+        row = Perf(m.group(1), m.group(2), int(p.group(1)), float(p.group(2)), float(p.group(3)),
+                   p.group(4), float(p.group(5)), p.group(6))
+        if row.runs <= 0 or not row.us_per_run > 0:
+            raise Unreadable(n, line, f"{row.runs} runs, {p.group(2)} us/run: not a measurement")
+        rows.append(row)
+    bad = other if rows else [(n, line) for n, line in other if "us/run" in line or " runs" in line]
+    if bad:
+        raise Unreadable(*bad[0], "a case line that is not a perf row testbed reads "
+                                  "(R runs - T us/run - S UNIT/run - B RATE, with a positive time)")
     return rows
 
 

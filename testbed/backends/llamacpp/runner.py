@@ -19,7 +19,7 @@ from testbed.backends.llamacpp import output as out
 from testbed.backends.native.device import stage_program
 from testbed.devices import CommandResult, Device
 from testbed.devices.transport import quoted
-from testbed.errors import UsageError
+from testbed.errors import DeviceError, UsageError
 from testbed.results import Figure, Record
 
 BUILD = ("auto", True, False)
@@ -72,12 +72,17 @@ def resolve_tools(device: Device, build, source: str, programs: tuple[str, ...],
 
 
 def evidence(device: Device, argv: list[str], result: CommandResult) -> list[dict]:
-    """What ran on the device: the tool's sha256 read there, the command, and the command's duration
-    (llama.cpp's tools time their own work; this is the whole run, as the link saw it)."""
-    digest = device.run(["sha256sum", argv[0]], timeout=120)
-    sha = digest.stdout.split()[0] if digest.returncode == 0 and digest.stdout.split() else "unreadable"
+    """What ran on the device: the tool's sha256 and ELF machine (its header's e_machine) read there, the
+    command, and the command's duration (llama.cpp's tools time their own work; this is the whole run,
+    as the link saw it)."""
+    read = device.run(["sh", "-c", 'sha256sum < "$1" && od -An -tu1 -j18 -N2 < "$1"', "sh", argv[0]], timeout=120)
+    words = read.stdout.split() if read.returncode == 0 else []
+    sha = words[0] if words else "unreadable"
+    machine = int(words[-2]) + 256 * int(words[-1]) if len(words) >= 4 and words[-1].isdigit() \
+        and words[-2].isdigit() else None
     return [Evidence(device.name, argv[0].rsplit("/", 1)[-1], sha, quoted(argv), result.seconds,
-                     {"clock": "the command's duration seen through the transport"}).as_dict()]
+                     {"clock": "the command's duration seen through the transport",
+                      "elf_machine": machine}).as_dict()]
 
 
 def harness_argv(tools: Tools, mode: str, op: str, backend: str, cases: str) -> list[str]:
@@ -123,10 +128,11 @@ def perf_records(device: Device, experiment: str, op: str, backend: str, tools: 
     case runs for about a second of a real CPU's time: under emulation, select a few with `cases`."""
     argv = harness_argv(tools or profile_tools(device), "perf", op, backend, cases)
     result, health = device.measured(lambda: device.run(argv, timeout))
-    rows = out.parse_perf(result.stdout)
+    try:
+        rows = out.parse_perf(result.stdout)
+    except out.Unreadable as e:
+        raise DeviceError(f"{device.name}: test-backend-ops perf -o {op} -b {backend}: {e}") from None
     if result.returncode != 0 or not rows:
-        from testbed.errors import DeviceError
-
         raise DeviceError(f"{device.name}: test-backend-ops perf -o {op} -b {backend} exited {result.returncode} "
                           f"with {len(rows)} result lines: {result.stderr.strip()[-200:]}")
     records, ran = perf_rows_records(experiment, backend, rows, health), evidence(device, argv, result)
@@ -157,8 +163,6 @@ def llama_bench_records(device: Device, experiment: str, model: str, prompt: int
             "-r", str(reps), "-o", "json", *extra]
     result, health = device.measured(lambda: device.run(argv, timeout))
     if result.returncode != 0:
-        from testbed.errors import DeviceError
-
         raise DeviceError(f"{device.name}: llama-bench exited {result.returncode}: {result.stderr.strip()[-300:]}")
     ran = evidence(device, argv, result)
     return [Record(experiment, f"{row.test}/t{threads}", "measure", figures={"tokens_per_s": row.figure()},

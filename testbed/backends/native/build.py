@@ -21,8 +21,16 @@ import shutil
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-KERNELS_DIR = ROOT / "kernels"
+# A checkout holds kernels/ beside the package, and its caches go in it (.cache/). An installed wheel
+# carries the kernel sources inside the package (testbed/_shipped/kernels, put there by setup.py) and
+# builds its programs where it is run, as its results go (testbed.PROJECT_ROOT).
+_PACKAGE = Path(__file__).resolve().parents[2]
+if (_PACKAGE.parent / "kernels" / "Makefile").is_file():
+    ROOT = _PACKAGE.parent
+    KERNELS_DIR = ROOT / "kernels"
+else:
+    ROOT = Path.cwd()
+    KERNELS_DIR = _PACKAGE / "_shipped" / "kernels"
 LIBRARY_NAME = "_tb_kernels"
 PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench", "tb_model_bench")
 TARGETS = ("host", "arm32", "aarch64")

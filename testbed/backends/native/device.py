@@ -8,7 +8,8 @@ The program contract (kernels/bench/'s benchmark-and-dump programs follow it):
              which are both the run folder: args=[".", ".", "form=chunkwise", "reps=5", ...]. An arg
              "{inputs}" instead stages the inputs once per content in inputs/SHA/ and names that
              folder: an oracle matrix runs each case's inputs through several forms, pushed once.
-  writes     each output as NAME.npy and `timings.json` in the run folder:
+  writes     each output as NAME.npy (of the shape the job expects, where it says) and `timings.json`
+             in the run folder:
              {"seconds": [one per timed repetition...], ...whatever else the program records}
   exit 0     on success; anything else is a failed run, reported with its stderr
   counts     on a device whose profile has the capability `counts` (the emulated ones: qemu-user runs
@@ -38,6 +39,7 @@ import numpy as np
 from testbed import counts as counting
 from testbed.backends import Evidence
 from testbed.devices import CommandResult, Device
+from testbed.devices.local import elf_machine
 from testbed.devices.transport import quoted, sha256_file
 from testbed.errors import DeviceError
 from testbed.results import Figure
@@ -52,6 +54,9 @@ class NativeJob:
     timeout: float | None = None
     measured: bool = True  # under the profile's health discipline (cool-down, warm-up, throttle flag)
     count: bool = False    # on a device that does not count by itself (the host): run under valgrind
+    # what each output's shape must be (None: any size on that axis); one that is not (a stale or cut
+    # output file) fails the run, as a device operation, instead of reaching an oracle
+    shapes: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,22 +101,23 @@ def stage_program(device: Device, program: Path) -> str:
 
 
 def stage_inputs(device: Device, inputs: dict[str, np.ndarray], tmp: Path) -> str:
-    """inputs/SHA/ holding NAME.npy for each input, pushed once per content: a `.complete` marker,
-    written after every file was pushed and verified, says the folder may be reused."""
+    """inputs/SHA/ holding NAME.npy for each input, pushed once per content: a file is reused while the
+    device still holds its exact bytes (size and sha256 checked on the device, all in one command, as
+    programs are), and pushed again otherwise (missing, cut, or changed on the device)."""
     files = {}
     for name, array in sorted(inputs.items()):
         files[name] = tmp / f"{name}.npy"
         np.save(files[name], np.ascontiguousarray(array))
+    digests = {name: sha256_file(path) for name, path in files.items()}
     h = hashlib.sha256()
-    for name, path in files.items():
-        h.update(name.encode() + b"\0" + sha256_file(path).encode())
+    for name in files:
+        h.update(name.encode() + b"\0" + digests[name].encode())
     folder = f"inputs/{h.hexdigest()[:20]}"
-    if device.run(["test", "-f", f"{folder}/.complete"], timeout=60).returncode != 0:
-        for name, path in files.items():
-            device.push(path, f"{folder}/{name}.npy")
-        marker = tmp / ".complete"
-        marker.write_text("")
-        device.push(marker, f"{folder}/.complete")
+    remote = {name: f"{folder}/{name}.npy" for name in files}
+    held = device.transport.remote_digests(list(remote.values()))
+    for name, path in files.items():
+        if held.get(remote[name]) != (path.stat().st_size, digests[name]):
+            device.push(path, remote[name])
     return folder
 
 
@@ -151,6 +157,12 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
                     outputs[name] = np.load(local, allow_pickle=False)
                 except ValueError as e:
                     raise NativeRunFailed(f"{device.name}: output {name}.npy is not a valid .npy file: {e}") from None
+                want = job.shapes.get(name)
+                got = outputs[name].shape
+                if want is not None and (len(got) != len(want) or any(w not in (None, g) for w, g in zip(want, got))):
+                    shown = "(" + ", ".join("*" if w is None else str(w) for w in want) + ")"
+                    raise NativeRunFailed(f"{device.name}: {job.program.name} wrote {name}.npy of shape {got}, "
+                                          f"expected {shown}: a stale or cut output")
             device.pull(f"{run_dir}/timings.json", tmp / "timings.json")
             try:
                 timings = json.loads((tmp / "timings.json").read_text())
@@ -180,7 +192,9 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
                                  "clock": "the program's CLOCK_MONOTONIC on the device",
                                  # the whole command as the host saw it: process start, input load,
                                  # warm-up, output write and the link, around the timed kernel calls
-                                 "command_seconds": result.seconds}
+                                 "command_seconds": result.seconds,
+                                 # what kind of program the pushed bytes are (runner.check_evidence)
+                                 "elf_machine": elf_machine(job.program)}
                                 | ({"instructions": counts.metadata()} if counts else {}))
             return NativeResult(outputs, timings, result, health, evidence, counts)
     finally:

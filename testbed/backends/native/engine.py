@@ -125,13 +125,15 @@ def program_for(device: Device) -> Path:
     return kernel_build.build_programs(kernel_build.target_for_abi(device.profile.abi)) / PROGRAM
 
 
-def _run(device: Device, cfg: gemma.GemmaConfig, w: dict, tokens, args: list[str], outputs: list[str],
+def _run(device: Device, cfg: gemma.GemmaConfig, w: dict, tokens, args: list[str], outputs: list[str] | dict[str, tuple],
          weights_dtype: str, group: int, program: Path | None, measured: bool) -> tuple[NativeResult, Evidence]:
+    """`outputs`: their names, or each name with its shape (None: any size on that axis)."""
     program = program or program_for(device)
     weights = export_weights(cfg, w, weights_dtype, group)
     remote_weights = stage_program(device, weights)
     argv = [".", ".", f"weights=../../{remote_weights}", *model_args(cfg, weights_dtype, group), *args]
-    job = NativeJob(program, {"tokens": np.asarray(tokens, np.int32)}, outputs, argv, measured=measured)
+    job = NativeJob(program, {"tokens": np.asarray(tokens, np.int32)}, list(outputs), argv, measured=measured,
+                    shapes=outputs if isinstance(outputs, dict) else {})
     result = run_native(device, job)
     # the device's evidence names the program; the weights it computed with are part of what ran
     evidence = dataclasses.replace(result.evidence, detail={**result.evidence.detail,
@@ -164,8 +166,9 @@ def chunk_prefill(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, case,
     tokens = np.asarray(prompt, np.int64)[: case.past + case.tokens]
     args = ["mode=chunk", f"past={case.past}", f"tokens={case.tokens}", f"chunk={case.chunk}", f"threads={threads}",
             f"warmup={warmup}", f"reps={reps}", f"reference={int(reference)}"]
-    result, evidence = _run(device, cfg, w, tokens, args, ["chunk_logits", "k", "v", "decode_logits"],
-                            weights_dtype, group, program, measured=reps > 1)
+    kv = (cfg.layers, cfg.kv_heads, None, cfg.head_dim)
+    outputs = {"chunk_logits": (case.calls, cfg.vocab), "k": kv, "v": kv, "decode_logits": (cfg.vocab,)}
+    result, evidence = _run(device, cfg, w, tokens, args, outputs, weights_dtype, group, program, measured=reps > 1)
     out = result.outputs
     return ChunkRun(out["chunk_logits"], list(out["k"]), list(out["v"]), out["decode_logits"], result.timings,
                     evidence, result.counts)
@@ -240,8 +243,11 @@ def tail(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSetting
             f"exact_tail={int(s.exact_tail)}",
             f"{tp.KILL_SWITCH}={int(kill_switch)}", f"threads={s.threads}", f"warmup={warmup}",
             f"reps={reps}"]
-    parts = ["k", "v", "positions"] + (["k_scale", "v_scale"] if s.cache_dtype == "int8" else [])
-    outputs = ["logits", "generated"] + [f"layer{i}.{p}" for i in range(cfg.layers) for p in parts]
+    parts = {"k": (cfg.kv_heads, None, None), "v": (cfg.kv_heads, None, None), "positions": (None,)}
+    if s.cache_dtype == "int8":
+        parts |= {"k_scale": (cfg.kv_heads, None, None), "v_scale": (cfg.kv_heads, None, None)}
+    outputs = {"logits": (cfg.vocab,), "generated": (s.generate,),
+               **{f"layer{i}.{p}": shape for i in range(cfg.layers) for p, shape in parts.items()}}
     result, evidence = _run(device, cfg, w, tokens, args, outputs, s.weights_dtype, s.weights_group, program,
                             measured=reps > 1)
     out, timings = result.outputs, result.timings
@@ -261,6 +267,14 @@ def rollback_runs(device: Device, cfg: gemma.GemmaConfig, w: dict, case, s: Tail
     base = dataclasses.replace(s, chunk=case.chunk, cache_dtype=case.dtype, sink=case.sink, threshold=0, state=False)
     return tuple(tail(device, model, w, tokens, dataclasses.replace(base, exact_tail=exact), kill_switch=False,
                       program=program) for exact in (False, True))
+
+
+def encoding_runs(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSettings,
+                  program: Path | None = None) -> tuple[TailRun, TailRun]:
+    """For the cache-encoding oracle (testbed.tail_oracles.check_cache_encoding): the prompt prefilled
+    with the settings' cache dtype, and with a float32 cache (which holds the rows the encoder was given)."""
+    return tuple(tail(device, cfg, w, prompt, dataclasses.replace(s, cache_dtype=dtype), program=program)
+                 for dtype in (s.cache_dtype, "float32"))
 
 
 @dataclass

@@ -39,7 +39,8 @@ class NativeGDN:
         if count and self.target == "host":  # valgrind's build: the same sources without AVX-512
             program = build_programs("host", avx512=False) / self.program.name
         result = run_native(self.device, NativeJob(program, dict(zip(INPUTS, x.arrays())), ["out", "state"],
-                                                   args, measured=measured, count=count))
+                                                   args, measured=measured, count=count,
+                                                   shapes={"out": x.v.shape, "state": x.state.shape}))
         self.evidence.add(result.evidence)
         self.artifacts["program_sha256"] = result.evidence.sha256
         self.artifacts["vector_path"] = result.timings.get("vector_path")

@@ -17,8 +17,11 @@ from omegaconf import OmegaConf
 
 from refimpl import gemma
 from testbed.backends import EvidenceLog, Utterance
+from testbed.backends.native import build as kernel_build
 from testbed.backends.native import engine
+from testbed.backends.native.device import NativeJob, run_native
 from testbed.devices import Device
+from testbed.oracles import Verdict, check_nmse, head_biased_mask
 from testbed.results import Figure
 
 
@@ -48,6 +51,37 @@ class EngineRunner:
                      past_positions=np.arange(last_start))
         return Utterance(run.call_logits[-1], run.decode_logits, [k[:, :real] for k in run.k],
                          [v[:, :real] for v in run.v], [k[:, real:] for k in run.k], [v[:, real:] for v in run.v], last)
+
+    def mask_heads(self, case, seed: int = 0) -> Verdict:
+        """The engine builds its masks itself, the same for every head, so a kernel that reads every
+        head's mask rows from one head (a head stride of 0) passes every utterance. So the attention
+        kernel the engine calls is also run on the device (tb_attention_bench, same kernels/) at the
+        model's shape and the case's P and C with masks that differ per head (head_biased_mask): the
+        chunk call's rows and the C decode steps, each against refimpl.gemma.attention in float64
+        (NMSE). Verdict mask_heads; the worse form's margin."""
+        c = self.cfg
+        rng = np.random.default_rng(seed)
+        keys = case.past + case.chunk
+        q = rng.standard_normal((c.heads, case.chunk, c.head_dim)).astype(np.float32)
+        k, v = (rng.standard_normal((c.kv_heads, keys, c.head_dim)).astype(np.float32) for _ in range(2))
+        queries, positions = np.arange(case.past, keys), np.arange(keys)
+        mask = head_biased_mask(gemma.attention_mask(queries, positions, c.window, c.heads, "global"), queries, positions)
+        want = gemma.attention(*(a.astype(np.float64) for a in (q, k, v, mask)), 1 / np.sqrt(c.head_dim))
+        program = kernel_build.build_programs(kernel_build.target_for_abi(self.device.profile.abi)) / "tb_attention_bench"
+        verdicts = {}
+        for form in ("chunk", "decode_steps"):
+            result = run_native(self.device, NativeJob(program, {"q": q, "k": k, "v": v, "mask": mask}, ["out"],
+                                                       [".", ".", f"form={form}", f"threads={self.threads}",
+                                                        "warmup=0", "reps=1"], measured=False,
+                                                       shapes={"out": q.shape}))
+            self.evidence.add(result.evidence)
+            verdicts[form] = check_nmse({"out": want}, {"out": result.outputs["out"]})
+        worst = min(verdicts.values(), key=lambda x: x.margin if x.margin is not None else -np.inf)
+        failed = [f"{form}: {x.detail}" for form, x in verdicts.items() if not x.passed]
+        return Verdict("mask_heads", not failed, worst.margin,
+                       {f"{form}.{key}": value for form, x in verdicts.items() for key, value in x.metrics.items()},
+                       "with masks that differ per head the attention kernel differs from refimpl.gemma's: "
+                       + "; ".join(failed) if failed else "")
 
     def bench(self, prompt, past: int, chunk: int, reps: int, warmup: int) -> dict:
         """One chunk call of C rows and one decode step against `past` cached positions, interleaved,

@@ -1,0 +1,146 @@
+"""The test suite's network guard: no packet to an address outside loopback.
+
+Installed, it wraps Python's socket calls that can send a packet off this machine: connect and
+connect_ex and sendto to an IPv4/IPv6 address that is not loopback (127.0.0.0/8, ::1; 0.0.0.0 and ::
+mean this host), and a name lookup of anything but a numeric address, `localhost` or a name /etc/hosts
+gives a loopback address (a lookup may ask a DNS server). Each such call is refused with
+PermissionError before anything is sent, and recorded: in this process (`take`), and, where the
+environment names a log file (TESTBED_NETGUARD_LOG), as one line there, so the test session that set
+it can fail the test during which any of its processes dialled out, even if the code under test
+swallowed the error. Standard library only: it is also loaded as `sitecustomize` by every Python
+process the suite starts (testbed/netguard/sitecustomize.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import os
+import socket
+import threading
+
+ENV_LOG = "TESTBED_NETGUARD_LOG"
+_recorded: list[str] = []
+_lock = threading.Lock()
+_real: dict[str, object] = {}
+
+
+def _loopback_names() -> set[str]:
+    names = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
+    try:
+        with open("/etc/hosts") as f:
+            for line in f:
+                fields = line.split("#", 1)[0].split()
+                if len(fields) > 1 and _is_local_address(fields[0]):
+                    names.update(n.lower() for n in fields[1:])
+    except OSError:
+        pass
+    return names
+
+
+def _is_local_address(host: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified
+
+
+def outside(host) -> bool:
+    """Whether dialling or looking up `host` may send a packet off this machine."""
+    if host is None or host == "":
+        return False
+    if isinstance(host, bytes):
+        host = host.decode(errors="replace")
+    host = str(host)
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+        return not _is_local_address(host)
+    except ValueError:
+        return host.lower().rstrip(".") not in _LOOPBACK_NAMES
+
+
+def _refuse(what: str):
+    line = f"pid {os.getpid()}: {what}"
+    with _lock:
+        _recorded.append(line)
+    log = os.environ.get(ENV_LOG)
+    if log:
+        try:
+            with open(log, "a") as f:
+                f.write(line.replace("\n", " ") + "\n")
+        except OSError:
+            pass
+    raise PermissionError(errno.EACCES, f"testbed network guard: {what} (the tests talk to loopback only)")
+
+
+def _inet(sock) -> bool:
+    return sock.family in (socket.AF_INET, socket.AF_INET6)
+
+
+def install() -> None:
+    """Wrap the socket calls (once per process)."""
+    if _real:
+        return
+    _real.update(connect=socket.socket.connect, connect_ex=socket.socket.connect_ex, sendto=socket.socket.sendto,
+                 getaddrinfo=socket.getaddrinfo, gethostbyname=socket.gethostbyname,
+                 gethostbyname_ex=socket.gethostbyname_ex)
+
+    def connect(sock, address):
+        if _inet(sock) and isinstance(address, tuple) and outside(address[0]):
+            _refuse(f"connect to {address[0]}:{address[1]}")
+        return _real["connect"](sock, address)
+
+    def connect_ex(sock, address):
+        if _inet(sock) and isinstance(address, tuple) and outside(address[0]):
+            _refuse(f"connect to {address[0]}:{address[1]}")
+        return _real["connect_ex"](sock, address)
+
+    def sendto(sock, data, *args):
+        address = args[-1] if args else None
+        if _inet(sock) and isinstance(address, tuple) and outside(address[0]):
+            _refuse(f"sendto {address[0]}:{address[1]}")
+        return _real["sendto"](sock, data, *args)
+
+    def getaddrinfo(host, *args, **kwargs):
+        if outside(host) and not _numeric(host):
+            _refuse(f"name lookup of {host!r}")
+        return _real["getaddrinfo"](host, *args, **kwargs)
+
+    def gethostbyname(host):
+        if outside(host) and not _numeric(host):
+            _refuse(f"name lookup of {host!r}")
+        return _real["gethostbyname"](host)
+
+    def gethostbyname_ex(host):
+        if outside(host) and not _numeric(host):
+            _refuse(f"name lookup of {host!r}")
+        return _real["gethostbyname_ex"](host)
+
+    socket.socket.connect, socket.socket.connect_ex, socket.socket.sendto = connect, connect_ex, sendto
+    socket.getaddrinfo, socket.gethostbyname, socket.gethostbyname_ex = getaddrinfo, gethostbyname, gethostbyname_ex
+
+
+def _numeric(host) -> bool:
+    """A numeric address is looked up without asking anyone (its connect is what the guard judges)."""
+    try:
+        ipaddress.ip_address(str(host.decode() if isinstance(host, bytes) else host).split("%", 1)[0])
+        return True
+    except ValueError:
+        return False
+
+
+def take() -> list[str]:
+    """What this process was refused since the last call (and forget it)."""
+    with _lock:
+        out = _recorded[:]
+        _recorded.clear()
+    return out
+
+
+def install_from_environment() -> None:
+    if os.environ.get(ENV_LOG):
+        install()
+
+
+_LOOPBACK_NAMES = _loopback_names()
