@@ -181,15 +181,18 @@ def check_boundaries(reference: np.ndarray, call_logits: np.ndarray, positions, 
 
 def check_engine_case(w: dict, cfg: qwen35.HybridConfig, prompt, past: int, n: int, run, threshold: float = NMSE_THRESHOLD,
                       logit_atol: float = LOGIT_ATOL, expected: int | None = None, token_text=None,
-                      reference: tuple | None = None) -> list[Verdict]:
+                      reference: tuple | None = None, naive_logits: np.ndarray | None = None) -> list[Verdict]:
     """A device run (HybridRun: P tokens, then n, in calls of C) against redecode of the P + n tokens:
     the token at every chunk boundary, every carried array by NMSE, and the last call's logits against
-    the naive float64 model (NMSE and the tie rule). `reference`: redecode's (logits, state), if known."""
+    the naive float64 model (NMSE and the tie rule). `reference`: redecode's (logits, state), and
+    `naive_logits` the naive model's at the last position, if known."""
     prompt = np.asarray(prompt)
     ref_logits, ref_state = reference or qwen35.redecode(w, cfg, prompt[:past + n])
+    if naive_logits is None:
+        naive_logits = naive_qwen35.logits(w, cfg, prompt[:past + n])
     return [check_boundaries(ref_logits, run.call_logits, run.call_positions, logit_atol, expected, token_text),
             check_state(ref_state, run.state, threshold),
-            check_naive(naive_qwen35.logits(w, cfg, prompt[:past + n]), run.call_logits[-1], threshold, logit_atol)]
+            check_naive(naive_logits, run.call_logits[-1], threshold, logit_atol)]
 
 
 def check_tail_bytes(padded, exact) -> Verdict:

@@ -57,7 +57,7 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
-from refimpl import gdn, qwen35
+from refimpl import gdn, naive_qwen35, qwen35
 from testbed import breakeven
 from testbed.config import Choice, Float, Int, IntList, as_list, project_path
 from testbed.errors import UsageError
@@ -234,7 +234,7 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
                       artifacts=arts, detail=v.detail, evidence=list(evidence))
 
     native = cfg.backend == "native"
-    references: dict[int, tuple] = {}  # redecode per P + n, shared by the forms
+    references: dict[int, tuple] = {}  # redecode and the naive model per P + n, shared by the forms
     for form, fn in gdn_forms(cfg).items():
         base = {"gdn": form, "gdn_chunk": cfg.gdn_chunk if form == "chunkwise" else None, "chunk": cfg.chunk}
         for p, n in cases(cfg):
@@ -247,9 +247,9 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
                 run = engine.prefill(ctx.device, model, w, ids, past=p, tokens=n, chunk=cfg.chunk, tail="padded",
                                      gdn=form, gdn_chunk=cfg.gdn_chunk, threads=cfg.threads)
                 if p + n not in references:
-                    references[p + n] = qwen35.redecode(w, model, ids[:p + n])
+                    references[p + n] = (qwen35.redecode(w, model, ids[:p + n]), naive_qwen35.logits(w, model, ids[:p + n]))
                 verdicts = check_engine_case(w, model, ids, p, n, run, cfg.threshold, cfg.logit_atol, expected,
-                                             token_text, references[p + n])
+                                             token_text, *references[p + n])
                 evidence = [run.evidence.as_dict()]
             else:
                 verdicts = check_chunk_with_past(w, model, ids, p, n, cfg.chunk, fn, cfg.threshold, cfg.logit_atol,

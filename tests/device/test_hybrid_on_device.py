@@ -13,7 +13,8 @@ from testbed.backends.native.device import NativeRunFailed
 from testbed.experiments import hybrid as experiment
 from testbed.hybrid_checkpoints import load_hf_folder
 from testbed.hybrid_oracles import check_boundaries, check_tail_bytes
-from testbed.oracles import check_nmse, nmse
+from testbed.devices import connect, load_profile
+from testbed.oracles import check_nmse, digest, nmse
 from tests.device.test_gdn_on_device import assert_computed_on
 from tests.hybrid_support import VARIANTS, make_tiny_qwen35
 
@@ -27,6 +28,12 @@ PAST, TOKENS, CHUNK = 86, 64, 64  # the past's calls end at 63 (full) and 85 (22
 @pytest.fixture(scope="module", params=VARIANTS)
 def made(request, tmp_path_factory):
     return make_tiny_qwen35(tmp_path_factory.mktemp("qwen35") / "tiny", VARIANTS[request.param], PROMPT)
+
+
+@pytest.fixture(scope="module")
+def lllf(tmp_path_factory):
+    """Qwen3.5's own layer pattern alone, for the runs that need one checkpoint."""
+    return make_tiny_qwen35(tmp_path_factory.mktemp("qwen35") / "lllf", VARIANTS["lllf"], PROMPT)
 
 
 def test_transformers_tokens_at_every_chunk_boundary_and_logits_on_the_device(device, made):
@@ -48,6 +55,10 @@ def test_transformers_tokens_at_every_chunk_boundary_and_logits_on_the_device(de
     assert run.evidence.device == device.name and run.evidence.ran == "tb_hybrid_bench"
     if device.profile.has("counts"):
         assert run.counts and run.counts.per_call > 0
+    # the same bytes as the host's build computes (unfused, one summation order on every target): what
+    # the planted-bug tests establish on the host holds for the device's build
+    here = engine.prefill(connect(load_profile("host")), cfg, w, made.prompt, past=PAST, tokens=TOKENS, chunk=CHUNK)
+    assert digest(here.call_logits, *here.state.arrays().values()) == digest(run.call_logits, *run.state.arrays().values())
 
 
 def run_on(device, overrides):
@@ -55,7 +66,8 @@ def run_on(device, overrides):
                           device=device)
 
 
-def test_the_experiments_oracles_pass_on_the_device_with_the_checkpoint(device, made, results_dir, tmp_path):
+def test_the_experiments_oracles_pass_on_the_device_with_the_checkpoint(device, lllf, results_dir, tmp_path):
+    made = lllf
     np.save(tmp_path / "prompt.npy", made.prompt)
     best = int(made.logits[-1].argmax())
     outcome = run_on(device, ["mode=oracle", f"model.checkpoint={made.folder}", f"model.prompt={tmp_path / 'prompt.npy'}",
@@ -97,9 +109,10 @@ def test_crossover_tail_and_drift_come_from_the_device(device, results_dir):
     assert 0 < drift["fp16-acc32"]["nmse_logits"] < drift["fp16-acc16"]["nmse_logits"] < 1e-2
 
 
-def test_requests_the_engine_cannot_carry_out_are_refused_before_running(device, made, monkeypatch):
+def test_requests_the_engine_cannot_carry_out_are_refused_before_running(device, lllf, monkeypatch):
     import dataclasses
 
+    made = lllf
     cfg, w = load_hf_folder(made.folder)
     with pytest.raises(NativeRunFailed, match="outside the vocabulary"):
         engine.prefill(device, cfg, w, np.full(PROMPT, cfg.vocab), past=0, tokens=8, chunk=8)
