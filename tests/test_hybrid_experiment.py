@@ -138,3 +138,29 @@ def test_bad_input_is_refused_in_one_line(results_dir, capsys, overrides, messag
     assert cli.main(["run", "hybrid", *overrides]) != 0
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def crossover_rows(chunkwise: float, spread: float, emulated: bool = False):
+    """Stored-record rows of one context: rates per model with each repetition within +-spread."""
+    rates = {"dense": 900.0, "dense-similar": 700.0, "hybrid-serial": 650.0, "hybrid-chunkwise": chunkwise,
+             "hybrid-no-recurrence": 800.0}
+    field = "tokens_per_ginstr" if emulated else "tokens_per_cpu_s"
+    return pd.DataFrame([{"kind": "measure", "device": "qemu-arm32" if emulated else "host", "backend": "native",
+                          "emulated": emulated, "params.part": "crossover", "params.context": 512, "params.model": m,
+                          f"figures.{field}.median": r, f"figures.{field}.min": r * (1 - spread),
+                          f"figures.{field}.max": r * (1 + spread)} for m, r in rates.items()])
+
+
+def test_each_row_where_chunkwise_is_not_faster_says_why():
+    faster = hybrid.crossover_table(crossover_rows(700.0, 0.01))
+    assert "why chunkwise is not faster" not in faster and faster.loc[0, "chunkwise x serial"] == 1.08
+    noisy = hybrid.crossover_table(crossover_rows(640.0, 0.05)).loc[0, "why chunkwise is not faster"]
+    assert noisy.startswith("within noise: the repetitions overlap")
+    slower = hybrid.crossover_table(crossover_rows(600.0, 0.01)).loc[0, "why chunkwise is not faster"]
+    # per token: chunkwise 1/600 - 1/800, serial 1/650 - 1/800 CPU seconds
+    assert slower.startswith("the chunkwise recurrence costs 417 vs serial 288 us per token")
+    counted = hybrid.crossover_table(crossover_rows(600.0, 0.01, emulated=True))
+    assert counted.loc[0, "rate"] == hybrid.RATE_COUNTS and "instructions per token" in counted.iloc[0, -3]
+    # an emulated device's times alone are never a rate
+    assert hybrid.crossover_table(crossover_rows(600.0, 0.01, emulated=True).rename(
+        columns=lambda c: c.replace("tokens_per_ginstr", "tokens_per_cpu_s"))).empty

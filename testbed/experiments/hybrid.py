@@ -188,9 +188,10 @@ def validate(cfg: DictConfig) -> None:
     if {"crossover", "tail"} & set(parts) or ("drift" in parts and not cfg.model.checkpoint):
         model_config(cfg.bench.shape)
     expected = cfg.model.expected_token
-    if not cfg.model.checkpoint and str(cfg.model.prompt) == "seed" and expected is None and "oracle" in parts:
-        model_config(cfg.shape)
-        return
+    if not cfg.model.checkpoint and str(cfg.model.prompt) == "seed" and expected is None:
+        if "oracle" in parts:
+            model_config(cfg.shape)
+        return  # nothing to load before running
     model, _, _ = oracle_model(cfg)
     if expected is not None:
         if isinstance(expected, bool) or not isinstance(expected, int) or not 0 <= expected < model.vocab:
