@@ -7,9 +7,11 @@
  * weigh an exact 0; exp comes from tb_simd.h's plain arithmetic, RoPE angles from libm's double cos
  * and sin. So a row's result never depends on the rows beside it in a call (the padded tail's
  * byte-identical oracle rests on this), and an unfused build gives the same bits on every target. */
+#define _POSIX_C_SOURCE 199309L
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "tb_hybrid.h"
 #include "tb_linalg.h"
@@ -20,6 +22,7 @@ struct tb_hybrid_engine {
     tb_hybrid_options o;
     int64_t length;
     int conv_dim, key_dim, value_dim;
+    double gdn_seconds[2]; /* wall, CPU: in the recurrence since the engine was created */
     float *conv[TB_MAX_LAYERS], *rec[TB_MAX_LAYERS]; /* linear layers */
     float *k[TB_MAX_LAYERS], *v[TB_MAX_LAYERS];      /* full layers: [kv_heads, capacity, head_dim] */
     /* scratch for one call of up to max_rows rows */
@@ -135,6 +138,16 @@ void tb_hybrid_clear(tb_hybrid_engine *e) {
 }
 
 int64_t tb_hybrid_length(const tb_hybrid_engine *e) { return e->length; }
+
+static double clock_seconds(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void tb_hybrid_gdn_seconds(const tb_hybrid_engine *e, double *wall, double *cpu) {
+    *wall = e->gdn_seconds[0], *cpu = e->gdn_seconds[1];
+}
 float *tb_hybrid_conv(tb_hybrid_engine *e, int layer) { return e->conv[layer]; }
 float *tb_hybrid_recurrent(tb_hybrid_engine *e, int layer) { return e->rec[layer]; }
 float *tb_hybrid_keys(tb_hybrid_engine *e, int layer) { return e->k[layer]; }
@@ -275,6 +288,7 @@ static int linear_layer(tb_hybrid_engine *e, int i, int rows, int n) {
     tb_gdn_shape shape = {1, rows, c->k_heads, H, d, 0, TB_HEAD_MAP_INTERLEAVED,
                           {(ptrdiff_t)rows * ld, ld, d}, {(ptrdiff_t)rows * ld, ld, d}, {(ptrdiff_t)rows * ld, ld, d}};
     const float *q = e->mix, *k = e->mix + e->key_dim, *v = e->mix + 2 * e->key_dim;
+    const double wall = clock_seconds(CLOCK_MONOTONIC), cpu = clock_seconds(CLOCK_PROCESS_CPUTIME_ID);
     if (e->o.gdn_form == TB_GDN_SERIAL)
         rc = tb_gdn_serial(&shape, q, k, v, e->g, e->beta, e->rec[i], e->gdn_out, e->rec[i], e->o.threads);
     else if (e->o.gdn_form == TB_GDN_CHUNKWISE)
@@ -282,6 +296,8 @@ static int linear_layer(tb_hybrid_engine *e, int i, int rows, int n) {
                                         e->o.gdn_chunk, e->o.gdn_precision, e->o.threads);
     else
         memset(e->gdn_out, 0, sizeof(float) * (size_t)rows * e->value_dim);
+    e->gdn_seconds[0] += clock_seconds(CLOCK_MONOTONIC) - wall;
+    e->gdn_seconds[1] += clock_seconds(CLOCK_PROCESS_CPUTIME_ID) - cpu;
     if (rc) return rc;
 
     /* the gated output norm per value head: rmsnorm(o) * w * silu(z) */

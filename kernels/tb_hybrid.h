@@ -117,6 +117,11 @@ int tb_hybrid_prefill_with_past(tb_hybrid_engine *e, const int32_t *tokens, int 
 /* One token: the same call with one row. */
 int tb_hybrid_decode(tb_hybrid_engine *e, int32_t token, float *logits);
 
+/* Seconds spent in the GDN recurrence (tb_gdn_*) since the engine was created, by the wall clock and by
+ * the process's CPU clock: the recurrence's own cost, apart from the rest of the model (the share a
+ * faster GDN form can change). */
+void tb_hybrid_gdn_seconds(const tb_hybrid_engine *e, double *wall, double *cpu);
+
 #ifdef __cplusplus
 }
 #endif

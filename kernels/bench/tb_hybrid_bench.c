@@ -16,7 +16,8 @@
  *   for a full one; with all_logits=1 also logits_all [P + n, vocab] (every real row of every call).
  *   Timed: the whole prefill from an empty past, warmup + reps times (the outputs are the last
  *   repetition's; all are the same), each repetition between the counters' marks: "seconds",
- *   "cpu_seconds".
+ *   "cpu_seconds"; and the GDN recurrence's share of it (tb_hybrid_gdn_seconds): "gdn_seconds",
+ *   "gdn_cpu_seconds".
  *   MODEL: vocab= hidden= layers= mlp= heads= kv_heads= head_dim= k_heads= v_heads= linear_dim=
  *       conv_kernel= types=LLLF (L linear, F full, one per layer) rotary_dim= rope_theta= eps= tied=0|1
  * A request outside the cache or the vocabulary is refused before anything runs; a weights file of
@@ -267,18 +268,23 @@ int main(int argc, char **argv) {
     prefill_run p = {e, c, chunk, tail, 0, malloc(sizeof(float) * (size_t)calls * c->vocab),
                      all_logits ? malloc(sizeof(float) * (size_t)(past + n) * c->vocab) : NULL,
                      malloc(sizeof(int64_t) * (size_t)calls), malloc(sizeof(int32_t) * (size_t)calls)};
-    double *wall = calloc((size_t)reps, sizeof(double)), *cpu = calloc((size_t)reps, sizeof(double));
-    if (!p.call_logits || (all_logits && !p.all) || !p.positions || !p.rows || !wall || !cpu) die("out of memory");
+    /* per repetition: the prefill's wall and CPU seconds, and those of its recurrence alone */
+    double *t = calloc((size_t)reps * 4, sizeof(double));
+    if (!p.call_logits || (all_logits && !p.all) || !p.positions || !p.rows || !t) die("out of memory");
     for (long r = -warmup; r < reps; r++) {
         tb_hybrid_clear(e);
         p.calls = 0;
+        double g_wall, g_cpu, g_wall1, g_cpu1;
+        tb_hybrid_gdn_seconds(e, &g_wall, &g_cpu);
         const double c0 = cpu_seconds(), t0 = now_seconds();
         if (r >= 0) tb_count_begin();
         if (past) segment(&p, ids, past);
         segment(&p, ids + past, n);
         if (r >= 0) {
             tb_count_end();
-            wall[r] = now_seconds() - t0, cpu[r] = cpu_seconds() - c0;
+            t[4 * r] = now_seconds() - t0, t[4 * r + 1] = cpu_seconds() - c0;
+            tb_hybrid_gdn_seconds(e, &g_wall1, &g_cpu1);
+            t[4 * r + 2] = g_wall1 - g_wall, t[4 * r + 3] = g_cpu1 - g_cpu;
         }
     }
     size_t logits_shape[2] = {(size_t)calls, (size_t)c->vocab}, calls_shape[1] = {(size_t)calls};
@@ -300,8 +306,14 @@ int main(int argc, char **argv) {
                "\"gdn\": \"%s\", \"gdn_chunk\": %d, \"precision\": \"%s\", \"calls\": %d, \"length\": %lld",
             tb_vector_path(), tb_source_hash(), warmup, reps, threads, past, n, chunk, TAILS[tail], FORMS[form],
             o.gdn_chunk, PRECISIONS[precision], calls, (long long)tb_hybrid_length(e));
-    print_series(f, "seconds", wall, reps);
-    print_series(f, "cpu_seconds", cpu, reps);
+    const char *names[4] = {"seconds", "cpu_seconds", "gdn_seconds", "gdn_cpu_seconds"};
+    double *series = malloc(sizeof(double) * (size_t)reps);
+    if (!series) die("out of memory");
+    for (int col = 0; col < 4; col++) {
+        for (long r = 0; r < reps; r++) series[r] = t[4 * r + col];
+        print_series(f, names[col], series, reps);
+    }
+    free(series), free(t);
     fprintf(f, "}\n");
     if (fclose(f)) die("cannot write timings.json");
     tb_hybrid_free(e);

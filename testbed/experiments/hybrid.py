@@ -298,6 +298,8 @@ def figures(clocks: dict, tokens: int, flops: int) -> dict:
         n = clocks["instructions"]
         out["instructions"] = n
         out["tokens_per_ginstr"] = n.rate(tokens * 1e9, "tokens per 1e9 instructions")
+    if "gdn_cpu" in clocks:  # the engine's own timer around the recurrence (tb_hybrid_gdn_seconds)
+        out["gdn_cpu_time"] = clocks["gdn_cpu"].scaled(1e3, "ms")
     return out
 
 
@@ -346,7 +348,7 @@ def time_variants(cfg: DictConfig, ctx, calls: dict, reps: int, warmup: int) -> 
         return time_alternating_clocks(fns, reps=reps, warmup=warmup), {key: [] for key in calls}
     from testbed.backends.native import hybrid as engine
 
-    samples = {key: {"wall": [], "cpu": [], "instructions": []} for key in calls}
+    samples = {key: {"wall": [], "cpu": [], "gdn_cpu": [], "instructions": []} for key in calls}
     evidence = {key: [] for key in calls}
     for rep in interleaved_order(list(calls), reps, cfg.seed):
         for key in rep:
@@ -357,6 +359,7 @@ def time_variants(cfg: DictConfig, ctx, calls: dict, reps: int, warmup: int) -> 
                                  warmup=warmup, reps=1, measured=True)
             samples[key]["wall"] += run.timings["seconds"]
             samples[key]["cpu"] += run.timings["cpu_seconds"]
+            samples[key]["gdn_cpu"] += run.timings["gdn_cpu_seconds"]
             if run.counts:
                 samples[key]["instructions"].append(run.counts.per_call)
             evidence[key].append(run.evidence.as_dict())
@@ -543,9 +546,22 @@ def _rates(m: pd.DataFrame) -> pd.DataFrame:
     by_counts = emulated.to_numpy()
     pick = {s: np.where(by_counts, col(f"figures.tokens_per_ginstr.{s}"), col(f"figures.tokens_per_cpu_s.{s}"))
             for s in ("median", "min", "max")}
+    # the recurrence's own cost: the engine's timer around it (CPU ms), or, counted, the whole count
+    # (the recurrence-free model's is subtracted in the table)
+    own = np.where(by_counts, col("figures.instructions.median"), col("figures.gdn_cpu_time.median"))
     return pd.DataFrame({"device": m["device"], "backend": m["backend"], "context": m["params.context"].astype(int),
                          "model": m["params.model"], "rate": pick["median"], "rate_min": pick["min"],
-                         "rate_max": pick["max"], "per": np.where(by_counts, RATE_COUNTS, RATE_CPU)})
+                         "rate_max": pick["max"], "per": np.where(by_counts, RATE_COUNTS, RATE_CPU), "own": own})
+
+
+def recurrence_ratio(own: dict, counted: bool) -> float:
+    """Serial over chunkwise on the recurrence alone: its own CPU time (the engine's timer), or counted,
+    each form's instructions minus the recurrence-free model's (the same code otherwise)."""
+    serial, chunkwise = own.get("hybrid-serial", np.nan), own.get("hybrid-chunkwise", np.nan)
+    if counted:
+        base = own.get("hybrid-no-recurrence", np.nan)
+        serial, chunkwise = serial - base, chunkwise - base
+    return serial / chunkwise if chunkwise and np.isfinite(chunkwise) and chunkwise > 0 else np.nan
 
 
 def why_not_faster(r) -> str:
@@ -557,9 +573,15 @@ def why_not_faster(r) -> str:
     spread = r.get("spread", {}) or {}
     lo_c, hi_c = spread.get("hybrid-chunkwise", (np.nan, np.nan))
     lo_s, hi_s = spread.get("hybrid-serial", (np.nan, np.nan))
+    alone = r.get("recurrence alone: chunkwise x serial", np.nan)
+    share = 1 - r["hybrid-serial"] / r["hybrid-no-recurrence"] if "hybrid-no-recurrence" in r.index else np.nan
     if hi_c >= lo_s and hi_s >= lo_c:
-        return (f"within noise: the repetitions overlap (serial {lo_s:.4g}-{hi_s:.4g}, chunkwise "
-                f"{lo_c:.4g}-{hi_c:.4g} {r['per']})")
+        why = (f"within noise: the repetitions overlap (serial {lo_s:.4g}-{hi_s:.4g}, chunkwise "
+               f"{lo_c:.4g}-{hi_c:.4g} {r['per']})")
+        if np.isfinite(alone) and alone > 1:
+            why += (f"; the recurrence alone runs {alone:.2f}x faster chunkwise, but it is "
+                    f"{max(share, 0):.0%} of the serial hybrid, so the whole gains at most {r.get('bound x serial', np.nan)}x")
+        return why
     if "hybrid-no-recurrence" in r.index and pd.notna(r["hybrid-no-recurrence"]):
         # cost per token of the recurrence alone, each form: total minus the model without it
         base = 1 / r["hybrid-no-recurrence"]
@@ -589,6 +611,8 @@ def crossover_table(df: pd.DataFrame) -> pd.DataFrame:
     wide = rows.pivot_table(index=keys, columns="model", values="rate").reset_index()
     spread = {k: {r["model"]: (r["rate_min"], r["rate_max"]) for _, r in g.iterrows()}
               for k, g in rows.groupby(keys)}
+    alone = {k: recurrence_ratio({r["model"]: r["own"] for _, r in g.iterrows()}, k[3] == RATE_COUNTS)
+             for k, g in rows.groupby(keys)}
     wide = wide[[*keys, *(m for m in MODELS if m in wide)]]  # MODELS' order
     wide.columns.name = None
     wide = wide.rename(columns={"per": "rate"})
@@ -599,6 +623,9 @@ def crossover_table(df: pd.DataFrame) -> pd.DataFrame:
         share = 1 - wide["hybrid-serial"] / wide["hybrid-no-recurrence"]
         wide["GDN share"] = share.round(3)
         wide["bound x serial"] = (1 / (1 - share)).round(2)
+    ratio = [alone.get(tuple(r[k] for k in ("device", "backend", "context", "rate"))) for _, r in wide.iterrows()]
+    if any(x is not None and np.isfinite(x) for x in ratio):
+        wide["recurrence alone: chunkwise x serial"] = pd.Series(ratio, index=wide.index, dtype=float).round(2)
     why = []
     for _, r in wide.iterrows():
         r = r.copy()
