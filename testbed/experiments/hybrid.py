@@ -341,13 +341,17 @@ def time_variants(cfg: DictConfig, ctx, calls: dict, reps: int, warmup: int) -> 
     """Each call (key -> (Variant, prompt, chunk, tail)) timed interleaved: per key its clocks as Figures
     (wall, cpu; instructions where counted) and the evidence of the runs. refimpl: numpy on the host,
     timed by the host's clocks; native: the engine program on the device, by its own clocks, one run per
-    repetition (its warm-up inside), in an order shuffled per repetition from the run's seed."""
+    repetition (its warm-up inside), in an order shuffled per repetition from the run's seed; on an
+    emulated device that counts, one run each (the counts are exact, its times never speed)."""
     if cfg.backend != "native":
         fns = {key: partial(qwen35.prefill, v.w, v.model, prompt, chunk, refimpl_gdn(v.gdn, cfg.gdn_chunk), tail)
                for key, (v, prompt, chunk, tail) in calls.items()}
         return time_alternating_clocks(fns, reps=reps, warmup=warmup), {key: [] for key in calls}
     from testbed.backends.native import hybrid as engine
 
+    profile = ctx.device.profile
+    if profile.has("emulated") and profile.has("counts"):
+        reps, warmup = 1, 0  # its figures are exact counts: a repetition would give the same number again
     samples = {key: {"wall": [], "cpu": [], "gdn_cpu": [], "instructions": []} for key in calls}
     evidence = {key: [] for key in calls}
     for rep in interleaved_order(list(calls), reps, cfg.seed):
