@@ -177,6 +177,8 @@ static void call(prefill_run *p, const int32_t *tokens, int n, int rows) {
         float *rows_logits = p->all + (size_t)start * p->c->vocab;
         check(tb_hybrid_prefill_with_past(p->e, tokens, n, rows, TB_HYBRID_ALL_ROWS, rows_logits), "call");
         memcpy(logits, rows_logits + (size_t)(n - 1) * p->c->vocab, sizeof(float) * p->c->vocab);
+    } else if (rows == 1) {
+        check(tb_hybrid_decode(p->e, tokens[0], logits), "decode step");
     } else {
         check(tb_hybrid_prefill_with_past(p->e, tokens, n, rows, n - 1, logits), "call");
     }
