@@ -5,15 +5,20 @@ chunk with past  P positions prefilled in chunks, then n <= C tokens in one pref
                  padded to C rows, selecting the last real row. Against redecode of the P + n tokens
                  (all positions from scratch, serial GDN):
                    token  same argmax at position P + n - 1 (margin: the candidate's logit for the
-                          reference token minus its best other logit, so negative when it differs)
+                          reference token minus its best other logit, so negative when it differs);
+                          for the engine on a device (check_engine_case) at every chunk boundary, the
+                          past's calls included (check_boundaries); model.expected_token pinned at the
+                          last position the cases reach
                    state  every carried array (K/V rows, conv states, recurrent states) by NMSE
                  and against the model written out in float64 (refimpl.naive_qwen35, no code shared
                  with refimpl.qwen35, gemma or gdn, which redecode and the candidate share):
-                   naive  the candidate's logits by NMSE, and the same argmax
+                   naive  the candidate's logits by NMSE, and its token by the tie rule
 padded tail      a prompt of N = b * C + t tokens prefilled with the tail padded to C rows, and with
                  the tail run one token at a time (scalar):
                    first_token  same argmax after the prompt (the token generation would start with)
                    tail_state   the states after both by NMSE; `bitexact` says whether every byte agrees
+                   tail_bytes   (the engine) against the same tail in a call of its own length: every
+                                state byte and the logits identical (check_tail_bytes)
 pad identity     the GDN op alone: pad rows with beta = 0 and g = 0 appended to a call must leave
                  the final state bit-identical (exp(0) = 1 and a zero delta are exact in float32).
 
