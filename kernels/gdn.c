@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tb_half.h"
 #include "tb_kernels.h"
 #include "tb_linalg.h"
 #include "tb_parallel.h"
@@ -15,7 +16,7 @@ typedef struct {
     const tb_gdn_shape *shape;
     const float *q, *k, *v, *g, *beta, *state_in;
     float *out, *state_out;
-    int chunk;
+    int chunk, precision;
 } gdn_call;
 
 static int check_shape(const tb_gdn_shape *s) {
@@ -123,7 +124,7 @@ int tb_gdn_serial(const tb_gdn_shape *shape, const float *q, const float *k, con
                   const float *beta, const float *state_in, float *out, float *state_out, int threads) {
     int rc = check_shape(shape);
     if (rc) return rc;
-    gdn_call c = {shape, q, k, v, g, beta, state_in, out, state_out, 0};
+    gdn_call c = {shape, q, k, v, g, beta, state_in, out, state_out, 0, TB_PRECISION_F32};
     TB_FP_ENTER();
     return TB_FP_LEAVE(tb_parallel_for(shape->n_seqs * shape->h_v, threads, serial_heads, &c));
 }
@@ -144,12 +145,18 @@ typedef struct {
     float *X, *Kref;       /* KDA: [L][d] rows rescaled to a reference token */
     float *e;              /* [max(L, d)] one row of exponentials */
     float *beta;           /* [L] */
+    int precision;         /* TB_PRECISION_* of the matrix products */
+    float *Ha, *Hb, *Hc;   /* reduced precision: the operands rounded to binary16, and a product apart */
 } chunk_scratch;
 
-static chunk_scratch *scratch_new(int L, int d, int kda) {
+static chunk_scratch *scratch_new(int L, int d, int kda, int precision) {
     const size_t Ld = (size_t)L * d, LL = (size_t)L * L, dd = (size_t)d * d;
     const size_t e_len = (size_t)(L > d ? L : d);
-    const size_t floats = dd + (kda ? Ld : (size_t)L) + 3 * Ld + 2 * LL + 2 * Ld + (kda ? 2 * Ld : 0) + e_len + (size_t)L;
+    /* the largest operand of a product: L x L, L x d or d x d */
+    const size_t big = LL > Ld ? (LL > dd ? LL : dd) : (Ld > dd ? Ld : dd);
+    const size_t reduced = precision == TB_PRECISION_F32 ? 0 : 3 * big;
+    const size_t floats = dd + (kda ? Ld : (size_t)L) + 3 * Ld + 2 * LL + 2 * Ld + (kda ? 2 * Ld : 0) + e_len + (size_t)L +
+                          reduced;
     chunk_scratch *w = malloc(sizeof *w + sizeof(float) * floats);
     if (!w) return NULL;
     float *p = (float *)(w + 1);
@@ -165,8 +172,42 @@ static chunk_scratch *scratch_new(int L, int d, int kda) {
     w->X = kda ? p : NULL, p += kda ? Ld : 0;
     w->Kref = kda ? p : NULL, p += kda ? Ld : 0;
     w->e = p, p += e_len;
-    w->beta = p;
+    w->beta = p, p += L;
+    w->precision = precision;
+    w->Ha = reduced ? p : NULL, p += reduced ? big : 0;
+    w->Hb = reduced ? p : NULL, p += reduced ? big : 0;
+    w->Hc = reduced ? p : NULL;
     return w;
+}
+
+/* rows x cols of x (leading dimension ld) rounded to binary16, into out (leading dimension cols) */
+static void round_f16(int rows, int cols, const float *x, int ld, float *out) {
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) out[(size_t)r * cols + c] = tb_round_f16(x[(size_t)r * ld + c]);
+}
+
+/* One of the chunkwise form's matrix products, C (+)= A B, in the scratch's precision: float32 is
+ * gemm_nn itself; fp16-acc32 the same on operands rounded to binary16 (a product of two binary16
+ * numbers is exact in float32); fp16-acc16 a binary16 accumulator rounded after each multiply-add,
+ * from zero, then added onto C in float32 when accumulating. */
+static void product(chunk_scratch *w, int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C,
+                    int ldc, int accumulate, int lower) {
+    if (w->precision == TB_PRECISION_F32) {
+        gemm_nn(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
+        return;
+    }
+    round_f16(M, K, A, lda, w->Ha);
+    round_f16(K, N, B, ldb, w->Hb);
+    if (w->precision == TB_PRECISION_FP16_ACC32) {
+        gemm_nn(M, N, K, w->Ha, K, w->Hb, N, C, ldc, accumulate, lower);
+        return;
+    }
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            float acc = 0.0f;
+            for (int k = 0; k < K; k++) acc = tb_round_f16(acc + w->Ha[(size_t)i * K + k] * w->Hb[(size_t)k * N + j]);
+            C[(size_t)i * ldc + j] = accumulate ? C[(size_t)i * ldc + j] + acc : acc;
+        }
 }
 
 /* KDA gram matrices: kk[i][j] (j < i) and qk[i][j] (j <= i) = sum_c x_i[c] k_j[c] exp(G_i[c] - G_j[c]).
@@ -236,8 +277,8 @@ static void scalar_grams(chunk_scratch *w, int L, int d) {
     float *KT = w->KoutT, *decay = w->e;
     for (int t = 0; t < L; t++)
         for (int i = 0; i < d; i++) KT[(size_t)i * L + t] = w->K[t * w->ldk + i];
-    gemm_nn(L, L, d, w->K, (int)w->ldk, KT, L, w->A, L, 0, 0);
-    gemm_nn(L, L, d, w->Q, (int)w->ldq, KT, L, w->QK, L, 0, 0);
+    product(w, L, L, d, w->K, (int)w->ldk, KT, L, w->A, L, 0, 0);
+    product(w, L, L, d, w->Q, (int)w->ldq, KT, L, w->QK, L, 0, 0);
     for (int i = 0; i < L; i++) {
         float *a = w->A + i * L, *qk = w->QK + i * L;
         for (int j = 0; j <= i; j++) decay[j] = w->G[i] - w->G[j];
@@ -298,7 +339,7 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     }
 
     /* R = beta (V - K_in S); then v_new = (I + beta kk)^-1 R by forward substitution (A = -beta kk) */
-    gemm_nn(L, d, d, w->Kin, d, w->S, d, w->R, d, 0, 0);
+    product(w, L, d, d, w->Kin, d, w->S, d, w->R, d, 0, 0);
     for (int t = 0; t < L; t++) {
         float *r = w->R + (size_t)t * d;
         const float *vt = w->V + t * w->ldv;
@@ -314,8 +355,8 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     }
 
     /* out = scale (Q_in S + tril(QK) v_new) */
-    gemm_nn(L, d, d, w->Qin, d, w->S, d, w->O, d, 0, 0);
-    gemm_nn(L, d, L, w->QK, L, w->R, d, w->O, d, 1, 1);
+    product(w, L, d, d, w->Qin, d, w->S, d, w->O, d, 0, 0);
+    product(w, L, d, L, w->QK, L, w->R, d, w->O, d, 1, 1);
     for (int t = 0; t < L; t++) {
         float *ot = c->out + (((size_t)seq * T + t0 + t) * H + h) * d;
         const float *o = w->O + (size_t)t * d;
@@ -330,7 +371,7 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
         const float last = exp1(w->G[L - 1]);
         for (int i = 0; i < d; i++) scale_n(w->S + (size_t)i * d, last, d);
     }
-    gemm_nn(d, d, L, w->KoutT, L, w->R, d, w->S, d, 1, 0);
+    product(w, d, d, L, w->KoutT, L, w->R, d, w->S, d, 1, 0);
 }
 
 static int chunkwise_heads(void *arg, int begin, int end) {
@@ -338,7 +379,7 @@ static int chunkwise_heads(void *arg, int begin, int end) {
     const tb_gdn_shape *s = c->shape;
     const int d = s->d, T = s->tokens, H = s->h_v;
     const int L = c->chunk < T ? c->chunk : T;
-    chunk_scratch *w = scratch_new(L, d, s->kda);
+    chunk_scratch *w = scratch_new(L, d, s->kda, c->precision);
     if (!w) return TB_E_MEMORY;
     for (int item = begin; item < end; item++) {
         const int seq = item / H, h = item % H;
@@ -354,12 +395,21 @@ static int chunkwise_heads(void *arg, int begin, int end) {
     return TB_OK;
 }
 
-int tb_gdn_chunkwise(const tb_gdn_shape *shape, const float *q, const float *k, const float *v, const float *g,
-                     const float *beta, const float *state_in, float *out, float *state_out, int chunk, int threads) {
+int tb_gdn_chunkwise_precision(const tb_gdn_shape *shape, const float *q, const float *k, const float *v,
+                               const float *g, const float *beta, const float *state_in, float *out,
+                               float *state_out, int chunk, int precision, int threads) {
     int rc = check_shape(shape);
     if (rc) return rc;
-    if (chunk <= 0) return TB_E_SHAPE;
-    gdn_call c = {shape, q, k, v, g, beta, state_in, out, state_out, chunk};
+    if (chunk <= 0 || precision < TB_PRECISION_F32 || precision > TB_PRECISION_FP16_ACC16 ||
+        (precision != TB_PRECISION_F32 && shape->kda))
+        return TB_E_SHAPE;
+    gdn_call c = {shape, q, k, v, g, beta, state_in, out, state_out, chunk, precision};
     TB_FP_ENTER();
     return TB_FP_LEAVE(tb_parallel_for(shape->n_seqs * shape->h_v, threads, chunkwise_heads, &c));
+}
+
+int tb_gdn_chunkwise(const tb_gdn_shape *shape, const float *q, const float *k, const float *v, const float *g,
+                     const float *beta, const float *state_in, float *out, float *state_out, int chunk, int threads) {
+    return tb_gdn_chunkwise_precision(shape, q, k, v, g, beta, state_in, out, state_out, chunk, TB_PRECISION_F32,
+                                      threads);
 }

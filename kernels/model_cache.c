@@ -55,29 +55,6 @@ void tb_kv_clear(tb_kv_cache *c) {
     }
 }
 
-/* --- float16 (IEEE binary16, round to nearest even, as numpy's astype) ------------------------------ */
-
-static uint16_t f32_to_f16(float x) {
-    uint32_t b;
-    memcpy(&b, &x, 4);
-    const uint32_t sign = (b >> 16) & 0x8000u, abs = b & 0x7fffffffu;
-    if (abs >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0)); /* inf, nan */
-    if (abs >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
-    if (abs < 0x38800000u) { /* below 2^-14: a subnormal half (or zero) */
-        if (abs < 0x33000000u) return (uint16_t)sign; /* below half the smallest subnormal: zero */
-        const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
-        const int shift = 126 - (int)(abs >> 23) + 14; /* 14..24: bits dropped below the half's lsb */
-        uint32_t half = mant >> shift;
-        const uint32_t rest = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
-        if (rest > mid || (rest == mid && (half & 1))) half++;
-        return (uint16_t)(sign | half);
-    }
-    uint32_t h = ((abs >> 13) - (112u << 10)); /* rebias the exponent 127 -> 15, keep 10 mantissa bits */
-    const uint32_t rest = abs & 0x1fffu;
-    if (rest > 0x1000u || (rest == 0x1000u && (h & 1))) h++; /* a carry into the exponent is right */
-    return (uint16_t)(sign | h);
-}
-
 /* --- rows in and out ------------------------------------------------------------------------------ */
 
 /* One row of head_dim floats into the storage dtype (int8: `group`-element groups, one scale each,
@@ -88,7 +65,7 @@ static void encode_row(const tb_kv_cache *c, const float *x, uint8_t *data, floa
         memcpy(data, x, sizeof(float) * d);
     } else if (c->dtype == TB_F16) {
         for (int i = 0; i < d; i++) {
-            uint16_t h = f32_to_f16(x[i]);
+            uint16_t h = tb_f32_to_f16(x[i]);
             memcpy(data + 2 * i, &h, 2);
         }
     } else {

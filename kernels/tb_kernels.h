@@ -53,6 +53,19 @@ int tb_gdn_chunkwise(const tb_gdn_shape *shape, const float *q, const float *k, 
                      const float *g, const float *beta, const float *state_in,
                      float *out, float *state_out, int chunk, int threads);
 
+/* The chunkwise form with its matrix products rounded as a matrix unit computes them (an NPU's HMX
+ * takes fp16 tiles): TB_PRECISION_FP16_ACC32 rounds both operands of each product to binary16 and
+ * accumulates in float32; TB_PRECISION_FP16_ACC16 also rounds the accumulator to binary16 after every
+ * multiply-add (a product that adds onto a result is computed apart, then added in float32). The
+ * forward substitution, the decays and the state stay float32, as on a vector unit (refimpl.gdn's
+ * PRECISIONS). TB_PRECISION_F32 is tb_gdn_chunkwise, bit for bit. Scalar gate only (kda = 0). */
+#define TB_PRECISION_F32 0
+#define TB_PRECISION_FP16_ACC32 1
+#define TB_PRECISION_FP16_ACC16 2
+int tb_gdn_chunkwise_precision(const tb_gdn_shape *shape, const float *q, const float *k, const float *v,
+                               const float *g, const float *beta, const float *state_in, float *out,
+                               float *state_out, int chunk, int precision, int threads);
+
 /* Attention of C query rows against the first L = P + C rows of a cache:
  *   q [heads, C, hd]; k and v [kv_heads, kv_rows, hd] with kv_rows >= L (a cache allocated for
  *   kv_rows positions, of which L are attended); mask [heads, C, L] (additive: 0 attends, -1e30

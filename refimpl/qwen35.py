@@ -129,6 +129,41 @@ def dense_config(cfg: HybridConfig) -> HybridConfig:
     return replace(cfg, layer_types=("full",) * cfg.layers)
 
 
+def layer_params(cfg: HybridConfig, kind: str) -> int:
+    """Weights of one layer of `kind` (linear | full), norms included."""
+    mlp = 3 * cfg.hidden * cfg.mlp + 2 * cfg.hidden
+    if kind == "linear":
+        return mlp + cfg.hidden * (cfg.conv_dim + 2 * cfg.value_dim + 2 * cfg.linear_v_heads) \
+            + cfg.conv_dim * cfg.conv_kernel + 2 * cfg.linear_v_heads + cfg.linear_head_dim
+    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    return mlp + cfg.hidden * (3 * q + 2 * kv) + 2 * cfg.head_dim
+
+
+def body_params(cfg: HybridConfig) -> int:
+    """Weights of the decoder layers (embedding and LM head apart: the same for every model of the crossover)."""
+    return sum(layer_params(cfg, t) for t in cfg.layer_types)
+
+
+def dense_similar_config(cfg: HybridConfig) -> HybridConfig:
+    """The comparison seed 002 makes: a dense model of similar size and speed class. Every layer full
+    attention at the hybrid's width, with as many layers as bring its decoder weights closest to the
+    hybrid's (a GDN layer holds about twice a full layer's attention weights, so the dense model is
+    deeper): per token it reads and multiplies as many weights as the hybrid, and only its attention
+    grows with the context."""
+    per_layer = layer_params(cfg, "full")
+    layers = max(1, round(body_params(cfg) / per_layer))
+    return replace(cfg, layers=layers, layer_types=("full",) * layers)
+
+
+def median_log_decay(w: dict, cfg: HybridConfig) -> float:
+    """The median over GDN layers and value heads of g = -exp(A_log) softplus(dt_bias), the per-token
+    log-decay at zero input (the gates' regime: near 0 the state carries, far below it forgets)."""
+    g = [-np.exp(w[f"model.layers.{i}.linear_attn.A_log"].astype(np.float64))
+         * np.logaddexp(0.0, w[f"model.layers.{i}.linear_attn.dt_bias"].astype(np.float64))
+         for i, t in enumerate(cfg.layer_types) if t == "linear"]
+    return float(np.median(np.concatenate(g))) if g else float("nan")
+
+
 # --- weights ----------------------------------------------------------------------------------------
 
 
@@ -174,18 +209,28 @@ def weight_shapes(cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+DT_RANGE = (1e-3, 1e-1)  # Mamba2's dt_min, dt_max
+
+
 def init_weights(cfg: HybridConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded synthetic weights with trained-like ranges: projections N(0, 1/fan_in) so activations
-    stay O(1); norm weights near their identity; A = exp(A_log) in [1, 16] and dt_bias ~ N(0, 1) so
-    per-token decays exp(g) spread over (0, 1) as in released checkpoints (the state both carries
-    and forgets)."""
+    stay O(1); norm weights near their identity. The gates as Mamba2 and the FLA library initialise
+    them, the regime a trained model keeps: A = exp(A_log) in [1, 16], dt = softplus(dt_bias)
+    log-uniform in [1e-3, 1e-1], and a small input-dependent part (in_proj_a at a tenth of the other
+    projections' scale), so g = -A softplus(h Wa + dt_bias) has a median near -0.09 per token (decay
+    exp(g) ~ 0.92, from 0.2 to 0.999): the state carries over tens of tokens, as in released
+    checkpoints. (dt_bias ~ N(0, 1) with a full-scale in_proj_a gave a median near -11: a state that
+    forgets almost everything every token, whose products underflow to denormals.)"""
     rng = np.random.default_rng(seed)
     weights = {}
     for name, shape in weight_shapes(cfg).items():
         if name.endswith("A_log"):
             w = np.log(rng.uniform(1.0, 16.0, shape))
         elif name.endswith("dt_bias"):
-            w = rng.standard_normal(shape)
+            dt = np.exp(rng.uniform(np.log(DT_RANGE[0]), np.log(DT_RANGE[1]), shape))
+            w = dt + np.log(-np.expm1(-dt))  # softplus^-1(dt)
+        elif name.endswith("in_proj_a.weight"):
+            w = 0.1 * rng.standard_normal(shape) / math.sqrt(shape[1])
         elif name.endswith("linear_attn.norm.weight"):  # plain weight: identity is 1
             w = 1 + 0.1 * rng.standard_normal(shape)
         elif len(shape) == 1:                            # (1 + w) offsets: identity is 0

@@ -256,18 +256,61 @@ def load(overrides: Iterable[str] = (), experiment: str | None = None) -> RunCon
             raise UsageError(f"unknown experiment {experiment!r}; accepted: {', '.join(choices('experiment'))}")
         overrides = [f"experiment={experiment}", *overrides]
 
-    GlobalHydra.instance().clear()
-    _register()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        try:
-            cfg = compose("config", overrides=[*overrides, *_search_path()], return_hydra_config=True)
-        except (HydraException, ValueError) as e:  # Hydra raises ValueError for some malformed overrides
-            raise _explain(e, overrides) from None
+    cfg = _compose(overrides)
     chosen = cfg.hydra.runtime.choices
     name, device = chosen["experiment"], chosen["device"]
     with _unlocked(cfg):
         del cfg["hydra"]
+    _check_additions(parse_overrides(overrides), overrides, cfg, name, device)
     return RunConfig(experiment=name, device=device, cfg=cfg, overrides=overrides)
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    GlobalHydra.instance().clear()
+    _register()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        try:
+            return compose("config", overrides=[*overrides, *_search_path()], return_hydra_config=True)
+        except (HydraException, ValueError) as e:  # Hydra raises ValueError for some malformed overrides
+            raise _explain(e, overrides) from None
+
+
+# Mappings whose entries are free-form: whoever reads the mapping checks each entry (chunk_prefill's
+# model.overrides: GemmaConfig fields). `+key=value` may add an entry under them, nowhere else.
+OPEN_MAPPINGS = ("model.overrides",)
+
+
+def _check_additions(parsed: list, overrides: list[str], cfg: DictConfig, experiment: str, device: str) -> None:
+    """Hydra's `+key=value` (and `++key=value`) adds a key the configuration does not have, skipping the
+    unknown-key check a plain `key=value` gets: refuse every such key that nothing reads. Accepted: an
+    entry of an OPEN_MAPPINGS mapping the experiment has, a key the configuration already has (`++`),
+    and a device profile's fields (the composed profile is checked as a profile file is)."""
+    added = [o for o in parsed if o.is_add() or o.is_force_add()]
+    if not added:
+        return
+    plain = [o.input_line for o in parsed if not (o.is_add() or o.is_force_add())]
+    base = _compose(plain)
+    with _unlocked(base):
+        del base["hydra"]
+    for o in added:
+        key = o.key_or_group
+        if key == "device" or key.startswith("device."):
+            continue  # below: the whole profile, as a profile file is checked
+        if OmegaConf.select(base, key, default=_MISSING) is not _MISSING:
+            continue
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        if parent in OPEN_MAPPINGS and isinstance(OmegaConf.select(base, parent, default=None), DictConfig):
+            continue
+        top = sorted({k.split(".")[0] + (".*" if "." in k else "") for k in _leaf_keys(base)} | set(GROUPS))
+        raise UsageError(f"unknown key {key!r} ({o.input_line!r} adds a key no part of {experiment} reads); "
+                         f"accepted keys: {', '.join(top)}")
+    if any(o.key_or_group == "device" or o.key_or_group.startswith("device.") for o in added):
+        from testbed.devices.profile import Profile
+
+        Profile.from_config(cfg.device, f"device={device} with {' '.join(o.input_line for o in added)}")
+
+
+_MISSING = object()
 
 
 class _unlocked:

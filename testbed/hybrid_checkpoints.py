@@ -22,13 +22,23 @@ READ = {"vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "
         "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
         "linear_value_head_dim", "linear_conv_kernel_dim", "layer_types", "rope_parameters", "rms_norm_eps",
         "tie_word_embeddings", "full_attention_interval"}
-# Must hold these values: the reference implements nothing else.
-FIXED = {"hidden_act": "silu", "attention_bias": False}
-# Cannot change a text prompt's logits: ids, storage dtype, limits, training-only settings, bookkeeping.
+# Must hold these values: the reference implements nothing else. attn_output_gate: the full-attention
+# layers' sigmoid output gate (q_proj holds a gate row per query row), which Qwen3.5 always has;
+# mamba_ssm_dtype: the recurrent state's dtype, float32 in the reference and the engine.
+FIXED = {"hidden_act": "silu", "attention_bias": False, "attn_output_gate": True, "mamba_ssm_dtype": "float32"}
+# Cannot change a text prompt's logits: ids, storage dtype, limits, training-only settings, bookkeeping;
+# the multi-token-prediction head (mtp_*), which only speculative decoding reads (transformers' causal
+# LM ignores its tensors too).
 IGNORED = {"model_type", "architectures", "transformers_version", "dtype", "torch_dtype", "bos_token_id",
            "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "max_position_embeddings",
            "attention_dropout", "output_hidden_states", "output_attentions", "return_dict", "id2label", "label2id",
-           "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "_name_or_path", "tokenizer_class"}
+           "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "_name_or_path", "tokenizer_class",
+           "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"}
+# Tensors transformers' Qwen3_5ForCausalLM does not load (_keys_to_ignore_on_load_unexpected): the
+# multi-token-prediction head and the vision tower of a multimodal checkpoint.
+IGNORED_TENSORS = ("mtp.", "model.visual.")
+# A multimodal (qwen3_5) checkpoint holds the text model under model.language_model.
+TEXT_PREFIX = ("model.language_model.", "model.")
 ROPE_READ = {"rope_theta", "partial_rotary_factor"}
 # Multimodal RoPE sections: a text prompt's three position streams are equal, so they rotate alike.
 ROPE_IGNORED = {"mrope_section", "mrope_interleaved"}
@@ -40,6 +50,15 @@ def config_from_hf(hf: dict, source: str) -> HybridConfig:
         raise UsageError(f"{source}: model_type {model_type!r} is not accepted; accepted: {', '.join(MODEL_TYPES)}")
     if model_type == "qwen3_5":
         hf = hf.get("text_config") or {}
+    # the older form keeps RoPE's fields at the top level (transformers moves them into rope_parameters)
+    legacy = {k: hf[k] for k in ROPE_READ if k in hf}
+    if legacy:
+        hf = {k: v for k, v in hf.items() if k not in legacy}
+        clash = sorted(k for k in legacy if k in (hf.get("rope_parameters") or {}))
+        if clash:
+            raise UsageError(f"{source}: {clash[0]} is given both at the top level and in rope_parameters; "
+                             f"accepted: one of them")
+        hf["rope_parameters"] = {**(hf.get("rope_parameters") or {}), **legacy}
     unknown = sorted(set(hf) - READ - set(FIXED) - IGNORED)
     if unknown:
         raise UsageError(f"{source}: config field {unknown[0]!r} is not known to the reference model; accepted: "
@@ -47,6 +66,9 @@ def config_from_hf(hf: dict, source: str) -> HybridConfig:
     for key, value in FIXED.items():
         if hf.get(key, value) != value:
             raise UsageError(f"{source}: {key}={hf[key]!r} is not supported; accepted: {value!r}")
+    full_every = hf.get("full_attention_interval", 4)
+    if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+        raise UsageError(f"{source}: full_attention_interval={full_every!r} is not accepted; accepted: an integer >= 1")
     rope = dict(hf.get("rope_parameters") or {})
     if rope.pop("rope_type", "default") != "default":
         raise UsageError(f"{source}: rope_parameters.rope_type={hf['rope_parameters']['rope_type']!r} is not "
@@ -91,9 +113,23 @@ def config_from_hf(hf: dict, source: str) -> HybridConfig:
         raise UsageError(f"{source}: {e}") from None
 
 
+def text_tensors(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The causal LM's tensors by their text-model names: the multimodal prefix taken off, the tensors
+    transformers' Qwen3_5ForCausalLM ignores left out."""
+    out = {}
+    for name, a in weights.items():
+        if name.startswith(IGNORED_TENSORS):
+            continue
+        if name.startswith(TEXT_PREFIX[0]):
+            name = TEXT_PREFIX[1] + name[len(TEXT_PREFIX[0]):]
+        out[name] = a
+    return out
+
+
 def check_weights(weights: dict[str, np.ndarray], cfg: HybridConfig, source: str) -> dict[str, np.ndarray]:
     """The tensors the config needs, as float32; any mismatch names the tensor."""
     shapes = weight_shapes(cfg)
+    weights = text_tensors(weights)
     for name in weights:
         if name not in shapes and not (name == "lm_head.weight" and cfg.tie_embeddings):
             raise UsageError(f"{source}: unexpected tensor {name!r} (not a tensor of this Qwen3.5 config)")

@@ -90,3 +90,42 @@ def slowed_chunkwise(iterations: int) -> Path:
     waste = (f"    {{ volatile unsigned planted_waste = 0; for (int i = 0; i < {iterations}; i++) "
              "planted_waste = planted_waste + (unsigned)i; }\n")
     return mutant_kernels("gdn.c", WASTE_AT, WASTE_AT + waste)
+
+
+# The hybrid engine program needs only these of the library's sources (no Gemma engine, attention or
+# sliding cache): a planted bug in them rebuilds this one program alone, in a third of the full build.
+HYBRID_SOURCES = "gdn.c tb_parallel.c hybrid.c"
+
+
+def mutant_hybrid_program(target: str, file: str, find: str, replace: str) -> Path:
+    """tb_hybrid_bench for `target` built by kernels/Makefile (its compilers and flags) from a copy of
+    kernels/ with `find` replaced by `replace` in kernels/FILE (exactly once), cached by content hash
+    under .cache/kernels/mutants/."""
+    import hashlib
+    import os
+    import subprocess
+
+    text = (kernel_build.KERNELS_DIR / file).read_text()
+    assert text.count(find) == 1, f"the planted edit must match kernels/{file} exactly once: {find!r}"
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "kernels"
+        shutil.copytree(kernel_build.KERNELS_DIR, copy)
+        (copy / file).write_text(text.replace(find, replace))
+        digest = hashlib.sha256(f"{target} hybrid-only".encode() + kernel_build.source_hash(copy).encode()
+                                + (copy / "bench" / "tb_hybrid_bench.c").read_bytes()).hexdigest()[:16]
+        out = MUTANTS_DIR / f"{target}-hybrid-{digest}"
+        if not (out / "tb_hybrid_bench").is_file():
+            work = out.with_name(out.name + f".tmp{os.getpid()}")
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            p = subprocess.run(["make", "-s", f"-j{os.cpu_count() or 1}", "-C", str(copy), f"TARGET={target}",
+                                f"OUT={work}", f"SOURCE_HASH={kernel_build.source_hash(copy)}", "FUSED=0",
+                                f"LIB_SRC={HYBRID_SOURCES}", "PROGRAMS=tb_hybrid_bench", "programs"],
+                               capture_output=True, text=True)
+            assert p.returncode == 0, f"building the planted {target} program failed: {p.stderr[-500:]}"
+            shutil.rmtree(work / "obj")
+            try:
+                work.rename(out)
+            except OSError:  # built by another process meanwhile
+                shutil.rmtree(work, ignore_errors=True)
+    return out / "tb_hybrid_bench"

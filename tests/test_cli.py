@@ -68,6 +68,13 @@ def test_table_formats_read_only_stored_records(results_dir, capsys):
         (["sweep", "experiment=gdn", "chunk=range(1,100000)"], "is 99999 runs; accepted: at most 500"),
         (["sweep", "experiment=gdn", "chunk=range(1,30)", "tail=range(0,30)"], "is 870 runs; accepted: at most 500"),
         (["sweep", "experiment=gdn", "chunk=range(5,1)"], "is a sweep of no values"),
+        # Hydra's `+key` skips the unknown-key check: a key nothing reads is refused all the same
+        (["run", "hybrid", "+model.foo=1"], "unknown key 'model.foo' ('+model.foo=1' adds a key no part of hybrid"),
+        (["run", "chunk_prefill", "+model.foo=1"], "unknown key 'model.foo'"),
+        (["run", "gdn", "++foo=1"], "unknown key 'foo'"),
+        (["run", "hybrid", "+model.overrides.window=64"], "unknown key 'model.overrides.window'"),
+        (["run", "gdn", "+device.foo=1"], "field 'foo' 1 is not a profile field"),
+        (["sweep", "experiment=hybrid", "+model.foo=1,2"], "unknown key 'model.foo'"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, message, results_dir, capsys):

@@ -1,6 +1,7 @@
 """The `hybrid` experiment through the CLI: oracle records, the crossover, tail and drift records and
 tables, sweeps over the GDN chunk and the context, and bad input refused in one line."""
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -24,11 +25,22 @@ def records(results_dir):
 def test_oracle_mode_passes_and_says_where_it_ran(results_dir, backend):
     assert cli.main(["run", "hybrid", f"backend={backend}", "mode=oracle", *SMALL]) == 0
     rows = records(results_dir)
-    assert {r["oracle"] for r in rows} == {"token", "state", "naive", "first_token", "tail_state", "pad_identity"}
+    last = {"refimpl": "pad_identity", "native": "tail_bytes"}[backend]
+    assert {r["oracle"] for r in rows} == {"token", "state", "naive", "first_token", "tail_state", last}
     assert all(r["verdict"] == "pass" and r["device"] == "host" and r["backend"] == backend for r in rows)
     assert {r["params"]["gdn"] for r in rows} == {"serial", "chunkwise"}
-    # 2 chunk cases x 3 verdicts + 1 tail x 2 verdicts per form; pad identity where bit-exact is due
-    assert len(rows) == 2 * 8 + (2 if backend == "native" else 1)
+    if backend == "refimpl":
+        # 2 chunk cases x 3 verdicts + 1 tail x 2 verdicts per form; pad identity where bit-exact is due
+        assert len(rows) == 2 * 8 + 1 and not any(r["evidence"] for r in rows)
+        return
+    # the engine in C, run as a program on the host like on any device: 3 verdicts per tail
+    assert len(rows) == 2 * 9
+    assert all(ran["ran"] == "tb_hybrid_bench" and ran["device"] == "host" for r in rows for ran in r["evidence"])
+    token = next(r for r in rows if r["oracle"] == "token" and r["params"]["past"] == 20)
+    # the token at every chunk boundary: the past's calls (P=20 in C=16: 16, then 4) and the case's
+    assert token["metrics"]["boundaries"] == [15, 19, 24] and token["metrics"]["calls"] == 3
+    tail = next(r for r in rows if r["oracle"] == "tail_bytes")
+    assert tail["metrics"]["bitexact"] and len(tail["evidence"]) == 3  # padded, exact, scalar
 
 
 def test_oracle_mode_fails_when_refimpl_swaps_the_gdn_head_maps(results_dir, monkeypatch):
@@ -60,6 +72,14 @@ def test_measurements_write_records_and_tables(results_dir, capsys):
     assert by_model["dense"]["params"]["layer_types"] == "ffff"
     assert by_model["hybrid-serial"]["params"]["layer_types"] == "lllf"
     assert by_model["dense"]["work"]["flops"] > by_model["hybrid-serial"]["work"]["flops"]  # attention grows in L
+    # seed 002's dense model: as deep as brings its weights closest to the hybrid's
+    similar = by_model["dense-similar"]
+    assert set(similar["params"]["layer_types"]) == {"f"}
+    assert abs(similar["work"]["params"] - by_model["hybrid-serial"]["work"]["params"]) <= \
+        abs(by_model["dense"]["work"]["params"] - by_model["hybrid-serial"]["work"]["params"])
+    # the engine program computed every figure, with FTZ on, each from its own runs
+    assert all(r["params"]["ftz"] and r["evidence"] and r["evidence"][0]["ran"] == "tb_hybrid_bench" for r in cross)
+    assert by_model["hybrid-serial"]["metrics"]["median_log_decay"] == pytest.approx(-0.1, abs=0.08)
     tails = {(r["params"]["tail"], r["params"]["mode"]): r for r in rows if r["params"]["part"] == "tail"}
     assert set(tails) == {(t, m) for t in (0, 3, 9) for m in ("padded", "scalar")}
     # the padded tail computes a whole chunk where the scalar one computes 3 rows; tail 0 pads nothing
@@ -70,7 +90,8 @@ def test_measurements_write_records_and_tables(results_dir, capsys):
     # fp16 rounding moves the logits, but far less than a wrong model would
     assert 0 < drift["fp16-acc32"]["nmse_logits"] < 1e-2 and drift["fp16-acc32"]["token_agreement"] > 0.9
     out = capsys.readouterr().out
-    assert "chunkwise x serial" in out and "seed dense" in out
+    assert "chunkwise x serial" in out and "seed dense" in out and "dense-similar" in out
+    assert "tokens per CPU s" in out and "decoder weights" in out
     assert "fitted crossover L" in out and "breakeven" in out and "NMSE logits" in out
     assert cli.main(["table", "hybrid"]) == 0
     assert "hybrid-chunkwise" in capsys.readouterr().out
@@ -93,7 +114,17 @@ def test_sweep_over_gdn_chunk_and_context(results_dir, capsys):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["backend=native", "device=qemu-aarch64"], "backend=native runs the GDN kernels through ctypes on this host"),
+    (["backend=refimpl", "device=qemu-aarch64"], "backend=refimpl runs on the host; for device=qemu-aarch64 use "
+                                                 "backend=native"),
+    (["+model.foo=1"], "unknown key 'model.foo'"),
+    # `+` on a key the experiment has is that key: the folder is read (no longer the synthetic model run)
+    (["+model.checkpoint=/nowhere"], "checkpoint folder /nowhere has no config.json"),
+    (["model.expected_token=999"], "model.expected_token=999 is not accepted; accepted: null or 0..255"),
+    (["mode=crossover", "model.expected_token=3"], "mode=crossover runs no oracle"),
+    (["model.checkpoint=/nowhere/qwen"], "/nowhere/qwen"),
+    (["model.prompt='some words'"], "is text (not seed, nor a .json, .npy or .txt file) and the model has no tokenizer"),
+    (["oracle.tails=[40]", "oracle.past=[0]", "oracle.tokens=[64]", "oracle.prompt_tokens=100"],
+     "oracle.tails=[40] need prompts of chunk=64"),
     (["oracle.past=[0]", "oracle.tokens=[16,5]"], "oracle.past has 1 entries and oracle.tokens 2"),
     (["chunk=16", "oracle.tokens=[64,52,1,64]"], "oracle case P=0, n=64 does not fit chunk=16"),
     (["mode=tail", "chunk=16", "bench.tails=[20]"], "tail 20 is not shorter than chunk=16"),
@@ -108,3 +139,35 @@ def test_bad_input_is_refused_in_one_line(results_dir, capsys, overrides, messag
     assert cli.main(["run", "hybrid", *overrides]) != 0
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def crossover_rows(chunkwise: float, spread: float, emulated: bool = False):
+    """Stored-record rows of one context: rates per model with each repetition within +-spread."""
+    rates = {"dense": 900.0, "dense-similar": 700.0, "hybrid-serial": 650.0, "hybrid-chunkwise": chunkwise,
+             "hybrid-no-recurrence": 800.0}
+    field = "tokens_per_ginstr" if emulated else "tokens_per_cpu_s"
+    own = {"hybrid-serial": 100.0, "hybrid-chunkwise": 50.0, "hybrid-no-recurrence": 0.0}  # the recurrence alone
+    return pd.DataFrame([{"kind": "measure", "device": "qemu-arm32" if emulated else "host", "backend": "native",
+                          "emulated": emulated, "params.part": "crossover", "params.context": 512, "params.model": m,
+                          f"figures.{field}.median": r, f"figures.{field}.min": r * (1 - spread),
+                          f"figures.{field}.max": r * (1 + spread),
+                          ("figures.instructions.median" if emulated else "figures.gdn_cpu_time.median"):
+                              (1e9 * 512 / r if emulated else own.get(m, np.nan))} for m, r in rates.items()])
+
+
+def test_each_row_where_chunkwise_is_not_faster_says_why():
+    faster = hybrid.crossover_table(crossover_rows(700.0, 0.01))
+    assert "why chunkwise is not faster" not in faster and faster.loc[0, "chunkwise x serial"] == 1.08
+    noisy = hybrid.crossover_table(crossover_rows(640.0, 0.05))
+    assert noisy.loc[0, "recurrence alone: chunkwise x serial"] == 2.0
+    why = noisy.loc[0, "why chunkwise is not faster"]
+    assert why.startswith("within noise: the repetitions overlap")
+    assert "the recurrence alone runs 2.00x faster chunkwise, but it is 19% of the serial hybrid" in why
+    slower = hybrid.crossover_table(crossover_rows(600.0, 0.01)).loc[0, "why chunkwise is not faster"]
+    # per token: chunkwise 1/600 - 1/800, serial 1/650 - 1/800 CPU seconds
+    assert slower.startswith("the chunkwise recurrence costs 417 vs serial 288 us per token")
+    counted = hybrid.crossover_table(crossover_rows(600.0, 0.01, emulated=True))
+    assert counted.loc[0, "rate"] == hybrid.RATE_COUNTS and "instructions per token" in counted.iloc[0, -3]
+    # an emulated device's times alone are never a rate
+    assert hybrid.crossover_table(crossover_rows(600.0, 0.01, emulated=True).rename(
+        columns=lambda c: c.replace("tokens_per_ginstr", "tokens_per_cpu_s"))).empty

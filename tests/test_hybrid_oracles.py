@@ -145,3 +145,44 @@ def test_bad_case_is_refused_with_the_value(model):
         ho.check_chunk_with_past(w, cfg, prompt, 0, 40, CHUNK, FORMS["serial"])
     with pytest.raises(ValueError, match="tail 'rolled' is not one of"):
         qwen35.prefill(w, cfg, prompt[:40], CHUNK, FORMS["serial"], tail="rolled")
+
+
+# --- the tie rule --------------------------------------------------------------------------------------
+
+
+def near_tie(gap: float = 3.9e-5, vocab: int = 4096):
+    """Reference logits whose best two tokens (17 and 923) are `gap` apart, as on a real Qwen3.5 prompt."""
+    ref = np.random.default_rng(5).normal(0, 3, vocab)
+    ref[17] = ref.max() + 2.0
+    ref[923] = ref[17] - gap
+    return ref
+
+
+def test_a_near_tie_flipped_within_the_logit_tolerance_passes_and_says_tie():
+    """A correct candidate 3e-4 from the reference ranks a 3.9e-5 near tie the other way: every token
+    verdict accepts it (the Gemma token oracle's rule) and says it was a tie."""
+    ref = near_tie()
+    cand = (ref + np.random.default_rng(6).uniform(-1e-4, 1e-4, ref.size)).astype(np.float32)
+    cand[923], cand[17] = ref[17] + 1.5e-4, ref[17] - 1.5e-4  # flipped, 3e-4 apart
+    assert int(np.argmax(cand)) == 923 and np.abs(cand - ref).max() <= 3e-4
+    for v in (ho.check_token(ref, cand), ho.check_naive(ref, cand)):
+        assert v.passed, v.detail
+        assert v.metrics["tie"] and v.metrics["tied_tokens"] == [17, 923] and "tie" in v.detail
+    assert ho.check_naive(ref, cand).metrics["nmse"] < 1e-7
+
+
+def test_a_token_outside_the_tie_fails_every_token_verdict():
+    """The rule is no blanket pass: the candidate's argmax 2e-3 below the reference's best (beyond the
+    tolerance of 1e-3) fails the token and naive verdicts, though the naive NMSE alone would pass."""
+    ref = near_tie()
+    cand = ref.astype(np.float32).copy()
+    runner_up = 2048
+    ref[runner_up] = ref[17] - 2e-3
+    cand[runner_up] = ref[17] + 1e-3
+    token, naive = ho.check_token(ref, cand), ho.check_naive(ref, cand)
+    assert not token.passed and token.margin < 0 and "token 2048, reference 17" in token.detail
+    assert not naive.passed and naive.metrics["nmse"] < 1e-7 and "naive float64 model 17" in naive.detail
+    # no tie at all: the plain argmax rule, margin the candidate's distance from flipping
+    clear = near_tie(gap=0.5)
+    v = ho.check_token(clear, clear)
+    assert v.passed and not v.metrics["tie"] and v.margin == pytest.approx(0.5)

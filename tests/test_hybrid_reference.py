@@ -1,8 +1,9 @@
 """refimpl.qwen35 against transformers' own Qwen3_5ForCausalLM, on a tiny random checkpoint.
 
 The checkpoint is built here from transformers' config class (no download), with every parameter
-drawn at random (norm weights, A_log and dt_bias included, so that no term hides behind an identity
-initialisation), saved with save_pretrained and loaded back through testbed.hybrid_checkpoints. Then
+drawn at random (tests/hybrid_support.py: norm weights, A_log and dt_bias included, so that no term
+hides behind an identity initialisation; gates that carry the state), saved with save_pretrained and
+loaded back through testbed.hybrid_checkpoints. Then
 at every position the logits, and after the prompt every carried state (conv states, recurrent
 states, the full-attention layers' K/V), must match by NMSE. Planted bugs must fail the same check.
 """
@@ -16,57 +17,19 @@ from refimpl import qwen35
 from testbed.errors import UsageError
 from testbed.hybrid_checkpoints import config_from_hf, load_hf_folder
 from testbed.oracles import check_nmse
+from tests.hybrid_support import TINY, VARIANTS, make_tiny_qwen35
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 PROMPT_TOKENS = 150  # across transformers' own GDN chunk of 64, twice
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-            linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
-VARIANTS = {
-    "lllf": TINY,  # Qwen3.5's pattern: three GDN layers, then one full
-    # every other layer full, tied embeddings, a kernel of 3, RoPE over half the head
-    "lflf-tied": {**TINY, "full_attention_interval": 2, "tie_word_embeddings": True, "linear_conv_kernel_dim": 3,
-                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
-}
 
 
 @pytest.fixture(scope="session", params=VARIANTS)
 def hf_run(request, tmp_path_factory):
     """(folder, prompt, logits [T, vocab], {array name: value} in refimpl's layouts) from transformers."""
-    settings = VARIANTS[request.param]
-    config = transformers.Qwen3_5TextConfig(**settings)
-    torch.manual_seed(0)
-    model = transformers.Qwen3_5ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.log(torch.empty_like(p).uniform_(1, 16)))
-            elif name.endswith("linear_attn.norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif p.ndim == 1:
-                p.copy_(0.3 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-    folder = tmp_path_factory.mktemp("qwen35") / "tiny"
-    model.save_pretrained(folder)
-    prompt = np.random.default_rng(1).integers(0, TINY["vocab_size"], PROMPT_TOKENS)
-    cache = transformers.DynamicCache(config=config)
-    with torch.no_grad():
-        logits = model(torch.tensor(prompt)[None], cache=cache, use_cache=True).logits[0].numpy()
-    states = {}
-    kernel = settings["linear_conv_kernel_dim"]
-    for i, t in enumerate(config.layer_types):
-        if t == "linear_attention":
-            # transformers keeps the last K conv inputs channels-first; the next call reads K - 1
-            states[f"{i}.conv"] = cache.get_conv_state(i)[0].numpy()[:, -(kernel - 1):].T
-            # [H_v, d_k, d_v] -> refimpl.gdn's transposed [H_v, d_v, d_k]
-            states[f"{i}.recurrent"] = np.swapaxes(cache.get_recurrent_state(i)[0].numpy(), -1, -2)
-        else:
-            states[f"{i}.k"] = cache.layers[i].keys[0].numpy()
-            states[f"{i}.v"] = cache.layers[i].values[0].numpy()
-    return folder, prompt, logits, states
+    made = make_tiny_qwen35(tmp_path_factory.mktemp("qwen35") / "tiny", VARIANTS[request.param], PROMPT_TOKENS)
+    return made.folder, made.prompt, made.logits, made.states
 
 
 @pytest.fixture(scope="session")
@@ -148,6 +111,12 @@ def hf_config(**changes) -> dict:
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn' is not supported"),
     ({"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]}, "layer type 'sliding_attention'"),
     ({"linear_value_head_dim": 32}, "linear_key_head_dim=16 differs from linear_value_head_dim=32"),
+    ({"attn_output_gate": False}, "attn_output_gate=False is not supported; accepted: True"),
+    ({"mamba_ssm_dtype": "bfloat16"}, "mamba_ssm_dtype='bfloat16' is not supported; accepted: 'float32'"),
+    ({"full_attention_interval": 0}, "full_attention_interval=0 is not accepted"),
+    ({"rope_theta": 5.0}, "rope_theta is given both at the top level and in rope_parameters"),
+    ({"linear_conv_kernel_dim": 0}, "conv_kernel must be >= 1"),
+    ({"num_key_value_heads": 3}, "must be a multiple of kv_heads"),
 ])
 def test_config_refusals_name_the_value(changes, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -160,6 +129,35 @@ def test_nested_text_config_and_interval_pattern_are_read():
     text["full_attention_interval"] = 2
     cfg = config_from_hf({"model_type": "qwen3_5", "text_config": text}, "config.json")
     assert cfg.layer_types == ("linear", "full", "linear", "full")
+
+
+def test_fields_of_released_configs_are_honoured():
+    """Released Qwen3.5 configs say attn_output_gate (the gate the reference has), the state dtype, the
+    MTP head (which the causal LM never runs) and, in the older form, RoPE at the top level."""
+    legacy = hf_config(attn_output_gate=True, mamba_ssm_dtype="float32", mtp_num_hidden_layers=1,
+                       mtp_use_dedicated_embeddings=False, rope_theta=1e6, partial_rotary_factor=0.5)
+    del legacy["rope_parameters"]
+    cfg = config_from_hf(legacy, "config.json")
+    assert (cfg.rope_theta, cfg.rotary_dim) == (1e6, 16)
+
+
+def test_a_multimodal_checkpoints_text_model_loads_as_transformers_causal_lm_does(hf_run, checkpoint, tmp_path):
+    """model_type qwen3_5: the text config nested, the text model's tensors under model.language_model.,
+    the vision tower and the MTP head beside them (transformers' Qwen3_5ForCausalLM ignores both)."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = hf_run[0]
+    text = json.loads((folder / "config.json").read_text())
+    tensors = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+               for k, v in load_file(str(folder / "model.safetensors")).items()}
+    tensors |= {"model.visual.blocks.0.attn.qkv.weight": np.zeros((3, 3), np.float32),
+                "mtp.layers.0.mlp.up_proj.weight": np.zeros((3, 3), np.float32)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text,
+                                                      "vision_config": {"depth": 1}}))
+    cfg, w = load_hf_folder(tmp_path)
+    want_cfg, want = checkpoint
+    assert cfg == want_cfg and set(w) == set(want) and all(np.array_equal(w[k], want[k]) for k in w)
 
 
 def test_unexpected_and_missing_tensors_are_refused(hf_run, tmp_path):
@@ -177,3 +175,33 @@ def test_unexpected_and_missing_tensors_are_refused(hf_run, tmp_path):
     with pytest.raises(UsageError, match="missing tensor 'model.layers.3.self_attn.q_norm.weight'"):
         load_hf_folder(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_5_text"
+
+
+# --- `testbed run hybrid model.checkpoint=DIR`: the checkpoint, not the seeded model -------------------
+
+
+@pytest.mark.parametrize("backend", ["refimpl", "native"])
+def test_run_loads_the_checkpoint_and_pins_transformers_token(hf_run, backend, results_dir, tmp_path, capsys):
+    """The oracles run on the checkpoint (its digest and folder in every record) and the prompt given as
+    ids; the token transformers predicts at the last position the cases reach, pinned with
+    model.expected_token, passes; its runner-up pinned instead fails the run, naming both."""
+    from testbed import cli
+    from testbed.oracles import digest
+    from testbed.results import ResultsStore
+
+    folder, prompt, hf_logits, _ = hf_run
+    np.save(tmp_path / "prompt.npy", prompt)
+    best, runner_up = (int(t) for t in np.argsort(hf_logits[-1])[::-1][:2])
+    assert hf_logits[-1][best] - hf_logits[-1][runner_up] > 1e-3  # no tie: the pin means one token
+    args = ["run", "hybrid", f"backend={backend}", "mode=oracle", f"model.checkpoint={folder}",
+            f"model.prompt={tmp_path / 'prompt.npy'}", "oracle.past=[86]", "oracle.tokens=[64]", "oracle.tails=[22]"]
+    assert cli.main([*args, f"model.expected_token={best}"]) == 0, capsys.readouterr().out
+    rows = ResultsStore(results_dir).records("hybrid")
+    _, w = load_hf_folder(folder)
+    assert {r["artifacts"]["checkpoint"] for r in rows} == {str(folder)}
+    assert {r["artifacts"]["weights_sha256"] for r in rows} == {digest(*(w[k] for k in sorted(w)))}
+    token = [r for r in rows if r["oracle"] == "token"]
+    assert {r["metrics"]["expected"] for r in token} == {best} and {r["params"]["position"] for r in token} == {149}
+    capsys.readouterr()
+    assert cli.main([*args, f"model.expected_token={runner_up}"]) == 1
+    assert f"redecode {best}, the config pins {runner_up}" in capsys.readouterr().out.replace("reference", "redecode")

@@ -8,8 +8,8 @@
  *       Writes chunk_logits [calls, vocab] (each call's selected row: its last real one), k and v
  *       [layers, kv_heads, rows, head_dim] after the last call, decode_logits [vocab] (the same n
  *       tokens one decode step at a time from the P-row cache).
- *       Timed, interleaved: one chunk call of C rows and one decode step against the P-row cache
- *       ("seconds", "decode_seconds"; "matmul_seconds": the chunk call's weight products; each also
+ *       Timed, interleaved: one chunk call of C rows (between the counters' marks) and one decode step
+ *       against the P-row cache ("seconds", "decode_seconds"; "matmul_seconds": the chunk call's weight products; each also
  *       by the process's CPU clock: "cpu_seconds", "decode_cpu_seconds", "matmul_cpu_seconds").
  *   tb_model_bench IN OUT weights=FILE MODEL... mode=tail chunk=C cache=f32|f16|int8 cache_group=G
  *       sink=S [state=0|1] [threshold=8] [generate=G] [exact_tail=0|1]
@@ -19,7 +19,7 @@
  *       bytes]; slots: the window of a sliding cache, the rows held by a full one), layerI.k_scale,
  *       layerI.v_scale (int8 caches), layerI.positions (int64 [slots]); telemetry in timings.json.
  *       Timed: the prefill to the first token ("seconds", and by the process's CPU clock
- *       "cpu_seconds"). The host interleaves padded and scalar runs of several prompts, one program
+ *       "cpu_seconds"), between the counters' marks. The host interleaves padded and scalar runs of several prompts, one program
  *       run each, so the program times one variant.
  *       The kill switch is the environment variable TESTBED_DISABLE_PREFILL_TAIL_PAD, or the same
  *       KEY=VALUE as an argument (for transports that cannot set a program's environment).

@@ -1,30 +1,46 @@
 """Experiment `hybrid`: a Qwen3.5-style hybrid model end to end (seed 002 at the model level).
 
 The model is refimpl.qwen35 (GDN layers with their conv and recurrent states, gated full attention
-with its KV cache). The GDN op comes from the backend: refimpl (numpy) or native (kernels/ in C
-through ctypes, on this host), in its serial and chunkwise forms. Everything runs here, on the host.
+with its KV cache): seeded weights of the `shape` config, or a Hugging Face Qwen3.5 checkpoint folder
+(`model.checkpoint=DIR`, testbed.hybrid_checkpoints: every config field honoured or refused) with a
+prompt of ids or text through its own tokenizer (`model.prompt=`, testbed.prompts).
 
-oracle     per GDN form: chunk prefill with past against redecode (token at the position, NMSE of
-           every carried state) and against the float64 model written out independently
-           (refimpl.naive_qwen35: NMSE of the logits, token), the padded tail against the scalar tail (first token, state), and
-           pad rows as the identity on the GDN state (bit-exact, for the forms whose arithmetic
-           allows it: see tests/test_hybrid_oracles.py). On the `shape` model.
-crossover  prefill tokens/s of a prompt of L tokens (prefill_chunk rows per call) for each L of
+Backends: refimpl (numpy, on the host only) and native: the hybrid engine in C (kernels/tb_hybrid.h,
+program tb_hybrid_bench) built for the device's ABI and run ON the device the run names (the host
+included), the states staying there between calls and pulled for the oracles; every record of such a
+run carries the device's evidence. Each in its serial and chunkwise GDN forms.
+
+oracle     per GDN form and case (P past tokens, then n <= C in one call padded to C rows) against
+           redecode of the P + n tokens (all positions from scratch, serial GDN): the token (native:
+           at every chunk boundary, the past's calls included), every carried state by NMSE, and the
+           last logits against the float64 model written out independently (refimpl.naive_qwen35:
+           NMSE and token). Token verdicts follow the tie rule (logit_atol: a token within it of the
+           reference's best passes, said to be a tie); `model.expected_token` pins the token at the
+           last position the cases reach. Padded tail (prompts of C + t): first token and state
+           against the scalar tail; native also `tail_bytes`: the padded tail's state byte for byte
+           and its logits equal to the same tail run unpadded. refimpl also pad identity on the GDN op.
+crossover  prefill rate of a prompt of L tokens (bench.prefill_chunk rows per call) for each L of
            bench.contexts: the dense model (every layer full attention, same width and depth), the
-           hybrid with serial GDN, with chunkwise GDN, and with no recurrence at all (the GDN's share
-           of the time, hence the most a faster GDN can gain), all interleaved. The crossover context
-           is where the hybrid overtakes the dense model, from a fit of seconds per token = a + b L
-           for each (the seed's ~24-28k is such an extrapolation from 512..8k). L = 512 gives pp512
-           serial vs chunkwise (the seed's 93 -> 150 goal is 1.6x). On the `bench.shape` model.
+           dense model of similar size (seed 002's comparison: as deep as brings its weights to the
+           hybrid's), the hybrid with serial GDN, with chunkwise GDN, and with no recurrence at all
+           (the GDN's share of the time, hence the most a faster GDN can gain), all interleaved.
+           Rates: tokens per CPU second; on an emulated device tokens per 1e9 instructions counted
+           under emulation (testbed.counts), labelled so, never as time. The crossover context is
+           where the hybrid overtakes a dense model, from a fit of cost per token = a + b L (the
+           seed's ~24-28k is such an extrapolation from 512..8k). L = 512 gives pp512 serial vs
+           chunkwise (the seed's 93 -> 150 goal is 1.6x). On the `bench.shape` model.
 tail       padded vs scalar tail (prompt = chunk + t for each t of bench.tails), interleaved:
            does padding pay now that the state allows it, and from which tail (breakeven).
-Timings alternate between the variants and are taken on both clocks; the tables read the CPU-time
-rates (tokens per CPU second), since this host is shared and its wall times swing with other load.
-
 drift      the chunkwise GDN's products in fp16 with f32 or fp16 accumulation (an NPU matrix unit)
-           against f32: NMSE of the logits at every position and of the final states, and the share
-           of positions whose argmax agrees, over prompts of bench.drift_tokens.
+           against f32 (native: tb_gdn_chunkwise_precision in the engine, on the device): NMSE of
+           the logits at every position and of the final recurrent states, and the share of
+           positions whose argmax agrees, over prompts of bench.drift_tokens. On the checkpoint if
+           one is given, else on the `bench.shape` model.
 bench      crossover + tail + drift; all = oracle + bench.
+
+Timings alternate between the variants and are taken on both clocks; the tables read the CPU-time
+rates, since this host is shared and its wall times swing with other load. The native programs flush
+denormals (FTZ/DAZ) on every target; numpy does not (refimpl's rows say so).
 
 `testbed sweep experiment=hybrid mode=crossover gdn_chunk=16,32,64,128` sweeps the GDN chunk;
 `... bench.contexts=512,2048,8192` sweeps the context (the crossover then appears under the sweep).
@@ -32,6 +48,8 @@ bench      crossover + tail + drift; all = oracle + bench.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from functools import partial
 from typing import Iterator
 
@@ -39,22 +57,26 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
-from refimpl import gdn, qwen35
+from refimpl import gdn, naive_qwen35, qwen35
 from testbed import breakeven
-from testbed.config import Choice, Float, Int, IntList, as_list
+from testbed.config import Choice, Float, Int, IntList, as_list, project_path
 from testbed.errors import UsageError
-from testbed.hybrid_oracles import check_chunk_with_past, check_pad_identity, check_padded_tail
-from testbed.measure import time_alternating_clocks
-from testbed.oracles import nmse
-from testbed.results import Record
+from testbed.hybrid_oracles import (check_chunk_with_past, check_engine_case, check_engine_tail, check_pad_identity,
+                                    check_padded_tail)
+from testbed.measure import interleaved_order, time_alternating_clocks
+from testbed.oracles import digest, nmse
+from testbed.prompts import find_tokenizer, load_prompt
+from testbed.results import Figure, Record
 
 MODES = ("oracle", "crossover", "tail", "drift", "bench", "all")
 PARTS = {"oracle": ("oracle",), "crossover": ("crossover",), "tail": ("tail",), "drift": ("drift",),
          "bench": ("crossover", "tail", "drift"), "all": ("oracle", "crossover", "tail", "drift")}
-MODELS = ("dense", "hybrid-serial", "hybrid-chunkwise", "hybrid-no-recurrence")
+MODELS = ("dense", "dense-similar", "hybrid-serial", "hybrid-chunkwise", "hybrid-no-recurrence")
+DENSE = ("dense", "dense-similar")
 # The seed's figures (26/05, phone NPU, Qwen3.5 hybrid vs a dense model): prefill tokens/s.
 SEED = {"hybrid": {512: 93, 2048: 97, 8192: 91}, "dense": {512: 285, 8192: 182}, "crossover": "~24-28k",
         "pp512_goal": 150 / 93}
+PRECISIONS = ("fp16-acc32", "fp16-acc16")
 
 SHAPE_KEYS = ("vocab", "hidden", "layers", "mlp", "heads", "kv_heads", "head_dim", "linear_k_heads",
               "linear_v_heads", "linear_head_dim", "conv_kernel")
@@ -65,7 +87,9 @@ PARAMS = {
     "gdn_chunk": Int(1, 4096),
     "threads": Int(1, 256),
     "threshold": Float(0.0, 1.0),
+    "logit_atol": Float(0.0),
     "seed": Int(0),
+    "model.chat": Choice((False, True)),
     **{f"shape.{k}": Int(1) for k in SHAPE_KEYS},
     **{f"bench.shape.{k}": Int(1) for k in SHAPE_KEYS},
     "oracle.prompt_tokens": Int(2, 1 << 16),
@@ -81,30 +105,7 @@ PARAMS = {
 }
 
 
-def validate(cfg: DictConfig) -> None:
-    """The native GDN is the host's ctypes library: it computes here, so the device must be this host.
-    What the mode runs must fit: oracle cases P + n within the prompt and n within one chunk, tails
-    shorter than a chunk."""
-    if cfg.backend == "native" and (cfg.device.get("transport") != "local" or cfg.device.get("abi") != "host"):
-        raise UsageError(f"backend=native runs the GDN kernels through ctypes on this host; device={cfg.device.name} "
-                         f"is not the host (accepted: device=host, or backend=refimpl)")
-    parts = PARTS[cfg.mode]
-    tails = []
-    if "oracle" in parts:
-        past, tokens = as_list(cfg.oracle.past), as_list(cfg.oracle.tokens)
-        if len(past) != len(tokens):
-            raise UsageError(f"oracle.past has {len(past)} entries and oracle.tokens {len(tokens)}; "
-                             f"accepted: one n per P")
-        for p, n in zip(past, tokens):
-            if n > cfg.chunk or p + n > cfg.oracle.prompt_tokens:
-                raise UsageError(f"oracle case P={p}, n={n} does not fit chunk={cfg.chunk} and oracle.prompt_tokens="
-                                 f"{cfg.oracle.prompt_tokens}; accepted: n <= chunk, P + n <= prompt")
-        tails += as_list(cfg.oracle.tails)
-    if "tail" in parts:
-        tails += as_list(cfg.bench.tails)
-    bad = [t for t in tails if t >= cfg.chunk]
-    if bad:
-        raise UsageError(f"tail {bad[0]} is not shorter than chunk={cfg.chunk}; accepted: tails 0..{cfg.chunk - 1}")
+# --- configuration -------------------------------------------------------------------------------
 
 
 def model_config(shape: DictConfig) -> qwen35.HybridConfig:
@@ -114,58 +115,170 @@ def model_config(shape: DictConfig) -> qwen35.HybridConfig:
         raise UsageError(f"shape: {e}") from None
 
 
-def no_recurrence(q, k, v, g, beta, state, head_map):
-    """A GDN op that does no work (zero output, state unchanged): the hybrid timed with it is
-    everything but the recurrence, so 1 - its time / the serial hybrid's is the recurrence's share,
-    and 1 / (1 - share) the most any faster GDN form can gain on this model (Amdahl)."""
-    return np.zeros_like(v), state
+@functools.lru_cache(maxsize=2)
+def load_model(checkpoint: str | None, shape: tuple, seed: int):
+    """(config, weights, weights digest): a Hugging Face Qwen3.5 folder, or the shape with seeded weights
+    (kept for the next job of a sweep)."""
+    if checkpoint:
+        from testbed.hybrid_checkpoints import load_hf_folder
+
+        model, w = load_hf_folder(checkpoint)
+    else:
+        model = qwen35.HybridConfig(**dict(shape))
+        w = qwen35.init_weights(model, seed)
+    return model, w, digest(*(w[name] for name in sorted(w)))
 
 
-def gdn_forms(cfg: DictConfig) -> dict[str, qwen35.GDNFn]:
-    """The backend's serial and chunkwise GDN, as the model calls them."""
-    if cfg.backend == "native":
-        from testbed.backends.native import library as native
+def oracle_model(cfg: DictConfig):
+    """The oracles' model: the checkpoint, or `shape` with weights from `seed`."""
+    checkpoint = str(project_path(cfg.model.checkpoint)) if cfg.model.checkpoint else None
+    if checkpoint is None:
+        model_config(cfg.shape)  # its one-line refusals
+    return load_model(checkpoint, tuple((k, int(cfg.shape[k])) for k in SHAPE_KEYS), cfg.seed)
 
-        return {"serial": partial(native.gdn_serial, threads=cfg.threads),
-                "chunkwise": partial(native.gdn_chunkwise, chunk=cfg.gdn_chunk, threads=cfg.threads)}
-    return {"serial": qwen35.gdn_form("serial"), "chunkwise": qwen35.gdn_form("chunkwise", cfg.gdn_chunk)}
+
+def cases(cfg: DictConfig) -> list[tuple[int, int]]:
+    return list(zip(as_list(cfg.oracle.past), as_list(cfg.oracle.tokens)))
+
+
+def prompt_needs(cfg: DictConfig) -> int:
+    """Tokens the oracles read: every case's P + n, every tail prompt's C + t."""
+    needs = [p + n for p, n in cases(cfg)] + [cfg.chunk + t for t in as_list(cfg.oracle.tails)]
+    return max(needs)
+
+
+def run_prompt(cfg: DictConfig, vocab: int):
+    """The oracles' prompt (testbed.prompts): `seed` draws oracle.prompt_tokens ids; a file or text (through
+    the checkpoint's tokenizer) gives its own, of which the cases need prompt_needs."""
+    length = cfg.oracle.prompt_tokens if str(cfg.model.prompt) == "seed" else prompt_needs(cfg)
+    return load_prompt(str(cfg.model.prompt), length, vocab, cfg.seed, find_tokenizer(cfg.model.checkpoint),
+                       cfg.model.chat)
+
+
+def last_position(cfg: DictConfig) -> int:
+    """The last position the oracle's cases reach: where model.expected_token is the reference's token."""
+    return max(p + n for p, n in cases(cfg)) - 1
+
+
+def validate(cfg: DictConfig) -> None:
+    """What the mode runs must fit: oracle cases n within one chunk and P + n within the prompt, tails
+    shorter than a chunk; the checkpoint, prompt and expected token must be usable. (The backend against
+    the device: testbed.backends.refuse_mismatch, refimpl on the host only.)"""
+    parts = PARTS[cfg.mode]
+    tails = []
+    if "oracle" in parts:
+        past, tokens = as_list(cfg.oracle.past), as_list(cfg.oracle.tokens)
+        if len(past) != len(tokens):
+            raise UsageError(f"oracle.past has {len(past)} entries and oracle.tokens {len(tokens)}; "
+                             f"accepted: one n per P")
+        seeded = str(cfg.model.prompt) == "seed"
+        for p, n in zip(past, tokens):
+            if n > cfg.chunk or (seeded and p + n > cfg.oracle.prompt_tokens):
+                raise UsageError(f"oracle case P={p}, n={n} does not fit chunk={cfg.chunk} and oracle.prompt_tokens="
+                                 f"{cfg.oracle.prompt_tokens}; accepted: n <= chunk, P + n <= prompt")
+        tails += as_list(cfg.oracle.tails)
+        if seeded and cfg.chunk + max(as_list(cfg.oracle.tails)) > cfg.oracle.prompt_tokens:
+            raise UsageError(f"oracle.tails={as_list(cfg.oracle.tails)} need prompts of chunk={cfg.chunk} + tail tokens, "
+                             f"oracle.prompt_tokens={cfg.oracle.prompt_tokens}; accepted: chunk + tail <= prompt")
+    if "tail" in parts:
+        tails += as_list(cfg.bench.tails)
+    bad = [t for t in tails if t >= cfg.chunk]
+    if bad:
+        raise UsageError(f"tail {bad[0]} is not shorter than chunk={cfg.chunk}; accepted: tails 0..{cfg.chunk - 1}")
+    if {"crossover", "tail"} & set(parts) or ("drift" in parts and not cfg.model.checkpoint):
+        model_config(cfg.bench.shape)
+    expected = cfg.model.expected_token
+    if not cfg.model.checkpoint and str(cfg.model.prompt) == "seed" and expected is None:
+        if "oracle" in parts:
+            model_config(cfg.shape)
+        return  # nothing to load before running
+    model, _, _ = oracle_model(cfg)
+    if expected is not None:
+        if isinstance(expected, bool) or not isinstance(expected, int) or not 0 <= expected < model.vocab:
+            raise UsageError(f"model.expected_token={expected!r} is not accepted; accepted: null or 0..{model.vocab - 1}")
+        if "oracle" not in parts:
+            raise UsageError(f"model.expected_token={expected} pins the oracles' token and mode={cfg.mode} runs no "
+                             f"oracle; accepted: mode=oracle or all")
+    if "oracle" in parts:
+        run_prompt(cfg, model.vocab)
 
 
 def artifacts(cfg: DictConfig) -> dict:
+    """What computed the records (the program's sha256 and build are in each record's evidence)."""
     if cfg.backend == "native":
-        from testbed.backends.native import library as native
+        from testbed.backends.native import hybrid as engine
 
-        return native.build_info()
-    return {}
+        return {"program": engine.PROGRAM}
+    return {"engine": "refimpl.qwen35 (numpy)"}
 
 
 # --- oracle ------------------------------------------------------------------------------------------
 
 
+def gdn_forms(cfg: DictConfig) -> dict[str, qwen35.GDNFn]:
+    """refimpl's serial and chunkwise GDN, as the numpy model calls them."""
+    return {"serial": qwen35.gdn_form("serial"), "chunkwise": qwen35.gdn_form("chunkwise", cfg.gdn_chunk)}
+
+
 def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
-    model = model_config(cfg.shape)
-    w = qwen35.init_weights(model, cfg.seed)
-    prompt = np.random.default_rng(cfg.seed).integers(0, model.vocab, cfg.oracle.prompt_tokens)
-    arts = artifacts(cfg)
+    model, w, weights_sha = oracle_model(cfg)
+    prompt = run_prompt(cfg, model.vocab)
+    ids = prompt.ids
+    arts = {"weights_sha256": weights_sha, **prompt.artifacts(),
+            **({"checkpoint": str(project_path(cfg.model.checkpoint))} if cfg.model.checkpoint else {})}
+    tokenizer = find_tokenizer(cfg.model.checkpoint)
+    token_text = tokenizer.token_text if tokenizer else None
+    end = last_position(cfg)
 
-    def record(case, v, params):
+    def record(case, v, params, evidence=()):
         return Record("hybrid", case, "oracle", v.oracle, v.verdict, v.margin, v.metrics, params=params,
-                      artifacts=arts, detail=v.detail)
+                      artifacts=arts, detail=v.detail, evidence=list(evidence))
 
+    native = cfg.backend == "native"
+    references: dict[int, tuple] = {}  # redecode and the naive model per P + n, shared by the forms
     for form, fn in gdn_forms(cfg).items():
         base = {"gdn": form, "gdn_chunk": cfg.gdn_chunk if form == "chunkwise" else None, "chunk": cfg.chunk}
-        for p, n in zip(as_list(cfg.oracle.past), as_list(cfg.oracle.tokens)):
+        for p, n in cases(cfg):
             ctx.progress(f"hybrid oracle {form} P={p} n={n}")
-            for v in check_chunk_with_past(w, model, prompt, p, n, cfg.chunk, fn, cfg.threshold):
-                yield record(f"P={p},n={n},C={cfg.chunk}/{form}", v, base | {"past": p, "tokens": n})
+            expected = cfg.model.expected_token if p + n - 1 == end else None
+            params = base | {"past": p, "tokens": n, "position": p + n - 1}
+            if native:
+                from testbed.backends.native import hybrid as engine
+
+                run = engine.prefill(ctx.device, model, w, ids, past=p, tokens=n, chunk=cfg.chunk, tail="padded",
+                                     gdn=form, gdn_chunk=cfg.gdn_chunk, threads=cfg.threads)
+                if p + n not in references:
+                    references[p + n] = (qwen35.redecode(w, model, ids[:p + n]), naive_qwen35.logits(w, model, ids[:p + n]))
+                verdicts = check_engine_case(w, model, ids, p, n, run, cfg.threshold, cfg.logit_atol, expected,
+                                             token_text, *references[p + n])
+                evidence = [run.evidence.as_dict()]
+            else:
+                verdicts = check_chunk_with_past(w, model, ids, p, n, cfg.chunk, fn, cfg.threshold, cfg.logit_atol,
+                                                 expected)
+                evidence = []
+            for v in verdicts:
+                yield record(f"P={p},n={n},C={cfg.chunk}/{form}", v, params, evidence)
         for t in as_list(cfg.oracle.tails):
             length = cfg.chunk + t
             ctx.progress(f"hybrid oracle {form} padded tail N={length}")
-            for v in check_padded_tail(w, model, prompt[:length], cfg.chunk, fn, cfg.threshold):
-                yield record(f"N={length},tail={t},C={cfg.chunk}/{form}", v,
-                             base | {"prompt_tokens": length, "tail": t})
-        # numpy's chunkwise products reblock with the row count, so only its serial form is bit-exact
-        if cfg.backend == "native" or form == "serial":
+            params = base | {"prompt_tokens": length, "tail": t}
+            if native:
+                from testbed.backends.native import hybrid as engine
+
+                runs = {tail: engine.prefill(ctx.device, model, w, ids, past=0, tokens=length, chunk=cfg.chunk,
+                                             tail=tail, gdn=form, gdn_chunk=cfg.gdn_chunk, threads=cfg.threads)
+                        for tail in ("padded", "exact", "scalar")}
+                verdicts = check_engine_tail(runs["padded"], runs["exact"], runs["scalar"], cfg.threshold,
+                                             cfg.logit_atol)
+                evidence = [r.evidence.as_dict() for r in runs.values()]
+            else:
+                verdicts = check_padded_tail(w, model, ids[:length], cfg.chunk, fn, cfg.threshold, cfg.logit_atol)
+                evidence = []
+            for v in verdicts:
+                yield record(f"N={length},tail={t},C={cfg.chunk}/{form}", v, params, evidence)
+        # numpy's chunkwise products reblock with the row count, so only its serial form is bit-exact; the
+        # engine's pads are judged whole, state and logits byte for byte (tail_bytes above)
+        if not native and form == "serial":
             x = gdn.draw_inputs(1, 37, model.linear_k_heads, model.linear_head_dim,
                                 v_repeat=model.linear_v_heads // model.linear_k_heads, gate="mild", seed=cfg.seed)
             yield record(f"pads=27/{form}", check_pad_identity(x, 27, fn), base | {"pads": 27})
@@ -176,58 +289,140 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
 
 def figures(clocks: dict, tokens: int, flops: int) -> dict:
     """Wall and CPU time, and the rates per each: on a shared machine the CPU figures are what the
-    work cost, the wall figures what a user waited."""
+    work cost, the wall figures what a user waited. Counted instructions (emulated devices) beside."""
     wall, cpu = clocks["wall"], clocks["cpu"]
-    return {"time": wall.scaled(1e3, "ms"), "tokens_per_s": wall.rate(tokens, "tokens/s"),
-            "cpu_time": cpu.scaled(1e3, "ms"), "tokens_per_cpu_s": cpu.rate(tokens, "tokens/s"),
-            "gflops_cpu": cpu.rate(flops / 1e9, "GFLOP/s")}
+    out = {"time": wall.scaled(1e3, "ms"), "tokens_per_s": wall.rate(tokens, "tokens/s"),
+           "cpu_time": cpu.scaled(1e3, "ms"), "tokens_per_cpu_s": cpu.rate(tokens, "tokens/s"),
+           "gflops_cpu": cpu.rate(flops / 1e9, "GFLOP/s")}
+    if "instructions" in clocks:
+        n = clocks["instructions"]
+        out["instructions"] = n
+        out["tokens_per_ginstr"] = n.rate(tokens * 1e9, "tokens per 1e9 instructions")
+    if "gdn_cpu" in clocks:  # the engine's own timer around the recurrence (tb_hybrid_gdn_seconds)
+        out["gdn_cpu_time"] = clocks["gdn_cpu"].scaled(1e3, "ms")
+    return out
+
+
+@dataclass
+class Variant:
+    """One model the measurements time: its config and weights, and how its GDN layers run."""
+
+    model: qwen35.HybridConfig
+    w: dict
+    gdn: str  # serial | chunkwise | none
+
+
+def crossover_variants(cfg: DictConfig) -> dict[str, Variant]:
+    hybrid = model_config(cfg.bench.shape)
+    dense, similar = qwen35.dense_config(hybrid), qwen35.dense_similar_config(hybrid)
+    w_h = qwen35.init_weights(hybrid, cfg.seed)
+    return {"dense": Variant(dense, qwen35.init_weights(dense, cfg.seed), "serial"),  # no GDN layer
+            "dense-similar": Variant(similar, qwen35.init_weights(similar, cfg.seed), "serial"),
+            "hybrid-serial": Variant(hybrid, w_h, "serial"),
+            "hybrid-chunkwise": Variant(hybrid, w_h, "chunkwise"),
+            "hybrid-no-recurrence": Variant(hybrid, w_h, "none")}
+
+
+def no_recurrence(q, k, v, g, beta, state, head_map):
+    """A GDN op that does no work (zero output, state unchanged): the hybrid timed with it is
+    everything but the recurrence, so 1 - its time / the serial hybrid's is the recurrence's share,
+    and 1 / (1 - share) the most any faster GDN form can gain on this model (Amdahl)."""
+    return np.zeros_like(v), state
+
+
+REFIMPL_GDN = {"serial": qwen35.gdn_form("serial"), "none": no_recurrence}
+
+
+def refimpl_gdn(form: str, gdn_chunk: int):
+    return qwen35.gdn_form("chunkwise", gdn_chunk) if form == "chunkwise" else REFIMPL_GDN[form]
+
+
+def time_variants(cfg: DictConfig, ctx, calls: dict, reps: int, warmup: int) -> tuple[dict, dict]:
+    """Each call (key -> (Variant, prompt, chunk, tail)) timed interleaved: per key its clocks as Figures
+    (wall, cpu; instructions where counted) and the evidence of the runs. refimpl: numpy on the host,
+    timed by the host's clocks; native: the engine program on the device, by its own clocks, one run per
+    repetition (its warm-up inside), in an order shuffled per repetition from the run's seed; on an
+    emulated device that counts, one run each (the counts are exact, its times never speed)."""
+    if cfg.backend != "native":
+        fns = {key: partial(qwen35.prefill, v.w, v.model, prompt, chunk, refimpl_gdn(v.gdn, cfg.gdn_chunk), tail)
+               for key, (v, prompt, chunk, tail) in calls.items()}
+        return time_alternating_clocks(fns, reps=reps, warmup=warmup), {key: [] for key in calls}
+    from testbed.backends.native import hybrid as engine
+
+    profile = ctx.device.profile
+    if profile.has("emulated") and profile.has("counts"):
+        reps, warmup = 1, 0  # its figures are exact counts: a repetition would give the same number again
+    samples = {key: {"wall": [], "cpu": [], "gdn_cpu": [], "instructions": []} for key in calls}
+    evidence = {key: [] for key in calls}
+    for rep in interleaved_order(list(calls), reps, cfg.seed):
+        for key in rep:
+            v, prompt, chunk, tail = calls[key]
+            ctx.progress(f"hybrid {key} ({len(prompt)} tokens)")
+            run = engine.prefill(ctx.device, v.model, v.w, prompt, past=0, tokens=len(prompt), chunk=chunk,
+                                 tail=tail, gdn=v.gdn, gdn_chunk=cfg.gdn_chunk, threads=cfg.threads,
+                                 warmup=warmup, reps=1, measured=True)
+            samples[key]["wall"] += run.timings["seconds"]
+            samples[key]["cpu"] += run.timings["cpu_seconds"]
+            samples[key]["gdn_cpu"] += run.timings["gdn_cpu_seconds"]
+            if run.counts:
+                samples[key]["instructions"].append(run.counts.per_call)
+            evidence[key].append(run.evidence.as_dict())
+    clocks = {key: {c: Figure.of(s, "instructions" if c == "instructions" else "s") for c, s in by.items() if s}
+              for key, by in samples.items()}
+    return clocks, evidence
+
+
+def where(cfg: DictConfig, ctx) -> dict:
+    """Where the figures come from: the clocks' and the denormals' story (FTZ on in every native program)."""
+    emulated = ctx.device.profile.has("emulated")
+    if cfg.backend != "native":
+        return {"engine": "refimpl (numpy, host)", "ftz": False}
+    return {"engine": "tb_hybrid_bench (C)", "ftz": True, "emulated": emulated,
+            "rate": "tokens per 1e9 instructions (counted under emulation, not time)" if emulated
+            else "tokens per CPU second"}
 
 
 def crossover_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     b = cfg.bench
-    hybrid = model_config(b.shape)
-    dense = qwen35.dense_config(hybrid)
-    w_h, w_d = qwen35.init_weights(hybrid, cfg.seed), qwen35.init_weights(dense, cfg.seed)
-    forms = gdn_forms(cfg)
-    runs = {"dense": (dense, w_d, forms["serial"]),  # no GDN layer: the form is never called
-            "hybrid-serial": (hybrid, w_h, forms["serial"]),
-            "hybrid-chunkwise": (hybrid, w_h, forms["chunkwise"]),
-            "hybrid-no-recurrence": (hybrid, w_h, no_recurrence)}
-    arts = artifacts(cfg)
+    variants = crossover_variants(cfg)
+    hybrid = variants["hybrid-serial"]
+    arts, how = artifacts(cfg), where(cfg, ctx)
+    gates = qwen35.median_log_decay(hybrid.w, hybrid.model)
     for length in as_list(b.contexts):
         ctx.progress(f"hybrid crossover L={length}")
-        prompt = np.random.default_rng(cfg.seed).integers(0, hybrid.vocab, length)
-        times = time_alternating_clocks({name: partial(qwen35.prefill, w, m, prompt, b.prefill_chunk, fn)
-                                         for name, (m, w, fn) in runs.items()}, reps=b.reps, warmup=b.warmup)
-        cpu = {name: t["cpu"].median for name, t in times.items()}
-        for name, (m, _, _) in runs.items():
-            flops = qwen35.prefill_flops(m, length, b.prefill_chunk)
+        prompt = np.random.default_rng(cfg.seed).integers(0, hybrid.model.vocab, length)
+        calls = {name: (v, prompt, b.prefill_chunk, "exact") for name, v in variants.items()}
+        clocks, evidence = time_variants(cfg, ctx, calls, b.reps, b.warmup)
+        cpu = {name: c["cpu"].median for name, c in clocks.items()}
+        for name, v in variants.items():
+            flops = qwen35.prefill_flops(v.model, length, b.prefill_chunk)
+            metrics = {"x_dense_cpu": cpu["dense"] / cpu[name], "x_dense_similar_cpu": cpu["dense-similar"] / cpu[name],
+                       "x_serial_cpu": cpu["hybrid-serial"] / cpu[name], "median_log_decay": gates}
+            if "instructions" in clocks[name]:
+                metrics["x_serial_instructions"] = (clocks["hybrid-serial"]["instructions"].median
+                                                    / clocks[name]["instructions"].median)
             yield Record(
-                "hybrid", f"L={length}/{name}", "measure",
-                figures=figures(times[name], length, flops),
-                metrics={"x_dense_cpu": cpu["dense"] / cpu[name], "x_serial_cpu": cpu["hybrid-serial"] / cpu[name]},
+                "hybrid", f"L={length}/{name}", "measure", figures=figures(clocks[name], length, flops), metrics=metrics,
                 work={"flops": flops, "flop_count": "qwen35.prefill_flops (GDN: gdn_flops, the serial count)",
-                      "tokens": length},
+                      "tokens": length, "params": qwen35.body_params(v.model)},
                 params={"part": "crossover", "context": length, "model": name, "prefill_chunk": b.prefill_chunk,
-                        "gdn_chunk": cfg.gdn_chunk, "threads": cfg.threads,
-                        "layer_types": "".join(t[0] for t in m.layer_types)},
-                artifacts=arts)
+                        "gdn_chunk": cfg.gdn_chunk, "threads": cfg.threads, "layers": v.model.layers,
+                        "layer_types": "".join(t[0] for t in v.model.layer_types), **how},
+                artifacts=arts, evidence=evidence[name])
 
 
 def tail_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     """Padded vs scalar tail after one full chunk, chunkwise GDN, interleaved over every (N, mode)."""
     b = cfg.bench
     model = model_config(b.shape)
-    w = qwen35.init_weights(model, cfg.seed)
-    fn = gdn_forms(cfg)["chunkwise"]
+    v = Variant(model, qwen35.init_weights(model, cfg.seed), "chunkwise")
     prompt = np.random.default_rng(cfg.seed).integers(0, model.vocab, 2 * cfg.chunk)
     lengths = [cfg.chunk + t for t in as_list(b.tails)]
     ctx.progress(f"hybrid tail N={lengths}")
-    calls = {(n, mode): partial(qwen35.prefill, w, model, prompt[:n], cfg.chunk, fn, mode)
-             for n in lengths for mode in ("padded", "scalar")}
-    times = time_alternating_clocks(calls, reps=b.reps, warmup=b.warmup)
-    arts = artifacts(cfg)
-    for (n, mode), clocks in times.items():
+    calls = {(n, mode): (v, prompt[:n], cfg.chunk, mode) for n in lengths for mode in ("padded", "scalar")}
+    clocks, evidence = time_variants(cfg, ctx, calls, b.reps, b.warmup)
+    arts, how = artifacts(cfg), where(cfg, ctx)
+    for (n, mode), c in clocks.items():
         tail = n - cfg.chunk
         flops = qwen35.graph_flops(model, cfg.chunk, 0)  # the full chunk
         if tail and mode == "padded":
@@ -235,27 +430,48 @@ def tail_records(cfg: DictConfig, ctx) -> Iterator[Record]:
         elif tail:
             flops += sum(qwen35.graph_flops(model, 1, cfg.chunk + i) for i in range(tail))
         # the prefill's time is the time to the first token's logits (TTFT)
-        yield Record("hybrid", f"N={n}/{mode}", "measure", figures=figures(clocks, n, flops),
+        yield Record("hybrid", f"N={n}/{mode}", "measure", figures=figures(c, n, flops),
                      work={"flops": flops, "tokens": n},
                      params={"part": "tail", "prompt_tokens": n, "tail": tail, "mode": mode, "chunk": cfg.chunk,
-                             "gdn_chunk": cfg.gdn_chunk, "threads": cfg.threads},
-                     artifacts=arts)
+                             "gdn_chunk": cfg.gdn_chunk, "threads": cfg.threads, **how},
+                     artifacts=arts, evidence=evidence[(n, mode)])
+
+
+def drift_model(cfg: DictConfig):
+    """The checkpoint when one is given (its own gates and norms decide how fp16 drifts), else bench.shape."""
+    if cfg.model.checkpoint:
+        return oracle_model(cfg)[:2]
+    model = model_config(cfg.bench.shape)
+    return model, qwen35.init_weights(model, cfg.seed)
 
 
 def drift_records(cfg: DictConfig, ctx) -> Iterator[Record]:
-    """fp16 products in the chunkwise GDN (refimpl's emulation, whatever the backend) against f32."""
+    """fp16 products in the chunkwise GDN against f32: refimpl's emulation (numpy, whole prompt in one
+    redecode), or the engine's (tb_gdn_chunkwise_precision) in calls of bench.prefill_chunk on the device."""
     b = cfg.bench
-    model = model_config(b.shape)
-    w = qwen35.init_weights(model, cfg.seed)
+    model, w = drift_model(cfg)
+    native = cfg.backend == "native"
     for length in as_list(b.drift_tokens):
         prompt = np.random.default_rng(cfg.seed).integers(0, model.vocab, length)
         ctx.progress(f"hybrid drift T={length} f32")
-        ref_logits, ref_state = qwen35.redecode(w, model, prompt, partial(gdn.gdn_chunkwise, chunk=cfg.gdn_chunk))
-        ref_tokens = ref_logits.argmax(axis=-1)
-        for precision in ("fp16-acc32", "fp16-acc16"):
-            ctx.progress(f"hybrid drift T={length} {precision}")
+
+        def run(precision):
+            if native:
+                from testbed.backends.native import hybrid as engine
+
+                r = engine.prefill(ctx.device, model, w, prompt, past=0, tokens=length, chunk=b.prefill_chunk,
+                                   tail="exact", gdn="chunkwise", gdn_chunk=cfg.gdn_chunk, precision=precision,
+                                   all_logits=True, threads=cfg.threads)
+                return r.logits_all, r.state, [r.evidence.as_dict()]
             fn = partial(gdn.gdn_chunkwise, chunk=cfg.gdn_chunk, precision=precision)
             logits, state = qwen35.redecode(w, model, prompt, fn)
+            return logits, state, []
+
+        ref_logits, ref_state, ref_evidence = run("f32")
+        ref_tokens = ref_logits.argmax(axis=-1)
+        for precision in PRECISIONS:
+            ctx.progress(f"hybrid drift T={length} {precision}")
+            logits, state, evidence = run(precision)
             ref_arrays, arrays = ref_state.arrays(), state.arrays()
             recurrent = [k for k in ref_arrays if k.endswith("recurrent")]
             yield Record("hybrid", f"T={length}/{precision}", "measure",
@@ -265,7 +481,9 @@ def drift_records(cfg: DictConfig, ctx) -> Iterator[Record]:
                                   "last_token_agrees": bool(logits[-1].argmax() == ref_tokens[-1])},
                          work={"tokens": length},
                          params={"part": "drift", "tokens": length, "precision": precision,
-                                 "gdn_chunk": cfg.gdn_chunk, "gdn_backend": "refimpl"})
+                                 "gdn_chunk": cfg.gdn_chunk, "gdn_backend": "engine" if native else "refimpl",
+                                 **({"prefill_chunk": b.prefill_chunk} if native else {})},
+                         evidence=ref_evidence + evidence)
 
 
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
@@ -279,26 +497,31 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
 
 # --- tables ------------------------------------------------------------------------------------------
 
+RATE_CPU = "tokens per CPU s"
+RATE_COUNTS = "tokens per 1e9 instr (emulated: counts, not time)"
+
 
 def fit_per_token(contexts, seconds) -> tuple[float, float] | None:
-    """Least-squares (a, b) of seconds per token = a + b L (attention's average cost grows with L)."""
+    """Least-squares (a, b) of cost per token = a + b L (attention's average cost grows with L); the
+    cost is seconds or instructions, whichever the rates are per."""
     if len(set(contexts)) < 2:
         return None
     b, a = np.polyfit(np.asarray(contexts, float), np.asarray(seconds, float) / np.asarray(contexts, float), 1)
     return float(a), float(b)
 
 
-def crossover_context(frame: pd.DataFrame, hybrid: str) -> dict:
-    """Where `hybrid` overtakes dense: the first measured L with more tokens/s, and the fitted L
-    (an extrapolation beyond the largest measured L, as the seed's)."""
-    tps = frame.pivot_table(index="context", columns="model", values="tokens/s")
-    if not {"dense", hybrid} <= set(tps.columns):
+def crossover_context(frame: pd.DataFrame, hybrid: str, dense: str = "dense") -> dict:
+    """Where `hybrid` overtakes `dense`: the first measured L with the higher rate, and the fitted L
+    (an extrapolation beyond the largest measured L, as the seed's). frame: context, model, rate."""
+    rate = "rate" if "rate" in frame else "tokens/s"
+    tps = frame.pivot_table(index="context", columns="model", values=rate)
+    if not {dense, hybrid} <= set(tps.columns):
         return {}
-    measured = [int(L) for L, r in tps.iterrows() if r[hybrid] >= r["dense"]]
-    fits = {m: fit_per_token(tps.index, tps.index / tps[m]) for m in ("dense", hybrid)}
+    measured = [int(L) for L, r in tps.iterrows() if r[hybrid] >= r[dense]]
+    fits = {m: fit_per_token(tps.index, tps.index / tps[m]) for m in (dense, hybrid)}
     fitted = None
-    if fits["dense"] and fits[hybrid]:
-        (a_d, b_d), (a_h, b_h) = fits["dense"], fits[hybrid]
+    if fits[dense] and fits[hybrid]:
+        (a_d, b_d), (a_h, b_h) = fits[dense], fits[hybrid]
         if b_d > b_h:
             fitted = max(0.0, (a_h - a_d) / (b_d - b_h))
     return {"first measured L where faster": measured[0] if measured else None,
@@ -312,22 +535,91 @@ def measure_frame(df: pd.DataFrame, part: str) -> pd.DataFrame:
     return m.sort_values("time", kind="stable") if "time" in m else m
 
 
+def _rates(m: pd.DataFrame) -> pd.DataFrame:
+    """Per record its rate and what it is per: tokens per CPU second, or on an emulated device tokens
+    per 1e9 counted instructions (an emulated device's times are never shown as speed; without counts
+    its rows are left out). Beside it the rate's least and greatest repetition."""
+    emulated = m["emulated"].fillna(False).astype(bool) if "emulated" in m else pd.Series(False, index=m.index)
+    counted = m.get("figures.tokens_per_ginstr.median", pd.Series(np.nan, index=m.index)).notna()
+    keep = ~emulated | counted
+    m, emulated = m[keep], emulated[keep]
+
+    def col(name):
+        return m.get(name, pd.Series(np.nan, index=m.index)).astype(float)
+
+    by_counts = emulated.to_numpy()
+    pick = {s: np.where(by_counts, col(f"figures.tokens_per_ginstr.{s}"), col(f"figures.tokens_per_cpu_s.{s}"))
+            for s in ("median", "min", "max")}
+    # the recurrence's own cost: the engine's timer around it (CPU ms), or, counted, the whole count
+    # (the recurrence-free model's is subtracted in the table)
+    own = np.where(by_counts, col("figures.instructions.median"), col("figures.gdn_cpu_time.median"))
+    return pd.DataFrame({"device": m["device"], "backend": m["backend"], "context": m["params.context"].astype(int),
+                         "model": m["params.model"], "rate": pick["median"], "rate_min": pick["min"],
+                         "rate_max": pick["max"], "per": np.where(by_counts, RATE_COUNTS, RATE_CPU), "own": own})
+
+
+def recurrence_ratio(own: dict, counted: bool) -> float:
+    """Serial over chunkwise on the recurrence alone: its own CPU time (the engine's timer), or counted,
+    each form's instructions minus the recurrence-free model's (the same code otherwise)."""
+    serial, chunkwise = own.get("hybrid-serial", np.nan), own.get("hybrid-chunkwise", np.nan)
+    if counted:
+        base = own.get("hybrid-no-recurrence", np.nan)
+        serial, chunkwise = serial - base, chunkwise - base
+    return serial / chunkwise if chunkwise and np.isfinite(chunkwise) and chunkwise > 0 else np.nan
+
+
+def why_not_faster(r) -> str:
+    """A row where chunkwise is not faster than serial: why, from the row's own figures."""
+    if not {"hybrid-serial", "hybrid-chunkwise"} <= set(r.index) or pd.isna(r["hybrid-chunkwise"]):
+        return ""
+    if r["hybrid-chunkwise"] > r["hybrid-serial"]:
+        return ""
+    spread = r.get("spread", {}) or {}
+    lo_c, hi_c = spread.get("hybrid-chunkwise", (np.nan, np.nan))
+    lo_s, hi_s = spread.get("hybrid-serial", (np.nan, np.nan))
+    alone = r.get("recurrence alone: chunkwise x serial", np.nan)
+    share = 1 - r["hybrid-serial"] / r["hybrid-no-recurrence"] if "hybrid-no-recurrence" in r.index else np.nan
+    if hi_c >= lo_s and hi_s >= lo_c:
+        why = (f"within noise: the repetitions overlap (serial {lo_s:.4g}-{hi_s:.4g}, chunkwise "
+               f"{lo_c:.4g}-{hi_c:.4g} {r['per']})")
+        if np.isfinite(alone) and alone > 1:
+            why += (f"; the recurrence alone runs {alone:.2f}x faster chunkwise, but it is "
+                    f"{max(share, 0):.0%} of the serial hybrid, so the whole gains at most {r.get('bound x serial', np.nan)}x")
+        return why
+    if "hybrid-no-recurrence" in r.index and pd.notna(r["hybrid-no-recurrence"]):
+        # cost per token of the recurrence alone, each form: total minus the model without it
+        base = 1 / r["hybrid-no-recurrence"]
+        serial, chunkwise = 1 / r["hybrid-serial"] - base, 1 / r["hybrid-chunkwise"] - base
+        share = 1 - r["hybrid-serial"] / r["hybrid-no-recurrence"]
+        unit = "CPU s" if r["per"] == RATE_CPU else "instructions"
+        scale = 1e6 if r["per"] == RATE_CPU else 1e9
+        return (f"the chunkwise recurrence costs {chunkwise * scale:.3g} vs serial {serial * scale:.3g} "
+                f"{'us' if unit == 'CPU s' else 'instructions'} per token here (the recurrence is "
+                f"{share:.0%} of the serial hybrid): at this shape its products and forward substitution "
+                f"do more than the rank-1 updates they replace")
+    return "chunkwise is slower here and no no-recurrence run says what the recurrence costs"
+
+
 def crossover_table(df: pd.DataFrame) -> pd.DataFrame:
-    """tokens per CPU second per context and model (latest record of each; the wall figures are in the
-    records), beside the seed's figures."""
+    """The rate per context and model (latest record of each; the wall figures are in the records),
+    beside the seed's figures; where chunkwise is not faster than serial, why (from the row's own
+    figures)."""
     m = measure_frame(df, "crossover")
     if m.empty:
         return pd.DataFrame()
     m = m.groupby(["device", "backend", "params.context", "params.model"]).tail(1)
-    rows = pd.DataFrame({"device": m["device"], "backend": m["backend"], "context": m["params.context"].astype(int),
-                         "model": m["params.model"], "tokens/s": m["figures.tokens_per_cpu_s.median"].astype(float)})
-    wide = rows.pivot_table(index=["device", "backend", "context"], columns="model", values="tokens/s").reset_index()
-    wide = wide[["device", "backend", "context", *(m for m in MODELS if m in wide)]]  # MODELS' order
+    rows = _rates(m)
+    if rows.empty:
+        return pd.DataFrame()
+    keys = ["device", "backend", "context", "per"]
+    wide = rows.pivot_table(index=keys, columns="model", values="rate").reset_index()
+    spread = {k: {r["model"]: (r["rate_min"], r["rate_max"]) for _, r in g.iterrows()}
+              for k, g in rows.groupby(keys)}
+    alone = {k: recurrence_ratio({r["model"]: r["own"] for _, r in g.iterrows()}, k[3] == RATE_COUNTS)
+             for k, g in rows.groupby(keys)}
+    wide = wide[[*keys, *(m for m in MODELS if m in wide)]]  # MODELS' order
     wide.columns.name = None
-    wide.insert(3, "tokens/s per", "CPU s")
-    for model in MODELS:
-        if model in wide:
-            wide[model] = wide[model].round(1)
+    wide = wide.rename(columns={"per": "rate"})
     if {"hybrid-serial", "hybrid-chunkwise"} <= set(wide.columns):
         wide["chunkwise x serial"] = (wide["hybrid-chunkwise"] / wide["hybrid-serial"]).round(2)
     if {"hybrid-serial", "hybrid-no-recurrence"} <= set(wide.columns):
@@ -335,30 +627,66 @@ def crossover_table(df: pd.DataFrame) -> pd.DataFrame:
         share = 1 - wide["hybrid-serial"] / wide["hybrid-no-recurrence"]
         wide["GDN share"] = share.round(3)
         wide["bound x serial"] = (1 / (1 - share)).round(2)
+    ratio = [alone.get(tuple(r[k] for k in ("device", "backend", "context", "rate"))) for _, r in wide.iterrows()]
+    if any(x is not None and np.isfinite(x) for x in ratio):
+        wide["recurrence alone: chunkwise x serial"] = pd.Series(ratio, index=wide.index, dtype=float).round(2)
+    why = []
+    for _, r in wide.iterrows():
+        r = r.copy()
+        r["per"], r["spread"] = r["rate"], spread.get((r["device"], r["backend"], r["context"], r["rate"]))
+        why.append(why_not_faster(r))
+    for model in MODELS:
+        if model in wide:
+            wide[model] = wide[model].round(1)
+    wide["why chunkwise is not faster"] = why
     # object columns: whole numbers print whole beside the blanks of lengths the seed did not measure
     wide["seed hybrid"] = pd.Series([SEED["hybrid"].get(L) for L in wide["context"]], dtype=object)
     wide["seed dense"] = pd.Series([SEED["dense"].get(L) for L in wide["context"]], dtype=object)
+    if not any(why):
+        wide = wide.drop(columns="why chunkwise is not faster")
     return wide
+
+
+def models_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The crossover's models: layers, their types (l linear, f full) and decoder weights."""
+    m = measure_frame(df, "crossover")
+    if m.empty or "params.layers" not in m:
+        return pd.DataFrame()
+    m = m.groupby("params.model").tail(1).set_index("params.model")
+    what = {"dense": "the hybrid's width and depth, every layer full attention",
+            "dense-similar": "seed 002's comparison: dense, as deep as brings its weights closest to the hybrid's",
+            "hybrid-serial": "GDN serial", "hybrid-chunkwise": "GDN chunkwise",
+            "hybrid-no-recurrence": "the hybrid with no recurrence: the bound on any GDN form"}
+    rows = [{"model": name, "layers": int(m.loc[name, "params.layers"]), "types": m.loc[name, "params.layer_types"],
+             "decoder weights": int(m.loc[name, "work.params"]), "what": what[name]}
+            for name in MODELS if name in m.index]
+    return pd.DataFrame(rows, dtype=object)
 
 
 def crossover_summary(df: pd.DataFrame) -> pd.DataFrame:
     m = measure_frame(df, "crossover")
     if m.empty:
         return pd.DataFrame()
+    rates = _rates(m.groupby(["device", "backend", "params.context", "params.model"]).tail(1))
     rows = []
-    for (device, backend), grp in m.groupby(["device", "backend"]):
-        grp = grp.groupby(["params.context", "params.model"]).tail(1)
-        frame = pd.DataFrame({"context": grp["params.context"].astype(int), "model": grp["params.model"],
-                              "tokens/s": grp["figures.tokens_per_cpu_s.median"].astype(float)})
-        for hybrid in ("hybrid-serial", "hybrid-chunkwise"):
-            rows.append({"device": device, "backend": backend, "hybrid": hybrid,
-                         **crossover_context(frame, hybrid), "seed": SEED["crossover"]})
+    for (device, backend, per), grp in rates.groupby(["device", "backend", "per"]):
+        for dense in DENSE:
+            for hybrid in ("hybrid-serial", "hybrid-chunkwise"):
+                found = crossover_context(grp, hybrid, dense)
+                if found:
+                    rows.append({"device": device, "backend": backend, "hybrid": hybrid, "against": dense,
+                                 **found, "rate": per, "seed": SEED["crossover"]})
     return pd.DataFrame(rows, dtype=object)
 
 
 def tail_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """breakeven's columns from CPU-time figures (tok/s and TTFT per CPU second)."""
+    """breakeven's columns from CPU-time figures (tok/s and TTFT per CPU second); emulated devices'
+    times are never speed, so their rows are left out."""
     m = measure_frame(df, "tail")
+    if m.empty:
+        return pd.DataFrame()
+    if "emulated" in m:
+        m = m[~m["emulated"].fillna(False).astype(bool)]
     if m.empty:
         return pd.DataFrame()
     m = m.groupby(["params.prompt_tokens", "params.mode"]).tail(1)
@@ -405,7 +733,8 @@ def oracle_table(df: pd.DataFrame) -> pd.DataFrame:
 def summary(df: pd.DataFrame) -> list[pd.DataFrame]:
     """What `testbed run hybrid` prints: the oracle verdicts, the crossover table and its crossover
     contexts, the tail breakeven table, the fp16 drift."""
-    tables = (oracle_table(df), crossover_table(df), crossover_summary(df), tail_table(df), drift_table(df))
+    tables = (oracle_table(df), crossover_table(df), models_table(df), crossover_summary(df), tail_table(df),
+              drift_table(df))
     return [t for t in tables if len(t)]
 
 
@@ -417,7 +746,7 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def sweep_row(df: pd.DataFrame) -> dict:
-    """Per sweep job: the oracle tally, tokens/s per model and context, chunkwise x serial (at L = 512:
+    """Per sweep job: the oracle tally, the rate per model and context, chunkwise x serial (at L = 512:
     pp512) and the bound on it."""
     row: dict = {}
     o = df[df["kind"] == "oracle"]
@@ -439,7 +768,7 @@ def sweep_footer(rows: pd.DataFrame, jobs) -> str:
     cols = [c for c in rows.columns if c.startswith("L=") and c.split(" ", 1)[1] in MODELS]
     if len({c.split(" ")[0] for c in cols}) < 2:
         return ""  # a crossover needs two contexts at least
-    long = pd.DataFrame([{"context": int(c.split(" ")[0][2:]), "model": c.split(" ", 1)[1], "tokens/s": v}
+    long = pd.DataFrame([{"context": int(c.split(" ")[0][2:]), "model": c.split(" ", 1)[1], "rate": v}
                          for _, r in rows.iterrows() for c in cols if pd.notna(r[c]) for v in [r[c]]])
     parts = [f"{h}: {crossover_context(long.groupby(['context', 'model'], as_index=False).last(), h)}"
              for h in ("hybrid-serial", "hybrid-chunkwise")]

@@ -32,7 +32,7 @@ else:
     ROOT = Path.cwd()
     KERNELS_DIR = _PACKAGE / "_shipped" / "kernels"
 LIBRARY_NAME = "_tb_kernels"
-PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench", "tb_model_bench")
+PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench", "tb_model_bench", "tb_hybrid_bench")
 TARGETS = ("host", "arm32", "aarch64")
 # A device profile's ABI -> the programs' build target (the host profile's ABI is "host").
 TARGET_FOR_ABI = {"host": "host", "armeabi-v7a": "arm32", "arm64-v8a": "aarch64"}
