@@ -100,6 +100,12 @@ class ComputedElsewhere(DeviceError):
 
 
 def check_evidence(records: list[Record], profile) -> None:
+    """Every record of a device run carries evidence; a program the evidence names must be an ELF for
+    the device's machine (a host program under a qemu-user transport runs natively: a build mix-up would
+    otherwise compute on the host and pass); on a Hexagon device every piece of evidence must name its
+    ELF machine, and it must be Hexagon (164, "QUALCOMM DSP6")."""
+    from testbed.devices.profile import ELF_MACHINE_FOR_ABI
+
     if profile.transport == "local" and not profile.has("emulated"):
         return  # the host itself: what ran here ran on the host
     bare = [r.case for r in records if not r.evidence]
@@ -107,6 +113,20 @@ def check_evidence(records: list[Record], profile) -> None:
         raise ComputedElsewhere(f"{len(bare)} record(s) of a run on device {profile.name} carry no evidence that "
                                 f"the device computed them (first: {bare[0]}); nothing computed on the host is "
                                 f"stored under a device's name")
+    expected = ELF_MACHINE_FOR_ABI.get(profile.abi)
+    if expected is None:
+        return
+    for r in records:
+        for ran in r.evidence:
+            machine = (ran.get("detail") or {}).get("elf_machine")
+            if machine is None and profile.abi == "hexagon":
+                raise ComputedElsewhere(f"{r.case}: the evidence of {ran.get('ran')} on device {profile.name} does "
+                                        f"not say which machine its program is for; a Hexagon device's records "
+                                        f"must show a Hexagon ELF (e_machine {expected})")
+            if machine is not None and machine != expected:
+                raise ComputedElsewhere(f"{r.case}: {ran.get('ran')} (sha256 {str(ran.get('sha256'))[:16]}) is an ELF "
+                                        f"for machine {machine}, not device {profile.name}'s ABI {profile.abi} "
+                                        f"({expected}); it did not compute on that device")
 
 
 @dataclass

@@ -37,6 +37,7 @@ import numpy as np
 
 from testbed import counts as counting
 from testbed.backends import Evidence
+from testbed.backends.native.build import ELF_MACHINE_NAMES, build_info, elf_machine
 from testbed.devices import CommandResult, Device
 from testbed.devices.transport import quoted, sha256_file
 from testbed.errors import DeviceError
@@ -83,6 +84,17 @@ def _digest(path: Path, mtime_ns: int, size: int) -> str:
 def program_digest(program: Path) -> str:
     st = program.stat()
     return _digest(program, st.st_mtime_ns, st.st_size)
+
+
+def program_identity(program: Path) -> dict:
+    """What the pushed bytes are: the ELF machine of the program (the file whose sha256 the evidence
+    names) and the toolchain that built it (its build folder's build.json), where known."""
+    machine = elf_machine(program)
+    info = build_info(program)
+    return ({"elf_machine": machine, "elf_machine_name": ELF_MACHINE_NAMES.get(machine, "unknown")}
+            if machine is not None else {}) | ({"toolchain": {k: info[k] for k in
+                                                            ("toolchain", "compiler", "target", "libc") if k in info}}
+                                               if info else {})
 
 
 def stage_program(device: Device, program: Path) -> str:
@@ -177,6 +189,7 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
                                  # the whole command as the host saw it: process start, input load,
                                  # warm-up, output write and the link, around the timed kernel calls
                                  "command_seconds": result.seconds}
+                                | program_identity(job.program)
                                 | ({"instructions": counts.metadata()} if counts else {}))
             return NativeResult(outputs, timings, result, health, evidence, counts)
     finally:
