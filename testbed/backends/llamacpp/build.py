@@ -234,7 +234,9 @@ def zig_wrappers(target: str, cache: Path = CACHE) -> dict[str, Path]:
     triple, cpu = ZIG_TARGET[target]
     env = zig_env({})
     exports = "".join(f'export {k}="${{{k}:-{v}}}"\n' for k, v in sorted(env.items()))
-    commands = {"cc": f"cc -target {triple} {cpu}", "c++": f"c++ -target {triple} {cpu}", "ar": "ar",
+    # -static on every call: CMake's compiler checks link too, and a static link reuses the musl the
+    # kernels' build made (a dynamic one would build another libc first)
+    commands = {"cc": f"cc -target {triple} {cpu} -static", "c++": f"c++ -target {triple} {cpu} -static", "ar": "ar",
                 "ranlib": "ranlib"}
     texts = {name: f"#!/bin/sh\n# zig's {name} for {target} (testbed.backends.llamacpp.build)\n{exports}"
                    f'exec "{zig}" {command} "$@"\n' for name, command in commands.items()}
@@ -245,6 +247,18 @@ def zig_wrappers(target: str, cache: Path = CACHE) -> dict[str, Path]:
         for name, text in texts.items():
             _write_whole(folder / name, lambda tmp, text=text: (tmp.write_text(text), tmp.chmod(0o755)))
     return {name: folder / name for name in texts}
+
+
+def toolchain_of(target: str, options: list[str]) -> dict:
+    """Which toolchain built a target's programs (stored in build.json, carried by the evidence)."""
+    if target in ZIG_TARGET:
+        triple, cpu = ZIG_TARGET[target]
+        from testbed.backends.native.build import _first_line, zig_binary
+
+        return {"toolchain": "zig", "compiler": f"zig {_first_line(str(zig_binary()), 'version')} cc/c++",
+                "target": f"-target {triple} {cpu}", "libc": "musl (static), libc++"}
+    return {"toolchain": "ndk" if target == "android-htp" else "gnu",
+            "compiler": _toolchain_identity(options).splitlines()[0], "target": target}
 
 
 def _toolchain_identity(options: list[str]) -> str:
@@ -321,7 +335,7 @@ def build(target: str, source: str = "", programs: tuple[str, ...] = ("test-back
         out.mkdir(parents=True, exist_ok=True)
         previous = json.loads(info_path.read_text()) if info_path.is_file() else {"builds": []}
         info = {"target": target, "source": str(tree), "source_sha256": digest, "key": key, "options": options,
-                "ccache": bool(launcher),
+                "ccache": bool(launcher), "toolchain": toolchain_of(target, options),
                 "builds": previous["builds"] + [{"programs": missing, "seconds": round(seconds, 1)}]}
         # build.json first, then each program, each appearing whole or not at all
         _write_whole(info_path, lambda tmp: tmp.write_text(json.dumps(info, indent=1) + "\n"))

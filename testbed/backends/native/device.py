@@ -97,6 +97,15 @@ def program_identity(program: Path) -> dict:
                                                if info else {})
 
 
+def runner_prefix(device: Device) -> list[str]:
+    """What starts a program on the device: nothing, or on a Hexagon device whose profile names the
+    vendor SDK's runner (tools.hexagon_runner, e.g. "run_main_on_hexagon 3"), that runner."""
+    import shlex
+
+    runner = device.profile.tools.get("hexagon_runner") if device.profile.abi == "hexagon" else None
+    return shlex.split(runner) if runner else []
+
+
 def stage_program(device: Device, program: Path) -> str:
     """The program's path on the device, pushed once per content: bin/SHA/NAME is reused while the
     device still holds those exact bytes (checked by size and sha256 on the device)."""
@@ -127,7 +136,24 @@ def stage_inputs(device: Device, inputs: dict[str, np.ndarray], tmp: Path) -> st
     return folder
 
 
+class WrongMachine(NativeRunFailed):
+    """The program is an ELF for another machine than the device's ABI runs: under qemu-user a host
+    program would run natively and its outputs be filed under the device's name."""
+
+
+def check_machine(device: Device, program: Path) -> None:
+    from testbed.devices.profile import ELF_MACHINE_FOR_ABI
+
+    expected = ELF_MACHINE_FOR_ABI.get(device.profile.abi)
+    machine = elf_machine(program)
+    if expected is not None and machine is not None and machine != expected:
+        raise WrongMachine(f"{device.name}: {program.name} ({program.parent.name}) is an ELF for machine {machine} "
+                           f"({ELF_MACHINE_NAMES.get(machine, 'unknown')}), not for the device's ABI "
+                           f"{device.profile.abi} ({expected}); refused: it would not compute on the device")
+
+
 def run_native(device: Device, job: NativeJob) -> NativeResult:
+    check_machine(device, job.program)
     run_dir = f"runs/{secrets.token_hex(6)}"
     try:
         with tempfile.TemporaryDirectory(prefix="testbed-native-") as tmp:
@@ -143,7 +169,7 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
                     local = tmp / f"{name}.npy"
                     np.save(local, np.ascontiguousarray(array))
                     device.push(local, f"{run_dir}/{name}.npy")
-            argv = [f"../../{program}", *args]
+            argv = [*runner_prefix(device), f"../../{program}", *args]
             valgrind = job.count and not device.profile.has("counts")
             if valgrind:
                 argv = counting.valgrind_argv(argv)
