@@ -137,5 +137,6 @@ int tb_attention(int heads, int kv_heads, int c, int l, int kv_rows, int hd, con
     int parts = threads > kv_heads ? (threads + kv_heads - 1) / kv_heads : 1;
     if (parts > group) parts = group;
     attention_call a = {heads, kv_heads, c, l, kv_rows, hd, q, k, v, mask, scale, out, parts};
-    return tb_parallel_for(kv_heads * parts, threads, attention_items, &a);
+    TB_FP_ENTER();
+    return TB_FP_LEAVE(tb_parallel_for(kv_heads * parts, threads, attention_items, &a));
 }

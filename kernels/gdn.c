@@ -124,7 +124,8 @@ int tb_gdn_serial(const tb_gdn_shape *shape, const float *q, const float *k, con
     int rc = check_shape(shape);
     if (rc) return rc;
     gdn_call c = {shape, q, k, v, g, beta, state_in, out, state_out, 0};
-    return tb_parallel_for(shape->n_seqs * shape->h_v, threads, serial_heads, &c);
+    TB_FP_ENTER();
+    return TB_FP_LEAVE(tb_parallel_for(shape->n_seqs * shape->h_v, threads, serial_heads, &c));
 }
 
 /* --- chunkwise --------------------------------------------------------------------------------- */
@@ -359,5 +360,6 @@ int tb_gdn_chunkwise(const tb_gdn_shape *shape, const float *q, const float *k, 
     if (rc) return rc;
     if (chunk <= 0) return TB_E_SHAPE;
     gdn_call c = {shape, q, k, v, g, beta, state_in, out, state_out, chunk};
-    return tb_parallel_for(shape->n_seqs * shape->h_v, threads, chunkwise_heads, &c);
+    TB_FP_ENTER();
+    return TB_FP_LEAVE(tb_parallel_for(shape->n_seqs * shape->h_v, threads, chunkwise_heads, &c));
 }

@@ -403,8 +403,8 @@ static int layer(tb_engine *e, int i, int rows, int keep) {
     return TB_OK;
 }
 
-int tb_model_prefill_with_past(tb_engine *e, const int32_t *tokens, int n, int rows, int64_t start, int keep,
-                               int select, float *logits) {
+static int prefill_with_past(tb_engine *e, const int32_t *tokens, int n, int rows, int64_t start, int keep,
+                             int select, float *logits) {
     const tb_model_config *c = &e->m->cfg;
     if (rows < 1 || rows > e->o.max_rows || n < 0 || n > rows || keep < 0 || keep > rows || start < 0 ||
         (logits && (select < 0 || select >= rows)))
@@ -435,6 +435,12 @@ int tb_model_prefill_with_past(tb_engine *e, const int32_t *tokens, int n, int r
         for (int v = 0; v < c->vocab; v++) logits[v] *= c->softcap;
     }
     return rc;
+}
+
+int tb_model_prefill_with_past(tb_engine *e, const int32_t *tokens, int n, int rows, int64_t start, int keep,
+                               int select, float *logits) {
+    TB_FP_ENTER();
+    return TB_FP_LEAVE(prefill_with_past(e, tokens, n, rows, start, keep, select, logits));
 }
 
 int tb_model_decode_with_past(tb_engine *e, int32_t token, int64_t position, float *logits) {

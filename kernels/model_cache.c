@@ -8,6 +8,7 @@
 
 #include "tb_model.h"
 #include "tb_model_internal.h"
+#include "tb_parallel.h"
 
 static size_t elem_size(int dtype) { return dtype == TB_F32 ? 4 : dtype == TB_F16 ? 2 : 1; }
 
@@ -122,6 +123,7 @@ static void decode_row(const tb_kv_cache *c, const uint8_t *data, const float *s
 
 void tb_kv_read(const tb_kv_cache *c, float *k, float *v, int64_t *positions, int kv_rows) {
     const int n = tb_kv_count(c), d = c->head_dim;
+    const tb_fp_mode caller = tb_fp_flush_enter();
     const tb_sliding_cache *pk = &c->part[TB_KV_K], *pv = &c->part[TB_KV_V];
     const tb_sliding_cache *sk = &c->part[TB_KV_K_SCALE], *sv = &c->part[TB_KV_V_SCALE];
     for (int h = 0; h < c->kv_heads; h++)
@@ -133,6 +135,7 @@ void tb_kv_read(const tb_kv_cache *c, float *k, float *v, int64_t *positions, in
             decode_row(c, pv->rows + slot * pv->row_bytes, vs, v + ((size_t)h * kv_rows + r) * d);
         }
     memcpy(positions, c->part[TB_KV_POSITIONS].rows, sizeof(int64_t) * n);
+    tb_fp_restore(caller);
 }
 
 int tb_kv_append(tb_kv_cache *c, const float *k, const float *v, int row_stride, const int64_t *positions, int n) {

@@ -9,6 +9,7 @@
 
 #include "tb_model.h"
 #include "tb_model_internal.h"
+#include "tb_parallel.h"
 
 int tb_tail_decide(const tb_engine *e, const tb_tail_policy *p, int tail, int chunk, int *reason) {
     int why = TB_REASON_PADDED, sliding = 0;
@@ -30,8 +31,8 @@ int tb_tail_decide(const tb_engine *e, const tb_tail_policy *p, int tail, int ch
     return why == TB_REASON_PADDED;
 }
 
-int tb_model_prefill(tb_engine *e, const int32_t *tokens, int n, int chunk, const tb_tail_policy *p, float *logits,
-                     tb_telemetry *t) {
+static int prefill(tb_engine *e, const int32_t *tokens, int n, int chunk, const tb_tail_policy *p, float *logits,
+                   tb_telemetry *t) {
     if (n < 1 || chunk < 1) return TB_E_REFUSED;
     const int full = n / chunk, tail = n - full * chunk, start = full * chunk, layers = tb_engine_layers(e);
     int rc = TB_OK, reason;
@@ -62,4 +63,10 @@ int tb_model_prefill(tb_engine *e, const int32_t *tokens, int n, int chunk, cons
         for (int pos = start; pos < n && rc == TB_OK; pos++) rc = tb_model_decode_with_past(e, tokens[pos], pos, logits);
     }
     return rc;
+}
+
+int tb_model_prefill(tb_engine *e, const int32_t *tokens, int n, int chunk, const tb_tail_policy *p, float *logits,
+                     tb_telemetry *t) {
+    TB_FP_ENTER();
+    return TB_FP_LEAVE(prefill(e, tokens, n, chunk, p, logits, t));
 }

@@ -10,7 +10,10 @@
  *            before a padded append and rollback after it, on raw rows of bytes.
  *
  * Every function returns TB_OK or a negative TB_E* code; nothing is written when a shape is
- * rejected. `threads` splits independent heads over POSIX threads (1 = the calling thread only).
+ * rejected. `threads` splits independent heads over POSIX threads (1 = the calling thread only;
+ * more: the calling thread and the library's persistent workers, never a thread created per call).
+ * Every function that computes does so with denormals flushed to zero (FTZ/DAZ), as the device
+ * programs do, and gives the calling thread its own FP mode back before it returns.
  */
 #ifndef TB_KERNELS_H
 #define TB_KERNELS_H
@@ -89,6 +92,10 @@ int tb_cache_rollback(tb_sliding_cache *cache, int n_pad, const uint8_t *saved, 
  * path ("avx2-fma", "neon", "neon-fma", "scalar"). */
 const char *tb_source_hash(void);
 const char *tb_vector_path(void);
+
+/* Worker threads the library has started (a pool created on the first call that asks for more than
+ * one thread and kept for the process's life; see tb_parallel.h): 0 before that. */
+int tb_pool_workers(void);
 
 #ifdef __cplusplus
 }

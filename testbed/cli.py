@@ -12,7 +12,8 @@
 
 Exit status: 0 all oracles passed, 1 an oracle failed (or no records to show), 2 bad input,
 3 a device could not be reached, 4 a device operation failed, 5 the results store cannot be written,
-128+N stopped by signal N (SIGINT, SIGTERM, SIGHUP; the run is stored as broken).
+6 testbed itself broke (compare: never 1, which means a regression), 128+N stopped by signal N (SIGINT,
+SIGTERM, SIGHUP; the run is stored as broken).
 """
 
 from __future__ import annotations

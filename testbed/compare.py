@@ -16,11 +16,32 @@ measured quantity is a timing with the rates computed from it (testbed.history.q
 the derived figures named beside it.
 
 The unit of noise is the run, not the repetition: a night on a busier machine moves all its
-repetitions together (issue 14), so the samples compared are each run's median. A change is beyond
-noise when a two-sided exact Mann-Whitney U test on the two sides' run medians gives p < ALPHA and the
-medians differ by at least testbed.history.MIN_CHANGE; too few runs to reach p < ALPHA at all (fewer
-than 4 a side, or 3 against 5) says so instead of guessing. Emulated figures are never compared for
-speed (testbed.emulation); their oracle verdicts are.
+repetitions together (issue 14), so the samples compared are each run's median. Each quantity's two
+sides are tested with a two-sided Mann-Whitney U test (scipy.stats.mannwhitneyu: its exact
+distribution when neither side has ties and neither has more than EXACT_UP_TO runs; with ties, the
+exact permutation distribution of the tie-corrected statistic while the orderings number at most
+PERMUTATIONS; the tie-corrected normal limit beyond). One comparison tests many quantities at once, so
+the p-values are corrected for that (Holm's step-down method over every quantity tested: it bounds the
+chance of calling any quantity slower by chance at ALPHA, which is what exit status 1 needs; the
+Benjamini-Hochberg false-discovery rate would allow a share of false "slower" rows, each an exit 1).
+A change is beyond noise when the corrected p (column `p_adjusted`, beside the uncorrected `p`) is
+below ALPHA and the medians differ by at least testbed.history.MIN_CHANGE; too few runs to reach
+p < ALPHA at all (fewer than 4 a side, or 3 against 5) says so instead of guessing.
+
+The machine is a covariate: where every run on both sides has the machine probe beside it
+(testbed.history.is_probe: the probe in the same run, or in a run on the same device within
+testbed.history.PROBE_HOURS), each run's median is divided by the probe's level in that run (a time
+by the probe's time; a rate multiplied), and the test and the verdict are of those normalised values:
+a drift of the machine shared by every quantity (the same commit measured on nights 1-6 and 7-12)
+cancels. The row then shows the raw change, the machine's change (`machine_pct`, positive: the machine
+was slower in B) and the normalised change. The probe's own rows are said ("machine probe"), never
+slower.
+
+Instruction counts (unit instructions) are exact: no test, the change itself; "more instructions"
+beyond testbed.history.INSTRUCTION_RISE counts as slower does, and they are shown in their own table.
+Emulated figures are never compared for speed (testbed.emulation); their counts and oracle verdicts are.
+Exit status: 1 when B is slower (or has more instructions) or an oracle passed in A and fails in B, 0
+otherwise, 2 bad input, 6 an internal error of testbed (a traceback; never 1, which means a regression).
 """
 
 from __future__ import annotations
@@ -29,14 +50,13 @@ import math
 import re
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from testbed import emulation, history, tables
-from testbed.errors import UsageError
+from testbed.errors import INTERNAL_ERROR, UsageError
 from testbed.results import ResultsStore, passed
 
 ALPHA = 0.05
@@ -114,31 +134,25 @@ def resolve(spec: str, default: ResultsStore, nights: list[dict]) -> Side:
 
 # --- the two-sample rule ---------------------------------------------------------------------------
 
-
-@lru_cache(maxsize=None)
-def _u_counts(n: int, m: int) -> tuple[int, ...]:
-    """How many orderings of n + m distinct values give each U = 0 .. n*m (the count of pairs (x, y),
-    x from the n, y from the m, with x > y): the largest value is either one of the n (adding m) or not."""
-    if n == 0 or m == 0:
-        return (1,)
-    with_x, without = _u_counts(n - 1, m), _u_counts(n, m - 1)
-    return tuple((with_x[u - m] if 0 <= u - m < len(with_x) else 0) + (without[u] if u < len(without) else 0)
-                 for u in range(n * m + 1))
+# Orderings of the two sides up to which ties are tested by their exact permutation distribution.
+PERMUTATIONS = 20_000
 
 
 def mann_whitney_p(a: list[float], b: list[float]) -> float:
-    """The two-sided p-value of the Mann-Whitney U test that a and b come from one distribution. Ties
-    count a half; the distribution is the one without ties (exact up to EXACT_UP_TO values a side, its
-    normal limit beyond)."""
+    """The two-sided p-value of the Mann-Whitney U test that a and b come from one distribution
+    (scipy.stats.mannwhitneyu): exact without ties up to EXACT_UP_TO values a side; with ties, the
+    exact permutation distribution up to PERMUTATIONS orderings; the tie-corrected normal limit beyond."""
+    from scipy import stats
+
     n, m = len(a), len(b)
-    u = sum((x > y) + 0.5 * (x == y) for x in a for y in b)
-    tail = min(u, n * m - u)
-    if max(n, m) <= EXACT_UP_TO:
-        counts = _u_counts(n, m)
-        return min(1.0, 2 * sum(counts[:math.floor(tail) + 1]) / math.comb(n + m, n))
-    sd = math.sqrt(n * m * (n + m + 1) / 12)
-    z = (tail + 0.5 - n * m / 2) / sd
-    return min(1.0, math.erfc(-z / math.sqrt(2)))
+    ties = len(set(a) | set(b)) < n + m
+    if not ties and max(n, m) <= EXACT_UP_TO:
+        method = "exact"
+    elif ties and math.comb(n + m, n) <= PERMUTATIONS:
+        method = stats.PermutationMethod(n_resamples=math.comb(n + m, n))  # every ordering: exact
+    else:
+        method = "asymptotic"
+    return min(1.0, float(stats.mannwhitneyu(a, b, alternative="two-sided", method=method).pvalue))
 
 
 def can_decide(n: int, m: int) -> bool:
@@ -147,20 +161,36 @@ def can_decide(n: int, m: int) -> bool:
 
 
 def judge_change(a: list[float], b: list[float], unit: str) -> tuple[float | None, float | None, str]:
-    """(relative change of B's median run against A's, p, verdict) for per-run medians a and b."""
+    """(relative change of B's median run against A's, p, verdict) for per-run medians a and b, the
+    verdict at p < ALPHA uncorrected (`frame` corrects over all quantities: `verdict_of`)."""
     if not np.median(a) > 0:
         return None, None, "no change to state: A's median is not above 0"
     change = float(np.median(b) / np.median(a) - 1)
     if not can_decide(len(a), len(b)):
         return change, None, f"too few runs to tell ({len(a)} vs {len(b)})"
     p = mann_whitney_p(a, b)
+    return change, p, verdict_of(change, p, unit)
+
+
+def verdict_of(change: float, p: float, unit: str) -> str:
     if p >= ALPHA or abs(change) < history.MIN_CHANGE:
-        return change, p, "within noise"
+        return "within noise"
     if history.lower_is_better(unit):
-        return change, p, "slower" if change > 0 else "faster"
+        return "slower" if change > 0 else "faster"
     if history.higher_is_better(unit):
-        return change, p, "slower" if change < 0 else "faster"
-    return change, p, "higher" if change > 0 else "lower"
+        return "slower" if change < 0 else "faster"
+    return "higher" if change > 0 else "lower"
+
+
+def count_verdict(a: list[float], b: list[float]) -> tuple[float | None, str]:
+    """An exact count: (its change, verdict); no test, the change itself."""
+    before, after = float(np.median(a)), float(np.median(b))
+    if before == after:
+        return 0.0, "same count"
+    change = after / before - 1 if before > 0 else math.inf
+    if change > history.INSTRUCTION_RISE:
+        return change, "more instructions"
+    return change, f"more instructions, within {history.INSTRUCTION_RISE:.0%}" if change > 0 else "fewer instructions"
 
 
 # --- matching ---------------------------------------------------------------------------------------
@@ -179,25 +209,79 @@ def _summary(side: str, figs: list[dict]) -> dict:
             f"{side}_runs": len(figs)}
 
 
+def probe_levels(records: list[dict]) -> dict[str, float]:
+    """Per run id of `records`: the machine probe's slowness (its median as a time; higher, a slower
+    machine) in that run, else in the nearest run on the same device within history.PROBE_HOURS, as a
+    median over probe series relative to that series' own median (so series of different sizes mix)."""
+    probes = history.probe_runs(records)
+    runs = {r["run_id"]: (r["device"], history._when(r)) for r in records if r["kind"] == "measure"}
+    levels: dict[str, list[float]] = {}
+    for device, by_series in probes.items():
+        for series in by_series.values():
+            typical = float(np.median([s for _, _, s in series]))
+            for run_id, (run_device, when) in runs.items():
+                if run_device != device:
+                    continue
+                same = [s for _, rid, s in series if rid == run_id]
+                near = same or [s for w, _, s in sorted(series, key=lambda x: abs(x[0] - when))[:1]
+                                if abs(w - when) <= history.PROBE_HOURS * 3600]
+                if near:
+                    levels.setdefault(run_id, []).append(float(np.median(near)) / typical)
+    return {run_id: float(np.median(v)) for run_id, v in levels.items()}
+
+
 def figure_rows(a: list[dict], b: list[dict], ignoring: tuple[str, ...] = ()) -> list[dict]:
-    """One row per measured quantity of every series, judged where both sides measured it."""
+    """One row per measured quantity of every series, judged where both sides measured it; the p-values
+    of all quantities tested corrected together (Holm)."""
     rows = []
     sides = {"A": emulation.split([r for r in a if r["kind"] == "measure"])[0],
              "B": emulation.split([r for r in b if r["kind"] == "measure"])[0]}
+    # the probe on both sides together: one scale for its slowness
+    machine = probe_levels(history.speed_records(sides["A"] + sides["B"]))
     for key in sorted({_match_key(r, ignoring) for side in sides.values() for r in side}):
         runs = {s: history.by_run_time([r for r in recs if _match_key(r, ignoring) == key]) for s, recs in sides.items()}
         for name, derived in history.quantities(runs["A"] + runs["B"]):
-            figs = {s: [r["figures"][name] for r in rs if name in r.get("figures", {})] for s, rs in runs.items()}
+            with_it = {s: [r for r in rs if name in r.get("figures", {})] for s, rs in runs.items()}
+            figs = {s: [r["figures"][name] for r in rs] for s, rs in with_it.items()}
             unit = (figs["B"] or figs["A"])[-1]["unit"]
-            if figs["A"] and figs["B"]:
-                change, p, verdict = judge_change([float(f["median"]) for f in figs["A"]],
-                                                  [float(f["median"]) for f in figs["B"]], unit)
-            else:
-                change, p, verdict = None, None, "only in A" if figs["A"] else "only in B"
-            rows.append({"experiment": key[0], "device": key[1], "backend": key[2], "config": key[3],
-                         "case": key[4], "quantity": name, "derived": ", ".join(derived), "unit": unit,
-                         **_summary("a", figs["A"]), **_summary("b", figs["B"]),
-                         "change_pct": None if change is None else 100 * change, "p": p, "verdict": verdict})
+            kind = history.kind_of((with_it["B"] or with_it["A"])[-1], name)
+            row = {"experiment": key[0], "device": key[1], "backend": key[2], "config": key[3],
+                   "case": key[4], "quantity": name, "derived": ", ".join(derived), "unit": unit,
+                   **_summary("a", figs["A"]), **_summary("b", figs["B"]), "change_pct": None, "machine_pct": None,
+                   "normalised_pct": None, "p": None, "p_adjusted": None, "verdict": None}
+            if not (figs["A"] and figs["B"]):
+                row["verdict"] = "only in A" if figs["A"] else "only in B"
+                rows.append(row)
+                continue
+            values = {s: [float(f["median"]) for f in fs] for s, fs in figs.items()}
+            if kind == "count":
+                change, row["verdict"] = count_verdict(values["A"], values["B"])
+                row["change_pct"] = 100 * change
+                rows.append(row)
+                continue
+            change, p, verdict = judge_change(values["A"], values["B"], unit)
+            row.update(change_pct=None if change is None else 100 * change, p=p, verdict=verdict)
+            if kind == "probe":
+                row["verdict"] = "machine probe" + ("" if change is None else f": {100 * change:+.1f}%")
+                row["p"] = None  # the machine, not the code: not tested among the quantities
+            elif kind == "speed" and all(r["run_id"] in machine for rs in with_it.values() for r in rs):
+                # every run has the machine beside it: the quantity judged on the machine's scale
+                scale = {s: [machine[r["run_id"]] for r in rs] for s, rs in with_it.items()}
+                norm = {s: [v / m if history.lower_is_better(unit) else v * m for v, m in zip(values[s], scale[s])]
+                        for s in values}
+                n_change, n_p, n_verdict = judge_change(norm["A"], norm["B"], unit)
+                row.update(machine_pct=100 * (float(np.median(scale["B"])) / float(np.median(scale["A"])) - 1),
+                           normalised_pct=None if n_change is None else 100 * n_change, p=n_p, verdict=n_verdict)
+            rows.append(row)
+    tested = [r for r in rows if r["p"] is not None]
+    for r, adjusted in zip(tested, history.holm([r["p"] for r in tested])):
+        r["p_adjusted"] = adjusted
+        change = r["normalised_pct"] if r["normalised_pct"] is not None else r["change_pct"]
+        r["verdict"] = verdict_of(change / 100, adjusted, r["unit"])
+        least = 2 / math.comb(r["a_runs"] + r["b_runs"], r["a_runs"])  # the most extreme ordering's p
+        if r["verdict"] == "within noise" and least * len(tested) >= ALPHA and abs(change) >= 100 * history.MIN_CHANGE:
+            r["verdict"] = (f"too few runs to tell after correction ({r['a_runs']} vs {r['b_runs']} runs, "
+                            f"{len(tested)} quantities tested)")
     return rows
 
 
@@ -235,8 +319,8 @@ def oracle_rows(a: list[dict], b: list[dict], ignoring: tuple[str, ...] = ()) ->
 def frame(a: list[dict], b: list[dict], ignoring: tuple[str, ...] = ()) -> pd.DataFrame:
     """The comparison as data: numeric columns for figures, pass counts for oracles."""
     columns = ["experiment", "device", "backend", "config", "case", "quantity", "derived", "unit",
-               "a_median", "a_min", "a_max", "a_runs", "b_median", "b_min", "b_max", "b_runs", "change_pct", "p",
-               "a_verdict", "b_verdict", "verdict"]
+               "a_median", "a_min", "a_max", "a_runs", "b_median", "b_min", "b_max", "b_runs", "change_pct",
+               "machine_pct", "normalised_pct", "p", "p_adjusted", "a_verdict", "b_verdict", "verdict"]
     df = pd.DataFrame(figure_rows(a, b, ignoring) + oracle_rows(a, b, ignoring), columns=columns)
     return df.astype({"a_runs": "Int64", "b_runs": "Int64"})  # counts, null on an oracle's row
 
@@ -260,6 +344,10 @@ def for_people(df: pd.DataFrame) -> pd.DataFrame:
                          "A (median [min-max], n)": [side(r, "a") for _, r in df.iterrows()],
                          "B (median [min-max], n)": [side(r, "b") for _, r in df.iterrows()],
                          "change %": [None if pd.isna(c) else f"{c:+.1f}" for c in df["change_pct"]],
+                         "machine %": [None if pd.isna(c) else f"{c:+.1f}" for c in df["machine_pct"]],
+                         "beside the machine %": [None if pd.isna(c) else f"{c:+.1f}" for c in df["normalised_pct"]],
+                         "p": [None if pd.isna(p) else f"{p:.2g}" for p in df["p"]],
+                         "p (Holm)": [None if pd.isna(p) else f"{p:.2g}" for p in df["p_adjusted"]],
                          "verdict": df["verdict"]})
 
 
@@ -267,8 +355,23 @@ def for_people(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def command(args) -> int:
-    """Exit 1 when B is slower beyond noise or an oracle that passed in A fails in B, 0 otherwise; 2 on
-    bad input (a side that matches nothing)."""
+    """Exit 1 when B is slower beyond noise (or runs more instructions) or an oracle that passed in A
+    fails in B, 0 otherwise; 2 on bad input (a side that matches nothing); 6 when testbed itself broke
+    (INTERNAL_ERROR: a traceback, and never 1, which would read as a regression)."""
+    try:
+        return _compare(args)
+    except (UsageError, KeyboardInterrupt):
+        raise
+    except Exception:  # noqa: BLE001 -- a bug of testbed's, not a regression of the code compared
+        import traceback
+
+        traceback.print_exc()
+        print(f"testbed compare: internal error (a bug in testbed, not a regression); exit {INTERNAL_ERROR}",
+              file=sys.stderr)
+        return INTERNAL_ERROR
+
+
+def _compare(args) -> int:
     from testbed import config, report, runner
 
     default = runner.results_store(config.load([]))
@@ -280,9 +383,15 @@ def command(args) -> int:
         return 1
     legend = (f"A: {a.label} ({len({r['run_id'] for r in a.records})} runs); B: {b.label} "
               f"({len({r['run_id'] for r in b.records})} runs); beyond noise: two-sided Mann-Whitney U on the "
-              f"runs' medians, p < {ALPHA}, and at least {history.MIN_CHANGE:.0%}")
+              f"runs' medians (scipy), p < {ALPHA} after Holm's correction over the {int(df['p'].notna().sum())} "
+              f"quantities tested, and at least {history.MIN_CHANGE:.0%}; beside the machine where its probe ran "
+              f"in every run; instruction counts exact, more than {history.INSTRUCTION_RISE:.0%} more counts")
     if args.format == "md":
-        print(legend + "\n\n" + tables.markdown(for_people(df)))
+        counts = df["unit"] == history.INSTRUCTIONS
+        text = legend + "\n\n" + tables.markdown(for_people(df[~counts]))
+        if counts.any():  # never in a table of times
+            text += "\n\ninstruction counts (exact):\n\n" + tables.markdown(for_people(df[counts]))
+        print(text)
     else:  # data on stdout, nothing else
         print(legend, file=sys.stderr)
         print(tables.render(df, args.format))
@@ -290,7 +399,7 @@ def command(args) -> int:
     for _, r in flips.iterrows():
         print(f"PASS -> FAIL: {r['experiment']} on {r['device']} ({r['backend']}) {r['case']} {r['quantity']}: "
               f"{r['a_verdict']} in A, {r['b_verdict']} in B", file=sys.stderr)
-    return 1 if len(flips) or (df["verdict"] == "slower").any() else 0
+    return 1 if len(flips) or df["verdict"].isin(["slower", "more instructions"]).any() else 0
 
 
 def register(commands) -> None:

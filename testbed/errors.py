@@ -1,5 +1,9 @@
 """The errors testbed tells users about. Each maps to an exit status; messages are one line."""
 
+# testbed itself broke (a bug: an exception no error below names). A command that reads its exit status
+# as a verdict (`testbed compare`: 1 is a regression) returns this instead, with the traceback.
+INTERNAL_ERROR = 6
+
 
 class UsageError(Exception):
     """Bad input from the user: an unknown name, key or an out-of-range value. Exit status 2."""

@@ -1,4 +1,8 @@
-"""Timing: warm-up, then repetitions, each timed with a monotonic clock. Returns a Figure in seconds."""
+"""Timing: warm-up, then repetitions, each timed with a monotonic clock. Returns a Figure in seconds.
+
+A stop (SIGINT, SIGTERM, SIGHUP: testbed.stop) is looked at before every call, so a run in a worker
+thread (testbed nightly) stops after the call it is in, not after all its repetitions.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,16 @@ from typing import Callable, Hashable
 import numpy as np
 
 from testbed.results import Figure
+from testbed.stop import raise_if_stopped
 
 
 def time_call(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> Figure:
     for _ in range(warmup):
+        raise_if_stopped()
         fn()
     samples = []
     for _ in range(reps):
+        raise_if_stopped()
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
@@ -70,10 +77,12 @@ def time_interleaved(fns: dict[Hashable, Callable[[], object]], reps: int = 5, w
     order = interleaved_order(list(fns), reps, seed)
     for _ in range(warmup):
         for fn in fns.values():
+            raise_if_stopped()
             fn()
     samples: dict[Hashable, dict[str, list[float]]] = {key: {} for key in fns}
     for rep in order:
         for key in rep:
+            raise_if_stopped()
             for clock, seconds in timer(fns[key]).items():
                 samples[key].setdefault(clock, []).append(seconds)
     return Interleaved(samples, order, seed)

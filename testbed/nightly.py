@@ -16,7 +16,10 @@ With farm=HEAD:PORT the jobs run on a lab's Ray cluster instead, each on the hos
 device (testbed.farm); the store, the night log and the report stay here.
 
 Each night appends a "started" entry to RESULTS/nights/records.jsonl when it begins and its full
-entry (which runs, each device's status, tool versions, exit status) once the report is written, so
+entry (which runs, each device's status, tool versions, exit status, every flag of tonight's runs as
+testbed.history.flag_data gives it: quantity, levels before and after, commit range, the machine
+probe's reading, the A/B evidence; and every instruction count that changed tonight) once the report
+is written, so
 a killed night still shows in the log, and the logged exit status is the one the process returns;
 the report reads the log beside the records. Exit status: 0 every oracle passed and nothing
 regressed; 1 an oracle failed, a run broke, or a figure or oracle regressed; 2 a usage or
@@ -30,7 +33,6 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -40,7 +42,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from testbed import config, experiments, history, report, runner
+from testbed import config, experiments, history, report, runner, stop
 from testbed.config import RunConfig
 from testbed.devices import Device, connect, load_profile
 from testbed.devices.private import DeviceBusy, device_lock
@@ -186,19 +188,19 @@ def baseline_tree(nights: list[dict]):
     return None
 
 
-def execute_job(rc: RunConfig, handle: Device, suite: Suite, trees, log) -> runner.Outcome | None:
+def execute_job(rc: RunConfig, handle: Device, suite: Suite, trees, log) -> runner.Outcome:
     """One job: a plain run, or an A/B job of trees (A: the last good night's kernels, B: tonight's;
-    None: no baseline yet, skipped)."""
+    before the first good night, tonight's against themselves: no change, and the history starts)."""
     if not isinstance(rc, ABJob):
         return runner.execute(rc, device=handle)
-    if trees is None:
-        log("A/B skipped: no earlier night ended good with a kernels snapshot, so there is no baseline yet")
-        return None
     from testbed import ab
 
     opts = ab.Options(reps=suite.ab_reps)
     module = experiments.load(rc.experiment)
-    log(f"A/B against {trees[0].revision} (the last good night's kernels), {opts.reps} pairs per call")
+    if trees[0] is trees[1]:
+        log("A/B: no earlier good night to measure against yet; tonight's kernels against themselves")
+    else:
+        log(f"A/B against {trees[0].revision} (the last good night's kernels), {opts.reps} pairs per call")
     return runner.execute(rc, device=handle, produce=lambda cfg, ctx: ab.measure(cfg, ctx, module, rc.experiment,
                                                                                  trees, opts))
 
@@ -224,8 +226,6 @@ def work(device: str, jobs: list[RunConfig], suite: Suite, night: str, log: Log,
                 log(device, f"{i}/{len(jobs)} {job_label(rc)}{time_left(time.monotonic() - began, i - 1, len(jobs))}")
                 try:
                     outcome = execute_job(rc, handle, suite, trees, lambda msg: log(device, f"{i}/{len(jobs)} {msg}"))
-                    if outcome is None:
-                        continue
                 except DeviceUnreachable:
                     raise
                 except Exception as e:  # noqa: BLE001 -- the runner stored an error record; go on
@@ -251,11 +251,40 @@ def open_device(name: str) -> Device:
 
 def on_this_host(suite: Suite, night: str, log: Log,
                  open_device: Callable[[str], Device] = open_device, trees=None) -> list[DeviceNight]:
-    """Every device's jobs, one worker thread per device; the runner stores the records."""
-    with ThreadPoolExecutor(max_workers=len(suite.devices), thread_name_prefix="device") as pool:
-        futures = [pool.submit(work, d, suite.jobs[d], suite, night, log, open_device, trees)
-                   for d in suite.devices]
-        return [f.result() for f in futures]
+    """Every device's jobs, one worker thread per device; the runner stores the records. On a signal
+    the workers stop at their next check (testbed.stop: between repetitions, while a device command
+    runs, after each record) and store their run as broken; this thread waits for them at most
+    stop.GRACE_S, then goes on without those still inside one long call (daemon threads: the process
+    does not wait for them; their run reads back as never ended)."""
+    done: dict[str, DeviceNight] = {}
+    errors: list[BaseException] = []
+    # Not Thread.join: a signal's exception raised inside join marks the joined thread as stopped while
+    # it still runs (CPython bpo-45274), and the process would exit under it.
+    finished = {d: threading.Event() for d in suite.devices}
+
+    def worker(device: str) -> None:
+        try:
+            done[device] = work(device, suite.jobs[device], suite, night, log, open_device, trees)
+        except BaseException as e:  # noqa: BLE001 -- handed to the main thread
+            errors.append(e)
+        finally:
+            finished[device].set()
+
+    for d in suite.devices:
+        threading.Thread(target=worker, args=(d,), name=f"device-{d}", daemon=True).start()
+    try:
+        for event in finished.values():
+            while not event.wait(stop.POLL_S):
+                pass
+    except runner.Interrupted:
+        runner.STOP.set()
+        deadline = time.monotonic() + stop.GRACE_S
+        for event in finished.values():
+            event.wait(max(0.0, deadline - time.monotonic()))
+        raise
+    if errors:
+        raise errors[0]
+    return [done[d] for d in suite.devices]
 
 
 def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], Device] = open_device,
@@ -279,7 +308,7 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
         baseline = baseline_tree(earlier)
         if baseline is not None:
             entry["ab_baseline"] = baseline.revision
-            trees = (baseline, tonight)
+        trees = (baseline or tonight, tonight)
     store_nights(store).append([entry])  # what a killed night leaves in the log
     try:
         results = drive(suite, store, night, log) if drive else on_this_host(suite, night, log, open_device, trees)
@@ -291,13 +320,19 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
     tonight = {run for r in results for run in r.run_ids}
     records = store.records()
     settings = report.settings()
-    flags = [f for f in history.oracle_flips(records)
-             + history.figure_regressions(records, settings["judged_runs"], settings["min_history"])
-             if f.run_id in tonight]
+    flags = [f for f in history.flags(records, settings) if f.run_id in tonight]
+    changes = [c for c in history.count_changes(records, settings.get("instruction_rise", history.INSTRUCTION_RISE))
+               if c.run_id in tonight]  # every count that changed tonight, a regression or not
     status = exit_status(results, flags)
     finished = dt.datetime.now(dt.timezone.utc)
-    entry.update(finished=finished.isoformat(timespec="seconds"), exit_status=status,
-                 devices={r.device: {"status": r.status, "reason": r.reason, "runs": r.run_ids} for r in results})
+    entry.update(finished=finished.isoformat(timespec="seconds"), exit_status=status, cpu_seconds=cpu_seconds(),
+                 devices={r.device: {"status": r.status, "reason": r.reason, "runs": r.run_ids} for r in results},
+                 flags=[history.flag_data(f) for f in flags],
+                 count_changes=[{"experiment": c.series[0], "device": c.series[1], "config_key": c.series[2],
+                                 "case": c.series[3], "what": c.what, "before": c.before, "after": c.after,
+                                 "change": c.change, "verdict": c.verdict,
+                                 "last_clean_commit": c.old["git_commit"], "since_commit": c.new["git_commit"],
+                                 "line": c.line()} for c in changes])
     store_nights(store).append([entry])  # before the report, which shows it
     try:
         out, _ = report.write(store, suite.report_out)
@@ -306,7 +341,16 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
         status, report_line = 1, f"report: not written: {type(e).__name__}: {e}"
         store_nights(store).append([{**entry, "exit_status": status, "report": report_line}])  # the last word
     compared = compared_with(earlier, records, tonight, settings["min_history"])
-    return status, summary(suite, night, results, flags, compared, report_line, status, finished - started)
+    return status, summary(suite, night, results, flags, compared, report_line, status, finished - started, changes)
+
+
+def cpu_seconds() -> float:
+    """CPU seconds this process and the programs it ran (device programs, compilers, emulators) have
+    used so far: what a night cost the host, whatever else ran beside it."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def store_nights(store: ResultsStore) -> ResultsStore:
@@ -338,15 +382,16 @@ def compared_with(earlier: list[dict], records: list[dict], tonight: set[str], m
 
 
 def summary(suite: Suite, night: str, results: list[DeviceNight], flags: list[history.Flag], compared: str,
-            report_line: str, status: int, took: dt.timedelta) -> str:
-    lines = [f"nightly {suite.name}: night {night} ({took.total_seconds():.0f} s)"]
+            report_line: str, status: int, took: dt.timedelta, changes: list[history.CountChange] = ()) -> str:
+    lines = [f"nightly {suite.name}: night {night} ({took.total_seconds():.0f} s, {cpu_seconds():.0f} CPU-s)"]
     for r in results:
         what = (f"{len(r.run_ids)} runs, oracles {r.passed}/{r.oracles} pass, {r.measurements} measurements"
                 if r.status == "ok" else r.reason)
         lines.append(f"  {r.device:<14} {r.status:<12} {what}")
     failures = [f for r in results for f in r.failures]
     problems = [f"FAIL {f}" for f in failures] + [
-        f"REGRESSION {f.line()}" for f in flags]
+        f"REGRESSION {f.line()}" for f in flags] + [
+        f"CHANGED {c.line()}" for c in changes if not c.regression]  # counts: reported, not flagged
     lines += problems[:SCREEN]
     if len(problems) > SCREEN:
         lines.append(f"... and {len(problems) - SCREEN} more in the report")

@@ -173,3 +173,55 @@ def history_plots(out: Path, records: list[dict], nights: int) -> list[dict]:
         images.append({"file": _save(fig, out, name),
                        "caption": f"{experiment} on {impl.label}: throughput over recent runs"})
     return images
+
+
+# At most this many plots of judged quantities: flagged ones first, then those the machine explained.
+MAX_JUDGED_PLOTS = 12
+BAND = 2.0  # the baseline band: the level before, times exp(+-BAND run-to-run noise)
+
+
+def judged_plot(out: Path, judgement: "history.Judgement", flagged: bool) -> str:
+    """One judged quantity over the runs it was judged on: each run's median with its min-max bar, the
+    level before the latest step as a band (+-BAND x its run-to-run noise), the new level as a dashed
+    line, the flagged runs marked, each run labelled by its commit and night."""
+    import math
+
+    rows, v, name = judgement.rows, judgement.verdict, judgement.what
+    figs = [r["figures"][name] for r in rows]
+    xs = list(range(len(rows)))
+    fig, ax = _pyplot().subplots(figsize=(8, 4))
+    with_spread(ax, xs, [float(f["median"]) for f in figs], [float(f.get("min", f["median"])) for f in figs],
+                [float(f.get("max", f["median"])) for f in figs], label=literal(f"{name} (median, min-max)"))
+    if v.before is not None and v.previous is not None:
+        noise = math.log1p(v.noise or 0.0)
+        ax.fill_between([v.previous - 0.4, len(rows) - 0.6], v.before * math.exp(-BAND * noise),
+                        v.before * math.exp(BAND * noise), alpha=0.2, color="tab:green",
+                        label=f"baseline: level before +-{BAND:g} x noise ({v.noise or 0:.1%})")
+        if v.start is not None and v.after is not None:
+            ax.hlines(v.after, v.start - 0.4, len(rows) - 0.6, colors="tab:red", linestyles="dashed",
+                      label=f"new level ({v.change:+.1%})")
+            marked = xs[v.start:]
+            ax.plot(marked, [float(figs[i]["median"]) for i in marked], "v", color="tab:red", markersize=9,
+                    label="flagged" if flagged else literal(f"not flagged: {v.reason}"[:60]))
+    step = max(1, len(rows) // 12)
+    ax.set_xticks(xs[::step], [run_label(r) for r in rows[::step]], fontsize=7)
+    ax.set_xlabel("run (commit, night)")
+    ax.set_ylabel(literal(figs[-1].get("unit", "")))
+    experiment, device, config, case = judgement.series[:4]
+    ax.set_title(literal(f"{experiment} on {device}: {case} {name}"), fontsize=9)
+    legend_outside(ax)
+    return _save(fig, out, f"judged-{slug(experiment)}-{slug(device)}-{config}-{slug(case)}-{slug(name)}.png")
+
+
+def judged_plots(out: Path, judgements: list["history.Judgement"], flags: list["history.Flag"]) -> list[dict]:
+    """A plot per flagged quantity, then per step the machine or a revert explained."""
+    flagged = {(f.experiment, f.device, f.config_key, f.case, f.what) for f in flags if f.kind == "figure"}
+    chosen = [(j, True) for j in judgements if (*j.series[:4], j.what) in flagged]
+    chosen += [(j, False) for j in judgements if (*j.series[:4], j.what) not in flagged
+               and j.verdict.reason.startswith(("the machine's", "back:"))]
+    images = []
+    for j, is_flagged in chosen[:MAX_JUDGED_PLOTS]:
+        experiment, device, _, case = j.series[:4]
+        images.append({"file": judged_plot(out, j, is_flagged),
+                       "caption": f"{experiment} on {device}, {case} {j.what}: {j.verdict.reason}"})
+    return images

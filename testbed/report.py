@@ -330,8 +330,9 @@ def gdn_throughput(inp: Inputs) -> Section | None:
                  "min ms": r["figures"]["time"]["min"], "max ms": r["figures"]["time"]["max"],
                  "tokens/s": r["figures"]["tokens_per_s"]["median"],
                  "GFLOP/s": r["figures"]["gflops"]["median"],
-                 # the sgemm reference is measured only on the host (none on a device)
-                 "sgemm GFLOP/s": r["figures"].get("sgemm", {}).get("median"),
+                 # the sgemm reference is measured only on the host (none on a device); its samples
+                 # are the run's machine probe record, its median for this case a metric
+                 "sgemm GFLOP/s": r["metrics"].get("sgemm_gflops", r["figures"].get("sgemm", {}).get("median")),
                  "of sgemm": r["metrics"].get("sgemm_fraction"), "x serial": r["metrics"]["speedup_vs_serial"],
                  "reps": r["figures"]["time"]["reps"]}
                 for r in measures if implementations.of(r) == impl]
@@ -349,55 +350,130 @@ def other_measurements(inp: Inputs) -> Section | None:
     if not rest:
         return None
     rows = [[cell(r["experiment"]), cell(r["device"]), cell(implementations.of(r).backend),
-             cell(implementations.of(r).model), cell(r["case"]), cell(name),
+             cell(implementations.of(r).model), cell(r["case"]),
+             cell(name, text=f"{name} (machine probe)" if history.is_probe(r, name) else name),
              cell(_number(fig.get("median"), None)), cell(_number(fig.get("min"), None)),
              cell(_number(fig.get("max"), None)), cell(fig.get("reps")), cell(fig.get("unit")),
              cell(r["record_id"][:12], inp.cite(r))]
             for r in sorted(rest, key=lambda r: (r["experiment"], implementations.of(r), r["case"]))
-            for name, fig in sorted(r["figures"].items()) if isinstance(fig, dict)]
+            for name, fig in sorted(r["figures"].items()) if isinstance(fig, dict) and not history.is_count(fig)]
+    if not rows:
+        return None
     return Section("measurements", "Other measurements", [
-        "Current measurements of experiments and tools the sections above do not cover."],
+        "Current measurements of experiments and tools the sections above do not cover (instruction counts "
+        "have their own section). A machine probe measures the machine, never the code: it is not judged."],
         [Table("measure records", ["experiment", "device", "backend", "model", "case", "figure", "median", "min",
                                    "max", "reps", "unit", "record"], rows)])
 
 
+def instruction_counts(inp: Inputs) -> Section | None:
+    """Exact instruction counts per device x backend x model, one row per kernel and shape (the case),
+    the latest count beside the one before it and the time of the same record (never in a table of
+    times); then every change of a count in the window, with its commit range."""
+    latest = [row for row in history.count_series(inp.records) if row["record"]["run_id"] in
+              {r["run_id"] for r in inp.current}]
+    changes = history.count_changes(inp.records, inp.settings.get("instruction_rise", history.INSTRUCTION_RISE))
+    if not latest and not changes:
+        return None
+    rise = inp.settings.get("instruction_rise", history.INSTRUCTION_RISE)
+    section = Section("instructions", "Instruction counts", [
+        f"Exact counts (unit instructions: emulated devices, valgrind on the host): any change from one run to the "
+        f"next is listed with its commit range (the last commit with the old count .. the first with the new); a "
+        f"rise above {rise:.1%} (instruction_rise) is a regression of the run where it first appears, named once; "
+        "a fall is an improvement. Emulated devices' counts are judged (they are exact); their times never are."])
+    by_record = {r["record_id"]: r for r in inp.current}
+    for impl in sorted({implementations.of(row["record"]) for row in latest}):
+        rows = []
+        for row in sorted((x for x in latest if implementations.of(x["record"]) == impl),
+                          key=lambda x: (x["series"][0], x["series"][3], x["what"])):
+            record = row["record"]
+            full = by_record.get(record["record_id"], record)
+            timing = next((f for n, f in full["figures"].items() if history.kind_of(full, n) == "speed"
+                           and history.lower_is_better(f.get("unit", ""))), None)
+            change = (None if row["previous"] in (None, 0) else row["count"] / row["previous"] - 1)
+            rows.append([cell(record["experiment"]), cell(record["case"], inp.cite(record)), cell(row["what"]),
+                         cell(row["count"], text=f"{row['count']:,.0f}"),
+                         cell(row["previous"], text="" if row["previous"] is None else f"{row['previous']:,.0f}"),
+                         cell(None if change is None else 100 * change,
+                              text="" if change is None else f"{change:+.2%}",
+                              cls="fail" if change is not None and change > rise else None),
+                         cell(None if timing is None or record.get("emulated") else _number(timing.get("median"), None),
+                              text="emulated: not a speed" if record.get("emulated") else None),
+                         cell(None if timing is None or record.get("emulated") else timing.get("unit")),
+                         cell(row["runs"])])
+        section.tables.append(Table(f"{impl.label}: instructions per kernel and shape",
+                                    ["experiment", "case (kernel, shape)", "figure", "instructions", "run before",
+                                     "change", "time (median)", "time unit", "runs"], rows))
+    if changes:
+        section.tables.append(Table("every change of a count, oldest first", [
+            "experiment", "device", "case", "figure", "before", "after", "change", "verdict", "commits"],
+            [[cell(c.series[0]), cell(c.series[1]), cell(c.series[3], inp.cite(c.new)), cell(c.what),
+              cell(c.before, text=f"{c.before:,.0f}"), cell(c.after, text=f"{c.after:,.0f}"),
+              cell(100 * c.change, text=f"{c.change:+.2%}", cls="fail" if c.regression else None), cell(c.verdict),
+              cell(f"{str(c.old['git_commit'])[:10]}..{str(c.new['git_commit'])[:10]}")] for c in changes]))
+    return section
+
+
 def nights_over_time(inp: Inputs) -> Section | None:
-    images = plots.history_plots(inp.out, inp.records, inp.settings["history_nights"])
+    judged = plots.judged_plots(inp.out, history.judge_figures(inp.records, inp.settings["judged_runs"],
+                                                               inp.settings["min_history"]), inp.flags)
+    images = judged + plots.history_plots(inp.out, inp.records, inp.settings["history_nights"])
     if not images:
         return None
-    return Section("history", "Throughput over recent nights", [
-        "One plot per experiment, device, backend and model; one point per run, placed by its commit and night."],
-        images=images)
+    lines = ["One plot per experiment, device, backend and model; one point per run, placed by its commit and night."]
+    if judged:
+        lines.insert(0, "First, each flagged timing as it was judged (and each step the machine or a revert "
+                        "explained): the runs' medians with their min-max bars, the level before as a band "
+                        f"(+-{plots.BAND:g} x its run-to-run noise), the new level dashed, the flagged runs "
+                        "marked, each run labelled by its commit and night.")
+    return Section("history", "Throughput over recent nights", lines, images=images)
 
 
 def regressions(inp: Inputs) -> Section:
     flags = inp.flags
+    rise = inp.settings.get("instruction_rise", history.INSTRUCTION_RISE)
+    alpha = inp.settings.get("ab_alpha", history.AB_ALPHA)
     section = Section("regressions", "Regressions", [
-        f"A measured quantity is flagged once (a timing, with the rates computed from it named beside it) "
-        f"when the per-run medians of the same experiment, device and config (the last "
-        f"{inp.settings['judged_runs']} runs) step to a worse level, seen in at least {history.MIN_LATEST} runs "
-        f"after at least {inp.settings['min_history']}, by more than the run-to-run noise allows and by at least "
-        f"{history.MIN_CHANGE:.0%} "
-        f"(testbed.history); an oracle when it passed before and fails now."])
+        f"A timing is flagged once (the rates computed from it named beside it) when the per-run medians of the "
+        f"same experiment, device and config (the last {inp.settings['judged_runs']} runs) step to a worse level, "
+        f"seen in at least {history.MIN_LATEST} runs after at least {inp.settings['min_history']}, by more than the "
+        f"run-to-run noise allows and by at least {history.MIN_CHANGE:.0%}, its latest run still nearer the new "
+        "level, and the new level begins with a commit never measured at the old one (a step over runs of one "
+        "commit is the machine's); where the machine probe ran, the flag says how much the machine slowed, and a "
+        f"step the machine explains (less than {history.MIN_CHANGE:.0%} beside it) is not flagged (testbed.history).",
+        f"An instruction count (exact) is flagged on the run where it first rises by more than {rise:.1%}; an A/B "
+        f"ratio on the night its paired test says B is slower (p < {alpha:g} after Holm's correction over the "
+        f"night's A/B figures, and at least {history.MIN_CHANGE:.0%}); an oracle when it passed before and fails "
+        "now. A machine probe is never flagged."])
     judged = history.judge_figures(inp.records, inp.settings["judged_runs"], inp.settings["min_history"])
     unjudged = [j for j in judged if j.verdict.reason.startswith("not judged")]
     if unjudged:
         section.lines.append(f"Not judged yet: {len(unjudged)} of {len(judged)} current measured quantities, whose "
                              f"history is too short (e.g. {unjudged[0].what} of {unjudged[0].series[0]} "
                              f"{unjudged[0].series[3]} on {unjudged[0].series[1]}: {unjudged[0].verdict.reason}).")
+    explained = [j for j in judged if j.verdict.reason.startswith(("the machine's", "back:"))]
+    for j in explained:
+        section.lines.append(f"Not flagged: {j.what} of {j.series[0]} {j.series[3]} on {j.series[1]}: "
+                             f"{j.verdict.reason}.")
     if not flags:
         section.lines.append("None: no current figure has stepped to a worse level beyond the run-to-run noise "
-                             "of its history, and no oracle that passed before fails now.")
+                             "of its history, no instruction count rose, no A/B pair says B is slower, and no "
+                             "oracle that passed before fails now.")
         return section
     rows = []
     for f in flags:
         record = next(r for r in inp.records if r["record_id"] == f.record_id)
         what = f"{f.what} (and {', '.join(f.derived)})" if f.derived else f.what
+        evidence = (f"{f.ab.get('pairs')} pairs, {f.ab.get('test')}: p {f.ab.get('p'):.2g}, Holm "
+                    f"{f.ab.get('p_corrected'):.2g}; A {str(f.ab.get('a_commit'))[:10]}, B "
+                    f"{str(f.ab.get('b_commit'))[:10]}; its own verdict: {f.ab.get('verdict')}") if f.ab else ""
         rows.append([cell(f.kind), cell(f.experiment), cell(f.device), cell(f.config_key),
                      cell(f.case, inp.cite(record)), cell(what), cell(f.now), cell(f.before), cell(f.spread),
-                     cell(f.change, cls="fail"), cell(f"{f.since} ({f.since_commit[:10]})")])
+                     cell(f.change, cls="fail"), cell(f.since), cell(f.commit_range()), cell(f.machine),
+                     cell(f.ab, text=evidence)])
     section.tables.append(Table("flags", ["kind", "experiment", "device", "config", "case", "what", "now",
-                                          "before (median)", "before (noise)", "change", "since"], rows))
+                                          "before (level)", "before (noise)", "change", "since",
+                                          "commits (last old .. first new)", "machine", "A/B evidence"], rows))
     return section
 
 
@@ -457,7 +533,8 @@ def cited_records(inp: Inputs) -> Section | None:
 
 # The page, in order. Each function returns None when it has nothing to show.
 SECTIONS: list[Callable[[Inputs], Section | None]] = [
-    oracle_matrix, regressions, tail_sweep, chunk_choice, gdn_throughput, other_measurements, nights_over_time, nights,
+    oracle_matrix, regressions, tail_sweep, chunk_choice, gdn_throughput, instruction_counts, other_measurements,
+    nights_over_time, nights,
     provenance, cited_records,
 ]
 
@@ -488,13 +565,17 @@ def device_verdict(inp: Inputs, device: str) -> dict:
                           f"{first['case']} ({implementations.of(first).backend}): {said}"}
     concerns = []
     flags = [f for f in inp.flags if f.device == device]
-    if flags:
-        concerns.append(f"{len(flags)} regression flag{'s' * (len(flags) != 1)} ({flags[0].line()})")
+    if flags:  # every flag by name: the first alone hides the rest
+        concerns.append(f"{len(flags)} regression flag{'s' * (len(flags) != 1)}: "
+                        + "; ".join(f"({i}) {f.line()}" for i, f in enumerate(flags, 1)))
     noisy = {r["run_id"]: r for r in records if r["kind"] == "measure" and (r.get("host_load") or {}).get("noisy")}
     if noisy:
         worst = max(noisy.values(), key=_busiest_load)
-        concerns.append(f"figures of {len(noisy)} run{'s' * (len(noisy) != 1)} measured on a loaded machine "
-                        f"(load {_busiest_load(worst):.1f} on {worst['host_load'].get('cores', '?')} cores): noisy")
+        figures = sum(len(r.get("figures") or {}) for r in records if r["run_id"] in noisy and r["kind"] == "measure")
+        concerns.append(f"{figures} figure{'s' * (figures != 1)} of {len(noisy)} run{'s' * (len(noisy) != 1)} "
+                        f"measured on a loaded machine (load {_busiest_load(worst):.1f} on "
+                        f"{worst['host_load'].get('cores', '?')} cores): noisy, and judged like the others (none "
+                        "left out); where the machine probe ran, a flag says how much the machine slowed")
     if records:
         newest = max(dt.datetime.fromisoformat(r["started"]) for r in records)
         age = inp.now - newest
@@ -563,8 +644,7 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
     """Write the report folder `out` from `records`; return its JSON content."""
     window, emulated = emulation.split(select(records, since))
     current_runs = history.latest_runs(window)
-    flags = (history.oracle_flips(window)
-             + history.figure_regressions(window, settings["judged_runs"], settings["min_history"]))
+    flags = history.flags(window, settings)
     out = Path(out)
     check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -586,7 +666,7 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
             "records": len(window),
             "current_runs": sorted(current_runs),
             "summary": summary(inp, flags),
-            "flags": [asdict(f) for f in flags],
+            "flags": [history.flag_data(f) for f in flags],
             "breakevens": inp.breakevens,
             "sections": [section_data(s) for s in sections],
         }

@@ -59,6 +59,16 @@ class Figure:
     reps: int
     unit: str
     samples: list[float] | None = None
+    # "machine_probe" for a figure that measures the machine, not the code (testbed.history); stored
+    # only when set
+    role: str | None = None
+    # a paired A/B ratio's evidence (testbed.history's docstring names its fields); stored only when set
+    ab: dict[str, Any] | None = None
+
+    def as_probe(self) -> "Figure":
+        """The same figure marked as a machine probe."""
+        return Figure(self.median, self.min, self.max, self.reps, self.unit, self.samples, role="machine_probe",
+                      ab=self.ab)
 
     @classmethod
     def of(cls, samples: Iterable[float], unit: str) -> "Figure":
@@ -69,12 +79,13 @@ class Figure:
         """The same figure in another unit (factor > 0; a rate inverts min and max)."""
         lo, hi = sorted((self.min * factor, self.max * factor))
         samples = None if self.samples is None else [x * factor for x in self.samples]
-        return Figure(self.median * factor, lo, hi, self.reps, unit, samples)
+        return Figure(self.median * factor, lo, hi, self.reps, unit, samples, self.role)
 
     def rate(self, amount: float, unit: str) -> "Figure":
         """amount / time, for a figure of seconds: tokens/s, FLOP/s. min/max swap."""
         samples = None if self.samples is None else [amount / x for x in self.samples]
-        return Figure(amount / self.median, amount / self.max, amount / self.min, self.reps, unit, samples)
+        return Figure(amount / self.median, amount / self.max, amount / self.min, self.reps, unit, samples,
+                      self.role)
 
 
 @dataclass
@@ -121,7 +132,8 @@ def git_commit() -> str:
 
 def _jsonable(x):
     if isinstance(x, Figure):
-        return asdict(x)
+        # role and ab are stored only when set: every other figure is stored as before
+        return {k: v for k, v in asdict(x).items() if k not in ("role", "ab") or v is not None}
     if isinstance(x, dict):
         return {str(k): _jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

@@ -30,22 +30,14 @@ from testbed.config import RunConfig, check_params, project_path
 from testbed.devices import Device, connect, load_profile
 from testbed.errors import DeviceError
 from testbed.results import Record, ResultsStore, RunInfo
+from testbed.stop import STOP, STOP_SIGNAL, Interrupted, raise_if_stopped  # noqa: F401 -- used as runner.X
 
 
-class Interrupted(BaseException):
-    """A signal asked testbed to stop (SIGINT, SIGTERM, SIGHUP). A BaseException, as KeyboardInterrupt:
-    no `except Exception` on the way may swallow it."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
-
-
-# Set when a signal arrives. The main thread is interrupted by the handler itself, except while it
-# stores (`storing`: a record half-handled would be stored yet uncounted); runs in worker threads
-# (testbed nightly) and a deferred main thread see STOP after each record and stop the same way.
-STOP = threading.Event()
-STOP_SIGNAL: list[int] = []
+# Interrupted, STOP and raise_if_stopped live in testbed.stop (the transports check them too).
+# The main thread is interrupted by the handler itself, except while it stores (`storing`: a record
+# half-handled would be stored yet uncounted); runs in worker threads (testbed nightly) and a deferred
+# main thread see STOP after each record, between repetitions and while waiting for a device's command,
+# and stop the same way.
 _storing = threading.local()
 
 
@@ -70,11 +62,6 @@ def storing():
         yield
     finally:
         _storing.now = False
-
-
-def raise_if_stopped() -> None:
-    if STOP.is_set():
-        raise Interrupted(STOP_SIGNAL[0] if STOP_SIGNAL else signal.SIGTERM)
 
 
 def results_store(rc: RunConfig) -> ResultsStore:

@@ -14,7 +14,7 @@ The programs are ELF for the right machine (Hexagon: e_machine 164, "QUALCOMM DS
 toolchain built them (build.json). Timings under emulation are never used."""
 
 import json
-import shutil
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -169,3 +169,71 @@ def test_engine_is_bitexact_with_the_host_build(programs, mode):
         assert v.passed, f"{name} {mode}: {v.detail}"
         if mode == "tail":
             assert timings["telemetry"] == want_timings["telemetry"]
+
+
+# --- the one libm dependency: the engine's RoPE tables ------------------------------------------------
+
+ROPE_SOURCE = kernel_build.ROOT / "tests" / "data" / "rope_tables.c"
+ROPE_ROWS = 4096  # positions 0..4095 (the seed cases reach 851)
+
+
+def build_rope_tables(name, source=ROPE_SOURCE):
+    """tests/data/rope_tables.c (which includes kernels/model.c) and the kernels, built like the
+    programs: the host's cc against glibc, zig against musl for the others."""
+    import subprocess
+
+    target, toolchain = BUILDS.get(name, (name, None))
+    sources = [source] + [kernel_build.KERNELS_DIR / f for f in
+                          ("gdn.c", "attention.c", "sliding_cache.c", "tb_parallel.c", "model_cache.c",
+                           "model_prefill.c")]
+    flags = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-math-errno", "-DTB_FUSED=0", '-DTB_SOURCE_HASH="rope"',
+             f"-I{kernel_build.KERNELS_DIR}", "-static", "-pthread"]
+    cc = ["cc"]
+    if toolchain == "zig":
+        cc = [str(kernel_build.zig_binary()), "cc", *kernel_build.toolchain_identity(target, "zig")["target"].split()]
+    out = kernel_build.ROOT / ".cache" / "test-programs" / f"rope_tables-{name}-{Path(source).parent.name}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run([*cc, *flags, "-o", str(out), *map(str, sources), "-lm"], capture_output=True, text=True,
+                       env=kernel_build.zig_env())
+    assert p.returncode == 0, p.stderr[-500:]
+    return out, target
+
+
+def rope_lines(name, source=ROPE_SOURCE):
+    import subprocess
+
+    program, target = build_rope_tables(name, source)
+    p = subprocess.run([*native_programs.EMULATORS[target], str(program), str(ROPE_ROWS)], capture_output=True,
+                       text=True, timeout=1800)
+    assert p.returncode == 0, p.stderr[-300:]
+    return p.stdout.splitlines()
+
+
+@pytest.fixture(scope="module")
+def host_rope():
+    return rope_lines("host")
+
+
+def test_rope_tables_from_musl_are_glibcs_bits(programs, host_rope):
+    """model.c's rope_tables takes double pow, cos and sin from libm and rounds them to float32: glibc
+    (the host) and musl (zig's builds) must give the same float32 tables on every target, for every
+    position up to 4096, head sizes 16 to 256, bases 1e4 and 1e6, linear scaling 1 and 8."""
+    assert len(host_rope) == 32
+    for name in BUILDS:
+        need(programs, name)
+        got = rope_lines(name)
+        differ = [f"{a} != {b.split()[-1]}" for a, b in zip(host_rope, got) if a != b]
+        assert len(got) == 32 and not differ, f"{name}: RoPE tables differ from glibc's: {differ[:3]}"
+
+
+def test_a_libm_difference_in_the_rope_tables_is_caught(host_rope, tmp_path):
+    """The planted difference: a libm whose cos rounds to the next float32 for one angle (1000 rad, one
+    element of the tables with scaling 1), as a last-place difference in double does when it crosses a
+    float32 rounding boundary: the check sees exactly those tables change."""
+    planted = tmp_path / "rope_tables.c"
+    planted.write_text(ROPE_SOURCE.read_text().replace(
+        '#include "model.c"', '#include <math.h>\n'
+        '#define cos(x) ((x) == 1000.0 ? (double)nextafterf((float)cos(x), 2.0f) : cos(x))\n#include "model.c"'))
+    got = rope_lines("host", planted)
+    changed = {" ".join(a.split()[:4]) for a, b in zip(host_rope, got) if a != b}
+    assert changed == {f"{hd} 10000 1 cos" for hd in (16, 64, 128, 256)} | {f"{hd} 1e+06 1 cos" for hd in (16, 64, 128, 256)}

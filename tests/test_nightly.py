@@ -166,3 +166,79 @@ def test_usage_errors_exit_2_and_write_nothing(args, says, results_dir, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
     assert not results_dir.exists()
+
+
+# --- the night log: every flag with its quantity, levels, commit range and evidence -------------------------
+
+
+def planted_nights(store: ResultsStore, plan: list[dict]):
+    """A `drive` for run_night that stores, each night, one planted run per entry of `plan` (night i uses
+    plan[i]: its commit, instruction counts, kernel time and A/B ratio) instead of running a suite."""
+    import numpy as np
+
+    from testbed.results import Figure, Record, RunInfo
+
+    nights = iter(enumerate(plan))
+    rng = np.random.default_rng(77)
+
+    def drive(suite, store_, night, log):
+        i, p = next(nights)
+        info = RunInfo("native_bench", "host", "native", {"threads": 1}, {}, git_commit=p["commit"],
+                       started=f"2026-09-{i + 1:02d}T02:00:00+00:00")
+        ms = p["ms"] * rng.lognormal(0.0, 0.01, 9)  # a quiet kernel
+        records = [info.stamp(Record("native_bench", "attention/keys=512", "measure", figures={
+                       "time": Figure.of(ms, "ms"),
+                       "instructions": Figure(p["count"], p["count"], p["count"], 1, "instructions")})),
+                   info.stamp(Record("native_bench", "cache/append", "measure", figures={
+                       "instructions": Figure(p["small"], p["small"], p["small"], 1, "instructions")}))]
+        if "ab" in p:
+            ratio, pvalue = p["ab"]
+            records.append(info.stamp(Record("native_bench", "ab/attention keys=512", "measure", figures={
+                "ab_ratio_cpu": Figure(ratio, ratio * 0.98, ratio * 1.03, 16, "ratio",
+                                       ab={"a_commit": plan[i - 1]["commit"], "b_commit": p["commit"], "p": pvalue,
+                                           "pairs": 16, "test": "wilcoxon", "verdict": "slower"})})))
+        store_.append([info.mark("started"), *records, info.mark("ended", "complete")])
+        return [nightly.DeviceNight("host", run_ids=[info.run_id], measurements=len(records))]
+
+    return drive
+
+
+def test_the_night_log_names_every_flag_on_its_night_and_clears_after_a_revert(tmp_path, results_dir):
+    commits = [f"{i:02d}" * 20 for i in range(12)]
+    plan = [{"commit": commits[i], "ms": 10.0, "count": 1_000_000, "small": 50_000} for i in range(12)]
+    for i in (6, 7, 8):
+        plan[i]["count"] = 1_015_000  # +1.5% instructions on night 6, reverted on night 9
+    for i in (8, 9):
+        plan[i]["ms"] = 13.0  # a 30% slower kernel on nights 8 and 9 (flagged on 9), reverted on night 10
+    for i in range(7, 12):
+        plan[i]["small"] = 50_250  # +0.5% on night 7: reported, never flagged
+    plan[11]["ab"] = (1.12, 0.001)  # the A/B job of night 11: B 12% slower, p 0.001
+    suite = nightly.Suite("planted", ["host"], {"host": []}, tmp_path / "locks", 0, tmp_path / "report")
+    store = ResultsStore(results_dir)
+    drive = planted_nights(store, plan)
+    statuses = [nightly.run_night(suite, store, log=Lines(), drive=drive)[0] for _ in plan]
+    nights = report_module.night_log(results_dir)
+    flags = [[(f["kind"], f["what"]) for f in n["flags"]] for n in nights]
+    assert flags == [[]] * 6 + [[("instructions", "instructions")], [], [], [("figure", "time")], [],
+                                [("ab", "ab_ratio_cpu")]]
+    assert statuses == [0] * 6 + [1, 0, 0, 1, 0, 1]
+    (count_flag,) = nights[6]["flags"]
+    assert (count_flag["before_level"], count_flag["after_level"]) == (1_000_000, 1_015_000)
+    assert count_flag["commit_range"] == f"{commits[5][:8]}..{commits[6][:8]}"
+    assert count_flag["case"] == "attention/keys=512" and count_flag["change"] == "+1.50%"
+    (time_flag,) = nights[9]["flags"]  # "since" is the first commit at the new level, never a clean one
+    assert (time_flag["last_clean_commit"], time_flag["since_commit"]) == (commits[7], commits[8])
+    assert time_flag["before_level"] == pytest.approx(10.0, rel=0.02) and time_flag["after_level"] == pytest.approx(
+        13.0, rel=0.02)
+    (ab_flag,) = nights[11]["flags"]
+    assert ab_flag["ab"]["p"] == 0.001 and ab_flag["ab"]["pairs"] == 16 and ab_flag["ab"]["b_commit"] == commits[11]
+    assert ab_flag["commit_range"] == f"{commits[10][:8]}..{commits[11][:8]}"
+    # counts: every change logged on its night, the +0.5% and the revert too, as what they are
+    changes = {i: [(c["case"], c["verdict"]) for c in n["count_changes"]] for i, n in enumerate(nights)
+               if n["count_changes"]}
+    assert changes == {6: [("attention/keys=512", "regression")],
+                       7: [("cache/append", "changed (within the rise that counts)")],
+                       9: [("attention/keys=512", "improvement")]}
+    # the report's banner names every flag of the last night
+    page = (tmp_path / "report" / "report.md").read_text()
+    assert "1 regression flag: (1) native_bench on host ab/attention keys=512 ab_ratio_cpu +12.0%" in page

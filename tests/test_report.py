@@ -57,13 +57,15 @@ def tail_records(tmp_path_factory) -> list[dict]:
 
 
 def later_night(records: list[dict], days: int, change=lambda r: r) -> list[dict]:
-    """The same run's records as a run `days` later, each passed through `change`."""
+    """The same run's records as a run `days` later, each passed through `change`, of a commit of its own
+    (as a nightly's HEAD moves: a step over runs of one commit is the machine's, testbed.history)."""
     run_id = uuid.uuid4().hex[:12]
     out = []
     for r in records:
         r = change(copy.deepcopy(r))
         when = dt.datetime.fromisoformat(r["started"]) + dt.timedelta(days=days)
-        r.update(run_id=run_id, record_id=uuid.uuid4().hex, started=when.isoformat(timespec="seconds"))
+        r.update(run_id=run_id, record_id=uuid.uuid4().hex, started=when.isoformat(timespec="seconds"),
+                 git_commit=(run_id * 4)[:40])
         out.append(r)
     return out
 
@@ -166,7 +168,7 @@ def test_report_tables_from_host_runs_and_seed(tmp_path, host_records, tail_reco
 
     # GDN throughput: one row per bench record, with the sgemm fraction the run measured
     (gdn,) = sections["gdn"]["tables"]  # one run: one device, backend and model
-    measures = [r for r in host_records if r["kind"] == "measure"]
+    measures = [r for r in host_records if r["kind"] == "measure" and "form" in r["params"]]  # not the probe
     assert gdn["caption"] == "host / refimpl / 4 heads x 64" and len(gdn["rows"]) == len(measures)
     fractions = sorted(column(gdn, "of sgemm"))
     assert fractions == sorted(r["metrics"]["sgemm_fraction"] for r in measures)

@@ -82,7 +82,12 @@ def test_reports_and_nights_take_ingested_perf_records(results_dir, seed_fixture
     assert main(["report", "--out", str(tmp_path / "rep")]) == 0
     content = json.loads((tmp_path / "rep" / "report.json").read_text())
     other = next(s for s in content["sections"] if s["id"] == "measurements")
-    assert len(other["tables"][0]["rows"]) == 12 * 2  # time and bandwidth of each perf row
+    rows = other["tables"][0]["rows"]
+    # time and bandwidth of each perf row, and the gdn run's machine probe (its sgemm), named as such
+    assert len(rows) == 12 * 2 + 1
+    (probe,) = [r for r in rows if r["case"].startswith("machine_probe/")]
+    assert probe["figure"] == "sgemm" and probe["unit"] == "GFLOP/s"
+    assert "sgemm (machine probe)" in (tmp_path / "rep" / "report.md").read_text()
     assert any(s["id"] == "gdn" for s in content["sections"])
 
 

@@ -3,7 +3,9 @@ it measured is kept, one error record says which signal, nothing counts as passe
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,3 +53,65 @@ def test_a_signal_mid_run_leaves_an_error_record_and_no_pass(sig, tmp_path):
     (error,) = [r for r in stored if r["verdict"] == "error"]
     assert error["detail"] == f"interrupted by {sig.name}" and error["metrics"]["records_before_error"] >= 5
     assert len(stored) > 5 and all(r["incomplete"] for r in stored) and not any(passed(r) for r in stored)
+
+
+# --- a nightly stops mid-measurement: the workers look at the stop between repetitions and while a
+# device's command runs (testbed.stop) ----------------------------------------------------------------------
+
+# Generous: the design target is 2 s (testbed.stop.GRACE_S and POLL_S), but a loaded machine must not
+# fail the test; the latency measured is printed (pytest -s) and is what to read.
+STOP_BOUND_S = 10.0
+LONG_BENCH = ["mode=bench", "bench.tokens=[2048]", "bench.reps=50", "bench.heads=16", "bench.head_size=128"]
+
+
+def run_started(path) -> bool:
+    try:
+        return b'"run_mark": "started"' in path.read_bytes()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("backend", ["refimpl", "native"])
+def test_sigint_stops_a_nightly_mid_measurement(backend, tmp_path):
+    """A nightly's worker thread is inside a 50-repetition bench (refimpl: numpy calls; native: the
+    device program, a subprocess) when SIGINT arrives."""
+    if backend == "native" and shutil.which("cc") is None:
+        pytest.skip("no C compiler to build the native programs")
+    lab = tmp_path / "lab"
+    (lab / "suite").mkdir(parents=True)
+    (lab / "suite" / "long.yaml").write_text(
+        "devices: [host]\nruns:\n  gdn:\n    experiment: gdn\n"
+        f"    overrides: [backend={backend}, {', '.join(repr(o) for o in LONG_BENCH)}]\n"
+        f"lock_dir: {tmp_path / 'locks'}\nlock_wait_s: 0\nreport_out: ''\n")
+    results = tmp_path / "results"
+    proc = subprocess.Popen([sys.executable, "-m", "testbed", "nightly", "suite=long"], cwd=PROJECT_ROOT,
+                            env={**os.environ, "TESTBED_RESULTS": str(results), "TESTBED_LAB": str(lab)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300  # the native programs may be built first
+    while not run_started(results / "records.jsonl"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the run did not start: {proc.communicate()}")
+        time.sleep(0.05)
+    time.sleep(3.0)  # inside the bench's repetitions (its records come only after all 50)
+    assert proc.poll() is None, "the bench ended before the signal: make it longer"
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the nightly did not stop within 120 s of SIGINT")
+    latency = time.monotonic() - sent
+    assert proc.returncode == 130, err
+    assert latency < STOP_BOUND_S
+    stored = ResultsStore(results).records()
+    (error,) = [r for r in stored if r["verdict"] == "error"]
+    print(f"nightly ({backend}) stopped {latency:.2f} s after SIGINT (load {os.getloadavg()[0]:.1f}); the run's "
+          f"error record: {error['detail']}")
+    assert error["detail"] in ("interrupted by SIGINT", "the run never ended (killed, or still running); "
+                               "0 records of it are kept, marked incomplete")
+    assert not any(passed(r) for r in stored)
+    nights = [json.loads(line) for line in (results / "nights" / "records.jsonl").read_text().splitlines()
+              if '"night"' in line]
+    assert nights[-1]["exit_status"] == 130

@@ -209,7 +209,7 @@ void bench_and_record(const char *program, const char *kernel, bench_fn fn, void
     FILE *f = fopen(path, "w");
     if (!f) die("cannot write %s", path);
     fprintf(f, "{\"program\": \"%s\", \"kernel\": \"%s\", \"vector_path\": \"%s\", \"source_hash\": \"%s\", "
-               "\"warmup\": %ld, \"reps\": %ld, \"cold_mb\": %ld, %s%s\"seconds\": [",
+               "\"warmup\": %ld, \"reps\": %ld, \"cold_mb\": %ld, \"marks\": [\"call\"], %s%s\"seconds\": [",
             program, kernel, tb_vector_path(), tb_source_hash(), warmup, reps, cold_mb, extra_json ? extra_json : "",
             extra_json && *extra_json ? ", " : "");
     for (long i = 0; i < reps; i++) fprintf(f, "%s%.9g", i ? ", " : "", seconds[i]);

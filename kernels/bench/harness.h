@@ -43,7 +43,8 @@ double cpu_seconds(void);
  * (testbed/counts/qemu_insn_plugin.c) and valgrind's callgrind (--zero-before / --dump-before) count
  * the guest instructions executed between tb_count_begin() and tb_count_end(), so a count is the
  * kernel's, apart from the harness around it. They do nothing else; each call costs a few instructions,
- * counted too, the same in every build. */
+ * counted too, the same in every build. A program that marks says so in timings.json: "marks", the
+ * names of the regions one timed repetition marks, in order (bench_and_record: ["call"]). */
 void tb_count_begin(void);
 void tb_count_end(void);
 

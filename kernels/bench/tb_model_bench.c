@@ -203,23 +203,30 @@ typedef struct {
     double wall, cpu;
 } stamp;
 
-static stamp stamp_now(void) { return (stamp){now_seconds(), cpu_seconds()}; }
+/* `marked`: a timed repetition's interval, which the instruction counters count as a region (warm-up
+ * intervals are not marked); timings.json names the marked regions of one repetition ("marks"). */
+static stamp stamp_now(int marked) {
+    stamp t = {now_seconds(), cpu_seconds()};
+    if (marked) tb_count_begin();
+    return t;
+}
 
-static void since(stamp t0, double *wall, double *cpu) {
+static void since(stamp t0, int marked, double *wall, double *cpu) {
+    if (marked) tb_count_end();
     *wall = now_seconds() - t0.wall, *cpu = cpu_seconds() - t0.cpu;
 }
 
 /* s[0], s[1]: the sgemm's wall and CPU seconds; s[2], s[3]: the streaming read's. */
-static void reference_time(reference_work *r, double *s) {
-    stamp t0 = stamp_now();
+static void reference_time(reference_work *r, double *s, int marked) {
+    stamp t0 = stamp_now(marked);
     gemm_nn(r->m, r->n, r->k, r->a, r->k, r->b, r->n, r->c, r->n, 0, 0);
-    since(t0, &s[0], &s[1]);
-    t0 = stamp_now();
+    since(t0, marked, &s[0], &s[1]);
+    t0 = stamp_now(marked);
     /* four independent sums, so the adds never limit the read */
     vf acc[4] = {vf_zero(), vf_zero(), vf_zero(), vf_zero()};
     for (size_t i = 0; i + 4 * VF_LANES <= r->stream_floats; i += 4 * VF_LANES)
         for (int a = 0; a < 4; a++) acc[a] = vf_add(acc[a], vf_load(r->stream + i + a * VF_LANES));
-    since(t0, &s[2], &s[3]);
+    since(t0, marked, &s[2], &s[3]);
     for (int a = 0; a < 4; a++) r->c[0] += vf_hsum(acc[a]); /* keeps the read */
 }
 
@@ -288,20 +295,21 @@ static void run_chunk(const tb_model *m, const int32_t *tokens, size_t n_tokens,
     for (long r = -warmup; r < reps; r++) {
         double *s = r >= 0 ? t + 10 * r : scratch_times, mm_wall, mm_cpu, wall, cpu;
         tb_engine_matmul_seconds(e, &mm_wall, &mm_cpu);
-        stamp t0 = stamp_now();
+        stamp t0 = stamp_now(r >= 0);
         check(tb_model_prefill_with_past(e, tokens + past, first, chunk, past, chunk, first - 1, scratch), "chunk call");
-        since(t0, &s[0], &s[1]);
+        since(t0, r >= 0, &s[0], &s[1]);
         tb_engine_matmul_seconds(e, &wall, &cpu);
         s[2] = wall - mm_wall, s[3] = cpu - mm_cpu;
         check(tb_engine_drop(e, chunk), "rewind");
-        t0 = stamp_now();
+        t0 = stamp_now(r >= 0);
         check(tb_model_decode_with_past(e, tokens[past], past, scratch), "decode step");
-        since(t0, &s[4], &s[5]);
+        since(t0, r >= 0, &s[4], &s[5]);
         check(tb_engine_drop(e, 1), "rewind");
-        if (reference) reference_time(&ref, s + 6);
+        if (reference) reference_time(&ref, s + 6, r >= 0);
     }
     FILE *f = open_timings("chunk", warmup, reps, threads);
     fprintf(f, ", \"past\": %d, \"tokens\": %d, \"chunk\": %d, \"calls\": %d, \"rows\": %d", past, n, chunk, calls, rows);
+    fprintf(f, ", \"marks\": [\"chunk\", \"decode\"%s]", reference ? ", \"sgemm\", \"stream\"" : "");
     const char *names[10] = {"seconds", "cpu_seconds", "matmul_seconds", "matmul_cpu_seconds", "decode_seconds",
                              "decode_cpu_seconds", "sgemm_seconds", "sgemm_cpu_seconds", "stream_seconds",
                              "stream_cpu_seconds"};
@@ -414,12 +422,12 @@ static void run_tail(const tb_model *m, const int32_t *tokens, size_t n_tokens, 
     for (long r = -warmup; r < reps; r++) {
         tb_engine_clear(e);
         tb_telemetry ignored;
-        stamp t0 = stamp_now();
+        stamp t0 = stamp_now(r >= 0);
         check(tb_model_prefill(e, tokens, n, chunk, &policy, logits, &ignored), "prefill");
         volatile int first = argmax(logits, c->vocab);
         (void)first;
         double w, u;
-        since(t0, &w, &u);
+        since(t0, r >= 0, &w, &u);
         if (r >= 0) wall[r] = w, cpu[r] = u;
     }
     FILE *f = open_timings("tail", warmup, reps, threads);
@@ -428,6 +436,7 @@ static void run_tail(const tb_model *m, const int32_t *tokens, size_t n_tokens, 
         if (c->layer_type[i] == TB_LOCAL) any = &tb_engine_cache(e, i)->part[TB_KV_K];
     const int window = any ? any->window : c->window;
     print_telemetry(f, "telemetry", &tel, &policy, window, sink);
+    fprintf(f, ", \"marks\": [\"prefill\"]");
     fprintf(f, ", \"lengths\": [");
     for (int i = 0; i < c->layers; i++) fprintf(f, "%s%d", i ? ", " : "", lengths[i]);
     fprintf(f, "]");

@@ -84,20 +84,29 @@ class Counts:
     total: int | None
     counter: str       # "qemu-tcg-plugin" or "valgrind-callgrind"
     exact: bool        # False when several guest threads shared the plugin's counter
+    names: tuple[str, ...] = ("call",)  # the regions one timed repetition marks, in order
+
+    def of(self, name: str) -> list[int]:
+        """The counts of the regions called `name`, one per timed repetition."""
+        k = len(self.names)
+        return [self.regions[i] for i in range(len(self.regions)) if self.names[i % k] == name]
 
     @property
     def per_call(self) -> int:
-        """The count of one call: all timed calls of a run execute the same instructions on the same
-        inputs; where they do not (a kernel with state carried between calls), the median."""
-        ordered = sorted(self.regions)
+        """The count of one call (the first marked name's): all timed calls of a run execute the same
+        instructions on the same inputs; where they do not (state carried between calls), the median."""
+        return self.median(self.names[0])
+
+    def median(self, name: str) -> int:
+        ordered = sorted(self.of(name))
         return ordered[len(ordered) // 2]
 
     def metadata(self) -> dict:
-        return {"counter": self.counter, "exact": self.exact, "regions": list(self.regions),
+        return {"counter": self.counter, "exact": self.exact, "marks": list(self.names), "regions": list(self.regions),
                 "program_total": self.total}
 
 
-def parse_plugin_output(text: str, expected_regions: int | None = None) -> Counts:
+def parse_plugin_output(text: str, expected_regions: int | None = None, names: tuple[str, ...] = ("call",)) -> Counts:
     """The plugin's JSON -> Counts; refused when it is not the plugin's, or the regions do not match
     the timed calls the program was asked for (a marker missed or doubled: the count is not the
     kernel's)."""
@@ -111,7 +120,7 @@ def parse_plugin_output(text: str, expected_regions: int | None = None) -> Count
     if unmatched or dropped:
         raise CountError(f"the counting plugin saw {unmatched} unmatched marks and dropped {dropped} regions")
     _check_regions(regions, expected_regions)
-    return Counts(regions, total, "qemu-tcg-plugin", exact)
+    return Counts(regions, total, "qemu-tcg-plugin", exact, tuple(names))
 
 
 _SUMMARY = re.compile(r"^(?:summary|totals):\s+(\d+)", re.M)
@@ -127,7 +136,8 @@ def valgrind_argv(argv: list[str]) -> list[str]:
             "--compress-strings=no", *argv]
 
 
-def parse_callgrind_dumps(dumps: list[str], expected_regions: int | None = None) -> Counts:
+def parse_callgrind_dumps(dumps: list[str], expected_regions: int | None = None,
+                          names: tuple[str, ...] = ("call",)) -> Counts:
     """The dumps' `summary:` lines (instructions, event Ir) -> Counts, one region per dump."""
     regions = []
     for i, text in enumerate(dumps, 1):
@@ -136,12 +146,11 @@ def parse_callgrind_dumps(dumps: list[str], expected_regions: int | None = None)
             raise CountError(f"callgrind dump {i} has no summary line")
         regions.append(int(m.group(1)))
     _check_regions(tuple(regions), expected_regions)
-    return Counts(tuple(regions), None, "valgrind-callgrind", True)
+    return Counts(tuple(regions), None, "valgrind-callgrind", True, tuple(names))
 
 
 def _check_regions(regions: tuple[int, ...], expected: int | None) -> None:
     if not regions:
         raise CountError("the program ran no marked region (is it built with kernels/bench/harness.c's marks?)")
     if expected is not None and len(regions) != expected:
-        raise CountError(f"the counter saw {len(regions)} marked regions, the program was asked for {expected} "
-                         "timed calls")
+        raise CountError(f"the counter saw {len(regions)} marked regions, the program says it marked {expected}")

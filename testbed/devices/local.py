@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from testbed import stop
 from testbed.backends.native.build import elf_machine
 from testbed.devices.transport import (CommandResult, CommandTimeout, OutsideWorkFolder, Transport, TransferError,
                                        check_argv, confine, quoted, sha256_file)
@@ -86,11 +87,18 @@ class LocalTransport(Transport):
         t0 = time.monotonic()
         proc = subprocess.Popen(self.command(argv, folder), cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, errors="replace", start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+
+        def kill() -> None:  # the whole group: the program and anything it started
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             proc.communicate()
+
+        try:  # a stop (testbed.stop) kills the program within POLL_S, in any thread
+            out, err = stop.communicate(proc, timeout, kill)
+        except subprocess.TimeoutExpired:
+            kill()
             raise CommandTimeout(f"{self.name}: {quoted(argv)} did not finish in {timeout:g} s; killed") from None
         return CommandResult(proc.returncode, out, err, time.monotonic() - t0)
 

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from testbed.errors import UsageError
+from testbed.stop import raise_if_stopped
 
 
 class DeviceBusy(Exception):
@@ -83,6 +84,7 @@ def device_lock(device: str, wait_s: float, holder: str, lock_dir: Path | None =
                 if time.monotonic() >= deadline:
                     who = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
                     raise DeviceBusy(f"device {device} is busy: held by {who} ({path}); waited {wait_s:g} s") from None
+                raise_if_stopped()  # a signal ends the wait (testbed.stop)
                 time.sleep(0.2)
         os.ftruncate(fd, 0)  # our own file (checked above), and ours to write while we hold it
         os.pwrite(fd, f"pid {os.getpid()}, {holder}\n".encode(), 0)

@@ -14,6 +14,7 @@ import socket
 import time
 from pathlib import Path
 
+from testbed import stop
 from testbed.devices.transport import CommandResult, ConnectionLost, RemoteShell, TransferError
 from testbed.errors import DeviceUnreachable
 
@@ -99,6 +100,9 @@ class SshTransport(RemoteShell):
                 elif time.monotonic() > deadline:
                     chan.close()
                     raise TimeoutError(f"no exit status within {host_timeout:g} s")
+                elif stop.STOP.is_set():  # a signal (testbed.stop): give the command up now
+                    chan.close()
+                    stop.raise_if_stopped()
                 else:
                     time.sleep(0.002)
             rc = chan.recv_exit_status()

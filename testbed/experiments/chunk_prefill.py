@@ -214,9 +214,10 @@ def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
     params = {"past": p, "chunk": c, "threads": cfg.threads}
     for name, rows in (("chunk_call", c), ("decode_step", 1)):
         flops = gemma.graph_flops(model, rows, p)
+        counted = {"instructions": times[f"{name}_instructions"]} if f"{name}_instructions" in times else {}
         yield Record("chunk_prefill", f"P={p},C={c}/{name}", "measure",
                      figures={"time": times[name], "gflops": times[name].rate(flops / 1e9, "GFLOP/s"),
-                              "rows_per_s": times[name].rate(rows, "rows/s")}, evidence=evidence,
+                              "rows_per_s": times[name].rate(rows, "rows/s"), **counted}, evidence=evidence,
                      work={"flops": flops, "rows": rows, "keys": p + rows,
                            "flop_count": "refimpl.gemma.graph_flops: projections, attention, MLP, one LM-head row"},
                      params=params | {"form": name})

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from refimpl import gdn as ref
 from refimpl.naive_gdn import naive_gdn
-from testbed import backends, tables
+from testbed import backends, blas_reference, tables
 from testbed.backends.iree.artifacts import target_names
 from testbed.config import Choice, Float, Int, IntList
 from testbed.errors import UsageError
@@ -219,39 +219,55 @@ def oracle_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
 
 
 SGEMM_SIZE = 512  # comparable to the chunk products at head size 128
+PROBE_CASE = "machine_probe/sgemm"
 
 
-def sgemm_seconds(threads: int) -> float:
-    """One float32 512^3 matmul by numpy's BLAS on `threads` threads: the reference rate, timed between
-    the kernel's repetitions so both see the same machine (load, clock, thermal state)."""
-    import time
-
-    from threadpoolctl import threadpool_limits
-
-    a = _sgemm_operand()
-    with threadpool_limits(limits=threads):
-        t0 = time.perf_counter()
-        a @ a
-        return time.perf_counter() - t0
+def sgemm_clocks(threads: int) -> dict[str, float]:
+    """One float32 512^3 matmul by numpy's BLAS on `threads` threads (threadpoolctl, user_api blas):
+    the reference rate, timed between the kernel's repetitions so both see the same machine (load,
+    clock, thermal state); wall and CPU seconds."""
+    products, repeat = _sgemm_products()
+    return blas_reference.products_timer(products, threads, repeat)()
 
 
 @functools.lru_cache(maxsize=1)
-def _sgemm_operand() -> np.ndarray:
-    return np.random.default_rng(0).standard_normal((SGEMM_SIZE, SGEMM_SIZE), np.float32)
+def _sgemm_products():
+    """The product and how many times a timed call repeats it (long enough for the CPU clock)."""
+    products = blas_reference.square_products(SGEMM_SIZE)
+    return products, blas_reference.repeats_for(products)
+
+
+def sgemm_between(threads: int, samples: dict[str, list[float]]) -> Callable[[], None]:
+    """What runs between the kernel's repetitions: the sgemm on `threads` threads and, for the
+    spinning rule, on one thread; seconds appended to samples[wall|cpu|cpu_1thread]."""
+    def between() -> None:
+        clocks = sgemm_clocks(threads)
+        samples.setdefault("wall", []).append(clocks["wall"])
+        samples.setdefault("cpu", []).append(clocks["cpu"])
+        samples.setdefault("cpu_1thread", []).append(sgemm_clocks(1)["cpu"] if threads > 1 else clocks["cpu"])
+    return between
 
 
 def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
     b = cfg.bench
     # numpy's sgemm is a reference rate only where the kernels ran: this host, not under emulation
     here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
+    probe_s: list[float] = []  # every sgemm of the run: the machine probe, stored once (testbed.history)
     for t_len in b.tokens:
         ctx.progress(f"gdn bench H={b.heads} hs={b.head_size} T={t_len}")
         x = ref.draw_inputs(1, t_len, b.heads, b.head_size, kda=b.kda, seed=cfg.seed)
-        sgemm_s: list[float] = []
+        sgemm_s: dict[str, list[float]] = {}
         times = be.bench(x, cfg.chunk, b.reps, b.warmup,
-                         between=(lambda: sgemm_s.append(sgemm_seconds(cfg.threads))) if here else None,
+                         between=sgemm_between(cfg.threads, sgemm_s) if here else None,
                          **({"count": True} if cfg.counts else {}))
-        sgemm = Figure.of(sgemm_s, "s").rate(2.0 * SGEMM_SIZE**3, "FLOP/s") if sgemm_s else None
+        probe_s += sgemm_s.get("wall", [])
+        sgemm = Figure.of(sgemm_s["wall"], "s").rate(2.0 * SGEMM_SIZE**3, "FLOP/s") if sgemm_s else None
+        sgemm_cpu = Figure.of(sgemm_s["cpu"], "s").rate(2.0 * SGEMM_SIZE**3, "FLOP/s") if sgemm_s else None
+        spin = blas_reference.spinning(float(np.median(sgemm_s["cpu"])), float(np.median(sgemm_s["cpu_1thread"])),
+                                       cfg.threads) if sgemm_s else {}
+        refused = blas_reference.refusal(spin, cfg.threads)
+        if refused:
+            ctx.progress(f"gdn bench T={t_len}: sgemm_fraction {refused}")
         flops = ref.gdn_flops(1, t_len, b.heads, b.head_size, b.kda)
         form_flops = {"serial": flops,
                       "chunkwise": ref.gdn_chunkwise_flops(1, t_len, b.heads, b.head_size, cfg.chunk, b.kda)}
@@ -268,9 +284,15 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
                 figures["cpu_time"] = times[f"{form}_cpu"].scaled(1e3, "ms")
             if f"{form}_instructions" in times:  # exact, per call: judged by their own rule, never as time
                 figures["instructions"] = times[f"{form}_instructions"]
-            if sgemm is not None:
-                figures["sgemm"] = sgemm.scaled(1e-9, "GFLOP/s")
-                metrics["sgemm_fraction"] = done.median / (sgemm.median * 1e-9)
+            if sgemm is not None:  # the rate itself is stored once, in the run's machine probe record
+                metrics["sgemm_gflops"] = sgemm.median * 1e-9
+                metrics["sgemm_cpu_gflops"] = sgemm_cpu.median * 1e-9
+                # a reference that spins is charged for it: no fraction of it is stored (why is)
+                metrics["sgemm_fraction"] = None if refused else done.median / (sgemm.median * 1e-9)
+                if f"{form}_cpu" in times:
+                    done_cpu = times[f"{form}_cpu"].rate(form_flops[form] / 1e9, "GFLOP/s")
+                    metrics["sgemm_fraction_cpu"] = None if refused else done_cpu.median / (sgemm_cpu.median * 1e-9)
+                metrics |= spin | ({"sgemm_fraction_refused": refused} if refused else {})
             yield Record(
                 "gdn", f"{case}/{form}", "measure",
                 figures=figures,
@@ -281,7 +303,9 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
                       "flop_count_form": "the work this form really does (gdn_chunkwise_flops for chunkwise); "
                                          "`gflops_form` and sgemm_fraction use it",
                       "sgemm": f"numpy {SGEMM_SIZE}^3 float32 matmul on {cfg.threads} thread(s), one between each "
-                               "pair of kernel repetitions" if sgemm is not None else "not measured off this host",
+                               "pair of kernel repetitions (and one on 1 thread, for the spinning rule)"
+                               if sgemm is not None else "not measured off this host",
+                      **({"reference": blas_reference.blas_info(cfg.threads)} if sgemm is not None else {}),
                       "tokens": t_len,
                       **({"instructions": "instructions executed per kernel call, between the harness's marks "
                                           "(testbed.counts): the qemu plugin on an emulated device, valgrind's "
@@ -292,6 +316,19 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
                         "chunk": cfg.chunk, "form": form, "threads": cfg.threads},
                 artifacts=dict(be.artifacts), evidence=evidence,
             )
+    if probe_s:
+        yield probe_record(probe_s, cfg.threads)
+
+
+def probe_record(seconds: list[float], threads: int) -> Record:
+    """The run's machine probe: every sgemm timed between the kernel's repetitions, as GFLOP/s, in one
+    record (`role: machine_probe`): it says how fast the machine was, never how fast the code is."""
+    rate = Figure.of(seconds, "s").rate(2.0 * SGEMM_SIZE**3 / 1e9, "GFLOP/s").as_probe()
+    return Record("gdn", f"{PROBE_CASE},threads={threads}", "measure", figures={"sgemm": rate},
+                  work={"flops": 2.0 * SGEMM_SIZE**3, "sgemm": f"numpy {SGEMM_SIZE}^3 float32 matmul on {threads} "
+                                                             "thread(s), one between each pair of kernel repetitions "
+                                                             "of every token count of the run"},
+                  params={"role": "machine_probe", "size": SGEMM_SIZE, "threads": threads})
 
 
 def ab_calls(cfg: DictConfig) -> list:
@@ -368,7 +405,9 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                          "threads": r.get("params.threads", 1), "case": r["case"],
                          "ms": r.get("figures.time.median"),
                          "tokens/s": r.get("figures.tokens_per_s.median"),
-                         "GFLOP/s": r.get("figures.gflops.median"),
+                         # the machine probe's row: numpy sgemm's rate (the machine, not the code)
+                         "GFLOP/s": r.get("figures.gflops.median") if pd.notna(r.get("figures.gflops.median"))
+                         else r.get("figures.sgemm.median"),
                          "x serial": r.get("metrics.speedup_vs_serial"),
                          "of sgemm": r.get("metrics.sgemm_fraction"),
                          # exact counts, per call: a column of their own, never mixed with the times

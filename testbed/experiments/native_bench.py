@@ -14,7 +14,11 @@ ratios     issue 14's kernel targets, measured interleaved in one run (every rep
            variant once, in an order shuffled per repetition, seeded by `seed`): chunk attention's
            GFLOP/s at the most keys over its GFLOP/s at the fewest (target >= 0.8), and GDN
            chunkwise's GFLOP/s on the work it really does (gdn_chunkwise_flops) over numpy's sgemm
-           on the same threads (target >= 0.7; this host only, where numpy's sgemm is the reference).
+           (OpenBLAS here) on the same threads (target >= 0.7; this host only, where numpy's sgemm is
+           the reference; testbed.blas_reference). At threads > 1 the sgemm also runs on one thread
+           in every repetition: when its CPU time per call on `threads` threads exceeds 1.2x that
+           (OpenBLAS's idle threads spin on a busy host and are charged for it), the ratio record
+           says reference_spinning and judges no target.
            Each ratio per repetition (the variants of one repetition saw the same machine), by wall
            and by CPU time: on a loaded host a long call is preempted more often than a short one, so
            wall ratios of calls of different lengths are skewed; the CPU ratio is the kernel's.
@@ -34,13 +38,13 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from refimpl import gdn, gemma
-from testbed import tables
+from testbed import blas_reference, tables
 from testbed.backends.native.build import build_programs, target_for_abi
 from testbed.backends.native.device import NativeJob, run_native
 from testbed.backends.native.gdn import INPUTS as GDN_INPUTS
 from testbed.config import Choice, Int, IntList, as_list
 from testbed.errors import UsageError
-from testbed.measure import host_clocks, time_interleaved
+from testbed.measure import time_interleaved
 from testbed.oracles import check_nmse, head_biased_mask
 from testbed.results import Figure, Record
 
@@ -71,6 +75,7 @@ PARAMS = {
 # chunkwise reaches this share of sgemm's rate on the work it really does.
 KEYS_TARGET = 0.8
 SGEMM_TARGET = 0.7
+SGEMM_1 = "sgemm 1 thread"  # the reference on one thread, beside it at threads > 1 (the spinning rule)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -118,11 +123,14 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     ctx.progress("native_bench attention: chunk vs decode steps, on the device")
     samples: dict[str, list[float]] = {"chunk": [], "decode_steps": []}
     evidence: dict[str, list] = {"chunk": [], "decode_steps": []}
+    instructions: dict[str, list[int]] = {"chunk": [], "decode_steps": []}  # where the device counts
     outputs = {}
     for rep in range(b.reps):
         for form in samples:
             result = attention_run(form, b.warmup if rep == 0 else 0, 1)
             samples[form] += result.timings["seconds"]
+            if result.counts:
+                instructions[form].append(result.counts.per_call)
             evidence[form].append(result.evidence.as_dict())
             outputs[form] = result.outputs["out"]
     times = {form: Figure.of(s, "s") for form, s in samples.items()}
@@ -143,7 +151,8 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
             "native_bench", f"attention/{shape}/{form}", "measure",
             figures={"time": t.scaled(1e3, "ms"), "tokens_per_s": t.rate(a.chunk, "tokens/s"),
                      "gflops": t.rate(flops[form] / 1e9, "GFLOP/s"),
-                     "outside_kernel": outside[form].scaled(1e3, "ms")},
+                     "outside_kernel": outside[form].scaled(1e3, "ms"),
+                     **({"instructions": Figure.of(instructions[form], "instructions")} if instructions[form] else {})},
             metrics={"speedup_vs_decode": times["decode_steps"].median / t.median},
             work={"flops": flops[form], "flop_count": "4 heads rows keys head_dim (q k^T and p v)",
                   "rows": a.chunk, "calls": 1 if form == "chunk" else a.chunk,
@@ -256,22 +265,22 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
     variants["gdn chunkwise"] = program_run("gdn chunkwise", "tb_gdn_bench", dict(zip(GDN_INPUTS, x.arrays())),
                                             ["out", "state"], ["form=chunkwise", f"chunk={g.chunk}", "head_map=tiled"])
     flops["gdn chunkwise"] = gdn.gdn_chunkwise_flops(1, g.tokens, g.heads, g.head_size, g.chunk)
-    # numpy's sgemm is a reference rate only where the kernels ran: this host, not under emulation
+    # numpy's sgemm is a reference rate only where the kernels ran: this host, not under emulation;
+    # on `threads` threads, and (for the spinning rule) on one thread, both interleaved with the rest
     here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
     if here:
-        from threadpoolctl import threadpool_limits
-
-        m = rng.standard_normal((r.sgemm, r.sgemm)).astype(np.float32)
-
-        def sgemm() -> dict[str, float]:
-            with threadpool_limits(limits=cfg.threads):
-                return host_clocks(lambda: m @ m)
-
-        variants["sgemm"] = sgemm
+        products = blas_reference.square_products(r.sgemm, [cfg.seed, 14])
+        repeat = blas_reference.repeats_for(products)  # calls long enough for the CPU clock
+        variants["sgemm"] = blas_reference.products_timer(products, cfg.threads, repeat)
         flops["sgemm"] = 2 * r.sgemm**3
+        if cfg.threads > 1:
+            variants[SGEMM_1] = blas_reference.products_timer(products, 1, repeat)
+            flops[SGEMM_1] = flops["sgemm"]
     ctx.progress(f"native_bench ratios: {', '.join(variants)}, interleaved")
     timed = time_interleaved(variants, reps=r.reps, warmup=1, seed=cfg.seed, timer=lambda run: run())
     params = {"part": "ratios", "threads": cfg.threads, "order_seed": timed.seed}
+    blas = {name: blas_reference.blas_info(1 if name == SGEMM_1 else cfg.threads) for name in variants
+            if name in ("sgemm", SGEMM_1)}
 
     for name, reference in references.items():
         verdict = check_nmse(reference, {key: outputs[name][key] for key in reference})
@@ -288,9 +297,11 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
                      metrics={"interleave.positions": timed.positions(name), "wall_over_cpu": wall.median / cpu.median},
                      work={"flops": flops[name], "flop_count": (
                          "gdn_chunkwise_flops: the work the chunkwise form really does" if name.startswith("gdn")
-                         else "2 n^3" if name == "sgemm" else "4 heads rows keys head_dim (q k^T and p v)"),
-                           "timer": "numpy on this host, around the product" if name == "sgemm"
-                           else "the program's own clocks on the device, around the kernel call"},
+                         else "2 n^3" if name in blas else "4 heads rows keys head_dim (q k^T and p v)"),
+                           "timer": f"numpy on this host, around {repeat} product(s) per call, per product"
+                           if name in blas
+                           else "the program's own clocks on the device, around the kernel call",
+                           **({"reference": blas[name]} if name in blas else {})},
                      params=params | {"kernel": name}, evidence=evidence.get(name, []))
 
     def ratio(top: str, bottom: str, clock: str) -> Figure:
@@ -301,16 +312,25 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
 
     pairs = [(f"attention keys={keys[-1]}", f"attention keys={keys[0]}", KEYS_TARGET,
               f"chunk attention GFLOP/s at {keys[-1]} keys over {keys[0]} keys")]
+    spin = None
     if here:
         pairs.append(("gdn chunkwise", "sgemm", SGEMM_TARGET,
-                      "GDN chunkwise GFLOP/s (work really done) over numpy sgemm's"))
+                      f"GDN chunkwise GFLOP/s (work really done) over numpy sgemm's ({blas['sgemm']['internal_api']}), "
+                      f"both on {cfg.threads} thread(s)"))
+        cpu_1 = timed.figures[SGEMM_1 if cfg.threads > 1 else "sgemm"]["cpu"].median
+        spin = blas_reference.spinning(timed.figures["sgemm"]["cpu"].median, cpu_1, cfg.threads)
+        why = blas_reference.refusal(spin, cfg.threads)
+        if why:
+            ctx.progress(f"native_bench ratios: gdn chunkwise vs sgemm: {why}")
     for top, bottom, target, what in pairs:
         wall, cpu = ratio(top, bottom, "wall"), ratio(top, bottom, "cpu")
+        library = bottom == "sgemm"
         yield Record("native_bench", f"ratios/{top} vs {bottom}", "measure",
                      figures={"ratio": wall, "ratio_cpu": cpu},
-                     metrics={"target": target, "meets_target_cpu": cpu.median >= target,
-                              "meets_target_wall": wall.median >= target},
-                     work={"what": what, "ratio": "per repetition, of the two variants run in it; median, min, max"},
+                     metrics=blas_reference.judge(target, {"cpu": cpu.median, "wall": wall.median},
+                                                  spin if library else None, cfg.threads),
+                     work={"what": what, "ratio": "per repetition, of the two variants run in it; median, min, max",
+                           **({"reference": blas["sgemm"]} if library else {})},
                      params=params | {"kernel": "ratio", "top": top, "bottom": bottom},
                      # the ratio is of the device's own clocks: the evidence of the two runs it divides
                      evidence=evidence.get(top, [])[-1:] + evidence.get(bottom, [])[-1:])
@@ -320,10 +340,14 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for _, r in df[df["kind"] == "measure"].iterrows():
         if r.get("params.kernel") == "ratio":
+            refused = r.get("metrics.target_refused")
             rows.append({"device": r["device"], "case": r["case"], "threads": r.get("params.threads"),
                          "ratio (CPU)": r.get("figures.ratio_cpu.median"),
                          "ratio (wall)": r.get("figures.ratio.median"),
-                         "target": r.get("metrics.target")})
+                         "target": r.get("metrics.target"),
+                         "meets (CPU)": r.get("metrics.meets_target_cpu"),
+                         "reference CPU / 1 thread": r.get("metrics.reference_cpu_over_1thread"),
+                         "note": refused if isinstance(refused, str) else None})
             continue
         is_cache = r.get("params.kernel") == "sliding_cache"
         rows.append({"device": r["device"], "case": r["case"], "threads": r.get("params.threads"),

@@ -197,17 +197,21 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
             seconds = timings.get("seconds") or []
             # one list of repetitions, or one per timed operation (tb_cache_bench)
             samples = [x for v in seconds.values() for x in v] if isinstance(seconds, dict) else seconds
-            timed_calls = int(timings.get("reps") or 0) or None
+            # a program that marks its timed regions names them ("marks", per repetition)
+            marks = tuple(timings.get("marks") or ())
+            marked = len(marks) * int(timings.get("reps") or 0)
             counts = None
-            if device.profile.has("counts"):
+            if marks and device.profile.has("counts"):
                 device.pull(f"{run_dir}/{counting.COUNTS_FILE}", tmp / "counts.json")
-                counts = counting.parse_plugin_output((tmp / "counts.json").read_text(), timed_calls)
+                counts = counting.parse_plugin_output((tmp / "counts.json").read_text(), marked, marks)
             elif valgrind:
+                if not marks:
+                    raise NativeRunFailed(f"{job.program.name} marks no timed region: nothing for valgrind to count")
                 dumps = []
-                for i in range(1, (timed_calls or 1) + 1):
+                for i in range(1, marked + 1):
                     device.pull(f"{run_dir}/{counting.CALLGRIND_FILE}.{i}", tmp / f"cg.{i}")
                     dumps.append((tmp / f"cg.{i}").read_text())
-                counts = counting.parse_callgrind_dumps(dumps, timed_calls)
+                counts = counting.parse_callgrind_dumps(dumps, marked, marks)
             evidence = Evidence(device.name, job.program.name, program_digest(job.program), quoted(argv),
                                 float(sum(samples)) if samples else None,
                                 {"timed_calls": len(samples), "cpu_seconds": sum(timings.get("cpu_seconds") or []),

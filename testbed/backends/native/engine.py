@@ -152,6 +152,7 @@ class ChunkRun:
     decode_logits: np.ndarray   # [vocab]: the same n tokens as decode steps, at the last position
     timings: dict
     evidence: Evidence
+    counts: object = None       # testbed.counts.Counts on a device that counts: regions "chunk", "decode", ...
 
 
 def chunk_prefill(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, case, *, weights_dtype: str = "f32",
@@ -167,7 +168,7 @@ def chunk_prefill(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, case,
                             weights_dtype, group, program, measured=reps > 1)
     out = result.outputs
     return ChunkRun(out["chunk_logits"], list(out["k"]), list(out["v"]), out["decode_logits"], result.timings,
-                    evidence)
+                    evidence, result.counts)
 
 
 # --- the padded tail (seed 003) ---------------------------------------------------------------------

@@ -55,8 +55,12 @@ class EngineRunner:
         from testbed.token_oracle import TokenCase
 
         run = self._run(prompt, TokenCase(past, chunk, chunk), reps=reps, warmup=warmup)
-        return {"chunk_call": Figure.of(run.timings["seconds"], "s"),
-                "decode_step": Figure.of(run.timings["decode_seconds"], "s")}
+        times = {"chunk_call": Figure.of(run.timings["seconds"], "s"),
+                 "decode_step": Figure.of(run.timings["decode_seconds"], "s")}
+        if run.counts:  # a device that counts: each call's instructions, exact
+            times |= {"chunk_call_instructions": Figure.of(run.counts.of("chunk"), "instructions"),
+                      "decode_step_instructions": Figure.of(run.counts.of("decode"), "instructions")}
+        return times
 
 
 def backend(w, cfg, run_cfg=None, device: Device | None = None) -> EngineRunner:

@@ -1,0 +1,143 @@
+"""Ratios over a reference (testbed/blas_reference.py): "sgemm" only where numpy's BLAS computed the
+reference, at the kernel's thread count; the project's own gemm only under its own name; no target
+judged from a reference that spins. No timing is asserted: speed goals live in benchmark records."""
+
+import numpy as np
+import pandas as pd
+import pytest
+from threadpoolctl import threadpool_info
+
+from testbed import blas_reference, config, runner
+
+TINY_ENGINE = ["shape.vocab=256", "shape.hidden=64", "shape.layers=2", "shape.heads=4", "shape.kv_heads=2",
+               "shape.head_dim=16", "shape.mlp=128", "chunk=16", "past=32", "bench.reps=2", "bench.warmup=0"]
+SMALL_NATIVE_BENCH = ["attention.past=40", "attention.chunk=8", "attention.head_dim=32", "cache.window=32",
+                      "cache.real=5", "bench.reps=1", "bench.warmup=0", "bench.cold_mb=8", "ratios.reps=2",
+                      "ratios.key_counts=[16,96]", "ratios.gdn.heads=2", "ratios.gdn.head_size=32",
+                      "ratios.gdn.tokens=70", "ratios.gdn.chunk=16", "ratios.sgemm=64"]
+
+
+def run(overrides, experiment):
+    return runner.execute(config.load(overrides, experiment=experiment))
+
+
+def numpy_blas() -> dict:
+    return next(m for m in threadpool_info() if m["user_api"] == "blas")
+
+
+# --- the spinning rule, fed figures -------------------------------------------------------------------
+
+
+def test_a_reference_that_spins_judges_no_target():
+    # OpenBLAS on 2 threads of a busy host: 8.5 ms of CPU per call where one thread takes 2.5 ms
+    spin = blas_reference.spinning(8.5e-3, 2.5e-3, threads=2)
+    assert spin["reference_spinning"] is True
+    assert spin["reference_cpu_per_call_s"] == 8.5e-3 and spin["reference_cpu_per_call_1thread_s"] == 2.5e-3
+    assert spin["reference_cpu_over_1thread"] == pytest.approx(3.4)
+    metrics = blas_reference.judge(0.7, {"cpu": 3.8, "wall": 1.1}, spin, threads=2)
+    assert metrics["meets_target_cpu"] is None and metrics["meets_target_wall"] is None
+    assert "spins" in metrics["target_refused"] and "3.40x" in metrics["target_refused"]
+    assert metrics["reference_spinning"] is True and metrics["target"] == 0.7
+
+
+@pytest.mark.parametrize("cpu_n,threads", [(2.9e-3, 2), (3.0e-3, 2), (9.0e-3, 1)])
+def test_a_reference_within_the_limit_is_judged(cpu_n, threads):
+    # 1.16x and exactly 1.2x are within the limit; one thread has nothing to spin
+    spin = blas_reference.spinning(cpu_n, 2.5e-3, threads)
+    assert spin["reference_spinning"] is False
+    metrics = blas_reference.judge(0.7, {"cpu": 0.75, "wall": 0.5}, spin, threads)
+    assert metrics["meets_target_cpu"] is True and metrics["meets_target_wall"] is False
+    assert "target_refused" not in metrics
+
+
+def test_blas_info_names_what_numpy_runs():
+    info = blas_reference.blas_info(2)
+    blas = numpy_blas()
+    for key in ("internal_api", "version", "architecture", "num_threads"):
+        assert info[key] == blas.get(key)
+    assert info["threads"] == 2 and "user_api='blas'" in info["limit"]
+
+
+def test_the_reference_runs_under_the_limit_and_gives_it_back():
+    before = numpy_blas()["num_threads"]
+    products = blas_reference.square_products(48)
+    for threads in (1, 2):
+        clocks = blas_reference.products_timer(products, threads)()
+        assert set(clocks) == {"wall", "cpu"}
+        a, b, out = products[0]
+        np.testing.assert_allclose(out, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-4, atol=1e-3)
+    assert numpy_blas()["num_threads"] == before
+
+
+# --- the experiments' records ------------------------------------------------------------------------------
+
+
+def sgemm_labels_are_honest(df) -> list[str]:
+    """Records that call something sgemm (in the case, a figure or a metric) without numpy's BLAS as
+    the reference they name: what must never be stored."""
+    bad = []
+    for _, r in df[df["kind"] == "measure"].iterrows():
+        named = "sgemm" in r["case"] or any(col.startswith(("figures.sgemm", "metrics.sgemm")) and r[col] == r[col]
+                                            and r[col] is not None for col in df.columns)
+        if not named:
+            continue
+        library = r.get("work.reference.internal_api")
+        if library != numpy_blas()["internal_api"]:
+            bad.append(r["case"])
+    return bad
+
+
+def test_engine_bench_on_the_host_divides_by_openblas_on_the_engines_shapes(results_dir):
+    df = run(["threads=2", *TINY_ENGINE], "engine_bench").frame()
+    matmul = df[df["params.form"] == "matmul_vs_sgemm"]
+    assert len(matmul) == 2 and not sgemm_labels_are_honest(df)
+    for _, r in matmul.iterrows():
+        assert r["work.reference.threads"] == 2 and r["work.reference.architecture"] == numpy_blas()["architecture"]
+        # the same products as the chunk call: its FLOP count; the own gemm only beside it, named
+        assert "numpy" in r["work.sgemm"] and r["work.matmul_flops"] > 0
+        assert r["figures.sgemm.median"] != r["figures.own_gemm.median"]
+        assert r["figures.ratio.median"] == pytest.approx(r["figures.matmul.median"] / r["figures.sgemm.median"],
+                                                          rel=0.5)
+        # the spinning rule's figures are stored; a target is judged only when it does not spin
+        assert r["metrics.reference_cpu_per_call_1thread_s"] > 0
+        clock = r["params.clock"]
+        if r["metrics.reference_spinning"]:
+            assert pd.isna(r[f"metrics.meets_target_{clock}"]) and "spins" in r["metrics.target_refused"]
+        else:
+            assert r[f"metrics.meets_target_{clock}"] in (True, False)
+
+
+def test_engine_bench_on_a_device_names_its_own_gemm(results_dir):
+    from testbed.backends.native import programs as native_programs
+
+    missing = native_programs.emulator_missing("aarch64")
+    if missing:
+        pytest.skip(missing)
+    df = run(["device=qemu-aarch64", *TINY_ENGINE], "engine_bench").frame()
+    measured = df[df["kind"] == "measure"]
+    assert not sgemm_labels_are_honest(df)
+    assert not any("sgemm" in c for c in measured["case"])
+    assert not any(c.startswith(("figures.sgemm", "metrics.sgemm")) and measured[c].notna().any()
+                   for c in measured.columns)
+    own = measured[measured["params.form"] == "matmul_vs_own_gemm"]
+    assert len(own) == 2 and (own["figures.own_gemm.median"] > 0).all()
+    assert own["metrics.target"].isna().all() and (own["metrics.reference"] == "own_gemm").all()
+
+
+def test_native_bench_at_two_threads_records_the_reference_and_its_spinning(results_dir):
+    df = run(["threads=2", *SMALL_NATIVE_BENCH], "native_bench").frame()
+    part = df[(df["params.part"] == "ratios") & (df["kind"] == "measure")]
+    assert set(part["params.kernel"]) >= {"sgemm", "sgemm 1 thread"}
+    assert not sgemm_labels_are_honest(df)
+    ratio = part[part["params.bottom"] == "sgemm"].iloc[0]
+    for key in ("internal_api", "version", "architecture", "num_threads"):
+        assert ratio[f"work.reference.{key}"] == numpy_blas().get(key)
+    assert ratio["work.reference.threads"] == 2
+    spins = ratio["metrics.reference_spinning"]
+    over = ratio["metrics.reference_cpu_per_call_s"] / ratio["metrics.reference_cpu_per_call_1thread_s"]
+    assert spins == (over > blas_reference.SPIN_LIMIT)
+    for clock in ("cpu", "wall"):
+        assert pd.isna(ratio[f"metrics.meets_target_{clock}"]) == bool(spins)
+    # the attention ratio has no library under it: judged as before
+    keys = part[part["params.bottom"] == "attention keys=16"].iloc[0]
+    assert keys["metrics.meets_target_cpu"] in (True, False)
