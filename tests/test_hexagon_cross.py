@@ -82,8 +82,15 @@ def test_the_toolchain_is_part_of_the_cache_key(programs):
     assert folder.name.startswith("arm32-zig-")
 
 
-def run_gdn_matrix(folder, target):
-    jobs = [(case, form, chunk) for case in GDN_CASES for form, chunk in GDN_FORMS]
+# Emulated Hexagon floating point is slow (the 48-case matrix takes about 2 min of CPU): the default run
+# compares every third case, which spans the scalar and vector gates, grouped value heads, snapshots and
+# the awkward lengths; `pytest -m slow_build` compares all 48 (the qemu-hexagon device suite judges all
+# 48 against the float64 reference in every run).
+HEXAGON_GDN_CASES = GDN_CASES[::3]
+
+
+def run_gdn_matrix(folder, target, cases=GDN_CASES):
+    jobs = [(case, form, chunk) for case in cases for form, chunk in GDN_FORMS]
 
     def one(job):
         case, form, chunk = job
@@ -102,7 +109,17 @@ def host_gdn(programs):
 @pytest.mark.parametrize("name", BUILDS)
 def test_gdn_is_bitexact_with_the_host_build(programs, host_gdn, name):
     folder, target = need(programs, name)
-    runs = run_gdn_matrix(folder, target)
+    runs = run_gdn_matrix(folder, target, HEXAGON_GDN_CASES if target == "hexagon" else GDN_CASES)
+    assert_gdn_bitexact(name, runs, host_gdn)
+
+
+@pytest.mark.slow_build
+def test_gdn_on_hexagon_is_bitexact_with_the_host_build_over_all_48_cases(programs, host_gdn):
+    folder, target = need(programs, "hexagon")
+    assert_gdn_bitexact("hexagon", run_gdn_matrix(folder, target), host_gdn)
+
+
+def assert_gdn_bitexact(name, runs, host_gdn):
     for (case, form), got in runs.items():
         v = check_nmse(reference64(case.inputs(seed=3), "tiled"), got)
         assert v.passed, f"{name} {case.name} {form}: {v.detail}"
@@ -237,3 +254,28 @@ def test_a_libm_difference_in_the_rope_tables_is_caught(host_rope, tmp_path):
     got = rope_lines("host", planted)
     changed = {" ".join(a.split()[:4]) for a, b in zip(host_rope, got) if a != b}
     assert changed == {f"{hd} 10000 1 cos" for hd in (16, 64, 128, 256)} | {f"{hd} 1e+06 1 cos" for hd in (16, 64, 128, 256)}
+
+
+# --- llama.cpp's harness on Hexagon: its real output, in the default run --------------------------------
+
+TBO_HEXAGON = kernel_build.ROOT / "tests" / "data" / "test-backend-ops-gdn-qemu-hexagon.out"
+
+
+def test_test_backend_ops_output_from_qemu_hexagon_is_ingested_under_its_name(results_dir, capsys):
+    """The stdout of test-backend-ops test -o GATED_DELTA_NET -b CPU, built by zig for Hexagon and run
+    under qemu-hexagon (tests/test_hexagon_llamacpp.py builds and runs it: `pytest -m slow_build`, a
+    cold build of about half an hour here), read as the device's: 36 cases, each OK, the tool's tally
+    agreeing. Cut short, it is refused."""
+    from testbed.cli import main
+    from testbed.results import ResultsStore
+
+    assert main(["ingest", str(TBO_HEXAGON), "--device", "qemu-hexagon", "--experiment", "gdn"]) == 0
+    assert "GATED_DELTA_NET/CPU/tally: 36/36 OK (pass)" in capsys.readouterr().out
+    rows = [r for r in ResultsStore(results_dir).records() if r["kind"] == "oracle"]
+    assert len(rows) == 37 and {r["device"] for r in rows} == {"qemu-hexagon"}
+    assert all(r["verdict"] == "pass" for r in rows)
+    cut = results_dir / "cut.out"
+    cut.write_text(TBO_HEXAGON.read_text().split("  36/36 tests passed")[0])
+    assert main(["ingest", str(cut), "--device", "qemu-hexagon", "--experiment", "gdn", "--force"]) == 1
+    tally = [r for r in ResultsStore(results_dir).records() if r["case"].endswith("/tally")][-1]
+    assert tally["verdict"] == "error"
