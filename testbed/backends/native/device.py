@@ -91,10 +91,11 @@ def program_identity(program: Path) -> dict:
     names) and the toolchain that built it (its build folder's build.json), where known."""
     machine = elf_machine(program)
     info = build_info(program)
+    # kernels/' build.json holds the toolchain's fields at its top; llama.cpp's, under "toolchain"
+    toolchain = info.get("toolchain") if isinstance(info.get("toolchain"), dict) else {
+        k: info[k] for k in ("toolchain", "compiler", "target", "libc") if k in info}
     return ({"elf_machine": machine, "elf_machine_name": ELF_MACHINE_NAMES.get(machine, "unknown")}
-            if machine is not None else {}) | ({"toolchain": {k: info[k] for k in
-                                                            ("toolchain", "compiler", "target", "libc") if k in info}}
-                                               if info else {})
+            if machine is not None else {}) | ({"toolchain": toolchain} if toolchain else {})
 
 
 def runner_prefix(device: Device) -> list[str]:
