@@ -6,7 +6,8 @@
 #                                 (lavapipe), Chromium for the report check, torch + transformers
 #                                 for the cross-checks against Hugging Face (the `hf` extra), CMake,
 #                                 Ninja, ccache and the aarch64 C++ compiler that build llama.cpp's tools,
-#                                 and Ray (the farm extra: the tests run a three-node cluster here)
+#                                 Ray (the farm extra: the tests run a three-node cluster here), and zig
+#                                 (the cross extra: the Hexagon builds, run under qemu-hexagon from qemu-user)
 set -eu
 cd "$(dirname "$0")/.."
 
@@ -18,7 +19,7 @@ packages="$HOST_PACKAGES"
 extras="full"
 if [ "${1:-}" = "--test" ]; then
   packages="$packages $TEST_PACKAGES"
-  extras="full,hf,farm"
+  extras="full,hf,farm,cross"
 fi
 
 missing=""

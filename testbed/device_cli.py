@@ -94,7 +94,9 @@ def doctor(name: str) -> tuple[list[tuple[str, str, str]], dict]:
             if sysroot:
                 r = device.run(["test", "-d", sysroot], timeout=30)
                 checks.append(("qemu sysroot", "ok" if r.returncode == 0 else "MISSING", sysroot))
+        checks += hexagon_checks(profile)
         for tool, path in sorted(profile.tools.items()):
+            path = shlex.split(path)[0] if path.strip() else path  # hexagon_runner may carry its arguments
             r = device.run(["sh", "-c", 'test -x "$1" || command -v "$1"', "sh", path], timeout=30)
             checks.append((f"tool {tool}", "ok" if r.returncode == 0 else "MISSING",
                            path if r.returncode == 0 else f"{path} is not an executable on the device"))
@@ -106,6 +108,29 @@ def doctor(name: str) -> tuple[list[tuple[str, str, str]], dict]:
     finally:
         device.close()
     return checks, fingerprint
+
+
+HEXAGON_RUNNER_HELP = ("a phone starts Hexagon programs on its DSP through the vendor SDK's runner "
+                       "(e.g. run_main_on_hexagon over FastRPC, from Qualcomm's Hexagon SDK, which no registry here "
+                       "serves): push it and name it in the profile as tools.hexagon_runner (its arguments after "
+                       "the path, e.g. '/data/local/tmp/run_main_on_hexagon 3'). Note: testbed builds "
+                       "hexagon-linux-musl executables (what qemu-hexagon runs); a DSP runs programs built by the "
+                       "SDK for QuRT, which testbed does not build")
+
+
+def hexagon_checks(profile) -> list[tuple[str, str, str]]:
+    """A Hexagon device: qemu-hexagon runs its programs directly, a loopback phone's adbd through its exec
+    shim; any other needs the SDK's runner (tools.hexagon_runner)."""
+    if profile.abi != "hexagon":
+        return []
+    if profile.transport == "qemu":
+        return [("hexagon runner", "ok", f"{profile.connection.get('emulator')} runs Hexagon ELF directly "
+                                         f"(core {profile.accelerators.get('hexagon')})")]
+    if profile.peer:
+        return [("hexagon runner", "ok", "the loopback adbd runs Hexagon ELF under qemu-hexagon")]
+    if not profile.tools.get("hexagon_runner"):
+        return [("hexagon runner", "MISSING", HEXAGON_RUNNER_HELP)]
+    return []
 
 
 def native_check(device) -> tuple[str, str, str]:

@@ -1,9 +1,9 @@
 """The GDN kernels' benchmark-and-dump program (kernels/bench/tb_gdn_bench) on the selected device,
-through its transport: `pytest --device=qemu-arm32 | qemu-aarch64 | adb-loopback | host` runs the
+through its transport: `pytest --device=qemu-arm32 | qemu-aarch64 | qemu-hexagon | adb-loopback | host` runs the
 same equivalence suite, the program built for the device's ABI, pushed with its .npy inputs, run,
 its outputs pulled and judged against the float64 reference by NMSE (test-backend-ops' 1e-7).
 
-Also, in any session, the ARM builds over ADB to the loopback phone (qemu-user behind adbd)."""
+Also, in any session, the ARM and Hexagon builds over ADB to the loopback phone (qemu-user behind adbd)."""
 
 import shutil
 
@@ -18,7 +18,7 @@ from tests.native_support import reference64
 
 pytestmark = pytest.mark.device
 
-TARGET_FOR_ABI = {"host": "host", "x86_64": "host", "armeabi-v7a": "arm32", "arm64-v8a": "aarch64"}
+TARGET_FOR_ABI = {"host": "host", "x86_64": "host", "armeabi-v7a": "arm32", "arm64-v8a": "aarch64", "hexagon": "hexagon"}
 COMPILERS = {"arm32": "arm-linux-gnueabihf-gcc", "aarch64": "aarch64-linux-gnu-gcc", "host": "cc"}
 # Cases across llama.cpp's matrix: scalar and vector gates, grouped value heads, several chunks.
 CASES = [TBO_CASES[i] for i in (5, 7, 15, 19, 27)]
@@ -27,7 +27,12 @@ NAMES = ("q", "k", "v", "g", "beta", "state")
 
 def programs_for(abi: str):
     target = TARGET_FOR_ABI[abi]
-    if shutil.which(COMPILERS[target]) is None:
+    if target == "hexagon":  # zig, from the ziglang package
+        try:
+            kernel_build.zig_binary()
+        except kernel_build.BuildError as e:
+            pytest.skip(str(e))
+    elif shutil.which(COMPILERS[target]) is None:
         pytest.skip(f"{COMPILERS[target]} is not installed")
     return kernel_build.build_programs(target) / "tb_gdn_bench"
 
@@ -60,14 +65,20 @@ def test_inputs_staged_in_the_wrong_order_are_caught(device):
     assert not check_nmse(reference64(x, "tiled"), result.outputs).passed
 
 
-@pytest.mark.parametrize("abi", ["armeabi-v7a", "arm64-v8a"])
-def test_arm_builds_over_adb_are_bitexact_with_qemu_direct(adb_device, abi):
-    """The same ARM program through ADB and run directly: the transport must not change a bit."""
+@pytest.mark.parametrize("abi", ["armeabi-v7a", "arm64-v8a", "hexagon"])
+def test_arm_builds_over_adb_are_bitexact_with_qemu_direct(loopback_adbd, adb_key, abi):
+    """The same ARM (or Hexagon) program through ADB and run directly: the transport must not change a
+    bit. Behind the loopback adbd a Hexagon ELF runs under qemu-hexagon by its exec shim."""
     from testbed.backends.native import programs as native_programs
+    from testbed.peers.fixtures import adb_connect
 
     program = programs_for(abi)
     x = CASES[3].inputs(seed=1)
-    over_adb = gdn_on(adb_device, program, x, "chunkwise").outputs
+    adb_device = adb_connect(loopback_adbd, adb_key, abi=abi)  # the phone of that ABI (a program must fit it)
+    try:
+        over_adb = gdn_on(adb_device, program, x, "chunkwise").outputs
+    finally:
+        adb_device.close()
     direct, _ = native_programs.run_program(program.parent, TARGET_FOR_ABI[abi], "tb_gdn_bench",
                                             dict(zip(NAMES, x.arrays())),
                                             {"form": "chunkwise", "chunk": 16, "head_map": "tiled",

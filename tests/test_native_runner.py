@@ -53,10 +53,16 @@ def test_a_failing_program_is_an_error_with_its_stderr(device):
 
 
 @pytest.mark.parametrize("abi", ["armeabi-v7a", "arm64-v8a"])
-def test_arm_programs_through_adb_and_qemu(adb_device, abi):
+def test_arm_programs_through_adb_and_qemu(loopback_adbd, adb_key, abi):
     """In any session: both ARM ABIs over the loopback adbd (qemu-user behind it)."""
+    from testbed.peers.fixtures import adb_connect
+
     x = np.linspace(-3, 3, 257, dtype=np.float32)
-    result = run_native(adb_device, NativeJob(compile_static(SOURCE, abi), {"x": x}, ["y"], ["1.5", "-0.25", "2"]))
+    adb_device = adb_connect(loopback_adbd, adb_key, abi=abi)
+    try:
+        result = run_native(adb_device, NativeJob(compile_static(SOURCE, abi), {"x": x}, ["y"], ["1.5", "-0.25", "2"]))
+    finally:
+        adb_device.close()
     assert check_bitexact({"y": reference(x, 1.5, -0.25)}, result.outputs).passed
 
 

@@ -24,7 +24,8 @@ def test_a_backend_the_device_lacks_is_refused(results_dir, capsys):
     assert "device=qemu-arm32 cannot run backend=iree" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("device,expected", [("host", "refimpl"), ("qemu-arm32", "native"), ("hexagon", "llamacpp")])
+@pytest.mark.parametrize("device,expected", [("host", "refimpl"), ("qemu-arm32", "native"), ("hexagon", "llamacpp"),
+                                             ("qemu-hexagon", "native")])
 def test_a_devices_default_backend_is_the_first_it_has(device, expected):
     assert config.load([f"device={device}"], experiment="gdn").cfg.backend == expected
 
@@ -42,6 +43,42 @@ def test_a_host_computation_filed_under_a_device_is_an_error(results_dir, monkey
         device.close()
     rows = ResultsStore(results_dir).records()
     assert [(r["verdict"], r["device"]) for r in rows] == [("error", "qemu-arm32")]  # no pass stored
+
+
+def test_host_programs_run_under_a_hexagon_device_are_refused(results_dir, monkeypatch):
+    """The planted bug: the build for a Hexagon device picks the host's programs (an ABI map that falls
+    back to the host). The qemu transport runs a host ELF natively, so the outputs would be right and
+    every oracle pass; the program is an x86-64 ELF, and the run is refused before it starts."""
+    from testbed.backends.native.device import WrongMachine
+
+    from testbed.backends.native import gdn as native_gdn
+
+    monkeypatch.setattr(native_gdn, "target_for_abi", lambda abi: "host")
+    rc = config.load(["device=qemu-hexagon", "backend=native", "mode=oracle", "matrix=awkward"], experiment="gdn")
+    device = connect(load_profile("qemu-hexagon"))
+    try:
+        with pytest.raises(WrongMachine, match="is an ELF for machine 62 .* not for the device's ABI hexagon"):
+            runner.execute(rc, device=device)
+    finally:
+        device.close()
+    assert [(r["verdict"], r["device"]) for r in ResultsStore(results_dir).records()] == [("error", "qemu-hexagon")]
+
+
+def test_hexagon_evidence_must_name_its_machine():
+    """Evidence on a Hexagon device that does not say what machine ran (a tool whose header could not
+    be read) is not evidence of Hexagon; an ARM program on an ARM device is fine as it is."""
+    from testbed.results import Record
+
+    def record(detail):
+        return Record("gdn", "case", "oracle", "nmse", "pass", 1.0, evidence=[
+            {"device": "d", "ran": "tb_gdn_bench", "sha256": "0" * 64, "command": "x", "detail": detail}])
+
+    with pytest.raises(runner.ComputedElsewhere, match="does not say which machine"):
+        runner.check_evidence([record({})], load_profile("qemu-hexagon"))
+    runner.check_evidence([record({"elf_machine": 164})], load_profile("qemu-hexagon"))
+    runner.check_evidence([record({})], load_profile("qemu-arm32"))
+    with pytest.raises(runner.ComputedElsewhere, match="machine 164, not device qemu-arm32"):
+        runner.check_evidence([record({"elf_machine": 164})], load_profile("qemu-arm32"))
 
 
 def test_a_program_killed_on_the_device_leaves_an_error_record_with_its_stderr(results_dir, monkeypatch, tmp_path):

@@ -1,4 +1,4 @@
-"""The host itself (local) and ARM binaries on the host under qemu-user (qemu).
+"""The host itself (local) and ARM or Hexagon binaries on the host under qemu-user (qemu).
 
 qemu is for correctness, never timing: emulated code runs 40-70x slower than on a device.
 """
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from testbed import stop
+from testbed.backends.native.build import elf_machine
 from testbed.devices.transport import (CommandResult, CommandTimeout, OutsideWorkFolder, Transport, TransferError,
                                        check_argv, confine, quoted, sha256_file)
 
@@ -105,23 +106,13 @@ class LocalTransport(Transport):
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-# ELF e_machine values of the ABIs qemu-user emulates here.
-ELF_MACHINES = {"qemu-arm": 40, "qemu-aarch64": 183}
-
-
-def elf_machine(path: Path) -> int | None:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(20)
-    except OSError:
-        return None
-    if len(head) < 20 or head[:4] != b"\x7fELF":
-        return None
-    return int.from_bytes(head[18:20], "little")
+# ELF e_machine values of the ABIs qemu-user emulates here (164: Hexagon, "QUALCOMM DSP6").
+ELF_MACHINES = {"qemu-arm": 40, "qemu-aarch64": 183, "qemu-hexagon": 164}
 
 
 class QemuTransport(LocalTransport):
-    """Like local, but a program built for the emulated ABI is started through qemu-user (with -L
+    """Like local, but a program built for the emulated ABI (ARM, AArch64, Hexagon) is started through
+    qemu-user (with -L
     SYSROOT for dynamically linked ones) and the instruction-counting plugin (testbed.counts), which
     leaves the program's counts in its working folder; host programs (sh, cat) run as they are."""
 

@@ -6,7 +6,7 @@ A profile says what a device is (ABI, capabilities, accelerators, thread counts)
 
 Fields by transport (all optional unless marked):
   local   connection: {}
-  qemu    connection: {emulator (required): qemu-arm | qemu-aarch64, sysroot: path for -L}
+  qemu    connection: {emulator (required): qemu-arm | qemu-aarch64 | qemu-hexagon, sysroot: path for -L}
   adb     connection: {serial: USB serial, or host + port for TCP; key: adbkey path (created if
           absent), auth_timeout_s}; peer: {command: [argv]} starts a loopback device on connect;
           or {server: "HOST:PORT" of an adb server (adb -H HOST -P PORT), serial: as it lists it}
@@ -15,6 +15,12 @@ Fields by transport (all optional unless marked):
 
 `iree: {target, hal_device}` names what backend=iree compiles for (experiments/iree_target/TARGET.yaml)
 and the HAL device iree-run-module uses there (local-sync, local-task, vulkan).
+
+ABI `hexagon`: the device runs Hexagon programs (kernels/ built by zig for hexagon-linux-musl, ELF
+machine 164). `accelerators.hexagon` names its core (v67: what qemu-hexagon 7.2 emulates, and the core
+the programs are built for). Under qemu-user they run directly; on a phone a Hexagon program is started
+on the DSP by the vendor SDK's runner (e.g. run_main_on_hexagon over FastRPC), `tools.hexagon_runner`,
+which then prefixes every native command (`testbed doctor` says when it is missing).
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ from testbed.config import CONFIG_DIR, group_file
 from testbed.errors import UsageError
 
 TRANSPORTS = ("local", "qemu", "adb", "ssh")
-ABIS = ("host", "armeabi-v7a", "arm64-v8a", "x86_64")
-TOOLS = ("iree-run-module", "iree-benchmark-module", "test-backend-ops", "llama-bench")
+ABIS = ("host", "armeabi-v7a", "arm64-v8a", "x86_64", "hexagon")
+TOOLS = ("iree-run-module", "iree-benchmark-module", "test-backend-ops", "llama-bench", "hexagon_runner")
 # The ELF machine (e_machine) of the programs a device of each ABI runs: every program a device run's
 # evidence names must be an ELF for it (testbed.runner.check_evidence). A new ABI adds a line here.
-ELF_MACHINE_FOR_ABI = {"armeabi-v7a": 40, "arm64-v8a": 183, "x86_64": 62}
+ELF_MACHINE_FOR_ABI = {"armeabi-v7a": 40, "arm64-v8a": 183, "hexagon": 164, "x86_64": 62}
+# The newest Hexagon core qemu-hexagon 7.2 knows (an ELF flagged v68 or later is refused).
+QEMU_HEXAGON_MAX_CORE = 67
 # ABI `host`: this machine's own, by platform.machine()
 HOST_ELF_MACHINE = {"x86_64": 62, "amd64": 62, "aarch64": 183, "arm64": 183, "armv7l": 40}
 ELF_MACHINE_NAMES = {3: "x86", 40: "ARM", 62: "x86-64", 164: "Hexagon", 183: "AArch64"}
@@ -54,7 +62,7 @@ CONNECTION_FIELDS: dict[str, dict[str, tuple[type, bool]]] = {
     "ssh": {"host": (str, True), "port": (int, False), "user": (str, True), "key": (str, True),
             "known_hosts": (str, False), "host_key_sha256": (str, False)},
 }
-ACCELERATOR_FIELDS = {"vulkan_target": str, "htp": str, "backend": str}
+ACCELERATOR_FIELDS = {"vulkan_target": str, "htp": str, "backend": str, "hexagon": str}
 HEALTH_FIELDS = {"cooldown_below_c": float, "cooldown_delay_s": float, "cooldown_max_wait_s": float,
                  "warmup": int, "throttle_fraction": float}
 IREE_FIELDS = {"target": str, "hal_device": str}
@@ -133,7 +141,18 @@ class Profile:
             if not work.startswith("/") or len([p for p in work.split("/") if p]) < 2:
                 bad("work_dir", data.get("work_dir"), "must be an absolute device path at least two levels "
                                                       "deep (e.g. /data/local/tmp/testbed)")
-        bad.mapping("accelerators", data.get("accelerators", {}) or {}, ACCELERATOR_FIELDS)
+        accelerators = data.get("accelerators", {}) or {}
+        bad.mapping("accelerators", accelerators, ACCELERATOR_FIELDS)
+        core = accelerators.get("hexagon")
+        if data["abi"] == "hexagon" or core is not None:
+            if not (isinstance(core, str) and core[:1] == "v" and core[1:].isdigit() and 60 <= int(core[1:]) <= 99):
+                bad("accelerators.hexagon", core, "must name the Hexagon core, v60 to v99 (e.g. v67)"
+                    + (" (required for ABI hexagon)" if data["abi"] == "hexagon" else ""))
+        if (data["transport"] == "qemu" and conn.get("emulator") == "qemu-hexagon"
+                and core is not None and int(core[1:]) > QEMU_HEXAGON_MAX_CORE):
+            bad("accelerators.hexagon", core, f"is newer than qemu-hexagon emulates (up to v{QEMU_HEXAGON_MAX_CORE})")
+        if tools.get("hexagon_runner") and data["abi"] != "hexagon":
+            bad("tools.hexagon_runner", tools["hexagon_runner"], "is only for ABI hexagon")
         bad.mapping("health", data.get("health", {}) or {}, HEALTH_FIELDS)
         bad.mapping("timeouts", data.get("timeouts", {}) or {}, TIMEOUT_FIELDS)
         iree = data.get("iree", {}) or {}

@@ -19,8 +19,8 @@ against two independent implementations rather than against itself:
 The device's filesystem is one folder: device paths under --device-root (default /data/local/tmp)
 map into --sandbox; anything else does not exist. Shell commands run with /bin/sh in the sandbox, with
 the device root spelled as the sandbox path (the command text is rewritten, and output rewritten
-back), a `getprop` answering from --prop values, and an exec shim that runs ARM ELF binaries under
-qemu-user (the job binfmt_misc does on a real Linux host, which a test machine may not have).
+back), a `getprop` answering from --prop values, and an exec shim that runs ARM, AArch64 and Hexagon
+ELF binaries under qemu-user (the job binfmt_misc does on a real Linux host, which a test machine may not have).
 
 Faults for the test suite: --quota (a full device: SEND fails with ENOSPC), --corrupt-recv N (flip a
 byte in the first N pulls), --drop-after-bytes N (cut the connection once after N pushed bytes).
@@ -166,7 +166,8 @@ int execvp(const char *file, char *const argv[]) {
 }
 """
 
-EMULATORS = {40: "qemu-arm", 183: "qemu-aarch64"}  # ELF e_machine: ARM, AArch64
+# ELF e_machine: ARM, AArch64, Hexagon ("QUALCOMM DSP6": static hexagon-linux-musl programs)
+EMULATORS = {40: "qemu-arm", 183: "qemu-aarch64", 164: "qemu-hexagon"}
 # Debian's cross sysroots (libc6-armhf-cross, libc6-arm64-cross): the loader and libraries of
 # dynamically linked ARM programs, such as the aarch64 IREE tools from the manylinux wheel.
 SYSROOTS = {40: "/usr/arm-linux-gnueabihf", 183: "/usr/aarch64-linux-gnu"}
@@ -241,7 +242,7 @@ class FakeDevice:
             env["TB_QEMU_PLUGIN"] = qemu_plugin_args()[1]
             env.update({f"TB_QEMU_{m}": path for m, path in emulators.items() if path})
             env.update({f"TB_QEMU_LD_{m}": SYSROOTS[m] for m, path in emulators.items()
-                        if path and os.path.isdir(SYSROOTS[m])})
+                        if path and m in SYSROOTS and os.path.isdir(SYSROOTS[m])})
         return env
 
     # Device paths <-> sandbox paths.

@@ -15,6 +15,7 @@ def run_on(device, overrides):
     return runner.execute(config.load([f"device={device.name}", "backend=native", *overrides]), device=device)
 
 
+@pytest.mark.heavy_emulation  # both seed cases and their bench: minutes each under qemu-hexagon
 def test_chunk_prefill_seed_cases_pass_on_the_device(device, results_dir):
     outcome = run_on(device, ["experiment=chunk_prefill", "mode=all", "bench.reps=1", "bench.warmup=0"])
     oracles = [r for r in outcome.rows if r["kind"] == "oracle"]

@@ -14,7 +14,8 @@ from testbed.tail_oracles import check_cache_encoding, check_engine_rollback, ch
 from testbed.token_oracle import Reference, TokenCase, check_token_at_position
 from tests.native_support import mutant_program
 
-pytestmark = [pytest.mark.device, pytest.mark.requires("native")]
+# heavy_emulation: each mutant is an engine build and several engine runs; left out on qemu-hexagon
+pytestmark = [pytest.mark.device, pytest.mark.requires("native"), pytest.mark.heavy_emulation]
 
 SMALL = gemma.tiny_config(window=64)
 CHUNK = 16

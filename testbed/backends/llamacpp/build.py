@@ -18,6 +18,12 @@ Targets, chosen from the device profile (target_for):
   host          the machine itself, GGML_NATIVE on (what this CPU has)
   aarch64       arm64-v8a Linux or Android CPU: Debian's aarch64-linux-gnu cross compiler, static
                 binaries (no sysroot needed under qemu-aarch64 or on a phone), GGML_NATIVE off
+  hexagon       a device of ABI hexagon (qemu-hexagon, adb-loopback-hexagon): ggml's CPU backend (generic
+                C, no Hexagon-specific code) and the programs built with zig's clang and libc++ for
+                hexagon-linux-musl (-mcpu=hexagonv67), static; zig, CMake's compiler wrappers and zig's
+                caches are testbed's (.cache/llamacpp/zig/, .cache/zig/). ggml's own Hexagon backend
+                (GGML_HEXAGON: the HTP ops for a phone's NPU, built with Qualcomm's SDK and started over
+                FastRPC) is not this build: it needs the SDK's toolchain and an Android host side
   android-htp   a phone whose profile has `htp`: the Android NDK with ggml's Hexagon backend
                 (GGML_HEXAGON); needs ANDROID_NDK_HOME and HEXAGON_SDK_ROOT / HEXAGON_TOOLS_ROOT
                 (Qualcomm's SDK, not in any registry here) and is refused with that message otherwise;
@@ -54,7 +60,7 @@ SDIST = ("llama-cpp-python", "0.3.36")
 HERE = Path(__file__).resolve().parent
 CACHE = ROOT / ".cache" / "llamacpp"
 PROGRAMS = ("test-backend-ops", "tb_ggml_gdn", "llama-bench", "tb_llama_logits")
-TARGETS = ("host", "aarch64", "android-htp")
+TARGETS = ("host", "aarch64", "hexagon", "android-htp")
 # Top-level entries of a llama.cpp tree a build never reads (the snapshot and its hash leave them out).
 NOT_BUILT = ("models", "docs", "media", "examples", "pocs", "gguf-py", "scripts", "benches", "skills")
 # testbed's own inputs to the build: the CMake project, the program and the .npy harness it links.
@@ -170,8 +176,10 @@ def target_for(name: str, abi: str, capabilities) -> str:
         return "host"
     if abi == "arm64-v8a":
         return "android-htp" if "htp" in (capabilities or ()) else "aarch64"
+    if abi == "hexagon":
+        return "hexagon"
     raise BuildError(f"device={name} has ABI {abi!r}; llama.cpp's tools are built for: host, arm64-v8a "
-                     "(aarch64, or android-htp where the profile has htp)")
+                     "(aarch64, or android-htp where the profile has htp), hexagon")
 
 
 def _require(tool: str, package: str) -> str:
@@ -192,6 +200,12 @@ def cmake_options(target: str) -> list[str]:
                          f"-DCMAKE_C_COMPILER={_require('aarch64-linux-gnu-gcc', 'gcc-aarch64-linux-gnu')}",
                          f"-DCMAKE_CXX_COMPILER={_require('aarch64-linux-gnu-g++', 'g++-aarch64-linux-gnu')}",
                          "-DCMAKE_EXE_LINKER_FLAGS=-static"]
+    if target == "hexagon":
+        wrappers = zig_wrappers("hexagon")
+        return common + ["-DGGML_NATIVE=OFF", "-DCMAKE_SYSTEM_NAME=Linux", "-DCMAKE_SYSTEM_PROCESSOR=hexagon",
+                         f"-DCMAKE_C_COMPILER={wrappers['cc']}", f"-DCMAKE_CXX_COMPILER={wrappers['c++']}",
+                         f"-DCMAKE_AR={wrappers['ar']}", f"-DCMAKE_RANLIB={wrappers['ranlib']}",
+                         "-DCMAKE_EXE_LINKER_FLAGS=-static", "-DGGML_CPU_REPACK=OFF", "-DGGML_LLAMAFILE=OFF"]
     if target == "android-htp":
         ndk, sdk, tools = (os.environ.get(v, "") for v in ("ANDROID_NDK_HOME", "HEXAGON_SDK_ROOT", "HEXAGON_TOOLS_ROOT"))
         if not (ndk and sdk and tools):
@@ -204,6 +218,49 @@ def cmake_options(target: str) -> list[str]:
     raise BuildError(f"target {target!r} is not accepted; accepted: {', '.join(TARGETS)}")
 
 
+ZIG_TARGET = {"hexagon": ("hexagon-linux-musl", "-mcpu=hexagonv67")}
+
+
+def zig_wrappers(target: str, cache: Path = CACHE) -> dict[str, Path]:
+    """Executables CMake can take as its compilers, archiver and ranlib: each runs zig's (`zig cc
+    -target ...`, `zig c++ ...`, `zig ar`, `zig ranlib`) with zig's caches under .cache/zig/. Written
+    once per content (their text names zig's path and version)."""
+    from testbed.backends.native.build import BuildError as KernelBuildError, zig_binary, zig_env
+
+    try:
+        zig = zig_binary()
+    except KernelBuildError as e:
+        raise BuildError(str(e)) from None
+    triple, cpu = ZIG_TARGET[target]
+    env = zig_env({})
+    exports = "".join(f'export {k}="${{{k}:-{v}}}"\n' for k, v in sorted(env.items()))
+    # -static on every call: CMake's compiler checks link too, and a static link reuses the musl the
+    # kernels' build made (a dynamic one would build another libc first)
+    commands = {"cc": f"cc -target {triple} {cpu} -static", "c++": f"c++ -target {triple} {cpu} -static", "ar": "ar",
+                "ranlib": "ranlib"}
+    texts = {name: f"#!/bin/sh\n# zig's {name} for {target} (testbed.backends.llamacpp.build)\n{exports}"
+                   f'exec "{zig}" {command} "$@"\n' for name, command in commands.items()}
+    digest = hashlib.sha256("".join(texts.values()).encode()).hexdigest()[:12]
+    folder = cache / "zig" / f"{target}-{digest}"
+    if not all((folder / name).is_file() for name in texts):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in texts.items():
+            _write_whole(folder / name, lambda tmp, text=text: (tmp.write_text(text), tmp.chmod(0o755)))
+    return {name: folder / name for name in texts}
+
+
+def toolchain_of(target: str, options: list[str]) -> dict:
+    """Which toolchain built a target's programs (stored in build.json, carried by the evidence)."""
+    if target in ZIG_TARGET:
+        triple, cpu = ZIG_TARGET[target]
+        from testbed.backends.native.build import _first_line, zig_binary
+
+        return {"toolchain": "zig", "compiler": f"zig {_first_line(str(zig_binary()), 'version')} cc/c++",
+                "target": f"-target {triple} {cpu}", "libc": "musl (static), libc++"}
+    return {"toolchain": "ndk" if target == "android-htp" else "gnu",
+            "compiler": _toolchain_identity(options).splitlines()[0], "target": target}
+
+
 def _toolchain_identity(options: list[str]) -> str:
     """The compilers' versions (a compiler upgrade is a different build)."""
     compilers = [o.split("=", 1)[1] for o in options if o.startswith(("-DCMAKE_C_COMPILER=", "-DCMAKE_CXX_COMPILER="))]
@@ -211,6 +268,8 @@ def _toolchain_identity(options: list[str]) -> str:
     for cc in compilers or ["cc", "c++"]:
         p = subprocess.run([cc, "--version"], capture_output=True, text=True)
         versions.append(p.stdout.splitlines()[0] if p.returncode == 0 and p.stdout else cc)
+        if "/zig/" in cc:  # the wrapper: its text names zig's path and target
+            versions.append(Path(cc).read_text())
     return "\n".join(versions)
 
 
@@ -276,7 +335,7 @@ def build(target: str, source: str = "", programs: tuple[str, ...] = ("test-back
         out.mkdir(parents=True, exist_ok=True)
         previous = json.loads(info_path.read_text()) if info_path.is_file() else {"builds": []}
         info = {"target": target, "source": str(tree), "source_sha256": digest, "key": key, "options": options,
-                "ccache": bool(launcher),
+                "ccache": bool(launcher), "toolchain": toolchain_of(target, options),
                 "builds": previous["builds"] + [{"programs": missing, "seconds": round(seconds, 1)}]}
         # build.json first, then each program, each appearing whole or not at all
         _write_whole(info_path, lambda tmp: tmp.write_text(json.dumps(info, indent=1) + "\n"))

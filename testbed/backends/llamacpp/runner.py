@@ -16,7 +16,8 @@ from testbed.backends import Evidence
 from testbed.backends.iree.device import tool
 from testbed.backends.llamacpp import build as builder
 from testbed.backends.llamacpp import output as out
-from testbed.backends.native.device import stage_program
+from testbed.backends.native.build import ELF_MACHINE_NAMES
+from testbed.backends.native.device import runner_prefix, stage_program
 from testbed.devices import CommandResult, Device
 from testbed.devices.transport import quoted
 from testbed.errors import DeviceError, UsageError
@@ -71,23 +72,35 @@ def resolve_tools(device: Device, build, source: str, programs: tuple[str, ...],
     return Tools(device, paths, built)
 
 
-def evidence(device: Device, argv: list[str], result: CommandResult) -> list[dict]:
-    """What ran on the device: the tool's sha256 and ELF machine (its header's e_machine) read there, the
-    command, and the command's duration (llama.cpp's tools time their own work; this is the whole run,
-    as the link saw it)."""
-    read = device.run(["sh", "-c", 'sha256sum < "$1" && od -An -tu1 -j18 -N2 < "$1"', "sh", argv[0]], timeout=120)
-    words = read.stdout.split() if read.returncode == 0 else []
-    sha = words[0] if words else "unreadable"
-    machine = int(words[-2]) + 256 * int(words[-1]) if len(words) >= 4 and words[-1].isdigit() \
-        and words[-2].isdigit() else None
-    return [Evidence(device.name, argv[0].rsplit("/", 1)[-1], sha, quoted(argv), result.seconds,
-                     {"clock": "the command's duration seen through the transport",
-                      "elf_machine": machine}).as_dict()]
+def elf_machine_on_device(device: Device, path: str) -> dict:
+    """The ELF machine of a file as the device reads it (bytes 18-19 of its header), or {}."""
+    r = device.run(["od", "-An", "-tu1", "-j18", "-N2", path], timeout=60)
+    try:
+        lo, hi = (int(x) for x in r.stdout.split())
+    except ValueError:
+        return {}
+    machine = lo | hi << 8
+    return {"elf_machine": machine, "elf_machine_name": ELF_MACHINE_NAMES.get(machine, "unknown")}
+
+
+def evidence(device: Device, argv: list[str], result: CommandResult, tools: Tools | None = None) -> list[dict]:
+    """What ran on the device: the tool's sha256 and ELF machine read there, the command, the command's
+    duration (llama.cpp's tools time their own work; this is the whole run, as the link saw it), and
+    the toolchain that built it when testbed did."""
+    program = argv[len(runner_prefix(device))]
+    digest = device.run(["sha256sum", program], timeout=120)
+    sha = digest.stdout.split()[0] if digest.returncode == 0 and digest.stdout.split() else "unreadable"
+    built = {"toolchain": tools.built.info.get("toolchain")} if tools and tools.built and tools.built.info.get(
+        "toolchain") else {}
+    return [Evidence(device.name, program.rsplit("/", 1)[-1], sha, quoted(argv), result.seconds,
+                     {"clock": "the command's duration seen through the transport"}
+                     | elf_machine_on_device(device, program) | built).as_dict()]
 
 
 def harness_argv(tools: Tools, mode: str, op: str, backend: str, cases: str) -> list[str]:
     """test-backend-ops MODE -o OP -b BACKEND [-p CASES] (CASES: a regex over the case parameters)."""
-    return [tools.path("test-backend-ops"), mode, "-o", op, "-b", backend] + (["-p", cases] if cases else [])
+    return [*runner_prefix(tools.device), tools.path("test-backend-ops"), mode, "-o", op, "-b", backend] + (
+        ["-p", cases] if cases else [])
 
 
 def test_backend_ops(device: Device, op: str, backend: str, tools: Tools | None = None, cases: str = "",
@@ -96,7 +109,7 @@ def test_backend_ops(device: Device, op: str, backend: str, tools: Tools | None 
     argv = harness_argv(tools or profile_tools(device), "test", op, backend, cases)
     result = device.run(argv, timeout)
     report = out.parse_test(result.stdout)
-    report.evidence = evidence(device, argv, result)
+    report.evidence = evidence(device, argv, result, tools)
     problems = report.problems()
     if result.returncode != 0:
         problems.append(f"test-backend-ops exited {result.returncode}: {result.stderr.strip()[-200:]}")
@@ -135,7 +148,7 @@ def perf_records(device: Device, experiment: str, op: str, backend: str, tools: 
     if result.returncode != 0 or not rows:
         raise DeviceError(f"{device.name}: test-backend-ops perf -o {op} -b {backend} exited {result.returncode} "
                           f"with {len(rows)} result lines: {result.stderr.strip()[-200:]}")
-    records, ran = perf_rows_records(experiment, backend, rows, health), evidence(device, argv, result)
+    records, ran = perf_rows_records(experiment, backend, rows, health), evidence(device, argv, result, tools)
     for r in records:
         r.evidence = ran
     return records
@@ -159,12 +172,12 @@ def perf_rows_records(experiment: str, backend: str, rows: list[out.Perf], healt
 
 def llama_bench_records(device: Device, experiment: str, model: str, prompt: int, threads: int, reps: int,
                         tools: Tools | None = None, extra: list[str] = (), timeout: float | None = None) -> list[Record]:
-    argv = [(tools or profile_tools(device)).path("llama-bench"), "-m", model, "-p", str(prompt), "-n", "0", "-t", str(threads),
+    argv = [*runner_prefix(device), (tools or profile_tools(device)).path("llama-bench"), "-m", model, "-p", str(prompt), "-n", "0", "-t", str(threads),
             "-r", str(reps), "-o", "json", *extra]
     result, health = device.measured(lambda: device.run(argv, timeout))
     if result.returncode != 0:
         raise DeviceError(f"{device.name}: llama-bench exited {result.returncode}: {result.stderr.strip()[-300:]}")
-    ran = evidence(device, argv, result)
+    ran = evidence(device, argv, result, tools)
     return [Record(experiment, f"{row.test}/t{threads}", "measure", figures={"tokens_per_s": row.figure()},
                    metrics=health,
                    work={"tokens": prompt, "what": f"llama-bench {row.test}: prompt tokens per second"},

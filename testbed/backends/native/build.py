@@ -7,14 +7,25 @@ package are importable.
                  extension without Python bindings, loaded with ctypes by testbed/backends/native/library.py). The
                  sha256 of the kernel sources is compiled in, so a library older than its sources is
                  detected instead of silently measured.
-  programs       static benchmark-and-dump programs per target (host, arm32, aarch64) built by
-                 kernels/Makefile into .cache/kernels/TARGET-HASH/, where HASH covers the sources,
-                 the Makefile and the toolchain choice: unchanged inputs are never rebuilt.
+  programs       static benchmark-and-dump programs per target (host, arm32, aarch64, hexagon) built
+                 by kernels/Makefile into .cache/kernels/TARGET-HASH/, where HASH covers the sources,
+                 the Makefile and the toolchain (its name, compiler version and flags): unchanged
+                 inputs are never rebuilt. Each folder's build.json says which toolchain built it,
+                 and every device run's evidence carries that and the program's ELF machine.
+
+Toolchains (TOOLCHAINS): `gnu` (Debian's cross gcc, static glibc; the host's cc), `zig` (zig's clang
+and musl from the `ziglang` package, the optional extra `testbed[cross]`: static musl programs for
+arm32, aarch64 and hexagon, which also run on Android's kernel as they are), `ndk` (ANDROID_NDK_HOME's
+clang). The default per target: hexagon zig (nothing else builds for it here), arm32 and aarch64 ndk
+when ANDROID_NDK_HOME is set, else gnu. zig's caches live in .cache/zig/ (ZIG_GLOBAL_CACHE_DIR,
+ZIG_LOCAL_CACHE_DIR, unless set): musl and compiler-rt are built once per machine, then reused.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -33,9 +44,19 @@ else:
     KERNELS_DIR = _PACKAGE / "_shipped" / "kernels"
 LIBRARY_NAME = "_tb_kernels"
 PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench", "tb_model_bench", "tb_hybrid_bench")
-TARGETS = ("host", "arm32", "aarch64")
+TARGETS = ("host", "arm32", "aarch64", "hexagon")
+TOOLCHAINS = ("gnu", "zig", "ndk")
 # A device profile's ABI -> the programs' build target (the host profile's ABI is "host").
-TARGET_FOR_ABI = {"host": "host", "armeabi-v7a": "arm32", "arm64-v8a": "aarch64"}
+TARGET_FOR_ABI = {"host": "host", "armeabi-v7a": "arm32", "arm64-v8a": "aarch64", "hexagon": "hexagon"}
+# The Hexagon core the programs are built for: the newest qemu-hexagon 7.2 runs (it refuses an ELF
+# flagged v68 or later). Hexagon cores run code built for an earlier core, so a phone's v73 or v79 DSP
+# runs these too, without the newer cores' instructions (HVX floating point needs v68+).
+HEXAGON_CORE = "v67"
+# ELF e_machine of each target's programs, and its name as readelf prints it (evidence of what ran).
+ELF_MACHINE = {"arm32": 40, "aarch64": 183, "hexagon": 164}
+ELF_MACHINE_NAMES = {3: "Intel 80386", 40: "ARM", 62: "Advanced Micro Devices X86-64", 164: "QUALCOMM DSP6",
+                     183: "AArch64"}
+ZIG_TRIPLES = {"arm32": "arm-linux-musleabihf", "aarch64": "aarch64-linux-musl", "hexagon": "hexagon-linux-musl"}
 REBUILD_HINT = "rebuild with `pip install -e .` (or `python setup.py build_ext --inplace`) in the project root"
 
 
@@ -99,13 +120,100 @@ class BuildError(RuntimeError):
     """A toolchain is missing or a compile failed; the message says which and why."""
 
 
-def _programs_hash(target: str, fused: bool, kernels_dir: Path = KERNELS_DIR, avx512: bool = True) -> str:
+def default_toolchain(target: str) -> str:
+    if target == "hexagon":
+        return "zig"
+    if target in ("arm32", "aarch64") and os.environ.get("ANDROID_NDK_HOME"):
+        return "ndk"
+    return "gnu"
+
+
+def zig_binary() -> Path:
+    """zig from the `ziglang` package (pip install 'testbed[cross]', or ziglang itself)."""
+    try:
+        import ziglang
+    except ImportError:
+        raise BuildError("zig is not installed: pip install 'testbed[cross]' (the ziglang package, ~100 MB), "
+                         "which builds the hexagon programs and the static-musl arm32/aarch64 ones") from None
+    path = Path(ziglang.__file__).parent / "zig"
+    if not path.is_file():
+        raise BuildError(f"the ziglang package has no zig binary at {path}; reinstall it (pip install ziglang)")
+    return path
+
+
+def zig_env(env: dict | None = None) -> dict:
+    """The environment for zig: its caches under the project's .cache/zig/ (musl, libc++ and
+    compiler-rt are built there once per target, then reused), unless the caller set them."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("ZIG_GLOBAL_CACHE_DIR", str(ROOT / ".cache" / "zig" / "global"))
+    env.setdefault("ZIG_LOCAL_CACHE_DIR", str(ROOT / ".cache" / "zig" / "local"))
+    return env
+
+
+@functools.lru_cache(maxsize=None)
+def _first_line(*argv: str) -> str:
+    try:
+        p = subprocess.run(list(argv), capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return (p.stdout or p.stderr).strip().splitlines()[0] if p.returncode == 0 and (p.stdout or p.stderr).strip() else ""
+
+
+def toolchain_identity(target: str, toolchain: str) -> dict:
+    """Which compiler builds `target` with `toolchain`: its name, command and version. Part of the
+    programs' cache key and of the evidence of every run."""
+    if toolchain == "zig":
+        zig = zig_binary()
+        triple = ZIG_TRIPLES.get(target)
+        if triple is None:
+            raise BuildError(f"toolchain zig builds for {', '.join(ZIG_TRIPLES)}, not {target!r}")
+        cpu = {"hexagon": f"-mcpu=hexagon{HEXAGON_CORE}", "arm32": "-mcpu=generic+v7a+neon+vfp3",
+               "aarch64": "-mcpu=generic"}[target]
+        return {"toolchain": "zig", "compiler": f"zig {_first_line(str(zig), 'version')} cc",
+                "target": f"-target {triple} {cpu}", "libc": "musl (static)"}
+    if toolchain == "ndk":
+        ndk = os.environ.get("ANDROID_NDK_HOME", "")
+        if not ndk:
+            raise BuildError("toolchain ndk needs ANDROID_NDK_HOME (the Android NDK's folder)")
+        return {"toolchain": "ndk", "compiler": f"Android NDK clang ({ndk})", "target": target, "libc": "bionic"}
+    cc = {"arm32": "arm-linux-gnueabihf-gcc", "aarch64": "aarch64-linux-gnu-gcc"}.get(target,
+                                                                                    os.environ.get("HOST_CC", "cc"))
+    if target == "hexagon":
+        raise BuildError("the hexagon programs build with toolchain zig only (no gcc targets Hexagon)")
+    return {"toolchain": "gnu", "compiler": _first_line(cc, "--version") or cc, "target": target,
+            "libc": "glibc (static)"}
+
+
+def _programs_hash(target: str, fused: bool, kernels_dir: Path = KERNELS_DIR, avx512: bool = True,
+                   toolchain: str | None = None) -> str:
+    toolchain = toolchain or default_toolchain(target)
     h = hashlib.sha256(f"{target} fused={int(fused)}{'' if avx512 else ' avx512=0'}".encode())
     for path in sorted(kernels_dir.rglob("*")):
         if path.is_file() and (path.suffix in (".c", ".h") or path.name == "Makefile"):
             h.update(str(path.relative_to(kernels_dir)).encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(json.dumps(toolchain_identity(target, toolchain), sort_keys=True).encode())
     h.update(os.environ.get("ANDROID_NDK_HOME", "").encode())
     return h.hexdigest()
+
+
+def build_info(program: Path) -> dict:
+    """What built a program: its folder's build.json (target, toolchain, compiler), or {}."""
+    try:
+        return json.loads((Path(program).parent / "build.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def elf_machine(path: Path) -> int | None:
+    """The ELF header's e_machine (40 ARM, 183 AArch64, 164 Hexagon, 62 x86-64), or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(20)
+    except OSError:
+        return None
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return None
+    return int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
 
 
 def target_for_abi(abi: str) -> str:
@@ -118,16 +226,22 @@ def target_for_abi(abi: str) -> str:
 
 
 def build_programs(target: str, fused: bool = False, cache_dir: Path | None = None,
-                   kernels_dir: Path = KERNELS_DIR, avx512: bool = True) -> Path:
+                   kernels_dir: Path = KERNELS_DIR, avx512: bool = True, toolchain: str | None = None) -> Path:
     """Build (or reuse) the static programs for `target`; returns the folder holding them.
     fused=False (the default) gives the builds that are bit-exact across targets. kernels_dir: a copy
     of kernels/, possibly altered (the tests' planted bugs), or another revision's (testbed ab).
-    avx512=False: the host build without AVX-512, which valgrind can run (host instruction counts)."""
+    avx512=False: the host build without AVX-512, which valgrind can run (host instruction counts).
+    toolchain: gnu, zig or ndk (default_toolchain(target) when None)."""
     if target not in TARGETS:
         raise ValueError(f"target {target!r} is not one of {', '.join(TARGETS)}")
+    toolchain = toolchain or default_toolchain(target)
+    if toolchain not in TOOLCHAINS:
+        raise ValueError(f"toolchain {toolchain!r} is not one of {', '.join(TOOLCHAINS)}")
+    identity = toolchain_identity(target, toolchain)
     cache_dir = cache_dir or ROOT / ".cache" / "kernels"
-    variant = ("-fused" if fused else "") + ("" if avx512 else "-noavx512")
-    out = cache_dir / f"{target}{variant}-{_programs_hash(target, fused, kernels_dir, avx512)[:16]}"
+    variant = ("" if toolchain == default_toolchain(target) else f"-{toolchain}") + ("-fused" if fused else "") + \
+        ("" if avx512 else "-noavx512")
+    out = cache_dir / f"{target}{variant}-{_programs_hash(target, fused, kernels_dir, avx512, toolchain)[:16]}"
     if all((out / p).is_file() for p in PROGRAMS):
         return out
     if shutil.which("make") is None:
@@ -136,14 +250,17 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     argv = ["make", "-s", f"-j{os.cpu_count() or 1}", "-C", str(kernels_dir), f"TARGET={target}", f"OUT={tmp}",
-            f"SOURCE_HASH={source_hash(kernels_dir)}", f"FUSED={int(fused)}", *([] if avx512 else ["AVX512=0"]),
-            "programs"]
-    p = subprocess.run(argv, capture_output=True, text=True)
+            f"TOOLCHAIN={toolchain}", f"SOURCE_HASH={source_hash(kernels_dir)}", f"FUSED={int(fused)}",
+            *([] if avx512 else ["AVX512=0"]),
+            *([f"ZIG={zig_binary()}", f"HEXAGON_CORE={HEXAGON_CORE}"] if toolchain == "zig" else []), "programs"]
+    p = subprocess.run(argv, capture_output=True, text=True, env=zig_env() if toolchain == "zig" else None)
     if p.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
         raise BuildError(f"building the {target} programs failed: {' | '.join(tail)}")
     shutil.rmtree(tmp / "obj")
+    (tmp / "build.json").write_text(json.dumps({"target": target, **identity, "fused": fused,
+                                                "elf_machine": ELF_MACHINE.get(target)}, indent=1) + "\n")
     # a finished build appears at once, so a concurrent or interrupted one never leaves half a folder
     try:
         tmp.rename(out)

@@ -38,6 +38,7 @@ import numpy as np
 
 from testbed import counts as counting
 from testbed.backends import Evidence
+from testbed.backends.native.build import ELF_MACHINE_NAMES, build_info, elf_machine
 from testbed.devices import CommandResult, Device
 from testbed.devices.local import elf_machine
 from testbed.devices.transport import quoted, sha256_file
@@ -90,6 +91,27 @@ def program_digest(program: Path) -> str:
     return _digest(program, st.st_mtime_ns, st.st_size)
 
 
+def program_identity(program: Path) -> dict:
+    """What the pushed bytes are: the ELF machine of the program (the file whose sha256 the evidence
+    names) and the toolchain that built it (its build folder's build.json), where known."""
+    machine = elf_machine(program)
+    info = build_info(program)
+    # kernels/' build.json holds the toolchain's fields at its top; llama.cpp's, under "toolchain"
+    toolchain = info.get("toolchain") if isinstance(info.get("toolchain"), dict) else {
+        k: info[k] for k in ("toolchain", "compiler", "target", "libc") if k in info}
+    return ({"elf_machine": machine, "elf_machine_name": ELF_MACHINE_NAMES.get(machine, "unknown")}
+            if machine is not None else {}) | ({"toolchain": toolchain} if toolchain else {})
+
+
+def runner_prefix(device: Device) -> list[str]:
+    """What starts a program on the device: nothing, or on a Hexagon device whose profile names the
+    vendor SDK's runner (tools.hexagon_runner, e.g. "run_main_on_hexagon 3"), that runner."""
+    import shlex
+
+    runner = device.profile.tools.get("hexagon_runner") if device.profile.abi == "hexagon" else None
+    return shlex.split(runner) if runner else []
+
+
 def stage_program(device: Device, program: Path) -> str:
     """The program's path on the device, pushed once per content: bin/SHA/NAME is reused while the
     device still holds those exact bytes (checked by size and sha256 on the device)."""
@@ -121,7 +143,24 @@ def stage_inputs(device: Device, inputs: dict[str, np.ndarray], tmp: Path) -> st
     return folder
 
 
+class WrongMachine(NativeRunFailed):
+    """The program is an ELF for another machine than the device's ABI runs: under qemu-user a host
+    program would run natively and its outputs be filed under the device's name."""
+
+
+def check_machine(device: Device, program: Path) -> None:
+    from testbed.devices.profile import ELF_MACHINE_FOR_ABI
+
+    expected = ELF_MACHINE_FOR_ABI.get(device.profile.abi)
+    machine = elf_machine(program)
+    if expected is not None and machine is not None and machine != expected:
+        raise WrongMachine(f"{device.name}: {program.name} ({program.parent.name}) is an ELF for machine {machine} "
+                           f"({ELF_MACHINE_NAMES.get(machine, 'unknown')}), not for the device's ABI "
+                           f"{device.profile.abi} ({expected}); refused: it would not compute on the device")
+
+
 def run_native(device: Device, job: NativeJob) -> NativeResult:
+    check_machine(device, job.program)
     run_dir = f"runs/{secrets.token_hex(6)}"
     try:
         with tempfile.TemporaryDirectory(prefix="testbed-native-") as tmp:
@@ -137,7 +176,7 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
                     local = tmp / f"{name}.npy"
                     np.save(local, np.ascontiguousarray(array))
                     device.push(local, f"{run_dir}/{name}.npy")
-            argv = [f"../../{program}", *args]
+            argv = [*runner_prefix(device), f"../../{program}", *args]
             valgrind = job.count and not device.profile.has("counts")
             if valgrind:
                 argv = counting.valgrind_argv(argv)
@@ -192,9 +231,9 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
                                  "clock": "the program's CLOCK_MONOTONIC on the device",
                                  # the whole command as the host saw it: process start, input load,
                                  # warm-up, output write and the link, around the timed kernel calls
-                                 "command_seconds": result.seconds,
-                                 # what kind of program the pushed bytes are (runner.check_evidence)
-                                 "elf_machine": elf_machine(job.program)}
+                                 "command_seconds": result.seconds}
+                                # what kind of program the pushed bytes are (runner.check_evidence)
+                                | program_identity(job.program)
                                 | ({"instructions": counts.metadata()} if counts else {}))
             return NativeResult(outputs, timings, result, health, evidence, counts)
     finally:

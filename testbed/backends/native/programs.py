@@ -1,7 +1,8 @@
 """Running the benchmark-and-dump programs (kernels/bench/) on the host or under qemu-user.
 
 Each call writes the inputs as .npy into a fresh folder, runs the program for the target (natively
-for `host`, through `qemu-arm` / `qemu-aarch64` for the ARM builds), and reads back the outputs and
+for `host`, through `qemu-arm` / `qemu-aarch64` / `qemu-hexagon` for the ARM and Hexagon builds,
+whichever toolchain built them), and reads back the outputs and
 the timings JSON. Timings under emulation are only a sign of life, never a device figure.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-EMULATORS = {"host": [], "arm32": ["qemu-arm"], "aarch64": ["qemu-aarch64"]}
+EMULATORS = {"host": [], "arm32": ["qemu-arm"], "aarch64": ["qemu-aarch64"], "hexagon": ["qemu-hexagon"]}
 
 
 class ProgramError(RuntimeError):
