@@ -35,6 +35,7 @@ nightly's history keeps per-night A/B ratios, never raw times from different nig
 
 from __future__ import annotations
 
+import io
 import shutil
 import subprocess
 import sys
@@ -47,6 +48,7 @@ import numpy as np
 import pandas as pd
 
 from testbed import PROJECT_ROOT, config, experiments, runner, tables
+from testbed.history import holm
 from testbed.backends import EvidenceLog
 from testbed.backends.native.build import build_programs, source_hash, target_for_abi
 from testbed.backends.native.device import NativeJob, run_native
@@ -98,18 +100,27 @@ def resolve_tree(spec: str) -> Tree:
 
 def _extract(sha: str, out: Path) -> None:
     """kernels/ of commit `sha` into `out`, whole or not at all."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    def fill(tmp: Path) -> None:
         archive = subprocess.run(["git", "-C", str(PROJECT_ROOT), "archive", "--format=tar", sha, "kernels"],
                                  capture_output=True)
         if archive.returncode != 0:
             raise UsageError(f"git archive of {sha[:12]} failed: {archive.stderr.decode(errors='replace').strip()}")
-        with tarfile.open(fileobj=__import__("io").BytesIO(archive.stdout)) as tar:
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(tmp, filter="data")  # no links or paths out of tmp
+
+    _whole(out, fill)
+
+
+def _whole(out: Path, fill) -> None:
+    """`fill(tmp)` a fresh folder beside `out`, then rename it to `out`: a concurrent or interrupted
+    filling never leaves half a folder under the final name."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        fill(tmp)
         try:
             tmp.rename(out)
-        except OSError:  # another process extracted the same tree first
+        except OSError:  # another process filled the same folder first
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -122,18 +133,8 @@ def snapshot(tree: Tree) -> Tree:
     digest = source_hash(tree.kernels_dir)[:16]
     out = PROJECT_ROOT / ".cache" / "ab" / f"kernels-src-{digest}"
     if not (out / "kernels" / "Makefile").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-        try:
-            shutil.copytree(tree.kernels_dir, tmp / "kernels", symlinks=False,
-                            ignore=shutil.ignore_patterns("build", "*.o", "*.so"))
-            try:
-                tmp.rename(out)
-            except OSError:  # another process made the same copy first
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        _whole(out, lambda tmp: shutil.copytree(tree.kernels_dir, tmp / "kernels", symlinks=False,
+                                                ignore=shutil.ignore_patterns("build", "*.o", "*.so")))
     return Tree(tree.spec, f"kernels:{digest} ({tree.revision})", out / "kernels")
 
 
@@ -165,16 +166,6 @@ class Side:
     instructions: list[int] = field(default_factory=list)
     kernel: str = ""
     outputs: dict[str, np.ndarray] | None = None
-
-
-def _holm(p: list[float]) -> list[float]:
-    """Holm's step-down adjustment: controls the chance of any false call over the family."""
-    order = sorted(range(len(p)), key=lambda i: p[i])
-    adjusted, running = [1.0] * len(p), 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (len(p) - rank) * p[i]))
-        adjusted[i] = running
-    return adjusted
 
 
 def signed_rank_p(ratios: list[float]) -> float | None:
@@ -271,7 +262,7 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
     p_adj = {}
     for clock, ps in p_raw.items():
         known = [p for p in ps if p is not None]
-        adjusted = iter(_holm(known))
+        adjusted = iter(holm(known))  # the chance of any false call over the calls
         p_adj[clock] = [None if p is None else next(adjusted) for p in ps]
 
     for i, call in enumerate(calls):

@@ -113,6 +113,3 @@ def test_time_judge_finds_a_real_slowdown_and_no_false_one():
     assert ab.time_verdict([1.3] * 5, ab.signed_rank_p([1.3] * 5), 0.02) == "too few pairs"
 
 
-def test_holm_adjusts_a_family_of_p_values():
-    assert ab._holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
-    assert ab._holm([]) == []
