@@ -2,7 +2,7 @@
 
 Input: one row per prompt length with the columns
     prompt_tokens, tail, padded_tps, scalar_tps, padded_ttft_ms, scalar_ttft_ms
-(the fixture ../shared/fixtures/tail_sweep_m4pro_gemma4_e2b.csv has exactly these; the `tail`
+(the fixture fixtures/tail_sweep_m4pro_gemma4_e2b.csv has exactly these; the `tail`
 experiment's records are reshaped into them). Output: the reviewer's table, and the breakeven tail
 the padding policy can use.
 """

@@ -16,15 +16,12 @@ from testbed.results import Figure, Record, RunInfo
 
 TAIL_SWEEP = "tail_sweep_m4pro_gemma4_e2b.csv"
 CHUNK_PREFILL = "chunk_prefill_functiongemma.csv"
-SHARED_FIXTURES = Path("/work/shared/fixtures")
 SEED_MODEL = "FunctionGemma (seed 000)"  # the model of the seed's chunk-call figures
 EXPECTED_TOKEN = 48  # the all-positions redecode token at position 851 for the seed's model and prompt
 
 
 def fixtures_dir(configured: str) -> Path:
-    for candidate in (project_path(configured), SHARED_FIXTURES):
-        if candidate.is_dir():
-            return candidate
+    """The fixtures folder (config key fixtures_dir), inside the project: a clone stands alone."""
     return project_path(configured)
 
 

@@ -1,7 +1,7 @@
 """`testbed run llamacpp` end to end on a phone over ADB (the loopback adbd): the tool paths come from
 the profile, the outputs travel back over ADB, become records, and the run reports "36/36 OK" and
 pp512 tokens/s. The phone here has no Hexagon NPU, so its llama.cpp tools are stand-ins that replay
-real test-backend-ops output (../shared/fixtures) and a llama-bench JSON output."""
+real test-backend-ops output (fixtures/) and a llama-bench JSON output."""
 
 import dataclasses
 from pathlib import Path

@@ -42,7 +42,6 @@ from testbed.results import Record
 from testbed.token_oracle import Reference, TokenCase, check_mask_heads, check_token_at_position
 
 PRESETS = {"tiny": gemma.tiny_config, "functiongemma": gemma.functiongemma_config}
-FIXTURES_FALLBACK = Path("/work/shared/fixtures")
 
 PARAMS = {
     "backend": Choice(tuple(backends.implementing("gemma"))),
@@ -278,12 +277,11 @@ def render_latency(title: str, chunk_s: dict[int, float], decode_s: float, lengt
 
 
 def fixture_file(cfg: DictConfig) -> Path:
-    """The seed's CSV: under fixtures_dir (relative to the project root), else the shared folder."""
-    for folder in (project_path(cfg.fixtures_dir), FIXTURES_FALLBACK):
-        if (folder / cfg.fixture.file).is_file():
-            return folder / cfg.fixture.file
-    raise UsageError(f"fixture {cfg.fixture.file!r} not found in {project_path(cfg.fixtures_dir)} "
-                     f"or {FIXTURES_FALLBACK}")
+    """The seed's CSV, under fixtures_dir (relative to the project root)."""
+    path = project_path(cfg.fixtures_dir) / cfg.fixture.file
+    if not path.is_file():
+        raise UsageError(f"fixture {cfg.fixture.file!r} not found in {path.parent}")
+    return path
 
 
 def fixture_chunk_times(path: Path, target: str) -> dict[int, float]:
