@@ -38,9 +38,9 @@ fi
 python3 -m pip install -q --disable-pip-version-check -e ".[$extras]"
 
 if [ "${1:-}" = "--test" ]; then
-  # What the suites would otherwise fetch from the package index while they run, where their network
-  # guard lets nothing out of loopback: the aarch64 IREE runtime tools and llama.cpp's sources (the
-  # llama-cpp-python sdist), each fetched once into .cache/ and reused.
+  # What the suites would otherwise fetch from the package index in the middle of a test: the aarch64
+  # IREE runtime tools and llama.cpp's sources (the llama-cpp-python sdist), each fetched once into
+  # .cache/ and reused; the install step is where the network is used, the tests stay on this machine.
   python3 -c "from testbed.backends.iree.device import aarch64_tools_folder as iree; \
 from testbed.backends.llamacpp.build import sdist_source as llama; iree(print); llama()"
 fi
