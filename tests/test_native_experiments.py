@@ -18,7 +18,11 @@ def test_gdn_native_oracles_and_bench_records(results_dir):
     oracles = df[df["kind"] == "oracle"]
     assert len(oracles) and (oracles["verdict"] == "pass").all()
     assert set(oracles["oracle"]) == {"nmse", "bitexact"}
-    bench = df[df["kind"] == "measure"]
+    measured = df[df["kind"] == "measure"]
+    # the forms' records, and the run's machine probe (numpy's sgemm on the kernel's thread count)
+    probe = measured[measured["params.role"] == "machine_probe"]
+    bench = measured[measured["params.role"] != "machine_probe"]
+    assert len(probe) == 1 and probe["figures.sgemm.role"].iloc[0] == "machine_probe"
     assert sorted(bench["params.form"]) == ["chunkwise", "serial"]
     assert (bench["params.threads"] == 2).all()
     assert (bench["artifacts.kernels_source_hash"] == kernel_build.source_hash()).all()
