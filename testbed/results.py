@@ -206,13 +206,35 @@ def unfinished_run_record(start: dict, kept: int, marked: bool = True) -> dict:
             "incomplete": True}
 
 
-def _is_id(value) -> bool:
+def valid_id(value) -> bool:
     return isinstance(value, str)
 
 
-# What every record has (RunInfo.stamp); readers and reports rely on them.
-RECORD_FIELDS = ("record_id", "run_id", "experiment", "case", "kind", "device", "backend", "started", "config",
-                 "fingerprint", "git_commit", "testbed_version", "params", "figures", "metrics")
+# What every record has (RunInfo.stamp), and of what type; readers and reports rely on them.
+RECORD_TYPES = {"record_id": str, "run_id": str, "experiment": str, "case": str, "kind": str, "device": str,
+                "backend": str, "started": str, "config": dict, "fingerprint": dict, "git_commit": str,
+                "testbed_version": str, "params": dict, "figures": dict, "metrics": dict}
+RECORD_FIELDS = tuple(RECORD_TYPES)
+# What some records have, and of what type when they do (null allowed).
+OPTIONAL_TYPES = {"verdict": str, "oracle": str, "margin": (int, float), "detail": str, "evidence": list,
+                  "work": dict, "artifacts": dict, "emulated": bool, "host_load": dict}
+
+
+def malformed(row: dict) -> str | None:
+    """Why a row that says it is a record cannot be used as one (a field missing, or of a type no
+    testbed writes: a damaged or hostile store), or None."""
+    for name, kind in RECORD_TYPES.items():
+        if name not in row:
+            return f"no {name}"
+        if not isinstance(row[name], kind) or isinstance(row[name], bool):
+            return f"{name} is a {type(row[name]).__name__}"
+    for name, kind in OPTIONAL_TYPES.items():
+        value = row.get(name)
+        if value is not None and (not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)):
+            return f"{name} is a {type(value).__name__}"
+    if row["kind"] not in ("oracle", "measure"):
+        return f"kind {row['kind']!r}"
+    return None
 
 # The free space a run needs before it starts: room for its records with a wide margin.
 MIN_FREE_BYTES = 1 << 20
@@ -362,6 +384,8 @@ class ResultsStore:
                 found.problems.append(f"{n}: a JSON {type(row).__name__}, not an object")
             elif isinstance(row.get("schema"), int) and row["schema"] > SCHEMA:
                 found.problems.append(f"{n}: schema {row['schema']}, newer than this testbed's {SCHEMA}")
+            elif not isinstance(row.get("commit", ""), str) or not isinstance(row.get("batch", ""), str):
+                found.problems.append(f"{n}: a batch or commit id that is not a string")
             elif "commit" in row:
                 rows = pending.pop(row["commit"], [])
                 if len(rows) == row.get("rows"):
@@ -392,26 +416,29 @@ class ResultsStore:
         that says it is a record but lacks a field every record has is skipped with a warning (tables
         and reports would stumble on it)."""
         rows = self.rows()
-        starts = {r["run_id"]: r for r in rows if r.get("run_mark") == "started" and _is_id(r.get("run_id"))}
+        starts = {r["run_id"]: r for r in rows if r.get("run_mark") == "started" and valid_id(r.get("run_id"))}
         outcomes = {r["run_id"]: r.get("outcome") for r in rows
-                    if r.get("run_mark") == "ended" and _is_id(r.get("run_id"))}
-        out, kept, unmarked, malformed = [], {}, {}, 0
+                    if r.get("run_mark") == "ended" and valid_id(r.get("run_id"))}
+        out, kept, unmarked, set_aside = [], {}, {}, []
         for r in rows:
             if "record_id" not in r:
                 continue
-            if any(f not in r for f in RECORD_FIELDS) or not _is_id(r["run_id"]):
-                malformed += 1
+            why = malformed(r)
+            if why:
+                set_aside.append(why)
                 continue
             run = r["run_id"]
+            r.pop("incomplete", None)  # the reader's to say, never a stored field's
             if outcomes.get(run) != "complete" and (run in starts or r.get("schema") != 1):
                 r["incomplete"] = True
                 kept[run] = kept.get(run, 0) + 1
                 if run not in starts:
                     unmarked.setdefault(run, r)
             out.append(r)
-        if malformed:
-            warnings.warn(f"{self.path}: skipped {malformed} records without the fields every record has "
-                          f"({', '.join(RECORD_FIELDS)})")
+        if set_aside:
+            warnings.warn(f"{self.path}: skipped {len(set_aside)} records without the fields every record has "
+                          f"({', '.join(RECORD_FIELDS)}), or with one of a type testbed never writes (first: "
+                          f"{set_aside[0]}); `testbed records verify` counts them")
         out += [unfinished_run_record(start, kept.get(run, 0)) for run, start in starts.items() if run not in outcomes]
         out += [unfinished_run_record(first, kept[run], marked=False) for run, first in unmarked.items()
                 if run not in outcomes]
