@@ -1,4 +1,4 @@
-"""llama.cpp tool outputs -> verdicts and figures. test-backend-ops: real outputs (../shared/fixtures)
+"""llama.cpp tool outputs -> verdicts and figures. test-backend-ops: real outputs (fixtures/)
 and realistic breakage planted in them (a failing case, a run cut short, a lying summary).
 llama-bench: its three documented formats describing one run (tests/data/llama-bench) must agree."""
 
@@ -13,10 +13,9 @@ from testbed.errors import DeviceError
 
 
 def fixtures() -> Path:
-    for root in (PROJECT_ROOT.parent / "shared" / "fixtures", Path("/work/shared/fixtures")):
-        if (root / "test-backend-ops").is_dir():
-            return root / "test-backend-ops"
-    pytest.skip("the shared fixtures folder is not present")
+    from testbed import config, seed
+
+    return seed.fixtures_dir(config.load([]).cfg.fixtures_dir) / "test-backend-ops"
 
 
 def read(name: str) -> str:

@@ -32,7 +32,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma
-from testbed import backends, tables
+from testbed import backends, seed, tables
 from testbed.backends.native.engine import WEIGHT_DTYPES, dequantized
 from testbed.backends.iree.artifacts import target_names
 from testbed.checkpoints import load_checkpoint
@@ -44,7 +44,6 @@ from testbed.results import Record
 from testbed.token_oracle import Reference, TokenCase, check_mask_heads, check_token_at_position
 
 PRESETS = {"tiny": gemma.tiny_config, "functiongemma": gemma.functiongemma_config}
-FIXTURES_FALLBACK = Path("/work/shared/fixtures")
 
 PARAMS = {
     "backend": Choice(tuple(backends.implementing("gemma"))),
@@ -281,12 +280,11 @@ def render_latency(title: str, chunk_s: dict[int, float], decode_s: float, lengt
 
 
 def fixture_file(cfg: DictConfig) -> Path:
-    """The seed's CSV: under fixtures_dir (relative to the project root), else the shared folder."""
-    for folder in (project_path(cfg.fixtures_dir), FIXTURES_FALLBACK):
-        if (folder / cfg.fixture.file).is_file():
-            return folder / cfg.fixture.file
-    raise UsageError(f"fixture {cfg.fixture.file!r} not found in {project_path(cfg.fixtures_dir)} "
-                     f"or {FIXTURES_FALLBACK}")
+    """The seed's CSV, under fixtures_dir (testbed.seed.fixtures_dir)."""
+    path = seed.fixtures_dir(cfg.fixtures_dir) / cfg.fixture.file
+    if not path.is_file():
+        raise UsageError(f"fixture {cfg.fixture.file!r} not found in {path.parent} (config key fixtures_dir)")
+    return path
 
 
 def fixture_chunk_times(path: Path, target: str) -> dict[int, float]:
