@@ -33,6 +33,7 @@ import math
 import os
 import re
 import socket
+import stat
 import subprocess
 import uuid
 import warnings
@@ -338,7 +339,8 @@ class ResultsStore:
             found = self.scan()
             dropped = [row for batch in found.batches for row in batch if not keep(row)]
             stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-            fresh = self.root / f".{self.FILE}.{uuid.uuid4().hex[:8]}.new"
+            target = Path(os.path.realpath(self.path))  # a symlinked store stays a symlink: its file is replaced
+            fresh = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.new"
             try:
                 with open(fresh, "wb") as f:
                     for batch in found.batches:
@@ -350,8 +352,9 @@ class ResultsStore:
                             f.write((json.dumps({"commit": name, "rows": len(kept)}) + "\n").encode())
                     f.flush()
                     os.fsync(f.fileno())
-                os.link(self.path, self.root / f"{self.FILE}.before-{stamp}")
-                os.replace(fresh, self.path)
+                os.link(target, target.parent / f"{target.name}.before-{stamp}")
+                os.chmod(fresh, stat.S_IMODE(os.stat(target).st_mode))
+                os.replace(fresh, target)
             except OSError as e:
                 fresh.unlink(missing_ok=True)
                 raise StoreError(f"results store {self.path} not rewritten (left as it was): {e.strerror}") from None

@@ -167,3 +167,22 @@ def test_records_of_a_run_without_marks_read_incomplete(results_dir, capsys):
         capsys.readouterr().out
     store.append([rows[-1]])  # its end mark: "ended complete"
     assert all(passed(r) for r in store.records())
+
+
+def test_rm_keeps_a_symlinked_store_a_symlink(results_dir, tmp_path, capsys):
+    """Issue 24, item 21: the rewrite replaced the link with a regular file, so the store it pointed at
+    kept every removed record and the link's folder held a copy."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    real = ResultsStore(elsewhere)
+    gone, rows = run_rows(2)
+    kept, more = run_rows(1)
+    real.append(rows)
+    real.append(more)
+    results_dir.mkdir()
+    (results_dir / "records.jsonl").symlink_to(real.path)
+    assert main(["records", "rm", "--run", gone.run_id]) == 0
+    assert (results_dir / "records.jsonl").is_symlink()
+    assert {r["run_id"] for r in real.records()} == {kept.run_id}
+    assert list(elsewhere.glob("records.jsonl.before-*"))
+
