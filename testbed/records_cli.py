@@ -188,7 +188,13 @@ def cmd_rm(args) -> int:
                              f"accepted: {', '.join(sorted(log)) or 'none'}")
         runs |= {run for n in nights for d in log[n].get("devices", {}).values() for run in d.get("runs", [])}
 
-    refuse_unended(store.scan().rows, runs, args.force)
+    found = store.scan()
+    known = {run_of(r) for r in found.rows} - {None}
+    unknown = sorted(set(args.run) - known)
+    if unknown:
+        raise UsageError(f"--run {unknown[0]!r} is not a run in {store.path}; nothing changed (`testbed records "
+                         f"export` lists the runs)")
+    refuse_unended(found.rows, runs, args.force)
 
     def selected(row: dict) -> bool:
         by_run = not (args.run or args.night) or run_of(row) in runs
@@ -196,8 +202,11 @@ def cmd_rm(args) -> int:
             return by_run and matches(row, where)
         return bool(args.run or args.night) and run_of(row) in runs and not where  # a run's marks
 
+    if not any(selected(r) for r in found.rows):
+        print(f"nothing in {store.path} matches; nothing changed")
+        return 0
     if args.dry_run:
-        chosen = [r for r in store.scan().rows if selected(r)]
+        chosen = [r for r in found.rows if selected(r)]
         records = [r for r in chosen if "record_id" in r]
         print(f"would remove {len(records)} records of {len({run_of(r) for r in records})} runs "
               f"(and {len(chosen) - len(records)} run marks) from {store.path}; nothing changed")

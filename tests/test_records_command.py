@@ -169,6 +169,23 @@ def test_records_of_a_run_without_marks_read_incomplete(results_dir, capsys):
     assert all(passed(r) for r in store.records())
 
 
+def test_rm_of_a_run_not_in_the_store_changes_nothing(results_dir, capsys):
+    """Issue 24, item 21: `rm --run WRONG` exited 0 and rewrote the store, dropping the torn lines that
+    `verify` reported (the evidence of what happened)."""
+    store = ResultsStore(results_dir)
+    _, rows = run_rows(2)
+    store.append(rows)
+    with open(store.path, "ab") as f:
+        f.write(b'{"torn')
+    before = store.path.read_bytes()
+    assert main(["records", "rm", "--run", "nosuchrun"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--run 'nosuchrun' is not a run in" in err and "nothing changed" in err
+    assert main(["records", "rm", "--where", "experiment=nosuch"]) == 0
+    assert "matches; nothing changed" in capsys.readouterr().out
+    assert store.path.read_bytes() == before and not list(results_dir.glob("records.jsonl.before-*"))
+
+
 def test_rm_keeps_a_symlinked_store_a_symlink(results_dir, tmp_path, capsys):
     """Issue 24, item 21: the rewrite replaced the link with a regular file, so the store it pointed at
     kept every removed record and the link's folder held a copy."""
