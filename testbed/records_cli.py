@@ -223,6 +223,16 @@ def cmd_rm(args) -> int:
     return 0
 
 
+# A spreadsheet runs a cell that begins with one of these as a formula (=HYPERLINK(...), +cmd|...)
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value):
+    """A text cell a spreadsheet would run as a formula, quoted as text by a leading apostrophe;
+    numbers and everything else as they are."""
+    return "'" + value if isinstance(value, str) and value.startswith(FORMULA_START) else value
+
+
 def cmd_export(args) -> int:
     where = parse_where(args.where)
     rows = [r for r in store_of_config().records() if matches(r, where)]
@@ -231,7 +241,8 @@ def cmd_export(args) -> int:
     elif args.format == "json":
         print(json.dumps(rows, indent=1, sort_keys=True))
     else:
-        sys.stdout.write(pd.json_normalize(rows, sep=".").to_csv(index=False) if rows else "")
+        frame = pd.json_normalize(rows, sep=".") if rows else None
+        sys.stdout.write(frame.map(csv_cell).to_csv(index=False) if frame is not None else "")
     return 0
 
 

@@ -203,3 +203,18 @@ def test_rm_keeps_a_symlinked_store_a_symlink(results_dir, tmp_path, capsys):
     assert {r["run_id"] for r in real.records()} == {kept.run_id}
     assert list(elsewhere.glob("records.jsonl.before-*"))
 
+
+def test_export_csv_quotes_cells_a_spreadsheet_would_run(results_dir, capsys):
+    """Issue 24, item 21: device text like =HYPERLINK(...) went into CSV cells as it was."""
+    import csv
+    import io
+
+    info = RunInfo("gdn", "host", "refimpl", {"chunk": 64}, {"model": "=HYPERLINK(\"http://x\",\"y\")"})
+    ResultsStore(results_dir).append([info.mark("started"), info.stamp(Record("gdn", "+cmd|' /C calc'!A0", "oracle",
+                                                                              "nmse", "fail", -1.0, detail="@SUM(1)")),
+                                      info.mark("ended", "complete")])
+    assert main(["records", "export", "--format", "csv"]) == 0
+    (row,) = csv.DictReader(io.StringIO(capsys.readouterr().out))
+    assert row["fingerprint.model"] == "'=HYPERLINK(\"http://x\",\"y\")"
+    assert row["case"] == "'+cmd|' /C calc'!A0" and row["detail"] == "'@SUM(1)"
+    assert row["margin"] == "-1.0" and row["verdict"] == "fail"  # numbers stay numbers
