@@ -246,6 +246,24 @@ NAMED_PROBLEMS = 3
 LINE_BREAK = re.compile(rb"\n|\x00+")
 
 
+def make_folder(path: Path, mode: int = 0o755) -> None:
+    """`path` and any missing parent, each made with `mode` (0755: others may read the records, only
+    this user writes them). mkdir's default 0777 under a umask of 000 gave a world-writable store;
+    a umask can only take bits away from `mode`."""
+    path = Path(path)
+    if path.is_dir():
+        return
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=mode)
+        except FileExistsError:
+            pass  # made meanwhile by another writer
+
+
 @dataclass
 class Scan:
     """What a read of the store found: committed rows in order, and every line it set aside."""
@@ -273,7 +291,7 @@ class ResultsStore:
     def check_writable(self) -> None:
         """Raise StoreError (one line) unless a run's records can be written here: before running."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_folder(self.root)
             os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
             free = os.statvfs(self.root)
         except OSError as e:
@@ -317,7 +335,7 @@ class ResultsStore:
         while holding the lock, so a writer that waited on the old one opens the new one."""
         while True:
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
+                make_folder(self.root)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
             except OSError as e:
                 raise StoreError(f"results store {self.path} cannot be written: {e.strerror}") from None
