@@ -216,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_status
     except (KeyboardInterrupt, runner.Interrupted) as e:
         signum = e.signum if isinstance(e, runner.Interrupted) else 2
-        print(f"testbed: {str(e) or 'interrupted'}; a run in progress was recorded as broken", file=sys.stderr)
+        broken = runner.BROKEN_BY_SIGNAL
+        said = (f"run {', '.join(broken)} was recorded as broken (what it measured is kept)" if broken
+                else "no run had started; nothing was stored")
+        print(f"testbed: {str(e) or 'interrupted'}; {said}", file=sys.stderr)
         return 128 + signum
     except BrokenPipeError:  # `testbed table gdn | head`: the reader had enough; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
