@@ -193,16 +193,15 @@ NATIVE_ORACLE_RUN = ["run", "gdn", "backend=native", "mode=oracle", "matrix=awkw
 def test_staged_inputs_corrupted_on_the_device(tmp_path, monkeypatch, capsys):
     """The host's work folder holds each case's inputs, staged once per content; bytes changed or cut
     there must be pushed again, not run (and blamed on the kernel)."""
-    results, temp = tmp_path / "results", tmp_path / "tmp"
-    temp.mkdir()
+    results = tmp_path / "results"
     store = ResultsStore(results)
     said = {}
     for round_ in range(2):
-        proc = start(NATIVE_ORACLE_RUN, results, TMPDIR=str(temp))  # the host's work folder under it
+        proc = start(NATIVE_ORACLE_RUN, results)  # the host's work folder: the store's .work/host
         out, err = proc.communicate(timeout=DEADLINE_S)
         assert proc.returncode == 0, err
         said.update(reported(out))
-        staged = sorted(temp.glob("testbed-*/host/inputs/*/*.npy"))
+        staged = sorted(results.glob(".work/host/inputs/*/*.npy"))
         assert staged
         for path in staged:  # every staged input: bytes flipped past the header, or the file cut
             data = bytearray(path.read_bytes())
