@@ -24,7 +24,7 @@ import time
 
 import pandas as pd
 
-from testbed import ab, compare, config, device_cli, emulation, experiments, farm, nightly, records_cli, report, runner, tables
+from testbed import __version__, ab, compare, config, device_cli, emulation, experiments, farm, nightly, records_cli, report, runner, tables
 from testbed.errors import DeviceError, DeviceUnreachable, StoreError, UsageError
 
 
@@ -172,6 +172,7 @@ def cmd_ingest(args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="testbed", description="Validate and benchmark on-device LLM prefill.")
+    p.add_argument("--version", action="version", version=f"testbed {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="one run of an experiment")
     r.add_argument("experiment", help=f"one of: {', '.join(config.choices('experiment'))}")
