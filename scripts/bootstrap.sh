@@ -36,3 +36,12 @@ if [ -n "$missing" ]; then
 fi
 
 python3 -m pip install -q --disable-pip-version-check -e ".[$extras]"
+
+if [ "${1:-}" = "--test" ]; then
+  # What the suites would otherwise fetch from the package index at first use, fetched here: the
+  # suites send nothing outside loopback (their network guard fails a test that tries). The aarch64
+  # IREE runtime tools (.cache/iree-tools/) and the llama.cpp tree the llama-cpp-python sdist vendors
+  # (.cache/llamacpp/sdist/), each once.
+  python3 -c "from testbed.backends.iree.device import aarch64_tools_folder; aarch64_tools_folder(print)"
+  python3 -c "from testbed.backends.llamacpp.build import sdist_source; sdist_source()"
+fi
