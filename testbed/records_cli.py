@@ -98,14 +98,14 @@ def verify(store: ResultsStore) -> list[str]:
         findings.append(f"{len(twice)} records stored more than once ({', '.join(twice[:SHOWN])})")
     started = {run_of(r) for r in rows if r.get("run_mark") == "started"} - {None}
     ended = {run_of(r): r.get("outcome") for r in rows if r.get("run_mark") == "ended" and run_of(r)}
-    never = sorted(started - ended.keys(), key=str)
+    never = sorted(started - ended.keys())
     if never:
-        findings.append(f"{len(never)} runs never ended (killed, or still running): {', '.join(map(str, never[:SHOWN]))}")
+        findings.append(f"{len(never)} runs never ended (killed, or still running): {', '.join(never[:SHOWN])}")
     unmarked = sorted({run_of(r) for r in rows if "record_id" in r and r.get("schema") != 1}
-                      - started - ended.keys() - {None}, key=str)
+                      - started - ended.keys() - {None})
     if unmarked:
         findings.append(f"{len(unmarked)} runs have records but no start or end mark (read as incomplete): "
-                        f"{', '.join(map(str, unmarked[:SHOWN]))}")
+                        f"{', '.join(unmarked[:SHOWN])}")
     broke = sorted(run for run, outcome in ended.items() if outcome != "complete")
     if broke:
         findings.append(f"{len(broke)} runs broke (each has its error record): {', '.join(broke[:SHOWN])}")
@@ -144,7 +144,7 @@ def refuse_unended(rows: list[dict], runs: set[str], force: bool) -> None:
     ended = {run_of(r) for r in rows if r.get("run_mark") == "ended"}
     starts = {run_of(r): r for r in rows if r.get("run_mark") == "started" and run_of(r)}
     present = {run_of(r) for r in rows if "record_id" in r} | starts.keys()
-    for run in sorted(runs & present - ended, key=str):
+    for run in sorted(runs & present - ended):
         start = starts.get(run, {})
         alive = process_alive(start.get("host"), start.get("pid"))
         where = f"process {start.get('pid')} on {start.get('host')}" if "pid" in start else "its process"

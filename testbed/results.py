@@ -199,7 +199,7 @@ def unfinished_run_record(start: dict, kept: int, marked: bool = True) -> dict:
     (marked=False, the mark is gone) its first record."""
     why = "the run never ended (killed, or still running)" if marked else \
         "the run has no start or end mark (removed while it ran?): it never ended complete"
-    record = Record(str(start["experiment"]), "run", "oracle", "run", "error", None, {"records_kept": kept},
+    record = Record(str(start.get("experiment")), "run", "oracle", "run", "error", None, {"records_kept": kept},
                     detail=f"{why}; {kept} records of it are kept, marked incomplete")
     body = _jsonable(asdict(record))
     context = {k: v for k, v in start.items() if k not in ("run_mark", "outcome", "batch", "host", "pid")}
@@ -440,7 +440,7 @@ class ResultsStore:
         starts = {r["run_id"]: r for r in rows if r.get("run_mark") == "started" and valid_id(r.get("run_id"))}
         outcomes = {r["run_id"]: r.get("outcome") for r in rows
                     if r.get("run_mark") == "ended" and valid_id(r.get("run_id"))}
-        out, kept, unmarked, set_aside = [], {}, {}, []
+        out, kept, first, set_aside = [], {}, {}, []
         for r in rows:
             if "record_id" not in r:
                 continue
@@ -453,16 +453,23 @@ class ResultsStore:
             if outcomes.get(run) != "complete" and (run in starts or r.get("schema") != 1):
                 r["incomplete"] = True
                 kept[run] = kept.get(run, 0) + 1
-                if run not in starts:
-                    unmarked.setdefault(run, r)
+                first.setdefault(run, r)
             out.append(r)
+        # each run that never ended, its start mark there or gone: one error record, with the context of
+        # its start mark, or of its first record where that mark is gone or not one testbed wrote
+        for run in [*starts, *(run for run in first if run not in starts)]:
+            if run in outcomes:
+                continue
+            start = starts.get(run)
+            error = unfinished_run_record(start, kept.get(run, 0)) if start else None
+            if error is None or malformed(error):
+                error = unfinished_run_record(first[run], kept[run], marked=bool(start)) if run in first else None
+            if error is not None and not malformed(error):
+                out.append(error)
         if set_aside:
             warnings.warn(f"{self.path}: skipped {len(set_aside)} records without the fields every record has "
                           f"({', '.join(RECORD_FIELDS)}), or with one of a type testbed never writes (first: "
                           f"{set_aside[0]}); `testbed records verify` counts them")
-        out += [unfinished_run_record(start, kept.get(run, 0)) for run, start in starts.items() if run not in outcomes]
-        out += [unfinished_run_record(first, kept[run], marked=False) for run, first in unmarked.items()
-                if run not in outcomes]
         return [r for r in out if experiment is None or r["experiment"] == experiment]
 
     def frame(self, experiment: str | None = None) -> pd.DataFrame:

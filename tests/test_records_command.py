@@ -218,3 +218,21 @@ def test_export_csv_quotes_cells_a_spreadsheet_would_run(results_dir, capsys):
     assert row["fingerprint.model"] == "'=HYPERLINK(\"http://x\",\"y\")"
     assert row["case"] == "'+cmd|' /C calc'!A0" and row["detail"] == "'@SUM(1)"
     assert row["margin"] == "-1.0" and row["verdict"] == "fail"  # numbers stay numbers
+
+
+def test_a_start_mark_testbed_never_wrote_still_leaves_its_run_broken(results_dir):
+    """A bare start mark (no run context) of a run whose records are whole: the run's error record takes
+    its context from the first record, so the run still reads as broken, and nothing crashes."""
+    import warnings
+
+    from testbed.results import passed
+
+    store = ResultsStore(results_dir)
+    run, rows = run_rows(2)
+    store.append([{"run_mark": "started", "run_id": run.run_id}, *rows[1:3]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is set aside: the records are whole
+        stored = store.records()
+    assert not any(passed(r) for r in stored)
+    (error,) = [r for r in stored if r["verdict"] == "error"]
+    assert error["run_id"] == run.run_id and error["device"] == "host" and "never ended" in error["detail"]
