@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -87,7 +88,11 @@ def environment(**values: str | None):
 
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("lab")
+    import tempfile
+
+    # short: Ray's node sockets live under TMPDIR, and a socket's path has at most 107 bytes
+    folder = Path(tempfile.mkdtemp(prefix="tblab-", dir="/tmp"))
+    (folder / "tmp").mkdir()
     (folder / "devices").mkdir()
     for name in ("phone-a", "phone-b", "phone-c", "phone-d"):
         (folder / "devices" / f"{name}.yaml").write_text(phone(name))
@@ -144,19 +149,23 @@ def lab(tmp_path_factory) -> Path:
         lock_wait_s: 60
         report_out: ""
         """))
-    return folder
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def node_env(lab: Path, guarded: bool = True) -> dict:
     """What the drivers (guarded) and the Ray nodes run with. A node's processes run without the test
     suite's network guard: Ray's dashboard tries cloud metadata addresses and its vendor's usage
     report whatever it is told, which the guard would count against the test; in this module's network
-    namespace the kernel is the guard (only `lo` exists), so no such packet can leave."""
+    namespace the kernel is the guard (only `lo` exists), so no such packet can leave. A node's jobs
+    take their device locks in a temporary folder of the lab's own (TMPDIR): the lab's "devices" are
+    this host's, and another session on this machine holding one of them is not what is tested here."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if not guarded:
         paths = [p for p in paths if p != str(netguard.SITE_DIR)]
     return {"TESTBED_LAB": str(lab), "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), *paths]),
-            **farm.NO_USAGE_STATS, **({} if guarded else {netguard.ENV_LOG: None})}
+            **farm.NO_USAGE_STATS,
+            **({} if guarded else {netguard.ENV_LOG: None, "TMPDIR": str(lab / "tmp")})}
 
 
 @pytest.fixture(scope="module")
