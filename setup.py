@@ -14,7 +14,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
-SHIPPED = ("experiments", "devices", "kernels")
+SHIPPED = ("experiments", "devices", "kernels", "fixtures")
 
 _spec = importlib.util.spec_from_file_location("kernel_build", Path(__file__).parent / "testbed" / "backends" / "native" / "build.py")
 kernel_build = importlib.util.module_from_spec(_spec)

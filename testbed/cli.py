@@ -25,7 +25,7 @@ import time
 
 import pandas as pd
 
-from testbed import ab, compare, config, device_cli, emulation, experiments, farm, nightly, records_cli, report, runner, tables
+from testbed import __version__, ab, compare, config, device_cli, emulation, experiments, farm, nightly, records_cli, report, runner, tables
 from testbed.errors import DeviceError, DeviceUnreachable, StoreError, UsageError
 
 
@@ -173,6 +173,7 @@ def cmd_ingest(args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="testbed", description="Validate and benchmark on-device LLM prefill.")
+    p.add_argument("--version", action="version", version=f"testbed {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="one run of an experiment")
     r.add_argument("experiment", help=f"one of: {', '.join(config.choices('experiment'))}")
@@ -217,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_status
     except (KeyboardInterrupt, runner.Interrupted) as e:
         signum = e.signum if isinstance(e, runner.Interrupted) else 2
-        print(f"testbed: {str(e) or 'interrupted'}; a run in progress was recorded as broken", file=sys.stderr)
+        broken = runner.BROKEN_BY_SIGNAL
+        said = (f"run {', '.join(broken)} was recorded as broken (what it measured is kept)" if broken
+                else "no run had started; nothing was stored")
+        print(f"testbed: {str(e) or 'interrupted'}; {said}", file=sys.stderr)
         return 128 + signum
     except BrokenPipeError:  # `testbed table gdn | head`: the reader had enough; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -26,14 +26,17 @@ device is listed unreachable and its remaining jobs are cancelled; the rest of t
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -80,6 +83,8 @@ def join(address: str):
         rewritten = "" if dialled == (host, int(port)) else f" (Ray dials {dialled[0]}:{dialled[1]} for it)"
         raise UsageError(f"farm={address}: no Ray cluster answers there{rewritten} ({e.strerror or e}); accepted: "
                          f"the HEAD:PORT of a head started by `testbed farm node`") from None
+    for key, value in NO_USAGE_STATS.items():
+        os.environ.setdefault(key, value)
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
     return ray
 
@@ -89,10 +94,25 @@ def ray_dials(ray, address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     try:
         from ray._private.services import canonicalize_bootstrap_address  # not public; the rule is Ray's
-        host, _, port = canonicalize_bootstrap_address(address).rpartition(":")
+        with quiet_stderr():  # on a host without a route out, Ray's core logs a warning while it looks
+            host, _, port = canonicalize_bootstrap_address(address).rpartition(":")
     except (ImportError, AttributeError, ValueError):
         pass
     return host, int(port)
+
+
+@contextmanager
+def quiet_stderr():
+    """File descriptor 2 to /dev/null meanwhile (what C++ code writes there too)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class Board:
@@ -339,9 +359,39 @@ def check_port(port: int) -> None:
                          f"{', '.join(map(str, RAY_PORTS))} (default 6379)")
 
 
+NODE_START_S = 120.0  # how long `ray start` may take to bring this host's node up
+
+
+def node_ip(value: str | None) -> str | None:
+    """--node-ip-address: the address this node is reached at by the others (a lab's LAN address, or
+    127.0.0.1 for a one-host farm); None lets Ray choose (this host's outward interface)."""
+    if value is None:
+        return None
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise UsageError(f"--node-ip-address {value!r} is not an IP address; accepted: this host's address on "
+                         f"the lab's network, e.g. 10.0.0.5 (127.0.0.1: every node on this host)") from None
+
+
+def next_steps(args, address: str, resources: dict, log: Path) -> str:
+    """What to do once this node is up: testbed's commands, never Ray's (`ray stop` stops every Ray node
+    on the host, other users' included)."""
+    devices = ", ".join(name[len(RESOURCE):] for name in resources)
+    lines = [f"farm node: up, advertising {devices}" + ("" if args.address else f"; this is the head, at {address}")]
+    if not args.address:
+        lines.append(f"  other hosts join with:  testbed farm node --address {address} "
+                     f"[--node-ip-address THEIR_ADDRESS] [--devices a,b]")
+    lines += [f"  run a night on the farm: testbed nightly farm={address}",
+              f"  see the nodes and jobs:  testbed farm status --address {address}",
+              f"  stop this node:          Ctrl-C here (or kill {os.getpid()}); Ray's own log: {log}"]
+    return "\n".join(lines)
+
+
 def cmd_node(args) -> int:
     if not args.address:
         check_port(args.port)
+    ip = node_ip(args.node_ip_address)
     known = config.choices("device")
     names = args.devices.split(",") if args.devices else known
     for name in names:
@@ -354,9 +404,52 @@ def cmd_node(args) -> int:
         print("farm node: no device answers here; nothing to advertise", file=sys.stderr)
         return DeviceUnreachable.exit_status
     where = [f"--address={args.address}"] if args.address else ["--head", f"--port={args.port}"]
-    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", *where, f"--resources={json.dumps(resources)}"]
-    print(f"farm node: advertising {', '.join(resources)}", file=sys.stderr)
-    return subprocess.run(argv).returncode
+    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", *where, f"--resources={json.dumps(resources)}",
+            *([f"--node-ip-address={ip}"] if ip else []), "--include-dashboard=false", "--block"]
+    print(f"farm node: starting Ray, advertising {', '.join(resources)}", file=sys.stderr)
+    from testbed.devices.private import user_temp
+
+    log = user_temp("farm") / f"ray-node-{os.getpid()}.log"
+    return run_node(argv, log, lambda up_at: print(next_steps(args, args.address or f"{up_at}:{args.port}",
+                                                              resources, log), file=sys.stderr))
+
+
+# Ray reports usage statistics to its vendor unless told not to, and its dashboard reports even that it
+# was told not to (and probes cloud metadata addresses): a lab's farm sends nothing anywhere but to its
+# own nodes, so usage stats are off, the report goes nowhere (a closed loopback port) and nodes start without
+# the dashboard (testbed never uses it). Ray's dashboard process still asks the cloud metadata address
+# (169.254.169.254, link-local) what cloud it runs in; nothing in Ray turns that off.
+NO_USAGE_STATS = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/"}
+
+
+def run_node(argv: list[str], log: Path, on_up) -> int:
+    """`ray start --block` as a child, its output in `log`: once it says the node is up, `on_up(node IP)`;
+    then wait. Ending this command (Ctrl-C, SIGTERM) stops this node, and only it."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **NO_USAGE_STATS})
+    try:
+        deadline = time.monotonic() + NODE_START_S
+        while True:
+            text = log.read_text(errors="replace")
+            if "Ray runtime started" in text:
+                found = re.search(r"Local node IP: ([0-9a-fA-F.:]+)", text)
+                on_up(found.group(1) if found else "THIS_HOST")
+                return proc.wait()
+            if proc.poll() is not None or time.monotonic() > deadline:
+                said = [ln.strip() for ln in text.splitlines() if ln.strip()]
+                how = f"exit {proc.returncode}" if proc.returncode is not None else f"not up after {NODE_START_S:g} s"
+                last = said[-1][-300:] if said else "no output"
+                print(f"farm node: Ray did not start ({how}): {last} (its output: {log})", file=sys.stderr)
+                return DeviceUnreachable.exit_status
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # Ray's node drains and stops its own processes on SIGTERM
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def cmd_status(args) -> int:
@@ -388,6 +481,8 @@ def register(commands) -> None:
     n.add_argument("--address", help="the head's HEAD:PORT to join (default: start the head here)")
     n.add_argument("--port", type=int, default=6379, help="the head's port (with no --address)")
     n.add_argument("--devices", help="a,b,...: the profiles attached here (default: every profile that answers)")
+    n.add_argument("--node-ip-address", help="this host's address the other nodes reach it at (default: Ray's "
+                                             "choice, this host's outward interface; 127.0.0.1 for one host)")
     n.set_defaults(fn=cmd_node)
     s = sub.add_parser("status", help="the nodes, their devices, which run a job now")
     s.add_argument("--address", required=True, help="the head's HEAD:PORT")

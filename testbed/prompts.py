@@ -128,15 +128,39 @@ class Tokenizer:
             text = self.render_chat(text)
         if self._fast is not None:
             return self._fast.encode(text, add_special_tokens=not chat).ids
-        # sentencepiece never matches control tokens in text: split them out and look each one up
+        # sentencepiece never matches control tokens in text: split them out and look each one up. The
+        # rest as transformers' tokenizer for this model reads it: <bos> only where tokenizer_config.json
+        # says add_bos_token (absent: none); whitespace kept as it is (each space a "▁"), and the model's
+        # dummy prefix ("▁", where the model has one) at the start of the text only, never after a
+        # special token.
         specials = self.added_tokens()
-        ids = [self._sp.bos_id()] if not chat and self.config.get("add_bos_token", True) else []
-        for part in re.split(f"({'|'.join(map(re.escape, specials))})", text) if specials else [text]:
+        ids = [self._sp.bos_id()] if not chat and self.config.get("add_bos_token", False) else []
+        raw, prefix = self._sp_raw()
+        parts = re.split(f"({'|'.join(map(re.escape, specials))})", text) if specials else [text]
+        for i, part in enumerate(parts):
             if part in specials:
                 ids.append(self._sp.piece_to_id(part))
             elif part:
-                ids.extend(self._sp.encode(part))
+                part = part.replace(" ", "\u2581")
+                if i == 0 and prefix and not part.startswith("\u2581"):
+                    part = "\u2581" + part
+                ids.extend(raw.encode(part))
         return ids
+
+    def _sp_raw(self):
+        """The sentencepiece model with its normalizer adding no dummy prefix and keeping every space
+        (encode() puts the prefix where it belongs), and whether the model adds the prefix."""
+        if getattr(self, "_raw", None) is None:
+            import sentencepiece
+            from sentencepiece import sentencepiece_model_pb2
+
+            proto = sentencepiece_model_pb2.ModelProto()
+            proto.ParseFromString(self.file.read_bytes())
+            prefix = proto.normalizer_spec.add_dummy_prefix
+            proto.normalizer_spec.add_dummy_prefix = False
+            proto.normalizer_spec.remove_extra_whitespaces = False
+            self._raw = (sentencepiece.SentencePieceProcessor(model_proto=proto.SerializeToString()), prefix)
+        return self._raw
 
     def token_text(self, token: int) -> str:
         """One token as text, special tokens included (what a person reads beside the id)."""

@@ -35,7 +35,8 @@ pytest_plugins = ["testbed.peers.fixtures"]
 
 
 def pytest_addoption(parser):
-    parser.addoption("--device", default="host", help="device profile to run on (devices/*.yaml)")
+    parser.addoption("--device", default="host",
+                     help=f"device profile to run on (devices/*.yaml): one of {', '.join(choices('device'))}")
     parser.addoption("--network-guard", choices=("loopback", "off"), default=None,
                      help="loopback: fail a test that sends anything outside loopback (default: ini network_guard)")
     parser.addini("network_guard", "loopback: fail a test that sends anything outside loopback; off: no guard",

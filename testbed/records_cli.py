@@ -29,7 +29,7 @@ import pandas as pd
 
 from testbed import config, report, runner
 from testbed.errors import UsageError
-from testbed.results import ResultsStore
+from testbed.results import ResultsStore, malformed, valid_id
 
 SHOWN = 5  # line numbers or ids named per finding; the count is always whole
 
@@ -71,6 +71,12 @@ def store_of_config() -> ResultsStore:
     return runner.results_store(config.load([]))
 
 
+def run_of(row: dict) -> str | None:
+    """The row's run id; None where it is not one (a hostile or damaged row: the reader sets it aside)."""
+    run = row.get("run_id")
+    return run if valid_id(run) else None
+
+
 def verify(store: ResultsStore) -> list[str]:
     found = store.scan()
     findings = []
@@ -81,28 +87,33 @@ def verify(store: ResultsStore) -> list[str]:
         findings.append(f"{len(found.uncommitted)} batches never committed ({rows} rows, not read): "
                         "a write cut short")
     rows = found.rows
-    ids = Counter(r["record_id"] for r in rows if "record_id" in r)
+    bad = [why for r in rows if "record_id" in r and (why := malformed(r))]
+    bad_marks = sum("run_mark" in r and not valid_id(r.get("run_id")) for r in rows)
+    if bad or bad_marks:
+        findings.append(f"{len(bad) + bad_marks} records or run marks with a field missing or of a type testbed "
+                        f"never writes (the reader sets them aside; first: {(bad or ['a run mark without a run id'])[0]})")
+    ids = Counter(r["record_id"] for r in rows if valid_id(r.get("record_id")))
     twice = [i for i, n in ids.items() if n > 1]
     if twice:
         findings.append(f"{len(twice)} records stored more than once ({', '.join(twice[:SHOWN])})")
-    started = {r["run_id"] for r in rows if r.get("run_mark") == "started"}
-    ended = {r["run_id"]: r.get("outcome") for r in rows if r.get("run_mark") == "ended"}
-    never = sorted(started - ended.keys(), key=str)
+    started = {run_of(r) for r in rows if r.get("run_mark") == "started"} - {None}
+    ended = {run_of(r): r.get("outcome") for r in rows if r.get("run_mark") == "ended" and run_of(r)}
+    never = sorted(started - ended.keys())
     if never:
-        findings.append(f"{len(never)} runs never ended (killed, or still running): {', '.join(map(str, never[:SHOWN]))}")
-    unmarked = sorted({r.get("run_id") for r in rows if "record_id" in r and r.get("schema") != 1}
-                      - started - ended.keys(), key=str)
+        findings.append(f"{len(never)} runs never ended (killed, or still running): {', '.join(never[:SHOWN])}")
+    unmarked = sorted({run_of(r) for r in rows if "record_id" in r and r.get("schema") != 1}
+                      - started - ended.keys() - {None})
     if unmarked:
         findings.append(f"{len(unmarked)} runs have records but no start or end mark (read as incomplete): "
-                        f"{', '.join(map(str, unmarked[:SHOWN]))}")
+                        f"{', '.join(unmarked[:SHOWN])}")
     broke = sorted(run for run, outcome in ended.items() if outcome != "complete")
     if broke:
         findings.append(f"{len(broke)} runs broke (each has its error record): {', '.join(broke[:SHOWN])}")
     sources = {}
     for r in rows:
         digest = r.get("config", {}).get("source_digest") if isinstance(r.get("config"), dict) else None
-        if digest:
-            sources.setdefault(digest, set()).add(r["run_id"])
+        if isinstance(digest, str) and digest and run_of(r):
+            sources.setdefault(digest, set()).add(run_of(r))
     again = [sorted(runs) for runs in sources.values() if len(runs) > 1]
     if again:
         findings.append(f"{len(again)} ingested outputs stored more than once (runs {', '.join(again[0])}...)")
@@ -130,10 +141,10 @@ def process_alive(host, pid) -> bool | None:
 def refuse_unended(rows: list[dict], runs: set[str], force: bool) -> None:
     """`rm` of a run without an end mark: a run still going would lose its start mark and its later
     records would stand alone; refused, unless --force and its process is gone."""
-    ended = {r.get("run_id") for r in rows if r.get("run_mark") == "ended"}
-    starts = {r.get("run_id"): r for r in rows if r.get("run_mark") == "started"}
-    present = {r.get("run_id") for r in rows if "record_id" in r} | starts.keys()
-    for run in sorted(runs & present - ended, key=str):
+    ended = {run_of(r) for r in rows if r.get("run_mark") == "ended"}
+    starts = {run_of(r): r for r in rows if r.get("run_mark") == "started" and run_of(r)}
+    present = {run_of(r) for r in rows if "record_id" in r} | starts.keys()
+    for run in sorted(runs & present - ended):
         start = starts.get(run, {})
         alive = process_alive(start.get("host"), start.get("pid"))
         where = f"process {start.get('pid')} on {start.get('host')}" if "pid" in start else "its process"
@@ -154,7 +165,7 @@ def cmd_verify(args) -> int:
     findings = verify(store)
     found = store.scan()
     records = sum("record_id" in r for r in found.rows)
-    runs = len({r.get("run_id") for r in found.rows if "record_id" in r})
+    runs = len({run_of(r) for r in found.rows if "record_id" in r} - {None})
     for line in findings:
         print(f"{store.path}: {line}")
     print(f"{store.path}: {records} records in {runs} runs; "
@@ -177,30 +188,49 @@ def cmd_rm(args) -> int:
                              f"accepted: {', '.join(sorted(log)) or 'none'}")
         runs |= {run for n in nights for d in log[n].get("devices", {}).values() for run in d.get("runs", [])}
 
-    refuse_unended(store.scan().rows, runs, args.force)
+    found = store.scan()
+    known = {run_of(r) for r in found.rows} - {None}
+    unknown = sorted(set(args.run) - known)
+    if unknown:
+        raise UsageError(f"--run {unknown[0]!r} is not a run in {store.path}; nothing changed (`testbed records "
+                         f"export` lists the runs)")
+    refuse_unended(found.rows, runs, args.force)
 
     def selected(row: dict) -> bool:
-        by_run = not (args.run or args.night) or row.get("run_id") in runs
+        by_run = not (args.run or args.night) or run_of(row) in runs
         if "record_id" in row:
             return by_run and matches(row, where)
-        return bool(args.run or args.night) and row.get("run_id") in runs and not where  # a run's marks
+        return bool(args.run or args.night) and run_of(row) in runs and not where  # a run's marks
 
+    if not any(selected(r) for r in found.rows):
+        print(f"nothing in {store.path} matches; nothing changed")
+        return 0
     if args.dry_run:
-        chosen = [r for r in store.scan().rows if selected(r)]
+        chosen = [r for r in found.rows if selected(r)]
         records = [r for r in chosen if "record_id" in r]
-        print(f"would remove {len(records)} records of {len({r['run_id'] for r in records})} runs "
+        print(f"would remove {len(records)} records of {len({run_of(r) for r in records})} runs "
               f"(and {len(chosen) - len(records)} run marks) from {store.path}; nothing changed")
         return 0
     found, dropped = store.rewrite(lambda row: not selected(row))
     if nights:
         ResultsStore(store.root / "nights").rewrite(lambda entry: entry.get("night") not in nights)
     records = [r for r in dropped if "record_id" in r]
-    print(f"removed {len(records)} records of {len({r['run_id'] for r in records})} runs "
+    print(f"removed {len(records)} records of {len({run_of(r) for r in records})} runs "
           f"(and {len(dropped) - len(records)} run marks) from {store.path}"
           + (f"; also left out {len(found.problems)} unusable lines and {len(found.uncommitted)} uncommitted "
              "batches" if found.problems or found.uncommitted else "")
           + "; the previous file is kept beside it (records.jsonl.before-*)")
     return 0
+
+
+# A spreadsheet runs a cell that begins with one of these as a formula (=HYPERLINK(...), +cmd|...)
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value):
+    """A text cell a spreadsheet would run as a formula, quoted as text by a leading apostrophe;
+    numbers and everything else as they are."""
+    return "'" + value if isinstance(value, str) and value.startswith(FORMULA_START) else value
 
 
 def cmd_export(args) -> int:
@@ -211,7 +241,8 @@ def cmd_export(args) -> int:
     elif args.format == "json":
         print(json.dumps(rows, indent=1, sort_keys=True))
     else:
-        sys.stdout.write(pd.json_normalize(rows, sep=".").to_csv(index=False) if rows else "")
+        frame = pd.json_normalize(rows, sep=".") if rows else None
+        sys.stdout.write(frame.map(csv_cell).to_csv(index=False) if frame is not None else "")
     return 0
 
 

@@ -33,6 +33,7 @@ import math
 import os
 import re
 import socket
+import stat
 import subprocess
 import uuid
 import warnings
@@ -210,7 +211,7 @@ def unfinished_run_record(start: dict, kept: int, marked: bool = True) -> dict:
     (marked=False, the mark is gone) its first record."""
     why = "the run never ended (killed, or still running)" if marked else \
         "the run has no start or end mark (removed while it ran?): it never ended complete"
-    record = Record(str(start["experiment"]), "run", "oracle", "run", "error", None, {"records_kept": kept},
+    record = Record(str(start.get("experiment")), "run", "oracle", "run", "error", None, {"records_kept": kept},
                     detail=f"{why}; {kept} records of it are kept, marked incomplete")
     body = _jsonable(asdict(record))
     context = {k: v for k, v in start.items() if k not in ("run_mark", "outcome", "batch", "host", "pid")}
@@ -218,13 +219,35 @@ def unfinished_run_record(start: dict, kept: int, marked: bool = True) -> dict:
             "incomplete": True}
 
 
-def _is_id(value) -> bool:
+def valid_id(value) -> bool:
     return isinstance(value, str)
 
 
-# What every record has (RunInfo.stamp); readers and reports rely on them.
-RECORD_FIELDS = ("record_id", "run_id", "experiment", "case", "kind", "device", "backend", "started", "config",
-                 "fingerprint", "git_commit", "testbed_version", "params", "figures", "metrics")
+# What every record has (RunInfo.stamp), and of what type; readers and reports rely on them.
+RECORD_TYPES = {"record_id": str, "run_id": str, "experiment": str, "case": str, "kind": str, "device": str,
+                "backend": str, "started": str, "config": dict, "fingerprint": dict, "git_commit": str,
+                "testbed_version": str, "params": dict, "figures": dict, "metrics": dict}
+RECORD_FIELDS = tuple(RECORD_TYPES)
+# What some records have, and of what type when they do (null allowed).
+OPTIONAL_TYPES = {"verdict": str, "oracle": str, "margin": (int, float), "detail": str, "evidence": list,
+                  "work": dict, "artifacts": dict, "emulated": bool, "host_load": dict}
+
+
+def malformed(row: dict) -> str | None:
+    """Why a row that says it is a record cannot be used as one (a field missing, or of a type no
+    testbed writes: a damaged or hostile store), or None."""
+    for name, kind in RECORD_TYPES.items():
+        if name not in row:
+            return f"no {name}"
+        if not isinstance(row[name], kind) or isinstance(row[name], bool):
+            return f"{name} is a {type(row[name]).__name__}"
+    for name, kind in OPTIONAL_TYPES.items():
+        value = row.get(name)
+        if value is not None and (not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)):
+            return f"{name} is a {type(value).__name__}"
+    if row["kind"] not in ("oracle", "measure"):
+        return f"kind {row['kind']!r}"
+    return None
 
 # The free space a run needs before it starts: room for its records with a wide margin.
 MIN_FREE_BYTES = 1 << 20
@@ -233,6 +256,24 @@ NAMED_PROBLEMS = 3
 # A torn line may be NUL-padded (a filesystem extends the file before the data lands): NUL runs are line
 # breaks too, so the valid line after them is still read.
 LINE_BREAK = re.compile(rb"\n|\x00+")
+
+
+def make_folder(path: Path, mode: int = 0o755) -> None:
+    """`path` and any missing parent, each made with `mode` (0755: others may read the records, only
+    this user writes them). mkdir's default 0777 under a umask of 000 gave a world-writable store;
+    a umask can only take bits away from `mode`."""
+    path = Path(path)
+    if path.is_dir():
+        return
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=mode)
+        except FileExistsError:
+            pass  # made meanwhile by another writer
 
 
 @dataclass
@@ -262,7 +303,7 @@ class ResultsStore:
     def check_writable(self) -> None:
         """Raise StoreError (one line) unless a run's records can be written here: before running."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_folder(self.root)
             os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
             free = os.statvfs(self.root)
         except OSError as e:
@@ -306,7 +347,7 @@ class ResultsStore:
         while holding the lock, so a writer that waited on the old one opens the new one."""
         while True:
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
+                make_folder(self.root)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
             except OSError as e:
                 raise StoreError(f"results store {self.path} cannot be written: {e.strerror}") from None
@@ -328,7 +369,8 @@ class ResultsStore:
             found = self.scan()
             dropped = [row for batch in found.batches for row in batch if not keep(row)]
             stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-            fresh = self.root / f".{self.FILE}.{uuid.uuid4().hex[:8]}.new"
+            target = Path(os.path.realpath(self.path))  # a symlinked store stays a symlink: its file is replaced
+            fresh = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.new"
             try:
                 with open(fresh, "wb") as f:
                     for batch in found.batches:
@@ -340,8 +382,9 @@ class ResultsStore:
                             f.write((json.dumps({"commit": name, "rows": len(kept)}) + "\n").encode())
                     f.flush()
                     os.fsync(f.fileno())
-                os.link(self.path, self.root / f"{self.FILE}.before-{stamp}")
-                os.replace(fresh, self.path)
+                os.link(target, target.parent / f"{target.name}.before-{stamp}")
+                os.chmod(fresh, stat.S_IMODE(os.stat(target).st_mode))
+                os.replace(fresh, target)
             except OSError as e:
                 fresh.unlink(missing_ok=True)
                 raise StoreError(f"results store {self.path} not rewritten (left as it was): {e.strerror}") from None
@@ -374,6 +417,8 @@ class ResultsStore:
                 found.problems.append(f"{n}: a JSON {type(row).__name__}, not an object")
             elif isinstance(row.get("schema"), int) and row["schema"] > SCHEMA:
                 found.problems.append(f"{n}: schema {row['schema']}, newer than this testbed's {SCHEMA}")
+            elif not isinstance(row.get("commit", ""), str) or not isinstance(row.get("batch", ""), str):
+                found.problems.append(f"{n}: a batch or commit id that is not a string")
             elif "commit" in row:
                 rows = pending.pop(row["commit"], [])
                 if len(rows) == row.get("rows"):
@@ -404,29 +449,39 @@ class ResultsStore:
         that says it is a record but lacks a field every record has is skipped with a warning (tables
         and reports would stumble on it)."""
         rows = self.rows()
-        starts = {r["run_id"]: r for r in rows if r.get("run_mark") == "started" and _is_id(r.get("run_id"))}
+        starts = {r["run_id"]: r for r in rows if r.get("run_mark") == "started" and valid_id(r.get("run_id"))}
         outcomes = {r["run_id"]: r.get("outcome") for r in rows
-                    if r.get("run_mark") == "ended" and _is_id(r.get("run_id"))}
-        out, kept, unmarked, malformed = [], {}, {}, 0
+                    if r.get("run_mark") == "ended" and valid_id(r.get("run_id"))}
+        out, kept, first, set_aside = [], {}, {}, []
         for r in rows:
             if "record_id" not in r:
                 continue
-            if any(f not in r for f in RECORD_FIELDS) or not _is_id(r["run_id"]):
-                malformed += 1
+            why = malformed(r)
+            if why:
+                set_aside.append(why)
                 continue
             run = r["run_id"]
+            r.pop("incomplete", None)  # the reader's to say, never a stored field's
             if outcomes.get(run) != "complete" and (run in starts or r.get("schema") != 1):
                 r["incomplete"] = True
                 kept[run] = kept.get(run, 0) + 1
-                if run not in starts:
-                    unmarked.setdefault(run, r)
+                first.setdefault(run, r)
             out.append(r)
-        if malformed:
-            warnings.warn(f"{self.path}: skipped {malformed} records without the fields every record has "
-                          f"({', '.join(RECORD_FIELDS)})")
-        out += [unfinished_run_record(start, kept.get(run, 0)) for run, start in starts.items() if run not in outcomes]
-        out += [unfinished_run_record(first, kept[run], marked=False) for run, first in unmarked.items()
-                if run not in outcomes]
+        # each run that never ended, its start mark there or gone: one error record, with the context of
+        # its start mark, or of its first record where that mark is gone or not one testbed wrote
+        for run in [*starts, *(run for run in first if run not in starts)]:
+            if run in outcomes:
+                continue
+            start = starts.get(run)
+            error = unfinished_run_record(start, kept.get(run, 0)) if start else None
+            if error is None or malformed(error):
+                error = unfinished_run_record(first[run], kept[run], marked=bool(start)) if run in first else None
+            if error is not None and not malformed(error):
+                out.append(error)
+        if set_aside:
+            warnings.warn(f"{self.path}: skipped {len(set_aside)} records without the fields every record has "
+                          f"({', '.join(RECORD_FIELDS)}), or with one of a type testbed never writes (first: "
+                          f"{set_aside[0]}); `testbed records verify` counts them")
         return [r for r in out if experiment is None or r["experiment"] == experiment]
 
     def frame(self, experiment: str | None = None) -> pd.DataFrame:

@@ -38,6 +38,9 @@ from testbed.stop import STOP, STOP_SIGNAL, Interrupted, raise_if_stopped  # noq
 # half-handled would be stored yet uncounted); runs in worker threads (testbed nightly) and a deferred
 # main thread see STOP after each record, between repetitions and while waiting for a device's command,
 # and stop the same way.
+# The runs a signal (or Ctrl-C) broke in this process, each stored with its error record and end mark:
+# what the CLI names when it stops (a signal during start-up broke nothing).
+BROKEN_BY_SIGNAL: list[str] = []
 _storing = threading.local()
 
 
@@ -191,6 +194,8 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
             store.append([info.stamp(Record(rc.experiment, "run", "oracle", "run", "error", None,
                                             {"records_before_error": len(rows)}, detail=what)),
                           info.mark("ended", "broke")])
+            if isinstance(e, (KeyboardInterrupt, Interrupted)):
+                BROKEN_BY_SIGNAL.append(info.run_id)
         raise
     with storing():  # a signal now finds the run complete; the next run (of a sweep) stops at its start
         store.append([info.mark("ended", "complete")])

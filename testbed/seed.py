@@ -1,8 +1,8 @@
 """The seeds' measured figures (fixtures/*.csv), as tables to set beside our own and as records.
 
-The fixtures folder is the config key `fixtures_dir`, relative to the project root. A helper
-worktree sits one level deeper than the checkout the key was written for, so the shared folder is
-also looked for where every checkout on this machine finds it.
+The fixtures folder is the config key `fixtures_dir`, relative to the project root: the repository's
+own fixtures/, so a clone anywhere has them. An installed wheel carries a copy in its package
+(testbed/_shipped/fixtures), used where the configured folder does not exist.
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ EXPECTED_TOKEN = 48  # the all-positions redecode token at position 851 for the 
 
 
 def fixtures_dir(configured: str) -> Path:
-    """The fixtures folder (config key fixtures_dir), inside the project: a clone stands alone."""
+    """The configured fixtures folder; for an installed wheel whose working folder has none, the copy
+    it carries (a configured folder that exists always wins)."""
+    from testbed import CONFIG_ROOT
+
+    for candidate in (project_path(configured), CONFIG_ROOT / Path(configured).name):
+        if candidate.is_dir():
+            return candidate
     return project_path(configured)
 
 

@@ -21,13 +21,30 @@ SAMPLES_SUFFIX = ".samples"
 
 
 def _cell(v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
+    if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
         return ""
     if isinstance(v, float):
         if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6):
             return f"{v:.3g}"
+        if v.is_integer():  # a count or an id a missing value made float (chunk 64, token 468)
+            return str(int(v))
         return f"{v:.4g}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)
+
+
+def whole_numbers(df: pd.DataFrame) -> pd.DataFrame:
+    """Float columns whose every value is a whole number (integers pandas made float because a row
+    lacks them: chunk, token, calls) as integers again, missing values kept missing."""
+    out = df.copy()
+    for column in df.columns:
+        values = df[column]
+        if values.dtype.kind != "f":
+            continue
+        present = values.dropna().to_numpy()
+        if present.size and np.all(np.isfinite(present)) and np.all(present == np.round(present)) \
+                and np.all(np.abs(present) < 2**53):
+            out[column] = values.astype("Int64")
+    return out
 
 
 def _json_value(v):
@@ -68,6 +85,7 @@ def render(df: pd.DataFrame, fmt: str, breakevens: list[dict] = ()) -> str:
     the Markdown table, `#` comment lines after the CSV (pandas' read_csv(comment="#") skips them, as
     the seeds' fixtures do), a `breakevens` list beside `rows` in JSON, `{"breakeven": ...}` lines
     after the rows in JSON lines."""
+    df = whole_numbers(df)
     if fmt == "md":
         return "\n".join([markdown(df), *("\n" + breakeven_line(b) for b in breakevens)])
     if fmt == "csv":

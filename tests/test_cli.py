@@ -148,3 +148,41 @@ def test_table_as_jsonl_keeps_numbers_and_a_closed_pipe_is_quiet(results_dir):
     piped = subprocess.run(f"{sys.executable} -m testbed table gdn --format jsonl | head -1", shell=True, env=env,
                            capture_output=True, text=True)
     assert piped.returncode == 0 and piped.stdout.count("\n") == 1 and "Traceback" not in piped.stderr
+
+
+def test_whole_numbers_print_as_integers_in_every_table_format():
+    """Issue 24, item 26: a column of integers with a missing value is float in pandas, and tables
+    printed `chunk 64.0`, `token 468.0`."""
+    import json
+
+    import pandas as pd
+
+    from testbed import tables
+
+    df = pd.json_normalize([{"chunk": 64, "metrics": {"token": 468}, "ms": 1.5},
+                            {"chunk": None, "metrics": {"token": 12}, "ms": 2.25}], sep=".")
+    md = tables.render(df, "md")
+    assert "64.0" not in md and "468.0" not in md and "| 64 " in md and "| 468 " in md and "1.5" in md
+    csv = tables.render(df, "csv")
+    assert csv.splitlines() == ["chunk,ms,metrics.token", "64,1.5,468", ",2.25,12"]
+    rows = json.loads(tables.render(df, "json"))["rows"]
+    assert rows[0]["chunk"] == 64 and isinstance(rows[0]["chunk"], int) and rows[1]["chunk"] is None
+    assert rows[0]["metrics.token"] == 468 and rows[1]["ms"] == 2.25
+
+
+def test_version_and_the_device_option_say_what_they_are(capsys):
+    """Issue 24, item 26: `testbed --version`, and `pytest --help` naming the device profiles."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from testbed import PROJECT_ROOT, __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"testbed {__version__}"
+    helped = subprocess.run([sys.executable, "-m", "pytest", "--help", "-p", "no:cacheprovider"], cwd=PROJECT_ROOT,
+                            capture_output=True, text=True, timeout=120).stdout
+    said = "".join(helped[helped.index("--device=DEVICE"):helped.index("--network-guard")].split())
+    assert "oneofadb-loopback," in said and "qemu-arm32" in said and ",host," in said

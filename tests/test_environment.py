@@ -16,3 +16,20 @@ def test_report_tests_pass_with_testbed_results_set(tmp_path):
                        cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:]
     assert not (tmp_path / "developers-own-store").exists()
+
+
+def test_the_fixtures_the_project_uses_are_inside_the_repository():
+    """Issue 24, item 20: fixtures_dir read ../shared/fixtures, a folder outside the repository, so a
+    clone anywhere else failed test setup. The configured folder is the repository's own, tracked."""
+    from testbed import config, seed
+
+    configured = config.load([]).cfg.fixtures_dir
+    folder = seed.fixtures_dir(configured).resolve()
+    assert folder.is_relative_to(PROJECT_ROOT.resolve()), folder
+    used = ["chunk_prefill_functiongemma.csv", "tail_sweep_m4pro_gemma4_e2b.csv",
+            *(f"test-backend-ops/{name}" for name in ("perf_b_CPU.stdout", "test_mode_b_CPU.csv",
+                                                      "test_mode_b_CPU.stdout", "test_mode_default.stdout"))]
+    assert all((folder / name).is_file() for name in used)
+    tracked = subprocess.run(["git", "ls-files", str(folder)], cwd=PROJECT_ROOT, capture_output=True, text=True)
+    if tracked.returncode == 0:  # a checkout (an sdist has no git)
+        assert {f"{folder.relative_to(PROJECT_ROOT.resolve())}/{name}" for name in used} <= set(tracked.stdout.split())

@@ -4,12 +4,19 @@ head, qemu-arm32 on one worker node, two loopback adbd "phones" on another), dri
 and one job at a time per device; a node killed mid-night ends in error records for its devices only.
 
 The phones are profiles in a lab folder (TESTBED_LAB): Ray's workers are other processes, which see
-the environment they were started with and never a monkeypatch."""
+the environment they were started with and never a monkeypatch.
+
+The cluster lives in a network namespace of its own, made by these tests, with only `lo` up, and every
+node is started with node_ip_address 127.0.0.1: Ray rewrites a loopback address to the machine's
+outward interface (resolve_ip_for_localhost), and in the namespace there is none, so the nodes, the
+driver and its workers talk over loopback and nothing leaves the machine (issue 24, item 18)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed import PROJECT_ROOT, config, farm
+from testbed import PROJECT_ROOT, config, farm, netguard
 from testbed import report as report_module
 from testbed.cli import main
 from testbed.results import ResultsStore
@@ -29,9 +36,29 @@ ray = pytest.importorskip("ray", reason="the farm extra: pip install 'testbed[fa
 from ray.cluster_utils import Cluster  # noqa: E402
 
 SMALL_STORE = 80 << 20  # Ray's default object store per node is ~450 MB; records are tiny
-# Every node takes Ray's own choice of address (this machine's outward interface), as a lab's would.
-# Pinning nodes to 127.0.0.1 breaks drivers: ray.init rewrites a loopback address to that interface.
-NODE = {"num_cpus": 1, "object_store_memory": SMALL_STORE}
+NODE = {"num_cpus": 1, "object_store_memory": SMALL_STORE, "node_ip_address": "127.0.0.1", "include_dashboard": False}
+CLONE_NEWNET = 0x40000000
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loopback_only_network():
+    """This module's own network namespace, only `lo` up: this thread and everything it starts from now
+    on (Ray's nodes, the drivers, their workers) is in it; the thread returns to its namespace after."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    before = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    if libc.unshare(CLONE_NEWNET) != 0:
+        os.close(before)
+        pytest.skip(f"the farm tests need a network namespace of their own (unshare: "
+                    f"{os.strerror(ctypes.get_errno())}; run as root)")
+    try:
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True, capture_output=True, timeout=30)
+        ifaces = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+        assert all(line.split()[1] == "lo" for line in ifaces.splitlines()), ifaces
+        yield
+    finally:
+        if libc.setns(before, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "cannot return to the network namespace the tests started in")
+        os.close(before)
 
 
 def phone(name: str) -> str:
@@ -40,10 +67,15 @@ def phone(name: str) -> str:
 
 
 @contextmanager
-def environment(**values: str):
-    """Set environment variables for what starts meanwhile (Ray nodes and their workers), then restore."""
+def environment(**values: str | None):
+    """Set (None: unset) environment variables for what starts meanwhile (Ray nodes and their workers),
+    then restore."""
     saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:
@@ -56,7 +88,11 @@ def environment(**values: str):
 
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("lab")
+    import tempfile
+
+    # short: Ray's node sockets live under TMPDIR, and a socket's path has at most 107 bytes
+    folder = Path(tempfile.mkdtemp(prefix="tblab-", dir="/tmp"))
+    (folder / "tmp").mkdir()
     (folder / "devices").mkdir()
     for name in ("phone-a", "phone-b", "phone-c", "phone-d"):
         (folder / "devices" / f"{name}.yaml").write_text(phone(name))
@@ -113,17 +149,29 @@ def lab(tmp_path_factory) -> Path:
         lock_wait_s: 60
         report_out: ""
         """))
-    return folder
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
-def node_env(lab: Path) -> dict:
-    return {"TESTBED_LAB": str(lab), "PYTHONPATH": str(PROJECT_ROOT)}
+def node_env(lab: Path, guarded: bool = True) -> dict:
+    """What the drivers (guarded) and the Ray nodes run with. A node's processes run without the test
+    suite's network guard: Ray's dashboard tries cloud metadata addresses and its vendor's usage
+    report whatever it is told, which the guard would count against the test; in this module's network
+    namespace the kernel is the guard (only `lo` exists), so no such packet can leave. A node's jobs
+    take their device locks in a temporary folder of the lab's own (TMPDIR): the lab's "devices" are
+    this host's, and another session on this machine holding one of them is not what is tested here."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if not guarded:
+        paths = [p for p in paths if p != str(netguard.SITE_DIR)]
+    return {"TESTBED_LAB": str(lab), "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), *paths]),
+            **farm.NO_USAGE_STATS,
+            **({} if guarded else {netguard.ENV_LOG: None, "TMPDIR": str(lab / "tmp")})}
 
 
-@pytest.fixture(scope="session")
-def cluster(lab):
+@pytest.fixture(scope="module")
+def cluster(lab, loopback_only_network):
     """Three nodes; which node owns which device: {device: node id}."""
-    with environment(**node_env(lab)):
+    with environment(**node_env(lab, guarded=False)):
         c = Cluster(initialize_head=True, head_node_args={**NODE, "resources": {farm.resource("host"): 1}})
         arm = c.add_node(**NODE, resources={farm.resource("qemu-arm32"): 1})
         phones = c.add_node(**NODE,
@@ -203,7 +251,7 @@ def wait_for(what: str, check, limit_s: float):
 
 
 def test_a_node_that_dies_mid_night_ends_in_error_records_for_its_devices_only(lab, cluster, tmp_path):
-    with environment(**node_env(lab)):
+    with environment(**node_env(lab, guarded=False)):
         doomed = cluster.add_node(**NODE,
                                   resources={farm.resource("phone-c"): 1, farm.resource("phone-d"): 1})
     cluster.wait_for_nodes()
@@ -256,7 +304,7 @@ def test_a_node_that_dies_mid_night_ends_in_error_records_for_its_devices_only(l
 
 
 def test_a_device_that_does_not_answer_ends_in_error_records_naming_its_node(lab, cluster, tmp_path):
-    with environment(**node_env(lab)):
+    with environment(**node_env(lab, guarded=False)):
         node = cluster.add_node(**NODE, resources={farm.resource("phone-gone"): 1})
     cluster.wait_for_nodes()
     proc = nightly(lab, tmp_path, "suite=gone", address=cluster.address)
@@ -292,14 +340,54 @@ def test_a_farm_address_where_nothing_answers_is_one_clear_line(tmp_path):
 
 def test_farm_node_starts_ray_with_one_resource_per_device_that_answers(monkeypatch, capsys):
     started = []
-    monkeypatch.setattr(farm.subprocess, "run", lambda argv: started.append(argv) or subprocess.CompletedProcess(argv, 0))
-    assert main(["farm", "node", "--address=10.0.0.1:6379", "--devices=host,pixel"]) == 0
+
+    def run_node(argv, log, on_up):
+        started.append(argv)
+        on_up("10.0.0.7")
+        return 0
+
+    monkeypatch.setattr(farm, "run_node", run_node)
+    assert main(["farm", "node", "--address=10.0.0.1:6379", "--devices=host,pixel",
+                 "--node-ip-address=10.0.0.7"]) == 0
     assert started == [[sys.executable, "-m", "ray.scripts.scripts", "start", "--address=10.0.0.1:6379",
-                        '--resources={"device:host": 1.0}']]
+                        '--resources={"device:host": 1.0}', "--node-ip-address=10.0.0.7", "--include-dashboard=false",
+                        "--block"]]
     err = capsys.readouterr().err
-    assert "pixel: left out, no: " in err and "farm node: advertising device:host" in err
+    assert "pixel: left out, no: " in err and "farm node: starting Ray, advertising device:host" in err
+    # testbed's next steps, never Ray's (`ray stop` would stop every Ray node on the host)
+    assert "testbed nightly farm=10.0.0.1:6379" in err and "Ctrl-C here" in err and "ray stop" not in err
     assert main(["farm", "node", "--devices=host,nosuch"]) == 2
     assert "--devices: unknown device 'nosuch'; accepted: " in capsys.readouterr().err
+    assert main(["farm", "node", "--devices=host", "--node-ip-address=lab-host"]) == 2
+    assert "--node-ip-address 'lab-host' is not an IP address" in capsys.readouterr().err
+
+
+def test_farm_node_runs_a_head_on_loopback_and_stopping_it_stops_only_it(lab, tmp_path):
+    """Issue 24, item 18: `farm node --node-ip-address 127.0.0.1` brings a head up, says testbed's next
+    steps with its address, answers `farm status`, and ends its own node when it is stopped."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in {**os.environ, **node_env(lab, guarded=False)}.items() if v is not None}
+    node = subprocess.Popen([sys.executable, "-m", "testbed", "farm", "node", "--devices=host", f"--port={port}",
+                             "--node-ip-address=127.0.0.1"], cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any(line.startswith("farm node: up") for line in lines):
+            assert node.poll() is None and time.monotonic() < deadline, "".join(lines) + node.stderr.read()
+            lines.append(node.stderr.readline())
+        said = "".join(lines) + "".join(node.stderr.readline() for _ in range(4))
+        assert f"this is the head, at 127.0.0.1:{port}" in said and f"testbed nightly farm=127.0.0.1:{port}" in said
+        assert "ray stop" not in said
+        status = farm_cli("status", f"--address=127.0.0.1:{port}")
+        assert status.returncode == 0 and "host" in status.stdout and "idle" in status.stdout, status.stderr
+    finally:
+        node.terminate()
+        node.wait(timeout=120)
+    with socket.socket() as s:  # its head is gone: nothing listens at its port any more
+        assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
 def test_farm_status_on_a_busy_head_is_one_line_and_exit_3(monkeypatch, capsys):

@@ -97,7 +97,7 @@ def audit(store: ResultsStore, seen: set[str], said: dict[str, tuple[int, int]] 
         lost += max(0, n_oracles - len(mine))
         assert sum(passed(r) for r in mine) == n_pass, f"run {run}: the summary said {n_pass} passed"
     complete = {r["run_id"] for r in store.scan().rows
-                if r.get("run_mark") == "ended" and r.get("outcome") == "complete"}
+                if r.get("run_mark") == "ended" and r.get("outcome") == "complete" and isinstance(r.get("run_id"), str)}
     false_passes = [r["record_id"] for r in records if passed(r) and r["run_id"] not in complete]
     COUNTS["stored_seen"] += len(seen)
     COUNTS["lost"] += lost
@@ -193,16 +193,15 @@ NATIVE_ORACLE_RUN = ["run", "gdn", "backend=native", "mode=oracle", "matrix=awkw
 def test_staged_inputs_corrupted_on_the_device(tmp_path, monkeypatch, capsys):
     """The host's work folder holds each case's inputs, staged once per content; bytes changed or cut
     there must be pushed again, not run (and blamed on the kernel)."""
-    results, temp = tmp_path / "results", tmp_path / "tmp"
-    temp.mkdir()
+    results = tmp_path / "results"
     store = ResultsStore(results)
     said = {}
     for round_ in range(2):
-        proc = start(NATIVE_ORACLE_RUN, results, TMPDIR=str(temp))  # the host's work folder under it
+        proc = start(NATIVE_ORACLE_RUN, results)  # the host's work folder: the store's .work/host
         out, err = proc.communicate(timeout=DEADLINE_S)
         assert proc.returncode == 0, err
         said.update(reported(out))
-        staged = sorted(temp.glob("testbed-*/host/inputs/*/*.npy"))
+        staged = sorted(results.glob(".work/host/inputs/*/*.npy"))
         assert staged
         for path in staged:  # every staged input: bytes flipped past the header, or the file cut
             data = bytearray(path.read_bytes())
@@ -328,6 +327,57 @@ def test_hostile_field_values_through_ingest_report_and_table(tmp_path, seed_fix
     assert "<script>alert" not in page and "<img src=x" not in page
     assert not (PROJECT_ROOT / "pwned").exists()
     audit(ResultsStore(results), stored_ids(ResultsStore(results)))
+
+
+def hostile_rows(record: dict, unfinished: str) -> list[dict]:
+    """Rows of a store written by something else than testbed (or damaged): each field of a record in
+    a type testbed never writes (in a run with no marks), marks with ids that are not strings, and a
+    passing record that claims it is complete (incomplete: false) in a run that never ended."""
+    rows = [{**record, "run_id": "hostile", "record_id": f"hostile-{key}-{i}", key: value}
+            for i, (key, value) in enumerate([
+                ("run_id", ["x"]), ("run_id", {"x": 1}), ("run_id", 7), ("record_id", 12), ("experiment", 5),
+                ("case", None), ("kind", ["oracle"]), ("kind", "verdict"), ("verdict", {"pass": True}),
+                ("figures", "fast"), ("metrics", [1, 2]), ("config", "chunk=64"), ("params", 3),
+                ("margin", "big"), ("detail", ["x"]), ("evidence", {"ran": 1}), ("device", {"d": 1}),
+                ("started", 5), ("fingerprint", "f"), ("schema", "2"), ("incomplete", "no"),
+                ("emulated", "true")])]
+    rows += [{"run_mark": "started", "run_id": {"x": 1}, "pid": "abc", "host": 5},
+             {"run_mark": "ended", "run_id": ["y"], "outcome": "complete"},
+             {"run_mark": "ended", "run_id": 9, "outcome": ["complete"]},
+             {**record, "record_id": "claims-complete", "run_id": unfinished, "verdict": "pass", "incomplete": False}]
+    return rows
+
+
+def test_hostile_store_field_types(tmp_path, monkeypatch, capsys):
+    """Issue 24: fields of every type testbed never writes, in committed batches: nothing crashes (the
+    reader, records verify / export / rm, table, report), nothing false passes, nothing stored is lost."""
+    results = tmp_path / "results"
+    store = ResultsStore(results)
+    proc = start(ORACLE_RUN, results)
+    out, err = proc.communicate(timeout=DEADLINE_S)
+    assert proc.returncode == 0, err
+    seen = stored_ids(store)
+    record = next(r for r in read(store) if r["kind"] == "oracle")
+    unfinished = "never-ended"
+    store.append([{**{k: record[k] for k in ("schema", "experiment", "device", "backend", "started", "config",
+                                             "fingerprint", "git_commit", "testbed_version")},
+                   "run_id": unfinished, "run_mark": "started", "outcome": None}])
+    store.append(hostile_rows(record, unfinished))
+    with open(store.path, "ab") as f:  # batch and commit ids that are not strings
+        f.write(b'{"batch": ["b"], "record_id": "x"}\n{"commit": {"c": 1}, "rows": 1}\n')
+    COUNTS["faults"] += 1
+    audit(store, seen, reported(out))
+    assert not any(r["record_id"] == "claims-complete" and passed(r) for r in read(store))
+    monkeypatch.setenv("TESTBED_RESULTS", str(results))
+    capsys.readouterr()
+    assert main(["records", "verify"]) == 1
+    said = capsys.readouterr().out
+    assert "with a field missing or of a type testbed never writes" in said and "Traceback" not in said
+    for fmt in ("jsonl", "json", "csv"):
+        assert main(["records", "export", "--format", fmt]) == 0
+    assert main(["records", "rm", "--where", "verdict=fail", "--dry-run"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    still_works(results, tmp_path, monkeypatch, capsys)
 
 
 def test_hostile_file_names_through_the_host_transport(local_device, tmp_path):

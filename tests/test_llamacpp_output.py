@@ -13,7 +13,9 @@ from testbed.errors import DeviceError
 
 
 def fixtures() -> Path:
-    return PROJECT_ROOT / "fixtures" / "test-backend-ops"
+    from testbed import config, seed
+
+    return seed.fixtures_dir(config.load([]).cfg.fixtures_dir) / "test-backend-ops"
 
 
 def read(name: str) -> str:

@@ -55,7 +55,7 @@ def test_a_lock_folder_that_is_a_symlink_or_open_to_others_is_refused(tmpdir_env
         private_dir(theirs)
 
 
-def test_folders_are_private_even_under_umask_000(tmpdir_env):
+def test_folders_are_private_even_under_umask_000(tmpdir_env, results_dir):
     old = os.umask(0)
     try:
         with device_lock("host", 0, "test"):
@@ -64,9 +64,9 @@ def test_folders_are_private_even_under_umask_000(tmpdir_env):
     finally:
         os.umask(old)
     base = tmpdir_env / f"testbed-{os.geteuid()}"
-    for folder in (base, base / "locks", base / "host"):
+    for folder in (base, base / "locks", results_dir / ".work", results_dir / ".work" / "host"):
         assert folder.is_dir() and (folder.stat().st_mode & 0o777) == 0o700
-    assert work == str(base / "host")
+    assert work == str(results_dir / ".work" / "host")
     assert ((base / "locks" / "host.lock").stat().st_mode & 0o777) == 0o600
 
 
@@ -94,3 +94,36 @@ def test_a_night_sees_the_device_a_pytest_session_holds(tmpdir_env):
         with pytest.raises(DeviceBusy, match=r"held by pid \d+, pytest session"):
             with device_lock("qemu-arm32", 0.3, "testbed nightly"):
                 pass
+
+
+def test_each_results_store_has_its_own_work_folders(tmp_path, monkeypatch):
+    """Issue 24, item 24: the host's and qemu's work folders were $TMPDIR/testbed-UID/NAME, shared by every
+    job of one user: another job's run folders (a killed one's leftovers) and cleanup landed in each
+    other's. Each results store now has its own (STORE/.work/NAME)."""
+    from testbed.devices import connect
+
+    folders = {}
+    for store in ("a", "b"):
+        monkeypatch.setenv("TESTBED_RESULTS", str(tmp_path / store))
+        for name in ("host", "qemu-arm32"):
+            folders[store, name] = transport_for(load_profile(name)).work_dir
+        device = connect(load_profile("host"))
+        device.run(["mkdir", "-p", f"runs/left-by-{store}"])
+        device.close()
+    assert folders["a", "host"] == str(tmp_path / "a" / ".work" / "host")
+    assert folders["a", "qemu-arm32"] == str(tmp_path / "a" / ".work" / "qemu-arm32")
+    assert folders["a", "host"] != folders["b", "host"] and folders["a", "qemu-arm32"] != folders["b", "qemu-arm32"]
+    assert os.listdir(tmp_path / "b" / ".work" / "host" / "runs") == ["left-by-b"]
+
+
+def test_a_job_waiting_for_a_device_says_so_naming_the_holder(tmpdir_env, capsys):
+    """Issue 24, item 24: one lock per device serves every job on this host (README: why); a job that
+    waits for it says once that it waits, and for whom, instead of hanging silently."""
+    with device_lock("qemu-arm32", 0, "testbed nightly, night N7"):
+        with pytest.raises(DeviceBusy):
+            with device_lock("qemu-arm32", 0.5, "pytest session"):
+                pass
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "device qemu-arm32 is busy: held by pid" in err and "night N7" in err
+    assert "waiting up to 0.5 s" in err
+

@@ -167,3 +167,72 @@ def test_records_of_a_run_without_marks_read_incomplete(results_dir, capsys):
         capsys.readouterr().out
     store.append([rows[-1]])  # its end mark: "ended complete"
     assert all(passed(r) for r in store.records())
+
+
+def test_rm_of_a_run_not_in_the_store_changes_nothing(results_dir, capsys):
+    """Issue 24, item 21: `rm --run WRONG` exited 0 and rewrote the store, dropping the torn lines that
+    `verify` reported (the evidence of what happened)."""
+    store = ResultsStore(results_dir)
+    _, rows = run_rows(2)
+    store.append(rows)
+    with open(store.path, "ab") as f:
+        f.write(b'{"torn')
+    before = store.path.read_bytes()
+    assert main(["records", "rm", "--run", "nosuchrun"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--run 'nosuchrun' is not a run in" in err and "nothing changed" in err
+    assert main(["records", "rm", "--where", "experiment=nosuch"]) == 0
+    assert "matches; nothing changed" in capsys.readouterr().out
+    assert store.path.read_bytes() == before and not list(results_dir.glob("records.jsonl.before-*"))
+
+
+def test_rm_keeps_a_symlinked_store_a_symlink(results_dir, tmp_path, capsys):
+    """Issue 24, item 21: the rewrite replaced the link with a regular file, so the store it pointed at
+    kept every removed record and the link's folder held a copy."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    real = ResultsStore(elsewhere)
+    gone, rows = run_rows(2)
+    kept, more = run_rows(1)
+    real.append(rows)
+    real.append(more)
+    results_dir.mkdir()
+    (results_dir / "records.jsonl").symlink_to(real.path)
+    assert main(["records", "rm", "--run", gone.run_id]) == 0
+    assert (results_dir / "records.jsonl").is_symlink()
+    assert {r["run_id"] for r in real.records()} == {kept.run_id}
+    assert list(elsewhere.glob("records.jsonl.before-*"))
+
+
+def test_export_csv_quotes_cells_a_spreadsheet_would_run(results_dir, capsys):
+    """Issue 24, item 21: device text like =HYPERLINK(...) went into CSV cells as it was."""
+    import csv
+    import io
+
+    info = RunInfo("gdn", "host", "refimpl", {"chunk": 64}, {"model": "=HYPERLINK(\"http://x\",\"y\")"})
+    ResultsStore(results_dir).append([info.mark("started"), info.stamp(Record("gdn", "+cmd|' /C calc'!A0", "oracle",
+                                                                              "nmse", "fail", -1.0, detail="@SUM(1)")),
+                                      info.mark("ended", "complete")])
+    assert main(["records", "export", "--format", "csv"]) == 0
+    (row,) = csv.DictReader(io.StringIO(capsys.readouterr().out))
+    assert row["fingerprint.model"] == "'=HYPERLINK(\"http://x\",\"y\")"
+    assert row["case"] == "'+cmd|' /C calc'!A0" and row["detail"] == "'@SUM(1)"
+    assert row["margin"] == "-1.0" and row["verdict"] == "fail"  # numbers stay numbers
+
+
+def test_a_start_mark_testbed_never_wrote_still_leaves_its_run_broken(results_dir):
+    """A bare start mark (no run context) of a run whose records are whole: the run's error record takes
+    its context from the first record, so the run still reads as broken, and nothing crashes."""
+    import warnings
+
+    from testbed.results import passed
+
+    store = ResultsStore(results_dir)
+    run, rows = run_rows(2)
+    store.append([{"run_mark": "started", "run_id": run.run_id}, *rows[1:3]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is set aside: the records are whole
+        stored = store.records()
+    assert not any(passed(r) for r in stored)
+    (error,) = [r for r in stored if r["verdict"] == "error"]
+    assert error["run_id"] == run.run_id and error["device"] == "host" and "never ended" in error["detail"]

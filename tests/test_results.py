@@ -73,3 +73,23 @@ def test_a_crashing_run_says_what_broke(results_dir, monkeypatch):
         runner.execute(config.load(["mode=oracle"], experiment="gdn"))
     (stored,) = ResultsStore(results_dir).records()
     assert stored["verdict"] == "error" and "kernel returned garbage" in stored["detail"]
+
+
+def test_under_umask_000_the_store_and_the_adb_key_are_not_writable_by_others(tmp_path, monkeypatch):
+    """Issue 24, item 22: the results folder came out 0777 and adbkey.pub 0666."""
+    import os
+    import stat
+
+    from testbed.devices.adb import ensure_adb_key
+
+    old = os.umask(0)
+    try:
+        store = ResultsStore(tmp_path / "new" / "results")
+        store.check_writable()
+        store.append(rows(1))
+        key = ensure_adb_key(str(tmp_path / "android" / "adbkey"))
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+    assert mode(tmp_path / "new") == mode(store.root) == 0o755 and mode(store.path) == 0o644
+    assert mode(key) == 0o600 and mode(f"{key}.pub") == 0o644 and mode(key.parent) == 0o700

@@ -48,9 +48,10 @@ def test_a_signal_mid_run_leaves_an_error_record_and_no_pass(sig, tmp_path):
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig, err
-    assert err.strip() == f"testbed: interrupted by {sig.name}; a run in progress was recorded as broken"
     stored = ResultsStore(results).records()
     (error,) = [r for r in stored if r["verdict"] == "error"]
+    assert err.strip() == (f"testbed: interrupted by {sig.name}; run {error['run_id']} was recorded as broken "
+                           "(what it measured is kept)")
     assert error["detail"] == f"interrupted by {sig.name}" and error["metrics"]["records_before_error"] >= 5
     assert len(stored) > 5 and all(r["incomplete"] for r in stored) and not any(passed(r) for r in stored)
 
@@ -115,3 +116,19 @@ def test_sigint_stops_a_nightly_mid_measurement(backend, tmp_path):
     nights = [json.loads(line) for line in (results / "nights" / "records.jsonl").read_text().splitlines()
               if '"night"' in line]
     assert nights[-1]["exit_status"] == 130
+def test_a_signal_during_start_up_does_not_claim_a_run_was_broken(tmp_path, monkeypatch, capsys):
+    """Issue 24, item 23: SIGINT before any run started said "a run in progress was recorded as broken"."""
+    from testbed import config
+    from testbed.cli import main
+
+    monkeypatch.setenv("TESTBED_RESULTS", str(tmp_path / "results"))
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(config, "load", interrupted)  # Ctrl-C while the configuration is read
+    assert main(["run", "gdn", "mode=oracle"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "testbed: interrupted; no run had started; nothing was stored"
+    assert not (tmp_path / "results" / "records.jsonl").exists()
+

@@ -74,26 +74,54 @@ def test_chat_template_renders_one_user_turn_as_transformers_does(checkpoint, mo
     assert ids == list(want)[:8] and ids[:2] == [2, 4]  # <bos> <start_of_turn>
 
 
-def test_sentencepiece_tokenizer_model_is_read_when_there_is_no_tokenizer_json(tmp_path):
+def sentencepiece_folder(folder, model_type: str = "word", **config) -> "sentencepiece.SentencePieceProcessor":
+    """A checkpoint folder whose tokenizer is a tokenizer.model trained here (special tokens 0-5, the
+    model's dummy prefix on), with tokenizer_config.json's special tokens plus `config`."""
     import sentencepiece
 
-    lines = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(12)) for i in range(200)]
+    lines = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(12)) for i in range(300)]
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, vocab_size=26, model_type="word", pad_id=0, eos_id=1,
-        bos_id=2, unk_id=3, control_symbols=["<start_of_turn>", "<end_of_turn>"], hard_vocab_limit=False,
-        minloglevel=2)
-    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=26 if model_type == "word" else 60,
+        model_type=model_type, pad_id=0, eos_id=1, bos_id=2, unk_id=3, control_symbols=["<start_of_turn>", "<end_of_turn>"],
+        hard_vocab_limit=False, minloglevel=2)
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
     added = {"4": {"content": "<start_of_turn>", "special": True}, "5": {"content": "<end_of_turn>", "special": True}}
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**TOKENIZER_CONFIG, "bos_token": "<s>", "eos_token": "</s>",
-                                                                "added_tokens_decoder": added}))
-    sp = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**TOKENIZER_CONFIG, "bos_token": "<s>", "eos_token": "</s>",
+                                                             "added_tokens_decoder": added, **config}))
+    return sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def test_sentencepiece_tokenizer_model_is_read_when_there_is_no_tokenizer_json(tmp_path):
+    sp = sentencepiece_folder(tmp_path, add_bos_token=True)
     tokenizer = prompts.find_tokenizer(str(tmp_path))
     assert prompts.load_prompt("the cat sat", 4, 26, 0, tokenizer).ids.tolist() == [2, *sp.encode("the cat sat")]
-    chat = prompts.load_prompt("the cat", 8, 26, 0, tokenizer, chat=True).ids.tolist()
-    start, end = sp.piece_to_id("<start_of_turn>"), sp.piece_to_id("<end_of_turn>")
-    assert chat == [2, start, *sp.encode("user"), *sp.encode("the cat"), end, start, *sp.encode("model")]
+    chat = prompts.load_prompt("the cat", 4, 26, 0, tokenizer, chat=True).ids.tolist()
+    assert chat[:2] == [2, sp.piece_to_id("<start_of_turn>")]  # the rendered <bos> and turn, looked up whole
     assert tokenizer.token_text(sp.encode("cat")[0]) == "▁cat"
+
+
+SP_TEXTS = ["the cat sat", "<start_of_turn>user the cat<end_of_turn><start_of_turn>model", "the cat<end_of_turn> sat on",
+            "the  cat", " the cat", "<start_of_turn> user", "the cat "]
+
+
+@pytest.mark.parametrize("bos", [None, True, False], ids=["no add_bos_token", "add_bos_token", "no bos"])
+def test_sentencepiece_prompts_are_tokenised_as_transformers_does(tmp_path, monkeypatch, bos):
+    """Issue 24, item 25: with no add_bos_token key testbed added <bos> (transformers does not), and with
+    the model's add_dummy_prefix it put "▁" after every special token (transformers puts it at the
+    start of the text only)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'testbed[hf]'")
+    sp = sentencepiece_folder(tmp_path, "bpe", tokenizer_class="LlamaTokenizer",
+                              **({} if bos is None else {"add_bos_token": bos}))
+    tokenizer = prompts.find_tokenizer(str(tmp_path))
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in SP_TEXTS:
+        assert tokenizer.encode(text, chat=False) == hf(text)["input_ids"], text
+    ids = tokenizer.encode("<start_of_turn>user the cat", chat=False)
+    assert (ids[0] == 2) == bool(bos)
+    after = ids[ids.index(sp.piece_to_id("<start_of_turn>")) + 1]
+    assert not sp.id_to_piece(after).startswith("▁")  # no dummy prefix after a special token
 
 
 def test_text_prompt_case_through_the_cli(checkpoint, results_dir, capsys):

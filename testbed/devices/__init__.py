@@ -30,7 +30,7 @@ from typing import Any
 from testbed.devices import health
 from testbed.devices.health import host_fingerprint
 from testbed.devices.local import LocalTransport, QemuTransport
-from testbed.devices.private import user_temp
+from testbed.devices.private import work_folder
 from testbed.devices.profile import TRANSPORTS, Profile, load_profile
 from testbed.devices.transport import CommandResult, CommandTimeout, TransferError, Transport
 from testbed.errors import DeviceUnreachable
@@ -147,9 +147,9 @@ def transport_for(profile: Profile, connection: dict | None = None) -> Transport
     conn = dict(profile.connection if connection is None else connection)
     t = profile.timeout("connect_s")
     if profile.transport == "local":
-        return LocalTransport(profile.name, profile.work_dir or str(user_temp("host")))
+        return LocalTransport(profile.name, profile.work_dir or str(work_folder("host")))
     if profile.transport == "qemu":
-        work = profile.work_dir or str(user_temp(profile.name))
+        work = profile.work_dir or str(work_folder(profile.name))
         return QemuTransport(profile.name, work, conn["emulator"], conn.get("sysroot") or "")
     if profile.transport == "adb" and conn.get("server"):
         from testbed.devices.adb_server import AdbServerTransport

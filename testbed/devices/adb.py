@@ -38,7 +38,7 @@ def ensure_adb_key(path: str = DEFAULT_KEY) -> Path:
     from cryptography.hazmat.primitives.asymmetric import rsa
 
     key = Path(os.path.expanduser(path))
-    key.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # the leaf only; the umask can only take away
     if not key.exists():
         pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
@@ -63,7 +63,10 @@ def ensure_adb_key(path: str = DEFAULT_KEY) -> Path:
     current = pub.read_bytes().split(b" ")[0] if pub.is_file() else b""
     if current != public.split(b" ")[0]:
         tmp = pub.with_name(f"{pub.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        tmp.write_bytes(public)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        os.fchmod(fd, 0o644)  # 0644 whatever the umask (under umask 000, open's mode alone gives it)
+        with os.fdopen(fd, "wb") as f:
+            f.write(public)
         os.replace(tmp, pub)
     return key
 

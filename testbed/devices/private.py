@@ -6,9 +6,16 @@ or as a world-writable folder (where they can swap files under you). So testbed'
 per user (TMP/testbed-UID/...), made 0700 whatever the umask, and checked before use: a real folder
 (not a symlink), owned by this user, that nobody else can enter. Anything else is refused, saying why.
 
-One lock per device, shared by everything that drives it (testbed nightly, `pytest --device=NAME`):
-an flock on LOCKS/DEVICE.lock, released by the kernel when the holder dies. The lock file holds who
-has it, so a refusal can say so.
+One lock per device, shared by everything that drives it (testbed nightly, `pytest --device=NAME`, a
+farm job), by every job of this user on this host whatever its results store: a device is one
+machine, and two jobs on it at once would time each other's work. An flock on LOCKS/DEVICE.lock,
+released by the kernel when the holder dies. The lock file holds who has it, so a refusal can say so,
+and a job that waits for it says once that it waits and for whom.
+
+The default work folder of a device this host runs itself (the host, qemu-user) is not shared that
+way: it is the results store's own (STORE/.work/NAME, private to this user; the store is
+TESTBED_RESULTS, else the project's results/), so jobs writing different stores never meet in it, and
+what a killed job leaves there stays with its store.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -58,6 +66,16 @@ def user_temp(name: str) -> Path:
     return private_dir(base / name)
 
 
+def work_folder(name: str) -> Path:
+    """STORE/.work/NAME: the default work folder of the device NAME this host runs itself (see above)."""
+    from testbed.config import project_path
+    from testbed.results import make_folder
+
+    store = project_path(os.environ.get("TESTBED_RESULTS") or "results")
+    make_folder(store)
+    return private_dir(private_dir(store / ".work") / name)
+
+
 def default_lock_dir() -> Path:
     return user_temp("locks")
 
@@ -76,15 +94,20 @@ def device_lock(device: str, wait_s: float, holder: str, lock_dir: Path | None =
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
             raise UsageError(f"{path} is not a lock file of this user; refusing to use it: remove it")
         deadline = time.monotonic() + wait_s
+        said = False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                who = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
                 if time.monotonic() >= deadline:
-                    who = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
                     raise DeviceBusy(f"device {device} is busy: held by {who} ({path}); waited {wait_s:g} s") from None
                 raise_if_stopped()  # a signal ends the wait (testbed.stop)
+                if not said:  # waiting is visible: once, naming the holder
+                    print(f"testbed: device {device} is busy: held by {who}; waiting up to {wait_s:g} s for it",
+                          file=sys.stderr, flush=True)
+                    said = True
                 time.sleep(0.2)
         os.ftruncate(fd, 0)  # our own file (checked above), and ours to write while we hold it
         os.pwrite(fd, f"pid {os.getpid()}, {holder}\n".encode(), 0)

@@ -32,7 +32,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma
-from testbed import backends, tables
+from testbed import backends, seed, tables
 from testbed.backends.native.engine import WEIGHT_DTYPES, dequantized
 from testbed.backends.iree.artifacts import target_names
 from testbed.checkpoints import load_checkpoint
@@ -281,10 +281,10 @@ def render_latency(title: str, chunk_s: dict[int, float], decode_s: float, lengt
 
 
 def fixture_file(cfg: DictConfig) -> Path:
-    """The seed's CSV, under fixtures_dir (relative to the project root)."""
-    path = project_path(cfg.fixtures_dir) / cfg.fixture.file
+    """The seed's CSV, under fixtures_dir (testbed.seed.fixtures_dir)."""
+    path = seed.fixtures_dir(cfg.fixtures_dir) / cfg.fixture.file
     if not path.is_file():
-        raise UsageError(f"fixture {cfg.fixture.file!r} not found in {path.parent}")
+        raise UsageError(f"fixture {cfg.fixture.file!r} not found in {path.parent} (config key fixtures_dir)")
     return path
 
 

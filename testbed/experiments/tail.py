@@ -36,8 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 from refimpl import gemma
 from refimpl import sliding_cache as sc
 from refimpl import tail_prefill as tp
-from testbed import breakeven
-from testbed.config import Choice, Float, Int, IntList, as_list, project_path
+from testbed import breakeven, seed as seeds
+from testbed.config import Choice, Float, Int, IntList, as_list
 from testbed.errors import UsageError
 from testbed.measure import host_clocks, time_interleaved
 from testbed.results import Figure, Record
@@ -119,10 +119,10 @@ def model_config(cfg: DictConfig) -> gemma.GemmaConfig:
 
 
 def fixture_path(cfg: DictConfig):
-    """The fixture, from `fixtures_dir` (relative to the project root)."""
-    path = project_path(cfg.fixtures_dir) / cfg.fixture
+    """The fixture from `fixtures_dir` (testbed.seed.fixtures_dir)."""
+    path = seeds.fixtures_dir(cfg.fixtures_dir) / cfg.fixture
     if not path.is_file():
-        raise UsageError(f"fixture={cfg.fixture!r} not found in {path.parent}")
+        raise UsageError(f"fixture={cfg.fixture!r} not found in {path.parent} (config key fixtures_dir)")
     return path
 
 

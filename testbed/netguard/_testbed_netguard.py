@@ -60,8 +60,15 @@ def outside(host) -> bool:
         return host.lower().rstrip(".") not in _LOOPBACK_NAMES
 
 
+def _process() -> str:
+    import sys
+
+    argv = getattr(sys, "argv", None) or ["?"]
+    return " ".join(os.path.basename(str(a)) if i == 0 else str(a) for i, a in enumerate(argv[:3]))[:80]
+
+
 def _refuse(what: str):
-    line = f"pid {os.getpid()}: {what}"
+    line = f"pid {os.getpid()} ({_process()}): {what}"
     with _lock:
         _recorded.append(line)
     log = os.environ.get(ENV_LOG)
