@@ -553,9 +553,12 @@ def _rates(m: pd.DataFrame) -> pd.DataFrame:
     # the recurrence's own cost: the engine's timer around it (CPU ms), or, counted, the whole count
     # (the recurrence-free model's is subtracted in the table)
     own = np.where(by_counts, col("figures.instructions.median"), col("figures.gdn_cpu_time.median"))
+    # denormals: the native programs flush them (FTZ/DAZ) on every target; numpy does not
+    ftz = m.get("params.ftz", pd.Series(None, index=m.index)).map({True: "on", False: "off"}).fillna("?")
     return pd.DataFrame({"device": m["device"], "backend": m["backend"], "context": m["params.context"].astype(int),
                          "model": m["params.model"], "rate": pick["median"], "rate_min": pick["min"],
-                         "rate_max": pick["max"], "per": np.where(by_counts, RATE_COUNTS, RATE_CPU), "own": own})
+                         "rate_max": pick["max"], "per": np.where(by_counts, RATE_COUNTS, RATE_CPU), "own": own,
+                         "FTZ": ftz.to_numpy()})
 
 
 def recurrence_ratio(own: dict, counted: bool) -> float:
@@ -611,11 +614,11 @@ def crossover_table(df: pd.DataFrame) -> pd.DataFrame:
     rows = _rates(m)
     if rows.empty:
         return pd.DataFrame()
-    keys = ["device", "backend", "context", "per"]
+    keys = ["device", "backend", "FTZ", "context", "per"]
     wide = rows.pivot_table(index=keys, columns="model", values="rate").reset_index()
     spread = {k: {r["model"]: (r["rate_min"], r["rate_max"]) for _, r in g.iterrows()}
               for k, g in rows.groupby(keys)}
-    alone = {k: recurrence_ratio({r["model"]: r["own"] for _, r in g.iterrows()}, k[3] == RATE_COUNTS)
+    alone = {k: recurrence_ratio({r["model"]: r["own"] for _, r in g.iterrows()}, k[-1] == RATE_COUNTS)
              for k, g in rows.groupby(keys)}
     wide = wide[[*keys, *(m for m in MODELS if m in wide)]]  # MODELS' order
     wide.columns.name = None
@@ -627,13 +630,13 @@ def crossover_table(df: pd.DataFrame) -> pd.DataFrame:
         share = 1 - wide["hybrid-serial"] / wide["hybrid-no-recurrence"]
         wide["GDN share"] = share.round(3)
         wide["bound x serial"] = (1 / (1 - share)).round(2)
-    ratio = [alone.get(tuple(r[k] for k in ("device", "backend", "context", "rate"))) for _, r in wide.iterrows()]
+    ratio = [alone.get(tuple(r[k] for k in ("device", "backend", "FTZ", "context", "rate"))) for _, r in wide.iterrows()]
     if any(x is not None and np.isfinite(x) for x in ratio):
         wide["recurrence alone: chunkwise x serial"] = pd.Series(ratio, index=wide.index, dtype=float).round(2)
     why = []
     for _, r in wide.iterrows():
         r = r.copy()
-        r["per"], r["spread"] = r["rate"], spread.get((r["device"], r["backend"], r["context"], r["rate"]))
+        r["per"], r["spread"] = r["rate"], spread.get((r["device"], r["backend"], r["FTZ"], r["context"], r["rate"]))
         why.append(why_not_faster(r))
     for model in MODELS:
         if model in wide:
