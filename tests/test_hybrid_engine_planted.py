@@ -76,3 +76,18 @@ def test_a_padded_calls_logits_from_its_last_row_are_caught_at_the_boundary(devi
                    "const int first = select == TB_HYBRID_ALL_ROWS ? 0 : rows - 1,")
     caught = failures(device, model, prog)
     assert "token" in caught and "state" not in caught
+
+
+def test_threads_and_decode_steps_give_the_same_bytes(device, model):
+    """Threads split output columns and heads, never a sum: two threads give one thread's bytes. A tail
+    of decode steps gives the bytes of the same rows in one call with the serial recurrence (which
+    walks the tokens one by one either way)."""
+    from testbed.oracles import digest
+
+    w, prompt, _ = model
+    runs = [engine.prefill(device, CFG, w, prompt, past=PAST, tokens=TOKENS, chunk=CHUNK, threads=t) for t in (1, 2)]
+    assert digest(runs[0].call_logits, *runs[0].state.arrays().values()) == \
+        digest(runs[1].call_logits, *runs[1].state.arrays().values())
+    scalar, exact = (engine.prefill(device, CFG, w, prompt, past=0, tokens=TAIL, chunk=CHUNK, tail=tail, gdn="serial")
+                     for tail in ("scalar", "exact"))
+    assert digest(scalar.logits, *scalar.state.arrays().values()) == digest(exact.logits, *exact.state.arrays().values())

@@ -553,19 +553,36 @@ def _rates(m: pd.DataFrame) -> pd.DataFrame:
     # the recurrence's own cost: the engine's timer around it (CPU ms), or, counted, the whole count
     # (the recurrence-free model's is subtracted in the table)
     own = np.where(by_counts, col("figures.instructions.median"), col("figures.gdn_cpu_time.median"))
+    total = np.where(by_counts, col("figures.instructions.median"), col("figures.cpu_time.median"))
+    # denormals: the native programs flush them (FTZ/DAZ) on every target; numpy does not
+    ftz = m.get("params.ftz", pd.Series(None, index=m.index)).map({True: "on", False: "off"}).fillna("?")
     return pd.DataFrame({"device": m["device"], "backend": m["backend"], "context": m["params.context"].astype(int),
                          "model": m["params.model"], "rate": pick["median"], "rate_min": pick["min"],
-                         "rate_max": pick["max"], "per": np.where(by_counts, RATE_COUNTS, RATE_CPU), "own": own})
+                         "rate_max": pick["max"], "per": np.where(by_counts, RATE_COUNTS, RATE_CPU), "own": own,
+                         "total": total, "FTZ": ftz.to_numpy()})
 
 
-def recurrence_ratio(own: dict, counted: bool) -> float:
-    """Serial over chunkwise on the recurrence alone: its own CPU time (the engine's timer), or counted,
-    each form's instructions minus the recurrence-free model's (the same code otherwise)."""
-    serial, chunkwise = own.get("hybrid-serial", np.nan), own.get("hybrid-chunkwise", np.nan)
+def recurrence(group: pd.DataFrame, counted: bool) -> dict:
+    """The recurrence alone, from one context's rows: serial over chunkwise on its own cost (the engine's
+    timer around it, CPU; or counted, each form's instructions minus the recurrence-free model's, the
+    same code otherwise), its share of the serial hybrid's cost, the bound that share puts on any GDN
+    speed-up (1 / (1 - share)) and what the measured ratio predicts for the whole
+    (1 / (1 - share (1 - 1 / ratio))). Without the engine's timer (refimpl), the share comes from the
+    rates: 1 - serial / no recurrence."""
+    own = dict(zip(group["model"], group["own"]))
+    total = dict(zip(group["model"], group["total"]))
+    rate = dict(zip(group["model"], group["rate"]))
+    nan = float("nan")
+    serial, chunkwise = own.get("hybrid-serial", nan), own.get("hybrid-chunkwise", nan)
     if counted:
-        base = own.get("hybrid-no-recurrence", np.nan)
+        base = own.get("hybrid-no-recurrence", nan)
         serial, chunkwise = serial - base, chunkwise - base
-    return serial / chunkwise if chunkwise and np.isfinite(chunkwise) and chunkwise > 0 else np.nan
+    ratio = serial / chunkwise if np.isfinite(chunkwise) and chunkwise > 0 else nan
+    share = serial / total.get("hybrid-serial", nan) if np.isfinite(serial) else nan
+    if not np.isfinite(share):
+        share = 1 - rate.get("hybrid-serial", nan) / rate.get("hybrid-no-recurrence", nan)
+    expected = 1 / (1 - share * (1 - 1 / ratio)) if np.isfinite(ratio) and np.isfinite(share) else nan
+    return {"share": share, "ratio": ratio, "bound": 1 / (1 - share), "expected": expected}
 
 
 def why_not_faster(r) -> str:
@@ -577,27 +594,23 @@ def why_not_faster(r) -> str:
     spread = r.get("spread", {}) or {}
     lo_c, hi_c = spread.get("hybrid-chunkwise", (np.nan, np.nan))
     lo_s, hi_s = spread.get("hybrid-serial", (np.nan, np.nan))
-    alone = r.get("recurrence alone: chunkwise x serial", np.nan)
-    share = 1 - r["hybrid-serial"] / r["hybrid-no-recurrence"] if "hybrid-no-recurrence" in r.index else np.nan
+    rec = r.get("recurrence", {}) or {}
+    alone, share, expected = rec.get("ratio", np.nan), rec.get("share", np.nan), rec.get("expected", np.nan)
+    if np.isfinite(alone) and alone > 1 and np.isfinite(expected):
+        why = (f"the recurrence alone runs {alone:.2f}x faster chunkwise, but it is {share:.0%} of the serial "
+               f"hybrid's cost: the whole can gain {expected:.2f}x")
+        if hi_c >= lo_s and hi_s >= lo_c:
+            return (f"{why}, inside the repetitions' spread (serial {lo_s:.4g}-{hi_s:.4g}, chunkwise "
+                    f"{lo_c:.4g}-{hi_c:.4g} {r['per']}): within noise")
+        return f"{why}, and the rest of the model moved more than that between the runs"
     if hi_c >= lo_s and hi_s >= lo_c:
-        why = (f"within noise: the repetitions overlap (serial {lo_s:.4g}-{hi_s:.4g}, chunkwise "
-               f"{lo_c:.4g}-{hi_c:.4g} {r['per']})")
-        if np.isfinite(alone) and alone > 1:
-            why += (f"; the recurrence alone runs {alone:.2f}x faster chunkwise, but it is "
-                    f"{max(share, 0):.0%} of the serial hybrid, so the whole gains at most {r.get('bound x serial', np.nan)}x")
-        return why
-    if "hybrid-no-recurrence" in r.index and pd.notna(r["hybrid-no-recurrence"]):
-        # cost per token of the recurrence alone, each form: total minus the model without it
-        base = 1 / r["hybrid-no-recurrence"]
-        serial, chunkwise = 1 / r["hybrid-serial"] - base, 1 / r["hybrid-chunkwise"] - base
-        share = 1 - r["hybrid-serial"] / r["hybrid-no-recurrence"]
-        unit = "CPU s" if r["per"] == RATE_CPU else "instructions"
-        scale = 1e6 if r["per"] == RATE_CPU else 1e9
-        return (f"the chunkwise recurrence costs {chunkwise * scale:.3g} vs serial {serial * scale:.3g} "
-                f"{'us' if unit == 'CPU s' else 'instructions'} per token here (the recurrence is "
-                f"{share:.0%} of the serial hybrid): at this shape its products and forward substitution "
-                f"do more than the rank-1 updates they replace")
-    return "chunkwise is slower here and no no-recurrence run says what the recurrence costs"
+        return (f"within noise: the repetitions overlap (serial {lo_s:.4g}-{hi_s:.4g}, chunkwise "
+                f"{lo_c:.4g}-{hi_c:.4g} {r['per']})")
+    if np.isfinite(alone):
+        return (f"the chunkwise recurrence is {1 / alone:.2f}x the serial one's cost here ({share:.0%} of the "
+                f"serial hybrid): at this shape its products and forward substitution do more than the "
+                f"rank-1 updates they replace")
+    return "chunkwise is slower here, and no figure says what the recurrence alone costs"
 
 
 def crossover_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -611,29 +624,28 @@ def crossover_table(df: pd.DataFrame) -> pd.DataFrame:
     rows = _rates(m)
     if rows.empty:
         return pd.DataFrame()
-    keys = ["device", "backend", "context", "per"]
+    keys = ["device", "backend", "FTZ", "context", "per"]
     wide = rows.pivot_table(index=keys, columns="model", values="rate").reset_index()
     spread = {k: {r["model"]: (r["rate_min"], r["rate_max"]) for _, r in g.iterrows()}
               for k, g in rows.groupby(keys)}
-    alone = {k: recurrence_ratio({r["model"]: r["own"] for _, r in g.iterrows()}, k[3] == RATE_COUNTS)
-             for k, g in rows.groupby(keys)}
+    rec = {k: recurrence(g, k[-1] == RATE_COUNTS) for k, g in rows.groupby(keys)}
     wide = wide[[*keys, *(m for m in MODELS if m in wide)]]  # MODELS' order
     wide.columns.name = None
     wide = wide.rename(columns={"per": "rate"})
     if {"hybrid-serial", "hybrid-chunkwise"} <= set(wide.columns):
         wide["chunkwise x serial"] = (wide["hybrid-chunkwise"] / wide["hybrid-serial"]).round(2)
-    if {"hybrid-serial", "hybrid-no-recurrence"} <= set(wide.columns):
-        # the serial recurrence's share of the hybrid's time, and the bound it puts on any GDN speed-up
-        share = 1 - wide["hybrid-serial"] / wide["hybrid-no-recurrence"]
-        wide["GDN share"] = share.round(3)
-        wide["bound x serial"] = (1 / (1 - share)).round(2)
-    ratio = [alone.get(tuple(r[k] for k in ("device", "backend", "context", "rate"))) for _, r in wide.iterrows()]
-    if any(x is not None and np.isfinite(x) for x in ratio):
-        wide["recurrence alone: chunkwise x serial"] = pd.Series(ratio, index=wide.index, dtype=float).round(2)
+    found = [rec[tuple(r[k] for k in ("device", "backend", "FTZ", "context", "rate"))] for _, r in wide.iterrows()]
+    for column, key, digits in (("GDN share", "share", 3), ("bound x serial", "bound", 2),
+                                ("recurrence alone: chunkwise x serial", "ratio", 2),
+                                ("expected x serial", "expected", 2)):
+        values = pd.Series([f[key] for f in found], index=wide.index, dtype=float)
+        if values.notna().any():
+            wide[column] = values.round(digits)
     why = []
-    for _, r in wide.iterrows():
+    for (_, r), f in zip(wide.iterrows(), found):
         r = r.copy()
-        r["per"], r["spread"] = r["rate"], spread.get((r["device"], r["backend"], r["context"], r["rate"]))
+        r["per"], r["recurrence"] = r["rate"], f
+        r["spread"] = spread.get((r["device"], r["backend"], r["FTZ"], r["context"], r["rate"]))
         why.append(why_not_faster(r))
     for model in MODELS:
         if model in wide:
