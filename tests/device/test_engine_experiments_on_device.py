@@ -43,7 +43,7 @@ def test_tail_oracles_at_chunk_16_pass_on_a_hexagon_device(device, results_dir):
     prompt is a fifth as long (25 tokens: one chunk and a padded tail of 9)."""
     if device.profile.abi != "hexagon":
         pytest.skip("the other devices run the full-size test above")
-    outcome = run_on(device, ["experiment=tail", "mode=oracle", *TINY_TAIL, "chunk=16", "oracle.grid_windows=[16]",
+    outcome = run_on(device, ["experiment=tail", "mode=oracle", *TINY_TAIL, "chunk=16", "tail=[9]", "oracle.grid_windows=[16]",
                               "oracle.grid_sinks=[3]", "oracle.around_chunk=[[1,9]]", "oracle.generate=4"])
     oracles = [r for r in outcome.rows if r["kind"] == "oracle"]
     assert outcome.failed == 0, [r["detail"] for r in oracles if r["verdict"] != "pass"][:3]
