@@ -10,6 +10,8 @@ the engine's RoPE table (double pow, cos, sin rounded to float32): checked here 
 run may use.
 
 Where Hexagon and the others differ the test says which op, by how many ulps, and why: none differ.
+The default run compares the Hexagon build, on a third of the GDN matrix (emulated Hexagon floating
+point is slow); `pytest -m slow_build` adds the whole matrix and the static-musl ARM builds.
 The programs are ELF for the right machine (Hexagon: e_machine 164, "QUALCOMM DSP6"), and say which
 toolchain built them (build.json). Timings under emulation are never used."""
 
@@ -26,7 +28,7 @@ from testbed.oracles import check_bitexact, check_nmse
 from tests.native_support import GDN_CASES, reference64
 from tests.test_native import attention_inputs
 from tests.test_native_cross import _cache_case_arrays
-from testbed.tail_oracles import GROUP, HEAD_DIM, KV_HEADS, grid
+from testbed.tail_oracles import HEAD_DIM, grid
 
 # name -> (build target, toolchain); the emulator follows the build target
 BUILDS = {"hexagon": ("hexagon", "zig"), "arm32-musl": ("arm32", "zig"), "aarch64-musl": ("aarch64", "zig")}
@@ -44,11 +46,21 @@ def _build(name):
         return str(e)
 
 
+class Builds(dict):
+    """Each build made at first use (zig builds musl once per target, then reuses it): the default run
+    needs the host's and Hexagon's only; the static-musl ARM builds come with -m slow_build."""
+
+    def __missing__(self, name):
+        self[name] = _build(name)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def programs():
-    """Every build, cold ones two at a time (zig builds musl once per target, then reuses it)."""
+    built = Builds()
     with ThreadPoolExecutor(2) as pool:
-        built = dict(zip(["host", *BUILDS], pool.map(_build, ["host", *BUILDS])))
+        for name, result in zip(("host", "hexagon"), pool.map(_build, ("host", "hexagon"))):
+            built[name] = result
     if isinstance(built["host"], str):
         pytest.skip(built["host"])
     return built
@@ -60,7 +72,13 @@ def need(programs, name):
     return programs[name], BUILDS[name][0]
 
 
-@pytest.mark.parametrize("name", BUILDS)
+# The default run: Hexagon; the static-musl arm32/aarch64 builds (another 2 min of cold builds) with
+# -m slow_build (Debian's gcc builds for them are compared in every run by tests/test_native_cross.py).
+NAMES = ["hexagon", pytest.param("arm32-musl", marks=pytest.mark.slow_build),
+         pytest.param("aarch64-musl", marks=pytest.mark.slow_build)]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_each_build_is_an_elf_for_its_machine_and_says_what_built_it(programs, name):
     folder, target = need(programs, name)
     info = json.loads((folder / "build.json").read_text())
@@ -78,15 +96,16 @@ def test_the_toolchain_is_part_of_the_cache_key(programs):
     gnu = kernel_build._programs_hash("arm32", False, toolchain="gnu")
     zig = kernel_build._programs_hash("arm32", False, toolchain="zig")
     assert gnu != zig
-    folder, _ = need(programs, "arm32-musl")
-    assert folder.name.startswith("arm32-zig-")
+    folder, _ = need(programs, "hexagon")
+    assert folder.name.startswith("hexagon-") and "zig" in (folder / "build.json").read_text()
 
 
 # Emulated Hexagon floating point is slow (the 48-case matrix takes about 2 min of CPU): the default run
 # compares every third case, which spans the scalar and vector gates, grouped value heads, snapshots and
 # the awkward lengths; `pytest -m slow_build` compares all 48 (the qemu-hexagon device suite judges all
-# 48 against the float64 reference in every run).
-HEXAGON_GDN_CASES = GDN_CASES[::3]
+# 48 against the float64 reference in every run; Debian's gcc builds for arm32 and aarch64 are compared
+# over all 48 in tests/test_native_cross.py).
+SUBSET = GDN_CASES[::3]
 
 
 def run_gdn_matrix(folder, target, cases=GDN_CASES):
@@ -106,17 +125,17 @@ def host_gdn(programs):
     return run_gdn_matrix(programs["host"], "host")
 
 
-@pytest.mark.parametrize("name", BUILDS)
+@pytest.mark.parametrize("name", NAMES)
 def test_gdn_is_bitexact_with_the_host_build(programs, host_gdn, name):
     folder, target = need(programs, name)
-    runs = run_gdn_matrix(folder, target, HEXAGON_GDN_CASES if target == "hexagon" else GDN_CASES)
-    assert_gdn_bitexact(name, runs, host_gdn)
+    assert_gdn_bitexact(name, run_gdn_matrix(folder, target, SUBSET), host_gdn)
 
 
 @pytest.mark.slow_build
-def test_gdn_on_hexagon_is_bitexact_with_the_host_build_over_all_48_cases(programs, host_gdn):
-    folder, target = need(programs, "hexagon")
-    assert_gdn_bitexact("hexagon", run_gdn_matrix(folder, target), host_gdn)
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_gdn_is_bitexact_with_the_host_build_over_all_48_cases(programs, host_gdn, name):
+    folder, target = need(programs, name)
+    assert_gdn_bitexact(name, run_gdn_matrix(folder, target), host_gdn)
 
 
 def assert_gdn_bitexact(name, runs, host_gdn):
@@ -127,19 +146,19 @@ def assert_gdn_bitexact(name, runs, host_gdn):
         assert same.passed, f"{name} {case.name} {form}: {same.detail}"
 
 
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("case", [(4, 1, 64, 150, 1, 1, "global"), (8, 2, 32, 90, 24, 20, "local")], ids=str)
-def test_attention_is_bitexact_with_the_host_build(programs, case):
+def test_attention_is_bitexact_with_the_host_build(programs, case, name):
     q, k, v, mask, scale = attention_inputs(*case)
     want = {"out": gemma.attention(*(a.astype(np.float64) for a in (q, k, v, mask)), scale)}
     host = {"out": native_programs.attention(programs["host"], "host", q, k, v, mask, scale)[0]}
-    for name in BUILDS:
-        folder, target = need(programs, name)
-        got = {"out": native_programs.attention(folder, target, q, k, v, mask, scale)[0]}
-        assert check_nmse(want, got).passed, name
-        assert check_bitexact(host, got).passed, f"{name}: {check_bitexact(host, got).detail}"
+    folder, target = need(programs, name)
+    got = {"out": native_programs.attention(folder, target, q, k, v, mask, scale)[0]}
+    assert check_nmse(want, got).passed, name
+    assert check_bitexact(host, got).passed, f"{name}: {check_bitexact(host, got).detail}"
 
 
-@pytest.mark.parametrize("name", BUILDS)
+@pytest.mark.parametrize("name", NAMES)
 def test_cache_ops_are_byte_identical(programs, name):
     folder, target = need(programs, name)
     for case in grid(windows=(16,), dtypes=("float32",)):
@@ -175,17 +194,17 @@ def run_engine(folder, target, mode):
     return native_programs.run_program(folder, target, engine.PROGRAM, {"tokens": tokens}, args, timeout=1800)
 
 
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("mode", ENGINE_RUNS)
-def test_engine_is_bitexact_with_the_host_build(programs, mode):
+def test_engine_is_bitexact_with_the_host_build(programs, mode, name):
     want, want_timings = run_engine(programs["host"], "host", mode)
-    for name in BUILDS:
-        folder, target = need(programs, name)
-        outputs, timings = run_engine(folder, target, mode)
-        assert set(outputs) == set(want)
-        v = check_bitexact(want, outputs)
-        assert v.passed, f"{name} {mode}: {v.detail}"
-        if mode == "tail":
-            assert timings["telemetry"] == want_timings["telemetry"]
+    folder, target = need(programs, name)
+    outputs, timings = run_engine(folder, target, mode)
+    assert set(outputs) == set(want)
+    v = check_bitexact(want, outputs)
+    assert v.passed, f"{name} {mode}: {v.detail}"
+    if mode == "tail":
+        assert timings["telemetry"] == want_timings["telemetry"]
 
 
 # --- the one libm dependency: the engine's RoPE tables ------------------------------------------------
@@ -231,16 +250,18 @@ def host_rope():
     return rope_lines("host")
 
 
-def test_rope_tables_from_musl_are_glibcs_bits(programs, host_rope):
+@pytest.mark.parametrize("name", ["hexagon", pytest.param("arm32-musl", marks=pytest.mark.slow_build),
+                                  pytest.param("aarch64-musl", marks=pytest.mark.slow_build)])
+def test_rope_tables_from_musl_are_glibcs_bits(programs, host_rope, name):
     """model.c's rope_tables takes double pow, cos and sin from libm and rounds them to float32: glibc
     (the host) and musl (zig's builds) must give the same float32 tables on every target, for every
-    position up to 4096, head sizes 16 to 256, bases 1e4 and 1e6, linear scaling 1 and 8."""
+    position up to 4096, head sizes 16 to 256, bases 1e4 and 1e6, linear scaling 1 and 8. (musl's
+    pow, cos and sin are the same C on every target: the ARM builds are compared with -m slow_build.)"""
     assert len(host_rope) == 32
-    for name in BUILDS:
-        need(programs, name)
-        got = rope_lines(name)
-        differ = [f"{a} != {b.split()[-1]}" for a, b in zip(host_rope, got) if a != b]
-        assert len(got) == 32 and not differ, f"{name}: RoPE tables differ from glibc's: {differ[:3]}"
+    need(programs, name)
+    got = rope_lines(name)
+    differ = [f"{a} != {b.split()[-1]}" for a, b in zip(host_rope, got) if a != b]
+    assert len(got) == 32 and not differ, f"{name}: RoPE tables differ from glibc's: {differ[:3]}"
 
 
 def test_a_libm_difference_in_the_rope_tables_is_caught(host_rope, tmp_path):

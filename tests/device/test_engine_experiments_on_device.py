@@ -26,6 +26,7 @@ def test_chunk_prefill_seed_cases_pass_on_the_device(device, results_dir):
     assert len(weights) == 1 and len(weights.pop()) == 64
 
 
+@pytest.mark.heavy_emulation  # about 20 engine runs of 137 tokens: many minutes under qemu-hexagon
 def test_tail_oracles_and_bench_pass_on_the_device(device, results_dir):
     outcome = run_on(device, ["experiment=tail", "mode=all", *TINY_TAIL, "oracle.grid_windows=[16]",
                               "oracle.grid_sinks=[3]", "oracle.around_chunk=[[1,9]]", "prompt_tokens=[137]",
@@ -37,6 +38,7 @@ def test_tail_oracles_and_bench_pass_on_the_device(device, results_dir):
     assert_computed_on(device, outcome.rows, "tb_model_bench")
 
 
+@pytest.mark.heavy_emulation  # the hexagon suite judges the tail at C=16 below
 def test_tail_on_an_int8_cache_judges_its_encoding_against_refimpl(device, results_dir):
     """Issue 24, item 8: with a float16 or int8 cache the tail experiment also judges the stored rows
     against refimpl's encoding (cache_encoding), not only padded against exact (cache_bytes)."""
@@ -45,3 +47,16 @@ def test_tail_on_an_int8_cache_judges_its_encoding_against_refimpl(device, resul
     (encoding,) = [r for r in outcome.rows if r["oracle"] == "cache_encoding"]
     assert encoding["verdict"] == "pass" and encoding["metrics"]["group"] == 8, encoding["detail"]
     assert outcome.failed == 0
+def test_tail_oracles_at_chunk_16_pass_on_a_hexagon_device(device, results_dir):
+    """qemu-hexagon's stand-in for the test above (heavy_emulation there): the same oracles, byte-identical
+    caches pulled from the device over the grid and the first token padded vs scalar, with C=16, so every
+    prompt is a fifth as long (25 tokens: one chunk and a padded tail of 9)."""
+    if device.profile.abi != "hexagon":
+        pytest.skip("the other devices run the full-size test above")
+    outcome = run_on(device, ["experiment=tail", "mode=oracle", *TINY_TAIL, "chunk=16", "tail=[9]", "oracle.grid_windows=[16]",
+                              "oracle.grid_sinks=[3]", "oracle.around_chunk=[[1,9]]", "oracle.generate=4"])
+    oracles = [r for r in outcome.rows if r["kind"] == "oracle"]
+    assert outcome.failed == 0, [r["detail"] for r in oracles if r["verdict"] != "pass"][:3]
+    assert {"cache_bytes", "first_token"} <= {r["oracle"] for r in oracles}
+    assert_computed_on(device, outcome.rows, "tb_model_bench")
+    assert all(ran["detail"]["elf_machine"] == 164 for r in outcome.rows for ran in r["evidence"])
