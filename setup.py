@@ -1,5 +1,5 @@
-"""Builds the native kernels (kernels/) into the package as testbed/_tb_kernels*.so, for both
-`pip install .` and `pip install -e .`, and puts the configuration (experiments/, devices/) and the
+"""Builds the native kernels (kernels/) into the package as testbed/_tb_kernels*.so (one per x86-64
+level: build.library_variants), for both `pip install .` and `pip install -e .`, and puts the configuration (experiments/, devices/) and the
 kernel sources (kernels/: the device programs are built from them at first use) inside the package of
 a wheel, as testbed/_shipped/, so an installed testbed has its experiments, models, suites and device
 profiles and can build native programs for any device (an editable install reads them from the checkout). The metadata is in
@@ -32,4 +32,4 @@ class build_py_with_config(build_py):
                             ignore=shutil.ignore_patterns("*.md", "*.o", "*.so"), dirs_exist_ok=True)
 
 
-setup(ext_modules=[Extension(**kernel_build.library_extension_args())], cmdclass={"build_py": build_py_with_config})
+setup(ext_modules=[Extension(**args) for args in kernel_build.library_extension_args()], cmdclass={"build_py": build_py_with_config})

@@ -5,6 +5,10 @@ head maps, several chunk sizes, by NMSE <= 1e-7 against the float64 serial recur
 against refimpl.gemma.attention; the sliding-cache operations byte-identical over refimpl's grid.
 """
 
+import re
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -35,7 +39,7 @@ def test_stale_library_names_the_rebuild(monkeypatch):
 
 
 def test_missing_library_names_the_rebuild(monkeypatch):
-    monkeypatch.setattr(native, "library_path", lambda: None)
+    monkeypatch.setattr(native, "library_path", lambda *a: None)
     native.library.cache_clear()
     try:
         with pytest.raises(native.NativeLibraryError, match=r"not built.*pip install -e \."):
@@ -43,6 +47,55 @@ def test_missing_library_names_the_rebuild(monkeypatch):
     finally:
         monkeypatch.undo()
         native.library.cache_clear()
+
+
+# --- one library per x86-64 level (issue 24: a wheel built on an AVX-512 machine died with SIGILL on an
+# older host). Each variant holds no instruction above its level, the loader never takes a variant the
+# CPU lacks, and every variant computes the reference's numbers. -----------------------------------------
+
+X86 = pytest.mark.skipif(len(kernel_build.library_variants()) == 1, reason="one library variant off x86-64")
+# registers no instruction below the level names: AVX-512 is the only user of zmm and k, AVX the only of ymm
+ABOVE = {"": re.compile(r"%[yz]mm\d|%k[1-7]\b"), "_avx2": re.compile(r"%zmm\d|%k[1-7]\b"), "_avx512": None}
+
+
+def variant_path(variant) -> Path:
+    path = native.library_path(set(variant.needs))
+    assert path is not None and path.name.startswith(kernel_build.LIBRARY_NAME + variant.suffix + "."), path
+    return path
+
+
+@X86
+@pytest.mark.parametrize("variant", kernel_build.library_variants(), ids=lambda v: v.suffix or "baseline")
+def test_each_library_variant_holds_no_instruction_above_its_level(variant):
+    above = ABOVE[variant.suffix]
+    if above is None:
+        pytest.skip("the top level may use everything")
+    disassembly = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(variant_path(variant))],
+                                 capture_output=True, text=True, check=True).stdout
+    found = [line.strip() for line in disassembly.splitlines() if above.search(line)]
+    assert not found, f"{len(found)} instructions above the level, e.g. {found[:3]}"
+
+
+@X86
+def test_the_loader_takes_the_best_variant_the_cpu_has():
+    names = {frozenset(f): native.library_path(set(f)).name for f in
+             [(), ("avx2",), ("avx2", "fma"), ("avx2", "fma", "avx512f"), ("avx512f",)]}
+    assert names[frozenset()].startswith("_tb_kernels.") and names[frozenset({"avx2"})] == names[frozenset()]
+    assert names[frozenset({"avx512f"})] == names[frozenset()]  # AVX-512 alone: the AVX-512 build needs FMA too
+    assert names[frozenset({"avx2", "fma"})].startswith("_tb_kernels_avx2.")
+    assert names[frozenset({"avx2", "fma", "avx512f"})].startswith("_tb_kernels_avx512.")
+
+
+@X86
+@pytest.mark.parametrize("variant", kernel_build.library_variants(), ids=lambda v: v.suffix or "baseline")
+def test_every_variant_the_cpu_runs_matches_the_reference(variant):
+    if not variant.needs <= kernel_build.cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(variant.needs - kernel_build.cpu_flags())}")
+    lib = native.load_library(variant_path(variant))
+    x = GDN_CASES[0].inputs(seed=5)
+    out, state = native.gdn_chunkwise(*x.arrays(), chunk=16, lib=lib)
+    verdict = check_nmse(reference64(x, "tiled"), {"out": out, "state": state})
+    assert verdict.passed, f"{variant.suffix or 'baseline'} ({lib.tb_vector_path().decode()}): {verdict.detail}"
 
 
 @pytest.mark.parametrize("head_map", ["tiled", "interleaved"])

@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 # A checkout holds kernels/ beside the package, and its caches go in it (.cache/). An installed wheel
 # carries the kernel sources inside the package (testbed/_shipped/kernels, put there by setup.py) and
@@ -73,7 +74,7 @@ def source_hash(kernels_dir: Path = KERNELS_DIR) -> str:
     return h.hexdigest()
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -86,9 +87,10 @@ def _cpu_flags() -> set[str]:
 def host_vector_flags() -> list[str]:
     """The vector path for the machine doing the build: AVX2 + FMA on x86-64 when the CPU has them
     (and AVX-512 for the matrix products where it exists), NEON on aarch64 (always present), plain C
-    otherwise."""
+    otherwise. For what is built and run on one machine (programs, test libraries); the installed
+    library is built for every x86-64 level instead (LIBRARY_VARIANTS)."""
     machine = platform.machine().lower()
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if machine in ("x86_64", "amd64") and {"avx2", "fma"} <= flags:
         return ["-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in flags else [])
     return []
@@ -99,18 +101,42 @@ def host_vector_flags() -> list[str]:
 LIBRARY_CFLAGS = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-math-errno"]
 
 
-def library_extension_args() -> dict:
-    """Keyword arguments of the setuptools Extension that is the host library."""
-    return {
-        "name": f"testbed.{LIBRARY_NAME}",
+class LibraryVariant(NamedTuple):
+    """One build of the host library: its file suffix, compiler flags, and the CPU flags
+    (/proc/cpuinfo) a machine needs to run it."""
+
+    suffix: str
+    cflags: tuple[str, ...]
+    needs: frozenset[str]
+
+
+def library_variants(machine: str | None = None) -> tuple[LibraryVariant, ...]:
+    """The host library is built once per x86-64 level, whatever CPU builds it, and the loader takes
+    the best one the running CPU has (library.library_path): a wheel built on an AVX-512 machine runs
+    on an AVX2-only or older x86-64 host instead of dying with SIGILL. Elsewhere one build (aarch64's
+    NEON is always there)."""
+    machine = (machine or platform.machine()).lower()
+    baseline = LibraryVariant("", (), frozenset())
+    if machine not in ("x86_64", "amd64"):
+        return (baseline,)
+    avx2 = ("-mavx2", "-mfma")
+    return (LibraryVariant("_avx512", avx2 + ("-mavx512f",), frozenset({"avx2", "fma", "avx512f"})),
+            LibraryVariant("_avx2", avx2, frozenset({"avx2", "fma"})),
+            baseline)
+
+
+def library_extension_args() -> list[dict]:
+    """Keyword arguments of the setuptools Extensions that are the host library, one per variant."""
+    return [{
+        "name": f"testbed.{LIBRARY_NAME}{variant.suffix}",
         "sources": [str(p.relative_to(ROOT)) for p in library_sources() if p.suffix == ".c"],
         "include_dirs": [str(KERNELS_DIR.relative_to(ROOT))],
         "depends": [str(p.relative_to(ROOT)) for p in library_sources() if p.suffix == ".h"],
         "define_macros": [("TB_SOURCE_HASH", f'"{source_hash()}"')],
-        "extra_compile_args": LIBRARY_CFLAGS + host_vector_flags(),
+        "extra_compile_args": LIBRARY_CFLAGS + list(variant.cflags),
         "extra_link_args": ["-pthread"],
         "libraries": ["m"],
-    }
+    } for variant in library_variants()]
 
 
 # --- device programs -------------------------------------------------------------------------------

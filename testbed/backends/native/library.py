@@ -44,12 +44,19 @@ class _Cache(ctypes.Structure):
                 ("empty_byte", ctypes.c_uint8)]
 
 
-def library_path() -> Path | None:
+def library_path(cpu_flags: set[str] | None = None) -> Path | None:
+    """The best build of the library this CPU can run (build.library_variants: AVX-512, AVX2 + FMA,
+    baseline x86-64), by the CPU's own flags: a variant the CPU lacks an instruction of is never
+    loaded."""
     here = Path(__file__).resolve().parents[2]  # the testbed package, where setup.py puts it
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"{kernel_build.LIBRARY_NAME}{suffix}"
-        if path.is_file():
-            return path
+    flags = kernel_build.cpu_flags() if cpu_flags is None else cpu_flags
+    for variant in kernel_build.library_variants():
+        if not variant.needs <= flags:
+            continue
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = here / f"{kernel_build.LIBRARY_NAME}{variant.suffix}{suffix}"
+            if path.is_file():
+                return path
     return None
 
 
