@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 
 from testbed import breakeven, emulation, experiments, history, implementations, plots, seed
-from testbed.errors import UsageError
+from testbed.errors import StoreError, UsageError
 from testbed.results import passed as counts_as_passed
 from testbed.tables import _cell as format_number
 
@@ -798,7 +798,11 @@ def command(args) -> int:
         print(f"no records{' since ' + args.since if args.since else ''} in {store.path}; "
               "run `testbed nightly` or `testbed run EXPERIMENT` first", file=sys.stderr)
         return 1
-    out, content = write(store, Path(args.out) if args.out else None, since)
+    try:
+        out, content = write(store, Path(args.out) if args.out else None, since)
+    except OSError as e:  # a read-only or full store, a folder not ours to write: one line, exit 5
+        raise StoreError(f"the report cannot be written: {e.strerror or e} ({e.filename or args.out or store.path}); "
+                         "give a writable folder with --out") from None
     print(summary_line(out, content))
     s = content["summary"]
     return 1 if s["regressions"] or s["oracles_passed"] < s["oracles"] else 0

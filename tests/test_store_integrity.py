@@ -140,6 +140,22 @@ def test_a_read_only_store_is_found_before_the_run(tmp_path, monkeypatch, capsys
     assert "cannot be written: Read-only file system" in err and "\n" not in err
 
 
+def test_a_report_on_a_read_only_store_is_one_line_and_exit_5(tmp_path, monkeypatch, capsys):
+    """Issue 24: `testbed report` on a read-only store printed an OSError traceback and exited 1."""
+    import subprocess
+
+    from testbed.cli import main
+
+    with tmpfs(tmp_path / "store", "4m") as store:
+        ResultsStore(store).append(as_runs(rows(3)))
+        subprocess.run(["mount", "-o", "remount,ro", str(store)], check=True, capture_output=True, timeout=30)
+        monkeypatch.setenv("TESTBED_RESULTS", str(store))
+        assert main(["report"]) == 5
+        err = capsys.readouterr().err.strip()
+        assert "the report cannot be written: Read-only file system" in err and "\n" not in err
+        assert main(["report", "--out", str(tmp_path / "elsewhere")]) in (0, 1)  # a writable --out is taken
+
+
 def test_a_full_store_is_found_before_the_run(results_dir, monkeypatch, capsys):
     from testbed.cli import main
 
