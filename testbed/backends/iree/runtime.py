@@ -115,16 +115,27 @@ def check_runs_on(artifact: Artifact, driver: str) -> None:
             f"compile for target=lavapipe")
 
 
-class RuntimeSession:
-    """One loaded module in the Python runtime: call it with numpy arrays, get numpy arrays."""
+def open_device(driver: str):
+    """A HAL device of its own, never iree.runtime's process-wide cache: a Vulkan device on lavapipe
+    keeps threads polling (about one core each, even idle) for as long as it lives, which is the life
+    of the process once cached. Every timing taken in this process, and every build beside it, would
+    run against that load; so a device lives as long as the session or runner that opened it."""
+    import iree.runtime as rt
 
-    def __init__(self, artifact: Artifact, driver: str = "local-sync"):
+    return rt.get_device(driver, cache=False)
+
+
+class RuntimeSession:
+    """One loaded module in the Python runtime: call it with numpy arrays, get numpy arrays. It holds
+    its device (open_device) unless given one to share (TargetRunner); dropping it releases both."""
+
+    def __init__(self, artifact: Artifact, driver: str = "local-sync", device=None):
         import iree.runtime as rt
 
         check_runs_on(artifact, driver)
         self.artifact, self.driver, self.contract = artifact, driver, artifact.contract
         self._rt = rt
-        self.device = rt.get_device(driver)
+        self.device = device if device is not None else open_device(driver)
         instance = rt.VmInstance()
         module = rt.VmModule.mmap(instance, str(artifact.module))
         function = module.lookup_function(self.contract.function)
@@ -268,6 +279,7 @@ class TargetRunner:
                                 f"{', '.join(self.target.drivers)}")
         self.progress, self.cache_dir = progress or compile_progress_on_terminal, cache_dir
         self.artifacts: dict[str, Artifact] = {}
+        self._device = None  # one device for all its sessions, opened at the first (open_device)
         self._sessions: dict[tuple, RuntimeSession] = {}
         self._digests: dict[int, tuple] = {}
 
@@ -280,7 +292,9 @@ class TargetRunner:
         if key not in self._sessions:
             artifact = compile_graph(graph, self.target, self.cache_dir, self.progress)
             self.artifacts[graph.name] = artifact
-            self._sessions[key] = RuntimeSession(artifact, self.driver)
+            if self._device is None:
+                self._device = open_device(self.driver)
+            self._sessions[key] = RuntimeSession(artifact, self.driver, self._device)
         return self._sessions[key]
 
     def _digest(self, weights) -> str:
