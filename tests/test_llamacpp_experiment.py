@@ -1,7 +1,8 @@
 """`testbed run llamacpp` end to end on a phone over ADB (the loopback adbd): the tool paths come from
 the profile, the outputs travel back over ADB, become records, and the run reports "36/36 OK" and
-pp512 tokens/s. The phone here has no Hexagon NPU, so its llama.cpp tools are stand-ins that replay
-real test-backend-ops output (fixtures/) and a llama-bench JSON output."""
+pp512 tokens/s. The phone here has no Hexagon NPU, so its llama.cpp tools are stand-ins: a real program for its
+ABI (tests/data/replay_tool.c) that replays real test-backend-ops output (fixtures/) and a llama-bench
+JSON output."""
 
 import dataclasses
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 
 from testbed import config, runner
 from testbed.devices import Device
-from testbed.peers.fixtures import adb_connect
+from testbed.peers.fixtures import adb_connect, compile_static
 from testbed.results import ResultsStore
 
 from tests.test_llamacpp_output import fixtures
@@ -18,22 +19,18 @@ from tests.test_llamacpp_output import fixtures
 DATA = Path(__file__).parent / "data"
 TOOLS = "/data/local/tmp/testbed/tools"
 
-STAND_IN = """#!/bin/sh
-# Stands in for llama.cpp's {tool} on the loopback phone: replays a recorded output.
-here=$(dirname "$0")
-case "$1" in perf) cat "$here/perf.out";; test) cat "$here/test.out";; *) cat "$here/bench.json";; esac
-exit {code}
-"""
+REPLAY = Path(__file__).parent / "data" / "replay_tool.c"  # a real program for the phone that replays
 
 
 def with_tools(device: Device, tmp_path: Path, test_output: str, code: int = 0) -> Device:
     files = {"test.out": test_output, "perf.out": (fixtures() / "perf_b_CPU.stdout").read_text(),
-             "bench.json": (DATA / "llama-bench" / "pp512.json").read_text(),
-             "test-backend-ops": STAND_IN.format(tool="test-backend-ops", code=code),
-             "llama-bench": STAND_IN.format(tool="llama-bench", code=0)}
+             "bench.json": (DATA / "llama-bench" / "pp512.json").read_text()}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-        device.push(tmp_path / name, f"tools/{name}", mode=0o755)
+        device.push(tmp_path / name, f"tools/{name}")
+    abi = device.profile.abi
+    device.push(compile_static(REPLAY, abi, (f"EXIT_CODE={code}",)), "tools/test-backend-ops", mode=0o755)
+    device.push(compile_static(REPLAY, abi), "tools/llama-bench", mode=0o755)
     profile = dataclasses.replace(device.profile, tools={"test-backend-ops": f"{TOOLS}/test-backend-ops",
                                                          "llama-bench": f"{TOOLS}/llama-bench"},
                                   accelerators={"backend": "CPU"}, threads=[1, 8])
@@ -127,3 +124,15 @@ def test_gdn_on_a_phone_with_llama_cpp_tools_runs_ggmls_op(adb_device, tmp_path,
     from testbed.experiments import gdn
 
     assert "test-backend-ops tally" in _summary(outcome, gdn)
+
+
+def test_a_tool_that_is_not_an_elf_for_the_phone_is_refused(adb_device, tmp_path, results_dir):
+    """A shell script in the tool's place runs on any machine, so it proves nothing about the phone: its
+    evidence has no ELF machine and the run is refused (a script's bytes 18-19 once read as machine 26912)."""
+    from testbed.runner import ComputedElsewhere
+
+    device = with_tools(adb_device, tmp_path, (fixtures() / "test_mode_b_CPU.stdout").read_text())
+    (tmp_path / "script").write_text('#!/bin/sh\ncat "$(dirname "$0")/test.out"\n')
+    device.push(tmp_path / "script", "tools/test-backend-ops", mode=0o755)
+    with pytest.raises(ComputedElsewhere, match="does not say what kind of program ran"):
+        runner.execute(run_config("mode=test"), device=device)

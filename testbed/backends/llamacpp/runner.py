@@ -73,13 +73,17 @@ def resolve_tools(device: Device, build, source: str, programs: tuple[str, ...],
 
 
 def elf_machine_on_device(device: Device, path: str) -> dict:
-    """The ELF machine of a file as the device reads it (bytes 18-19 of its header), or {}."""
-    r = device.run(["od", "-An", "-tu1", "-j18", "-N2", path], timeout=60)
+    """The ELF machine of a file as the device reads it (bytes 18-19 of its header); {} for a file that
+    is not an ELF (a script has no machine: the evidence check then says what kind of program ran is
+    unknown), or one the device cannot read."""
+    r = device.run(["od", "-An", "-tu1", "-N20", path], timeout=60)
     try:
-        lo, hi = (int(x) for x in r.stdout.split())
+        header = [int(x) for x in r.stdout.split()]
     except ValueError:
         return {}
-    machine = lo | hi << 8
+    if len(header) < 20 or header[:4] != [0x7F, ord("E"), ord("L"), ord("F")]:
+        return {}
+    machine = header[18] | header[19] << 8
     return {"elf_machine": machine, "elf_machine_name": ELF_MACHINE_NAMES.get(machine, "unknown")}
 
 
