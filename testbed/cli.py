@@ -209,6 +209,7 @@ SAYS = {UsageError: "error: {}", DeviceUnreachable: "device unreachable: {}",
 
 def main(argv: list[str] | None = None) -> int:
     runner.stop_on_signals()
+    runner.BROKEN_BY_SIGNAL.clear()  # this command's runs only (main may be called again in one process)
     try:
         args = parser().parse_args(argv)  # the parser lists the config's names, the lab's included
         return args.fn(args)

@@ -112,7 +112,8 @@ def check_evidence(records: list[Record], profile) -> None:
 
 def wrong_kind(ran: dict, profile) -> str | None:
     """Why this evidence does not show a program for the device's kind (None: it does)."""
-    from testbed.devices.profile import ELF_MACHINE_NAMES, elf_machine_for
+    from testbed.backends.native.build import ELF_MACHINE_NAMES
+    from testbed.devices.profile import elf_machine_for
 
     detail = ran.get("detail") if isinstance(ran.get("detail"), dict) else {}
     if "module_formats" in detail:

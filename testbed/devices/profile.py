@@ -44,7 +44,6 @@ ELF_MACHINE_FOR_ABI = {"armeabi-v7a": 40, "arm64-v8a": 183, "hexagon": 164, "x86
 QEMU_HEXAGON_MAX_CORE = 67
 # ABI `host`: this machine's own, by platform.machine()
 HOST_ELF_MACHINE = {"x86_64": 62, "amd64": 62, "aarch64": 183, "arm64": 183, "armv7l": 40}
-ELF_MACHINE_NAMES = {3: "x86", 40: "ARM", 62: "x86-64", 164: "Hexagon", 183: "AArch64"}
 
 
 def elf_machine_for(abi: str) -> int | None:
