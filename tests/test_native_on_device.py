@@ -2,8 +2,7 @@
 through its transport: `pytest --device=qemu-arm32 | qemu-aarch64 | qemu-hexagon | adb-loopback | host` runs the
 same equivalence suite, the program built for the device's ABI, pushed with its .npy inputs, run,
 its outputs pulled and judged against the float64 reference by NMSE (test-backend-ops' 1e-7).
-
-Also, in any session, the ARM and Hexagon builds over ADB to the loopback phone (qemu-user behind adbd)."""
+(The ARM and Hexagon builds over ADB against qemu-user directly: tests/test_native_over_adb.py.)"""
 
 import shutil
 
@@ -63,25 +62,3 @@ def test_inputs_staged_in_the_wrong_order_are_caught(device):
     q, k, *rest = x.arrays()
     result = gdn_on(device, program, x, "chunkwise", inputs=[k, q, *rest])
     assert not check_nmse(reference64(x, "tiled"), result.outputs).passed
-
-
-@pytest.mark.parametrize("abi", ["armeabi-v7a", "arm64-v8a", "hexagon"])
-def test_arm_builds_over_adb_are_bitexact_with_qemu_direct(loopback_adbd, adb_key, abi):
-    """The same ARM (or Hexagon) program through ADB and run directly: the transport must not change a
-    bit. Behind the loopback adbd a Hexagon ELF runs under qemu-hexagon by its exec shim."""
-    from testbed.backends.native import programs as native_programs
-    from testbed.peers.fixtures import adb_connect
-
-    program = programs_for(abi)
-    x = CASES[3].inputs(seed=1)
-    adb_device = adb_connect(loopback_adbd, adb_key, abi=abi)  # the phone of that ABI (a program must fit it)
-    try:
-        over_adb = gdn_on(adb_device, program, x, "chunkwise").outputs
-    finally:
-        adb_device.close()
-    direct, _ = native_programs.run_program(program.parent, TARGET_FOR_ABI[abi], "tb_gdn_bench",
-                                            dict(zip(NAMES, x.arrays())),
-                                            {"form": "chunkwise", "chunk": 16, "head_map": "tiled",
-                                             "warmup": 0, "reps": 1})
-    for name in ("out", "state"):
-        assert np.array_equal(over_adb[name].view(np.uint32), direct[name].view(np.uint32))
