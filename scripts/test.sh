@@ -1,24 +1,41 @@
 #!/usr/bin/env sh
-# The test command: the whole suite on the host, then the suites that run the optimised path on a
-# device (`-m device`) on each emulated device this machine has (qemu-user, the loopback adbds,
-# lavapipe): what runs on a device is checked there, with the device-side evidence, in every run.
+# The test command.
+#
+# First the whole suite on the host: every test, the device tests included (on the host device),
+# and the cross tests that run each target's programs under qemu-user and over the loopback adbd
+# against the host build's bits.
+#
+# Then the suites that run the optimised path on a device (`-m device`), each on its device with the
+# device-side evidence: the loopback ADB phone (arm32 behind adbd), qemu-aarch64, lavapipe, qemu-hexagon
+# and the Hexagon phone behind adbd. They leave out the tests marked heavy_emulation (minutes of emulated
+# floating point per engine run: both seed cases through the experiment, the tail grids, quantised
+# weights, the engine's planted bugs), which the host session runs.
+#
+# `scripts/test.sh --full` runs those on every device too, and adds qemu-arm32 and the arm64 phone
+# behind adbd (whose programs the host session already runs under qemu-user and over ADB against the
+# host build's bits). It costs about 15 more minutes per ARM device here, and more on Hexagon; the
+# default is sized for CI (about an hour cold on 2 cores).
+#
 # Extra arguments go to every pytest run (e.g. -x, -k NAME). Every run has the network guard on
 # (pyproject.toml: network_guard = "loopback"): a test that sends anything outside loopback fails.
 set -eu
 cd "$(dirname "$0")/.."
+selection="device and not heavy_emulation"
+devices="adb-loopback qemu-aarch64 lavapipe"
+if [ "${1:-}" = "--full" ]; then
+  selection="device"
+  devices="$devices qemu-arm32 adb-loopback-arm64"
+  shift
+fi
 python3 -m pytest --device=host --durations=20 "$@"
-for device in qemu-arm32 qemu-aarch64 adb-loopback adb-loopback-arm64 lavapipe; do
-  echo "== pytest --device=$device -m device"
-  python3 -m pytest --device="$device" -m device -q "$@"
+for device in $devices; do
+  echo "== pytest --device=$device -m '$selection'"
+  python3 -m pytest --device="$device" -m "$selection" -q "$@"
 done
-# Hexagon (zig's builds under qemu-hexagon): emulated Hexagon floating point is 10-20x slower than
-# emulated ARM, so its suite leaves out the tests marked heavy_emulation (the other devices run them)
-# and llama.cpp's tools, whose cold build for Hexagon takes about half an hour here (opt-in:
-# `pytest -m slow_build tests/test_hexagon_llamacpp.py`). It keeps the GDN matrix, native_bench, the
-# seed case at position 851 through the C engine, and the tail's byte-identical caches and first token.
-echo "== pytest --device=qemu-hexagon -m 'device and not heavy_emulation'"
-python3 -m pytest --device=qemu-hexagon -m "device and not heavy_emulation" -q \
-  --deselect tests/test_llamacpp_on_device.py "$@"
+# Hexagon (zig's builds under qemu-hexagon): llama.cpp's tools for Hexagon are opt-in, their cold build
+# takes about half an hour here (`pytest -m slow_build tests/test_hexagon_llamacpp.py`).
+echo "== pytest --device=qemu-hexagon -m '$selection'"
+python3 -m pytest --device=qemu-hexagon -m "$selection" -q --deselect tests/test_llamacpp_on_device.py "$@"
 # The same phone behind the loopback adbd: the Hexagon programs pushed and started over ADB.
 echo "== pytest --device=adb-loopback-hexagon -m device tests/test_native_on_device.py"
 python3 -m pytest --device=adb-loopback-hexagon -m device -q tests/test_native_on_device.py \

@@ -5,10 +5,11 @@ dequantised weights, the first-token suite around chunk boundaries, the byte-ide
 padded tail rolled back over the grid (dtypes, sinks, windows) with the bytes pulled from the device,
 the padding guards, determinism, and bad input refused with a message and a nonzero exit.
 
-heavy_emulation: tests whose engine runs take minutes of emulated Hexagon floating point each;
-scripts/test.sh leaves them out on qemu-hexagon only (every other device runs them), keeping there the
-seed case at position 851 and (tests/device/test_engine_experiments_on_device.py) the tail's
-byte-identical caches and first token."""
+heavy_emulation: tests whose engine runs take minutes of emulated floating point each (Hexagon's
+most). scripts/test.sh runs them in the host session and leaves them out of the emulated devices'
+sessions (`scripts/test.sh --full` runs them there), keeping on every device the seed case at position
+851 and (tests/device/test_engine_experiments_on_device.py) the tail's byte-identical caches and first
+token."""
 
 import dataclasses
 
