@@ -6,8 +6,8 @@
 # against the host build's bits.
 #
 # Then the suites that run the optimised path on a device (`-m device`), each on its device with the
-# device-side evidence: the loopback ADB phone (arm32 behind adbd), qemu-aarch64, lavapipe, qemu-hexagon
-# and the Hexagon phone behind adbd. They leave out the tests marked heavy_emulation (minutes of emulated
+# device-side evidence: the loopback ADB phone (arm32 behind adbd), qemu-aarch64, lavapipe (the IREE
+# suite), qemu-hexagon and the Hexagon phone behind adbd. They leave out the tests marked heavy_emulation (minutes of emulated
 # floating point per engine run: both seed cases through the experiment, the tail grids, quantised
 # weights, the engine's planted bugs), which the host session runs.
 #
@@ -21,7 +21,7 @@
 set -eu
 cd "$(dirname "$0")/.."
 selection="device and not heavy_emulation"
-devices="adb-loopback qemu-aarch64 lavapipe"
+devices="adb-loopback qemu-aarch64"
 if [ "${1:-}" = "--full" ]; then
   selection="device"
   devices="$devices qemu-arm32 adb-loopback-arm64"
@@ -32,6 +32,10 @@ for device in $devices; do
   echo "== pytest --device=$device -m '$selection'"
   python3 -m pytest --device="$device" -m "$selection" -q "$@"
 done
+# lavapipe (Vulkan on the CPU): IREE's modules compiled for it and run on it (its device suite is the
+# IREE one; the native kernels have no Vulkan build).
+echo "== pytest --device=lavapipe tests/test_iree_on_device.py"
+python3 -m pytest --device=lavapipe -q tests/test_iree_on_device.py "$@"
 # Hexagon (zig's builds under qemu-hexagon): llama.cpp's tools for Hexagon are opt-in, their cold build
 # takes about half an hour here (`pytest -m slow_build tests/test_hexagon_llamacpp.py`).
 echo "== pytest --device=qemu-hexagon -m '$selection'"
