@@ -36,10 +36,15 @@ done
 # IREE one; the native kernels have no Vulkan build).
 echo "== pytest --device=lavapipe tests/test_iree_on_device.py"
 python3 -m pytest --device=lavapipe -q tests/test_iree_on_device.py "$@"
-# Hexagon (zig's builds under qemu-hexagon): llama.cpp's tools for Hexagon are opt-in, their cold build
-# takes about half an hour here (`pytest -m slow_build tests/test_hexagon_llamacpp.py`).
+# Hexagon (zig's builds under qemu-hexagon, whose floating point is about 4x slower than emulated
+# AArch64's): llama.cpp's tools for Hexagon are opt-in, their cold build takes about half an hour here
+# (`pytest -m slow_build tests/test_hexagon_llamacpp.py`); the hybrid engine's device suite runs on the
+# ARM devices (on Hexagon with --full).
 echo "== pytest --device=qemu-hexagon -m '$selection'"
-python3 -m pytest --device=qemu-hexagon -m "$selection" -q --deselect tests/test_llamacpp_on_device.py "$@"
+hexagon_out="--deselect tests/test_llamacpp_on_device.py"
+[ "$selection" = "device" ] || hexagon_out="$hexagon_out --deselect tests/device/test_hybrid_on_device.py"
+# shellcheck disable=SC2086  # two options, split on purpose
+python3 -m pytest --device=qemu-hexagon -m "$selection" -q $hexagon_out "$@"
 # The same phone behind the loopback adbd: the Hexagon programs pushed and started over ADB.
 echo "== pytest --device=adb-loopback-hexagon -m device tests/test_native_on_device.py"
 python3 -m pytest --device=adb-loopback-hexagon -m device -q tests/test_native_on_device.py \
