@@ -187,6 +187,11 @@ static volatile int count_mark;
 __attribute__((noinline, used)) void tb_count_begin(void) { count_mark = 1; }
 __attribute__((noinline, used)) void tb_count_end(void) { count_mark = 2; }
 
+/* The matrix products' micro-kernel (kernels/gemm.c, chosen at run time; TB_ISA forces one), or "none"
+ * in a program linked without the kernels (tb_ggml_gdn links this harness alone). */
+const char *tb_gemm_isa(void) __attribute__((weak));
+const char *harness_gemm_isa(void) { return tb_gemm_isa ? tb_gemm_isa() : "none"; }
+
 void bench_and_record(const char *program, const char *kernel, bench_fn fn, void *ctx, const char *extra_json) {
     long warmup = arg_int("warmup", 1), reps = arg_int("reps", 1), cold_mb = arg_int("cold_mb", 0);
     if (cold_mb < 0) die("cold_mb must be >= 0 (got %ld)", cold_mb);
@@ -208,10 +213,11 @@ void bench_and_record(const char *program, const char *kernel, bench_fn fn, void
     snprintf(path, sizeof path, "%s/timings.json", out_dir());
     FILE *f = fopen(path, "w");
     if (!f) die("cannot write %s", path);
-    fprintf(f, "{\"program\": \"%s\", \"kernel\": \"%s\", \"vector_path\": \"%s\", \"source_hash\": \"%s\", "
-               "\"warmup\": %ld, \"reps\": %ld, \"cold_mb\": %ld, \"marks\": [\"call\"], %s%s\"seconds\": [",
-            program, kernel, tb_vector_path(), tb_source_hash(), warmup, reps, cold_mb, extra_json ? extra_json : "",
-            extra_json && *extra_json ? ", " : "");
+    fprintf(f, "{\"program\": \"%s\", \"kernel\": \"%s\", \"vector_path\": \"%s\", \"gemm_isa\": \"%s\", "
+               "\"source_hash\": \"%s\", \"warmup\": %ld, \"reps\": %ld, \"cold_mb\": %ld, \"marks\": [\"call\"], %s%s"
+               "\"seconds\": [",
+            program, kernel, tb_vector_path(), harness_gemm_isa(), tb_source_hash(), warmup, reps, cold_mb,
+            extra_json ? extra_json : "", extra_json && *extra_json ? ", " : "");
     for (long i = 0; i < reps; i++) fprintf(f, "%s%.9g", i ? ", " : "", seconds[i]);
     fprintf(f, "], \"cpu_seconds\": [");
     for (long i = 0; i < reps; i++) fprintf(f, "%s%.9g", i ? ", " : "", cpu[i]);

@@ -56,4 +56,7 @@ void bench_and_record(const char *program, const char *kernel, bench_fn fn, void
 
 void die(const char *fmt, ...);
 
+/* The matrix products' micro-kernel in this program ("avx512-fma", "neon", ...; "none" without them). */
+const char *harness_gemm_isa(void);
+
 #endif

@@ -166,9 +166,9 @@ static FILE *open_timings(const char *mode, long warmup, long reps, int threads)
     snprintf(path, sizeof path, "%s/timings.json", out_dir());
     FILE *f = fopen(path, "w");
     if (!f) die("cannot write %s", path);
-    fprintf(f, "{\"program\": \"tb_model_bench\", \"mode\": \"%s\", \"vector_path\": \"%s\", \"source_hash\": \"%s\", "
-               "\"warmup\": %ld, \"reps\": %ld, \"threads\": %d",
-            mode, tb_vector_path(), tb_source_hash(), warmup, reps, threads);
+    fprintf(f, "{\"program\": \"tb_model_bench\", \"mode\": \"%s\", \"vector_path\": \"%s\", \"gemm_isa\": \"%s\", "
+               "\"source_hash\": \"%s\", \"warmup\": %ld, \"reps\": %ld, \"threads\": %d",
+            mode, tb_vector_path(), harness_gemm_isa(), tb_source_hash(), warmup, reps, threads);
     return f;
 }
 

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 KERNELS_DIR = ROOT / "kernels"
 LIBRARY_NAME = "_tb_kernels"
-PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench", "tb_model_bench")
+PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench", "tb_model_bench", "tb_gemm_bench")
 TARGETS = ("host", "arm32", "aarch64")
 # A device profile's ABI -> the programs' build target (the host profile's ABI is "host").
 TARGET_FOR_ABI = {"host": "host", "armeabi-v7a": "arm32", "arm64-v8a": "aarch64"}
@@ -55,19 +55,19 @@ def _cpu_flags() -> set[str]:
 
 
 def host_vector_flags() -> list[str]:
-    """The vector path for the machine doing the build: AVX2 + FMA on x86-64 when the CPU has them
-    (and AVX-512 for the matrix products where it exists), NEON on aarch64 (always present), plain C
-    otherwise."""
-    machine = platform.machine().lower()
-    flags = _cpu_flags()
-    if machine in ("x86_64", "amd64") and {"avx2", "fma"} <= flags:
-        return ["-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in flags else [])
+    """Instruction-set flags for the host library: none. The library is portable (SSE2 on x86-64, NEON
+    on aarch64: each architecture's baseline), so a wheel built on an AVX-512 machine runs on any
+    x86-64; its matrix products choose their micro-kernel (AVX-512, AVX2, portable) at run time by
+    CPUID, from translation units that carry their own target attributes (kernels/tb_gemm.h).
+    TB_ISA=avx512|avx2|scalar in the environment forces one; build_info() says which runs."""
     return []
 
 
 # -ffp-contract=off: the compiler never fuses a multiply and an add on its own; the kernels decide
-# (TB_FUSED in tb_simd.h), so builds that disable fusing are bit-exact with one another.
-LIBRARY_CFLAGS = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-math-errno"]
+# (TB_FUSED in tb_simd.h), so builds that disable fusing are bit-exact with one another. The library
+# fuses (TB_FUSED=1) where the code's instruction set has an FMA: its matrix products on AVX2 /
+# AVX-512 / aarch64; its portable element-wise code on x86-64 (SSE2) has none and stays unfused.
+LIBRARY_CFLAGS = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-math-errno", "-DTB_FUSED=1"]
 
 
 def library_extension_args() -> dict:

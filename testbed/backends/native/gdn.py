@@ -43,6 +43,7 @@ class NativeGDN:
         self.evidence.add(result.evidence)
         self.artifacts["program_sha256"] = result.evidence.sha256
         self.artifacts["vector_path"] = result.timings.get("vector_path")
+        self.artifacts["gemm_isa"] = result.timings.get("gemm_isa")
         self.artifacts["kernels_source_hash"] = result.timings.get("source_hash")
         return result
 
