@@ -132,36 +132,39 @@ int tb_gdn_serial(const tb_gdn_shape *shape, const float *q, const float *k, con
 
 /* Scratch for one head's chunk of up to L tokens. */
 typedef struct {
-    float *S;              /* [d_k][d_v] working state (not transposed) */
+    float *S;              /* [d_k][d_v] the item's working state (not transposed) */
     const float *Q, *K, *V; /* the chunk's rows, read in place from the inputs: row t at t * ld */
     ptrdiff_t ldq, ldk, ldv;
     float *G;              /* [L] or [L][d]: cumulative log-decay inside the chunk */
-    float *Qin, *Kin;      /* [L][d] q, k decayed to the chunk start */
-    float *KoutT;          /* [d][L] k decayed to the chunk end, transposed */
-    float *A, *QK;         /* [L][L] -beta-weighted strictly lower k.k, and lower q.k, with decays */
-    float *R;              /* [L][d] right-hand sides, then the deltas v_new */
-    float *O;              /* [L][d] output rows */
+    float *Qin, *Kin;      /* [L][d] scale q and -beta k, decayed to the chunk start */
+    float *Kout;           /* [L][d] k decayed to the chunk end (the transposed A of the state update) */
+    float *A, *QK;         /* [L][L] -beta-weighted strictly lower k.k, and scale times lower q.k, with decays
+                            * (QK = A + L * L for the chunk's L) */
+    float *T;              /* [L][L] (I - A)^-1, unit lower triangular */
+    float *R;              /* [L][d] right-hand sides beta (v - k_in S) */
+    float *U;              /* [L][d] the deltas v_new = T R */
     float *X, *Kref;       /* KDA: [L][d] rows rescaled to a reference token */
     float *e;              /* [max(L, d)] one row of exponentials */
     float *beta;           /* [L] */
 } chunk_scratch;
 
 static chunk_scratch *scratch_new(int L, int d, int kda) {
-    const size_t Ld = (size_t)L * d, LL = (size_t)L * L, dd = (size_t)d * d;
+    const size_t Ld = (size_t)L * d, LL = (size_t)L * L;
     const size_t e_len = (size_t)(L > d ? L : d);
-    const size_t floats = dd + (kda ? Ld : (size_t)L) + 3 * Ld + 2 * LL + 2 * Ld + (kda ? 2 * Ld : 0) + e_len + (size_t)L;
+    const size_t floats = (kda ? Ld : (size_t)L) + 3 * Ld + 3 * LL + 2 * Ld + (kda ? 2 * Ld : 0) + e_len + (size_t)L;
     chunk_scratch *w = malloc(sizeof *w + sizeof(float) * floats);
     if (!w) return NULL;
     float *p = (float *)(w + 1);
-    w->S = p, p += dd;
+    w->S = NULL; /* the item's own state slot, set per chunk */
     w->G = p, p += kda ? Ld : (size_t)L;
     w->Qin = p, p += Ld;
     w->Kin = p, p += Ld;
-    w->KoutT = p, p += Ld;
+    w->Kout = p, p += Ld;
     w->A = p, p += LL;
     w->QK = p, p += LL;
+    w->T = p, p += LL;
     w->R = p, p += Ld;
-    w->O = p, p += Ld;
+    w->U = p, p += Ld;
     w->X = kda ? p : NULL, p += kda ? Ld : 0;
     w->Kref = kda ? p : NULL, p += kda ? Ld : 0;
     w->e = p, p += e_len;
@@ -229,15 +232,18 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
     }
 }
 
-/* Scalar-gate gram matrices: K K^T and Q K^T as matrix products (the full square: at matrix-product
- * speed that beats half of it as dot products), then each row decayed by exp(G_i - G_j) and cut to
- * the strict lower (A) or lower (QK) triangle. KoutT is free until the chunk's end decays. */
+/* Scalar-gate gram matrices: the chunk's k and q rows copied into one block [K; Q] (2L x d, the first
+ * touch of those rows), then [K; Q] K^T as ONE matrix product with the keys as the transposed B (packed
+ * once), giving A = K K^T and QK = Q K^T (w->A and w->QK are adjacent); the full squares: at
+ * matrix-product speed that beats half of them as dot products. Then each row decayed by
+ * exp(G_i - G_j) and cut to the strict lower (A) or lower (QK) triangle. */
 static void scalar_grams(chunk_scratch *w, int L, int d) {
-    float *KT = w->KoutT, *decay = w->e;
-    for (int t = 0; t < L; t++)
-        for (int i = 0; i < d; i++) KT[(size_t)i * L + t] = w->K[t * w->ldk + i];
-    gemm_nn(L, L, d, w->K, (int)w->ldk, KT, L, w->A, L, 0, 0);
-    gemm_nn(L, L, d, w->Q, (int)w->ldq, KT, L, w->QK, L, 0, 0);
+    float *decay = w->e, *KQ = w->Kin; /* [2L][d]: Kin and Kout are free until the decays below */
+    for (int t = 0; t < L; t++) {
+        memcpy(KQ + (size_t)t * d, w->K + t * w->ldk, sizeof(float) * (size_t)d);
+        memcpy(KQ + (size_t)(L + t) * d, w->Q + t * w->ldq, sizeof(float) * (size_t)d);
+    }
+    gemm_nt(2 * L, L, d, KQ, d, KQ, d, w->A, L, 0, 0);
     for (int i = 0; i < L; i++) {
         float *a = w->A + i * L, *qk = w->QK + i * L;
         for (int j = 0; j <= i; j++) decay[j] = w->G[i] - w->G[j];
@@ -249,7 +255,36 @@ static void scalar_grams(chunk_scratch *w, int L, int d) {
     }
 }
 
-/* One chunk of L tokens from t0 for (seq, head); w->S holds the state on entry and on exit. */
+/* T = (I - A)^-1 for a strictly lower A: row i of T is e_i + sum over j < i of A[i][j] T[j] (rows of T
+ * are zero right of their diagonal), each element's terms added in ascending j (the same order on
+ * every target): rows in blocks of 8, the terms of the rows solved before the block as one product
+ * (a chain over j in order), then the block's own rows in order. L^3 / 6 multiply-adds: the UT
+ * transform's triangular solves done once on the L x L matrix, so that the chunk's deltas are ONE
+ * lower-triangular matrix product (T R) instead of L small solves against d-wide rows. */
+#define INVERT_BLOCK 8
+static void invert_unit_lower(const float *A, float *T, int L) {
+    for (int i0 = 0; i0 < L; i0 += INVERT_BLOCK) {
+        const int rows = L - i0 < INVERT_BLOCK ? L - i0 : INVERT_BLOCK;
+        const int width = i0 + rows; /* the block's rows are zero from here on */
+        if (i0) gemm_nn(rows, width, i0, A + (size_t)i0 * L, L, T, L, T + (size_t)i0 * L, L, 0, 0);
+        else
+            for (int i = 0; i < rows; i++) memset(T + (size_t)i * L, 0, sizeof(float) * (size_t)width);
+        for (int i = i0; i < i0 + rows; i++) {
+            float *t = T + (size_t)i * L;
+            for (int j = i0; j < i; j++) axpy(A[(size_t)i * L + j], T + (size_t)j * L, t, width);
+            t[i] = 1.0f;
+            for (int k = width; k < L; k++) t[k] = 0.0f;
+        }
+    }
+}
+
+/* One chunk of L tokens from t0 for (seq, head); w->S holds the state on entry and on exit.
+ *   grams    A = -beta (K K^T) o decay (strict lower), QK = scale (Q K^T) o decay (lower)
+ *   T        (I - A)^-1 (unit lower), by rows
+ *   R        beta V - beta K_in S          (K_in: k decayed to the chunk start; one product into beta V)
+ *   U        T R                          (v_new, the chunk's deltas; one lower-triangular product)
+ *   out      Q_in S + QK U                (Q_in: scale q decayed to the start; written in place)
+ *   S        exp(G_last) S + K_out^T U    (K_out: k decayed to the chunk end, its rows as A^T) */
 static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int t0, int L) {
     const tb_gdn_shape *s = c->shape;
     const int d = s->d, H = s->h_v, T = s->tokens, hk = key_head(s, h), kda = s->kda;
@@ -258,6 +293,9 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     w->Q = row_of(c->q, s->q_stride, seq, t0, hk), w->ldq = s->q_stride[1];
     w->K = row_of(c->k, s->k_stride, seq, t0, hk), w->ldk = s->k_stride[1];
     w->V = row_of(c->v, s->v_stride, seq, t0, h), w->ldv = s->v_stride[1];
+    float *out = c->out + (((size_t)seq * T + t0) * H + h) * d;
+    const int ldo = H * d;
+    w->QK = w->A + (size_t)L * L; /* right after A at this chunk's L: the grams are one product */
     for (int t = 0; t < L; t++) {
         const size_t tok = ((size_t)seq * T + t0 + t) * H + h;
         w->beta[t] = c->beta[tok];
@@ -278,51 +316,41 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     } else {
         scalar_grams(w, L, d);
     }
-    for (int i = 0; i < L; i++) scale_n(w->A + i * L, -w->beta[i], i); /* A holds -beta k.k */
+    for (int i = 0; i < L; i++) {
+        scale_n(w->A + i * L, -w->beta[i], i); /* A holds -beta k.k */
+        scale_n(w->QK + i * L, scale, i + 1);
+    }
+    invert_unit_lower(w->A, w->T, L);
 
-    /* q and k decayed to the chunk start; k decayed to the chunk end, transposed for K_out^T V */
+    /* q (times scale) and k (times -beta) decayed to the chunk start; k decayed to the chunk end; R = beta v */
     for (int t = 0; t < L; t++) {
-        const float *qt = w->Q + t * w->ldq, *kt = w->K + t * w->ldk;
-        float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d;
+        const float *qt = w->Q + t * w->ldq, *kt = w->K + t * w->ldk, *vt = w->V + t * w->ldv;
+        float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d, *kout = w->Kout + (size_t)t * d;
+        float *r = w->R + (size_t)t * d;
+        const float b = w->beta[t];
         if (kda) {
             exp_n(w->e, w->G + (size_t)t * d, d);
-            for (int i = 0; i < d; i++) qin[i] = qt[i] * w->e[i], kin[i] = kt[i] * w->e[i];
+            for (int i = 0; i < d; i++) qin[i] = scale * qt[i] * w->e[i], kin[i] = -b * kt[i] * w->e[i];
             for (int i = 0; i < d; i++) w->e[i] = w->G[(size_t)(L - 1) * d + i] - w->G[(size_t)t * d + i];
             exp_n(w->e, w->e, d);
-            for (int i = 0; i < d; i++) w->KoutT[(size_t)i * L + t] = kt[i] * w->e[i];
+            for (int i = 0; i < d; i++) kout[i] = kt[i] * w->e[i];
         } else {
             const float to_start = exp1(w->G[t]), to_end = exp1(w->G[L - 1] - w->G[t]);
-            for (int i = 0; i < d; i++) qin[i] = qt[i] * to_start, kin[i] = kt[i] * to_start;
-            for (int i = 0; i < d; i++) w->KoutT[(size_t)i * L + t] = kt[i] * to_end;
+            const float qs = scale * to_start, ks = -b * to_start;
+            for (int i = 0; i < d; i++) qin[i] = qt[i] * qs, kin[i] = kt[i] * ks, kout[i] = kt[i] * to_end;
         }
+        for (int i = 0; i < d; i++) r[i] = b * vt[i];
     }
 
-    /* R = beta (V - K_in S); then v_new = (I + beta kk)^-1 R by forward substitution (A = -beta kk) */
-    gemm_nn(L, d, d, w->Kin, d, w->S, d, w->R, d, 0, 0);
-    for (int t = 0; t < L; t++) {
-        float *r = w->R + (size_t)t * d;
-        const float *vt = w->V + t * w->ldv;
-        for (int i = 0; i < d; i++) r[i] = w->beta[t] * (vt[i] - r[i]);
-    }
-    for (int i0 = 0; i0 < L; i0 += 4) {
-        /* rows i0..i0+3: first everything from the rows solved before the block, as one product
-         * (the same sum, in the same order, as row-by-row substitution), then the block's triangle */
-        const int rows = L - i0 < 4 ? L - i0 : 4;
-        gemm_nn(rows, d, i0, w->A + i0 * L, L, w->R, d, w->R + (size_t)i0 * d, d, 1, 0);
-        for (int i = i0 + 1; i < i0 + rows; i++)
-            for (int j = i0; j < i; j++) axpy(w->A[i * L + j], w->R + (size_t)j * d, w->R + (size_t)i * d, d);
-    }
+    /* R = beta v - beta k_in S; U = T R */
+    gemm_nn(L, d, d, w->Kin, d, w->S, d, w->R, d, 1, 0);
+    gemm_nn(L, d, L, w->T, L, w->R, d, w->U, d, 0, 1);
 
-    /* out = scale (Q_in S + tril(QK) v_new) */
-    gemm_nn(L, d, d, w->Qin, d, w->S, d, w->O, d, 0, 0);
-    gemm_nn(L, d, L, w->QK, L, w->R, d, w->O, d, 1, 1);
-    for (int t = 0; t < L; t++) {
-        float *ot = c->out + (((size_t)seq * T + t0 + t) * H + h) * d;
-        const float *o = w->O + (size_t)t * d;
-        for (int i = 0; i < d; i++) ot[i] = scale * o[i];
-    }
+    /* out = Q_in S + QK U, into the output rows */
+    gemm_nn(L, d, d, w->Qin, d, w->S, d, out, ldo, 0, 0);
+    gemm_nn(L, d, L, w->QK, L, w->U, d, out, ldo, 1, 1);
 
-    /* S = diag(exp(G_last)) S + K_out^T v_new */
+    /* S = diag(exp(G_last)) S + K_out^T U */
     if (kda) {
         exp_n(w->e, w->G + (size_t)(L - 1) * d, d);
         for (int i = 0; i < d; i++) scale_n(w->S + (size_t)i * d, w->e[i], d);
@@ -330,27 +358,44 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
         const float last = exp1(w->G[L - 1]);
         for (int i = 0; i < d; i++) scale_n(w->S + (size_t)i * d, last, d);
     }
-    gemm_nn(d, d, L, w->KoutT, L, w->R, d, w->S, d, 1, 0);
+    gemm_tn(d, d, L, w->Kout, d, w->U, d, w->S, d, 1, 0);
 }
 
+/* A range of (seq, head) items, chunk by chunk: every item's first chunk, then every item's second,
+ * and so on, each item's state kept in its own d x d slot (in L2: 64 KiB per head at d = 128). The
+ * heads of one token are adjacent in memory ([T, H, d] rows), so a chunk's rows of consecutive heads
+ * are read (and its output rows written) side by side, which the hardware prefetchers follow; head
+ * by head, the rows of one head are a whole token row apart and every line would be fetched from
+ * memory for 1/H of its use. */
 static int chunkwise_heads(void *arg, int begin, int end) {
     const gdn_call *c = arg;
     const tb_gdn_shape *s = c->shape;
-    const int d = s->d, T = s->tokens, H = s->h_v;
+    const int d = s->d, T = s->tokens, H = s->h_v, n = end - begin;
     const int L = c->chunk < T ? c->chunk : T;
     chunk_scratch *w = scratch_new(L, d, s->kda);
-    if (!w) return TB_E_MEMORY;
+    float *states = malloc(sizeof(float) * (size_t)n * d * d);
+    if (!w || !states) {
+        free(w), free(states);
+        return TB_E_MEMORY;
+    }
     for (int item = begin; item < end; item++) {
-        const int seq = item / H, h = item % H;
         const float *m_in = c->state_in + (size_t)item * d * d;
+        float *S = states + (size_t)(item - begin) * d * d;
         for (int i = 0; i < d; i++)
-            for (int j = 0; j < d; j++) w->S[(size_t)i * d + j] = m_in[(size_t)j * d + i];
-        for (int t0 = 0; t0 < T; t0 += L) chunk_step(w, c, seq, h, t0, T - t0 < L ? T - t0 : L);
+            for (int j = 0; j < d; j++) S[(size_t)i * d + j] = m_in[(size_t)j * d + i];
+    }
+    for (int t0 = 0; t0 < T; t0 += L)
+        for (int item = begin; item < end; item++) {
+            w->S = states + (size_t)(item - begin) * d * d;
+            chunk_step(w, c, item / H, item % H, t0, T - t0 < L ? T - t0 : L);
+        }
+    for (int item = begin; item < end; item++) {
+        const float *S = states + (size_t)(item - begin) * d * d;
         float *m_out = c->state_out + (size_t)item * d * d;
         for (int j = 0; j < d; j++)
-            for (int i = 0; i < d; i++) m_out[(size_t)j * d + i] = w->S[(size_t)i * d + j];
+            for (int i = 0; i < d; i++) m_out[(size_t)j * d + i] = S[(size_t)i * d + j];
     }
-    free(w);
+    free(w), free(states);
     return TB_OK;
 }
 

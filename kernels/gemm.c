@@ -22,23 +22,33 @@
 #define S_MR 4
 #define S_NR VF_LANES
 
-static void kernel_scalar(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
-                          ptrdiff_t ldc, int load) {
+static inline void body_scalar(int kc, const float *a, ptrdiff_t ars, ptrdiff_t aks, const float *b, ptrdiff_t ldb,
+                               float *c, ptrdiff_t ldc, int load) {
     vf t0 = load ? vf_load(c) : vf_zero(), t1 = load ? vf_load(c + ldc) : vf_zero();
     vf t2 = load ? vf_load(c + 2 * ldc) : vf_zero(), t3 = load ? vf_load(c + 3 * ldc) : vf_zero();
-    const float *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda;
     for (int k = 0; k < kc; k++) {
         const vf bk = vf_load(b + k * ldb);
-        t0 = vf_madd(vf_set1(a0[k]), bk, t0);
-        t1 = vf_madd(vf_set1(a1[k]), bk, t1);
-        t2 = vf_madd(vf_set1(a2[k]), bk, t2);
-        t3 = vf_madd(vf_set1(a3[k]), bk, t3);
+        const float *ak = a + k * aks;
+        t0 = vf_madd(vf_set1(ak[0]), bk, t0);
+        t1 = vf_madd(vf_set1(ak[ars]), bk, t1);
+        t2 = vf_madd(vf_set1(ak[2 * ars]), bk, t2);
+        t3 = vf_madd(vf_set1(ak[3 * ars]), bk, t3);
     }
     vf_store(c, t0), vf_store(c + ldc, t1), vf_store(c + 2 * ldc, t2), vf_store(c + 3 * ldc, t3);
 }
 
+static void kernel_scalar(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                          ptrdiff_t ldc, int load) {
+    body_scalar(kc, a, lda, 1, b, ldb, c, ldc, load);
+}
+
+static void kernel_scalar_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                             ptrdiff_t ldc, int load) {
+    body_scalar(kc, a, 1, lda, b, ldb, c, ldc, load);
+}
+
 static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : "portable", S_MR, S_NR,
-                                               kernel_scalar, NULL};
+                                               kernel_scalar, kernel_scalar_at, NULL};
 
 /* --- NEON micro-kernels: 8 x 8 on aarch64 (32 registers), 4 x 8 on armv7 (16) -------------------- */
 
@@ -104,7 +114,32 @@ static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, p
     }
 }
 
-static const tb_gemm_kernels neon_kernels = {TB_MADD_FUSED ? "neon-fma" : "neon", N_MR, N_NR, kernel_neon, NULL};
+/* A transposed: the N_MR values of step k are contiguous, one or two registers used by lane */
+static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                           ptrdiff_t ldc, int load) {
+    float32x4_t t[N_MR][2];
+    for (int r = 0; r < N_MR; r++) {
+        t[r][0] = load ? vld1q_f32(c + r * ldc) : vdupq_n_f32(0.0f);
+        t[r][1] = load ? vld1q_f32(c + r * ldc + 4) : vdupq_n_f32(0.0f);
+    }
+    for (int k = 0; k < kc; k++) {
+        const float32x4_t b0 = vld1q_f32(b + k * ldb), b1 = vld1q_f32(b + k * ldb + 4);
+        for (int q = 0; q < N_MR / 4; q++) {
+            const float32x4_t a4 = vld1q_f32(a + k * lda + 4 * q);
+            MADD_LANE(t[4 * q][0], b0, a4, 0), MADD_LANE(t[4 * q][1], b1, a4, 0);
+            MADD_LANE(t[4 * q + 1][0], b0, a4, 1), MADD_LANE(t[4 * q + 1][1], b1, a4, 1);
+            MADD_LANE(t[4 * q + 2][0], b0, a4, 2), MADD_LANE(t[4 * q + 2][1], b1, a4, 2);
+            MADD_LANE(t[4 * q + 3][0], b0, a4, 3), MADD_LANE(t[4 * q + 3][1], b1, a4, 3);
+        }
+    }
+    for (int r = 0; r < N_MR; r++) {
+        vst1q_f32(c + r * ldc, t[r][0]);
+        vst1q_f32(c + r * ldc + 4, t[r][1]);
+    }
+}
+
+static const tb_gemm_kernels neon_kernels = {TB_MADD_FUSED ? "neon-fma" : "neon", N_MR, N_NR, kernel_neon,
+                                             kernel_neon_at, NULL};
 #endif
 
 /* --- the choice of micro-kernel ------------------------------------------------------------------- */
@@ -216,8 +251,9 @@ static void pack_panel(const tb_gemm_kernels *kr, const tb_gemm_b *B, int k0, in
 
 /* --- the driver --------------------------------------------------------------------------------------- */
 
-void tb_gemm(int M, int N, int K, const float *A, int lda, const tb_gemm_b *B, float *C, int ldc, int accumulate,
-             int lower) {
+/* The driver; at: A given transposed (A[i][k] at A[k * lda + i]). */
+static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_gemm_b *B, float *C, int ldc,
+                 int accumulate, int lower) {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {
         if (!accumulate)
@@ -277,27 +313,43 @@ void tb_gemm(int M, int N, int K, const float *A, int lda, const tb_gemm_b *B, f
                         if (kend <= pc) continue; /* nothing in this block: C keeps its chain (load = 1 here) */
                         if (kend - pc < keff) keff = kend - pc;
                     }
-                    const float *ap = A + (size_t)i0 * lda + pc;
+                    const float *ap = at ? A + (size_t)pc * lda + i0 : A + (size_t)i0 * lda + pc;
                     ptrdiff_t la = lda;
-                    if (rows < mr) { /* the missing rows as zeros */
+                    int tr = at;
+                    if (rows < mr) { /* the missing rows as zeros, row-major */
                         for (int r = 0; r < mr; r++) {
-                            if (r < rows) memcpy(apad + (size_t)r * keff, ap + (size_t)r * lda, sizeof(float) * (size_t)keff);
-                            else memset(apad + (size_t)r * keff, 0, sizeof(float) * (size_t)keff);
+                            float *row = apad + (size_t)r * keff;
+                            if (r >= rows) memset(row, 0, sizeof(float) * (size_t)keff);
+                            else if (!at) memcpy(row, ap + (size_t)r * lda, sizeof(float) * (size_t)keff);
+                            else
+                                for (int k = 0; k < keff; k++) row[k] = ap[(size_t)k * lda + r];
                         }
-                        ap = apad, la = keff;
+                        ap = apad, la = keff, tr = 0;
                     }
+                    void (*const kernel)(int, const float *, ptrdiff_t, const float *, ptrdiff_t, float *, ptrdiff_t,
+                                         int) = tr ? kr->kernel_at : kr->kernel;
                     float *cp = C + (size_t)i0 * ldc + jc + jr;
                     if (rows == mr && cols == nr) {
-                        kr->kernel(keff, ap, la, bp, ldb, cp, ldc, load);
+                        kernel(keff, ap, la, bp, ldb, cp, ldc, load);
                         continue;
                     }
                     for (int r = 0; r < mr; r++)
                         for (int j = 0; j < nr; j++)
                             ctile[r * nr + j] = load && r < rows && j < cols ? cp[(size_t)r * ldc + j] : 0.0f;
-                    kr->kernel(keff, ap, la, bp, ldb, ctile, nr, load);
+                    kernel(keff, ap, la, bp, ldb, ctile, nr, load);
                     for (int r = 0; r < rows; r++) memcpy(cp + (size_t)r * ldc, ctile + r * nr, sizeof(float) * (size_t)cols);
                 }
             }
         }
     }
+}
+
+void tb_gemm(int M, int N, int K, const float *A, int lda, const tb_gemm_b *B, float *C, int ldc, int accumulate,
+             int lower) {
+    gemm(M, N, K, A, lda, 0, B, C, ldc, accumulate, lower);
+}
+
+void tb_gemm_at(int M, int N, int K, const float *At, int ldat, const tb_gemm_b *B, float *C, int ldc, int accumulate,
+                int lower) {
+    gemm(M, N, K, At, ldat, 1, B, C, ldc, accumulate, lower);
 }

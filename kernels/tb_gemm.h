@@ -4,7 +4,8 @@
  * of B packed once into NR-wide panels (row-major B copied, transposed B transposed, or a caller's
  * weights dequantised as they are packed); rows of C in blocks of MC; the NR-wide panels; the MR-row
  * tiles, each computed by an MR x NR micro-kernel that keeps its C tile in registers for the whole
- * KC block. A is read in place, row by row (broadcast), so it needs no packing.
+ * KC block. A is read in place (row-major, or transposed: then each k's MR values are contiguous, as
+ * a packed panel's would be), broadcast element by element, so it needs no packing.
  *
  * Bits: every C element is ONE chain over k in ascending order, c = (accumulate ? C : 0), then
  * c = a_k b_k + c for k = 0, 1, ...: a KC block ends by storing the chain's partial sum and the next
@@ -39,12 +40,15 @@ struct tb_gemm_b {
 #define TB_GEMM_MAX_MR 8
 #define TB_GEMM_MAX_NR 32
 
-/* C[M x N] (ldc) = (accumulate ? C : 0) + A[M x K] (lda, row-major) B[K x N].
+/* C[M x N] (ldc) = (accumulate ? C : 0) + A[M x K] B[K x N]; A row-major (lda) for tb_gemm, or given
+ * transposed for tb_gemm_at: A[i][k] = At[k * ldat + i] (K_out^T v_new with K_out's rows as they are).
  * lower: A is lower triangular (A[i][k] = 0 for k > i): a tile of rows stops at its last row's
  * diagonal, skipping terms that are exact zeros (0 * b added to a chain leaves it unchanged unless b
  * is infinite or NaN, or the chain is -0). */
 void tb_gemm(int M, int N, int K, const float *A, int lda, const tb_gemm_b *B, float *C, int ldc, int accumulate,
              int lower);
+void tb_gemm_at(int M, int N, int K, const float *At, int ldat, const tb_gemm_b *B, float *C, int ldc, int accumulate,
+                int lower);
 
 /* The micro-kernel in use ("avx512", "avx2", "neon", "scalar") and whether fused ("-fma" suffix). */
 const char *tb_gemm_isa(void);
@@ -54,10 +58,13 @@ const char *tb_gemm_isa(void);
 typedef struct {
     const char *name;
     int mr, nr;
-    /* C[mr x nr] (ldc) = (load ? C : 0) + sum over k < kc of A[:, k] B[k, :]; A row r at a + r * lda
-     * (mr rows, read in place), B row k at b + k * ldb (nr floats: a packed panel, or B itself). */
+    /* C[mr x nr] (ldc) = (load ? C : 0) + sum over k < kc of A[:, k] B[k, :]; A[r][k] at a[r * lda + k]
+     * (kernel) or a[k * lda + r] (kernel_at), read in place; B row k at b + k * ldb (nr floats: a
+     * packed panel, or B itself). */
     void (*kernel)(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
                    int load);
+    void (*kernel_at)(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
+                      int load);
     /* Pack B (kc x nc, element (k, j) at src[k * rs + j * cs]) into a kc x nr panel, dst[k * nr + j],
      * zero for j >= nc. NULL: the portable packing. */
     void (*pack_t)(int kc, int nc, const float *src, ptrdiff_t cs, float *dst); /* rs = 1 */

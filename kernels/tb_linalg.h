@@ -65,6 +65,13 @@ static inline void gemm_nn(int M, int N, int K, const float *A, int lda, const f
     tb_gemm(M, N, K, A, lda, &b, C, ldc, accumulate, lower);
 }
 
+/* The same with A given transposed: A[i][k] = At[k * ldat + i] (K_out^T v_new from K_out's rows). */
+static inline void gemm_tn(int M, int N, int K, const float *At, int ldat, const float *B, int ldb, float *C, int ldc,
+                           int accumulate, int lower) {
+    const tb_gemm_b b = {B, ldb, 1, NULL, NULL};
+    tb_gemm_at(M, N, K, At, ldat, &b, C, ldc, accumulate, lower);
+}
+
 /* The same with B given transposed: B[k][n] = Bt[n * ldbt + k] (x W^T, q k^T), packed from Bt by
  * transposition inside the product. */
 static inline void gemm_nt(int M, int N, int K, const float *A, int lda, const float *Bt, int ldbt, float *C, int ldc,

@@ -27,7 +27,8 @@ from tests.test_native_cross import ARM_TARGETS, _build
 X86 = os.uname().machine == "x86_64"
 # M, N, K: tiles and their edges for 8 x 32, 6 x 16, 8 x 8, 4 x 8 micro-kernels, KC (256) and NC (1024) blocks
 SHAPES = [(1, 1, 1), (3, 5, 7), (8, 32, 64), (9, 33, 257), (13, 70, 300), (64, 64, 128), (16, 1030, 40), (5, 17, 600)]
-FLAGS = [dict(trans=t, accumulate=a, lower=lo) for t in (False, True) for a in (False, True) for lo in (False, True)]
+FLAGS = [dict(trans=t, transa=ta, accumulate=a, lower=lo) for t in (False, True) for ta in (False, True)
+         for a in (False, True) for lo in (False, True)]
 
 
 def _cpu_flags() -> set[str]:
@@ -43,11 +44,13 @@ def host_isas() -> list[str]:
     return [isa for isa, need in (("avx512", {"avx512f"}), ("avx2", {"avx2", "fma"})) if need <= flags] + ["scalar"]
 
 
-def operands(M, N, K, trans, lower, seed):
+def operands(M, N, K, trans, lower, seed, transa=False):
     rng = np.random.default_rng([M, N, K, seed])
     a = rng.standard_normal((M, K)).astype(np.float32)
     if lower:
         a = np.tril(a).astype(np.float32)
+    if transa:
+        a = np.ascontiguousarray(a.T)
     b = rng.standard_normal((N, K) if trans else (K, N)).astype(np.float32)
     c = rng.standard_normal((M, N)).astype(np.float32)
     return a, b, c
@@ -62,13 +65,13 @@ def host_programs():
 def test_gemm_gives_the_reference_loops_bits_with_every_host_kernel(host_programs, isa):
     for shape in SHAPES:
         for flags in FLAGS:
-            a, b, c = operands(*shape, flags["trans"], flags["lower"], 0)
+            a, b, c = operands(*shape, flags["trans"], flags["lower"], 0, flags["transa"])
             loop, _ = native_programs.gemm(host_programs, "host", a, b, c, form="loop", **flags)
             got, timings = native_programs.gemm(host_programs, "host", a, b, c, env={"TB_ISA": isa}, **flags)
             assert timings["gemm_isa"] == {"scalar": "portable"}.get(isa, isa), timings["gemm_isa"]
             assert got.tobytes() == loop.tobytes(), f"{isa} {shape} {flags}"
-            want = (c.astype(np.float64) if flags["accumulate"] else 0) + a.astype(np.float64) @ (
-                b.T if flags["trans"] else b).astype(np.float64)
+            want = (c.astype(np.float64) if flags["accumulate"] else 0) + (a.T if flags["transa"] else a).astype(
+                np.float64) @ (b.T if flags["trans"] else b).astype(np.float64)
             assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max()) * shape[2]
 
 
@@ -78,7 +81,7 @@ def test_gemm_under_qemu_gives_the_host_bits(target, host_programs):
     for isa in ("neon", "scalar"):
         for shape in SHAPES[:6]:
             for flags in FLAGS[::3]:
-                a, b, c = operands(*shape, flags["trans"], flags["lower"], 1)
+                a, b, c = operands(*shape, flags["trans"], flags["lower"], 1, flags["transa"])
                 host, _ = native_programs.gemm(host_programs, "host", a, b, c, form="loop", **flags)
                 got, timings = native_programs.gemm(programs, target, a, b, c, env={"TB_ISA": isa}, **flags)
                 assert timings["gemm_isa"] == {"scalar": "portable"}.get(isa, isa)

@@ -67,10 +67,12 @@ def attention(programs: Path, target: str, q, k, v, mask, scale: float, env=None
 
 
 def gemm(programs: Path, target: str, a, b, c, form: str = "gemm", trans: bool = False, accumulate: bool = False,
-         lower: bool = False, env=None, **args):
-    """C = (accumulate ? c : 0) + a b (b given as [N, K] when trans) from tb_gemm_bench -> (c, timings)."""
+         lower: bool = False, transa: bool = False, env=None, **args):
+    """C = (accumulate ? c : 0) + a b (a given as [K, M] when transa, b as [N, K] when trans) from
+    tb_gemm_bench -> (c, timings)."""
     outputs, timings = run_program(programs, target, "tb_gemm_bench", {"a": a, "b": b, "c": c},
-                                   {"form": form, "trans": int(trans), "accumulate": int(accumulate),
+                                   {"form": form, "trans": int(trans), "transa": int(transa),
+                                    "accumulate": int(accumulate),
                                     "lower": int(lower), **args}, env=env)
     return outputs["c"], timings
 
