@@ -120,9 +120,10 @@ def model_args(cfg: gemma.GemmaConfig, dtype: str = "f32", group: int = 32) -> l
 # --- running the program -------------------------------------------------------------------------------
 
 
-def program_for(device: Device) -> Path:
-    """The engine program built for the device's ABI (cached by content hash)."""
-    return kernel_build.build_programs(kernel_build.target_for_abi(device.profile.abi)) / PROGRAM
+def program_for(device: Device, fused: bool = False) -> Path:
+    """The engine program built for the device's ABI (cached by content hash); fused: the FMA build
+    (faster, judged by tolerance; the default unfused build is bit-exact across targets)."""
+    return kernel_build.build_programs(kernel_build.target_for_abi(device.profile.abi), fused=fused) / PROGRAM
 
 
 def _run(device: Device, cfg: gemma.GemmaConfig, w: dict, tokens, args: list[str], outputs: list[str],
