@@ -184,8 +184,9 @@ static void evict_caches(long mb) {
 /* Out of line and with different bodies, so the compiler can neither inline them nor fold the two into
  * one symbol: the counters find them by name in the symbol table. */
 static volatile int count_mark;
-__attribute__((noinline, used)) void tb_count_begin(void) { count_mark = 1; }
-__attribute__((noinline, used)) void tb_count_end(void) { count_mark = 2; }
+/* Aligned, so that neither straddles a page (QEMU would translate it as two blocks). */
+__attribute__((noinline, used, aligned(64))) void tb_count_begin(void) { count_mark = 1; }
+__attribute__((noinline, used, aligned(64))) void tb_count_end(void) { count_mark = 2; }
 
 /* The matrix products' micro-kernel (kernels/gemm.c, chosen at run time; TB_ISA forces one), or "none"
  * in a program linked without the kernels (tb_ggml_gdn links this harness alone). */

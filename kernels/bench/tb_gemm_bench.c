@@ -1,7 +1,7 @@
 /* The matrix product benchmark-and-dump: IN_DIR/{a,b,c}.npy (float32) -> OUT_DIR/c.npy and
  * OUT_DIR/timings.json.
- *   tb_gemm_bench IN OUT [form=gemm|loop] [trans=0|1] [transa=0|1] [accumulate=0|1] [lower=0|1] [warmup=1]
- *                [reps=1]
+ *   tb_gemm_bench IN OUT [form=gemm|loop] [trans=0|1] [transa=0|1] [accumulate=0|1] [lower=0|1] [threads=1]
+ *                [warmup=1] [reps=1]
  * a [M, K], or [K, M] with transa=1 (A given transposed, as K_out^T v_new uses it); b [K, N], or
  * [N, K] with trans=1 (B given transposed, as x W^T and q k^T use it); c [M, N]
  * the C an accumulating product starts from. form=gemm is tb_gemm (kernels/tb_gemm.h: packed panels,
@@ -50,8 +50,10 @@ static int run(void *arg) {
 }
 
 int main(int argc, char **argv) {
-    static const char *const keys[] = {"form", "trans", "transa", "accumulate", "lower", "warmup", "reps", "cold_mb", NULL};
-    args_init(argc, argv, "form=gemm|loop trans=0|1 transa=0|1 accumulate=0|1 lower=0|1 warmup=N reps=N", keys);
+    static const char *const keys[] = {"form",   "trans", "transa",  "accumulate", "lower",
+                                       "threads", "warmup", "reps", "cold_mb",    NULL};
+    args_init(argc, argv, "form=gemm|loop trans=0|1 transa=0|1 accumulate=0|1 lower=0|1 threads=1 warmup=N reps=N", keys);
+    if (arg_int("threads", 1) != 1) die("threads=%ld: tb_gemm is one thread's product (its callers split the work)", arg_int("threads", 1));
     flush_denormals();
     gemm_job j = {0};
     const char *form = arg_str("form", "gemm");
