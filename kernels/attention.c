@@ -144,7 +144,8 @@ static int attention_items(void *arg, int begin, int end) {
     const int most = (group + parts - 1) / parts;
     const int blocked = most >= SCORES_BY_PRODUCT;
     /* blocked: scores of one key block, running max and sum; else all scores */
-    float *p = malloc(sizeof(float) * (blocked ? (size_t)most * KEY_BLOCK + 2 * (size_t)most : (size_t)most * a->l));
+    /* the thread's kernel scratch (tb_gemm.h: kept between calls, so a call allocates nothing) */
+    float *p = tb_thread_scratch(TB_SCRATCH_KERNEL, blocked ? (size_t)most * KEY_BLOCK + 2 * (size_t)most : (size_t)most * a->l);
     if (!p) return TB_E_MEMORY;
     for (int item = begin; item < end; item++) {
         const int kvh = item / parts, part = item % parts;
@@ -161,7 +162,6 @@ static int attention_items(void *arg, int begin, int end) {
         for (int r = 0; r < n; r++) softmax_row(a->mask + (size_t)(r0 + r) * a->l, a->l, a->scale, p + (size_t)r * a->l);
         gemm_nn(n, a->hd, a->l, p, a->l, v, a->hd, a->out + (size_t)r0 * a->hd, a->hd, 0, 0);
     }
-    free(p);
     return TB_OK;
 }
 

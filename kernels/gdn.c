@@ -146,15 +146,20 @@ typedef struct {
     float *X, *Kref;       /* KDA: [L][d] rows rescaled to a reference token */
     float *e;              /* [max(L, d)] one row of exponentials */
     float *beta;           /* [L] */
+    float *extra;          /* what the caller asked for beyond the scratch */
 } chunk_scratch;
 
-static chunk_scratch *scratch_new(int L, int d, int kda) {
+/* The scratch, then `extra` floats (the range's states) at w->extra. */
+static chunk_scratch *scratch_new(int L, int d, int kda, size_t extra) {
     const size_t Ld = (size_t)L * d, LL = (size_t)L * L;
     const size_t e_len = (size_t)(L > d ? L : d);
     const size_t floats = (kda ? Ld : (size_t)L) + 3 * Ld + 3 * LL + 2 * Ld + (kda ? 2 * Ld : 0) + e_len + (size_t)L;
-    chunk_scratch *w = malloc(sizeof *w + sizeof(float) * floats);
+    /* the thread's kernel scratch (tb_gemm.h: kept between calls, so a call allocates nothing), the
+     * arrays after a header of whole cache lines */
+    const size_t head = (sizeof(chunk_scratch) + 63) & ~(size_t)63;
+    chunk_scratch *w = (chunk_scratch *)tb_thread_scratch(TB_SCRATCH_KERNEL, (head + sizeof(float) * (floats + extra)) / sizeof(float));
     if (!w) return NULL;
-    float *p = (float *)(w + 1);
+    float *p = (float *)((char *)w + head);
     w->S = NULL; /* the item's own state slot, set per chunk */
     w->G = p, p += kda ? Ld : (size_t)L;
     w->Qin = p, p += Ld;
@@ -168,7 +173,8 @@ static chunk_scratch *scratch_new(int L, int d, int kda) {
     w->X = kda ? p : NULL, p += kda ? Ld : 0;
     w->Kref = kda ? p : NULL, p += kda ? Ld : 0;
     w->e = p, p += e_len;
-    w->beta = p;
+    w->beta = p, p += L;
+    w->extra = p;
     return w;
 }
 
@@ -372,12 +378,9 @@ static int chunkwise_heads(void *arg, int begin, int end) {
     const tb_gdn_shape *s = c->shape;
     const int d = s->d, T = s->tokens, H = s->h_v, n = end - begin;
     const int L = c->chunk < T ? c->chunk : T;
-    chunk_scratch *w = scratch_new(L, d, s->kda);
-    float *states = malloc(sizeof(float) * (size_t)n * d * d);
-    if (!w || !states) {
-        free(w), free(states);
-        return TB_E_MEMORY;
-    }
+    chunk_scratch *w = scratch_new(L, d, s->kda, (size_t)n * d * d);
+    if (!w) return TB_E_MEMORY;
+    float *states = w->extra;
     for (int item = begin; item < end; item++) {
         const float *m_in = c->state_in + (size_t)item * d * d;
         float *S = states + (size_t)(item - begin) * d * d;
@@ -395,7 +398,6 @@ static int chunkwise_heads(void *arg, int begin, int end) {
         for (int j = 0; j < d; j++)
             for (int i = 0; i < d; i++) m_out[(size_t)j * d + i] = S[(size_t)i * d + j];
     }
-    free(w), free(states);
     return TB_OK;
 }
 

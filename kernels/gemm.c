@@ -183,37 +183,40 @@ static const tb_gemm_kernels *kernels(void) {
 
 const char *tb_gemm_isa(void) { return kernels()->name; }
 
-/* --- scratch: per thread, grown as needed, freed when the thread ends ------------------------------ */
+/* --- scratch: per thread and slot, grown as needed, kept, freed when the thread ends ----------------- */
 
+#define SCRATCH_SLOTS 2
 static pthread_key_t scratch_key;
 static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
 typedef struct {
-    size_t cap;
-    float *p;
-} scratch_buf;
+    size_t cap[SCRATCH_SLOTS];
+    float *p[SCRATCH_SLOTS];
+} scratch_bufs;
 
 static void scratch_free(void *p) {
-    scratch_buf *s = p;
-    free(s->p);
+    scratch_bufs *s = p;
+    for (int i = 0; i < SCRATCH_SLOTS; i++) free(s->p[i]);
     free(s);
 }
 static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_free); }
 
-static float *scratch(size_t floats) {
+float *tb_thread_scratch(int slot, size_t floats) {
     pthread_once(&scratch_once, scratch_init);
-    scratch_buf *s = pthread_getspecific(scratch_key);
+    scratch_bufs *s = pthread_getspecific(scratch_key);
     if (!s) {
         if (!(s = calloc(1, sizeof *s))) return NULL;
         pthread_setspecific(scratch_key, s);
     }
-    if (s->cap < floats) {
-        free(s->p);
+    if (s->cap[slot] < floats) {
+        free(s->p[slot]);
         /* 64-byte aligned: packed panels are read by full-vector loads */
-        if (posix_memalign((void **)&s->p, 64, sizeof(float) * floats)) s->p = NULL, s->cap = 0;
-        else s->cap = floats;
+        if (posix_memalign((void **)&s->p[slot], 64, sizeof(float) * floats)) s->p[slot] = NULL, s->cap[slot] = 0;
+        else s->cap[slot] = floats;
     }
-    return s->p;
+    return s->p[slot];
 }
+
+static float *scratch(size_t floats) { return tb_thread_scratch(TB_SCRATCH_GEMM, floats); }
 
 /* --- packing ---------------------------------------------------------------------------------------- */
 

@@ -53,6 +53,15 @@ void tb_gemm_at(int M, int N, int K, const float *At, int ldat, const tb_gemm_b 
 /* The micro-kernel in use ("avx512", "avx2", "neon", "scalar") and whether fused ("-fma" suffix). */
 const char *tb_gemm_isa(void);
 
+/* Scratch memory of the calling thread: slot TB_SCRATCH_GEMM is tb_gemm's own, TB_SCRATCH_KERNEL a
+ * kernel's (GDN chunkwise, attention), which may call tb_gemm while it holds it. Grown as needed (the
+ * contents are not kept when it grows), 64-byte aligned, kept for the thread's life: a call after the
+ * first allocates nothing, so repeated calls execute the same instructions (exact counts) and pay no
+ * allocation. NULL when memory runs out. */
+#define TB_SCRATCH_GEMM 0
+#define TB_SCRATCH_KERNEL 1
+float *tb_thread_scratch(int slot, size_t floats);
+
 /* --- what an instruction set provides (gemm.c, gemm_avx2.c, gemm_avx512.c) ------------------------ */
 
 typedef struct {
