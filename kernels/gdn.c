@@ -143,7 +143,8 @@ typedef struct {
     float *T;              /* [L][L] (I - A)^-1, unit lower triangular */
     float *R;              /* [L][d] right-hand sides beta (v - k_in S) */
     float *U;              /* [L][d] the deltas v_new = T R */
-    float *X, *Kref;       /* KDA: [L][d] rows rescaled to a reference token */
+    float *X, *Kref;       /* KDA: [L][d] q rows rescaled to a reference token; [d][L] keys carried to one,
+                            * then K_out^T */
     float *e;              /* [max(L, d)] one row of exponentials */
     float *beta;           /* [L] */
     float *extra;          /* what the caller asked for beyond the scratch */
@@ -185,6 +186,30 @@ static chunk_scratch *scratch_new(int L, int d, int kda, size_t extra) {
  * block (times exp(G_m' - G_m)) and pairs inside a block from row to row (times exp(g_i)), so only
  * O(L d) exponentials are taken rather than one per pair and key index. */
 #define KDA_BLOCK 8
+
+/* e *= f; then *a = k_i . (k_j e) and *qk = q_i . (k_j e), each summed as dot() sums (8 lanes folded,
+ * then the tail in order), in one pass over the d channels. */
+static void pair_grams(const float *ki, const float *qi, const float *kj, float *e, const float *f, int d, float *a,
+                       float *qk) {
+    vf sa = vf_zero(), sq = vf_zero();
+    int c = 0;
+    for (; c + VF_LANES <= d; c += VF_LANES) {
+        const vf ec = vf_mul(vf_load(e + c), vf_load(f + c));
+        vf_store(e + c, ec);
+        const vf ke = vf_mul(vf_load(kj + c), ec);
+        sa = vf_madd(vf_load(ki + c), ke, sa);
+        sq = vf_madd(vf_load(qi + c), ke, sq);
+    }
+    float ra = vf_hsum(sa), rq = vf_hsum(sq);
+    for (; c < d; c++) {
+        e[c] *= f[c];
+        const float ke = kj[c] * e[c];
+        ra = madd1(ki[c], ke, ra);
+        rq = madd1(qi[c], ke, rq);
+    }
+    *a = ra, *qk = rq;
+}
+
 static void kda_grams(chunk_scratch *w, int L, int d) {
     float *Xq = w->X, *Xk = w->Qin; /* Qin is free until after the grams */
     float *KrT = w->Kref;           /* [d][L]: k_j exp(G_m - G_j) for j < m, transposed */
@@ -209,11 +234,15 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
             for (int c = 0; c < d; c++) eg[c] = Gm[c] - Gp[c];
             exp_n(eg, eg, d);
             for (int c = 0; c < d; c++) scale_n(KrT + (size_t)c * L, eg[c], prev);
+            float *fresh = w->R; /* [KDA_BLOCK][d], then written transposed: contiguous per channel */
             for (int j = prev; j < m; j++) {
-                for (int c = 0; c < d; c++) eg[c] = Gm[c] - w->G[(size_t)j * d + c];
-                exp_n(eg, eg, d);
-                for (int c = 0; c < d; c++) KrT[(size_t)c * L + j] = w->K[j * w->ldk + c] * eg[c];
+                float *f = fresh + (size_t)(j - prev) * d;
+                for (int c = 0; c < d; c++) f[c] = Gm[c] - w->G[(size_t)j * d + c];
+                exp_n(f, f, d);
+                for (int c = 0; c < d; c++) f[c] *= w->K[j * w->ldk + c];
             }
+            for (int c = 0; c < d; c++)
+                for (int j = prev; j < m; j++) KrT[(size_t)c * L + j] = fresh[(size_t)(j - prev) * d + c];
             gemm_nn(rows, m, d, Xk + (size_t)m * d, d, KrT, L, w->A + m * L, L, 0, 0);
             gemm_nn(rows, m, d, Xq + (size_t)m * d, d, KrT, L, w->QK + m * L, L, 0, 0);
         }
@@ -222,19 +251,46 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
                 for (int c = 0; c < d; c++) eg[c] = w->G[(size_t)i * d + c] - w->G[(size_t)(i - 1) * d + c];
                 exp_n(eg, eg, d);
             }
-            for (int j = m; j < i; j++) {
-                float *e = E + (size_t)(j - m) * d;
-                for (int c = 0; c < d; c++) e[c] *= eg[c];
-            }
+            const float *ki = w->K + i * w->ldk, *qi = w->Q + i * w->ldq;
+            for (int j = m; j < i; j++) /* E_j *= exp(g_i), then both products with k_j E_j, one pass */
+                pair_grams(ki, qi, w->K + j * w->ldk, E + (size_t)(j - m) * d, eg, d, &w->A[i * L + j],
+                           &w->QK[i * L + j]);
             for (int c = 0; c < d; c++) E[(size_t)(i - m) * d + c] = 1.0f;
-            for (int j = m; j <= i; j++) {
-                const float *e = E + (size_t)(j - m) * d, *kj = w->K + j * w->ldk;
-                float *ke = w->R; /* a free row */
-                for (int c = 0; c < d; c++) ke[c] = kj[c] * e[c];
-                w->A[i * L + j] = j < i ? dot(w->K + i * w->ldk, ke, d) : 0.0f;
-                w->QK[i * L + j] = dot(w->Q + i * w->ldq, ke, d);
-            }
+            w->A[i * L + i] = 0.0f;
+            w->QK[i * L + i] = dot(qi, ki, d); /* E_i = 1: k_i itself */
         }
+    }
+}
+
+/* KDA's decays to the chunk start and end from the grams' own exponentials (no second pass of one
+ * exponential per token and channel): q and k decayed to the start are the grams' rows rescaled to
+ * their block's reference token m, times exp(G_m) (one exponential per block and channel):
+ *   Q_in = scale Xq exp(G_m), K_in = -beta Xk exp(G_m)
+ * and k decayed to the end, transposed, is the grams' carried k exp(G_m' - G_j) (m' the last block's
+ * reference) times exp(G_last - G_m'), the last block's own columns fresh. Every factor is <= 1. */
+static void kda_decays(chunk_scratch *w, int L, int d, float scale) {
+    float *Xq = w->X, *Xk = w->Qin, *KoutT = w->Kref, *em = w->e;
+    const float *Glast = w->G + (size_t)(L - 1) * d;
+    for (int m = 0; m < L; m += KDA_BLOCK) {
+        const int m_end = m + KDA_BLOCK < L ? m + KDA_BLOCK : L;
+        exp_n(em, w->G + (size_t)m * d, d);
+        for (int t = m; t < m_end; t++) {
+            const float *xq = Xq + (size_t)t * d, *xk = Xk + (size_t)t * d;
+            float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d; /* qin overwrites xk: read first */
+            const float kb = -w->beta[t];
+            for (int c = 0; c < d; c++) kin[c] = kb * xk[c] * em[c];
+            for (int c = 0; c < d; c++) qin[c] = scale * xq[c] * em[c];
+        }
+    }
+    const int last = (L - 1) / KDA_BLOCK * KDA_BLOCK; /* the last block's reference */
+    const float *Gl = w->G + (size_t)last * d;
+    for (int c = 0; c < d; c++) em[c] = Glast[c] - Gl[c];
+    exp_n(em, em, d);
+    for (int c = 0; c < d; c++) scale_n(KoutT + (size_t)c * L, em[c], last);
+    for (int j = last; j < L; j++) {
+        for (int c = 0; c < d; c++) em[c] = Glast[c] - w->G[(size_t)j * d + c];
+        exp_n(em, em, d);
+        for (int c = 0; c < d; c++) KoutT[(size_t)c * L + j] = w->K[j * w->ldk + c] * em[c];
     }
 }
 
@@ -329,18 +385,13 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     invert_unit_lower(w->A, w->T, L);
 
     /* q (times scale) and k (times -beta) decayed to the chunk start; k decayed to the chunk end; R = beta v */
+    if (kda) kda_decays(w, L, d, scale);
     for (int t = 0; t < L; t++) {
         const float *qt = w->Q + t * w->ldq, *kt = w->K + t * w->ldk, *vt = w->V + t * w->ldv;
         float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d, *kout = w->Kout + (size_t)t * d;
         float *r = w->R + (size_t)t * d;
         const float b = w->beta[t];
-        if (kda) {
-            exp_n(w->e, w->G + (size_t)t * d, d);
-            for (int i = 0; i < d; i++) qin[i] = scale * qt[i] * w->e[i], kin[i] = -b * kt[i] * w->e[i];
-            for (int i = 0; i < d; i++) w->e[i] = w->G[(size_t)(L - 1) * d + i] - w->G[(size_t)t * d + i];
-            exp_n(w->e, w->e, d);
-            for (int i = 0; i < d; i++) kout[i] = kt[i] * w->e[i];
-        } else {
+        if (!kda) {
             const float to_start = exp1(w->G[t]), to_end = exp1(w->G[L - 1] - w->G[t]);
             const float qs = scale * to_start, ks = -b * to_start;
             for (int i = 0; i < d; i++) qin[i] = qt[i] * qs, kin[i] = kt[i] * ks, kout[i] = kt[i] * to_end;
@@ -364,7 +415,8 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
         const float last = exp1(w->G[L - 1]);
         for (int i = 0; i < d; i++) scale_n(w->S + (size_t)i * d, last, d);
     }
-    gemm_tn(d, d, L, w->Kout, d, w->U, d, w->S, d, 1, 0);
+    if (kda) gemm_nn(d, d, L, w->Kref, L, w->U, d, w->S, d, 1, 0); /* K_out^T, from the grams' factors */
+    else gemm_tn(d, d, L, w->Kout, d, w->U, d, w->S, d, 1, 0);
 }
 
 /* A range of (seq, head) items, chunk by chunk: every item's first chunk, then every item's second,

@@ -170,7 +170,7 @@ double cpu_seconds(void) {
 
 /* Evict the caches before a cold repetition: write, then read, a buffer of `mb` MiB (larger than any
  * last-level cache), so the kernel's operands come from memory as a first call's would. */
-static void evict_caches(long mb) {
+void evict_caches(long mb) {
     static unsigned char *junk;
     static volatile unsigned sink;
     size_t n = (size_t)mb << 20;

@@ -22,7 +22,8 @@ matmul_vs_own_gemm  (a device: no numpy there) the same engine products over the
                   and no sgemm target judged from it.
 decode_vs_stream  a decode step's time, over the time to read its weights once (every projection and
                   the tied LM head, in the weights' dtype) at the bandwidth of a streaming read of
-                  256 MiB timed in the same repetition
+                  256 MiB timed in the same repetition; cold (bench.cold_mb > 0, the default): the
+                  caches evicted before each timed step, as a step after other work finds them
 
 Both by the wall clock and by the process's CPU clock (on a shared machine the CPU clock leaves out
 the time other processes held the core). Each ratio is computed per repetition and reported as
@@ -69,6 +70,7 @@ PARAMS = {
     "targets.decode_vs_stream": Float(0.0),
     "bench.warmup": Int(0, 100),
     "bench.reps": Int(1, 1000),
+    "bench.cold_mb": Int(0, 1 << 16),
 }
 
 
@@ -114,7 +116,8 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     def program(warmup: int, reps: int) -> engine.ChunkRun:
         runs.append(engine.chunk_prefill(ctx.device, model, w, prompt, TokenCase(cfg.past, cfg.chunk, cfg.chunk),
                                          weights_dtype=cfg.weights, group=cfg.group, threads=cfg.threads,
-                                         warmup=warmup, reps=reps, reference=True, program=built))
+                                         warmup=warmup, reps=reps, reference=True, program=built,
+                                         cold_mb=cfg.bench.cold_mb))
         return runs[-1]
 
     flops = matmul_flops(model, cfg.chunk)
@@ -168,9 +171,13 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
                      figures={"ratio": Figure.of(decode_s / stream_s, "x"), "decode_step": Figure.of(decode_s, "s"),
                               "stream": Figure.of(stream_s, "s"), "bandwidth": Figure.of(bandwidth, "GB/s")},
                      metrics={"target": cfg.targets.decode_vs_stream, "target_is": "at most",
+                              f"meets_target_{clock}": bool(np.median(decode_s / stream_s) <= cfg.targets.decode_vs_stream),
                               "ratio_of_best": float(decode_s.min() / stream_s.min())},
-                     work={"weight_bytes": weight_bytes, "stream_bytes": timings["stream_bytes"]},
-                     params=params | {"form": "decode_vs_stream", "clock": clock}, evidence=evidence)
+                     work={"weight_bytes": weight_bytes, "stream_bytes": timings["stream_bytes"],
+                           "decode": f"cold: caches evicted ({cfg.bench.cold_mb} MiB written and read) before each "
+                                     "timed step" if cfg.bench.cold_mb else "warm: right after the chunk call"},
+                     params=params | {"form": "decode_vs_stream", "clock": clock, "cold": bool(cfg.bench.cold_mb)},
+                     evidence=evidence)
 
 
 def logits_oracle(cfg: DictConfig, model, w, prompt, runs, params) -> Record:

@@ -88,6 +88,9 @@ SGEMM_TARGET = 0.75
 GGML_TARGET = 0.25
 GGML_KDA_TARGET = 0.3
 TORCH_TARGETS = {512: 0.25, 4096: 0.2}
+# At threads > 1: the kernels' CPU time on N threads over one thread's (the same call), at most.
+THREADS_TARGET = 1.05
+ONE = " (1 thread)"  # the name of a variant's one-thread twin
 SGEMM_1 = "sgemm 1 thread"  # the reference on one thread, beside it at threads > 1 (the spinning rule)
 
 
@@ -298,10 +301,11 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
     what: dict[str, str] = {}
     here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
 
-    def program_run(name: str, program: Path, inputs: dict, output_names: list[str], args: list[str]):
+    def program_run(name: str, program: Path, inputs: dict, output_names: list[str], args: list[str],
+                    threads: int | None = None):
         def run() -> dict[str, float]:
             result = run_native(ctx.device, NativeJob(program, inputs, output_names,
-                                                      ["{inputs}", ".", *args, f"threads={cfg.threads}",
+                                                      ["{inputs}", ".", *args, f"threads={threads or cfg.threads}",
                                                        f"warmup={b.warmup}", "reps=1"], measured=False))
             outputs[name] = result.outputs
             evidence.setdefault(name, []).append(result.evidence.as_dict())
@@ -323,6 +327,10 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
         variants[name] = program_run(name, programs / "tb_attention_bench", {"q": q, "k": k, "v": v, "mask": mask},
                                      ["out"], ["form=chunk"])
         flops[name] = attention_flops(a.heads, a.chunk, n_keys, a.head_dim)
+        if cfg.threads > 1 and n_keys == keys[-1]:  # the CPU the threads cost: the same call on one thread
+            variants[name + ONE] = program_run(name + ONE, programs / "tb_attention_bench",
+                                               {"q": q, "k": k, "v": v, "mask": mask}, ["out"], ["form=chunk"], 1)
+            flops[name + ONE], references[name + ONE] = flops[name], references[name]
 
     g = r.gdn
     ggml, ggml_note = ggml_program(cfg, ctx) if here else (None, "not this host")
@@ -340,6 +348,10 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
             flops[name] = gdn.gdn_chunkwise_flops(1, tokens, g.heads, g.head_size, g.chunk, kda)
         variants[names[0]] = program_run(names[0], programs / "tb_gdn_bench", inputs, ["out", "state"],
                                          ["form=chunkwise", f"chunk={g.chunk}", "head_map=tiled"])
+        if cfg.threads > 1 and not kda:
+            variants[names[0] + ONE] = program_run(names[0] + ONE, programs / "tb_gdn_bench", inputs, ["out", "state"],
+                                                   ["form=chunkwise", f"chunk={g.chunk}", "head_map=tiled"], 1)
+            flops[names[0] + ONE], references[names[0] + ONE] = flops[names[0]], references[names[0]]
         if ggml:
             variants[f"ggml {case}"] = program_run(f"ggml {case}", ggml, inputs, ["out", "state"], [])
         if torch_ref and not kda:
@@ -433,6 +445,10 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
         why = blas_reference.refusal(spin, cfg.threads)
         if why:
             ctx.progress(f"native_bench ratios: vs sgemm: {why}")
+    pairs += [(name[:-len(ONE)], name, THREADS_TARGET, True,
+               f"the call's time on {cfg.threads} threads over its time on one: by the CPU clock, what the threads "
+               f"cost beyond the work (the pool's wake-ups, the split); by the wall clock, the speed-up")
+              for name in variants if name.endswith(ONE)]
     for top, bottom, target, at_most, text in pairs:
         wall, cpu = ratio(top, bottom, "wall", at_most), ratio(top, bottom, "cpu", at_most)
         library = bottom == "sgemm"
