@@ -453,10 +453,16 @@ static int chunkwise_heads(void *arg, int begin, int end) {
     return TB_OK;
 }
 
+/* Chunk sizes measured on an AVX-512 host (T 512, 16 heads; FUSED=1; docs in kernels/README.md): the
+ * fastest of 8..128 was 8 or 16 (within 4%) at head size 64, 32 at 128 and 256 (with the state read
+ * in place by the products of at most 32 rows, tb_gemm's rule). */
+int tb_gdn_auto_chunk(int d) { return d <= 64 ? 16 : 32; }
+
 int tb_gdn_chunkwise(const tb_gdn_shape *shape, const float *q, const float *k, const float *v, const float *g,
                      const float *beta, const float *state_in, float *out, float *state_out, int chunk, int threads) {
     int rc = check_shape(shape);
     if (rc) return rc;
+    if (chunk == TB_GDN_CHUNK_AUTO) chunk = tb_gdn_auto_chunk(shape->d);
     if (chunk <= 0) return TB_E_SHAPE;
     gdn_call c = {shape, q, k, v, g, beta, state_in, out, state_out, chunk};
     TB_FP_ENTER();

@@ -16,6 +16,11 @@
 #ifndef NC
 #define NC 1024
 #endif
+/* A row-major B is read in place (not packed) by products of at most DIRECT_ROWS rows, unless its
+ * rows are a multiple of 4 KiB apart (its panels would then crowd a few cache sets). */
+#ifndef DIRECT_ROWS
+#define DIRECT_ROWS 32
+#endif
 
 /* --- portable micro-kernel: 4 x 8 over `vf` (SSE2 on a portable x86-64 build, plain C elsewhere) --- */
 
@@ -268,7 +273,7 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
     const int kcb = K < KC ? K : KC, ncb = N < NC ? N : NC, panels = (ncb + nr - 1) / nr;
     /* A row-major B is read in place when few row tiles pass over it (packing would cost as much as
      * the product); a transposed or dequantised one is always packed. */
-    const int direct = !B->rows && B->cs == 1 && M <= 2 * mr;
+    const int direct = !B->rows && B->cs == 1 && (M <= 2 * mr || (M <= DIRECT_ROWS && (B->rs * sizeof(float)) % 4096 != 0));
     const size_t pack_floats = direct ? (size_t)kcb * nr : (size_t)kcb * nr * panels;
     float *buf = scratch(pack_floats + (size_t)mr * kcb + (size_t)mr * nr + (B->rows ? (size_t)nr * kcb : 0) + 16);
     if (!buf) abort(); /* a few hundred KiB per thread; nothing sensible to return to a void caller */

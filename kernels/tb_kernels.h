@@ -48,7 +48,10 @@ int tb_gdn_serial(const tb_gdn_shape *shape, const float *q, const float *k, con
                   const float *g, const float *beta, const float *state_in,
                   float *out, float *state_out, int threads);
 
-/* The chunkwise form: ceil(T / chunk) steps of `chunk` tokens, the last one possibly shorter. */
+/* The chunkwise form: ceil(T / chunk) steps of `chunk` tokens, the last one possibly shorter;
+ * chunk = TB_GDN_CHUNK_AUTO: tb_gdn_auto_chunk(d), the size measured fastest for the head size. */
+#define TB_GDN_CHUNK_AUTO 0
+int tb_gdn_auto_chunk(int d);
 int tb_gdn_chunkwise(const tb_gdn_shape *shape, const float *q, const float *k, const float *v,
                      const float *g, const float *beta, const float *state_in,
                      float *out, float *state_out, int chunk, int threads);

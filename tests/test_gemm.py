@@ -25,8 +25,10 @@ from tests.test_native import attention_inputs
 from tests.test_native_cross import ARM_TARGETS, _build
 
 X86 = os.uname().machine == "x86_64"
-# M, N, K: tiles and their edges for 8 x 32, 6 x 16, 8 x 8, 4 x 8 micro-kernels, KC (256) and NC (1024) blocks
-SHAPES = [(1, 1, 1), (3, 5, 7), (8, 32, 64), (9, 33, 257), (13, 70, 300), (64, 64, 128), (16, 1030, 40), (5, 17, 600)]
+# M, N, K: tiles and their edges for 8 x 32, 6 x 16, 8 x 8, 4 x 8 micro-kernels, KC (256) and NC (1024) blocks,
+# B read in place (up to 32 rows) or packed (more rows, or rows 4 KiB apart: N = 1024)
+SHAPES = [(1, 1, 1), (3, 5, 7), (8, 32, 64), (9, 33, 257), (13, 70, 300), (64, 64, 128), (16, 1030, 40), (5, 17, 600),
+          (30, 96, 50), (24, 1024, 20)]
 FLAGS = [dict(trans=t, transa=ta, accumulate=a, lower=lo) for t in (False, True) for ta in (False, True)
          for a in (False, True) for lo in (False, True)]
 

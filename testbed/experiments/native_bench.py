@@ -43,7 +43,7 @@ from refimpl import gdn, gemma
 from testbed import blas_reference, tables
 from testbed.backends.native.build import build_programs, target_for_abi
 from testbed.backends.native.device import NativeJob, run_native
-from testbed.backends.native.gdn import INPUTS as GDN_INPUTS
+from testbed.backends.native.gdn import INPUTS as GDN_INPUTS, auto_chunk
 from testbed.config import BoolList, Choice, Int, IntList, as_bools, as_list
 from testbed.errors import UsageError
 from testbed.measure import time_interleaved
@@ -70,7 +70,7 @@ PARAMS = {
     "ratios.gdn.head_size": Int(1, 1024),
     "ratios.gdn.tokens": IntList(1, 1 << 20),
     "ratios.gdn.kda": BoolList(),
-    "ratios.gdn.chunk": Int(1, 4096),
+    "ratios.gdn.chunk": Int(0, 4096),
     "ratios.ggml": Choice(("auto", True, False)),
     "ratios.torch": Choice(("auto", True, False)),
     "ratios.sgemm": Int(1, 8192),
@@ -91,6 +91,7 @@ TORCH_TARGETS = {512: 0.25, 4096: 0.2}
 # At threads > 1: the kernels' CPU time on N threads over one thread's (the same call), at most.
 THREADS_TARGET = 1.05
 ONE = " (1 thread)"  # the name of a variant's one-thread twin
+TORCH_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule at its own default chunk_size
 SGEMM_1 = "sgemm 1 thread"  # the reference on one thread, beside it at threads > 1 (the spinning rule)
 
 
@@ -312,6 +313,9 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
             if result.counts:
                 counts.setdefault(name, []).append(result.counts.per_call)
             what.setdefault(name, result.timings.get("gemm_isa", ""))
+            if result.timings.get("program") == "tb_gdn_bench" and result.timings.get("chunk") != chunk:
+                raise RuntimeError(f"{name}: the program ran chunk={result.timings.get('chunk')}, the FLOP count "
+                                   f"assumes {chunk} (testbed.backends.native.gdn.auto_chunk disagrees with the kernels)")
             return {"wall": result.timings["seconds"][0], "cpu": result.timings["cpu_seconds"][0]}
         return run
 
@@ -333,6 +337,7 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
             flops[name + ONE], references[name + ONE] = flops[name], references[name]
 
     g = r.gdn
+    chunk = g.chunk or auto_chunk(g.head_size)  # 0: the kernel's own choice for the head size
     ggml, ggml_note = ggml_program(cfg, ctx) if here else (None, "not this host")
     torch_ref, torch_note = torch_reference(cfg) if here else (None, "not this host")
     gdn_cases = [(t, kda) for t in sorted(set(as_list(g.tokens))) for kda in sorted(set(as_bools(g.kda)))]
@@ -345,17 +350,18 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
             [f"torch {case}"] if torch_ref and not kda else [])
         for name in names:
             references[name] = {"out": out, "state": state}
-            flops[name] = gdn.gdn_chunkwise_flops(1, tokens, g.heads, g.head_size, g.chunk, kda)
-        variants[names[0]] = program_run(names[0], programs / "tb_gdn_bench", inputs, ["out", "state"],
-                                         ["form=chunkwise", f"chunk={g.chunk}", "head_map=tiled"])
+            flops[name] = gdn.gdn_chunkwise_flops(1, tokens, g.heads, g.head_size, chunk if name == names[0]
+                                                  else TORCH_CHUNK, kda)
+        args = ["form=chunkwise", f"chunk={g.chunk or 'auto'}", "head_map=tiled"]
+        variants[names[0]] = program_run(names[0], programs / "tb_gdn_bench", inputs, ["out", "state"], args)
         if cfg.threads > 1 and not kda:
             variants[names[0] + ONE] = program_run(names[0] + ONE, programs / "tb_gdn_bench", inputs, ["out", "state"],
-                                                   ["form=chunkwise", f"chunk={g.chunk}", "head_map=tiled"], 1)
+                                                   args, 1)
             flops[names[0] + ONE], references[names[0] + ONE] = flops[names[0]], references[names[0]]
         if ggml:
             variants[f"ggml {case}"] = program_run(f"ggml {case}", ggml, inputs, ["out", "state"], [])
         if torch_ref and not kda:
-            variants[f"torch {case}"] = torch_run(f"torch {case}", torch_ref, x, g.chunk, cfg.threads, outputs)
+            variants[f"torch {case}"] = torch_run(f"torch {case}", torch_ref, x, TORCH_CHUNK, cfg.threads, outputs)
     # the matrix product itself, and on a device that counts the reference loop it must match
     m = rng.standard_normal((r.gemm, r.gemm)).astype(np.float32)
     zero = np.zeros_like(m)
@@ -477,7 +483,8 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
 
 def flop_count(name: str, blas: dict) -> str:
     if name.startswith(("gdn", "ggml", "torch")):
-        return "gdn_chunkwise_flops: the work the chunkwise form really does (the same count for every GDN variant)"
+        return ("gdn_chunkwise_flops: the work the chunkwise form really does (GDN chunkwise at its chunk, ggml and "
+                "torch at torch's chunk 64: a common yardstick; their ratios are of times)")
     if name in blas or name.startswith("gemm"):
         return "2 n^3"
     return "4 heads rows keys head_dim (q k^T and p v)"
