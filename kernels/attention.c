@@ -45,43 +45,83 @@ static void score_rows(const float *q, int n, const float *k, int l, int hd, flo
         for (int r = 0; r < n; r++) p[(size_t)r * l + j] = dot(q + (size_t)r * hd, k + (size_t)j * hd, hd);
 }
 
-/* Raw scores of one row -> softmax weights, in place. */
-static void softmax_row(const float *mask_row, int l, float scale, float *p) {
-    int j;
-    for (j = 0; j < l; j++) p[j] = p[j] * scale + mask_row[j];
-    float max = p[0];
-    for (j = 1; j < l; j++) max = p[j] > max ? p[j] : max;
-    for (j = 0; j < l; j++) p[j] -= max;
-    exp_n(p, p, l);
-    float sum = 0.0f;
-    for (j = 0; j < l; j++) sum += p[j];
-    for (j = 0; j < l; j++) p[j] /= sum;
+/* p[j] = p[j] * scale + m[j] (rounded twice) over n values; returns the largest (a max is exact: any
+ * order gives it). */
+static float scale_mask_max(float *p, const float *m, int n, float scale) {
+    const vf vs = vf_set1(scale);
+    vf vmax = vf_set1(-INFINITY);
+    int j = 0;
+    for (; j + VF_LANES <= n; j += VF_LANES) {
+        const vf x = vf_add(vf_mul(vf_load(p + j), vs), vf_load(m + j));
+        vf_store(p + j, x);
+        vmax = vf_max(vmax, x);
+    }
+    float t[VF_LANES], max = -INFINITY;
+    vf_store(t, vmax);
+    for (int i = 0; i < VF_LANES; i++) max = t[i] > max ? t[i] : max;
+    for (; j < n; j++) {
+        p[j] = p[j] * scale + m[j];
+        max = p[j] > max ? p[j] : max;
+    }
+    return max;
 }
 
-/* n query rows (n >= SCORES_BY_PRODUCT) against keys and values in blocks, online softmax.
- * Scratch: kt [hd][KEY_BLOCK], s [n][KEY_BLOCK], row_max and row_sum [n]. */
+/* p[j] = exp(p[j] - max) over n values; returns their sum: 8 lanes over the first n - n % 8, folded in
+ * vf_hsum's order, then the tail in order, the same on every target (a sequential sum would wait on
+ * each add: it cost as much as a third of the scores' product). */
+static float exp_sum(float *p, int n, float max) {
+    const vf vm = vf_set1(max);
+    vf acc = vf_zero();
+    int j = 0;
+    for (; j + VF_LANES <= n; j += VF_LANES) {
+        const vf x = vf_exp(vf_sub(vf_load(p + j), vm));
+        vf_store(p + j, x);
+        acc = vf_add(acc, x);
+    }
+    float sum = vf_hsum(acc);
+    for (; j < n; j++) {
+        p[j] = exp1(p[j] - max);
+        sum += p[j];
+    }
+    return sum;
+}
+
+/* Raw scores of one row -> softmax weights, in place. */
+static void softmax_row(const float *mask_row, int l, float scale, float *p) {
+    const float max = scale_mask_max(p, mask_row, l, scale);
+    const float sum = exp_sum(p, l, max);
+    for (int j = 0; j < l; j++) p[j] /= sum;
+}
+
+/* n query rows (n >= SCORES_BY_PRODUCT) against keys and values in blocks, online softmax. The
+ * scores are q k^T with the block's key rows as the transposed B (packed by transposition inside the
+ * product). Scratch: s [n][KEY_BLOCK], row_max and row_sum [n]. */
 static void attend_blocked(const attention_call *a, const float *q, int n, const float *k, const float *v,
-                           const float *mask, float *out, float *kt, float *s, float *row_max, float *row_sum) {
+                           const float *mask, float *out, float *s, float *row_max, float *row_sum) {
     const int l = a->l, hd = a->hd;
+    const size_t slice = ((size_t)KEY_BLOCK * hd + n - 1) / n; /* floats of the next K and V blocks per row */
     for (int r = 0; r < n; r++) row_max[r] = -INFINITY, row_sum[r] = 0.0f;
     for (int j0 = 0; j0 < l; j0 += KEY_BLOCK) {
         const int bl = l - j0 < KEY_BLOCK ? l - j0 : KEY_BLOCK;
-        for (int j = 0; j < bl; j++)
-            for (int i = 0; i < hd; i++) kt[(size_t)i * bl + j] = k[(size_t)(j0 + j) * hd + i];
-        gemm_nn(n, bl, hd, q, hd, kt, bl, s, bl, 0, 0);
+        gemm_nt(n, bl, hd, q, hd, k + (size_t)j0 * hd, hd, s, bl, 0, 0);
         for (int r = 0; r < n; r++) {
             float *sr = s + (size_t)r * bl, *o = out + (size_t)r * hd;
             const float *m = mask + (size_t)r * l + j0;
-            float block_max = -INFINITY;
-            for (int j = 0; j < bl; j++) {
-                sr[j] = sr[j] * a->scale + m[j];
-                block_max = sr[j] > block_max ? sr[j] : block_max;
+            if (j0 + KEY_BLOCK < l) { /* the next block's operands, a share per row, so that they stream in
+                                       * while this block computes: this row's mask (a row of the mask
+                                       * apart, too far for the hardware's prefetchers) and a slice of
+                                       * the next keys and values */
+                for (int b = 0; b < KEY_BLOCK && j0 + KEY_BLOCK + b < l; b += 64 / (int)sizeof(float))
+                    __builtin_prefetch(m + KEY_BLOCK + b, 0, 2);
+                const size_t next = (size_t)(j0 + KEY_BLOCK) * hd, end = (size_t)l * hd, share = (slice + 15) & ~(size_t)15;
+                for (size_t f = next + r * share; f < next + (r + 1) * share && f < end; f += 64 / sizeof(float)) {
+                    __builtin_prefetch(k + f, 0, 2);
+                    __builtin_prefetch(v + f, 0, 2);
+                }
             }
+            const float block_max = scale_mask_max(sr, m, bl, a->scale);
             const float new_max = block_max > row_max[r] ? block_max : row_max[r];
-            for (int j = 0; j < bl; j++) sr[j] -= new_max;
-            exp_n(sr, sr, bl);
-            float sum = 0.0f;
-            for (int j = 0; j < bl; j++) sum += sr[j];
+            const float sum = exp_sum(sr, bl, new_max);
             if (j0 > 0) { /* the earlier blocks' weights were taken against the old max */
                 float shift = row_max[r] - new_max;
                 exp_n(&shift, &shift, 1);
@@ -103,13 +143,10 @@ static int attention_items(void *arg, int begin, int end) {
     const int group = a->heads / a->kv_heads * a->c, parts = a->parts;
     const int most = (group + parts - 1) / parts;
     const int blocked = most >= SCORES_BY_PRODUCT;
-    /* blocked: scores of one key block, transposed keys, running max and sum; else all scores */
-    float *p = malloc(sizeof(float) * (blocked ? (size_t)most * KEY_BLOCK + 2 * (size_t)most : (size_t)most * a->l));
-    float *kt = blocked ? malloc(sizeof(float) * (size_t)a->hd * KEY_BLOCK) : NULL;
-    if (!p || (blocked && !kt)) {
-        free(p), free(kt);
-        return TB_E_MEMORY;
-    }
+    /* blocked: scores of one key block, running max and sum; else all scores */
+    /* the thread's kernel scratch (tb_gemm.h: kept between calls, so a call allocates nothing) */
+    float *p = tb_thread_scratch(TB_SCRATCH_KERNEL, blocked ? (size_t)most * KEY_BLOCK + 2 * (size_t)most : (size_t)most * a->l);
+    if (!p) return TB_E_MEMORY;
     for (int item = begin; item < end; item++) {
         const int kvh = item / parts, part = item % parts;
         const int r0 = kvh * group + (int)((long)group * part / parts);
@@ -118,15 +155,13 @@ static int attention_items(void *arg, int begin, int end) {
         const float *q = a->q + (size_t)r0 * a->hd;
         if (n >= SCORES_BY_PRODUCT) {
             float *s = p, *row_max = p + (size_t)most * KEY_BLOCK, *row_sum = row_max + most;
-            attend_blocked(a, q, n, k, v, a->mask + (size_t)r0 * a->l, a->out + (size_t)r0 * a->hd, kt, s, row_max,
-                           row_sum);
+            attend_blocked(a, q, n, k, v, a->mask + (size_t)r0 * a->l, a->out + (size_t)r0 * a->hd, s, row_max, row_sum);
             continue;
         }
         score_rows(q, n, k, a->l, a->hd, p);
         for (int r = 0; r < n; r++) softmax_row(a->mask + (size_t)(r0 + r) * a->l, a->l, a->scale, p + (size_t)r * a->l);
         gemm_nn(n, a->hd, a->l, p, a->l, v, a->hd, a->out + (size_t)r0 * a->hd, a->hd, 0, 0);
     }
-    free(p), free(kt);
     return TB_OK;
 }
 

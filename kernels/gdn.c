@@ -133,79 +133,94 @@ int tb_gdn_serial(const tb_gdn_shape *shape, const float *q, const float *k, con
 
 /* Scratch for one head's chunk of up to L tokens. */
 typedef struct {
-    float *S;              /* [d_k][d_v] working state (not transposed) */
+    float *S;              /* [d_k][d_v] the item's working state (not transposed) */
     const float *Q, *K, *V; /* the chunk's rows, read in place from the inputs: row t at t * ld */
     ptrdiff_t ldq, ldk, ldv;
     float *G;              /* [L] or [L][d]: cumulative log-decay inside the chunk */
-    float *Qin, *Kin;      /* [L][d] q, k decayed to the chunk start */
-    float *KoutT;          /* [d][L] k decayed to the chunk end, transposed */
-    float *A, *QK;         /* [L][L] -beta-weighted strictly lower k.k, and lower q.k, with decays */
-    float *R;              /* [L][d] right-hand sides, then the deltas v_new */
-    float *O;              /* [L][d] output rows */
-    float *X, *Kref;       /* KDA: [L][d] rows rescaled to a reference token */
+    float *Qin, *Kin;      /* [L][d] scale q and -beta k, decayed to the chunk start */
+    float *Kout;           /* [L][d] k decayed to the chunk end (the transposed A of the state update) */
+    float *A, *QK;         /* [L][L] -beta-weighted strictly lower k.k, and scale times lower q.k, with decays
+                            * (QK = A + L * L for the chunk's L) */
+    float *T;              /* [L][L] (I - A)^-1, unit lower triangular */
+    float *R;              /* [L][d] right-hand sides beta (v - k_in S) */
+    float *U;              /* [L][d] the deltas v_new = T R */
+    float *X, *Kref;       /* KDA: [L][d] q rows rescaled to a reference token; [d][L] keys carried to one,
+                            * then K_out^T */
     float *e;              /* [max(L, d)] one row of exponentials */
     float *beta;           /* [L] */
     int precision;         /* TB_PRECISION_* of the matrix products */
-    float *Ha, *Hb, *Hc;   /* reduced precision: the operands rounded to binary16, and a product apart */
+    float *Ha, *Hb;        /* reduced precision: the operands rounded to binary16, row-major */
+    float *extra;          /* what the caller asked for beyond the scratch */
 } chunk_scratch;
 
-static chunk_scratch *scratch_new(int L, int d, int kda, int precision) {
+/* The scratch, then `extra` floats (the range's states) at w->extra. */
+static chunk_scratch *scratch_new(int L, int d, int kda, int precision, size_t extra) {
     const size_t Ld = (size_t)L * d, LL = (size_t)L * L, dd = (size_t)d * d;
     const size_t e_len = (size_t)(L > d ? L : d);
-    /* the largest operand of a product: L x L, L x d or d x d */
-    const size_t big = LL > Ld ? (LL > dd ? LL : dd) : (Ld > dd ? Ld : dd);
-    const size_t reduced = precision == TB_PRECISION_F32 ? 0 : 3 * big;
-    const size_t floats = dd + (kda ? Ld : (size_t)L) + 3 * Ld + 2 * LL + 2 * Ld + (kda ? 2 * Ld : 0) + e_len + (size_t)L +
-                          reduced;
-    chunk_scratch *w = malloc(sizeof *w + sizeof(float) * floats);
+    /* the largest operand of a product: [K; Q] (2L x d), L x L or d x d */
+    const size_t big = 2 * Ld > LL ? (2 * Ld > dd ? 2 * Ld : dd) : (LL > dd ? LL : dd);
+    const size_t reduced = precision == TB_PRECISION_F32 ? 0 : 2 * big;
+    const size_t floats =
+        (kda ? Ld : (size_t)L) + 3 * Ld + 3 * LL + 2 * Ld + (kda ? 2 * Ld : 0) + e_len + (size_t)L + reduced;
+    /* the thread's kernel scratch (tb_gemm.h: kept between calls, so a call allocates nothing), the
+     * arrays after a header of whole cache lines */
+    const size_t head = (sizeof(chunk_scratch) + 63) & ~(size_t)63;
+    chunk_scratch *w = (chunk_scratch *)tb_thread_scratch(TB_SCRATCH_KERNEL, (head + sizeof(float) * (floats + extra)) / sizeof(float));
     if (!w) return NULL;
-    float *p = (float *)(w + 1);
-    w->S = p, p += dd;
+    float *p = (float *)((char *)w + head);
+    w->S = NULL; /* the item's own state slot, set per chunk */
     w->G = p, p += kda ? Ld : (size_t)L;
     w->Qin = p, p += Ld;
     w->Kin = p, p += Ld;
-    w->KoutT = p, p += Ld;
+    w->Kout = p, p += Ld;
     w->A = p, p += LL;
     w->QK = p, p += LL;
+    w->T = p, p += LL;
     w->R = p, p += Ld;
-    w->O = p, p += Ld;
+    w->U = p, p += Ld;
     w->X = kda ? p : NULL, p += kda ? Ld : 0;
     w->Kref = kda ? p : NULL, p += kda ? Ld : 0;
     w->e = p, p += e_len;
     w->beta = p, p += L;
     w->precision = precision;
-    w->Ha = reduced ? p : NULL, p += reduced ? big : 0;
-    w->Hb = reduced ? p : NULL, p += reduced ? big : 0;
-    w->Hc = reduced ? p : NULL;
+    w->Ha = reduced ? p : NULL, p += reduced / 2;
+    w->Hb = reduced ? p : NULL, p += reduced / 2;
+    w->extra = p;
     return w;
 }
 
-/* rows x cols of x (leading dimension ld) rounded to binary16, into out (leading dimension cols) */
-static void round_f16(int rows, int cols, const float *x, int ld, float *out) {
+/* rows x cols of op(x) (x itself, or x^T when `transposed`; leading dimension ld) rounded to
+ * binary16, into out (row-major, leading dimension cols) */
+static void round_f16(int rows, int cols, const float *x, int ld, int transposed, float *out) {
     for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) out[(size_t)r * cols + c] = tb_round_f16(x[(size_t)r * ld + c]);
+        for (int c = 0; c < cols; c++)
+            out[(size_t)r * cols + c] = tb_round_f16(transposed ? x[(size_t)c * ld + r] : x[(size_t)r * ld + c]);
 }
 
-/* One of the chunkwise form's matrix products, C (+)= A B, in the scratch's precision: float32 is
- * gemm_nn itself; fp16-acc32 the same on operands rounded to binary16 (a product of two binary16
- * numbers is exact in float32); fp16-acc16 a binary16 accumulator rounded after each multiply-add,
- * from zero, then added onto C in float32 when accumulating. */
-static void product(chunk_scratch *w, int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C,
-                    int ldc, int accumulate, int lower) {
+/* One of the chunkwise form's matrix products, C (+)= op(A) op(B), in the scratch's precision (a_t,
+ * b_t: the operand is given transposed). float32 is tb_gemm itself (gemm_nn / gemm_tn / gemm_nt);
+ * fp16-acc32 the same on operands rounded to binary16 (a product of two binary16 numbers is exact in
+ * float32); fp16-acc16 a binary16 accumulator rounded after each multiply-add, from zero, then added
+ * onto C in float32 when accumulating. The reduced forms model an NPU's matrix unit, for accuracy
+ * only: they are not fast. */
+static void product(chunk_scratch *w, int M, int N, int K, const float *A, int lda, int a_t, const float *B, int ldb,
+                    int b_t, float *C, int ldc, int accumulate, int lower) {
     if (w->precision == TB_PRECISION_F32) {
-        gemm_nn(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
+        if (a_t) gemm_tn(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
+        else if (b_t) gemm_nt(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
+        else gemm_nn(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
         return;
     }
-    round_f16(M, K, A, lda, w->Ha);
-    round_f16(K, N, B, ldb, w->Hb);
+    round_f16(M, K, A, lda, a_t, w->Ha);
+    round_f16(K, N, B, ldb, b_t, w->Hb);
     if (w->precision == TB_PRECISION_FP16_ACC32) {
         gemm_nn(M, N, K, w->Ha, K, w->Hb, N, C, ldc, accumulate, lower);
         return;
     }
     for (int i = 0; i < M; i++)
         for (int j = 0; j < N; j++) {
-            float acc = 0.0f;
-            for (int k = 0; k < K; k++) acc = tb_round_f16(acc + w->Ha[(size_t)i * K + k] * w->Hb[(size_t)k * N + j]);
+            float acc = 0.0f; /* lower: the terms past the diagonal are exact zeros, skipped */
+            for (int k = 0; k < (lower && i + 1 < K ? i + 1 : K); k++) acc = tb_round_f16(acc + w->Ha[(size_t)i * K + k] * w->Hb[(size_t)k * N + j]);
             C[(size_t)i * ldc + j] = accumulate ? C[(size_t)i * ldc + j] + acc : acc;
         }
 }
@@ -217,6 +232,30 @@ static void product(chunk_scratch *w, int M, int N, int K, const float *A, int l
  * block (times exp(G_m' - G_m)) and pairs inside a block from row to row (times exp(g_i)), so only
  * O(L d) exponentials are taken rather than one per pair and key index. */
 #define KDA_BLOCK 8
+
+/* e *= f; then *a = k_i . (k_j e) and *qk = q_i . (k_j e), each summed as dot() sums (8 lanes folded,
+ * then the tail in order), in one pass over the d channels. */
+static void pair_grams(const float *ki, const float *qi, const float *kj, float *e, const float *f, int d, float *a,
+                       float *qk) {
+    vf sa = vf_zero(), sq = vf_zero();
+    int c = 0;
+    for (; c + VF_LANES <= d; c += VF_LANES) {
+        const vf ec = vf_mul(vf_load(e + c), vf_load(f + c));
+        vf_store(e + c, ec);
+        const vf ke = vf_mul(vf_load(kj + c), ec);
+        sa = vf_madd(vf_load(ki + c), ke, sa);
+        sq = vf_madd(vf_load(qi + c), ke, sq);
+    }
+    float ra = vf_hsum(sa), rq = vf_hsum(sq);
+    for (; c < d; c++) {
+        e[c] *= f[c];
+        const float ke = kj[c] * e[c];
+        ra = madd1(ki[c], ke, ra);
+        rq = madd1(qi[c], ke, rq);
+    }
+    *a = ra, *qk = rq;
+}
+
 static void kda_grams(chunk_scratch *w, int L, int d) {
     float *Xq = w->X, *Xk = w->Qin; /* Qin is free until after the grams */
     float *KrT = w->Kref;           /* [d][L]: k_j exp(G_m - G_j) for j < m, transposed */
@@ -241,11 +280,15 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
             for (int c = 0; c < d; c++) eg[c] = Gm[c] - Gp[c];
             exp_n(eg, eg, d);
             for (int c = 0; c < d; c++) scale_n(KrT + (size_t)c * L, eg[c], prev);
+            float *fresh = w->R; /* [KDA_BLOCK][d], then written transposed: contiguous per channel */
             for (int j = prev; j < m; j++) {
-                for (int c = 0; c < d; c++) eg[c] = Gm[c] - w->G[(size_t)j * d + c];
-                exp_n(eg, eg, d);
-                for (int c = 0; c < d; c++) KrT[(size_t)c * L + j] = w->K[j * w->ldk + c] * eg[c];
+                float *f = fresh + (size_t)(j - prev) * d;
+                for (int c = 0; c < d; c++) f[c] = Gm[c] - w->G[(size_t)j * d + c];
+                exp_n(f, f, d);
+                for (int c = 0; c < d; c++) f[c] *= w->K[j * w->ldk + c];
             }
+            for (int c = 0; c < d; c++)
+                for (int j = prev; j < m; j++) KrT[(size_t)c * L + j] = fresh[(size_t)(j - prev) * d + c];
             gemm_nn(rows, m, d, Xk + (size_t)m * d, d, KrT, L, w->A + m * L, L, 0, 0);
             gemm_nn(rows, m, d, Xq + (size_t)m * d, d, KrT, L, w->QK + m * L, L, 0, 0);
         }
@@ -254,31 +297,61 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
                 for (int c = 0; c < d; c++) eg[c] = w->G[(size_t)i * d + c] - w->G[(size_t)(i - 1) * d + c];
                 exp_n(eg, eg, d);
             }
-            for (int j = m; j < i; j++) {
-                float *e = E + (size_t)(j - m) * d;
-                for (int c = 0; c < d; c++) e[c] *= eg[c];
-            }
+            const float *ki = w->K + i * w->ldk, *qi = w->Q + i * w->ldq;
+            for (int j = m; j < i; j++) /* E_j *= exp(g_i), then both products with k_j E_j, one pass */
+                pair_grams(ki, qi, w->K + j * w->ldk, E + (size_t)(j - m) * d, eg, d, &w->A[i * L + j],
+                           &w->QK[i * L + j]);
             for (int c = 0; c < d; c++) E[(size_t)(i - m) * d + c] = 1.0f;
-            for (int j = m; j <= i; j++) {
-                const float *e = E + (size_t)(j - m) * d, *kj = w->K + j * w->ldk;
-                float *ke = w->R; /* a free row */
-                for (int c = 0; c < d; c++) ke[c] = kj[c] * e[c];
-                w->A[i * L + j] = j < i ? dot(w->K + i * w->ldk, ke, d) : 0.0f;
-                w->QK[i * L + j] = dot(w->Q + i * w->ldq, ke, d);
-            }
+            w->A[i * L + i] = 0.0f;
+            w->QK[i * L + i] = dot(qi, ki, d); /* E_i = 1: k_i itself */
         }
     }
 }
 
-/* Scalar-gate gram matrices: K K^T and Q K^T as matrix products (the full square: at matrix-product
- * speed that beats half of it as dot products), then each row decayed by exp(G_i - G_j) and cut to
- * the strict lower (A) or lower (QK) triangle. KoutT is free until the chunk's end decays. */
+/* KDA's decays to the chunk start and end from the grams' own exponentials (no second pass of one
+ * exponential per token and channel): q and k decayed to the start are the grams' rows rescaled to
+ * their block's reference token m, times exp(G_m) (one exponential per block and channel):
+ *   Q_in = scale Xq exp(G_m), K_in = -beta Xk exp(G_m)
+ * and k decayed to the end, transposed, is the grams' carried k exp(G_m' - G_j) (m' the last block's
+ * reference) times exp(G_last - G_m'), the last block's own columns fresh. Every factor is <= 1. */
+static void kda_decays(chunk_scratch *w, int L, int d, float scale) {
+    float *Xq = w->X, *Xk = w->Qin, *KoutT = w->Kref, *em = w->e;
+    const float *Glast = w->G + (size_t)(L - 1) * d;
+    for (int m = 0; m < L; m += KDA_BLOCK) {
+        const int m_end = m + KDA_BLOCK < L ? m + KDA_BLOCK : L;
+        exp_n(em, w->G + (size_t)m * d, d);
+        for (int t = m; t < m_end; t++) {
+            const float *xq = Xq + (size_t)t * d, *xk = Xk + (size_t)t * d;
+            float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d; /* qin overwrites xk: read first */
+            const float kb = -w->beta[t];
+            for (int c = 0; c < d; c++) kin[c] = kb * xk[c] * em[c];
+            for (int c = 0; c < d; c++) qin[c] = scale * xq[c] * em[c];
+        }
+    }
+    const int last = (L - 1) / KDA_BLOCK * KDA_BLOCK; /* the last block's reference */
+    const float *Gl = w->G + (size_t)last * d;
+    for (int c = 0; c < d; c++) em[c] = Glast[c] - Gl[c];
+    exp_n(em, em, d);
+    for (int c = 0; c < d; c++) scale_n(KoutT + (size_t)c * L, em[c], last);
+    for (int j = last; j < L; j++) {
+        for (int c = 0; c < d; c++) em[c] = Glast[c] - w->G[(size_t)j * d + c];
+        exp_n(em, em, d);
+        for (int c = 0; c < d; c++) KoutT[(size_t)c * L + j] = w->K[j * w->ldk + c] * em[c];
+    }
+}
+
+/* Scalar-gate gram matrices: the chunk's k and q rows copied into one block [K; Q] (2L x d, the first
+ * touch of those rows), then [K; Q] K^T as ONE matrix product with the keys as the transposed B (packed
+ * once), giving A = K K^T and QK = Q K^T (w->A and w->QK are adjacent); the full squares: at
+ * matrix-product speed that beats half of them as dot products. Then each row decayed by
+ * exp(G_i - G_j) and cut to the strict lower (A) or lower (QK) triangle. */
 static void scalar_grams(chunk_scratch *w, int L, int d) {
-    float *KT = w->KoutT, *decay = w->e;
-    for (int t = 0; t < L; t++)
-        for (int i = 0; i < d; i++) KT[(size_t)i * L + t] = w->K[t * w->ldk + i];
-    product(w, L, L, d, w->K, (int)w->ldk, KT, L, w->A, L, 0, 0);
-    product(w, L, L, d, w->Q, (int)w->ldq, KT, L, w->QK, L, 0, 0);
+    float *decay = w->e, *KQ = w->Kin; /* [2L][d]: Kin and Kout are free until the decays below */
+    for (int t = 0; t < L; t++) {
+        memcpy(KQ + (size_t)t * d, w->K + t * w->ldk, sizeof(float) * (size_t)d);
+        memcpy(KQ + (size_t)(L + t) * d, w->Q + t * w->ldq, sizeof(float) * (size_t)d);
+    }
+    product(w, 2 * L, L, d, KQ, d, 0, KQ, d, 1, w->A, L, 0, 0);
     for (int i = 0; i < L; i++) {
         float *a = w->A + i * L, *qk = w->QK + i * L;
         for (int j = 0; j <= i; j++) decay[j] = w->G[i] - w->G[j];
@@ -290,7 +363,36 @@ static void scalar_grams(chunk_scratch *w, int L, int d) {
     }
 }
 
-/* One chunk of L tokens from t0 for (seq, head); w->S holds the state on entry and on exit. */
+/* T = (I - A)^-1 for a strictly lower A: row i of T is e_i + sum over j < i of A[i][j] T[j] (rows of T
+ * are zero right of their diagonal), each element's terms added in ascending j (the same order on
+ * every target): rows in blocks of 8, the terms of the rows solved before the block as one product
+ * (a chain over j in order), then the block's own rows in order. L^3 / 6 multiply-adds: the UT
+ * transform's triangular solves done once on the L x L matrix, so that the chunk's deltas are ONE
+ * lower-triangular matrix product (T R) instead of L small solves against d-wide rows. */
+#define INVERT_BLOCK 8
+static void invert_unit_lower(const float *A, float *T, int L) {
+    for (int i0 = 0; i0 < L; i0 += INVERT_BLOCK) {
+        const int rows = L - i0 < INVERT_BLOCK ? L - i0 : INVERT_BLOCK;
+        const int width = i0 + rows; /* the block's rows are zero from here on */
+        if (i0) gemm_nn(rows, width, i0, A + (size_t)i0 * L, L, T, L, T + (size_t)i0 * L, L, 0, 0);
+        else
+            for (int i = 0; i < rows; i++) memset(T + (size_t)i * L, 0, sizeof(float) * (size_t)width);
+        for (int i = i0; i < i0 + rows; i++) {
+            float *t = T + (size_t)i * L;
+            for (int j = i0; j < i; j++) axpy(A[(size_t)i * L + j], T + (size_t)j * L, t, width);
+            t[i] = 1.0f;
+            for (int k = width; k < L; k++) t[k] = 0.0f;
+        }
+    }
+}
+
+/* One chunk of L tokens from t0 for (seq, head); w->S holds the state on entry and on exit.
+ *   grams    A = -beta (K K^T) o decay (strict lower), QK = scale (Q K^T) o decay (lower)
+ *   T        (I - A)^-1 (unit lower), by rows
+ *   R        beta V - beta K_in S          (K_in: k decayed to the chunk start; one product into beta V)
+ *   U        T R                          (v_new, the chunk's deltas; one lower-triangular product)
+ *   out      Q_in S + QK U                (Q_in: scale q decayed to the start; written in place)
+ *   S        exp(G_last) S + K_out^T U    (K_out: k decayed to the chunk end, its rows as A^T) */
 static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int t0, int L) {
     const tb_gdn_shape *s = c->shape;
     const int d = s->d, H = s->h_v, T = s->tokens, hk = key_head(s, h), kda = s->kda;
@@ -299,6 +401,9 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     w->Q = row_of(c->q, s->q_stride, seq, t0, hk), w->ldq = s->q_stride[1];
     w->K = row_of(c->k, s->k_stride, seq, t0, hk), w->ldk = s->k_stride[1];
     w->V = row_of(c->v, s->v_stride, seq, t0, h), w->ldv = s->v_stride[1];
+    float *out = c->out + (((size_t)seq * T + t0) * H + h) * d;
+    const int ldo = H * d;
+    w->QK = w->A + (size_t)L * L; /* right after A at this chunk's L: the grams are one product */
     for (int t = 0; t < L; t++) {
         const size_t tok = ((size_t)seq * T + t0 + t) * H + h;
         w->beta[t] = c->beta[tok];
@@ -319,51 +424,36 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     } else {
         scalar_grams(w, L, d);
     }
-    for (int i = 0; i < L; i++) scale_n(w->A + i * L, -w->beta[i], i); /* A holds -beta k.k */
-
-    /* q and k decayed to the chunk start; k decayed to the chunk end, transposed for K_out^T V */
-    for (int t = 0; t < L; t++) {
-        const float *qt = w->Q + t * w->ldq, *kt = w->K + t * w->ldk;
-        float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d;
-        if (kda) {
-            exp_n(w->e, w->G + (size_t)t * d, d);
-            for (int i = 0; i < d; i++) qin[i] = qt[i] * w->e[i], kin[i] = kt[i] * w->e[i];
-            for (int i = 0; i < d; i++) w->e[i] = w->G[(size_t)(L - 1) * d + i] - w->G[(size_t)t * d + i];
-            exp_n(w->e, w->e, d);
-            for (int i = 0; i < d; i++) w->KoutT[(size_t)i * L + t] = kt[i] * w->e[i];
-        } else {
-            const float to_start = exp1(w->G[t]), to_end = exp1(w->G[L - 1] - w->G[t]);
-            for (int i = 0; i < d; i++) qin[i] = qt[i] * to_start, kin[i] = kt[i] * to_start;
-            for (int i = 0; i < d; i++) w->KoutT[(size_t)i * L + t] = kt[i] * to_end;
-        }
+    for (int i = 0; i < L; i++) {
+        scale_n(w->A + i * L, -w->beta[i], i); /* A holds -beta k.k */
+        scale_n(w->QK + i * L, scale, i + 1);
     }
+    invert_unit_lower(w->A, w->T, L);
 
-    /* R = beta (V - K_in S); then v_new = (I + beta kk)^-1 R by forward substitution (A = -beta kk) */
-    product(w, L, d, d, w->Kin, d, w->S, d, w->R, d, 0, 0);
+    /* q (times scale) and k (times -beta) decayed to the chunk start; k decayed to the chunk end; R = beta v */
+    if (kda) kda_decays(w, L, d, scale);
     for (int t = 0; t < L; t++) {
+        const float *qt = w->Q + t * w->ldq, *kt = w->K + t * w->ldk, *vt = w->V + t * w->ldv;
+        float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d, *kout = w->Kout + (size_t)t * d;
         float *r = w->R + (size_t)t * d;
-        const float *vt = w->V + t * w->ldv;
-        for (int i = 0; i < d; i++) r[i] = w->beta[t] * (vt[i] - r[i]);
-    }
-    for (int i0 = 0; i0 < L; i0 += 4) {
-        /* rows i0..i0+3: first everything from the rows solved before the block, as one product
-         * (the same sum, in the same order, as row-by-row substitution), then the block's triangle */
-        const int rows = L - i0 < 4 ? L - i0 : 4;
-        gemm_nn(rows, d, i0, w->A + i0 * L, L, w->R, d, w->R + (size_t)i0 * d, d, 1, 0);
-        for (int i = i0 + 1; i < i0 + rows; i++)
-            for (int j = i0; j < i; j++) axpy(w->A[i * L + j], w->R + (size_t)j * d, w->R + (size_t)i * d, d);
+        const float b = w->beta[t];
+        if (!kda) {
+            const float to_start = exp1(w->G[t]), to_end = exp1(w->G[L - 1] - w->G[t]);
+            const float qs = scale * to_start, ks = -b * to_start;
+            for (int i = 0; i < d; i++) qin[i] = qt[i] * qs, kin[i] = kt[i] * ks, kout[i] = kt[i] * to_end;
+        }
+        for (int i = 0; i < d; i++) r[i] = b * vt[i];
     }
 
-    /* out = scale (Q_in S + tril(QK) v_new) */
-    product(w, L, d, d, w->Qin, d, w->S, d, w->O, d, 0, 0);
-    product(w, L, d, L, w->QK, L, w->R, d, w->O, d, 1, 1);
-    for (int t = 0; t < L; t++) {
-        float *ot = c->out + (((size_t)seq * T + t0 + t) * H + h) * d;
-        const float *o = w->O + (size_t)t * d;
-        for (int i = 0; i < d; i++) ot[i] = scale * o[i];
-    }
+    /* R = beta v - beta k_in S; U = T R */
+    product(w, L, d, d, w->Kin, d, 0, w->S, d, 0, w->R, d, 1, 0);
+    gemm_nn(L, d, L, w->T, L, w->R, d, w->U, d, 0, 1); /* the forward substitution's part: float32 always */
 
-    /* S = diag(exp(G_last)) S + K_out^T v_new */
+    /* out = Q_in S + QK U, into the output rows */
+    product(w, L, d, d, w->Qin, d, 0, w->S, d, 0, out, ldo, 0, 0);
+    product(w, L, d, L, w->QK, L, 0, w->U, d, 0, out, ldo, 1, 1);
+
+    /* S = diag(exp(G_last)) S + K_out^T U */
     if (kda) {
         exp_n(w->e, w->G + (size_t)(L - 1) * d, d);
         for (int i = 0; i < d; i++) scale_n(w->S + (size_t)i * d, w->e[i], d);
@@ -371,35 +461,55 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
         const float last = exp1(w->G[L - 1]);
         for (int i = 0; i < d; i++) scale_n(w->S + (size_t)i * d, last, d);
     }
-    product(w, d, d, L, w->KoutT, L, w->R, d, w->S, d, 1, 0);
+    if (kda) gemm_nn(d, d, L, w->Kref, L, w->U, d, w->S, d, 1, 0); /* K_out^T, from the grams' factors */
+    else product(w, d, d, L, w->Kout, d, 1, w->U, d, 0, w->S, d, 1, 0);
 }
 
+/* A range of (seq, head) items, chunk by chunk: every item's first chunk, then every item's second,
+ * and so on, each item's state kept in its own d x d slot (in L2: 64 KiB per head at d = 128). The
+ * heads of one token are adjacent in memory ([T, H, d] rows), so a chunk's rows of consecutive heads
+ * are read (and its output rows written) side by side, which the hardware prefetchers follow; head
+ * by head, the rows of one head are a whole token row apart and every line would be fetched from
+ * memory for 1/H of its use. */
 static int chunkwise_heads(void *arg, int begin, int end) {
     const gdn_call *c = arg;
     const tb_gdn_shape *s = c->shape;
-    const int d = s->d, T = s->tokens, H = s->h_v;
+    const int d = s->d, T = s->tokens, H = s->h_v, n = end - begin;
     const int L = c->chunk < T ? c->chunk : T;
-    chunk_scratch *w = scratch_new(L, d, s->kda, c->precision);
+    chunk_scratch *w = scratch_new(L, d, s->kda, c->precision, (size_t)n * d * d);
     if (!w) return TB_E_MEMORY;
+    float *states = w->extra;
     for (int item = begin; item < end; item++) {
-        const int seq = item / H, h = item % H;
         const float *m_in = c->state_in + (size_t)item * d * d;
+        float *S = states + (size_t)(item - begin) * d * d;
         for (int i = 0; i < d; i++)
-            for (int j = 0; j < d; j++) w->S[(size_t)i * d + j] = m_in[(size_t)j * d + i];
-        for (int t0 = 0; t0 < T; t0 += L) chunk_step(w, c, seq, h, t0, T - t0 < L ? T - t0 : L);
+            for (int j = 0; j < d; j++) S[(size_t)i * d + j] = m_in[(size_t)j * d + i];
+    }
+    for (int t0 = 0; t0 < T; t0 += L)
+        for (int item = begin; item < end; item++) {
+            w->S = states + (size_t)(item - begin) * d * d;
+            chunk_step(w, c, item / H, item % H, t0, T - t0 < L ? T - t0 : L);
+        }
+    for (int item = begin; item < end; item++) {
+        const float *S = states + (size_t)(item - begin) * d * d;
         float *m_out = c->state_out + (size_t)item * d * d;
         for (int j = 0; j < d; j++)
-            for (int i = 0; i < d; i++) m_out[(size_t)j * d + i] = w->S[(size_t)i * d + j];
+            for (int i = 0; i < d; i++) m_out[(size_t)j * d + i] = S[(size_t)i * d + j];
     }
-    free(w);
     return TB_OK;
 }
+
+/* Chunk sizes measured on an AVX-512 host (T 512, 16 heads; FUSED=1; docs in kernels/README.md): the
+ * fastest of 8..128 was 8 or 16 (within 4%) at head size 64, 32 at 128 and 256 (with the state read
+ * in place by the products of at most 32 rows, tb_gemm's rule). */
+int tb_gdn_auto_chunk(int d) { return d <= 64 ? 16 : 32; }
 
 int tb_gdn_chunkwise_precision(const tb_gdn_shape *shape, const float *q, const float *k, const float *v,
                                const float *g, const float *beta, const float *state_in, float *out,
                                float *state_out, int chunk, int precision, int threads) {
     int rc = check_shape(shape);
     if (rc) return rc;
+    if (chunk == TB_GDN_CHUNK_AUTO) chunk = tb_gdn_auto_chunk(shape->d);
     if (chunk <= 0 || precision < TB_PRECISION_F32 || precision > TB_PRECISION_FP16_ACC16 ||
         (precision != TB_PRECISION_F32 && shape->kda))
         return TB_E_SHAPE;

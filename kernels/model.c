@@ -167,11 +167,13 @@ static const float *weight_row(const tb_matrix *w, int row, float *scratch) {
     return scratch;
 }
 
-/* Output columns in blocks: a block of weight rows is dequantised and transposed once into [in, block]
- * and multiplied with all the input rows by the tb_linalg micro-kernel (each output one chain over
- * the input index in order, whatever the number of rows). Fewer than DOT_ROWS input rows (a decode
- * step, the LM head) stream the weight rows once instead, four at a time through dot4 (a decode step
- * is bound by reading the weights: no transposition, no copy of an f32 row). */
+/* Output columns in blocks of OUT_BLOCK (the unit of the threads' static partition): a thread's
+ * columns are ONE tb_gemm whose B is w^T read from the weight rows as they are (f32: a transposed B,
+ * packed by transposition inside the product; f16 / int8: dequantised panel by panel as they are
+ * packed), every output one chain over the input index in order, whatever the number of rows. Fewer
+ * than DOT_ROWS input rows (a decode step, the LM head) stream the weight rows once instead, eight at
+ * a time through dot8 (a decode step is bound by reading the weights: no packing, no copy of an f32
+ * row). */
 #define OUT_BLOCK 64
 #define DOT_ROWS 4
 
@@ -226,30 +228,59 @@ static void dot_block(const matmul_call *c, int o0, int nb, float *scratch) {
     }
 }
 
-static void gemm_block(const matmul_call *c, int o0, int nb, float *scratch, float *bt) {
-    const int in = c->w->cols, out = c->w->rows;
-    for (int j = 0; j < nb; j++) {
-        const float *wr = weight_row(c->w, o0 + j, scratch);
-        for (int i = 0; i < in; i++) bt[(size_t)i * nb + j] = wr[i];
+/* The weight rows from o0 on, as the B = w^T of one product. */
+typedef struct {
+    const tb_matrix *w;
+    int o0;
+} weights_view;
+
+/* tb_gemm_b.rows for f16 / int8 weights: columns n0.. of w^T (weight rows o0 + n0..) over inputs
+ * k0..k0+kc-1 as float32 rows, exactly as weight_row dequantises them. */
+static void dequantised_rows(const tb_gemm_b *b, int n0, int nc, int k0, int kc, float *dst) {
+    const weights_view *view = b->ctx;
+    const tb_matrix *w = view->w;
+    n0 += view->o0;
+    for (int j = 0; j < nc; j++) {
+        const size_t at = (size_t)(n0 + j) * w->cols;
+        float *d = dst + (size_t)j * kc;
+        if (w->dtype == TB_F16) {
+            f16_row(kc, (const uint16_t *)w->data + at + k0, d);
+            continue;
+        }
+        const int8_t *q = (const int8_t *)w->data + at;
+        const float *scales = w->scales + (size_t)(n0 + j) * (w->cols / w->group);
+        for (int k = k0; k < k0 + kc;) {
+            const int g = k / w->group, end = (g + 1) * w->group < k0 + kc ? (g + 1) * w->group : k0 + kc;
+            const float sc = scales[g];
+            for (; k < end; k++) d[k - k0] = (float)q[k] * sc;
+        }
     }
-    gemm_nn(c->rows, nb, in, c->x, in, bt, nb, c->y + o0, out, 0, 0);
+}
+
+static void gemm_block(const matmul_call *c, int o0, int nb) {
+    const int in = c->w->cols, out = c->w->rows;
+    const weights_view view = {c->w, o0};
+    tb_gemm_b b = {NULL, 1, in, NULL, &view};
+    if (c->w->dtype == TB_F32) b.p = (const float *)c->w->data + (size_t)o0 * in;
+    else b.rows = dequantised_rows;
+    tb_gemm(c->rows, nb, in, c->x, in, &b, c->y + o0, out, 0, 0);
 }
 
 static int matmul_blocks(void *arg, int begin, int end) {
     const matmul_call *c = arg;
     const int in = c->w->cols, out = c->w->rows, by_dot = c->rows < DOT_ROWS;
+    const int o0 = begin * OUT_BLOCK, o1 = end * OUT_BLOCK < out ? end * OUT_BLOCK : out;
+    if (!by_dot) {
+        gemm_block(c, o0, o1 - o0);
+        return TB_OK;
+    }
     float *scratch = malloc(sizeof(float) * 8 * in);
-    float *bt = by_dot ? NULL : malloc(sizeof(float) * (size_t)in * OUT_BLOCK);
-    if (!scratch || (!by_dot && !bt)) {
-        free(scratch), free(bt);
-        return TB_E_MEMORY;
-    }
+    if (!scratch) return TB_E_MEMORY;
     for (int b = begin; b < end; b++) {
-        const int o0 = b * OUT_BLOCK, nb = out - o0 < OUT_BLOCK ? out - o0 : OUT_BLOCK;
-        if (by_dot) dot_block(c, o0, nb, scratch);
-        else gemm_block(c, o0, nb, scratch, bt);
+        const int b0 = b * OUT_BLOCK, nb = out - b0 < OUT_BLOCK ? out - b0 : OUT_BLOCK;
+        dot_block(c, b0, nb, scratch);
     }
-    free(scratch), free(bt);
+    free(scratch);
     return TB_OK;
 }
 

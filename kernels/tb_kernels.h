@@ -48,7 +48,10 @@ int tb_gdn_serial(const tb_gdn_shape *shape, const float *q, const float *k, con
                   const float *g, const float *beta, const float *state_in,
                   float *out, float *state_out, int threads);
 
-/* The chunkwise form: ceil(T / chunk) steps of `chunk` tokens, the last one possibly shorter. */
+/* The chunkwise form: ceil(T / chunk) steps of `chunk` tokens, the last one possibly shorter;
+ * chunk = TB_GDN_CHUNK_AUTO: tb_gdn_auto_chunk(d), the size measured fastest for the head size. */
+#define TB_GDN_CHUNK_AUTO 0
+int tb_gdn_auto_chunk(int d);
 int tb_gdn_chunkwise(const tb_gdn_shape *shape, const float *q, const float *k, const float *v,
                      const float *g, const float *beta, const float *state_in,
                      float *out, float *state_out, int chunk, int threads);
@@ -101,10 +104,14 @@ int tb_cache_snapshot(const tb_sliding_cache *cache, int n_real, int n_pad, uint
  * byte-identical to an append of the n_real rows alone. */
 int tb_cache_rollback(tb_sliding_cache *cache, int n_pad, const uint8_t *saved, int n_saved);
 
-/* What the library was built from and for: the sha256 of the kernel sources (hex) and the vector
- * path ("avx2-fma", "neon", "neon-fma", "scalar"). */
+/* What the library was built from and for: the sha256 of the kernel sources (hex), the vector path
+ * of the element-wise code, fixed at build time ("sse2", "avx2", "avx2-fma", "neon", "neon-fma",
+ * "scalar"), and the matrix products' micro-kernel, chosen at run time by CPUID on x86-64 or
+ * forced by TB_ISA=avx512|avx2|neon|scalar ("avx512-fma", "avx512", "avx2-fma", "avx2", "neon",
+ * "neon-fma", "portable", "portable-fma"; see kernels/tb_gemm.h). */
 const char *tb_source_hash(void);
 const char *tb_vector_path(void);
+const char *tb_gemm_isa(void);
 
 /* Worker threads the library has started (a pool created on the first call that asks for more than
  * one thread and kept for the process's life; see tb_parallel.h): 0 before that. */

@@ -1,12 +1,15 @@
-/* An 8-lane float vector `vf` over AVX2 (x86-64), NEON (two quads, arm32 and aarch64) or plain C,
- * chosen at build time. Internal to the kernels.
+/* An 8-lane float vector `vf` over AVX2 (x86-64 built with -mavx2), SSE2 (two quads: the baseline
+ * x86-64 host library), NEON (two quads, arm32 and aarch64) or plain C, chosen at build time.
+ * Internal to the kernels. (The matrix products have their own micro-kernels: tb_gemm.h.)
  *
  * Why 8 lanes everywhere: a reduction then sums the same elements in the same order on every
  * target (lane l holds elements l, l+8, l+16, ...; lanes are folded in one fixed tree). With
  * multiply-add unfused (TB_FUSED=0, and -ffp-contract=off so the compiler fuses nothing either),
- * the scalar, AVX2 and NEON builds then produce the same bits: an ARM build run under qemu can be
- * compared byte for byte with a host build. TB_FUSED=1 (the default where the hardware has FMA)
- * is faster and rounds once per multiply-add, so results differ by ulps.
+ * the scalar, SSE2, AVX2 and NEON builds then produce the same bits: an ARM build run under qemu can
+ * be compared byte for byte with a host build. TB_FUSED=1 (the default where the build has FMA) is
+ * faster and rounds once per multiply-add, so results differ by ulps. A translation unit fuses
+ * (TB_MADD_FUSED) when the build asks for it AND the instruction set it is compiled for has a fused
+ * multiply-add (SSE2 has none: there the element-wise code stays unfused).
  */
 #ifndef TB_SIMD_H
 #define TB_SIMD_H
@@ -21,6 +24,9 @@
 #elif defined(__ARM_NEON) || defined(__ARM_NEON__)
 #define TB_NEON 1
 #include <arm_neon.h>
+#elif defined(__SSE2__)
+#define TB_SSE2 1
+#include <emmintrin.h>
 #endif
 
 #ifndef TB_FUSED
@@ -31,11 +37,18 @@
 #endif
 #endif
 
+#if TB_FUSED && !defined(TB_SSE2) && \
+    (defined(__FMA__) || defined(__ARM_FEATURE_FMA) || !(defined(TB_AVX2) || defined(TB_NEON)))
+#define TB_MADD_FUSED 1
+#else
+#define TB_MADD_FUSED 0
+#endif
+
 #define VF_LANES 8
 
 /* a * b + c for one float, rounded like the vector path. */
 static inline float madd1(float a, float b, float c) {
-#if TB_FUSED
+#if TB_MADD_FUSED
     return fmaf(a, b, c);
 #else
     return a * b + c;
@@ -53,7 +66,7 @@ static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
 static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline vf vf_madd(vf a, vf b, vf c) {
-#if TB_FUSED
+#if TB_MADD_FUSED
     return _mm256_fmadd_ps(a, b, c);
 #else
     return _mm256_add_ps(_mm256_mul_ps(a, b), c);
@@ -68,11 +81,7 @@ static inline vf vf_pow2i(vf n) {
     __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
     return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
 }
-#if defined(__AVX512F__)
-#define TB_VECTOR_NAME (TB_FUSED ? "avx2-fma+avx512-gemm" : "avx2+avx512-gemm")
-#else
-#define TB_VECTOR_NAME (TB_FUSED ? "avx2-fma" : "avx2")
-#endif
+#define TB_VECTOR_NAME (TB_MADD_FUSED ? "avx2-fma" : "avx2")
 
 #elif defined(TB_NEON)
 typedef struct { float32x4_t lo, hi; } vf;
@@ -85,7 +94,7 @@ static inline vf vf_mul(vf a, vf b) { vf r = {vmulq_f32(a.lo, b.lo), vmulq_f32(a
 static inline vf vf_min(vf a, vf b) { vf r = {vminq_f32(a.lo, b.lo), vminq_f32(a.hi, b.hi)}; return r; }
 static inline vf vf_max(vf a, vf b) { vf r = {vmaxq_f32(a.lo, b.lo), vmaxq_f32(a.hi, b.hi)}; return r; }
 static inline vf vf_madd(vf a, vf b, vf c) {
-#if TB_FUSED
+#if TB_MADD_FUSED
     vf r = {vfmaq_f32(c.lo, a.lo, b.lo), vfmaq_f32(c.hi, a.hi, b.hi)};
 #else
     vf r = {vaddq_f32(vmulq_f32(a.lo, b.lo), c.lo), vaddq_f32(vmulq_f32(a.hi, b.hi), c.hi)};
@@ -102,7 +111,31 @@ static inline float32x4_t pow2i_q(float32x4_t n) {
     return vreinterpretq_f32_s32(vshlq_n_s32(e, 23));
 }
 static inline vf vf_pow2i(vf n) { vf r = {pow2i_q(n.lo), pow2i_q(n.hi)}; return r; }
-#define TB_VECTOR_NAME (TB_FUSED ? "neon-fma" : "neon")
+#define TB_VECTOR_NAME (TB_MADD_FUSED ? "neon-fma" : "neon")
+
+#elif defined(TB_SSE2)
+typedef struct { __m128 lo, hi; } vf;
+static inline vf vf_load(const float *p) { vf r = {_mm_loadu_ps(p), _mm_loadu_ps(p + 4)}; return r; }
+static inline void vf_store(float *p, vf a) { _mm_storeu_ps(p, a.lo); _mm_storeu_ps(p + 4, a.hi); }
+static inline vf vf_set1(float x) { vf r = {_mm_set1_ps(x), _mm_set1_ps(x)}; return r; }
+static inline vf vf_add(vf a, vf b) { vf r = {_mm_add_ps(a.lo, b.lo), _mm_add_ps(a.hi, b.hi)}; return r; }
+static inline vf vf_sub(vf a, vf b) { vf r = {_mm_sub_ps(a.lo, b.lo), _mm_sub_ps(a.hi, b.hi)}; return r; }
+static inline vf vf_mul(vf a, vf b) { vf r = {_mm_mul_ps(a.lo, b.lo), _mm_mul_ps(a.hi, b.hi)}; return r; }
+static inline vf vf_min(vf a, vf b) { vf r = {_mm_min_ps(a.lo, b.lo), _mm_min_ps(a.hi, b.hi)}; return r; }
+static inline vf vf_max(vf a, vf b) { vf r = {_mm_max_ps(a.lo, b.lo), _mm_max_ps(a.hi, b.hi)}; return r; }
+static inline vf vf_madd(vf a, vf b, vf c) { /* no FMA in SSE2: always unfused (TB_MADD_FUSED is 0) */
+    vf r = {_mm_add_ps(_mm_mul_ps(a.lo, b.lo), c.lo), _mm_add_ps(_mm_mul_ps(a.hi, b.hi), c.hi)};
+    return r;
+}
+static inline vf vf_zero_below(vf x, vf test, vf lo) {
+    vf r = {_mm_and_ps(x.lo, _mm_cmpge_ps(test.lo, lo.lo)), _mm_and_ps(x.hi, _mm_cmpge_ps(test.hi, lo.hi))};
+    return r;
+}
+static inline __m128 pow2i_sse(__m128 n) {
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_add_epi32(_mm_cvtps_epi32(n), _mm_set1_epi32(127)), 23));
+}
+static inline vf vf_pow2i(vf n) { vf r = {pow2i_sse(n.lo), pow2i_sse(n.hi)}; return r; }
+#define TB_VECTOR_NAME "sse2"
 
 #else
 typedef struct { float x[VF_LANES]; } vf;

@@ -398,6 +398,21 @@ class IntList:
             Int(self.lo, self.hi).check(key, item)
 
 
+@dataclass(frozen=True)
+class BoolList:
+    """A list of booleans (e.g. ratios.gdn.kda=[false,true]), or one boolean."""
+
+    def check(self, key: str, value: Any) -> None:
+        items = list(value) if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) else [value]
+        if not items or not all(isinstance(item, bool) for item in items):
+            raise UsageError(f"{key}={value!r} is not accepted; accepted: true, false or a list of them")
+
+
+def as_bools(value) -> list[bool]:
+    """A BoolList parameter given as a list or as one value."""
+    return [bool(v) for v in value] if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) else [bool(value)]
+
+
 def as_list(value) -> list[int]:
     """An IntList parameter given as a list or, from a sweep, as one value."""
     return [int(v) for v in value] if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) else [int(value)]

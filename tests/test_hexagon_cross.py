@@ -219,9 +219,8 @@ def build_rope_tables(name, source=ROPE_SOURCE):
     import subprocess
 
     target, toolchain = BUILDS.get(name, (name, None))
-    sources = [source] + [kernel_build.KERNELS_DIR / f for f in
-                          ("gdn.c", "attention.c", "sliding_cache.c", "tb_parallel.c", "model_cache.c",
-                           "model_prefill.c")]
+    # the library's sources but model.c, which the test program includes
+    sources = [source] + [p for p in kernel_build.library_sources() if p.suffix == ".c" and p.name != "model.c"]
     flags = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-math-errno", "-DTB_FUSED=0", '-DTB_SOURCE_HASH="rope"',
              f"-I{kernel_build.KERNELS_DIR}", "-static", "-pthread"]
     cc = ["cc"]

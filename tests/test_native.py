@@ -23,8 +23,8 @@ from testbed.tail_oracles import check_padded_rollback, grid
 def test_library_says_what_it_was_built_from():
     info = native.build_info()
     assert info["kernels_source_hash"] == kernel_build.source_hash()
-    assert info["vector_path"] in ("avx2-fma", "avx2", "avx2-fma+avx512-gemm", "avx2+avx512-gemm", "neon-fma", "neon",
-                                   "scalar")
+    assert info["vector_path"] in ("sse2", "avx2-fma", "avx2", "neon-fma", "neon", "scalar")
+    assert info["gemm_isa"] in ("avx512-fma", "avx2-fma", "neon-fma", "neon", "portable", "portable-fma")
 
 
 def test_stale_library_names_the_rebuild(monkeypatch):
@@ -56,6 +56,7 @@ def test_missing_library_names_the_rebuild(monkeypatch):
 X86 = pytest.mark.skipif(len(kernel_build.library_variants()) == 1, reason="one library variant off x86-64")
 # registers no instruction below the level names: AVX-512 is the only user of zmm and k, AVX the only of ymm
 ABOVE = {"": re.compile(r"%[yz]mm\d|%k[1-7]\b"), "_avx2": re.compile(r"%zmm\d|%k[1-7]\b"), "_avx512": None}
+GEMM_KERNEL = {"": "portable", "_avx2": "avx2-fma", "_avx512": "avx512-fma"}
 
 
 def variant_path(variant) -> Path:
@@ -96,6 +97,8 @@ def test_every_variant_the_cpu_runs_matches_the_reference(variant):
     out, state = native.gdn_chunkwise(*x.arrays(), chunk=16, lib=lib)
     verdict = check_nmse(reference64(x, "tiled"), {"out": out, "state": state})
     assert verdict.passed, f"{variant.suffix or 'baseline'} ({lib.tb_vector_path().decode()}): {verdict.detail}"
+    # its matrix products on the widest micro-kernel of its level (the variant is the dispatch)
+    assert lib.tb_gemm_isa().decode() == GEMM_KERNEL[variant.suffix]
 
 
 @pytest.mark.parametrize("head_map", ["tiled", "interleaved"])

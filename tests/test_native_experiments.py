@@ -1,6 +1,7 @@
 """`testbed run gdn backend=native` and `testbed run native_bench`: records stored, bad input refused
 before any work with one line and exit status 2."""
 
+import pandas as pd
 import pytest
 
 from testbed import cli, config, runner
@@ -55,32 +56,61 @@ def test_native_bench_ratios_are_per_repetition_of_interleaved_variants(results_
     outcome = run(["attention.past=40", "attention.chunk=8", "attention.head_dim=32", "cache.window=32",
                    "cache.real=5", "bench.reps=1", "bench.warmup=0", "bench.cold_mb=8", f"ratios.reps={reps}",
                    "ratios.key_counts=[16,96]", "ratios.gdn.heads=2", "ratios.gdn.head_size=32",
-                   "ratios.gdn.tokens=70", "ratios.gdn.chunk=16", "ratios.sgemm=64"], "native_bench")
+                   "ratios.gdn.tokens=[70]", "ratios.gdn.kda=[false,true]", "ratios.gdn.chunk=16", "ratios.sgemm=64",
+                   "ratios.gemm=48", "ratios.ggml=false", "ratios.torch=false"], "native_bench")
     df = outcome.frame()
     part = df[df["params.part"] == "ratios"]
-    variants = part[(part["kind"] == "measure") & (part["params.kernel"] != "ratio")].set_index("params.kernel")
-    assert sorted(variants.index) == ["attention keys=16", "attention keys=96", "gdn chunkwise", "sgemm"]
-    # every repetition ran every variant once: their positions fill 0..3 in each repetition
+    variants = part[(part["kind"] == "measure") & (part["params.kernel"] != "ratio")
+                    & ~part["params.kernel"].str.endswith(" reference")].set_index("params.kernel")
+    names = ["attention keys=16", "attention keys=96", "gdn chunkwise T=70", "gdn chunkwise T=70 kda", "gemm", "sgemm"]
+    assert sorted(variants.index) == names
+    # every repetition ran every variant once: their positions fill 0..5 in each repetition
     for positions in zip(*variants["metrics.interleave.positions"]):
-        assert sorted(positions) == [0, 1, 2, 3]
+        assert sorted(positions) == list(range(len(names)))
     for rate in ("gflops", "gflops_cpu"):
         assert (variants[f"figures.{rate}.reps"] == reps).all() and (variants[f"figures.{rate}.min"] > 0).all()
     assert (variants["metrics.wall_over_cpu"] > 0).all()
-    ratios = part[part["params.kernel"] == "ratio"].set_index("params.top")
-    assert ratios["params.bottom"].to_dict() == {"attention keys=96": "attention keys=16", "gdn chunkwise": "sgemm"}
-    assert ratios["metrics.target"].to_dict() == {"attention keys=96": 0.8, "gdn chunkwise": 0.7}
-    for top, r in ratios.iterrows():
+    assert (part["params.fused"] == False).all()  # noqa: E712 - the bit-exact build unless asked
+    ratios = part[part["params.kernel"] == "ratio"].set_index(["params.top", "params.bottom"])
+    targets = ratios["metrics.target"].to_dict()
+    assert pd.isna(targets.pop(("gemm", "sgemm")))  # the gemm's own rate: shown, not judged
+    assert targets == {("attention keys=96", "attention keys=16"): 0.8, ("attention keys=16", "sgemm"): 0.8,
+                       ("attention keys=96", "sgemm"): 0.8, ("gdn chunkwise T=70", "sgemm"): 0.75,
+                       ("gdn chunkwise T=70 kda", "sgemm"): 0.75}
+    for (top, bottom), r in ratios.iterrows():
         # a ratio per repetition: within the ratios of the two variants' extreme rates
         fig = {k: r[f"figures.ratio_cpu.{k}"] for k in ("median", "min", "max", "reps")}
         assert fig["reps"] == reps and fig["min"] <= fig["median"] <= fig["max"]
-        high, low = variants.loc[top], variants.loc[r["params.bottom"]]
+        high, low = variants.loc[top], variants.loc[bottom]
         slack = 1 + 1e-9  # the same quotients, taken in another order
         assert high["figures.gflops_cpu.min"] / low["figures.gflops_cpu.max"] <= fig["min"] * slack
         assert fig["max"] <= high["figures.gflops_cpu.max"] / low["figures.gflops_cpu.min"] * slack
     # every timed kernel computed the full result
     checked = part[part["kind"] == "oracle"]
-    assert sorted(checked["params.kernel"]) == ["attention keys=16", "attention keys=96", "gdn chunkwise"]
+    assert sorted(checked["params.kernel"]) == names[:-1]
     assert (checked["verdict"] == "pass").all()
+    # the missing references say why
+    missing = part[part["params.kernel"].str.endswith(" reference")]
+    assert set(missing["metrics.reference_missing"]) == {"ratios.ggml=false", "ratios.torch=false"}
+
+
+def test_native_bench_against_ggml_and_torch_times_and_judges_at_most(results_dir, monkeypatch):
+    """ggml's op and transformers' chunkwise as time references: ratios of times, targets at most."""
+    from testbed.experiments import native_bench
+
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(native_bench, "ggml_program", lambda cfg, ctx: (None, "not built in this test"))
+    outcome = run(["attention.past=40", "attention.chunk=8", "attention.head_dim=32", "cache.window=32",
+                   "cache.real=5", "bench.reps=1", "bench.warmup=0", "bench.cold_mb=8", "ratios.reps=2",
+                   "ratios.key_counts=[16,96]", "ratios.gdn.heads=2", "ratios.gdn.head_size=32",
+                   "ratios.gdn.tokens=[600]", "ratios.gdn.kda=false", "ratios.sgemm=64", "ratios.gemm=48",
+                   "ratios.torch=true"], "native_bench")
+    df = outcome.frame()
+    ratio = df[(df["params.kernel"] == "ratio") & (df["params.bottom"] == "torch T=600")].iloc[0]
+    assert ratio["metrics.target"] == 0.25 and ratio["metrics.target_is"] == "at most"
+    assert ratio["metrics.meets_target_cpu"] == (ratio["figures.ratio_cpu.median"] <= 0.25)
+    torch_oracle = df[(df["kind"] == "oracle") & (df["params.kernel"] == "torch T=600")]
+    assert (torch_oracle["verdict"] == "pass").all() and len(torch_oracle) == 1
 
 
 @pytest.mark.parametrize("argv,says", [

@@ -170,7 +170,7 @@ double cpu_seconds(void) {
 
 /* Evict the caches before a cold repetition: write, then read, a buffer of `mb` MiB (larger than any
  * last-level cache), so the kernel's operands come from memory as a first call's would. */
-static void evict_caches(long mb) {
+void evict_caches(long mb) {
     static unsigned char *junk;
     static volatile unsigned sink;
     size_t n = (size_t)mb << 20;
@@ -184,8 +184,14 @@ static void evict_caches(long mb) {
 /* Out of line and with different bodies, so the compiler can neither inline them nor fold the two into
  * one symbol: the counters find them by name in the symbol table. */
 static volatile int count_mark;
-__attribute__((noinline, used)) void tb_count_begin(void) { count_mark = 1; }
-__attribute__((noinline, used)) void tb_count_end(void) { count_mark = 2; }
+/* Aligned, so that neither straddles a page (QEMU would translate it as two blocks). */
+__attribute__((noinline, used, aligned(64))) void tb_count_begin(void) { count_mark = 1; }
+__attribute__((noinline, used, aligned(64))) void tb_count_end(void) { count_mark = 2; }
+
+/* The matrix products' micro-kernel (kernels/gemm.c, chosen at run time; TB_ISA forces one), or "none"
+ * in a program linked without the kernels (tb_ggml_gdn links this harness alone). */
+const char *tb_gemm_isa(void) __attribute__((weak));
+const char *harness_gemm_isa(void) { return tb_gemm_isa ? tb_gemm_isa() : "none"; }
 
 void bench_and_record(const char *program, const char *kernel, bench_fn fn, void *ctx, const char *extra_json) {
     long warmup = arg_int("warmup", 1), reps = arg_int("reps", 1), cold_mb = arg_int("cold_mb", 0);
@@ -208,10 +214,11 @@ void bench_and_record(const char *program, const char *kernel, bench_fn fn, void
     snprintf(path, sizeof path, "%s/timings.json", out_dir());
     FILE *f = fopen(path, "w");
     if (!f) die("cannot write %s", path);
-    fprintf(f, "{\"program\": \"%s\", \"kernel\": \"%s\", \"vector_path\": \"%s\", \"source_hash\": \"%s\", "
-               "\"warmup\": %ld, \"reps\": %ld, \"cold_mb\": %ld, \"marks\": [\"call\"], %s%s\"seconds\": [",
-            program, kernel, tb_vector_path(), tb_source_hash(), warmup, reps, cold_mb, extra_json ? extra_json : "",
-            extra_json && *extra_json ? ", " : "");
+    fprintf(f, "{\"program\": \"%s\", \"kernel\": \"%s\", \"vector_path\": \"%s\", \"gemm_isa\": \"%s\", "
+               "\"source_hash\": \"%s\", \"warmup\": %ld, \"reps\": %ld, \"cold_mb\": %ld, \"marks\": [\"call\"], %s%s"
+               "\"seconds\": [",
+            program, kernel, tb_vector_path(), harness_gemm_isa(), tb_source_hash(), warmup, reps, cold_mb,
+            extra_json ? extra_json : "", extra_json && *extra_json ? ", " : "");
     for (long i = 0; i < reps; i++) fprintf(f, "%s%.9g", i ? ", " : "", seconds[i]);
     fprintf(f, "], \"cpu_seconds\": [");
     for (long i = 0; i < reps; i++) fprintf(f, "%s%.9g", i ? ", " : "", cpu[i]);

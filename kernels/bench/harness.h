@@ -51,9 +51,16 @@ void tb_count_end(void);
 /* Run fn(ctx) warmup times, then reps times timed; write DIR/timings.json. fn returns a TB_* code.
  * With the argument cold_mb=N (> 0) every timed repetition starts with the caches evicted (N MiB
  * written and read first, outside the timing): a first call's cost instead of a hot loop's. */
+/* Evict the caches: write, then read, `mb` MiB (more than any last-level cache), so what a kernel
+ * reads next comes from memory, as a first call's would. */
+void evict_caches(long mb);
+
 typedef int (*bench_fn)(void *ctx);
 void bench_and_record(const char *program, const char *kernel, bench_fn fn, void *ctx, const char *extra_json);
 
 void die(const char *fmt, ...);
+
+/* The matrix products' micro-kernel in this program ("avx512-fma", "neon", ...; "none" without them). */
+const char *harness_gemm_isa(void);
 
 #endif

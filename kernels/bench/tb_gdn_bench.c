@@ -1,10 +1,11 @@
 /* GDN benchmark-and-dump: IN_DIR/{q,k,v,g,beta,state}.npy (refimpl.gdn layout, float32) ->
  * OUT_DIR/out.npy, OUT_DIR/state.npy and OUT_DIR/timings.json.
- *   tb_gdn_bench IN OUT [form=serial|chunkwise|serial-chunk-loop] [chunk=64] [head_map=tiled|interleaved]
+ *   tb_gdn_bench IN OUT [form=serial|chunkwise|serial-chunk-loop] [chunk=64|auto] [head_map=tiled|interleaved]
  *                [threads=1] [warmup=1] [reps=1]
  * serial-chunk-loop is the serial recurrence restructured as a loop over chunks of `chunk` tokens that
  * carries the state from one call to the next: the same arithmetic in the same order, so it must give
- * the bits of one serial call (the bit-exact oracle of a pure loop restructuring). */
+ * the bits of one serial call (the bit-exact oracle of a pure loop restructuring). chunk=auto: the size
+ * measured fastest for the head size (tb_gdn_auto_chunk); timings.json records the chunk used. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,8 +77,9 @@ int main(int argc, char **argv) {
         die("form=%s is not serial, chunkwise or serial-chunk-loop", form);
     if (strcmp(head_map, "tiled") && strcmp(head_map, "interleaved")) die("head_map=%s is not tiled or interleaved", head_map);
     j.chunkwise = !strcmp(form, "chunkwise"), j.chunk_loop = !strcmp(form, "serial-chunk-loop");
-    j.chunk = (int)arg_int("chunk", 64);
-    if (j.chunk < 1) die("chunk=%d must be >= 1", j.chunk);
+    const int auto_chunk = !strcmp(arg_str("chunk", "64"), "auto");
+    j.chunk = auto_chunk ? 0 : (int)arg_int("chunk", 64);
+    if (j.chunk < 1 && !auto_chunk) die("chunk=%d must be >= 1 (or auto)", j.chunk);
     j.threads = (int)arg_int("threads", 1);
     j.q = npy_load(in_dir(), "q", "<f4"), j.k = npy_load(in_dir(), "k", "<f4"), j.v = npy_load(in_dir(), "v", "<f4");
     j.g = npy_load(in_dir(), "g", "<f4"), j.beta = npy_load(in_dir(), "beta", "<f4");
@@ -96,9 +98,10 @@ int main(int argc, char **argv) {
         die("input shapes do not agree (see refimpl/gdn.py for the layout)");
     j.out = malloc(sizeof(float) * out_n), j.state_out = malloc(sizeof(float) * state_n);
     if (!j.out || !j.state_out) die("out of memory");
+    if (auto_chunk) j.chunk = j.chunkwise ? tb_gdn_auto_chunk(s->d) : 64;
     char extra[256];
-    snprintf(extra, sizeof extra, "\"form\": \"%s\", \"chunk\": %d, \"threads\": %d, \"tokens\": %d, \"heads\": %d, \"d\": %d, \"kda\": %d",
-             form, j.chunk, j.threads, s->tokens, s->h_v, s->d, s->kda);
+    snprintf(extra, sizeof extra, "\"form\": \"%s\", \"chunk\": %d, \"chunk_auto\": %d, \"threads\": %d, \"tokens\": %d, "
+             "\"heads\": %d, \"d\": %d, \"kda\": %d", form, j.chunk, auto_chunk, j.threads, s->tokens, s->h_v, s->d, s->kda);
     bench_and_record("tb_gdn_bench", j.chunkwise ? "tb_gdn_chunkwise" : j.chunk_loop ? "tb_gdn_serial (chunk loop)" : "tb_gdn_serial", run, &j, extra);
     size_t out_shape[4] = {(size_t)s->n_seqs, (size_t)s->tokens, (size_t)s->h_v, (size_t)s->d};
     size_t state_shape[4] = {(size_t)s->n_seqs, (size_t)s->h_v, (size_t)s->d, (size_t)s->d};

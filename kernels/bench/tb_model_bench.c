@@ -11,6 +11,8 @@
  *       Timed, interleaved: one chunk call of C rows (between the counters' marks) and one decode step
  *       against the P-row cache ("seconds", "decode_seconds"; "matmul_seconds": the chunk call's weight products; each also
  *       by the process's CPU clock: "cpu_seconds", "decode_cpu_seconds", "matmul_cpu_seconds").
+ *       cold_mb=N (> 0): the caches are evicted (N MiB written and read, untimed) before each timed
+ *       decode step, so it reads its weights and K/V from memory, as a step after other work does.
  *   tb_model_bench IN OUT weights=FILE MODEL... mode=tail chunk=C cache=f32|f16|int8 cache_group=G
  *       sink=S [state=0|1] [threshold=8] [generate=G] [exact_tail=0|1]
  *       The prompt through chunked prefill with a padded or scalar tail (refimpl/tail_prefill.py):
@@ -43,7 +45,7 @@ static const char *const KEYS[] = {"weights", "mode", "vocab", "hidden", "layers
                                    "mlp", "window", "types", "rope_local", "rope_global", "rope_global_scaling", "attn_scale", "eps",
                                    "softcap", "wdtype", "wgroup", "past", "tokens", "chunk", "capacity", "cache",
                                    "cache_group", "sink", "state", "threshold", "generate", "exact_tail",
-                                   TB_KILL_SWITCH, "threads", "warmup", "reps", "reference", NULL};
+                                   TB_KILL_SWITCH, "threads", "warmup", "reps", "reference", "cold_mb", NULL};
 static const char *const DTYPES[] = {"f32", "f16", "int8"};
 static const char *const ST_DTYPES[] = {"F32", "F16", "I8"};
 
@@ -166,9 +168,9 @@ static FILE *open_timings(const char *mode, long warmup, long reps, int threads)
     snprintf(path, sizeof path, "%s/timings.json", out_dir());
     FILE *f = fopen(path, "w");
     if (!f) die("cannot write %s", path);
-    fprintf(f, "{\"program\": \"tb_model_bench\", \"mode\": \"%s\", \"vector_path\": \"%s\", \"source_hash\": \"%s\", "
-               "\"warmup\": %ld, \"reps\": %ld, \"threads\": %d",
-            mode, tb_vector_path(), tb_source_hash(), warmup, reps, threads);
+    fprintf(f, "{\"program\": \"tb_model_bench\", \"mode\": \"%s\", \"vector_path\": \"%s\", \"gemm_isa\": \"%s\", "
+               "\"source_hash\": \"%s\", \"warmup\": %ld, \"reps\": %ld, \"threads\": %d",
+            mode, tb_vector_path(), harness_gemm_isa(), tb_source_hash(), warmup, reps, threads);
     return f;
 }
 
@@ -288,6 +290,7 @@ static void run_chunk(const tb_model *m, const int32_t *tokens, size_t n_tokens,
     /* timed: one chunk call and one decode step against the P-row cache, interleaved; every figure
      * by the wall clock and by the CPU clock */
     const long warmup = positive("warmup", 1, 0), reps = positive("reps", 1, 1), reference = arg_int("reference", 0);
+    const long cold_mb = positive("cold_mb", 0, 0);
     const int first = n < chunk ? n : chunk, columns = reference ? 10 : 6;
     double *t = calloc((size_t)reps * 10, sizeof(double)), scratch_times[10];
     if (!t) die("out of memory");
@@ -301,6 +304,7 @@ static void run_chunk(const tb_model *m, const int32_t *tokens, size_t n_tokens,
         tb_engine_matmul_seconds(e, &wall, &cpu);
         s[2] = wall - mm_wall, s[3] = cpu - mm_cpu;
         check(tb_engine_drop(e, chunk), "rewind");
+        if (cold_mb) evict_caches(cold_mb);
         t0 = stamp_now(r >= 0);
         check(tb_model_decode_with_past(e, tokens[past], past, scratch), "decode step");
         since(t0, r >= 0, &s[4], &s[5]);
@@ -308,7 +312,8 @@ static void run_chunk(const tb_model *m, const int32_t *tokens, size_t n_tokens,
         if (reference) reference_time(&ref, s + 6, r >= 0);
     }
     FILE *f = open_timings("chunk", warmup, reps, threads);
-    fprintf(f, ", \"past\": %d, \"tokens\": %d, \"chunk\": %d, \"calls\": %d, \"rows\": %d", past, n, chunk, calls, rows);
+    fprintf(f, ", \"past\": %d, \"tokens\": %d, \"chunk\": %d, \"calls\": %d, \"rows\": %d, \"cold_mb\": %ld", past, n,
+            chunk, calls, rows, cold_mb);
     fprintf(f, ", \"marks\": [\"chunk\", \"decode\"%s]", reference ? ", \"sgemm\", \"stream\"" : "");
     const char *names[10] = {"seconds", "cpu_seconds", "matmul_seconds", "matmul_cpu_seconds", "decode_seconds",
                              "decode_cpu_seconds", "sgemm_seconds", "sgemm_cpu_seconds", "stream_seconds",

@@ -10,7 +10,10 @@
  * counter at the begin marker. The guest's instruction stream does not depend on the host's speed
  * or load, so the same program on the same inputs gives the same counts, run after run.
  * Markers are found by symbol name, which QEMU resolves from the ELF symbol table only when its log
- * is on: hence `-d plugin` (the plugin itself writes nothing to the log). With more than one guest
+ * is on: hence `-d plugin` (the plugin itself writes nothing to the log). Only the block at a
+ * marker's entry counts as the marker: a marker that straddles a page is translated as two blocks,
+ * both inside its symbol, and the second must not fire again (the entry is the first block of the
+ * symbol ever translated: execution enters a function at its entry). With more than one guest
  * thread the shared counter is updated without atomics; the output then says "exact": false.
  *
  * The plugin ABI is QEMU's, version 1 (QEMU 4.2 to 8.1; Debian 12 ships 7.2). The few declarations it
@@ -36,6 +39,7 @@ void qemu_plugin_register_vcpu_tb_exec_inline(struct qemu_plugin_tb *tb, enum qe
 void qemu_plugin_register_vcpu_tb_exec_cb(struct qemu_plugin_tb *tb, void (*cb)(unsigned int, void *),
                                           enum qemu_plugin_cb_flags flags, void *userdata);
 size_t qemu_plugin_tb_n_insns(const struct qemu_plugin_tb *tb);
+uint64_t qemu_plugin_insn_vaddr(const struct qemu_plugin_insn *insn);
 struct qemu_plugin_insn *qemu_plugin_tb_get_insn(const struct qemu_plugin_tb *tb, size_t idx);
 const char *qemu_plugin_insn_symbol(const struct qemu_plugin_insn *insn);
 
@@ -52,6 +56,7 @@ static unsigned int vcpus;
 static char out_path[4096] = "instructions.json";
 static const char *begin_symbol = "tb_count_begin", *end_symbol = "tb_count_end";
 static char begin_buf[256], end_buf[256];
+static uint64_t begin_entry, end_entry; /* the markers' entry addresses, once seen */
 
 static void at_begin(unsigned int vcpu, void *unused) {
     (void)vcpu, (void)unused;
@@ -72,11 +77,17 @@ static void on_translate(qemu_plugin_id_t id, struct qemu_plugin_tb *tb) {
     (void)id;
     size_t n = qemu_plugin_tb_n_insns(tb);
     qemu_plugin_register_vcpu_tb_exec_inline(tb, QEMU_PLUGIN_INLINE_ADD_U64, &executed, n);
-    const char *symbol = n ? qemu_plugin_insn_symbol(qemu_plugin_tb_get_insn(tb, 0)) : NULL;
-    if (symbol && !strcmp(symbol, begin_symbol))
-        qemu_plugin_register_vcpu_tb_exec_cb(tb, at_begin, QEMU_PLUGIN_CB_NO_REGS, NULL);
-    else if (symbol && !strcmp(symbol, end_symbol))
-        qemu_plugin_register_vcpu_tb_exec_cb(tb, at_end, QEMU_PLUGIN_CB_NO_REGS, NULL);
+    const struct qemu_plugin_insn *first = n ? qemu_plugin_tb_get_insn(tb, 0) : NULL;
+    const char *symbol = first ? qemu_plugin_insn_symbol(first) : NULL;
+    if (!symbol) return;
+    const uint64_t at = qemu_plugin_insn_vaddr(first);
+    if (!strcmp(symbol, begin_symbol)) {
+        if (!begin_entry) begin_entry = at;
+        if (at == begin_entry) qemu_plugin_register_vcpu_tb_exec_cb(tb, at_begin, QEMU_PLUGIN_CB_NO_REGS, NULL);
+    } else if (!strcmp(symbol, end_symbol)) {
+        if (!end_entry) end_entry = at;
+        if (at == end_entry) qemu_plugin_register_vcpu_tb_exec_cb(tb, at_end, QEMU_PLUGIN_CB_NO_REGS, NULL);
+    }
 }
 
 static void on_vcpu_init(qemu_plugin_id_t id, unsigned int vcpu) {

@@ -1,5 +1,12 @@
 """Experiment `engine_bench`: the model engine's rates on the device, as ratios measured in one run.
 
+Builds: `fused=false` (default) the unfused programs, bit-exact across targets; `fused=true` the FMA
+build (faster, rounds once per multiply-add: judged by tolerance). Either way every run's logits (the
+chunk call's selected row and the decode path's) are checked against the float64 model
+(refimpl.gemma.prefill_at on the weights the engine computes with) by NMSE, one oracle record per
+run set; each record names the build (`fused`) and the matrix products' micro-kernel (`gemm_isa`,
+chosen at run time, TB_ISA forces one).
+
 matmul_vs_sgemm   (this host) a chunk call's weight matrix products (the engine's own timer around
                   them) in GFLOP/s, over numpy's sgemm (OpenBLAS here; testbed.blas_reference) doing
                   the SAME products: every layer's q, k, v, o, gate, up, down on the chunk's C rows
@@ -15,7 +22,8 @@ matmul_vs_own_gemm  (a device: no numpy there) the same engine products over the
                   and no sgemm target judged from it.
 decode_vs_stream  a decode step's time, over the time to read its weights once (every projection and
                   the tied LM head, in the weights' dtype) at the bandwidth of a streaming read of
-                  256 MiB timed in the same repetition
+                  256 MiB timed in the same repetition; cold (bench.cold_mb > 0, the default): the
+                  caches evicted before each timed step, as a step after other work finds them
 
 Both by the wall clock and by the process's CPU clock (on a shared machine the CPU clock leaves out
 the time other processes held the core). Each ratio is computed per repetition and reported as
@@ -34,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma
 from testbed import blas_reference, tables
+from testbed.oracles import check_nmse
 from testbed.backends.native import engine
 from testbed.config import Choice, Float, Int
 from testbed.measure import time_interleaved
@@ -44,6 +53,7 @@ PARAMS = {
     "backend": Choice(("native",)),
     "threads": Int(1, 256),
     "weights": Choice(engine.WEIGHT_DTYPES),
+    "fused": Choice((False, True)),
     "group": Int(1, 1 << 16),
     "chunk": Int(1, 4096),
     "past": Int(0, 1 << 20),
@@ -60,6 +70,7 @@ PARAMS = {
     "targets.decode_vs_stream": Float(0.0),
     "bench.warmup": Int(0, 100),
     "bench.reps": Int(1, 1000),
+    "bench.cold_mb": Int(0, 1 << 16),
 }
 
 
@@ -99,13 +110,16 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     # numpy's sgemm is the reference only where the engine ran: this host, not under emulation
     here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
 
-    def program(warmup: int, reps: int) -> engine.ChunkRun:
-        return engine.chunk_prefill(ctx.device, model, w, prompt, TokenCase(cfg.past, cfg.chunk, cfg.chunk),
-                                    weights_dtype=cfg.weights, group=cfg.group, threads=cfg.threads,
-                                    warmup=warmup, reps=reps, reference=True)
+    built = engine.program_for(ctx.device, bool(cfg.fused))
+    runs: list[engine.ChunkRun] = []
 
-    params = {"chunk": cfg.chunk, "past": cfg.past, "weights": cfg.weights, "threads": cfg.threads,
-              "hidden": model.hidden, "layers": model.layers}
+    def program(warmup: int, reps: int) -> engine.ChunkRun:
+        runs.append(engine.chunk_prefill(ctx.device, model, w, prompt, TokenCase(cfg.past, cfg.chunk, cfg.chunk),
+                                         weights_dtype=cfg.weights, group=cfg.group, threads=cfg.threads,
+                                         warmup=warmup, reps=reps, reference=True, program=built,
+                                         cold_mb=cfg.bench.cold_mb))
+        return runs[-1]
+
     flops = matmul_flops(model, cfg.chunk)
     if here:
         t, timings, evidence, library = host_interleaved(cfg, ctx, model, w, program)
@@ -113,6 +127,10 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
         result = program(cfg.bench.warmup, cfg.bench.reps)
         timings, evidence, library = result.timings, [result.evidence.as_dict()], None
         t = {k: np.asarray(v, float) for k, v in timings.items() if k.endswith("seconds")}
+    params = {"chunk": cfg.chunk, "past": cfg.past, "weights": cfg.weights, "threads": cfg.threads,
+              "hidden": model.hidden, "layers": model.layers, "fused": bool(cfg.fused),
+              "gemm_isa": timings.get("gemm_isa")}
+    yield logits_oracle(cfg, model, w, prompt, runs, params)
     m, n, k = timings["sgemm_shape"]
     own_shape = {"own_gemm_shape": [m, n, k],
                  "own_gemm": "the project's gemm_nn (kernels/tb_linalg.h, unfused) at the chunk's widest shape, "
@@ -153,9 +171,29 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
                      figures={"ratio": Figure.of(decode_s / stream_s, "x"), "decode_step": Figure.of(decode_s, "s"),
                               "stream": Figure.of(stream_s, "s"), "bandwidth": Figure.of(bandwidth, "GB/s")},
                      metrics={"target": cfg.targets.decode_vs_stream, "target_is": "at most",
+                              f"meets_target_{clock}": bool(np.median(decode_s / stream_s) <= cfg.targets.decode_vs_stream),
                               "ratio_of_best": float(decode_s.min() / stream_s.min())},
-                     work={"weight_bytes": weight_bytes, "stream_bytes": timings["stream_bytes"]},
-                     params=params | {"form": "decode_vs_stream", "clock": clock}, evidence=evidence)
+                     work={"weight_bytes": weight_bytes, "stream_bytes": timings["stream_bytes"],
+                           "decode": f"cold: caches evicted ({cfg.bench.cold_mb} MiB written and read) before each "
+                                     "timed step" if cfg.bench.cold_mb else "warm: right after the chunk call"},
+                     params=params | {"form": "decode_vs_stream", "clock": clock, "cold": bool(cfg.bench.cold_mb)},
+                     evidence=evidence)
+
+
+def logits_oracle(cfg: DictConfig, model, w, prompt, runs, params) -> Record:
+    """Every timed run computed the model: its chunk call's selected logits and its decode path's
+    logits (the same position, past + chunk - 1) against the float64 model on the weights the engine
+    computes with, by NMSE (the worst run counts)."""
+    weights = engine.dequantized(w, cfg.weights, cfg.group) if cfg.weights != "f32" else w
+    w64 = {name: np.asarray(a, np.float64) for name, a in weights.items()}
+    want = gemma.prefill_at(w64, model, np.asarray(prompt[:cfg.past + cfg.chunk]), cfg.past + cfg.chunk - 1)[0]
+    verdicts = [check_nmse({"chunk_logits": want, "decode_logits": want},
+                           {"chunk_logits": r.call_logits[-1], "decode_logits": r.decode_logits}) for r in runs]
+    worst = min(verdicts, key=lambda v: v.margin if v.margin is not None else float("-inf"))
+    passed = all(v.passed for v in verdicts)
+    return Record("engine_bench", f"C={cfg.chunk}/logits", "oracle", worst.oracle, "pass" if passed else "fail",
+                  worst.margin, worst.metrics | {"runs": len(runs)}, params=params,
+                  detail=worst.detail, evidence=[runs[-1].evidence.as_dict()])
 
 
 def host_interleaved(cfg: DictConfig, ctx, model, w, program):

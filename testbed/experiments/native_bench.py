@@ -31,6 +31,8 @@ rollback   the padded tail's extra cache work (snapshot before the padded append
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -41,8 +43,8 @@ from refimpl import gdn, gemma
 from testbed import blas_reference, tables
 from testbed.backends.native.build import build_programs, target_for_abi
 from testbed.backends.native.device import NativeJob, run_native
-from testbed.backends.native.gdn import INPUTS as GDN_INPUTS
-from testbed.config import Choice, Int, IntList, as_list
+from testbed.backends.native.gdn import INPUTS as GDN_INPUTS, auto_chunk
+from testbed.config import BoolList, Choice, Int, IntList, as_bools, as_list
 from testbed.errors import UsageError
 from testbed.measure import time_interleaved
 from testbed.oracles import check_nmse, head_biased_mask
@@ -66,15 +68,30 @@ PARAMS = {
     "ratios.key_counts": IntList(1, 1 << 20),
     "ratios.gdn.heads": Int(1, 256),
     "ratios.gdn.head_size": Int(1, 1024),
-    "ratios.gdn.tokens": Int(1, 1 << 20),
-    "ratios.gdn.chunk": Int(1, 4096),
+    "ratios.gdn.tokens": IntList(1, 1 << 20),
+    "ratios.gdn.kda": BoolList(),
+    "ratios.gdn.chunk": Int(0, 4096),
+    "ratios.ggml": Choice(("auto", True, False)),
+    "ratios.torch": Choice(("auto", True, False)),
     "ratios.sgemm": Int(1, 8192),
+    "ratios.gemm": Int(1, 8192),
+    "fused": Choice((False, True)),
 }
 
-# Issue 14's targets: chunk attention at many keys keeps this share of its rate at few keys; GDN
-# chunkwise reaches this share of sgemm's rate on the work it really does.
+# Issue 14's target: chunk attention at many keys keeps this share of its rate at few keys. Issue 25's
+# (kernels at the roofline): chunk attention at every key count and GDN chunkwise (on the work it
+# really does) reach these shares of sgemm's rate; GDN chunkwise takes at most these shares of ggml's
+# CPU GATED_DELTA_NET's time (KDA: its own) and of transformers' torch chunkwise's (by token count).
 KEYS_TARGET = 0.8
-SGEMM_TARGET = 0.7
+ATTENTION_TARGET = 0.8
+SGEMM_TARGET = 0.75
+GGML_TARGET = 0.25
+GGML_KDA_TARGET = 0.3
+TORCH_TARGETS = {512: 0.25, 4096: 0.2}
+# At threads > 1: the kernels' CPU time on N threads over one thread's (the same call), at most.
+THREADS_TARGET = 1.05
+ONE = " (1 thread)"  # the name of a variant's one-thread twin
+TORCH_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule at its own default chunk_size
 SGEMM_1 = "sgemm 1 thread"  # the reference on one thread, beside it at threads > 1 (the spinning rule)
 
 
@@ -102,7 +119,7 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     a, c, b = cfg.attention, cfg.cache, cfg.bench
     target = target_for_abi(ctx.device.profile.abi)
     ctx.progress(f"native_bench: building the programs for {target}")
-    programs = build_programs(target)
+    programs = build_programs(target, fused=bool(cfg.fused))
     rng = np.random.default_rng(cfg.seed)
     n_keys = a.past + a.chunk
     q = rng.standard_normal((a.heads, a.chunk, a.head_dim)).astype(np.float32)
@@ -228,21 +245,77 @@ def decode_step_records(cfg, attention_run, q, k, v, mask, params) -> Iterator[R
             params=params | {"form": form, "keys": n_keys}, evidence=evidence[form])
 
 
+def _gdn_name(tokens: int, kda: bool) -> str:
+    return f"T={tokens}{' kda' if kda else ''}"
+
+
+def torch_target(tokens: int) -> float:
+    """Issue 25's goal for GDN chunkwise over transformers' torch_chunk_gated_delta_rule (time ratio)."""
+    return TORCH_TARGETS[max([t for t in TORCH_TARGETS if t <= tokens] or [min(TORCH_TARGETS)])]
+
+
+def ggml_program(cfg: DictConfig, ctx):
+    """tb_ggml_gdn (ggml's CPU GATED_DELTA_NET on .npy inputs, testbed.backends.llamacpp) built for this
+    host, or None with the reason (ratios.ggml=auto: a missing build is a note, not a failure)."""
+    if not cfg.ratios.ggml:
+        return None, "ratios.ggml=false"
+    try:
+        from testbed.backends.llamacpp import build as llamacpp_build
+
+        ctx.progress("native_bench ratios: ggml's GATED_DELTA_NET (tb_ggml_gdn) for the host")
+        return llamacpp_build.build("host", "", ("tb_ggml_gdn",), ctx.progress).program("tb_ggml_gdn"), None
+    except Exception as e:  # noqa: BLE001 - auto: measure without it and say why
+        if cfg.ratios.ggml == "auto":
+            return None, f"ggml could not be built here: {e}"
+        raise
+
+
+def torch_reference(cfg: DictConfig):
+    """transformers' torch_chunk_gated_delta_rule (its PyTorch fallback, what Qwen3-Next runs on a CPU
+    without flash-linear-attention), or None with the reason."""
+    if not cfg.ratios.torch:
+        return None, "ratios.torch=false"
+    try:
+        import logging
+
+        import torch
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+        logging.getLogger("transformers").setLevel(logging.ERROR)  # its "falling back" notice, once per call
+        return (torch, torch_chunk_gated_delta_rule), None
+    except Exception as e:  # noqa: BLE001
+        if cfg.ratios.torch == "auto":
+            return None, f"transformers / torch not importable: {e}"
+        raise
+
+
 def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
-    """Chunk attention at each of ratios.key_counts, GDN chunkwise and (on this host) numpy's sgemm, all
-    interleaved; then the two ratios per repetition."""
+    """Every variant of one repetition interleaved (an order shuffled per repetition): chunk attention at
+    each of ratios.key_counts, GDN chunkwise at each ratios.gdn.tokens (scalar gate and KDA), tb_gemm at
+    n^3; on this host also numpy's sgemm (OpenBLAS), ggml's GATED_DELTA_NET and transformers' torch
+    chunkwise where they exist. Then issue 25's ratios per repetition; on a device that counts, each
+    kernel's instructions per FLOP beside the reference loop's (tb_gemm_bench form=loop)."""
     a, r, b = cfg.attention, cfg.ratios, cfg.bench
     rng = np.random.default_rng([cfg.seed, 14])
     keys = sorted(set(as_list(r.key_counts)))
-    variants, flops, references, outputs, evidence = {}, {}, {}, {}, {}
+    variants, flops, references, outputs, evidence, counts = {}, {}, {}, {}, {}, {}
+    what: dict[str, str] = {}
+    here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
 
-    def program_run(name: str, program: str, inputs: dict, output_names: list[str], args: list[str]):
+    def program_run(name: str, program: Path, inputs: dict, output_names: list[str], args: list[str],
+                    threads: int | None = None):
         def run() -> dict[str, float]:
-            result = run_native(ctx.device, NativeJob(programs / program, inputs, output_names,
-                                                      ["{inputs}", ".", *args, f"threads={cfg.threads}",
+            result = run_native(ctx.device, NativeJob(program, inputs, output_names,
+                                                      ["{inputs}", ".", *args, f"threads={threads or cfg.threads}",
                                                        f"warmup={b.warmup}", "reps=1"], measured=False))
             outputs[name] = result.outputs
             evidence.setdefault(name, []).append(result.evidence.as_dict())
+            if result.counts:
+                counts.setdefault(name, []).append(result.counts.per_call)
+            what.setdefault(name, result.timings.get("gemm_isa", ""))
+            if result.timings.get("program") == "tb_gdn_bench" and result.timings.get("chunk") != chunk:
+                raise RuntimeError(f"{name}: the program ran chunk={result.timings.get('chunk')}, the FLOP count "
+                                   f"assumes {chunk} (testbed.backends.native.gdn.auto_chunk disagrees with the kernels)")
             return {"wall": result.timings["seconds"][0], "cpu": result.timings["cpu_seconds"][0]}
         return run
 
@@ -255,19 +328,55 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
                                     "global")
         references[name] = {"out": gemma.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
                                                     mask, 1 / np.sqrt(a.head_dim))}
-        variants[name] = program_run(name, "tb_attention_bench", {"q": q, "k": k, "v": v, "mask": mask}, ["out"],
-                                     ["form=chunk"])
+        variants[name] = program_run(name, programs / "tb_attention_bench", {"q": q, "k": k, "v": v, "mask": mask},
+                                     ["out"], ["form=chunk"])
         flops[name] = attention_flops(a.heads, a.chunk, n_keys, a.head_dim)
+        if cfg.threads > 1 and n_keys == keys[-1]:  # the CPU the threads cost: the same call on one thread
+            variants[name + ONE] = program_run(name + ONE, programs / "tb_attention_bench",
+                                               {"q": q, "k": k, "v": v, "mask": mask}, ["out"], ["form=chunk"], 1)
+            flops[name + ONE], references[name + ONE] = flops[name], references[name]
+
     g = r.gdn
-    x = gdn.draw_inputs(1, g.tokens, g.heads, g.head_size, seed=cfg.seed)
-    out, state = gdn.gdn_serial(*(arr.astype(np.float64) for arr in x.arrays()))
-    references["gdn chunkwise"] = {"out": out, "state": state}
-    variants["gdn chunkwise"] = program_run("gdn chunkwise", "tb_gdn_bench", dict(zip(GDN_INPUTS, x.arrays())),
-                                            ["out", "state"], ["form=chunkwise", f"chunk={g.chunk}", "head_map=tiled"])
-    flops["gdn chunkwise"] = gdn.gdn_chunkwise_flops(1, g.tokens, g.heads, g.head_size, g.chunk)
+    chunk = g.chunk or auto_chunk(g.head_size)  # 0: the kernel's own choice for the head size
+    ggml, ggml_note = ggml_program(cfg, ctx) if here else (None, "not this host")
+    torch_ref, torch_note = torch_reference(cfg) if here else (None, "not this host")
+    gdn_cases = [(t, kda) for t in sorted(set(as_list(g.tokens))) for kda in sorted(set(as_bools(g.kda)))]
+    for tokens, kda in gdn_cases:
+        x = gdn.draw_inputs(1, tokens, g.heads, g.head_size, kda=kda, seed=cfg.seed)
+        out, state = gdn.gdn_serial(*(arr.astype(np.float64) for arr in x.arrays()))
+        inputs = dict(zip(GDN_INPUTS, x.arrays()))
+        case = _gdn_name(tokens, kda)
+        names = [f"gdn chunkwise {case}"] + ([f"ggml {case}"] if ggml else []) + (
+            [f"torch {case}"] if torch_ref and not kda else [])
+        for name in names:
+            references[name] = {"out": out, "state": state}
+            flops[name] = gdn.gdn_chunkwise_flops(1, tokens, g.heads, g.head_size, chunk if name == names[0]
+                                                  else TORCH_CHUNK, kda)
+        args = ["form=chunkwise", f"chunk={g.chunk or 'auto'}", "head_map=tiled"]
+        variants[names[0]] = program_run(names[0], programs / "tb_gdn_bench", inputs, ["out", "state"], args)
+        if cfg.threads > 1 and not kda:
+            variants[names[0] + ONE] = program_run(names[0] + ONE, programs / "tb_gdn_bench", inputs, ["out", "state"],
+                                                   args, 1)
+            flops[names[0] + ONE], references[names[0] + ONE] = flops[names[0]], references[names[0]]
+        if ggml:
+            variants[f"ggml {case}"] = program_run(f"ggml {case}", ggml, inputs, ["out", "state"], [])
+        if torch_ref and not kda:
+            variants[f"torch {case}"] = torch_run(f"torch {case}", torch_ref, x, TORCH_CHUNK, cfg.threads, outputs)
+    # the matrix product itself, and on a device that counts the reference loop it must match
+    m = rng.standard_normal((r.gemm, r.gemm)).astype(np.float32)
+    zero = np.zeros_like(m)
+    references["gemm"] = {"c": m.astype(np.float64) @ m.astype(np.float64)}
+    variants["gemm"] = program_run("gemm", programs / "tb_gemm_bench", {"a": m, "b": m, "c": zero}, ["c"], ["form=gemm"])
+    flops["gemm"] = 2 * r.gemm**3
+    counting = ctx.device.profile.has("counts")
+    if counting:
+        references["gemm loop"] = references["gemm"]
+        variants["gemm loop"] = program_run("gemm loop", programs / "tb_gemm_bench", {"a": m, "b": m, "c": zero},
+                                            ["c"], ["form=loop"])
+        flops["gemm loop"] = flops["gemm"]
     # numpy's sgemm is a reference rate only where the kernels ran: this host, not under emulation;
     # on `threads` threads, and (for the spinning rule) on one thread, both interleaved with the rest
-    here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
+    repeat = 1
     if here:
         products = blas_reference.square_products(r.sgemm, [cfg.seed, 14])
         repeat = blas_reference.repeats_for(products)  # calls long enough for the CPU clock
@@ -276,9 +385,13 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
         if cfg.threads > 1:
             variants[SGEMM_1] = blas_reference.products_timer(products, 1, repeat)
             flops[SGEMM_1] = flops["sgemm"]
+    for note in (ggml_note, torch_note):
+        if note:
+            ctx.progress(f"native_bench ratios: {note}")
     ctx.progress(f"native_bench ratios: {', '.join(variants)}, interleaved")
     timed = time_interleaved(variants, reps=r.reps, warmup=1, seed=cfg.seed, timer=lambda run: run())
-    params = {"part": "ratios", "threads": cfg.threads, "order_seed": timed.seed}
+    params = {"part": "ratios", "threads": cfg.threads, "order_seed": timed.seed, "fused": bool(cfg.fused),
+              "gemm_isa": what.get("gemm")}
     blas = {name: blas_reference.blas_info(1 if name == SGEMM_1 else cfg.threads) for name in variants
             if name in ("sgemm", SGEMM_1)}
 
@@ -286,77 +399,145 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
         verdict = check_nmse(reference, {key: outputs[name][key] for key in reference})
         yield Record("native_bench", f"ratios/{name}", "oracle", "nmse", verdict.verdict, verdict.margin,
                      verdict.metrics, params=params | {"kernel": name}, detail=verdict.detail,
-                     evidence=evidence[name][-1:])
+                     evidence=evidence.get(name, [])[-1:])
+    loop_ipf = np.median(counts["gemm loop"]) / flops["gemm loop"] if counts.get("gemm loop") else None
     for name, clocks in timed.figures.items():
         wall, cpu = clocks["wall"], clocks["cpu"]
-        yield Record("native_bench", f"ratios/{name}", "measure",
-                     figures={"time": wall.scaled(1e3, "ms"), "cpu_time": cpu.scaled(1e3, "ms"),
-                              "gflops": wall.rate(flops[name] / 1e9, "GFLOP/s"),
-                              "gflops_cpu": cpu.rate(flops[name] / 1e9, "GFLOP/s")},
-                     # above 1: the call waited for the CPU (preempted on a loaded host), longer calls more often
-                     metrics={"interleave.positions": timed.positions(name), "wall_over_cpu": wall.median / cpu.median},
-                     work={"flops": flops[name], "flop_count": (
-                         "gdn_chunkwise_flops: the work the chunkwise form really does" if name.startswith("gdn")
-                         else "2 n^3" if name in blas else "4 heads rows keys head_dim (q k^T and p v)"),
+        figures = {"time": wall.scaled(1e3, "ms"), "cpu_time": cpu.scaled(1e3, "ms"),
+                   "gflops": wall.rate(flops[name] / 1e9, "GFLOP/s"),
+                   "gflops_cpu": cpu.rate(flops[name] / 1e9, "GFLOP/s")}
+        metrics = {"interleave.positions": timed.positions(name), "wall_over_cpu": wall.median / cpu.median}
+        if counts.get(name):  # exact: instructions on this ISA, per FLOP of the kernel's own count
+            figures["instructions"] = Figure.of(counts[name], "instructions")
+            figures["instructions_per_flop"] = Figure.of([c / flops[name] for c in counts[name]], "instructions/FLOP")
+            if loop_ipf:
+                metrics["instructions_vs_reference_loop"] = float(np.median(counts[name]) / flops[name] / loop_ipf)
+        yield Record("native_bench", f"ratios/{name}", "measure", figures=figures, metrics=metrics,
+                     work={"flops": flops[name], "flop_count": flop_count(name, blas),
                            "timer": f"numpy on this host, around {repeat} product(s) per call, per product"
-                           if name in blas
-                           else "the program's own clocks on the device, around the kernel call",
+                           if name in blas else "the host's thread clock around the torch call"
+                           if name.startswith("torch") else "the program's own clocks on the device, around the kernel call",
                            **({"reference": blas[name]} if name in blas else {})},
                      params=params | {"kernel": name}, evidence=evidence.get(name, []))
 
-    def ratio(top: str, bottom: str, clock: str) -> Figure:
-        """rate(top) / rate(bottom), one per repetition: the two ran in the same repetition."""
-        per_rep = [(flops[top] / t) / (flops[bottom] / u)
-                   for t, u in zip(timed.samples[top][clock], timed.samples[bottom][clock])]
+    def ratio(top: str, bottom: str, clock: str, of_time: bool) -> Figure:
+        """Per repetition, of the two variants run in it: rate(top) / rate(bottom), or time(top) /
+        time(bottom) (of_time: how much of the other's time the kernel takes)."""
+        pairs = zip(timed.samples[top][clock], timed.samples[bottom][clock])
+        per_rep = [t / u if of_time else (flops[top] / t) / (flops[bottom] / u) for t, u in pairs]
         return Figure.of(per_rep, "x")
 
-    pairs = [(f"attention keys={keys[-1]}", f"attention keys={keys[0]}", KEYS_TARGET,
-              f"chunk attention GFLOP/s at {keys[-1]} keys over {keys[0]} keys")]
+    # (top, bottom, target, at most?, what)
+    pairs = [(f"attention keys={keys[-1]}", f"attention keys={keys[0]}", KEYS_TARGET, False,
+              f"chunk attention GFLOP/s at {keys[-1]} keys over {keys[0]} keys (issue 14)")]
     spin = None
     if here:
-        pairs.append(("gdn chunkwise", "sgemm", SGEMM_TARGET,
-                      f"GDN chunkwise GFLOP/s (work really done) over numpy sgemm's ({blas['sgemm']['internal_api']}), "
-                      f"both on {cfg.threads} thread(s)"))
+        library = f"numpy sgemm's ({blas['sgemm']['internal_api']})"
+        pairs += [(f"attention keys={n}", "sgemm", ATTENTION_TARGET, False,
+                   f"chunk attention GFLOP/s at {n} keys over {library}") for n in keys]
+        for tokens, kda in gdn_cases:
+            case = _gdn_name(tokens, kda)
+            pairs.append((f"gdn chunkwise {case}", "sgemm", SGEMM_TARGET, False,
+                          f"GDN chunkwise GFLOP/s (work really done, gdn_chunkwise_flops) over {library}"))
+            if ggml:
+                pairs.append((f"gdn chunkwise {case}", f"ggml {case}", GGML_KDA_TARGET if kda else GGML_TARGET, True,
+                              "GDN chunkwise's time over ggml's CPU GATED_DELTA_NET's (tb_ggml_gdn), same inputs"))
+            if torch_ref and not kda:
+                pairs.append((f"gdn chunkwise {case}", f"torch {case}", torch_target(tokens), True,
+                              "GDN chunkwise's time over transformers' torch_chunk_gated_delta_rule's, same inputs"))
+        pairs.append(("gemm", "sgemm", None, False, f"tb_gemm at {r.gemm}^3 over {library} at {r.sgemm}^3"))
         cpu_1 = timed.figures[SGEMM_1 if cfg.threads > 1 else "sgemm"]["cpu"].median
         spin = blas_reference.spinning(timed.figures["sgemm"]["cpu"].median, cpu_1, cfg.threads)
         why = blas_reference.refusal(spin, cfg.threads)
         if why:
-            ctx.progress(f"native_bench ratios: gdn chunkwise vs sgemm: {why}")
-    for top, bottom, target, what in pairs:
-        wall, cpu = ratio(top, bottom, "wall"), ratio(top, bottom, "cpu")
+            ctx.progress(f"native_bench ratios: vs sgemm: {why}")
+    pairs += [(name[:-len(ONE)], name, THREADS_TARGET, True,
+               f"the call's time on {cfg.threads} threads over its time on one: by the CPU clock, what the threads "
+               f"cost beyond the work (the pool's wake-ups, the split); by the wall clock, the speed-up")
+              for name in variants if name.endswith(ONE)]
+    for top, bottom, target, at_most, text in pairs:
+        wall, cpu = ratio(top, bottom, "wall", at_most), ratio(top, bottom, "cpu", at_most)
         library = bottom == "sgemm"
+        medians = {"cpu": cpu.median, "wall": wall.median}
+        if target is None:
+            metrics = {"target": None}
+        elif at_most:
+            metrics = {"target": target, "target_is": "at most",
+                       **{f"meets_target_{clock}": bool(x <= target) for clock, x in medians.items()},
+                       "short_by_cpu": None if cpu.median <= target else float(cpu.median / target)}
+        else:
+            metrics = blas_reference.judge(target, medians, spin if library else None, cfg.threads) | {
+                "target_is": "at least"}
         yield Record("native_bench", f"ratios/{top} vs {bottom}", "measure",
-                     figures={"ratio": wall, "ratio_cpu": cpu},
-                     metrics=blas_reference.judge(target, {"cpu": cpu.median, "wall": wall.median},
-                                                  spin if library else None, cfg.threads),
-                     work={"what": what, "ratio": "per repetition, of the two variants run in it; median, min, max",
+                     figures={"ratio": wall, "ratio_cpu": cpu}, metrics=metrics,
+                     work={"what": text, "ratio": "per repetition, of the two variants run in it; median, min, max",
                            **({"reference": blas["sgemm"]} if library else {})},
                      params=params | {"kernel": "ratio", "top": top, "bottom": bottom},
                      # the ratio is of the device's own clocks: the evidence of the two runs it divides
                      evidence=evidence.get(top, [])[-1:] + evidence.get(bottom, [])[-1:])
+    for name, note in (("ggml", ggml_note), ("torch", torch_note)):
+        if note and here:
+            yield Record("native_bench", f"ratios/{name} reference", "measure", figures={},
+                         metrics={"reference_missing": note}, params=params | {"kernel": f"{name} reference"})
+
+
+def flop_count(name: str, blas: dict) -> str:
+    if name.startswith(("gdn", "ggml", "torch")):
+        return ("gdn_chunkwise_flops: the work the chunkwise form really does (GDN chunkwise at its chunk, ggml and "
+                "torch at torch's chunk 64: a common yardstick; their ratios are of times)")
+    if name in blas or name.startswith("gemm"):
+        return "2 n^3"
+    return "4 heads rows keys head_dim (q k^T and p v)"
+
+
+def torch_run(name: str, torch_ref, x, chunk: int, threads: int, outputs: dict):
+    """A variant timing transformers' torch_chunk_gated_delta_rule on x by this thread's CPU clock
+    (torch's intra-op threads: `threads`), its outputs in refimpl's layout (the state transposed)."""
+    torch, fn = torch_ref
+    q, k, v, g, beta, state = (torch.from_numpy(np.ascontiguousarray(arr)) for arr in x.arrays())
+    initial = state.transpose(-1, -2).contiguous()
+
+    def run() -> dict[str, float]:
+        torch.set_num_threads(threads)
+        cpu = time.thread_time if threads == 1 else time.process_time
+        wall0, cpu0 = time.perf_counter(), cpu()
+        with torch.no_grad():
+            out, final = fn(q, k, v, g, beta, chunk_size=chunk, initial_state=initial, output_final_state=True)
+        seconds = {"wall": time.perf_counter() - wall0, "cpu": cpu() - cpu0}
+        outputs[name] = {"out": out.numpy(), "state": final.transpose(-1, -2).contiguous().numpy()}
+        return seconds
+    return run
 
 
 def view(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for _, r in df[df["kind"] == "measure"].iterrows():
-        if r.get("params.kernel") == "ratio":
-            refused = r.get("metrics.target_refused")
+        if r.get("params.kernel") == "ratio" or str(r.get("params.kernel")).endswith(" reference"):
+            note = r.get("metrics.target_refused")
+            note = note if isinstance(note, str) else r.get("metrics.reference_missing")
+            target = r.get("metrics.target")
             rows.append({"device": r["device"], "case": r["case"], "threads": r.get("params.threads"),
+                         "fused": r.get("params.fused"),
                          "ratio (CPU)": r.get("figures.ratio_cpu.median"),
+                         "min": r.get("figures.ratio_cpu.min"), "max": r.get("figures.ratio_cpu.max"),
                          "ratio (wall)": r.get("figures.ratio.median"),
-                         "target": r.get("metrics.target"),
+                         "target": None if target is None or target != target
+                         else f"{'<=' if r.get('metrics.target_is') == 'at most' else '>='} {target}",
                          "meets (CPU)": r.get("metrics.meets_target_cpu"),
                          "reference CPU / 1 thread": r.get("metrics.reference_cpu_over_1thread"),
-                         "note": refused if isinstance(refused, str) else None})
+                         "note": note if isinstance(note, str) else None})
             continue
         is_cache = r.get("params.kernel") == "sliding_cache"
         rows.append({"device": r["device"], "case": r["case"], "threads": r.get("params.threads"),
+                     "fused": r.get("params.fused"),
                      "time": r.get("figures.time.median"), "unit": r.get("figures.time.unit"),
                      "GFLOP/s": None if is_cache else r.get("figures.gflops.median"),
                      "GFLOP/s (CPU)": r.get("figures.gflops_cpu.median"), "wall / CPU": r.get("metrics.wall_over_cpu"),
                      "x decode": None if is_cache else r.get("metrics.speedup_vs_decode"),
                      "outside kernel ms": None if is_cache else r.get("figures.outside_kernel.median"),
                      "GB/s": r.get("figures.bandwidth.median"),
+                     "instructions / FLOP": r.get("figures.instructions_per_flop.median"),
+                     "vs reference loop": r.get("metrics.instructions_vs_reference_loop"),
                      "rollback / decode step": r.get("metrics.rollback_vs_decode_step") if is_cache else None,
                      "samples": tables.samples(r)})
     return pd.DataFrame(rows)

@@ -44,7 +44,8 @@ else:
     ROOT = Path.cwd()
     KERNELS_DIR = _PACKAGE / "_shipped" / "kernels"
 LIBRARY_NAME = "_tb_kernels"
-PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench", "tb_model_bench", "tb_hybrid_bench")
+PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench", "tb_model_bench", "tb_hybrid_bench",
+            "tb_gemm_bench")
 TARGETS = ("host", "arm32", "aarch64", "hexagon")
 TOOLCHAINS = ("gnu", "zig", "ndk")
 # A device profile's ABI -> the programs' build target (the host profile's ABI is "host").

@@ -120,9 +120,10 @@ def model_args(cfg: gemma.GemmaConfig, dtype: str = "f32", group: int = 32) -> l
 # --- running the program -------------------------------------------------------------------------------
 
 
-def program_for(device: Device) -> Path:
-    """The engine program built for the device's ABI (cached by content hash)."""
-    return kernel_build.build_programs(kernel_build.target_for_abi(device.profile.abi)) / PROGRAM
+def program_for(device: Device, fused: bool = False) -> Path:
+    """The engine program built for the device's ABI (cached by content hash); fused: the FMA build
+    (faster, judged by tolerance; the default unfused build is bit-exact across targets)."""
+    return kernel_build.build_programs(kernel_build.target_for_abi(device.profile.abi), fused=fused) / PROGRAM
 
 
 def _run(device: Device, cfg: gemma.GemmaConfig, w: dict, tokens, args: list[str], outputs: list[str] | dict[str, tuple],
@@ -159,13 +160,15 @@ class ChunkRun:
 
 def chunk_prefill(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, case, *, weights_dtype: str = "f32",
                   group: int = 32, threads: int = 1, warmup: int = 0, reps: int = 1, reference: bool = False,
-                  program: Path | None = None) -> ChunkRun:
+                  program: Path | None = None, cold_mb: int = 0) -> ChunkRun:
     """Run a chunk-prefill case (testbed.token_oracle.TokenCase) on the device. `w`: float32 weights,
     exported in weights_dtype. reps > 1 times a chunk call and a decode step interleaved (and, with
-    `reference`, this run's sgemm and streaming-read rates)."""
+    `reference`, this run's sgemm and streaming-read rates); cold_mb > 0: the caches evicted before
+    each timed decode step (that many MiB written and read)."""
     tokens = np.asarray(prompt, np.int64)[: case.past + case.tokens]
     args = ["mode=chunk", f"past={case.past}", f"tokens={case.tokens}", f"chunk={case.chunk}", f"threads={threads}",
-            f"warmup={warmup}", f"reps={reps}", f"reference={int(reference)}"]
+            f"warmup={warmup}", f"reps={reps}", f"reference={int(reference)}"] + (
+                [f"cold_mb={cold_mb}"] if cold_mb else [])
     kv = (cfg.layers, cfg.kv_heads, None, cfg.head_dim)
     outputs = {"chunk_logits": (case.calls, cfg.vocab), "k": kv, "v": kv, "decode_logits": (cfg.vocab,)}
     result, evidence = _run(device, cfg, w, tokens, args, outputs, weights_dtype, group, program, measured=reps > 1)

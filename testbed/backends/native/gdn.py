@@ -21,6 +21,12 @@ from testbed.results import Figure
 INPUTS = ("q", "k", "v", "g", "beta", "state")
 
 
+def auto_chunk(head_size: int) -> int:
+    """The chunk tb_gdn_chunkwise takes for chunk=auto (kernels' tb_gdn_auto_chunk: the size measured
+    fastest for the head size); tb_gdn_bench records the chunk it used, which callers check."""
+    return 16 if head_size <= 64 else 32
+
+
 class NativeGDN:
     def __init__(self, device: Device, head_map: str = "tiled", threads: int = 1, progress=lambda msg: None):
         target = target_for_abi(device.profile.abi)
@@ -44,6 +50,7 @@ class NativeGDN:
         self.evidence.add(result.evidence)
         self.artifacts["program_sha256"] = result.evidence.sha256
         self.artifacts["vector_path"] = result.timings.get("vector_path")
+        self.artifacts["gemm_isa"] = result.timings.get("gemm_isa")
         self.artifacts["kernels_source_hash"] = result.timings.get("source_hash")
         return result
 

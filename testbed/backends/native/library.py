@@ -66,6 +66,7 @@ def load_library(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.tb_source_hash.restype = ctypes.c_char_p
     lib.tb_vector_path.restype = ctypes.c_char_p
+    lib.tb_gemm_isa.restype = ctypes.c_char_p
     gdn_args = [ctypes.POINTER(_GDNShape)] + [_F32P] * 8
     lib.tb_gdn_serial.argtypes = gdn_args + [ctypes.c_int]
     lib.tb_gdn_chunkwise.argtypes = gdn_args + [ctypes.c_int, ctypes.c_int]
@@ -96,9 +97,17 @@ def library() -> ctypes.CDLL:
 
 
 def build_info() -> dict:
-    """What artifact records name: the library's source hash and vector path."""
+    """What artifact records name: the library's source hash, vector path (element-wise code, fixed
+    at build time) and the matrix products' micro-kernel (chosen at run time by CPUID, or forced by
+    TB_ISA, whose value is recorded beside it when set)."""
+    import os
+
     lib = library()
-    return {"kernels_source_hash": lib.tb_source_hash().decode(), "vector_path": lib.tb_vector_path().decode()}
+    info = {"kernels_source_hash": lib.tb_source_hash().decode(), "vector_path": lib.tb_vector_path().decode(),
+            "gemm_isa": lib.tb_gemm_isa().decode()}
+    if os.environ.get("TB_ISA"):
+        info["gemm_isa_forced"] = os.environ["TB_ISA"]
+    return info
 
 
 def _check(rc: int, what: str) -> None:

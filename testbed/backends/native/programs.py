@@ -9,6 +9,7 @@ the timings JSON. Timings under emulation are only a sign of life, never a devic
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -32,8 +33,9 @@ def emulator_missing(target: str) -> str | None:
 
 
 def run_program(programs: Path, target: str, name: str, inputs: dict[str, np.ndarray], args: dict,
-                timeout: float = 120.0) -> tuple[dict[str, np.ndarray], dict]:
-    """Run programs/NAME on `inputs`; returns ({output name: array}, timings)."""
+                timeout: float = 120.0, env: dict[str, str] | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """Run programs/NAME on `inputs`; returns ({output name: array}, timings). env: variables added to
+    this process's environment for the program (TB_ISA=avx2 forces the matrix products' kernel)."""
     with tempfile.TemporaryDirectory(prefix="tb-native-") as tmp:
         in_dir, out_dir = Path(tmp, "in"), Path(tmp, "out")
         in_dir.mkdir(), out_dir.mkdir()
@@ -41,7 +43,8 @@ def run_program(programs: Path, target: str, name: str, inputs: dict[str, np.nda
             np.save(in_dir / f"{key}.npy", np.ascontiguousarray(a))
         argv = [*EMULATORS[target], str(programs / name), str(in_dir), str(out_dir),
                 *(f"{k}={v}" for k, v in args.items())]
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, **env} if env else None)
         if p.returncode != 0:
             raise ProgramError(f"{name} ({target}) exited {p.returncode}: {p.stderr.strip()[-300:]}")
         timings = json.loads((out_dir / "timings.json").read_text())
@@ -49,18 +52,30 @@ def run_program(programs: Path, target: str, name: str, inputs: dict[str, np.nda
     return outputs, timings
 
 
-def gdn(programs: Path, target: str, x, form: str, chunk: int = 64, head_map: str = "tiled", **args):
+def gdn(programs: Path, target: str, x, form: str, chunk: int = 64, head_map: str = "tiled", env=None, **args):
     """refimpl.gdn inputs (GDNInputs) -> (out, state, timings) from tb_gdn_bench."""
     names = ("q", "k", "v", "g", "beta", "state")
     outputs, timings = run_program(programs, target, "tb_gdn_bench", dict(zip(names, x.arrays())),
-                                   {"form": form, "chunk": chunk, "head_map": head_map, **args})
+                                   {"form": form, "chunk": chunk, "head_map": head_map, **args}, env=env)
     return outputs["out"], outputs["state"], timings
 
 
-def attention(programs: Path, target: str, q, k, v, mask, scale: float, **args):
+def attention(programs: Path, target: str, q, k, v, mask, scale: float, env=None, **args):
     outputs, timings = run_program(programs, target, "tb_attention_bench",
-                                   {"q": q, "k": k, "v": v, "mask": mask}, {"scale": repr(float(scale)), **args})
+                                   {"q": q, "k": k, "v": v, "mask": mask}, {"scale": repr(float(scale)), **args},
+                                   env=env)
     return outputs["out"], timings
+
+
+def gemm(programs: Path, target: str, a, b, c, form: str = "gemm", trans: bool = False, accumulate: bool = False,
+         lower: bool = False, transa: bool = False, env=None, **args):
+    """C = (accumulate ? c : 0) + a b (a given as [K, M] when transa, b as [N, K] when trans) from
+    tb_gemm_bench -> (c, timings)."""
+    outputs, timings = run_program(programs, target, "tb_gemm_bench", {"a": a, "b": b, "c": c},
+                                   {"form": form, "trans": int(trans), "transa": int(transa),
+                                    "accumulate": int(accumulate),
+                                    "lower": int(lower), **args}, env=env)
+    return outputs["c"], timings
 
 
 def cache_ops(programs: Path, target: str, cache: np.ndarray, rows: np.ndarray, count: int, sink: int, n_pad: int,

@@ -1,0 +1,364 @@
+/* tb_gemm (tb_gemm.h): the blocked driver, the choice of micro-kernel, and the portable and NEON
+ * micro-kernels. The x86 micro-kernels are in gemm_avx2.c and gemm_avx512.c. */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tb_gemm.h"
+#include "tb_simd.h"
+
+/* KC: the inner-index block (a B panel of KC x NR stays in L1 while the row tiles pass over it);
+ * NC: the column block (the packed KC x NC block of B stays in L2). */
+#ifndef KC
+#define KC 256
+#endif
+#ifndef NC
+#define NC 1024
+#endif
+/* A row-major B is read in place (not packed) by products of at most DIRECT_ROWS rows, unless its
+ * rows are a multiple of 4 KiB apart (its panels would then crowd a few cache sets). */
+#ifndef DIRECT_ROWS
+#define DIRECT_ROWS 32
+#endif
+
+/* --- portable micro-kernel: 4 x 8 over `vf` (SSE2 on a portable x86-64 build, plain C elsewhere) --- */
+
+#define S_MR 4
+#define S_NR VF_LANES
+
+static inline void body_scalar(int kc, const float *a, ptrdiff_t ars, ptrdiff_t aks, const float *b, ptrdiff_t ldb,
+                               float *c, ptrdiff_t ldc, int load) {
+    vf t0 = load ? vf_load(c) : vf_zero(), t1 = load ? vf_load(c + ldc) : vf_zero();
+    vf t2 = load ? vf_load(c + 2 * ldc) : vf_zero(), t3 = load ? vf_load(c + 3 * ldc) : vf_zero();
+    for (int k = 0; k < kc; k++) {
+        const vf bk = vf_load(b + k * ldb);
+        const float *ak = a + k * aks;
+        t0 = vf_madd(vf_set1(ak[0]), bk, t0);
+        t1 = vf_madd(vf_set1(ak[ars]), bk, t1);
+        t2 = vf_madd(vf_set1(ak[2 * ars]), bk, t2);
+        t3 = vf_madd(vf_set1(ak[3 * ars]), bk, t3);
+    }
+    vf_store(c, t0), vf_store(c + ldc, t1), vf_store(c + 2 * ldc, t2), vf_store(c + 3 * ldc, t3);
+}
+
+static void kernel_scalar(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                          ptrdiff_t ldc, int load) {
+    body_scalar(kc, a, lda, 1, b, ldb, c, ldc, load);
+}
+
+static void kernel_scalar_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                             ptrdiff_t ldc, int load) {
+    body_scalar(kc, a, 1, lda, b, ldb, c, ldc, load);
+}
+
+static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : "portable", S_MR, S_NR,
+                                               kernel_scalar, kernel_scalar_at, NULL};
+
+/* --- NEON micro-kernels: 8 x 8 on aarch64 (32 registers), 4 x 8 on armv7 (16) -------------------- */
+
+#if defined(TB_NEON)
+#if defined(__aarch64__)
+#define N_MR 8
+/* c += b * a[lane]: one rounding with FMA (fused builds), else a multiply and an add */
+#if TB_MADD_FUSED
+#define MADD_LANE(c, b, a4, lane) ((c) = vfmaq_laneq_f32((c), (b), (a4), (lane)))
+#else
+#define MADD_LANE(c, b, a4, lane) ((c) = vaddq_f32(vmulq_laneq_f32((b), (a4), (lane)), (c)))
+#endif
+#else
+#define N_MR 4
+/* armv7: VMLA is the unfused multiply-accumulate (the product rounded, then added: the bits of a
+ * multiply and an add), one instruction; VFMA where the build fuses and the FPU has it (VFPv4). */
+#define LANE2(a4, lane) ((lane) < 2 ? vget_low_f32(a4) : vget_high_f32(a4))
+#if TB_MADD_FUSED
+#define MADD_LANE(c, b, a4, lane) ((c) = vfmaq_f32((c), (b), vdupq_n_f32(vgetq_lane_f32((a4), (lane)))))
+#else
+#define MADD_LANE(c, b, a4, lane) ((c) = vmlaq_lane_f32((c), (b), LANE2((a4), (lane)), (lane) & 1))
+#endif
+#endif
+#define N_NR 8
+
+static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
+                        int load) {
+    float32x4_t t[N_MR][2];
+    for (int r = 0; r < N_MR; r++) {
+        t[r][0] = load ? vld1q_f32(c + r * ldc) : vdupq_n_f32(0.0f);
+        t[r][1] = load ? vld1q_f32(c + r * ldc + 4) : vdupq_n_f32(0.0f);
+    }
+    int k = 0;
+    /* four steps of k at a time: each row's four A values in one register, used by lane */
+    for (; k + 4 <= kc; k += 4) {
+        float32x4_t a4[N_MR];
+        for (int r = 0; r < N_MR; r++) a4[r] = vld1q_f32(a + r * lda + k);
+#define STEP(lane)                                                                                              \
+    do {                                                                                                        \
+        const float32x4_t b0 = vld1q_f32(b + (k + (lane)) * ldb), b1 = vld1q_f32(b + (k + (lane)) * ldb + 4); \
+        for (int r = 0; r < N_MR; r++) {                                                                        \
+            MADD_LANE(t[r][0], b0, a4[r], lane);                                                                \
+            MADD_LANE(t[r][1], b1, a4[r], lane);                                                                \
+        }                                                                                                       \
+    } while (0)
+        STEP(0);
+        STEP(1);
+        STEP(2);
+        STEP(3);
+#undef STEP
+    }
+    for (; k < kc; k++) {
+        const float32x4_t b0 = vld1q_f32(b + k * ldb), b1 = vld1q_f32(b + k * ldb + 4);
+        for (int r = 0; r < N_MR; r++) {
+            const float32x4_t a4 = vdupq_n_f32(a[r * lda + k]);
+            MADD_LANE(t[r][0], b0, a4, 0);
+            MADD_LANE(t[r][1], b1, a4, 0);
+        }
+    }
+    for (int r = 0; r < N_MR; r++) {
+        vst1q_f32(c + r * ldc, t[r][0]);
+        vst1q_f32(c + r * ldc + 4, t[r][1]);
+    }
+}
+
+/* A transposed: the N_MR values of step k are contiguous, one or two registers used by lane */
+static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                           ptrdiff_t ldc, int load) {
+    float32x4_t t[N_MR][2];
+    for (int r = 0; r < N_MR; r++) {
+        t[r][0] = load ? vld1q_f32(c + r * ldc) : vdupq_n_f32(0.0f);
+        t[r][1] = load ? vld1q_f32(c + r * ldc + 4) : vdupq_n_f32(0.0f);
+    }
+    for (int k = 0; k < kc; k++) {
+        const float32x4_t b0 = vld1q_f32(b + k * ldb), b1 = vld1q_f32(b + k * ldb + 4);
+        for (int q = 0; q < N_MR / 4; q++) {
+            const float32x4_t a4 = vld1q_f32(a + k * lda + 4 * q);
+            MADD_LANE(t[4 * q][0], b0, a4, 0), MADD_LANE(t[4 * q][1], b1, a4, 0);
+            MADD_LANE(t[4 * q + 1][0], b0, a4, 1), MADD_LANE(t[4 * q + 1][1], b1, a4, 1);
+            MADD_LANE(t[4 * q + 2][0], b0, a4, 2), MADD_LANE(t[4 * q + 2][1], b1, a4, 2);
+            MADD_LANE(t[4 * q + 3][0], b0, a4, 3), MADD_LANE(t[4 * q + 3][1], b1, a4, 3);
+        }
+    }
+    for (int r = 0; r < N_MR; r++) {
+        vst1q_f32(c + r * ldc, t[r][0]);
+        vst1q_f32(c + r * ldc + 4, t[r][1]);
+    }
+}
+
+static const tb_gemm_kernels neon_kernels = {TB_MADD_FUSED ? "neon-fma" : "neon", N_MR, N_NR, kernel_neon,
+                                             kernel_neon_at, NULL};
+#endif
+
+/* --- the choice of micro-kernel ------------------------------------------------------------------- */
+
+static const tb_gemm_kernels *chosen;
+static pthread_once_t chosen_once = PTHREAD_ONCE_INIT;
+
+#if !(defined(__x86_64__) && defined(__AVX512F__))
+const tb_gemm_kernels *tb_gemm_avx512_kernels(void) { return NULL; }
+#endif
+#if !(defined(__x86_64__) && defined(__AVX2__))
+const tb_gemm_kernels *tb_gemm_avx2_kernels(void) { return NULL; }
+#endif
+
+/* The widest micro-kernel the build's flags compiled in, or the one TB_ISA names (when compiled in;
+ * else the widest below it). Which build runs on which CPU is decided when it is loaded: the host
+ * library is built once per x86-64 level and the loader takes the best one the CPU has
+ * (testbed.backends.native.build.library_variants), the programs are built for the machine that runs
+ * them, and ARM and Hexagon builds are for their target. So nothing here asks the CPU. */
+static void choose(void) {
+    const char *want = getenv("TB_ISA");
+    int rank = 3; /* 3 avx512, 2 avx2, 1 neon, 0 portable (TB_ISA=scalar or portable) */
+    if (want && !strcmp(want, "avx2")) rank = 2;
+    else if (want && !strcmp(want, "neon")) rank = 1;
+    else if (want && (!strcmp(want, "scalar") || !strcmp(want, "portable"))) rank = 0;
+    chosen = &scalar_kernels;
+#if defined(__x86_64__)
+    const tb_gemm_kernels *k512 = tb_gemm_avx512_kernels(), *k2 = tb_gemm_avx2_kernels();
+    if (rank >= 3 && k512) chosen = k512;
+    else if (rank >= 2 && k2) chosen = k2;
+#elif defined(TB_NEON)
+    if (rank >= 1) chosen = &neon_kernels;
+#else
+    (void)rank; /* the portable kernel is all there is */
+#endif
+}
+
+static const tb_gemm_kernels *kernels(void) {
+    pthread_once(&chosen_once, choose);
+    return chosen;
+}
+
+const char *tb_gemm_isa(void) { return kernels()->name; }
+
+/* --- scratch: per thread and slot, grown as needed, kept, freed when the thread ends ----------------- */
+
+#define SCRATCH_SLOTS 2
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+typedef struct {
+    size_t cap[SCRATCH_SLOTS];
+    float *p[SCRATCH_SLOTS];
+} scratch_bufs;
+
+static void scratch_free(void *p) {
+    scratch_bufs *s = p;
+    for (int i = 0; i < SCRATCH_SLOTS; i++) free(s->p[i]);
+    free(s);
+}
+static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_free); }
+
+float *tb_thread_scratch(int slot, size_t floats) {
+    pthread_once(&scratch_once, scratch_init);
+    scratch_bufs *s = pthread_getspecific(scratch_key);
+    if (!s) {
+        if (!(s = calloc(1, sizeof *s))) return NULL;
+        pthread_setspecific(scratch_key, s);
+    }
+    if (s->cap[slot] < floats) {
+        free(s->p[slot]);
+        /* 64-byte aligned: packed panels are read by full-vector loads */
+        if (posix_memalign((void **)&s->p[slot], 64, sizeof(float) * floats)) s->p[slot] = NULL, s->cap[slot] = 0;
+        else s->cap[slot] = floats;
+    }
+    return s->p[slot];
+}
+
+static float *scratch(size_t floats) { return tb_thread_scratch(TB_SCRATCH_GEMM, floats); }
+
+/* --- packing ---------------------------------------------------------------------------------------- */
+
+/* kc x nc of B from (k0, n0) into a kc x nr panel dst[k * nr + j], zeros for j >= nc. */
+static void pack_panel(const tb_gemm_kernels *kr, const tb_gemm_b *B, int k0, int kc, int n0, int nc, float *dst,
+                       float *tmp) {
+    const int nr = kr->nr;
+    if (B->rows) { /* the caller's columns as float rows, then transposed into the panel */
+        B->rows(B, n0, nc, k0, kc, tmp);
+        if (kr->pack_t) {
+            kr->pack_t(kc, nc, tmp, kc, dst);
+            return;
+        }
+        for (int k = 0; k < kc; k++) {
+            for (int j = 0; j < nc; j++) dst[k * nr + j] = tmp[(size_t)j * kc + k];
+            for (int j = nc; j < nr; j++) dst[k * nr + j] = 0.0f;
+        }
+        return;
+    }
+    const float *src = B->p + k0 * B->rs + n0 * B->cs;
+    if (B->cs == 1) {
+        for (int k = 0; k < kc; k++) {
+            memcpy(dst + (size_t)k * nr, src + k * B->rs, sizeof(float) * (size_t)nc);
+            memset(dst + (size_t)k * nr + nc, 0, sizeof(float) * (size_t)(nr - nc));
+        }
+    } else if (B->rs == 1 && kr->pack_t) {
+        kr->pack_t(kc, nc, src, B->cs, dst);
+    } else {
+        for (int k = 0; k < kc; k++) {
+            for (int j = 0; j < nc; j++) dst[k * nr + j] = src[k * B->rs + j * B->cs];
+            for (int j = nc; j < nr; j++) dst[k * nr + j] = 0.0f;
+        }
+    }
+}
+
+/* --- the driver --------------------------------------------------------------------------------------- */
+
+/* The driver; at: A given transposed (A[i][k] at A[k * lda + i]). */
+static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_gemm_b *B, float *C, int ldc,
+                 int accumulate, int lower) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {
+        if (!accumulate)
+            for (int i = 0; i < M; i++) memset(C + (size_t)i * ldc, 0, sizeof(float) * (size_t)N);
+        return;
+    }
+    const tb_gemm_kernels *kr = kernels();
+    const int mr = kr->mr, nr = kr->nr;
+    const int kcb = K < KC ? K : KC, ncb = N < NC ? N : NC, panels = (ncb + nr - 1) / nr;
+    /* A row-major B is read in place when few row tiles pass over it (packing would cost as much as
+     * the product); a transposed or dequantised one is always packed. */
+    const int direct = !B->rows && B->cs == 1 && (M <= 2 * mr || (M <= DIRECT_ROWS && (B->rs * sizeof(float)) % 4096 != 0));
+    const size_t pack_floats = direct ? (size_t)kcb * nr : (size_t)kcb * nr * panels;
+    float *buf = scratch(pack_floats + (size_t)mr * kcb + (size_t)mr * nr + (B->rows ? (size_t)nr * kcb : 0) + 16);
+    if (!buf) abort(); /* a few hundred KiB per thread; nothing sensible to return to a void caller */
+    float *bpack = buf, *apad = bpack + pack_floats, *ctile = apad + (size_t)mr * kcb, *tmp = ctile + (size_t)mr * nr;
+
+    for (int jc = 0; jc < N; jc += NC) {
+        const int nc = N - jc < NC ? N - jc : NC;
+        for (int pc = 0; pc < K; pc += KC) {
+            const int kc = K - pc < KC ? K - pc : KC;
+            const int load = accumulate || pc > 0;
+            if (!direct && !B->rows && B->cs == 1) { /* row-major B: read along its rows, once */
+                const float *src = B->p + pc * B->rs + jc;
+                for (int k = 0; k < kc; k++) {
+                    int p = 0;
+                    for (; (p + 1) * nr <= nc; p++)
+                        memcpy(bpack + ((size_t)p * kc + k) * nr, src + k * B->rs + p * nr, sizeof(float) * (size_t)nr);
+                    if (p * nr < nc) {
+                        float *d = bpack + ((size_t)p * kc + k) * nr;
+                        memcpy(d, src + k * B->rs + p * nr, sizeof(float) * (size_t)(nc - p * nr));
+                        memset(d + (nc - p * nr), 0, sizeof(float) * (size_t)((p + 1) * nr - nc));
+                    }
+                }
+            } else if (!direct) {
+                for (int p = 0; p * nr < nc; p++)
+                    pack_panel(kr, B, pc, kc, jc + p * nr, nc - p * nr < nr ? nc - p * nr : nr,
+                               bpack + (size_t)p * kc * nr, tmp);
+            }
+            for (int jr = 0; jr < nc; jr += nr) {
+                const int cols = nc - jr < nr ? nc - jr : nr;
+                const float *bp;
+                ptrdiff_t ldb;
+                if (!direct) {
+                    bp = bpack + (size_t)(jr / nr) * kc * nr, ldb = nr;
+                } else if (cols == nr) {
+                    bp = B->p + pc * B->rs + jc + jr, ldb = B->rs;
+                } else {
+                    pack_panel(kr, B, pc, kc, jc + jr, cols, bpack, tmp);
+                    bp = bpack, ldb = nr;
+                }
+                for (int i0 = 0; i0 < M; i0 += mr) {
+                    const int rows = M - i0 < mr ? M - i0 : mr;
+                    int keff = kc;
+                    if (lower) {
+                        const int kend = i0 + rows; /* row i needs k <= i */
+                        if (kend <= pc) continue; /* nothing in this block: C keeps its chain (load = 1 here) */
+                        if (kend - pc < keff) keff = kend - pc;
+                    }
+                    const float *ap = at ? A + (size_t)pc * lda + i0 : A + (size_t)i0 * lda + pc;
+                    ptrdiff_t la = lda;
+                    int tr = at;
+                    if (rows < mr) { /* the missing rows as zeros, row-major */
+                        for (int r = 0; r < mr; r++) {
+                            float *row = apad + (size_t)r * keff;
+                            if (r >= rows) memset(row, 0, sizeof(float) * (size_t)keff);
+                            else if (!at) memcpy(row, ap + (size_t)r * lda, sizeof(float) * (size_t)keff);
+                            else
+                                for (int k = 0; k < keff; k++) row[k] = ap[(size_t)k * lda + r];
+                        }
+                        ap = apad, la = keff, tr = 0;
+                    }
+                    void (*const kernel)(int, const float *, ptrdiff_t, const float *, ptrdiff_t, float *, ptrdiff_t,
+                                         int) = tr ? kr->kernel_at : kr->kernel;
+                    float *cp = C + (size_t)i0 * ldc + jc + jr;
+                    if (rows == mr && cols == nr) {
+                        kernel(keff, ap, la, bp, ldb, cp, ldc, load);
+                        continue;
+                    }
+                    for (int r = 0; r < mr; r++)
+                        for (int j = 0; j < nr; j++)
+                            ctile[r * nr + j] = load && r < rows && j < cols ? cp[(size_t)r * ldc + j] : 0.0f;
+                    kernel(keff, ap, la, bp, ldb, ctile, nr, load);
+                    for (int r = 0; r < rows; r++) memcpy(cp + (size_t)r * ldc, ctile + r * nr, sizeof(float) * (size_t)cols);
+                }
+            }
+        }
+    }
+}
+
+void tb_gemm(int M, int N, int K, const float *A, int lda, const tb_gemm_b *B, float *C, int ldc, int accumulate,
+             int lower) {
+    gemm(M, N, K, A, lda, 0, B, C, ldc, accumulate, lower);
+}
+
+void tb_gemm_at(int M, int N, int K, const float *At, int ldat, const tb_gemm_b *B, float *C, int ldc, int accumulate,
+                int lower) {
+    gemm(M, N, K, At, ldat, 1, B, C, ldc, accumulate, lower);
+}
