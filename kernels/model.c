@@ -201,9 +201,78 @@ static void dot8(const float *x, const float *const *w, int n, float *out) {
     }
 }
 
+/* dot8 on weight rows row0..row0+7 of an f16 or int8 matrix as they are stored, each weight converted
+ * in registers (f16: by the rebias, lanes holding zeros, subnormals, infinities or NaNs converted one
+ * by one; int8: q times its group's scale, rounded once; the group a multiple of 8): the values
+ * weight_row writes, summed in dot8's order, so the bits of dot8 on weight_row's rows. The decode step
+ * reads each weight once, at its stored size, and writes nothing. */
+#define PREFETCH_BYTES 512
+static void dot8_stored(const float *x, const tb_matrix *w, int row0, float *out) {
+    const int n = w->cols;
+    vf acc[8];
+    for (int r = 0; r < 8; r++) acc[r] = vf_zero();
+    int i = 0;
+    if (w->dtype == TB_F16) {
+        const uint16_t *h = (const uint16_t *)w->data + (size_t)row0 * n;
+        for (; i + VF_LANES <= n; i += VF_LANES) {
+            const vf xv = vf_load(x + i);
+            if (!(i & 31))
+                for (int r = 0; r < 8; r++) __builtin_prefetch(h + (size_t)r * n + i + PREFETCH_BYTES / 2);
+            for (int r = 0; r < 8; r++) {
+                const uint16_t *hr = h + (size_t)r * n + i;
+                int special;
+                vf wv = vf_from_f16(hr, &special);
+                if (special) {
+                    float t[VF_LANES];
+                    for (int l = 0; l < VF_LANES; l++) t[l] = tb_f16_to_f32(hr[l]);
+                    wv = vf_load(t);
+                }
+                acc[r] = vf_madd(xv, wv, acc[r]);
+            }
+        }
+        for (int r = 0; r < 8; r++) {
+            float s = vf_hsum(acc[r]);
+            for (int k = i; k < n; k++) s = madd1(x[k], tb_f16_to_f32(h[(size_t)r * n + k]), s);
+            out[r] = s;
+        }
+        return;
+    }
+    /* int8: four rows at a time (eight rows' pointers and scale pointers outnumber the registers); each
+     * row's sum is its own, so the order per row is dot8's */
+    const int8_t *q0 = (const int8_t *)w->data + (size_t)row0 * n;
+    const int groups = n / w->group;
+    for (int r0 = 0; r0 < 8; r0 += 4) {
+        const int8_t *q = q0 + (size_t)r0 * n;
+        const float *scales = w->scales + (size_t)(row0 + r0) * groups;
+        for (i = 0; i + VF_LANES <= n; i += VF_LANES) {
+            const vf xv = vf_load(x + i);
+            const int g = i / w->group;
+            if (!(i & 63)) /* a line ahead of each row, every line: narrow streams outrun the prefetchers */
+                for (int r = 0; r < 4; r++) __builtin_prefetch(q + (size_t)r * n + i + PREFETCH_BYTES);
+            for (int r = 0; r < 4; r++)
+                acc[r0 + r] = vf_madd(xv, vf_mul(vf_from_i8(q + (size_t)r * n + i), vf_set1(scales[(size_t)r * groups + g])),
+                                      acc[r0 + r]);
+        }
+    }
+    for (int r = 0; r < 8; r++) {
+        const int8_t *q = q0 + (size_t)r * n;
+        const float *scales = w->scales + (size_t)(row0 + r) * groups;
+        float s = vf_hsum(acc[r]);
+        for (int k = i; k < n; k++) s = madd1(x[k], (float)q[k] * scales[k / w->group], s);
+        out[r] = s;
+    }
+}
+
 static void dot_block(const matmul_call *c, int o0, int nb, float *scratch) {
     const int in = c->w->cols, out = c->w->rows;
     int j = 0;
+    const int stored = c->w->dtype == TB_F16 || (c->w->dtype == TB_INT8 && c->w->group % VF_LANES == 0);
+    for (; stored && j + 8 <= nb; j += 8)
+        for (int r = 0; r < c->rows; r++) {
+            float s[8];
+            dot8_stored(c->x + (size_t)r * in, c->w, o0 + j, s);
+            memcpy(c->y + (size_t)r * out + o0 + j, s, sizeof s);
+        }
     for (; j + 8 <= nb; j += 8) {
         const float *w[8];
         for (int r = 0; r < 8; r++) w[r] = weight_row(c->w, o0 + j + r, scratch + (size_t)r * in);

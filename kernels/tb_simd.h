@@ -81,6 +81,32 @@ static inline vf vf_pow2i(vf n) {
     __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
     return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
 }
+/* 8 binary16 values as float32 by rebiasing, exact for normal numbers; *special: some are zero,
+ * subnormal, infinite or NaN (the caller converts those itself). */
+#if defined(__F16C__)
+/* 8 binary16 values as float32, exactly, every kind of value included (F16C: every AVX2 CPU has it,
+ * it is part of x86-64-v3), so *special is 0. */
+static inline vf vf_from_f16(const uint16_t *p, int *special) {
+    *special = 0;
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+#else
+static inline vf vf_from_f16(const uint16_t *p, int *special) {
+    const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m256i e = _mm256_and_si256(x, _mm256_set1_epi32(0x7c00));
+    const __m256i bad = _mm256_or_si256(_mm256_cmpeq_epi32(e, _mm256_setzero_si256()),
+                                        _mm256_cmpeq_epi32(e, _mm256_set1_epi32(0x7c00)));
+    *special = !_mm256_testz_si256(bad, bad);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x8000)), 16);
+    const __m256i mag = _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fff)), 13),
+                                         _mm256_set1_epi32(112 << 23));
+    return _mm256_castsi256_ps(_mm256_or_si256(sign, mag));
+}
+#endif
+/* 8 int8 values as float32 (exact) */
+static inline vf vf_from_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 #define TB_VECTOR_NAME (TB_MADD_FUSED ? "avx2-fma" : "avx2")
 
 #elif defined(TB_NEON)
@@ -111,6 +137,26 @@ static inline float32x4_t pow2i_q(float32x4_t n) {
     return vreinterpretq_f32_s32(vshlq_n_s32(e, 23));
 }
 static inline vf vf_pow2i(vf n) { vf r = {pow2i_q(n.lo), pow2i_q(n.hi)}; return r; }
+static inline float32x4_t f16_rebias_q(uint32x4_t x, uint32x4_t *bad) {
+    const uint32x4_t e = vandq_u32(x, vdupq_n_u32(0x7c00));
+    *bad = vorrq_u32(*bad, vorrq_u32(vceqq_u32(e, vdupq_n_u32(0)), vceqq_u32(e, vdupq_n_u32(0x7c00))));
+    const uint32x4_t sign = vshlq_n_u32(vandq_u32(x, vdupq_n_u32(0x8000)), 16);
+    const uint32x4_t mag = vaddq_u32(vshlq_n_u32(vandq_u32(x, vdupq_n_u32(0x7fff)), 13), vdupq_n_u32(112u << 23));
+    return vreinterpretq_f32_u32(vorrq_u32(sign, mag));
+}
+static inline vf vf_from_f16(const uint16_t *p, int *special) {
+    const uint16x8_t h = vld1q_u16(p);
+    uint32x4_t bad = vdupq_n_u32(0);
+    vf r = {f16_rebias_q(vmovl_u16(vget_low_u16(h)), &bad), f16_rebias_q(vmovl_u16(vget_high_u16(h)), &bad)};
+    const uint32x2_t folded = vorr_u32(vget_low_u32(bad), vget_high_u32(bad));
+    *special = (vget_lane_u32(folded, 0) | vget_lane_u32(folded, 1)) != 0;
+    return r;
+}
+static inline vf vf_from_i8(const int8_t *p) {
+    const int16x8_t w = vmovl_s8(vld1_s8(p));
+    vf r = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w)))};
+    return r;
+}
 #define TB_VECTOR_NAME (TB_MADD_FUSED ? "neon-fma" : "neon")
 
 #elif defined(TB_SSE2)
@@ -135,6 +181,27 @@ static inline __m128 pow2i_sse(__m128 n) {
     return _mm_castsi128_ps(_mm_slli_epi32(_mm_add_epi32(_mm_cvtps_epi32(n), _mm_set1_epi32(127)), 23));
 }
 static inline vf vf_pow2i(vf n) { vf r = {pow2i_sse(n.lo), pow2i_sse(n.hi)}; return r; }
+static inline __m128 f16_rebias_sse(__m128i x, __m128i *bad) {
+    const __m128i e = _mm_and_si128(x, _mm_set1_epi32(0x7c00));
+    *bad = _mm_or_si128(*bad, _mm_or_si128(_mm_cmpeq_epi32(e, _mm_setzero_si128()), _mm_cmpeq_epi32(e, _mm_set1_epi32(0x7c00))));
+    const __m128i sign = _mm_slli_epi32(_mm_and_si128(x, _mm_set1_epi32(0x8000)), 16);
+    const __m128i mag = _mm_add_epi32(_mm_slli_epi32(_mm_and_si128(x, _mm_set1_epi32(0x7fff)), 13), _mm_set1_epi32(112 << 23));
+    return _mm_castsi128_ps(_mm_or_si128(sign, mag));
+}
+static inline vf vf_from_f16(const uint16_t *p, int *special) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p), zero = _mm_setzero_si128();
+    __m128i bad = zero;
+    vf r = {f16_rebias_sse(_mm_unpacklo_epi16(h, zero), &bad), f16_rebias_sse(_mm_unpackhi_epi16(h, zero), &bad)};
+    *special = _mm_movemask_epi8(bad) != 0;
+    return r;
+}
+static inline vf vf_from_i8(const int8_t *p) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    const __m128i w = _mm_srai_epi16(_mm_unpacklo_epi8(b, b), 8); /* sign-extended to 16 bits */
+    vf r = {_mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpacklo_epi16(w, w), 16)),
+            _mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpackhi_epi16(w, w), 16))};
+    return r;
+}
 #define TB_VECTOR_NAME "sse2"
 
 #else
@@ -158,6 +225,19 @@ static inline vf vf_pow2i(vf n) {
     }
     return r;
 }
+static inline vf vf_from_f16(const uint16_t *p, int *special) {
+    vf r;
+    int bad = 0;
+    for (int l = 0; l < VF_LANES; l++) {
+        const uint32_t x = p[l], e = x & 0x7c00u;
+        const uint32_t bits = ((x & 0x8000u) << 16) | (((x & 0x7fffu) << 13) + (112u << 23));
+        memcpy(&r.x[l], &bits, sizeof bits);
+        bad |= (e == 0) | (e == 0x7c00u);
+    }
+    *special = bad;
+    return r;
+}
+static inline vf vf_from_i8(const int8_t *p) { vf r; VF_MAP((float)p[l]); return r; }
 #define TB_VECTOR_NAME "scalar"
 #endif
 

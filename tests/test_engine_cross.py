@@ -72,3 +72,39 @@ def test_engine_under_qemu_is_bitexact_with_the_host_build(programs, host_runs, 
     if mode == "tail":
         assert timings["telemetry"] == want_timings["telemetry"] and timings["telemetry"]["tail_mode"] == "padded"
         assert timings["vector_path"] != want_timings["vector_path"]  # a NEON build, not the host's code
+
+
+# --- weights stored as f16 / int8: the engine converts them where it reads them (the decode step's dot
+# products in registers, the chunk call's products panel by panel); either way it must compute the bits
+# of float32 weights holding exactly the values they stand for (engine.dequantized). ---------------------
+
+
+def run_chunk(program_dir, weights: dict, dtype: str):
+    path = engine.export_weights(MODEL, weights, dtype, 32)
+    args = dict(a.split("=", 1) for a in [f"weights={path}", *engine.model_args(MODEL, dtype, 32), *RUNS["chunk"],
+                                          "warmup=0", "reps=1"])
+    outputs, _ = native_programs.run_program(program_dir, "host", engine.PROGRAM, {"tokens": PROMPT[:43]}, args,
+                                             timeout=600)
+    return outputs
+
+
+@pytest.mark.parametrize("dtype", ["f16", "int8"])
+def test_stored_weights_give_the_bits_of_their_float32_values(programs, dtype):
+    stored = run_chunk(programs["host"], WEIGHTS, dtype)
+    as_f32 = run_chunk(programs["host"], engine.dequantized(WEIGHTS, dtype, 32), "f32")
+    v = check_bitexact(as_f32, stored)
+    assert v.passed, f"{dtype}: {v.detail}"
+
+
+def test_a_scale_read_from_the_wrong_group_is_caught():
+    """Planted: the decode step's int8 dot products take every input's scale from the row's first group
+    (one scale per row, a plausible slip). The logits move (decode steps and the LM head read the
+    weights that way); the caches do not: a chunk call's layer products dequantise through another path."""
+    from tests.native_support import mutant_program
+
+    mutant = mutant_program("host", "model.c", "const int g = i / w->group;", "const int g = 0 * i;")
+    stored = run_chunk(mutant.parent, WEIGHTS, "int8")
+    as_f32 = run_chunk(mutant.parent, engine.dequantized(WEIGHTS, "int8", 32), "f32")
+    v = check_bitexact(as_f32, stored)
+    assert not v.passed and "decode_logits" in v.detail, v.detail
+    assert v.metrics["differing_k"] == v.metrics["differing_v"] == 0, v.detail

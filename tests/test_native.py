@@ -80,11 +80,13 @@ def test_each_library_variant_holds_no_instruction_above_its_level(variant):
 @X86
 def test_the_loader_takes_the_best_variant_the_cpu_has():
     names = {frozenset(f): native.library_path(set(f)).name for f in
-             [(), ("avx2",), ("avx2", "fma"), ("avx2", "fma", "avx512f"), ("avx512f",)]}
+             [(), ("avx2",), ("avx2", "fma"), ("avx2", "fma", "f16c"), ("avx2", "fma", "f16c", "avx512f"),
+              ("avx512f",)]}
     assert names[frozenset()].startswith("_tb_kernels.") and names[frozenset({"avx2"})] == names[frozenset()]
     assert names[frozenset({"avx512f"})] == names[frozenset()]  # AVX-512 alone: the AVX-512 build needs FMA too
-    assert names[frozenset({"avx2", "fma"})].startswith("_tb_kernels_avx2.")
-    assert names[frozenset({"avx2", "fma", "avx512f"})].startswith("_tb_kernels_avx512.")
+    assert names[frozenset({"avx2", "fma"})] == names[frozenset()]  # and F16C (x86-64-v3)
+    assert names[frozenset({"avx2", "fma", "f16c"})].startswith("_tb_kernels_avx2.")
+    assert names[frozenset({"avx2", "fma", "f16c", "avx512f"})].startswith("_tb_kernels_avx512.")
 
 
 @X86

@@ -86,14 +86,14 @@ def cpu_flags() -> set[str]:
 
 
 def host_vector_flags() -> list[str]:
-    """The vector path for the machine doing the build: AVX2 + FMA on x86-64 when the CPU has them
-    (and AVX-512 for the matrix products where it exists), NEON on aarch64 (always present), plain C
-    otherwise. For what is built and run on one machine (programs, test libraries); the installed
-    library is built for every x86-64 level instead (LIBRARY_VARIANTS)."""
+    """The vector path for the machine doing the build: AVX2 + FMA + F16C on x86-64 when the CPU has
+    them (and AVX-512 for the matrix products where it exists), NEON on aarch64 (always present), plain
+    C otherwise. For what is built and run on one machine (programs, test libraries); the installed
+    library is built for every x86-64 level instead (library_variants)."""
     machine = platform.machine().lower()
     flags = cpu_flags()
-    if machine in ("x86_64", "amd64") and {"avx2", "fma"} <= flags:
-        return ["-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in flags else [])
+    if machine in ("x86_64", "amd64") and {"avx2", "fma", "f16c"} <= flags:
+        return ["-mavx2", "-mfma", "-mf16c"] + (["-mavx512f"] if "avx512f" in flags else [])
     return []
 
 
@@ -120,9 +120,10 @@ def library_variants(machine: str | None = None) -> tuple[LibraryVariant, ...]:
     baseline = LibraryVariant("", (), frozenset())
     if machine not in ("x86_64", "amd64"):
         return (baseline,)
-    avx2 = ("-mavx2", "-mfma")
-    return (LibraryVariant("_avx512", avx2 + ("-mavx512f",), frozenset({"avx2", "fma", "avx512f"})),
-            LibraryVariant("_avx2", avx2, frozenset({"avx2", "fma"})),
+    # x86-64-v3's vector part: AVX2, FMA and F16C (the f16 weights converted by one instruction)
+    avx2, v3 = ("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"})
+    return (LibraryVariant("_avx512", avx2 + ("-mavx512f",), v3 | {"avx512f"}),
+            LibraryVariant("_avx2", avx2, v3),
             baseline)
 
 
