@@ -299,3 +299,20 @@ def test_test_backend_ops_output_from_qemu_hexagon_is_ingested_under_its_name(re
     assert main(["ingest", str(cut), "--device", "qemu-hexagon", "--experiment", "gdn", "--force"]) == 1
     tally = [r for r in ResultsStore(results_dir).records() if r["case"].endswith("/tally")][-1]
     assert tally["verdict"] == "error"
+
+
+def test_gemm_on_hexagon_gives_the_host_bits(programs):
+    """tb_gemm's portable micro-kernel (all Hexagon has) under qemu-hexagon: the bits of the host's
+    reference loop (one chain per element over k, FUSED=0), across tile edges, a transposed A or B,
+    accumulation and the lower-triangular skip."""
+    from tests.test_gemm import FLAGS, SHAPES, operands
+
+    folder, target = need(programs, "hexagon")
+    host = programs["host"]  # the fixture skips when it did not build
+    for shape in SHAPES[:5]:
+        for flags in FLAGS[::5]:
+            a, b, c = operands(*shape, flags["trans"], flags["lower"], 2, flags["transa"])
+            want, _ = native_programs.gemm(host, "host", a, b, c, form="loop", **flags)
+            got, timings = native_programs.gemm(folder, target, a, b, c, **flags)
+            assert timings["gemm_isa"] == "portable"
+            assert got.tobytes() == want.tobytes(), f"{shape} {flags}"
