@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import time
 from functools import lru_cache
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -40,11 +41,20 @@ def _controller():
     return ThreadpoolController()
 
 
+def numpy_first(blas: list[dict]) -> list[dict]:
+    """threadpoolctl's BLAS libraries with numpy's own first (the one under numpy's package or its
+    numpy.libs): it lists them in load order, and scipy (imported by transformers) or torch may have
+    loaded another OpenBLAS first, of another version."""
+    home = Path(np.__file__).resolve().parent
+    mine = (str(home) + os.sep, str(home.parent / "numpy.libs") + os.sep)
+    return sorted(blas, key=lambda m: not str(m.get("filepath", "")).startswith(mine))
+
+
 def blas_info(threads: int | None = None) -> dict:
-    """numpy's BLAS as threadpoolctl sees it (the first BLAS library numpy loaded): internal_api,
+    """numpy's BLAS as threadpoolctl sees it (numpy_first): internal_api,
     version, architecture, its own thread count (num_threads) and `threads`, the limit the reference
     runs under; plus any OPENBLAS_* environment variables."""
-    blas = [m for m in _controller().info() if m.get("user_api") == "blas"]
+    blas = numpy_first([m for m in _controller().info() if m.get("user_api") == "blas"])
     info = {key: blas[0].get(key) for key in ("internal_api", "version", "architecture", "num_threads",
                                                "threading_layer", "prefix")} if blas else {"internal_api": None}
     info["libraries"] = len(blas)

@@ -22,7 +22,22 @@ def run(overrides, experiment):
 
 
 def numpy_blas() -> dict:
-    return next(m for m in threadpool_info() if m["user_api"] == "blas")
+    """numpy's own OpenBLAS: the one its wheel ships in numpy.libs."""
+    return next(m for m in threadpool_info() if m["user_api"] == "blas" and "/numpy.libs/" in m["filepath"])
+
+
+def test_the_reference_is_labelled_with_numpys_blas_when_another_is_loaded():
+    """scipy's wheel ships its own OpenBLAS (another version); once scipy is imported (transformers
+    does, for the torch reference) threadpoolctl may list it first. The record must still name
+    numpy's, the library that computed the reference."""
+    pytest.importorskip("scipy.linalg")
+    blas = [m for m in threadpool_info() if m["user_api"] == "blas"]
+    info = blas_reference.blas_info(1)
+    assert info["version"] == numpy_blas()["version"] and info["libraries"] == len(blas)
+    # whatever order threadpoolctl lists them in
+    others = [m for m in blas if "/numpy.libs/" not in m["filepath"]]
+    if others:
+        assert blas_reference.numpy_first(list(reversed(blas)))[0]["filepath"] == numpy_blas()["filepath"]
 
 
 # --- the spinning rule, fed figures -------------------------------------------------------------------
