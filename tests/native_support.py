@@ -92,9 +92,9 @@ def slowed_chunkwise(iterations: int) -> Path:
     return mutant_kernels("gdn.c", WASTE_AT, WASTE_AT + waste)
 
 
-# The hybrid engine program needs only these of the library's sources (no Gemma engine, attention or
-# sliding cache): a planted bug in them rebuilds this one program alone, in a third of the full build.
-HYBRID_SOURCES = "gdn.c tb_parallel.c hybrid.c"
+# The hybrid engine program needs only these of the library's sources (GDN, the matrix product; no
+# Gemma engine, attention or sliding cache): a planted bug in them rebuilds this one program alone.
+HYBRID_SOURCES = "gdn.c tb_parallel.c hybrid.c gemm.c gemm_avx2.c gemm_avx512.c"
 
 
 def mutant_hybrid_program(target: str, file: str, find: str, replace: str) -> Path:

@@ -67,6 +67,6 @@ def test_native_bench_runs_on_the_device(device, results_dir):
     assert_computed_on(device, attention, "tb_attention_bench")
     assert_computed_on(device, cache, "tb_cache_bench")
     # the ratio is the device clocks' quotient: it carries the evidence of both runs it divides
-    (ratio,) = [r for r in outcome.rows
-                if r["params"].get("kernel") == "ratio" and r["params"]["top"].startswith("attention")]
+    (ratio,) = [r for r in outcome.rows if r["params"].get("kernel") == "ratio"
+                and r["params"]["top"].startswith("attention") and r["params"]["bottom"].startswith("attention")]
     assert [e["ran"] for e in ratio["evidence"]] == ["tb_attention_bench"] * 2
