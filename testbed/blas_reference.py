@@ -129,6 +129,12 @@ def refusal(spin: dict, threads: int) -> str | None:
             f"{spin['reference_cpu_over_1thread']:.2f}x its 1-thread CPU time, above {SPIN_LIMIT}x)")
 
 
+def shortfall(ratio: float, target: float, at_most: bool) -> float | None:
+    """By what factor a ratio misses its target (> 1: what it must still gain), None when it meets it."""
+    miss = ratio / target if at_most else target / ratio
+    return float(miss) if miss > 1 else None
+
+
 def judge(target: float, ratios: dict[str, float], spin: dict | None, threads: int) -> dict:
     """metrics for a ratio with a target (at least `target`): meets_target_<clock> per clock in
     `ratios`, or, when the reference spins, each of them null and `target_refused` saying why.

@@ -156,3 +156,10 @@ def test_native_bench_at_two_threads_records_the_reference_and_its_spinning(resu
     # the attention ratio has no library under it: judged as before
     keys = part[part["params.bottom"] == "attention keys=16"].iloc[0]
     assert keys["metrics.meets_target_cpu"] in (True, False)
+
+
+@pytest.mark.parametrize("ratio,target,at_most,short", [(0.6, 0.75, False, 1.25), (0.8, 0.75, False, None),
+                                                         (1.5, 1.25, True, 1.2), (1.25, 1.25, True, None)])
+def test_a_missed_target_says_by_how_much(ratio, target, at_most, short):
+    got = blas_reference.shortfall(ratio, target, at_most)
+    assert got == pytest.approx(short) if short else got is None

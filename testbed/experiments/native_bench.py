@@ -467,10 +467,12 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
         elif at_most:
             metrics = {"target": target, "target_is": "at most",
                        **{f"meets_target_{clock}": bool(x <= target) for clock, x in medians.items()},
-                       "short_by_cpu": None if cpu.median <= target else float(cpu.median / target)}
+                       "short_by_cpu": blas_reference.shortfall(cpu.median, target, at_most=True)}
         else:
             metrics = blas_reference.judge(target, medians, spin if library else None, cfg.threads) | {
                 "target_is": "at least"}
+            metrics["short_by_cpu"] = (blas_reference.shortfall(cpu.median, target, at_most=False)
+                                       if metrics["meets_target_cpu"] is not None else None)
         yield Record("native_bench", f"ratios/{top} vs {bottom}", "measure",
                      figures={"ratio": wall, "ratio_cpu": cpu}, metrics=metrics,
                      work={"what": text, "ratio": "per repetition, of the two variants run in it; median, min, max",
