@@ -84,13 +84,14 @@ def test_native_bench_catches_mask_rows_read_without_their_head_stride(results_d
     """The blocked path reading each query row's mask as row r % C of one [C, L] mask, as a kernel
     written for a mask broadcast over heads does: every head gets head 0's mask. A causal mask is the
     same for every head and hides it; native_bench's mask differs per head (head_biased_mask)."""
-    def mutant(target):
+    def mutant(target, fused=False):
+        assert not fused
         return mutant_program(target, "attention.c", "const float *m = mask + (size_t)r * l + j0;",
                               "const float *m = mask + (size_t)(r % a->c) * l + j0;", "tb_attention_bench").parent
 
     monkeypatch.setattr(native_bench, "build_programs", mutant)
     run = ["run", "native_bench", "attention.past=40", "attention.chunk=8", "attention.head_dim=32",
-           "cache.window=32", "cache.real=5", "bench.reps=1", "bench.warmup=0", "bench.cold_mb=1"]
+           "cache.window=32", "cache.real=5", "bench.reps=1", "bench.warmup=0", "bench.cold_mb=1", "ratios.reps=0"]
     with monkeypatch.context() as same_for_every_head:
         same_for_every_head.setattr(native_bench, "head_biased_mask", lambda mask, queries, keys: mask)
         assert main(run) == 0, "with a causal mask alone the wrong stride goes unseen"
