@@ -137,19 +137,22 @@ void tb_engine_matmul_seconds(const tb_engine *e, double *wall, double *cpu) {
 
 /* --- matrix products with weights in their stored dtype -------------------------------------------- */
 
-/* n halves to float32: the normal numbers by a rebias the compiler vectorises, then, only when the
- * row has any, zeros, subnormals, infinities and NaNs by tb_f16_to_f32. Exact either way. */
+/* 8 halves as float32, exactly: vf_from_f16 (F16C, or a rebias exact for normal numbers), the lanes
+ * it flags (zeros, subnormals, infinities, NaNs; rare) by tb_f16_to_f32. */
+static inline vf f16_lanes(const uint16_t *h) {
+    int special;
+    const vf v = vf_from_f16(h, &special);
+    if (!special) return v;
+    float t[VF_LANES];
+    for (int l = 0; l < VF_LANES; l++) t[l] = tb_f16_to_f32(h[l]);
+    return vf_load(t);
+}
+
+/* n halves to float32, exactly. */
 static void f16_row(int n, const uint16_t *h, float *out) {
-    uint32_t special = 0;
-    for (int i = 0; i < n; i++) {
-        const uint32_t x = h[i], e = x & 0x7c00u;
-        const uint32_t bits = ((x & 0x8000u) << 16) | (((x & 0x7fffu) << 13) + (112u << 23));
-        memcpy(out + i, &bits, sizeof bits);
-        special |= (e == 0) | (e == 0x7c00u);
-    }
-    if (special)
-        for (int i = 0; i < n; i++)
-            if ((h[i] & 0x7c00u) == 0 || (h[i] & 0x7c00u) == 0x7c00u) out[i] = tb_f16_to_f32(h[i]);
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(out + i, f16_lanes(h + i));
+    for (; i < n; i++) out[i] = tb_f16_to_f32(h[i]);
 }
 
 /* Row `row` of w as float32: in place for f32, else dequantised into `scratch` [cols]. */
@@ -202,8 +205,8 @@ static void dot8(const float *x, const float *const *w, int n, float *out) {
 }
 
 /* dot8 on weight rows row0..row0+7 of an f16 or int8 matrix as they are stored, each weight converted
- * in registers (f16: by the rebias, lanes holding zeros, subnormals, infinities or NaNs converted one
- * by one; int8: q times its group's scale, rounded once; the group a multiple of 8): the values
+ * in registers (f16: f16_lanes; int8: q times its group's scale, rounded once; the group a multiple
+ * of 8): the values
  * weight_row writes, summed in dot8's order, so the bits of dot8 on weight_row's rows. The decode step
  * reads each weight once, at its stored size, and writes nothing. */
 #define PREFETCH_BYTES 512
@@ -218,17 +221,7 @@ static void dot8_stored(const float *x, const tb_matrix *w, int row0, float *out
             const vf xv = vf_load(x + i);
             if (!(i & 31))
                 for (int r = 0; r < 8; r++) __builtin_prefetch(h + (size_t)r * n + i + PREFETCH_BYTES / 2);
-            for (int r = 0; r < 8; r++) {
-                const uint16_t *hr = h + (size_t)r * n + i;
-                int special;
-                vf wv = vf_from_f16(hr, &special);
-                if (special) {
-                    float t[VF_LANES];
-                    for (int l = 0; l < VF_LANES; l++) t[l] = tb_f16_to_f32(hr[l]);
-                    wv = vf_load(t);
-                }
-                acc[r] = vf_madd(xv, wv, acc[r]);
-            }
+            for (int r = 0; r < 8; r++) acc[r] = vf_madd(xv, f16_lanes(h + (size_t)r * n + i), acc[r]);
         }
         for (int r = 0; r < 8; r++) {
             float s = vf_hsum(acc[r]);
