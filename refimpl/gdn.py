@@ -27,6 +27,7 @@ dtype of their inputs: float32 in float32, float64 in float64.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -288,3 +289,25 @@ def draw_inputs(
     beta = u((n_seqs, tokens, h_v), 0.0, 1.0)
     state = u((n_seqs, h_v, d, d))
     return GDNInputs(q, k, v, g, beta, state)
+
+
+def snapshots(fn: Callable, x: GDNInputs, K: int) -> np.ndarray:
+    """llama.cpp's K snapshot slots: slot s holds the state after token T-1-s (slot 0 = final).
+    Obtained by running `fn` on the prefixes, which works for any form."""
+    t_len = x.q.shape[1]
+    states = []
+    for s in range(min(K, t_len)):
+        n = t_len - s
+        part = GDNInputs(x.q[:, :n], x.k[:, :n], x.v[:, :n], x.g[:, :n], x.beta[:, :n], x.state)
+        states.append(fn(part)[1])
+    return np.stack(states)
+
+
+def run_forms(fn: Callable, x: GDNInputs, K: int) -> dict[str, np.ndarray]:
+    """What every GDN comparison judges: `fn(x)`'s output and final state, and with K > 1 llama.cpp's K
+    state snapshots."""
+    out, state = fn(x)
+    result = {"out": out, "state": state}
+    if K > 1:
+        result["snapshots"] = snapshots(fn, x, K)
+    return result

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -14,3 +14,8 @@ if (_PACKAGE.parent / "experiments" / "config.yaml").is_file():
     PROJECT_ROOT = CONFIG_ROOT = _PACKAGE.parent
 else:
     PROJECT_ROOT, CONFIG_ROOT = Path.cwd(), _PACKAGE / "_shipped"
+
+# The old flat module paths of 0.1 (testbed.token_oracle, testbed.history, ...), for one release.
+from testbed import _moved  # noqa: E402
+
+_moved.install()

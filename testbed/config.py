@@ -48,12 +48,21 @@ ENTRY_POINTS = "testbed.experiments"
 
 
 # `${default_backend:${oc.select:device.capabilities,[]},[refimpl,native]}` in an experiment config:
-# the first backend of testbed.backends.PREFERENCE that the device's profile lists and the experiment
-# accepts (the host: refimpl; an ARM board: native; lavapipe: iree; seed 002's phones: llamacpp).
-def _default_backend(capabilities, accepted):
-    from testbed.backends import default_for
+# the first backend of PREFERENCE that the device's profile lists and the experiment accepts (the
+# host: refimpl; an ARM board: native; lavapipe: iree; seed 002's phones: llamacpp). It lives here,
+# not in testbed.backends, because composing a configuration must not load the backends.
+PREFERENCE = ("refimpl", "native", "iree", "llamacpp")
 
-    return default_for(list(capabilities), list(accepted))
+
+def _default_backend(capabilities, accepted) -> str:
+    """A device's default backend among those an experiment accepts: the first of PREFERENCE the
+    device's profile has as a capability (the host: refimpl; an ARM board: native; lavapipe: iree)."""
+    caps = set(capabilities or ())
+    for name in PREFERENCE:
+        if name in caps and name in accepted:
+            return name
+    return next((n for n in PREFERENCE if n in accepted), accepted[0])
+
 
 
 OmegaConf.register_new_resolver("default_backend", _default_backend, replace=True)
@@ -122,7 +131,7 @@ def _search_path() -> list[str]:
 
 
 def split_farm(overrides: Iterable[str]) -> tuple[str | None, list[str]]:
-    """farm=HEAD:PORT (run on a lab's Ray cluster: testbed.farm) apart from the configuration's overrides."""
+    """farm=HEAD:PORT (run on a lab's Ray cluster: testbed.lab.farm) apart from the configuration's overrides."""
     overrides = list(overrides)
     farm = [o.split("=", 1)[1] for o in overrides if o.startswith("farm=")]
     return (farm[-1] if farm else None), [o for o in overrides if not o.startswith("farm=")]
@@ -284,7 +293,7 @@ def _check_additions(parsed: list, overrides: list[str], cfg: DictConfig, experi
     """Hydra's `+key=value` (and `++key=value`) adds a key the configuration does not have, skipping the
     unknown-key check a plain `key=value` gets: refuse every such key that nothing reads. Accepted: an
     entry of an OPEN_MAPPINGS mapping the experiment has, a key the configuration already has (`++`),
-    and a device profile's fields (the composed profile is checked as a profile file is)."""
+    and a device profile's fields (runner.check checks the composed profile as a profile file is)."""
     added = [o for o in parsed if o.is_add() or o.is_force_add()]
     if not added:
         return
@@ -295,7 +304,7 @@ def _check_additions(parsed: list, overrides: list[str], cfg: DictConfig, experi
     for o in added:
         key = o.key_or_group
         if key == "device" or key.startswith("device."):
-            continue  # below: the whole profile, as a profile file is checked
+            continue  # runner.check: the whole composed profile, as a profile file is checked
         if OmegaConf.select(base, key, default=_MISSING) is not _MISSING:
             continue
         parent = key.rsplit(".", 1)[0] if "." in key else ""
@@ -304,10 +313,6 @@ def _check_additions(parsed: list, overrides: list[str], cfg: DictConfig, experi
         top = sorted({k.split(".")[0] + (".*" if "." in k else "") for k in _leaf_keys(base)} | set(GROUPS))
         raise UsageError(f"unknown key {key!r} ({o.input_line!r} adds a key no part of {experiment} reads); "
                          f"accepted keys: {', '.join(top)}")
-    if any(o.key_or_group == "device" or o.key_or_group.startswith("device.") for o in added):
-        from testbed.devices.profile import Profile
-
-        Profile.from_config(cfg.device, f"device={device} with {' '.join(o.input_line for o in added)}")
 
 
 _MISSING = object()

@@ -44,7 +44,7 @@ from typing import Any, Iterable
 import numpy as np
 import pandas as pd
 
-from testbed import PROJECT_ROOT, __version__
+from testbed import __version__, PROJECT_ROOT
 from testbed.errors import StoreError
 
 SCHEMA = 2  # 2: rows in committed batches, runs between marks (1: one write per run, no marks)
@@ -63,10 +63,10 @@ class Figure:
     reps: int
     unit: str
     samples: list[float] | None = None
-    # "machine_probe" for a figure that measures the machine, not the code (testbed.history); stored
+    # "machine_probe" for a figure that measures the machine, not the code (testbed.measure.history); stored
     # only when set
     role: str | None = None
-    # a paired A/B ratio's evidence (testbed.history's docstring names its fields); stored only when set
+    # a paired A/B ratio's evidence (testbed.measure.history's docstring names its fields); stored only when set
     ab: dict[str, Any] | None = None
 
     def as_probe(self) -> "Figure":

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import pandas as pd
 
 from testbed import backends, experiments
-from testbed.config import RunConfig, check_params, project_path
-from testbed.devices import Device, connect, load_profile
+from testbed.config import check_params, project_path, RunConfig
+from testbed.devices import connect, load_profile, Device
+from testbed.devices.profile import Profile
 from testbed.errors import DeviceError
 from testbed.results import Record, ResultsStore, RunInfo
 from testbed.stop import STOP, STOP_SIGNAL, Interrupted, raise_if_stopped  # noqa: F401 -- used as runner.X
@@ -77,6 +78,9 @@ def check(rc: RunConfig):
     module = experiments.load(rc.experiment)
     check_params(rc.cfg, module.PARAMS)
     profile = load_profile(rc.device)
+    # The profile as composed, with the run's device.* overrides and additions, is checked as a profile
+    # file is: `+device.foo=1` reads nothing, and a typo there must not pass unseen.
+    Profile.from_config(rc.cfg.device, f"device={rc.device} as composed for this run")
     backend = rc.cfg.get("backend")
     if backend in backends.names():
         backends.refuse_mismatch(backend, rc.device, rc.cfg.device.get("capabilities"))

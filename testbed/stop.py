@@ -6,7 +6,7 @@ raises `Interrupted` at once, except while a record is being stored. Work in oth
 nightly's one worker per device) cannot be interrupted that way, so every long wait checks STOP
 itself and raises `Interrupted` there:
 
-  * a repetition loop (testbed.measure: between any two timed calls);
+  * a repetition loop (testbed.measure.timing: between any two timed calls);
   * a command on a device (testbed.devices.local: the program is waited for POLL_S at a time and its
     process group killed on a stop; testbed.devices.ssh: the channel is closed);
   * testbed nightly's main thread waits for its workers at most GRACE_S after a stop, then leaves

@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from testbed import ab
 from testbed.errors import UsageError
+from testbed.lab import ab
 from tests.native_support import slowed_chunkwise
 
 # A small GDN bench: 2 heads of 32, 48 tokens, one chunk of 64: cheap under qemu.

@@ -1,4 +1,4 @@
-"""Ratios over a reference (testbed/blas_reference.py): "sgemm" only where numpy's BLAS computed the
+"""Ratios over a reference (testbed/measure/blas_reference.py): "sgemm" only where numpy's BLAS computed the
 reference, at the kernel's thread count; the project's own gemm only under its own name; no target
 judged from a reference that spins. No timing is asserted: speed goals live in benchmark records."""
 
@@ -7,7 +7,8 @@ import pandas as pd
 import pytest
 from threadpoolctl import threadpool_info
 
-from testbed import blas_reference, config, runner
+from testbed import config, runner
+from testbed.measure import blas_reference
 
 TINY_ENGINE = ["shape.vocab=256", "shape.hidden=64", "shape.layers=2", "shape.heads=4", "shape.kv_heads=2",
                "shape.head_dim=16", "shape.mlp=128", "chunk=16", "past=32", "bench.reps=2", "bench.warmup=0"]

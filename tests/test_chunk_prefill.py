@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from refimpl import gemma
-from testbed import checkpoints, cli
+from testbed import cli
 from testbed.experiments import chunk_prefill as exp
+from testbed.models import checkpoints
 from testbed.results import ResultsStore
 
 SMALL = ["cases=[{past:40,tokens:20}]", "bench.past=40", "bench.reps=2"]

@@ -12,8 +12,8 @@ import pytest
 from refimpl import gemma
 from testbed.backends.refimpl import gemma as refimpl_backend
 from testbed.cli import main
+from testbed.oracles.tokens import check_mask_heads, check_token_at_position, Reference, TokenCase
 from testbed.results import ResultsStore
-from testbed.token_oracle import Reference, TokenCase, check_mask_heads, check_token_at_position
 
 CFG = gemma.tiny_config()          # window 512, layers 0-4 local, 5 global
 

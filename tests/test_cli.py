@@ -157,7 +157,7 @@ def test_whole_numbers_print_as_integers_in_every_table_format():
 
     import pandas as pd
 
-    from testbed import tables
+    from testbed.report import tables
 
     df = pd.json_normalize([{"chunk": 64, "metrics": {"token": 468}, "ms": 1.5},
                             {"chunk": None, "metrics": {"token": 12}, "ms": 2.25}], sep=".")
@@ -177,7 +177,7 @@ def test_version_and_the_device_option_say_what_they_are(capsys):
 
     import pytest
 
-    from testbed import PROJECT_ROOT, __version__
+    from testbed import __version__, PROJECT_ROOT
 
     with pytest.raises(SystemExit) as done:
         main(["--version"])

@@ -12,8 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from testbed import compare
 from testbed.cli import main
+from testbed.lab import compare
 from testbed.results import Figure, Record, ResultsStore, RunInfo
 from tests.test_history import SLOWDOWN, TOKENS, repetitions
 

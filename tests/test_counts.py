@@ -1,4 +1,4 @@
-"""Exact instruction counts (testbed.counts): the same program on the same inputs gives the same count
+"""Exact instruction counts (testbed.measure.counts): the same program on the same inputs gives the same count
 on every emulated device, run after run; the count is the kernel's (between the harness's marks, apart
 from the harness); a planted slowdown moves it; anything the counter wrote that cannot be trusted is
 refused, never stored as a count."""
@@ -9,11 +9,11 @@ import shutil
 import pytest
 
 from refimpl import gdn as ref
-from testbed import counts
 from testbed.backends.native import build as kernel_build
-from testbed.backends.native.device import NativeJob, run_native
+from testbed.backends.native.device import run_native, NativeJob
 from testbed.devices import connect, load_profile
 from testbed.devices.profile import Profile
+from testbed.measure import counts
 from tests.native_support import slowed_chunkwise
 
 NAMES = ("q", "k", "v", "g", "beta", "state")

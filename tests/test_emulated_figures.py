@@ -1,4 +1,4 @@
-"""Figures from emulated devices never reach a speed table (testbed.emulation): `testbed table` leaves
+"""Figures from emulated devices never reach a speed table (testbed.measure.emulation): `testbed table` leaves
 them out and lists them apart (issue 24, item 7)."""
 
 from __future__ import annotations

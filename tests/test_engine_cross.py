@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from refimpl import gemma
-from testbed.backends.native import build as kernel_build, programs as native_programs
-from testbed.backends.native import engine
-from testbed.oracles import check_bitexact, nmse
+from testbed.backends.native import build as kernel_build, engine, programs as native_programs
+from testbed.oracles.numerical import check_bitexact, nmse
 
 ARM_TARGETS = ("arm32", "aarch64")
 COMPILERS = {"arm32": "arm-linux-gnueabihf-gcc", "aarch64": "aarch64-linux-gnu-gcc", "host": "cc"}

@@ -21,7 +21,8 @@ def test_report_tests_pass_with_testbed_results_set(tmp_path):
 def test_the_fixtures_the_project_uses_are_inside_the_repository():
     """Issue 24, item 20: fixtures_dir read ../shared/fixtures, a folder outside the repository, so a
     clone anywhere else failed test setup. The configured folder is the repository's own, tracked."""
-    from testbed import config, seed
+    from testbed import config
+    from testbed.measure import seed
 
     configured = config.load([]).cfg.fixtures_dir
     folder = seed.fixtures_dir(configured).resolve()

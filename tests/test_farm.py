@@ -27,9 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from testbed import PROJECT_ROOT, config, farm, netguard
-from testbed import report as report_module
+from testbed import config, netguard, PROJECT_ROOT
 from testbed.cli import main
+from testbed.lab import farm
+from testbed.report import build as report_module
 from testbed.results import ResultsStore
 
 ray = pytest.importorskip("ray", reason="the farm extra: pip install 'testbed[farm]'")

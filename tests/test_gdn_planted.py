@@ -10,7 +10,7 @@ from refimpl.naive_gdn import naive_gdn
 from testbed.backends.refimpl.gdn import serial_in_chunks
 from testbed.cli import main
 from testbed.experiments.gdn import NAIVE_FORM
-from testbed.oracles import check_bitexact, check_nmse
+from testbed.oracles.numerical import check_bitexact, check_nmse
 from testbed.results import ResultsStore
 
 # Gates that keep the state alive, a length that crosses chunk boundaries, grouped heads.

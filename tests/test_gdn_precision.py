@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from refimpl import gdn
-from testbed.oracles import nmse
+from testbed.oracles.numerical import nmse
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 from refimpl import gdn as ref
+from refimpl.gdn import run_forms
 from refimpl.naive_gdn import naive_gdn
-from testbed.experiments.gdn import AWKWARD_CASES, TBO_CASES, run_forms
-from testbed.oracles import check_nmse, nmse
+from testbed.experiments.gdn import AWKWARD_CASES, TBO_CASES
+from testbed.oracles.numerical import check_nmse, nmse
 
 
 def f64(x):

@@ -106,7 +106,7 @@ import json, sys
 import numpy as np
 from refimpl import gdn as ref, gemma
 from testbed.backends.native import library as native
-from testbed.oracles import check_nmse
+from testbed.oracles.numerical import check_nmse
 from tests.test_native import attention_inputs
 x = ref.draw_inputs(2, 130, 4, 32, v_repeat=2, kda=True, gate="mild", seed=5)
 want = dict(zip(("out", "state"), ref.gdn_serial(*(a.astype(np.float64) for a in x.arrays()))))

@@ -12,8 +12,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from refimpl import gemma
-from testbed import checkpoints, prompts
 from testbed.errors import UsageError
+from testbed.models import checkpoints, prompts
 
 CFG = gemma.tiny_config(vocab=96, layers=6, window=8)
 TOKENS = np.random.default_rng(0).integers(0, 96, 20)

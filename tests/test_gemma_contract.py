@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from refimpl import gemma
-from testbed import contract
+from testbed.models import contract
 
 
 def test_functiongemma_prefill_with_past_has_44_args_and_37_results():

@@ -24,11 +24,12 @@ import pytest
 
 from refimpl import gemma
 from testbed.backends.native import build as kernel_build, engine, programs as native_programs
-from testbed.oracles import check_bitexact, check_nmse
+from testbed.devices.transport import elf_machine
+from testbed.oracles.numerical import check_bitexact, check_nmse
 from tests.native_support import GDN_CASES, reference64
 from tests.test_native import attention_inputs
 from tests.test_native_cross import _cache_case_arrays
-from testbed.tail_oracles import HEAD_DIM, grid
+from testbed.oracles.tail import grid, HEAD_DIM
 
 # name -> (build target, toolchain); the emulator follows the build target
 BUILDS = {"hexagon": ("hexagon", "zig"), "arm32-musl": ("arm32", "zig"), "aarch64-musl": ("aarch64", "zig")}
@@ -84,7 +85,7 @@ def test_each_build_is_an_elf_for_its_machine_and_says_what_built_it(programs, n
     info = json.loads((folder / "build.json").read_text())
     assert info["toolchain"] == "zig" and info["compiler"].startswith("zig 0.") and "musl" in info["libc"]
     for program in kernel_build.PROGRAMS:
-        assert kernel_build.elf_machine(folder / program) == kernel_build.ELF_MACHINE[target]
+        assert elf_machine(folder / program) == kernel_build.ELF_MACHINE[target]
     if target == "hexagon":
         assert "-mcpu=hexagonv67" in info["target"] and info["elf_machine"] == 164
         # the e_flags' low byte is the core (0x67: v67), which qemu-hexagon 7.2 requires <= v67

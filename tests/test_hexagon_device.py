@@ -7,13 +7,13 @@ import shutil
 import pytest
 
 from testbed.backends.native import build as kernel_build
-from testbed.backends.native.device import NativeJob, run_native
-from testbed.device_cli import hexagon_checks
+from testbed.backends.native.device import run_native, NativeJob
+from testbed.cli.devices import hexagon_checks
 from testbed.devices import connect, load_profile
 from testbed.devices.profile import Profile
 from testbed.errors import UsageError
 from testbed.experiments.gdn import TBO_CASES
-from testbed.oracles import check_nmse
+from testbed.oracles.numerical import check_nmse
 from tests.native_support import reference64
 
 BASE = {"name": "dsp", "transport": "adb", "abi": "hexagon", "work_dir": "/data/local/tmp/testbed",

@@ -20,6 +20,7 @@ from testbed import config, runner
 from testbed.backends.llamacpp import build
 from testbed.backends.native import build as kernel_build
 from testbed.devices import connect, load_profile
+from testbed.devices.transport import elf_machine
 from testbed.results import ResultsStore
 from tests.test_llamacpp_built import GGML_PROGRAMS, plant_decay_after_update
 
@@ -45,7 +46,7 @@ def hexagon_tools():
 
 def test_the_hexagon_tools_are_hexagon_elf_built_by_zig(hexagon_tools):
     for name in GGML_PROGRAMS:
-        assert kernel_build.elf_machine(hexagon_tools.program(name)) == 164  # EM_QDSP6, "QUALCOMM DSP6"
+        assert elf_machine(hexagon_tools.program(name)) == 164  # EM_QDSP6, "QUALCOMM DSP6"
     toolchain = hexagon_tools.info["toolchain"]
     assert toolchain["toolchain"] == "zig" and "hexagon-linux-musl -mcpu=hexagonv67" in toolchain["target"]
     assert any("-DCMAKE_SYSTEM_PROCESSOR=hexagon" == o for o in hexagon_tools.info["options"])
@@ -78,8 +79,7 @@ def test_gdn_with_llamacpp_on_qemu_hexagon(hexagon_tools, results_dir):
 def test_a_bug_planted_in_ggml_is_caught_on_hexagon_by_testbeds_reference_only(hexagon_tools, tmp_path_factory):
     """The decay moved after the delta-rule update in ggml's CPU op, built for Hexagon: test-backend-ops
     (-b CPU, ggml against itself) still passes, testbed's float64 reference fails every case."""
-    from testbed.backends.llamacpp import ggml_gdn
-    from testbed.backends.llamacpp import runner as llamacpp
+    from testbed.backends.llamacpp import ggml_gdn, runner as llamacpp
     from testbed.experiments.gdn import TBO_CASES
 
     tree = tmp_path_factory.mktemp("llama.cpp-planted-hexagon") / "llama.cpp"

@@ -1,4 +1,4 @@
-"""Regression detection over a figure's history (testbed.history): no false alarms from a noisy machine,
+"""Regression detection over a figure's history (testbed.measure.history): no false alarms from a noisy machine,
 a real step flagged once per measured quantity.
 
 The noise is simulated, seeded, never timed: a run times REPS repetitions, each drawn from a lognormal
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from testbed import history
+from testbed.measure import history
 from testbed.results import Figure, Record, RunInfo
 
 REPS = 20
@@ -237,7 +237,7 @@ def test_emulated_counts_are_judged_and_emulated_times_are_not():
     flags = history.figure_regressions(records[:7], 30, 5)
     assert [f.kind for f in flags] == ["instructions"]
     assert history.figure_regressions(records, 30, 5) == []  # the next night: named once; times never judged
-    from testbed import emulation
+    from testbed.measure import emulation
     kept, apart = emulation.split(records)
     assert all(set(r["figures"]) == {"instructions"} for r in kept)
     assert all(set(r["figures"]) == {"time"} for r in apart)

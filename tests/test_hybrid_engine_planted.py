@@ -1,7 +1,7 @@
 """Planted bugs in the hybrid engine (kernels/hybrid.c): each a realistic one-line slip built into its
 own engine program (tests/native_support.mutant_hybrid_program) for the selected device (the host in
 the host suite), run there, and judged by the hybrid experiment's own oracles
-(testbed.hybrid_oracles), which must catch it while the real program passes the same checks (the first
+(testbed.oracles.hybrid), which must catch it while the real program passes the same checks (the first
 test here). The oracles run on the host whatever the device, and the engine computes the same bytes on
 every target (tests/device/test_hybrid_on_device.py checks it on each device), so these stay out of the
 device suites: each plant is one more build per ABI."""
@@ -12,7 +12,7 @@ import pytest
 from refimpl import qwen35
 from testbed.backends.native import hybrid as engine
 from testbed.backends.native.build import target_for_abi
-from testbed.hybrid_oracles import check_engine_case, check_engine_tail
+from testbed.oracles.hybrid import check_engine_case, check_engine_tail
 from tests.native_support import mutant_hybrid_program
 
 pytestmark = [pytest.mark.requires("native")]
@@ -82,7 +82,7 @@ def test_threads_and_decode_steps_give_the_same_bytes(device, model):
     """Threads split output columns and heads, never a sum: two threads give one thread's bytes. A tail
     of decode steps gives the bytes of the same rows in one call with the serial recurrence (which
     walks the tokens one by one either way)."""
-    from testbed.oracles import digest
+    from testbed.oracles.numerical import digest
 
     w, prompt, _ = model
     runs = [engine.prefill(device, CFG, w, prompt, past=PAST, tokens=TOKENS, chunk=CHUNK, threads=t) for t in (1, 2)]

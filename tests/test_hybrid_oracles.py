@@ -1,4 +1,4 @@
-"""The hybrid model's oracles (testbed.hybrid_oracles) pass on every GDN form and fail on planted bugs.
+"""The hybrid model's oracles (testbed.oracles.hybrid) pass on every GDN form and fail on planted bugs.
 
 Forms: refimpl's serial and chunkwise GDN, and the native kernels (serial, chunkwise) through ctypes.
 Planted bugs are the realistic ones of a chunked hybrid runtime: a state not carried between calls,
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from refimpl import gdn, qwen35
-from testbed import hybrid_oracles as ho
 from testbed.backends.native import library as native
+from testbed.oracles import hybrid as ho
 
 CHUNK = 32
 # (P, n): from empty, mid-chunk past with a padded call, a single token, a full chunk after a long past

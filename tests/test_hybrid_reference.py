@@ -3,7 +3,7 @@
 The checkpoint is built here from transformers' config class (no download), with every parameter
 drawn at random (tests/hybrid_support.py: norm weights, A_log and dt_bias included, so that no term
 hides behind an identity initialisation; gates that carry the state), saved with save_pretrained and
-loaded back through testbed.hybrid_checkpoints. Then
+loaded back through testbed.models.hybrid_checkpoints. Then
 at every position the logits, and after the prompt every carried state (conv states, recurrent
 states, the full-attention layers' K/V), must match by NMSE. Planted bugs must fail the same check.
 """
@@ -15,8 +15,8 @@ import pytest
 
 from refimpl import qwen35
 from testbed.errors import UsageError
-from testbed.hybrid_checkpoints import config_from_hf, load_hf_folder
-from testbed.oracles import check_nmse
+from testbed.models.hybrid_checkpoints import config_from_hf, load_hf_folder
+from testbed.oracles.numerical import check_nmse
 from tests.hybrid_support import TINY, VARIANTS, make_tiny_qwen35
 
 torch = pytest.importorskip("torch")
@@ -186,7 +186,7 @@ def test_run_loads_the_checkpoint_and_pins_transformers_token(hf_run, backend, r
     ids; the token transformers predicts at the last position the cases reach, pinned with
     model.expected_token, passes; its runner-up pinned instead fails the run, naming both."""
     from testbed import cli
-    from testbed.oracles import digest
+    from testbed.oracles.numerical import digest
     from testbed.results import ResultsStore
 
     folder, prompt, hf_logits, _ = hf_run

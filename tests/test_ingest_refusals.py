@@ -76,7 +76,7 @@ def test_not_a_regular_file_is_refused_at_once(tmp_path, results_dir):
 
 
 def test_a_file_over_the_size_cap_is_refused(tmp_path, results_dir, capsys, monkeypatch):
-    from testbed import ingest
+    from testbed.lab import ingest
 
     monkeypatch.setattr(ingest, "MAX_BYTES", 1000)
     (tmp_path / "big.stdout").write_text("x" * 2000 + "\n")

@@ -1,4 +1,4 @@
-"""Interleaved timing (testbed.measure.time_interleaved): every repetition visits every variant once,
+"""Interleaved timing (testbed.measure.timing.time_interleaved): every repetition visits every variant once,
 in an order shuffled per repetition and recorded; and why it matters for the tail sweep: a planted
 drift (a cost that rises while the job runs) bends a sweep measured one tail after another, not the
 interleaved one."""
@@ -6,8 +6,8 @@ interleaved one."""
 import pandas as pd
 import pytest
 
-from testbed import breakeven
-from testbed.measure import interleaved_order, time_interleaved
+from testbed.measure import breakeven
+from testbed.measure.timing import interleaved_order, time_interleaved
 
 KEYS = [(n, mode) for n in (130, 136, 144, 160) for mode in ("padded", "scalar")]
 

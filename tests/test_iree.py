@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from refimpl import gdn as ref
-from testbed.errors import UsageError
 from testbed.backends.iree.graphs import gdn as graphs
+from testbed.errors import UsageError
 from testbed.backends.iree.artifacts import (Artifact, Contract, ContractError, TensorSpec, check_signature,
                                     compile_graph, load_target, target_names)
 from testbed.backends.iree.runtime import (IncompatibleModule, ModuleRequirements, RuntimeSession, TargetRunner,
                                  benchmark_tool, run_tool, tool_command)
-from testbed.oracles import check_nmse
+from testbed.oracles.numerical import check_nmse
 
 CHUNK = 8
 

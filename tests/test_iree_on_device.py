@@ -18,7 +18,7 @@ from testbed.backends.iree.device import IreeRunFailed
 from testbed.cli import main
 from testbed.devices.transport import sha256_file
 from testbed.errors import UsageError
-from testbed.token_oracle import Reference, TokenCase, check_token_at_position
+from testbed.oracles.tokens import check_token_at_position, Reference, TokenCase
 
 pytestmark = [pytest.mark.requires("iree"),
               pytest.mark.skipif(shutil.which("iree-compile") is None, reason="iree-base-compiler is not installed")]
@@ -157,7 +157,7 @@ def test_gdn_forms_run_on_the_device_against_the_float64_recurrence(device, gdn_
     looped over chunks of 8 with the state kept on the device, each against refimpl's serial
     recurrence in float64 by NMSE; the same inputs with q and k swapped must fail it."""
     from refimpl import gdn as ref
-    from testbed.oracles import check_nmse
+    from testbed.oracles.numerical import check_nmse
 
     x = ref.draw_inputs(1, 24, 2, 16, v_repeat=2, gate="mild", seed=3)
     out, state = ref.gdn_serial(*(a.astype(np.float64) for a in x.arrays()))

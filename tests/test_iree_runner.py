@@ -9,14 +9,14 @@ import shutil
 import numpy as np
 import pytest
 
-from testbed.backends.iree.artifacts import Contract, Graph, TensorSpec, compile_graph
+from testbed.backends.iree.artifacts import compile_graph, Contract, Graph, TensorSpec
 from testbed.backends.iree.device import (IreeDevice, IreeRunFailed, ToolMissing, check_target_fits, device_flags,
                                           host_tools_folder, stage)
 from testbed.devices import Device
 from testbed.devices.profile import Profile
 from testbed.devices.transport import sha256_file
 from testbed.errors import UsageError
-from testbed.oracles import check_nmse
+from testbed.oracles.numerical import check_nmse
 from testbed.peers.fixtures import adb_connect
 
 pytestmark = pytest.mark.skipif(shutil.which("iree-compile") is None, reason="iree-base-compiler is not installed")

@@ -3,7 +3,7 @@ converted by llama.cpp's own convert_hf_to_gguf.py (the sdist's tree, with its o
 references then compute it independently:
 
   transformers   from the Hugging Face folder (eager attention, float32)
-  refimpl        from the GGUF, through testbed.checkpoints' loader (which must undo what the
+  refimpl        from the GGUF, through testbed.models.checkpoints' loader (which must undo what the
                  converter changed: norm weights stored as 1 + w, names, the trimmed vocabulary)
   llama.cpp      from the same GGUF, through libllama (tb_llama_logits, built from the same tree)
 
@@ -33,11 +33,12 @@ spm = pytest.importorskip("sentencepiece", reason="the full extra: pip install '
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # noqa: E402
 
 from refimpl import gemma  # noqa: E402
-from testbed import checkpoints, config, runner  # noqa: E402
+from testbed import config, runner
+from testbed.models import checkpoints  # noqa: E402
 from testbed.backends.llamacpp import build, models  # noqa: E402
 from testbed.devices import connect, load_profile  # noqa: E402
 from testbed.devices.transport import sha256_file  # noqa: E402
-from testbed.oracles import nmse  # noqa: E402
+from testbed.oracles.numerical import nmse  # noqa: E402
 
 REFIMPL_TOLERANCE = 1e-9  # float32 on both sides
 LLAMACPP_TOLERANCE = 1e-5  # ggml's float16-table GELU and its own reductions

@@ -13,7 +13,8 @@ from testbed.errors import DeviceError
 
 
 def fixtures() -> Path:
-    from testbed import config, seed
+    from testbed import config
+    from testbed.measure import seed
 
     return seed.fixtures_dir(config.load([]).cfg.fixtures_dir) / "test-backend-ops"
 

@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 
 from tests.native_support import GDN_CASES, reference64
-from refimpl import gdn as ref
-from refimpl import gemma
+from refimpl import gdn as ref, gemma
 from testbed.backends.native import build as kernel_build, library as native
-from testbed.oracles import check_bitexact, check_nmse
-from testbed.tail_oracles import check_padded_rollback, grid
+from testbed.oracles.numerical import check_bitexact, check_nmse
+from testbed.oracles.tail import check_padded_rollback, grid
 
 
 def test_library_says_what_it_was_built_from():

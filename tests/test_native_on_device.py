@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from testbed.backends.native import build as kernel_build
+from testbed.backends.native.device import run_native, NativeJob
 from testbed.experiments.gdn import TBO_CASES
-from testbed.oracles import check_nmse
-from testbed.backends.native.device import NativeJob, run_native
+from testbed.oracles.numerical import check_nmse
 from tests.native_support import reference64
 
 pytestmark = pytest.mark.device

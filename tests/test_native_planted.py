@@ -10,9 +10,9 @@ from tests.test_native import ATTENTION_CASES, attention_inputs
 from testbed.backends.native import library as native
 from testbed.cli import main
 from testbed.experiments import native_bench
+from testbed.oracles.numerical import check_nmse
+from testbed.oracles.tail import check_padded_rollback, grid
 from testbed.results import ResultsStore
-from testbed.oracles import check_nmse
-from testbed.tail_oracles import check_padded_rollback, grid
 
 
 def gdn_failures(lib, chunk=16):

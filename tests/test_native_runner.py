@@ -9,9 +9,9 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 import pytest
 
-from testbed.oracles import check_bitexact
+from testbed.backends.native.device import run_native, NativeJob, NativeRunFailed
+from testbed.oracles.numerical import check_bitexact
 from testbed.peers.fixtures import compile_static
-from testbed.backends.native.device import NativeJob, NativeRunFailed, run_native
 
 SOURCE = Path(__file__).parent / "data" / "axpb.c"
 

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from testbed import PROJECT_ROOT, config, nightly
-from testbed import report as report_module
-from testbed.devices.private import device_lock
+from testbed import config, PROJECT_ROOT
 from testbed.cli import main
+from testbed.devices.private import device_lock
+from testbed.lab import nightly
+from testbed.report import build as report_module
 from testbed.results import ResultsStore
 
 

@@ -1,6 +1,6 @@
 """The nightly catches a slowdown of the C kernels on the first night it appears.
 
-Real nights (testbed.nightly.run_night) of a small suite with A/B runs on the host (counts by valgrind,
+Real nights (testbed.lab.nightly.run_night) of a small suite with A/B runs on the host (counts by valgrind,
 CPU time by the pairs) and on qemu-aarch64 (counts by the plugin), measuring a source tree this test
 owns. Night 1 has no baseline (tonight against itself); then the tree gets a planted +25% of work in
 the GDN chunkwise kernel (more instructions, the same output), is reverted, then gets +5%. Each
@@ -12,9 +12,9 @@ import shutil
 import numpy as np
 import pytest
 
-from testbed import nightly
 from testbed.backends.native import build as kernel_build
-from testbed.nightly import Log
+from testbed.lab import nightly
+from testbed.lab.nightly import Log
 from testbed.results import ResultsStore
 from tests.native_support import slowed_chunkwise
 
@@ -43,7 +43,7 @@ report_out: {report}
 def calibrated(fraction: float, device: str = "qemu-aarch64") -> int:
     """The planted loop's turns per chunk step that add about `fraction` to chunkwise's instructions."""
     from refimpl import gdn as ref
-    from testbed.backends.native.device import NativeJob, run_native
+    from testbed.backends.native.device import run_native, NativeJob
     from testbed.devices import connect, load_profile
 
     dev = connect(load_profile(device))

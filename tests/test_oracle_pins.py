@@ -7,9 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from testbed import history
-from testbed.oracles import check_nmse, nmse
-from testbed.token_oracle import Reference, TokenCase, check_token_at_position
+from testbed.measure import history
+from testbed.oracles.numerical import check_nmse, nmse
+from testbed.oracles.tokens import check_token_at_position, Reference, TokenCase
 from tests.test_chunk_prefill_planted import model
 
 

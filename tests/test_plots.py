@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import pandas as pd  # noqa: E402
 from matplotlib.container import ErrorbarContainer  # noqa: E402
 
-from testbed import plots  # noqa: E402
+from testbed.report import plots  # noqa: E402
 from testbed.experiments import tail  # noqa: E402
 
 

@@ -21,8 +21,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from testbed import config, history, report, runner, seed
+from testbed import config, runner
 from testbed.cli import main
+from testbed.measure import history, seed
+from testbed.report import build as report
 from testbed.results import ResultsStore
 from tests.store_support import as_runs
 
@@ -59,7 +61,7 @@ def tail_records(tmp_path_factory) -> list[dict]:
 
 def later_night(records: list[dict], days: int, change=lambda r: r) -> list[dict]:
     """The same run's records as a run `days` later, each passed through `change`, of a commit of its own
-    (as a nightly's HEAD moves: a step over runs of one commit is the machine's, testbed.history)."""
+    (as a nightly's HEAD moves: a step over runs of one commit is the machine's, testbed.measure.history)."""
     run_id = uuid.uuid4().hex[:12]
     out = []
     for r in records:

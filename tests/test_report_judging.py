@@ -1,4 +1,4 @@
-"""The report's side of the judges (testbed.history): the banner names every flag, the flags table
+"""The report's side of the judges (testbed.measure.history): the banner names every flag, the flags table
 carries levels, commit range, the machine's reading and the A/B evidence, instruction counts have their
 own section, and each flagged timing is plotted as judged (a baseline band, flag marks, commit labels).
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from testbed import history, plots, report
+from testbed.measure import history
+from testbed.report import build as report, plots
 from testbed.results import Figure, Record, RunInfo
 from tests.test_report import FIXTURES
 

@@ -10,9 +10,11 @@ import sys
 
 import pytest
 
-from testbed import PROJECT_ROOT, nightly, report
+from testbed import PROJECT_ROOT
 from testbed.cli import main
 from testbed.errors import UsageError
+from testbed.lab import nightly
+from testbed.report import build as report
 from testbed.results import Figure, Record, ResultsStore, RunInfo
 from tests.test_report import FIXTURES
 

@@ -24,8 +24,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from testbed import history, plots, report
 from testbed.cli import main
+from testbed.measure import history
+from testbed.report import build as report, plots
 from testbed.results import ResultsStore
 from tests.store_support import as_runs
 from tests.test_report import FIXTURES

@@ -6,7 +6,7 @@ import numpy as np
 
 from refimpl import sliding_cache as sc
 from refimpl.sliding_cache import CacheOps
-from testbed.tail_oracles import check_padded_rollback, grid
+from testbed.oracles.tail import check_padded_rollback, grid
 
 
 def failures(ops):

@@ -4,11 +4,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from refimpl import gemma
-from refimpl import tail_prefill as tp
+from refimpl import gemma, tail_prefill as tp
 from testbed import PROJECT_ROOT
-from testbed.breakeven import breakeven_tail, read_sweep_csv, tail_table, threshold_from_breakeven
-from testbed.tail_oracles import Engine, check_first_token, kill_switch, prompt_lengths
+from testbed.measure.breakeven import breakeven_tail, read_sweep_csv, tail_table, threshold_from_breakeven
+from testbed.oracles.tail import check_first_token, kill_switch, prompt_lengths, Engine
 
 CHUNK = 128
 THRESHOLD = tp.DEFAULT_THRESHOLD  # what TailPolicy() pads above

@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from refimpl import gemma
-from refimpl import tail_prefill as tp
+from refimpl import gemma, tail_prefill as tp
 from testbed.cli import main
+from testbed.oracles.tail import check_first_token, Engine
 from testbed.results import ResultsStore
-from testbed.tail_oracles import Engine, check_first_token
 
 CHUNK = 128
 

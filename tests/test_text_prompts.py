@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from refimpl import gemma
-from testbed import checkpoints, cli, prompts
-from testbed.oracles import digest
+from testbed import cli
+from testbed.models import checkpoints, prompts
+from testbed.oracles.numerical import digest
 from testbed.results import ResultsStore
 
 WORDS = "the cat sat on a mat and dog ran to red ball while birds sang in green trees user model".split()

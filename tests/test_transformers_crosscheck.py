@@ -3,11 +3,11 @@
 Tiny random Gemma 3 models are made and saved by transformers itself (non-default RoPE bases, linear
 scaling of the global layers, a query scale other than 1/sqrt(head_dim), randomised norm weights so a
 (1 + w) slip shows), in the config form transformers 5 saves and in the older one. They load through
-testbed.checkpoints, directly and after a round trip through a GGUF in llama.cpp's layout, and must give
+testbed.models.checkpoints, directly and after a round trip through a GGUF in llama.cpp's layout, and must give
 transformers' logits at every position and its K/V cache (eager attention), through refimpl.gemma, the
 refimpl backend and its chunk path. Then refimpl.gdn against transformers' own gated delta rule.
 
-Every comparison is an NMSE (testbed.oracles.nmse) under TOLERANCE: float32 on both sides, so about
+Every comparison is an NMSE (testbed.oracles.numerical.nmse) under TOLERANCE: float32 on both sides, so about
 1e-13 when right; each planted bug below lands orders of magnitude above it.
 """
 
@@ -27,9 +27,10 @@ pytest.importorskip("transformers", reason="the hf extra: pip install 'testbed[h
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # noqa: E402
 
 from refimpl import gdn, gemma  # noqa: E402
-from testbed import backends, checkpoints  # noqa: E402
-from testbed.oracles import nmse  # noqa: E402
-from testbed.token_oracle import TokenCase  # noqa: E402
+from testbed import backends
+from testbed.models import checkpoints  # noqa: E402
+from testbed.oracles.numerical import nmse  # noqa: E402
+from testbed.oracles.tokens import TokenCase  # noqa: E402
 
 TOLERANCE = 1e-9
 TOKENS = 20  # more than the window of 8: the local layers drop keys

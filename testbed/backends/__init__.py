@@ -18,13 +18,14 @@ its sha256, the command, the device's own time), which the records store. So add
 new package and no experiment changes.
 
 Masks, RoPE tables and the select vector are built on the host by refimpl.gemma.chunk_inputs and fed
-to every backend as the same bytes (testbed.contract gives the flat argument order a compiled graph
+to every backend as the same bytes (testbed.models.contract gives the flat argument order a compiled graph
 takes): the graphs stay position-agnostic.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import importlib.util
 import pkgutil
 from dataclasses import dataclass, field
@@ -35,11 +36,31 @@ import numpy as np
 
 from refimpl import gemma
 from refimpl.gemma import ChunkInputs
+from testbed.config import PREFERENCE
 from testbed.errors import UsageError
 
 KV = list[np.ndarray]
-# The order a device's default backend is chosen in: the first its profile lists as a capability.
-PREFERENCE = ("refimpl", "native", "iree", "llamacpp")
+
+
+# A chunk-prefill case, the shape every Gemma runner is asked to run and the token oracle judges:
+# `tokens` new tokens after `past` cached positions, fed `chunk` rows per call.
+@dataclass(frozen=True)
+class TokenCase:
+    past: int
+    tokens: int
+    chunk: int
+
+    @property
+    def position(self) -> int:
+        return self.past + self.tokens - 1
+
+    @property
+    def calls(self) -> int:
+        return math.ceil(self.tokens / self.chunk)
+
+    @property
+    def name(self) -> str:
+        return f"P={self.past},n={self.tokens},C={self.chunk}"
 
 
 def names() -> list[str]:
@@ -56,16 +77,6 @@ def load(name: str, technique: str) -> ModuleType:
     if name not in accepted:
         raise UsageError(f"backend={name!r} does not implement {technique}; accepted: {', '.join(accepted)}")
     return importlib.import_module(f"{__name__}.{name}.{technique}")
-
-
-def default_for(capabilities, accepted) -> str:
-    """A device's default backend among those an experiment accepts: the first of PREFERENCE the
-    device's profile has as a capability (the host: refimpl; an ARM board: native; lavapipe: iree)."""
-    caps = set(capabilities or ())
-    for name in PREFERENCE:
-        if name in caps and name in accepted:
-            return name
-    return next((n for n in PREFERENCE if n in accepted), accepted[0])
 
 
 def refuse_mismatch(backend: str, device: str, capabilities) -> None:
@@ -186,7 +197,7 @@ class GemmaBackend:
     evidence: EvidenceLog = field(default_factory=EvidenceLog)
 
     def utterance(self, prompt, case, build: Callable = gemma.chunk_inputs) -> Utterance:
-        from testbed.contract import prefill_with_past_contract
+        from testbed.models.contract import prefill_with_past_contract
 
         cfg = self.cfg
         _, past_k, past_v = self.prefill_at(prompt[: case.past], case.past - 1)
@@ -216,7 +227,7 @@ class GemmaBackend:
     def bench(self, prompt, past: int, chunk: int, reps: int, warmup: int) -> dict:
         """One chunk call of C rows and one decode step, both against `past` cached positions,
         interleaved; seconds per call measured here, around the call."""
-        from testbed.measure import time_alternating
+        from testbed.measure.timing import time_alternating
 
         _, past_k, past_v = self.prefill_at(prompt[:past], past - 1)
         chunk_in = gemma.chunk_inputs(self.cfg, prompt[past:past + chunk], past, chunk)

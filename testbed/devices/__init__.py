@@ -31,9 +31,9 @@ from testbed.devices import health
 from testbed.devices.health import host_fingerprint
 from testbed.devices.local import LocalTransport, QemuTransport
 from testbed.devices.private import work_folder
-from testbed.devices.profile import TRANSPORTS, Profile, load_profile
+from testbed.devices.profile import load_profile, Profile, TRANSPORTS
 from testbed.devices.transport import CommandResult, CommandTimeout, TransferError, Transport
-from testbed.errors import DeviceUnreachable
+from testbed.errors import DeviceError, DeviceUnreachable, UsageError
 
 __all__ = ["Profile", "load_profile", "connect", "Device", "host_fingerprint", "CommandResult",
            "CommandTimeout", "TransferError", "TRANSPORTS"]
@@ -186,3 +186,22 @@ def connect(profile: Profile, connection: dict | None = None) -> Device:
             peer.stop()
         raise
     return Device(profile, transport, peer)
+
+
+def reachability(name: str) -> str:
+    """yes, or why not; a profile that is not configured (a template) is listed so, never probed."""
+    try:
+        profile = load_profile(name)
+        if profile.not_configured():
+            return profile.not_configured()
+        device = connect(profile)
+    except (DeviceUnreachable, DeviceError) as e:
+        return _one_line(f"no: {str(e).removeprefix(name + ': ')}")
+    except UsageError as e:
+        return _one_line(f"invalid profile: {e}")
+    device.close()
+    return "yes"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())  # a reason (a peer's traceback) fits a table cell

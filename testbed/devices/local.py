@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 from testbed import stop
-from testbed.backends.native.build import elf_machine
 from testbed.devices.transport import (CommandResult, CommandTimeout, OutsideWorkFolder, Transport, TransferError,
-                                       check_argv, confine, quoted, sha256_file)
+                                       check_argv, confine, elf_machine, quoted, sha256_file)
 
 
 class LocalTransport(Transport):
@@ -113,7 +112,7 @@ ELF_MACHINES = {"qemu-arm": 40, "qemu-aarch64": 183, "qemu-hexagon": 164}
 class QemuTransport(LocalTransport):
     """Like local, but a program built for the emulated ABI (ARM, AArch64, Hexagon) is started through
     qemu-user (with -L
-    SYSROOT for dynamically linked ones) and the instruction-counting plugin (testbed.counts), which
+    SYSROOT for dynamically linked ones) and the instruction-counting plugin (testbed.measure.counts), which
     leaves the program's counts in its working folder; host programs (sh, cat) run as they are."""
 
     kind = "qemu"
@@ -135,7 +134,7 @@ class QemuTransport(LocalTransport):
         program = Path(argv[0]) if os.path.isabs(argv[0]) else folder / argv[0]
         if elf_machine(program) != ELF_MACHINES.get(self.emulator):
             return argv
-        from testbed.counts import qemu_plugin_args
+        from testbed.measure.counts import qemu_plugin_args
 
         prefix = [self.emulator, *qemu_plugin_args()] + (["-L", self.sysroot] if self.sysroot else [])
         return prefix + [str(program)] + argv[1:]

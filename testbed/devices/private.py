@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 import stat
 import sys
 import tempfile
@@ -114,3 +115,21 @@ def device_lock(device: str, wait_s: float, holder: str, lock_dir: Path | None =
         yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def process_alive(host, pid) -> bool | None:
+    """Whether the process a start mark names still runs: None when that cannot be told here (another
+    host, or a mark from before marks named their process). A zombie is gone."""
+    if not isinstance(pid, int) or host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

@@ -370,3 +370,15 @@ class RemoteShell(Transport):
     def cleanup(self) -> None:
         """Empty the work folder (the folder itself stays, so later runs can write)."""
         self._shell(f"cd {shlex.quote(self.work_dir)} && rm -rf -- ./* ./.[!.]* 2>/dev/null; true", 60)
+
+
+def elf_machine(path: Path) -> int | None:
+    """The ELF header's e_machine (40 ARM, 183 AArch64, 164 Hexagon, 62 x86-64), or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(20)
+    except OSError:
+        return None
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return None
+    return int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")

@@ -3,7 +3,7 @@
 oracle mode  each configured case (P cached positions, n utterance tokens, chunk C): the token at
              position P+n-1 from ceil(n/C) chunk calls must equal redecode's and the token-by-token
              decode's; logits and the cache within tolerance; and logits and token those of the
-             model written out in float64 (refimpl.naive_gemma, verdict naive) (testbed.token_oracle).
+             model written out in float64 (refimpl.naive_gemma, verdict naive) (testbed.oracles.tokens).
              For backend=iree (its graphs run the host's masks) also the first case with masks that
              differ per head, against refimpl on the same masks (verdict mask_heads); for
              backend=native, whose engine builds masks the same for every head, its attention kernel
@@ -32,16 +32,18 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma
-from testbed import backends, seed, tables
-from testbed.backends.native.engine import WEIGHT_DTYPES, dequantized
+from testbed import backends
 from testbed.backends.iree.artifacts import target_names
-from testbed.checkpoints import load_checkpoint
-from testbed.config import Choice, Float, Int, IntList, project_path
+from testbed.backends.native.engine import dequantized, WEIGHT_DTYPES
+from testbed.config import project_path, Choice, Float, Int, IntList
 from testbed.errors import UsageError
-from testbed.oracles import digest
-from testbed.prompts import find_tokenizer, load_prompt
+from testbed.measure import seed
+from testbed.models.checkpoints import load_checkpoint
+from testbed.models.prompts import find_tokenizer, load_prompt
+from testbed.oracles.numerical import digest
+from testbed.oracles.tokens import check_mask_heads, check_token_at_position, Reference, TokenCase
+from testbed.report import tables
 from testbed.results import Record
-from testbed.token_oracle import Reference, TokenCase, check_mask_heads, check_token_at_position
 
 PRESETS = {"tiny": gemma.tiny_config, "functiongemma": gemma.functiongemma_config}
 
@@ -159,7 +161,7 @@ def validate(cfg: DictConfig) -> None:
 
 
 def run_prompt(cfg: DictConfig, model: gemma.GemmaConfig):
-    """The run's prompt (testbed.prompts): seeded ids, a file, or text through the checkpoint's tokenizer."""
+    """The run's prompt (testbed.models.prompts): seeded ids, a file, or text through the checkpoint's tokenizer."""
     return load_prompt(str(cfg.model.prompt), prompt_length(cfg), model.vocab, cfg.seed,
                        find_tokenizer(cfg.model.checkpoint), cfg.model.chat)
 
@@ -281,7 +283,7 @@ def render_latency(title: str, chunk_s: dict[int, float], decode_s: float, lengt
 
 
 def fixture_file(cfg: DictConfig) -> Path:
-    """The seed's CSV, under fixtures_dir (testbed.seed.fixtures_dir)."""
+    """The seed's CSV, under fixtures_dir (testbed.measure.seed.fixtures_dir)."""
     path = seed.fixtures_dir(cfg.fixtures_dir) / cfg.fixture.file
     if not path.is_file():
         raise UsageError(f"fixture {cfg.fixture.file!r} not found in {path.parent} (config key fixtures_dir)")

@@ -8,7 +8,7 @@ run set; each record names the build (`fused`) and the matrix products' micro-ke
 chosen at run time, TB_ISA forces one).
 
 matmul_vs_sgemm   (this host) a chunk call's weight matrix products (the engine's own timer around
-                  them) in GFLOP/s, over numpy's sgemm (OpenBLAS here; testbed.blas_reference) doing
+                  them) in GFLOP/s, over numpy's sgemm (OpenBLAS here; testbed.measure.blas_reference) doing
                   the SAME products: every layer's q, k, v, o, gate, up, down on the chunk's C rows
                   with the model's float32 weights (the dequantised ones for f16 / int8), and the LM
                   head on one row, on the engine's thread count. Interleaved in one job: per
@@ -41,13 +41,14 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma
-from testbed import blas_reference, tables
-from testbed.oracles import check_nmse
 from testbed.backends.native import engine
 from testbed.config import Choice, Float, Int
-from testbed.measure import time_interleaved
+from testbed.measure import blas_reference
+from testbed.measure.timing import time_interleaved
+from testbed.oracles.numerical import check_nmse
+from testbed.oracles.tokens import TokenCase
+from testbed.report import tables
 from testbed.results import Figure, Record
-from testbed.token_oracle import TokenCase
 
 PARAMS = {
     "backend": Choice(("native",)),

@@ -32,11 +32,13 @@ from omegaconf import DictConfig
 
 from refimpl import gdn as ref
 from refimpl.naive_gdn import naive_gdn
-from testbed import backends, blas_reference, tables
+from testbed import backends
 from testbed.backends.iree.artifacts import target_names
 from testbed.config import Choice, Float, Int, IntList
 from testbed.errors import UsageError
-from testbed.oracles import check_bitexact, check_nmse
+from testbed.measure import blas_reference
+from testbed.oracles.numerical import check_bitexact, check_nmse
+from testbed.report import tables
 from testbed.results import Figure, Record
 
 PARAMS = {
@@ -168,26 +170,6 @@ def validate(cfg: DictConfig) -> None:
         raise UsageError(f"threads={cfg.threads} needs backend=native or iree; backend=refimpl runs on one thread")
 
 
-def snapshots(fn: Callable, x: ref.GDNInputs, K: int) -> np.ndarray:
-    """llama.cpp's K snapshot slots: slot s holds the state after token T-1-s (slot 0 = final).
-    Obtained by running `fn` on the prefixes, which works for any form."""
-    t_len = x.q.shape[1]
-    states = []
-    for s in range(min(K, t_len)):
-        n = t_len - s
-        part = ref.GDNInputs(x.q[:, :n], x.k[:, :n], x.v[:, :n], x.g[:, :n], x.beta[:, :n], x.state)
-        states.append(fn(part)[1])
-    return np.stack(states)
-
-
-def run_forms(fn: Callable, x: ref.GDNInputs, K: int) -> dict[str, np.ndarray]:
-    out, state = fn(x)
-    result = {"out": out, "state": state}
-    if K > 1:
-        result["snapshots"] = snapshots(fn, x, K)
-    return result
-
-
 # --- run -------------------------------------------------------------------------------------------
 
 
@@ -197,11 +179,11 @@ def oracle_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
         ctx.progress(f"gdn oracle {i + 1}/{len(cases)} {case.name}")
         x = case.inputs(cfg.seed)
         x64 = ref.GDNInputs(*(a.astype(np.float64) for a in x.arrays()))
-        reference = run_forms(lambda y: ref.gdn_serial(*y.arrays(), head_map=cfg.head_map), x64, case.K)
+        reference = ref.run_forms(lambda y: ref.gdn_serial(*y.arrays(), head_map=cfg.head_map), x64, case.K)
         params = {**case.__dict__, "chunk": cfg.chunk}
         results, evidence = {}, {}
         for form, fn in (("serial", be.serial), ("chunkwise", lambda y: be.chunkwise(y, cfg.chunk))):
-            results[form] = run_forms(fn, x, case.K)
+            results[form] = ref.run_forms(fn, x, case.K)
             evidence[form] = be.evidence.take()
             v = check_nmse(reference, results[form], cfg.threshold)
             yield Record("gdn", f"{case.name}/{form}", "oracle", "nmse", v.verdict, v.margin,
@@ -210,7 +192,7 @@ def oracle_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
         # The reference above is refimpl.gdn's own serial form: a bug there (a head map, a gate) is
         # shared by the refimpl backend and passes. The naive loops (refimpl.naive_gdn) share no code
         # with refimpl.gdn, so the chunkwise result is also judged against them.
-        naive = run_forms(lambda y: naive_gdn(*y.arrays(), head_map=cfg.head_map), x64, case.K)
+        naive = ref.run_forms(lambda y: naive_gdn(*y.arrays(), head_map=cfg.head_map), x64, case.K)
         v = check_nmse(naive, results["chunkwise"], cfg.threshold)
         yield Record("gdn", f"{case.name}/{NAIVE_FORM}", "oracle", "nmse", v.verdict, v.margin,
                      v.metrics | {"reference": "refimpl.naive_gdn, float64"}, params=params | {"form": NAIVE_FORM},
@@ -259,7 +241,7 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
     b = cfg.bench
     # numpy's sgemm is a reference rate only where the kernels ran: this host, not under emulation
     here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
-    probe_s: list[float] = []  # every sgemm of the run: the machine probe, stored once (testbed.history)
+    probe_s: list[float] = []  # every sgemm of the run: the machine probe, stored once (testbed.measure.history)
     for t_len in b.tokens:
         ctx.progress(f"gdn bench H={b.heads} hs={b.head_size} T={t_len}")
         x = ref.draw_inputs(1, t_len, b.heads, b.head_size, kda=b.kda, seed=cfg.seed)
@@ -315,7 +297,7 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
                       **({"reference": blas_reference.blas_info(cfg.threads)} if sgemm is not None else {}),
                       "tokens": t_len,
                       **({"instructions": "instructions executed per kernel call, between the harness's marks "
-                                          "(testbed.counts): the qemu plugin on an emulated device, valgrind's "
+                                          "(testbed.measure.counts): the qemu plugin on an emulated device, valgrind's "
                                           "callgrind on the host (its build without AVX-512, which valgrind cannot "
                                           "run); exact, an ISA's and a toolchain's, never a time"}
                          if "instructions" in figures else {})},
@@ -341,7 +323,7 @@ def probe_record(seconds: list[float], threads: int) -> Record:
 def ab_calls(cfg: DictConfig) -> list:
     """The bench's measured calls for `testbed ab`: serial and chunkwise at each bench length, one timed
     call per program run."""
-    from testbed.ab import Call
+    from testbed.backends.native.device import Call
     from testbed.backends.native.gdn import INPUTS
 
     b, calls = cfg.bench, []
@@ -361,8 +343,7 @@ def llamacpp_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     (one verdict per case and the "36/36 OK" tally), its perf mode the measurement. Where testbed built
     the tools (the profile names none), ggml's op is also judged by the float64 reference over the
     matrix (testbed.backends.llamacpp.ggml_gdn): test-backend-ops -b CPU compares ggml with itself."""
-    from testbed.backends.llamacpp import ggml_gdn
-    from testbed.backends.llamacpp import runner as llamacpp
+    from testbed.backends.llamacpp import ggml_gdn, runner as llamacpp
 
     backend = ctx.device.profile.accelerators.get("backend") or "CPU"
     tools = llamacpp.resolve_tools(ctx.device, "auto", "", ("test-backend-ops", "tb_ggml_gdn"), ctx.progress)

@@ -2,8 +2,8 @@
 
 The model is refimpl.qwen35 (GDN layers with their conv and recurrent states, gated full attention
 with its KV cache): seeded weights of the `shape` config, or a Hugging Face Qwen3.5 checkpoint folder
-(`model.checkpoint=DIR`, testbed.hybrid_checkpoints: every config field honoured or refused) with a
-prompt of ids or text through its own tokenizer (`model.prompt=`, testbed.prompts).
+(`model.checkpoint=DIR`, testbed.models.hybrid_checkpoints: every config field honoured or refused) with a
+prompt of ids or text through its own tokenizer (`model.prompt=`, testbed.models.prompts).
 
 Backends: refimpl (numpy, on the host only) and native: the hybrid engine in C (kernels/tb_hybrid.h,
 program tb_hybrid_bench) built for the device's ABI and run ON the device the run names (the host
@@ -25,7 +25,7 @@ crossover  prefill rate of a prompt of L tokens (bench.prefill_chunk rows per ca
            hybrid's), the hybrid with serial GDN, with chunkwise GDN, and with no recurrence at all
            (the GDN's share of the time, hence the most a faster GDN can gain), all interleaved.
            Rates: tokens per CPU second; on an emulated device tokens per 1e9 instructions counted
-           under emulation (testbed.counts), labelled so, never as time. The crossover context is
+           under emulation (testbed.measure.counts), labelled so, never as time. The crossover context is
            where the hybrid overtakes a dense model, from a fit of cost per token = a + b L (the
            seed's ~24-28k is such an extrapolation from 512..8k). L = 512 gives pp512 serial vs
            chunkwise (the seed's 93 -> 150 goal is 1.6x). On the `bench.shape` model.
@@ -58,14 +58,14 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from refimpl import gdn, naive_qwen35, qwen35
-from testbed import breakeven
-from testbed.config import Choice, Float, Int, IntList, as_list, project_path
+from testbed.config import as_list, project_path, Choice, Float, Int, IntList
 from testbed.errors import UsageError
-from testbed.hybrid_oracles import (check_chunk_with_past, check_engine_case, check_engine_tail, check_pad_identity,
+from testbed.measure import breakeven
+from testbed.oracles.hybrid import (check_chunk_with_past, check_engine_case, check_engine_tail, check_pad_identity,
                                     check_padded_tail)
-from testbed.measure import interleaved_order, time_alternating_clocks
-from testbed.oracles import digest, nmse
-from testbed.prompts import find_tokenizer, load_prompt
+from testbed.measure.timing import interleaved_order, time_alternating_clocks
+from testbed.models.prompts import find_tokenizer, load_prompt
+from testbed.oracles.numerical import digest, nmse
 from testbed.results import Figure, Record
 
 MODES = ("oracle", "crossover", "tail", "drift", "bench", "all")
@@ -120,7 +120,7 @@ def load_model(checkpoint: str | None, shape: tuple, seed: int):
     """(config, weights, weights digest): a Hugging Face Qwen3.5 folder, or the shape with seeded weights
     (kept for the next job of a sweep)."""
     if checkpoint:
-        from testbed.hybrid_checkpoints import load_hf_folder
+        from testbed.models.hybrid_checkpoints import load_hf_folder
 
         model, w = load_hf_folder(checkpoint)
     else:
@@ -148,7 +148,7 @@ def prompt_needs(cfg: DictConfig) -> int:
 
 
 def run_prompt(cfg: DictConfig, vocab: int):
-    """The oracles' prompt (testbed.prompts): `seed` draws oracle.prompt_tokens ids; a file or text (through
+    """The oracles' prompt (testbed.models.prompts): `seed` draws oracle.prompt_tokens ids; a file or text (through
     the checkpoint's tokenizer) gives its own, of which the cases need prompt_needs."""
     length = cfg.oracle.prompt_tokens if str(cfg.model.prompt) == "seed" else prompt_needs(cfg)
     return load_prompt(str(cfg.model.prompt), length, vocab, cfg.seed, find_tokenizer(cfg.model.checkpoint),

@@ -15,11 +15,11 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
-from testbed.config import Choice, Float, project_path
-from testbed.errors import UsageError
 from testbed.backends.iree.artifacts import Artifact
-from testbed.backends.iree.runtime import DRIVERS, RuntimeSession, run_tool
-from testbed.oracles import check_nmse
+from testbed.backends.iree.runtime import run_tool, DRIVERS, RuntimeSession
+from testbed.config import project_path, Choice, Float
+from testbed.errors import UsageError
+from testbed.oracles.numerical import check_nmse
 from testbed.results import Record
 
 PARAMS = {

@@ -29,13 +29,13 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from refimpl import gemma
-from testbed import tables
-from testbed.config import Choice, Float, Int
-from testbed.contract import pack_prefill_with_past
-from testbed.experiments.chunk_prefill import PRESETS, _model_key, load_model
 from testbed.backends.iree.graphs import gemma as graphs
-from testbed.backends.iree.runtime import TargetRunner, benchmark_tool
-from testbed.measure import time_alternating
+from testbed.backends.iree.runtime import benchmark_tool, TargetRunner
+from testbed.config import Choice, Float, Int
+from testbed.experiments.chunk_prefill import _model_key, load_model, PRESETS
+from testbed.measure.timing import time_alternating
+from testbed.models.contract import pack_prefill_with_past
+from testbed.report import tables
 from testbed.results import Record
 
 PARAMS = {

@@ -9,7 +9,7 @@ perf   test-backend-ops perf: us/run and GB/s per case (the tool's means; about 
 bench  llama-bench -p 512: prompt tokens per second (pp512) over its repetitions
 logits llama.cpp's logits for a Gemma 3 GGUF (gguf=, a file on this host, pushed once per content),
        computed on the device by libllama (tb_llama_logits) at every position of a seeded prompt, and
-       judged against testbed's own reading of the same file (testbed.checkpoints.load_gguf, then
+       judged against testbed's own reading of the same file (testbed.models.checkpoints.load_gguf, then
        refimpl.gemma): a third reference beside transformers, which shares neither loader nor graph
        with testbed. Not part of `all`: it builds libllama (minutes, once per source and target).
 
@@ -32,13 +32,11 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig
 
-from testbed import tables
-from testbed.backends.llamacpp import build as builder
-from testbed.backends.llamacpp import ggml_gdn, models
-from testbed.backends.llamacpp import runner as llamacpp
+from testbed.backends.llamacpp import build as builder, ggml_gdn, models, runner as llamacpp
 from testbed.config import Choice, Float, Int
 from testbed.errors import UsageError
-from testbed.oracles import check_nmse
+from testbed.oracles.numerical import check_nmse
+from testbed.report import tables
 from testbed.results import Record
 
 
@@ -158,7 +156,7 @@ def records(cfg: DictConfig, ctx, backend: str, tools: llamacpp.Tools, reference
 def logits_records(cfg: DictConfig, ctx, tools: llamacpp.Tools) -> Iterator[Record]:
     """One oracle record: llama.cpp's logits on the device against refimpl's for the same GGUF."""
     from refimpl import gemma
-    from testbed.checkpoints import load_checkpoint
+    from testbed.models.checkpoints import load_checkpoint
 
     model, weights = load_checkpoint(cfg.gguf)  # refuses any architecture but gemma3, naming it
     tokens = np.random.default_rng(cfg.seed).integers(0, model.vocab, cfg.logits.tokens)
@@ -171,7 +169,7 @@ def logits_records(cfg: DictConfig, ctx, tools: llamacpp.Tools) -> Iterator[Reco
     yield Record("llamacpp", f"logits/T={len(tokens)}", "oracle", "llama.cpp logits", v.verdict, v.margin,
                  {**v.metrics, "argmax_agreement": agreement},
                  params={"gguf": str(cfg.gguf), "tokens": len(tokens),
-                         "reference": "testbed.checkpoints.load_gguf + refimpl.gemma.redecode (float32)"},
+                         "reference": "testbed.models.checkpoints.load_gguf + refimpl.gemma.redecode (float32)"},
                  detail=v.detail, evidence=[evidence])
 
 

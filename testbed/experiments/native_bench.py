@@ -15,7 +15,7 @@ ratios     issue 14's kernel targets, measured interleaved in one run (every rep
            GFLOP/s at the most keys over its GFLOP/s at the fewest (target >= 0.8), and GDN
            chunkwise's GFLOP/s on the work it really does (gdn_chunkwise_flops) over numpy's sgemm
            (OpenBLAS here) on the same threads (target >= 0.7; this host only, where numpy's sgemm is
-           the reference; testbed.blas_reference). At threads > 1 the sgemm also runs on one thread
+           the reference; testbed.measure.blas_reference). At threads > 1 the sgemm also runs on one thread
            in every repetition: when its CPU time per call on `threads` threads exceeds 1.2x that
            (OpenBLAS's idle threads spin on a busy host and are charged for it), the ratio record
            says reference_spinning and judges no target.
@@ -40,14 +40,15 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from refimpl import gdn, gemma
-from testbed import blas_reference, tables
 from testbed.backends.native.build import build_programs, target_for_abi
-from testbed.backends.native.device import NativeJob, run_native
-from testbed.backends.native.gdn import INPUTS as GDN_INPUTS, auto_chunk
-from testbed.config import BoolList, Choice, Int, IntList, as_bools, as_list
+from testbed.backends.native.device import run_native, NativeJob
+from testbed.backends.native.gdn import auto_chunk, INPUTS as GDN_INPUTS
+from testbed.config import as_bools, as_list, BoolList, Choice, Int, IntList
 from testbed.errors import UsageError
-from testbed.measure import time_interleaved
-from testbed.oracles import check_nmse, head_biased_mask
+from testbed.measure import blas_reference
+from testbed.measure.timing import time_interleaved
+from testbed.oracles.numerical import check_nmse, head_biased_mask
+from testbed.report import tables
 from testbed.results import Figure, Record
 
 PARAMS = {

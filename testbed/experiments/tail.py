@@ -33,15 +33,13 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from refimpl import gemma
-from refimpl import sliding_cache as sc
-from refimpl import tail_prefill as tp
-from testbed import breakeven, seed as seeds
-from testbed.config import Choice, Float, Int, IntList, as_list
+from refimpl import gemma, sliding_cache as sc, tail_prefill as tp
+from testbed.config import as_list, Choice, Float, Int, IntList
 from testbed.errors import UsageError
-from testbed.measure import host_clocks, time_interleaved
+from testbed.measure import breakeven, seed as seeds
+from testbed.measure.timing import host_clocks, time_interleaved
 from testbed.results import Figure, Record
-from testbed.tail_oracles import (Engine, check_cache_encoding, check_engine_rollback, check_first_token,
+from testbed.oracles.tail import (Engine, check_cache_encoding, check_engine_rollback, check_first_token,
                                   check_padded_rollback, engine_grid, grid, kill_switch, prompt_lengths)
 
 PARAMS = {
@@ -119,7 +117,7 @@ def model_config(cfg: DictConfig) -> gemma.GemmaConfig:
 
 
 def fixture_path(cfg: DictConfig):
-    """The fixture from `fixtures_dir` (testbed.seed.fixtures_dir)."""
+    """The fixture from `fixtures_dir` (testbed.measure.seed.fixtures_dir)."""
     path = seeds.fixtures_dir(cfg.fixtures_dir) / cfg.fixture
     if not path.is_file():
         raise UsageError(f"fixture={cfg.fixture!r} not found in {path.parent} (config key fixtures_dir)")

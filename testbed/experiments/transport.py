@@ -18,9 +18,9 @@ from typing import Iterator
 import pandas as pd
 from omegaconf import DictConfig
 
-from testbed import tables
 from testbed.config import Int
-from testbed.measure import time_call
+from testbed.measure.timing import time_call
+from testbed.report import tables
 from testbed.results import Record
 
 PARAMS = {"size_mb": Int(1, 4096), "reps": Int(1, 100)}

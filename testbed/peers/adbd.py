@@ -236,7 +236,7 @@ class FakeDevice:
                      if not (q == "qemu-arm" and host_machine.startswith("arm"))
                      and not (q == "qemu-aarch64" and host_machine == "aarch64")}
         if any(emulators.values()):
-            from testbed.counts import qemu_plugin_args
+            from testbed.measure.counts import qemu_plugin_args
 
             env["LD_PRELOAD"] = str(build_exec_shim())
             env["TB_QEMU_PLUGIN"] = qemu_plugin_args()[1]

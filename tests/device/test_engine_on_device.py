@@ -16,15 +16,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from refimpl import gemma
-from refimpl import sliding_cache as sc
-from refimpl import tail_prefill as tp
-from testbed.backends.native import engine
-from testbed.backends.native import gemma as native_gemma
+from refimpl import gemma, sliding_cache as sc, tail_prefill as tp
+from testbed.backends.native import engine, gemma as native_gemma
 from testbed.backends.native.device import NativeRunFailed
-from testbed.oracles import digest, nmse
-from testbed.tail_oracles import check_engine_rollback, check_first_token, engine_grid, kill_switch
-from testbed.token_oracle import Reference, TokenCase, check_token_at_position
+from testbed.oracles.numerical import digest, nmse
+from testbed.oracles.tail import check_engine_rollback, check_first_token, engine_grid, kill_switch
+from testbed.oracles.tokens import check_token_at_position, Reference, TokenCase
 
 pytestmark = [pytest.mark.device, pytest.mark.requires("native")]
 
@@ -108,7 +105,7 @@ def test_first_token_around_chunk_boundaries(device, weights, dtype, sink):
 def test_the_cache_holds_refimpls_encoding_of_its_rows(device, weights, dtype, group):
     """Issue 24, item 8: the rollback grid compares the engine with itself; the stored rows are judged
     against refimpl's encoding too (several int8 groups per row, so a scale in the wrong group shows)."""
-    from testbed.tail_oracles import check_cache_encoding
+    from testbed.oracles.tail import check_cache_encoding
 
     s = engine.TailSettings(chunk=CHUNK, generate=1, cache_dtype=dtype, cache_group=group, sink=3)
     for n in (CHUNK + 9, 8 * CHUNK - 1):  # one chunk and a tail; a full window, evicted

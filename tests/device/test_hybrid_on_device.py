@@ -10,11 +10,11 @@ import pytest
 from testbed import config, runner
 from testbed.backends.native import hybrid as engine
 from testbed.backends.native.device import NativeRunFailed
-from testbed.experiments import hybrid as experiment
-from testbed.hybrid_checkpoints import load_hf_folder
-from testbed.hybrid_oracles import check_boundaries, check_tail_bytes
 from testbed.devices import connect, load_profile
-from testbed.oracles import check_nmse, digest, nmse
+from testbed.experiments import hybrid as experiment
+from testbed.models.hybrid_checkpoints import load_hf_folder
+from testbed.oracles.hybrid import check_boundaries, check_tail_bytes
+from testbed.oracles.numerical import check_nmse, digest, nmse
 from tests.device.test_gdn_on_device import assert_computed_on
 from tests.hybrid_support import VARIANTS, make_tiny_qwen35
 

@@ -26,7 +26,6 @@ oracles.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import platform
 import re
@@ -45,7 +44,7 @@ import numpy as np
 
 from testbed import PROJECT_ROOT
 from testbed.backends import Evidence, EvidenceLog
-from testbed.backends.iree.runtime import HOST_ELF, ModuleRequirements
+from testbed.backends.iree.runtime import parse_benchmark_json, HOST_ELF, ModuleRequirements
 from testbed.devices import CommandResult, Device
 from testbed.devices.transport import sha256_file
 from testbed.errors import DeviceError, UsageError
@@ -297,22 +296,6 @@ class StagedModule:
 
 
 # --- runs ------------------------------------------------------------------------------------------
-
-_UNIT_S = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
-
-
-def parse_benchmark_json(text: str) -> Figure:
-    """Google Benchmark JSON -> a Figure in seconds over the per-repetition (iteration) rows."""
-    start = text.find("{")
-    try:
-        data = json.loads(text[start:]) if start >= 0 else None
-    except json.JSONDecodeError as e:
-        raise DeviceError(f"iree-benchmark-module did not print JSON: {e}") from None
-    rows = [b for b in (data or {}).get("benchmarks", []) if b.get("run_type", "iteration") == "iteration"]
-    if not rows:
-        raise DeviceError("iree-benchmark-module reported no benchmark repetitions")
-    return Figure.of([b["real_time"] * _UNIT_S[b.get("time_unit", "ns")] for b in rows], "s")
-
 
 class IreeDevice:
     """IREE on one connected device: its HAL device and tools, the modules staged on it, and run

@@ -3,7 +3,7 @@
 On a device (every experiment run: the host too is a Device, through its local transport) the case
 runs there, one iree-run-module per graph call, on .npy files in a run folder on the device
 (testbed.backends.iree.device): the host pushes the small inputs it builds for each call (tokens,
-RoPE tables, masks, select: refimpl.gemma.chunk_inputs in testbed.contract's argument order), the K/V
+RoPE tables, masks, select: refimpl.gemma.chunk_inputs in testbed.models.contract's argument order), the K/V
 a call returns stay on the device as the next call's inputs, and the host pulls only what the oracle
 compares: the last chunk call's selected logits and K/V (its real and pad rows, and the cache's empty
 rows between them: fewer than `iree.past_bucket`), and the last decode step's logits. The device path is used for the host as well, so a host record is made the same way as a
@@ -31,11 +31,11 @@ import numpy as np
 
 from refimpl import gemma as ref
 from testbed.backends import ContractBroken, EvidenceLog, GemmaBackend, Utterance
-from testbed.backends.iree.artifacts import Artifact, compile_graph
-from testbed.backends.iree.device import IreeDevice, RunFolder, StagedModule, check_target_fits
+from testbed.backends.iree.artifacts import compile_graph, Artifact
+from testbed.backends.iree.device import check_target_fits, IreeDevice, RunFolder, StagedModule
 from testbed.backends.iree.graphs import gemma as graphs
-from testbed.backends.iree.runtime import TargetRunner, compile_progress_on_terminal
-from testbed.contract import pack_prefill_with_past
+from testbed.backends.iree.runtime import compile_progress_on_terminal, TargetRunner
+from testbed.models.contract import pack_prefill_with_past
 from testbed.results import Figure
 
 

@@ -21,6 +21,7 @@ host-visible staging buffer and read from its mapping.
 from __future__ import annotations
 
 import platform
+import json
 import re
 import subprocess
 import sys
@@ -32,7 +33,8 @@ from typing import Sequence
 
 import numpy as np
 
-from testbed.backends.iree.artifacts import Artifact, ContractError, check_signature
+from testbed.backends.iree.artifacts import check_signature, Artifact, ContractError
+from testbed.errors import DeviceError
 from testbed.results import Figure
 
 CPU_DRIVERS = ("local-sync", "local-task")
@@ -243,8 +245,6 @@ def benchmark_tool(artifact: Artifact, driver: str, arrays: Sequence[np.ndarray]
         out = subprocess.run(command, capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"iree-benchmark-module failed, exit {out.returncode}: {out.stderr.strip()[:2000]}")
-    from testbed.backends.iree.device import parse_benchmark_json
-
     return parse_benchmark_json(out.stdout)
 
 
@@ -308,3 +308,19 @@ class TargetRunner:
 
     def __call__(self, graph, *arrays: np.ndarray) -> list[np.ndarray]:
         return self.session(graph)(*arrays)
+
+
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def parse_benchmark_json(text: str) -> Figure:
+    """Google Benchmark JSON -> a Figure in seconds over the per-repetition (iteration) rows."""
+    start = text.find("{")
+    try:
+        data = json.loads(text[start:]) if start >= 0 else None
+    except json.JSONDecodeError as e:
+        raise DeviceError(f"iree-benchmark-module did not print JSON: {e}") from None
+    rows = [b for b in (data or {}).get("benchmarks", []) if b.get("run_type", "iteration") == "iteration"]
+    if not rows:
+        raise DeviceError("iree-benchmark-module reported no benchmark repetitions")
+    return Figure.of([b["real_time"] * _UNIT_S[b.get("time_unit", "ns")] for b in rows], "s")

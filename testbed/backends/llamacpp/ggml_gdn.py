@@ -21,9 +21,9 @@ from typing import Callable, Iterator
 import numpy as np
 
 from refimpl import gdn as ref
-from testbed.backends.native.device import NativeJob, run_native
+from testbed.backends.native.device import run_native, NativeJob
 from testbed.devices import Device
-from testbed.oracles import NMSE_THRESHOLD, check_nmse
+from testbed.oracles.numerical import check_nmse, NMSE_THRESHOLD
 from testbed.results import Record
 
 INPUTS = ("q", "k", "v", "g", "beta", "state")
@@ -31,7 +31,7 @@ REFERENCE = "refimpl.gdn.gdn_serial in float64"
 
 
 def ggml_outputs(device: Device, program: Path, x: ref.GDNInputs, K: int) -> tuple[dict[str, np.ndarray], dict]:
-    """ggml's outputs for one call, named as testbed.experiments.gdn.run_forms names them."""
+    """ggml's outputs for one call, named as refimpl.gdn.run_forms names them."""
     names = ["out", "state"] + (["snapshots"] if K > 1 else [])
     result = run_native(device, NativeJob(program, dict(zip(INPUTS, x.arrays())), names, ["{inputs}", ".", f"K={K}"],
                                           measured=False))
@@ -42,13 +42,11 @@ def oracle_records(experiment: str, device: Device, program: Path, cases, seed: 
                    threshold: float = NMSE_THRESHOLD, progress: Callable[[str], None] = lambda m: None,
                    artifacts: dict | None = None) -> Iterator[Record]:
     """One record per case: ggml's op on `device` against the float64 reference."""
-    from testbed.experiments.gdn import run_forms
-
     for i, case in enumerate(cases):
         progress(f"ggml GATED_DELTA_NET vs refimpl {i + 1}/{len(cases)} {case.name}")
         x = case.inputs(seed)
         x64 = ref.GDNInputs(*(a.astype(np.float64) for a in x.arrays()))
-        reference = run_forms(lambda y: ref.gdn_serial(*y.arrays()), x64, case.K)
+        reference = ref.run_forms(lambda y: ref.gdn_serial(*y.arrays()), x64, case.K)
         got, evidence = ggml_outputs(device, program, x, case.K)
         v = check_nmse(reference, got, threshold)
         yield Record(experiment, f"{case.name}/ggml-CPU", "oracle", v.oracle, v.verdict, v.margin, v.metrics,

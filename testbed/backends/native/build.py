@@ -232,18 +232,6 @@ def build_info(program: Path) -> dict:
         return {}
 
 
-def elf_machine(path: Path) -> int | None:
-    """The ELF header's e_machine (40 ARM, 183 AArch64, 164 Hexagon, 62 x86-64), or None."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(20)
-    except OSError:
-        return None
-    if len(head) < 20 or head[:4] != b"\x7fELF":
-        return None
-    return int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
-
-
 def target_for_abi(abi: str) -> str:
     """The build target whose programs run on a device of this ABI."""
     if abi == "x86_64" and platform.machine() == "x86_64":

@@ -15,7 +15,7 @@ The program contract (kernels/bench/'s benchmark-and-dump programs follow it):
   counts     on a device whose profile has the capability `counts` (the emulated ones: qemu-user runs
              every program under testbed's counting plugin), the instructions of each timed call,
              from the plugin's file in the run folder; with `NativeJob.count` on the host, the program
-             runs under valgrind's callgrind instead (testbed.counts). A count that was due and is
+             runs under valgrind's callgrind instead (testbed.measure.counts). A count that was due and is
              missing or does not match the timed calls is an error, never a silent gap.
 
 Nothing here trusts "it ran": a non-zero exit and outputs that are missing or unreadable are errors
@@ -36,13 +36,12 @@ from typing import Any
 
 import numpy as np
 
-from testbed import counts as counting
 from testbed.backends import Evidence
-from testbed.backends.native.build import ELF_MACHINE_NAMES, build_info, elf_machine
+from testbed.backends.native.build import build_info, ELF_MACHINE_NAMES
 from testbed.devices import CommandResult, Device
-from testbed.devices.local import elf_machine
-from testbed.devices.transport import quoted, sha256_file
+from testbed.devices.transport import elf_machine, quoted, sha256_file
 from testbed.errors import DeviceError
+from testbed.measure import counts as counting
 from testbed.results import Figure
 
 
@@ -58,6 +57,19 @@ class NativeJob:
     # what each output's shape must be (None: any size on that axis); one that is not (a stale or cut
     # output file) fails the run, as a device operation, instead of reaching an oracle
     shapes: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class Call:
+    """One measured call of an experiment: a benchmark-and-dump program on its inputs (what `testbed ab`
+    measures on both source trees, testbed.lab.ab)."""
+
+    label: str                  # the case, e.g. "H=16,hs=128,T=512,kda=0/chunkwise"
+    program: str                # its name in a build folder (tb_gdn_bench)
+    inputs: dict[str, np.ndarray]
+    args: list[str]             # the program's arguments, reps=1 (one timed call per run)
+    outputs: list[str]
+    work: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -30,12 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl import gemma
-from refimpl import sliding_cache as sc
-from refimpl import tail_prefill as tp
+from refimpl import gemma, sliding_cache as sc, tail_prefill as tp
 from testbed.backends import Evidence
 from testbed.backends.native import build as kernel_build
-from testbed.backends.native.device import NativeJob, NativeResult, program_digest, run_native, stage_program
+from testbed.backends.native.device import program_digest, run_native, stage_program, NativeJob, NativeResult
 from testbed.devices import Device
 from testbed.errors import UsageError
 
@@ -155,13 +153,13 @@ class ChunkRun:
     decode_logits: np.ndarray   # [vocab]: the same n tokens as decode steps, at the last position
     timings: dict
     evidence: Evidence
-    counts: object = None       # testbed.counts.Counts on a device that counts: regions "chunk", "decode", ...
+    counts: object = None       # testbed.measure.counts.Counts on a device that counts: regions "chunk", "decode", ...
 
 
 def chunk_prefill(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, case, *, weights_dtype: str = "f32",
                   group: int = 32, threads: int = 1, warmup: int = 0, reps: int = 1, reference: bool = False,
                   program: Path | None = None, cold_mb: int = 0) -> ChunkRun:
-    """Run a chunk-prefill case (testbed.token_oracle.TokenCase) on the device. `w`: float32 weights,
+    """Run a chunk-prefill case (testbed.oracles.tokens.TokenCase) on the device. `w`: float32 weights,
     exported in weights_dtype. reps > 1 times a chunk call and a decode step interleaved (and, with
     `reference`, this run's sgemm and streaming-read rates); cold_mb > 0: the caches evicted before
     each timed decode step (that many MiB written and read)."""
@@ -262,7 +260,7 @@ def tail(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSetting
 
 def rollback_runs(device: Device, cfg: gemma.GemmaConfig, w: dict, case, s: TailSettings, seed: int = 0,
                   program: Path | None = None) -> tuple[TailRun, TailRun]:
-    """For the byte-identical oracle (testbed.tail_oracles.check_engine_rollback): the prompt of
+    """For the byte-identical oracle (testbed.oracles.tail.check_engine_rollback): the prompt of
     `case` (an EngineGridCase) with its tail padded then rolled back, and with the padded call
     appending only its real rows. Padding is forced (threshold 0, kill switch off)."""
     model = dataclasses.replace(cfg, window=case.window)
@@ -274,7 +272,7 @@ def rollback_runs(device: Device, cfg: gemma.GemmaConfig, w: dict, case, s: Tail
 
 def encoding_runs(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSettings,
                   program: Path | None = None) -> tuple[TailRun, TailRun]:
-    """For the cache-encoding oracle (testbed.tail_oracles.check_cache_encoding): the prompt prefilled
+    """For the cache-encoding oracle (testbed.oracles.tail.check_cache_encoding): the prompt prefilled
     with the settings' cache dtype, and with a float32 cache (which holds the rows the encoder was given)."""
     return tuple(tail(device, cfg, w, prompt, dataclasses.replace(s, cache_dtype=dtype), program=program)
                  for dtype in (s.cache_dtype, "float32"))
@@ -282,7 +280,7 @@ def encoding_runs(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: Ta
 
 @dataclass
 class DeviceTailEngine:
-    """What testbed.tail_oracles.check_first_token drives (its Engine's prefill and generate), with
+    """What testbed.oracles.tail.check_first_token drives (its Engine's prefill and generate), with
     every prefill run on the device. `make_caches` and `policy` describe the same caches and policy on
     the host, for callers that ask the policy what it would decide."""
 

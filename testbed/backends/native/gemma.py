@@ -16,12 +16,11 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from refimpl import gemma
-from testbed.backends import EvidenceLog, Utterance
-from testbed.backends.native import build as kernel_build
-from testbed.backends.native import engine
-from testbed.backends.native.device import NativeJob, run_native
+from testbed.backends import EvidenceLog, TokenCase, Utterance
+from testbed.backends.native import build as kernel_build, engine
+from testbed.backends.native.device import run_native, NativeJob
 from testbed.devices import Device
-from testbed.oracles import Verdict, check_nmse, head_biased_mask
+from testbed.oracles.numerical import check_nmse, head_biased_mask, Verdict
 from testbed.results import Figure
 
 
@@ -86,8 +85,6 @@ class EngineRunner:
     def bench(self, prompt, past: int, chunk: int, reps: int, warmup: int) -> dict:
         """One chunk call of C rows and one decode step against `past` cached positions, interleaved,
         timed by the program on the device."""
-        from testbed.token_oracle import TokenCase
-
         run = self._run(prompt, TokenCase(past, chunk, chunk), reps=reps, warmup=warmup)
         times = {"chunk_call": Figure.of(run.timings["seconds"], "s"),
                  "decode_step": Figure.of(run.timings["decode_seconds"], "s")}

@@ -9,7 +9,7 @@ The program is built for the device's ABI and pushed once per content; the weigh
 safetensors file in Hugging Face's names (exported here, float32, cached and pushed by content hash);
 the prompt as tokens.npy. Every run carries its Evidence (testbed.backends): the program's sha256, the
 command, the device-side seconds, and on a device that counts (the emulated ones) the instructions of
-each timed prefill (testbed.counts).
+each timed prefill (testbed.measure.counts).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from pathlib import Path
 import numpy as np
 
 from refimpl import qwen35
-from testbed import counts as counting
 from testbed.backends import Evidence
 from testbed.backends.native import build as kernel_build
-from testbed.backends.native.device import NativeJob, program_digest, run_native, stage_program
+from testbed.backends.native.device import program_digest, run_native, stage_program, NativeJob
 from testbed.devices import Device
 from testbed.errors import UsageError
+from testbed.measure import counts as counting
 
 PROGRAM = "tb_hybrid_bench"
 WEIGHTS_DIR = kernel_build.ROOT / ".cache" / "engine"

@@ -7,7 +7,7 @@ import numpy as np
 
 from refimpl import gdn as ref
 from testbed.backends import EvidenceLog
-from testbed.measure import time_alternating
+from testbed.measure.timing import time_alternating
 
 
 class RefimplGDN:

@@ -1,6 +1,6 @@
 """The four Gemma graphs of refimpl.gemma in jax.numpy, for export to IREE.
 
-Same math and same flat argument order as refimpl.gemma and testbed.contract (K/V cached after
+Same math and same flat argument order as refimpl.gemma and testbed.models.contract (K/V cached after
 k-norm and RoPE, per layer [kv_heads, rows, head_dim]; tables and masks built on the host by
 refimpl.gemma's builders). Weights are a dict by Hugging Face name; testbed.backends.iree.artifacts turns
 them into module parameters (one module serves any weights of the shape) or constants.
@@ -28,8 +28,8 @@ from dataclasses import asdict
 import numpy as np
 
 from refimpl import gemma as ref
-from testbed import contract as gemma_contract
 from testbed.backends.iree.artifacts import Contract, Graph, TensorSpec
+from testbed.models import contract as gemma_contract
 
 
 def rms_norm(x, w, eps):

@@ -14,7 +14,7 @@ runs where and collects what comes back.
 A task reaches its device through the ordinary transports, holds the host's device lock (so a local
 `testbed nightly` on that host waits for it too), runs the job with the ordinary runner into a
 scratch store on its node, and returns the records. The driver appends each job's records to the one
-store as the job ends, so a record once returned is never lost; testbed.nightly then writes the
+store as the job ends, so a record once returned is never lost; testbed.lab.nightly then writes the
 night log and the one report.
 
 A measurement is bound to its device: a task is never retried or moved (max_retries=0). When a node
@@ -40,11 +40,12 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from testbed import config, device_cli, nightly, runner
+from testbed import config, runner
 from testbed.config import RunConfig
-from testbed.devices import load_profile
-from testbed.devices.private import DeviceBusy, device_lock
+from testbed.devices import load_profile, reachability
+from testbed.devices.private import device_lock, DeviceBusy
 from testbed.errors import DeviceError, DeviceUnreachable, UsageError
+from testbed.lab import nightly
 from testbed.results import Record, ResultsStore, RunInfo
 
 RESOURCE = "device:"
@@ -289,8 +290,12 @@ def collect(ray, ref, rc: RunConfig, node: dict, lost: str | None, store: Result
 # --- what runs on the farm: a night, a run, a sweep -----------------------------------------------
 
 
-def driver(address: str):
-    """nightly.run_night's `drive` for farm=ADDRESS."""
+def driver(address: str, suite: nightly.Suite):
+    """nightly.run_night's `drive` for farm=ADDRESS, for `suite`."""
+    if any(isinstance(rc, nightly.ABJob) for jobs in suite.jobs.values() for rc in jobs):
+        raise UsageError(f"suite {suite.name}: A/B runs (ab: true) are measured on this host's devices; "
+                         "farm= does not take them yet (run this suite without farm=, or drop its ab runs)")
+
     def drive(suite: nightly.Suite, store: ResultsStore, night: str, log: nightly.Log) -> list[nightly.DeviceNight]:
         started = time.monotonic()
         ray = join(address)
@@ -337,7 +342,7 @@ def node_resources(names: list[str]) -> tuple[dict[str, float], list[str]]:
     """The resources this host's node advertises, one per device that answers now, and a line for
     each device left out and why."""
     with ThreadPoolExecutor(max_workers=8) as pool:
-        reach = dict(zip(names, pool.map(device_cli.reachability, names)))
+        reach = dict(zip(names, pool.map(reachability, names)))
     left_out = [f"{name}: left out, {answer}" for name, answer in reach.items() if answer != "yes"]
     return {resource(name): 1.0 for name, answer in reach.items() if answer == "yes"}, left_out
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from testbed.config import project_path
 from testbed.errors import UsageError
-from testbed.oracles import digest
+from testbed.oracles.numerical import digest
 
 ID_FILES = (".json", ".npy")
 TEXT_FILES = (".txt",)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from testbed import history, implementations
+from testbed.measure import history
+from testbed.report import implementations
 
 DPI = 100
 

@@ -25,8 +25,12 @@ import time
 
 import pandas as pd
 
-from testbed import __version__, ab, compare, config, device_cli, emulation, experiments, farm, nightly, records_cli, report, runner, tables
+from testbed import __version__, config, experiments, runner
+from testbed.cli import devices as device_cli, records as records_cli
 from testbed.errors import DeviceError, DeviceUnreachable, StoreError, UsageError
+from testbed.lab import ab, compare, farm, nightly
+from testbed.measure import emulation
+from testbed.report import build as report, tables
 
 
 def _progress_line(msg: str) -> None:
@@ -141,9 +145,9 @@ def cmd_table(args) -> int:
 
 
 def cmd_ingest(args) -> int:
-    """Store llama.cpp's test-backend-ops output from a run elsewhere (testbed.ingest says what is refused)."""
-    from testbed import ingest
+    """Store llama.cpp's test-backend-ops output from a run elsewhere (testbed.lab.ingest says what is refused)."""
     from testbed.devices import load_profile
+    from testbed.lab import ingest
     from testbed.results import RunInfo
 
     ingest.check_experiment(args.experiment)
@@ -171,6 +175,17 @@ def cmd_ingest(args) -> int:
     return 1 if any(r["kind"] == "oracle" and r["verdict"] != "pass" for r in rows) else 0
 
 
+def cmd_nightly(args) -> int:
+    address, overrides = config.split_farm(args.overrides)
+    suite = nightly.load_suite(overrides)
+    store = runner.results_store(config.load([]))
+    # farm=HEAD:PORT: the lab's Ray cluster runs the jobs on the hosts that own the devices
+    drive = farm.driver(address, suite) if address else None
+    status, text = nightly.run_night(suite, store, drive=drive)
+    print(text)
+    return status
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="testbed", description="Validate and benchmark on-device LLM prefill.")
     p.add_argument("--version", action="version", version=f"testbed {__version__}")
@@ -196,7 +211,11 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--cases", type=int, metavar="N",
                    help="how many cases the command ran (a CSV of an op testbed has no case list for, or run with -p)")
     i.set_defaults(fn=cmd_ingest)
-    nightly.register(sub), report.register(sub), compare.register(sub), ab.register(sub), device_cli.register(sub)
+    n = sub.add_parser("nightly", help="run a suite (experiments/suite/) on its devices, then the report")
+    n.add_argument("overrides", nargs="*", help="suite=NAME (default: default), farm=HEAD:PORT (run on the lab's "
+                                                "Ray cluster) and key=value for the suite's keys")
+    n.set_defaults(fn=cmd_nightly)
+    report.register(sub), compare.register(sub), ab.register(sub), device_cli.register(sub)
     records_cli.register(sub)
     farm.register(sub)
     return p

@@ -13,11 +13,11 @@ takes), so a second nightly or a test session waits for the device, up to lock_w
 it busy, naming the holder. A device that cannot
 be reached (DeviceUnreachable, when connecting or during a run) is reported and the others go on.
 With farm=HEAD:PORT the jobs run on a lab's Ray cluster instead, each on the host that owns its
-device (testbed.farm); the store, the night log and the report stay here.
+device (testbed.lab.farm); the store, the night log and the report stay here.
 
 Each night appends a "started" entry to RESULTS/nights/records.jsonl when it begins and its full
 entry (which runs, each device's status, tool versions, exit status, every flag of tonight's runs as
-testbed.history.flag_data gives it: quantity, levels before and after, commit range, the machine
+testbed.measure.history.flag_data gives it: quantity, levels before and after, commit range, the machine
 probe's reading, the A/B evidence; and every instruction count that changed tonight) once the report
 is written, so
 a killed night still shows in the log, and the logged exit status is the one the process returns;
@@ -42,11 +42,13 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from testbed import config, experiments, history, report, runner, stop
+from testbed import config, experiments, runner, stop
 from testbed.config import RunConfig
-from testbed.devices import Device, connect, load_profile
-from testbed.devices.private import DeviceBusy, device_lock
+from testbed.devices import connect, load_profile, Device
+from testbed.devices.private import device_lock, DeviceBusy
 from testbed.errors import DeviceUnreachable, UsageError
+from testbed.measure import history
+from testbed.report import build as report
 from testbed.results import ResultsStore
 
 SCREEN = 12  # at most this many failure or regression lines in the summary; the report has them all
@@ -57,7 +59,7 @@ SCREEN = 12  # at most this many failure or regression lines in the summary; the
 
 class ABJob(RunConfig):
     """A suite run marked `ab: true`: its native programs measured against the last good night's
-    commit's build in the same job (testbed.ab), so machine drift cancels instead of reading as a
+    commit's build in the same job (testbed.lab.ab), so machine drift cancels instead of reading as a
     regression; the history keeps the per-night A/B ratios."""
 
 
@@ -128,7 +130,7 @@ def load_suite(overrides: list[str], suite_dir: Path | None = None) -> Suite:
         raise UsageError(f"suite {name}: ab_reps={ab_reps!r} is not accepted; accepted: an integer >= 1")
     ab_tree = spec.get("ab_tree") or "."
     if any(isinstance(rc, ABJob) for js in jobs.values() for rc in js):
-        from testbed import ab
+        from testbed.lab import ab
 
         ab.resolve_tree(str(config.project_path(ab_tree)))  # a bad tree is a usage error before anything runs
     return Suite(name, devices, jobs, lock_dir, float(wait), config.project_path(out) if out else None, ab_reps,
@@ -178,9 +180,9 @@ def job_label(rc: RunConfig) -> str:
 
 def baseline_tree(nights: list[dict]):
     """The kernels of the newest night that ended with exit status 0, as that night snapshotted them
-    (testbed.ab.snapshot): the A side of tonight's A/B jobs. None before the first good night, or
+    (testbed.lab.ab.snapshot): the A side of tonight's A/B jobs. None before the first good night, or
     when its snapshot is gone from the cache."""
-    from testbed import ab
+    from testbed.lab import ab
 
     for entry in reversed(nights):
         if entry.get("exit_status") == 0 and entry.get("kernels"):
@@ -193,7 +195,7 @@ def execute_job(rc: RunConfig, handle: Device, suite: Suite, trees, log) -> runn
     before the first good night, tonight's against themselves: no change, and the history starts)."""
     if not isinstance(rc, ABJob):
         return runner.execute(rc, device=handle)
-    from testbed import ab
+    from testbed.lab import ab
 
     opts = ab.Options(reps=suite.ab_reps)
     module = experiments.load(rc.experiment)
@@ -290,7 +292,7 @@ def on_this_host(suite: Suite, night: str, log: Log,
 def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], Device] = open_device,
               log: Log | None = None, drive=None) -> tuple[int, str]:
     """Run the suite, write the report, log the night; (exit status, summary). `drive`
-    runs the jobs and stores their records (default: on_this_host; testbed.farm: on a Ray cluster)."""
+    runs the jobs and stores their records (default: on_this_host; testbed.lab.farm: on a Ray cluster)."""
     log = Log() if log is None else log
     started = dt.datetime.now(dt.timezone.utc)
     night = started.strftime("%Y-%m-%dT%H%M%SZ-") + uuid.uuid4().hex[:6]
@@ -301,7 +303,7 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
              "git_commit": git_commit(), "tools": report.tool_versions()}
     trees = None
     if any(isinstance(rc, ABJob) for jobs in suite.jobs.values() for rc in jobs):
-        from testbed import ab
+        from testbed.lab import ab
 
         tonight = ab.snapshot(ab.resolve_tree(suite.ab_tree))
         entry["kernels"] = tonight.revision.split()[0].removeprefix("kernels:")
@@ -403,28 +405,3 @@ def summary(suite: Suite, night: str, results: list[DeviceNight], flags: list[hi
                3: "a device was unreachable or busy"}
     lines.append(f"exit {status}: {meaning[status]}")
     return "\n".join(lines)
-
-
-def command(args) -> int:
-    farm, overrides = config.split_farm(args.overrides)
-    suite = load_suite(overrides)
-    store = runner.results_store(config.load([]))
-    if farm:  # the lab's Ray cluster runs the jobs on the hosts that own the devices
-        from testbed import farm as lab
-
-        if any(isinstance(rc, ABJob) for jobs in suite.jobs.values() for rc in jobs):
-            raise UsageError(f"suite {suite.name}: A/B runs (ab: true) are measured on this host's devices; "
-                             "farm= does not take them yet (run this suite without farm=, or drop its ab runs)")
-
-        status, text = run_night(suite, store, drive=lab.driver(farm))
-    else:
-        status, text = run_night(suite, store)
-    print(text)
-    return status
-
-
-def register(commands) -> None:
-    n = commands.add_parser("nightly", help="run a suite (experiments/suite/) on its devices, then the report")
-    n.add_argument("overrides", nargs="*", help="suite=NAME (default: default), farm=HEAD:PORT (run on the lab's "
-                                                "Ray cluster) and key=value for the suite's keys")
-    n.set_defaults(fn=command)

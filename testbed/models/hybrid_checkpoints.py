@@ -1,6 +1,6 @@
 """Qwen3.5 text checkpoints (a Hugging Face folder: config.json + *.safetensors) for refimpl.qwen35.
 
-Strict, like testbed.checkpoints for Gemma: a config field that would change the computation and that
+Strict, like testbed.models.checkpoints for Gemma: a config field that would change the computation and that
 the reference does not implement is refused, as is a missing, unexpected or misshapen tensor; each
 refusal is one UsageError naming the value and what is accepted. Fields that cannot change the
 logits of a text prompt (token ids, dtype, bookkeeping) are accepted and ignored.
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.qwen35 import HF_LAYER_TYPES, HybridConfig, weight_shapes
-from testbed.checkpoints import read_hf_folder
+from refimpl.qwen35 import weight_shapes, HF_LAYER_TYPES, HybridConfig
 from testbed.errors import UsageError
+from testbed.models.checkpoints import read_hf_folder
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")  # qwen3_5 nests the text model's fields under text_config
 # Read into HybridConfig (the rest of the computation is fixed by the architecture).

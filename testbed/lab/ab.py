@@ -27,7 +27,7 @@ Judging, per call:
                 wall time is shown beside it. Fewer than 6 pairs cannot reach p < 0.05: "too few pairs".
 Exit status 1 when B is worse on any call by instructions or CPU time; "no change" for the same tree
 twice. The records (experiment's name, case `ab/CALL`) carry the pairs' ratios as figures
-`ab_ratio_cpu` (with the A/B block testbed.history judges: a_commit, b_commit, p uncorrected, pairs,
+`ab_ratio_cpu` (with the A/B block testbed.measure.history judges: a_commit, b_commit, p uncorrected, pairs,
 test, verdict) and `ab_ratio_wall` (shown, not judged), B's instructions as `instructions`, and the
 whole judgement (both counts, both sides' median times, every verdict) under metrics `ab`: the
 nightly's history keeps per-night A/B ratios, never raw times from different nights.
@@ -47,12 +47,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from testbed import PROJECT_ROOT, config, experiments, runner, tables
-from testbed.history import holm
+from testbed import config, experiments, runner, PROJECT_ROOT
 from testbed.backends import EvidenceLog
 from testbed.backends.native.build import build_programs, source_hash, target_for_abi
-from testbed.backends.native.device import NativeJob, run_native
+from testbed.backends.native.device import run_native, Call, NativeJob
 from testbed.errors import UsageError
+from testbed.measure.history import holm
+from testbed.report import tables
 from testbed.results import Figure, Record
 
 MIN_PAIRS = 6          # the fewest pairs whose signed-rank test can reach p < 0.05 (two-sided)
@@ -145,18 +146,6 @@ def snapshotted(digest: str) -> Tree | None:
 
 
 # --- the measured calls -----------------------------------------------------------------------------
-
-
-@dataclass
-class Call:
-    """One measured call of an experiment: a benchmark-and-dump program on its inputs."""
-
-    label: str                  # the case, e.g. "H=16,hs=128,T=512,kda=0/chunkwise"
-    program: str                # its name in a build folder (tb_gdn_bench)
-    inputs: dict[str, np.ndarray]
-    args: list[str]             # the program's arguments, reps=1 (one timed call per run)
-    outputs: list[str]
-    work: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -271,7 +260,7 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
         b_count = b.instructions[0] if b.instructions else None
         verdicts = {"instructions": count_verdict(a_count, b_count, opts.threshold)}
         # Figures the nightly's history judges: B's instructions (an exact count) and the CPU ratio (with
-        # its A/B block: testbed.history's contract). The wall ratio is shown, not judged; the two sides'
+        # its A/B block: testbed.measure.history's contract). The wall ratio is shown, not judged; the two sides'
         # times ride in the metrics only, so no raw time is ever compared across nights.
         figures: dict[str, Figure] = {}
         if b.instructions:

@@ -40,10 +40,8 @@ from typing import Callable
 
 import numpy as np
 
-from refimpl import naive_gemma
-from refimpl import sliding_cache as sc
-from refimpl import tail_prefill as tp
-from testbed.oracles import Verdict, check_bitexact, digest
+from refimpl import naive_gemma, sliding_cache as sc, tail_prefill as tp
+from testbed.oracles.numerical import check_bitexact, digest, Verdict
 
 # --- byte-identical cache grid -----------------------------------------------------------------------
 

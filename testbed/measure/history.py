@@ -13,7 +13,7 @@ A stored figure is judged by one of four rules, chosen by what it is (`kind_of`)
                 regression of the run where it first appears, named once, with both counts; a fall
                 is an improvement. Never judged by the step detector, never in a table with times.
                 Emulated devices' counts are judged (they are exact); their times never are
-                (testbed.emulation).
+                (testbed.measure.emulation).
   machine probe a figure marked `"role": "machine_probe"` (gdn's numpy sgemm rate, stored once per
                 run in its own record; older records: LEGACY_PROBES). It measures the machine, not
                 the code: never flagged, never compared as a regression; it says how much the machine
@@ -430,7 +430,7 @@ class Judgement:
 
 
 def speed_records(records: list[dict]) -> list[dict]:
-    """The measure records whose times may be judged: not emulated (testbed.emulation)."""
+    """The measure records whose times may be judged: not emulated (testbed.measure.emulation)."""
     return [r for r in records if r["kind"] == "measure" and not r.get("emulated")]
 
 
@@ -438,7 +438,7 @@ def judge_figures(records: list[dict], history: int, min_history: int) -> list[J
     """Every timing or rate of each series' latest run (probes, counts and A/B ratios have their own
     rules), judged over at most `history` runs before, the machine probe beside it."""
     out = []
-    # emulated figures are not a device's speed (testbed.emulation): no regression is judged on them
+    # emulated figures are not a device's speed (testbed.measure.emulation): no regression is judged on them
     measures = by_run_time(speed_records(records))
     probes = probe_runs(measures)
     measures.sort(key=series_key)  # stable: each series stays in run-time order

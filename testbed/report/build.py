@@ -8,10 +8,10 @@
 It is built from stored records only (testbed.results.ResultsStore) and the seeds' fixtures. Each
 section is a function of the records it is about and is left out when there are none, so an
 experiment that has not run yet (or does not exist yet) costs nothing. "Current" means the newest
-run of each experiment, device and configuration; older runs are its history (testbed.history).
+run of each experiment, device and configuration; older runs are its history (testbed.measure.history).
 
 The page opens with one verdict per device (green, amber or red, with the reason; `device_verdict`).
-Every table and plot is of one device, backend and model (testbed.implementations): figures of two
+Every table and plot is of one device, backend and model (testbed.report.implementations): figures of two
 implementations side by side in one choice, or one series, would answer no question.
 
 The folder is written beside its destination and moved into place at the end: a report is either
@@ -31,6 +31,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import sys
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -42,10 +43,13 @@ import jinja2
 import numpy as np
 import pandas as pd
 
-from testbed import breakeven, emulation, experiments, history, implementations, plots, seed
+from testbed import experiments
+from testbed.devices.private import process_alive
 from testbed.errors import StoreError, UsageError
+from testbed.measure import breakeven, emulation, history, seed
+from testbed.report import implementations, plots
+from testbed.report.tables import _cell as format_number
 from testbed.results import passed as counts_as_passed
-from testbed.tables import _cell as format_number
 
 TEMPLATES = Path(__file__).parent / "templates"
 MARKER = ".testbed-report"  # in every report folder: what may be replaced by the next report
@@ -440,7 +444,7 @@ def regressions(inp: Inputs) -> Section:
         f"run-to-run noise allows and by at least {history.MIN_CHANGE:.0%}, its latest run still nearer the new "
         "level, and the new level begins with a commit never measured at the old one (a step over runs of one "
         "commit is the machine's); where the machine probe ran, the flag says how much the machine slowed, and a "
-        f"step the machine explains (less than {history.MIN_CHANGE:.0%} beside it) is not flagged (testbed.history).",
+        f"step the machine explains (less than {history.MIN_CHANGE:.0%} beside it) is not flagged (testbed.measure.history).",
         f"An instruction count (exact) is flagged on the run where it first rises by more than {rise:.1%}; an A/B "
         f"ratio on the night its paired test says B is slower (p < {alpha:g} after Holm's correction over the "
         f"night's A/B figures, and at least {history.MIN_CHANGE:.0%}); an oracle when it passed before and fails "
@@ -701,23 +705,13 @@ def check_replaceable(out: Path) -> None:
                          "accepted: a new folder, or a report folder to replace")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def tidy(out: Path) -> None:
     """Undo what a killed build left beside `out`: staging folders of dead builds, and the previous
     report if the build died between moving it aside and moving the new one in."""
     ours = re.compile(re.escape(f".{out.name}.staging-") + r"(\d+)-[0-9a-f]{6}")
     for leftover in out.parent.glob(f".{out.name}.staging-*"):
         match = ours.fullmatch(leftover.name)
-        if match and not _alive(int(match.group(1))):
+        if match and process_alive(socket.gethostname(), int(match.group(1))) is False:
             shutil.rmtree(leftover, ignore_errors=True)
     old = out.with_name(f".{out.name}.old")
     if old.is_dir() and (old / MARKER).is_file():
@@ -757,7 +751,7 @@ def settings() -> dict:
 
 
 def night_log(results_root: Path) -> list[dict]:
-    """The nightly runs' own log (testbed.nightly), oldest first: each night's last entry, so a night
+    """The nightly runs' own log (testbed.lab.nightly), oldest first: each night's last entry, so a night
     that was killed after its "started" entry reads as such, with no exit status."""
     from testbed.results import ResultsStore
 

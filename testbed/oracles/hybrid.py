@@ -24,7 +24,7 @@ pad identity     the GDN op alone: pad rows with beta = 0 and g = 0 appended to 
 
 Every verdict carries the reference's own top-1 minus top-2 logit margin, so a token flip on a near
 tie is told apart from a real error. Token verdicts follow the Gemma token oracle's tie rule
-(testbed.token_oracle): every token whose reference logit is within `logit_atol` of the reference's
+(testbed.oracles.tokens): every token whose reference logit is within `logit_atol` of the reference's
 best is accepted, and the verdict says so (metrics tie, tied_tokens). On a real Qwen3.5 prompt the
 smallest top-2 gap is 3.9e-5: a correct candidate 3e-4 from the reference may rank such a pair either
 way, and passes as a tie; a candidate whose token lies further below the best fails.
@@ -35,8 +35,8 @@ from __future__ import annotations
 import numpy as np
 
 from refimpl import gdn, naive_qwen35, qwen35
-from testbed.oracles import NMSE_THRESHOLD, Verdict, check_bitexact, check_nmse, digest
-from testbed.token_oracle import margin_for, tied_tokens, top2_margin
+from testbed.oracles.numerical import check_bitexact, check_nmse, digest, NMSE_THRESHOLD, Verdict
+from testbed.oracles.tokens import margin_for, tied_tokens, top2_margin
 
 LOGIT_ATOL = 1e-3  # the Gemma token verdict's default: a tie is a gap below it
 

@@ -72,7 +72,7 @@ MIN_CALL_SECONDS = 0.05  # a timed reference call lasts at least this long on on
 
 def products_timer(products: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], threads: int, repeat: int = 1
                    ) -> Callable[[], dict[str, float]]:
-    """A variant for testbed.measure.time_interleaved: every product a @ b into out by numpy's BLAS on
+    """A variant for testbed.measure.timing.time_interleaved: every product a @ b into out by numpy's BLAS on
     `threads` threads, `repeat` times; its wall and CPU seconds per time (per set of products).
 
     CPU: on N > 1 threads this process's CPU clock (every BLAS thread's time, spinning included: what

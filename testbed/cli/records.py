@@ -20,16 +20,16 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 from collections import Counter
 
 import pandas as pd
 
-from testbed import config, report, runner
+from testbed import config, runner
+from testbed.devices.private import process_alive
 from testbed.errors import UsageError
-from testbed.results import ResultsStore, malformed, valid_id
+from testbed.report import build as report
+from testbed.results import malformed, valid_id, ResultsStore
 
 SHOWN = 5  # line numbers or ids named per finding; the count is always whole
 
@@ -118,24 +118,6 @@ def verify(store: ResultsStore) -> list[str]:
     if again:
         findings.append(f"{len(again)} ingested outputs stored more than once (runs {', '.join(again[0])}...)")
     return findings
-
-
-def process_alive(host, pid) -> bool | None:
-    """Whether the process a start mark names still runs: None when that cannot be told here (another
-    host, or a mark from before marks named their process). A zombie is gone."""
-    if not isinstance(pid, int) or host != socket.gethostname():
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def refuse_unended(rows: list[dict], runs: set[str], force: bool) -> None:

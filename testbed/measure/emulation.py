@@ -5,7 +5,7 @@ software Vulkan) stores its records with `emulated: true`. Their verdicts count 
 their figures are left out of every table, breakeven choice, regression check and plot that speaks
 of speed, and are listed apart with this reason, never mixed with real devices' figures.
 
-Instruction counts (unit "instructions", testbed.history.INSTRUCTIONS) are the exception: an
+Instruction counts (unit "instructions", testbed.measure.history.INSTRUCTIONS) are the exception: an
 emulator counts the instructions the program executes exactly, so an emulated record's counts are kept
 (`split` keeps a copy of the record holding only its counts) for the count tables and the count judge,
 while its times are listed apart as before.
@@ -19,7 +19,7 @@ REASON = ("computed under emulation (qemu-user, the loopback adbd, lavapipe): re
           "never for speed")
 
 
-COUNT_UNIT = "instructions"  # testbed.history.INSTRUCTIONS (not imported: history imports this module's users)
+COUNT_UNIT = "instructions"  # testbed.measure.history.INSTRUCTIONS (not imported: history imports this module's users)
 
 
 def is_emulated_figure(record: dict) -> bool:

@@ -10,9 +10,9 @@ A side is one of (tried in this order):
                     llamacpp.source=UPSTREAM,PATCHED`): `testbed compare llamacpp.source=UPSTREAM
                     llamacpp.source=PATCHED` gives their tallies, perf per case and pp512 side by side
 
-Records are matched on experiment, device, backend, configuration (as testbed.history compares runs:
+Records are matched on experiment, device, backend, configuration (as testbed.measure.history compares runs:
 where results and fixtures live is not part of it, nor the KEY of a setting side), case and the measured quantity or oracle. A
-measured quantity is a timing with the rates computed from it (testbed.history.quantities): one row,
+measured quantity is a timing with the rates computed from it (testbed.measure.history.quantities): one row,
 the derived figures named beside it.
 
 The unit of noise is the run, not the repetition: a night on a busier machine moves all its
@@ -25,12 +25,12 @@ the p-values are corrected for that (Holm's step-down method over every quantity
 chance of calling any quantity slower by chance at ALPHA, which is what exit status 1 needs; the
 Benjamini-Hochberg false-discovery rate would allow a share of false "slower" rows, each an exit 1).
 A change is beyond noise when the corrected p (column `p_adjusted`, beside the uncorrected `p`) is
-below ALPHA and the medians differ by at least testbed.history.MIN_CHANGE; too few runs to reach
+below ALPHA and the medians differ by at least testbed.measure.history.MIN_CHANGE; too few runs to reach
 p < ALPHA at all (fewer than 4 a side, or 3 against 5) says so instead of guessing.
 
 The machine is a covariate: where every run on both sides has the machine probe beside it
-(testbed.history.is_probe: the probe in the same run, or in a run on the same device within
-testbed.history.PROBE_HOURS), each run's median is divided by the probe's level in that run (a time
+(testbed.measure.history.is_probe: the probe in the same run, or in a run on the same device within
+testbed.measure.history.PROBE_HOURS), each run's median is divided by the probe's level in that run (a time
 by the probe's time; a rate multiplied), and the test and the verdict are of those normalised values:
 a drift of the machine shared by every quantity (the same commit measured on nights 1-6 and 7-12)
 cancels. The row then shows the raw change, the machine's change (`machine_pct`, positive: the machine
@@ -38,8 +38,8 @@ was slower in B) and the normalised change. The probe's own rows are said ("mach
 slower.
 
 Instruction counts (unit instructions) are exact: no test, the change itself; "more instructions"
-beyond testbed.history.INSTRUCTION_RISE counts as slower does, and they are shown in their own table.
-Emulated figures are never compared for speed (testbed.emulation); their counts and oracle verdicts are.
+beyond testbed.measure.history.INSTRUCTION_RISE counts as slower does, and they are shown in their own table.
+Emulated figures are never compared for speed (testbed.measure.emulation); their counts and oracle verdicts are.
 Exit status: 1 when B is slower (or has more instructions) or an oracle passed in A and fails in B, 0
 otherwise, 2 bad input, 6 an internal error of testbed (a traceback; never 1, which means a regression).
 """
@@ -55,9 +55,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from testbed import emulation, history, tables
 from testbed.errors import INTERNAL_ERROR, UsageError
-from testbed.results import ResultsStore, passed
+from testbed.measure import emulation, history
+from testbed.report import tables
+from testbed.results import passed, ResultsStore
 
 ALPHA = 0.05
 COMMIT = re.compile(r"[0-9a-f]{4,40}(-dirty)?")  # what testbed.results.git_commit stores, or a prefix
@@ -372,7 +373,8 @@ def command(args) -> int:
 
 
 def _compare(args) -> int:
-    from testbed import config, report, runner
+    from testbed import config, runner
+    from testbed.report import build as report
 
     default = runner.results_store(config.load([]))
     nights = report.night_log(default.root)

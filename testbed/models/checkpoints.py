@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.gemma import GemmaConfig, weight_shapes
+from refimpl.gemma import weight_shapes, GemmaConfig
 from testbed.errors import UsageError
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
@@ -121,7 +121,7 @@ def config_from_hf(config: dict, source: str) -> GemmaConfig:
     unknown = sorted(set(given) - set(HF_DEFAULTS) - HF_INERT_KEYS)
     if unknown:
         raise UsageError(f"{source}: key {unknown[0]!r}={given[unknown[0]]!r} is not implemented by this loader "
-                         f"(it may change the computation); accepted keys: testbed.checkpoints.HF_DEFAULTS "
+                         f"(it may change the computation); accepted keys: testbed.models.checkpoints.HF_DEFAULTS "
                          f"and HF_INERT_KEYS")
     hf = {**HF_DEFAULTS, **given}
     refused = {"model_type": HF_MODEL_TYPES, "hidden_activation": ("gelu_pytorch_tanh",),
@@ -331,7 +331,7 @@ def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
     )
     unknown = sorted(k for k in fields if k not in read and not k.startswith(GGUF_INERT_PREFIXES))
     if unknown:
-        refuse(unknown[0], fields[unknown[0]], "the gemma3 keys testbed.checkpoints.load_gguf reads")
+        refuse(unknown[0], fields[unknown[0]], "the gemma3 keys testbed.models.checkpoints.load_gguf reads")
     try:
         cfg = GemmaConfig(**settings)
     except ValueError as e:

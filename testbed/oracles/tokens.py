@@ -27,7 +27,7 @@ text (token_text beside token_ref).
 
 Masks per head (check_mask_heads, for a backend that runs the host's masks): the real masks are the
 same for every head, so a graph reading every head's mask from one head would pass every verdict
-above. The case's utterance with masks that differ per head (testbed.oracles.head_biased_mask) must
+above. The case's utterance with masks that differ per head (testbed.oracles.numerical.head_biased_mask) must
 give refimpl.gemma's logits for the same masks, within logit_atol.
 
 A tie: where the reference's top logits are closer than logit_atol, a backend within tolerance may
@@ -39,36 +39,16 @@ from choosing a token outside the tie.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from refimpl import gemma, naive_gemma
-from testbed.backends import ContractBroken, GemmaRunner
+from testbed.backends import ContractBroken, GemmaRunner, TokenCase
 from testbed.backends.refimpl import gemma as refimpl_backend
-from testbed.oracles import Verdict, head_biased_mask, nmse
+from testbed.oracles.numerical import head_biased_mask, nmse, Verdict
 
 InputsBuilder = Callable[..., gemma.ChunkInputs]
-
-
-@dataclass(frozen=True)
-class TokenCase:
-    past: int
-    tokens: int
-    chunk: int
-
-    @property
-    def position(self) -> int:
-        return self.past + self.tokens - 1
-
-    @property
-    def calls(self) -> int:
-        return math.ceil(self.tokens / self.chunk)
-
-    @property
-    def name(self) -> str:
-        return f"P={self.past},n={self.tokens},C={self.chunk}"
 
 
 def top2_margin(logits: np.ndarray) -> float:
@@ -223,7 +203,7 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
 
 def head_biased_inputs(cfg: gemma.GemmaConfig, tokens, past_len: int, chunk: int, past_positions=None,
                        **kw) -> gemma.ChunkInputs:
-    """gemma.chunk_inputs with every mask biased per head by position (testbed.oracles.head_biased_mask)."""
+    """gemma.chunk_inputs with every mask biased per head by position (testbed.oracles.numerical.head_biased_mask)."""
     inp = gemma.chunk_inputs(cfg, tokens, past_len, chunk, past_positions, **kw)
     past = np.arange(past_len) if past_positions is None else np.asarray(past_positions)
     keys = np.concatenate([past, inp.positions])

@@ -14,10 +14,10 @@ from __future__ import annotations
 import shlex
 from concurrent.futures import ThreadPoolExecutor
 
-from testbed import tables
 from testbed.config import choices
-from testbed.devices import connect, load_profile
-from testbed.errors import DeviceError, DeviceUnreachable, UsageError
+from testbed.devices import connect, load_profile, reachability
+from testbed.errors import DeviceUnreachable, UsageError
+from testbed.report import tables
 
 # What the remote discipline runs on a device (testbed.devices.transport): cd, timeout, sha256, stat.
 DEVICE_UTILITIES = ("sh", "timeout", "sha256sum", "stat", "mkdir", "rm")
@@ -26,21 +26,6 @@ DEVICE_UTILITIES = ("sh", "timeout", "sha256sum", "stat", "mkdir", "rm")
 def one_line(text: str) -> str:
     """A table cell: whatever a reason holds (a peer's traceback), on one line."""
     return " ".join(str(text).split())
-
-
-def reachability(name: str) -> str:
-    """yes, or why not; a profile that is not configured (a template) is listed so, never probed."""
-    try:
-        profile = load_profile(name)
-        if profile.not_configured():
-            return profile.not_configured()
-        device = connect(profile)
-    except (DeviceUnreachable, DeviceError) as e:
-        return one_line(f"no: {str(e).removeprefix(name + ': ')}")
-    except UsageError as e:
-        return one_line(f"invalid profile: {e}")
-    device.close()
-    return "yes"
 
 
 def cmd_devices(args) -> int:
@@ -137,7 +122,7 @@ def native_check(device) -> tuple[str, str, str]:
     """backend=native builds its programs for the device's ABI here and pushes them: the toolchain must
     be on this host, and a program must start on the device (run without arguments, it prints its
     usage and exits 2)."""
-    from testbed.backends.native.build import BuildError, build_programs, target_for_abi
+    from testbed.backends.native.build import build_programs, target_for_abi, BuildError
     from testbed.backends.native.device import stage_program
 
     try:
@@ -158,7 +143,7 @@ IREE_RUNTIME = "iree runtime"
 def iree_runtime_checks(device) -> list[tuple[str, str, str]]:
     """Where backend=iree's tools come from for this device, whether they start there (a dynamically
     linked tool needs its loader: qemu's sysroot), and whether their release is the compiler's."""
-    from testbed.backends.iree.device import RUNTIME_TOOLS, IreeDevice, ToolMissing, compiler_release
+    from testbed.backends.iree.device import compiler_release, IreeDevice, RUNTIME_TOOLS, ToolMissing
 
     try:
         iree = IreeDevice(device)

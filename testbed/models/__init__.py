@@ -1,0 +1,12 @@
+"""Models: what a run feeds the reference and the device.
+
+  checkpoints         Gemma 3 checkpoints: a Hugging Face folder or a GGUF file
+  hybrid_checkpoints  Qwen3.5 text checkpoints (Hugging Face folder) for refimpl.qwen35
+  prompts             the token ids a run feeds the model, from ids or text through the checkpoint's
+                      own tokenizer, and where they came from
+  contract            the graph contract: each Gemma graph's arguments and results, in order, with
+                      shapes and dtypes (IREE's modules and the native engine keep to it)
+
+May use: numpy, refimpl, testbed.config, testbed.oracles.numerical (digests). Never devices, backends,
+experiments, the report, the lab or the CLI (tests/test_layering.py).
+"""
