@@ -35,7 +35,7 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Callable
 
 import jinja2
@@ -221,8 +221,10 @@ def tail_sweep(inp: Inputs) -> Section | None:
         f"Seed ({seed.source_line(inp.fixtures / seed.TAIL_SWEEP)}): breakeven tail {seed_breakeven}; "
         "tails below it stay scalar."])
     for impl in sorted({implementations.of(r) for r in records}):
-        frame = sweep_frame(pd.json_normalize([r for r in records if implementations.of(r) == impl], sep="."))
+        of_impl = [r for r in records if implementations.of(r) == impl]
+        frame = sweep_frame(pd.json_normalize(of_impl, sep="."))
         for source, rows in frame.groupby("source", sort=False):
+            name = sweep_name(impl, str(source), of_impl[0]["config"])
             table = breakeven.tail_table(rows)
             point = breakeven.breakeven_tail(rows)
             said = point if point is not None else f"not reached up to tail {int(rows['tail'].max())}"
@@ -230,16 +232,31 @@ def tail_sweep(inp: Inputs) -> Section | None:
             table["seed scalar tok/s"] = [beside.scalar_tps.get(t) for t in table["tail"]]
             table["seed winner"] = [breakeven.winner(beside.padded_tps[t], beside.scalar_tps[t])
                                     if t in beside.index else None for t in table["tail"]]
-            section.tables.append(frame_table(f"{impl.label}, {source}: breakeven tail {said} "
-                                              f"(seed: {seed_breakeven})", table))
+            section.tables.append(frame_table(f"{name}: breakeven tail {said} (seed: {seed_breakeven})", table))
             of_seed = str(source).startswith("fixture:")  # the seed's own sweep, loaded as records
-            section.images.append({"file": plots.tail_plot(inp.out, f"{impl.label} {source}", rows, point,
+            section.images.append({"file": plots.tail_plot(inp.out, name, rows, point,
                                                            None if of_seed else seed_df, seed_breakeven),
-                                   "caption": f"{impl.label}, {source}: throughput against tail, breakeven {said}"})
+                                   "caption": f"{name}: throughput against tail (log scale), breakeven {said}"
+                                              + ("" if of_seed else f", the seed's {seed_breakeven} dashed")})
             inp.breakevens.append({"device": impl.device, "backend": impl.backend, "model": impl.model,
                                    "source": source, "tail": point,
                                    "threshold": breakeven.threshold_from_breakeven(point)})
     return section
+
+
+def sweep_name(impl: implementations.Implementation, source: str, config: dict) -> str:
+    """A tail sweep's name: its implementation's label, then the words of its source (tail.source_label:
+    "device/backend hHIDDENxLAYERS wWINDOW C=.. dtype sink=..", or the seed's "fixture:FILE") the label
+    does not already say. Label and source side by side named the device, the backend and the model
+    twice ("host / refimpl / 6 layers x 512, window 512 host/refimpl h512x6 w512 C=128 ...")."""
+    said = {f"{impl.device}/{impl.backend}"}
+    shape = [config.get(f"shape.{k}") for k in ("layers", "hidden", "window")]
+    if None not in shape and impl.model == f"{shape[0]} layers x {shape[1]}, window {shape[2]}":
+        said |= {f"h{shape[1]}x{shape[0]}", f"w{shape[2]}"}
+    if config.get("fixture") and impl.model == f"seed {PurePath(str(config['fixture'])).stem}":
+        said.add(f"fixture:{config['fixture']}")
+    rest = [word for word in source.split() if word not in said]
+    return ", ".join([impl.label, " ".join(rest)]) if rest else impl.label
 
 
 def chunk_choice_table(chunk_s: dict[int, float], lengths: list[int], decode_s: float | None) -> pd.DataFrame:

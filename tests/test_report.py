@@ -12,6 +12,7 @@ import copy
 import datetime as dt
 import json
 import math
+import re
 import shutil
 import subprocess
 import uuid
@@ -21,7 +22,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from testbed import config, history, report, runner, seed
+from testbed import config, history, plots, report, runner, seed
 from testbed.cli import main
 from testbed.results import ResultsStore
 from tests.store_support import as_runs
@@ -125,7 +126,7 @@ def test_report_tables_from_host_runs_and_seed(tmp_path, host_records, tail_reco
     # the tail sweep: the seed's numbers give a breakeven of 10 (tail 8 scalar wins, tail 10 padded)
     fixture_source = f"fixture:{seed.TAIL_SWEEP}"
     assert breakeven_of(content, "host", fixture_source) == 10
-    seed_table = next(t for t in sections["tail"]["tables"] if fixture_source in t["caption"])
+    seed_table = next(t for t in sections["tail"]["tables"] if Path(seed.TAIL_SWEEP).stem in t["caption"])
     assert "breakeven tail 10 (seed: 10)" in seed_table["caption"]
     sweep = pd.read_csv(FIXTURES / seed.TAIL_SWEEP, comment="#")
     assert column(seed_table, "tail") == list(sweep["tail"])
@@ -181,6 +182,78 @@ def test_report_tables_from_host_runs_and_seed(tmp_path, host_records, tail_reco
         for image in section["images"]:
             assert (tmp_path / "report" / image["file"]).stat().st_size > 1000
     assert breakeven_of(json.loads((tmp_path / "report" / "report.json").read_text()), "host", fixture_source) == 10
+
+
+def seed_sweep_records(tmp_path: Path) -> list[dict]:
+    """The seed's M4 Pro tail sweep (140-440 tok/s) loaded as records by the tail experiment (mode=fixture)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TESTBED_RESULTS", str(tmp_path / "seed-sweep"))
+        runner.execute(config.load(["mode=fixture"], experiment="tail"))
+    return ResultsStore(tmp_path / "seed-sweep").records()
+
+
+def slower_host_sweep(records: list[dict], factors: dict[str, float], backend: str = "native") -> list[dict]:
+    """The seed's sweep as a bench run of the host, each mode `factors[mode]` times as fast (the issue's
+    host: 15-50 tok/s), labelled as the tail experiment labels its bench runs (tail.source_label, the
+    reference model's shape)."""
+    shape = {"shape.layers": 6, "shape.hidden": 512, "shape.window": 512}
+    source = f"host/{backend} h512x6 w512 C=128 float32 sink=0"
+    run_id = uuid.uuid4().hex[:12]
+    out = []
+    for r in copy.deepcopy(records):
+        if r["kind"] == "measure":
+            factor = factors[r["params"]["mode"]]
+            for fig in r["figures"].values():
+                scale = factor if fig["unit"].endswith("/s") else 1 / factor
+                fig.update(median=fig["median"] * scale, min=fig["min"] * scale, max=fig["max"] * scale)
+            r["params"]["source"] = source
+        r["config"] = {**{k: v for k, v in r["config"].items() if k != "fixture"}, **shape, "mode": "bench",
+                       "backend": backend}
+        r.update(run_id=run_id, record_id=uuid.uuid4().hex, backend=backend)
+        out.append(r)
+    return out
+
+
+def test_tail_plot_shows_each_breakeven_on_a_log_axis_under_a_title_said_once(tmp_path, monkeypatch):
+    """A host at 15-50 tok/s beside the seed's 140-440: on one linear axis the host's curves lay flat
+    under the seed's; the throughput axis is logarithmic, each breakeven marked on its own pair, and the
+    title names device, backend and model once (it named them twice: label and source side by side)."""
+    seeds = seed_sweep_records(tmp_path)
+    factors = {"padded": 0.11, "scalar": 0.10}  # padding gains on the host: its breakeven comes earlier
+    host = slower_host_sweep(seeds, factors)
+    tps = [r["figures"]["tokens_per_s"]["median"] for r in host if r["kind"] == "measure"]
+    assert 13 < min(tps) and max(tps) < 50  # the two scales of the issue
+    drawn = {}
+    real_save = plots._save
+
+    def save(fig, out, name):
+        drawn[name] = fig.axes
+        return real_save(fig, out, name)
+
+    monkeypatch.setattr(plots, "_save", save)
+    content = build(tmp_path, seeds + host)
+    images = [img for s in content["sections"] if s["id"] == "tail" for img in s["images"]]
+    assert len(images) == 2 and set(drawn) == {img["file"] for img in images}
+    for img in images:
+        for ax in drawn[img["file"]]:
+            title = ax.get_title()
+            assert ax.get_yscale() == "log", title
+            words = re.findall(r"[A-Za-z_]\w*", title)  # "host/native" and "host / native" alike
+            assert len(words) == len(set(words)), title
+            assert title.count("512") <= 2 and "h512x6" not in title  # the shape said once
+        assert (tmp_path / "report" / img["file"]).stat().st_size > 1000
+    # each breakeven marked on its pair: a star on the padded curve at its tail, the host's and the seed's
+    host_ax, = drawn[next(img["file"] for img in images if "native" in img["file"])]
+    sweep = pd.read_csv(FIXTURES / seed.TAIL_SWEEP, comment="#").set_index("tail").padded_tps
+    tail = next(b["tail"] for b in content["breakevens"] if b["backend"] == "native")
+    seed_tail = next(b["tail"] for b in content["breakevens"] if b["source"].startswith("fixture:"))
+    stars = sorted((line.get_xdata()[0], line.get_ydata()[0]) for line in host_ax.get_lines()
+                   if line.get_marker() == "*")
+    assert tail != seed_tail and stars == sorted([(tail, pytest.approx(factors["padded"] * sweep[tail])),
+                                                  (seed_tail, pytest.approx(sweep[seed_tail]))], key=lambda s: s[0])
+    # the host's curves span their own decade, not a sliver of the seed's linear range
+    low, high = host_ax.get_ylim()
+    assert high / low < 100
 
 
 def jittered_nights(records: list[dict], first_day: int, factors: list[float], case: str) -> list[list[dict]]:
