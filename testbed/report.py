@@ -718,6 +718,9 @@ TEMPLATE_ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES),
                                   trim_blocks=True, lstrip_blocks=True)
 TEMPLATE_ENV.filters["md"] = markdown_text
 TEMPLATE_ENV.filters["pretty"] = lambda data: json.dumps(data, indent=1, sort_keys=True, default=str)
+# A table cell whose text is longer than this may break anywhere on the page (an op's parameters,
+# a commit range); shorter ones (units, record ids, "bandwidth") break only between words.
+TEMPLATE_ENV.globals["long_cell"] = 24
 
 
 def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_log: list[dict] = (),

@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import uuid
+from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
@@ -408,3 +409,99 @@ def test_page_renders_in_chromium_with_its_images(tmp_path, host_records, tail_r
              profile=tmp_path / "profile-2")
     assert shot.stat().st_size > 20_000
     print(f"screenshot: {shot}")
+
+
+# --- wide tables -------------------------------------------------------------------------------------
+
+# Runs in the page once it has loaded: the window's width, the page's, and per table how far it reaches
+# against the box it sits in (measured before the probe's own text is added).
+WIDTH_PROBE = """<script>
+window.addEventListener("load", () => {
+  const tables = [...document.querySelectorAll("table")].map(t => ({
+    caption: t.caption ? t.caption.textContent : "", right: t.getBoundingClientRect().right,
+    box: t.parentElement.getBoundingClientRect().right, box_scroll: t.parentElement.scrollWidth,
+    box_client: t.parentElement.clientWidth}));
+  const found = {window: window.innerWidth, page: document.documentElement.scrollWidth, tables};
+  const probe = document.createElement("pre");
+  probe.id = "probe";
+  probe.textContent = JSON.stringify(found);
+  document.body.appendChild(probe);
+});
+</script>"""
+
+
+def perf_report(tmp_path: Path) -> Path:
+    """A report of ingested test-backend-ops perf rows, whose cases run to 90 characters without a space."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TESTBED_RESULTS", str(tmp_path / "store"))
+        assert main(["ingest", str(FIXTURES / "test-backend-ops" / "perf_b_CPU.stdout")]) == 0
+    records = ResultsStore(tmp_path / "store").records()
+    assert max(len(r["case"]) for r in records) > 80
+    build(tmp_path, records)
+    return tmp_path / "report" / "report.html"
+
+
+class TableBoxes(HTMLParser):
+    """Each table's enclosing element (tag, classes), and the classes of its long cells."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.open: list[tuple[str, list[str]]] = []
+        self.tables: list[dict] = []
+        self.style = ""
+        self._in_style = False
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        classes = (dict(attrs).get("class") or "").split()
+        if tag == "table":
+            self.tables.append({"parent": self.open[-1], "cells": []})
+        if tag == "td":
+            self.tables[-1]["cells"].append([classes, ""])
+        self._in_style = tag == "style"
+        self.open.append((tag, classes))
+
+    def handle_endtag(self, tag):
+        while self.open and self.open.pop()[0] != tag:
+            pass
+        self._in_style = False
+
+    def handle_data(self, data):
+        if self._in_style:
+            self.style += data
+        elif self.open and self.open[-1][0] in ("td", "a") and self.tables and self.tables[-1]["cells"]:
+            self.tables[-1]["cells"][-1][1] += data
+
+
+def css_rule(style: str, selector: str) -> str:
+    return re.search(re.escape(selector) + r"\s*\{([^}]*)\}", style).group(1)
+
+
+def test_a_wide_table_sits_in_a_box_that_scrolls_and_its_long_cells_wrap(tmp_path):
+    """The structure that keeps a table inside the page (issue 26): every table in a box that scrolls
+    sideways rather than widen the page, and every long cell (an op's parameters) free to break."""
+    page = TableBoxes(perf_report(tmp_path).read_text())
+    assert page.tables
+    for table in page.tables:
+        tag, classes = table["parent"]
+        assert tag == "div" and "table-box" in classes
+        for cell_classes, text in table["cells"]:
+            assert ("wrap" in cell_classes) == (len(text) > report.TEMPLATE_ENV.globals["long_cell"]), text
+    box = css_rule(page.style, ".table-box")
+    assert "overflow-x: auto" in box and "max-width: 100%" in box
+    assert "overflow-wrap: anywhere" in css_rule(page.style, "td.wrap")
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium is not installed (scripts/bootstrap.sh --test)")
+def test_other_measurements_fit_a_1400_pixel_window_in_chromium(tmp_path):
+    html = perf_report(tmp_path)
+    probe = html.with_name("probe.html")
+    probe.write_text(html.read_text().replace("<head>", "<head>\n" + WIDTH_PROBE, 1))
+    dom = chromium("--window-size=1400,900", "--virtual-time-budget=5000", "--dump-dom", probe.as_uri(),
+                   profile=tmp_path / "profile")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    found = json.loads(dom.stdout.split('<pre id="probe">', 1)[1].split("</pre>", 1)[0].replace("&quot;", '"'))
+    assert found["window"] == 1400 and found["page"] <= found["window"], found
+    other = next(t for t in found["tables"] if t["caption"] == "measure records")
+    # it fits its box as laid out: its cells wrapped, nothing left to scroll to
+    assert other["right"] <= other["box"] + 1 and other["box_scroll"] <= other["box_client"], other
