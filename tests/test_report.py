@@ -12,9 +12,11 @@ import copy
 import datetime as dt
 import json
 import math
+import re
 import shutil
 import subprocess
 import uuid
+from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +27,7 @@ from testbed import config, runner
 from testbed.cli import main
 from testbed.measure import history, seed
 from testbed.report import build as report
+from testbed.report import plots
 from testbed.results import ResultsStore
 from tests.store_support import as_runs
 
@@ -127,7 +130,7 @@ def test_report_tables_from_host_runs_and_seed(tmp_path, host_records, tail_reco
     # the tail sweep: the seed's numbers give a breakeven of 10 (tail 8 scalar wins, tail 10 padded)
     fixture_source = f"fixture:{seed.TAIL_SWEEP}"
     assert breakeven_of(content, "host", fixture_source) == 10
-    seed_table = next(t for t in sections["tail"]["tables"] if fixture_source in t["caption"])
+    seed_table = next(t for t in sections["tail"]["tables"] if Path(seed.TAIL_SWEEP).stem in t["caption"])
     assert "breakeven tail 10 (seed: 10)" in seed_table["caption"]
     sweep = pd.read_csv(FIXTURES / seed.TAIL_SWEEP, comment="#")
     assert column(seed_table, "tail") == list(sweep["tail"])
@@ -183,6 +186,78 @@ def test_report_tables_from_host_runs_and_seed(tmp_path, host_records, tail_reco
         for image in section["images"]:
             assert (tmp_path / "report" / image["file"]).stat().st_size > 1000
     assert breakeven_of(json.loads((tmp_path / "report" / "report.json").read_text()), "host", fixture_source) == 10
+
+
+def seed_sweep_records(tmp_path: Path) -> list[dict]:
+    """The seed's M4 Pro tail sweep (140-440 tok/s) loaded as records by the tail experiment (mode=fixture)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TESTBED_RESULTS", str(tmp_path / "seed-sweep"))
+        runner.execute(config.load(["mode=fixture"], experiment="tail"))
+    return ResultsStore(tmp_path / "seed-sweep").records()
+
+
+def slower_host_sweep(records: list[dict], factors: dict[str, float], backend: str = "native") -> list[dict]:
+    """The seed's sweep as a bench run of the host, each mode `factors[mode]` times as fast (the issue's
+    host: 15-50 tok/s), labelled as the tail experiment labels its bench runs (tail.source_label, the
+    reference model's shape)."""
+    shape = {"shape.layers": 6, "shape.hidden": 512, "shape.window": 512}
+    source = f"host/{backend} h512x6 w512 C=128 float32 sink=0"
+    run_id = uuid.uuid4().hex[:12]
+    out = []
+    for r in copy.deepcopy(records):
+        if r["kind"] == "measure":
+            factor = factors[r["params"]["mode"]]
+            for fig in r["figures"].values():
+                scale = factor if fig["unit"].endswith("/s") else 1 / factor
+                fig.update(median=fig["median"] * scale, min=fig["min"] * scale, max=fig["max"] * scale)
+            r["params"]["source"] = source
+        r["config"] = {**{k: v for k, v in r["config"].items() if k != "fixture"}, **shape, "mode": "bench",
+                       "backend": backend}
+        r.update(run_id=run_id, record_id=uuid.uuid4().hex, backend=backend)
+        out.append(r)
+    return out
+
+
+def test_tail_plot_shows_each_breakeven_on_a_log_axis_under_a_title_said_once(tmp_path, monkeypatch):
+    """A host at 15-50 tok/s beside the seed's 140-440: on one linear axis the host's curves lay flat
+    under the seed's; the throughput axis is logarithmic, each breakeven marked on its own pair, and the
+    title names device, backend and model once (it named them twice: label and source side by side)."""
+    seeds = seed_sweep_records(tmp_path)
+    factors = {"padded": 0.11, "scalar": 0.10}  # padding gains on the host: its breakeven comes earlier
+    host = slower_host_sweep(seeds, factors)
+    tps = [r["figures"]["tokens_per_s"]["median"] for r in host if r["kind"] == "measure"]
+    assert 13 < min(tps) and max(tps) < 50  # the two scales of the issue
+    drawn = {}
+    real_save = plots._save
+
+    def save(fig, out, name):
+        drawn[name] = fig.axes
+        return real_save(fig, out, name)
+
+    monkeypatch.setattr(plots, "_save", save)
+    content = build(tmp_path, seeds + host)
+    images = [img for s in content["sections"] if s["id"] == "tail" for img in s["images"]]
+    assert len(images) == 2 and set(drawn) == {img["file"] for img in images}
+    for img in images:
+        for ax in drawn[img["file"]]:
+            title = ax.get_title()
+            assert ax.get_yscale() == "log", title
+            words = re.findall(r"[A-Za-z_]\w*", title)  # "host/native" and "host / native" alike
+            assert len(words) == len(set(words)), title
+            assert title.count("512") <= 2 and "h512x6" not in title  # the shape said once
+        assert (tmp_path / "report" / img["file"]).stat().st_size > 1000
+    # each breakeven marked on its pair: a star on the padded curve at its tail, the host's and the seed's
+    host_ax, = drawn[next(img["file"] for img in images if "native" in img["file"])]
+    sweep = pd.read_csv(FIXTURES / seed.TAIL_SWEEP, comment="#").set_index("tail").padded_tps
+    tail = next(b["tail"] for b in content["breakevens"] if b["backend"] == "native")
+    seed_tail = next(b["tail"] for b in content["breakevens"] if b["source"].startswith("fixture:"))
+    stars = sorted((line.get_xdata()[0], line.get_ydata()[0]) for line in host_ax.get_lines()
+                   if line.get_marker() == "*")
+    assert tail != seed_tail and stars == sorted([(tail, pytest.approx(factors["padded"] * sweep[tail])),
+                                                  (seed_tail, pytest.approx(sweep[seed_tail]))], key=lambda s: s[0])
+    # the host's curves span their own decade, not a sliver of the seed's linear range
+    low, high = host_ax.get_ylim()
+    assert high / low < 100
 
 
 def jittered_nights(records: list[dict], first_day: int, factors: list[float], case: str) -> list[list[dict]]:
@@ -337,3 +412,99 @@ def test_page_renders_in_chromium_with_its_images(tmp_path, host_records, tail_r
              profile=tmp_path / "profile-2")
     assert shot.stat().st_size > 20_000
     print(f"screenshot: {shot}")
+
+
+# --- wide tables -------------------------------------------------------------------------------------
+
+# Runs in the page once it has loaded: the window's width, the page's, and per table how far it reaches
+# against the box it sits in (measured before the probe's own text is added).
+WIDTH_PROBE = """<script>
+window.addEventListener("load", () => {
+  const tables = [...document.querySelectorAll("table")].map(t => ({
+    caption: t.caption ? t.caption.textContent : "", right: t.getBoundingClientRect().right,
+    box: t.parentElement.getBoundingClientRect().right, box_scroll: t.parentElement.scrollWidth,
+    box_client: t.parentElement.clientWidth}));
+  const found = {window: window.innerWidth, page: document.documentElement.scrollWidth, tables};
+  const probe = document.createElement("pre");
+  probe.id = "probe";
+  probe.textContent = JSON.stringify(found);
+  document.body.appendChild(probe);
+});
+</script>"""
+
+
+def perf_report(tmp_path: Path) -> Path:
+    """A report of ingested test-backend-ops perf rows, whose cases run to 90 characters without a space."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TESTBED_RESULTS", str(tmp_path / "store"))
+        assert main(["ingest", str(FIXTURES / "test-backend-ops" / "perf_b_CPU.stdout")]) == 0
+    records = ResultsStore(tmp_path / "store").records()
+    assert max(len(r["case"]) for r in records) > 80
+    build(tmp_path, records)
+    return tmp_path / "report" / "report.html"
+
+
+class TableBoxes(HTMLParser):
+    """Each table's enclosing element (tag, classes), and the classes of its long cells."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.open: list[tuple[str, list[str]]] = []
+        self.tables: list[dict] = []
+        self.style = ""
+        self._in_style = False
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        classes = (dict(attrs).get("class") or "").split()
+        if tag == "table":
+            self.tables.append({"parent": self.open[-1], "cells": []})
+        if tag == "td":
+            self.tables[-1]["cells"].append([classes, ""])
+        self._in_style = tag == "style"
+        self.open.append((tag, classes))
+
+    def handle_endtag(self, tag):
+        while self.open and self.open.pop()[0] != tag:
+            pass
+        self._in_style = False
+
+    def handle_data(self, data):
+        if self._in_style:
+            self.style += data
+        elif self.open and self.open[-1][0] in ("td", "a") and self.tables and self.tables[-1]["cells"]:
+            self.tables[-1]["cells"][-1][1] += data
+
+
+def css_rule(style: str, selector: str) -> str:
+    return re.search(re.escape(selector) + r"\s*\{([^}]*)\}", style).group(1)
+
+
+def test_a_wide_table_sits_in_a_box_that_scrolls_and_its_long_cells_wrap(tmp_path):
+    """The structure that keeps a table inside the page (issue 26): every table in a box that scrolls
+    sideways rather than widen the page, and every long cell (an op's parameters) free to break."""
+    page = TableBoxes(perf_report(tmp_path).read_text())
+    assert page.tables
+    for table in page.tables:
+        tag, classes = table["parent"]
+        assert tag == "div" and "table-box" in classes
+        for cell_classes, text in table["cells"]:
+            assert ("wrap" in cell_classes) == (len(text) > report.TEMPLATE_ENV.globals["long_cell"]), text
+    box = css_rule(page.style, ".table-box")
+    assert "overflow-x: auto" in box and "max-width: 100%" in box
+    assert "overflow-wrap: anywhere" in css_rule(page.style, "td.wrap")
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium is not installed (scripts/bootstrap.sh --test)")
+def test_other_measurements_fit_a_1400_pixel_window_in_chromium(tmp_path):
+    html = perf_report(tmp_path)
+    probe = html.with_name("probe.html")
+    probe.write_text(html.read_text().replace("<head>", "<head>\n" + WIDTH_PROBE, 1))
+    dom = chromium("--window-size=1400,900", "--virtual-time-budget=5000", "--dump-dom", probe.as_uri(),
+                   profile=tmp_path / "profile")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    found = json.loads(dom.stdout.split('<pre id="probe">', 1)[1].split("</pre>", 1)[0].replace("&quot;", '"'))
+    assert found["window"] == 1400 and found["page"] <= found["window"], found
+    other = next(t for t in found["tables"] if t["caption"] == "measure records")
+    # it fits its box as laid out: its cells wrapped, nothing left to scroll to
+    assert other["right"] <= other["box"] + 1 and other["box_scroll"] <= other["box_client"], other

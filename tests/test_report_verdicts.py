@@ -192,7 +192,7 @@ def test_banner_is_red_amber_or_green_per_device_with_its_reason(tmp_path, gdn_r
     # each reason names what decided the colour
     assert "1 of" in shown["phone-failing"][1] and victim["case"] in shown["phone-failing"][1] \
         and "nmse 1e-05 > 1e-07" in shown["phone-failing"][1]
-    assert "loaded machine (load 9.0 on 2 cores)" in shown["phone-loaded"][1]
+    assert "measured under load 9.0 on 2 cores (noisy)" in shown["phone-loaded"][1]
     # the warning says what the load changed: nothing is left out of judging
     figures = sum(len(r["figures"]) for r in gdn_run if r["kind"] == "measure")
     assert f"{figures} figures of 1 run measured" in shown["phone-loaded"][1]
@@ -200,11 +200,50 @@ def test_banner_is_red_amber_or_green_per_device_with_its_reason(tmp_path, gdn_r
     assert "did not end complete" in shown["phone-killed"][1] or "never ended" in shown["phone-killed"][1]
     n = sum(r["kind"] == "oracle" for r in gdn_run)
     assert f"all {n} oracle verdicts pass" in shown["phone-clean"][1]
+    assert "figures measured under load 0.4 on 2 cores (quiet)" in shown["phone-clean"][1]  # what quiet() planted
     assert "regression flag" in shown["phone-slower"][1] and "all" in shown["phone-slower"][1]
     assert "stale" in shown["phone-old"][1] and "unreachable (adb: no device" in shown["phone-gone"][1]
     # the banner comes before every section
     first_section = next(i for i, (tag, _) in enumerate(page.tags) if tag == "h2")
     assert all(i < first_section for i, (tag, attrs) in enumerate(page.tags) if "verdict" in (attrs.get("class") or ""))
+
+
+def test_the_banner_says_the_load_its_records_carry_and_never_calls_a_noisy_machine_quiet(tmp_path, gdn_run):
+    """The banner's words and its colour come from one reading of the records: a green line names the
+    load the records carry, and a machine a record calls noisy is never called quiet (issue 26)."""
+    def at_load_26(record):  # a night at load 26 on 2 cores, as runner.host_load records it
+        record["host_load"] = {"cores": 2, "load_1m_before": 25.1, "load_1m_after": 26.0, "noisy": True}
+        return record
+
+    def unread(record):  # ingested output and records from before readings carry none
+        record["host_load"] = {}
+        return record
+
+    oracles = [r for r in gdn_run if r["kind"] == "oracle"]
+    emulated = [{**r, "emulated": True} for r in gdn_run]  # its times are listed apart, never judged
+    store = store_of(tmp_path, copy_run(oracles, "phone-verdicts-at-26", at_load_26),
+                     copy_run(emulated, "qemu-at-26", at_load_26), copy_run(gdn_run, "phone-unread", unread),
+                     copy_run(gdn_run, "phone-quiet", quiet))
+    content, page = build_from(store, tmp_path / "report")
+    verdicts = {v["device"]: v for v in content["summary"]["verdicts"]}
+    shown = {text.split(":")[0]: (colour, text) for colour, text in page.verdicts}
+    assert {device: colour for device, (colour, _) in shown.items()} == {d: v["colour"] for d, v in verdicts.items()}
+    for device, v in verdicts.items():
+        noisy = any(r["host_load"].get("noisy") for r in store.records() if r["device"] == device)
+        assert "quiet" not in v["reason"] or not noisy, v["reason"]
+        assert "quiet" not in v["reason"] or "load 0.4 on 2 cores" in v["reason"], v["reason"]
+    # verdicts alone at load 26: no figure to be noisy, and the banner says the load they were taken under
+    assert verdicts["phone-verdicts-at-26"]["colour"] == "green"
+    assert "no figures in its current runs" in verdicts["phone-verdicts-at-26"]["reason"]
+    assert "load 26.0 on 2 cores (noisy" in verdicts["phone-verdicts-at-26"]["reason"]
+    # an emulated device's figures are listed apart, yet measured at load 26: amber, and says so
+    assert verdicts["qemu-at-26"]["colour"] == "amber"
+    assert "measured under load 26.0 on 2 cores (noisy)" in verdicts["qemu-at-26"]["reason"]
+    # no reading: nothing said of quiet, and that the records carry none
+    assert verdicts["phone-unread"]["colour"] == "green"
+    assert "no load reading" in verdicts["phone-unread"]["reason"]
+    assert verdicts["phone-quiet"]["colour"] == "green"
+    assert "figures measured under load 0.4 on 2 cores (quiet)" in verdicts["phone-quiet"]["reason"]
 
 
 def test_banner_escapes_hostile_device_and_backend_names(tmp_path, gdn_run):

@@ -36,7 +36,7 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Callable
 
 import jinja2
@@ -131,6 +131,7 @@ class Inputs:
     flags: list[history.Flag]
     referenced: dict[str, dict] = field(default_factory=dict)  # records a table links to, by id
     breakevens: list[dict] = field(default_factory=list)  # per device, backend, model, source: the tail
+    set_apart: list[dict] = field(default_factory=list)  # emulated figures, listed apart (testbed.emulation)
 
     def cite(self, record: dict) -> str:
         self.referenced[record["record_id"]] = record
@@ -224,8 +225,10 @@ def tail_sweep(inp: Inputs) -> Section | None:
         f"Seed ({seed.source_line(inp.fixtures / seed.TAIL_SWEEP)}): breakeven tail {seed_breakeven}; "
         "tails below it stay scalar."])
     for impl in sorted({implementations.of(r) for r in records}):
-        frame = sweep_frame(pd.json_normalize([r for r in records if implementations.of(r) == impl], sep="."))
+        of_impl = [r for r in records if implementations.of(r) == impl]
+        frame = sweep_frame(pd.json_normalize(of_impl, sep="."))
         for source, rows in frame.groupby("source", sort=False):
+            name = sweep_name(impl, str(source), of_impl[0]["config"])
             table = breakeven.tail_table(rows)
             point = breakeven.breakeven_tail(rows)
             said = point if point is not None else f"not reached up to tail {int(rows['tail'].max())}"
@@ -233,16 +236,31 @@ def tail_sweep(inp: Inputs) -> Section | None:
             table["seed scalar tok/s"] = [beside.scalar_tps.get(t) for t in table["tail"]]
             table["seed winner"] = [breakeven.winner(beside.padded_tps[t], beside.scalar_tps[t])
                                     if t in beside.index else None for t in table["tail"]]
-            section.tables.append(frame_table(f"{impl.label}, {source}: breakeven tail {said} "
-                                              f"(seed: {seed_breakeven})", table))
+            section.tables.append(frame_table(f"{name}: breakeven tail {said} (seed: {seed_breakeven})", table))
             of_seed = str(source).startswith("fixture:")  # the seed's own sweep, loaded as records
-            section.images.append({"file": plots.tail_plot(inp.out, f"{impl.label} {source}", rows, point,
+            section.images.append({"file": plots.tail_plot(inp.out, name, rows, point,
                                                            None if of_seed else seed_df, seed_breakeven),
-                                   "caption": f"{impl.label}, {source}: throughput against tail, breakeven {said}"})
+                                   "caption": f"{name}: throughput against tail (log scale), breakeven {said}"
+                                              + ("" if of_seed else f", the seed's {seed_breakeven} dashed")})
             inp.breakevens.append({"device": impl.device, "backend": impl.backend, "model": impl.model,
                                    "source": source, "tail": point,
                                    "threshold": breakeven.threshold_from_breakeven(point)})
     return section
+
+
+def sweep_name(impl: implementations.Implementation, source: str, config: dict) -> str:
+    """A tail sweep's name: its implementation's label, then the words of its source (tail.source_label:
+    "device/backend hHIDDENxLAYERS wWINDOW C=.. dtype sink=..", or the seed's "fixture:FILE") the label
+    does not already say. Label and source side by side named the device, the backend and the model
+    twice ("host / refimpl / 6 layers x 512, window 512 host/refimpl h512x6 w512 C=128 ...")."""
+    said = {f"{impl.device}/{impl.backend}"}
+    shape = [config.get(f"shape.{k}") for k in ("layers", "hidden", "window")]
+    if None not in shape and impl.model == f"{shape[0]} layers x {shape[1]}, window {shape[2]}":
+        said |= {f"h{shape[1]}x{shape[0]}", f"w{shape[2]}"}
+    if config.get("fixture") and impl.model == f"seed {PurePath(str(config['fixture'])).stem}":
+        said.add(f"fixture:{config['fixture']}")
+    rest = [word for word in source.split() if word not in said]
+    return ", ".join([impl.label, " ".join(rest)]) if rest else impl.label
 
 
 def chunk_choice_table(chunk_s: dict[int, float], lengths: list[int], decode_s: float | None) -> pd.DataFrame:
@@ -552,11 +570,78 @@ def _busiest_load(record: dict) -> float:
     return max(load.get("load_1m_before", 0.0), load.get("load_1m_after", 0.0))
 
 
+def _has_reading(record: dict) -> bool:
+    return "noisy" in (record.get("host_load") or {})
+
+
+@dataclass
+class LoadReading:
+    """What a device's current records say of this host's load while they ran (testbed.runner.host_load).
+    The records behind its figures are its current measure records, the emulated ones listed apart
+    included; the banner's colour (amber when one of them says noisy) and its words both come from
+    this one reading, so the words never call a machine quiet that a record calls noisy."""
+
+    measures: list[dict]  # the records behind the device's figures
+    others: list[dict]  # its other current records (oracle verdicts, whose correctness load does not change)
+
+    @property
+    def noisy(self) -> list[dict]:
+        return [r for r in self.measures if (r.get("host_load") or {}).get("noisy")]
+
+    @property
+    def unread(self) -> list[dict]:
+        """Records behind figures that carry no reading (ingested output; records from before readings)."""
+        return [r for r in self.measures if not _has_reading(r)]
+
+    @staticmethod
+    def load(records: list[dict]) -> str:
+        """The busiest reading among `records`, as "load 26.0 on 2 cores"."""
+        worst = max((r for r in records if _has_reading(r)), key=_busiest_load)
+        return f"load {_busiest_load(worst):.1f} on {worst['host_load'].get('cores', '?')} cores"
+
+    def concern(self) -> str | None:
+        """Why the figures are noisy (amber), or None."""
+        noisy = self.noisy
+        if not noisy:
+            return None
+        runs = {r["run_id"] for r in noisy}
+        figures = sum(len(r.get("figures") or {}) for r in self.measures if r["run_id"] in runs)
+        return (f"{figures} figure{'s' * (figures != 1)} of {len(runs)} run{'s' * (len(runs) != 1)} measured "
+                f"under {self.load(noisy)} (noisy): judged like the others (none left out); where the machine "
+                "probe ran, a flag says how much the machine slowed")
+
+    def words(self) -> str:
+        """What the records say of the load when none behind a figure says noisy."""
+        read = [r for r in self.measures if _has_reading(r)]
+        if read:
+            said = f"figures measured under {self.load(read)} (quiet)"
+            if self.unread:
+                said += f"; {len(self.unread)} record{'s' * (len(self.unread) != 1)} of figures carry no load reading"
+            return said
+        if self.measures:
+            return "figures with no load reading (the records carry none)"
+        said = "no figures in its current runs"
+        read = [r for r in self.others if _has_reading(r)]
+        if read:
+            loud = [r for r in read if r["host_load"]["noisy"]]
+            said += (f"; its verdicts were taken under {self.load(loud or read)} "
+                     f"({'noisy, which a verdict of correctness does not depend on' if loud else 'quiet'})")
+        return said
+
+
+def load_reading(inp: Inputs, device: str) -> LoadReading:
+    current = [r for r in inp.current if r["device"] == device]
+    apart = [r for r in inp.set_apart if r["device"] == device and r["run_id"] in {c["run_id"] for c in current}]
+    return LoadReading([r for r in current + apart if r["kind"] == "measure"],
+                       [r for r in current if r["kind"] != "measure"])
+
+
 def device_verdict(inp: Inputs, device: str) -> dict:
     """Red: a current oracle fails or errs (a run that did not end complete counts as an error). Amber:
-    every current oracle passes, but a figure or oracle is flagged as a regression, figures were
-    measured on a loaded machine, the device's runs are stale, it was missing from the last night, or
-    it has no verdicts at all. Green otherwise. The reason names what decided the colour."""
+    every current oracle passes, but a figure or oracle is flagged as a regression, a record behind the
+    figures says it was measured on a loaded machine (LoadReading), the device's runs are stale, it was
+    missing from the last night, or it has no verdicts at all. Green otherwise. The reason names what
+    decided the colour, and a green one says what load the records carry."""
     records = [r for r in inp.current if r["device"] == device]
     oracles = [r for r in records if r["kind"] == "oracle"]
     failing = [r for r in oracles if not counts_as_passed(r)]
@@ -572,14 +657,10 @@ def device_verdict(inp: Inputs, device: str) -> dict:
     if flags:  # every flag by name: the first alone hides the rest
         concerns.append(f"{len(flags)} regression flag{'s' * (len(flags) != 1)}: "
                         + "; ".join(f"({i}) {f.line()}" for i, f in enumerate(flags, 1)))
-    noisy = {r["run_id"]: r for r in records if r["kind"] == "measure" and (r.get("host_load") or {}).get("noisy")}
+    reading = load_reading(inp, device)
+    noisy = reading.concern()
     if noisy:
-        worst = max(noisy.values(), key=_busiest_load)
-        figures = sum(len(r.get("figures") or {}) for r in records if r["run_id"] in noisy and r["kind"] == "measure")
-        concerns.append(f"{figures} figure{'s' * (figures != 1)} of {len(noisy)} run{'s' * (len(noisy) != 1)} "
-                        f"measured on a loaded machine (load {_busiest_load(worst):.1f} on "
-                        f"{worst['host_load'].get('cores', '?')} cores): noisy, and judged like the others (none "
-                        "left out); where the machine probe ran, a flag says how much the machine slowed")
+        concerns.append(noisy)
     if records:
         newest = max(dt.datetime.fromisoformat(r["started"]) for r in records)
         age = inp.now - newest
@@ -598,8 +679,8 @@ def device_verdict(inp: Inputs, device: str) -> dict:
         passing = f"all {len(oracles)} oracle verdicts pass, but " if oracles else ""
         return {"device": device, "colour": "amber", "reason": passing + "; ".join(concerns)}
     return {"device": device, "colour": "green",
-            "reason": f"all {len(oracles)} oracle verdicts pass; no regression flag; figures measured on a quiet "
-                      f"machine; newest run {newest.date().isoformat()}"}
+            "reason": f"all {len(oracles)} oracle verdicts pass; no regression flag; {reading.words()}; "
+                      f"newest run {newest.date().isoformat()}"}
 
 
 def verdict_banner(inp: Inputs) -> list[dict]:
@@ -641,6 +722,9 @@ TEMPLATE_ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES),
                                   trim_blocks=True, lstrip_blocks=True)
 TEMPLATE_ENV.filters["md"] = markdown_text
 TEMPLATE_ENV.filters["pretty"] = lambda data: json.dumps(data, indent=1, sort_keys=True, default=str)
+# A table cell whose text is longer than this may break anywhere on the page (an op's parameters,
+# a commit range); shorter ones (units, record ids, "bandwidth") break only between words.
+TEMPLATE_ENV.globals["long_cell"] = 24
 
 
 def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_log: list[dict] = (),
@@ -658,7 +742,7 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
     try:
         (staging / MARKER).write_text("a testbed report: `testbed report` replaces this folder\n")
         inp = Inputs(window, [r for r in window if r["run_id"] in current_runs], fixtures, staging,
-                     dt.datetime.now(dt.timezone.utc), settings, list(night_log), flags)
+                     dt.datetime.now(dt.timezone.utc), settings, list(night_log), flags, set_apart=emulated)
         sections = [s for s in (fn(inp) for fn in SECTIONS) if s is not None]
         if emulated:
             sections.insert(1, Section("emulated", "Figures left out",

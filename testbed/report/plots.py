@@ -65,28 +65,50 @@ def _save(fig, out: Path, name: str) -> str:
     return name
 
 
-def tail_plot(out: Path, device: str, df: pd.DataFrame, breakeven: int | None,
+def tail_plot(out: Path, name: str, df: pd.DataFrame, breakeven: int | None,
               seed_df: pd.DataFrame | None, seed_breakeven: int | None) -> str:
     """Padded and scalar throughput against tail (median, bars from min to max where the records
-    have them), the breakeven marked; the seed's dashed beside (unless these are the seed's own
-    figures: seed_df None)."""
-    fig, ax = _pyplot().subplots(figsize=(7, 4))
+    have them), the seed's dashed beside (unless these are the seed's own figures: seed_df None).
+
+    The throughput axis is logarithmic: a host at 15-50 tok/s and the seed's M4 Pro at 140-440 differ
+    tenfold, and on one linear axis the slower pair lies flat under the faster one, its crossing lost.
+    On a log axis the gap between a pair's curves is their ratio, whatever their scale, so each pair's
+    crossing reads alike; each breakeven is marked on its own pair, a line at its tail and a star where
+    padding starts to win."""
+    plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    fig, ax = plt.subplots(figsize=(7, 4))
     df = df.sort_values("tail")
-    for mode, fmt in (("padded", "o-"), ("scalar", "s-")):  # the title names the device
+    colour = {"padded": "tab:blue", "scalar": "tab:orange"}
+    for mode, fmt in (("padded", "o-"), ("scalar", "s-")):  # the title names the implementation
         with_spread(ax, df["tail"].tolist(), df[f"{mode}_tps"].tolist(),
-                    *_columns(df, f"{mode}_tps_min", f"{mode}_tps_max"), fmt=fmt, label=mode)
-    if breakeven is not None:
-        ax.axvline(breakeven, color="k", lw=1, label=f"breakeven {breakeven}")
+                    *_columns(df, f"{mode}_tps_min", f"{mode}_tps_max"), fmt=fmt, label=mode, color=colour[mode])
+    _mark_breakeven(ax, df, breakeven, "k", "-", "breakeven")
     if seed_df is not None:
-        ax.plot(seed_df["tail"], seed_df.padded_tps, "o--", alpha=0.5, label="seed padded")
-        ax.plot(seed_df["tail"], seed_df.scalar_tps, "s--", alpha=0.5, label="seed scalar")
-        if seed_breakeven is not None:
-            ax.axvline(seed_breakeven, color="grey", ls=":", lw=1, label=f"seed breakeven {seed_breakeven}")
+        seed_df = seed_df.sort_values("tail")
+        for mode, fmt in (("padded", "o--"), ("scalar", "s--")):
+            ax.plot(seed_df["tail"], seed_df[f"{mode}_tps"], fmt, alpha=0.5, color=colour[mode], label=f"seed {mode}")
+        _mark_breakeven(ax, seed_df, seed_breakeven, "grey", ":", "seed breakeven")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 10, 20, 50, 100, ...: readable figures
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("tail (tokens after the last full chunk)")
-    ax.set_ylabel("prefill tokens/s")
-    ax.set_title(literal(f"padded vs scalar tail: {device}"), fontsize=9)
+    ax.set_ylabel("prefill tokens/s (log scale)")
+    ax.set_title(literal(f"padded vs scalar tail: {name}"), fontsize=9)
     legend_outside(ax)
-    return _save(fig, out, f"tail-{slug(device)}.png")
+    return _save(fig, out, f"tail-{slug(name)}.png")
+
+
+def _mark_breakeven(ax, df: pd.DataFrame, tail: int | None, colour: str, style: str, what: str) -> None:
+    """The breakeven of one sweep: a line at its tail and a star on its padded curve there."""
+    if tail is None:
+        return
+    ax.axvline(tail, color=colour, ls=style, lw=1, label=f"{what} {tail}")
+    at = df.loc[df["tail"] == tail, "padded_tps"]
+    if len(at):
+        ax.plot([tail], [float(at.iloc[0])], "*", color=colour, markersize=12, zorder=5)
 
 
 def chunk_plot(out: Path, device: str, calls: dict[int, float], decode_s: float | None,
