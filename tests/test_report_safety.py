@@ -118,7 +118,7 @@ def test_a_killed_night_is_in_the_log(tmp_path, results_dir):
 
 def test_a_killed_build_leaves_nothing_the_next_one_does_not_clean(tmp_path):
     out = tmp_path / "rep"
-    code = ("import os, sys; from pathlib import Path; from testbed import report\n"
+    code = ("import os, sys; from pathlib import Path; from testbed.report import build as report\n"
             "from tests.test_report import FIXTURES\n"
             "def die(inp): os._exit(9)\n"
             "report.SECTIONS = [die]\n"

@@ -131,7 +131,7 @@ class Inputs:
     flags: list[history.Flag]
     referenced: dict[str, dict] = field(default_factory=dict)  # records a table links to, by id
     breakevens: list[dict] = field(default_factory=list)  # per device, backend, model, source: the tail
-    set_apart: list[dict] = field(default_factory=list)  # emulated figures, listed apart (testbed.emulation)
+    set_apart: list[dict] = field(default_factory=list)  # emulated figures, listed apart (testbed.measure.emulation)
 
     def cite(self, record: dict) -> str:
         self.referenced[record["record_id"]] = record
