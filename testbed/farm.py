@@ -44,7 +44,7 @@ from testbed import config, device_cli, nightly, runner
 from testbed.config import RunConfig
 from testbed.devices import load_profile
 from testbed.devices.private import DeviceBusy, device_lock
-from testbed.errors import DeviceError, DeviceUnreachable, UsageError
+from testbed.errors import DeviceError, DeviceUnreachable, UsageError, did_you_mean
 from testbed.results import Record, ResultsStore, RunInfo
 
 RESOURCE = "device:"
@@ -396,7 +396,8 @@ def cmd_node(args) -> int:
     names = args.devices.split(",") if args.devices else known
     for name in names:
         if name not in known:
-            raise UsageError(f"--devices: unknown device {name!r}; accepted: {', '.join(known)}")
+            raise UsageError(f"--devices: unknown device {name!r}{did_you_mean(name, known)}; "
+                             f"accepted: {', '.join(known)}")
     resources, left_out = node_resources(names)
     for line in left_out:
         print(line, file=sys.stderr)

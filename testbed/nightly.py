@@ -46,7 +46,7 @@ from testbed import config, experiments, history, report, runner, stop
 from testbed.config import RunConfig
 from testbed.devices import Device, connect, load_profile
 from testbed.devices.private import DeviceBusy, device_lock
-from testbed.errors import DeviceUnreachable, UsageError
+from testbed.errors import DeviceUnreachable, UsageError, did_you_mean
 from testbed.results import ResultsStore
 
 SCREEN = 12  # at most this many failure or regression lines in the summary; the report has them all
@@ -82,7 +82,7 @@ def load_suite(overrides: list[str], suite_dir: Path | None = None) -> Suite:
         suite_dir = config.group_file("suite", name).parent
     names = sorted(p.stem for p in suite_dir.glob("*.yaml"))
     if name not in names:
-        raise UsageError(f"unknown suite {name!r}; accepted: {', '.join(names)}")
+        raise UsageError(f"unknown suite {name!r}{did_you_mean(name, names)}; accepted: {', '.join(names)}")
     rest = [o for o in overrides if not o.startswith("suite=")]
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(suite_dir), version_base="1.3"):
@@ -95,7 +95,8 @@ def load_suite(overrides: list[str], suite_dir: Path | None = None) -> Suite:
     known = config.choices("device")
     for device in devices:
         if device not in known:
-            raise UsageError(f"suite {name}: unknown device {device!r}; accepted: {', '.join(known)}")
+            raise UsageError(f"suite {name}: unknown device {device!r}{did_you_mean(device, known)}; "
+                             f"accepted: {', '.join(known)}")
     if not devices or not spec.get("runs"):
         raise UsageError(f"suite {name}: needs `devices` (a list of {', '.join(known)}) and `runs`")
     jobs: dict[str, list[RunConfig]] = {d: [] for d in devices}
