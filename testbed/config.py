@@ -155,7 +155,7 @@ MAX_SWEEP_RUNS = 500
 # composes with Hydra's compose API and stores every run's composed config and records in the results
 # store (testbed.results), one place. So each is refused, saying what does that job here; none is ignored.
 HYDRA_INSTEAD = {
-    "hydra.run.dir": "records and each run's composed config go to the results store: "
+    "hydra.run": "records and each run's composed config go to the results store: "
                      "TESTBED_RESULTS=DIR (or results_dir=DIR) places it",
     "hydra.sweep": "a sweep's runs go to the results store, one run id each: "
                    "TESTBED_RESULTS=DIR (or results_dir=DIR) places it",
