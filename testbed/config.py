@@ -13,7 +13,16 @@ variable, not a setting of one process. Other packages add experiments through t
 beside it.
 
 Every problem a user can cause is raised as a UsageError with one line naming the bad value and what
-is accepted, before any work is done or anything is written.
+is accepted, before any work is done or anything is written. A mistyped group option, experiment, device
+or key names the closest accepted one (difflib, a ratio of at least 0.6; a dotted key's last part is
+compared with the names beside it, since the shared prefix says nothing).
+
+Hydra serves here as the composer only (its compose API): testbed runs the jobs and stores each one's
+composed config with its records in the results store. So Hydra's own settings, hydra.* and hydra/GROUP
+(run and sweep folders, launcher, sweeper, search path), would do nothing; each is refused, saying what
+does that job in testbed (HYDRA_INSTEAD). `describe` gives Hydra's --help: the groups the composition
+really used (Hydra's runtime choices, so chunk_prefill lists model and gdn does not), their options from
+the group folders, and every key's value.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import importlib.util
 import itertools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -36,12 +45,12 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from testbed import CONFIG_ROOT, PROJECT_ROOT
-from testbed.errors import UsageError
+from testbed.errors import UsageError, closest, did_you_mean
 
 CONFIG_DIR = CONFIG_ROOT / "experiments"
 DEVICES_DIR = CONFIG_ROOT / "devices"
+# The groups checked by name before composing; any other group is a folder of experiments/ (suite/: nightly's).
 GROUPS = {"experiment": CONFIG_DIR / "experiment", "model": CONFIG_DIR / "model", "device": DEVICES_DIR}
-SUITE_DIR = CONFIG_DIR / "suite"
 LAB_ENV = "TESTBED_LAB"
 LAB_FOLDERS = {"experiment": "experiment", "model": "model", "device": "devices", "suite": "suite"}
 ENTRY_POINTS = "testbed.experiments"
@@ -82,9 +91,9 @@ def lab_dir() -> Path | None:
 
 def group_dirs(group: str) -> list[Path]:
     """Where a group's YAML files are looked for, first match wins: the project's folder, the lab's."""
-    own = SUITE_DIR if group == "suite" else GROUPS[group]
+    own = GROUPS.get(group, CONFIG_DIR / group)
     lab = lab_dir()
-    return [own] + ([lab / LAB_FOLDERS[group]] if lab else [])
+    return [own] + ([lab / LAB_FOLDERS.get(group, group)] if lab else [])
 
 
 def packaged_experiments() -> dict[str, Path]:
@@ -106,12 +115,21 @@ def choices(group: str) -> list[str]:
     return sorted(names | set(packaged_experiments()) if group == "experiment" else names)
 
 
+def check_choice(group: str, name: str) -> None:
+    """A UsageError naming the closest accepted name and every accepted one, if `group` has no `name`."""
+    accepted = choices(group)
+    if name not in accepted:
+        raise UsageError(f"unknown {group} {name!r}{did_you_mean(name, accepted)}; "
+                         f"accepted: {', '.join(accepted)}")
+
+
 def group_file(group: str, name: str) -> Path:
     """The YAML file of `name` in `group`; a UsageError naming what is accepted if there is none."""
     for folder in group_dirs(group):
         if (folder / f"{name}.yaml").is_file():
             return folder / f"{name}.yaml"
-    raise UsageError(f"unknown {group} {name!r}; accepted: {', '.join(choices(group))}")
+    check_choice(group, name)
+    raise UsageError(f"{group} {name!r} has no config file in {', '.join(map(str, group_dirs(group)))}")
 
 
 def _register() -> None:
@@ -142,6 +160,34 @@ def split_farm(overrides: Iterable[str]) -> tuple[str | None, list[str]]:
 MAX_SWEEP_RUNS = 500
 
 
+# Hydra's own settings (hydra.*, hydra/GROUP) configure Hydra's app runner, which testbed does not use: it
+# composes with Hydra's compose API and stores every run's composed config and records in the results
+# store (testbed.results), one place. So each is refused, saying what does that job here; none is ignored.
+HYDRA_INSTEAD = {
+    "hydra.run": "records and each run's composed config go to the results store: "
+                     "TESTBED_RESULTS=DIR (or results_dir=DIR) places it",
+    "hydra.sweep": "a sweep's runs go to the results store, one run id each: "
+                   "TESTBED_RESULTS=DIR (or results_dir=DIR) places it",
+    "hydra.output_subdir": "each run's composed config is stored with its records: `testbed run EXPERIMENT "
+                           "--cfg job` prints it",
+    "hydra.job.chdir": "runs never change folder; TESTBED_RESULTS=DIR places the results store",
+    "hydra.searchpath": "TESTBED_LAB=DIR adds a lab's own experiment/, model/, devices/ and suite/ folders",
+    "hydra/launcher": "jobs run one after another here, or on a lab's hosts with farm=HEAD:PORT",
+    "hydra/sweeper": "`testbed sweep` (or `testbed run -m`) runs the cartesian product of key=a,b lists, "
+                     "range() and choice()",
+}
+
+
+def _refuse_hydra_setting(o) -> None:
+    key = o.key_or_group
+    if key != "hydra" and not key.startswith(("hydra.", "hydra/")):
+        return
+    instead = next((said for k, said in HYDRA_INSTEAD.items() if key == k or key.startswith(k + ".")),
+                   "testbed reads no hydra.* setting; accepted: the experiment's own keys "
+                   "(`testbed run EXPERIMENT --help` lists them)")
+    raise UsageError(f"{o.input_line!r} is not supported (testbed does not run Hydra's app); {instead}")
+
+
 def parse_overrides(overrides: Iterable[str]) -> list:
     overrides = list(overrides)
     try:
@@ -151,6 +197,7 @@ def parse_overrides(overrides: Iterable[str]) -> list:
     for o in parsed:
         if not o.key_or_group:
             raise UsageError(f"override {o.input_line!r} names no key; accepted: key=value, e.g. chunk=32")
+        _refuse_hydra_setting(o)
     return parsed
 
 
@@ -203,8 +250,7 @@ def swept_experiments(overrides: Iterable[str]) -> list[str]:
         if o.key_or_group == "experiment":
             names = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
             for name in names:
-                if name not in choices("experiment"):
-                    raise UsageError(f"unknown experiment {name!r}; accepted: {', '.join(choices('experiment'))}")
+                check_choice("experiment", name)
             return names
     return [load([]).experiment]
 
@@ -232,6 +278,7 @@ class RunConfig:
     device: str
     cfg: DictConfig
     overrides: list[str]
+    groups: dict[str, str] = field(default_factory=dict)  # each config group composed -> its option
 
     def flat(self) -> dict[str, Any]:
         """Every value as dotted keys, for records and tables."""
@@ -255,23 +302,55 @@ def load(overrides: Iterable[str] = (), experiment: str | None = None) -> RunCon
     parsed = parse_overrides(overrides)
     if any(o.is_sweep_override() for o in parsed):
         sweeps = [o.input_line for o in parsed if o.is_sweep_override()]
-        raise UsageError(f"{sweeps[0]!r} is a sweep; use `testbed sweep` for several values")
+        raise UsageError(f"{sweeps[0]!r} is a sweep; use `testbed sweep` (or `testbed run EXPERIMENT -m`) "
+                         "for several values")
     for group in GROUPS:
         name = _group_choice(parsed, group, None)
-        if name is not None and name not in choices(group):
-            raise UsageError(f"unknown {group} {name!r}; accepted: {', '.join(choices(group))}")
+        if name is not None:
+            check_choice(group, name)
     if experiment is not None and _group_choice(parsed, "experiment", None) is None:
-        if experiment not in choices("experiment"):
-            raise UsageError(f"unknown experiment {experiment!r}; accepted: {', '.join(choices('experiment'))}")
+        check_choice("experiment", experiment)
         overrides = [f"experiment={experiment}", *overrides]
 
     cfg = _compose(overrides)
     chosen = cfg.hydra.runtime.choices
     name, device = chosen["experiment"], chosen["device"]
+    groups = {g: str(option) for g, option in chosen.items() if not g.startswith("hydra/")}
     with _unlocked(cfg):
         del cfg["hydra"]
     _check_additions(parse_overrides(overrides), overrides, cfg, name, device)
-    return RunConfig(experiment=name, device=device, cfg=cfg, overrides=overrides)
+    return RunConfig(experiment=name, device=device, cfg=cfg, overrides=overrides, groups=groups)
+
+
+def describe(rc: RunConfig, keys: bool = True) -> str:
+    """Hydra's `--help` text for a composed configuration: each config group it was composed from
+    (Hydra's own record of them, so a group an experiment adds, such as chunk_prefill's model, is listed
+    for that experiment only) with its options and the one chosen; with `keys`, every key with its value
+    as an override would give it (the device profile's fields apart: `--cfg job --package device`)."""
+    named = {o.split("=", 1)[0].lstrip("+") for o in rc.overrides}
+    lines = ["== Configuration groups ==", "Compose your configuration from those groups (group=option)"]
+    if "experiment" not in named:
+        lines.append(f"(the groups of {rc.experiment}, the default experiment: `testbed run EXPERIMENT --help` "
+                     "lists another's, and its keys)")
+    lines.append("")
+    for group in sorted(rc.groups, key=lambda g: (g != "experiment", g)):
+        lines.append(f"{group}: {', '.join(choices(group))} "
+                     f"({'chosen' if group in named else 'default'}: {rc.groups[group]})")
+    if keys:
+        lines += ["", f"== Config of {rc.experiment} ==", "Override anything in the config (key=value)", ""]
+        lines += [f"{key}={_as_override(value)}" for key, value in rc.flat().items() if key.split(".")[0] != "device"]
+    return "\n".join(lines)
+
+
+def _as_override(value) -> str:
+    """A value as it is written in an override: null, true, [64,512], {past: 800, tokens: 52}."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_as_override(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_as_override(v)}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -310,12 +389,27 @@ def _check_additions(parsed: list, overrides: list[str], cfg: DictConfig, experi
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         if parent in OPEN_MAPPINGS and isinstance(OmegaConf.select(base, parent, default=None), DictConfig):
             continue
-        top = sorted({k.split(".")[0] + (".*" if "." in k else "") for k in _leaf_keys(base)} | set(GROUPS))
-        raise UsageError(f"unknown key {key!r} ({o.input_line!r} adds a key no part of {experiment} reads); "
-                         f"accepted keys: {', '.join(top)}")
+        keys = _leaf_keys(base)
+        top = sorted({k.split(".")[0] + (".*" if "." in k else "") for k in keys} | set(GROUPS))
+        raise UsageError(f"unknown key {key!r}{_key_hint(key, keys)} ({o.input_line!r} adds a key "
+                         f"no part of {experiment} reads); accepted keys: {', '.join(top)}")
 
 
 _MISSING = object()
+
+
+def _key_hint(key: str, keys: list[str]) -> str:
+    """' (did you mean 'X'?)' for a mistyped key: its last part against the names beside it (bench.rep ->
+    bench.reps; sharing `bench.` says nothing), the whole key against every key when its parent is unknown
+    too (benh.reps -> bench.reps); a top-level key against the top-level names and the groups."""
+    parent, _, leaf = key.rpartition(".")
+    if not parent:
+        return did_you_mean(key, {k.split(".")[0] for k in keys} | set(GROUPS))
+    beside = {k[len(parent) + 1:].split(".")[0] for k in keys if k.startswith(parent + ".")}
+    if not beside:
+        return did_you_mean(key, keys)
+    close = closest(leaf, beside)
+    return f" (did you mean {parent + '.' + close!r}?)" if close else ""
 
 
 class _unlocked:
@@ -338,7 +432,7 @@ def _explain(error: HydraException, overrides: list[str]) -> UsageError:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             keys = _leaf_keys(compose("config", overrides=[*base, *_search_path()]))
         top = sorted({k.split(".")[0] + (".*" if "." in k else "") for k in keys} | set(GROUPS))
-        return UsageError(f"unknown key {key!r}; accepted keys: {', '.join(top)}")
+        return UsageError(f"unknown key {key!r}{_key_hint(key, keys)}; accepted keys: {', '.join(top)}")
     return UsageError(text.splitlines()[0])
 
 

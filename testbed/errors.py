@@ -29,3 +29,19 @@ class StoreError(Exception):
     run starts, or a batch that could not be written whole (and so was not written at all)."""
 
     exit_status = 5
+
+
+def closest(name: str, accepted) -> str | None:
+    """The accepted name closest to a mistyped one, None when none is close (difflib's ratio >= 0.6:
+    `gdm` -> gdn, `nosuch` -> nothing)."""
+    from difflib import get_close_matches
+
+    close = get_close_matches(str(name), [a for a in map(str, accepted) if a != str(name)], n=1)
+    return close[0] if close else None
+
+
+def did_you_mean(name: str, accepted) -> str:
+    """' (did you mean 'X'?)', or '' when no accepted name is close: put after the bad value in a
+    UsageError's line, before what is accepted."""
+    close = closest(name, accepted)
+    return f" (did you mean {close!r}?)" if close else ""

@@ -28,7 +28,7 @@ from contextlib import ExitStack
 from testbed.config import choices
 from testbed.devices import connect, load_profile
 from testbed.devices.private import DeviceBusy, device_lock
-from testbed.errors import DeviceUnreachable, UsageError
+from testbed.errors import DeviceUnreachable, UsageError, did_you_mean
 
 # The real peers the device tests talk to (loopback adbd, sshd) and their fixtures.
 pytest_plugins = ["testbed.peers.fixtures"]
@@ -107,7 +107,8 @@ def _network_guard(request):
 def pytest_configure(config):
     name = config.getoption("--device")
     if name not in choices("device"):
-        raise pytest.UsageError(f"--device={name!r} is not a device profile; accepted: {', '.join(choices('device'))}")
+        raise pytest.UsageError(f"--device={name!r} is not a device profile{did_you_mean(name, choices('device'))}; "
+                                f"accepted: {', '.join(choices('device'))}")
     try:
         config._testbed_profile = load_profile(name)
     except UsageError as e:

@@ -44,7 +44,7 @@ from typing import Any, Iterable
 import numpy as np
 import pandas as pd
 
-from testbed import __version__, PROJECT_ROOT
+from testbed import PROJECT_ROOT, __version__
 from testbed.errors import StoreError
 
 SCHEMA = 2  # 2: rows in committed batches, runs between marks (1: one write per run, no marks)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import pandas as pd
 
 from testbed import backends, experiments
-from testbed.config import check_params, project_path, RunConfig
-from testbed.devices import connect, load_profile, Device
+from testbed.config import RunConfig, check_params, project_path
+from testbed.devices import Device, connect, load_profile
 from testbed.devices.profile import Profile
 from testbed.errors import DeviceError
 from testbed.results import Record, ResultsStore, RunInfo

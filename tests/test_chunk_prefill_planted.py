@@ -12,7 +12,7 @@ import pytest
 from refimpl import gemma
 from testbed.backends.refimpl import gemma as refimpl_backend
 from testbed.cli import main
-from testbed.oracles.tokens import check_mask_heads, check_token_at_position, Reference, TokenCase
+from testbed.oracles.tokens import Reference, TokenCase, check_mask_heads, check_token_at_position
 from testbed.results import ResultsStore
 
 CFG = gemma.tiny_config()          # window 512, layers 0-4 local, 5 global

@@ -177,7 +177,7 @@ def test_version_and_the_device_option_say_what_they_are(capsys):
 
     import pytest
 
-    from testbed import __version__, PROJECT_ROOT
+    from testbed import PROJECT_ROOT, __version__
 
     with pytest.raises(SystemExit) as done:
         main(["--version"])

@@ -10,7 +10,7 @@ import pytest
 
 from refimpl import gdn as ref
 from testbed.backends.native import build as kernel_build
-from testbed.backends.native.device import run_native, NativeJob
+from testbed.backends.native.device import NativeJob, run_native
 from testbed.devices import connect, load_profile
 from testbed.devices.profile import Profile
 from testbed.measure import counts

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed import config, netguard, PROJECT_ROOT
+from testbed import PROJECT_ROOT, config, netguard
 from testbed.cli import main
 from testbed.lab import farm
 from testbed.report import build as report_module

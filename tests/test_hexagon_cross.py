@@ -29,7 +29,7 @@ from testbed.oracles.numerical import check_bitexact, check_nmse
 from tests.native_support import GDN_CASES, reference64
 from tests.test_native import attention_inputs
 from tests.test_native_cross import _cache_case_arrays
-from testbed.oracles.tail import grid, HEAD_DIM
+from testbed.oracles.tail import HEAD_DIM, grid
 
 # name -> (build target, toolchain); the emulator follows the build target
 BUILDS = {"hexagon": ("hexagon", "zig"), "arm32-musl": ("arm32", "zig"), "aarch64-musl": ("aarch64", "zig")}

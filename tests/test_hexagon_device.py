@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from testbed.backends.native import build as kernel_build
-from testbed.backends.native.device import run_native, NativeJob
+from testbed.backends.native.device import NativeJob, run_native
 from testbed.cli.devices import hexagon_checks
 from testbed.devices import connect, load_profile
 from testbed.devices.profile import Profile

@@ -13,11 +13,11 @@ from omegaconf import OmegaConf
 
 from refimpl import gemma
 from testbed import backends, config, runner
-from testbed.backends.iree.artifacts import compile_graph, parse_declaration, Artifact
+from testbed.backends.iree.artifacts import Artifact, compile_graph, parse_declaration
 from testbed.backends.iree.graphs import gemma as graphs
-from testbed.backends.iree.runtime import run_tool, ModuleRequirements, RuntimeSession, TargetRunner
+from testbed.backends.iree.runtime import ModuleRequirements, RuntimeSession, TargetRunner, run_tool
 from testbed.models.contract import pack_prefill_with_past
-from testbed.oracles.tokens import check_mask_heads, check_token_at_position, Reference, TokenCase
+from testbed.oracles.tokens import Reference, TokenCase, check_mask_heads, check_token_at_position
 
 
 @pytest.fixture(scope="session")

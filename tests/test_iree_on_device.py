@@ -18,7 +18,7 @@ from testbed.backends.iree.device import IreeRunFailed
 from testbed.cli import main
 from testbed.devices.transport import sha256_file
 from testbed.errors import UsageError
-from testbed.oracles.tokens import check_token_at_position, Reference, TokenCase
+from testbed.oracles.tokens import Reference, TokenCase, check_token_at_position
 
 pytestmark = [pytest.mark.requires("iree"),
               pytest.mark.skipif(shutil.which("iree-compile") is None, reason="iree-base-compiler is not installed")]

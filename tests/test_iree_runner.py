@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from testbed.backends.iree.artifacts import compile_graph, Contract, Graph, TensorSpec
+from testbed.backends.iree.artifacts import Contract, Graph, TensorSpec, compile_graph
 from testbed.backends.iree.device import (IreeDevice, IreeRunFailed, ToolMissing, check_target_fits, device_flags,
                                           host_tools_folder, stage)
 from testbed.devices import Device

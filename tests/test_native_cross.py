@@ -19,7 +19,7 @@ from refimpl import gemma, sliding_cache as sc
 from tests.test_native import attention_inputs
 from testbed.backends.native import build as kernel_build, programs as native_programs
 from testbed.oracles.numerical import check_bitexact, check_nmse
-from testbed.oracles.tail import grid, GROUP, HEAD_DIM, KV_HEADS
+from testbed.oracles.tail import GROUP, HEAD_DIM, KV_HEADS, grid
 
 ARM_TARGETS = ("arm32", "aarch64")
 COMPILERS = {"arm32": "arm-linux-gnueabihf-gcc", "aarch64": "aarch64-linux-gnu-gcc", "host": "cc"}

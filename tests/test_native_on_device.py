@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from testbed.backends.native import build as kernel_build
-from testbed.backends.native.device import run_native, NativeJob
+from testbed.backends.native.device import NativeJob, run_native
 from testbed.experiments.gdn import TBO_CASES
 from testbed.oracles.numerical import check_nmse
 from tests.native_support import reference64

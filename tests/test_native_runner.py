@@ -9,7 +9,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 import pytest
 
-from testbed.backends.native.device import run_native, NativeJob, NativeRunFailed
+from testbed.backends.native.device import NativeJob, NativeRunFailed, run_native
 from testbed.oracles.numerical import check_bitexact
 from testbed.peers.fixtures import compile_static
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed import config, PROJECT_ROOT
+from testbed import PROJECT_ROOT, config
 from testbed.cli import main
 from testbed.devices.private import device_lock
 from testbed.lab import nightly

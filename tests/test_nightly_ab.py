@@ -43,7 +43,7 @@ report_out: {report}
 def calibrated(fraction: float, device: str = "qemu-aarch64") -> int:
     """The planted loop's turns per chunk step that add about `fraction` to chunkwise's instructions."""
     from refimpl import gdn as ref
-    from testbed.backends.native.device import run_native, NativeJob
+    from testbed.backends.native.device import NativeJob, run_native
     from testbed.devices import connect, load_profile
 
     dev = connect(load_profile(device))

@@ -9,7 +9,7 @@ import pytest
 
 from testbed.measure import history
 from testbed.oracles.numerical import check_nmse, nmse
-from testbed.oracles.tokens import check_token_at_position, Reference, TokenCase
+from testbed.oracles.tokens import Reference, TokenCase, check_token_at_position
 from tests.test_chunk_prefill_planted import model
 
 

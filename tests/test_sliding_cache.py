@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from refimpl import sliding_cache as sc
-from testbed.oracles.tail import check_padded_rollback, grid, GridCase
+from testbed.oracles.tail import GridCase, check_padded_rollback, grid
 
 
 def rows(n, start=0, heads=2, dim=8, seed=0):

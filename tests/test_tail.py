@@ -7,7 +7,7 @@ import pytest
 from refimpl import gemma, tail_prefill as tp
 from testbed import PROJECT_ROOT
 from testbed.measure.breakeven import breakeven_tail, read_sweep_csv, tail_table, threshold_from_breakeven
-from testbed.oracles.tail import check_first_token, kill_switch, prompt_lengths, Engine
+from testbed.oracles.tail import Engine, check_first_token, kill_switch, prompt_lengths
 
 CHUNK = 128
 THRESHOLD = tp.DEFAULT_THRESHOLD  # what TailPolicy() pads above

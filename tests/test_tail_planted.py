@@ -8,7 +8,7 @@ from threadpoolctl import threadpool_limits
 
 from refimpl import gemma, tail_prefill as tp
 from testbed.cli import main
-from testbed.oracles.tail import check_first_token, Engine
+from testbed.oracles.tail import Engine, check_first_token
 from testbed.results import ResultsStore
 
 CHUNK = 128

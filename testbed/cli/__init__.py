@@ -2,6 +2,10 @@
 
   testbed run EXPERIMENT [key=value ...]          one run, records stored, summary printed
   testbed sweep [experiment=NAME] key=v1,v2 ...   the cartesian product (Hydra sweep syntax), one table
+  (run and sweep take Hydra's options: --cfg job [--resolve] [--package KEY] prints the composed config
+  and exits, nothing run or stored; --help lists the config groups and, for a named experiment, its
+  keys; `run EXPERIMENT -m key=a,b` is `sweep experiment=EXPERIMENT key=a,b`. hydra.* overrides are
+  refused: testbed composes with Hydra but stores runs in its results store, not Hydra's folders)
   testbed table EXPERIMENT [--format md|csv|json|jsonl] tables from stored records only (json, jsonl
                                                   and csv are data: numbers, raw samples, breakevens apart)
   testbed ingest FILE [--device NAME]             store test-backend-ops output run elsewhere
@@ -24,6 +28,7 @@ import sys
 import time
 
 import pandas as pd
+from omegaconf import OmegaConf
 
 from testbed import __version__, config, experiments, runner
 from testbed.cli import devices as device_cli, records as records_cli
@@ -66,9 +71,33 @@ def _summary(outcome: runner.Outcome, module) -> str:
     return "\n".join(lines)
 
 
+def _print_composed(rc: config.RunConfig, args) -> None:
+    """`--cfg job`: the composed config as Hydra prints it (YAML; interpolations kept unless --resolve;
+    with --package KEY only that part, under Hydra's `# @package KEY` line)."""
+    part = rc.cfg
+    if args.package and args.package != "_global_":
+        part = OmegaConf.select(rc.cfg, args.package, default=None)
+        if part is None:
+            raise UsageError(f"--package {args.package!r} names no part of {rc.experiment}'s config; accepted: "
+                             f"{', '.join(map(str, rc.cfg.keys()))} or a dotted key under one")
+        sys.stdout.write(f"# @package {args.package}\n")
+    sys.stdout.write(OmegaConf.to_yaml(part, resolve=args.resolve) if OmegaConf.is_config(part) else f"{part}\n")
+
+
+def _names_experiment(overrides: list[str]) -> bool:
+    return any(o.split("=", 1)[0].lstrip("+") == "experiment" for o in overrides)
+
+
 def cmd_run(args) -> int:
+    if args.multirun:  # Hydra's -m: the sweep of the same overrides, the experiment named as run names it
+        if not _names_experiment(args.overrides):
+            args.overrides = [f"experiment={args.experiment}", *args.overrides]
+        return cmd_sweep(args)
     address, overrides = config.split_farm(args.overrides)
     rc = config.load(overrides, experiment=args.experiment)
+    if args.cfg:
+        _print_composed(rc, args)
+        return 0
     if address:  # on the lab's node that owns the device
         runner.check(rc)
         [outcome] = farm.execute(address, [rc], runner.results_store(rc))
@@ -103,6 +132,11 @@ def cmd_sweep(args) -> int:
     address, overrides = config.split_farm(args.overrides)
     together = experiments.sweep_together(config.swept_experiments(overrides))
     jobs = [config.load(combo) for combo in config.expand_sweep(overrides, together)]
+    if args.cfg:  # each job's config, one YAML document each
+        for i, rc in enumerate(jobs):
+            sys.stdout.write(f"{'---' + chr(10) if i else ''}# job {i + 1}/{len(jobs)}: {' '.join(rc.overrides)}\n")
+            _print_composed(rc, args)
+        return 0
     modules = [runner.check(rc)[0] for rc in jobs]  # every job is checked before the first one runs
     # with farm=, on the lab's nodes that own the devices, devices side by side
     outcomes = farm.execute(address, jobs, runner.results_store(jobs[0])) if address else _sweep_here(jobs)
@@ -186,16 +220,47 @@ def cmd_nightly(args) -> int:
     return status
 
 
+class ConfigHelp(argparse.Action):
+    """Hydra's --help: the command's options, then the config groups with their options and defaults and,
+    for an experiment named before --help (`run EXPERIMENT`, `sweep experiment=NAME`), its keys."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        _, overrides = config.split_farm(getattr(namespace, "overrides", None) or [])
+        plain = [o.input_line for o in config.parse_overrides(overrides) if not o.is_sweep_override()]
+        experiment = getattr(namespace, "experiment", None)
+        named = experiment is not None or _names_experiment(plain)
+        text = config.describe(config.load(plain, experiment=experiment), keys=named)  # before any output
+        parser.print_help()
+        print(f"\n{text}")
+        parser.exit()
+
+
+def _hydra_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-h", "--help", action=ConfigHelp, help="this help, the config groups and the experiment's keys")
+    p.add_argument("--cfg", choices=["job"], help="print the composed config (YAML) and exit: nothing is run, "
+                                                  "checked beyond composing, or stored")
+    p.add_argument("--resolve", action="store_true", help="with --cfg: resolve interpolations (${...})")
+    p.add_argument("-p", "--package", help="with --cfg: only this part of the config, e.g. device or bench")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="testbed", description="Validate and benchmark on-device LLM prefill.")
     p.add_argument("--version", action="version", version=f"testbed {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="one run of an experiment")
+    r = sub.add_parser("run", help="one run of an experiment", add_help=False)
     r.add_argument("experiment", help=f"one of: {', '.join(config.choices('experiment'))}")
     r.add_argument("overrides", nargs="*", help="key=value (Hydra overrides), e.g. device=host chunk=32")
+    _hydra_options(r)
+    r.add_argument("-m", "--multirun", action="store_true",
+                   help="a sweep over the key=a,b lists given: the same as `testbed sweep experiment=EXPERIMENT ...`")
     r.set_defaults(fn=cmd_run)
-    s = sub.add_parser("sweep", help="a sweep over key=v1,v2 (cartesian product)")
+    s = sub.add_parser("sweep", help="a sweep over key=v1,v2 (cartesian product)", add_help=False)
     s.add_argument("overrides", nargs="*", help="e.g. experiment=gdn chunk=16,32,64")
+    _hydra_options(s)
+    s.add_argument("-m", "--multirun", action="store_true", help="accepted for Hydra's sake: a sweep always is one")
     s.set_defaults(fn=cmd_sweep)
     t = sub.add_parser("table", help="a table from stored records")
     t.add_argument("experiment")
@@ -230,7 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     runner.stop_on_signals()
     runner.BROKEN_BY_SIGNAL.clear()  # this command's runs only (main may be called again in one process)
     try:
-        args = parser().parse_args(argv)  # the parser lists the config's names, the lab's included
+        p = parser()  # it lists the config's names, the lab's included
+        args, extra = p.parse_known_args(argv)
+        # argparse gives a key=value after an option (`run gdn --cfg job chunk=32`) back unparsed: it is one
+        # more override, as Hydra takes it
+        if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
+            args.overrides = [*args.overrides, *extra]
+        elif extra:
+            p.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.fn(args)
     except (UsageError, DeviceUnreachable, DeviceError, StoreError) as e:  # one line each, its own status
         kind = next(k for k in type(e).__mro__ if k in SAYS)

@@ -122,7 +122,7 @@ def native_check(device) -> tuple[str, str, str]:
     """backend=native builds its programs for the device's ABI here and pushes them: the toolchain must
     be on this host, and a program must start on the device (run without arguments, it prints its
     usage and exits 2)."""
-    from testbed.backends.native.build import build_programs, target_for_abi, BuildError
+    from testbed.backends.native.build import BuildError, build_programs, target_for_abi
     from testbed.backends.native.device import stage_program
 
     try:
@@ -143,7 +143,7 @@ IREE_RUNTIME = "iree runtime"
 def iree_runtime_checks(device) -> list[tuple[str, str, str]]:
     """Where backend=iree's tools come from for this device, whether they start there (a dynamically
     linked tool needs its loader: qemu's sysroot), and whether their release is the compiler's."""
-    from testbed.backends.iree.device import compiler_release, IreeDevice, RUNTIME_TOOLS, ToolMissing
+    from testbed.backends.iree.device import IreeDevice, RUNTIME_TOOLS, ToolMissing, compiler_release
 
     try:
         iree = IreeDevice(device)

@@ -29,7 +29,7 @@ from testbed import config, runner
 from testbed.devices.private import process_alive
 from testbed.errors import UsageError
 from testbed.report import build as report
-from testbed.results import malformed, valid_id, ResultsStore
+from testbed.results import ResultsStore, malformed, valid_id
 
 SHOWN = 5  # line numbers or ids named per finding; the count is always whole
 

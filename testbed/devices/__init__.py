@@ -31,7 +31,7 @@ from testbed.devices import health
 from testbed.devices.health import host_fingerprint
 from testbed.devices.local import LocalTransport, QemuTransport
 from testbed.devices.private import work_folder
-from testbed.devices.profile import load_profile, Profile, TRANSPORTS
+from testbed.devices.profile import Profile, TRANSPORTS, load_profile
 from testbed.devices.transport import CommandResult, CommandTimeout, TransferError, Transport
 from testbed.errors import DeviceError, DeviceUnreachable, UsageError
 

@@ -34,14 +34,14 @@ from omegaconf import DictConfig, OmegaConf
 from refimpl import gemma
 from testbed import backends
 from testbed.backends.iree.artifacts import target_names
-from testbed.backends.native.engine import dequantized, WEIGHT_DTYPES
-from testbed.config import project_path, Choice, Float, Int, IntList
+from testbed.backends.native.engine import WEIGHT_DTYPES, dequantized
+from testbed.config import Choice, Float, Int, IntList, project_path
 from testbed.errors import UsageError
 from testbed.measure import seed
 from testbed.models.checkpoints import load_checkpoint
 from testbed.models.prompts import find_tokenizer, load_prompt
 from testbed.oracles.numerical import digest
-from testbed.oracles.tokens import check_mask_heads, check_token_at_position, Reference, TokenCase
+from testbed.oracles.tokens import Reference, TokenCase, check_mask_heads, check_token_at_position
 from testbed.report import tables
 from testbed.results import Record
 

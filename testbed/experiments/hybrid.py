@@ -58,7 +58,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from refimpl import gdn, naive_qwen35, qwen35
-from testbed.config import as_list, project_path, Choice, Float, Int, IntList
+from testbed.config import Choice, Float, Int, IntList, as_list, project_path
 from testbed.errors import UsageError
 from testbed.measure import breakeven
 from testbed.oracles.hybrid import (check_chunk_with_past, check_engine_case, check_engine_tail, check_pad_identity,

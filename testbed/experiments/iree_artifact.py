@@ -16,8 +16,8 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from testbed.backends.iree.artifacts import Artifact
-from testbed.backends.iree.runtime import run_tool, DRIVERS, RuntimeSession
-from testbed.config import project_path, Choice, Float
+from testbed.backends.iree.runtime import DRIVERS, RuntimeSession, run_tool
+from testbed.config import Choice, Float, project_path
 from testbed.errors import UsageError
 from testbed.oracles.numerical import check_nmse
 from testbed.results import Record

@@ -30,9 +30,9 @@ from omegaconf import DictConfig
 
 from refimpl import gemma
 from testbed.backends.iree.graphs import gemma as graphs
-from testbed.backends.iree.runtime import benchmark_tool, TargetRunner
+from testbed.backends.iree.runtime import TargetRunner, benchmark_tool
 from testbed.config import Choice, Float, Int
-from testbed.experiments.chunk_prefill import _model_key, load_model, PRESETS
+from testbed.experiments.chunk_prefill import PRESETS, _model_key, load_model
 from testbed.measure.timing import time_alternating
 from testbed.models.contract import pack_prefill_with_past
 from testbed.report import tables

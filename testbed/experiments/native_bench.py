@@ -41,9 +41,9 @@ from omegaconf import DictConfig
 
 from refimpl import gdn, gemma
 from testbed.backends.native.build import build_programs, target_for_abi
-from testbed.backends.native.device import run_native, NativeJob
-from testbed.backends.native.gdn import auto_chunk, INPUTS as GDN_INPUTS
-from testbed.config import as_bools, as_list, BoolList, Choice, Int, IntList
+from testbed.backends.native.device import NativeJob, run_native
+from testbed.backends.native.gdn import INPUTS as GDN_INPUTS, auto_chunk
+from testbed.config import BoolList, Choice, Int, IntList, as_bools, as_list
 from testbed.errors import UsageError
 from testbed.measure import blas_reference
 from testbed.measure.timing import time_interleaved

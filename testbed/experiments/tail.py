@@ -34,7 +34,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma, sliding_cache as sc, tail_prefill as tp
-from testbed.config import as_list, Choice, Float, Int, IntList
+from testbed.config import Choice, Float, Int, IntList, as_list
 from testbed.errors import UsageError
 from testbed.measure import breakeven, seed as seeds
 from testbed.measure.timing import host_clocks, time_interleaved

@@ -47,10 +47,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from testbed import config, experiments, runner, PROJECT_ROOT
+from testbed import PROJECT_ROOT, config, experiments, runner
 from testbed.backends import EvidenceLog
 from testbed.backends.native.build import build_programs, source_hash, target_for_abi
-from testbed.backends.native.device import run_native, Call, NativeJob
+from testbed.backends.native.device import Call, NativeJob, run_native
 from testbed.errors import UsageError
 from testbed.measure.history import holm
 from testbed.report import tables

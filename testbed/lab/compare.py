@@ -58,7 +58,7 @@ import pandas as pd
 from testbed.errors import INTERNAL_ERROR, UsageError
 from testbed.measure import emulation, history
 from testbed.report import tables
-from testbed.results import passed, ResultsStore
+from testbed.results import ResultsStore, passed
 
 ALPHA = 0.05
 COMMIT = re.compile(r"[0-9a-f]{4,40}(-dirty)?")  # what testbed.results.git_commit stores, or a prefix

@@ -43,8 +43,8 @@ from pathlib import Path
 from testbed import config, runner
 from testbed.config import RunConfig
 from testbed.devices import load_profile, reachability
-from testbed.devices.private import device_lock, DeviceBusy
-from testbed.errors import DeviceError, DeviceUnreachable, UsageError
+from testbed.devices.private import DeviceBusy, device_lock
+from testbed.errors import DeviceError, DeviceUnreachable, UsageError, did_you_mean
 from testbed.lab import nightly
 from testbed.results import Record, ResultsStore, RunInfo
 
@@ -401,7 +401,8 @@ def cmd_node(args) -> int:
     names = args.devices.split(",") if args.devices else known
     for name in names:
         if name not in known:
-            raise UsageError(f"--devices: unknown device {name!r}; accepted: {', '.join(known)}")
+            raise UsageError(f"--devices: unknown device {name!r}{did_you_mean(name, known)}; "
+                             f"accepted: {', '.join(known)}")
     resources, left_out = node_resources(names)
     for line in left_out:
         print(line, file=sys.stderr)

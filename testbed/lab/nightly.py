@@ -44,9 +44,9 @@ from omegaconf import OmegaConf
 
 from testbed import config, experiments, runner, stop
 from testbed.config import RunConfig
-from testbed.devices import connect, load_profile, Device
-from testbed.devices.private import device_lock, DeviceBusy
-from testbed.errors import DeviceUnreachable, UsageError
+from testbed.devices import Device, connect, load_profile
+from testbed.devices.private import DeviceBusy, device_lock
+from testbed.errors import DeviceUnreachable, UsageError, did_you_mean
 from testbed.measure import history
 from testbed.report import build as report
 from testbed.results import ResultsStore
@@ -84,7 +84,7 @@ def load_suite(overrides: list[str], suite_dir: Path | None = None) -> Suite:
         suite_dir = config.group_file("suite", name).parent
     names = sorted(p.stem for p in suite_dir.glob("*.yaml"))
     if name not in names:
-        raise UsageError(f"unknown suite {name!r}; accepted: {', '.join(names)}")
+        raise UsageError(f"unknown suite {name!r}{did_you_mean(name, names)}; accepted: {', '.join(names)}")
     rest = [o for o in overrides if not o.startswith("suite=")]
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(suite_dir), version_base="1.3"):
@@ -97,7 +97,8 @@ def load_suite(overrides: list[str], suite_dir: Path | None = None) -> Suite:
     known = config.choices("device")
     for device in devices:
         if device not in known:
-            raise UsageError(f"suite {name}: unknown device {device!r}; accepted: {', '.join(known)}")
+            raise UsageError(f"suite {name}: unknown device {device!r}{did_you_mean(device, known)}; "
+                             f"accepted: {', '.join(known)}")
     if not devices or not spec.get("runs"):
         raise UsageError(f"suite {name}: needs `devices` (a list of {', '.join(known)}) and `runs`")
     jobs: dict[str, list[RunConfig]] = {d: [] for d in devices}

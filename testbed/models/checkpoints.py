@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.gemma import weight_shapes, GemmaConfig
+from refimpl.gemma import GemmaConfig, weight_shapes
 from testbed.errors import UsageError
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.qwen35 import weight_shapes, HF_LAYER_TYPES, HybridConfig
+from refimpl.qwen35 import HF_LAYER_TYPES, HybridConfig, weight_shapes
 from testbed.errors import UsageError
 from testbed.models.checkpoints import read_hf_folder
 

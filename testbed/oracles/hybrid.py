@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from refimpl import gdn, naive_qwen35, qwen35
-from testbed.oracles.numerical import check_bitexact, check_nmse, digest, NMSE_THRESHOLD, Verdict
+from testbed.oracles.numerical import NMSE_THRESHOLD, Verdict, check_bitexact, check_nmse, digest
 from testbed.oracles.tokens import margin_for, tied_tokens, top2_margin
 
 LOGIT_ATOL = 1e-3  # the Gemma token verdict's default: a tie is a gap below it

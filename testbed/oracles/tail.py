@@ -41,7 +41,7 @@ from typing import Callable
 import numpy as np
 
 from refimpl import naive_gemma, sliding_cache as sc, tail_prefill as tp
-from testbed.oracles.numerical import check_bitexact, digest, Verdict
+from testbed.oracles.numerical import Verdict, check_bitexact, digest
 
 # --- byte-identical cache grid -----------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ import numpy as np
 from refimpl import gemma, naive_gemma
 from testbed.backends import ContractBroken, GemmaRunner, TokenCase
 from testbed.backends.refimpl import gemma as refimpl_backend
-from testbed.oracles.numerical import head_biased_mask, nmse, Verdict
+from testbed.oracles.numerical import Verdict, head_biased_mask, nmse
 
 InputsBuilder = Callable[..., gemma.ChunkInputs]
 

@@ -21,7 +21,7 @@ from testbed.backends.native import engine, gemma as native_gemma
 from testbed.backends.native.device import NativeRunFailed
 from testbed.oracles.numerical import digest, nmse
 from testbed.oracles.tail import check_engine_rollback, check_first_token, engine_grid, kill_switch
-from testbed.oracles.tokens import check_token_at_position, Reference, TokenCase
+from testbed.oracles.tokens import Reference, TokenCase, check_token_at_position
 
 pytestmark = [pytest.mark.device, pytest.mark.requires("native")]
 

@@ -9,7 +9,7 @@ from refimpl import gemma, tail_prefill as tp
 from testbed.backends.native import engine, gemma as native_gemma
 from testbed.backends.native.build import target_for_abi
 from testbed.oracles.tail import check_cache_encoding, check_engine_rollback, check_first_token, engine_grid
-from testbed.oracles.tokens import check_token_at_position, Reference, TokenCase
+from testbed.oracles.tokens import Reference, TokenCase, check_token_at_position
 from tests.native_support import mutant_program
 
 # heavy_emulation: each mutant is an engine build and several engine runs; left out on qemu-hexagon

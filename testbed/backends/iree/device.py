@@ -44,7 +44,7 @@ import numpy as np
 
 from testbed import PROJECT_ROOT
 from testbed.backends import Evidence, EvidenceLog
-from testbed.backends.iree.runtime import parse_benchmark_json, HOST_ELF, ModuleRequirements
+from testbed.backends.iree.runtime import HOST_ELF, ModuleRequirements, parse_benchmark_json
 from testbed.devices import CommandResult, Device
 from testbed.devices.transport import sha256_file
 from testbed.errors import DeviceError, UsageError

@@ -31,10 +31,10 @@ import numpy as np
 
 from refimpl import gemma as ref
 from testbed.backends import ContractBroken, EvidenceLog, GemmaBackend, Utterance
-from testbed.backends.iree.artifacts import compile_graph, Artifact
-from testbed.backends.iree.device import check_target_fits, IreeDevice, RunFolder, StagedModule
+from testbed.backends.iree.artifacts import Artifact, compile_graph
+from testbed.backends.iree.device import IreeDevice, RunFolder, StagedModule, check_target_fits
 from testbed.backends.iree.graphs import gemma as graphs
-from testbed.backends.iree.runtime import compile_progress_on_terminal, TargetRunner
+from testbed.backends.iree.runtime import TargetRunner, compile_progress_on_terminal
 from testbed.models.contract import pack_prefill_with_past
 from testbed.results import Figure
 

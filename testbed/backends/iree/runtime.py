@@ -33,7 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from testbed.backends.iree.artifacts import check_signature, Artifact, ContractError
+from testbed.backends.iree.artifacts import Artifact, ContractError, check_signature
 from testbed.errors import DeviceError
 from testbed.results import Figure
 

@@ -21,9 +21,9 @@ from typing import Callable, Iterator
 import numpy as np
 
 from refimpl import gdn as ref
-from testbed.backends.native.device import run_native, NativeJob
+from testbed.backends.native.device import NativeJob, run_native
 from testbed.devices import Device
-from testbed.oracles.numerical import check_nmse, NMSE_THRESHOLD
+from testbed.oracles.numerical import NMSE_THRESHOLD, check_nmse
 from testbed.results import Record
 
 INPUTS = ("q", "k", "v", "g", "beta", "state")

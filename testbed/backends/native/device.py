@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from testbed.backends import Evidence
-from testbed.backends.native.build import build_info, ELF_MACHINE_NAMES
+from testbed.backends.native.build import ELF_MACHINE_NAMES, build_info
 from testbed.devices import CommandResult, Device
 from testbed.devices.transport import elf_machine, quoted, sha256_file
 from testbed.errors import DeviceError

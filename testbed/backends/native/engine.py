@@ -33,7 +33,7 @@ import numpy as np
 from refimpl import gemma, sliding_cache as sc, tail_prefill as tp
 from testbed.backends import Evidence
 from testbed.backends.native import build as kernel_build
-from testbed.backends.native.device import program_digest, run_native, stage_program, NativeJob, NativeResult
+from testbed.backends.native.device import NativeJob, NativeResult, program_digest, run_native, stage_program
 from testbed.devices import Device
 from testbed.errors import UsageError
 

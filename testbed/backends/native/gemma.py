@@ -18,9 +18,9 @@ from omegaconf import OmegaConf
 from refimpl import gemma
 from testbed.backends import EvidenceLog, TokenCase, Utterance
 from testbed.backends.native import build as kernel_build, engine
-from testbed.backends.native.device import run_native, NativeJob
+from testbed.backends.native.device import NativeJob, run_native
 from testbed.devices import Device
-from testbed.oracles.numerical import check_nmse, head_biased_mask, Verdict
+from testbed.oracles.numerical import Verdict, check_nmse, head_biased_mask
 from testbed.results import Figure
 
 

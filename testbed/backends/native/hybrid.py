@@ -25,7 +25,7 @@ import numpy as np
 from refimpl import qwen35
 from testbed.backends import Evidence
 from testbed.backends.native import build as kernel_build
-from testbed.backends.native.device import program_digest, run_native, stage_program, NativeJob
+from testbed.backends.native.device import NativeJob, program_digest, run_native, stage_program
 from testbed.devices import Device
 from testbed.errors import UsageError
 from testbed.measure import counts as counting
