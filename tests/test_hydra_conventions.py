@@ -10,7 +10,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from testbed import PROJECT_ROOT, config, nightly
+from testbed import PROJECT_ROOT, config
+from testbed.lab import nightly
 from testbed.cli import main
 from testbed.results import ResultsStore
 
