@@ -39,20 +39,23 @@ def test_the_same_tree_twice_is_no_change_on_qemu(tmp_path):
     assert p.stdout.count("| no change") == 2  # serial and chunkwise
 
 
-def calibrated_slowdown(tmp_path, fraction: float):
-    """The planted loop's turns that add `fraction` to the chunkwise call's instructions on
-    qemu-aarch64: counts are linear in the turns, so two counts calibrate them."""
-    _, base, _ = rows(tmp_path, "HEAD", str(slowed_chunkwise(0)), "device=qemu-aarch64", *SMALL, "--reps", "1")
+@pytest.fixture(scope="module")
+def chunkwise_count(tmp_path_factory):
+    """The chunkwise call's instructions on qemu-aarch64 and what one planted turn adds: counts are exact
+    and linear in the turns, so two counts calibrate every fraction (measured once for the module)."""
+    folder = tmp_path_factory.mktemp("calibration")
+    _, base, _ = rows(folder, "HEAD", str(slowed_chunkwise(0)), "device=qemu-aarch64", *SMALL, "--reps", "1")
     call = "H=2,hs=32,T=48,kda=0/chunkwise"
-    _, probe, _ = rows(tmp_path, "HEAD", str(slowed_chunkwise(1000)), "device=qemu-aarch64", *SMALL, "--reps", "1")
+    _, probe, _ = rows(folder, "HEAD", str(slowed_chunkwise(1000)), "device=qemu-aarch64", *SMALL, "--reps", "1")
     a = base[call]["instructions B"]
-    per_turn = (probe[call]["instructions B"] - a) / 1000
-    return slowed_chunkwise(int(np.ceil(fraction * a / per_turn))), a
+    return a, (probe[call]["instructions B"] - a) / 1000
 
 
 @pytest.mark.parametrize("fraction", [0.05, 0.25])
-def test_a_planted_slowdown_in_b_exits_1_naming_the_kernel_and_the_change(tmp_path, fraction):
-    slowed, a = calibrated_slowdown(tmp_path, fraction)
+def test_a_planted_slowdown_in_b_exits_1_naming_the_kernel_and_the_change(tmp_path, fraction, chunkwise_count):
+    """The planted loop's turns add `fraction` to the chunkwise call's instructions on qemu-aarch64."""
+    a, per_turn = chunkwise_count
+    slowed = slowed_chunkwise(int(np.ceil(fraction * a / per_turn)))
     rc, table, p = rows(tmp_path, "HEAD", str(slowed), "device=qemu-aarch64", *SMALL, "--reps", "2")
     assert rc == 1, p.stderr
     chunkwise, serial = table["H=2,hs=32,T=48,kda=0/chunkwise"], table["H=2,hs=32,T=48,kda=0/serial"]
