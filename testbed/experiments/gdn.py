@@ -260,8 +260,8 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
     # numpy's sgemm is a reference rate only where the kernels ran: this host, not under emulation
     here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
     probe_s: list[float] = []  # every sgemm of the run: the machine probe, stored once (testbed.history)
-    for t_len in b.tokens:
-        ctx.progress(f"gdn bench H={b.heads} hs={b.head_size} T={t_len}")
+    for i, t_len in enumerate(b.tokens):
+        ctx.progress(f"gdn bench {i + 1}/{len(b.tokens)} H={b.heads} hs={b.head_size} T={t_len}")
         x = ref.draw_inputs(1, t_len, b.heads, b.head_size, kda=b.kda, seed=cfg.seed)
         sgemm_s: dict[str, list[float]] = {}
         times = be.bench(x, cfg.chunk, b.reps, b.warmup,
