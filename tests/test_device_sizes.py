@@ -97,3 +97,11 @@ def test_progress_lines_with_the_time_left_when_stderr_is_a_pipe(lab, tmp_path):
     stored = [json.loads(line) for f in (tmp_path / "results").rglob("*.jsonl") for line in f.read_text().splitlines()]
     configs = {row["config"]["matrix"] for row in stored if row.get("kind") == "oracle"}
     assert configs == {"awkward"}
+
+
+def test_max_tokens_keeps_the_matrixs_cases_up_to_that_length():
+    from testbed.experiments import gdn
+
+    short = gdn.selected_cases(config.load(["matrix=awkward", "max_tokens=65"], experiment="gdn").cfg)
+    assert sorted({c.n_seq_tokens for c in short}) == [1, 15, 63, 65] and len(short) == 8
+    assert gdn.selected_cases(config.load(["matrix=awkward"], experiment="gdn").cfg) == gdn.AWKWARD_CASES
