@@ -319,6 +319,7 @@ def load(overrides: Iterable[str] = (), experiment: str | None = None) -> RunCon
     with _unlocked(cfg):
         del cfg["hydra"]
     _check_additions(parse_overrides(overrides), overrides, cfg, name, device)
+    apply_device_sizes(cfg, parse_overrides(overrides), name, device)
     return RunConfig(experiment=name, device=device, cfg=cfg, overrides=overrides, groups=groups)
 
 
@@ -410,6 +411,36 @@ def _key_hint(key: str, keys: list[str]) -> str:
         return did_you_mean(key, keys)
     close = closest(leaf, beside)
     return f" (did you mean {parent + '.' + close!r}?)" if close else ""
+
+
+def apply_device_sizes(cfg: DictConfig, parsed: list, experiment: str, device: str) -> dict[str, Any]:
+    """The device profile's `sizes` for this experiment (devices/NAME.yaml: an emulated device's smaller
+    matrix, shapes and repetitions) set in `cfg`, below the command line: a key the overrides name, or
+    a key inside or around one they name, keeps the command line's value. Returns what was applied. A
+    key the experiment does not have is refused, naming the profile."""
+    sizes = OmegaConf.select(cfg, f"device.sizes.{experiment}", default=None)
+    if not sizes:
+        return {}
+    given = [o.key_or_group for o in parsed]
+    applied = {}
+    for key, value in _leaf_values(OmegaConf.to_container(sizes, resolve=True)):
+        if key.split(".")[0] == "device" or OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
+            top = sorted({k.split(".")[0] + (".*" if "." in k else "") for k in _leaf_keys(cfg)} - {"device.*"})
+            raise UsageError(f"devices/{device}.yaml: sizes.{experiment}.{key} is not a key of experiment "
+                             f"{experiment}; accepted keys: {', '.join(top)}")
+        if any(g == key or key.startswith(g + ".") or g.startswith(key + ".") for g in given):
+            continue
+        OmegaConf.update(cfg, key, value, merge=False)
+        applied[key] = value
+    return applied
+
+
+def _leaf_values(node: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """A nested mapping's leaves as (dotted key, value); lists are values."""
+    out = []
+    for k, v in node.items():
+        out.extend(_leaf_values(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [(f"{prefix}{k}", v)])
+    return out
 
 
 class _unlocked:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -38,10 +39,40 @@ from testbed.measure import emulation
 from testbed.report import build as report, tables
 
 
-def _progress_line(msg: str) -> None:
-    if sys.stderr.isatty():
-        sys.stderr.write("\r\033[K" + msg[:120])
-        sys.stderr.flush()
+class ProgressLine:
+    """A run's progress messages on stderr. On a terminal: one line rewritten in place. Otherwise (a
+    pipe, a CI log, nohup): one line per message, with the seconds since the run began and, for a
+    message that counts its steps ("gdn oracle 12/166 ..."), the time left at the pace of the steps
+    of that series so far, so that a log shows the run is alive and how long it has to go."""
+
+    COUNT = re.compile(r"\b(\d+)/(\d+)\b")
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.began = time.monotonic()
+        self.series: dict[tuple[str, int], tuple[float, int]] = {}  # (text before the count, total) -> start, first step
+
+    def __call__(self, msg: str) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K" + msg[:120])
+            self.stream.flush()
+            return
+        now, left = time.monotonic(), ""
+        count = self.COUNT.search(msg)
+        if count:
+            step, total = int(count[1]), int(count[2])
+            key = (msg[:count.start()], total)
+            if key not in self.series or step <= self.series[key][1]:
+                self.series[key] = (now, step)
+            started, first = self.series[key]
+            # the message announces step `step`: the steps before it in this series are done
+            left = nightly.time_left(now - started, step - first, total - first + 1)
+        print(f"[{now - self.began:.0f} s] {msg}{left}", file=self.stream, flush=True)
+
+    def clear(self) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
 
 
 def _summary(outcome: runner.Outcome, module) -> str:
@@ -102,10 +133,10 @@ def cmd_run(args) -> int:
         runner.check(rc)
         [outcome] = farm.execute(address, [rc], runner.results_store(rc))
     else:
-        outcome = runner.execute(rc, progress=_progress_line)  # checks every parameter before running
+        progress = ProgressLine()
+        outcome = runner.execute(rc, progress=progress)  # checks every parameter before running
+        progress.clear()
     module = experiments.load(rc.experiment)
-    if sys.stderr.isatty():
-        sys.stderr.write("\r\033[K")
     print(_summary(outcome, module))
     return 1 if outcome.failed else 0
 
@@ -123,7 +154,8 @@ def _sweep_here(jobs: list[config.RunConfig]):
         if not tty:  # a log, not a bar: one line per job, with the time left at the pace so far
             eta = nightly.time_left(time.monotonic() - began, i, len(jobs))
             print(f"[{i + 1}/{len(jobs)}] {rc.experiment} {label}{eta}", file=sys.stderr, flush=True)
-        yield runner.execute(rc, progress=lambda msg: bar.set_postfix_str(f"{label} | {msg}"[:100]))
+        progress = (lambda msg: bar.set_postfix_str(f"{label} | {msg}"[:100])) if tty else ProgressLine()
+        yield runner.execute(rc, progress=progress)
         bar.update()
     bar.close()
 

@@ -13,6 +13,12 @@ Fields by transport (all optional unless marked):
   ssh     connection: {host (required), port, user (required), key (required), known_hosts,
           host_key_sha256}; one of known_hosts or host_key_sha256 is required
 
+`sizes: {EXPERIMENT: {key: value, ...}}` names the sizes a run of that experiment takes on this device
+unless the command line names its own (testbed.config.apply_device_sizes): an emulated device's smaller
+matrix, shapes and repetitions, so that each command finishes in about a CPU-minute there; the full ones
+stay one override away (`matrix=all`, `bench.tokens=[...]`). Keys are the experiment's own (dotted or
+nested), checked against its config when a run composes it.
+
 `iree: {target, hal_device}` names what backend=iree compiles for (experiments/iree_target/TARGET.yaml)
 and the HAL device iree-run-module uses there (local-sync, local-task, vulkan).
 
@@ -31,7 +37,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from testbed.config import CONFIG_DIR, group_file
+from testbed.config import CONFIG_DIR, choices, group_file
 from testbed.errors import UsageError
 
 TRANSPORTS = ("local", "qemu", "adb", "ssh")
@@ -87,6 +93,7 @@ class Profile:
     timeouts: dict[str, float] = field(default_factory=dict)
     peer: dict[str, Any] = field(default_factory=dict)
     iree: dict[str, str] = field(default_factory=dict)
+    sizes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     REQUIRED = ("name", "transport", "abi")
 
@@ -164,7 +171,16 @@ class Profile:
         bad.mapping("peer", peer, {"command": list})
         if peer and data["transport"] != "adb":
             bad("peer", peer, "is only for adb profiles (a loopback adbd)")
-        return cls(**{**data, "tools": tools, "connection": conn, "peer": peer, "iree": iree,
+        sizes = data.get("sizes", {}) or {}
+        if not isinstance(sizes, dict):
+            bad("sizes", sizes, "must be a mapping of experiment names to mappings of their keys")
+        experiments = choices("experiment")
+        for name, values in sizes.items():
+            if name not in experiments:
+                bad(f"sizes.{name}", None, f"names no experiment; accepted: {', '.join(experiments)}")
+            if not isinstance(values, dict) or not values:
+                bad(f"sizes.{name}", values, "must be a non-empty mapping of the experiment's keys to values")
+        return cls(**{**data, "tools": tools, "connection": conn, "peer": peer, "iree": iree, "sizes": sizes,
                       "accelerators": data.get("accelerators") or {}, "health": data.get("health") or {},
                       "timeouts": data.get("timeouts") or {}})
 

@@ -183,8 +183,9 @@ def _setup(cfg: DictConfig, ctx):
 def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
     ref = Reference(w, model, prompt)
     tokenizer = find_tokenizer(cfg.model.checkpoint)
-    for case in cases(cfg):
-        ctx.progress(f"chunk_prefill oracle {case.name}")
+    every = cases(cfg)
+    for i, case in enumerate(every):
+        ctx.progress(f"chunk_prefill oracle {i + 1}/{len(every)} {case.name}")
         verdicts = check_token_at_position(backend, ref, case, expected=cfg.model.expected_token,
                                            logit_atol=cfg.logit_atol, cache_atol=cfg.cache_atol,
                                            token_text=tokenizer.token_text if tokenizer else None)

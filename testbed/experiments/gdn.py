@@ -51,6 +51,7 @@ PARAMS = {
     "head_map": Choice(ref.HEAD_MAPS),
     "threshold": Float(0.0, 1.0),
     "matrix": Choice(("tbo", "awkward", "all")),
+    "max_tokens": Int(0, 1 << 16),
     "seed": Int(0),
     "bench.heads": Int(1, 256),
     "bench.head_size": Int(1, 1024),
@@ -142,6 +143,11 @@ def matrix(name: str) -> list[Case]:
     return {"tbo": TBO_CASES, "awkward": AWKWARD_CASES, "all": TBO_CASES + AWKWARD_CASES}[name]
 
 
+def selected_cases(cfg: DictConfig) -> list[Case]:
+    """The matrix's cases of at most max_tokens tokens (0: every case)."""
+    return [c for c in matrix(cfg.matrix) if not cfg.max_tokens or c.n_seq_tokens <= cfg.max_tokens]
+
+
 # --- backends --------------------------------------------------------------------------------------
 
 
@@ -174,7 +180,7 @@ def validate(cfg: DictConfig) -> None:
 
 
 def oracle_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
-    cases = matrix(cfg.matrix)
+    cases = selected_cases(cfg)
     for i, case in enumerate(cases):
         ctx.progress(f"gdn oracle {i + 1}/{len(cases)} {case.name}")
         x = case.inputs(cfg.seed)
@@ -242,8 +248,8 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
     # numpy's sgemm is a reference rate only where the kernels ran: this host, not under emulation
     here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
     probe_s: list[float] = []  # every sgemm of the run: the machine probe, stored once (testbed.measure.history)
-    for t_len in b.tokens:
-        ctx.progress(f"gdn bench H={b.heads} hs={b.head_size} T={t_len}")
+    for i, t_len in enumerate(b.tokens):
+        ctx.progress(f"gdn bench {i + 1}/{len(b.tokens)} H={b.heads} hs={b.head_size} T={t_len}")
         x = ref.draw_inputs(1, t_len, b.heads, b.head_size, kda=b.kda, seed=cfg.seed)
         sgemm_s: dict[str, list[float]] = {}
         times = be.bench(x, cfg.chunk, b.reps, b.warmup,
@@ -352,7 +358,7 @@ def llamacpp_records(cfg: DictConfig, ctx) -> Iterator[Record]:
         report, problems = llamacpp.test_backend_ops(ctx.device, "GATED_DELTA_NET", backend, tools)
         yield from llamacpp.test_records("gdn", "GATED_DELTA_NET", backend, report, problems)
         if tools.built:
-            yield from ggml_gdn.oracle_records("gdn", ctx.device, tools.built.program("tb_ggml_gdn"), matrix(cfg.matrix),
+            yield from ggml_gdn.oracle_records("gdn", ctx.device, tools.built.program("tb_ggml_gdn"), selected_cases(cfg),
                                                cfg.seed, cfg.threshold, ctx.progress, tools.artifacts())
     if cfg.mode in ("bench", "all"):
         ctx.progress(f"test-backend-ops perf -o GATED_DELTA_NET -b {backend}")

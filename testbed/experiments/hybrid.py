@@ -236,10 +236,13 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
 
     native = cfg.backend == "native"
     references: dict[int, tuple] = {}  # redecode and the naive model per P + n, shared by the forms
-    for form, fn in gdn_forms(cfg).items():
+    forms = gdn_forms(cfg)
+    steps, step = len(forms) * (len(cases(cfg)) + len(as_list(cfg.oracle.tails))), 0
+    for form, fn in forms.items():
         base = {"gdn": form, "gdn_chunk": cfg.gdn_chunk if form == "chunkwise" else None, "chunk": cfg.chunk}
         for p, n in cases(cfg):
-            ctx.progress(f"hybrid oracle {form} P={p} n={n}")
+            step += 1
+            ctx.progress(f"hybrid oracle {step}/{steps} {form} P={p} n={n}")
             expected = cfg.model.expected_token if p + n - 1 == end else None
             params = base | {"past": p, "tokens": n, "position": p + n - 1}
             if native:
@@ -260,7 +263,8 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
                 yield record(f"P={p},n={n},C={cfg.chunk}/{form}", v, params, evidence)
         for t in as_list(cfg.oracle.tails):
             length = cfg.chunk + t
-            ctx.progress(f"hybrid oracle {form} padded tail N={length}")
+            step += 1
+            ctx.progress(f"hybrid oracle {step}/{steps} {form} padded tail N={length}")
             params = base | {"prompt_tokens": length, "tail": t}
             if native:
                 from testbed.backends.native import hybrid as engine
@@ -388,8 +392,9 @@ def crossover_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     hybrid = variants["hybrid-serial"]
     arts, how = artifacts(cfg), where(cfg, ctx)
     gates = qwen35.median_log_decay(hybrid.w, hybrid.model)
-    for length in as_list(b.contexts):
-        ctx.progress(f"hybrid crossover L={length}")
+    contexts = as_list(b.contexts)
+    for i, length in enumerate(contexts):
+        ctx.progress(f"hybrid crossover {i + 1}/{len(contexts)} L={length}")
         prompt = np.random.default_rng(cfg.seed).integers(0, hybrid.model.vocab, length)
         calls = {name: (v, prompt, b.prefill_chunk, "exact") for name, v in variants.items()}
         clocks, evidence = time_variants(cfg, ctx, calls, b.reps, b.warmup)

@@ -1,0 +1,107 @@
+"""A device profile's `sizes` (the sizes a run takes on that device unless the command line names its
+own: an emulated device's smaller matrix and shapes) and progress lines when stderr is not a terminal."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from testbed import PROJECT_ROOT, config, runner
+from testbed.devices.profile import load_profile
+from testbed.errors import UsageError
+
+LAB_DEVICE = textwrap.dedent("""\
+    name: small9
+    transport: local
+    abi: host
+    capabilities: [cpu, refimpl]
+    work_dir: ""
+    sizes:
+      gdn:
+        matrix: awkward
+        bench: {tokens: [64], reps: 2}
+    """)
+
+
+@pytest.fixture
+def lab(tmp_path, monkeypatch):
+    (tmp_path / "devices").mkdir()
+    (tmp_path / "devices" / "small9.yaml").write_text(LAB_DEVICE)
+    monkeypatch.setenv("TESTBED_LAB", str(tmp_path))
+    return tmp_path
+
+
+def test_a_profiles_sizes_apply_on_that_device_only(lab):
+    on_device = config.load(["device=small9"], experiment="gdn").cfg
+    assert (on_device.matrix, list(on_device.bench.tokens), on_device.bench.reps) == ("awkward", [64], 2)
+    assert on_device.bench.heads == 16  # a key the profile does not name keeps the experiment's value
+    on_host = config.load(["device=host"], experiment="gdn").cfg
+    assert (on_host.matrix, list(on_host.bench.tokens), on_host.bench.reps) == ("all", [64, 512, 2048], 5)
+    # another experiment on the same device: the profile names no sizes for it
+    assert config.load(["device=small9"], experiment="tail").cfg.reps == 5
+
+
+def test_the_command_line_wins_over_a_profiles_sizes(lab):
+    cfg = config.load(["device=small9", "matrix=all", "bench.tokens=[128,256]"], experiment="gdn").cfg
+    assert (cfg.matrix, list(cfg.bench.tokens), cfg.bench.reps) == ("all", [128, 256], 2)
+    # a whole mapping named on the command line keeps every key of it the user's
+    cfg = config.load(["device=small9", "bench={heads: 2, head_size: 8, tokens: [9], kda: false, warmup: 0, reps: 1}"],
+                      experiment="gdn").cfg
+    assert (list(cfg.bench.tokens), cfg.bench.reps, cfg.matrix) == ([9], 1, "awkward")
+
+
+def test_an_unknown_key_in_a_profiles_sizes_is_one_line(lab):
+    (lab / "devices" / "small9.yaml").write_text(LAB_DEVICE.replace("matrix: awkward", "matrx: awkward"))
+    with pytest.raises(UsageError) as e:
+        config.load(["device=small9"], experiment="gdn")
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("devices/small9.yaml: sizes.gdn.matrx is not a key of experiment gdn; accepted keys: ")
+    assert "matrix" in message and "bench.*" in message
+
+
+def test_sizes_for_an_experiment_that_does_not_exist_are_refused(lab):
+    (lab / "devices" / "small9.yaml").write_text(LAB_DEVICE.replace("  gdn:", "  gdm:"))
+    with pytest.raises(UsageError, match=r"devices/small9.yaml: field 'sizes.gdm' names no experiment; accepted: "
+                                         r"chunk_prefill, .*gdn"):
+        load_profile("small9")
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (PROJECT_ROOT / "devices").glob("*.yaml")))
+def test_every_shipped_profiles_sizes_compose_and_pass_the_experiments_checks(name):
+    profile = load_profile(name)
+    if profile.has("emulated") and "native" in profile.capabilities:
+        assert {"gdn", "native_bench", "chunk_prefill", "tail"} <= set(profile.sizes), name
+    for experiment in profile.sizes:
+        rc = config.load([f"device={name}"], experiment=experiment)
+        runner.check(rc)
+
+
+def test_progress_lines_with_the_time_left_when_stderr_is_a_pipe(lab, tmp_path):
+    """`testbed run` in a log (stderr a pipe, not a terminal) says what it is doing, one line per case,
+    with how many are done and an estimate of the time left; the stored records say which sizes ran."""
+    env = {**os.environ, "TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(tmp_path / "results"),
+           "PYTHONPATH": str(PROJECT_ROOT)}
+    r = subprocess.run([sys.executable, "-m", "testbed", "run", "gdn", "device=small9", "mode=oracle"], cwd=PROJECT_ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    cases = [line for line in lines if re.fullmatch(r"\[\d+ s\] gdn oracle \d+/12 H=.*", line)]
+    assert len(cases) == 12, lines  # matrix=awkward, from the profile: 12 cases, each announced
+    assert " gdn oracle 1/12 " in cases[0] and not cases[0].endswith(" left)")  # no pace yet, no estimate
+    assert all(re.search(r" \(about \d+ (s|min) left\)$", line) for line in cases[1:]), cases
+    stored = [json.loads(line) for f in (tmp_path / "results").rglob("*.jsonl") for line in f.read_text().splitlines()]
+    configs = {row["config"]["matrix"] for row in stored if row.get("kind") == "oracle"}
+    assert configs == {"awkward"}
+
+
+def test_max_tokens_keeps_the_matrixs_cases_up_to_that_length():
+    from testbed.experiments import gdn
+
+    short = gdn.selected_cases(config.load(["matrix=awkward", "max_tokens=65"], experiment="gdn").cfg)
+    assert sorted({c.n_seq_tokens for c in short}) == [1, 15, 63, 65] and len(short) == 8
+    assert gdn.selected_cases(config.load(["matrix=awkward"], experiment="gdn").cfg) == gdn.AWKWARD_CASES
