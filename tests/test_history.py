@@ -389,3 +389,15 @@ def test_the_step_named_by_the_records_flag_carries_its_range_and_levels():
     (flag,) = history.figure_regressions(records, 30, 5)
     assert (flag.last_clean_commit, flag.since_commit) == ("c15", "c16") and flag.commit_range() == "c15..c16"
     assert flag.before_level < flag.after_level and flag.unit == "ms"
+
+
+def test_a_profiles_sizes_for_other_experiments_do_not_split_a_series():
+    """device.sizes holds every experiment's sizes on the device; what ran is in the experiment's keys."""
+    base = {"matrix": "tbo", "bench.tokens": [128], "device.name": "qemu-arm32"}
+    before = {"config": {**base, "device.sizes.gdn.matrix": "tbo", "device.sizes.hybrid.bench.reps": 1}}
+    after = {"config": {**base, "device.sizes.gdn.matrix": "tbo", "device.sizes.hybrid.bench.reps": 2}}
+    assert history.config_key(before) == history.config_key(after)
+    bigger = {"config": {**base, "bench.tokens": [512], "device.sizes.gdn.matrix": "tbo"}}
+    assert history.config_key(bigger) != history.config_key(before)
+    renamed = {"config": {**base, "device.sizes_x": 1}}  # only the mapping itself is left out, not a prefix
+    assert history.config_key(renamed) != history.config_key({"config": base})

@@ -77,14 +77,19 @@ import math
 from dataclasses import asdict, dataclass, field
 from itertools import groupby
 
-# Where records and fixtures are kept says nothing about what was measured.
-NOT_PART_OF_CONFIG = ("results_dir", "fixtures_dir")
+# Where records and fixtures are kept says nothing about what was measured. Nor does a device
+# profile's `sizes` mapping: it holds every experiment's sizes on that device, and what applied to this
+# run is in the experiment's own keys (bench.tokens, matrix, ...); editing one experiment's sizes must
+# not start every other experiment's series on that device again.
+NOT_PART_OF_CONFIG = ("results_dir", "fixtures_dir", "device.sizes")
 
 
 def config_key(record: dict, ignoring: tuple[str, ...] = ()) -> str:
     """A short digest of the record's configuration: equal digests mean comparable runs. `ignoring`:
     settings left out besides where things live (the one two sides of a comparison differ in)."""
-    config = {k: v for k, v in record.get("config", {}).items() if k not in NOT_PART_OF_CONFIG + tuple(ignoring)}
+    left_out = NOT_PART_OF_CONFIG + tuple(ignoring)
+    config = {k: v for k, v in record.get("config", {}).items()
+              if not any(k == o or k.startswith(o + ".") for o in left_out)}
     return hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
 
 
