@@ -35,6 +35,7 @@ import pytest
 from testbed import PROJECT_ROOT
 from testbed.cli import main
 from testbed.results import ResultsStore, passed
+from tests.cli_support import said
 from tests.mounts import tmpfs
 
 SEED = 20261130
@@ -258,7 +259,7 @@ def test_a_disk_that_fills_mid_run(tmp_path, monkeypatch, capsys):
             out, err = proc.communicate(timeout=DEADLINE_S)
             if proc.returncode == 5:
                 hits += 1
-                assert err.count("\n") == 1 and "No space left on device" in err, err
+                assert len(said(err)) == 1 and "No space left on device" in err, err
             else:
                 assert proc.returncode == 0, err
             found = store.scan()

@@ -11,6 +11,7 @@ from testbed.backends.refimpl import gdn as refimpl_gdn
 from testbed.backends.native.device import WrongMachine
 from testbed.devices import connect, load_profile
 from testbed.results import ResultsStore
+from tests.cli_support import said
 
 
 @pytest.mark.parametrize("argv", [["run", "gdn", "device=qemu-arm32", "backend=refimpl"],
@@ -212,7 +213,7 @@ def test_a_device_output_of_the_wrong_shape_is_one_line_and_exit_4(results_dir, 
     monkeypatch.setattr(native_gdn, "build_programs", lambda target, **kw: fake.parent)
     assert cli.main(["run", "gdn", "backend=native", "mode=oracle", "matrix=awkward"]) == 4
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err
+    assert len(said(err)) == 1 and "Traceback" not in err
     assert "tb_gdn_bench wrote out.npy of shape (1, 3, 2, 4), expected (" in err and "a stale or cut output" in err
     rows = ResultsStore(results_dir).records()
     assert [r["verdict"] for r in rows] == ["error"] and "stale or cut" in rows[0]["detail"]
