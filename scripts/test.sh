@@ -14,9 +14,8 @@
 # `scripts/test.sh --full` runs those on every device too, and adds qemu-arm32 and the arm64 phone
 # behind adbd (whose programs the host session already runs under qemu-user and over ADB against the
 # host build's bits). It costs about 15 more minutes per ARM device here, and more on Hexagon; the
-# default is sized for CI (about 56 minutes cold on 2 cores, estimated from the 61 of the last CI run
-# less what the native_bench device test's smaller matrix product and the Hexagon phone's shorter
-# session save; the bar is 60).
+# default is sized for CI (about 54 minutes cold on 2 cores, measured: install 2, the host session
+# 38, the device sessions 14; the bar is 60).
 #
 # Extra arguments go to every pytest run (e.g. -x, -k NAME). Every run has the network guard on
 # (pyproject.toml: network_guard = "loopback"): a test that sends anything outside loopback fails.
