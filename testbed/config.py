@@ -318,8 +318,9 @@ def load(overrides: Iterable[str] = (), experiment: str | None = None) -> RunCon
     groups = {g: str(option) for g, option in chosen.items() if not g.startswith("hydra/")}
     with _unlocked(cfg):
         del cfg["hydra"]
-    _check_additions(parse_overrides(overrides), overrides, cfg, name, device)
-    apply_device_sizes(cfg, parse_overrides(overrides), name, device)
+    parsed = parse_overrides(overrides)  # again: `experiment=` may have been put in front
+    _check_additions(parsed, overrides, cfg, name, device)
+    apply_device_sizes(cfg, parsed, name, device)
     return RunConfig(experiment=name, device=device, cfg=cfg, overrides=overrides, groups=groups)
 
 

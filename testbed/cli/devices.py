@@ -15,17 +15,12 @@ import shlex
 from concurrent.futures import ThreadPoolExecutor
 
 from testbed.config import choices
-from testbed.devices import connect, load_profile, reachability
+from testbed.devices import connect, load_profile, one_line, reachability
 from testbed.errors import DeviceUnreachable, UsageError
 from testbed.report import tables
 
 # What the remote discipline runs on a device (testbed.devices.transport): cd, timeout, sha256, stat.
 DEVICE_UTILITIES = ("sh", "timeout", "sha256sum", "stat", "mkdir", "rm")
-
-
-def one_line(text: str) -> str:
-    """A table cell: whatever a reason holds (a peer's traceback), on one line."""
-    return " ".join(str(text).split())
 
 
 def cmd_devices(args) -> int:

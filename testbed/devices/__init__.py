@@ -196,12 +196,13 @@ def reachability(name: str) -> str:
             return profile.not_configured()
         device = connect(profile)
     except (DeviceUnreachable, DeviceError) as e:
-        return _one_line(f"no: {str(e).removeprefix(name + ': ')}")
+        return one_line(f"no: {str(e).removeprefix(name + ': ')}")
     except UsageError as e:
-        return _one_line(f"invalid profile: {e}")
+        return one_line(f"invalid profile: {e}")
     device.close()
     return "yes"
 
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())  # a reason (a peer's traceback) fits a table cell
+def one_line(text: str) -> str:
+    """A table cell: whatever a reason holds (a peer's traceback), on one line."""
+    return " ".join(str(text).split())
