@@ -13,8 +13,8 @@ apart at the stated confidence, from a percentile bootstrap over the repetitions
 
 The statistic is the median of the resampled repetitions, as the tables print. Where the data cannot
 decide, the decision says so and how many more repetitions would about separate the closest pair: the
-bootstrap interval narrows as 1/sqrt(repetitions), so n (halfwidth / distance)^2 repetitions make the
-interval about as narrow as the distance it must resolve. Exact figures (instruction counts, one value
+bootstrap interval narrows as 1/sqrt(repetitions), so about 2 n (halfwidth / distance)^2 repetitions
+separate a pair as far apart as measured 4 times out of 5 (more_repetitions). Exact figures (instruction counts, one value
 each) decide without an interval; figures with one repetition each (a seed's quoted medians) decide
 nothing more than their point, and say so.
 
@@ -31,7 +31,10 @@ import numpy as np
 
 LEVEL = 0.95    # the confidence every printed decision states
 DRAWS = 2000    # bootstrap draws: the 2.5 % quantile then rests on 50 draws
-MIN_REPS = 3    # fewer repetitions than this give no interval worth printing
+# Fewer repetitions give no interval worth printing: resampling 3 values can only reproduce their own
+# order, so three that happened to fall one way read as certain (a 30 % scatter then "decides" a tail
+# 3 steps off the truth)
+MIN_REPS = 5
 MORE_REPS_CAP = 10_000  # beyond this the two are equal within any noise a person would wait for
 
 
@@ -44,18 +47,29 @@ def _draw_picks(reps: int, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(0, reps, size=(DRAWS, reps))
 
 
+# An interval whose half-width equals the distance separates the pair half the time; 80 % of the time
+# needs it narrower by z(0.975) / (z(0.975) + z(0.8)) = 1.96 / 2.80
+POWER_FACTOR = (2.80 / 1.96) ** 2
+
+
 def more_repetitions(reps: int, halfwidth: float, distance: float) -> int | None:
-    """About how many more repetitions make an interval of `halfwidth` (at `reps`) narrower than
-    `distance`; None when the distance is nil (the two are equal within noise: no count will do)."""
+    """About how many more repetitions make an interval of `halfwidth` (at `reps`) narrow enough to
+    separate a pair `distance` apart 4 times out of 5; None when the distance is nil or that would
+    take more than MORE_REPS_CAP (the two are equal within any noise worth waiting out)."""
     if distance <= 0 or not math.isfinite(halfwidth):
         return None
-    need = math.ceil(reps * (halfwidth / distance) ** 2) - reps
+    need = math.ceil(reps * POWER_FACTOR * (halfwidth / distance) ** 2) - reps
     return max(need, 1) if need < MORE_REPS_CAP else None
 
 
 def _too_few(reps: int) -> str:
     return ("medians only, no repetitions to resample" if reps == 1
-            else f"{reps} repetitions: too few for an interval") + ", no confidence"
+            else f"{reps} repetitions: too few for an interval (at least {MIN_REPS})") + ", no confidence"
+
+
+def _more_for_an_interval(reps: int) -> int | None:
+    """With too few repetitions for an interval: how many more give one (None: medians only)."""
+    return MIN_REPS - reps if 1 < reps < MIN_REPS else None
 
 
 def _undecided_text(more: int | None) -> str:
@@ -88,7 +102,8 @@ def best_of(samples: Mapping[Hashable, Sequence[float]], lower_is_better: bool =
         ties = [k for k in keys if point[k] == point[best]]
         candidates = [best, *(k for k in ties if k != best)] if exact else [best]
         says = f"{best} (by instructions, exact)" if exact else f"{best} by the medians alone ({method})"
-        return out | {"candidates": candidates, "decided": exact, "more_reps": None, "method": method, "says": says}
+        return out | {"candidates": candidates, "decided": exact, "more_reps": None if exact else _more_for_an_interval(reps),
+                      "method": method, "says": says}
     if paired and len({v.size for v in values.values()}) != 1:
         raise ValueError("paired samples need the same number of repetitions for every variant")
     rng = np.random.default_rng(seed)
@@ -156,7 +171,8 @@ def crossing(xs: Sequence[int], a: Sequence[Sequence[float]], b: Sequence[Sequen
     if exact or reps < MIN_REPS:
         # one value per point (exact counts, or a seed's medians): the grid alone bounds the crossing
         method = "exact counts: the grid's resolution" if exact else f"{_too_few(reps)}: the grid's resolution only"
-        return out | {"lo": at(point_i - 1), "hi": at(point_i), "decided": exact, "more_reps": None,
+        return out | {"lo": at(point_i - 1), "hi": at(point_i), "decided": exact,
+                      "more_reps": None if exact else _more_for_an_interval(reps),
                       "method": method, "says": _crossing_says(at(point_i - 1), at(point_i), xs, method, None)}
     rng = np.random.default_rng(seed)
     ratios = np.empty((DRAWS, n))
