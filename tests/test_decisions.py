@@ -149,5 +149,34 @@ def test_the_tables_breakevens_carry_the_interval():
                          "figures.ttft.median": 1.0})
     (found,) = tail.breakevens(pd.DataFrame(rows))
     assert (found["tail"], found["lo"], found["hi"], found["level"], found["reps"]) == (8, 4, 8, 0.95, 6)
-    assert found["decided"] and "paired" in found["method"]
+    assert found["decided"] and found["method"] == "bootstrap over repetitions (paired, interleaved)"
     assert "breakeven tail between 4 and 8 (95% confidence" in found["says"]
+
+
+# --- hybrid crossover ---------------------------------------------------------------------------------
+
+
+def crossover_frame(hybrid_rate: dict, spread: float, reps: int = 6) -> pd.DataFrame:
+    """Rates per context as crossover_summary reads them: dense slows with L, the hybrid as given."""
+    dense = {L: 1e4 / (1 + L / 1000) for L in hybrid_rate}
+    rows = []
+    for i, L in enumerate(hybrid_rate):
+        for model, rate in (("dense", dense[L]), ("hybrid-serial", hybrid_rate[L])):
+            (samples,) = noisy([rate], reps, spread, 10 * i + (model == "dense"))
+            rows.append({"context": L, "model": model, "rate": float(np.median(samples)), "rate_samples": samples})
+    return pd.DataFrame(rows)
+
+
+def test_the_crossover_is_an_interval_decided_when_quiet_and_undecided_when_noisy():
+    from testbed.experiments import hybrid
+
+    # the dense model's rate: 8000 at L=256, 6667 at 512, 4950 at 1024, 3289 at 2048; the hybrid's 5500
+    flat = {256: 5500.0, 512: 5500.0, 1024: 5500.0, 2048: 5500.0}
+    quiet = hybrid.crossover_context(crossover_frame(flat, 0.01), "hybrid-serial")
+    assert quiet["first measured L where faster"] == 1024
+    assert (quiet["crossover lo"], quiet["crossover hi"]) == (512, 1024)
+    assert quiet["crossover"].startswith("between 512 and 1024 (95% confidence by CPU time")
+    noisy_run = hybrid.crossover_context(crossover_frame(flat, 0.4), "hybrid-serial")
+    assert noisy_run["crossover"].startswith("undecided at this noise")
+    never = hybrid.crossover_context(crossover_frame({L: 3000.0 for L in flat}, 0.01), "hybrid-serial")
+    assert never["first measured L where faster"] is None and never["crossover"].startswith("beyond 2048")

@@ -60,7 +60,7 @@ from omegaconf import DictConfig
 from refimpl import gdn, naive_qwen35, qwen35
 from testbed.config import Choice, Float, Int, IntList, as_list, project_path
 from testbed.errors import UsageError
-from testbed.measure import breakeven
+from testbed.measure import breakeven, decisions
 from testbed.oracles.hybrid import (check_chunk_with_past, check_engine_case, check_engine_tail, check_pad_identity,
                                     check_padded_tail)
 from testbed.measure.timing import interleaved_order, time_alternating_clocks
@@ -515,13 +515,22 @@ def fit_per_token(contexts, seconds) -> tuple[float, float] | None:
     return float(a), float(b)
 
 
-def crossover_context(frame: pd.DataFrame, hybrid: str, dense: str = "dense") -> dict:
+def crossover_context(frame: pd.DataFrame, hybrid: str, dense: str = "dense", by: str = "CPU time") -> dict:
     """Where `hybrid` overtakes `dense`: the first measured L with the higher rate, and the fitted L
-    (an extrapolation beyond the largest measured L, as the seed's). frame: context, model, rate."""
+    (an extrapolation beyond the largest measured L, as the seed's). frame: context, model, rate, and
+    where it has them rate_samples (each repetition's rate, the models interleaved per context): then
+    also the first L as an interval from the repetitions (decisions.crossing, `by` what the rate is
+    per), in "crossover lo" < L <= "crossover hi", and the sentence saying it."""
     rate = "rate" if "rate" in frame else "tokens/s"
     tps = frame.pivot_table(index="context", columns="model", values=rate)
     if not {dense, hybrid} <= set(tps.columns):
         return {}
+    interval = {}
+    if "rate_samples" in frame:
+        reps = frame.set_index(["context", "model"])["rate_samples"]
+        found = decisions.crossing(tps.index, [reps[L, hybrid] for L in tps.index],
+                                   [reps[L, dense] for L in tps.index], for_good=False, by=by)
+        interval = {"crossover lo": found["lo"], "crossover hi": found["hi"], "crossover": found["says"]}
     measured = [int(L) for L, r in tps.iterrows() if r[hybrid] >= r[dense]]
     fits = {m: fit_per_token(tps.index, tps.index / tps[m]) for m in (dense, hybrid)}
     fitted = None
@@ -529,7 +538,7 @@ def crossover_context(frame: pd.DataFrame, hybrid: str, dense: str = "dense") ->
         (a_d, b_d), (a_h, b_h) = fits[dense], fits[hybrid]
         if b_d > b_h:
             fitted = max(0.0, (a_h - a_d) / (b_d - b_h))
-    return {"first measured L where faster": measured[0] if measured else None,
+    return {"first measured L where faster": measured[0] if measured else None, **interval,
             "fitted crossover L": None if fitted is None else int(round(fitted))}
 
 
@@ -555,6 +564,16 @@ def _rates(m: pd.DataFrame) -> pd.DataFrame:
     by_counts = emulated.to_numpy()
     pick = {s: np.where(by_counts, col(f"figures.tokens_per_ginstr.{s}"), col(f"figures.tokens_per_cpu_s.{s}"))
             for s in ("median", "min", "max")}
+
+    def repetitions(name: str) -> list:
+        return list(m.get(f"figures.{name}.samples", pd.Series(None, index=m.index, dtype=object)))
+
+    # each repetition's rate (for the crossover's interval); one value where only the median is known
+    samples = []
+    for counted, by_instr, by_cpu, median in zip(by_counts, repetitions("tokens_per_ginstr"),
+                                                 repetitions("tokens_per_cpu_s"), pick["median"]):
+        found = by_instr if counted else by_cpu
+        samples.append(list(found) if isinstance(found, list) else [median])
     # the recurrence's own cost: the engine's timer around it (CPU ms), or, counted, the whole count
     # (the recurrence-free model's is subtracted in the table)
     own = np.where(by_counts, col("figures.instructions.median"), col("figures.gdn_cpu_time.median"))
@@ -563,7 +582,8 @@ def _rates(m: pd.DataFrame) -> pd.DataFrame:
     ftz = m.get("params.ftz", pd.Series(None, index=m.index)).map({True: "on", False: "off"}).fillna("?")
     return pd.DataFrame({"device": m["device"], "backend": m["backend"], "context": m["params.context"].astype(int),
                          "model": m["params.model"], "rate": pick["median"], "rate_min": pick["min"],
-                         "rate_max": pick["max"], "per": np.where(by_counts, RATE_COUNTS, RATE_CPU), "own": own,
+                         "rate_max": pick["max"], "rate_samples": samples,
+                         "per": np.where(by_counts, RATE_COUNTS, RATE_CPU), "own": own,
                          "total": total, "FTZ": ftz.to_numpy()})
 
 
@@ -689,7 +709,7 @@ def crossover_summary(df: pd.DataFrame) -> pd.DataFrame:
     for (device, backend, per), grp in rates.groupby(["device", "backend", "per"]):
         for dense in DENSE:
             for hybrid in ("hybrid-serial", "hybrid-chunkwise"):
-                found = crossover_context(grp, hybrid, dense)
+                found = crossover_context(grp, hybrid, dense, "instructions" if per == RATE_COUNTS else "CPU time")
                 if found:
                     rows.append({"device": device, "backend": backend, "hybrid": hybrid, "against": dense,
                                  **found, "rate": per, "seed": SEED["crossover"]})

@@ -426,7 +426,7 @@ def breakeven_of(source: str, sweep: pd.DataFrame, clock: str = "wall") -> dict:
     whether it is decided) and the sentence a person reads."""
     b = breakeven.breakeven_tail(sweep)
     largest = int(sweep["tail"].max())
-    interval = breakeven.breakeven_interval(sweep)
+    interval = breakeven.breakeven_interval(sweep, by=f"{'CPU' if clock == 'cpu' else 'wall'} time")
     says = (f"none: padding does not win at tail {largest}" if b is None
             else f"padded from tail {b} (threshold {b - 1})") + (", by CPU time" if clock == "cpu" else "")
     return {"source": source, "clock": clock, "tail": b, "threshold": breakeven.threshold_from_breakeven(b),

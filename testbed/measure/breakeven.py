@@ -83,7 +83,7 @@ def breakeven_tail(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> int | 
     return breakeven
 
 
-def breakeven_interval(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> dict:
+def breakeven_interval(df: pd.DataFrame, tie_percent: float = TIE_PERCENT, by: str = "time") -> dict:
     """breakeven_tail with its confidence: decisions.crossing over the tails (tail 0 left out), from
     each repetition where the rows have them, else from the medians alone (the grid's resolution)."""
     _require(df)
@@ -97,7 +97,7 @@ def breakeven_interval(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> di
             return list(rows[column])
         return [[v] for v in rows[f"{mode}_tps"]]
 
-    return decisions.crossing(rows["tail"], repetitions("padded"), repetitions("scalar"), tie_percent / 100)
+    return decisions.crossing(rows["tail"], repetitions("padded"), repetitions("scalar"), tie_percent / 100, by=by)
 
 
 def threshold_from_breakeven(breakeven: int | None) -> int | None:

@@ -122,7 +122,7 @@ def best_of(samples: Mapping[Hashable, Sequence[float]], lower_is_better: bool =
     closest = None if None in needs else max(needs, default=None)
     method = f"bootstrap over repetitions ({'paired, interleaved' if paired else 'unpaired, separate jobs'})"
     decided = len(candidates) == 1
-    how = f"{level:.0%} confidence by {by}, {method}, {reps} repetitions"
+    how = f"{level:.0%} confidence by {by}, bootstrap over {reps} repetitions, {'paired' if paired else 'unpaired'}"
     if decided:
         says = f"{best} ({how})"
     else:
@@ -185,8 +185,8 @@ def crossing(xs: Sequence[int], a: Sequence[Sequence[float]], b: Sequence[Sequen
     tail = (1 - level) / 2
     lo_i, hi_i = (int(v) for v in np.quantile(index, [tail, 1 - tail], method="inverted_cdf"))
     lo, hi = at(lo_i - 1), at(hi_i)
-    # decided: the crossing is pinned to one step of the grid, inside it
-    decided = hi is not None and lo_i == hi_i
+    # decided: the crossing is pinned to one step of the grid, or beyond it in every plausible draw
+    decided = lo_i == hi_i
     more = None
     if not decided:
         # the x whose sign is least resolved decides how many repetitions the interval still needs
@@ -196,13 +196,15 @@ def crossing(xs: Sequence[int], a: Sequence[Sequence[float]], b: Sequence[Sequen
         more = None if any(v is None for v in needs) else max(needs, default=None)
     method = "bootstrap over repetitions (paired, interleaved)"
     out |= {"lo": lo, "hi": hi, "decided": decided, "more_reps": None if decided else more, "method": method}
-    return out | {"says": _crossing_says(lo, hi, xs, f"{level:.0%} confidence by {by}, {method}, {reps} repetitions",
+    return out | {"says": _crossing_says(lo, hi, xs, f"{level:.0%} confidence by {by}, bootstrap over {reps} repetitions",
                                          None if decided else _undecided_text(more))}
 
 
 def _crossing_says(lo: int | None, hi: int | None, xs: Sequence[int], how: str, undecided: str | None) -> str:
     """The interval (lo, hi] in words; None ends are the grid's edges (at most xs[0], beyond xs[-1])."""
-    if hi is None:
+    if hi is None and lo == xs[-1]:
+        span = f"beyond {xs[-1]} (the largest measured)"
+    elif hi is None:
         span = f"{'above ' + str(lo) if lo is not None else 'anywhere'}, possibly beyond {xs[-1]} (the largest measured)"
     else:
         span = f"between {lo} and {hi}" if lo is not None else f"at most {hi}"
