@@ -98,6 +98,27 @@ def test_the_sweep_footer_decides_by_instructions_on_a_counting_device_and_not_b
     assert "\nbest C = " not in text and "\nbest C by time" not in text and "the device is emulated" in text
 
 
+def test_the_gdn_sweep_names_the_best_chunk_per_length_by_time_and_by_instructions():
+    from types import SimpleNamespace
+
+    from testbed.experiments import gdn
+
+    def rows(emulated: bool) -> pd.DataFrame:
+        # by time chunk 64 is clearly faster at T=512; by instructions 16 does less work
+        times = {16: noisy([2.0], 5, 0.02, 1)[0], 64: noisy([1.0], 5, 0.02, 2)[0]}
+        return pd.DataFrame([{"chunk": c, "emulated": emulated,
+                              "samples": {"T=512 time": times[c], "T=512 instructions": [n] * 5}}
+                             for c, n in ((16, 4e6), (64, 5e6))])
+
+    host = [SimpleNamespace(cfg=SimpleNamespace(backend="native"), device="host")] * 2
+    text = gdn.sweep_footer(rows(False), host)
+    assert "T=512 on native / host, by time: 64 (95% confidence by time" in text
+    assert "T=512 on native / host, by instructions: 16 (by instructions, exact)" in text
+    emulated = [SimpleNamespace(cfg=SimpleNamespace(backend="native"), device="qemu-aarch64")] * 2
+    text = gdn.sweep_footer(rows(True), emulated)
+    assert "by time:" not in text and "by instructions: 16" in text and "the device is emulated" in text
+
+
 # --- breakeven tail -----------------------------------------------------------------------------------
 
 
