@@ -201,3 +201,18 @@ def test_the_crossover_is_an_interval_decided_when_quiet_and_undecided_when_nois
     assert noisy_run["crossover"].startswith("undecided at this noise")
     never = hybrid.crossover_context(crossover_frame({L: 3000.0 for L in flat}, 0.01), "hybrid-serial")
     assert never["first measured L where faster"] is None and never["crossover"].startswith("beyond 2048")
+
+
+def test_the_hybrid_tail_breakeven_carries_its_interval():
+    from testbed.experiments import hybrid
+
+    sweep = with_repetitions(fixture_sweep(), 8, 0.01, 3)
+    rows = [{"kind": "measure", "params.part": "tail", "time": "2026-01-01T00:00:00", "device": "host",
+             "params.prompt_tokens": r.prompt_tokens, "params.tail": r.tail, "params.mode": mode,
+             "figures.tokens_per_cpu_s.median": getattr(r, f"{mode}_tps"),
+             "figures.tokens_per_cpu_s.samples": getattr(r, f"{mode}_tps_samples"),
+             "figures.cpu_time.median": 1.0}
+            for r in sweep.itertuples() for mode in ("padded", "scalar")]
+    verdict = hybrid.tail_table(pd.DataFrame(rows)).iloc[-1]["winner"]
+    assert verdict == ("padded from tail 10; breakeven tail between 8 and 10 "
+                       "(95% confidence by CPU time, bootstrap over 8 repetitions)")

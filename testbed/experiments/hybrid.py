@@ -729,12 +729,17 @@ def tail_frame(df: pd.DataFrame) -> pd.DataFrame:
     m = m.groupby(["params.prompt_tokens", "params.mode"]).tail(1)
     wide = m.pivot_table(index=["params.prompt_tokens", "params.tail"], columns="params.mode",
                          values=["figures.tokens_per_cpu_s.median", "figures.cpu_time.median"], aggfunc="last").dropna()
-    return pd.DataFrame({
+    frame = pd.DataFrame({
         "prompt_tokens": wide.index.get_level_values(0).astype(int), "tail": wide.index.get_level_values(1).astype(int),
         "padded_tps": wide[("figures.tokens_per_cpu_s.median", "padded")].to_numpy(),
         "scalar_tps": wide[("figures.tokens_per_cpu_s.median", "scalar")].to_numpy(),
         "padded_ttft_ms": wide[("figures.cpu_time.median", "padded")].to_numpy(),
         "scalar_ttft_ms": wide[("figures.cpu_time.median", "scalar")].to_numpy()})
+    if "figures.tokens_per_cpu_s.samples" in m:  # each repetition, for the breakeven's interval
+        by_rep = m.set_index(["params.prompt_tokens", "params.mode"])["figures.tokens_per_cpu_s.samples"]
+        for mode in ("padded", "scalar"):
+            frame[f"{mode}_tps_samples"] = [by_rep.get((n, mode)) for n in frame["prompt_tokens"]]
+    return frame
 
 
 def tail_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -744,6 +749,8 @@ def tail_table(df: pd.DataFrame) -> pd.DataFrame:
     table = breakeven.tail_table(sweep).astype(object)
     b = breakeven.breakeven_tail(sweep)
     verdict = f"padded from tail {b}" if b is not None else f"scalar up to tail {int(sweep['tail'].max())}"
+    if (sweep["tail"] > 0).any():
+        verdict += f"; breakeven tail {breakeven.breakeven_interval(sweep, by='CPU time')['says']}"
     return pd.concat([table, pd.DataFrame([{"N": "breakeven", "winner": verdict}], dtype=object)], ignore_index=True)
 
 
