@@ -169,6 +169,7 @@ def test_the_tables_breakevens_carry_the_interval():
                          "figures.tokens_per_s.median": float(np.median(reps)), "figures.tokens_per_s.samples": reps,
                          "figures.ttft.median": 1.0})
     (found,) = tail.breakevens(pd.DataFrame(rows))
+    assert tail.breakevens(pd.DataFrame(rows).assign(emulated=True)) == []  # emulated times decide nothing
     assert (found["tail"], found["lo"], found["hi"], found["level"], found["reps"]) == (8, 4, 8, 0.95, 6)
     assert found["decided"] and found["method"] == "bootstrap over repetitions (paired, interleaved)"
     assert "breakeven tail between 4 and 8 (95% confidence" in found["says"]

@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from refimpl import gemma, sliding_cache as sc, tail_prefill as tp
 from testbed.config import Choice, Float, Int, IntList, as_list
 from testbed.errors import UsageError
-from testbed.measure import breakeven, seed as seeds
+from testbed.measure import breakeven, emulation, seed as seeds
 from testbed.measure.timing import host_clocks, time_interleaved
 from testbed.results import Figure, Record
 from testbed.oracles.tail import (Engine, check_cache_encoding, check_engine_rollback, check_first_token,
@@ -137,7 +137,7 @@ def policy_threshold(cfg: DictConfig, device: str) -> int:
         return int(cfg.threshold)
     from testbed.runner import results_store  # the store this run writes to; imported late (cycle)
 
-    sweep = sweep_frame(results_store(SimpleNamespace(cfg=cfg)).frame("tail"))
+    sweep = sweep_frame(decided_from(results_store(SimpleNamespace(cfg=cfg)).frame("tail")))
     label = source_label(cfg, device)
     sweep = sweep[sweep["source"] == label] if len(sweep) else sweep
     found = breakeven.breakeven_tail(sweep) if len(sweep) else None
@@ -459,9 +459,15 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
     }).reset_index(drop=True) if len(oracles) else pd.DataFrame()
 
 
+def decided_from(df: pd.DataFrame) -> pd.DataFrame:
+    """The records a decision may read: an emulated device's times are never speed (testbed.measure.emulation)."""
+    return emulation.split_frame(df)[0]
+
+
 def breakevens(df: pd.DataFrame) -> list[dict]:
     """The breakevens (by wall time, and by CPU time where the records have it) of each source's sweep
-    that has at least MIN_SWEEP_TAILS tails."""
+    that has at least MIN_SWEEP_TAILS tails, never from an emulated device's times."""
+    df = decided_from(df)
     sweep, cpu = sweep_frame(df), sweep_frame(df, "cpu")
     found = []
     if sweep.empty:
@@ -480,7 +486,7 @@ def sweep_row(df: pd.DataFrame) -> dict:
     """Per sweep job (all its tails measured interleaved): how many tails, its breakeven by wall and by
     CPU time, the oracle tally."""
     row: dict = {}
-    sweep, cpu = sweep_frame(df), sweep_frame(df, "cpu")
+    sweep, cpu = sweep_frame(decided_from(df)), sweep_frame(decided_from(df), "cpu")
     if len(sweep):
         row["tails"] = int(sweep["tail"].nunique())
         if row["tails"] >= MIN_SWEEP_TAILS:
