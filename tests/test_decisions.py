@@ -217,3 +217,15 @@ def test_the_hybrid_tail_breakeven_carries_its_interval():
     verdict = hybrid.tail_table(pd.DataFrame(rows)).iloc[-1]["winner"]
     assert verdict == ("padded from tail 10; breakeven tail between 8 and 10 "
                        "(95% confidence by CPU time, bootstrap over 8 repetitions)")
+
+
+def test_a_sweep_over_contexts_prints_the_crossover_interval():
+    from testbed.experiments import hybrid
+
+    frame = crossover_frame({256: 5500.0, 512: 5500.0, 1024: 5500.0, 2048: 5500.0}, 0.01)
+    rows = pd.DataFrame([{f"L={L} {r.model}": r.rate for r in g.itertuples()} | {
+        "rate": hybrid.RATE_CPU, "samples": {f"L={L} {r.model}": r.rate_samples for r in g.itertuples()}}
+        for L, g in frame.groupby("context")])  # one job per context
+    text = hybrid.sweep_footer(rows, jobs=None)
+    assert "hybrid-serial: first measured L where faster 1024, crossover between 512 and 1024 (95% confidence by " \
+           "CPU time, bootstrap over 6 repetitions)" in text

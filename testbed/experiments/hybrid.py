@@ -804,16 +804,26 @@ def sweep_row(df: pd.DataFrame) -> dict:
         for ratio in ("chunkwise x serial", "bound x serial"):
             if ratio in r:
                 row[f"L={r['context']} {ratio}"] = r[ratio]
+        row["rate"] = r["rate"]
+    m = measure_frame(df, "crossover")
+    if len(m) and len(table):  # each rate's repetitions, for the crossover's interval (programs only)
+        rates = _rates(m.groupby(["device", "backend", "params.context", "params.model"]).tail(1))
+        row["samples"] = {f"L={r.context} {r.model}": r.rate_samples for r in rates.itertuples()}
     return row
 
 
 def sweep_footer(rows: pd.DataFrame, jobs) -> str:
-    """A sweep over bench.contexts: the crossover over its jobs (one context each)."""
+    """A sweep over bench.contexts: the crossover over its jobs (one context each), with its interval
+    where the rows carry their repetitions."""
     cols = [c for c in rows.columns if c.startswith("L=") and c.split(" ", 1)[1] in MODELS]
     if len({c.split(" ")[0] for c in cols}) < 2:
         return ""  # a crossover needs two contexts at least
-    long = pd.DataFrame([{"context": int(c.split(" ")[0][2:]), "model": c.split(" ", 1)[1], "rate": v}
-                         for _, r in rows.iterrows() for c in cols if pd.notna(r[c]) for v in [r[c]]])
-    parts = [f"{h}: {crossover_context(long.groupby(['context', 'model'], as_index=False).last(), h)}"
-             for h in ("hybrid-serial", "hybrid-chunkwise")]
+    long = pd.DataFrame([{"context": int(c.split(" ")[0][2:]), "model": c.split(" ", 1)[1], "rate": r[c],
+                          "rate_samples": (r.get("samples") if isinstance(r.get("samples"), dict) else {}).get(c, [r[c]])}
+                         for _, r in rows.iterrows() for c in cols if pd.notna(r[c])])
+    by = "instructions" if (rows.get("rate") == RATE_COUNTS).all() else "CPU time"
+    parts = []
+    for h in ("hybrid-serial", "hybrid-chunkwise"):
+        found = crossover_context(long.groupby(["context", "model"], as_index=False).last(), h, by=by)
+        parts.append(f"{h}: " + ", ".join(f"{k} {v}" for k, v in found.items() if k not in ("crossover lo", "crossover hi")))
     return "crossover with dense: " + "; ".join(parts)
