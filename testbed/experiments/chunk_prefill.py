@@ -15,8 +15,9 @@ bench mode   on the chosen backend, the time of one chunk call of C rows and of 
 
 `testbed sweep chunk=32,64` prints one row per C (verdicts, margin, chunk-call and decode-step time)
 and, below it, the projected-latency table over the configured length distribution naming the C
-with the lowest expected latency; the seed's device figures (fixture CSV) are rendered by the same
-table code.
+with the lowest expected latency by the medians, then the decision with its confidence: that C alone
+at 95%, or "undecided" with the C not distinguishable from it (best_chunk); on a device that counts,
+also by instructions. The seed's device figures (fixture CSV) are rendered by the same table code.
 """
 
 from __future__ import annotations
@@ -305,7 +306,7 @@ def render_latency(title: str, chunk_samples: dict[int, list[float]], decode_s: 
     if emulated:
         lines.append("no best C by time: the device is emulated (its times are never speed)")
     else:
-        lines += [f"best C = {best}: expected {last[f'C={best} s']:.4g} s per utterance vs "
+        lines += [f"best C = {best} by the medians: expected {last[f'C={best} s']:.4g} s per utterance vs "
                   f"{last['token by token s']:.4g} s token by token",
                   f"best C by time: {best_chunk(chunk_samples, decode_s, lengths, weights, reply)['says']}"]
     if chunk_instructions:
