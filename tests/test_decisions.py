@@ -156,7 +156,7 @@ def test_three_repetitions_are_too_few_for_an_interval():
     # the run: 3 repetitions. Resampled, three values only reproduce their own order
     found = breakeven.breakeven_interval(with_repetitions(fixture_sweep(), 3, 0.3, 1))
     assert not found["decided"] and found["more_reps"] == 2
-    assert "3 repetitions: too few for an interval (at least 5), no confidence" in found["says"]
+    assert "3 repetitions: too few for an interval, need 2 more, no confidence" in found["says"]
 
 
 def test_the_tables_breakevens_carry_the_interval():

@@ -64,7 +64,7 @@ def more_repetitions(reps: int, halfwidth: float, distance: float) -> int | None
 
 def _too_few(reps: int) -> str:
     return ("medians only, no repetitions to resample" if reps == 1
-            else f"{reps} repetitions: too few for an interval (at least {MIN_REPS})") + ", no confidence"
+            else f"{reps} repetitions: too few for an interval, need {MIN_REPS - reps} more") + ", no confidence"
 
 
 def _more_for_an_interval(reps: int) -> int | None:
