@@ -14,12 +14,12 @@ apart at the stated confidence, from a percentile bootstrap over the repetitions
 The statistic is the median of the resampled repetitions, as the tables print. Where the data cannot
 decide, the decision says so and how many more repetitions would about separate the closest pair: the
 bootstrap interval narrows as 1/sqrt(repetitions), so about 2 n (halfwidth / distance)^2 repetitions
-separate a pair as far apart as measured 4 times out of 5 (more_repetitions). Exact figures (instruction counts, one value
-each) decide without an interval; figures with one repetition each (a seed's quoted medians) decide
-nothing more than their point, and say so.
+separate a pair as far apart as measured 4 times out of 5 (more_repetitions). Exact figures
+(instruction counts, one value each) decide without an interval; figures with one repetition each (a
+seed's quoted medians) decide nothing more than their point, and say so.
 
-A decision made from instructions carries by="instructions" and one from time by="time": the two are
-never mixed in one decision.
+`by` names what a decision is made from ("time", "CPU time", "instructions") and is printed with it:
+a decision reads one quantity, never instructions and time mixed.
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ def crossing(xs: Sequence[int], a: Sequence[Sequence[float]], b: Sequence[Sequen
              for_good: bool = True, by: str = "time", level: float = LEVEL, seed: int = 0) -> dict:
     """From which x on a grid `a` beats `b` (a higher: a rate) by `margin` or more (a fraction: 0.01
     is 1 %), with its interval. a[i], b[i]: the repetitions at xs[i], paired (timed interleaved, the
-    same repetitions in the same order); each x is resampled on its own.
+    same repetitions in the same order); each x is resampled on its own. `reps` is the fewest any
+    point has.
 
     Returns {point, lo, hi, decided, more_reps, method, reps, level, by, says}: point is the crossing by
     the medians (None: it never wins up to the largest x); the crossing lies in (lo, hi] at `level`, lo
@@ -177,10 +178,11 @@ def crossing(xs: Sequence[int], a: Sequence[Sequence[float]], b: Sequence[Sequen
     rng = np.random.default_rng(seed)
     ratios = np.empty((DRAWS, n))
     for i, (p, q) in enumerate(zip(av, bv)):
-        if p.size != q.size:
-            raise ValueError(f"x={xs[i]}: paired samples need as many repetitions of a as of b")
         picks = _draw_picks(p.size, rng)
-        ratios[:, i] = np.log(_medians(p, picks)) - np.log(_medians(q, picks)) - math.log1p(margin)
+        # paired where both have the same repetitions; a side with another count (a record without its
+        # repetitions, its median standing for them) is resampled on its own
+        other = picks if q.size == p.size else _draw_picks(q.size, rng)
+        ratios[:, i] = np.log(_medians(p, picks)) - np.log(_medians(q, other)) - math.log1p(margin)
     index = _crossing_index(ratios >= 0, for_good)
     tail = (1 - level) / 2
     lo_i, hi_i = (int(v) for v in np.quantile(index, [tail, 1 - tail], method="inverted_cdf"))
