@@ -818,12 +818,17 @@ def sweep_footer(rows: pd.DataFrame, jobs) -> str:
     cols = [c for c in rows.columns if c.startswith("L=") and c.split(" ", 1)[1] in MODELS]
     if len({c.split(" ")[0] for c in cols}) < 2:
         return ""  # a crossover needs two contexts at least
+    def repetitions(row: pd.Series, column: str) -> list[float]:  # sweep_row's samples, else the median
+        found = row.get("samples")
+        return found.get(column, [row[column]]) if isinstance(found, dict) else [row[column]]
+
     long = pd.DataFrame([{"context": int(c.split(" ")[0][2:]), "model": c.split(" ", 1)[1], "rate": r[c],
-                          "rate_samples": (r.get("samples") if isinstance(r.get("samples"), dict) else {}).get(c, [r[c]])}
+                          "rate_samples": repetitions(r, c)}
                          for _, r in rows.iterrows() for c in cols if pd.notna(r[c])])
-    by = "instructions" if (rows.get("rate") == RATE_COUNTS).all() else "CPU time"
+    by = "instructions" if "rate" in rows and (rows["rate"] == RATE_COUNTS).all() else "CPU time"
     parts = []
     for h in ("hybrid-serial", "hybrid-chunkwise"):
         found = crossover_context(long.groupby(["context", "model"], as_index=False).last(), h, by=by)
-        parts.append(f"{h}: " + ", ".join(f"{k} {v}" for k, v in found.items() if k not in ("crossover lo", "crossover hi")))
+        shown = {k: v for k, v in found.items() if k not in ("crossover lo", "crossover hi")}
+        parts.append(f"{h}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
     return "crossover with dense: " + "; ".join(parts)

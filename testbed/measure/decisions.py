@@ -102,8 +102,8 @@ def best_of(samples: Mapping[Hashable, Sequence[float]], lower_is_better: bool =
         ties = [k for k in keys if point[k] == point[best]]
         candidates = [best, *(k for k in ties if k != best)] if exact else [best]
         says = f"{best} (by instructions, exact)" if exact else f"{best} by the medians alone ({method})"
-        return out | {"candidates": candidates, "decided": exact, "more_reps": None if exact else _more_for_an_interval(reps),
-                      "method": method, "says": says}
+        return out | {"candidates": candidates, "decided": exact,
+                      "more_reps": None if exact else _more_for_an_interval(reps), "method": method, "says": says}
     if paired and len({v.size for v in values.values()}) != 1:
         raise ValueError("paired samples need the same number of repetitions for every variant")
     rng = np.random.default_rng(seed)
@@ -198,8 +198,8 @@ def crossing(xs: Sequence[int], a: Sequence[Sequence[float]], b: Sequence[Sequen
         more = None if any(v is None for v in needs) else max(needs, default=None)
     method = "bootstrap over repetitions (paired, interleaved)"
     out |= {"lo": lo, "hi": hi, "decided": decided, "more_reps": None if decided else more, "method": method}
-    return out | {"says": _crossing_says(lo, hi, xs, f"{level:.0%} confidence by {by}, bootstrap over {reps} repetitions",
-                                         None if decided else _undecided_text(more))}
+    how = f"{level:.0%} confidence by {by}, bootstrap over {reps} repetitions"
+    return out | {"says": _crossing_says(lo, hi, xs, how, None if decided else _undecided_text(more))}
 
 
 def _crossing_says(lo: int | None, hi: int | None, xs: Sequence[int], how: str, undecided: str | None) -> str:
@@ -207,7 +207,8 @@ def _crossing_says(lo: int | None, hi: int | None, xs: Sequence[int], how: str, 
     if hi is None and lo == xs[-1]:
         span = f"beyond {xs[-1]} (the largest measured)"
     elif hi is None:
-        span = f"{'above ' + str(lo) if lo is not None else 'anywhere'}, possibly beyond {xs[-1]} (the largest measured)"
+        low = f"above {lo}" if lo is not None else "anywhere"
+        span = f"{low}, possibly beyond {xs[-1]} (the largest measured)"
     else:
         span = f"between {lo} and {hi}" if lo is not None else f"at most {hi}"
     return (f"{undecided}: " if undecided else "") + f"{span} ({how})"
