@@ -4,13 +4,15 @@ instructions apart from time on a device that counts."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pandas as pd
 import pytest
 
-from testbed.experiments import chunk_prefill, tail
+from testbed import PROJECT_ROOT, config
+from testbed.experiments import chunk_prefill, gdn, hybrid, tail
 from testbed.measure import breakeven, decisions
-from testbed import PROJECT_ROOT
 
 LENGTHS, REPLY, DECODE_S = [16, 36, 44, 52], 15, 0.26
 
@@ -83,10 +85,6 @@ def test_exact_instructions_decide_apart_from_time():
 
 
 def test_the_sweep_footer_decides_by_instructions_on_a_counting_device_and_not_by_emulated_time():
-    from types import SimpleNamespace
-
-    from testbed import config
-
     cfg = config.load([], experiment="chunk_prefill").cfg
     jobs = [SimpleNamespace(cfg=cfg, device="qemu-aarch64")] * 2
     # emulated time would pick 64; the exact counts pick 32 (1.75 calls of 2e6 against one of 5e6)
@@ -99,10 +97,6 @@ def test_the_sweep_footer_decides_by_instructions_on_a_counting_device_and_not_b
 
 
 def test_the_gdn_sweep_names_the_best_chunk_per_length_by_time_and_by_instructions():
-    from types import SimpleNamespace
-
-    from testbed.experiments import gdn
-
     def rows(emulated: bool) -> pd.DataFrame:
         # by time chunk 64 is clearly faster at T=512; by instructions 16 does less work
         times = {16: noisy([2.0], 5, 0.02, 1)[0], 64: noisy([1.0], 5, 0.02, 2)[0]}
@@ -190,8 +184,6 @@ def crossover_frame(hybrid_rate: dict, spread: float, reps: int = 6) -> pd.DataF
 
 
 def test_the_crossover_is_an_interval_decided_when_quiet_and_undecided_when_noisy():
-    from testbed.experiments import hybrid
-
     # the dense model's rate: 8000 at L=256, 6667 at 512, 4950 at 1024, 3289 at 2048; the hybrid's 5500
     flat = {256: 5500.0, 512: 5500.0, 1024: 5500.0, 2048: 5500.0}
     quiet = hybrid.crossover_context(crossover_frame(flat, 0.01), "hybrid-serial")
@@ -205,8 +197,6 @@ def test_the_crossover_is_an_interval_decided_when_quiet_and_undecided_when_nois
 
 
 def test_the_hybrid_tail_breakeven_carries_its_interval():
-    from testbed.experiments import hybrid
-
     sweep = with_repetitions(fixture_sweep(), 8, 0.01, 3)
     rows = [{"kind": "measure", "params.part": "tail", "time": "2026-01-01T00:00:00", "device": "host",
              "params.prompt_tokens": r.prompt_tokens, "params.tail": r.tail, "params.mode": mode,
@@ -220,8 +210,6 @@ def test_the_hybrid_tail_breakeven_carries_its_interval():
 
 
 def test_a_sweep_over_contexts_prints_the_crossover_interval():
-    from testbed.experiments import hybrid
-
     frame = crossover_frame({256: 5500.0, 512: 5500.0, 1024: 5500.0, 2048: 5500.0}, 0.01)
     rows = pd.DataFrame([{f"L={L} {r.model}": r.rate for r in g.itertuples()} | {
         "rate": hybrid.RATE_CPU, "samples": {f"L={L} {r.model}": r.rate_samples for r in g.itertuples()}}
