@@ -217,3 +217,17 @@ def test_a_sweep_over_contexts_prints_the_crossover_interval():
     text = hybrid.sweep_footer(rows, jobs=None)
     assert "hybrid-serial: first measured L where faster 1024, crossover between 512 and 1024 (95% confidence by " \
            "CPU time, bootstrap over 6 repetitions)" in text
+
+
+def test_the_hybrid_table_carries_each_crossover_with_its_interval():
+    frame = crossover_frame({256: 5500.0, 512: 5500.0, 1024: 5500.0, 2048: 5500.0}, 0.01)
+    records = pd.DataFrame([{"kind": "measure", "params.part": "crossover", "time": "2026-01-01T00:00:00",
+                             "device": "host", "backend": "native", "params.context": r.context,
+                             "params.model": r.model, "figures.tokens_per_cpu_s.median": r.rate,
+                             "figures.tokens_per_cpu_s.min": min(r.rate_samples),
+                             "figures.tokens_per_cpu_s.max": max(r.rate_samples),
+                             "figures.tokens_per_cpu_s.samples": r.rate_samples} for r in frame.itertuples()])
+    (found,) = hybrid.breakevens(records)
+    assert found["source"] == "host/native: hybrid-serial overtakes dense"
+    assert (found["point"], found["lo"], found["hi"], found["level"], found["reps"]) == (1024, 512, 1024, 0.95, 6)
+    assert found["decided"] and found["says"].startswith("crossover context between 512 and 1024 (95% confidence")

@@ -527,9 +527,7 @@ def crossover_context(frame: pd.DataFrame, hybrid: str, dense: str = "dense", by
         return {}
     interval = {}
     if "rate_samples" in frame:
-        reps = frame.set_index(["context", "model"])["rate_samples"]
-        found = decisions.crossing(tps.index, [reps[L, hybrid] for L in tps.index],
-                                   [reps[L, dense] for L in tps.index], for_good=False, by=by)
+        found = crossover_interval(frame, hybrid, dense, by)
         interval = {"crossover lo": found["lo"], "crossover hi": found["hi"], "crossover": found["says"]}
     measured = [int(L) for L, r in tps.iterrows() if r[hybrid] >= r[dense]]
     fits = {m: fit_per_token(tps.index, tps.index / tps[m]) for m in (dense, hybrid)}
@@ -540,6 +538,15 @@ def crossover_context(frame: pd.DataFrame, hybrid: str, dense: str = "dense", by
             fitted = max(0.0, (a_h - a_d) / (b_d - b_h))
     return {"first measured L where faster": measured[0] if measured else None, **interval,
             "fitted crossover L": None if fitted is None else int(round(fitted))}
+
+
+def crossover_interval(frame: pd.DataFrame, hybrid: str, dense: str, by: str) -> dict:
+    """decisions.crossing of `hybrid` over `dense` across the contexts: the first L where its rate is at
+    least dense's, as an interval. frame: context, model, rate_samples (both models at every context)."""
+    reps = frame.set_index(["context", "model"])["rate_samples"]
+    contexts = sorted(frame["context"].unique())
+    return decisions.crossing(contexts, [reps[L, hybrid] for L in contexts], [reps[L, dense] for L in contexts],
+                              for_good=False, by=by)
 
 
 def measure_frame(df: pd.DataFrame, part: str) -> pd.DataFrame:
@@ -714,6 +721,30 @@ def crossover_summary(df: pd.DataFrame) -> pd.DataFrame:
                     rows.append({"device": device, "backend": backend, "hybrid": hybrid, "against": dense,
                                  **found, "rate": per, "seed": SEED["crossover"]})
     return pd.DataFrame(rows, dtype=object)
+
+
+def breakevens(df: pd.DataFrame) -> list[dict]:
+    """The crossovers as data beside `testbed table hybrid`'s rows (testbed.report.tables.render): per
+    device, backend and rate, each hybrid form over each dense model, with its interval (lo, hi, the
+    level, the method, how many repetitions, whether decided) and the sentence a person reads."""
+    m = measure_frame(df, "crossover")
+    if m.empty:
+        return []
+    rates = _rates(m.groupby(["device", "backend", "params.context", "params.model"]).tail(1))
+    found = []
+    for (device, backend, per), grp in rates.groupby(["device", "backend", "per"]):
+        if grp["context"].nunique() < 2:
+            continue  # a crossover needs two contexts at least
+        for dense in DENSE:
+            for hybrid in ("hybrid-serial", "hybrid-chunkwise"):
+                if not {dense, hybrid} <= set(grp["model"]):
+                    continue
+                c = crossover_interval(grp, hybrid, dense, "instructions" if per == RATE_COUNTS else "CPU time")
+                found.append({"source": f"{device}/{backend}: {hybrid} overtakes {dense}", "rate": per,
+                              **{k: c[k] for k in ("point", "lo", "hi", "level", "method", "reps", "decided",
+                                                   "more_reps")},
+                              "says": f"crossover context {c['says']}"})
+    return found
 
 
 def tail_frame(df: pd.DataFrame) -> pd.DataFrame:
