@@ -5,7 +5,10 @@ An experiment module provides:
   PARAMS                  {dotted key: rule} checked before anything runs (testbed.config rules)
   run(cfg, ctx)           yields Records (testbed.results.Record)
   view(frame) -> frame    the table people read, from stored records only
-  sweep_row(frame) -> {}  one summary row per sweep job (optional; defaults to view's first row)
+  sweep_row(frame) -> {}  one summary row per sweep job (optional; defaults to view's first row); its
+                          `samples` entry (repetitions, for the footer's decisions) is never printed
+  sweep_footer(rows, jobs) -> str  what a sweep prints below its table: the decisions over its jobs,
+                          each with its confidence (testbed.measure.decisions) (optional)
   summary(frame) -> [frames]  what `testbed run` prints (optional; defaults to [view(frame)])
   validate(cfg)           cross-parameter checks (optional), raising UsageError
   SWEEP_TOGETHER          keys a sweep measures interleaved in one job, not one job per value (optional)

@@ -15,8 +15,9 @@ bench mode   on the chosen backend, the time of one chunk call of C rows and of 
 
 `testbed sweep chunk=32,64` prints one row per C (verdicts, margin, chunk-call and decode-step time)
 and, below it, the projected-latency table over the configured length distribution naming the C
-with the lowest expected latency; the seed's device figures (fixture CSV) are rendered by the same
-table code.
+with the lowest expected latency by the medians, then the decision with its confidence: that C alone
+at 95%, or "undecided" with the C not distinguishable from it (best_chunk); on a device that counts,
+also by instructions. The seed's device figures (fixture CSV) are rendered by the same table code.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from testbed.backends.iree.artifacts import target_names
 from testbed.backends.native.engine import WEIGHT_DTYPES, dequantized
 from testbed.config import Choice, Float, Int, IntList, project_path
 from testbed.errors import UsageError
-from testbed.measure import seed
+from testbed.measure import decisions, seed
 from testbed.models.checkpoints import load_checkpoint
 from testbed.models.prompts import find_tokenizer, load_prompt
 from testbed.oracles.numerical import digest
@@ -271,16 +272,47 @@ def latency_table(chunk_s: dict[int, float], decode_s: float, lengths, weights, 
     return df, best
 
 
-def render_latency(title: str, chunk_s: dict[int, float], decode_s: float, lengths, weights, reply: int) -> str:
+def calls_per_utterance(chunk: int, lengths, weights) -> float:
+    """The expected number of chunk calls per utterance over the length distribution."""
+    p = np.asarray(weights if weights is not None else [1.0] * len(list(lengths)), float)
+    return float(np.dot(p / p.sum(), [math.ceil(n / chunk) for n in lengths]))
+
+
+def best_chunk(chunk_samples: dict[int, list[float]], decode_s: float, lengths, weights, reply: int,
+               by: str = "time") -> dict:
+    """The C of lowest expected cost per utterance, with the C not distinguishable from it
+    (decisions.best_of over each C's repetitions; the C were timed in separate jobs: unpaired). by
+    "time": chunk-call seconds, the reply's decode steps added; by "instructions": the chunk calls'
+    counted instructions (the reply costs every C the same)."""
+    constant = reply * decode_s if by == "time" else 0.0
+    cost = {c: [calls_per_utterance(c, lengths, weights) * x + constant for x in xs]
+            for c, xs in sorted(chunk_samples.items())}
+    return decisions.best_of(cost, by=by)
+
+
+def render_latency(title: str, chunk_samples: dict[int, list[float]], decode_s: float, lengths, weights,
+                   reply: int, chunk_instructions: dict[int, list[float]] | None = None,
+                   emulated: bool = False) -> str:
+    """The projected-latency table from each C's chunk-call repetitions (seconds; one value each for
+    a seed's figures), the best C by the medians, and the decision with its confidence; on a device
+    that counts, the decision by instructions too, on its own line. An emulated device's times make
+    the table but never a decision (testbed.measure.emulation)."""
+    chunk_s = {c: float(np.median(xs)) for c, xs in sorted(chunk_samples.items())}
     df, best = latency_table(chunk_s, decode_s, lengths, weights, reply)
     last = df.iloc[-1]
-    return "\n".join([
-        f"{title}: chunk call {', '.join(f'C={c} {t:.4g} s' for c, t in sorted(chunk_s.items()))}; "
-        f"decode {decode_s:.4g} s/token; reply {reply} tokens",
-        tables.markdown(df),
-        f"best C = {best}: expected {last[f'C={best} s']:.4g} s per utterance vs {last['token by token s']:.4g} s "
-        f"token by token",
-    ])
+    lines = [f"{title}: chunk call {', '.join(f'C={c} {t:.4g} s' for c, t in chunk_s.items())}; "
+             f"decode {decode_s:.4g} s/token; reply {reply} tokens",
+             tables.markdown(df)]
+    if emulated:
+        lines.append("no best C by time: the device is emulated (its times are never speed)")
+    else:
+        lines += [f"best C = {best} by the medians: expected {last[f'C={best} s']:.4g} s per utterance vs "
+                  f"{last['token by token s']:.4g} s token by token",
+                  f"best C by time: {best_chunk(chunk_samples, decode_s, lengths, weights, reply)['says']}"]
+    if chunk_instructions:
+        decision = best_chunk(chunk_instructions, decode_s, lengths, weights, reply, by="instructions")
+        lines.append(f"best C by instructions: {decision['says']}")
+    return "\n".join(lines)
 
 
 def fixture_file(cfg: DictConfig) -> Path:
@@ -302,8 +334,9 @@ def fixture_chunk_times(path: Path, target: str) -> dict[int, float]:
 
 def render_fixture(cfg: DictConfig) -> str:
     path = fixture_file(cfg)
+    medians = fixture_chunk_times(path, cfg.fixture.target)
     return render_latency(f"seed 000 figures ({cfg.fixture.target}, {path.name})",
-                          fixture_chunk_times(path, cfg.fixture.target), cfg.fixture.decode_s,
+                          {c: [t] for c, t in medians.items()}, cfg.fixture.decode_s,
                           cfg.latency.utterance_tokens, cfg.latency.weights, cfg.latency.reply_tokens)
 
 
@@ -346,7 +379,17 @@ def sweep_row(df: pd.DataFrame) -> dict:
         m = df[df.get("params.form") == form] if "params.form" in df else df.iloc[:0]
         if len(m):
             row[f"{form} s"] = float(m["figures.time.median"].iloc[0])
+            if form == "chunk_call":  # its repetitions, for the best C's confidence (programs only)
+                row["samples"] = tables.samples(m.iloc[0])
+    if "emulated" in df and df["emulated"].fillna(False).astype(bool).any():
+        row["emulated"] = True  # its times are never a decision (testbed.measure.emulation)
     return row
+
+
+def _repetitions(row: pd.Series, figure: str) -> list[float]:
+    """A sweep row's chunk-call repetitions of `figure` (sweep_row's samples); [] where it has none."""
+    found = row.get("samples")
+    return list(found.get(figure) or []) if isinstance(found, dict) else []
 
 
 def sweep_footer(rows: pd.DataFrame, jobs) -> str:
@@ -359,10 +402,12 @@ def sweep_footer(rows: pd.DataFrame, jobs) -> str:
     cfg = jobs[0].cfg
     parts = []
     for (backend, device, model), measured in groups.items():
-        chunk_s = {int(r["chunk"]): float(r["chunk_call s"]) for r in measured}
+        chunk_samples = {int(r["chunk"]): _repetitions(r, "time") or [float(r["chunk_call s"])] for r in measured}
+        counted = {int(r["chunk"]): _repetitions(r, "instructions") for r in measured}
         decode_s = float(np.median([r["decode_step s"] for r in measured]))
         parts.append(render_latency(f"projected utterance latency, {model} on {backend} / {device} (measured)",
-                                    chunk_s, decode_s, cfg.latency.utterance_tokens, cfg.latency.weights,
-                                    cfg.latency.reply_tokens))
+                                    chunk_samples, decode_s, cfg.latency.utterance_tokens, cfg.latency.weights,
+                                    cfg.latency.reply_tokens, counted if all(counted.values()) else None,
+                                    emulated=any(r.get("emulated") is True for r in measured)))
     parts.append(render_fixture(cfg))
     return "\n\n".join(parts)

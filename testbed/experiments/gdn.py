@@ -36,7 +36,7 @@ from testbed import backends
 from testbed.backends.iree.artifacts import target_names
 from testbed.config import Choice, Float, Int, IntList
 from testbed.errors import UsageError
-from testbed.measure import blas_reference
+from testbed.measure import blas_reference, decisions
 from testbed.oracles.numerical import check_bitexact, check_nmse
 from testbed.report import tables
 from testbed.results import Figure, Record
@@ -450,8 +450,42 @@ def sweep_row(df: pd.DataFrame) -> dict:
     if len(oracles):
         row["oracles"] = f"{int((oracles['verdict'] == 'pass').sum())}/{len(oracles)} pass"
         row["worst NMSE"] = worst_nmse(oracles[oracles["oracle"] == "nmse"])
+    repetitions = {}  # the chunkwise calls' repetitions per T, for the best chunk's confidence (programs only)
     for _, r in df[(df["kind"] == "measure") & (df["params.form"] == "chunkwise")].iterrows():
         t = int(r["params.tokens"])
         row[f"T={t} tok/s"] = round(float(r["figures.tokens_per_s.median"]), 1)
         row[f"T={t} x serial"] = round(float(r["metrics.speedup_vs_serial"]), 2)
+        repetitions |= {f"T={t} {figure}": values for figure, values in tables.samples(r).items()
+                        if figure in ("time", "instructions")}
+    if repetitions:
+        row["samples"] = repetitions
+    if "emulated" in df and df["emulated"].fillna(False).astype(bool).any():
+        row["emulated"] = True  # its times are never a decision (testbed.measure.emulation)
     return row
+
+
+def sweep_footer(rows: pd.DataFrame, jobs) -> str:
+    """A sweep over chunk: per device and T, the best chunk for the chunkwise form with the chunks not
+    distinguishable from it (decisions.best_of; the chunks ran as separate jobs: unpaired), by time,
+    and by instructions where every job counted them; an emulated device's times decide nothing."""
+    groups: dict[tuple, list] = {}
+    for (_, row), rc in zip(rows.iterrows(), jobs):
+        if isinstance(row.get("samples"), dict) and pd.notna(row.get("chunk")):
+            groups.setdefault((rc.cfg.backend, rc.device), []).append(row)
+    lines = []
+    for (backend, device), measured in groups.items():
+        if len({int(r["chunk"]) for r in measured}) < 2:
+            continue
+        emulated = any(r.get("emulated") is True for r in measured)
+        tokens = sorted({key.split(" ")[0] for r in measured for key in r["samples"]}, key=lambda k: int(k[2:]))
+        for t in tokens:
+            for figure, by in (("time", "time"), ("instructions", "instructions")):
+                found = {int(r["chunk"]): r["samples"].get(f"{t} {figure}") for r in measured}
+                if not all(found.values()) or (by == "time" and emulated):
+                    continue
+                lines.append(f"best chunk, chunkwise, {t} on {backend} / {device}, by {by}: "
+                             f"{decisions.best_of(found, by=by)['says']}")
+        if emulated:
+            lines.append(f"no best chunk by time on {backend} / {device}: the device is emulated "
+                         "(its times are never speed)")
+    return "\n".join(lines)

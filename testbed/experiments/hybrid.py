@@ -60,7 +60,7 @@ from omegaconf import DictConfig
 from refimpl import gdn, naive_qwen35, qwen35
 from testbed.config import Choice, Float, Int, IntList, as_list, project_path
 from testbed.errors import UsageError
-from testbed.measure import breakeven
+from testbed.measure import breakeven, decisions
 from testbed.oracles.hybrid import (check_chunk_with_past, check_engine_case, check_engine_tail, check_pad_identity,
                                     check_padded_tail)
 from testbed.measure.timing import interleaved_order, time_alternating_clocks
@@ -515,13 +515,20 @@ def fit_per_token(contexts, seconds) -> tuple[float, float] | None:
     return float(a), float(b)
 
 
-def crossover_context(frame: pd.DataFrame, hybrid: str, dense: str = "dense") -> dict:
+def crossover_context(frame: pd.DataFrame, hybrid: str, dense: str = "dense", by: str = "CPU time") -> dict:
     """Where `hybrid` overtakes `dense`: the first measured L with the higher rate, and the fitted L
-    (an extrapolation beyond the largest measured L, as the seed's). frame: context, model, rate."""
+    (an extrapolation beyond the largest measured L, as the seed's). frame: context, model, rate, and
+    where it has them rate_samples (each repetition's rate, the models interleaved per context): then
+    also the first L as an interval from the repetitions (decisions.crossing, `by` what the rate is
+    per), in "crossover lo" < L <= "crossover hi", and the sentence saying it."""
     rate = "rate" if "rate" in frame else "tokens/s"
     tps = frame.pivot_table(index="context", columns="model", values=rate)
     if not {dense, hybrid} <= set(tps.columns):
         return {}
+    interval = {}
+    if "rate_samples" in frame:
+        found = crossover_interval(frame, hybrid, dense, by)
+        interval = {"crossover lo": found["lo"], "crossover hi": found["hi"], "crossover": found["says"]}
     measured = [int(L) for L, r in tps.iterrows() if r[hybrid] >= r[dense]]
     fits = {m: fit_per_token(tps.index, tps.index / tps[m]) for m in (dense, hybrid)}
     fitted = None
@@ -529,8 +536,17 @@ def crossover_context(frame: pd.DataFrame, hybrid: str, dense: str = "dense") ->
         (a_d, b_d), (a_h, b_h) = fits[dense], fits[hybrid]
         if b_d > b_h:
             fitted = max(0.0, (a_h - a_d) / (b_d - b_h))
-    return {"first measured L where faster": measured[0] if measured else None,
+    return {"first measured L where faster": measured[0] if measured else None, **interval,
             "fitted crossover L": None if fitted is None else int(round(fitted))}
+
+
+def crossover_interval(frame: pd.DataFrame, hybrid: str, dense: str, by: str) -> dict:
+    """decisions.crossing of `hybrid` over `dense` across the contexts: the first L where its rate is at
+    least dense's, as an interval. frame: context, model, rate_samples (both models at every context)."""
+    reps = frame.set_index(["context", "model"])["rate_samples"]
+    contexts = sorted(frame["context"].unique())
+    return decisions.crossing(contexts, [reps[L, hybrid] for L in contexts], [reps[L, dense] for L in contexts],
+                              for_good=False, by=by)
 
 
 def measure_frame(df: pd.DataFrame, part: str) -> pd.DataFrame:
@@ -555,6 +571,16 @@ def _rates(m: pd.DataFrame) -> pd.DataFrame:
     by_counts = emulated.to_numpy()
     pick = {s: np.where(by_counts, col(f"figures.tokens_per_ginstr.{s}"), col(f"figures.tokens_per_cpu_s.{s}"))
             for s in ("median", "min", "max")}
+
+    def repetitions(name: str) -> list:
+        return list(m.get(f"figures.{name}.samples", pd.Series(None, index=m.index, dtype=object)))
+
+    # each repetition's rate (for the crossover's interval); one value where only the median is known
+    samples = []
+    for counted, by_instr, by_cpu, median in zip(by_counts, repetitions("tokens_per_ginstr"),
+                                                 repetitions("tokens_per_cpu_s"), pick["median"]):
+        found = by_instr if counted else by_cpu
+        samples.append(list(found) if isinstance(found, list) else [median])
     # the recurrence's own cost: the engine's timer around it (CPU ms), or, counted, the whole count
     # (the recurrence-free model's is subtracted in the table)
     own = np.where(by_counts, col("figures.instructions.median"), col("figures.gdn_cpu_time.median"))
@@ -563,7 +589,8 @@ def _rates(m: pd.DataFrame) -> pd.DataFrame:
     ftz = m.get("params.ftz", pd.Series(None, index=m.index)).map({True: "on", False: "off"}).fillna("?")
     return pd.DataFrame({"device": m["device"], "backend": m["backend"], "context": m["params.context"].astype(int),
                          "model": m["params.model"], "rate": pick["median"], "rate_min": pick["min"],
-                         "rate_max": pick["max"], "per": np.where(by_counts, RATE_COUNTS, RATE_CPU), "own": own,
+                         "rate_max": pick["max"], "rate_samples": samples,
+                         "per": np.where(by_counts, RATE_COUNTS, RATE_CPU), "own": own,
                          "total": total, "FTZ": ftz.to_numpy()})
 
 
@@ -689,11 +716,35 @@ def crossover_summary(df: pd.DataFrame) -> pd.DataFrame:
     for (device, backend, per), grp in rates.groupby(["device", "backend", "per"]):
         for dense in DENSE:
             for hybrid in ("hybrid-serial", "hybrid-chunkwise"):
-                found = crossover_context(grp, hybrid, dense)
+                found = crossover_context(grp, hybrid, dense, "instructions" if per == RATE_COUNTS else "CPU time")
                 if found:
                     rows.append({"device": device, "backend": backend, "hybrid": hybrid, "against": dense,
                                  **found, "rate": per, "seed": SEED["crossover"]})
     return pd.DataFrame(rows, dtype=object)
+
+
+def breakevens(df: pd.DataFrame) -> list[dict]:
+    """The crossovers as data beside `testbed table hybrid`'s rows (testbed.report.tables.render): per
+    device, backend and rate, each hybrid form over each dense model, with its interval (lo, hi, the
+    level, the method, how many repetitions, whether decided) and the sentence a person reads."""
+    m = measure_frame(df, "crossover")
+    if m.empty:
+        return []
+    rates = _rates(m.groupby(["device", "backend", "params.context", "params.model"]).tail(1))
+    found = []
+    for (device, backend, per), grp in rates.groupby(["device", "backend", "per"]):
+        if grp["context"].nunique() < 2:
+            continue  # a crossover needs two contexts at least
+        for dense in DENSE:
+            for hybrid in ("hybrid-serial", "hybrid-chunkwise"):
+                if not {dense, hybrid} <= set(grp["model"]):
+                    continue
+                c = crossover_interval(grp, hybrid, dense, "instructions" if per == RATE_COUNTS else "CPU time")
+                found.append({"source": f"{device}/{backend}: {hybrid} overtakes {dense}", "rate": per,
+                              **{k: c[k] for k in ("point", "lo", "hi", "level", "method", "reps", "decided",
+                                                   "more_reps")},
+                              "says": f"crossover context {c['says']}"})
+    return found
 
 
 def tail_frame(df: pd.DataFrame) -> pd.DataFrame:
@@ -709,12 +760,17 @@ def tail_frame(df: pd.DataFrame) -> pd.DataFrame:
     m = m.groupby(["params.prompt_tokens", "params.mode"]).tail(1)
     wide = m.pivot_table(index=["params.prompt_tokens", "params.tail"], columns="params.mode",
                          values=["figures.tokens_per_cpu_s.median", "figures.cpu_time.median"], aggfunc="last").dropna()
-    return pd.DataFrame({
+    frame = pd.DataFrame({
         "prompt_tokens": wide.index.get_level_values(0).astype(int), "tail": wide.index.get_level_values(1).astype(int),
         "padded_tps": wide[("figures.tokens_per_cpu_s.median", "padded")].to_numpy(),
         "scalar_tps": wide[("figures.tokens_per_cpu_s.median", "scalar")].to_numpy(),
         "padded_ttft_ms": wide[("figures.cpu_time.median", "padded")].to_numpy(),
         "scalar_ttft_ms": wide[("figures.cpu_time.median", "scalar")].to_numpy()})
+    if "figures.tokens_per_cpu_s.samples" in m:  # each repetition, for the breakeven's interval
+        by_rep = m.set_index(["params.prompt_tokens", "params.mode"])["figures.tokens_per_cpu_s.samples"]
+        for mode in ("padded", "scalar"):
+            frame[f"{mode}_tps_samples"] = [by_rep.get((n, mode)) for n in frame["prompt_tokens"]]
+    return frame
 
 
 def tail_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -724,6 +780,8 @@ def tail_table(df: pd.DataFrame) -> pd.DataFrame:
     table = breakeven.tail_table(sweep).astype(object)
     b = breakeven.breakeven_tail(sweep)
     verdict = f"padded from tail {b}" if b is not None else f"scalar up to tail {int(sweep['tail'].max())}"
+    if (sweep["tail"] > 0).any():
+        verdict += f"; breakeven tail {breakeven.breakeven_interval(sweep, by='CPU time')['says']}"
     return pd.concat([table, pd.DataFrame([{"N": "breakeven", "winner": verdict}], dtype=object)], ignore_index=True)
 
 
@@ -777,16 +835,31 @@ def sweep_row(df: pd.DataFrame) -> dict:
         for ratio in ("chunkwise x serial", "bound x serial"):
             if ratio in r:
                 row[f"L={r['context']} {ratio}"] = r[ratio]
+        row["rate"] = r["rate"]
+    m = measure_frame(df, "crossover")
+    if len(m) and len(table):  # each rate's repetitions, for the crossover's interval (programs only)
+        rates = _rates(m.groupby(["device", "backend", "params.context", "params.model"]).tail(1))
+        row["samples"] = {f"L={r.context} {r.model}": r.rate_samples for r in rates.itertuples()}
     return row
 
 
 def sweep_footer(rows: pd.DataFrame, jobs) -> str:
-    """A sweep over bench.contexts: the crossover over its jobs (one context each)."""
+    """A sweep over bench.contexts: the crossover over its jobs (one context each), with its interval
+    where the rows carry their repetitions."""
     cols = [c for c in rows.columns if c.startswith("L=") and c.split(" ", 1)[1] in MODELS]
     if len({c.split(" ")[0] for c in cols}) < 2:
         return ""  # a crossover needs two contexts at least
-    long = pd.DataFrame([{"context": int(c.split(" ")[0][2:]), "model": c.split(" ", 1)[1], "rate": v}
-                         for _, r in rows.iterrows() for c in cols if pd.notna(r[c]) for v in [r[c]]])
-    parts = [f"{h}: {crossover_context(long.groupby(['context', 'model'], as_index=False).last(), h)}"
-             for h in ("hybrid-serial", "hybrid-chunkwise")]
+    def repetitions(row: pd.Series, column: str) -> list[float]:  # sweep_row's samples, else the median
+        found = row.get("samples")
+        return found.get(column, [row[column]]) if isinstance(found, dict) else [row[column]]
+
+    long = pd.DataFrame([{"context": int(c.split(" ")[0][2:]), "model": c.split(" ", 1)[1], "rate": r[c],
+                          "rate_samples": repetitions(r, c)}
+                         for _, r in rows.iterrows() for c in cols if pd.notna(r[c])])
+    by = "instructions" if "rate" in rows and (rows["rate"] == RATE_COUNTS).all() else "CPU time"
+    parts = []
+    for h in ("hybrid-serial", "hybrid-chunkwise"):
+        found = crossover_context(long.groupby(["context", "model"], as_index=False).last(), h, by=by)
+        shown = {k: v for k, v in found.items() if k not in ("crossover lo", "crossover hi")}
+        parts.append(f"{h}: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
     return "crossover with dense: " + "; ".join(parts)

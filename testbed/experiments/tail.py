@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from refimpl import gemma, sliding_cache as sc, tail_prefill as tp
 from testbed.config import Choice, Float, Int, IntList, as_list
 from testbed.errors import UsageError
-from testbed.measure import breakeven, seed as seeds
+from testbed.measure import breakeven, emulation, seed as seeds
 from testbed.measure.timing import host_clocks, time_interleaved
 from testbed.results import Figure, Record
 from testbed.oracles.tail import (Engine, check_cache_encoding, check_engine_rollback, check_first_token,
@@ -137,7 +137,7 @@ def policy_threshold(cfg: DictConfig, device: str) -> int:
         return int(cfg.threshold)
     from testbed.runner import results_store  # the store this run writes to; imported late (cycle)
 
-    sweep = sweep_frame(results_store(SimpleNamespace(cfg=cfg)).frame("tail"))
+    sweep = sweep_frame(decided_from(results_store(SimpleNamespace(cfg=cfg)).frame("tail")))
     label = source_label(cfg, device)
     sweep = sweep[sweep["source"] == label] if len(sweep) else sweep
     found = breakeven.breakeven_tail(sweep) if len(sweep) else None
@@ -404,6 +404,11 @@ def sweep_frame(df: pd.DataFrame, clock: str = "wall") -> pd.DataFrame:
         "padded_ttft_ms": wide[(ttft, "padded")].to_numpy(),
         "scalar_ttft_ms": wide[(ttft, "scalar")].to_numpy(),
     })
+    repetitions = tps.replace(".median", ".samples")
+    if repetitions in m:  # each repetition's throughput, for the breakeven's interval
+        by_rep = m.set_index(["params.source", "params.prompt_tokens", "params.tail", "params.mode"])[repetitions]
+        for mode in ("padded", "scalar"):
+            frame[f"{mode}_tps_samples"] = [by_rep.get((*key, mode)) for key in wide.index]
     if len(spread) == 2:  # each throughput's least and greatest repetition, for the plots' error bars
         bounds = m.pivot_table(index=["params.source", "params.prompt_tokens", "params.tail"], columns="params.mode",
                                values=spread, aggfunc="last").reindex(wide.index)
@@ -416,13 +421,19 @@ def sweep_frame(df: pd.DataFrame, clock: str = "wall") -> pd.DataFrame:
 def breakeven_of(source: str, sweep: pd.DataFrame, clock: str = "wall") -> dict:
     """The sweep's breakeven as data, by `clock` (wall or CPU time: on a loaded host the CPU curve is
     the work's own, the wall curve also holds the scheduler's waits): the tail padding wins from (None:
-    not up to the largest tail measured), the policy threshold it gives, and the sentence a person reads."""
+    not up to the largest tail measured), the policy threshold it gives, its interval from the
+    repetitions (breakeven.breakeven_interval: lo and hi, the level, the method, how many repetitions,
+    whether it is decided) and the sentence a person reads."""
     b = breakeven.breakeven_tail(sweep)
     largest = int(sweep["tail"].max())
+    interval = breakeven.breakeven_interval(sweep, by=f"{'CPU' if clock == 'cpu' else 'wall'} time")
     says = (f"none: padding does not win at tail {largest}" if b is None
             else f"padded from tail {b} (threshold {b - 1})") + (", by CPU time" if clock == "cpu" else "")
     return {"source": source, "clock": clock, "tail": b, "threshold": breakeven.threshold_from_breakeven(b),
-            "largest_tail": largest, "tails": int(sweep["tail"].nunique()), "says": says}
+            "largest_tail": largest, "tails": int(sweep["tail"].nunique()),
+            "lo": interval["lo"], "hi": interval["hi"], "level": interval["level"], "method": interval["method"],
+            "reps": interval["reps"], "decided": interval["decided"], "more_reps": interval["more_reps"],
+            "says": f"{says}; breakeven tail {interval['says']}"}
 
 
 MIN_SWEEP_TAILS = 3  # fewer tails are a comparison (1023 vs 1024), not a sweep with a breakeven
@@ -448,9 +459,15 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
     }).reset_index(drop=True) if len(oracles) else pd.DataFrame()
 
 
+def decided_from(df: pd.DataFrame) -> pd.DataFrame:
+    """The records a decision may read: an emulated device's times are never speed (testbed.measure.emulation)."""
+    return emulation.split_frame(df)[0]
+
+
 def breakevens(df: pd.DataFrame) -> list[dict]:
     """The breakevens (by wall time, and by CPU time where the records have it) of each source's sweep
-    that has at least MIN_SWEEP_TAILS tails."""
+    that has at least MIN_SWEEP_TAILS tails, never from an emulated device's times."""
+    df = decided_from(df)
     sweep, cpu = sweep_frame(df), sweep_frame(df, "cpu")
     found = []
     if sweep.empty:
@@ -469,12 +486,13 @@ def sweep_row(df: pd.DataFrame) -> dict:
     """Per sweep job (all its tails measured interleaved): how many tails, its breakeven by wall and by
     CPU time, the oracle tally."""
     row: dict = {}
-    sweep, cpu = sweep_frame(df), sweep_frame(df, "cpu")
+    sweep, cpu = sweep_frame(decided_from(df)), sweep_frame(decided_from(df), "cpu")
     if len(sweep):
         row["tails"] = int(sweep["tail"].nunique())
         if row["tails"] >= MIN_SWEEP_TAILS:
             found = breakeven_of("this job", sweep)
-            row.update({"breakeven tail": found["tail"], "winner": found["says"]})
+            row.update({"breakeven tail": found["tail"], "breakeven lo": found["lo"], "breakeven hi": found["hi"],
+                        "winner": found["says"]})
             if len(cpu):
                 row["breakeven tail (CPU time)"] = breakeven_of("this job", cpu, "cpu")["tail"]
     oracles = df[df["kind"] == "oracle"]

@@ -8,6 +8,8 @@
   history         which stored runs are comparable, and where regressions are decided (step fits,
                   the machine probe as covariate, exact counts)
   breakeven       breakeven tables of the padded tail
+  decisions       a decision with its confidence: the best variant and those not distinguishable from it,
+                  a crossing on a grid as an interval, "undecided" with the repetitions it would take
   emulation       figures from emulated devices: real for correctness, never for speed
   seed            the seed documents' measured figures, to set beside our own
 

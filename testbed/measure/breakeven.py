@@ -3,13 +3,17 @@
 Input: one row per prompt length with the columns
     prompt_tokens, tail, padded_tps, scalar_tps, padded_ttft_ms, scalar_ttft_ms
 (the fixture fixtures/tail_sweep_m4pro_gemma4_e2b.csv has exactly these; the `tail`
-experiment's records are reshaped into them). Output: the reviewer's table, and the breakeven tail
-the padding policy can use.
+experiment's records are reshaped into them), and where the records hold each repetition,
+padded_tps_samples and scalar_tps_samples (lists, in repetition order: the sweep is interleaved, so
+the i-th of every list ran in one repetition). Output: the reviewer's table, and the breakeven tail
+the padding policy can use, with its interval (testbed.measure.decisions).
 """
 
 from __future__ import annotations
 
 import pandas as pd
+
+from testbed.measure import decisions
 
 COLUMNS = ("prompt_tokens", "tail", "padded_tps", "scalar_tps", "padded_ttft_ms", "scalar_ttft_ms")
 TIE_PERCENT = 1.0  # throughputs closer than this are a tie: run-to-run noise, not a winner
@@ -77,6 +81,23 @@ def breakeven_tail(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> int | 
             break
         breakeven = int(tail)
     return breakeven
+
+
+def breakeven_interval(df: pd.DataFrame, tie_percent: float = TIE_PERCENT, by: str = "time") -> dict:
+    """breakeven_tail with its confidence: decisions.crossing over the tails (tail 0 left out), from
+    each repetition where the rows have them, else from the medians alone (the grid's resolution)."""
+    _require(df)
+    rows = df[df["tail"] > 0].sort_values("tail")
+    if rows["tail"].duplicated().any():
+        raise ValueError("breakeven_interval needs one row per tail (one source's sweep)")
+
+    def repetitions(mode: str) -> list:
+        column = f"{mode}_tps_samples"
+        if column in rows and rows[column].map(lambda v: isinstance(v, list) and len(v) > 0).all():
+            return list(rows[column])
+        return [[v] for v in rows[f"{mode}_tps"]]
+
+    return decisions.crossing(rows["tail"], repetitions("padded"), repetitions("scalar"), tie_percent / 100, by=by)
 
 
 def threshold_from_breakeven(breakeven: int | None) -> int | None:

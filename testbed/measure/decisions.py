@@ -1,0 +1,214 @@
+"""Decisions with their confidence: which variant is best, and from where on one beats another.
+
+A decision testbed prints (the best chunk size, the breakeven tail, the hybrid's crossover context) is
+drawn from repetitions, and repetitions on a loaded machine scatter. A point rule on medians names a
+winner whatever the noise; here every decision comes with the set or interval the data cannot tell
+apart at the stated confidence, from a percentile bootstrap over the repetitions:
+
+  paired     variants timed interleaved (each repetition ran every variant once, testbed.measure.timing):
+             a draw resamples repetitions, the same ones for every variant, so a repetition slowed by
+             load slows all of them alike and cancels in their comparison
+  unpaired   variants timed in separate jobs (a sweep's chunk sizes): each variant's repetitions are
+             resampled on their own
+
+The statistic is the median of the resampled repetitions, as the tables print. Where the data cannot
+decide, the decision says so and how many more repetitions would about separate the closest pair: the
+bootstrap interval narrows as 1/sqrt(repetitions), so about 2 n (halfwidth / distance)^2 repetitions
+separate a pair as far apart as measured 4 times out of 5 (more_repetitions). Exact figures
+(instruction counts, one value each) decide without an interval; figures with one repetition each (a
+seed's quoted medians) decide nothing more than their point, and say so.
+
+`by` names what a decision is made from ("time", "CPU time", "instructions") and is printed with it:
+a decision reads one quantity, never instructions and time mixed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Hashable, Mapping, Sequence
+
+import numpy as np
+
+LEVEL = 0.95    # the confidence every printed decision states
+DRAWS = 2000    # bootstrap draws: the 2.5 % quantile then rests on 50 draws
+# Fewer repetitions give no interval worth printing: resampling 3 values can only reproduce their own
+# order, so three that happened to fall one way read as certain (a 30 % scatter then "decides" a tail
+# 3 steps off the truth)
+MIN_REPS = 5
+MORE_REPS_CAP = 10_000  # beyond this the two are equal within any noise a person would wait for
+
+
+def _medians(samples: np.ndarray, picks: np.ndarray) -> np.ndarray:
+    """Per draw, the median of the picked repetitions. samples: (reps,), picks: (draws, reps)."""
+    return np.median(samples[picks], axis=1)
+
+
+def _draw_picks(reps: int, rng: np.random.Generator) -> np.ndarray:
+    return rng.integers(0, reps, size=(DRAWS, reps))
+
+
+# An interval whose half-width equals the distance separates the pair half the time; 80 % of the time
+# needs it narrower by z(0.975) / (z(0.975) + z(0.8)) = 1.96 / 2.80
+POWER_FACTOR = (2.80 / 1.96) ** 2
+
+
+def more_repetitions(reps: int, halfwidth: float, distance: float) -> int | None:
+    """About how many more repetitions make an interval of `halfwidth` (at `reps`) narrow enough to
+    separate a pair `distance` apart 4 times out of 5; None when the distance is nil or that would
+    take more than MORE_REPS_CAP (the two are equal within any noise worth waiting out)."""
+    if distance <= 0 or not math.isfinite(halfwidth):
+        return None
+    need = math.ceil(reps * POWER_FACTOR * (halfwidth / distance) ** 2) - reps
+    return max(need, 1) if need < MORE_REPS_CAP else None
+
+
+def _too_few(reps: int) -> str:
+    return ("medians only, no repetitions to resample" if reps == 1
+            else f"{reps} repetitions: too few for an interval, need {MIN_REPS - reps} more") + ", no confidence"
+
+
+def _more_for_an_interval(reps: int) -> int | None:
+    """With too few repetitions for an interval: how many more give one (None: medians only)."""
+    return MIN_REPS - reps if 1 < reps < MIN_REPS else None
+
+
+def _undecided_text(more: int | None) -> str:
+    return (f"undecided at this noise (need about {more} more repetitions)" if more
+            else f"undecided at this noise (the closest differ by less than {MORE_REPS_CAP} more repetitions "
+                 "would resolve)")
+
+
+def best_of(samples: Mapping[Hashable, Sequence[float]], lower_is_better: bool = True, paired: bool = False,
+            by: str = "time", level: float = LEVEL, seed: int = 0) -> dict:
+    """The best variant by median, and every variant not distinguishable from it at `level`: a variant
+    is distinguishable when the bootstrap interval of log(its median / the best's) excludes 0.
+
+    Returns {best, candidates (the best first), decided, more_reps, method, reps, level, by, says}.
+    `says` is the sentence to print. paired=True needs every variant to have the same repetitions, in
+    the same order."""
+    keys = list(samples)
+    values = {k: np.asarray(samples[k], float) for k in keys}
+    sign = 1.0 if lower_is_better else -1.0
+    point = {k: float(np.median(v)) for k, v in values.items()}
+    best = min(keys, key=lambda k: sign * point[k])
+    reps = min(v.size for v in values.values())
+    out = {"best": best, "level": level, "by": by, "reps": reps}
+    if len(keys) == 1:
+        return out | {"candidates": [best], "decided": True, "more_reps": None, "method": "one variant",
+                      "says": f"{best} (the only one measured)"}
+    exact = by == "instructions" and all(np.ptp(v) == 0 for v in values.values())
+    if exact or reps < MIN_REPS:
+        method = "exact counts" if exact else _too_few(reps)
+        ties = [k for k in keys if point[k] == point[best]]
+        candidates = [best, *(k for k in ties if k != best)] if exact else [best]
+        says = f"{best} (by instructions, exact)" if exact else f"{best} by the medians alone ({method})"
+        return out | {"candidates": candidates, "decided": exact,
+                      "more_reps": None if exact else _more_for_an_interval(reps), "method": method, "says": says}
+    if paired and len({v.size for v in values.values()}) != 1:
+        raise ValueError("paired samples need the same number of repetitions for every variant")
+    rng = np.random.default_rng(seed)
+    shared = _draw_picks(reps, rng) if paired else None
+    logs = {k: np.log(_medians(v, shared if paired else _draw_picks(v.size, rng))) for k, v in values.items()}
+    tail = (1 - level) / 2
+    candidates, needs = [best], []
+    for k in keys:
+        if k == best:
+            continue
+        diff = sign * (logs[k] - logs[best])  # > 0: k is worse than the best in that draw
+        lo, hi = np.quantile(diff, [tail, 1 - tail])
+        if lo <= 0:
+            candidates.append(k)
+            needs.append(more_repetitions(reps, (hi - lo) / 2, abs(math.log(point[k] / point[best]))))
+    closest = None if None in needs else max(needs, default=None)
+    method = f"bootstrap over repetitions ({'paired, interleaved' if paired else 'unpaired, separate jobs'})"
+    decided = len(candidates) == 1
+    how = f"{level:.0%} confidence by {by}, bootstrap over {reps} repetitions, {'paired' if paired else 'unpaired'}"
+    if decided:
+        says = f"{best} ({how})"
+    else:
+        others = ", ".join(str(k) for k in candidates[1:])
+        says = f"{_undecided_text(closest)}: {best} by median, not distinguishable from {others} ({how})"
+    return out | {"candidates": candidates, "decided": decided, "more_reps": None if decided else closest,
+                  "method": method, "says": says}
+
+
+def _crossing_index(wins: np.ndarray, for_good: bool) -> np.ndarray:
+    """Per draw (row), the index of the crossing: the first x where it wins (for_good: from which it
+    wins at every larger x too); len(x) where it never does. wins: (draws, xs) booleans."""
+    n = wins.shape[1]
+    if for_good:
+        # the crossing is one past the last x where it does not win
+        losing = ~wins
+        last_loss = np.where(losing.any(axis=1), n - 1 - np.argmax(losing[:, ::-1], axis=1), -1)
+        return last_loss + 1
+    return np.where(wins.any(axis=1), np.argmax(wins, axis=1), n)
+
+
+def crossing(xs: Sequence[int], a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], margin: float = 0.0,
+             for_good: bool = True, by: str = "time", level: float = LEVEL, seed: int = 0) -> dict:
+    """From which x on a grid `a` beats `b` (a higher: a rate) by `margin` or more (a fraction: 0.01
+    is 1 %), with its interval. a[i], b[i]: the repetitions at xs[i], paired (timed interleaved, the
+    same repetitions in the same order); each x is resampled on its own. `reps` is the fewest any
+    point has.
+
+    Returns {point, lo, hi, decided, more_reps, method, reps, level, by, says}: point is the crossing by
+    the medians (None: it never wins up to the largest x); the crossing lies in (lo, hi] at `level`, lo
+    the grid point below the earliest plausible crossing (None: below the smallest x), hi the latest
+    plausible crossing (None: beyond the largest x measured). Decided when the interval is one step of
+    the grid; otherwise undecided, with about how many more repetitions would pin it."""
+    xs = [int(x) for x in xs]
+    av = [np.asarray(s, float) for s in a]
+    bv = [np.asarray(s, float) for s in b]
+    point_wins = np.array([[np.median(p) >= np.median(q) * (1 + margin) for p, q in zip(av, bv)]])
+    point_i = int(_crossing_index(point_wins, for_good)[0])
+    reps = min(min(p.size for p in av), min(q.size for q in bv))
+    n = len(xs)
+
+    def at(i: int) -> int | None:
+        return xs[i] if 0 <= i < n else None
+
+    out = {"point": at(point_i), "level": level, "by": by, "reps": reps}
+    exact = by == "instructions" and all(np.ptp(v) == 0 for v in (*av, *bv))
+    if exact or reps < MIN_REPS:
+        # one value per point (exact counts, or a seed's medians): the grid alone bounds the crossing
+        method = "exact counts: the grid's resolution" if exact else f"{_too_few(reps)}: the grid's resolution only"
+        return out | {"lo": at(point_i - 1), "hi": at(point_i), "decided": exact,
+                      "more_reps": None if exact else _more_for_an_interval(reps),
+                      "method": method, "says": _crossing_says(at(point_i - 1), at(point_i), xs, method, None)}
+    rng = np.random.default_rng(seed)
+    ratios = np.empty((DRAWS, n))
+    for i, (p, q) in enumerate(zip(av, bv)):
+        picks = _draw_picks(p.size, rng)
+        # paired where both have the same repetitions; a side with another count (a record without its
+        # repetitions, its median standing for them) is resampled on its own
+        other = picks if q.size == p.size else _draw_picks(q.size, rng)
+        ratios[:, i] = np.log(_medians(p, picks)) - np.log(_medians(q, other)) - math.log1p(margin)
+    index = _crossing_index(ratios >= 0, for_good)
+    tail = (1 - level) / 2
+    lo_i, hi_i = (int(v) for v in np.quantile(index, [tail, 1 - tail], method="inverted_cdf"))
+    lo, hi = at(lo_i - 1), at(hi_i)
+    # decided: the crossing is pinned to one step of the grid, or beyond it in every plausible draw
+    decided = lo_i == hi_i
+    more = None
+    if not decided:
+        # the x whose sign is least resolved decides how many repetitions the interval still needs
+        half = (np.quantile(ratios, 1 - tail, axis=0) - np.quantile(ratios, tail, axis=0)) / 2
+        distance = np.abs(np.log([np.median(p) / np.median(q) for p, q in zip(av, bv)]) - math.log1p(margin))
+        needs = [more_repetitions(reps, half[i], distance[i]) for i in range(max(lo_i - 1, 0), min(hi_i + 1, n))]
+        more = None if any(v is None for v in needs) else max(needs, default=None)
+    method = "bootstrap over repetitions (paired, interleaved)"
+    out |= {"lo": lo, "hi": hi, "decided": decided, "more_reps": None if decided else more, "method": method}
+    how = f"{level:.0%} confidence by {by}, bootstrap over {reps} repetitions"
+    return out | {"says": _crossing_says(lo, hi, xs, how, None if decided else _undecided_text(more))}
+
+
+def _crossing_says(lo: int | None, hi: int | None, xs: Sequence[int], how: str, undecided: str | None) -> str:
+    """The interval (lo, hi] in words; None ends are the grid's edges (at most xs[0], beyond xs[-1])."""
+    if hi is None and lo == xs[-1]:
+        span = f"beyond {xs[-1]} (the largest measured)"
+    elif hi is None:
+        low = f"above {lo}" if lo is not None else "anywhere"
+        span = f"{low}, possibly beyond {xs[-1]} (the largest measured)"
+    else:
+        span = f"between {lo} and {hi}" if lo is not None else f"at most {hi}"
+    return (f"{undecided}: " if undecided else "") + f"{span} ({how})"
