@@ -340,3 +340,22 @@ def test_an_internal_error_has_its_own_exit_status(results, capsys, monkeypatch)
     monkeypatch.setattr(compare, "figure_rows", broken)
     status, out, err = compare_cli(capsys, "aaaa", "bbbb")
     assert status == 6 and status != 1 and "internal error" in err and "KeyError" in err
+
+
+def test_a_count_that_is_not_a_number_is_set_aside_with_a_note(results, capsys):
+    """Issue 34: an instruction count stored as text crashed compare (a traceback, exit 6)."""
+    for commit, first in (("aaaa1111" * 5, 0), ("bbbb2222" * 5, 3)):
+        for night in range(first, first + 3):
+            info = RunInfo("native_bench", "qemu-aarch64", "native", {"threads": 1}, {}, emulated=True,
+                           git_commit=commit, started=f"2026-08-{night + 1:02d}T02:00:00+00:00")
+            rec = info.stamp(Record("native_bench", "attention/keys=512", "measure", figures={
+                "instructions": Figure(1e6, 1e6, 1e6, 1, "instructions")}))
+            if night == 4:  # a damaged store: the count as text
+                rec["figures"]["instructions"]["median"] = "1e6 or so"
+            results.append([info.mark("started"), rec, info.mark("ended", "complete")])
+    with pytest.warns(UserWarning, match="set aside 1 figures .* figures.instructions.median is a str"):
+        status, out, err = compare_cli(capsys, "aaaa", "bbbb", "--format", "json")
+    assert status == 0 and "Traceback" not in err
+    (row,) = json.loads(out)["rows"]
+    assert row["verdict"] == "same count" and (row["a_runs"], row["b_runs"]) == (3, 2)
+
