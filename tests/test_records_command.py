@@ -309,3 +309,4 @@ def test_verify_names_figures_that_are_not_numbers_and_the_reader_sets_them_asid
             (read,) = store.records()
         assert list(read["figures"]) == ["time"]  # the bad figure set aside, the record and its other figures kept
         assert "set aside 1 figures" in str(caught[0].message)
+        assert main(["report"]) == 0  # the report's data path too (a text count was a TypeError)
