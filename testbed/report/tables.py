@@ -134,8 +134,11 @@ def render(df: pd.DataFrame, fmt: str, breakevens: list[dict] = (), behind: list
     if fmt in ("json", "jsonl"):  # numbers stay numbers, to the last bit; missing values are null
         rows = [{k: _json_value(v) for k, v in row.items()} for row in for_programs(df).to_dict(orient="records")]
         if fmt == "json":
-            return json.dumps({"rows": rows, "breakevens": list(breakevens), **({"samples": list(behind)} if behind
-                                                                                 else {})}, indent=1, default=str)
-        return "\n".join([*(json.dumps(r, default=str) for r in rows), *(json.dumps({"breakeven": b}) for b in breakevens),
+            data = {"rows": rows, "breakevens": list(breakevens)}
+            if behind:
+                data["samples"] = list(behind)
+            return json.dumps(data, indent=1, default=str)
+        return "\n".join([*(json.dumps(r, default=str) for r in rows),
+                          *(json.dumps({"breakeven": b}) for b in breakevens),
                           *(json.dumps({"samples": s}) for s in behind)])
     raise ValueError(f"format {fmt!r} is not one of {FORMATS}")
