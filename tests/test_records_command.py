@@ -265,6 +265,12 @@ def test_rm_of_a_failed_verdict_marks_its_run_edited_never_passed(results_dir, c
     assert main(["records", "verify"]) == 1
     assert f"1 runs had records removed by `records rm` (their verdicts no longer count as passed): {info.run_id}" \
         in capsys.readouterr().out
+    broke, rows = run_rows(2)
+    store.append([*rows[:3], {**rows[3], "outcome": "broke"}])
+    assert main(["records", "rm", "--where", "case=case1", "--where", f"run_id={broke.run_id}"]) == 0
+    assert main(["records", "verify"]) == 1  # edited, and still broke: how it ended is kept
+    out = capsys.readouterr().out
+    assert "2 runs had records removed" in out and f"1 runs broke (each has its error record): {broke.run_id}" in out
 
 
 def test_rm_where_refuses_a_run_without_an_end_mark(results_dir, capsys):

@@ -106,20 +106,22 @@ def verify(store: ResultsStore) -> list[str]:
     if twice:
         findings.append(f"{len(twice)} records stored more than once ({', '.join(twice[:SHOWN])})")
     started = {run_of(r) for r in rows if r.get("run_mark") == "started"} - {None}
-    ended = {run_of(r): r.get("outcome") for r in rows if r.get("run_mark") == "ended" and run_of(r)}
-    never = sorted(started - ended.keys())
+    ends = {run_of(r): r for r in rows if r.get("run_mark") == "ended" and run_of(r)}
+    never = sorted(started - ends.keys())
     if never:
         findings.append(f"{len(never)} runs never ended (killed, or still running): {', '.join(never[:SHOWN])}")
     unmarked = sorted({run_of(r) for r in rows if "record_id" in r and r.get("schema") != 1}
-                      - started - ended.keys() - {None})
+                      - started - ends.keys() - {None})
     if unmarked:
         findings.append(f"{len(unmarked)} runs have records but no start or end mark (read as incomplete): "
                         f"{', '.join(unmarked[:SHOWN])}")
-    edited = sorted(run for run, outcome in ended.items() if outcome == EDITED)
+    edited = sorted(run for run, end in ends.items() if end.get("outcome") == EDITED)
     if edited:
         findings.append(f"{len(edited)} runs had records removed by `records rm` (their verdicts no longer count "
                         f"as passed): {', '.join(edited[:SHOWN])}")
-    broke = sorted(run for run, outcome in ended.items() if outcome not in ("complete", EDITED))
+    # how a run ended before any removal: an edited run that broke is listed as broke too
+    broke = sorted(run for run, end in ends.items()
+                   if (end.get("ended_as") if end.get("outcome") == EDITED else end.get("outcome")) != "complete")
     if broke:
         findings.append(f"{len(broke)} runs broke (each has its error record): {', '.join(broke[:SHOWN])}")
     sources = {}
