@@ -256,7 +256,7 @@ def test_rm_of_a_failed_verdict_marks_its_run_edited_never_passed(results_dir, c
     untouched, rows = run_rows(2)
     store.append(rows)
     assert main(["records", "rm", "--where", "verdict=fail"]) == 0
-    assert "1 runs that keep other records are marked edited" in capsys.readouterr().out
+    assert "1 runs that lost records keep their marks, marked edited" in capsys.readouterr().out
     kept = [r for r in store.records() if r["run_id"] == info.run_id]
     assert [r["verdict"] for r in kept] == ["pass", "pass"] and not any(passed(r) for r in kept)
     assert all(passed(r) for r in store.records() if r["run_id"] == untouched.run_id)

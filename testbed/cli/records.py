@@ -216,12 +216,13 @@ def cmd_rm(args) -> int:
     if nights:
         ResultsStore(store.root / "nights").rewrite(lambda entry: entry.get("night") not in nights)
     records = [r for r in dropped if "record_id" in r]
-    edited = {run_of(r) for r in records} & {run_of(r) for r in found.rows if r.get("run_mark") == "ended"} - \
+    kept_ends = {run_of(r) for r in found.rows if r.get("run_mark") == "ended"} - \
         {run_of(r) for r in dropped if r.get("run_mark") == "ended"}
+    edited = {run_of(r) for r in records} & kept_ends  # what rewrite(edited=...) marked
     print(f"removed {len(records)} records of {len({run_of(r) for r in records})} runs "
           f"(and {len(dropped) - len(records)} run marks) from {store.path}"
-          + (f"; {len(edited)} runs that keep other records are marked edited (their verdicts no longer count "
-             "as passed)" if edited else "")
+          + (f"; {len(edited)} runs that lost records keep their marks, marked edited (their verdicts no longer "
+             "count as passed)" if edited else "")
           + (f"; also left out {len(found.problems)} unusable lines and {len(found.uncommitted)} uncommitted "
              "batches" if found.problems or found.uncommitted else "")
           + "; the previous file is kept beside it (records.jsonl.before-*)")
