@@ -18,6 +18,9 @@ every record of a run that did not end complete `"incomplete": true` (never coun
 whose start mark is gone), so such a run reads as broken wherever verdicts are counted. Only schema-1
 records (stored whole in one write, before runs had marks) count without an end mark. The start mark
 names the run's process (host, pid), so `testbed records rm` can tell a run still going from a dead one.
+A run that `records rm` took records out of has its end mark's outcome EDITED: it never reads as
+complete again. A figure that is not a finite number (or has a field of a type testbed never writes)
+is set aside, its record kept (`figure_problems`).
 
 Lines the reader cannot use (not UTF-8, not a JSON object, a newer schema) are skipped with one
 warning per read; `testbed records verify` lists them. Tables are pandas views over records
@@ -219,6 +222,16 @@ def unfinished_run_record(start: dict, kept: int, marked: bool = True) -> dict:
             "incomplete": True}
 
 
+EDITED = "edited"  # an end mark's outcome once `testbed records rm` took records out of its run
+
+
+def edited_run(mark: dict, how: str) -> dict:
+    """An end mark of a run some of whose records were removed (`how`): outcome EDITED, never complete
+    again; the outcome it ended with and every removal are kept."""
+    return {**mark, "outcome": EDITED, "ended_as": mark.get("ended_as", mark.get("outcome")),
+            "edits": [*(mark.get("edits") if isinstance(mark.get("edits"), list) else []), how]}
+
+
 def valid_id(value) -> bool:
     return isinstance(value, str)
 
@@ -248,6 +261,44 @@ def malformed(row: dict) -> str | None:
     if row["kind"] not in ("oracle", "measure"):
         return f"kind {row['kind']!r}"
     return None
+
+# A figure's fields, and of what type; median, min and max are finite numbers (testbed stores a value
+# that is not finite as null, and a figure without its value cannot be compared or tabled).
+FIGURE_NUMBERS = ("median", "min", "max")
+FIGURE_TYPES = {"reps": int, "unit": str, "samples": (list, type(None)), "role": (str, type(None)),
+                "ab": (dict, type(None))}
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def figure_problem(figure) -> str | None:
+    """Why a stored figure cannot be used (a value that is not a finite number, a field of a type testbed
+    never writes), naming the field, or None."""
+    if not isinstance(figure, dict):
+        return f"is a {type(figure).__name__}, not a figure"
+    for name in FIGURE_NUMBERS:
+        value = figure.get(name)
+        if not _finite(value):
+            what = repr(value) if isinstance(value, float) or value is None else f"a {type(value).__name__}"
+            return f".{name} is {what}, not a finite number"
+    for name, kind in FIGURE_TYPES.items():
+        value = figure.get(name)
+        if name in ("reps", "unit") and name not in figure:
+            return f".{name} is missing"
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+            return f".{name} is a {type(value).__name__}"
+    if any(x is not None and not _finite(x) for x in figure.get("samples") or []):
+        return ".samples holds a value that is not a finite number"
+    return None
+
+
+def figure_problems(record: dict) -> dict[str, str]:
+    """Per figure of a record that cannot be used, why: "figures.NAME.FIELD is ..." (see figure_problem)."""
+    return {name: f"figures.{name}{why}" for name, figure in record["figures"].items()
+            if (why := figure_problem(figure))}
+
 
 # The free space a run needs before it starts: room for its records with a wide margin.
 MIN_FREE_BYTES = 1 << 20
@@ -360,21 +411,29 @@ class ResultsStore:
                 return fd
             os.close(fd)
 
-    def rewrite(self, keep) -> tuple[Scan, list[dict]]:
+    def rewrite(self, keep, edited: str | None = None) -> tuple[Scan, list[dict]]:
         """Replace the store with the committed rows `keep(row)` accepts, batch by batch, under the lock;
         the old file stays beside it (records.jsonl.before-TIME). Returns what was read and what was
-        dropped. Unusable lines and uncommitted batches are not carried over: nothing reads them."""
+        dropped. Unusable lines and uncommitted batches are not carried over: nothing reads them.
+        With `edited` (what removed them), a run that loses records but keeps its end mark has that mark
+        say so (`edited_run`): its verdicts no longer count as passed, for a run with a record taken out
+        is not the run that ended complete (a failed verdict removed must not leave a run of passes)."""
         fd = self._locked()
         try:
             found = self.scan()
             dropped = [row for batch in found.batches for row in batch if not keep(row)]
+            losing = {row.get("run_id") for row in dropped if "record_id" in row} if edited is not None else set()
+
+            def amend(row: dict) -> dict:
+                return edited_run(row, edited) if row.get("run_mark") == "ended" and row.get("run_id") in losing \
+                    else row
             stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
             target = Path(os.path.realpath(self.path))  # a symlinked store stays a symlink: its file is replaced
             fresh = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.new"
             try:
                 with open(fresh, "wb") as f:
                     for batch in found.batches:
-                        kept = [row for row in batch if keep(row)]
+                        kept = [amend(row) for row in batch if keep(row)]
                         if kept:
                             name = uuid.uuid4().hex[:16]
                             f.write("".join(json.dumps({**r, "batch": name}, sort_keys=True) + "\n"
@@ -452,7 +511,7 @@ class ResultsStore:
         starts = {r["run_id"]: r for r in rows if r.get("run_mark") == "started" and valid_id(r.get("run_id"))}
         outcomes = {r["run_id"]: r.get("outcome") for r in rows
                     if r.get("run_mark") == "ended" and valid_id(r.get("run_id"))}
-        out, kept, first, set_aside = [], {}, {}, []
+        out, kept, first, set_aside, bad_figures = [], {}, {}, [], []
         for r in rows:
             if "record_id" not in r:
                 continue
@@ -460,6 +519,10 @@ class ResultsStore:
             if why:
                 set_aside.append(why)
                 continue
+            bad = figure_problems(r)
+            if bad:  # the figures set aside, the record (its verdict) kept
+                r["figures"] = {name: f for name, f in r["figures"].items() if name not in bad}
+                bad_figures.extend(f"run {r['run_id']} record {r['record_id']}: {why}" for why in bad.values())
             run = r["run_id"]
             r.pop("incomplete", None)  # the reader's to say, never a stored field's
             if outcomes.get(run) != "complete" and (run in starts or r.get("schema") != 1):
@@ -482,6 +545,10 @@ class ResultsStore:
             warnings.warn(f"{self.path}: skipped {len(set_aside)} records without the fields every record has "
                           f"({', '.join(RECORD_FIELDS)}), or with one of a type testbed never writes (first: "
                           f"{set_aside[0]}); `testbed records verify` counts them")
+        if bad_figures:
+            warnings.warn(f"{self.path}: set aside {len(bad_figures)} figures that are not finite numbers or of a "
+                          f"type testbed never writes (first: {bad_figures[0]}); their records are kept without "
+                          "them; `testbed records verify` names them")
         return [r for r in out if experiment is None or r["experiment"] == experiment]
 
     def frame(self, experiment: str | None = None) -> pd.DataFrame:

@@ -47,8 +47,8 @@ def chunkwise_count(tmp_path_factory):
     _, base, _ = rows(folder, "HEAD", str(slowed_chunkwise(0)), "device=qemu-aarch64", *SMALL, "--reps", "1")
     call = "H=2,hs=32,T=48,kda=0/chunkwise"
     _, probe, _ = rows(folder, "HEAD", str(slowed_chunkwise(1000)), "device=qemu-aarch64", *SMALL, "--reps", "1")
-    a = base[call]["instructions B"]
-    return a, (probe[call]["instructions B"] - a) / 1000
+    a = base[call]["instructions_B"]
+    return a, (probe[call]["instructions_B"] - a) / 1000
 
 
 @pytest.mark.parametrize("fraction", [0.05, 0.25])
@@ -60,12 +60,12 @@ def test_a_planted_slowdown_in_b_exits_1_naming_the_kernel_and_the_change(tmp_pa
     assert rc == 1, p.stderr
     chunkwise, serial = table["H=2,hs=32,T=48,kda=0/chunkwise"], table["H=2,hs=32,T=48,kda=0/serial"]
     assert chunkwise["verdict"] == "slower" and chunkwise["kernel"] == "tb_gdn_chunkwise"
-    change = chunkwise["instructions B"] / chunkwise["instructions A"] - 1
+    change = chunkwise["instructions_B"] / chunkwise["instructions_A"] - 1
     assert abs(change - fraction) < 0.005
-    assert serial["verdict"] == "no change" and serial["instructions A"] == serial["instructions B"]
+    assert serial["verdict"] == "no change" and serial["instructions_A"] == serial["instructions_B"]
     md = run_ab(tmp_path, "HEAD", str(slowed), "device=qemu-aarch64", *SMALL, "--reps", "2").stdout
-    assert f"SLOWER tb_gdn_chunkwise H=2,hs=32,T=48,kda=0/chunkwise: instructions {chunkwise['instructions A']} -> " \
-           f"{chunkwise['instructions B']}" in md
+    assert f"SLOWER tb_gdn_chunkwise H=2,hs=32,T=48,kda=0/chunkwise: instructions {chunkwise['instructions_A']} -> " \
+           f"{chunkwise['instructions_B']}" in md
 
 
 def test_on_the_host_counts_judge_and_the_pairs_are_timed(tmp_path):
@@ -73,8 +73,8 @@ def test_on_the_host_counts_judge_and_the_pairs_are_timed(tmp_path):
     assert rc == 1, p.stderr
     chunkwise = table["H=2,hs=32,T=48,kda=0/chunkwise"]
     assert chunkwise["verdict"].startswith("slower")
-    assert chunkwise["pairs"] == 6 and chunkwise["cpu B/A"] > 0 and chunkwise["p (cpu, Holm)"] is not None
-    assert table["H=2,hs=32,T=48,kda=0/serial"]["instructions A"] == table["H=2,hs=32,T=48,kda=0/serial"]["instructions B"]
+    assert chunkwise["pairs"] == 6 and chunkwise["cpu_B_per_A"] > 0 and chunkwise["p_cpu_Holm"] is not None
+    assert table["H=2,hs=32,T=48,kda=0/serial"]["instructions_A"] == table["H=2,hs=32,T=48,kda=0/serial"]["instructions_B"]
 
 
 def test_bad_trees_are_refused(tmp_path):

@@ -183,7 +183,8 @@ def test_the_exact_mann_whitney_p_by_hand():
     assert compare.mann_whitney_p([1, 2, 3], [1, 2, 3]) == 1.0
     # one ordering away from the extreme: U = 1, counted twice as often (U = 0 and U = 1), p = 4/70
     assert compare.mann_whitney_p([1, 2, 3, 5], [4, 6, 7, 8]) == pytest.approx(4 / 70)
-    assert not compare.can_decide(3, 3) and compare.can_decide(4, 4) and compare.can_decide(3, 5)
+    assert not compare.reachable(3, 3, compare.ALPHA) and compare.reachable(4, 4, compare.ALPHA) \
+        and compare.reachable(3, 5, compare.ALPHA)
 
 
 def test_the_normal_limit_agrees_with_the_exact_count_just_past_where_it_takes_over():
@@ -340,3 +341,64 @@ def test_an_internal_error_has_its_own_exit_status(results, capsys, monkeypatch)
     monkeypatch.setattr(compare, "figure_rows", broken)
     status, out, err = compare_cli(capsys, "aaaa", "bbbb")
     assert status == 6 and status != 1 and "internal error" in err and "KeyError" in err
+
+
+def test_a_count_that_is_not_a_number_is_set_aside_with_a_note(results, capsys):
+    """Issue 34: an instruction count stored as text crashed compare (a traceback, exit 6)."""
+    for commit, first in (("aaaa1111" * 5, 0), ("bbbb2222" * 5, 3)):
+        for night in range(first, first + 3):
+            info = RunInfo("native_bench", "qemu-aarch64", "native", {"threads": 1}, {}, emulated=True,
+                           git_commit=commit, started=f"2026-08-{night + 1:02d}T02:00:00+00:00")
+            rec = info.stamp(Record("native_bench", "attention/keys=512", "measure", figures={
+                "instructions": Figure(1e6, 1e6, 1e6, 1, "instructions")}))
+            if night == 4:  # a damaged store: the count as text
+                rec["figures"]["instructions"]["median"] = "1e6 or so"
+            results.append([info.mark("started"), rec, info.mark("ended", "complete")])
+    with pytest.warns(UserWarning, match="set aside 1 figures .* figures.instructions.median is a str"):
+        status, out, err = compare_cli(capsys, "aaaa", "bbbb", "--format", "json")
+    assert status == 0 and "Traceback" not in err
+    (row,) = json.loads(out)["rows"]
+    assert row["verdict"] == "same count" and (row["a_runs"], row["b_runs"]) == (3, 2)
+
+
+def test_each_row_says_the_smallest_change_it_could_detect_and_it_shrinks_with_more_runs(tmp_path, results, capsys):
+    """Issue 33: with 4 vs 4 runs every row said "too few runs" and nothing of what the comparison
+    could have seen. The same noise at 4, 8 and 16 runs a side (each side's first runs shared)."""
+    def stores(runs: int) -> tuple[str, str]:
+        sides = []
+        for name, seed, first in (("a", 21, 0), ("b", 22, 10)):
+            folder = tmp_path / f"{name}{runs}"
+            store_runs(ResultsStore(folder), "aaaa1111" * 5, seed=seed, runs=runs, first_night=first)
+            sides.append(str(folder))
+        return sides[0], sides[1]
+
+    detectable = {}
+    for runs in (4, 8, 16):
+        status, out, _ = compare_cli(capsys, *stores(runs), "--format", "json")
+        time = rows_by_quantity(out)["time"]
+        detectable[runs] = time["detectable_pct"]
+        if runs == 4:  # these runs can see nothing after the correction: said, with the runs that could
+            assert time["verdict"].startswith("too few runs to tell") and time["detectable_at"] == "5 vs 5"
+        else:
+            assert time["detectable_at"] == f"{runs} vs {runs}" and time["verdict"] == "within noise"
+    assert detectable[4] > detectable[8] > detectable[16] >= 100 * compare.history.MIN_CHANGE
+
+    # a real slowdown half again above what 8 vs 8 runs can detect is detected
+    slower = tmp_path / "slower8"
+    store_runs(ResultsStore(slower), "bbbb2222" * 5, seed=22, runs=8, first_night=10,
+               slower=1 + 1.5 * detectable[8] / 100)
+    status, out, _ = compare_cli(capsys, str(tmp_path / "a8"), str(slower), "--format", "json")
+    assert status == 1 and rows_by_quantity(out)["time"]["verdict"] == "slower"
+    status, out, _ = compare_cli(capsys, str(tmp_path / "a8"), str(slower))
+    assert f"{detectable[8]:.1f} (8 vs 8 runs)" in out
+
+
+def test_the_detectable_change_is_where_the_test_finds_a_change_four_times_in_five():
+    """The simulated power by hand: at the figure the exact test's power is POWER, a little below it
+    less; with too few runs for p < alpha, no figure."""
+    effect = compare.detectable_effect(8, 8, compare.ALPHA)
+    assert compare.power(8, 8, effect, compare.ALPHA) >= compare.POWER
+    assert compare.power(8, 8, effect - 2 * compare.EFFECT_PRECISION, compare.ALPHA) < compare.POWER
+    assert compare.detectable_effect(3, 3, compare.ALPHA) is None and compare.runs_needed(3, 3, compare.ALPHA) == 4
+    # a t-test needs about 1.4 standard deviations at 8 a side for 80% power; Mann-Whitney a little more
+    assert 1.3 < effect < 1.8

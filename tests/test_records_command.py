@@ -54,12 +54,16 @@ def test_rm_by_run_with_a_dry_run_first(results_dir, capsys):
 
 
 def test_rm_by_filter_keeps_a_broken_run_broken(results_dir, capsys):
+    import subprocess
+    import sys
+
     store = ResultsStore(results_dir)
     _, a = run_rows(2, chunk=32)
     b, b_rows = run_rows(3, chunk=64)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     store.append(a)
-    store.append(b_rows[:3])  # run b never ended
-    assert main(["records", "rm", "--where", "config.chunk=64", "--where", "case=case0"]) == 0
+    store.append([{**b_rows[0], "pid": int(dead.stdout)}, *b_rows[1:3]])  # run b never ended (killed)
+    assert main(["records", "rm", "--where", "config.chunk=64", "--where", "case=case0", "--force"]) == 0
     stored = store.records()
     assert [r["case"] for r in stored if r["run_id"] == b.run_id] == ["case1", "run"]  # its error record stays
     assert main(["records", "rm"]) == 2
@@ -137,7 +141,7 @@ def test_rm_refuses_a_run_without_an_end_mark_unless_forced_once_its_process_is_
     for force in ([], ["--force"]):
         assert main(["records", "rm", "--run", live.run_id, *force]) == 2
         err = capsys.readouterr().err
-        assert f"--run {live.run_id}: the run has no end mark and process {os.getpid()}" in err
+        assert f"run {live.run_id}: the run has no end mark and process {os.getpid()}" in err
         assert "still running" in err
     assert store.path.read_bytes() == before
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -236,3 +240,79 @@ def test_a_start_mark_testbed_never_wrote_still_leaves_its_run_broken(results_di
     assert not any(passed(r) for r in stored)
     (error,) = [r for r in stored if r["verdict"] == "error"]
     assert error["run_id"] == run.run_id and error["device"] == "host" and "never ended" in error["detail"]
+
+
+def test_rm_of_a_failed_verdict_marks_its_run_edited_never_passed(results_dir, capsys):
+    """Issue 34, Records: `rm --where verdict=fail` turned a failed run into a complete run of passes,
+    green in the report and `records verify` silent."""
+    from testbed.results import passed  # what the report's colours count (report.build.counts_as_passed)
+
+    store = ResultsStore(results_dir)
+    info = RunInfo("gdn", "host", "refimpl", {"chunk": 64}, {"abi": "x86_64"})
+    verdicts = ["pass", "fail", "pass"]
+    store.append([info.mark("started"),
+                  *(info.stamp(Record("gdn", f"case{i}", "oracle", "nmse", v, 1.0)) for i, v in enumerate(verdicts)),
+                  info.mark("ended", "complete")])
+    untouched, rows = run_rows(2)
+    store.append(rows)
+    assert main(["records", "rm", "--where", "verdict=fail"]) == 0
+    assert "1 runs that lost records keep their marks, marked edited" in capsys.readouterr().out
+    kept = [r for r in store.records() if r["run_id"] == info.run_id]
+    assert [r["verdict"] for r in kept] == ["pass", "pass"] and not any(passed(r) for r in kept)
+    assert all(passed(r) for r in store.records() if r["run_id"] == untouched.run_id)
+    (end,) = [r for r in store.rows() if r.get("run_mark") == "ended" and r["run_id"] == info.run_id]
+    assert end["outcome"] == "edited" and end["ended_as"] == "complete" and "--where verdict=fail" in end["edits"][0]
+    assert main(["records", "verify"]) == 1
+    assert f"1 runs had records removed by `records rm` (their verdicts no longer count as passed): {info.run_id}" \
+        in capsys.readouterr().out
+    broke, rows = run_rows(2)
+    store.append([*rows[:3], {**rows[3], "outcome": "broke"}])
+    assert main(["records", "rm", "--where", "case=case1", "--where", f"run_id={broke.run_id}"]) == 0
+    assert main(["records", "verify"]) == 1  # edited, and still broke: how it ended is kept
+    out = capsys.readouterr().out
+    assert "2 runs had records removed" in out and f"1 runs broke (each has its error record): {broke.run_id}" in out
+
+
+def test_rm_where_refuses_a_run_without_an_end_mark(results_dir, capsys):
+    """Issue 34, Records: `rm --where run_id=ID` removed a running run's records (the live-run refusal
+    covered only --run and --night)."""
+    store = ResultsStore(results_dir)
+    live, rows = run_rows(2)
+    store.append(rows[:3])  # started by this very process, still running
+    before = store.path.read_bytes()
+    for where in (f"run_id={live.run_id}", "verdict=pass"):
+        assert main(["records", "rm", "--where", where, "--force"]) == 2
+        assert f"run {live.run_id}: the run has no end mark and process {os.getpid()}" in capsys.readouterr().err
+    assert store.path.read_bytes() == before
+
+
+def test_verify_names_figures_that_are_not_numbers_and_the_reader_sets_them_aside(results_dir, capsys):
+    """Issue 34: a stored instruction count that is not a number crashed compare and report, and
+    `records verify` did not flag it."""
+    import warnings
+
+    from testbed.results import Figure
+
+    store = ResultsStore(results_dir)
+    info = RunInfo("gdn", "host", "native", {"chunk": 64}, {"abi": "x86_64"})
+    record = info.stamp(Record("gdn", "c", "measure", figures={"instructions": Figure.of([100], "instructions"),
+                                                                   "time": Figure.of([1.0, 2.0], "s")}))
+    store.append([info.mark("started"), record, info.mark("ended", "complete")])
+    assert main(["records", "verify"]) == 0
+    capsys.readouterr()
+    for bad in ("lots", float("nan"), [1], True):
+        broken = {**record, "figures": {**record["figures"],
+                                        "instructions": {**record["figures"]["instructions"], "median": bad}}}
+        store.rewrite(lambda row: True)
+        store.path.write_text("".join(json.dumps(r) + "\n" for r in
+                                      [info.mark("started"), broken, info.mark("ended", "complete")]))
+        assert main(["records", "verify"]) == 1
+        out = capsys.readouterr().out
+        assert "1 figures that are not finite numbers" in out
+        assert f"run {info.run_id} record {record['record_id']}: figures.instructions.median is" in out
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (read,) = store.records()
+        assert list(read["figures"]) == ["time"]  # the bad figure set aside, the record and its other figures kept
+        assert "set aside 1 figures" in str(caught[0].message)
+        assert main(["report"]) == 0  # the report's data path too (a text count was a TypeError)

@@ -7,7 +7,8 @@
   keys; `run EXPERIMENT -m key=a,b` is `sweep experiment=EXPERIMENT key=a,b`. hydra.* overrides are
   refused: testbed composes with Hydra but stores runs in its results store, not Hydra's folders)
   testbed table EXPERIMENT [--format md|csv|json|jsonl] tables from stored records only (json, jsonl
-                                                  and csv are data: numbers, raw samples, breakevens apart)
+                                                  and csv are data: machine column names, numbers, raw
+                                                  samples, breakevens apart; csv rows alone)
   testbed ingest FILE [--device NAME]             store test-backend-ops output run elsewhere
   testbed records verify | rm ... | export        inspect and repair the results store
   testbed compare A B [--format md|csv|json|jsonl] two commits, nights or stores: each change, beyond noise or not
@@ -199,7 +200,13 @@ def cmd_table(args) -> int:
     speed, emulated = emulation.split_frame(df)
     # a conclusion over the rows (a sweep's breakeven) is its own object, not one more row
     breakevens = module.breakevens(speed) if hasattr(module, "breakevens") else []
-    print(tables.render(module.view(speed), args.format, breakevens))
+    view = module.view(speed)
+    # rows drawn from several records each (a sweep's row per N): the records' samples ride beside them
+    behind = tables.record_samples(speed) if "samples" not in view.columns else []
+    print(tables.render(view, args.format, breakevens, behind))
+    if args.format == "csv":  # the CSV holds rows alone
+        for b in breakevens:
+            print(tables.breakeven_line(b), file=sys.stderr)
     if len(emulated):
         print(f"\nleft out: {len(emulated)} figure(s) {emulation.REASON}:", file=sys.stderr)
         print(tables.render(emulation.listing(emulated.to_dict("records")), "md"), file=sys.stderr)

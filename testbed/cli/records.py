@@ -8,9 +8,11 @@
                                           runs and its log entries) and/or --where KEY=VALUE (dotted
                                           keys: experiment=gdn, config.chunk=64, verdict=error); all
                                           given must match. --run and --night remove a run's marks
-                                          too; --where only records (so a broken run stays broken).
-                                          A run without an end mark (still running, or killed) is
-                                          refused; --force removes it once its process is gone.
+                                          too; --where only records (so a broken run stays broken),
+                                          and a run that loses records so is marked edited: its
+                                          verdicts never count as passed again. A run without an end
+                                          mark (still running, or killed) is refused, whatever
+                                          selects it; --force removes it once its process is gone.
                                           The old file is kept beside it as records.jsonl.before-TIME.
   testbed records export [--where ...] [--format jsonl|csv|json]
                                           the records as the reader sees them (incomplete runs
@@ -19,7 +21,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import shlex
 import sys
 from collections import Counter
 
@@ -29,7 +33,7 @@ from testbed import config, runner
 from testbed.devices.private import process_alive
 from testbed.errors import UsageError
 from testbed.report import build as report
-from testbed.results import ResultsStore, malformed, valid_id
+from testbed.results import EDITED, ResultsStore, figure_problems, malformed, valid_id
 
 SHOWN = 5  # line numbers or ids named per finding; the count is always whole
 
@@ -92,21 +96,32 @@ def verify(store: ResultsStore) -> list[str]:
     if bad or bad_marks:
         findings.append(f"{len(bad) + bad_marks} records or run marks with a field missing or of a type testbed "
                         f"never writes (the reader sets them aside; first: {(bad or ['a run mark without a run id'])[0]})")
+    figures = [f"run {r['run_id']} record {r['record_id']}: {why}" for r in rows
+               if "record_id" in r and not malformed(r) for why in figure_problems(r).values()]
+    if figures:
+        findings.append(f"{len(figures)} figures that are not finite numbers or of a type testbed never writes (the "
+                        f"reader sets them aside, keeping their records): {'; '.join(figures[:SHOWN])}")
     ids = Counter(r["record_id"] for r in rows if valid_id(r.get("record_id")))
     twice = [i for i, n in ids.items() if n > 1]
     if twice:
         findings.append(f"{len(twice)} records stored more than once ({', '.join(twice[:SHOWN])})")
     started = {run_of(r) for r in rows if r.get("run_mark") == "started"} - {None}
-    ended = {run_of(r): r.get("outcome") for r in rows if r.get("run_mark") == "ended" and run_of(r)}
-    never = sorted(started - ended.keys())
+    ends = {run_of(r): r for r in rows if r.get("run_mark") == "ended" and run_of(r)}
+    never = sorted(started - ends.keys())
     if never:
         findings.append(f"{len(never)} runs never ended (killed, or still running): {', '.join(never[:SHOWN])}")
     unmarked = sorted({run_of(r) for r in rows if "record_id" in r and r.get("schema") != 1}
-                      - started - ended.keys() - {None})
+                      - started - ends.keys() - {None})
     if unmarked:
         findings.append(f"{len(unmarked)} runs have records but no start or end mark (read as incomplete): "
                         f"{', '.join(unmarked[:SHOWN])}")
-    broke = sorted(run for run, outcome in ended.items() if outcome != "complete")
+    edited = sorted(run for run, end in ends.items() if end.get("outcome") == EDITED)
+    if edited:
+        findings.append(f"{len(edited)} runs had records removed by `records rm` (their verdicts no longer count "
+                        f"as passed): {', '.join(edited[:SHOWN])}")
+    # how a run ended before any removal: an edited run that broke is listed as broke too
+    broke = sorted(run for run, end in ends.items()
+                   if (end.get("ended_as") if end.get("outcome") == EDITED else end.get("outcome")) != "complete")
     if broke:
         findings.append(f"{len(broke)} runs broke (each has its error record): {', '.join(broke[:SHOWN])}")
     sources = {}
@@ -121,24 +136,25 @@ def verify(store: ResultsStore) -> list[str]:
 
 
 def refuse_unended(rows: list[dict], runs: set[str], force: bool) -> None:
-    """`rm` of a run without an end mark: a run still going would lose its start mark and its later
-    records would stand alone; refused, unless --force and its process is gone."""
+    """`rm` touching a run without an end mark: a run still going would lose its start mark or records
+    and its later records would stand alone; refused, unless --force and its process is gone. Schema-1
+    records never had marks: each such run was stored whole."""
     ended = {run_of(r) for r in rows if r.get("run_mark") == "ended"}
     starts = {run_of(r): r for r in rows if r.get("run_mark") == "started" and run_of(r)}
-    present = {run_of(r) for r in rows if "record_id" in r} | starts.keys()
+    present = {run_of(r) for r in rows if "record_id" in r and r.get("schema") != 1} | starts.keys()
     for run in sorted(runs & present - ended):
         start = starts.get(run, {})
         alive = process_alive(start.get("host"), start.get("pid"))
         where = f"process {start.get('pid')} on {start.get('host')}" if "pid" in start else "its process"
         if alive:
-            raise UsageError(f"--run {run}: the run has no end mark and {where} is still running; "
+            raise UsageError(f"run {run}: the run has no end mark and {where} is still running; "
                              "accepted: a run that ended (wait for it, or stop it first)")
         if not force:
-            raise UsageError(f"--run {run}: the run has no end mark (still running, or killed); accepted: a run "
+            raise UsageError(f"run {run}: the run has no end mark (still running, or killed); accepted: a run "
                              f"that ended, or --force once {where} is gone"
                              + ("" if alive is False else " (it cannot be checked from here)"))
         if alive is None and "pid" in start:
-            raise UsageError(f"--run {run}: the run has no end mark and {where} cannot be checked from here; "
+            raise UsageError(f"run {run}: the run has no end mark and {where} cannot be checked from here; "
                              "accepted: --force on that host")
 
 
@@ -176,7 +192,6 @@ def cmd_rm(args) -> int:
     if unknown:
         raise UsageError(f"--run {unknown[0]!r} is not a run in {store.path}; nothing changed (`testbed records "
                          f"export` lists the runs)")
-    refuse_unended(found.rows, runs, args.force)
 
     def selected(row: dict) -> bool:
         by_run = not (args.run or args.night) or run_of(row) in runs
@@ -184,21 +199,30 @@ def cmd_rm(args) -> int:
             return by_run and matches(row, where)
         return bool(args.run or args.night) and run_of(row) in runs and not where  # a run's marks
 
-    if not any(selected(r) for r in found.rows):
+    chosen = [r for r in found.rows if selected(r)]
+    refuse_unended(found.rows, runs | {run_of(r) for r in chosen} - {None}, args.force)
+    if not chosen:
         print(f"nothing in {store.path} matches; nothing changed")
         return 0
     if args.dry_run:
-        chosen = [r for r in found.rows if selected(r)]
         records = [r for r in chosen if "record_id" in r]
         print(f"would remove {len(records)} records of {len({run_of(r) for r in records})} runs "
               f"(and {len(chosen) - len(records)} run marks) from {store.path}; nothing changed")
         return 0
-    found, dropped = store.rewrite(lambda row: not selected(row))
+    selectors = [f"--{option} {shlex.quote(value)}" for option in ("run", "night", "where")
+                 for value in getattr(args, option)]
+    how = f"records rm {' '.join(selectors)} at {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}"
+    found, dropped = store.rewrite(lambda row: not selected(row), edited=how)
     if nights:
         ResultsStore(store.root / "nights").rewrite(lambda entry: entry.get("night") not in nights)
     records = [r for r in dropped if "record_id" in r]
+    kept_ends = {run_of(r) for r in found.rows if r.get("run_mark") == "ended"} - \
+        {run_of(r) for r in dropped if r.get("run_mark") == "ended"}
+    edited = {run_of(r) for r in records} & kept_ends  # what rewrite(edited=...) marked
     print(f"removed {len(records)} records of {len({run_of(r) for r in records})} runs "
           f"(and {len(dropped) - len(records)} run marks) from {store.path}"
+          + (f"; {len(edited)} runs that lost records keep their marks, marked edited (their verdicts no longer "
+             "count as passed)" if edited else "")
           + (f"; also left out {len(found.problems)} unusable lines and {len(found.uncommitted)} uncommitted "
              "batches" if found.problems or found.uncommitted else "")
           + "; the previous file is kept beside it (records.jsonl.before-*)")

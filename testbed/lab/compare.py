@@ -28,6 +28,13 @@ A change is beyond noise when the corrected p (column `p_adjusted`, beside the u
 below ALPHA and the medians differ by at least testbed.measure.history.MIN_CHANGE; too few runs to reach
 p < ALPHA at all (fewer than 4 a side, or 3 against 5) says so instead of guessing.
 
+Each speed row also says the smallest change the comparison could have detected (`detectable_pct`, for
+the runs `detectable_at`): the change the test calls with chance POWER, at the runs' spread (the pooled
+standard deviation of the log per-run values around each side's mean), were it the only change among
+the quantities judged (Holm's first step: p < ALPHA / quantities), found by simulating the exact test
+on normal log values shifted by it (SIMULATIONS draws, a fixed seed), and never below MIN_CHANGE. Where
+the runs cannot reach that p at all, it is the figure for the fewest equal runs a side that can.
+
 The machine is a covariate: where every run on both sides has the machine probe beside it
 (testbed.measure.history.is_probe: the probe in the same run, or in a run on the same device within
 testbed.measure.history.PROBE_HOURS), each run's median is divided by the probe's level in that run (a time
@@ -46,6 +53,7 @@ otherwise, 2 bad input, 6 an internal error of testbed (a traceback; never 1, wh
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import sys
@@ -156,18 +164,13 @@ def mann_whitney_p(a: list[float], b: list[float]) -> float:
     return min(1.0, float(stats.mannwhitneyu(a, b, alternative="two-sided", method=method).pvalue))
 
 
-def can_decide(n: int, m: int) -> bool:
-    """Whether n against m runs can reach p < ALPHA at all: the most extreme ordering's p."""
-    return n > 0 and m > 0 and 2 / math.comb(n + m, n) < ALPHA
-
-
 def judge_change(a: list[float], b: list[float], unit: str) -> tuple[float | None, float | None, str]:
     """(relative change of B's median run against A's, p, verdict) for per-run medians a and b, the
     verdict at p < ALPHA uncorrected (`frame` corrects over all quantities: `verdict_of`)."""
     if not np.median(a) > 0:
         return None, None, "no change to state: A's median is not above 0"
     change = float(np.median(b) / np.median(a) - 1)
-    if not can_decide(len(a), len(b)):
+    if not reachable(len(a), len(b), ALPHA):
         return change, None, f"too few runs to tell ({len(a)} vs {len(b)})"
     p = mann_whitney_p(a, b)
     return change, p, verdict_of(change, p, unit)
@@ -181,6 +184,89 @@ def verdict_of(change: float, p: float, unit: str) -> str:
     if history.higher_is_better(unit):
         return "slower" if change < 0 else "faster"
     return "higher" if change > 0 else "lower"
+
+
+# --- the smallest change a comparison could have detected ------------------------------------------
+
+# The chance of calling a change that is there (the power) at which a change counts as detectable.
+POWER = 0.8
+# Simulated comparisons per effect size tried, and the seed: the same runs always give the same figure.
+SIMULATIONS = 400
+SEED = 33
+# The effect sizes tried (in pooled standard deviations of a run's log value), halved until within this.
+EFFECT_PRECISION = 0.02
+LARGEST_EFFECT = 64.0
+
+
+def spread(a: list[float], b: list[float]) -> float | None:
+    """The runs' spread: the pooled standard deviation of log(per-run value) around each side's mean
+    (a relative spread, the same for a time and a rate), or None without two runs on one side."""
+    with np.errstate(divide="ignore", invalid="ignore"):  # a run at 0 or below: no relative spread
+        logs = [np.log(np.asarray(side, dtype=float)) for side in (a, b)]
+    dof = sum(x.size for x in logs) - 2
+    if dof < 1 or not all(np.all(np.isfinite(x)) for x in logs):
+        return None
+    return float(np.sqrt(sum(float(((x - x.mean()) ** 2).sum()) for x in logs) / dof))
+
+
+def reachable(n: int, m: int, alpha: float) -> bool:
+    """Whether n against m runs can reach p < alpha at all: the most extreme ordering's p."""
+    return n > 0 and m > 0 and 2 / math.comb(n + m, n) < alpha
+
+
+def power(n: int, m: int, effect: float, alpha: float) -> float:
+    """The chance that the two-sided Mann-Whitney test (exact up to EXACT_UP_TO runs a side) gives
+    p < alpha for n against m runs whose log values are normal with unit spread, B's shifted by
+    `effect`: SIMULATIONS comparisons drawn with a fixed seed (so the same runs, the same figure)."""
+    from scipy import stats
+
+    rng = np.random.default_rng(SEED)
+    a = rng.standard_normal((SIMULATIONS, n))
+    b = rng.standard_normal((SIMULATIONS, m)) + effect
+    method = "exact" if max(n, m) <= EXACT_UP_TO else "asymptotic"
+    p = stats.mannwhitneyu(a, b, alternative="two-sided", method=method, axis=1).pvalue
+    return float(np.mean(p < alpha))
+
+
+@functools.lru_cache(maxsize=None)
+def detectable_effect(n: int, m: int, alpha: float) -> float | None:
+    """The smallest shift (in spreads) the test finds with chance POWER at n against m runs, or None
+    where no shift can reach alpha (too few runs). Bisection: power grows with the shift. Rows with
+    the same runs and quantities share it (cached)."""
+    if not reachable(n, m, alpha) or power(n, m, LARGEST_EFFECT, alpha) < POWER:
+        return None
+    low, high = 0.0, LARGEST_EFFECT
+    while high - low > EFFECT_PRECISION:
+        middle = (low + high) / 2
+        low, high = (low, middle) if power(n, m, middle, alpha) >= POWER else (middle, high)
+    return high
+
+
+def runs_needed(n: int, m: int, alpha: float) -> int:
+    """The fewest runs a side (at least the larger side's) with which some change can reach alpha."""
+    k = max(n, m, 1)
+    while not reachable(k, k, alpha):
+        k += 1
+    return k
+
+
+def detectable_change(a: list[float], b: list[float], tested: int) -> tuple[float | None, str | None]:
+    """(the smallest change in % the comparison detects with chance POWER, the runs a side it holds for:
+    "n vs m"), for per-run values a and b at their spread, were it the only change among the `tested`
+    quantities (Holm's first step: p < ALPHA / tested), and never below history.MIN_CHANGE (the verdict's
+    own floor). Where these runs cannot reach that p at all: the figure for the fewest equal runs a side
+    that can. (None, None) without a spread."""
+    sigma = spread(a, b)
+    if sigma is None:
+        return None, None
+    alpha = ALPHA / max(tested, 1)
+    n, m = len(a), len(b)
+    if not reachable(n, m, alpha):
+        n = m = runs_needed(n, m, alpha)
+    effect = detectable_effect(n, m, alpha)
+    if effect is None:
+        return None, None
+    return 100 * max(math.expm1(effect * sigma), history.MIN_CHANGE), f"{n} vs {m}"
 
 
 def count_verdict(a: list[float], b: list[float]) -> tuple[float | None, str]:
@@ -234,7 +320,7 @@ def probe_levels(records: list[dict]) -> dict[str, float]:
 def figure_rows(a: list[dict], b: list[dict], ignoring: tuple[str, ...] = ()) -> list[dict]:
     """One row per measured quantity of every series, judged where both sides measured it; the p-values
     of all quantities tested corrected together (Holm)."""
-    rows = []
+    rows, judged = [], []  # judged: (row, (A's values, B's values)) of each speed quantity tested
     sides = {"A": emulation.split([r for r in a if r["kind"] == "measure"])[0],
              "B": emulation.split([r for r in b if r["kind"] == "measure"])[0]}
     # the probe on both sides together: one scale for its slowness
@@ -249,7 +335,8 @@ def figure_rows(a: list[dict], b: list[dict], ignoring: tuple[str, ...] = ()) ->
             row = {"experiment": key[0], "device": key[1], "backend": key[2], "config": key[3],
                    "case": key[4], "quantity": name, "derived": ", ".join(derived), "unit": unit,
                    **_summary("a", figs["A"]), **_summary("b", figs["B"]), "change_pct": None, "machine_pct": None,
-                   "normalised_pct": None, "p": None, "p_adjusted": None, "verdict": None}
+                   "normalised_pct": None, "p": None, "p_adjusted": None, "verdict": None,
+                   "detectable_pct": None, "detectable_at": None}
             if not (figs["A"] and figs["B"]):
                 row["verdict"] = "only in A" if figs["A"] else "only in B"
                 rows.append(row)
@@ -273,16 +360,21 @@ def figure_rows(a: list[dict], b: list[dict], ignoring: tuple[str, ...] = ()) ->
                 n_change, n_p, n_verdict = judge_change(norm["A"], norm["B"], unit)
                 row.update(machine_pct=100 * (float(np.median(scale["B"])) / float(np.median(scale["A"])) - 1),
                            normalised_pct=None if n_change is None else 100 * n_change, p=n_p, verdict=n_verdict)
+            if kind == "speed":
+                judged.append((row, (norm["A"], norm["B"]) if row["normalised_pct"] is not None
+                               else (values["A"], values["B"])))
             rows.append(row)
     tested = [r for r in rows if r["p"] is not None]
     for r, adjusted in zip(tested, history.holm([r["p"] for r in tested])):
         r["p_adjusted"] = adjusted
         change = r["normalised_pct"] if r["normalised_pct"] is not None else r["change_pct"]
         r["verdict"] = verdict_of(change / 100, adjusted, r["unit"])
-        least = 2 / math.comb(r["a_runs"] + r["b_runs"], r["a_runs"])  # the most extreme ordering's p
-        if r["verdict"] == "within noise" and least * len(tested) >= ALPHA and abs(change) >= 100 * history.MIN_CHANGE:
+        if r["verdict"] == "within noise" and not reachable(r["a_runs"], r["b_runs"], ALPHA / len(tested)) \
+                and abs(change) >= 100 * history.MIN_CHANGE:
             r["verdict"] = (f"too few runs to tell after correction ({r['a_runs']} vs {r['b_runs']} runs, "
                             f"{len(tested)} quantities tested)")
+    for r, (a_values, b_values) in judged:  # every speed quantity both sides measured, on the scale judged
+        r["detectable_pct"], r["detectable_at"] = detectable_change(a_values, b_values, len(judged))
     return rows
 
 
@@ -321,7 +413,8 @@ def frame(a: list[dict], b: list[dict], ignoring: tuple[str, ...] = ()) -> pd.Da
     """The comparison as data: numeric columns for figures, pass counts for oracles."""
     columns = ["experiment", "device", "backend", "config", "case", "quantity", "derived", "unit",
                "a_median", "a_min", "a_max", "a_runs", "b_median", "b_min", "b_max", "b_runs", "change_pct",
-               "machine_pct", "normalised_pct", "p", "p_adjusted", "a_verdict", "b_verdict", "verdict"]
+               "machine_pct", "normalised_pct", "p", "p_adjusted", "detectable_pct", "detectable_at",
+               "a_verdict", "b_verdict", "verdict"]
     df = pd.DataFrame(figure_rows(a, b, ignoring) + oracle_rows(a, b, ignoring), columns=columns)
     return df.astype({"a_runs": "Int64", "b_runs": "Int64"})  # counts, null on an oracle's row
 
@@ -349,6 +442,8 @@ def for_people(df: pd.DataFrame) -> pd.DataFrame:
                          "beside the machine %": [None if pd.isna(c) else f"{c:+.1f}" for c in df["normalised_pct"]],
                          "p": [None if pd.isna(p) else f"{p:.2g}" for p in df["p"]],
                          "p (Holm)": [None if pd.isna(p) else f"{p:.2g}" for p in df["p_adjusted"]],
+                         "detectable %": [None if pd.isna(d) else f"{d:.1f} ({at} runs)"
+                                          for d, at in zip(df["detectable_pct"], df["detectable_at"])],
                          "verdict": df["verdict"]})
 
 
@@ -387,7 +482,9 @@ def _compare(args) -> int:
               f"({len({r['run_id'] for r in b.records})} runs); beyond noise: two-sided Mann-Whitney U on the "
               f"runs' medians (scipy), p < {ALPHA} after Holm's correction over the {int(df['p'].notna().sum())} "
               f"quantities tested, and at least {history.MIN_CHANGE:.0%}; beside the machine where its probe ran "
-              f"in every run; instruction counts exact, more than {history.INSTRUCTION_RISE:.0%} more counts")
+              f"in every run; instruction counts exact, more than {history.INSTRUCTION_RISE:.0%} more counts; "
+              f"detectable: the smallest change found {POWER:.0%} of the time at the runs' spread with the runs "
+              "named (simulated exact test, p < 0.05 / quantities)")
     if args.format == "md":
         counts = df["unit"] == history.INSTRUCTIONS
         text = legend + "\n\n" + tables.markdown(for_people(df[~counts]))

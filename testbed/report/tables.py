@@ -1,15 +1,20 @@
 """Render DataFrames for people (Markdown) and programs (CSV, JSON, JSON lines).
 
-For programs a table is data: numbers stay numbers (never "1.2 ms"), a figure's raw repetitions ride
-along in a `samples` column (JSON and JSON lines only: a list does not fit a CSV cell, and a page of
-repetitions helps no reader of Markdown), and a conclusion drawn over the rows, such as a sweep's
-breakeven, is its own object beside them, never a row whose N reads "breakeven".
+For programs a table is data: numbers stay numbers (never "1.2 ms"), columns have machine names (the
+label a person reads, "padded TTFT (ms)", as padded_TTFT_ms: `column_name`), a figure's raw
+repetitions ride along in a `samples` column (JSON and JSON lines only: a list does not fit a CSV cell,
+and a page of repetitions helps no reader of Markdown), or, for a table whose rows are drawn from
+several records (a sweep's row per N), as the records' own samples beside the rows. A conclusion drawn
+over the rows, such as a sweep's breakeven, is its own object beside them in JSON, never a row whose N
+reads "breakeven"; a CSV holds the rows alone (the caller says the rest on stderr), so any CSV reader
+reads it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -18,6 +23,41 @@ FORMATS = ("md", "csv", "json", "jsonl")
 # Columns only programs get: the per-repetition values of a row's figures, {figure: [values]}.
 DATA_ONLY = ("samples",)
 SAMPLES_SUFFIX = ".samples"
+
+
+# How a label's units read in a column name: "tokens/s" -> tokens_per_s, "change %" -> change_pct
+NAME_WORDS = (("/", " per "), ("%", " pct "), ("#", " number "))
+
+
+def column_name(label) -> str:
+    """A person's column label as a name programs can use: letters, digits, underscores and the dots of
+    a flattened record's keys (metrics.token), its case kept (N stays N), units spelled out ("GFLOP/s" ->
+    GFLOP_per_s, "padded TTFT (ms)" -> padded_TTFT_ms)."""
+    text = str(label)
+    for sign, words in NAME_WORDS:
+        text = text.replace(sign, words)
+    return re.sub(r"[^0-9A-Za-z.]+", "_", text).strip("_") or "column"
+
+
+def for_programs(df: pd.DataFrame) -> pd.DataFrame:
+    """The table with machine column names; two labels that would name one column keep apart (_2)."""
+    names: list[str] = []
+    for label in df.columns:
+        name = column_name(label)
+        names.append(name if name not in names else f"{name}_{names.count(name) + 1}")
+    return df.set_axis(names, axis=1)
+
+
+def record_samples(frame: pd.DataFrame) -> list[dict]:
+    """The raw repetitions of each record of a flattened frame (store.frame) that has any: its id, case
+    and samples by figure; for a table whose rows each draw on several records."""
+    out = []
+    for _, row in frame.iterrows():
+        by_figure = samples(row)
+        if by_figure:
+            out.append({"record_id": row["record_id"], "run_id": row["run_id"], "case": row["case"],
+                        "samples": by_figure})
+    return out
 
 
 def _cell(v) -> str:
@@ -80,19 +120,25 @@ def breakeven_line(breakeven: dict) -> str:
     return f"breakeven ({breakeven['source']}): {breakeven['says']}"
 
 
-def render(df: pd.DataFrame, fmt: str, breakevens: list[dict] = ()) -> str:
-    """The table in `fmt`; `breakevens` (dicts with at least `source` and `says`) after it: lines under
-    the Markdown table, `#` comment lines after the CSV (pandas' read_csv(comment="#") skips them, as
-    the seeds' fixtures do), a `breakevens` list beside `rows` in JSON, `{"breakeven": ...}` lines
-    after the rows in JSON lines."""
+def render(df: pd.DataFrame, fmt: str, breakevens: list[dict] = (), behind: list[dict] = ()) -> str:
+    """The table in `fmt`; `breakevens` (dicts with at least `source` and `says`): lines under the
+    Markdown table, a `breakevens` list beside `rows` in JSON, `{"breakeven": ...}` lines after the rows
+    in JSON lines, and never in the CSV (rows alone: the caller says them on stderr). `behind`: the
+    samples of the records the rows draw on (record_samples), for a table without a `samples` column:
+    a `samples` list beside `rows` in JSON, `{"samples": ...}` lines in JSON lines."""
     df = whole_numbers(df)
     if fmt == "md":
         return "\n".join([markdown(df), *("\n" + breakeven_line(b) for b in breakevens)])
     if fmt == "csv":
-        return for_people(df).to_csv(index=False) + "".join(f"# {breakeven_line(b)}\n" for b in breakevens)
+        return for_programs(for_people(df)).to_csv(index=False)
     if fmt in ("json", "jsonl"):  # numbers stay numbers, to the last bit; missing values are null
-        rows = [{str(k): _json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
+        rows = [{k: _json_value(v) for k, v in row.items()} for row in for_programs(df).to_dict(orient="records")]
         if fmt == "json":
-            return json.dumps({"rows": rows, "breakevens": list(breakevens)}, indent=1, default=str)
-        return "\n".join([*(json.dumps(r, default=str) for r in rows), *(json.dumps({"breakeven": b}) for b in breakevens)])
+            data = {"rows": rows, "breakevens": list(breakevens)}
+            if behind:
+                data["samples"] = list(behind)
+            return json.dumps(data, indent=1, default=str)
+        return "\n".join([*(json.dumps(r, default=str) for r in rows),
+                          *(json.dumps({"breakeven": b}) for b in breakevens),
+                          *(json.dumps({"samples": s}) for s in behind)])
     raise ValueError(f"format {fmt!r} is not one of {FORMATS}")
