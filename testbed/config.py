@@ -124,7 +124,10 @@ def check_choice(group: str, name: str) -> None:
 
 
 def group_file(group: str, name: str) -> Path:
-    """The YAML file of `name` in `group`; a UsageError naming what is accepted if there is none."""
+    """The YAML file of `name` in `group`; a UsageError naming what is accepted if there is none. A name
+    is a name, never a path: `../experiments/config` would read a file outside the group's folders."""
+    if Path(name).name != name or name.startswith("."):
+        check_choice(group, name)
     for folder in group_dirs(group):
         if (folder / f"{name}.yaml").is_file():
             return folder / f"{name}.yaml"
