@@ -1,0 +1,50 @@
+"""A tool testbed needs on this host and does not have (zig after the plain bootstrap, llama.cpp's source
+offline, valgrind or a working C compiler for the counts) is said in one line saying how to get it, exit 3,
+with nothing stored: never a traceback, never exit 1 (an oracle failed) or 4 (a device operation failed)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.cli import main
+from testbed.errors import ToolMissing
+
+
+@pytest.mark.parametrize("experiment", ["gdn", "llamacpp"])
+def test_a_run_that_needs_zig_without_the_cross_extra_is_one_line_exit_3(experiment, monkeypatch, capsys,
+                                                                         results_dir):
+    monkeypatch.setitem(sys.modules, "ziglang", None)  # `import ziglang` fails, as after scripts/bootstrap.sh
+    assert main(["run", experiment, "device=qemu-hexagon"]) == 3
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("testbed: missing tool: zig is not installed: pip install 'testbed[cross]'"), line
+    assert not results_dir.exists()  # said before a run was stored
+
+
+def test_llamacpps_source_offline_is_a_missing_tool_saying_how_to_get_it(tmp_path, monkeypatch):
+    from testbed.backends.llamacpp.build import SDIST, sdist_source
+
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # no package index reachable: offline
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    with pytest.raises(ToolMissing) as e:
+        sdist_source(cache=tmp_path, progress=lambda msg: None)
+    said = str(e.value)
+    assert "\n" not in said and f"could not download {SDIST[0]}=={SDIST[1]} (offline?)" in said
+    assert f"pip download --no-deps --no-binary :all: -d {tmp_path / 'sdist'}" in said and "llamacpp.source=DIR" in said
+
+
+def test_counting_tools_missing_or_failing_say_what_failed(tmp_path, monkeypatch):
+    from testbed.measure import counts
+
+    monkeypatch.setenv("HOST_CC", "false")  # a compiler that fails saying nothing
+    with pytest.raises(ToolMissing) as e:
+        counts.plugin_path()
+    assert "building the counting plugin failed: `false -shared -fPIC" in str(e.value)
+    assert " exited 1: no output; counts need a working C compiler" in str(e.value)
+    monkeypatch.setenv("HOST_CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(ToolMissing, match=r"^no C compiler '.*no-such-cc' to build the instruction-counting plugin"):
+        counts.plugin_path()
+    monkeypatch.setenv("PATH", str(tmp_path))  # no valgrind on it
+    with pytest.raises(ToolMissing, match=r"^valgrind is not installed \(Debian: apt-get install valgrind\)"):
+        counts.valgrind_argv(["true"])
+    assert ToolMissing.exit_status == 3
