@@ -48,3 +48,24 @@ def test_counting_tools_missing_or_failing_say_what_failed(tmp_path, monkeypatch
     with pytest.raises(ToolMissing, match=r"^valgrind is not installed \(Debian: apt-get install valgrind\)"):
         counts.valgrind_argv(["true"])
     assert ToolMissing.exit_status == 3
+
+
+def test_a_device_session_without_the_cross_extra_skips_naming_it(tmp_path):
+    """`pytest --device=qemu-hexagon -m device` after the plain bootstrap (no zig): the tests that need zig
+    ended in errors; they are skips naming the tool and how to get it."""
+    import os
+    import subprocess
+
+    from testbed import PROJECT_ROOT
+
+    shadow = tmp_path / "site" / "ziglang"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('not installed: the plain bootstrap has no cross extra')\n")
+    paths = [str(shadow.parent), str(PROJECT_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    p = subprocess.run([sys.executable, "-m", "pytest", "--device=qemu-hexagon", "-m", "device", "-p", "no:cacheprovider",
+                        "tests/device/test_gdn_on_device.py::test_gdn_oracle_matrix_passes_on_the_device"],
+                       cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "1 skipped" in p.stdout, p.stdout[-2000:]
+    assert "this host lacks a tool for device 'qemu-hexagon': zig is not installed: pip install 'testbed[cross]'" \
+        in p.stdout
