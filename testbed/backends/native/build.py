@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -259,6 +260,35 @@ def target_for_abi(abi: str) -> str:
     return TARGET_FOR_ABI[abi]
 
 
+# A build's temporary folder, OUT.tmpPID (build_programs renames it to OUT when whole): TARGET, the
+# variant (toolchain, fused, noavx512), 16 hex digits of the hash, the building process's id.
+TEMPORARY = re.compile(r"(?:%s)(?:-(?:%s))?(?:-fused)?(?:-noavx512)?-[0-9a-f]{16}\.tmp([0-9]+)"
+                       % ("|".join(TARGETS), "|".join(TOOLCHAINS)))
+
+
+def remove_stale_temporaries(cache_dir: Path) -> list[Path]:
+    """Remove the half-built folders of builds whose process is gone (a SIGKILL mid-build leaves its
+    OUT.tmpPID behind; nothing else ever would). Only testbed's own, by their exact name, and never
+    through a link; a folder whose process is alive (another build now) is left to it."""
+    removed = []
+    for path in cache_dir.glob("*.tmp*") if cache_dir.is_dir() else ():
+        match = TEMPORARY.fullmatch(path.name)
+        if match and not path.is_symlink() and path.is_dir() and not _process_alive(int(match[1])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def build_programs(target: str, fused: bool = False, cache_dir: Path | None = None,
                    kernels_dir: Path = KERNELS_DIR, avx512: bool = True, toolchain: str | None = None) -> Path:
     """Build (or reuse) the static programs for `target`; returns the folder holding them.
@@ -273,6 +303,7 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
         raise ValueError(f"toolchain {toolchain!r} is not one of {', '.join(TOOLCHAINS)}")
     identity = toolchain_identity(target, toolchain)
     cache_dir = cache_dir or ROOT / ".cache" / "kernels"
+    remove_stale_temporaries(cache_dir)
     variant = ("" if toolchain == default_toolchain(target) else f"-{toolchain}") + ("-fused" if fused else "") + \
         ("" if avx512 else "-noavx512")
     out = cache_dir / f"{target}{variant}-{_programs_hash(target, fused, kernels_dir, avx512, toolchain)[:16]}"
