@@ -129,10 +129,19 @@ def _entry_points() -> dict[str, Path | str]:
     return found
 
 
+# testbed's own experiment modules (testbed.experiments.NAME), found by file: composing a configuration
+# must not import them.
+OWN_EXPERIMENTS = Path(__file__).resolve().parent / "experiments"
+
+
 def choices(group: str) -> list[str]:
-    """The names a config group accepts: its YAML files (and, for experiments, other packages')."""
+    """The names a config group accepts: its YAML files (and, for experiments, other packages'). An
+    experiment is a module with its config: a YAML file with no module (a lab's experiment/NAME.yaml
+    alone) runs nothing, so it is not one (check_choice says what it lacks)."""
     names = {p.stem for folder in group_dirs(group) for p in folder.glob("*.yaml")}
-    return sorted(names | set(packaged_experiments()) if group == "experiment" else names)
+    if group != "experiment":
+        return sorted(names)
+    return sorted({n for n in names if (OWN_EXPERIMENTS / f"{n}.py").is_file()} | set(packaged_experiments()))
 
 
 def check_choice(group: str, name: str) -> None:
@@ -140,6 +149,12 @@ def check_choice(group: str, name: str) -> None:
     accepted = choices(group)
     if name not in accepted and group == "experiment" and name in broken_entry_points():
         raise UsageError(f"experiment {name!r}: {broken_entry_points()[name]}")
+    config = next((folder / f"{name}.yaml" for folder in group_dirs(group) if (folder / f"{name}.yaml").is_file()), None)
+    if name not in accepted and group == "experiment" and config is not None and Path(name).name == name:
+        raise UsageError(f"experiment {name!r} ({config}) has a config but no module: an experiment is a module "
+                         f"that runs it (testbed/experiments/{name}.py, or another package's entry point {name} in "
+                         f"group {ENTRY_POINTS}, its {name}.yaml beside it); to run one of {', '.join(accepted)} "
+                         "with other values, name them on the command line or in a suite")
     if name not in accepted:
         raise UsageError(f"unknown {group} {name!r}{did_you_mean(name, accepted)}; "
                          f"accepted: {', '.join(accepted)}")

@@ -102,3 +102,26 @@ def test_a_broken_entry_point_is_one_line_and_the_rest_still_runs(tmp_path, monk
     [warned] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("testbed: warning: ")]
     assert warned.startswith("testbed: warning: experiment 'gone' is left out: entry point testbed.experiments gone = "
                              "uninstalled_pkg.gone does not import (ModuleNotFoundError"), warned
+
+
+def test_a_labs_experiment_config_without_a_module_is_not_listed_and_run_says_what_it_needs(tmp_path, monkeypatch,
+                                                                                             capsys, results_dir):
+    """`--help` listed a lab's experiment/NAME.yaml that `run` then refused: the two agree now. A YAML
+    alone runs nothing; using it says in one line what an experiment needs."""
+    from testbed import experiments
+    from testbed.cli import main
+
+    (tmp_path / "lab" / "experiment").mkdir(parents=True)
+    (tmp_path / "lab" / "experiment" / "gdn_small.yaml").write_text("backend: refimpl\nmode: oracle\n")
+    monkeypatch.setenv("TESTBED_LAB", str(tmp_path / "lab"))
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert "gdn_small" not in capsys.readouterr().out
+    for argv in (["run", "gdn_small"], ["sweep", "experiment=gdn_small", "chunk=16,32"]):
+        assert main(argv) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"testbed: error: experiment 'gdn_small' ({tmp_path / 'lab' / 'experiment' / 'gdn_small.yaml'}) "
+                               "has a config but no module: an experiment is a module that runs it"), line
+    assert not results_dir.exists()
+    for name in config.choices("experiment"):  # every experiment listed is one `run` can load
+        assert experiments.load(name).PARAMS is not None

@@ -32,9 +32,6 @@ def load(name: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except Exception as e:  # noqa: BLE001 -- another package's module may fail to import in any way
-        if isinstance(e, ModuleNotFoundError) and e.name == module and name not in packaged:
-            raise UsageError(f"experiment {name!r} has a config but no module testbed/experiments/{name}.py "
-                             f"nor an entry point {name} in group {ENTRY_POINTS}") from None
         if name not in packaged:
             raise  # testbed's own module: a bug, with its traceback
         # a stale or half-installed package: one line naming its entry point, the other experiments still run
