@@ -117,7 +117,7 @@ def _entry_points() -> dict[str, Path | str]:
         try:
             spec = importlib.util.find_spec(entry.value)
         except Exception as e:  # noqa: BLE001 -- a package importing its parent can fail in any way
-            found[entry.name] = (f"{said} does not import ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            found[entry.name] = (f"{said} does not import ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); "
                                  "reinstall or uninstall the package that declares it")
             continue
         config = Path(spec.origin).parent / f"{entry.name}.yaml" if spec and spec.origin else None
@@ -147,17 +147,25 @@ def choices(group: str) -> list[str]:
 def check_choice(group: str, name: str) -> None:
     """A UsageError naming the closest accepted name and every accepted one, if `group` has no `name`."""
     accepted = choices(group)
-    if name not in accepted and group == "experiment" and name in broken_entry_points():
-        raise UsageError(f"experiment {name!r}: {broken_entry_points()[name]}")
-    config = next((folder / f"{name}.yaml" for folder in group_dirs(group) if (folder / f"{name}.yaml").is_file()), None)
-    if name not in accepted and group == "experiment" and config is not None and Path(name).name == name:
+    if name in accepted:
+        return
+    if group == "experiment":
+        _refuse_experiment_without_module(name, accepted)
+    raise UsageError(f"unknown {group} {name!r}{did_you_mean(name, accepted)}; accepted: {', '.join(accepted)}")
+
+
+def _refuse_experiment_without_module(name: str, accepted: list[str]) -> None:
+    """What an experiment name that is not accepted lacks, when it has a config: a module that imports."""
+    broken = broken_entry_points()
+    if name in broken:
+        raise UsageError(f"experiment {name!r}: {broken[name]}")
+    config = next((folder / f"{name}.yaml" for folder in group_dirs("experiment")
+                   if Path(name).name == name and (folder / f"{name}.yaml").is_file()), None)
+    if config is not None:
         raise UsageError(f"experiment {name!r} ({config}) has a config but no module: an experiment is a module "
                          f"that runs it (testbed/experiments/{name}.py, or another package's entry point {name} in "
                          f"group {ENTRY_POINTS}, its {name}.yaml beside it); to run one of {', '.join(accepted)} "
                          "with other values, name them on the command line or in a suite")
-    if name not in accepted:
-        raise UsageError(f"unknown {group} {name!r}{did_you_mean(name, accepted)}; "
-                         f"accepted: {', '.join(accepted)}")
 
 
 def group_file(group: str, name: str) -> Path:
