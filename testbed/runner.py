@@ -86,18 +86,19 @@ def check(rc: RunConfig):
     if backend in backends.names():
         backends.refuse_mismatch(backend, rc.device, rc.cfg.device.get("capabilities"))
     if backend == "native":
-        check_native_toolchain(profile)
+        check_native_tools(profile, counted=bool(rc.cfg.get("counts")))
     if hasattr(module, "validate"):
         module.validate(rc.cfg)
     return module, profile
 
 
-def check_native_toolchain(profile) -> None:
-    """backend=native builds its programs on this host before anything runs: a missing compiler (zig
-    after a bootstrap without the cross extra, a cross gcc) is said now (ToolMissing, exit 3), before a
-    run is stored, rather than as a broken run."""
+def check_native_tools(profile, counted: bool) -> None:
+    """backend=native builds its programs on this host before anything runs, and counts=true on the host
+    runs them once more under valgrind: a missing tool (zig after a bootstrap without the cross extra, a
+    cross gcc, valgrind) is said now (ToolMissing, exit 3), before a run is stored, not as a broken run."""
     from testbed.backends.native.build import BuildError, ToolMissing, default_toolchain, target_for_abi, \
         toolchain_identity
+    from testbed.measure.counts import valgrind_argv
 
     try:
         target = target_for_abi(profile.abi)
@@ -105,7 +106,9 @@ def check_native_toolchain(profile) -> None:
     except ToolMissing:
         raise
     except BuildError:
-        return  # not a missing tool: the build itself says what is wrong, in the run
+        pass  # not a missing tool: the build itself says what is wrong, in the run
+    if counted and profile.transport == "local":
+        valgrind_argv([])
 
 
 class ComputedElsewhere(DeviceError):

@@ -69,3 +69,18 @@ def test_a_device_session_without_the_cross_extra_skips_naming_it(tmp_path):
     assert p.returncode == 0 and "1 skipped" in p.stdout, p.stdout[-2000:]
     assert "this host lacks a tool for device 'qemu-hexagon': zig is not installed: pip install 'testbed[cross]'" \
         in p.stdout
+
+
+def test_host_counts_without_valgrind_are_refused_before_a_run_is_stored(tmp_path, monkeypatch, capsys, results_dir):
+    """counts=true on the host runs the programs once more under valgrind: without it the run broke midway,
+    exit 4 ("device error"); now one line before anything is stored, exit 3."""
+    import shutil
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "cc").symlink_to(shutil.which("cc"))  # the compiler is here; valgrind is not
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert main(["run", "gdn", "backend=native", "counts=true", "mode=bench"]) == 3
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == ("testbed: missing tool: valgrind is not installed (Debian: apt-get install valgrind); host "
+                    "instruction counts need it")
+    assert not results_dir.exists()
