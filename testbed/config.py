@@ -43,6 +43,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import RangeSweep, ValueType
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from testbed import CONFIG_ROOT, PROJECT_ROOT
 from testbed.errors import UsageError, closest, did_you_mean
@@ -97,34 +98,81 @@ def group_dirs(group: str) -> list[Path]:
 
 
 def packaged_experiments() -> dict[str, Path]:
-    """Experiments other packages provide (entry point group testbed.experiments): name -> its config."""
-    found = {}
+    """Experiments other packages provide (entry point group testbed.experiments): name -> its config.
+    A broken entry point is left out (broken_entry_points says why): the other experiments still run."""
+    return {name: found for name, found in _entry_points().items() if isinstance(found, Path)}
+
+
+def broken_entry_points() -> dict[str, str]:
+    """Entry points of group testbed.experiments that cannot serve (a stale or half-installed package:
+    its module does not import, or has no config beside it): name -> one line saying which and why."""
+    return {name: found for name, found in _entry_points().items() if isinstance(found, str)}
+
+
+def _entry_points() -> dict[str, Path | str]:
+    """Each entry point's config, or why there is none."""
+    found: dict[str, Path | str] = {}
     for entry in importlib.metadata.entry_points(group=ENTRY_POINTS):
-        spec = importlib.util.find_spec(entry.value)
+        said = f"entry point {ENTRY_POINTS} {entry.name} = {entry.value}"
+        try:
+            spec = importlib.util.find_spec(entry.value)
+        except Exception as e:  # noqa: BLE001 -- a package importing its parent can fail in any way
+            found[entry.name] = (f"{said} does not import ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); "
+                                 "reinstall or uninstall the package that declares it")
+            continue
         config = Path(spec.origin).parent / f"{entry.name}.yaml" if spec and spec.origin else None
         if config is None or not config.is_file():
-            raise UsageError(f"entry point {ENTRY_POINTS} {entry.name} = {entry.value}: no config {entry.name}.yaml "
-                             f"beside the module; accepted: a module with its NAME.yaml in the same folder")
+            found[entry.name] = (f"{said}: no module, or no config {entry.name}.yaml beside it; accepted: a module "
+                                 "with its NAME.yaml in the same folder")
+            continue
         found[entry.name] = config
     return found
 
 
+# testbed's own experiment modules (testbed.experiments.NAME), found by file: composing a configuration
+# must not import them.
+OWN_EXPERIMENTS = Path(__file__).resolve().parent / "experiments"
+
+
 def choices(group: str) -> list[str]:
-    """The names a config group accepts: its YAML files (and, for experiments, other packages')."""
+    """The names a config group accepts: its YAML files (and, for experiments, other packages'). An
+    experiment is a module with its config: a YAML file with no module (a lab's experiment/NAME.yaml
+    alone) runs nothing, so it is not one (check_choice says what it lacks)."""
     names = {p.stem for folder in group_dirs(group) for p in folder.glob("*.yaml")}
-    return sorted(names | set(packaged_experiments()) if group == "experiment" else names)
+    if group != "experiment":
+        return sorted(names)
+    return sorted({n for n in names if (OWN_EXPERIMENTS / f"{n}.py").is_file()} | set(packaged_experiments()))
 
 
 def check_choice(group: str, name: str) -> None:
     """A UsageError naming the closest accepted name and every accepted one, if `group` has no `name`."""
     accepted = choices(group)
-    if name not in accepted:
-        raise UsageError(f"unknown {group} {name!r}{did_you_mean(name, accepted)}; "
-                         f"accepted: {', '.join(accepted)}")
+    if name in accepted:
+        return
+    if group == "experiment":
+        _refuse_experiment_without_module(name, accepted)
+    raise UsageError(f"unknown {group} {name!r}{did_you_mean(name, accepted)}; accepted: {', '.join(accepted)}")
+
+
+def _refuse_experiment_without_module(name: str, accepted: list[str]) -> None:
+    """What an experiment name that is not accepted lacks, when it has a config: a module that imports."""
+    broken = broken_entry_points()
+    if name in broken:
+        raise UsageError(f"experiment {name!r}: {broken[name]}")
+    config = next((folder / f"{name}.yaml" for folder in group_dirs("experiment")
+                   if Path(name).name == name and (folder / f"{name}.yaml").is_file()), None)
+    if config is not None:
+        raise UsageError(f"experiment {name!r} ({config}) has a config but no module: an experiment is a module "
+                         f"that runs it (testbed/experiments/{name}.py, or another package's entry point {name} in "
+                         f"group {ENTRY_POINTS}, its {name}.yaml beside it); to run one of {', '.join(accepted)} "
+                         "with other values, name them on the command line or in a suite")
 
 
 def group_file(group: str, name: str) -> Path:
-    """The YAML file of `name` in `group`; a UsageError naming what is accepted if there is none."""
+    """The YAML file of `name` in `group`; a UsageError naming what is accepted if there is none. A name
+    is a name, never a path: `../experiments/config` would read a file outside the group's folders."""
+    if Path(name).name != name or name.startswith("."):
+        check_choice(group, name)
     for folder in group_dirs(group):
         if (folder / f"{name}.yaml").is_file():
             return folder / f"{name}.yaml"
@@ -279,6 +327,16 @@ class RunConfig:
     cfg: DictConfig
     overrides: list[str]
     groups: dict[str, str] = field(default_factory=dict)  # each config group composed -> its option
+    sizes: dict[str, Any] = field(default_factory=dict)  # what the device profile's sizes set (dotted key -> value)
+
+    def origin(self, key: str) -> str | None:
+        """Where a key's value came from when the device profile's sizes set it (or a key inside or
+        around it): `devices/NAME.yaml: sizes.EXPERIMENT.KEY`, for an error about that value. None: the
+        experiment's config or the command line."""
+        for sized in self.sizes:
+            if sized == key or sized.startswith(key + ".") or key.startswith(sized + "."):
+                return f"devices/{self.device}.yaml: sizes.{self.experiment}.{sized}"
+        return None
 
     def flat(self) -> dict[str, Any]:
         """Every value as dotted keys, for records and tables."""
@@ -320,8 +378,9 @@ def load(overrides: Iterable[str] = (), experiment: str | None = None) -> RunCon
         del cfg["hydra"]
     parsed = parse_overrides(overrides)  # again: `experiment=` may have been put in front
     _check_additions(parsed, overrides, cfg, name, device)
-    apply_device_sizes(cfg, parsed, name, device)
-    return RunConfig(experiment=name, device=device, cfg=cfg, overrides=overrides, groups=groups)
+    sizes = apply_device_sizes(cfg, parsed, name, device)
+    cfg.results_dir = str(results_path(cfg.results_dir))  # what `--cfg job` prints is where records go
+    return RunConfig(experiment=name, device=device, cfg=cfg, overrides=overrides, groups=groups, sizes=sizes)
 
 
 def describe(rc: RunConfig, keys: bool = True) -> str:
@@ -414,21 +473,48 @@ def _key_hint(key: str, keys: list[str]) -> str:
     return f" (did you mean {parent + '.' + close!r}?)" if close else ""
 
 
+# The keys experiments/config.yaml sets for every experiment (where records go, where the fixtures are,
+# the seed) and the config groups: never a size. A profile that set them would move the store silently.
+def not_sizes() -> set[str]:
+    shared = OmegaConf.load(CONFIG_DIR / "config.yaml")
+    return {str(k) for k in shared if k != "defaults"} | set(GROUPS)
+
+
 def apply_device_sizes(cfg: DictConfig, parsed: list, experiment: str, device: str) -> dict[str, Any]:
     """The device profile's `sizes` for this experiment (devices/NAME.yaml: an emulated device's smaller
     matrix, shapes and repetitions) set in `cfg`, below the command line: a key the overrides name, or
-    a key inside or around one they name, keeps the command line's value. Returns what was applied. A
-    key the experiment does not have is refused, naming the profile."""
-    sizes = OmegaConf.select(cfg, f"device.sizes.{experiment}", default=None)
-    if not sizes:
-        return {}
+    a key inside or around one they name, keeps the command line's value. Returns what was applied
+    (dotted key -> value). Only the experiment's own keys are sizes; anything else (another key, a
+    shared one such as results_dir, a list where a mapping belongs, an interpolation that does not
+    resolve) is refused in one line naming the profile's file and key."""
+    where = f"devices/{device}.yaml: sizes"
+    try:
+        every = OmegaConf.select(cfg, "device.sizes", default=None)
+        if every is not None and not isinstance(every, DictConfig):
+            raise UsageError(f"{where} is not a mapping; accepted: a mapping of experiment names to mappings "
+                             "of their keys")
+        sizes = every.get(experiment) if every is not None else None
+        if sizes is None:
+            return {}
+        if not isinstance(sizes, DictConfig):
+            raise UsageError(f"{where}.{experiment} is not a mapping; accepted: a mapping of the experiment's "
+                             "keys to values")
+        values = _leaf_values(OmegaConf.to_container(sizes, resolve=True))
+    except OmegaConfBaseException as e:  # an interpolation that does not resolve, and its kin
+        key = str(e.full_key or "").removeprefix("device.sizes.")
+        raise UsageError(f"{where}.{key}: {str(e.msg).splitlines()[0]}; accepted: a value, or an interpolation "
+                         "of a key the configuration has") from None
     given = [o.key_or_group for o in parsed]
+    shared = not_sizes()
     applied = {}
-    for key, value in _leaf_values(OmegaConf.to_container(sizes, resolve=True)):
-        if key.split(".")[0] == "device" or OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
-            top = sorted({k.split(".")[0] + (".*" if "." in k else "") for k in _leaf_keys(cfg)} - {"device.*"})
-            raise UsageError(f"devices/{device}.yaml: sizes.{experiment}.{key} is not a key of experiment "
-                             f"{experiment}; accepted keys: {', '.join(top)}")
+    for key, value in values:
+        if key.split(".")[0] in shared or OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
+            top = sorted({k.split(".")[0] + (".*" if "." in k else "") for k in _leaf_keys(cfg)
+                          if k.split(".")[0] not in shared})
+            why = (f"is not a size (set for every experiment, never by a device)" if key.split(".")[0] in shared
+                   else f"is not a key of experiment {experiment}")
+            raise UsageError(f"{where}.{experiment}.{key} {why}; "
+                             f"accepted keys: {', '.join(top)}")
         if any(g == key or key.startswith(g + ".") or g.startswith(key + ".") for g in given):
             continue
         OmegaConf.update(cfg, key, value, merge=False)
@@ -549,11 +635,26 @@ def as_list(value) -> list[int]:
     return [int(v) for v in value] if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) else [int(value)]
 
 
-def check_params(cfg: DictConfig, params: dict) -> None:
-    """Check each declared parameter's type and range; raise a UsageError naming the first bad one."""
+def check_params(cfg: DictConfig, params: dict, origin=lambda key: None) -> None:
+    """Check each declared parameter's type and range; raise a UsageError naming the first bad one and,
+    when `origin(key)` says where its value came from (a device profile's sizes), that too."""
     for key, rule in params.items():
         value = OmegaConf.select(cfg, key, throw_on_missing=False)
-        rule.check(key, value)
+        try:
+            rule.check(key, value)
+        except UsageError as e:
+            if origin(key) is None:
+                raise
+            raise UsageError(f"{origin(key)}: {e}") from None
+
+
+RESULTS_ENV = "TESTBED_RESULTS"
+
+
+def results_path(results_dir: str) -> Path:
+    """Where a run's records go: TESTBED_RESULTS when set (it wins over results_dir: a test's or a lab
+    worker's own store), else the configuration's results_dir, relative to the project root."""
+    return project_path(os.environ.get(RESULTS_ENV) or results_dir)
 
 
 def project_path(path: str | Path) -> Path:

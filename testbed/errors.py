@@ -17,6 +17,14 @@ class DeviceUnreachable(Exception):
     exit_status = 3
 
 
+class ToolMissing(Exception):
+    """A tool testbed needs on this host is not installed (a compiler, zig, make, valgrind, llama.cpp's
+    source offline); the message says how to get it. Exit status 3, as for an unreachable device: as
+    the host stands, this cannot run."""
+
+    exit_status = 3
+
+
 class DeviceError(Exception):
     """The device was reached, but an operation on it failed and a retry (where safe) did not help:
     a transfer that could not be verified, a full device, a command killed at its timeout."""

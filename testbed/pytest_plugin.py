@@ -9,6 +9,9 @@
                                  to end; if another session or a night holds it, pytest stops at once,
                                  naming the holder.
   @pytest.mark.requires("cap")   skip unless the device's profile lists that capability
+  a missing tool                 on a device other than the host, a test stopped by a tool this host lacks
+                                 (testbed.errors.ToolMissing: zig without the cross extra, a cross gcc)
+                                 is a skip naming the tool and how to get it, not an error
   results_dir fixture            a per-session results store, so tests never write into results/
   network guard                  (ini `network_guard`, or --network-guard=loopback|off; the project's
                                  pytest config turns it on) no test may send a packet outside loopback:
@@ -28,7 +31,7 @@ from contextlib import ExitStack
 from testbed.config import choices
 from testbed.devices import connect, load_profile
 from testbed.devices.private import DeviceBusy, device_lock
-from testbed.errors import DeviceUnreachable, UsageError, did_you_mean
+from testbed.errors import DeviceUnreachable, ToolMissing, UsageError, did_you_mean
 
 # The real peers the device tests talk to (loopback adbd, sshd) and their fixtures.
 pytest_plugins = ["testbed.peers.fixtures"]
@@ -130,6 +133,20 @@ def pytest_collection_modifyitems(config, items):
             if missing:
                 item.add_marker(pytest.mark.skip(
                     reason=f"device {profile.name!r} lacks capability {', '.join(missing)}"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A device session on a host without an optional tool (the plain bootstrap has no cross extra):
+    the tests that need it are skipped, saying which tool and how to get it. On the host they fail:
+    the host's tools are the project's own requirements."""
+    outcome = yield
+    report = outcome.get_result()
+    profile = item.config._testbed_profile
+    if call.excinfo is not None and call.excinfo.errisinstance(ToolMissing) and profile.transport != "local":
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), (item.location[1] or 0) + 1,
+                           f"Skipped: this host lacks a tool for device {profile.name!r}: {call.excinfo.value}")
 
 
 @pytest.fixture(scope="session")

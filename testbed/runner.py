@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from testbed import backends, experiments
-from testbed.config import RunConfig, check_params, project_path
+from testbed.config import RunConfig, check_params, results_path
 from testbed.devices import Device, connect, load_profile
 from testbed.devices.profile import Profile
 from testbed.errors import DeviceError
@@ -69,14 +69,15 @@ def storing():
 
 
 def results_store(rc: RunConfig) -> ResultsStore:
-    return ResultsStore(project_path(os.environ.get("TESTBED_RESULTS") or rc.cfg.results_dir))
+    # read again here, not only when composing: a lab's worker runs a job composed elsewhere in its own store
+    return ResultsStore(results_path(rc.cfg.results_dir))
 
 
 def check(rc: RunConfig):
     """Everything that can be checked before running: parameters, the backend against the device,
     cross-parameter rules, the profile."""
     module = experiments.load(rc.experiment)
-    check_params(rc.cfg, module.PARAMS)
+    check_params(rc.cfg, module.PARAMS, rc.origin)
     profile = load_profile(rc.device)
     # The profile as composed, with the run's device.* overrides and additions, is checked as a profile
     # file is: `+device.foo=1` reads nothing, and a typo there must not pass unseen.
@@ -84,9 +85,30 @@ def check(rc: RunConfig):
     backend = rc.cfg.get("backend")
     if backend in backends.names():
         backends.refuse_mismatch(backend, rc.device, rc.cfg.device.get("capabilities"))
+    if backend == "native":
+        check_native_tools(profile, counted=bool(rc.cfg.get("counts")))
     if hasattr(module, "validate"):
         module.validate(rc.cfg)
     return module, profile
+
+
+def check_native_tools(profile, counted: bool) -> None:
+    """backend=native builds its programs on this host before anything runs, and counts=true on the host
+    runs them once more under valgrind: a missing tool (zig after a bootstrap without the cross extra, a
+    cross gcc, valgrind) is said now (ToolMissing, exit 3), before a run is stored, not as a broken run."""
+    from testbed.backends.native.build import BuildError, ToolMissing, default_toolchain, target_for_abi, \
+        toolchain_identity
+    from testbed.measure.counts import valgrind_argv
+
+    try:
+        target = target_for_abi(profile.abi)
+        toolchain_identity(target, default_toolchain(target))
+    except ToolMissing:
+        raise
+    except BuildError:
+        pass  # not a missing tool: the build itself says what is wrong, in the run
+    if counted and profile.transport == "local":
+        valgrind_argv([])
 
 
 class ComputedElsewhere(DeviceError):

@@ -190,3 +190,18 @@ def test_devices_lists_templates_as_not_configured_and_dials_nothing_outside_loo
     for template in ("arm32", "board"):
         assert f"not configured: connection.host is empty (devices/{template}.yaml is a template" in rows[template]
     assert main(["doctor", "board"]) == 3 and tried == []
+
+
+def test_a_device_name_is_a_name_never_a_path(capsys, tmp_path):
+    """`doctor ../x` read any YAML file the path reached (and named it as if in devices/): a profile
+    outside the device folders, valid as it is, is refused by its path, naming the accepted names."""
+    import os
+
+    from testbed.config import DEVICES_DIR
+
+    (tmp_path / "outside.yaml").write_text("name: outside\ntransport: local\nabi: host\nwork_dir: ''\n")
+    path = os.path.relpath(tmp_path / "outside", DEVICES_DIR)
+    assert main(["doctor", path]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"testbed: error: unknown device {path!r}; accepted: ") and " host, " in line
+    assert main(["run", "gdn", f"device={path}", "--cfg", "job"]) == 2

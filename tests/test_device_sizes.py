@@ -105,3 +105,44 @@ def test_max_tokens_keeps_the_matrixs_cases_up_to_that_length():
     short = gdn.selected_cases(config.load(["matrix=awkward", "max_tokens=65"], experiment="gdn").cfg)
     assert sorted({c.n_seq_tokens for c in short}) == [1, 15, 63, 65] and len(short) == 8
     assert gdn.selected_cases(config.load(["matrix=awkward"], experiment="gdn").cfg) == gdn.AWKWARD_CASES
+
+
+
+@pytest.mark.parametrize("sizes, said", [
+    # a profile moving where every run on the device stores its records (or reads its fixtures)
+    ("results_dir: {moved}", "sizes.gdn.results_dir is not a size"),
+    ("fixtures_dir: {moved}", "sizes.gdn.fixtures_dir is not a size"),
+    ("bench: {{heads: '${{no_such_key}}'}}", "sizes.gdn.bench.heads: Interpolation key 'no_such_key' not found"),
+    ("[1, 2]", "sizes.gdn is not a mapping"),
+])
+def test_a_profiles_sizes_set_only_the_experiments_own_keys(lab, tmp_path, monkeypatch, capsys, sizes, said):
+    """Each refused in one line naming the profile's file and key, exit 2, before anything is stored, by
+    `run` (and `--cfg job`); `devices --no-check` lists the profile as invalid instead of a traceback."""
+    from testbed.cli import main
+
+    monkeypatch.setenv("TESTBED_RESULTS", str(tmp_path / "results"))
+    moved = tmp_path / "moved"
+    body = sizes.format(moved=moved)
+    text = LAB_DEVICE.split("  gdn:")[0] + ("  gdn: " + body if body.startswith("[") else "  gdn:\n    " + body) + "\n"
+    (lab / "devices" / "small9.yaml").write_text(text)
+    for argv in (["run", "gdn", "device=small9", "mode=oracle", "matrix=awkward"],
+                 ["run", "gdn", "device=small9", "--cfg", "job", "--resolve"]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        [line] = err.splitlines()
+        assert out == "" and line.startswith(f"testbed: error: devices/small9.yaml: {said}"), line
+    assert not moved.exists() and not (tmp_path / "results").exists()
+    assert main(["devices", "--no-check"]) == 0
+    [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| small9 ")]
+    assert "invalid: devices/small9.yaml: field 'sizes.gdn" in row
+
+
+def test_a_bad_value_from_a_profiles_sizes_names_the_profiles_key(lab):
+    """The experiment's check said `bench.heads=None is not an integer`, as if the command line had said so."""
+    (lab / "devices" / "small9.yaml").write_text(LAB_DEVICE.replace("reps: 2}", "reps: 2, heads: null}"))
+    with pytest.raises(UsageError) as e:
+        runner.check(config.load(["device=small9"], experiment="gdn"))
+    assert str(e.value).startswith("devices/small9.yaml: sizes.gdn.bench.heads: bench.heads=None is not an integer")
+    # the same value from the command line is the command line's
+    with pytest.raises(UsageError, match=r"^bench.heads=None is not an integer"):
+        runner.check(config.load(["device=small9", "bench.heads=null"], experiment="gdn"))

@@ -92,7 +92,9 @@ def test_help_of_a_named_experiment_lists_its_keys_and_its_own_groups(results_di
 
 def _jobs_and_records(results):
     records = ResultsStore(results).records("transport")
-    return sorted((json.dumps(r["config"], sort_keys=True), r["case"], r["kind"]) for r in records)
+    # results_dir says where the records went: each side's own store
+    return sorted((json.dumps({k: v for k, v in r["config"].items() if k != "results_dir"}, sort_keys=True), r["case"],
+                   r["kind"]) for r in records)
 
 
 def test_multirun_is_the_sweep(tmp_path):
@@ -176,3 +178,18 @@ def test_an_unknown_option_is_still_refused(results_dir, capsys):
         main(["run", "gdn", "--frob"])
     assert done.value.code == 2 and "unrecognized arguments: --frob" in capsys.readouterr().err
     assert not results_dir.exists()
+
+
+def test_cfg_job_says_where_records_really_go(results_dir, tmp_path, capsys):
+    """TESTBED_RESULTS (here the test's store) wins over results_dir: `--cfg job --resolve` printed
+    `results_dir: results` while the records went to the store the environment named."""
+    from testbed import runner
+
+    for argv in (["run", "gdn", "--cfg", "job", "--resolve"], ["run", "gdn", "--cfg", "job", "results_dir=elsewhere"]):
+        assert main(argv) == 0
+        printed = yaml.safe_load(capsys.readouterr().out)["results_dir"]
+        assert printed == str(results_dir), argv
+    assert main(["run", "gdn", "mode=oracle", "matrix=awkward", "max_tokens=1"]) == 0
+    capsys.readouterr()
+    assert [p.name for p in results_dir.iterdir()] and not (PROJECT_ROOT / "elsewhere").exists()
+    assert ResultsStore(results_dir).records("gdn")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from testbed import PROJECT_ROOT, config
 
 
@@ -69,3 +71,57 @@ def test_another_package_adds_an_experiment_through_an_entry_point(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "hello on host (refimpl): oracles 3/3 pass" in r.stdout
     assert "hello" not in config.choices("experiment")  # only where the package is installed
+
+
+def test_a_broken_entry_point_is_one_line_and_the_rest_still_runs(tmp_path, monkeypatch, capsys, results_dir):
+    """A stale or half-installed package declaring an experiment (its package gone, or its module failing to
+    import) broke every `testbed run` with a traceback. Now: one line naming the entry point when that
+    experiment is used, a warning where experiments are listed, and every other experiment runs."""
+    from testbed.cli import main
+
+    site = tmp_path / "site"
+    (site / "halfpkg").mkdir(parents=True)
+    (site / "halfpkg" / "__init__.py").write_text("")
+    (site / "halfpkg" / "crash.py").write_text("import no_such_dependency_of_halfpkg\n")
+    (site / "halfpkg" / "crash.yaml").write_text("x: 1\n")
+    info = site / "halfpkg-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: halfpkg\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[testbed.experiments]\ngone = uninstalled_pkg.gone\ncrash = halfpkg.crash\n")
+    monkeypatch.syspath_prepend(str(site))
+    for name in ("gone", "crash"):
+        assert main(["run", name]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"testbed: error: experiment {name!r}: entry point testbed.experiments {name} = "), line
+        assert "reinstall or uninstall the package that declares it" in line
+    assert main(["run", "gdn", "mode=oracle", "matrix=awkward", "max_tokens=1"]) == 0
+    assert "gdn on host (refimpl): oracles 8/8 pass" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    # the package that is gone is left out of the listing, saying why (the other's module is imported on use only)
+    [warned] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("testbed: warning: ")]
+    assert warned.startswith("testbed: warning: experiment 'gone' is left out: entry point testbed.experiments gone = "
+                             "uninstalled_pkg.gone does not import (ModuleNotFoundError"), warned
+
+
+def test_a_labs_experiment_config_without_a_module_is_not_listed_and_run_says_what_it_needs(tmp_path, monkeypatch,
+                                                                                             capsys, results_dir):
+    """`--help` listed a lab's experiment/NAME.yaml that `run` then refused: the two agree now. A YAML
+    alone runs nothing; using it says in one line what an experiment needs."""
+    from testbed import experiments
+    from testbed.cli import main
+
+    (tmp_path / "lab" / "experiment").mkdir(parents=True)
+    (tmp_path / "lab" / "experiment" / "gdn_small.yaml").write_text("backend: refimpl\nmode: oracle\n")
+    monkeypatch.setenv("TESTBED_LAB", str(tmp_path / "lab"))
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert "gdn_small" not in capsys.readouterr().out
+    for argv in (["run", "gdn_small"], ["sweep", "experiment=gdn_small", "chunk=16,32"]):
+        assert main(argv) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"testbed: error: experiment 'gdn_small' ({tmp_path / 'lab' / 'experiment' / 'gdn_small.yaml'}) "
+                               "has a config but no module: an experiment is a module that runs it"), line
+    assert not results_dir.exists()
+    for name in config.choices("experiment"):  # every experiment listed is one `run` can load
+        assert experiments.load(name).PARAMS is not None

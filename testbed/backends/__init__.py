@@ -9,8 +9,8 @@ Each package holds everything it needs (building or compiling its artifacts, sta
 running them, parsing its tools' output) behind the same small interface, one entry point per
 technique it implements, each given the run's config and the connected Device:
 
-  gdn.runner(cfg, device, progress) -> GDNRunner            experiment gdn
-  gemma.backend(w, model, cfg, device) -> GemmaRunner       experiment chunk_prefill
+  gdn.runner(cfg, device, progress) -> GDNRunner                 experiment gdn
+  gemma.backend(w, model, cfg, device, progress) -> GemmaRunner  experiment chunk_prefill
 
 An experiment asks `backends.load(name)` for the entry point and never asks where it runs: a runner
 computes ON the device it was given, and every result it returns carries `Evidence` of that (what ran,

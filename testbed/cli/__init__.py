@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 
 from testbed import __version__, config, experiments, runner
 from testbed.cli import devices as device_cli, records as records_cli
-from testbed.errors import DeviceError, DeviceUnreachable, StoreError, UsageError
+from testbed.errors import DeviceError, DeviceUnreachable, StoreError, ToolMissing, UsageError
 from testbed.lab import ab, compare, farm, nightly
 from testbed.measure import emulation
 from testbed.report import build as report, tables
@@ -274,6 +274,8 @@ class ConfigHelp(argparse.Action):
         text = config.describe(config.load(plain, experiment=experiment), keys=named)  # before any output
         parser.print_help()
         print(f"\n{text}")
+        for name, why in config.broken_entry_points().items():  # left out of the listing above: say why
+            print(f"testbed: warning: experiment {name!r} is left out: {why}", file=sys.stderr)
         parser.exit()
 
 
@@ -325,8 +327,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-# How each kind of error a user can meet is said (subclasses speak as their base).
-SAYS = {UsageError: "error: {}", DeviceUnreachable: "device unreachable: {}",
+# How each kind of error a user can meet is said (subclasses speak as their base; the first that fits:
+# a missing tool found inside a run, e.g. valgrind for its counts, is a missing tool, not a device error).
+SAYS = {ToolMissing: "missing tool: {}", UsageError: "error: {}", DeviceUnreachable: "device unreachable: {}",
         DeviceError: "device error: {}; the run was recorded as an error", StoreError: "{}"}
 
 
@@ -343,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         elif extra:
             p.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.fn(args)
-    except (UsageError, DeviceUnreachable, DeviceError, StoreError) as e:  # one line each, its own status
-        kind = next(k for k in type(e).__mro__ if k in SAYS)
+    except tuple(SAYS) as e:  # one line each, its own status
+        kind = next(k for k in SAYS if isinstance(e, k))
         print(f"testbed: {SAYS[kind].format(e)}", file=sys.stderr)
         return e.exit_status
     except (KeyboardInterrupt, runner.Interrupted) as e:

@@ -12,11 +12,13 @@
 from __future__ import annotations
 
 import shlex
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from testbed.config import choices
 from testbed.devices import connect, load_profile, one_line, reachability
 from testbed.errors import DeviceUnreachable, UsageError
+from testbed.heartbeat import heartbeat
 from testbed.report import tables
 
 # What the remote discipline runs on a device (testbed.devices.transport): cd, timeout, sha256, stat.
@@ -165,7 +167,9 @@ def cmd_doctor(args) -> int:
     for check, status, detail in needs:
         print(f"{status:8} {check:28} {detail}")
     try:
-        checks, fp = doctor(args.device)
+        # starting a loopback peer or building the programs takes a minute: a log shows it is alive
+        with heartbeat(f"checking {args.device}", lambda msg: print(msg, file=sys.stderr, flush=True)):
+            checks, fp = doctor(args.device)
     except DeviceUnreachable as e:
         print(f"{args.device}: UNREACHABLE: {e}")
         return DeviceUnreachable.exit_status

@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from testbed.config import CONFIG_DIR, choices, group_file
+from testbed.config import CONFIG_DIR, choices, group_file, not_sizes
 from testbed.errors import UsageError
 
 TRANSPORTS = ("local", "qemu", "adb", "ssh")
@@ -99,8 +100,12 @@ class Profile:
 
     @classmethod
     def from_config(cls, node: DictConfig | dict, source: str) -> "Profile":
-        data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
         bad = _Checker(source)
+        try:
+            data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        except OmegaConfBaseException as e:  # an interpolation that does not resolve, and its kin
+            raise UsageError(f"{source}: field {str(e.full_key).removeprefix('device.')!r}: "
+                             f"{str(e.msg).splitlines()[0]}") from None
         known = [f.name for f in fields(cls)]
         for key in data:
             if key not in known:
@@ -174,12 +179,15 @@ class Profile:
         sizes = data.get("sizes", {}) or {}
         if not isinstance(sizes, dict):
             bad("sizes", sizes, "must be a mapping of experiment names to mappings of their keys")
-        experiments = choices("experiment")
+        experiments, shared = choices("experiment"), not_sizes()
         for name, values in sizes.items():
             if name not in experiments:
                 bad(f"sizes.{name}", None, f"names no experiment; accepted: {', '.join(experiments)}")
             if not isinstance(values, dict) or not values:
                 bad(f"sizes.{name}", values, "must be a non-empty mapping of the experiment's keys to values")
+            for key in values:
+                if key in shared:  # results_dir here would move the store for runs on this device, silently
+                    bad(f"sizes.{name}.{key}", values[key], "is not a size; accepted: the experiment's own keys")
         return cls(**{**data, "tools": tools, "connection": conn, "peer": peer, "iree": iree, "sizes": sizes,
                       "accelerators": data.get("accelerators") or {}, "health": data.get("health") or {},
                       "timeouts": data.get("timeouts") or {}})

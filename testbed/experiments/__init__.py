@@ -34,11 +34,12 @@ def load(name: str) -> ModuleType:
     module = packaged.get(name, f"testbed.experiments.{name}")
     try:
         return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name == module:
-            raise UsageError(f"experiment {name!r} has a config but no module testbed/experiments/{name}.py "
-                             f"nor an entry point {name} in group {ENTRY_POINTS}") from None
-        raise
+    except Exception as e:  # noqa: BLE001 -- another package's module may fail to import in any way
+        if name not in packaged:
+            raise  # testbed's own module: a bug, with its traceback
+        # a stale or half-installed package: one line naming its entry point, the other experiments still run
+        raise UsageError(f"experiment {name!r}: entry point {ENTRY_POINTS} {name} = {module} does not import "
+                         f"({type(e).__name__}: {e}); reinstall or uninstall the package that declares it") from None
 
 
 @dataclass

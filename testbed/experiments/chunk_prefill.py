@@ -174,7 +174,7 @@ def _setup(cfg: DictConfig, ctx):
     model, w, weights_sha = load_model(*_model_key(cfg))
     prompt = run_prompt(cfg, model)
     artifacts = {"weights_sha256": weights_sha, **prompt.artifacts()}
-    backend = backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device)
+    backend = backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device, ctx.progress)
     if cfg.backend == "native" and cfg.native.weights != "f32":
         # the engine computes with the weights its file stores: refimpl on those is the reference
         w = dequantized(w, cfg.native.weights, cfg.native.group)

@@ -47,6 +47,7 @@ from testbed.config import RunConfig
 from testbed.devices import Device, connect, load_profile
 from testbed.devices.private import DeviceBusy, device_lock
 from testbed.errors import DeviceUnreachable, UsageError, did_you_mean
+from testbed.heartbeat import heartbeat
 from testbed.measure import history
 from testbed.report import build as report
 from testbed.results import ResultsStore
@@ -228,7 +229,9 @@ def work(device: str, jobs: list[RunConfig], suite: Suite, night: str, log: Log,
             for i, rc in enumerate(jobs, 1):
                 log(device, f"{i}/{len(jobs)} {job_label(rc)}{time_left(time.monotonic() - began, i - 1, len(jobs))}")
                 try:
-                    outcome = execute_job(rc, handle, suite, trees, lambda msg: log(device, f"{i}/{len(jobs)} {msg}"))
+                    say = lambda msg: log(device, f"{i}/{len(jobs)} {msg}")  # noqa: E731
+                    with heartbeat(job_label(rc), say):  # a job's step may be silent for minutes (a build)
+                        outcome = execute_job(rc, handle, suite, trees, say)
                 except DeviceUnreachable:
                     raise
                 except Exception as e:  # noqa: BLE001 -- the runner stored an error record; go on

@@ -33,7 +33,6 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -46,6 +45,7 @@ from omegaconf import OmegaConf
 from testbed import PROJECT_ROOT
 from testbed.config import CONFIG_DIR
 from testbed.errors import UsageError
+from testbed.heartbeat import heartbeat
 
 TARGETS_DIR = CONFIG_DIR / "iree_target"
 CACHE_DIR = PROJECT_ROOT / ".cache" / "iree"
@@ -350,7 +350,7 @@ def _compile_into(folder: Path, text: str, graph: Graph, target: Target, key: st
         command = [compiler_path(), "--iree-input-type=stablehlo", *target.flags,
                    "graph.mlir", "-o", "module.vmfb"]
         t0 = time.perf_counter()
-        _run_with_ticker(command, staging, f"compiling {graph.name} for {target.name}", progress)
+        _run_compiler(command, staging, f"compiling {graph.name} for {target.name}", progress)
         seconds = time.perf_counter() - t0
         (staging / "compile_command.sh").write_text(
             f"# run in this folder; took {seconds:.1f} s\n" + shlex.join(["iree-compile", *command[1:]]) + "\n")
@@ -377,25 +377,13 @@ def _compile_into(folder: Path, text: str, graph: Graph, target: Target, key: st
         raise
 
 
-def _run_with_ticker(command: list[str], cwd: Path, what: str, progress: Callable[[str], None],
-                     every: float = 5.0) -> None:
-    """Run the compiler, reporting elapsed time every few seconds (iree-compile prints nothing
-    while it works, and a large graph takes minutes)."""
+def _run_compiler(command: list[str], cwd: Path, what: str, progress: Callable[[str], None]) -> None:
+    """Run the compiler with a heartbeat through `progress` (iree-compile prints nothing while it
+    works, and a large graph takes minutes)."""
     progress(f"{what} ...")
-    done = threading.Event()
     t0 = time.perf_counter()
-
-    def tick():
-        while not done.wait(every):
-            progress(f"{what}: {time.perf_counter() - t0:.0f} s")
-
-    ticker = threading.Thread(target=tick, daemon=True)
-    ticker.start()
-    try:
+    with heartbeat(what, progress):
         out = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
-    finally:
-        done.set()
-        ticker.join()
     if out.returncode != 0:
         raise RuntimeError(f"iree-compile failed ({what}), exit {out.returncode}:\n"
                            + "\n".join(out.stderr.strip().splitlines()[:20]))

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Callable
 
 from testbed.backends.native.build import KERNELS_DIR, ROOT
-from testbed.errors import UsageError
+from testbed.errors import ToolMissing, UsageError
 
 SDIST = ("llama-cpp-python", "0.3.36")
 HERE = Path(__file__).resolve().parent
@@ -105,7 +105,11 @@ def sdist_source(cache: Path = CACHE, progress: Callable[[str], None] = print) -
                             "--disable-pip-version-check", "-d", str(archive_dir), f"{name}=={version}"],
                            capture_output=True, text=True)
         if p.returncode != 0 or not archive.is_file():
-            raise BuildError(f"pip could not download {name}=={version}: {(p.stderr or p.stdout).strip()[-300:]}")
+            tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-2:]) or "no output"
+            raise ToolMissing(f"llama.cpp's source is not here and pip could not download {name}=={version} "
+                              f"(offline?): {tail}; get it with `pip download --no-deps --no-binary :all: -d "
+                              f"{archive_dir} {name}=={version}` where the index is reachable, or name a llama.cpp "
+                              "tree with llamacpp.source=DIR")
     progress(f"extracting {archive.name}")
     tmp = archive_dir / f".{stem}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -185,7 +189,7 @@ def target_for(name: str, abi: str, capabilities) -> str:
 def _require(tool: str, package: str) -> str:
     path = shutil.which(tool)
     if path is None:
-        raise BuildError(f"`{tool}` is not installed (Debian: apt-get install {package})")
+        raise ToolMissing(f"`{tool}` is not installed (Debian: apt-get install {package})")
     return path
 
 
@@ -225,12 +229,9 @@ def zig_wrappers(target: str, cache: Path = CACHE) -> dict[str, Path]:
     """Executables CMake can take as its compilers, archiver and ranlib: each runs zig's (`zig cc
     -target ...`, `zig c++ ...`, `zig ar`, `zig ranlib`) with zig's caches under .cache/zig/. Written
     once per content (their text names zig's path and version)."""
-    from testbed.backends.native.build import BuildError as KernelBuildError, zig_binary, zig_env
+    from testbed.backends.native.build import zig_binary, zig_env
 
-    try:
-        zig = zig_binary()
-    except KernelBuildError as e:
-        raise BuildError(str(e)) from None
+    zig = zig_binary()  # ToolMissing, saying how to get zig
     triple, cpu = ZIG_TARGET[target]
     env = zig_env({})
     exports = "".join(f'export {k}="${{{k}:-{v}}}"\n' for k, v in sorted(env.items()))

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -58,6 +59,9 @@ HEXAGON_CORE = "v67"
 ELF_MACHINE = {"arm32": 40, "aarch64": 183, "hexagon": 164}
 ELF_MACHINE_NAMES = {3: "Intel 80386", 40: "ARM", 62: "Advanced Micro Devices X86-64", 164: "QUALCOMM DSP6",
                      183: "AArch64"}
+# The Debian packages of toolchain gnu's compiler and C library for each target.
+GNU_PACKAGES = {"arm32": "gcc-arm-linux-gnueabihf libc6-dev-armhf-cross",
+                "aarch64": "gcc-aarch64-linux-gnu libc6-dev-arm64-cross", "host": "gcc"}
 ZIG_TRIPLES = {"arm32": "arm-linux-musleabihf", "aarch64": "aarch64-linux-musl", "hexagon": "hexagon-linux-musl"}
 REBUILD_HINT = "rebuild with `pip install -e .` (or `python setup.py build_ext --inplace`) in the project root"
 
@@ -148,6 +152,18 @@ class BuildError(RuntimeError):
     """A toolchain is missing or a compile failed; the message says which and why."""
 
 
+try:  # setup.py loads this file by path, before the package (and its errors) can be imported
+    from testbed.errors import ToolMissing as _ToolMissing
+except ImportError:
+    _ToolMissing = Exception
+
+
+class ToolMissing(BuildError, _ToolMissing):
+    """A build tool is not installed (zig, make, a compiler): exit status 3, saying how to get it."""
+
+    exit_status = 3
+
+
 def default_toolchain(target: str) -> str:
     if target == "hexagon":
         return "zig"
@@ -161,11 +177,11 @@ def zig_binary() -> Path:
     try:
         import ziglang
     except ImportError:
-        raise BuildError("zig is not installed: pip install 'testbed[cross]' (the ziglang package, ~100 MB), "
+        raise ToolMissing("zig is not installed: pip install 'testbed[cross]' (the ziglang package, ~100 MB), "
                          "which builds the hexagon programs and the static-musl arm32/aarch64 ones") from None
     path = Path(ziglang.__file__).parent / "zig"
     if not path.is_file():
-        raise BuildError(f"the ziglang package has no zig binary at {path}; reinstall it (pip install ziglang)")
+        raise ToolMissing(f"the ziglang package has no zig binary at {path}; reinstall it (pip install ziglang)")
     return path
 
 
@@ -202,12 +218,15 @@ def toolchain_identity(target: str, toolchain: str) -> dict:
     if toolchain == "ndk":
         ndk = os.environ.get("ANDROID_NDK_HOME", "")
         if not ndk:
-            raise BuildError("toolchain ndk needs ANDROID_NDK_HOME (the Android NDK's folder)")
+            raise ToolMissing("toolchain ndk needs ANDROID_NDK_HOME (the Android NDK's folder)")
         return {"toolchain": "ndk", "compiler": f"Android NDK clang ({ndk})", "target": target, "libc": "bionic"}
     cc = {"arm32": "arm-linux-gnueabihf-gcc", "aarch64": "aarch64-linux-gnu-gcc"}.get(target,
                                                                                     os.environ.get("HOST_CC", "cc"))
     if target == "hexagon":
         raise BuildError("the hexagon programs build with toolchain zig only (no gcc targets Hexagon)")
+    if shutil.which(cc) is None:
+        raise ToolMissing(f"`{cc}` builds the {target} programs and is not installed (Debian: apt-get install "
+                          f"{GNU_PACKAGES.get(target, 'gcc')})")
     return {"toolchain": "gnu", "compiler": _first_line(cc, "--version") or cc, "target": target,
             "libc": "glibc (static)"}
 
@@ -241,6 +260,35 @@ def target_for_abi(abi: str) -> str:
     return TARGET_FOR_ABI[abi]
 
 
+# A build's temporary folder, OUT.tmpPID (build_programs renames it to OUT when whole): TARGET, the
+# variant (toolchain, fused, noavx512), 16 hex digits of the hash, the building process's id.
+TEMPORARY = re.compile(r"(?:%s)(?:-(?:%s))?(?:-fused)?(?:-noavx512)?-[0-9a-f]{16}\.tmp([0-9]+)"
+                       % ("|".join(TARGETS), "|".join(TOOLCHAINS)))
+
+
+def remove_stale_temporaries(cache_dir: Path) -> list[Path]:
+    """Remove the half-built folders of builds whose process is gone (a SIGKILL mid-build leaves its
+    OUT.tmpPID behind; nothing else ever would). Only testbed's own, by their exact name, and never
+    through a link; a folder whose process is alive (another build now) is left to it."""
+    removed = []
+    for path in cache_dir.glob("*.tmp*") if cache_dir.is_dir() else ():
+        match = TEMPORARY.fullmatch(path.name)
+        if match and not path.is_symlink() and path.is_dir() and not _process_alive(int(match[1])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def build_programs(target: str, fused: bool = False, cache_dir: Path | None = None,
                    kernels_dir: Path = KERNELS_DIR, avx512: bool = True, toolchain: str | None = None) -> Path:
     """Build (or reuse) the static programs for `target`; returns the folder holding them.
@@ -255,13 +303,14 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
         raise ValueError(f"toolchain {toolchain!r} is not one of {', '.join(TOOLCHAINS)}")
     identity = toolchain_identity(target, toolchain)
     cache_dir = cache_dir or ROOT / ".cache" / "kernels"
+    remove_stale_temporaries(cache_dir)
     variant = ("" if toolchain == default_toolchain(target) else f"-{toolchain}") + ("-fused" if fused else "") + \
         ("" if avx512 else "-noavx512")
     out = cache_dir / f"{target}{variant}-{_programs_hash(target, fused, kernels_dir, avx512, toolchain)[:16]}"
     if all((out / p).is_file() for p in PROGRAMS):
         return out
     if shutil.which("make") is None:
-        raise BuildError("`make` is not installed (Debian: apt-get install make)")
+        raise ToolMissing("`make` is not installed (Debian: apt-get install make)")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -94,7 +94,7 @@ class EngineRunner:
         return times
 
 
-def backend(w, cfg, run_cfg=None, device: Device | None = None) -> EngineRunner:
+def backend(w, cfg, run_cfg=None, device: Device | None = None, progress=None) -> EngineRunner:
     def option(key, default):
         return OmegaConf.select(run_cfg, key, default=default) if run_cfg is not None else default
 

@@ -6,7 +6,7 @@ from refimpl import gemma
 from testbed.backends import GemmaBackend
 
 
-def backend(w, cfg, run_cfg=None, device=None, attention=gemma.attention) -> GemmaBackend:
+def backend(w, cfg, run_cfg=None, device=None, progress=None, attention=gemma.attention) -> GemmaBackend:
     def prefill_with_past(inp, past_k, past_v):
         return gemma.prefill_with_past(w, cfg, inp.tokens, inp.tables, past_k, past_v, inp.masks, inp.select,
                                        attention)

@@ -29,7 +29,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from testbed.errors import DeviceError
+from testbed.errors import DeviceError, ToolMissing
 
 PLUGIN_SOURCE = Path(__file__).with_name("qemu_insn_plugin.c")
 # Written by the plugin into the emulated program's working folder (a run folder of its own).
@@ -58,14 +58,17 @@ def plugin_path() -> Path:
     if out.is_file():
         return out
     if shutil.which(cc) is None:
-        raise CountError(f"no C compiler {cc!r} to build the instruction-counting plugin (Debian: gcc)")
+        raise ToolMissing(f"no C compiler {cc!r} to build the instruction-counting plugin (HOST_CC names it, default "
+                          "cc; Debian: apt-get install gcc)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    p = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(tmp), str(PLUGIN_SOURCE)],
-                       capture_output=True, text=True)
+    argv = [cc, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(tmp), str(PLUGIN_SOURCE)]
+    p = subprocess.run(argv, capture_output=True, text=True)
     if p.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise CountError(f"building the counting plugin failed: {p.stderr.strip()[-300:]}")
+        said = " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:]) or "no output"
+        raise ToolMissing(f"building the counting plugin failed: `{' '.join(argv)}` exited {p.returncode}: {said}; "
+                          "counts need a working C compiler (HOST_CC names it, default cc; Debian: apt-get install gcc)")
     tmp.replace(out)  # atomic: a concurrent build of the same source leaves one whole file
     return out
 
@@ -130,7 +133,8 @@ def valgrind_argv(argv: list[str]) -> list[str]:
     """`argv` under callgrind: costs zeroed on entering tb_count_begin, dumped on entering tb_count_end,
     so dump N holds exactly the instructions of timed call N (CALLGRIND_FILE.N)."""
     if shutil.which("valgrind") is None:
-        raise CountError("valgrind is not installed (Debian: valgrind); host instruction counts need it")
+        raise ToolMissing("valgrind is not installed (Debian: apt-get install valgrind); host instruction counts "
+                          "need it")
     return ["valgrind", "--tool=callgrind", "--quiet", f"--callgrind-out-file={CALLGRIND_FILE}",
             "--zero-before=tb_count_begin", "--dump-before=tb_count_end", "--dump-instr=no",
             "--compress-strings=no", *argv]
