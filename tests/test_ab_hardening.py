@@ -162,6 +162,7 @@ def test_the_readmes_ab_line_runs_on_the_host(results_dir, capsys, monkeypatch):
     status, out, err = ab_command(capsys, "HEAD", ".", *SMALL, "--reps", "1")
     assert status == 0, err
     assert out.count("| too few pairs") == 2  # one pair cannot judge time; the host counts nothing by default
+    assert "not judged: " in out and "B is not worse than A on any call\n" not in out
 
 
 # --- the counters, on one small program -----------------------------------------------------------

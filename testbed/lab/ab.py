@@ -347,6 +347,9 @@ def _build(side: str, tree: Tree, target: str, avx512: bool = True) -> Path:
         raise BuildFailed(f"{side} ({tree.spec}): {e}") from None
 
 
+UNJUDGED = ("not measured", "too few pairs")  # a call's overall verdict when nothing could judge it
+
+
 def _overall(verdicts: dict) -> str:
     """One word for a call: "no change" only when something was judged and all of it held still."""
     judged = set(verdicts.values()) - {"not counted", "too few pairs"}
@@ -437,8 +440,10 @@ def command(args) -> int:
             if ab["verdicts"].get("cpu") == "slower":
                 what.append(f"CPU time x{r['figures']['ab_ratio_cpu']['median']:.3f} (p={ab['p']:.2g})")
             print(f"SLOWER {ab['kernel']} {r['case'].removeprefix('ab/')}: {'; '.join(what)}")
+        unjudged = [r["case"].removeprefix("ab/") + f" ({r['metrics']['ab']['verdict']})" for r in rows
+                    if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] in UNJUDGED]
         if not worse:
-            print("B is not worse than A on any call")
+            print("B is not worse than A on any call" + (f" judged; not judged: {', '.join(unjudged)}" if unjudged else ""))
     return 1 if worse else 0
 
 
