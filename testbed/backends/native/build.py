@@ -305,8 +305,9 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
     if p.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         lines = (p.stderr or p.stdout).strip().splitlines()
-        first_error = next((line.strip() for line in lines if "error" in line.lower()), None)  # the cause; the
-        raise BuildError(f"building the {target} programs failed: {first_error or ' | '.join(lines[-3:])}")  # rest follows
+        # the compiler's first error is the cause; what follows it (make's own lines among them) is its echo
+        first_error = next((line.strip() for line in lines if "error:" in line), None)
+        raise BuildError(f"building the {target} programs failed: {first_error or ' | '.join(lines[-3:])}")
     shutil.rmtree(tmp / "obj")
     (tmp / "build.json").write_text(json.dumps({"target": target, **identity, "fused": fused,
                                                 "elf_machine": ELF_MACHINE.get(target)}, indent=1) + "\n")
