@@ -64,14 +64,15 @@ def turns():
     return {f: calibrated(f) for f in (0.05, 0.25)}
 
 
-def night(tmp_path, store, tree):
-    """One night measuring `tree` (a kernels/ folder copied into the test's own tree folder)."""
+def night(tmp_path, store, tree, suite_text: str = SUITE):
+    """One night of `suite_text` measuring `tree` (a kernels/ folder copied into the test's own tree
+    folder)."""
     own = tmp_path / "tree" / "kernels"
     shutil.rmtree(own, ignore_errors=True)
     shutil.copytree(tree, own)
     suite_dir = tmp_path / "suite"
     suite_dir.mkdir(exist_ok=True)
-    (suite_dir / "abnight.yaml").write_text(SUITE.format(
+    (suite_dir / "abnight.yaml").write_text(suite_text.format(
         shape=", ".join(f'"{o}"' for o in SHAPE), tree=tmp_path / "tree", locks=tmp_path / "locks",
         report=tmp_path / "report"))
     suite = nightly.load_suite(["suite=abnight"], suite_dir=suite_dir)
@@ -133,17 +134,7 @@ def host_night(tmp_path, store, tree, commit, monkeypatch):
     import testbed.results
 
     monkeypatch.setattr(testbed.results, "git_commit", lambda: commit)
-    own = tmp_path / "tree" / "kernels"
-    shutil.rmtree(own, ignore_errors=True)
-    shutil.copytree(tree, own)
-    suite_dir = tmp_path / "suite"
-    suite_dir.mkdir(exist_ok=True)
-    (suite_dir / "hostab.yaml").write_text(HOST_SUITE.format(
-        shape=", ".join(f'"{o}"' for o in SHAPE), tree=tmp_path / "tree", locks=tmp_path / "locks",
-        report=tmp_path / "report"))
-    suite = nightly.load_suite(["suite=hostab"], suite_dir=suite_dir)
-    status, text = nightly.run_night(suite, store, log=Log(open(tmp_path / "night.log", "a")))
-    return status, text, nightly.report.night_log(store.root)[-1]
+    return night(tmp_path, store, tree, HOST_SUITE)
 
 
 def test_a_slowdown_is_flagged_once_with_the_commits_around_it(tmp_path, results_dir, monkeypatch):

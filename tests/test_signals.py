@@ -67,6 +67,18 @@ STOP_BOUND_S = 10.0
 LONG_BENCH = ["mode=bench", "bench.tokens=[2048]", "bench.reps=50", "bench.heads=16", "bench.head_size=128"]
 
 
+def start_nightly(tmp_path, suite: str):
+    """`testbed nightly` of `suite` (its devices and runs, as YAML) in the background, with a lab, store
+    and locks of the test's own: (the process, the store's folder)."""
+    lab, results = tmp_path / "lab", tmp_path / "results"
+    (lab / "suite").mkdir(parents=True)
+    (lab / "suite" / "test.yaml").write_text(f"{suite}lock_dir: {tmp_path / 'locks'}\nlock_wait_s: 0\nreport_out: ''\n")
+    proc = subprocess.Popen([sys.executable, "-m", "testbed", "nightly", "suite=test"], cwd=PROJECT_ROOT,
+                            env={**os.environ, "TESTBED_RESULTS": str(results), "TESTBED_LAB": str(lab)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, results
+
+
 def run_started(path) -> bool:
     try:
         return b'"run_mark": "started"' in path.read_bytes()
@@ -80,16 +92,8 @@ def test_sigint_stops_a_nightly_mid_measurement(backend, tmp_path):
     device program, a subprocess) when SIGINT arrives."""
     if backend == "native" and shutil.which("cc") is None:
         pytest.skip("no C compiler to build the native programs")
-    lab = tmp_path / "lab"
-    (lab / "suite").mkdir(parents=True)
-    (lab / "suite" / "long.yaml").write_text(
-        "devices: [host]\nruns:\n  gdn:\n    experiment: gdn\n"
-        f"    overrides: [backend={backend}, {', '.join(repr(o) for o in LONG_BENCH)}]\n"
-        f"lock_dir: {tmp_path / 'locks'}\nlock_wait_s: 0\nreport_out: ''\n")
-    results = tmp_path / "results"
-    proc = subprocess.Popen([sys.executable, "-m", "testbed", "nightly", "suite=long"], cwd=PROJECT_ROOT,
-                            env={**os.environ, "TESTBED_RESULTS": str(results), "TESTBED_LAB": str(lab)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, results = start_nightly(tmp_path, "devices: [host]\nruns:\n  gdn:\n    experiment: gdn\n"
+                                            f"    overrides: [backend={backend}, {', '.join(repr(o) for o in LONG_BENCH)}]\n")
     deadline = time.monotonic() + 300  # the native programs may be built first
     while not run_started(results / "records.jsonl"):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -139,18 +143,11 @@ def test_a_signal_during_start_up_does_not_claim_a_run_was_broken(tmp_path, monk
 def test_sigterm_after_completed_runs_says_what_was_stored(tmp_path):
     """Issue 34: SIGTERM stopped a nightly whose first two runs had completed, and it said "no run had
     started; nothing was stored". It names the completed runs and the one the signal broke."""
-    lab = tmp_path / "lab"
-    (lab / "suite").mkdir(parents=True)
-    (lab / "suite" / "three.yaml").write_text(
-        "devices: [host]\nruns:\n"
-        "  first: {experiment: gdn, overrides: [mode=oracle, matrix=tbo]}\n"
-        "  second: {experiment: gdn, overrides: [mode=oracle, matrix=tbo]}\n"
-        f"  long: {{experiment: gdn, overrides: [{', '.join(repr(o) for o in LONG_BENCH)}]}}\n"
-        f"lock_dir: {tmp_path / 'locks'}\nlock_wait_s: 0\nreport_out: ''\n")
-    results = tmp_path / "results"
-    proc = subprocess.Popen([sys.executable, "-m", "testbed", "nightly", "suite=three"], cwd=PROJECT_ROOT,
-                            env={**os.environ, "TESTBED_RESULTS": str(results), "TESTBED_LAB": str(lab)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, results = start_nightly(tmp_path, "devices: [host]\nruns:\n"
+                                            "  first: {experiment: gdn, overrides: [mode=oracle, matrix=tbo]}\n"
+                                            "  second: {experiment: gdn, overrides: [mode=oracle, matrix=tbo]}\n"
+                                            f"  long: {{experiment: gdn, overrides: "
+                                            f"[{', '.join(repr(o) for o in LONG_BENCH)}]}}\n")
     store = results / "records.jsonl"
     deadline = time.monotonic() + 300
     while stored_lines(store, b'"run_mark": "started"') < 3:  # the third run, inside its bench
