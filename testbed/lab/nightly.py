@@ -211,7 +211,7 @@ def execute_job(rc: RunConfig, handle: Device, suite: Suite, trees, log) -> runn
     opts = ab.Options(reps=suite.ab_reps)
     module = experiments.load(rc.experiment)
     if trees[0] is trees[1]:
-        log("A/B: no earlier good night to measure against yet; tonight's kernels against themselves")
+        log("A/B: no earlier night measured its kernels yet; tonight's kernels against themselves")
     else:
         log(f"A/B against {trees[0].spec} of commit {trees[0].revision[:12]} (the last measured night's kernels), "
             f"{opts.reps} pairs per call")
