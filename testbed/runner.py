@@ -39,9 +39,11 @@ from testbed.stop import STOP, STOP_SIGNAL, Interrupted, raise_if_stopped  # noq
 # half-handled would be stored yet uncounted); runs in worker threads (testbed nightly) and a deferred
 # main thread see STOP after each record, between repetitions and while waiting for a device's command,
 # and stop the same way.
-# The runs a signal (or Ctrl-C) broke in this process, each stored with its error record and end mark:
-# what the CLI names when it stops (a signal during start-up broke nothing).
-BROKEN_BY_SIGNAL: list[str] = []
+# Every run this process started, by id, with where it got to: "running" (its started mark is stored),
+# "complete", "broke" or "broken by a signal" (each stored with its end mark). What the CLI says was
+# stored when a signal stops it (`stored_so_far`): a nightly may have completed runs before the one the
+# signal broke, and a worker still inside one long call leaves its run without an end mark.
+RUNS: dict[str, str] = {}
 _storing = threading.local()
 
 
@@ -200,6 +202,7 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
     rows: list[dict] = []
     with storing():
         store.append([info.mark("started")])
+        RUNS[info.run_id] = "running"
     try:
         raise_if_stopped()
         for record in (produce or module.run)(rc.cfg, ctx):
@@ -221,9 +224,27 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
             store.append([info.stamp(Record(rc.experiment, "run", "oracle", "run", "error", None,
                                             {"records_before_error": len(rows)}, detail=what)),
                           info.mark("ended", "broke")])
-            if isinstance(e, (KeyboardInterrupt, Interrupted)):
-                BROKEN_BY_SIGNAL.append(info.run_id)
+            RUNS[info.run_id] = "broken by a signal" if isinstance(e, (KeyboardInterrupt, Interrupted)) else "broke"
         raise
     with storing():  # a signal now finds the run complete; the next run (of a sweep) stops at its start
         store.append([info.mark("ended", "complete")])
+        RUNS[info.run_id] = "complete"
     return Outcome(info, rows)
+
+
+def stored_so_far() -> str:
+    """What this process's runs left in the store, in one clause, for the line a signal ends it with."""
+    def ids(state: str) -> list[str]:
+        return [run_id for run_id, s in RUNS.items() if s == state]
+
+    said = []
+    if ids("complete"):
+        said.append(f"{len(ids('complete'))} run(s) completed and stored ({', '.join(ids('complete'))})")
+    if ids("broke"):
+        said.append(f"run {', '.join(ids('broke'))} broke before the signal (its error record is stored)")
+    if ids("broken by a signal"):
+        said.append(f"run {', '.join(ids('broken by a signal'))} was recorded as broken (what it measured is kept)")
+    if ids("running"):
+        said.append(f"run {', '.join(ids('running'))} was still inside a call when testbed stopped waiting for it: "
+                    "it reads back as incomplete (what it measured is kept)")
+    return "; ".join(said) or "no run had started; nothing was stored"

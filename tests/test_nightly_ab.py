@@ -64,14 +64,15 @@ def turns():
     return {f: calibrated(f) for f in (0.05, 0.25)}
 
 
-def night(tmp_path, store, tree):
-    """One night measuring `tree` (a kernels/ folder copied into the test's own tree folder)."""
+def night(tmp_path, store, tree, suite_text: str = SUITE):
+    """One night of `suite_text` measuring `tree` (a kernels/ folder copied into the test's own tree
+    folder)."""
     own = tmp_path / "tree" / "kernels"
     shutil.rmtree(own, ignore_errors=True)
     shutil.copytree(tree, own)
     suite_dir = tmp_path / "suite"
     suite_dir.mkdir(exist_ok=True)
-    (suite_dir / "abnight.yaml").write_text(SUITE.format(
+    (suite_dir / "abnight.yaml").write_text(suite_text.format(
         shape=", ".join(f'"{o}"' for o in SHAPE), tree=tmp_path / "tree", locks=tmp_path / "locks",
         report=tmp_path / "report"))
     suite = nightly.load_suite(["suite=abnight"], suite_dir=suite_dir)
@@ -107,3 +108,72 @@ def test_a_planted_slowdown_is_flagged_on_its_first_night_and_cleared_by_the_rev
         status, text, reverted = night(tmp_path, store, clean)
         assert status == 0, text
         assert reverted["flags"] == []
+
+
+HOST_SUITE = """
+devices: [host]
+runs:
+  gdn_ab:
+    experiment: gdn
+    devices: [host]
+    ab: true
+    overrides: [{shape}]
+ab_reps: 8
+ab_tree: {tree}
+lock_dir: {locks}
+lock_wait_s: 60
+report_out: {report}
+"""
+# Wasted loop turns per chunk step that make chunkwise many times slower at SHAPE: every one of the
+# 8 pairs is slower whatever the load, so the A/B judge flags it (Holm over 2 calls: p 0.016)
+MANY_TIMES_SLOWER = 3_000_000
+
+
+def host_night(tmp_path, store, tree, commit, monkeypatch):
+    """One A/B night on the host measuring `tree`, with the checkout at `commit`."""
+    import testbed.results
+
+    monkeypatch.setattr(testbed.results, "git_commit", lambda: commit)
+    return night(tmp_path, store, tree, HOST_SUITE)
+
+
+def test_a_slowdown_is_flagged_once_with_the_commits_around_it(tmp_path, results_dir, monkeypatch):
+    """Issue 33: the A/B baseline was the last night that exited 0, so a slowdown that stays was flagged
+    every night, and its flags named `kernels:..kernels:`. Now the baseline is the last measured night's
+    build: the first slow night is flagged, with the two nights' commits; the next, with the same
+    slowdown, is not."""
+    from testbed.backends.native.build import KERNELS_DIR
+
+    store = ResultsStore(results_dir)
+    slow = slowed_chunkwise(MANY_TIMES_SLOWER)
+    status, text, _ = host_night(tmp_path, store, KERNELS_DIR, "a" * 40, monkeypatch)
+    assert status == 0, text
+
+    status, text, first_slow = host_night(tmp_path, store, slow, "b" * 40, monkeypatch)
+    assert status == 1, text
+    (flag,) = [f for f in first_slow["flags"] if f["kind"] == "ab"]
+    assert flag["case"].endswith("/chunkwise") and flag["what"] == "ab_ratio_cpu", flag
+    assert flag["commit_range"] == "aaaaaaaa..bbbbbbbb" and "(aaaaaaaa..bbbbbbbb)" in flag["line"], flag["line"]
+
+    status, text, second_slow = host_night(tmp_path, store, slow, "c" * 40, monkeypatch)
+    assert status == 0, text
+    assert second_slow["flags"] == [] and second_slow["ab_baseline"].endswith("(" + "b" * 40 + ")")
+
+
+def test_the_baseline_is_the_last_night_that_measured_its_kernels():
+    """Whatever that night's exit status (a flagged night's build is the next night's A side); a night
+    stopped before its A/B jobs ended measured nothing, so the night before stays the baseline."""
+    from testbed.backends.native.build import KERNELS_DIR
+    from testbed.lab import ab
+
+    def snapshotted(kernels) -> str:
+        return ab.snapshot(ab.resolve_tree(str(kernels))).revision.split()[0].removeprefix("kernels:")
+
+    flagged = {"night": "1", "kernels": snapshotted(KERNELS_DIR), "git_commit": "a" * 40, "exit_status": 1,
+               "ab_measured": True}
+    stopped = {"night": "2", "kernels": snapshotted(slowed_chunkwise(MANY_TIMES_SLOWER)), "git_commit": "b" * 40,
+               "exit_status": 143}
+    baseline = nightly.baseline_tree([flagged, stopped])
+    assert baseline is not None and baseline.spec == f"kernels:{flagged['kernels']}"
+    assert baseline.revision == "a" * 40
+    assert nightly.baseline_tree([flagged, {**stopped, "ab_measured": True}]).revision == "b" * 40

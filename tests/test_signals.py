@@ -21,9 +21,10 @@ from testbed.results import ResultsStore, passed
 LONG_RUN = ["run", "gdn", "mode=all", "matrix=awkward", "bench.tokens=[2048]", "bench.reps=50"]
 
 
-def stored_lines(path) -> int:
+def stored_lines(path, text: bytes = b'"record_id"') -> int:
+    """How many stored lines hold `text` (every record holds a record_id)."""
     try:
-        return path.read_bytes().count(b'"record_id"')
+        return path.read_bytes().count(text)
     except FileNotFoundError:
         return 0
 
@@ -66,6 +67,18 @@ STOP_BOUND_S = 10.0
 LONG_BENCH = ["mode=bench", "bench.tokens=[2048]", "bench.reps=50", "bench.heads=16", "bench.head_size=128"]
 
 
+def start_nightly(tmp_path, suite: str):
+    """`testbed nightly` of `suite` (its devices and runs, as YAML) in the background, with a lab, store
+    and locks of the test's own: (the process, the store's folder)."""
+    lab, results = tmp_path / "lab", tmp_path / "results"
+    (lab / "suite").mkdir(parents=True)
+    (lab / "suite" / "test.yaml").write_text(f"{suite}lock_dir: {tmp_path / 'locks'}\nlock_wait_s: 0\nreport_out: ''\n")
+    proc = subprocess.Popen([sys.executable, "-m", "testbed", "nightly", "suite=test"], cwd=PROJECT_ROOT,
+                            env={**os.environ, "TESTBED_RESULTS": str(results), "TESTBED_LAB": str(lab)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, results
+
+
 def run_started(path) -> bool:
     try:
         return b'"run_mark": "started"' in path.read_bytes()
@@ -79,16 +92,8 @@ def test_sigint_stops_a_nightly_mid_measurement(backend, tmp_path):
     device program, a subprocess) when SIGINT arrives."""
     if backend == "native" and shutil.which("cc") is None:
         pytest.skip("no C compiler to build the native programs")
-    lab = tmp_path / "lab"
-    (lab / "suite").mkdir(parents=True)
-    (lab / "suite" / "long.yaml").write_text(
-        "devices: [host]\nruns:\n  gdn:\n    experiment: gdn\n"
-        f"    overrides: [backend={backend}, {', '.join(repr(o) for o in LONG_BENCH)}]\n"
-        f"lock_dir: {tmp_path / 'locks'}\nlock_wait_s: 0\nreport_out: ''\n")
-    results = tmp_path / "results"
-    proc = subprocess.Popen([sys.executable, "-m", "testbed", "nightly", "suite=long"], cwd=PROJECT_ROOT,
-                            env={**os.environ, "TESTBED_RESULTS": str(results), "TESTBED_LAB": str(lab)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, results = start_nightly(tmp_path, "devices: [host]\nruns:\n  gdn:\n    experiment: gdn\n"
+                                            f"    overrides: [backend={backend}, {', '.join(repr(o) for o in LONG_BENCH)}]\n")
     deadline = time.monotonic() + 300  # the native programs may be built first
     while not run_started(results / "records.jsonl"):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -133,3 +138,37 @@ def test_a_signal_during_start_up_does_not_claim_a_run_was_broken(tmp_path, monk
     assert err.strip() == "testbed: interrupted; no run had started; nothing was stored"
     assert not (tmp_path / "results" / "records.jsonl").exists()
 
+
+
+def test_sigterm_after_completed_runs_says_what_was_stored(tmp_path):
+    """Issue 34: SIGTERM stopped a nightly whose first two runs had completed, and it said "no run had
+    started; nothing was stored". It names the completed runs and the one the signal broke."""
+    proc, results = start_nightly(tmp_path, "devices: [host]\nruns:\n"
+                                            "  first: {experiment: gdn, overrides: [mode=oracle, matrix=tbo]}\n"
+                                            "  second: {experiment: gdn, overrides: [mode=oracle, matrix=tbo]}\n"
+                                            f"  long: {{experiment: gdn, overrides: "
+                                            f"[{', '.join(repr(o) for o in LONG_BENCH)}]}}\n")
+    store = results / "records.jsonl"
+    deadline = time.monotonic() + 300
+    while stored_lines(store, b'"run_mark": "started"') < 3:  # the third run, inside its bench
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the third run did not start: {proc.communicate()}")
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert proc.poll() is None, "the bench ended before the signal: make it longer"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    records = ResultsStore(results).records()
+    complete = list(dict.fromkeys(r["run_id"] for r in records if not r.get("incomplete")))
+    (broken,) = {r["run_id"] for r in records if r["verdict"] == "error"}
+    assert len(complete) == 2 and broken not in complete
+    said = [line for line in err.splitlines() if line.startswith("testbed:")]
+    # the third run: broken at its next check, or (on a loaded machine) still inside one long numpy call
+    # when the main thread stopped waiting (stop.GRACE_S); either way it reads back as incomplete
+    third = {f"run {broken} was recorded as broken (what it measured is kept)",
+             f"run {broken} was still inside a call when testbed stopped waiting for it: it reads back as "
+             "incomplete (what it measured is kept)"}
+    assert len(said) == 1 and said[0] in {f"testbed: interrupted by SIGTERM; 2 run(s) completed and stored "
+                                          f"({', '.join(complete)}); {t}" for t in third}, said

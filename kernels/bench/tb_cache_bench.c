@@ -2,7 +2,9 @@
  * held) and IN_DIR/rows.npy (uint8 [planes, n_real + n_pad, row_bytes]: the real rows, then the pads).
  * Writes OUT_DIR/exact.npy (after appending the real rows alone) and OUT_DIR/rolled.npy (after
  * snapshot, padded append and rollback), each the whole cache [planes, window, row_bytes];
- * OUT_DIR/saved.npy (the snapshot) and timings.json with seconds per operation and row counts.
+ * OUT_DIR/saved.npy (the snapshot) and timings.json with seconds per operation and row counts. Each
+ * operation of a timed repetition is a marked region for the instruction counters, in the order of
+ * OPS ("marks" in timings.json).
  *   tb_cache_bench IN OUT count=N sink=N n_pad=N [empty_byte=0] [warmup=1] [reps=1] */
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,6 +25,19 @@ static void print_seconds(FILE *f, const char *name, const double *s, long n, in
     fprintf(f, "]%s", last ? "" : ", ");
 }
 
+/* One operation's timed region: its clock starts, then (in a timed repetition, s not NULL) the
+ * counters' region; op_end closes both, the region first, and stores the seconds in s[op]. */
+static double op_begin(const double *s) {
+    double t0 = now_seconds();
+    if (s) tb_count_begin();
+    return t0;
+}
+static void op_end(double *s, int op, double t0) {
+    if (!s) return;
+    tb_count_end();
+    s[op] = now_seconds() - t0;
+}
+
 int main(int argc, char **argv) {
     static const char *const keys[] = {"count", "sink", "n_pad", "empty_byte", "warmup", "reps", NULL};
     args_init(argc, argv, "count=N sink=N n_pad=N empty_byte=0..255 warmup=N reps=N", keys);
@@ -40,6 +55,7 @@ int main(int argc, char **argv) {
     for (int p = 0; p < pristine.planes; p++)
         memcpy(real + (size_t)p * n_real * rb, (uint8_t *)rows.data + (size_t)p * n_all * rb, (size_t)n_real * rb);
 
+    static const char *const OPS[4] = {"exact_append", "snapshot", "padded_append", "rollback"};
     long warmup = arg_int("warmup", 1), reps = arg_int("reps", 1);
     if (warmup < 0 || reps < 1) die("warmup must be >= 0 and reps >= 1");
     double *t = calloc((size_t)(4 * reps), sizeof(double));
@@ -47,21 +63,23 @@ int main(int argc, char **argv) {
     tb_sliding_cache exact, padded;
     int n_saved = 0;
     for (long r = -warmup; r < reps; r++) {
-        double *s = r >= 0 ? t + 4 * r : NULL, t0;
+        double *s = r >= 0 ? t + 4 * r : NULL, t0; /* s: this timed repetition's seconds (NULL: warm-up) */
         memcpy(work, cache.data, bytes), exact = pristine, exact.rows = work;
-        t0 = now_seconds();
+        t0 = op_begin(s);
         if (tb_cache_append(&exact, real, n_real)) die("exact append rejected");
-        if (s) s[0] = now_seconds() - t0;
+        op_end(s, 0, t0);
         if (r == reps - 1) save_cache("exact", &exact);
 
         memcpy(work, cache.data, bytes), padded = pristine, padded.rows = work;
-        t0 = now_seconds();
+        t0 = op_begin(s);
         if (tb_cache_snapshot(&padded, n_real, n_pad, saved, &n_saved)) die("snapshot rejected (padding guard)");
-        if (s) s[1] = now_seconds() - t0, t0 = now_seconds();
+        op_end(s, 1, t0);
+        t0 = op_begin(s);
         if (tb_cache_append(&padded, rows.data, n_all)) die("padded append rejected");
-        if (s) s[2] = now_seconds() - t0, t0 = now_seconds();
+        op_end(s, 2, t0);
+        t0 = op_begin(s);
         if (tb_cache_rollback(&padded, n_pad, saved, n_saved)) die("rollback rejected");
-        if (s) s[3] = now_seconds() - t0;
+        op_end(s, 3, t0);
     }
     save_cache("rolled", &padded);
     size_t saved_shape[3] = {(size_t)pristine.planes, (size_t)n_saved, rb};
@@ -76,13 +94,14 @@ int main(int argc, char **argv) {
     FILE *f = fopen(path, "w");
     if (!f) die("cannot write %s", path);
     fprintf(f, "{\"program\": \"tb_cache_bench\", \"vector_path\": \"%s\", \"source_hash\": \"%s\", \"warmup\": %ld, "
-               "\"reps\": %ld, \"n_saved\": %d, \"count_exact\": %d, \"count_rolled\": %d, \"seconds\": {",
-            tb_vector_path(), tb_source_hash(), warmup, reps, n_saved, exact.count, padded.count);
-    const char *names[4] = {"exact_append", "snapshot", "padded_append", "rollback"};
+               "\"reps\": %ld, \"n_saved\": %d, \"count_exact\": %d, \"count_rolled\": %d, "
+               "\"marks\": [\"%s\", \"%s\", \"%s\", \"%s\"], \"seconds\": {",
+            tb_vector_path(), tb_source_hash(), warmup, reps, n_saved, exact.count, padded.count, OPS[0], OPS[1], OPS[2],
+            OPS[3]);
     for (int op = 0; op < 4; op++) {
         double *col = malloc(sizeof(double) * (size_t)reps);
         for (long r = 0; r < reps; r++) col[r] = t[4 * r + op];
-        print_seconds(f, names[op], col, reps, op == 3);
+        print_seconds(f, OPS[op], col, reps, op == 3);
         free(col);
     }
     fprintf(f, "}}\n");

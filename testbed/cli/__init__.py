@@ -335,7 +335,7 @@ SAYS = {ToolMissing: "missing tool: {}", UsageError: "error: {}", DeviceUnreacha
 
 def main(argv: list[str] | None = None) -> int:
     runner.stop_on_signals()
-    runner.BROKEN_BY_SIGNAL.clear()  # this command's runs only (main may be called again in one process)
+    runner.RUNS.clear()  # this command's runs only (main may be called again in one process)
     try:
         p = parser()  # it lists the config's names, the lab's included
         args, extra = p.parse_known_args(argv)
@@ -352,10 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_status
     except (KeyboardInterrupt, runner.Interrupted) as e:
         signum = e.signum if isinstance(e, runner.Interrupted) else 2
-        broken = runner.BROKEN_BY_SIGNAL
-        said = (f"run {', '.join(broken)} was recorded as broken (what it measured is kept)" if broken
-                else "no run had started; nothing was stored")
-        print(f"testbed: {str(e) or 'interrupted'}; {said}", file=sys.stderr)
+        print(f"testbed: {str(e) or 'interrupted'}; {runner.stored_so_far()}", file=sys.stderr)
         return 128 + signum
     except BrokenPipeError:  # `testbed table gdn | head`: the reader had enough; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -26,7 +26,8 @@ ratios     issue 14's kernel targets, measured interleaved in one run (every rep
 rollback   the padded tail's extra cache work (snapshot before the padded append, rollback after it)
            on one layer's K and V at the model shape, against an unpadded append, in tb_cache_bench
            (each operation timed apart, interleaved in every repetition), vs one decode step of that
-           layer's attention (the decode-steps time over C).
+           layer's attention (the decode-steps time over C). On a device that counts, each
+           operation's exact instructions too (tb_cache_bench marks each one).
 """
 
 from __future__ import annotations
@@ -208,9 +209,10 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
                  detail="" if same else "padded append + rollback left other bytes than the exact append",
                  evidence=[result.evidence.as_dict()])
     for form, t in ops.items():
+        counted = {"instructions": Figure.of(result.counts.of(form), "instructions")} if result.counts else {}
         yield Record(
             "native_bench", f"cache/{shape}/{form}", "measure",
-            figures={"time": t.scaled(1e6, "us")},
+            figures={"time": t.scaled(1e6, "us"), **counted},
             metrics={"rollback_extra_us": extra.median * 1e6, "rollback_vs_decode_step": extra.median / decode_step},
             work={"bytes_per_plane_row": row_bytes, "planes": int(full.shape[0]),
                   "timer": "tb_cache_bench's clock on the device, each operation apart"},

@@ -16,7 +16,8 @@ fixture  the seed's measured sweep (M4 Pro, gemma-4-e2b-it) as records, so the s
 backend=refimpl runs the numpy model on the host; backend=native runs the model engine in C
 (kernels/tb_model.h) on the device: every prefill, its cache bytes pulled for the host's oracles,
 the grid as whole engine prefills (padded + rollback against the exact append), the bench timed
-by the program's own clock.
+by the program's own clock; on a device that counts, each bench record also holds the prefill's
+exact instructions (the program marks it; testbed.measure.counts).
 
 `testbed run tail` measures the default list of tails in one job; `testbed sweep experiment=tail
 tail=0,2,4,...` does too (a sweep over tails is one measurement: SWEEP_TOGETHER) and sweeps the other
@@ -280,6 +281,7 @@ def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Rec
     lengths = _lengths(cfg)
     prompts = {n: prompt(mcfg, n, cfg.seed) for n in lengths}
     telemetry, evidence = {}, {}
+    instructions: dict[tuple, list[int]] = {}  # native on a device that counts: each prefill's exact count
     ctx.progress(f"tail bench N={','.join(map(str, lengths))}, interleaved")
     if cfg.backend == "native":
         from testbed.backends.native.engine import tail as engine_tail
@@ -290,6 +292,8 @@ def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Rec
                                 kill_switch=mode == "scalar")
                 telemetry[n, mode] = r.prefill.telemetry
                 evidence.setdefault((n, mode), []).append(r.evidence.as_dict())
+                if r.counts:
+                    instructions.setdefault((n, mode), []).extend(r.counts.of("prefill"))
                 return {"wall": r.timings["seconds"][0], "cpu": r.timings["cpu_seconds"][0]}
             return run
 
@@ -318,7 +322,9 @@ def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Rec
             "tail", f"N={n}/{mode}", "measure",
             figures={"ttft": wall.scaled(1e3, "ms"), "tokens_per_s": wall.rate(n, "tokens/s"),
                      "gflops": wall.rate(flops / 1e9, "GFLOP/s"),
-                     "ttft_cpu": cpu.scaled(1e3, "ms"), "tokens_per_cpu_s": cpu.rate(n, "tokens/s")},
+                     "ttft_cpu": cpu.scaled(1e3, "ms"), "tokens_per_cpu_s": cpu.rate(n, "tokens/s"),
+                     **({"instructions": Figure.of(instructions[n, mode], "instructions")}
+                        if (n, mode) in instructions else {})},
             metrics={**{f"telemetry.{k}": v for k, v in vars(tel).items()},
                      "policy_pads": would_pad[0], "policy_reason": would_pad[1],
                      "interleave.variants": len(timed.figures), "interleave.positions": timed.positions((n, mode))},

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -59,9 +59,9 @@ SCREEN = 12  # at most this many failure or regression lines in the summary; the
 
 
 class ABJob(RunConfig):
-    """A suite run marked `ab: true`: its native programs measured against the last good night's
-    commit's build in the same job (testbed.lab.ab), so machine drift cancels instead of reading as a
-    regression; the history keeps the per-night A/B ratios."""
+    """A suite run marked `ab: true`: its native programs measured against the build of the last night
+    that measured its own (`baseline_tree`) in the same job (testbed.lab.ab), so machine drift cancels
+    instead of reading as a regression; the history keeps the per-night A/B ratios."""
 
 
 @dataclass
@@ -153,6 +153,7 @@ class DeviceNight:
     measurements: int = 0
     failures: list[str] = field(default_factory=list)  # one line per failing oracle or broken run
     seconds: float = 0.0
+    ab_jobs_done: int = 0  # A/B jobs that completed: tonight's kernels were measured in them
 
     def count(self, run_id: str, rows: list[dict]) -> None:
         """Add one finished run's records."""
@@ -181,20 +182,29 @@ def job_label(rc: RunConfig) -> str:
 
 
 def baseline_tree(nights: list[dict]):
-    """The kernels of the newest night that ended with exit status 0, as that night snapshotted them
-    (testbed.lab.ab.snapshot): the A side of tonight's A/B jobs. None before the first good night, or
-    when its snapshot is gone from the cache."""
+    """The A side of tonight's A/B jobs: the kernels of the newest night whose A/B jobs all completed
+    (last night's build, as asv compares neighbours), as that night snapshotted them
+    (testbed.lab.ab.snapshot), named by that night's commit. Whatever that night said: a change is
+    flagged on the night it appears, against the night before, and not again the nights after, when
+    both sides hold it (an intentional slowdown is accepted by landing; a revert reads as faster).
+    A night killed or stopped before its A/B jobs ended never measured its kernels, so the night
+    before it stays the baseline and a change it brought is still flagged the next night. None before
+    the first such night, or when its snapshot is gone from the cache."""
     from testbed.lab import ab
 
     for entry in reversed(nights):
-        if entry.get("exit_status") == 0 and entry.get("kernels"):
-            return ab.snapshotted(entry["kernels"])
+        measured = entry.get("ab_measured", entry.get("exit_status") == 0)  # older logs: their last good night
+        if measured and entry.get("kernels"):
+            tree = ab.snapshotted(entry["kernels"])
+            if tree is None:
+                return None
+            return replace(tree, revision=entry.get("kernels_commit") or entry["git_commit"])
     return None
 
 
 def execute_job(rc: RunConfig, handle: Device, suite: Suite, trees, log) -> runner.Outcome:
-    """One job: a plain run, or an A/B job of trees (A: the last good night's kernels, B: tonight's;
-    before the first good night, tonight's against themselves: no change, and the history starts)."""
+    """One job: a plain run, or an A/B job of trees (A: the last measured night's kernels, B: tonight's;
+    before the first such night, tonight's against themselves: no change, and the history starts)."""
     if not isinstance(rc, ABJob):
         return runner.execute(rc, device=handle)
     from testbed.lab import ab
@@ -202,9 +212,10 @@ def execute_job(rc: RunConfig, handle: Device, suite: Suite, trees, log) -> runn
     opts = ab.Options(reps=suite.ab_reps)
     module = experiments.load(rc.experiment)
     if trees[0] is trees[1]:
-        log("A/B: no earlier good night to measure against yet; tonight's kernels against themselves")
+        log("A/B: no earlier night measured its kernels yet; tonight's kernels against themselves")
     else:
-        log(f"A/B against {trees[0].revision} (the last good night's kernels), {opts.reps} pairs per call")
+        log(f"A/B against {trees[0].spec} of commit {trees[0].revision[:12]} (the last measured night's kernels), "
+            f"{opts.reps} pairs per call")
     return runner.execute(rc, device=handle, produce=lambda cfg, ctx: ab.measure(cfg, ctx, module, rc.experiment,
                                                                                  trees, opts))
 
@@ -239,6 +250,7 @@ def work(device: str, jobs: list[RunConfig], suite: Suite, night: str, log: Log,
                     log(device, f"{i}/{len(jobs)} broke: {type(e).__name__}: {e}")
                     continue
                 result.count(outcome.info.run_id, outcome.rows)
+                result.ab_jobs_done += isinstance(rc, ABJob)
     except DeviceBusy as e:
         result.status, result.reason = "busy", str(e)
     except DeviceUnreachable as e:
@@ -306,14 +318,20 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
     entry = {"night": night, "suite": suite.name, "started": started.isoformat(timespec="seconds"),
              "git_commit": git_commit(), "tools": report.tool_versions()}
     trees = None
-    if any(isinstance(rc, ABJob) for jobs in suite.jobs.values() for rc in jobs):
+    ab_jobs = sum(isinstance(rc, ABJob) for jobs in suite.jobs.values() for rc in jobs)
+    if ab_jobs:
         from testbed.lab import ab
 
-        tonight = ab.snapshot(ab.resolve_tree(suite.ab_tree))
+        measured = ab.resolve_tree(suite.ab_tree)
+        tonight = ab.snapshot(measured)
         entry["kernels"] = tonight.revision.split()[0].removeprefix("kernels:")
+        # The commit the A/B flags name for tonight's side: the revision ab_tree names, or for a folder
+        # (the working tree by default) the checkout's commit, as every record of tonight carries.
+        entry["kernels_commit"] = entry["git_commit"] if measured.revision.startswith("folder:") else measured.revision
+        tonight = replace(tonight, spec=f"kernels:{entry['kernels']}", revision=entry["kernels_commit"])
         baseline = baseline_tree(earlier)
         if baseline is not None:
-            entry["ab_baseline"] = baseline.revision
+            entry["ab_baseline"] = f"{baseline.spec} ({baseline.revision})"
         trees = (baseline or tonight, tonight)
     store_nights(store).append([entry])  # what a killed night leaves in the log
     try:
@@ -323,6 +341,8 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
         store_nights(store).append([{**entry, "finished": stopped, "exit_status": 128 + e.signum,
                                      "report": f"not written: {e}"}])
         raise
+    if ab_jobs:  # tonight's kernels are the next night's baseline only if every A/B job measured them
+        entry["ab_measured"] = sum(r.ab_jobs_done for r in results) == ab_jobs
     tonight = {run for r in results for run in r.run_ids}
     records = store.records()
     settings = report.settings()

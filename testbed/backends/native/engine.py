@@ -206,6 +206,7 @@ class TailRun:
     prefill: DevicePrefill
     timings: dict
     evidence: Evidence
+    counts: object = None  # testbed.measure.counts.Counts on a device that counts: one region "prefill" per repetition
 
 
 def _caches(cfg: gemma.GemmaConfig, s: TailSettings, out: dict, lengths: list[int]) -> tp.ModelCaches:
@@ -255,7 +256,7 @@ def tail(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSetting
     caches = _caches(cfg, s, out, timings["lengths"])
     prefill = DevicePrefill(out["logits"], tp.Telemetry(**timings["telemetry"]), caches, tokens.size,
                             [int(t) for t in out["generated"]])
-    return TailRun(prefill, timings, evidence)
+    return TailRun(prefill, timings, evidence, result.counts)
 
 
 def rollback_runs(device: Device, cfg: gemma.GemmaConfig, w: dict, case, s: TailSettings, seed: int = 0,
