@@ -29,6 +29,7 @@ configuration error; 3 a device was unreachable or busy and nothing else went wr
 from __future__ import annotations
 
 import datetime as dt
+import re
 import sys
 import threading
 import time
@@ -325,9 +326,11 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
         measured = ab.resolve_tree(suite.ab_tree)
         tonight = ab.snapshot(measured)
         entry["kernels"] = tonight.revision.split()[0].removeprefix("kernels:")
-        # The commit the A/B flags name for tonight's side: the revision ab_tree names, or for a folder
-        # (the working tree by default) the checkout's commit, as every record of tonight carries.
-        entry["kernels_commit"] = entry["git_commit"] if measured.revision.startswith("folder:") else measured.revision
+        # The commit the A/B flags name for tonight's side: the commit ab_tree names, or for a folder
+        # (the working tree by default; its revision names its snapshot) the checkout's commit, as every
+        # record of tonight carries.
+        named_commit = re.fullmatch(r"[0-9a-f]{40}", measured.revision)
+        entry["kernels_commit"] = measured.revision if named_commit else entry["git_commit"]
         tonight = replace(tonight, spec=f"kernels:{entry['kernels']}", revision=entry["kernels_commit"])
         baseline = baseline_tree(earlier)
         if baseline is not None:
