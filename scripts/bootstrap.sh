@@ -7,13 +7,15 @@
 #                                 for the cross-checks against Hugging Face (the `hf` extra), CMake,
 #                                 Ninja, ccache and the aarch64 C++ compiler that build llama.cpp's tools,
 #                                 Ray (the farm extra: the tests run a three-node cluster here), and zig
-#                                 (the cross extra: the Hexagon builds, run under qemu-hexagon from qemu-user)
+#                                 (the cross extra: the Hexagon builds, run under qemu-hexagon from qemu-user),
+#                                 and iproute2 (scripts/offline.sh brings up loopback in the tests' own
+#                                 network namespace)
 set -eu
 cd "$(dirname "$0")/.."
 
 HOST_PACKAGES="gcc make valgrind"
 TEST_PACKAGES="qemu-user gcc-arm-linux-gnueabihf gcc-aarch64-linux-gnu libc6-dev-armhf-cross libc6-dev-arm64-cross
-  adb openssh-server mesa-vulkan-drivers libvulkan1 chromium g++ g++-aarch64-linux-gnu cmake ninja-build ccache"
+  adb openssh-server mesa-vulkan-drivers libvulkan1 chromium g++ g++-aarch64-linux-gnu cmake ninja-build ccache iproute2"
 
 packages="$HOST_PACKAGES"
 extras="full"
