@@ -22,7 +22,6 @@ import threading
 ENV_LOG = "TESTBED_NETGUARD_LOG"
 _recorded: list[str] = []
 _lock = threading.Lock()
-_installed = False
 
 
 def _loopback_names() -> set[str]:
@@ -133,12 +132,13 @@ class _AnySocket(type):
 def install() -> None:
     """Wrap the socket calls (once per process): socket.socket's, and the C module _socket's beneath
     it, whose socket type cannot be patched in place, so _socket.socket becomes a guarded subclass."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
     import _socket
 
+    # The mark on _socket, not in this module: sitecustomize loads this file under another name than
+    # testbed.netguard does, and a process may load both
+    if getattr(_socket, "testbed_netguard", False):
+        return
+    _socket.testbed_netguard = True
     real_type = _socket.socket
     guarded = {name: _guarded_method(name, getattr(real_type, name)) for name in _SENDING}
     for name, method in guarded.items():
