@@ -38,7 +38,16 @@ if [ -n "$missing" ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
 fi
 
+# Into the Python on PATH: an active virtualenv's, else this machine's. pip is quiet for minutes
+# (downloads, the kernels' build): a line every 30 s says it still works.
+echo "bootstrap: installing testbed[$extras] into $(python3 -c 'import sys; print(sys.prefix)')" >&2
+(while sleep 30; do echo "bootstrap: pip still installing" >&2; done) &
+heartbeat=$!
+trap 'kill "$heartbeat" 2>/dev/null' EXIT
+trap 'exit 130' INT TERM
 python3 -m pip install -q --disable-pip-version-check -e ".[$extras]"
+kill "$heartbeat"
+trap - EXIT INT TERM
 
 if [ "${1:-}" = "--test" ]; then
   # What the suites would otherwise fetch from the package index while they run, where their network
