@@ -99,3 +99,15 @@ def test_offline_says_so_and_runs_the_command_where_no_namespace_can_be_made():
 def test_this_session_runs_where_nothing_can_leave():
     p = subprocess.run(["timeout", "30", "bash", "-c", BASH_CONNECT], capture_output=True, text=True)
     assert p.returncode != 0 and "Network is unreachable" in p.stderr, p.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a network namespace needs root (scripts/offline.sh falls back)")
+def test_the_test_command_runs_pytest_in_the_namespace():
+    """scripts/test.sh's first session, asked for the test above alone: it runs (not skipped) and
+    passes. The next session (a device's) selects nothing from it, which stops the command there."""
+    env = {k: v for k, v in os.environ.items() if k != "TESTBED_NETWORK"}  # as a newcomer's shell has it
+    p = subprocess.run([str(PROJECT_ROOT / "scripts" / "test.sh"), "tests/test_netguard.py", "-k",
+                        "test_this_session_runs_where_nothing_can_leave", "-p", "no:cacheprovider"],
+                       cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    first_session = p.stdout.split("== pytest --device=")[0]
+    assert "1 passed" in first_session and "skipped" not in first_session, p.stdout[-3000:] + p.stderr[-2000:]
