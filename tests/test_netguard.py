@@ -17,7 +17,8 @@ OFFLINE = PROJECT_ROOT / "scripts" / "offline.sh"
 PYTHON_ESCAPES = {
     "socket.sendmsg (UDP)": "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
                             ".sendmsg([b'x'], [], 0, ('192.0.2.1', 9))",
-    "socket.sendto (UDP)": "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('192.0.2.1', 9))",
+    "socket.sendto (UDP)": "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
+                           ".sendto(b'x', ('192.0.2.1', 9))",
     "_socket.socket().connect": "import _socket; _socket.socket().connect(('192.0.2.1', 9))",
     "_socket.socket().connect_ex": "import _socket; _socket.socket().connect_ex(('192.0.2.1', 9))",
     "_socket.socket().sendmsg": "import _socket; _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)"
@@ -43,8 +44,8 @@ def test_each_python_escape_is_refused_in_process_and_in_a_child(escape, request
     with pytest.raises(PermissionError, match="testbed network guard"):
         exec(PYTHON_ESCAPES[escape], {})
     # the child's guard comes from sitecustomize; installing testbed.netguard's too changes nothing
-    child = subprocess.run([sys.executable, "-c", f"from testbed import netguard; netguard.install(); {PYTHON_ESCAPES[escape]}"],
-                           capture_output=True, text=True, timeout=60)
+    twice = f"from testbed import netguard; netguard.install(); {PYTHON_ESCAPES[escape]}"
+    child = subprocess.run([sys.executable, "-c", twice], capture_output=True, text=True, timeout=60)
     assert child.returncode != 0 and "testbed network guard" in child.stderr, child.stderr
     found = network_guard_findings(request.config)  # taken here, so this test itself does not fail
     assert len(found) == 2 and all("192.0.2.1:9" in f or "board.example" in f for f in found), found
@@ -78,8 +79,8 @@ def test_in_the_offline_namespace_no_program_reaches_out_and_loopback_works():
     # loopback is up inside: a server and a non-Python client in the same namespace
     serve_once = ("import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
                   "print(s.getsockname()[1], flush=True); c, _ = s.accept(); c.sendall(b'hello from lo')")
-    p = offline("bash", "-c", f"""{{ read port; exec 3<>/dev/tcp/127.0.0.1/$port; cat <&3; }} < <("{sys.executable}" -c "{serve_once}")
-                                  echo " in $TESTBED_NETWORK" """)
+    client = 'read port; exec 3<>/dev/tcp/127.0.0.1/$port; cat <&3; echo " in $TESTBED_NETWORK"'
+    p = offline("bash", "-c", f'{{ {client}; }} < <("{sys.executable}" -c "{serve_once}")')
     assert p.returncode == 0 and p.stdout.strip() == "hello from lo in namespace", p.stdout + p.stderr
 
 

@@ -139,7 +139,8 @@ def test_a_clone_alone_runs_the_fixture_test(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_tail.py",
                         "-k", "test_fixture_table_and_breakeven"], cwd=clone, env=env, capture_output=True, text=True,
                        timeout=600)
-    assert p.returncode == 0 and "1 passed" in p.stdout and "skipped" not in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    ran = p.stdout + p.stderr
+    assert p.returncode == 0 and "1 passed" in p.stdout and "skipped" not in p.stdout, ran[-3000:]
 
 
 def test_breakeven_needs_padding_to_win_for_good():

@@ -57,6 +57,7 @@ def test_an_installed_wheel_runs_an_experiment_from_another_folder(tmp_path):
     assert native.returncode == 0, native.stdout + native.stderr
     assert "gdn on host (native): oracles 48/48 pass" in native.stdout
     assert list((elsewhere / ".cache" / "kernels").glob("host-*/tb_gdn_bench"))
-    plugin = subprocess.run([python, "-c", "from testbed.measure.counts import PLUGIN_SOURCE; print(PLUGIN_SOURCE.is_file())"],
+    plugin = subprocess.run([python, "-c", "from testbed.measure.counts import PLUGIN_SOURCE; "
+                                           "print(PLUGIN_SOURCE.is_file())"],
                             cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout
     assert plugin.strip() == "True"

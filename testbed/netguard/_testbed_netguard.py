@@ -2,13 +2,16 @@
 
 Installed, it wraps Python's socket calls that can send a packet off this machine (socket's, and
 _socket's beneath it): connect, connect_ex, sendto and sendmsg to an IPv4/IPv6 address that is not
-loopback (127.0.0.0/8, ::1; 0.0.0.0 and :: mean this host), and a name lookup of anything but a numeric address, `localhost` or a name /etc/hosts
-gives a loopback address (a lookup may ask a DNS server). Each such call is refused with
-PermissionError before anything is sent, and recorded: in this process (`take`), and, where the
-environment names a log file (TESTBED_NETGUARD_LOG), as one line there, so the test session that set
-it can fail the test during which any of its processes dialled out, even if the code under test
-swallowed the error. Standard library only: it is also loaded as `sitecustomize` by every Python
+loopback (127.0.0.0/8, ::1; 0.0.0.0 and :: mean this host), and a name lookup of anything but a
+numeric address, `localhost` or a name /etc/hosts gives a loopback address (a lookup may ask a DNS
+server). Each such call is refused with PermissionError before anything is sent, and recorded: in
+this process (`take`), and, where the environment names a log file (TESTBED_NETGUARD_LOG), as one
+line there, so the test session that set it can fail the test during which any of its processes
+dialled out, even if the code under test swallowed the error. Standard library only: it is also loaded as `sitecustomize` by every Python
 process the suite starts (testbed/netguard/sitecustomize.py).
+
+What no guard in a Python process can see (C code's own connect, a program that is not Python),
+scripts/offline.sh stops: the test command runs pytest in a network namespace with only loopback.
 """
 
 from __future__ import annotations
