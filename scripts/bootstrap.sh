@@ -7,13 +7,15 @@
 #                                 for the cross-checks against Hugging Face (the `hf` extra), CMake,
 #                                 Ninja, ccache and the aarch64 C++ compiler that build llama.cpp's tools,
 #                                 Ray (the farm extra: the tests run a three-node cluster here), and zig
-#                                 (the cross extra: the Hexagon builds, run under qemu-hexagon from qemu-user)
+#                                 (the cross extra: the Hexagon builds, run under qemu-hexagon from qemu-user),
+#                                 and iproute2 (scripts/offline.sh brings up loopback in the tests' own
+#                                 network namespace)
 set -eu
 cd "$(dirname "$0")/.."
 
 HOST_PACKAGES="gcc make valgrind"
 TEST_PACKAGES="qemu-user gcc-arm-linux-gnueabihf gcc-aarch64-linux-gnu libc6-dev-armhf-cross libc6-dev-arm64-cross
-  adb openssh-server mesa-vulkan-drivers libvulkan1 chromium g++ g++-aarch64-linux-gnu cmake ninja-build ccache"
+  adb openssh-server mesa-vulkan-drivers libvulkan1 chromium g++ g++-aarch64-linux-gnu cmake ninja-build ccache iproute2"
 
 packages="$HOST_PACKAGES"
 extras="full"
@@ -36,7 +38,16 @@ if [ -n "$missing" ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
 fi
 
+# Into the Python on PATH: an active virtualenv's, else this machine's. pip is quiet for minutes
+# (downloads, the kernels' build): a line every 30 s says it still works.
+echo "bootstrap: installing testbed[$extras] into $(python3 -c 'import sys; print(sys.prefix)')" >&2
+(while sleep 30; do echo "bootstrap: pip still installing" >&2; done) &
+heartbeat=$!
+trap 'kill "$heartbeat" 2>/dev/null' EXIT
+trap 'exit 130' INT TERM
 python3 -m pip install -q --disable-pip-version-check -e ".[$extras]"
+kill "$heartbeat"
+trap - EXIT INT TERM
 
 if [ "${1:-}" = "--test" ]; then
   # What the suites would otherwise fetch from the package index while they run, where their network

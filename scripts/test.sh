@@ -19,8 +19,12 @@
 #
 # Extra arguments go to every pytest run (e.g. -x, -k NAME). Every run has the network guard on
 # (pyproject.toml: network_guard = "loopback"): a test that sends anything outside loopback fails.
+# And every run is in a network namespace of its own with only loopback (scripts/offline.sh, as root),
+# where no program, Python or not, can send a packet off this machine; elsewhere the in-process guard
+# alone, with a warning line.
 set -eu
 cd "$(dirname "$0")/.."
+[ -n "${TESTBED_NETWORK:-}" ] || exec scripts/offline.sh scripts/test.sh "$@"
 selection="device and not heavy_emulation"
 devices="adb-loopback qemu-aarch64"
 if [ "${1:-}" = "--full" ]; then

@@ -33,7 +33,7 @@ from testbed.lab import farm
 from testbed.report import build as report_module
 from testbed.results import ResultsStore
 
-ray = pytest.importorskip("ray", reason="the farm extra: pip install 'testbed[farm]'")
+ray = pytest.importorskip("ray", reason="the farm extra: pip install 'testbed[farm]'", exc_type=ImportError)
 from ray.cluster_utils import Cluster  # noqa: E402
 
 SMALL_STORE = 80 << 20  # Ray's default object store per node is ~450 MB; records are tiny

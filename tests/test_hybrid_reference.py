@@ -19,8 +19,8 @@ from testbed.models.hybrid_checkpoints import config_from_hf, load_hf_folder
 from testbed.oracles.numerical import check_nmse
 from tests.hybrid_support import TINY, VARIANTS, make_tiny_qwen35
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", exc_type=ImportError)
+transformers = pytest.importorskip("transformers", exc_type=ImportError)
 
 PROMPT_TOKENS = 150  # across transformers' own GDN chunk of 64, twice
 

@@ -28,8 +28,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is made here: ne
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the hf extra: pip install 'testbed[hf]'")
-spm = pytest.importorskip("sentencepiece", reason="the full extra: pip install 'testbed[full]'")
+torch = pytest.importorskip("torch", reason="the hf extra: pip install 'testbed[hf]'", exc_type=ImportError)
+spm = pytest.importorskip("sentencepiece", reason="the full extra: pip install 'testbed[full]'", exc_type=ImportError)
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # noqa: E402
 
 from refimpl import gemma  # noqa: E402

@@ -98,7 +98,7 @@ def test_native_bench_against_ggml_and_torch_times_and_judges_at_most(results_di
     """ggml's op and transformers' chunkwise as time references: ratios of times, targets at most."""
     from testbed.experiments import native_bench
 
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", exc_type=ImportError)
     monkeypatch.setattr(native_bench, "ggml_program", lambda cfg, ctx: (None, "not built in this test"))
     outcome = run(["attention.past=40", "attention.chunk=8", "attention.head_dim=32", "cache.window=32",
                    "cache.real=5", "bench.reps=1", "bench.warmup=0", "bench.cold_mb=8", "ratios.reps=2",

@@ -21,7 +21,8 @@ def test_device_fixture_and_capability_skips(pytester):
 
 def test_the_suite_collects_without_the_hf_extra(tmp_path):
     """Issue 24, item 16: `pytest --device=X -m device` failed at collection without torch (a bare
-    `import torch`); modules that need the hf extra skip instead."""
+    `import torch`); modules that need the hf extra skip instead. Issue 34: with pytest 9.2 four
+    modules still failed (an importorskip without exc_type=ImportError)."""
     import os
     import subprocess
     import sys
@@ -32,8 +33,11 @@ def test_the_suite_collects_without_the_hf_extra(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"raise ImportError('no {name} here (a test of its absence)')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)}
+    # pytest >= 9.1 no longer skips on an ImportError that is not ModuleNotFoundError unless told to
+    # (importorskip's exc_type); older ones only warn: as an error here, so every pytest shows it
     p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "device",
-                        "tests"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=600)
+                        "-W", "error::pytest.PytestDeprecationWarning", "tests"],
+                       cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "error" not in p.stdout.lower().split("\n")[-2], p.stdout[-500:]
 

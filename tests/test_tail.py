@@ -5,20 +5,12 @@ import pandas as pd
 import pytest
 
 from refimpl import gemma, tail_prefill as tp
-from testbed import PROJECT_ROOT
 from testbed.measure.breakeven import breakeven_tail, read_sweep_csv, tail_table, threshold_from_breakeven
 from testbed.oracles.tail import Engine, check_first_token, kill_switch, prompt_lengths
 
 CHUNK = 128
 THRESHOLD = tp.DEFAULT_THRESHOLD  # what TailPolicy() pads above
 FIXTURE = "tail_sweep_m4pro_gemma4_e2b.csv"
-
-
-def fixture_path():
-    for root in (PROJECT_ROOT.parent / "shared" / "fixtures", PROJECT_ROOT.parent.parent / "shared" / "fixtures"):
-        if (root / FIXTURE).exists():
-            return root / FIXTURE
-    pytest.skip(f"fixture {FIXTURE} not found beside the project")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -115,8 +107,8 @@ def test_chunk_graph_is_traced_at_the_configured_size_from_a_short_calibration_p
 # --- breakeven tables ------------------------------------------------------------------------------
 
 
-def test_fixture_table_and_breakeven():
-    df = read_sweep_csv(fixture_path())
+def test_fixture_table_and_breakeven(seed_fixtures):
+    df = read_sweep_csv(seed_fixtures / FIXTURE)
     table = tail_table(df)
     assert list(table.columns) == ["N", "tail", "padded tok/s", "scalar tok/s", "winner",
                                    "padded TTFT (ms)", "scalar TTFT (ms)"]
@@ -125,6 +117,30 @@ def test_fixture_table_and_breakeven():
     # The reviewer's verdicts: a tie at 0, scalar +2.5% at 8, padded +5.6% at 10, +123% at 40.
     assert (by_tail[0], by_tail[8], by_tail[10], by_tail[40]) == ("tie", "scalar +2.5%", "padded +5.6%", "padded +123%")
     assert breakeven_tail(df) == 10 and threshold_from_breakeven(10) == 9
+
+
+def test_a_clone_alone_runs_the_fixture_test(tmp_path):
+    """Issue 34: the fixture was looked up beside the project (../shared), so a clone elsewhere skipped
+    the test above. Here the repository's files alone, in a folder of their own, run it."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from testbed import PROJECT_ROOT
+
+    clone = tmp_path / "clone"
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True)
+    for name in filter(None, tracked.stdout.split("\0")):
+        if (PROJECT_ROOT / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(PROJECT_ROOT / name, clone / name)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(clone), os.environ.get("PYTHONPATH"))))}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_tail.py",
+                        "-k", "test_fixture_table_and_breakeven"], cwd=clone, env=env, capture_output=True, text=True,
+                       timeout=600)
+    ran = p.stdout + p.stderr
+    assert p.returncode == 0 and "1 passed" in p.stdout and "skipped" not in p.stdout, ran[-3000:]
 
 
 def test_breakeven_needs_padding_to_win_for_good():

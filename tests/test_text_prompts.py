@@ -112,7 +112,7 @@ def test_sentencepiece_prompts_are_tokenised_as_transformers_does(tmp_path, monk
     the model's add_dummy_prefix it put "▁" after every special token (transformers puts it at the
     start of the text only)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'testbed[hf]'")
+    transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'testbed[hf]'", exc_type=ImportError)
     sp = sentencepiece_folder(tmp_path, "bpe", tokenizer_class="LlamaTokenizer",
                               **({} if bos is None else {"add_bos_token": bos}))
     tokenizer = prompts.find_tokenizer(str(tmp_path))

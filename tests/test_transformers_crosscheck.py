@@ -22,8 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is made here: ne
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the hf extra: pip install 'testbed[hf]'")
-pytest.importorskip("transformers", reason="the hf extra: pip install 'testbed[hf]'")
+torch = pytest.importorskip("torch", reason="the hf extra: pip install 'testbed[hf]'", exc_type=ImportError)
+pytest.importorskip("transformers", reason="the hf extra: pip install 'testbed[hf]'", exc_type=ImportError)
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # noqa: E402
 
 from refimpl import gdn, gemma  # noqa: E402

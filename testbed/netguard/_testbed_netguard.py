@@ -1,14 +1,17 @@
 """The test suite's network guard: no packet to an address outside loopback.
 
-Installed, it wraps Python's socket calls that can send a packet off this machine: connect and
-connect_ex and sendto to an IPv4/IPv6 address that is not loopback (127.0.0.0/8, ::1; 0.0.0.0 and ::
-mean this host), and a name lookup of anything but a numeric address, `localhost` or a name /etc/hosts
-gives a loopback address (a lookup may ask a DNS server). Each such call is refused with
-PermissionError before anything is sent, and recorded: in this process (`take`), and, where the
-environment names a log file (TESTBED_NETGUARD_LOG), as one line there, so the test session that set
-it can fail the test during which any of its processes dialled out, even if the code under test
-swallowed the error. Standard library only: it is also loaded as `sitecustomize` by every Python
+Installed, it wraps Python's socket calls that can send a packet off this machine (socket's, and
+_socket's beneath it): connect, connect_ex, sendto and sendmsg to an IPv4/IPv6 address that is not
+loopback (127.0.0.0/8, ::1; 0.0.0.0 and :: mean this host), and a name lookup of anything but a
+numeric address, `localhost` or a name /etc/hosts gives a loopback address (a lookup may ask a DNS
+server). Each such call is refused with PermissionError before anything is sent, and recorded: in
+this process (`take`), and, where the environment names a log file (TESTBED_NETGUARD_LOG), as one
+line there, so the test session that set it can fail the test during which any of its processes
+dialled out, even if the code under test swallowed the error. Standard library only: it is also loaded as `sitecustomize` by every Python
 process the suite starts (testbed/netguard/sitecustomize.py).
+
+What no guard in a Python process can see (C code's own connect, a program that is not Python),
+scripts/offline.sh stops: the test command runs pytest in a network namespace with only loopback.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import threading
 ENV_LOG = "TESTBED_NETGUARD_LOG"
 _recorded: list[str] = []
 _lock = threading.Lock()
-_real: dict[str, object] = {}
 
 
 def _loopback_names() -> set[str]:
@@ -85,47 +87,69 @@ def _inet(sock) -> bool:
     return sock.family in (socket.AF_INET, socket.AF_INET6)
 
 
+# The socket methods that send to an address they are given, what the refusal calls each, and where
+# the address is among their arguments (after the socket): connect(address), connect_ex(address),
+# sendto(data[, flags], address), sendmsg(buffers[, ancdata[, flags[, address]]]).
+_SENDING = {
+    "connect": ("connect to", lambda args: args[0] if args else None),
+    "connect_ex": ("connect to", lambda args: args[0] if args else None),
+    "sendto": ("sendto", lambda args: args[-1] if len(args) >= 2 else None),
+    "sendmsg": ("sendmsg to", lambda args: args[3] if len(args) >= 4 else None),
+}
+_LOOKUPS = ("getaddrinfo", "gethostbyname", "gethostbyname_ex")
+
+
+def _guarded_method(name, real):
+    verb, address_of = _SENDING[name]
+
+    def method(sock, *args):
+        address = address_of(args)
+        if _inet(sock) and isinstance(address, tuple) and outside(address[0]):
+            _refuse(f"{verb} {address[0]}:{address[1]}")
+        return real(sock, *args)
+
+    method.__name__ = name
+    return method
+
+
+def _guarded_lookup(real):
+    def lookup(host, *args, **kwargs):
+        if outside(host) and not _numeric(host):
+            _refuse(f"name lookup of {host!r}")
+        return real(host, *args, **kwargs)
+
+    lookup.__name__ = real.__name__
+    return lookup
+
+
+class _AnySocket(type):
+    """The guarded _socket.socket's type: every socket is still an instance of _socket.socket."""
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, cls.__base__)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, cls.__base__)
+
+
 def install() -> None:
-    """Wrap the socket calls (once per process)."""
-    if _real:
+    """Wrap the socket calls (once per process): socket.socket's, and the C module _socket's beneath
+    it, whose socket type cannot be patched in place, so _socket.socket becomes a guarded subclass."""
+    import _socket
+
+    # The mark on _socket, not in this module: sitecustomize loads this file under another name than
+    # testbed.netguard does, and a process may load both
+    if getattr(_socket, "testbed_netguard", False):
         return
-    _real.update(connect=socket.socket.connect, connect_ex=socket.socket.connect_ex, sendto=socket.socket.sendto,
-                 getaddrinfo=socket.getaddrinfo, gethostbyname=socket.gethostbyname,
-                 gethostbyname_ex=socket.gethostbyname_ex)
-
-    def connect(sock, address):
-        if _inet(sock) and isinstance(address, tuple) and outside(address[0]):
-            _refuse(f"connect to {address[0]}:{address[1]}")
-        return _real["connect"](sock, address)
-
-    def connect_ex(sock, address):
-        if _inet(sock) and isinstance(address, tuple) and outside(address[0]):
-            _refuse(f"connect to {address[0]}:{address[1]}")
-        return _real["connect_ex"](sock, address)
-
-    def sendto(sock, data, *args):
-        address = args[-1] if args else None
-        if _inet(sock) and isinstance(address, tuple) and outside(address[0]):
-            _refuse(f"sendto {address[0]}:{address[1]}")
-        return _real["sendto"](sock, data, *args)
-
-    def getaddrinfo(host, *args, **kwargs):
-        if outside(host) and not _numeric(host):
-            _refuse(f"name lookup of {host!r}")
-        return _real["getaddrinfo"](host, *args, **kwargs)
-
-    def gethostbyname(host):
-        if outside(host) and not _numeric(host):
-            _refuse(f"name lookup of {host!r}")
-        return _real["gethostbyname"](host)
-
-    def gethostbyname_ex(host):
-        if outside(host) and not _numeric(host):
-            _refuse(f"name lookup of {host!r}")
-        return _real["gethostbyname_ex"](host)
-
-    socket.socket.connect, socket.socket.connect_ex, socket.socket.sendto = connect, connect_ex, sendto
-    socket.getaddrinfo, socket.gethostbyname, socket.gethostbyname_ex = getaddrinfo, gethostbyname, gethostbyname_ex
+    _socket.testbed_netguard = True
+    real_type = _socket.socket
+    guarded = {name: _guarded_method(name, getattr(real_type, name)) for name in _SENDING}
+    for name, method in guarded.items():
+        setattr(socket.socket, name, method)
+    _socket.socket = _socket.SocketType = _AnySocket("socket", (real_type,), {"__module__": "_socket", **guarded})
+    for module in (socket, _socket):
+        for name in _LOOKUPS:
+            setattr(module, name, _guarded_lookup(getattr(module, name)))
 
 
 def _numeric(host) -> bool:

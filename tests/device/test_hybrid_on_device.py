@@ -19,7 +19,7 @@ from tests.device.test_gdn_on_device import assert_computed_on
 from tests.hybrid_support import VARIANTS, make_tiny_qwen35
 
 pytestmark = [pytest.mark.device, pytest.mark.requires("native")]
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", exc_type=ImportError)
 
 PROMPT = 150
 PAST, TOKENS, CHUNK = 86, 64, 64  # the past's calls end at 63 (full) and 85 (22 padded to 64); the case at 149
