@@ -1,24 +1,26 @@
 #!/usr/bin/env sh
 # Installs what testbed needs on a fresh Debian machine, then the project itself (editable).
-#   scripts/bootstrap.sh          the host job: a C compiler and the Python package with its extras
-#   scripts/bootstrap.sh --test   also what the test suites drive for real: ARM cross compilers and
-#                                 qemu-user, Debian's adb client, openssh-server, Mesa's software Vulkan
+#   scripts/bootstrap.sh          the main job (`testbed nightly`'s default suite): a C compiler and
+#                                 valgrind (the host's counts), qemu-user with the ARM cross compilers
+#                                 and zig (the cross extra: the suite counts every kernel on qemu-aarch64,
+#                                 qemu-arm32 and qemu-hexagon), and the Python package with its extras
+#   scripts/bootstrap.sh --test   also what the test suites drive for real: Debian's adb client,
+#                                 openssh-server, Mesa's software Vulkan
 #                                 (lavapipe), Chromium for the report check, torch + transformers
 #                                 for the cross-checks against Hugging Face (the `hf` extra), CMake,
 #                                 Ninja, ccache and the aarch64 C++ compiler that build llama.cpp's tools,
-#                                 Ray (the farm extra: the tests run a three-node cluster here), and zig
-#                                 (the cross extra: the Hexagon builds, run under qemu-hexagon from qemu-user),
-#                                 and iproute2 (scripts/offline.sh brings up loopback in the tests' own
+#                                 Ray (the farm extra: the tests run a three-node cluster here), and
+#                                 iproute2 (scripts/offline.sh brings up loopback in the tests' own
 #                                 network namespace)
 set -eu
 cd "$(dirname "$0")/.."
 
-HOST_PACKAGES="gcc make valgrind"
-TEST_PACKAGES="qemu-user gcc-arm-linux-gnueabihf gcc-aarch64-linux-gnu libc6-dev-armhf-cross libc6-dev-arm64-cross
-  adb openssh-server mesa-vulkan-drivers libvulkan1 chromium g++ g++-aarch64-linux-gnu cmake ninja-build ccache iproute2"
+HOST_PACKAGES="gcc make valgrind qemu-user gcc-arm-linux-gnueabihf gcc-aarch64-linux-gnu libc6-dev-armhf-cross
+  libc6-dev-arm64-cross"
+TEST_PACKAGES="adb openssh-server mesa-vulkan-drivers libvulkan1 chromium g++ g++-aarch64-linux-gnu cmake ninja-build ccache iproute2"
 
 packages="$HOST_PACKAGES"
-extras="full"
+extras="full,cross"
 if [ "${1:-}" = "--test" ]; then
   packages="$packages $TEST_PACKAGES"
   extras="full,hf,farm,cross"

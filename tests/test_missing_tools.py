@@ -14,7 +14,7 @@ from testbed.errors import ToolMissing
 @pytest.mark.parametrize("experiment", ["gdn", "llamacpp"])
 def test_a_run_that_needs_zig_without_the_cross_extra_is_one_line_exit_3(experiment, monkeypatch, capsys,
                                                                          results_dir):
-    monkeypatch.setitem(sys.modules, "ziglang", None)  # `import ziglang` fails, as after scripts/bootstrap.sh
+    monkeypatch.setitem(sys.modules, "ziglang", None)  # `import ziglang` fails, as without the cross extra
     assert main(["run", experiment, "device=qemu-hexagon"]) == 3
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("testbed: missing tool: zig is not installed: pip install 'testbed[cross]'"), line
