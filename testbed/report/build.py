@@ -45,7 +45,7 @@ import pandas as pd
 
 from testbed import experiments
 from testbed.devices.private import process_alive
-from testbed.errors import StoreError, UsageError
+from testbed.errors import INTERNAL_ERROR, StoreError, UsageError
 from testbed.measure import breakeven, emulation, history, seed
 from testbed.report import implementations, plots
 from testbed.report.tables import _cell as format_number
@@ -132,6 +132,8 @@ class Inputs:
     referenced: dict[str, dict] = field(default_factory=dict)  # records a table links to, by id
     breakevens: list[dict] = field(default_factory=list)  # per device, backend, model, source: the tail
     set_apart: list[dict] = field(default_factory=list)  # emulated figures, listed apart (testbed.measure.emulation)
+    unreadable: list[tuple[dict, str]] = field(default_factory=list)  # records the report cannot read, and why
+    current_runs: set[str] = field(default_factory=set)  # the runs of `current`, and of unreadable records
 
     def cite(self, record: dict) -> str:
         self.referenced[record["record_id"]] = record
@@ -154,7 +156,70 @@ def parse_since(text: str | None) -> dt.datetime | None:
 def select(records: list[dict], since: dt.datetime | None) -> list[dict]:
     if since is None:
         return list(records)
-    return [r for r in records if dt.datetime.fromisoformat(r["started"]) >= since]
+    return [r for r in records if (started_at(r) or since) >= since]  # a record with no time is kept, to be named
+
+
+def started_at(record: dict) -> dt.datetime | None:
+    try:
+        when = dt.datetime.fromisoformat(record["started"])
+    except ValueError:
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
+
+
+# --- records the report cannot read: named, never a traceback ---------------------------------------
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+FIGURE_FIELDS = {"median": is_number, "min": is_number, "max": is_number, "unit": lambda v: isinstance(v, str),
+                 "reps": lambda v: isinstance(v, int) and not isinstance(v, bool)}
+OPTIONAL_FIGURE_FIELDS = {"samples": lambda v: v is None or (isinstance(v, list) and all(map(is_number, v))),
+                          "role": lambda v: v is None or isinstance(v, str),
+                          "ab": lambda v: v is None or isinstance(v, dict)}
+HOST_LOAD_FIELDS = {"load_1m_before": is_number, "load_1m_after": is_number, "cores": is_number,
+                    "noisy": lambda v: isinstance(v, bool)}
+
+
+def unreadable(record: dict) -> str | None:
+    """Why the report cannot read a record the store let through, or None. The store checks the fields
+    every record has and their types (testbed.results.malformed); the report reads inside them: each
+    figure's numbers (testbed.results.Figure), the start time, an oracle's verdict, the load reading.
+    A damaged store, a hand edit or an older testbed may hold anything there (issue 34: an instruction
+    count that was a string): such a record is listed with this reason, and never read further."""
+    if started_at(record) is None:
+        return f"started {record['started']!r} is not an ISO time"
+    for key in ("verdict", "oracle"):
+        if record["kind"] == "oracle" and not isinstance(record.get(key), str):
+            return f"an oracle record whose {key} is {record.get(key)!r}"
+    for name, fig in record["figures"].items():
+        if not isinstance(fig, dict):
+            return f"figure {name} is {fig!r}, not a figure"
+        for key, fits in FIGURE_FIELDS.items():
+            if key not in fig or not fits(fig[key]):
+                return f"figure {name}: {key} {fig.get(key)!r} is not " + ("a text" if key == "unit" else "a number")
+        for key, fits in OPTIONAL_FIGURE_FIELDS.items():
+            if not fits(fig.get(key)):
+                return f"figure {name}: {key} {fig[key]!r} is not what testbed writes there"
+    for key, fits in HOST_LOAD_FIELDS.items():
+        if key in (record.get("host_load") or {}) and not fits(record["host_load"][key]):
+            return f"host_load.{key} {record['host_load'][key]!r} is not what testbed writes there"
+    return None
+
+
+def unreadable_records(inp: "Inputs") -> Section | None:
+    if not inp.unreadable:
+        return None
+    rows = [[cell(r["record_id"][:12]), cell(r["experiment"]), cell(r["device"]), cell(r["case"]), cell(r["kind"]),
+             cell(r["run_id"]), cell(why, cls="fail")] for r, why in inp.unreadable]
+    return Section("unreadable", "Records the report cannot read", [
+        f"{len(rows)} stored record(s) hold a value testbed never writes where the report reads (a damaged "
+        "store, a hand edit, an older testbed): each is named here with what is wrong, and left out of every "
+        "table, plot and judgement. An oracle record among them counts as a verdict that did not pass. "
+        "`testbed records verify` checks the store."],
+        [Table("records left out", ["record", "experiment", "device", "case", "kind", "run", "what is wrong"], rows)])
 
 
 # --- sections -------------------------------------------------------------------------------------
@@ -555,7 +620,7 @@ def cited_records(inp: Inputs) -> Section | None:
 
 # The page, in order. Each function returns None when it has nothing to show.
 SECTIONS: list[Callable[[Inputs], Section | None]] = [
-    oracle_matrix, regressions, tail_sweep, chunk_choice, gdn_throughput, instruction_counts, other_measurements,
+    oracle_matrix, unreadable_records, regressions, tail_sweep, chunk_choice, gdn_throughput, instruction_counts, other_measurements,
     nights_over_time, nights,
     provenance, cited_records,
 ]
@@ -578,8 +643,8 @@ def _has_reading(record: dict) -> bool:
 class LoadReading:
     """What a device's current records say of this host's load while they ran (testbed.runner.host_load).
     The records behind its figures are its current measure records, the emulated ones listed apart
-    included; the banner's colour (amber when one of them says noisy) and its words both come from
-    this one reading, so the words never call a machine quiet that a record calls noisy."""
+    included. The banner says it beside the verdict, never as its colour, and from this one reading, so
+    its words never call a machine quiet that a record calls noisy."""
 
     measures: list[dict]  # the records behind the device's figures
     others: list[dict]  # its other current records (oracle verdicts, whose correctness load does not change)
@@ -599,19 +664,16 @@ class LoadReading:
         worst = max((r for r in records if _has_reading(r)), key=_busiest_load)
         return f"load {_busiest_load(worst):.1f} on {worst['host_load'].get('cores', '?')} cores"
 
-    def concern(self) -> str | None:
-        """Why the figures are noisy (amber), or None."""
+    def note(self) -> str:
+        """What the records say of the load, in words: a note beside the verdict, never its colour (a
+        verdict of correctness does not depend on the load, and on a shared host every night is loaded)."""
         noisy = self.noisy
-        if not noisy:
-            return None
-        runs = {r["run_id"] for r in noisy}
-        figures = sum(len(r.get("figures") or {}) for r in self.measures if r["run_id"] in runs)
-        return (f"{figures} figure{'s' * (figures != 1)} of {len(runs)} run{'s' * (len(runs) != 1)} measured "
-                f"under {self.load(noisy)} (noisy): judged like the others (none left out); where the machine "
-                "probe ran, a flag says how much the machine slowed")
-
-    def words(self) -> str:
-        """What the records say of the load when none behind a figure says noisy."""
+        if noisy:
+            runs = {r["run_id"] for r in noisy}
+            figures = sum(len(r.get("figures") or {}) for r in self.measures if r["run_id"] in runs)
+            return (f"{figures} figure{'s' * (figures != 1)} of {len(runs)} run{'s' * (len(runs) != 1)} measured "
+                    f"under {self.load(noisy)} (noisy): judged like the others (none left out); where the machine "
+                    "probe ran, a flag says how much the machine slowed")
         read = [r for r in self.measures if _has_reading(r)]
         if read:
             said = f"figures measured under {self.load(read)} (quiet)"
@@ -636,14 +698,27 @@ def load_reading(inp: Inputs, device: str) -> LoadReading:
                        [r for r in current if r["kind"] != "measure"])
 
 
+def current_oracles(inp: Inputs) -> list[dict]:
+    """The current runs' oracle verdicts, each record the report cannot read among them as an error: a
+    verdict that cannot be read never counts as a pass."""
+    return [r for r in inp.current if r["kind"] == "oracle"] + [
+        {**r, "verdict": "error", "detail": f"the report cannot read it: {why}"}
+        for r, why in inp.unreadable if r["kind"] == "oracle" and r["run_id"] in inp.current_runs]
+
+
 def device_verdict(inp: Inputs, device: str) -> dict:
-    """Red: a current oracle fails or errs (a run that did not end complete counts as an error). Amber:
-    every current oracle passes, but a figure or oracle is flagged as a regression, a record behind the
-    figures says it was measured on a loaded machine (LoadReading), the device's runs are stale, it was
-    missing from the last night, or it has no verdicts at all. Green otherwise. The reason names what
-    decided the colour, and a green one says what load the records carry."""
+    """The colour says the result, nothing else. Red: a current oracle fails or errs (a run that did not
+    end complete counts as an error, as does a verdict the report cannot read). Amber: every current
+    oracle passes, but a figure, count or oracle is flagged as a regression, or the passes cannot be
+    trusted to be tonight's (the device's runs are stale, it was missing from the last night, it has no
+    verdicts at all). Green otherwise, whatever the load. The reason names what decided the colour, then
+    the load the records carry (LoadReading.note), and any record left out as unreadable."""
     records = [r for r in inp.current if r["device"] == device]
-    oracles = [r for r in records if r["kind"] == "oracle"]
+    oracles = [r for r in current_oracles(inp) if r["device"] == device]
+    reading = load_reading(inp, device)
+    unread = [why for r, why in inp.unreadable if r["device"] == device]
+    notes = f"load: {reading.note()}" + (f"; {len(unread)} record{'s' * (len(unread) != 1)} the report cannot "
+                                        f"read (first: {unread[0]})" if unread else "")
     failing = [r for r in oracles if not counts_as_passed(r)]
     if failing:
         first = failing[0]
@@ -651,18 +726,14 @@ def device_verdict(inp: Inputs, device: str) -> dict:
                 else first.get("detail") or first.get("verdict"))
         return {"device": device, "colour": "red",
                 "reason": f"{len(failing)} of {len(oracles)} oracle verdicts fail or err; first: {first['experiment']} "
-                          f"{first['case']} ({implementations.of(first).backend}): {said}"}
+                          f"{first['case']} ({implementations.of(first).backend}): {said}. {notes}"}
     concerns = []
     flags = [f for f in inp.flags if f.device == device]
     if flags:  # every flag by name: the first alone hides the rest
         concerns.append(f"{len(flags)} regression flag{'s' * (len(flags) != 1)}: "
                         + "; ".join(f"({i}) {f.line()}" for i, f in enumerate(flags, 1)))
-    reading = load_reading(inp, device)
-    noisy = reading.concern()
-    if noisy:
-        concerns.append(noisy)
     if records:
-        newest = max(dt.datetime.fromisoformat(r["started"]) for r in records)
+        newest = max(started_at(r) for r in records)
         age = inp.now - newest
         if age > dt.timedelta(days=inp.settings["stale_after_days"]):
             concerns.append(f"stale: its newest run started {age.days} days before this report "
@@ -677,15 +748,16 @@ def device_verdict(inp: Inputs, device: str) -> dict:
         concerns.append("no oracle verdicts in its current runs")
     if concerns:
         passing = f"all {len(oracles)} oracle verdicts pass, but " if oracles else ""
-        return {"device": device, "colour": "amber", "reason": passing + "; ".join(concerns)}
+        return {"device": device, "colour": "amber", "reason": passing + "; ".join(concerns) + f". {notes}"}
     return {"device": device, "colour": "green",
-            "reason": f"all {len(oracles)} oracle verdicts pass; no regression flag; {reading.words()}; "
-                      f"newest run {newest.date().isoformat()}"}
+            "reason": f"all {len(oracles)} oracle verdicts pass; no regression flag; newest run "
+                      f"{newest.date().isoformat()}. {notes}"}
 
 
 def verdict_banner(inp: Inputs) -> list[dict]:
     """One verdict per device of the current runs and of the last night."""
-    devices = {r["device"] for r in inp.current}
+    devices = {r["device"] for r in inp.current} | {r["device"] for r, _ in inp.unreadable
+                                                     if r["run_id"] in inp.current_runs}
     if inp.nights:
         devices |= set(inp.nights[-1].get("devices") or {})
     return [device_verdict(inp, device) for device in sorted(devices)]
@@ -727,11 +799,26 @@ TEMPLATE_ENV.filters["pretty"] = lambda data: json.dumps(data, indent=1, sort_ke
 TEMPLATE_ENV.globals["long_cell"] = 24
 
 
+def is_ab(record: dict) -> bool:
+    """A record of an A/B job (`testbed ab`, the nightly's A/B): B's figures over A's, paired."""
+    return isinstance(record["metrics"].get("ab"), dict)
+
+
+def latest_runs(records: list[dict]) -> set[str]:
+    """The current runs: the newest of each experiment, device and config, an A/B job's apart from the
+    experiment's own. The nightly's A/B job runs with the experiment's config; were it the "current run"
+    of that config, the experiment's own verdicts and figures would drop off the page."""
+    return (history.latest_runs([r for r in records if not is_ab(r)])
+            | history.latest_runs([r for r in records if is_ab(r)]))
+
+
 def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_log: list[dict] = (),
           since: dt.datetime | None = None) -> dict:
     """Write the report folder `out` from `records`; return its JSON content."""
-    window, emulated = emulation.split(select(records, since))
-    current_runs = history.latest_runs(window)
+    chosen = select(records, since)
+    current_runs = latest_runs(chosen)
+    judged = {id(r): unreadable(r) for r in chosen}
+    window, emulated = emulation.split([r for r in chosen if judged[id(r)] is None])
     flags = history.flags(window, settings)
     out = Path(out)
     check_replaceable(out)
@@ -742,8 +829,12 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
     try:
         (staging / MARKER).write_text("a testbed report: `testbed report` replaces this folder\n")
         inp = Inputs(window, [r for r in window if r["run_id"] in current_runs], fixtures, staging,
-                     dt.datetime.now(dt.timezone.utc), settings, list(night_log), flags, set_apart=emulated)
-        sections = [s for s in (fn(inp) for fn in SECTIONS) if s is not None]
+                     dt.datetime.now(dt.timezone.utc), settings, list(night_log), flags, set_apart=emulated,
+                     unreadable=[(r, judged[id(r)]) for r in chosen if judged[id(r)] is not None],
+                     current_runs=current_runs)
+        drawn = [draw(fn, inp) for fn in SECTIONS]
+        sections = [s for s, _ in drawn if s is not None]
+        broken = [why for _, why in drawn if why is not None]
         if emulated:
             sections.insert(1, Section("emulated", "Figures left out",
                                        [f"{len(emulated)} figure(s) {emulation.REASON}."],
@@ -757,6 +848,7 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
             "flags": [history.flag_data(f) for f in flags],
             "breakevens": inp.breakevens,
             "sections": [section_data(s) for s in sections],
+            "broken_sections": broken,
         }
         for name in ("report.html", "report.md"):  # for people: the sections' cells, rendered
             page = TEMPLATE_ENV.get_template(name + ".j2").render({**content, "sections": [asdict(s) for s in sections]})
@@ -768,6 +860,21 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return content
+
+
+def draw(fn: Callable[[Inputs], Section | None], inp: Inputs) -> tuple[Section | None, str | None]:
+    """One section, or in its place a notice of why it could not be drawn, and that reason. Records the
+    report cannot read are set apart first (`unreadable`); what a section still trips on (a record of an
+    experiment that lacks a figure its sweep needs, a parameter of another type) costs that section,
+    never the page, and the command exits 6 naming it: the page is built, yet incomplete."""
+    try:
+        return fn(inp), None
+    except Exception as e:  # noqa: BLE001 - any failure of one section is shown in its place
+        title = fn.__name__.replace("_", " ")
+        why = f"section {title!r} could not be drawn: {type(e).__name__}: {e}"
+        return Section(f"broken-{fn.__name__}", f"{title} (not drawn)", [
+            f"{why}. The other sections are complete; `testbed records verify` checks the store, and if it "
+            "finds nothing, this is a bug of testbed's report."]), why
 
 
 def is_report(folder: Path) -> bool:
@@ -817,7 +924,7 @@ def _replace(staging: Path, out: Path) -> None:
 
 
 def summary(inp: Inputs, flags: list[history.Flag]) -> dict:
-    oracles = [r for r in inp.current if r["kind"] == "oracle"]
+    oracles = current_oracles(inp)
     return {"oracles": len(oracles), "oracles_passed": sum(counts_as_passed(r) for r in oracles),
             "measurements": sum(r["kind"] == "measure" for r in inp.current),
             "regressions": len(flags), "devices": sorted({r["device"] for r in inp.current}),
@@ -867,7 +974,7 @@ def summary_line(out: Path, content: dict) -> str:
 
 def command(args) -> int:
     """`testbed report [--since DATE] [--out DIR]`. Exit 1 when a current oracle fails or a figure
-    regressed (as nightly), 0 otherwise; 2 on bad input."""
+    regressed (as nightly), 0 otherwise; 2 on bad input; 6 when a section could not be drawn (`draw`)."""
     from testbed import config, runner
 
     since = parse_since(args.since)
@@ -882,6 +989,11 @@ def command(args) -> int:
         raise StoreError(f"the report cannot be written: {e.strerror or e} ({e.filename or args.out or store.path}); "
                          "give a writable folder with --out") from None
     print(summary_line(out, content))
+    if content["broken_sections"]:
+        print(f"testbed: the report is incomplete: {content['broken_sections'][0]}"
+              + (f" (and {len(content['broken_sections']) - 1} more)" if len(content['broken_sections']) > 1 else ""),
+              file=sys.stderr)
+        return INTERNAL_ERROR
     s = content["summary"]
     return 1 if s["regressions"] or s["oracles_passed"] < s["oracles"] else 0
 

@@ -1,0 +1,176 @@
+"""The report builds on whatever testbed's own commands wrote (issue 33, "The report"; issue 34, a count
+that is not a number), and each experiment's own run stays in it beside A/B runs.
+
+The store is written by README commands run for real (testbed.cli.main, the real results store): the
+default run holds a small representative set at small sizes (host runs, an A/B job, an ingest, one
+emulated device run); the opt-in test (slow_build) runs the README's whole list. Odd records are made
+by editing the stored lines the way a damaged store, an older testbed or a hand edit would, then read
+back through the real store: `testbed report` must never answer with a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from testbed import config
+from testbed.cli import main
+from testbed.measure import seed
+from testbed.results import ResultsStore
+
+FIXTURES = seed.fixtures_dir(config.load([]).cfg.fixtures_dir)
+# The GDN experiment on the C kernels at a small shape; the A/B job below takes the same overrides, so its
+# runs have the same config as the experiment's own run (as the nightly's A/B job has).
+SMALL_GDN = ["backend=native", "matrix=awkward", "bench.tokens=[48]", "bench.heads=2", "bench.head_size=32"]
+# README "Using it" commands at small sizes, in a nightly's order: the experiment's own run, then its A/B.
+README_SMALL = [
+    ["run", "gdn", *SMALL_GDN],
+    ["ab", "HEAD", "HEAD", "device=host", *SMALL_GDN, "--reps", "2"],
+    ["run", "gdn", "backend=native", "counts=true", "mode=bench", "bench.tokens=[48]", "bench.heads=2",
+     "bench.head_size=32", "bench.reps=2"],
+    ["run", "tail", "tail=10", "reps=2", "warmup=0"],
+    ["sweep", "chunk=16,32", "mode=bench"],
+    ["ingest", str(FIXTURES / "test-backend-ops" / "perf_b_CPU.stdout")],
+    ["run", "hybrid", "device=qemu-arm32", "mode=oracle"],
+]
+
+
+def run_all(commands: list[list[str]], results: Path) -> None:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TESTBED_RESULTS", str(results))
+        for command in commands:
+            assert main(command) == 0, command
+
+
+@pytest.fixture(scope="module")
+def readme_store(tmp_path_factory) -> Path:
+    results = tmp_path_factory.mktemp("readme-store")
+    run_all(README_SMALL, results)
+    return results
+
+
+def report_of(results: Path, out: Path, capsys) -> tuple[int, dict, str]:
+    """`testbed report` on the store: its exit status, report.json, and what it said on stderr."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TESTBED_RESULTS", str(results))
+        status = main(["report", "--out", str(out)])
+    said = capsys.readouterr().err
+    return status, json.loads((out / "report.json").read_text()), said
+
+
+def section(content: dict, name: str) -> dict:
+    return next(s for s in content["sections"] if s["id"] == name)
+
+
+def test_the_report_builds_on_what_the_readme_commands_wrote(readme_store, tmp_path, capsys):
+    status, content, said = report_of(readme_store, tmp_path / "report", capsys)
+    assert status == 0 and "Traceback" not in said, said
+    stored = ResultsStore(readme_store).records()
+    # every device that ran is judged, and every oracle verdict stored is in the matrix
+    assert {v["device"] for v in content["summary"]["verdicts"]} == {r["device"] for r in stored}
+    oracles = [r for r in stored if r["kind"] == "oracle"]
+    assert content["summary"]["oracles"] == len(oracles)
+    # the emulated hybrid run's model is said by its size (it has no window: the page once crashed on it)
+    models = {row["model"] for t in section(content, "oracles")["tables"] for row in t["rows"]}
+    assert "4 layers x 64" in models
+
+
+def test_an_ab_run_stays_beside_the_experiments_own_run(readme_store, tmp_path, capsys):
+    """The nightly's A/B job has the experiment's config: it must not replace the experiment's own run."""
+    stored = ResultsStore(readme_store).records()
+    own = [r for r in stored if r["experiment"] == "gdn" and r["config"].get("matrix") == "awkward"
+           and "ab" not in r["metrics"]]
+    ab = [r for r in stored if "ab" in r["metrics"]]
+    assert own and ab and ab[0]["config"] == own[0]["config"]  # the situation of the nightly
+    _, content, _ = report_of(readme_store, tmp_path / "report", capsys)
+    assert {own[0]["run_id"], ab[0]["run_id"]} <= set(content["current_runs"])
+    matrix = section(content, "oracles")["tables"][0]
+    native = [row for row in matrix["rows"] if (row["device"], row["backend"]) == ("host", "native")]
+    verdicts = sum(cell["total"] for row in native for column, cell in row.items() if isinstance(cell, dict))
+    assert verdicts == sum(r["kind"] == "oracle" for r in own)
+    # its figures too: the table of host / native holds its bench rows (told apart by their repetitions)
+    benches = [r for r in own if "time" in r["figures"]]
+    reps = {r["figures"]["time"]["reps"] for r in benches}
+    (table,) = [t for t in section(content, "gdn")["tables"] if t["caption"] == "host / native / 2 heads x 32"]
+    assert benches and sum(row["reps"] in reps for row in table["rows"]) == len(benches)
+
+
+# --- odd records: a damaged store, an older testbed, a hand edit ------------------------------------------
+
+ODD_VALUES = [None, "not a number", "", [], {}, [1, "x"], -1, 0, 1e308, True, "12", {"median": "x"}]
+
+
+def paths_of(row: dict) -> list[tuple]:
+    """Every nested place of a record the report may read: one level into its mappings, two into figures."""
+    places = [(name,) for name in ("started", "git_commit", "margin", "verdict", "detail", "host_load", "emulated",
+                                   "oracle", "case")]
+    for name in ("config", "params", "metrics", "host_load", "fingerprint", "figures"):
+        for key, value in (row.get(name) or {}).items():
+            places.append((name, key))
+            if isinstance(value, dict):
+                places += [(name, key, inner) for inner in value]
+    return places
+
+
+def spoil(row: dict, rng: random.Random) -> dict:
+    """One nested field of the record changed to an odd value, or taken out."""
+    path = rng.choice(paths_of(row))
+    holder = row
+    for key in path[:-1]:
+        holder = holder[key]
+    if rng.random() < 0.2:
+        holder.pop(path[-1], None)
+    else:
+        holder[path[-1]] = rng.choice(ODD_VALUES)
+    return row
+
+
+@pytest.mark.parametrize("seed_", range(6))
+def test_odd_records_never_crash_the_report(readme_store, tmp_path, capsys, seed_):
+    """Each stored record gets one odd field (all of them at once, a different draw per seed): the page is
+    built, never a traceback. A record the report cannot read is named with what is wrong; a section that
+    still trips is replaced by a notice, and the command exits 6 saying so in one line."""
+    rng = random.Random(seed_)
+    results = tmp_path / "results"
+    results.mkdir()
+    lines = []
+    for line in (readme_store / ResultsStore.FILE).read_text().splitlines():
+        row = json.loads(line)
+        lines.append(json.dumps(spoil(row, rng) if "record_id" in row else row))
+    (results / ResultsStore.FILE).write_text("\n".join(lines) + "\n")
+    status, content, said = report_of(results, tmp_path / "report", capsys)
+    assert "Traceback" not in said, said
+    assert content["records"] > 0 and (tmp_path / "report" / "report.html").is_file()
+    complaints = [line for line in said.splitlines() if line.startswith("testbed:")]
+    if content["broken_sections"]:
+        assert status == 6 and len(complaints) == 1 and content["broken_sections"][0] in complaints[0]
+    else:
+        assert status in (0, 1) and not complaints, said
+
+
+def test_a_count_that_is_not_a_number_is_shown_as_such(readme_store, tmp_path, capsys):
+    """Issue 34: a stored instruction count that is not a number crashed the report."""
+    results = tmp_path / "results"
+    results.mkdir()
+    spoiled = 0
+    with open(results / ResultsStore.FILE, "w") as out:
+        for line in (readme_store / ResultsStore.FILE).read_text().splitlines():
+            row = json.loads(line)
+            if "instructions" in row.get("figures", {}) and not spoiled:
+                row["figures"]["instructions"]["median"] = "37412345 instructions"
+                spoiled = row["record_id"]
+            out.write(json.dumps(row) + "\n")
+    assert spoiled
+    status, content, said = report_of(results, tmp_path / "report", capsys)
+    assert status == 0 and "Traceback" not in said, said
+    (left_out,) = section(content, "unreadable")["tables"][0]["rows"]
+    assert left_out["record"] == spoiled[:12]
+    assert left_out["what is wrong"] == "figure instructions: median '37412345 instructions' is not a number"
+    # the device's banner says a record was left out
+    host = next(v for v in content["summary"]["verdicts"] if v["device"] == "host")
+    assert "1 record the report cannot read" in host["reason"]
