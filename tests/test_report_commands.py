@@ -16,6 +16,7 @@ import random
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from testbed import config
@@ -174,3 +175,15 @@ def test_a_count_that_is_not_a_number_is_shown_as_such(readme_store, tmp_path, c
     # the device's banner says a record was left out
     host = next(v for v in content["summary"]["verdicts"] if v["device"] == "host")
     assert "1 record the report cannot read" in host["reason"]
+
+
+def test_exact_counts_are_printed_whole_in_every_table():
+    """A count in a column beside fractions (as in `compare`, `table` or the report's other measurements) once
+    read 3.74e+07 in Markdown: a 1% change of it was invisible."""
+    from testbed.report import build as report, tables
+
+    counts = [37_412_345.0, 37_786_468.0]  # +1%
+    frame = pd.DataFrame({"figure": ["instructions", "instructions", "ms"], "median": [*counts, 0.0423]})
+    md = tables.render(frame, "md")
+    assert "37412345" in md and "37786468" in md and "0.0423" in md
+    assert [report.cell(c)["text"] for c in counts] == ["37412345", "37786468"]
