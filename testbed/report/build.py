@@ -502,17 +502,21 @@ def instruction_counts(inp: Inputs) -> Section | None:
 
 
 def nights_over_time(inp: Inputs) -> Section | None:
-    judged = plots.judged_plots(inp.out, history.judge_figures(inp.records, inp.settings["judged_runs"],
-                                                               inp.settings["min_history"]), inp.flags)
+    judged, unplotted = plots.judged_plots(inp.out, history.judge_figures(
+        inp.records, inp.settings["judged_runs"], inp.settings["min_history"]), inp.flags)
     images = judged + plots.history_plots(inp.out, inp.records, inp.settings["history_nights"])
     if not images:
         return None
-    lines = ["One plot per experiment, device, backend and model; one point per run, placed by its commit and night."]
+    lines = ["Then one plot per experiment, device, backend and model; one point per run, placed by its commit "
+             "and night."]
     if judged:
-        lines.insert(0, "First, each flagged timing as it was judged (and each step the machine or a revert "
-                        "explained): the runs' medians with their min-max bars, the level before as a band "
-                        f"(+-{plots.BAND:g} x its run-to-run noise), the new level dashed, the flagged runs "
-                        "marked, each run labelled by its commit and night.")
+        lines.insert(0, "First, each judged timing with at least two runs, flagged or not (the flagged ones first, "
+                        "then each step the machine or a revert explained): the runs' medians with their min-max "
+                        "bars on an axis of commits and nights; where a step was found, the level before as a "
+                        f"band (+-{plots.BAND:g} x its run-to-run noise), the new level dashed and its runs "
+                        "marked." + (f" {unplotted} more judged timings are not drawn (at most "
+                                     f"{plots.MAX_JUDGED_PLOTS}); report.json and `testbed compare` have them."
+                                     if unplotted else ""))
     return Section("history", "Throughput over recent nights", lines, images=images)
 
 
