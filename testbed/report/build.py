@@ -394,6 +394,55 @@ def chunk_choice(inp: Inputs) -> Section | None:
     return section
 
 
+def spread_cell(fig: dict) -> dict:
+    """A figure's spread: the standard deviation of its repetitions (as llama-bench prints t/s +- sd), or
+    its least and greatest where the record keeps no repetitions (a seed's quoted figure, an ingested row)."""
+    samples = fig.get("samples") or []
+    if len(samples) >= 2:
+        sd = float(np.std(samples, ddof=1))
+        return cell(sd, text=f"± {format_number(sd)}")
+    if fig["min"] == fig["max"] == fig["median"]:
+        return cell(None, text="one repetition" if fig["reps"] == 1 else "")
+    return cell(None, text=f"{format_number(float(fig['min']))}-{format_number(float(fig['max']))} (min-max)")
+
+
+def threads_of(record: dict):
+    return record["params"].get("threads", record["config"].get("threads", record["config"].get("bench.threads")))
+
+
+def numbers(inp: Inputs) -> Section | None:
+    """Per device, one table of the numbers that matter, one row per figure of its current runs (as
+    llama-bench prints model, backend, threads, test, t/s +- sd): what it is of, its value and spread,
+    the record's exact instruction count where it has one, and the commit it was measured at. Machine
+    probes measure the machine and are left out; an emulated device's times are not speeds (they are
+    listed apart): its rows are its counts."""
+    section = Section("numbers", "The numbers, per device", [
+        "One row per figure of each device's current runs: value is the median of the repetitions, ± their "
+        "standard deviation (or their least-greatest where only those are stored); instructions is the same "
+        "record's exact count, where it was counted. Each column is explained under \"Reading the tables\"."])
+    columns = ["experiment", "backend", "model", "shape (case)", "threads", "figure", "value", "spread", "unit",
+               "instructions", "commit"]
+    measures = [r for r in inp.current if r["kind"] == "measure"]
+    for device in sorted({r["device"] for r in measures}):
+        rows = []
+        for r in sorted((r for r in measures if r["device"] == device),
+                        key=lambda r: (r["experiment"], implementations.of(r), r["case"])):
+            impl = implementations.of(r)
+            counts = [f for f in r["figures"].values() if history.is_count(f)]
+            count = cell(counts[0]["median"], text=f"{counts[0]['median']:,.0f}") if counts else cell(None)
+            shown = [(n, f) for n, f in sorted(r["figures"].items()) if not history.is_count(f)
+                     and not history.is_probe(r, n)] or ([("instructions", None)] if counts else [])
+            for name, fig in shown:
+                rows.append([cell(r["experiment"]), cell(impl.backend), cell(impl.model), cell(r["case"]),
+                             cell(threads_of(r)), cell(name),
+                             cell(None if fig is None else fig["median"]),
+                             cell(None) if fig is None else spread_cell(fig),
+                             cell(None if fig is None else fig["unit"]), count, cell(str(r["git_commit"])[:10])])
+        if rows:
+            section.tables.append(Table(f"{device}: every figure of its current runs", columns, rows))
+    return section if section.tables else None
+
+
 GDN_BENCH_FIGURES = {"time", "tokens_per_s", "gflops"}
 
 
@@ -425,7 +474,16 @@ def gdn_throughput(inp: Inputs) -> Section | None:
                 for r in measures if implementations.of(r) == impl]
         df = pd.DataFrame(rows).sort_values(["tokens", "form", "chunk", "threads"]).reset_index(drop=True)
         section.tables.append(frame_table(impl.label, df))
+        if impl.backend in REFERENCE_NOTES:
+            section.lines.append(f"{impl.label}: {REFERENCE_NOTES[impl.backend]}")
     return section
+
+
+# What a reference backend's times mean, said beside them: a reference path slower than serial is by design.
+REFERENCE_NOTES = {
+    "refimpl": "the numpy reference, the oracles' ground truth, is written to be read, not to be fast: its "
+               "chunkwise form, many small numpy calls per chunk, is meant to be slower than its serial one "
+               "(x serial below 1), and its times say nothing of a kernel's."}
 
 
 def other_measurements(inp: Inputs) -> Section | None:
@@ -622,9 +680,115 @@ def cited_records(inp: Inputs) -> Section | None:
                                       "run", "started", "detail"], rows)])
 
 
+# --- reading the tables: each column explained once -------------------------------------------------
+
+# Every column a table of the report may have, said once. The oracle matrix's columns are named
+# EXPERIMENT:ORACLE (ORACLE_COLUMN). tests/test_report_commands.py checks that every column on a page is here.
+GLOSSARY = {
+    "device": "the device profile the run used (devices/NAME.yaml); host is this machine",
+    "backend": "what computed it: refimpl (the numpy reference), native (testbed's C kernels), iree, llamacpp",
+    "model": "what was run: a checkpoint or seed, or the size of the reference model or GDN shape",
+    "experiment": "the experiment that stored the record (experiments/experiment/NAME.yaml)",
+    "case": "what the record is of within its experiment: a kernel and shape, an oracle's input, an A/B call",
+    "shape (case)": "the record's case: the kernel or call and the shape it was measured at",
+    "case (kernel, shape)": "the record's case: the kernel or call and the shape it was counted at",
+    "threads": "the threads the kernel ran on",
+    "figure": "which measured quantity of the record: time, tokens_per_s, gflops, instructions, an A/B ratio",
+    "value": "the figure's median over its repetitions",
+    "spread": "± the standard deviation of its repetitions, or their least-greatest where only those are kept",
+    "unit": "the figure's unit (ms, tokens/s, instructions, ratio = B's over A's)",
+    "instructions": "the exact count of instructions executed (valgrind on the host, the emulator elsewhere)",
+    "commit": "the git commit of the tree that was measured (first 10 characters; + or -dirty: uncommitted)",
+    "commits": "the last commit with the old count .. the first with the new one",
+    "commits (last old .. first new)": "the last commit measured at the old level .. the first at the new one",
+    "oracle": "the check that judged the case against the reference (testbed/oracles)",
+    "verdict": "pass, fail or error; for counts and A/B, what the change is judged to be",
+    "margin": "how far a verdict is from failing, in its oracle's own unit: positive passes, negative fails "
+              "(nmse: log10 of threshold over the error, 2 = a hundred times under it); bit-exact oracles pass "
+              "only on equality and are said as such",
+    "record": "the record's id in the store (records.jsonl), linked to the records listed at the end",
+    "run": "the run's id: every record one `testbed run` or job stored",
+    "started": "when the run started (UTC)",
+    "detail": "what the oracle or the runner said about it",
+    "what is wrong": "why the report cannot read the record (a value testbed never writes there)",
+    "kind": "oracle (a verdict) or measure (figures); for flags: figure, instructions, ab or oracle",
+    "config": "a digest of the run's settings: runs with the same digest are compared with each other",
+    "what": "the flagged quantity (and the rates computed from the same timing)",
+    "now": "the latest level of the flagged quantity",
+    "before (level)": "its level before the step",
+    "before (noise)": "its run-to-run noise before the step (what a step must exceed)",
+    "change": "the change of the newest against the one before (a rise in time or count is worse)",
+    "since": "the first run at the new level",
+    "machine": "how much the machine itself slowed over the same runs (the sgemm probe), if it ran",
+    "A/B evidence": "the paired test behind an A/B flag: pairs, test, p and Holm's p, A's and B's commits",
+    "N": "prompt length in tokens",
+    "tail": "tokens after the last full chunk",
+    "padded tok/s": "prefill throughput padding the tail to a full chunk",
+    "scalar tok/s": "prefill throughput running the tail token by token",
+    "winner": "the faster mode and by how much (a tie under the tie percentage)",
+    "padded TTFT (ms)": "time to first token, padding the tail",
+    "scalar TTFT (ms)": "time to first token, tail token by token",
+    "padded spread %": "(max - min) / median of the padded throughput's repetitions",
+    "scalar spread %": "(max - min) / median of the scalar throughput's repetitions",
+    "seed padded tok/s": "the seed's measured padded throughput at the same tail (fixtures/)",
+    "seed scalar tok/s": "the seed's measured scalar throughput at the same tail",
+    "seed winner": "the seed's faster mode at the same tail",
+    "C": "chunk size in tokens",
+    "chunk call s": "one chunk call's median time",
+    "mean s": "projected prefill time over the utterance lengths, ceil(n / C) calls each",
+    "worst s": "the longest projected prefill among the utterance lengths",
+    "decode-only mean s": "the same utterances decoded token by token, without chunking",
+    "choice": "the C with the least mean",
+    "tokens": "tokens per call",
+    "form": "serial (the recurrence token by token) or chunkwise (the WY form, a chunk at a time)",
+    "chunk": "the chunkwise form's chunk size",
+    "ms": "the call's median time",
+    "min ms": "its fastest repetition",
+    "max ms": "its slowest repetition",
+    "tokens/s": "tokens over the median time",
+    "GFLOP/s": "gdn_flops' serial count over the median time (both forms, so they compare)",
+    "sgemm GFLOP/s": "numpy's sgemm at the same thread count (host runs only)",
+    "of sgemm": "the form's rate on the work it really does over numpy's sgemm (host runs only)",
+    "x serial": "serial's time over this form's: above 1, the form is faster",
+    "reps": "how many repetitions the figure is the median of",
+    "median": "the figure's median over its repetitions",
+    "min": "its least repetition",
+    "max": "its greatest repetition",
+    "run before": "the same series' count in the run before",
+    "time (median)": "the same record's median time, beside its count (never compared with it)",
+    "time unit": "that time's unit",
+    "runs": "how many runs of the series the store holds",
+    "before": "the count in the run before",
+    "after": "the count in the run that changed it",
+    "night": "the nightly run's id",
+    "suite": "the suite the night ran (experiments/suite/NAME.yaml)",
+    "finished": "when the night ended",
+    "devices": "each device's status that night",
+    "exit": "the night's exit status (0: all passed)",
+    "figures left out": "emulated figures not shown as speeds",
+}
+ORACLE_COLUMN = ("EXPERIMENT:ORACLE", "the oracle's verdicts of the experiment's current runs: how many passed of "
+                 "how many, and the smallest margin (or bit-exact); linked to the worst record")
+
+
+def glossary(sections: list[Section]) -> Section | None:
+    """Each column of this page's tables, explained once, in the order they first appear."""
+    columns = dict.fromkeys(c for s in sections for t in s.tables for c in t.columns)
+    if not columns:
+        return None
+    oracle_columns = [c for c in columns if ":" in c and c not in GLOSSARY]
+    rows = [[cell(c), cell(GLOSSARY.get(c, "not explained yet (a gap of the report's GLOSSARY)"))]
+            for c in columns if c not in oracle_columns]
+    if oracle_columns:
+        rows.append([cell(ORACLE_COLUMN[0]), cell(ORACLE_COLUMN[1])])
+    return Section("glossary", "Reading the tables", [
+        "Each column of the tables above, once. A figure is a median over repetitions, with its spread beside it "
+        "wherever the record keeps one."], [Table("columns", ["column", "what it is"], rows)])
+
+
 # The page, in order. Each function returns None when it has nothing to show.
 SECTIONS: list[Callable[[Inputs], Section | None]] = [
-    oracle_matrix, unreadable_records, regressions, tail_sweep, chunk_choice, gdn_throughput, instruction_counts, other_measurements,
+    oracle_matrix, unreadable_records, regressions, numbers, tail_sweep, chunk_choice, gdn_throughput, instruction_counts, other_measurements,
     nights_over_time, nights,
     provenance, cited_records,
 ]
@@ -843,6 +1007,7 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
             sections.insert(1, Section("emulated", "Figures left out",
                                        [f"{len(emulated)} figure(s) {emulation.REASON}."],
                                        [frame_table("emulated figures by device", emulation.listing(emulated))]))
+        sections += [s for s in (glossary(sections),) if s is not None]
         content = {
             "generated": inp.now.isoformat(timespec="seconds"),
             "since": since.isoformat() if since else None,
