@@ -11,9 +11,9 @@ back through the real store: `testbed report` must never answer with a traceback
 from __future__ import annotations
 
 import json
-import math
+import os
 import random
-import shutil
+import re
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +101,62 @@ def test_an_ab_run_stays_beside_the_experiments_own_run(readme_store, tmp_path, 
     reps = {r["figures"]["time"]["reps"] for r in benches}
     (table,) = [t for t in section(content, "gdn")["tables"] if t["caption"] == "host / native / 2 heads x 32"]
     assert benches and sum(row["reps"] in reps for row in table["rows"]) == len(benches)
+
+
+# --- the README's whole list (opt-in: builds llama.cpp, compiles IREE modules, runs the nightly) ---------
+
+README = Path(__file__).parents[1] / "README.md"
+# Placeholders the README leaves to the reader: a command naming one is left out, said in the test's output.
+PLACEHOLDERS = {"DIR", "M.gguf", "A", "B", "ID", "farm=HEAD:6379"}
+STAND_INS = {"test-backend-ops.out": str(FIXTURES / "test-backend-ops" / "perf_b_CPU.stdout")}
+
+
+def readme_commands() -> tuple[list[list[str]], list[str]]:
+    """Every `testbed ...` command of README "Using it", as written: optional [parts] left out, the first
+    of `a|b` alternatives, `;` splitting two commands; and those left out for a placeholder."""
+    block = README.read_text().split("## Using it", 1)[1].split("\nExit status", 1)[0]
+    lines, joined = [], ""
+    for line in block.splitlines():
+        code = line.split("#", 1)[0].rstrip()
+        piece = code.rstrip("\\").strip()
+        joined = f"{joined} {piece}" if joined else piece
+        if code.endswith("\\"):
+            continue
+        if joined.startswith("testbed "):
+            lines += [part.strip() for part in joined.split(" ; ")]
+        joined = ""
+    commands, left_out = [], []
+    for line in lines:
+        line = line.split(" | ")[0]
+        words = [STAND_INS.get(w, w.split("|")[0]) for w in re.sub(r"\[[^\]]*\]", " ", line).split()[1:]]
+        if PLACEHOLDERS & set(words) or any(w.split("=")[-1] in PLACEHOLDERS for w in words):
+            left_out.append(line)
+        else:
+            commands.append(words)
+    return commands, left_out
+
+
+@pytest.mark.slow_build
+def test_the_report_builds_on_every_readme_command(tmp_path, capsys):
+    """Each README command into one store, as a newcomer runs them (a command may refuse: a tool missing,
+    a device absent); then the report: no traceback, no section left undrawn."""
+    import subprocess
+    import sys
+
+    commands, left_out = readme_commands()
+    assert len(commands) >= 25 and ["run", "hybrid", "device=qemu-arm32", "mode=oracle"] in commands
+    print("left out (placeholders):", left_out)
+    env = {**os.environ, "TESTBED_RESULTS": str(tmp_path / "results")}
+    said = {}
+    for command in commands:
+        if command[0] == "report":
+            continue
+        done = subprocess.run([sys.executable, "-m", "testbed", *command], capture_output=True, text=True, env=env,
+                              timeout=3600, stdin=subprocess.DEVNULL)
+        said[" ".join(command)] = (done.returncode, done.stderr.strip().splitlines()[-1:] if done.stderr else [])
+    print("exit statuses:", json.dumps(said, indent=1))
+    status, content, err = report_of(tmp_path / "results", tmp_path / "report", capsys)
+    assert status in (0, 1) and "Traceback" not in err and content["broken_sections"] == [], err
 
 
 # --- odd records: a damaged store, an older testbed, a hand edit ------------------------------------------

@@ -8,9 +8,14 @@
 It is built from stored records only (testbed.results.ResultsStore) and the seeds' fixtures. Each
 section is a function of the records it is about and is left out when there are none, so an
 experiment that has not run yet (or does not exist yet) costs nothing. "Current" means the newest
-run of each experiment, device and configuration; older runs are its history (testbed.measure.history).
+run of each experiment, device and configuration, an A/B job's apart from the experiment's own
+(`latest_runs`); older runs are its history (testbed.measure.history). A record the report cannot read
+is named and left out (`unreadable`), and a section that still fails is a notice in its place (`draw`):
+the page is always built.
 
-The page opens with one verdict per device (green, amber or red, with the reason; `device_verdict`).
+The page opens with one verdict per device (green, amber or red by the result, the load a note; with the
+reason; `device_verdict`), then per device the numbers that matter (`numbers`), and ends with each
+column explained once (`glossary`).
 Every table and plot is of one device, backend and model (testbed.report.implementations): figures of two
 implementations side by side in one choice, or one series, would answer no question.
 
