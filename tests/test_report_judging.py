@@ -94,7 +94,8 @@ def test_instruction_counts_have_their_own_section_with_the_time_beside(tmp_path
     assert all(r["unit"] != "instructions" for t in other["tables"] for r in t["rows"])
 
 
-def test_each_flagged_timing_is_plotted_as_judged(tmp_path, monkeypatch):
+def drawn_plots(monkeypatch) -> list[dict]:
+    """What each plot the report saves shows: its file name, legend, x tick labels, filled bands."""
     drawn = []
     real_save = plots._save
 
@@ -105,8 +106,13 @@ def test_each_flagged_timing_is_plotted_as_judged(tmp_path, monkeypatch):
         return real_save(fig, out, name)
 
     monkeypatch.setattr(plots, "_save", save)
+    return drawn
+
+
+def test_each_flagged_timing_is_plotted_as_judged(tmp_path, monkeypatch):
+    drawn = drawn_plots(monkeypatch)
     content = report.build(planted({"k1"}, ab=False), tmp_path / "report", FIXTURES, report.settings())
-    (judged,) = [d for d in drawn if d["name"].startswith("judged-")]
+    judged = next(d for d in drawn if d["name"].startswith("judged-"))  # the flagged one first
     assert "k1" in judged["name"] and judged["bands"] >= 1
     assert any(label.startswith("baseline: level before") for label in judged["labels"])
     assert "flagged" in judged["labels"] and any(label.startswith("new level (+") for label in judged["labels"])
@@ -127,3 +133,16 @@ def test_a_step_the_machine_explains_is_plotted_not_flagged(tmp_path):
     assert sum(line.startswith("Not flagged: time of native_bench k") and "the machine's" in line
                for line in lines) == 3
     assert history.is_probe(records[-1], "sgemm")
+
+
+def test_every_judged_timing_has_its_history_plot_without_a_flag(tmp_path, monkeypatch):
+    """asv draws every benchmark's history, not only a flagged one's: ten quiet nights, no flag, and each
+    kernel's timing is plotted over its commits."""
+    drawn = drawn_plots(monkeypatch)
+    content = report.build(planted(set(), count_rise=0.0, ab=False), tmp_path / "report", FIXTURES,
+                           report.settings())
+    assert content["flags"] == []
+    judged = {d["name"]: d for d in drawn if d["name"].startswith("judged-")}
+    for case in ("k1", "k2", "k3"):
+        (plot,) = [d for name, d in judged.items() if f"-{case}-time" in name]
+        assert plot["ticks"][0] == f"{commit(0)[:7]}\n2026-10-01" and "flagged" not in plot["labels"]

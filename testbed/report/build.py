@@ -8,9 +8,14 @@
 It is built from stored records only (testbed.results.ResultsStore) and the seeds' fixtures. Each
 section is a function of the records it is about and is left out when there are none, so an
 experiment that has not run yet (or does not exist yet) costs nothing. "Current" means the newest
-run of each experiment, device and configuration; older runs are its history (testbed.measure.history).
+run of each experiment, device and configuration, an A/B job's apart from the experiment's own
+(`latest_runs`); older runs are its history (testbed.measure.history). A record the report cannot read
+is named and left out (`unreadable`), and a section that still fails is a notice in its place (`draw`):
+the page is always built.
 
-The page opens with one verdict per device (green, amber or red, with the reason; `device_verdict`).
+The page opens with one verdict per device (green, amber or red by the result, the load a note; with the
+reason; `device_verdict`), then per device the numbers that matter (`numbers`), and ends with each
+column explained once (`glossary`).
 Every table and plot is of one device, backend and model (testbed.report.implementations): figures of two
 implementations side by side in one choice, or one series, would answer no question.
 
@@ -45,7 +50,7 @@ import pandas as pd
 
 from testbed import experiments
 from testbed.devices.private import process_alive
-from testbed.errors import StoreError, UsageError
+from testbed.errors import INTERNAL_ERROR, StoreError, UsageError
 from testbed.measure import breakeven, emulation, history, seed
 from testbed.report import implementations, plots
 from testbed.report.tables import _cell as format_number
@@ -132,6 +137,8 @@ class Inputs:
     referenced: dict[str, dict] = field(default_factory=dict)  # records a table links to, by id
     breakevens: list[dict] = field(default_factory=list)  # per device, backend, model, source: the tail
     set_apart: list[dict] = field(default_factory=list)  # emulated figures, listed apart (testbed.measure.emulation)
+    unreadable: list[tuple[dict, str]] = field(default_factory=list)  # records the report cannot read, and why
+    current_runs: set[str] = field(default_factory=set)  # the runs of `current`, and of unreadable records
 
     def cite(self, record: dict) -> str:
         self.referenced[record["record_id"]] = record
@@ -154,7 +161,70 @@ def parse_since(text: str | None) -> dt.datetime | None:
 def select(records: list[dict], since: dt.datetime | None) -> list[dict]:
     if since is None:
         return list(records)
-    return [r for r in records if dt.datetime.fromisoformat(r["started"]) >= since]
+    return [r for r in records if (started_at(r) or since) >= since]  # a record with no time is kept, to be named
+
+
+def started_at(record: dict) -> dt.datetime | None:
+    try:
+        when = dt.datetime.fromisoformat(record["started"])
+    except ValueError:
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
+
+
+# --- records the report cannot read: named, never a traceback ---------------------------------------
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+FIGURE_FIELDS = {"median": is_number, "min": is_number, "max": is_number, "unit": lambda v: isinstance(v, str),
+                 "reps": lambda v: isinstance(v, int) and not isinstance(v, bool)}
+OPTIONAL_FIGURE_FIELDS = {"samples": lambda v: v is None or (isinstance(v, list) and all(map(is_number, v))),
+                          "role": lambda v: v is None or isinstance(v, str),
+                          "ab": lambda v: v is None or isinstance(v, dict)}
+HOST_LOAD_FIELDS = {"load_1m_before": is_number, "load_1m_after": is_number, "cores": is_number,
+                    "noisy": lambda v: isinstance(v, bool)}
+
+
+def unreadable(record: dict) -> str | None:
+    """Why the report cannot read a record the store let through, or None. The store checks the fields
+    every record has and their types (testbed.results.malformed); the report reads inside them: each
+    figure's numbers (testbed.results.Figure), the start time, an oracle's verdict, the load reading.
+    A damaged store, a hand edit or an older testbed may hold anything there (issue 34: an instruction
+    count that was a string): such a record is listed with this reason, and never read further."""
+    if started_at(record) is None:
+        return f"started {record['started']!r} is not an ISO time"
+    for key in ("verdict", "oracle"):
+        if record["kind"] == "oracle" and not isinstance(record.get(key), str):
+            return f"an oracle record whose {key} is {record.get(key)!r}"
+    for name, fig in record["figures"].items():
+        if not isinstance(fig, dict):
+            return f"figure {name} is {fig!r}, not a figure"
+        for key, fits in FIGURE_FIELDS.items():
+            if key not in fig or not fits(fig[key]):
+                return f"figure {name}: {key} {fig.get(key)!r} is not " + ("a text" if key == "unit" else "a number")
+        for key, fits in OPTIONAL_FIGURE_FIELDS.items():
+            if not fits(fig.get(key)):
+                return f"figure {name}: {key} {fig[key]!r} is not what testbed writes there"
+    for key, fits in HOST_LOAD_FIELDS.items():
+        if key in (record.get("host_load") or {}) and not fits(record["host_load"][key]):
+            return f"host_load.{key} {record['host_load'][key]!r} is not what testbed writes there"
+    return None
+
+
+def unreadable_records(inp: "Inputs") -> Section | None:
+    if not inp.unreadable:
+        return None
+    rows = [[cell(r["record_id"][:12]), cell(r["experiment"]), cell(r["device"]), cell(r["case"]), cell(r["kind"]),
+             cell(r["run_id"]), cell(why, cls="fail")] for r, why in inp.unreadable]
+    return Section("unreadable", "Records the report cannot read", [
+        f"{len(rows)} stored record(s) hold a value testbed never writes where the report reads (a damaged "
+        "store, a hand edit, an older testbed): each is named here with what is wrong, and left out of every "
+        "table, plot and judgement. An oracle record among them counts as a verdict that did not pass. "
+        "`testbed records verify` checks the store."],
+        [Table("records left out", ["record", "experiment", "device", "case", "kind", "run", "what is wrong"], rows)])
 
 
 # --- sections -------------------------------------------------------------------------------------
@@ -331,6 +401,55 @@ def chunk_choice(inp: Inputs) -> Section | None:
     return section
 
 
+def spread_cell(fig: dict) -> dict:
+    """A figure's spread: the standard deviation of its repetitions (as llama-bench prints t/s +- sd), or
+    its least and greatest where the record keeps no repetitions (a seed's quoted figure, an ingested row)."""
+    samples = fig.get("samples") or []
+    if len(samples) >= 2:
+        sd = float(np.std(samples, ddof=1))
+        return cell(sd, text=f"± {format_number(sd)}")
+    if fig["min"] == fig["max"] == fig["median"]:
+        return cell(None, text="one repetition" if fig["reps"] == 1 else "")
+    return cell(None, text=f"{format_number(float(fig['min']))}-{format_number(float(fig['max']))} (min-max)")
+
+
+def threads_of(record: dict):
+    return record["params"].get("threads", record["config"].get("threads", record["config"].get("bench.threads")))
+
+
+def numbers(inp: Inputs) -> Section | None:
+    """Per device, one table of the numbers that matter, one row per figure of its current runs (as
+    llama-bench prints model, backend, threads, test, t/s +- sd): what it is of, its value and spread,
+    the record's exact instruction count where it has one, and the commit it was measured at. Machine
+    probes measure the machine and are left out; an emulated device's times are not speeds (they are
+    listed apart): its rows are its counts."""
+    section = Section("numbers", "The numbers, per device", [
+        "One row per figure of each device's current runs: value is the median of the repetitions, ± their "
+        "standard deviation (or their least-greatest where only those are stored); instructions is the same "
+        "record's exact count, where it was counted. Each column is explained under \"Reading the tables\"."])
+    columns = ["experiment", "backend", "model", "shape (case)", "threads", "figure", "value", "spread", "unit",
+               "instructions", "commit"]
+    measures = [r for r in inp.current if r["kind"] == "measure"]
+    for device in sorted({r["device"] for r in measures}):
+        rows = []
+        for r in sorted((r for r in measures if r["device"] == device),
+                        key=lambda r: (r["experiment"], implementations.of(r), r["case"])):
+            impl = implementations.of(r)
+            counts = [f for f in r["figures"].values() if history.is_count(f)]
+            count = cell(counts[0]["median"], text=f"{counts[0]['median']:,.0f}") if counts else cell(None)
+            shown = [(n, f) for n, f in sorted(r["figures"].items()) if not history.is_count(f)
+                     and not history.is_probe(r, n)] or ([("instructions", None)] if counts else [])
+            for name, fig in shown:
+                rows.append([cell(r["experiment"]), cell(impl.backend), cell(impl.model), cell(r["case"]),
+                             cell(threads_of(r)), cell(name),
+                             cell(None if fig is None else fig["median"]),
+                             cell(None) if fig is None else spread_cell(fig),
+                             cell(None if fig is None else fig["unit"]), count, cell(str(r["git_commit"])[:10])])
+        if rows:
+            section.tables.append(Table(f"{device}: every figure of its current runs", columns, rows))
+    return section if section.tables else None
+
+
 GDN_BENCH_FIGURES = {"time", "tokens_per_s", "gflops"}
 
 
@@ -346,23 +465,31 @@ def gdn_throughput(inp: Inputs) -> Section | None:
         return None
     section = Section("gdn", "GDN throughput per device, backend and model")
     section.lines.append("Median of the repetitions with their min and max; GFLOP/s on gdn_flops' serial count "
-                         "for both forms; `of sgemm` is the form's rate on the work it really does over numpy's "
-                         "sgemm at the same thread count, timed between the kernel's repetitions (host runs only).")
+                         "for both forms. No ratio over numpy's sgemm is printed here: the gdn run times sgemm "
+                         "between the kernel's repetitions by the wall clock, and on a loaded night the two medians "
+                         "drift apart (\"of sgemm\" read 1.3-8.2 on one night). The ratio that means something is "
+                         "measured interleaved, pair by pair (testbed/measure/blas_reference.py): `testbed run "
+                         "native_bench` stores it, shown under Other measurements.")
     for impl in sorted({implementations.of(r) for r in measures}):
         rows = [{"tokens": r["params"]["tokens"], "form": r["params"]["form"], "chunk": r["params"]["chunk"],
                  "threads": r["params"].get("threads", 1), "ms": r["figures"]["time"]["median"],
                  "min ms": r["figures"]["time"]["min"], "max ms": r["figures"]["time"]["max"],
                  "tokens/s": r["figures"]["tokens_per_s"]["median"],
-                 "GFLOP/s": r["figures"]["gflops"]["median"],
-                 # the sgemm reference is measured only on the host (none on a device); its samples
-                 # are the run's machine probe record, its median for this case a metric
-                 "sgemm GFLOP/s": r["metrics"].get("sgemm_gflops", r["figures"].get("sgemm", {}).get("median")),
-                 "of sgemm": r["metrics"].get("sgemm_fraction"), "x serial": r["metrics"]["speedup_vs_serial"],
+                 "GFLOP/s": r["figures"]["gflops"]["median"], "x serial": r["metrics"]["speedup_vs_serial"],
                  "reps": r["figures"]["time"]["reps"]}
                 for r in measures if implementations.of(r) == impl]
         df = pd.DataFrame(rows).sort_values(["tokens", "form", "chunk", "threads"]).reset_index(drop=True)
         section.tables.append(frame_table(impl.label, df))
+        if impl.backend in REFERENCE_NOTES:
+            section.lines.append(f"{impl.label}: {REFERENCE_NOTES[impl.backend]}")
     return section
+
+
+# What a reference backend's times mean, said beside them: a reference path slower than serial is by design.
+REFERENCE_NOTES = {
+    "refimpl": "the numpy reference, the oracles' ground truth, is written to be read, not to be fast: its "
+               "chunkwise form, many small numpy calls per chunk, is meant to be slower than its serial one "
+               "(x serial below 1), and its times say nothing of a kernel's."}
 
 
 def other_measurements(inp: Inputs) -> Section | None:
@@ -439,17 +566,21 @@ def instruction_counts(inp: Inputs) -> Section | None:
 
 
 def nights_over_time(inp: Inputs) -> Section | None:
-    judged = plots.judged_plots(inp.out, history.judge_figures(inp.records, inp.settings["judged_runs"],
-                                                               inp.settings["min_history"]), inp.flags)
+    judged, unplotted = plots.judged_plots(inp.out, history.judge_figures(
+        inp.records, inp.settings["judged_runs"], inp.settings["min_history"]), inp.flags)
     images = judged + plots.history_plots(inp.out, inp.records, inp.settings["history_nights"])
     if not images:
         return None
-    lines = ["One plot per experiment, device, backend and model; one point per run, placed by its commit and night."]
+    lines = ["Then one plot per experiment, device, backend and model; one point per run, placed by its commit "
+             "and night."]
     if judged:
-        lines.insert(0, "First, each flagged timing as it was judged (and each step the machine or a revert "
-                        "explained): the runs' medians with their min-max bars, the level before as a band "
-                        f"(+-{plots.BAND:g} x its run-to-run noise), the new level dashed, the flagged runs "
-                        "marked, each run labelled by its commit and night.")
+        lines.insert(0, "First, each judged timing with at least two runs, flagged or not (the flagged ones first, "
+                        "then each step the machine or a revert explained): the runs' medians with their min-max "
+                        "bars on an axis of commits and nights; where a step was found, the level before as a "
+                        f"band (+-{plots.BAND:g} x its run-to-run noise), the new level dashed and its runs "
+                        "marked." + (f" {unplotted} more judged timings are not drawn (at most "
+                                     f"{plots.MAX_JUDGED_PLOTS}); report.json and `testbed compare` have them."
+                                     if unplotted else ""))
     return Section("history", "Throughput over recent nights", lines, images=images)
 
 
@@ -555,9 +686,113 @@ def cited_records(inp: Inputs) -> Section | None:
                                       "run", "started", "detail"], rows)])
 
 
+# --- reading the tables: each column explained once -------------------------------------------------
+
+# Every column a table of the report may have, said once. The oracle matrix's columns are named
+# EXPERIMENT:ORACLE (ORACLE_COLUMN). tests/test_report_commands.py checks that every column on a page is here.
+GLOSSARY = {
+    "device": "the device profile the run used (devices/NAME.yaml); host is this machine",
+    "backend": "what computed it: refimpl (the numpy reference), native (testbed's C kernels), iree, llamacpp",
+    "model": "what was run: a checkpoint or seed, or the size of the reference model or GDN shape",
+    "experiment": "the experiment that stored the record (experiments/experiment/NAME.yaml)",
+    "case": "what the record is of within its experiment: a kernel and shape, an oracle's input, an A/B call",
+    "shape (case)": "the record's case: the kernel or call and the shape it was measured at",
+    "case (kernel, shape)": "the record's case: the kernel or call and the shape it was counted at",
+    "threads": "the threads the kernel ran on",
+    "figure": "which measured quantity of the record: time, tokens_per_s, gflops, instructions, an A/B ratio",
+    "value": "the figure's median over its repetitions",
+    "spread": "± the standard deviation of its repetitions, or their least-greatest where only those are kept",
+    "unit": "the figure's unit (ms, tokens/s, instructions, ratio = B's over A's)",
+    "instructions": "the exact count of instructions executed (valgrind on the host, the emulator elsewhere)",
+    "commit": "the git commit of the tree that was measured (first 10 characters; + or -dirty: uncommitted)",
+    "commits": "the last commit with the old count .. the first with the new one",
+    "commits (last old .. first new)": "the last commit measured at the old level .. the first at the new one",
+    "oracle": "the check that judged the case against the reference (testbed/oracles)",
+    "verdict": "pass, fail or error; for counts and A/B, what the change is judged to be",
+    "margin": "how far a verdict is from failing, in its oracle's own unit: positive passes, negative fails "
+              "(nmse: log10 of threshold over the error, 2 = a hundred times under it); bit-exact oracles pass "
+              "only on equality and are said as such",
+    "record": "the record's id in the store (records.jsonl), linked to the records listed at the end",
+    "run": "the run's id: every record one `testbed run` or job stored",
+    "started": "when the run started (UTC)",
+    "detail": "what the oracle or the runner said about it",
+    "what is wrong": "why the report cannot read the record (a value testbed never writes there)",
+    "kind": "oracle (a verdict) or measure (figures); for flags: figure, instructions, ab or oracle",
+    "config": "a digest of the run's settings: runs with the same digest are compared with each other",
+    "what": "the flagged quantity (and the rates computed from the same timing)",
+    "now": "the latest level of the flagged quantity",
+    "before (level)": "its level before the step",
+    "before (noise)": "its run-to-run noise before the step (what a step must exceed)",
+    "change": "the change of the newest against the one before (a rise in time or count is worse)",
+    "since": "the first run at the new level",
+    "machine": "how much the machine itself slowed over the same runs (the sgemm probe), if it ran",
+    "A/B evidence": "the paired test behind an A/B flag: pairs, test, p and Holm's p, A's and B's commits",
+    "N": "prompt length in tokens",
+    "tail": "tokens after the last full chunk",
+    "padded tok/s": "prefill throughput padding the tail to a full chunk",
+    "scalar tok/s": "prefill throughput running the tail token by token",
+    "winner": "the faster mode and by how much (a tie under the tie percentage)",
+    "padded TTFT (ms)": "time to first token, padding the tail",
+    "scalar TTFT (ms)": "time to first token, tail token by token",
+    "padded spread %": "(max - min) / median of the padded throughput's repetitions",
+    "scalar spread %": "(max - min) / median of the scalar throughput's repetitions",
+    "seed padded tok/s": "the seed's measured padded throughput at the same tail (fixtures/)",
+    "seed scalar tok/s": "the seed's measured scalar throughput at the same tail",
+    "seed winner": "the seed's faster mode at the same tail",
+    "C": "chunk size in tokens",
+    "chunk call s": "one chunk call's median time",
+    "mean s": "projected prefill time over the utterance lengths, ceil(n / C) calls each",
+    "worst s": "the longest projected prefill among the utterance lengths",
+    "decode-only mean s": "the same utterances decoded token by token, without chunking",
+    "choice": "the C with the least mean",
+    "tokens": "tokens per call",
+    "form": "serial (the recurrence token by token) or chunkwise (the WY form, a chunk at a time)",
+    "chunk": "the chunkwise form's chunk size",
+    "ms": "the call's median time",
+    "min ms": "its fastest repetition",
+    "max ms": "its slowest repetition",
+    "tokens/s": "tokens over the median time",
+    "GFLOP/s": "gdn_flops' serial count over the median time (both forms, so they compare)",
+    "x serial": "serial's time over this form's: above 1, the form is faster",
+    "reps": "how many repetitions the figure is the median of",
+    "median": "the figure's median over its repetitions",
+    "min": "its least repetition",
+    "max": "its greatest repetition",
+    "run before": "the same series' count in the run before",
+    "time (median)": "the same record's median time, beside its count (never compared with it)",
+    "time unit": "that time's unit",
+    "runs": "how many runs of the series the store holds",
+    "before": "the count in the run before",
+    "after": "the count in the run that changed it",
+    "night": "the nightly run's id",
+    "suite": "the suite the night ran (experiments/suite/NAME.yaml)",
+    "finished": "when the night ended",
+    "devices": "each device's status that night",
+    "exit": "the night's exit status (0: all passed)",
+    "figures left out": "emulated figures not shown as speeds",
+}
+ORACLE_COLUMN = ("EXPERIMENT:ORACLE", "the oracle's verdicts of the experiment's current runs: how many passed of "
+                 "how many, and the smallest margin (or bit-exact); linked to the worst record")
+
+
+def glossary(sections: list[Section]) -> Section | None:
+    """Each column of this page's tables, explained once, in the order they first appear."""
+    columns = dict.fromkeys(c for s in sections for t in s.tables for c in t.columns)
+    if not columns:
+        return None
+    oracle_columns = [c for c in columns if ":" in c and c not in GLOSSARY]
+    rows = [[cell(c), cell(GLOSSARY.get(c, "not explained yet (a gap of the report's GLOSSARY)"))]
+            for c in columns if c not in oracle_columns]
+    if oracle_columns:
+        rows.append([cell(ORACLE_COLUMN[0]), cell(ORACLE_COLUMN[1])])
+    return Section("glossary", "Reading the tables", [
+        "Each column of the tables above, once. A figure is a median over repetitions, with its spread beside it "
+        "wherever the record keeps one."], [Table("columns", ["column", "what it is"], rows)])
+
+
 # The page, in order. Each function returns None when it has nothing to show.
 SECTIONS: list[Callable[[Inputs], Section | None]] = [
-    oracle_matrix, regressions, tail_sweep, chunk_choice, gdn_throughput, instruction_counts, other_measurements,
+    oracle_matrix, unreadable_records, regressions, numbers, tail_sweep, chunk_choice, gdn_throughput, instruction_counts, other_measurements,
     nights_over_time, nights,
     provenance, cited_records,
 ]
@@ -580,8 +815,8 @@ def _has_reading(record: dict) -> bool:
 class LoadReading:
     """What a device's current records say of this host's load while they ran (testbed.runner.host_load).
     The records behind its figures are its current measure records, the emulated ones listed apart
-    included; the banner's colour (amber when one of them says noisy) and its words both come from
-    this one reading, so the words never call a machine quiet that a record calls noisy."""
+    included. The banner says it beside the verdict, never as its colour, and from this one reading, so
+    its words never call a machine quiet that a record calls noisy."""
 
     measures: list[dict]  # the records behind the device's figures
     others: list[dict]  # its other current records (oracle verdicts, whose correctness load does not change)
@@ -601,19 +836,16 @@ class LoadReading:
         worst = max((r for r in records if _has_reading(r)), key=_busiest_load)
         return f"load {_busiest_load(worst):.1f} on {worst['host_load'].get('cores', '?')} cores"
 
-    def concern(self) -> str | None:
-        """Why the figures are noisy (amber), or None."""
+    def note(self) -> str:
+        """What the records say of the load, in words: a note beside the verdict, never its colour (a
+        verdict of correctness does not depend on the load, and on a shared host every night is loaded)."""
         noisy = self.noisy
-        if not noisy:
-            return None
-        runs = {r["run_id"] for r in noisy}
-        figures = sum(len(r.get("figures") or {}) for r in self.measures if r["run_id"] in runs)
-        return (f"{figures} figure{'s' * (figures != 1)} of {len(runs)} run{'s' * (len(runs) != 1)} measured "
-                f"under {self.load(noisy)} (noisy): judged like the others (none left out); where the machine "
-                "probe ran, a flag says how much the machine slowed")
-
-    def words(self) -> str:
-        """What the records say of the load when none behind a figure says noisy."""
+        if noisy:
+            runs = {r["run_id"] for r in noisy}
+            figures = sum(len(r.get("figures") or {}) for r in self.measures if r["run_id"] in runs)
+            return (f"{figures} figure{'s' * (figures != 1)} of {len(runs)} run{'s' * (len(runs) != 1)} measured "
+                    f"under {self.load(noisy)} (noisy): judged like the others (none left out); where the machine "
+                    "probe ran, a flag says how much the machine slowed")
         read = [r for r in self.measures if _has_reading(r)]
         if read:
             said = f"figures measured under {self.load(read)} (quiet)"
@@ -638,14 +870,27 @@ def load_reading(inp: Inputs, device: str) -> LoadReading:
                        [r for r in current if r["kind"] != "measure"])
 
 
+def current_oracles(inp: Inputs) -> list[dict]:
+    """The current runs' oracle verdicts, each record the report cannot read among them as an error: a
+    verdict that cannot be read never counts as a pass."""
+    return [r for r in inp.current if r["kind"] == "oracle"] + [
+        {**r, "verdict": "error", "detail": f"the report cannot read it: {why}"}
+        for r, why in inp.unreadable if r["kind"] == "oracle" and r["run_id"] in inp.current_runs]
+
+
 def device_verdict(inp: Inputs, device: str) -> dict:
-    """Red: a current oracle fails or errs (a run that did not end complete counts as an error). Amber:
-    every current oracle passes, but a figure or oracle is flagged as a regression, a record behind the
-    figures says it was measured on a loaded machine (LoadReading), the device's runs are stale, it was
-    missing from the last night, or it has no verdicts at all. Green otherwise. The reason names what
-    decided the colour, and a green one says what load the records carry."""
+    """The colour says the result, nothing else. Red: a current oracle fails or errs (a run that did not
+    end complete counts as an error, as does a verdict the report cannot read). Amber: every current
+    oracle passes, but a figure, count or oracle is flagged as a regression, or the passes cannot be
+    trusted to be tonight's (the device's runs are stale, it was missing from the last night, it has no
+    verdicts at all). Green otherwise, whatever the load. The reason names what decided the colour, then
+    the load the records carry (LoadReading.note), and any record left out as unreadable."""
     records = [r for r in inp.current if r["device"] == device]
-    oracles = [r for r in records if r["kind"] == "oracle"]
+    oracles = [r for r in current_oracles(inp) if r["device"] == device]
+    reading = load_reading(inp, device)
+    unread = [why for r, why in inp.unreadable if r["device"] == device]
+    notes = f"load: {reading.note()}" + (f"; {len(unread)} record{'s' * (len(unread) != 1)} the report cannot "
+                                        f"read (first: {unread[0]})" if unread else "")
     failing = [r for r in oracles if not counts_as_passed(r)]
     if failing:
         first = failing[0]
@@ -653,18 +898,14 @@ def device_verdict(inp: Inputs, device: str) -> dict:
                 else first.get("detail") or first.get("verdict"))
         return {"device": device, "colour": "red",
                 "reason": f"{len(failing)} of {len(oracles)} oracle verdicts fail or err; first: {first['experiment']} "
-                          f"{first['case']} ({implementations.of(first).backend}): {said}"}
+                          f"{first['case']} ({implementations.of(first).backend}): {said}. {notes}"}
     concerns = []
     flags = [f for f in inp.flags if f.device == device]
     if flags:  # every flag by name: the first alone hides the rest
         concerns.append(f"{len(flags)} regression flag{'s' * (len(flags) != 1)}: "
                         + "; ".join(f"({i}) {f.line()}" for i, f in enumerate(flags, 1)))
-    reading = load_reading(inp, device)
-    noisy = reading.concern()
-    if noisy:
-        concerns.append(noisy)
     if records:
-        newest = max(dt.datetime.fromisoformat(r["started"]) for r in records)
+        newest = max(started_at(r) for r in records)
         age = inp.now - newest
         if age > dt.timedelta(days=inp.settings["stale_after_days"]):
             concerns.append(f"stale: its newest run started {age.days} days before this report "
@@ -679,15 +920,16 @@ def device_verdict(inp: Inputs, device: str) -> dict:
         concerns.append("no oracle verdicts in its current runs")
     if concerns:
         passing = f"all {len(oracles)} oracle verdicts pass, but " if oracles else ""
-        return {"device": device, "colour": "amber", "reason": passing + "; ".join(concerns)}
+        return {"device": device, "colour": "amber", "reason": passing + "; ".join(concerns) + f". {notes}"}
     return {"device": device, "colour": "green",
-            "reason": f"all {len(oracles)} oracle verdicts pass; no regression flag; {reading.words()}; "
-                      f"newest run {newest.date().isoformat()}"}
+            "reason": f"all {len(oracles)} oracle verdicts pass; no regression flag; newest run "
+                      f"{newest.date().isoformat()}. {notes}"}
 
 
 def verdict_banner(inp: Inputs) -> list[dict]:
     """One verdict per device of the current runs and of the last night."""
-    devices = {r["device"] for r in inp.current}
+    devices = {r["device"] for r in inp.current} | {r["device"] for r, _ in inp.unreadable
+                                                     if r["run_id"] in inp.current_runs}
     if inp.nights:
         devices |= set(inp.nights[-1].get("devices") or {})
     return [device_verdict(inp, device) for device in sorted(devices)]
@@ -729,11 +971,26 @@ TEMPLATE_ENV.filters["pretty"] = lambda data: json.dumps(data, indent=1, sort_ke
 TEMPLATE_ENV.globals["long_cell"] = 24
 
 
+def is_ab(record: dict) -> bool:
+    """A record of an A/B job (`testbed ab`, the nightly's A/B): B's figures over A's, paired."""
+    return isinstance(record["metrics"].get("ab"), dict)
+
+
+def latest_runs(records: list[dict]) -> set[str]:
+    """The current runs: the newest of each experiment, device and config, an A/B job's apart from the
+    experiment's own. The nightly's A/B job runs with the experiment's config; were it the "current run"
+    of that config, the experiment's own verdicts and figures would drop off the page."""
+    return (history.latest_runs([r for r in records if not is_ab(r)])
+            | history.latest_runs([r for r in records if is_ab(r)]))
+
+
 def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_log: list[dict] = (),
           since: dt.datetime | None = None) -> dict:
     """Write the report folder `out` from `records`; return its JSON content."""
-    window, emulated = emulation.split(select(records, since))
-    current_runs = history.latest_runs(window)
+    chosen = select(records, since)
+    current_runs = latest_runs(chosen)
+    judged = {id(r): unreadable(r) for r in chosen}
+    window, emulated = emulation.split([r for r in chosen if judged[id(r)] is None])
     flags = history.flags(window, settings)
     out = Path(out)
     check_replaceable(out)
@@ -744,12 +1001,17 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
     try:
         (staging / MARKER).write_text("a testbed report: `testbed report` replaces this folder\n")
         inp = Inputs(window, [r for r in window if r["run_id"] in current_runs], fixtures, staging,
-                     dt.datetime.now(dt.timezone.utc), settings, list(night_log), flags, set_apart=emulated)
-        sections = [s for s in (fn(inp) for fn in SECTIONS) if s is not None]
+                     dt.datetime.now(dt.timezone.utc), settings, list(night_log), flags, set_apart=emulated,
+                     unreadable=[(r, judged[id(r)]) for r in chosen if judged[id(r)] is not None],
+                     current_runs=current_runs)
+        drawn = [draw(fn, inp) for fn in SECTIONS]
+        sections = [s for s, _ in drawn if s is not None]
+        broken = [why for _, why in drawn if why is not None]
         if emulated:
             sections.insert(1, Section("emulated", "Figures left out",
                                        [f"{len(emulated)} figure(s) {emulation.REASON}."],
                                        [frame_table("emulated figures by device", emulation.listing(emulated))]))
+        sections += [s for s in (glossary(sections),) if s is not None]
         content = {
             "generated": inp.now.isoformat(timespec="seconds"),
             "since": since.isoformat() if since else None,
@@ -759,6 +1021,7 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
             "flags": [history.flag_data(f) for f in flags],
             "breakevens": inp.breakevens,
             "sections": [section_data(s) for s in sections],
+            "broken_sections": broken,
         }
         for name in ("report.html", "report.md"):  # for people: the sections' cells, rendered
             page = TEMPLATE_ENV.get_template(name + ".j2").render({**content, "sections": [asdict(s) for s in sections]})
@@ -770,6 +1033,21 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return content
+
+
+def draw(fn: Callable[[Inputs], Section | None], inp: Inputs) -> tuple[Section | None, str | None]:
+    """One section, or in its place a notice of why it could not be drawn, and that reason. Records the
+    report cannot read are set apart first (`unreadable`); what a section still trips on (a record of an
+    experiment that lacks a figure its sweep needs, a parameter of another type) costs that section,
+    never the page, and the command exits 6 naming it: the page is built, yet incomplete."""
+    try:
+        return fn(inp), None
+    except Exception as e:  # noqa: BLE001 - any failure of one section is shown in its place
+        title = fn.__name__.replace("_", " ")
+        why = f"section {title!r} could not be drawn: {type(e).__name__}: {e}"
+        return Section(f"broken-{fn.__name__}", f"{title} (not drawn)", [
+            f"{why}. The other sections are complete; `testbed records verify` checks the store, and if it "
+            "finds nothing, this is a bug of testbed's report."]), why
 
 
 def is_report(folder: Path) -> bool:
@@ -819,7 +1097,7 @@ def _replace(staging: Path, out: Path) -> None:
 
 
 def summary(inp: Inputs, flags: list[history.Flag]) -> dict:
-    oracles = [r for r in inp.current if r["kind"] == "oracle"]
+    oracles = current_oracles(inp)
     return {"oracles": len(oracles), "oracles_passed": sum(counts_as_passed(r) for r in oracles),
             "measurements": sum(r["kind"] == "measure" for r in inp.current),
             "regressions": len(flags), "devices": sorted({r["device"] for r in inp.current}),
@@ -869,7 +1147,7 @@ def summary_line(out: Path, content: dict) -> str:
 
 def command(args) -> int:
     """`testbed report [--since DATE] [--out DIR]`. Exit 1 when a current oracle fails or a figure
-    regressed (as nightly), 0 otherwise; 2 on bad input."""
+    regressed (as nightly), 0 otherwise; 2 on bad input; 6 when a section could not be drawn (`draw`)."""
     from testbed import config, runner
 
     since = parse_since(args.since)
@@ -884,6 +1162,11 @@ def command(args) -> int:
         raise StoreError(f"the report cannot be written: {e.strerror or e} ({e.filename or args.out or store.path}); "
                          "give a writable folder with --out") from None
     print(summary_line(out, content))
+    if content["broken_sections"]:
+        print(f"testbed: the report is incomplete: {content['broken_sections'][0]}"
+              + (f" (and {len(content['broken_sections']) - 1} more)" if len(content['broken_sections']) > 1 else ""),
+              file=sys.stderr)
+        return INTERNAL_ERROR
     s = content["summary"]
     return 1 if s["regressions"] or s["oracles_passed"] < s["oracles"] else 0
 

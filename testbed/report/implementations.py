@@ -39,9 +39,10 @@ def model_of(config: dict) -> str:
     if config.get("model.preset"):
         overrides = sorted((k.removeprefix(OVERRIDES), v) for k, v in config.items() if k.startswith(OVERRIDES))
         return str(config["model.preset"]) + "".join(f" {k}={v}" for k, v in overrides)
-    if config.get("shape.layers") is not None:  # the tail experiment's reference model, by its size
-        return (f"{config['shape.layers']} layers x {config['shape.hidden']}, "
-                f"window {config['shape.window']}")
+    if config.get("shape.layers") is not None:  # a reference model (tail, hybrid), by its size
+        size = f"{config['shape.layers']} layers x {config.get('shape.hidden', '?')}"
+        # the tail experiment's model has a sliding window; the hybrid's has none (its attention is global)
+        return size + (f", window {config['shape.window']}" if config.get("shape.window") is not None else "")
     if config.get("bench.heads") is not None and config.get("bench.head_size") is not None:
         gate = " KDA" if config.get("bench.kda") else ""
         return f"{config['bench.heads']} heads x {config['bench.head_size']}{gate}"

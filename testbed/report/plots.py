@@ -198,8 +198,10 @@ def history_plots(out: Path, records: list[dict], nights: int) -> list[dict]:
     return images
 
 
-# At most this many plots of judged quantities: flagged ones first, then those the machine explained.
-MAX_JUDGED_PLOTS = 12
+# At most this many plots of judged quantities: flagged ones first, then those the machine explained,
+# then the rest by the length of their history (a page of hundreds of plots is read by no one; report.json
+# and `testbed compare` have every figure).
+MAX_JUDGED_PLOTS = 24
 BAND = 2.0  # the baseline band: the level before, times exp(+-BAND run-to-run noise)
 
 
@@ -236,15 +238,21 @@ def judged_plot(out: Path, judgement: "history.Judgement", flagged: bool) -> str
     return _save(fig, out, f"judged-{slug(experiment)}-{slug(device)}-{config}-{slug(case)}-{slug(name)}.png")
 
 
-def judged_plots(out: Path, judgements: list["history.Judgement"], flags: list["history.Flag"]) -> list[dict]:
-    """A plot per flagged quantity, then per step the machine or a revert explained."""
+def judged_plots(out: Path, judgements: list["history.Judgement"], flags: list["history.Flag"]) -> tuple[list[dict], int]:
+    """A plot per judged quantity with at least two runs, as asv draws one per benchmark, whether flagged
+    or not (a flag is best read against the history that had none): flagged ones first, then each step
+    the machine or a revert explained, then the others, the longest histories first. Returns the images
+    and how many quantities were left unplotted over MAX_JUDGED_PLOTS."""
     flagged = {(f.experiment, f.device, f.config_key, f.case, f.what) for f in flags if f.kind == "figure"}
-    chosen = [(j, True) for j in judgements if (*j.series[:4], j.what) in flagged]
-    chosen += [(j, False) for j in judgements if (*j.series[:4], j.what) not in flagged
-               and j.verdict.reason.startswith(("the machine's", "back:"))]
+
+    def order(j: "history.Judgement") -> tuple:
+        explained = j.verdict.reason.startswith(("the machine's", "back:"))
+        return ((*j.series[:4], j.what) not in flagged, not explained, -len(j.rows))
+
+    chosen = sorted((j for j in judgements if len(j.rows) >= 2), key=order)
     images = []
-    for j, is_flagged in chosen[:MAX_JUDGED_PLOTS]:
+    for j in chosen[:MAX_JUDGED_PLOTS]:
         experiment, device, _, case = j.series[:4]
-        images.append({"file": judged_plot(out, j, is_flagged),
+        images.append({"file": judged_plot(out, j, (*j.series[:4], j.what) in flagged),
                        "caption": f"{experiment} on {device}, {case} {j.what}: {j.verdict.reason}"})
-    return images
+    return images, max(0, len(chosen) - MAX_JUDGED_PLOTS)
