@@ -36,6 +36,8 @@ nightly's history keeps per-night A/B ratios, never raw times from different nig
 from __future__ import annotations
 
 import io
+import math
+import os
 import shutil
 import subprocess
 import sys
@@ -52,13 +54,9 @@ from testbed.backends import EvidenceLog
 from testbed.backends.native.build import build_programs, source_hash, target_for_abi
 from testbed.backends.native.device import Call, NativeJob, run_native
 from testbed.errors import UsageError
-from testbed.measure.history import holm
+from testbed.measure import sequential
 from testbed.report import tables
 from testbed.results import Figure, Record
-
-MIN_PAIRS = 6          # the fewest pairs whose signed-rank test can reach p < 0.05 (two-sided)
-ALPHA = 0.05
-
 
 # --- the two trees ----------------------------------------------------------------------------------
 
@@ -157,32 +155,9 @@ class Side:
     outputs: dict[str, np.ndarray] | None = None
 
 
-def signed_rank_p(ratios: list[float]) -> float | None:
-    """Two-sided Wilcoxon signed-rank p of log(B/A) around 0; None below MIN_PAIRS pairs."""
-    from scipy.stats import wilcoxon
-
-    logs = np.log(np.asarray(ratios, float))
-    if len(logs) < MIN_PAIRS:
-        return None
-    if not np.any(logs):
-        return 1.0
-    return float(wilcoxon(logs, zero_method="zsplit", alternative="two-sided").pvalue)
-
-
-def time_verdict(ratios: list[float], p_adjusted: float | None, min_change: float) -> str:
-    if p_adjusted is None:
-        return "too few pairs"
-    median = float(np.median(ratios))
-    if p_adjusted < ALPHA and median > 1 + min_change:
-        return "slower"
-    if p_adjusted < ALPHA and median < 1 / (1 + min_change):
-        return "faster"
-    return "no change"
-
-
-def count_verdict(a: int | None, b: int | None, threshold: float) -> str:
+def count_verdict(a: int | None, b: int | None, threshold: float, uncounted: str = "not counted") -> str:
     if a is None or b is None:
-        return "not counted"
+        return uncounted
     if b == a:
         return "no change"
     if b > a * (1 + threshold):
@@ -192,10 +167,18 @@ def count_verdict(a: int | None, b: int | None, threshold: float) -> str:
 
 @dataclass
 class Options:
-    reps: int = 10
+    reps: int | None = None   # a fixed design of this many pairs; None: the adaptive (group-sequential) design
     seed: int = 0
     threshold: float = 0.01   # instructions: a rise above this fraction is a regression
     min_change: float = 0.02  # time: a median ratio beyond this (and p < 0.05 after Holm) is a change
+    budget: float = 300.0     # adaptive: CPU-seconds the repetitions may spend (this process and its children)
+    max_pairs: int = 192      # adaptive: the last look's pairs per call
+
+    def design(self, emulated: bool) -> sequential.Design:
+        """--reps N: N pairs; on an emulated device (times not judged) the one pair its counts need."""
+        if self.reps is not None:
+            return sequential.fixed(self.reps)
+        return sequential.fixed(1) if emulated else sequential.group_sequential(self.max_pairs)
 
 
 def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: Options):
@@ -203,7 +186,11 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
     device = ctx.device
     target = target_for_abi(device.profile.abi)
     emulated = device.profile.has("emulated")
-    count_here = bool(cfg.get("counts")) and not device.profile.has("counts")
+    # On a device that does not count by itself, valgrind counts: asked for (counts=true: it must be
+    # there), or by default on this machine (the local transport) when valgrind is installed.
+    valgrind = not device.profile.has("counts") and (bool(cfg.get("counts")) or device.profile.transport == "local")
+    count_here = valgrind and (bool(cfg.get("counts")) or shutil.which("valgrind") is not None)
+    uncounted = "not counted: valgrind missing" if valgrind and not count_here else "not counted"
     builds = {}
     for side, tree in zip("AB", trees):
         ctx.progress(f"building {side} ({tree.spec}) for {target}")
@@ -220,23 +207,49 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
         evidence[call.label].add(result.evidence)
         return result
 
-    total = len(calls) * opts.reps
-    for rep in range(opts.reps):
-        for n, i in enumerate(rng.permutation(len(calls))):
-            call = calls[i]
-            ctx.progress(f"A/B {rep * len(calls) + n + 1}/{total}: {call.label}")
-            order = "AB" if (first[call.label] + rep) % 2 == 0 else "BA"
-            for side in order:
-                result = run(call, side, builds[side])
-                s = sides[(call.label, side)]
-                s.wall += result.timings["seconds"]
-                s.cpu += result.timings.get("cpu_seconds") or []
-                s.kernel = result.timings.get("kernel", call.program)
-                if result.counts:
-                    s.instructions.append(result.counts.per_call)
-                if s.outputs is None:
-                    s.outputs = result.outputs
-            runner.raise_if_stopped()
+    ratios = {c.label: {"cpu": [], "wall": []} for c in calls}
+    repetition = 0
+
+    def take(open_calls: list[int], pairs: int) -> list[list[float]]:
+        """`pairs` more pairs of each open call, interleaved (ABBA); their CPU ratios."""
+        nonlocal repetition
+        before = {i: len(ratios[calls[i].label]["cpu"]) for i in open_calls}
+        for _ in range(pairs):
+            for n, i in enumerate(rng.permutation(open_calls)):
+                call = calls[i]
+                ctx.progress(f"A/B pair {len(ratios[call.label]['cpu']) + 1} of call {n + 1}/{len(open_calls)}: "
+                             f"{call.label}")
+                order = "AB" if (first[call.label] + repetition) % 2 == 0 else "BA"
+                for side in order:
+                    result = run(call, side, builds[side])
+                    s = sides[(call.label, side)]
+                    s.wall += result.timings["seconds"]
+                    s.cpu += result.timings.get("cpu_seconds") or []
+                    s.kernel = result.timings.get("kernel", call.program)
+                    if result.counts:
+                        s.instructions.append(result.counts.per_call)
+                    if s.outputs is None:
+                        s.outputs = result.outputs
+                a, b = sides[(call.label, "A")], sides[(call.label, "B")]
+                for clock in ("cpu", "wall"):
+                    pair = getattr(a, clock)[-1:] + getattr(b, clock)[-1:]
+                    if len(pair) == 2 and pair[0] > 0:
+                        ratios[call.label][clock].append(pair[1] / pair[0])
+                runner.raise_if_stopped()
+            repetition += 1
+        return [ratios[calls[i].label]["cpu"][before[i]:] for i in open_calls]
+
+    started = _cpu_seconds()
+
+    def afford(runs: int) -> bool:
+        """Whether `runs` more pairs fit the budget at the CPU a pair has cost so far."""
+        spent, done = _cpu_seconds() - started, sum(len(r["cpu"]) for r in ratios.values())
+        return spent + spent / max(done, 1) * runs <= opts.budget
+
+    design = opts.design(emulated)
+    ctx.progress(f"A/B design: {design.describe()}" + ("" if opts.reps else f", CPU budget {opts.budget:g} s"))
+    outcome = sequential.drive(design, len(calls), take, afford, opts.min_change, ctx.progress)
+    spent = _cpu_seconds() - started
     if count_here:  # one run per tree and call under valgrind, with its build that valgrind can run
         for side, tree in zip("AB", trees):
             ctx.progress(f"counting {side}'s instructions under valgrind")
@@ -244,21 +257,14 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
             for call in calls:
                 sides[(call.label, side)].instructions.append(run(call, side, counted, count=True).counts.per_call)
 
-    ratios = {c.label: {clock: [b / a for a, b in zip(getattr(sides[(c.label, "A")], clock),
-                                                       getattr(sides[(c.label, "B")], clock)) if a > 0]
-                        for clock in ("wall", "cpu")} for c in calls}
-    p_raw = {clock: [signed_rank_p(ratios[c.label][clock]) for c in calls] for clock in ("wall", "cpu")}
-    p_adj = {}
-    for clock, ps in p_raw.items():
-        known = [p for p in ps if p is not None]
-        adjusted = iter(holm(known))  # the chance of any false call over the calls
-        p_adj[clock] = [None if p is None else next(adjusted) for p in ps]
+    judged = {"cpu": outcome.judgements,
+              "wall": sequential.judge(design, [ratios[c.label]["wall"] for c in calls], opts.min_change)}
 
     for i, call in enumerate(calls):
         a, b = sides[(call.label, "A")], sides[(call.label, "B")]
         a_count = a.instructions[0] if a.instructions else None
         b_count = b.instructions[0] if b.instructions else None
-        verdicts = {"instructions": count_verdict(a_count, b_count, opts.threshold)}
+        verdicts = {"instructions": count_verdict(a_count, b_count, opts.threshold, uncounted)}
         # Figures the nightly's history judges: B's instructions (an exact count) and the CPU ratio (with
         # its A/B block: testbed.measure.history's contract). The wall ratio is shown, not judged; the two sides'
         # times ride in the metrics only, so no raw time is ever compared across nights.
@@ -266,12 +272,13 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
         if b.instructions:
             figures["instructions"] = Figure.of(b.instructions, "instructions")
         if not emulated:
-            for clock in ("cpu", "wall"):
-                verdicts[clock] = time_verdict(ratios[call.label][clock], p_adj[clock][i], opts.min_change)
+            for clock in ("cpu", "wall"):  # the adaptive design's undecided call is not called "no change"
+                verdicts[clock] = "undecided" if opts.reps is None and not judged[clock][i].decided \
+                    else judged[clock][i].verdict
             if ratios[call.label]["cpu"]:
                 figures["ab_ratio_cpu"] = Figure.of(ratios[call.label]["cpu"], "ratio")
                 figures["ab_ratio_cpu"].ab = {
-                    "a_commit": trees[0].revision, "b_commit": trees[1].revision, "p": p_raw["cpu"][i],
+                    "a_commit": trees[0].revision, "b_commit": trees[1].revision, "p": judged["cpu"][i].p,
                     "pairs": len(ratios[call.label]["cpu"]), "test": "wilcoxon", "verdict": verdicts["cpu"]}
             if ratios[call.label]["wall"]:
                 figures["ab_ratio_wall"] = Figure.of(ratios[call.label]["wall"], "ratio")
@@ -280,7 +287,10 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
                        and all(np.array_equal(a.outputs[k], b.outputs[k]) for k in a.outputs))
         ab = {"a": trees[0].spec, "b": trees[1].spec, "a_commit": trees[0].revision, "b_commit": trees[1].revision,
               "test": "wilcoxon signed-rank on log(B/A), Holm over calls", "pairs": len(ratios[call.label]["cpu"]),
-              "p": p_adj["cpu"][i], "p_raw": p_raw["cpu"][i], "p_wall": p_adj["wall"][i],
+              "p": judged["cpu"][i].p_adjusted, "p_raw": judged["cpu"][i].p, "p_wall": judged["wall"][i].p_adjusted,
+              "design": design.describe(), "looks": outcome.looks_taken, "stopped": outcome.stopped,
+              "decided": judged["cpu"][i].decided, "need_pairs": judged["cpu"][i].need,
+              "budget_cpu_s": None if opts.reps else opts.budget, "spent_cpu_s": round(spent, 1),
               "verdicts": verdicts, "verdict": "slower" if worse else _overall(verdicts),
               "instructions_a": a_count, "instructions_b": b_count,
               "instructions_change": (b_count / a_count - 1) if a_count and b_count is not None else None,
@@ -291,18 +301,23 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
               "b_ms": float(np.median(b.wall)) * 1e3 if b.wall else None}
         yield Record(experiment, f"ab/{call.label}", "measure", figures=figures, metrics={"ab": ab},
                      work={**call.work, "ab": "B over A, per pair of runs measured back to back in one job"},
-                     params={"reps": opts.reps},
+                     params={"reps": opts.reps, "max_pairs": None if opts.reps else opts.max_pairs},
                      artifacts={"a_programs": str(builds["A"].name), "b_programs": str(builds["B"].name)},
                      evidence=evidence[call.label].take())
 
 
 def _overall(verdicts: dict) -> str:
-    values = set(verdicts.values()) - {"not counted", "too few pairs"}
-    if values <= {"no change"}:
-        return "no change" if "too few pairs" not in verdicts.values() or "instructions" in verdicts else "too few pairs"
-    if "faster" in values or "fewer" in values:
+    """One word for a call (B worse is "slower", decided before this): what was counted or timed says."""
+    known = {v for v in verdicts.values() if not v.startswith("not counted")} - {"too few pairs"}
+    if "faster" in known or "fewer" in known:
         return "faster"
-    return "changed"
+    if known - {"no change", "undecided"}:
+        return "changed"
+    if verdicts.get("cpu") == "undecided":
+        return "undecided"
+    if known:
+        return "no change"
+    return "too few pairs" if "too few pairs" in verdicts.values() else "not counted"
 
 
 # --- the command ------------------------------------------------------------------------------------
@@ -316,7 +331,7 @@ def table(rows: list[dict]) -> pd.DataFrame:
         out.append({
             "call": r["case"].removeprefix("ab/"), "kernel": ab["kernel"],
             "instructions A": ab["instructions_a"], "instructions B": ab["instructions_b"],
-            "instr. change": None if change is None else f"{change:+.3%}",
+            "instr. change": ab["verdicts"]["instructions"] if change is None else f"{change:+.3%}",
             "cpu B/A": fig["ab_ratio_cpu"]["median"] if "ab_ratio_cpu" in fig else None,
             "wall B/A": fig["ab_ratio_wall"]["median"] if "ab_ratio_wall" in fig else None,
             "pairs": ab["pairs"], "p (cpu, Holm)": ab["p"],
@@ -335,7 +350,10 @@ def command(args) -> int:
     if rc.cfg.get("backend") != "native":
         raise UsageError(f"testbed ab measures native programs; backend={rc.cfg.get('backend')} is not accepted "
                          "(accepted: backend=native)")
-    opts = Options(args.reps, args.seed, args.threshold, args.min_change)
+    if args.reps is None and args.max_pairs < sequential.MIN_PAIRS:
+        raise UsageError(f"--max-pairs {args.max_pairs} is not accepted; accepted: an integer >= "
+                         f"{sequential.MIN_PAIRS} (the first look's pairs), or --reps N for a fixed design")
+    opts = Options(args.reps, args.seed, args.threshold, args.min_change, args.budget, args.max_pairs)
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not sys.stderr.isatty() else \
         (lambda msg: (sys.stderr.write("\r\033[K" + msg[:120]), sys.stderr.flush()))
     outcome = runner.execute(rc, progress=progress,
@@ -349,7 +367,10 @@ def command(args) -> int:
     if args.format == "md":
         where = f"{rc.device}" + (" (emulated: instructions only, times not judged)" if outcome.info.emulated else "")
         print(f"\nA = {trees[0].spec} ({trees[0].revision[:20]}), B = {trees[1].spec} ({trees[1].revision[:20]}) "
-              f"on {where}, {opts.reps} pairs per call, seed {opts.seed}; run {outcome.info.run_id} stored")
+              f"on {where}, seed {opts.seed}; run {outcome.info.run_id} stored")
+        if measured := [r["metrics"]["ab"] for r in rows if r["kind"] == "measure"]:
+            print(f"design {measured[0]['design']}; {measured[0]['looks']} look(s), {measured[0]['spent_cpu_s']} "
+                  f"CPU-s; stopped: {measured[0]['stopped']}")
         for r in worse:
             ab = r["metrics"]["ab"]
             what = []
@@ -372,7 +393,13 @@ def register(commands) -> None:
     c.add_argument("b", help="the same kinds as A; B is judged against A")
     c.add_argument("overrides", nargs="*", help="the experiment's key=value, e.g. experiment=gdn device=qemu-aarch64 "
                                                 "'bench.tokens=[512]'")
-    c.add_argument("--reps", type=_positive, default=10, help="pairs per call (>= 6 to judge time; default 10)")
+    c.add_argument("--reps", type=_positive, default=None, help="a fixed design: this many pairs per call (>= 6 to "
+                                                                "judge time); default: adaptive (--budget, --max-pairs)")
+    c.add_argument("--budget", type=_cpu_budget, default=Options.budget,
+                   help=f"adaptive: CPU-seconds the pairs may spend (default {Options.budget:g})")
+    c.add_argument("--max-pairs", type=_positive, default=Options.max_pairs,
+                   help=f"adaptive: pairs per call at the last look (>= {sequential.MIN_PAIRS}; default "
+                        f"{Options.max_pairs})")
     c.add_argument("--seed", type=int, default=0, help="the order's seed (recorded)")
     c.add_argument("--threshold", type=float, default=0.01, help="instructions: the rise that is a regression "
                                                                  "(default 0.01 = 1%%)")
@@ -392,3 +419,21 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not accepted; accepted: an integer >= 1")
     return value
+
+
+def _cpu_budget(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not accepted; accepted: a finite number of CPU-seconds > 0")
+    return value
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (the device programs of a local device)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
