@@ -14,17 +14,26 @@ machine, and their ratio cancels what the machine did. So:
             pair runs AB or BA, alternating per repetition from a random start (ABBA), all from a
             recorded seed, so a drift during the job falls on both sides alike.
   pairs     each pair gives B/A by the program's own clocks, wall and CPU time of the timed call.
-  counts    on a device that counts instructions (capability `counts`), every run's; on the host with
-            the experiment's counts=true, one run per tree and call under valgrind.
+  counts    on a device that counts instructions (capability `counts`), every run's; on this machine
+            (and elsewhere with the experiment's counts=true) one run per tree and call under valgrind
+            when valgrind is installed, else "not counted: valgrind missing".
+  how many  adaptive by default (testbed.measure.sequential): looks at 6, 12, 24, ... pairs up to
+            --max-pairs (192), the pairs of the still undecided calls only, until every call is
+            decided or the next look would overrun --budget (CPU-seconds of this process and its
+            children, default 300; the builds and the valgrind runs are outside it); the record says
+            the design, the looks taken and why it stopped ("budget spent: undecided, need about N
+            more pairs"). --reps N is a fixed design of N pairs (the nightly's ab_reps).
 
 Judging, per call:
   instructions  exact: any difference is reported with both counts; B is worse when it executes more
                 than `--threshold` (default 1%) more instructions per call.
   time          (not on emulated devices: their times say nothing of speed) a Wilcoxon signed-rank
-                test on the log ratios of the pairs, two-sided, Holm-corrected over the calls; B is
-                slower on a clock when the corrected p < 0.05 and the median ratio exceeds 1 +
-                `--min-change` (default 2%). CPU time decides (what the work cost, whatever else ran);
-                wall time is shown beside it. Fewer than 6 pairs cannot reach p < 0.05: "too few pairs".
+                test on the log ratios of the pairs, two-sided, at each look, its p spent over the looks
+                and Holm-corrected over the calls; B is slower on a clock when the corrected p < 0.05
+                and the median ratio exceeds 1 + `--min-change` (default 2%); a call whose median's
+                95% interval lies within +-10% is decided "no change"; one the budget left open is
+                "undecided". CPU time decides (what the work cost, whatever else ran); wall time is
+                shown beside it. Fewer than 6 pairs cannot reach p < 0.05: "too few pairs".
 Exit status 1 when B is worse on any call by instructions or CPU time; "no change" for the same tree
 twice. The records (experiment's name, case `ab/CALL`) carry the pairs' ratios as figures
 `ab_ratio_cpu` (with the A/B block testbed.measure.history judges: a_commit, b_commit, p uncorrected, pairs,
