@@ -14,10 +14,13 @@ stops as soon as the verdict is decided:
             p_k / share_k over its looks: whatever look the test stops at, and however the looks'
             tests depend on one another, P(p <= t) <= t under no change, so the p is valid and
             Holm over the calls on these p keeps the chance of any false call at 5% or below.
-  decided   a call is decided "slower"/"faster" once its Holm-adjusted p < 0.05 and its median ratio
-            lies beyond 1 +- min_change; "no change" once the 95% interval of its median ratio lies
-            within 1 +- `DETECT` (it cannot be a change the design is sized to see: stopping for
-            that never adds a false call). A decided call takes no more pairs.
+  decided   a call is decided "slower"/"faster" once its Holm-adjusted p < 0.05 and the whole 95%
+            interval of its median ratio (distribution-free, from the sign test) lies beyond
+            1 +- min_change: a slower pair or two in a heavy tail moves the median, not the interval;
+            "no change" once p >= 0.05 and the interval lies within 1 +- `DETECT` (no change the
+            design is sized to see; stopping for it never adds a false call). A significant change
+            whose interval still reaches within min_change stays open. A decided call takes no more
+            pairs. Both conditions only narrow what the test alone would call: the 5% still holds.
   need      an undecided call's "need about N more pairs": the pairs at which a DETECT change
             would be seen with 80% power at its observed spread (a normal approximation, x pi/3 for the
             signed-rank test), less the pairs it has.
@@ -124,15 +127,14 @@ def judge(design: Design, ratios: list[list[float]], min_change: float) -> list[
         if p_adj is None:
             out.append(Judgement("too few pairs", False, len(r), p, p_adj, MIN_PAIRS - len(r)))
             continue
-        median = float(np.median(r))
-        if p_adj < ALPHA and median > 1 + min_change:
+        low, high = median_interval(r)
+        significant = p_adj < ALPHA
+        if significant and low > 1 + min_change:
             verdict, decided = "slower", True
-        elif p_adj < ALPHA and median < 1 / (1 + min_change):
+        elif significant and high < 1 / (1 + min_change):
             verdict, decided = "faster", True
-        else:
-            low, high = median_interval(r)
-            verdict, decided = "no change", (low > 1 / (1 + DETECT) and high < 1 + DETECT) or \
-                (p_adj < ALPHA)  # a significant change within min_change: decided, too small to call
+        else:  # a significant change whose interval still reaches within min_change stays open
+            verdict, decided = "no change", not significant and 1 / (1 + DETECT) < low and high < 1 + DETECT
         out.append(Judgement(verdict, decided, len(r), p, p_adj, None if decided else _need(design, r, len(ratios))))
     return out
 
