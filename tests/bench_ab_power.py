@@ -8,7 +8,7 @@ Planted in B, each calibrated first on this machine:
           counts as slower, so only the time can catch it. Calibrated by one fixed 24-pair job at a
           probe of 2000 reads per chunk step: the slowdown is linear in the reads.
   instr.  +5% instructions of the chunkwise call (tests.native_support.slowed_chunkwise), calibrated by
-          valgrind's exact counts: the planted loop at 0 and 1000 turns (its cost per turn), and HEAD.
+          valgrind's exact counts: at 1000 turns, then once more at the turns that gives.
 and the same tree against itself `--same` times (seeds 0..N-1). Every job is the default adaptive design
 (no --reps) at a bench of 4 heads of 64, 128 tokens. Each job stores its run in the store as `testbed ab`
 does; the summary (per job: what was planted, load before and after, verdicts, pairs, looks, CPU-s,
@@ -52,13 +52,15 @@ def calibrate() -> tuple[int, int, dict]:
     print("calibrating the cycles-only plant (24 pairs at 2000 reads per chunk step)", flush=True)
     probe = ab(str(cache_missing_chunkwise(PROBE_READS)), "--reps", "24")["rows"][CHUNKWISE]
     reads = max(1, round(PROBE_READS * 0.10 / (probe["cpu B/A"] - 1)))
-    print("calibrating the instruction plant (valgrind: the loop at 0 and 1000 turns, and HEAD)", flush=True)
-    slope = ab(str(slowed_chunkwise(1000)), "--reps", "1", a=str(slowed_chunkwise(0)))["rows"][CHUNKWISE]
-    per_turn = (slope["instructions B"] - slope["instructions A"]) / 1000
-    head = ab("HEAD", "--reps", "1")["rows"][CHUNKWISE]["instructions A"]
-    turns = int(np.ceil((1.05 * head - slope["instructions A"]) / per_turn))
+    print("calibrating the instruction plant (valgrind: the loop at 1000 turns, then at the estimate)", flush=True)
+    turns, change = 1000, None
+    for _ in range(2):  # the compiled loop's cost per turn moves a little with the turns: estimate, then correct
+        counted = ab(str(slowed_chunkwise(turns)), "--reps", "1")["rows"][CHUNKWISE]
+        change = counted["instructions B"] / counted["instructions A"] - 1
+        turns = int(np.ceil(turns * 0.05 / change))
     return reads, turns, {"probe_reads": PROBE_READS, "probe_cpu_ratio": probe["cpu B/A"], "reads_for_10pc": reads,
-                          "instructions_head": head, "per_turn": per_turn, "turns_for_5pc": turns}
+                          "instructions_head": counted["instructions A"], "turns_for_5pc": turns,
+                          "change_at_the_estimate": change}
 
 
 def summary_row(what: str, job: dict) -> dict:
