@@ -66,7 +66,7 @@ def mutant_kernels(file: str, find: str, replace: str) -> Path:
     under .cache/kernels/mutants/src-HASH/ (by content): a source tree for `testbed ab` and the nightly."""
     text = (kernel_build.KERNELS_DIR / file).read_text()
     assert text.count(find) == 1, f"the planted edit must match kernels/{file} exactly once: {find!r}"
-    digest = __import__("hashlib").sha256(f"{file}\0{find}\0{replace}\0{kernel_build.source_hash()}".encode())
+    digest = __import__("hashlib").sha256(f"{file}\0{find}\0{replace}\0{kernel_build.tree_hash()}".encode())
     out = MUTANTS_DIR / f"src-{digest.hexdigest()[:16]}" / "kernels"
     if not (out / "Makefile").is_file():
         MUTANTS_DIR.mkdir(parents=True, exist_ok=True)

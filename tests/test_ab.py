@@ -68,6 +68,20 @@ def test_a_planted_slowdown_in_b_exits_1_naming_the_kernel_and_the_change(tmp_pa
            f"{chunkwise['instructions B']}" in md
 
 
+def test_the_threshold_given_to_the_command_decides_and_a_fall_is_not_a_rise(tmp_path, chunkwise_count):
+    """The 5% rise above (its tree, built once): under --threshold 0.10 it is reported, not judged
+    slower (exit 0); A and B swapped, it is a fall ("faster"), never "slower" or "no change"."""
+    a, per_turn = chunkwise_count
+    slowed = str(slowed_chunkwise(int(np.ceil(0.05 * a / per_turn))))
+    rc, table, p = rows(tmp_path, "HEAD", slowed, "device=qemu-aarch64", *SMALL, "--reps", "1", "--threshold", "0.10")
+    assert rc == 0, p.stderr
+    assert table["H=2,hs=32,T=48,kda=0/chunkwise"]["verdict"] == "changed"
+    rc, table, p = rows(tmp_path, slowed, "HEAD", "device=qemu-aarch64", *SMALL, "--reps", "1")
+    assert rc == 0, p.stderr
+    assert table["H=2,hs=32,T=48,kda=0/chunkwise"]["verdict"] == "faster"
+    assert table["H=2,hs=32,T=48,kda=0/serial"]["verdict"] == "no change"
+
+
 @pytest.fixture(scope="module")
 def host_chunkwise_count(tmp_path_factory):
     """The chunkwise call's instructions on the host (valgrind, counted by default: no counts=true) and

@@ -128,10 +128,22 @@ def test_plugin_output_that_cannot_be_trusted_is_refused(bad, why):
         counts.parse_plugin_output(bad, expected_regions=2)
 
 
-def test_callgrind_dumps_without_a_summary_are_refused():
-    assert counts.parse_callgrind_dumps(["events: Ir\nsummary: 42\n"], 1).regions == (42,)
+def dump(mark, instructions=42):
+    return f"desc: Trigger: --dump-before={mark}\nevents: Ir\nsummary: {instructions}\n"
+
+
+def test_callgrind_dumps_are_read_in_pairs_and_refused_without_a_summary():
+    assert counts.parse_callgrind_dumps([dump("tb_count_begin", 7), dump("tb_count_end", 42)], 1).regions == (42,)
     with pytest.raises(counts.CountError, match="no summary"):
-        counts.parse_callgrind_dumps(["events: Ir\n"], 1)
+        counts.parse_callgrind_dumps([dump("tb_count_begin"), "desc: Trigger: --dump-before=tb_count_end\n"], 1)
+
+
+@pytest.mark.parametrize("marks", [("tb_count_begin", "tb_count_end", "tb_count_end"),   # an end doubled
+                                   ("tb_count_begin", "tb_count_begin", "tb_count_end"),  # a begin doubled
+                                   ("tb_count_end",)])
+def test_callgrind_dumps_of_unmatched_marks_are_refused(marks):
+    with pytest.raises(counts.CountError, match="unmatched marks"):
+        counts.parse_callgrind_dumps([dump(m) for m in marks], 1)
 
 
 def test_a_program_without_the_marks_gives_no_count(tmp_path):

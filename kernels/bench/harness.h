@@ -40,7 +40,7 @@ double now_seconds(void);
 double cpu_seconds(void);
 
 /* Marks around each timed call for the instruction counters: the QEMU plugin
- * (testbed/counts/qemu_insn_plugin.c) and valgrind's callgrind (--zero-before / --dump-before) count
+ * (testbed/measure/counts/qemu_insn_plugin.c) and valgrind's callgrind (--dump-before at each mark) count
  * the guest instructions executed between tb_count_begin() and tb_count_end(), so a count is the
  * kernel's, apart from the harness around it. They do nothing else; each call costs a few instructions,
  * counted too, the same in every build. A program that marks says so in timings.json: "marks", the

@@ -6,8 +6,10 @@ move +-20% while a kernel stands still. Measured in one job, interleaved, the tw
 machine, and their ratio cancels what the machine did. So:
 
   trees     A and B are git revisions of this checkout (their kernels/ taken with `git archive` into
-            .cache/ab/, by tree hash) or folders holding a kernels/ (`.` is the working tree). Each
-            tree's programs are built for the device (testbed.backends.native.build, cached by content).
+            .cache/ab/, by tree hash) or folders holding a kernels/ (`.` is the working tree: copied
+            into .cache/ab/ by the hash of every byte a build reads, tree_hash). A symbolic link in a
+            tree is refused: its bytes would come from outside it. Each tree's programs are built for
+            the device (testbed.backends.native.build, cached by the same hash).
   calls     the experiment's measured calls (its `ab_calls(cfg)`: program, inputs, arguments), e.g.
             gdn's serial and chunkwise at each bench length. Inputs are staged on the device once.
   order     per repetition every call runs once for A and once for B; the calls are shuffled and each
@@ -16,7 +18,9 @@ machine, and their ratio cancels what the machine did. So:
   pairs     each pair gives B/A by the program's own clocks, wall and CPU time of the timed call.
   counts    on a device that counts instructions (capability `counts`), every run's; on this machine
             (and elsewhere with the experiment's counts=true) one run per tree and call under valgrind
-            when valgrind is installed, else "not counted: valgrind missing".
+            when valgrind is installed, else "not counted: valgrind missing". A count that is due
+            and missing (a program that stopped marking its timed call) is an error naming the side
+            and the call, never a call judged without it.
   how many  adaptive by default (testbed.measure.sequential): looks at 6, 12, 24, ... pairs up to
             --max-pairs (192), the pairs of the still undecided calls only, until every call is
             decided or the next look would overrun --budget (CPU-seconds of this process and its
@@ -60,12 +64,16 @@ import pandas as pd
 
 from testbed import PROJECT_ROOT, config, experiments, runner
 from testbed.backends import EvidenceLog
-from testbed.backends.native.build import build_programs, source_hash, target_for_abi
+from testbed.backends.native.build import BuildError, build_programs, target_for_abi, tree_files, tree_hash
 from testbed.backends.native.device import Call, NativeJob, run_native
-from testbed.errors import UsageError
+from testbed.errors import DeviceError, UsageError
 from testbed.measure import sequential
+from testbed.measure.counts import CountError
 from testbed.report import tables
 from testbed.results import Figure, Record
+
+MAX_REPS = 1000        # pairs per call: at 1000 a small call's job already takes hours on an emulator
+
 
 # --- the two trees ----------------------------------------------------------------------------------
 
@@ -91,7 +99,7 @@ def resolve_tree(spec: str) -> Tree:
         if not (kernels / "Makefile").is_file() or not (kernels / "tb_kernels.h").is_file():
             raise UsageError(f"{spec!r} is a folder without testbed's kernels/ (Makefile, tb_kernels.h); accepted: "
                              "a git revision of this checkout or a folder holding kernels/")
-        return Tree(spec, f"folder:{folder.resolve()}@{source_hash(kernels)[:12]}", kernels.resolve())
+        return snapshot(Tree(spec, f"folder:{folder.resolve()}", kernels))
     commit = _git("rev-parse", "--verify", "--quiet", f"{spec}^{{commit}}")
     if commit.returncode != 0:
         raise UsageError(f"{spec!r} is neither a folder nor a git revision of {PROJECT_ROOT}; accepted: a revision "
@@ -100,6 +108,11 @@ def resolve_tree(spec: str) -> Tree:
     tree = _git("rev-parse", "--verify", "--quiet", f"{sha}:kernels")
     if tree.returncode != 0:
         raise UsageError(f"revision {spec!r} ({sha[:12]}) has no kernels/ folder")
+    links = [line.split("\t", 1)[1] for line in _git("ls-tree", "-r", "-z", sha, "kernels").stdout.split("\0")
+             if line.startswith("120000 ")]  # git's mode of a symbolic link
+    if links:
+        raise UsageError(f"revision {spec!r} ({sha[:12]}): {links[0]} is a symbolic link; accepted: a kernels/ tree of "
+                         "plain files and folders (a link's bytes would come from outside the tree)")
     out = PROJECT_ROOT / ".cache" / "ab" / f"kernels-{tree.stdout.strip()[:16]}"
     if not (out / "kernels" / "Makefile").is_file():
         _extract(sha, out)
@@ -136,19 +149,38 @@ def _whole(out: Path, fill) -> None:
 
 
 def snapshot(tree: Tree) -> Tree:
-    """A copy of `tree`'s kernels/ under .cache/ab/, named by its content hash: what a later night
-    measures as its A/B baseline, whatever the checkout holds by then (a dirty tree included)."""
-    digest = source_hash(tree.kernels_dir)[:16]
-    out = PROJECT_ROOT / ".cache" / "ab" / f"kernels-src-{digest}"
+    """A copy of `tree`'s kernels/ under .cache/ab/, named by the hash of every byte a build of the
+    programs reads (tree_hash: the library, kernels/bench/, the Makefile): what `ab` builds for a
+    folder, and what a later night measures as its A/B baseline, whatever the checkout holds by then (a
+    dirty tree included). A tree holding a symbolic link is refused, and nothing is copied."""
+    try:
+        files = tree_files(tree.kernels_dir)
+        digest = tree_hash(tree.kernels_dir)[:16]
+    except BuildError as e:
+        raise UsageError(f"tree {tree.spec!r}: {e}") from None
+    out = _snapshot_folder(digest)
+    if tree.kernels_dir.resolve() == (out / "kernels").resolve():
+        return tree  # already this snapshot (the nightly snapshots the folder `ab` resolved)
     if not (out / "kernels" / "Makefile").is_file():
-        _whole(out, lambda tmp: shutil.copytree(tree.kernels_dir, tmp / "kernels", symlinks=False,
-                                                ignore=shutil.ignore_patterns("build", "*.o", "*.so")))
+        def fill(tmp: Path) -> None:
+            for source in files:
+                copy = tmp / "kernels" / source.relative_to(tree.kernels_dir)
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, copy, follow_symlinks=False)
+            if tree_hash(tmp / "kernels")[:16] != digest:
+                raise UsageError(f"tree {tree.spec!r} changed while it was being copied; run again")
+
+        _whole(out, fill)
     return Tree(tree.spec, f"kernels:{digest} ({tree.revision})", out / "kernels")
+
+
+def _snapshot_folder(digest: str) -> Path:
+    return PROJECT_ROOT / ".cache" / "ab" / f"kernels-tree-{digest}"
 
 
 def snapshotted(digest: str) -> Tree | None:
     """The copy snapshot() made of the kernels with this content hash, if it is still there."""
-    path = PROJECT_ROOT / ".cache" / "ab" / f"kernels-src-{digest}" / "kernels"
+    path = _snapshot_folder(digest) / "kernels"
     return Tree(f"kernels:{digest}", f"kernels:{digest}", path) if (path / "Makefile").is_file() else None
 
 
@@ -203,7 +235,7 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
     builds = {}
     for side, tree in zip("AB", trees):
         ctx.progress(f"building {side} ({tree.spec}) for {target}")
-        builds[side] = build_programs(target, kernels_dir=tree.kernels_dir)
+        builds[side] = _build(side, tree, target)
     calls: list[Call] = module.ab_calls(cfg)
     sides = {(c.label, s): Side() for c in calls for s in "AB"}
     evidence = {c.label: EvidenceLog() for c in calls}
@@ -214,6 +246,11 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
         result = run_native(device, NativeJob(program / call.program, call.inputs, call.outputs, call.args,
                                               measured=not count, count=count))
         evidence[call.label].add(result.evidence)
+        if (count or device.profile.has("counts")) and result.counts is None:
+            tree = trees["AB".index(side)]
+            raise MissingCount(f"{side} ({tree.spec}) {call.label}: {call.program} was due a count on "
+                               f"{device.name} and marked no timed region (its timings.json names no marks); "
+                               "a call one side did not count is not judged")
         return result
 
     ratios = {c.label: {"cpu": [], "wall": []} for c in calls}
@@ -262,7 +299,7 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
     if count_here:  # one run per tree and call under valgrind, with its build that valgrind can run
         for side, tree in zip("AB", trees):
             ctx.progress(f"counting {side}'s instructions under valgrind")
-            counted = build_programs(target, kernels_dir=tree.kernels_dir, avx512=False)
+            counted = _build(side, tree, target, avx512=False)
             for call in calls:
                 sides[(call.label, side)].instructions.append(run(call, side, counted, count=True).counts.per_call)
 
@@ -315,8 +352,27 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
                      evidence=evidence[call.label].take())
 
 
+class MissingCount(CountError):
+    """A count was due (a counting device, or counts=true on the host) and one side's run has none."""
+
+
+class BuildFailed(DeviceError):
+    """A tree's programs do not build for the device: exit status 4, with the compiler's first error."""
+
+
+def _build(side: str, tree: Tree, target: str, avx512: bool = True) -> Path:
+    try:
+        return build_programs(target, kernels_dir=tree.kernels_dir, avx512=avx512)
+    except BuildError as e:
+        raise BuildFailed(f"{side} ({tree.spec}): {e}") from None
+
+
+UNJUDGED = ("not measured", "too few pairs", "undecided")  # a call's overall verdict when nothing judged it
+
+
 def _overall(verdicts: dict) -> str:
-    """One word for a call (B worse is "slower", decided before this): what was counted or timed says."""
+    """One word for a call (B worse is "slower", decided before this): "no change" only when something
+    was judged and all of it held still."""
     known = {v for v in verdicts.values() if not v.startswith("not counted")} - {"too few pairs"}
     if "faster" in known or "fewer" in known:
         return "faster"
@@ -326,7 +382,7 @@ def _overall(verdicts: dict) -> str:
         return "undecided"
     if known:
         return "no change"
-    return "too few pairs" if "too few pairs" in verdicts.values() else "not counted"
+    return "too few pairs" if "too few pairs" in verdicts.values() else "not measured"
 
 
 # --- the command ------------------------------------------------------------------------------------
@@ -349,20 +405,58 @@ def table(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def options(args) -> Options:
+    """The command's options, checked: a bad value is refused in one line before anything is built."""
+    reps = None if args.reps is None else \
+        _integer("--reps", args.reps, 1, f"(>= {sequential.MIN_PAIRS} to judge time)")
+    return Options(reps, args.seed, _fraction("--threshold", args.threshold), _fraction("--min-change", args.min_change),
+                   _seconds("--budget", args.budget),
+                   _integer("--max-pairs", args.max_pairs, sequential.MIN_PAIRS, "(the first look's pairs)"))
+
+
+def _integer(option: str, text: str, least: int, note: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not least <= value <= MAX_REPS:
+        raise UsageError(f"{option} {text} is not accepted; accepted: an integer from {least} to {MAX_REPS} {note}")
+    return value
+
+
+def _fraction(option: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= 1):
+        raise UsageError(f"{option} {text} is not accepted; accepted: a finite fraction from 0 to 1 (0.01 is 1%)")
+    return value
+
+
+def _seconds(option: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{option} {text} is not accepted; accepted: a finite number of CPU-seconds > 0")
+    return value
+
+
 def command(args) -> int:
-    trees = (resolve_tree(args.a), resolve_tree(args.b))
+    opts = options(args)
     rc = config.load(args.overrides, experiment="gdn")  # experiment= among the overrides, else gdn
     module = experiments.load(rc.experiment)
     if not hasattr(module, "ab_calls"):
         offered = [n for n in config.choices("experiment") if hasattr(experiments.load(n), "ab_calls")]
         raise UsageError(f"experiment {rc.experiment!r} has no A/B calls; accepted: {', '.join(offered)}")
-    if rc.cfg.get("backend") != "native":
-        raise UsageError(f"testbed ab measures native programs; backend={rc.cfg.get('backend')} is not accepted "
-                         "(accepted: backend=native)")
-    if args.reps is None and args.max_pairs < sequential.MIN_PAIRS:
-        raise UsageError(f"--max-pairs {args.max_pairs} is not accepted; accepted: an integer >= "
-                         f"{sequential.MIN_PAIRS} (the first look's pairs), or --reps N for a fixed design")
-    opts = Options(args.reps, args.seed, args.threshold, args.min_change, args.budget, args.max_pairs)
+    if rc.cfg.get("backend") != "native":  # ab measures native programs: its backend, unless one was named
+        if any(o.lstrip("+").startswith("backend=") for o in args.overrides):
+            raise UsageError(f"testbed ab measures native programs; backend={rc.cfg.get('backend')} is not accepted "
+                             "(accepted: backend=native, the one ab chooses when none is named)")
+        rc = config.load([*args.overrides, "backend=native"], experiment="gdn")
+    trees = (resolve_tree(args.a), resolve_tree(args.b))
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not sys.stderr.isatty() else \
         (lambda msg: (sys.stderr.write("\r\033[K" + msg[:120]), sys.stderr.flush()))
     outcome = runner.execute(rc, progress=progress,
@@ -389,8 +483,10 @@ def command(args) -> int:
             if ab["verdicts"].get("cpu") == "slower":
                 what.append(f"CPU time x{r['figures']['ab_ratio_cpu']['median']:.3f} (p={ab['p']:.2g})")
             print(f"SLOWER {ab['kernel']} {r['case'].removeprefix('ab/')}: {'; '.join(what)}")
+        unjudged = [r["case"].removeprefix("ab/") + f" ({r['metrics']['ab']['verdict']})" for r in rows
+                    if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] in UNJUDGED]
         if not worse:
-            print("B is not worse than A on any call")
+            print("B is not worse than A on any call" + (f" judged; not judged: {', '.join(unjudged)}" if unjudged else ""))
     return 1 if worse else 0
 
 
@@ -402,44 +498,21 @@ def register(commands) -> None:
     c.add_argument("b", help="the same kinds as A; B is judged against A")
     c.add_argument("overrides", nargs="*", help="the experiment's key=value, e.g. experiment=gdn device=qemu-aarch64 "
                                                 "'bench.tokens=[512]'")
-    c.add_argument("--reps", type=_positive, default=None, help="a fixed design: this many pairs per call (>= 6 to "
-                                                                "judge time); default: adaptive (--budget, --max-pairs)")
-    c.add_argument("--budget", type=_cpu_budget, default=Options.budget,
+    # the numbers are checked by options(), which says in one line what is accepted
+    c.add_argument("--reps", default=None, help=f"a fixed design: pairs per call, 1 to {MAX_REPS} (>= "
+                                                f"{sequential.MIN_PAIRS} to judge time); default: adaptive")
+    c.add_argument("--budget", default=str(Options.budget),
                    help=f"adaptive: CPU-seconds the pairs may spend (default {Options.budget:g})")
-    c.add_argument("--max-pairs", type=_positive, default=Options.max_pairs,
-                   help=f"adaptive: pairs per call at the last look (>= {sequential.MIN_PAIRS}; default "
-                        f"{Options.max_pairs})")
+    c.add_argument("--max-pairs", default=str(Options.max_pairs),
+                   help=f"adaptive: pairs per call at the last look, {sequential.MIN_PAIRS} to {MAX_REPS} "
+                        f"(default {Options.max_pairs})")
     c.add_argument("--seed", type=int, default=0, help="the order's seed (recorded)")
-    c.add_argument("--threshold", type=float, default=0.01, help="instructions: the rise that is a regression "
-                                                                 "(default 0.01 = 1%%)")
-    c.add_argument("--min-change", type=float, default=0.02, help="time: the least median change judged "
-                                                                  "(default 0.02)")
+    c.add_argument("--threshold", default="0.01", help="instructions: the rise that is a regression, a fraction "
+                                                       "from 0 to 1 (default 0.01 = 1%%)")
+    c.add_argument("--min-change", default="0.02", help="time: the least median change judged, a fraction from 0 "
+                                                        "to 1 (default 0.02)")
     c.add_argument("--format", choices=tables.FORMATS, default="md")
     c.set_defaults(fn=command)
-
-
-def _positive(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not accepted; accepted: an integer >= 1")
-    return value
-
-
-def _cpu_budget(text: str) -> float:
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not accepted; accepted: a finite number of CPU-seconds > 0")
-    return value
 
 
 def _cpu_seconds() -> float:

@@ -75,6 +75,40 @@ def source_hash(kernels_dir: Path = KERNELS_DIR) -> str:
     return h.hexdigest()
 
 
+# What a hand-run `make` in kernels/ leaves there (its default OUT is build/TARGET): outputs, never read
+# by a build of the programs (their OUT is a cache folder), so neither hashed nor snapshotted.
+BUILD_OUTPUTS = ("build", "*.o", "*.so")
+
+
+def tree_files(kernels_dir: Path = KERNELS_DIR) -> list[Path]:
+    """Every file a build of the programs can read: all of `kernels_dir` but BUILD_OUTPUTS, in a fixed
+    order. A symbolic link anywhere in it is refused (BuildError): its bytes would come from outside
+    the tree, or (`loop -> .`) without end."""
+    import fnmatch
+
+    kernels_dir = Path(kernels_dir)
+    files = []
+    for folder, subfolders, names in os.walk(kernels_dir):
+        here = Path(folder)
+        for name in subfolders + names:
+            if (here / name).is_symlink():
+                raise BuildError(f"{here / name} is a symbolic link; accepted: a kernels/ tree of plain files and "
+                                 "folders (a link's bytes would come from outside the tree)")
+        subfolders[:] = sorted(d for d in subfolders if not any(fnmatch.fnmatch(d, p) for p in BUILD_OUTPUTS))
+        files += [here / n for n in names if not any(fnmatch.fnmatch(n, p) for p in BUILD_OUTPUTS)]
+    return sorted(files, key=lambda f: f.relative_to(kernels_dir).as_posix())
+
+
+def tree_hash(kernels_dir: Path = KERNELS_DIR) -> str:
+    """sha256 over every file of tree_files (relative names and bytes): what a build of the programs
+    reads, the library, kernels/bench/ and the Makefile alike. The programs' cache and the A/B
+    snapshots are keyed by it; source_hash covers the library's sources only."""
+    h = hashlib.sha256()
+    for path in tree_files(kernels_dir):
+        h.update(path.relative_to(kernels_dir).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -216,9 +250,7 @@ def _programs_hash(target: str, fused: bool, kernels_dir: Path = KERNELS_DIR, av
                    toolchain: str | None = None) -> str:
     toolchain = toolchain or default_toolchain(target)
     h = hashlib.sha256(f"{target} fused={int(fused)}{'' if avx512 else ' avx512=0'}".encode())
-    for path in sorted(kernels_dir.rglob("*")):
-        if path.is_file() and (path.suffix in (".c", ".h") or path.name == "Makefile"):
-            h.update(str(path.relative_to(kernels_dir)).encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(tree_hash(kernels_dir).encode())
     h.update(json.dumps(toolchain_identity(target, toolchain), sort_keys=True).encode())
     h.update(os.environ.get("ANDROID_NDK_HOME", "").encode())
     return h.hexdigest()
@@ -272,8 +304,10 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
     p = subprocess.run(argv, capture_output=True, text=True, env=zig_env() if toolchain == "zig" else None)
     if p.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        raise BuildError(f"building the {target} programs failed: {' | '.join(tail)}")
+        lines = (p.stderr or p.stdout).strip().splitlines()
+        # the compiler's first error is the cause; what follows it (make's own lines among them) is its echo
+        first_error = next((line.strip() for line in lines if "error:" in line), None)
+        raise BuildError(f"building the {target} programs failed: {first_error or ' | '.join(lines[-3:])}")
     shutil.rmtree(tmp / "obj")
     (tmp / "build.json").write_text(json.dumps({"target": target, **identity, "fused": fused,
                                                 "elf_machine": ELF_MACHINE.get(target)}, indent=1) + "\n")

@@ -171,6 +171,20 @@ def check_machine(device: Device, program: Path) -> None:
                            f"{device.profile.abi} ({expected}); refused: it would not compute on the device")
 
 
+def pull_dumps(device: Device, run_dir: str, due: int, tmp: Path) -> list[str]:
+    """callgrind's dumps in the run folder: the `due` ones, and one more if there is one (which already
+    says the marks were not what the program claims: parse_callgrind_dumps refuses it)."""
+    remotes = [f"{run_dir}/{counting.CALLGRIND_FILE}.{i}" for i in range(1, due + 2)]
+    held = device.transport.remote_digests(remotes)
+    dumps = []
+    for i, remote in enumerate(remotes, 1):
+        if i > due and held.get(remote) is None:
+            break
+        device.pull(remote, tmp / f"cg.{i}")  # a due dump that is missing fails here, named
+        dumps.append((tmp / f"cg.{i}").read_text())
+    return dumps
+
+
 def run_native(device: Device, job: NativeJob) -> NativeResult:
     check_machine(device, job.program)
     run_dir = f"runs/{secrets.token_hex(6)}"
@@ -226,17 +240,16 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
             marks = tuple(timings.get("marks") or ())
             marked = len(marks) * int(timings.get("reps") or 0)
             counts = None
-            if marks and device.profile.has("counts"):
-                device.pull(f"{run_dir}/{counting.COUNTS_FILE}", tmp / "counts.json")
-                counts = counting.parse_plugin_output((tmp / "counts.json").read_text(), marked, marks)
-            elif valgrind:
-                if not marks:
-                    raise NativeRunFailed(f"{job.program.name} marks no timed region: nothing for valgrind to count")
-                dumps = []
-                for i in range(1, marked + 1):
-                    device.pull(f"{run_dir}/{counting.CALLGRIND_FILE}.{i}", tmp / f"cg.{i}")
-                    dumps.append((tmp / f"cg.{i}").read_text())
-                counts = counting.parse_callgrind_dumps(dumps, marked, marks)
+            try:
+                if marks and device.profile.has("counts"):
+                    device.pull(f"{run_dir}/{counting.COUNTS_FILE}", tmp / "counts.json")
+                    counts = counting.parse_plugin_output((tmp / "counts.json").read_text(), marked, marks)
+                elif valgrind:
+                    if not marks:
+                        raise NativeRunFailed(f"{job.program.name} marks no timed region: nothing for valgrind to count")
+                    counts = counting.parse_callgrind_dumps(pull_dumps(device, run_dir, 2 * marked, tmp), marked, marks)
+            except counting.CountError as e:
+                raise counting.CountError(f"{device.name}: {job.program.name}: {e}") from None
             evidence = Evidence(device.name, job.program.name, program_digest(job.program), quoted(argv),
                                 float(sum(samples)) if samples else None,
                                 {"timed_calls": len(samples), "cpu_seconds": sum(timings.get("cpu_seconds") or []),

@@ -34,8 +34,9 @@ from testbed.errors import DeviceError
 PLUGIN_SOURCE = Path(__file__).with_name("qemu_insn_plugin.c")
 # Written by the plugin into the emulated program's working folder (a run folder of its own).
 COUNTS_FILE = ".tb_instructions.json"
-# Where callgrind writes its dumps in the run folder: FILE.1, FILE.2, ... one per timed call.
+# Where callgrind writes its dumps in the run folder: FILE.1, FILE.2, ... two per timed call (valgrind_argv).
 CALLGRIND_FILE = ".tb_callgrind.out"
+MARKS = ("tb_count_begin", "tb_count_end")  # the harness's marks, in the order each timed call makes them
 
 
 class CountError(DeviceError):
@@ -124,29 +125,39 @@ def parse_plugin_output(text: str, expected_regions: int | None = None, names: t
 
 
 _SUMMARY = re.compile(r"^(?:summary|totals):\s+(\d+)", re.M)
+_TRIGGER = re.compile(r"^desc: Trigger: --dump-before=(\S+)", re.M)
 
 
 def valgrind_argv(argv: list[str]) -> list[str]:
-    """`argv` under callgrind: costs zeroed on entering tb_count_begin, dumped on entering tb_count_end,
-    so dump N holds exactly the instructions of timed call N (CALLGRIND_FILE.N)."""
+    """`argv` under callgrind, dumping (and so zeroing) its costs on entering either mark: dump 2N-1
+    (CALLGRIND_FILE.2N-1) holds what ran before timed call N, dump 2N exactly the instructions of timed
+    call N. Each dump names the mark that made it, so a doubled or missing mark is seen, as the QEMU
+    plugin sees it (parse_callgrind_dumps)."""
     if shutil.which("valgrind") is None:
         raise CountError("valgrind is not installed (Debian: valgrind); host instruction counts need it")
     return ["valgrind", "--tool=callgrind", "--quiet", f"--callgrind-out-file={CALLGRIND_FILE}",
-            "--zero-before=tb_count_begin", "--dump-before=tb_count_end", "--dump-instr=no",
-            "--compress-strings=no", *argv]
+            *(f"--dump-before={mark}" for mark in MARKS), "--dump-instr=no", "--compress-strings=no", *argv]
 
 
 def parse_callgrind_dumps(dumps: list[str], expected_regions: int | None = None,
                           names: tuple[str, ...] = ("call",)) -> Counts:
-    """The dumps' `summary:` lines (instructions, event Ir) -> Counts, one region per dump."""
-    regions = []
+    """The dumps' `summary:` lines (instructions, event Ir) -> Counts, one region per tb_count_end dump.
+    Refused unless the marks came in pairs, begin then end (a mark doubled or missing: the count is not
+    the kernel's), as the QEMU plugin refuses unmatched marks."""
+    marks, summaries = [], []
     for i, text in enumerate(dumps, 1):
-        m = _SUMMARY.search(text)
-        if not m:
-            raise CountError(f"callgrind dump {i} has no summary line")
-        regions.append(int(m.group(1)))
-    _check_regions(tuple(regions), expected_regions)
-    return Counts(tuple(regions), None, "valgrind-callgrind", True, tuple(names))
+        summary, trigger = _SUMMARY.search(text), _TRIGGER.search(text)
+        if not summary or not trigger:
+            raise CountError(f"callgrind dump {i} has no {'summary' if not summary else 'trigger'} line")
+        marks.append(trigger.group(1))
+        summaries.append(int(summary.group(1)))
+    paired = [MARKS[i % 2] for i in range(len(marks))]
+    if marks != paired or len(marks) % 2:
+        at = next((i for i, (m, p) in enumerate(zip(marks, paired)) if m != p), len(marks) - 1)
+        raise CountError(f"callgrind saw unmatched marks: {marks[at]} at mark {at + 1} of {len(marks)}, where "
+                         f"{paired[at] if marks != paired else MARKS[1]} was due (a doubled or missing mark)")
+    _check_regions(tuple(summaries[1::2]), expected_regions)
+    return Counts(tuple(summaries[1::2]), None, "valgrind-callgrind", True, tuple(names))
 
 
 def _check_regions(regions: tuple[int, ...], expected: int | None) -> None:
