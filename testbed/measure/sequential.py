@@ -17,8 +17,9 @@ stops as soon as the verdict is decided:
   decided   a call is decided "slower"/"faster" once its Holm-adjusted p < 0.05 and the whole 95%
             interval of its median ratio (distribution-free, from the sign test) lies beyond
             1 +- min_change: a slower pair or two in a heavy tail moves the median, not the interval;
-            "no change" once p >= 0.05 and the interval lies within 1 +- `DETECT` (no change the
-            design is sized to see; stopping for it never adds a false call). A significant change
+            "no change" once p >= 0.05 and the interval lies within 1 +- `NO_CHANGE` (5%: no change
+            the design is sized to see, DETECT = 10%, with room for a job that measures one smaller;
+            stopping for it never adds a false call). A significant change
             whose interval still reaches within min_change stays open. A decided call takes no more
             pairs. Both conditions only narrow what the test alone would call: the 5% still holds.
   need      an undecided call's "need about N more pairs": the pairs at which a DETECT change
@@ -43,7 +44,9 @@ from testbed.measure.history import holm
 
 ALPHA = 0.05
 MIN_PAIRS = 6     # the fewest pairs whose signed-rank test can reach p < 0.05 (two-sided); the first look
-DETECT = 0.10     # the change the adaptive design is sized to see; within it, "no change" is decided
+DETECT = 0.10     # the change the adaptive design is sized to see ("need about N more pairs" aims at it)
+NO_CHANGE = 0.05  # "no change" is decided once the median's interval lies within +-this: half of DETECT, so
+                  # a DETECT change that one job happens to measure smaller is not dismissed
 POWER = 0.80      # the chance of seeing DETECT that "need about N more pairs" aims at
 
 
@@ -134,7 +137,7 @@ def judge(design: Design, ratios: list[list[float]], min_change: float) -> list[
         elif significant and high < 1 / (1 + min_change):
             verdict, decided = "faster", True
         else:  # a significant change whose interval still reaches within min_change stays open
-            verdict, decided = "no change", not significant and 1 / (1 + DETECT) < low and high < 1 + DETECT
+            verdict, decided = "no change", not significant and 1 / (1 + NO_CHANGE) < low and high < 1 + NO_CHANGE
         out.append(Judgement(verdict, decided, len(r), p, p_adj, None if decided else _need(design, r, len(ratios))))
     return out
 
