@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -69,6 +68,7 @@ from testbed.backends.native.device import Call, NativeJob, run_native
 from testbed.errors import DeviceError, UsageError
 from testbed.measure import sequential
 from testbed.measure.counts import CountError
+from testbed.measure.timing import cpu_seconds
 from testbed.report import tables
 from testbed.results import Figure, Record
 
@@ -285,17 +285,17 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
             repetition += 1
         return [ratios[calls[i].label]["cpu"][before[i]:] for i in open_calls]
 
-    started = _cpu_seconds()
+    started = cpu_seconds()
 
     def afford(runs: int) -> bool:
         """Whether `runs` more pairs fit the budget at the CPU a pair has cost so far."""
-        spent, done = _cpu_seconds() - started, sum(len(r["cpu"]) for r in ratios.values())
+        spent, done = cpu_seconds() - started, sum(len(r["cpu"]) for r in ratios.values())
         return spent + spent / max(done, 1) * runs <= opts.budget
 
     design = opts.design(emulated)
     ctx.progress(f"A/B design: {design.describe()}" + ("" if opts.reps else f", CPU budget {opts.budget:g} s"))
     outcome = sequential.drive(design, len(calls), take, afford, opts.min_change, ctx.progress)
-    spent = _cpu_seconds() - started
+    spent = cpu_seconds() - started
     if count_here:  # one run per tree and call under valgrind, with its build that valgrind can run
         for side, tree in zip("AB", trees):
             ctx.progress(f"counting {side}'s instructions under valgrind")
@@ -409,8 +409,10 @@ def options(args) -> Options:
     """The command's options, checked: a bad value is refused in one line before anything is built."""
     reps = None if args.reps is None else \
         _integer("--reps", args.reps, 1, f"(>= {sequential.MIN_PAIRS} to judge time)")
-    return Options(reps, args.seed, _fraction("--threshold", args.threshold), _fraction("--min-change", args.min_change),
-                   _seconds("--budget", args.budget),
+    fraction = (lambda v: 0 <= v <= 1, "a finite fraction from 0 to 1 (0.01 is 1%)")
+    return Options(reps, args.seed, _real("--threshold", args.threshold, *fraction),
+                   _real("--min-change", args.min_change, *fraction),
+                   _real("--budget", args.budget, lambda v: v > 0, "a finite number of CPU-seconds > 0"),
                    _integer("--max-pairs", args.max_pairs, sequential.MIN_PAIRS, "(the first look's pairs)"))
 
 
@@ -424,23 +426,13 @@ def _integer(option: str, text: str, least: int, note: str) -> int:
     return value
 
 
-def _fraction(option: str, text: str) -> float:
+def _real(option: str, text: str, within, accepted: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and 0 <= value <= 1):
-        raise UsageError(f"{option} {text} is not accepted; accepted: a finite fraction from 0 to 1 (0.01 is 1%)")
-    return value
-
-
-def _seconds(option: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise UsageError(f"{option} {text} is not accepted; accepted: a finite number of CPU-seconds > 0")
+    if not (math.isfinite(value) and within(value)):
+        raise UsageError(f"{option} {text} is not accepted; accepted: {accepted}")
     return value
 
 
@@ -513,9 +505,3 @@ def register(commands) -> None:
                                                         "to 1 (default 0.02)")
     c.add_argument("--format", choices=tables.FORMATS, default="md")
     c.set_defaults(fn=command)
-
-
-def _cpu_seconds() -> float:
-    """CPU time of this process and its finished children (the device programs of a local device)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
