@@ -519,12 +519,14 @@ class ResultsStore:
             if why:
                 set_aside.append(why)
                 continue
+            r.pop("incomplete", None)  # the reader's to say, never a stored field's
+            r.pop("figures_set_aside", None)
             bad = figure_problems(r)
-            if bad:  # the figures set aside, the record (its verdict) kept
+            if bad:  # the figures set aside, the record (its verdict) kept, and what was set aside said
                 r["figures"] = {name: f for name, f in r["figures"].items() if name not in bad}
+                r["figures_set_aside"] = bad
                 bad_figures.extend(f"run {r['run_id']} record {r['record_id']}: {why}" for why in bad.values())
             run = r["run_id"]
-            r.pop("incomplete", None)  # the reader's to say, never a stored field's
             if outcomes.get(run) != "complete" and (run in starts or r.get("schema") != 1):
                 r["incomplete"] = True
                 kept[run] = kept.get(run, 0) + 1

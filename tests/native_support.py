@@ -92,6 +92,17 @@ def slowed_chunkwise(iterations: int) -> Path:
     return mutant_kernels("gdn.c", WASTE_AT, WASTE_AT + waste)
 
 
+def cache_missing_chunkwise(reads: int) -> Path:
+    """kernels/ whose tb_gdn_chunkwise reads `reads` bytes per chunk step scattered over a 32 MiB buffer
+    (its pages touched once, in the warm-up call): a few instructions per read, each a cache and TLB
+    miss, so the time grows and the instructions hardly do (the cache-miss kind of slowdown)."""
+    plant = ("    { static unsigned char planted_lines[32u << 20]; static int planted_ready; volatile unsigned char sink;\n"
+             "      if (!planted_ready) { for (unsigned i = 0; i < sizeof planted_lines; i += 4096) planted_lines[i] = 1; "
+             "planted_ready = 1; }\n"
+             f"      for (unsigned i = 0; i < {reads}u; i++) sink = planted_lines[(i * 2654435761u) % sizeof planted_lines]; }}\n")
+    return mutant_kernels("gdn.c", WASTE_AT, WASTE_AT + plant)
+
+
 # The hybrid engine program needs only these of the library's sources (GDN, the matrix product; no
 # Gemma engine, attention or sliding cache): a planted bug in them rebuilds this one program alone.
 HYBRID_SOURCES = "gdn.c tb_parallel.c hybrid.c gemm.c gemm_avx2.c gemm_avx512.c"

@@ -229,7 +229,7 @@ def test_a_count_that_is_not_a_number_is_shown_as_such(readme_store, tmp_path, c
     assert status == 0 and "Traceback" not in said, said
     (left_out,) = section(content, "unreadable")["tables"][0]["rows"]
     assert left_out["record"] == spoiled[:12]
-    assert left_out["what is wrong"] == "figure instructions: median '37412345 instructions' is not a number"
+    assert left_out["what is wrong"] == "figures.instructions.median is a str, not a finite number"
     # the device's banner says a record was left out
     host = next(v for v in content["summary"]["verdicts"] if v["device"] == "host")
     assert "1 record the report cannot read" in host["reason"]

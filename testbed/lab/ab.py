@@ -16,19 +16,28 @@ machine, and their ratio cancels what the machine did. So:
             pair runs AB or BA, alternating per repetition from a random start (ABBA), all from a
             recorded seed, so a drift during the job falls on both sides alike.
   pairs     each pair gives B/A by the program's own clocks, wall and CPU time of the timed call.
-  counts    on a device that counts instructions (capability `counts`), every run's; on the host with
-            the experiment's counts=true, one run per tree and call under valgrind. A count that is due
+  counts    on a device that counts instructions (capability `counts`), every run's; on this machine
+            (and elsewhere with the experiment's counts=true) one run per tree and call under valgrind
+            when valgrind is installed, else "not counted: valgrind missing". A count that is due
             and missing (a program that stopped marking its timed call) is an error naming the side
             and the call, never a call judged without it.
+  how many  adaptive by default (testbed.measure.sequential): looks at 6, 12, 24, ... pairs up to
+            --max-pairs (192), the pairs of the still undecided calls only, until every call is
+            decided or the next look would overrun --budget (CPU-seconds of this process and its
+            children, default 300; the builds and the valgrind runs are outside it); the record says
+            the design, the looks taken and why it stopped ("budget spent: undecided, need about N
+            more pairs"). --reps N is a fixed design of N pairs (the nightly's ab_reps).
 
 Judging, per call:
   instructions  exact: any difference is reported with both counts; B is worse when it executes more
                 than `--threshold` (default 1%) more instructions per call.
   time          (not on emulated devices: their times say nothing of speed) a Wilcoxon signed-rank
-                test on the log ratios of the pairs, two-sided, Holm-corrected over the calls; B is
-                slower on a clock when the corrected p < 0.05 and the median ratio exceeds 1 +
-                `--min-change` (default 2%). CPU time decides (what the work cost, whatever else ran);
-                wall time is shown beside it. Fewer than 6 pairs cannot reach p < 0.05: "too few pairs".
+                test on the log ratios of the pairs, two-sided, at each look, its p spent over the looks
+                and Holm-corrected over the calls; B is slower on a clock when the corrected p < 0.05
+                and the 95% interval of the median ratio lies above 1 + `--min-change` (default 2%);
+                a call whose p >= 0.05 and interval lies within +-5% is decided "no change"; one the
+                budget left open is "undecided" (testbed.measure.sequential). CPU time decides (what the work cost, whatever else ran); wall time is
+                shown beside it. Fewer than 6 pairs cannot reach p < 0.05: "too few pairs".
 Exit status 1 when B is worse on any call by instructions or CPU time; "no change" for the same tree
 twice. The records (experiment's name, case `ab/CALL`) carry the pairs' ratios as figures
 `ab_ratio_cpu` (with the A/B block testbed.measure.history judges: a_commit, b_commit, p uncorrected, pairs,
@@ -57,13 +66,12 @@ from testbed.backends import EvidenceLog
 from testbed.backends.native.build import BuildError, build_programs, target_for_abi, tree_files, tree_hash
 from testbed.backends.native.device import Call, NativeJob, run_native
 from testbed.errors import DeviceError, UsageError
+from testbed.measure import sequential
 from testbed.measure.counts import CountError
-from testbed.measure.history import holm
+from testbed.measure.timing import cpu_seconds
 from testbed.report import tables
 from testbed.results import Figure, Record
 
-MIN_PAIRS = 6          # the fewest pairs whose signed-rank test can reach p < 0.05 (two-sided)
-ALPHA = 0.05
 MAX_REPS = 1000        # pairs per call: at 1000 a small call's job already takes hours on an emulator
 
 
@@ -188,32 +196,9 @@ class Side:
     outputs: dict[str, np.ndarray] | None = None
 
 
-def signed_rank_p(ratios: list[float]) -> float | None:
-    """Two-sided Wilcoxon signed-rank p of log(B/A) around 0; None below MIN_PAIRS pairs."""
-    from scipy.stats import wilcoxon
-
-    logs = np.log(np.asarray(ratios, float))
-    if len(logs) < MIN_PAIRS:
-        return None
-    if not np.any(logs):
-        return 1.0
-    return float(wilcoxon(logs, zero_method="zsplit", alternative="two-sided").pvalue)
-
-
-def time_verdict(ratios: list[float], p_adjusted: float | None, min_change: float) -> str:
-    if p_adjusted is None:
-        return "too few pairs"
-    median = float(np.median(ratios))
-    if p_adjusted < ALPHA and median > 1 + min_change:
-        return "slower"
-    if p_adjusted < ALPHA and median < 1 / (1 + min_change):
-        return "faster"
-    return "no change"
-
-
-def count_verdict(a: int | None, b: int | None, threshold: float) -> str:
+def count_verdict(a: int | None, b: int | None, threshold: float, uncounted: str = "not counted") -> str:
     if a is None or b is None:
-        return "not counted"
+        return uncounted
     if b == a:
         return "no change"
     if b > a * (1 + threshold):
@@ -223,10 +208,18 @@ def count_verdict(a: int | None, b: int | None, threshold: float) -> str:
 
 @dataclass
 class Options:
-    reps: int = 10
+    reps: int | None = None   # a fixed design of this many pairs; None: the adaptive (group-sequential) design
     seed: int = 0
     threshold: float = 0.01   # instructions: a rise above this fraction is a regression
     min_change: float = 0.02  # time: a median ratio beyond this (and p < 0.05 after Holm) is a change
+    budget: float = 300.0     # adaptive: CPU-seconds the repetitions may spend (this process and its children)
+    max_pairs: int = 192      # adaptive: the last look's pairs per call
+
+    def design(self, emulated: bool) -> sequential.Design:
+        """--reps N: N pairs; on an emulated device (times not judged) the one pair its counts need."""
+        if self.reps is not None:
+            return sequential.fixed(self.reps)
+        return sequential.fixed(1) if emulated else sequential.group_sequential(self.max_pairs)
 
 
 def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: Options):
@@ -234,7 +227,11 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
     device = ctx.device
     target = target_for_abi(device.profile.abi)
     emulated = device.profile.has("emulated")
-    count_here = bool(cfg.get("counts")) and not device.profile.has("counts")
+    # On a device that does not count by itself, valgrind counts: asked for (counts=true: it must be
+    # there), or by default on this machine (the local transport) when valgrind is installed.
+    valgrind = not device.profile.has("counts") and (bool(cfg.get("counts")) or device.profile.transport == "local")
+    count_here = valgrind and (bool(cfg.get("counts")) or shutil.which("valgrind") is not None)
+    uncounted = "not counted: valgrind missing" if valgrind and not count_here else "not counted"
     builds = {}
     for side, tree in zip("AB", trees):
         ctx.progress(f"building {side} ({tree.spec}) for {target}")
@@ -256,23 +253,49 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
                                "a call one side did not count is not judged")
         return result
 
-    total = len(calls) * opts.reps
-    for rep in range(opts.reps):
-        for n, i in enumerate(rng.permutation(len(calls))):
-            call = calls[i]
-            ctx.progress(f"A/B {rep * len(calls) + n + 1}/{total}: {call.label}")
-            order = "AB" if (first[call.label] + rep) % 2 == 0 else "BA"
-            for side in order:
-                result = run(call, side, builds[side])
-                s = sides[(call.label, side)]
-                s.wall += result.timings["seconds"]
-                s.cpu += result.timings.get("cpu_seconds") or []
-                s.kernel = result.timings.get("kernel", call.program)
-                if result.counts:
-                    s.instructions.append(result.counts.per_call)
-                if s.outputs is None:
-                    s.outputs = result.outputs
-            runner.raise_if_stopped()
+    ratios = {c.label: {"cpu": [], "wall": []} for c in calls}
+    repetition = 0
+
+    def take(open_calls: list[int], pairs: int) -> list[list[float]]:
+        """`pairs` more pairs of each open call, interleaved (ABBA); their CPU ratios."""
+        nonlocal repetition
+        before = {i: len(ratios[calls[i].label]["cpu"]) for i in open_calls}
+        for _ in range(pairs):
+            for n, i in enumerate(rng.permutation(open_calls)):
+                call = calls[i]
+                ctx.progress(f"A/B pair {len(ratios[call.label]['cpu']) + 1} of call {n + 1}/{len(open_calls)}: "
+                             f"{call.label}")
+                order = "AB" if (first[call.label] + repetition) % 2 == 0 else "BA"
+                for side in order:
+                    result = run(call, side, builds[side])
+                    s = sides[(call.label, side)]
+                    s.wall += result.timings["seconds"]
+                    s.cpu += result.timings.get("cpu_seconds") or []
+                    s.kernel = result.timings.get("kernel", call.program)
+                    if result.counts:
+                        s.instructions.append(result.counts.per_call)
+                    if s.outputs is None:
+                        s.outputs = result.outputs
+                a, b = sides[(call.label, "A")], sides[(call.label, "B")]
+                for clock in ("cpu", "wall"):
+                    pair = getattr(a, clock)[-1:] + getattr(b, clock)[-1:]
+                    if len(pair) == 2 and pair[0] > 0:
+                        ratios[call.label][clock].append(pair[1] / pair[0])
+                runner.raise_if_stopped()
+            repetition += 1
+        return [ratios[calls[i].label]["cpu"][before[i]:] for i in open_calls]
+
+    started = cpu_seconds()
+
+    def afford(runs: int) -> bool:
+        """Whether `runs` more pairs fit the budget at the CPU a pair has cost so far."""
+        spent, done = cpu_seconds() - started, sum(len(r["cpu"]) for r in ratios.values())
+        return spent + spent / max(done, 1) * runs <= opts.budget
+
+    design = opts.design(emulated)
+    ctx.progress(f"A/B design: {design.describe()}" + ("" if opts.reps else f", CPU budget {opts.budget:g} s"))
+    outcome = sequential.drive(design, len(calls), take, afford, opts.min_change, ctx.progress)
+    spent = cpu_seconds() - started
     if count_here:  # one run per tree and call under valgrind, with its build that valgrind can run
         for side, tree in zip("AB", trees):
             ctx.progress(f"counting {side}'s instructions under valgrind")
@@ -280,21 +303,14 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
             for call in calls:
                 sides[(call.label, side)].instructions.append(run(call, side, counted, count=True).counts.per_call)
 
-    ratios = {c.label: {clock: [b / a for a, b in zip(getattr(sides[(c.label, "A")], clock),
-                                                       getattr(sides[(c.label, "B")], clock)) if a > 0]
-                        for clock in ("wall", "cpu")} for c in calls}
-    p_raw = {clock: [signed_rank_p(ratios[c.label][clock]) for c in calls] for clock in ("wall", "cpu")}
-    p_adj = {}
-    for clock, ps in p_raw.items():
-        known = [p for p in ps if p is not None]
-        adjusted = iter(holm(known))  # the chance of any false call over the calls
-        p_adj[clock] = [None if p is None else next(adjusted) for p in ps]
+    judged = {"cpu": outcome.judgements,
+              "wall": sequential.judge(design, [ratios[c.label]["wall"] for c in calls], opts.min_change)}
 
     for i, call in enumerate(calls):
         a, b = sides[(call.label, "A")], sides[(call.label, "B")]
         a_count = a.instructions[0] if a.instructions else None
         b_count = b.instructions[0] if b.instructions else None
-        verdicts = {"instructions": count_verdict(a_count, b_count, opts.threshold)}
+        verdicts = {"instructions": count_verdict(a_count, b_count, opts.threshold, uncounted)}
         # Figures the nightly's history judges: B's instructions (an exact count) and the CPU ratio (with
         # its A/B block: testbed.measure.history's contract). The wall ratio is shown, not judged; the two sides'
         # times ride in the metrics only, so no raw time is ever compared across nights.
@@ -302,12 +318,13 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
         if b.instructions:
             figures["instructions"] = Figure.of(b.instructions, "instructions")
         if not emulated:
-            for clock in ("cpu", "wall"):
-                verdicts[clock] = time_verdict(ratios[call.label][clock], p_adj[clock][i], opts.min_change)
+            for clock in ("cpu", "wall"):  # the adaptive design's undecided call is not called "no change"
+                verdicts[clock] = "undecided" if opts.reps is None and not judged[clock][i].decided \
+                    else judged[clock][i].verdict
             if ratios[call.label]["cpu"]:
                 figures["ab_ratio_cpu"] = Figure.of(ratios[call.label]["cpu"], "ratio")
                 figures["ab_ratio_cpu"].ab = {
-                    "a_commit": trees[0].revision, "b_commit": trees[1].revision, "p": p_raw["cpu"][i],
+                    "a_commit": trees[0].revision, "b_commit": trees[1].revision, "p": judged["cpu"][i].p,
                     "pairs": len(ratios[call.label]["cpu"]), "test": "wilcoxon", "verdict": verdicts["cpu"]}
             if ratios[call.label]["wall"]:
                 figures["ab_ratio_wall"] = Figure.of(ratios[call.label]["wall"], "ratio")
@@ -316,7 +333,10 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
                        and all(np.array_equal(a.outputs[k], b.outputs[k]) for k in a.outputs))
         ab = {"a": trees[0].spec, "b": trees[1].spec, "a_commit": trees[0].revision, "b_commit": trees[1].revision,
               "test": "wilcoxon signed-rank on log(B/A), Holm over calls", "pairs": len(ratios[call.label]["cpu"]),
-              "p": p_adj["cpu"][i], "p_raw": p_raw["cpu"][i], "p_wall": p_adj["wall"][i],
+              "p": judged["cpu"][i].p_adjusted, "p_raw": judged["cpu"][i].p, "p_wall": judged["wall"][i].p_adjusted,
+              "design": design.describe(), "looks": outcome.looks_taken, "stopped": outcome.stopped,
+              "decided": judged["cpu"][i].decided, "need_pairs": judged["cpu"][i].need,
+              "budget_cpu_s": None if opts.reps else opts.budget, "spent_cpu_s": round(spent, 1),
               "verdicts": verdicts, "verdict": "slower" if worse else _overall(verdicts),
               "instructions_a": a_count, "instructions_b": b_count,
               "instructions_change": (b_count / a_count - 1) if a_count and b_count is not None else None,
@@ -327,7 +347,7 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
               "b_ms": float(np.median(b.wall)) * 1e3 if b.wall else None}
         yield Record(experiment, f"ab/{call.label}", "measure", figures=figures, metrics={"ab": ab},
                      work={**call.work, "ab": "B over A, per pair of runs measured back to back in one job"},
-                     params={"reps": opts.reps},
+                     params={"reps": opts.reps, "max_pairs": None if opts.reps else opts.max_pairs},
                      artifacts={"a_programs": str(builds["A"].name), "b_programs": str(builds["B"].name)},
                      evidence=evidence[call.label].take())
 
@@ -347,19 +367,22 @@ def _build(side: str, tree: Tree, target: str, avx512: bool = True) -> Path:
         raise BuildFailed(f"{side} ({tree.spec}): {e}") from None
 
 
-UNJUDGED = ("not measured", "too few pairs")  # a call's overall verdict when nothing could judge it
+UNJUDGED = ("not measured", "too few pairs", "undecided")  # a call's overall verdict when nothing judged it
 
 
 def _overall(verdicts: dict) -> str:
-    """One word for a call: "no change" only when something was judged and all of it held still."""
-    judged = set(verdicts.values()) - {"not counted", "too few pairs"}
-    if not judged:
-        return "too few pairs" if "too few pairs" in verdicts.values() else "not measured"
-    if judged == {"no change"}:
-        return "no change"
-    if "faster" in judged or "fewer" in judged:
+    """One word for a call (B worse is "slower", decided before this): "no change" only when something
+    was judged and all of it held still."""
+    known = {v for v in verdicts.values() if not v.startswith("not counted")} - {"too few pairs"}
+    if "faster" in known or "fewer" in known:
         return "faster"
-    return "changed"
+    if known - {"no change", "undecided"}:
+        return "changed"
+    if verdicts.get("cpu") == "undecided":
+        return "undecided"
+    if known:
+        return "no change"
+    return "too few pairs" if "too few pairs" in verdicts.values() else "not measured"
 
 
 # --- the command ------------------------------------------------------------------------------------
@@ -373,7 +396,7 @@ def table(rows: list[dict]) -> pd.DataFrame:
         out.append({
             "call": r["case"].removeprefix("ab/"), "kernel": ab["kernel"],
             "instructions A": ab["instructions_a"], "instructions B": ab["instructions_b"],
-            "instr. change": None if change is None else f"{change:+.3%}",
+            "instr. change": ab["verdicts"]["instructions"] if change is None else f"{change:+.3%}",
             "cpu B/A": fig["ab_ratio_cpu"]["median"] if "ab_ratio_cpu" in fig else None,
             "wall B/A": fig["ab_ratio_wall"]["median"] if "ab_ratio_wall" in fig else None,
             "pairs": ab["pairs"], "p (cpu, Holm)": ab["p"],
@@ -384,23 +407,32 @@ def table(rows: list[dict]) -> pd.DataFrame:
 
 def options(args) -> Options:
     """The command's options, checked: a bad value is refused in one line before anything is built."""
+    reps = None if args.reps is None else \
+        _integer("--reps", args.reps, 1, f"(>= {sequential.MIN_PAIRS} to judge time)")
+    fraction = (lambda v: 0 <= v <= 1, "a finite fraction from 0 to 1 (0.01 is 1%)")
+    return Options(reps, args.seed, _real("--threshold", args.threshold, *fraction),
+                   _real("--min-change", args.min_change, *fraction),
+                   _real("--budget", args.budget, lambda v: v > 0, "a finite number of CPU-seconds > 0"),
+                   _integer("--max-pairs", args.max_pairs, sequential.MIN_PAIRS, "(the first look's pairs)"))
+
+
+def _integer(option: str, text: str, least: int, note: str) -> int:
     try:
-        reps = int(args.reps)
+        value = int(text)
     except ValueError:
-        reps = 0
-    if not 1 <= reps <= MAX_REPS:
-        raise UsageError(f"--reps {args.reps} is not accepted; accepted: an integer from 1 to {MAX_REPS} "
-                         f"(>= {MIN_PAIRS} to judge time)")
-    return Options(reps, args.seed, _fraction("--threshold", args.threshold), _fraction("--min-change", args.min_change))
+        value = 0
+    if not least <= value <= MAX_REPS:
+        raise UsageError(f"{option} {text} is not accepted; accepted: an integer from {least} to {MAX_REPS} {note}")
+    return value
 
 
-def _fraction(option: str, text: str) -> float:
+def _real(option: str, text: str, within, accepted: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and 0 <= value <= 1):
-        raise UsageError(f"{option} {text} is not accepted; accepted: a finite fraction from 0 to 1 (0.01 is 1%)")
+    if not (math.isfinite(value) and within(value)):
+        raise UsageError(f"{option} {text} is not accepted; accepted: {accepted}")
     return value
 
 
@@ -430,7 +462,10 @@ def command(args) -> int:
     if args.format == "md":
         where = f"{rc.device}" + (" (emulated: instructions only, times not judged)" if outcome.info.emulated else "")
         print(f"\nA = {trees[0].spec} ({trees[0].revision[:20]}), B = {trees[1].spec} ({trees[1].revision[:20]}) "
-              f"on {where}, {opts.reps} pairs per call, seed {opts.seed}; run {outcome.info.run_id} stored")
+              f"on {where}, seed {opts.seed}; run {outcome.info.run_id} stored")
+        if measured := [r["metrics"]["ab"] for r in rows if r["kind"] == "measure"]:
+            print(f"design {measured[0]['design']}; {measured[0]['looks']} look(s), {measured[0]['spent_cpu_s']} "
+                  f"CPU-s; stopped: {measured[0]['stopped']}")
         for r in worse:
             ab = r["metrics"]["ab"]
             what = []
@@ -456,7 +491,13 @@ def register(commands) -> None:
     c.add_argument("overrides", nargs="*", help="the experiment's key=value, e.g. experiment=gdn device=qemu-aarch64 "
                                                 "'bench.tokens=[512]'")
     # the numbers are checked by options(), which says in one line what is accepted
-    c.add_argument("--reps", default="10", help=f"pairs per call, 1 to {MAX_REPS} (>= 6 to judge time; default 10)")
+    c.add_argument("--reps", default=None, help=f"a fixed design: pairs per call, 1 to {MAX_REPS} (>= "
+                                                f"{sequential.MIN_PAIRS} to judge time); default: adaptive")
+    c.add_argument("--budget", default=str(Options.budget),
+                   help=f"adaptive: CPU-seconds the pairs may spend (default {Options.budget:g})")
+    c.add_argument("--max-pairs", default=str(Options.max_pairs),
+                   help=f"adaptive: pairs per call at the last look, {sequential.MIN_PAIRS} to {MAX_REPS} "
+                        f"(default {Options.max_pairs})")
     c.add_argument("--seed", type=int, default=0, help="the order's seed (recorded)")
     c.add_argument("--threshold", default="0.01", help="instructions: the rise that is a regression, a fraction "
                                                        "from 0 to 1 (default 0.01 = 1%%)")

@@ -50,6 +50,7 @@ from testbed.devices.private import DeviceBusy, device_lock
 from testbed.errors import DeviceUnreachable, UsageError, did_you_mean
 from testbed.heartbeat import heartbeat
 from testbed.measure import history
+from testbed.measure.timing import cpu_seconds
 from testbed.report import build as report
 from testbed.results import ResultsStore
 
@@ -371,15 +372,6 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
         store_nights(store).append([{**entry, "exit_status": status, "report": report_line}])  # the last word
     compared = compared_with(earlier, records, tonight, settings["min_history"])
     return status, summary(suite, night, results, flags, compared, report_line, status, finished - started, changes)
-
-
-def cpu_seconds() -> float:
-    """CPU seconds this process and the programs it ran (device programs, compilers, emulators) have
-    used so far: what a night cost the host, whatever else ran beside it."""
-    import resource
-
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def store_nights(store: ResultsStore) -> ResultsStore:

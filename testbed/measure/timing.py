@@ -97,3 +97,12 @@ def time_alternating_clocks(fns: dict[str, Callable[[], object]], reps: int = 5,
 def time_alternating(fns: dict[str, Callable[[], object]], reps: int = 5, warmup: int = 1) -> dict[str, Figure]:
     """time_alternating_clocks' wall-clock figures."""
     return {name: clocks["wall"] for name, clocks in time_alternating_clocks(fns, reps, warmup).items()}
+
+
+def cpu_seconds() -> float:
+    """CPU seconds this process and the programs it ran (device programs, compilers, emulators) have
+    used so far: what a night or an A/B job cost the host, whatever else ran beside it."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime

@@ -196,6 +196,8 @@ def unreadable(record: dict) -> str | None:
     count that was a string): such a record is listed with this reason, and never read further."""
     if started_at(record) is None:
         return f"started {record['started']!r} is not an ISO time"
+    if record.get("figures_set_aside"):  # the store's reader took them out (testbed.results.figure_problems)
+        return "; ".join(record["figures_set_aside"].values())
     for key in ("verdict", "oracle"):
         if record["kind"] == "oracle" and not isinstance(record.get(key), str):
             return f"an oracle record whose {key} is {record.get(key)!r}"

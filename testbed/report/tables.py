@@ -36,6 +36,8 @@ def column_name(label) -> str:
     text = str(label)
     for sign, words in NAME_WORDS:
         text = text.replace(sign, words)
+    # a dot joins two keys (metrics.token); one that ends a word ("instr. change") is punctuation
+    text = re.sub(r"\.(?![0-9A-Za-z])", " ", text)
     return re.sub(r"[^0-9A-Za-z.]+", "_", text).strip("_") or "column"
 
 
