@@ -131,7 +131,9 @@ def test_report_tables_from_host_runs_and_seed(tmp_path, host_records, tail_reco
     fixture_source = f"fixture:{seed.TAIL_SWEEP}"
     assert breakeven_of(content, "host", fixture_source) == 10
     seed_table = next(t for t in sections["tail"]["tables"] if Path(seed.TAIL_SWEEP).stem in t["caption"])
-    assert "breakeven tail 10 (seed: 10)" in seed_table["caption"]
+    # the decision with its confidence: the seed's medians alone pin it only to the grid, never at 95%
+    assert "breakeven tail between 8 and 10 (medians only" in seed_table["caption"]
+    assert "no confidence" in seed_table["caption"] and seed_table["caption"].endswith("(seed: 10)")
     sweep = pd.read_csv(FIXTURES / seed.TAIL_SWEEP, comment="#")
     assert column(seed_table, "tail") == list(sweep["tail"])
     for winner, p, s in zip(column(seed_table, "winner"), sweep.padded_tps, sweep.scalar_tps):
@@ -183,7 +185,7 @@ def test_report_tables_from_host_runs_and_seed(tmp_path, host_records, tail_reco
 
     # the same content for people (Markdown) and the page's images beside it
     md = (tmp_path / "report" / "report.md").read_text()
-    assert "breakeven tail 10 (seed: 10)" in md and "| host | refimpl |" in md
+    assert "breakeven tail between 8 and 10 (medians only" in md and "| host | refimpl |" in md
     for section in content["sections"]:
         for image in section["images"]:
             assert (tmp_path / "report" / image["file"]).stat().st_size > 1000

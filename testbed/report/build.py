@@ -294,8 +294,10 @@ def tail_sweep(inp: Inputs) -> Section | None:
     seed_breakeven = breakeven.breakeven_tail(seed_df)
     beside = seed_df.set_index("tail")
     section = Section("tail", "Breakeven: padded vs scalar tail", [
-        f"Seed ({seed.source_line(inp.fixtures / seed.TAIL_SWEEP)}): breakeven tail {seed_breakeven}; "
-        "tails below it stay scalar."])
+        f"Seed ({seed.source_line(inp.fixtures / seed.TAIL_SWEEP)}): breakeven tail {seed_breakeven}, "
+        f"{breakeven.breakeven_interval(seed_df)['says']}; tails below it stay scalar. Each measured breakeven "
+        "below says its interval at 95% (a bootstrap over its repetitions), or that it is undecided and about "
+        "how many more repetitions would decide it."])
     for impl in sorted({implementations.of(r) for r in records}):
         of_impl = [r for r in records if implementations.of(r) == impl]
         frame = sweep_frame(pd.json_normalize(of_impl, sep="."))
@@ -305,7 +307,9 @@ def tail_sweep(inp: Inputs) -> Section | None:
             name = sweep_name(impl, str(source), of_impl[0]["config"])
             table = breakeven.tail_table(rows)
             point = breakeven.breakeven_tail(rows)
-            said = point if point is not None else f"not reached up to tail {int(rows['tail'].max())}"
+            # the decision with its confidence (testbed.measure.decisions): an interval, or undecided
+            decision = breakeven.breakeven_interval(rows)
+            said = decision["says"] if point is not None else f"not reached up to tail {int(rows['tail'].max())}"
             table["seed padded tok/s"] = [beside.padded_tps.get(t) for t in table["tail"]]
             table["seed scalar tok/s"] = [beside.scalar_tps.get(t) for t in table["tail"]]
             table["seed winner"] = [breakeven.winner(beside.padded_tps[t], beside.scalar_tps[t])
@@ -318,7 +322,9 @@ def tail_sweep(inp: Inputs) -> Section | None:
                                               + ("" if of_seed else f", the seed's {seed_breakeven} dashed")})
             inp.breakevens.append({"device": impl.device, "backend": impl.backend, "model": impl.model,
                                    "source": source, "tail": point,
-                                   "threshold": breakeven.threshold_from_breakeven(point)})
+                                   "threshold": breakeven.threshold_from_breakeven(point),
+                                   **{key: decision.get(key) for key in ("lo", "hi", "decided", "level", "method",
+                                                                         "reps", "says")}})
     return section
 
 
