@@ -1,4 +1,4 @@
-"""Heartbeats: a line at least every HEARTBEAT_S seconds while a long step runs without a word of its own
+"""Progress that says how long is left, and heartbeats: a line at least every HEARTBEAT_S seconds while a long step runs without a word of its own
 (a compiler that prints nothing for minutes, a device that takes a minute to start), so that a log
 shows the command is alive and what it is waiting for.
 
@@ -8,6 +8,11 @@ shows the command is alive and what it is waiting for.
 says "still compiling gdn for aarch64 (25 s)" through `progress` (a run's progress line: one line each
 off a terminal, rewritten in place on one) every interval from a timer thread, until the step ends.
 TESTBED_HEARTBEAT_S sets the interval (a test's short one; the default keeps a line within 30 s).
+
+A counted step ("gdn oracle 12/36 CASE") may also say how much work its series holds (`Step`): where
+steps differ in size (GDN's cases run from 1 to 300 tokens, a hybrid oracle from 64 to 600 positions)
+the time left is then the work left at the pace of the work done, not the steps left at the pace of
+the steps done.
 """
 
 from __future__ import annotations
@@ -55,3 +60,26 @@ def heartbeat(step: str, say: Callable[[str], None], every: float | None = None)
     finally:
         done.set()
         beating.join()
+
+
+class Step(str):
+    """A counted step's progress message that also carries the work of its series: `done`, the work of
+    the steps before it, of `total`, in any one unit (a GDN case: tokens x heads x head size^2). To any
+    other reader of progress it is the plain message."""
+
+    done: float
+    total: float
+
+    def __new__(cls, text: str, done: float, total: float) -> "Step":
+        step = super().__new__(cls, text)
+        step.done, step.total = float(done), float(total)
+        return step
+
+
+def steps(texts: list[str], sizes: list[float]) -> list[Step]:
+    """Each of a series' messages as a Step weighted by its step's size."""
+    total, before, out = float(sum(sizes)), 0.0, []
+    for text, size in zip(texts, sizes):
+        out.append(Step(text, before, total))
+        before += size
+    return out

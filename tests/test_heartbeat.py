@@ -62,3 +62,24 @@ def test_a_bad_interval_is_one_line(value, monkeypatch):
         interval()
     monkeypatch.delenv("TESTBED_HEARTBEAT_S")
     assert 0 < interval() < 30  # a line within the 30 s a log may stay silent
+
+
+def test_the_time_left_is_weighted_by_the_work_of_the_steps(monkeypatch):
+    """GDN's oracle cases run from 1 to 300 tokens: after two small steps the time left is the big step's
+    work at the pace of the work done, not one step at the pace of the steps done (issue 34)."""
+    import io
+
+    from testbed import cli
+    from testbed.heartbeat import Step, steps
+
+    clock = iter([0.0, 0.0, 10.0, 20.0])  # ProgressLine's start, then the three steps' announcements
+    monkeypatch.setattr(cli.time, "monotonic", lambda: next(clock))
+    out = io.StringIO()
+    line = cli.ProgressLine(out)
+    said = steps(["gdn oracle 1/3 T=1", "gdn oracle 2/3 T=1", "gdn oracle 3/3 T=300"], [1, 1, 300])
+    assert isinstance(said[2], Step) and (said[2].done, said[2].total) == (2, 302)
+    for step in said:
+        line(step)
+    last = out.getvalue().splitlines()[-1]
+    # by steps: 20 s for 2 steps, 1 to go, "about 10 s left"; by work: 20 s for 2 of 302, "about 50 min left"
+    assert last == "[20 s] gdn oracle 3/3 T=300 (about 50 min left)", last

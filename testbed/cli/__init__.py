@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 from testbed import __version__, config, experiments, runner
 from testbed.cli import devices as device_cli, records as records_cli
 from testbed.errors import DeviceError, DeviceUnreachable, StoreError, ToolMissing, UsageError
+from testbed.heartbeat import Step
 from testbed.lab import ab, compare, farm, nightly
 from testbed.measure import emulation
 from testbed.report import build as report, tables
@@ -44,7 +45,8 @@ class ProgressLine:
     """A run's progress messages on stderr. On a terminal: one line rewritten in place. Otherwise (a
     pipe, a CI log, nohup): one line per message, with the seconds since the run began and, for a
     message that counts its steps ("gdn oracle 12/166 ..."), the time left at the pace of the steps
-    of that series so far, so that a log shows the run is alive and how long it has to go."""
+    of that series so far (of its work, where the message is a testbed.heartbeat.Step), so that a log
+    shows the run is alive and how long it has to go."""
 
     COUNT = re.compile(r"\b(\d+)/(\d+)\b")
 
@@ -63,12 +65,17 @@ class ProgressLine:
         count = self.COUNT.search(msg)
         if count:
             step, total = int(count[1]), int(count[2])
+            work_done = msg.done if isinstance(msg, Step) else 0.0
             key = (msg[:count.start()], total)
             if key not in self.series or step <= self.series[key][1]:
-                self.series[key] = (now, step)
-            started, first = self.series[key]
-            # the message announces step `step`: the steps before it in this series are done
-            left = nightly.time_left(now - started, step - first, total - first + 1)
+                self.series[key] = (now, step, work_done)
+            started, first, first_work = self.series[key]
+            # the message announces step `step`: the steps before it in this series are done; where it
+            # says their work (a Step), the time left is the work left at the pace of the work done
+            if isinstance(msg, Step) and msg.total > first_work:
+                left = nightly.time_left(now - started, msg.done - first_work, msg.total - first_work)
+            else:
+                left = nightly.time_left(now - started, step - first, total - first + 1)
         print(f"[{now - self.began:.0f} s] {msg}{left}", file=self.stream, flush=True)
 
     def clear(self) -> None:

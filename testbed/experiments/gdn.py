@@ -36,6 +36,7 @@ from testbed import backends
 from testbed.backends.iree.artifacts import target_names
 from testbed.config import Choice, Float, Int, IntList
 from testbed.errors import UsageError
+from testbed.heartbeat import steps
 from testbed.measure import blas_reference, decisions
 from testbed.oracles.numerical import check_bitexact, check_nmse
 from testbed.report import tables
@@ -181,8 +182,11 @@ def validate(cfg: DictConfig) -> None:
 
 def oracle_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
     cases = selected_cases(cfg)
-    for i, case in enumerate(cases):
-        ctx.progress(f"gdn oracle {i + 1}/{len(cases)} {case.name}")
+    # the cases' work differs by 300x (1 to 300 tokens, head sizes 32 to 128): weighted progress
+    said = steps([f"gdn oracle {i + 1}/{len(cases)} {case.name}" for i, case in enumerate(cases)],
+                 [c.n_seqs * c.n_seq_tokens * c.head_count * c.v_repeat * c.head_size ** 2 for c in cases])
+    for case, step in zip(cases, said):
+        ctx.progress(step)
         x = case.inputs(cfg.seed)
         x64 = ref.GDNInputs(*(a.astype(np.float64) for a in x.arrays()))
         reference = ref.run_forms(lambda y: ref.gdn_serial(*y.arrays(), head_map=cfg.head_map), x64, case.K)
