@@ -179,19 +179,15 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-FIGURE_FIELDS = {"median": is_number, "min": is_number, "max": is_number, "unit": lambda v: isinstance(v, str),
-                 "reps": lambda v: isinstance(v, int) and not isinstance(v, bool)}
-OPTIONAL_FIGURE_FIELDS = {"samples": lambda v: v is None or (isinstance(v, list) and all(map(is_number, v))),
-                          "role": lambda v: v is None or isinstance(v, str),
-                          "ab": lambda v: v is None or isinstance(v, dict)}
 HOST_LOAD_FIELDS = {"load_1m_before": is_number, "load_1m_after": is_number, "cores": is_number,
                     "noisy": lambda v: isinstance(v, bool)}
 
 
 def unreadable(record: dict) -> str | None:
     """Why the report cannot read a record the store let through, or None. The store checks the fields
-    every record has and their types (testbed.results.malformed); the report reads inside them: each
-    figure's numbers (testbed.results.Figure), the start time, an oracle's verdict, the load reading.
+    every record has and their types (testbed.results.malformed) and sets aside each figure it cannot
+    use (figures_set_aside: testbed.results.figure_problems); the report reads inside the rest: the
+    start time, an oracle's verdict, the load reading.
     A damaged store, a hand edit or an older testbed may hold anything there (issue 34: an instruction
     count that was a string): such a record is listed with this reason, and never read further."""
     if started_at(record) is None:
@@ -201,15 +197,6 @@ def unreadable(record: dict) -> str | None:
     for key in ("verdict", "oracle"):
         if record["kind"] == "oracle" and not isinstance(record.get(key), str):
             return f"an oracle record whose {key} is {record.get(key)!r}"
-    for name, fig in record["figures"].items():
-        if not isinstance(fig, dict):
-            return f"figure {name} is {fig!r}, not a figure"
-        for key, fits in FIGURE_FIELDS.items():
-            if key not in fig or not fits(fig[key]):
-                return f"figure {name}: {key} {fig.get(key)!r} is not " + ("a text" if key == "unit" else "a number")
-        for key, fits in OPTIONAL_FIGURE_FIELDS.items():
-            if not fits(fig.get(key)):
-                return f"figure {name}: {key} {fig[key]!r} is not what testbed writes there"
     for key, fits in HOST_LOAD_FIELDS.items():
         if key in (record.get("host_load") or {}) and not fits(record["host_load"][key]):
             return f"host_load.{key} {record['host_load'][key]!r} is not what testbed writes there"

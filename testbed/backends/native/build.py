@@ -302,23 +302,18 @@ def remove_stale_temporaries(cache_dir: Path) -> list[Path]:
     """Remove the half-built folders of builds whose process is gone (a SIGKILL mid-build leaves its
     OUT.tmpPID behind; nothing else ever would). Only testbed's own, by their exact name, and never
     through a link; a folder whose process is alive (another build now) is left to it."""
+    import socket
+
+    from testbed.devices.private import process_alive  # here: setup.py loads this file before the package
+
     removed = []
     for path in cache_dir.glob("*.tmp*") if cache_dir.is_dir() else ():
         match = TEMPORARY.fullmatch(path.name)
-        if match and not path.is_symlink() and path.is_dir() and not _process_alive(int(match[1])):
+        if match and not path.is_symlink() and path.is_dir() \
+                and process_alive(socket.gethostname(), int(match[1])) is False:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def build_programs(target: str, fused: bool = False, cache_dir: Path | None = None,
