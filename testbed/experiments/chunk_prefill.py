@@ -150,6 +150,8 @@ def validate(cfg: DictConfig) -> None:
             raise UsageError(f"latency.weights={w} is not accepted; accepted: null or "
                              f"{len(cfg.latency.utterance_tokens)} non-negative numbers, not all zero")
     model = model_config(cfg)
+    if user_artifact(cfg):
+        check_cases_fit(cfg, load_user_module(cfg, model))
     expected = cfg.model.expected_token
     if expected is not None:
         if not isinstance(expected, int) or not 0 <= expected < model.vocab:
@@ -159,6 +161,31 @@ def validate(cfg: DictConfig) -> None:
             raise UsageError(f"model.expected_token={expected} pins one token but the cases end at positions "
                              f"{', '.join(map(str, ends))}; accepted: cases that all end at one position")
     run_prompt(cfg, model)
+
+
+def user_artifact(cfg: DictConfig) -> str | None:
+    """iree.artifact: a user's prefill_with_past module folder (testbed.backends.iree.user_module)."""
+    return cfg.iree.get("artifact") if cfg.backend == "iree" else None
+
+
+def load_user_module(cfg: DictConfig, model: gemma.GemmaConfig):
+    """The user's folder checked against seed 000's contract for `model` (its MLIR compiled for the
+    target, once per content): any problem is one UsageError line, before a record is stored."""
+    from testbed.backends.iree import user_module
+
+    return user_module.load(project_path(user_artifact(cfg)), model, cfg.target)
+
+
+def check_cases_fit(cfg: DictConfig, user) -> None:
+    """A user's module has fixed shapes: one call of its C rows per case, against its cache rows."""
+    if cfg.chunk != user.chunk:
+        raise UsageError(f"chunk={cfg.chunk} but the module in iree.artifact={user_artifact(cfg)} takes "
+                         f"C={user.chunk} rows; accepted: chunk={user.chunk}")
+    for i, c in enumerate(cases(cfg)):
+        if c.past > user.past or c.tokens > user.chunk:
+            raise UsageError(f"cases[{i}]={{past: {c.past}, tokens: {c.tokens}}} does not fit the module in "
+                             f"iree.artifact={user_artifact(cfg)} (C={user.chunk} rows, {user.past} cache rows); "
+                             f"accepted: past <= {user.past}, tokens <= {user.chunk}")
 
 
 def run_prompt(cfg: DictConfig, model: gemma.GemmaConfig):
@@ -175,6 +202,8 @@ def _setup(cfg: DictConfig, ctx):
     prompt = run_prompt(cfg, model)
     artifacts = {"weights_sha256": weights_sha, **prompt.artifacts()}
     backend = backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device, ctx.progress)
+    if user_artifact(cfg):  # which module and manifest every verdict and figure is about
+        artifacts.update(backend.user.record_artifacts())
     if cfg.backend == "native" and cfg.native.weights != "f32":
         # the engine computes with the weights its file stores: refimpl on those is the reference
         w = dequantized(w, cfg.native.weights, cfg.native.group)
@@ -184,6 +213,9 @@ def _setup(cfg: DictConfig, ctx):
 def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
     ref = Reference(w, model, prompt)
     tokenizer = find_tokenizer(cfg.model.checkpoint)
+    if user_artifact(cfg):
+        yield from user_module_records(cfg, ctx, ref, backend, tokenizer)
+        return
     every = cases(cfg)
     for i, case in enumerate(every):
         ctx.progress(f"chunk_prefill oracle {i + 1}/{len(every)} {case.name}")
@@ -206,6 +238,48 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
         yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
                      params={"past": case.past, "tokens": case.tokens, "chunk": case.chunk, "position": case.position,
                              "calls": case.calls}, detail=v.detail, evidence=backend.evidence.take())
+
+
+def user_module_records(cfg, ctx, ref, backend, tokenizer) -> Iterator[Record]:
+    """A user's module, one call per case, judged with a diagnosis naming the argument it gets wrong
+    (testbed.oracles.module_contract)."""
+    from testbed.oracles.module_contract import check_module
+
+    user = backend.user
+    every = cases(cfg)
+    for i, case in enumerate(every):
+        ctx.progress(f"chunk_prefill oracle {i + 1}/{len(every)} {case.name} on {user.source.name}")
+        verdicts = check_module(backend.call, ref, case, user.past, user.contract, expected=cfg.model.expected_token,
+                                logit_atol=cfg.logit_atol, cache_atol=cfg.cache_atol,
+                                token_text=tokenizer.token_text if tokenizer else None)
+        params = {"past": case.past, "tokens": case.tokens, "chunk": case.chunk, "position": case.position,
+                  "calls": 1, "module_rows": user.past}
+        evidence = backend.evidence.take()
+        for v in verdicts:
+            yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin,
+                         v.metrics, params=params, detail=v.detail, evidence=evidence)
+
+
+def user_bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
+    """A user's module: its chunk call timed on the device, on the first case's inputs (its cost is that
+    of its fixed C rows against its fixed cache rows, whatever P). It has no decode step to set against
+    it, so no projected latency."""
+    from testbed.models.contract import pack_prefill_with_past
+    from testbed.oracles.module_contract import case_inputs
+
+    user, case = backend.user, cases(cfg)[0]
+    p = case.past
+    ctx.progress(f"chunk_prefill bench P={p} C={user.chunk} on {user.source.name}")
+    inp, ks, vs = case_inputs(Reference(w, model, prompt), case, user.past)
+    time = backend.bench(pack_prefill_with_past(model, inp, ks, vs), cfg.bench.reps, cfg.bench.warmup)
+    flops = gemma.graph_flops(model, user.chunk, user.past)
+    yield Record("chunk_prefill", f"P={p},C={user.chunk}/chunk_call", "measure",
+                 figures={"time": time, "gflops": time.rate(flops / 1e9, "GFLOP/s"),
+                          "rows_per_s": time.rate(user.chunk, "rows/s")}, evidence=backend.evidence.take(),
+                 work={"flops": flops, "rows": user.chunk, "keys": user.past + user.chunk,
+                       "flop_count": "refimpl.gemma.graph_flops at the module's cache rows"},
+                 params={"past": p, "chunk": user.chunk, "threads": cfg.threads, "form": "chunk_call",
+                         "module_rows": user.past})
 
 
 def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -> tuple[float, float]:
@@ -242,8 +316,9 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
 
     with threadpool_limits(limits=cfg.threads):
         model, w, prompt, backend, artifacts = _setup(cfg, ctx)
-        parts = [oracle_records] if cfg.mode == "oracle" else [bench_records] if cfg.mode == "bench" \
-            else [oracle_records, bench_records]
+        bench = user_bench_records if user_artifact(cfg) else bench_records
+        parts = [oracle_records] if cfg.mode == "oracle" else [bench] if cfg.mode == "bench" \
+            else [oracle_records, bench]
         for part in parts:
             for record in part(cfg, ctx, model, w, prompt, backend):
                 record.artifacts = artifacts  # which weights and prompt every verdict and figure is about
@@ -396,7 +471,7 @@ def sweep_footer(rows: pd.DataFrame, jobs) -> str:
     """One latency table per (backend, device, model) of the sweep, then the seed's figures."""
     groups: dict[tuple, list[dict]] = {}
     for (_, row), rc in zip(rows.iterrows(), jobs):
-        if pd.notna(row.get("chunk_call s")):
+        if pd.notna(row.get("chunk_call s")) and pd.notna(row.get("decode_step s")):
             key = (rc.cfg.backend, rc.device, rc.cfg.model.checkpoint or rc.cfg.model.preset)
             groups.setdefault(key, []).append(row)
     cfg = jobs[0].cfg

@@ -377,6 +377,38 @@ def _compile_into(folder: Path, text: str, graph: Graph, target: Target, key: st
         raise
 
 
+def compile_mlir_file(mlir: Path, target: Target | str, cache_dir: Path | None = None,
+                      progress: Callable[[str], None] = lambda msg: None) -> Path:
+    """Someone else's MLIR file compiled for `target`, once per content: the cache folder's name carries
+    a hash of the file's bytes, the target's flags and the compiler version. The input dialect is
+    detected by the compiler (`--iree-input-type=auto`: StableHLO from jax or SKaiNET, linalg, ...).
+    Returns the compiled module.vmfb."""
+    target = load_target(target) if isinstance(target, str) else target
+    cache_dir = Path(cache_dir) if cache_dir else CACHE_DIR
+    h = hashlib.sha256()
+    for part in (mlir.read_bytes(), compiler_version().encode(), "\n".join(target.flags).encode()):
+        h.update(part)
+        h.update(b"\0")
+    folder = cache_dir / f"user-{mlir.stem}-{target.name}-{h.hexdigest()[:16]}"
+    if (folder / "module.vmfb").is_file():
+        return folder / "module.vmfb"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        shutil.copyfile(mlir, staging / "graph.mlir")
+        command = [compiler_path(), "--iree-input-type=auto", *target.flags, "graph.mlir", "-o", "module.vmfb"]
+        _run_compiler(command, staging, f"compiling {mlir.name} for {target.name}", progress)
+        (staging / "compile_command.sh").write_text(shlex.join(["iree-compile", *command[1:]]) + "\n")
+        try:
+            os.rename(staging, folder)
+        except OSError:  # another process compiled the same file first: theirs is identical
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder / "module.vmfb"
+
+
 def _run_compiler(command: list[str], cwd: Path, what: str, progress: Callable[[str], None]) -> None:
     """Run the compiler with a heartbeat through `progress` (iree-compile prints nothing while it
     works, and a large graph takes minutes)."""

@@ -46,6 +46,11 @@ def backend(w, cfg: ref.GemmaConfig, run_cfg, device=None, progress=compile_prog
     if device is not None:
         check_target_fits(run_cfg.target, device.profile)
         iree = IreeDevice(device, EvidenceLog(), int(run_cfg.get("threads", 1)), progress, options.get("driver"))
+        if options.get("artifact"):  # a user's prefill_with_past module instead of testbed's graphs
+            from testbed.backends.iree.user_module import UserModuleRunner, load
+            from testbed.config import project_path
+
+            return UserModuleRunner(load(project_path(options["artifact"]), cfg, run_cfg.target, progress), iree)
         return DeviceGemma(w, cfg, run_cfg.target, iree, bucket, constants, progress)
     return in_process(w, cfg, run_cfg.target, options.get("driver"), bucket, constants)
 
