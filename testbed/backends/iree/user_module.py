@@ -312,3 +312,38 @@ def write_user_folder(folder: str | Path, graph: Graph, model: GemmaConfig, form
         "function": graph.contract.function, "parameter_scope": PARAMETER_SCOPE,
         "files": {k: {"path": p.name, "sha256": gemma_contract.sha256_file(p)} for k, p in files.items()}})
     return manifest.parent
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m testbed.backends.iree.user_module OUT [--checkpoint DIR | --preset tiny|functiongemma]
+    [--chunk C] [--past R] [--form mlir|vmfb] [--target T]`: testbed's own prefill_with_past for a model
+    written out as a user's folder, to run as `testbed run chunk_prefill backend=iree iree.artifact=OUT`
+    with the same model (model.checkpoint=DIR, or model.preset with its seeded weights)."""
+    import argparse
+
+    from refimpl import gemma
+    from testbed.backends.iree.graphs.gemma import prefill_with_past
+    from testbed.models.checkpoints import load_checkpoint
+
+    parser = argparse.ArgumentParser(prog="python -m testbed.backends.iree.user_module", description=main.__doc__)
+    parser.add_argument("out")
+    parser.add_argument("--checkpoint", help="a Hugging Face folder or .gguf (else --preset's seeded weights)")
+    parser.add_argument("--preset", choices=("tiny", "functiongemma"), default="tiny")
+    parser.add_argument("--weights-seed", type=int, default=0)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--past", type=int, default=800, help="the cache rows the module takes")
+    parser.add_argument("--form", choices=("mlir", "vmfb"), default="mlir")
+    parser.add_argument("--target", default="host", help="for --form vmfb: experiments/iree_target/NAME")
+    a = parser.parse_args(argv)
+    if a.checkpoint:
+        cfg, w = load_checkpoint(a.checkpoint)
+    else:
+        cfg = {"tiny": gemma.tiny_config, "functiongemma": gemma.functiongemma_config}[a.preset]()
+        w = gemma.init_weights(cfg, a.weights_seed)
+    out = write_user_folder(a.out, prefill_with_past(cfg, w, a.chunk, a.past), cfg, a.form, a.target)
+    print(f"{out}: prefill_with_past C={a.chunk} against {a.past} cache rows, {cfg.layers} layers")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
