@@ -309,6 +309,30 @@ def test_cases_that_do_not_fit_the_module_are_refused(clean, model, device, resu
     assert "accepted: past <= 40, tokens <= 8" in capsys.readouterr().err
 
 
+def test_a_module_that_fails_on_the_device_is_exit_4_and_never_a_pass(clean, model, device, results_dir, tmp_path,
+                                                                       capsys):
+    """A manifest that forgets the parameter archive: the module cannot load its weights there."""
+    folder = copy_of(clean, tmp_path)
+    edit_manifest(folder, lambda m: m["files"].pop("parameters"))
+    checkpoint, _, _ = model
+    code = main(["run", "chunk_prefill", "backend=iree", f"device={device.name}", f"iree.artifact={folder}",
+                 f"model.checkpoint={checkpoint}", f"chunk={CHUNK}", "cases=[{past:30,tokens:6}]", "mode=oracle"])
+    assert code == 4, capsys.readouterr().err
+    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    assert [r["verdict"] for r in rows if r.get("kind") == "oracle"] == ["error"]
+
+
+def test_the_export_command_writes_a_users_folder(tmp_path, capsys):
+    from testbed.backends.iree.user_module import main as export
+
+    assert export([str(tmp_path / "out"), "--preset", "tiny", "--chunk", "8", "--past", "40"]) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    want = gemma_contract.prefill_with_past_contract(gemma.tiny_config(), 8, 40)
+    assert manifest["contract"] == json.loads(json.dumps(want.to_dict()))
+    assert manifest["files"]["module"]["sha256"] == gemma_contract.sha256_file(tmp_path / "out" / "module.mlir")
+    assert "C=8 against 40 cache rows, 6 layers" in capsys.readouterr().out
+
+
 # --- the seed's shape (opt-in) ---------------------------------------------------------------------
 
 

@@ -13,6 +13,11 @@ bench mode   on the chosen backend, the time of one chunk call of C rows and of 
              then the projected latency of each configured utterance length: ceil(n/C) chunk calls
              against n decode steps, each followed by reply_tokens decode steps.
 
+A user's module (backend=iree iree.artifact=DIR: seed 000's prefill_with_past from someone's exporter,
+testbed.backends.iree.user_module) replaces testbed's graphs: one call per case on the device, judged by
+testbed.oracles.module_contract (token, logits, K/V, mask_heads, and a diagnosis naming the argument or
+result it gets wrong); bench mode times its chunk call alone (it has no decode step).
+
 `testbed sweep chunk=32,64` prints one row per C (verdicts, margin, chunk-call and decode-step time)
 and, below it, the projected-latency table over the configured length distribution naming the C
 with the lowest expected latency by the medians, then the decision with its confidence: that C alone
@@ -172,8 +177,9 @@ def load_user_module(cfg: DictConfig, model: gemma.GemmaConfig):
     """The user's folder checked against seed 000's contract for `model` (its MLIR compiled for the
     target, once per content): any problem is one UsageError line, before a record is stored."""
     from testbed.backends.iree import user_module
+    from testbed.backends.iree.runtime import compile_progress_on_terminal
 
-    return user_module.load(project_path(user_artifact(cfg)), model, cfg.target)
+    return user_module.load(project_path(user_artifact(cfg)), model, cfg.target, compile_progress_on_terminal)
 
 
 def check_cases_fit(cfg: DictConfig, user) -> None:

@@ -44,6 +44,7 @@ from refimpl.gemma import GemmaConfig
 from testbed.backends import EvidenceLog
 from testbed.backends.iree.artifacts import (PARAMETER_SCOPE, Artifact, ContractError, Graph, check_signature,
                                              compile_mlir_file, export_stablehlo)
+from testbed.backends.iree.device import file_digest
 from testbed.backends.iree.graphs.gemma import _convert
 from testbed.errors import UsageError
 from testbed.models import contract as gemma_contract
@@ -158,8 +159,6 @@ def _file(folder: Path, manifest: dict, key: str, kinds: tuple[str, ...], path: 
         raise UsageError(f"{path}: files.{key}={name!r} is not accepted; accepted: a *{', *'.join(kinds)} file")
     if not file.is_file():
         raise UsageError(f"{path}: files.{key}={name!r}: {file} is missing")
-    from testbed.backends.iree.device import file_digest
-
     digest = file_digest(file)
     said = entry.get("sha256") if isinstance(entry, dict) else None
     if said and said != digest:
@@ -227,8 +226,6 @@ def load(folder: str | Path, model: GemmaConfig, target: str,
         check_signature(_convert(contract), module_declaration(module, function))
     except ContractError as e:
         raise UsageError(f"{source.name} disagrees with {path}: {e}") from None
-    from testbed.backends.iree.device import file_digest
-
     return UserModule(folder, contract, source, module, parameters, function,
                       str(manifest.get("parameter_scope") or PARAMETER_SCOPE), module_sha, file_digest(path),
                       parameters_sha)
