@@ -277,11 +277,11 @@ def user_bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
     p = case.past
     ctx.progress(f"chunk_prefill bench P={p} C={user.chunk} on {user.source.name}")
     inp, ks, vs = case_inputs(Reference(w, model, prompt), case, user.past)
-    time = backend.bench(pack_prefill_with_past(model, inp, ks, vs), cfg.bench.reps, cfg.bench.warmup)
+    call_time = backend.bench(pack_prefill_with_past(model, inp, ks, vs), cfg.bench.reps, cfg.bench.warmup)
     flops = gemma.graph_flops(model, user.chunk, user.past)
     yield Record("chunk_prefill", f"P={p},C={user.chunk}/chunk_call", "measure",
-                 figures={"time": time, "gflops": time.rate(flops / 1e9, "GFLOP/s"),
-                          "rows_per_s": time.rate(user.chunk, "rows/s")}, evidence=backend.evidence.take(),
+                 figures={"time": call_time, "gflops": call_time.rate(flops / 1e9, "GFLOP/s"),
+                          "rows_per_s": call_time.rate(user.chunk, "rows/s")}, evidence=backend.evidence.take(),
                  work={"flops": flops, "rows": user.chunk, "keys": user.past + user.chunk,
                        "flop_count": "refimpl.gemma.graph_flops at the module's cache rows"},
                  params={"past": p, "chunk": user.chunk, "threads": cfg.threads, "form": "chunk_call",
