@@ -153,9 +153,13 @@ def planted(cfg, w, fault: str) -> Graph:
             args = list(args)
             args[index["mask_local"]] = args[index["mask_global"]]
             return good.fn(weights, *args)
+        if fault == "masks_swapped":
+            return good.fn(weights, *swapped(args, "mask_local", "mask_global"))
         out = list(good.fn(weights, *args))
         if fault == "kv_results_swapped":         # returns v_0 before k_0
             out[1], out[2] = out[2], out[1]
+        if fault == "v_1_new_rows_off":           # no contract fault: a computation off by 0.01
+            out[4] = out[4] + 0.01 * (jnp.arange(ROWS + CHUNK) >= ROWS)[None, :, None]
         return tuple(out)
 
     return Graph(f"{good.name}_fault_{fault}", fn, good.contract, good.weights)
@@ -168,8 +172,12 @@ FAULTS = [
     ("select_one_late", "mlir", "logits", "argument 11 (select) is read one row late"),
     ("mask_wrong_type", "mlir", "cache",
      "local layers attend with argument 10 (mask_global), not argument 5 (mask_local): a mask of the wrong type"),
+    ("masks_swapped", "mlir", "cache",
+     "argument 5 (mask_local) and argument 10 (mask_global) are read in each other's place: masks of the wrong type"),
     ("kv_results_swapped", "vmfb", "cache",
      "result 1 (k_0_out) holds v_0_out, result 2 (v_0_out) holds k_0_out"),
+    ("v_1_new_rows_off", "mlir", "cache",
+     "no single argument or result fault explains it; the first result that differs is result 4 (v_1_out)"),
 ]
 
 
@@ -277,6 +285,7 @@ REFUSED = [
     ("another model", _other_model, None, "model.window=512, the run's model has 16"),
     ("no parameter archive", None, "parameters.irpa", "files.parameters='parameters.irpa': "),
     ("a changed module", None, "module.mlir", "files.module='module.mlir' has sha256"),
+    ("a module that does not compile", None, "module.mlir", "module.mlir does not compile for target="),
 ]
 
 
@@ -288,6 +297,10 @@ def test_a_bad_folder_is_one_line_exit_2_and_nothing_stored(what, change, touch,
         edit_manifest(folder, change)
     elif what == "no parameter archive":
         (folder / touch).unlink()
+    elif what == "a module that does not compile":
+        (folder / touch).write_text("func.func @prefill_with_past(%a: tensor<8xi32>) -> tensor<8xf32> {\n"
+                                    "  return %a : tensor<8xf32>\n}\n")
+        edit_manifest(folder, lambda m: m["files"]["module"].pop("sha256"))
     else:
         (folder / touch).write_text((folder / touch).read_text() + "\n// edited\n")
     checkpoint, _, _ = model
