@@ -11,7 +11,8 @@ leaves, with a manifest naming the contract:
                                   to the folder; parameters only if the module loads any; sha256 optional)
                        function   the module's exported function (default: prefill_with_past)
                        parameter_scope  the scope its parameters are named in (default: model)
-                       model      the model's config (optional; checked against the run's model)
+                       model      the model's config (optional; each of refimpl.gemma.GemmaConfig's fields
+                                  it holds is checked against the run's model)
     the module       .mlir (compiled here for the device's target, once per content: the IREE cache)
                      or .vmfb (compiled by the user for the device)
     the parameters   the archive the module loads its weights from: .irpa, .safetensors or .gguf
@@ -172,7 +173,8 @@ def check_model(manifest: dict, model: GemmaConfig, path: Path) -> None:
     if not isinstance(said, dict):
         return
     mine = json.loads(json.dumps(dataclasses.asdict(model)))  # tuples as lists, as a manifest holds them
-    for key in sorted(set(said) | set(mine)):
+    # the fields testbed's model has; an exporter's other keys (its own names, paths) are its business
+    for key in sorted(set(said) & set(mine)):
         if said.get(key) != mine.get(key):
             raise UsageError(f"{path}: model.{key}={said.get(key)!r}, the run's model has {mine.get(key)!r} "
                              f"(model.checkpoint / model.preset)")
