@@ -127,6 +127,19 @@ def test_the_command_line_judges_a_users_folder_and_records_its_digests(clean, m
         assert r["artifacts"]["user_parameters_sha256"] == gemma_contract.sha256_file(clean / "parameters.irpa")
 
 
+def test_the_parameters_may_be_a_safetensors_file(clean, model, device, reference, tmp_path):
+    """The seed's exporter writes gemma-prefill-with-past.safetensors: the checkpoint's own file serves,
+    its tensors named as the module's parameters."""
+    checkpoint, _, _ = model
+    folder = copy_of(clean, tmp_path)
+    (folder / "parameters.irpa").unlink()
+    shutil.copyfile(checkpoint / "model.safetensors", folder / "gemma-prefill-with-past.safetensors")
+    edit_manifest(folder, lambda m: m["files"].update(parameters={"path": "gemma-prefill-with-past.safetensors"}))
+    verdicts, run = judge(folder, device, model, reference)
+    assert all(v.passed for v in verdicts.values()), {n: v.detail for n, v in verdicts.items()}
+    assert run.user.parameters.name == "gemma-prefill-with-past.safetensors"
+
+
 # --- planted contract faults -----------------------------------------------------------------------
 
 
