@@ -226,6 +226,13 @@ static float *scratch(size_t floats) { return tb_thread_scratch(TB_SCRATCH_GEMM,
 
 /* --- packing ---------------------------------------------------------------------------------------- */
 
+/* dst[j] = src[j] for j < nr (a multiple of VF_LANES): one row of a panel, in registers. A call of
+ * memcpy per row of nr floats (128 bytes at AVX-512's 32) was most of the packing of attention's
+ * value blocks, a few percent of the whole layer. */
+static inline void copy_panel_row(float *dst, const float *src, int nr) {
+    for (int j = 0; j < nr; j += VF_LANES) vf_store(dst + j, vf_load(src + j));
+}
+
 /* kc x nc of B from (k0, n0) into a kc x nr panel dst[k * nr + j], zeros for j >= nc. */
 static void pack_panel(const tb_gemm_kernels *kr, const tb_gemm_b *B, int k0, int kc, int n0, int nc, float *dst,
                        float *tmp) {
@@ -290,7 +297,7 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
                 for (int k = 0; k < kc; k++) {
                     int p = 0;
                     for (; (p + 1) * nr <= nc; p++)
-                        memcpy(bpack + ((size_t)p * kc + k) * nr, src + k * B->rs + p * nr, sizeof(float) * (size_t)nr);
+                        copy_panel_row(bpack + ((size_t)p * kc + k) * nr, src + k * B->rs + p * nr, nr);
                     if (p * nr < nc) {
                         float *d = bpack + ((size_t)p * kc + k) * nr;
                         memcpy(d, src + k * B->rs + p * nr, sizeof(float) * (size_t)(nc - p * nr));

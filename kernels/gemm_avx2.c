@@ -29,7 +29,7 @@ static inline TB_X86_TARGET __attribute__((always_inline)) void body(int kc, con
     for (int k = 0; k < kc; k++) {
         const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
         for (int r = 0; r < MR; r++) {
-            const __m256 x = _mm256_broadcast_ss(a + r * ars + k * aks);
+            const __m256 x = _mm256_set1_ps(a[r * ars + k * aks]);
             t[r][0] = madd8(x, b0, t[r][0]);
             t[r][1] = madd8(x, b1, t[r][1]);
         }
