@@ -10,7 +10,8 @@
  *     each. logits.npy holds the rows at logits_at (at most one per call); cache/k_L.npy, v_L.npy every
  *     row the cache holds [kv_heads, rows, head_dim]; the cache is float32 (other dtypes refused).
  * technique=tail  the prompt through tb_model_prefill on sliding-window caches (cache.dtype, .sink,
- *     .group): tail.mode padded forces the padded tail (threshold 0), scalar sets the kill switch.
+ *     .group): tail.mode padded forces the padded tail (threshold 0), scalar sets the kill switch, none
+ *     appends the last partial chunk's real rows in one call (no pads: the rollback's reference).
  *     logits.npy: the first token's logits (logits_at must be [n_tokens - 1]); state.bin (state=true):
  *     every layer's cache in order, each its k, v, then (int8) k_scale, v_scale, then positions: the
  *     slots' raw bytes, a sliding cache's every slot, a full cache's rows in use.
@@ -198,7 +199,10 @@ static void serve_tail(const tb_request *req, plan *p, int threads, long reps, l
     const int sink = (int)tb_req_int(req, "cache.sink", 0), window = (int)tb_req_int(req, "cache.window", c->window);
     if (window != c->window) refuse("cache.window=%s: testbed-c's window is the model's", tb_req_str(req, "cache.window", ""));
     if (sink >= c->window) refuse("cache.sink=%s must be below the window", tb_req_str(req, "cache.sink", ""));
-    tb_tail_policy policy = {p->mode == 1 ? 0 : 8, p->mode == 2, 0, 0};
+    /* padded: forced wherever the guards allow (threshold 0); scalar: the kill switch; none: the last
+     * partial chunk's real rows appended by one call, what an unpadded append leaves (the reference a
+     * padded tail rolled back must equal byte for byte) */
+    tb_tail_policy policy = {p->mode == 2 ? 8 : 0, p->mode == 2, 0, p->mode == 0};
     tb_engine_options o = {cache_dtype(tb_req_str(req, "cache.dtype", "float32")), (int)tb_req_int(req, "cache.group", 16),
                            1, sink, p->n_tokens / p->chunk * p->chunk + p->chunk + 1, p->chunk, threads};
     if (o.cache_dtype == TB_INT8 && (o.cache_group < 1 || c->head_dim % o.cache_group))
