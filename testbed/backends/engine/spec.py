@@ -109,14 +109,14 @@ def _problem(node: Any, rule: dict, key: str) -> str | None:
         for name in node:
             if rule.get("additionalProperties") is False and name not in props:
                 return f"{here}{name} is not a key{did_you_mean(name, props)}; accepted: {', '.join(props)}"
+        for name, value in node.items():  # a wrong value first: `contract: 2` says so, whatever else is missing
+            if (why := _problem(value, props.get(name, {}), f"{here}{name}")):
+                return why
         for name in rule.get("required", []):
             if name not in node:
                 return f"{here}{name} is missing (required: {', '.join(rule['required'])})"
         if not rule.get("minProperties", 0) <= len(node) <= rule.get("maxProperties", len(node)):
             return f"{key} must hold exactly one of: {', '.join(props)}"
-        for name, value in node.items():
-            if (why := _problem(value, props.get(name, {}), f"{here}{name}")):
-                return why
     return None
 
 
