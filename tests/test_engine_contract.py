@@ -231,3 +231,10 @@ def test_the_schema_file_is_what_the_loader_enforces():
     assert schema["properties"]["contract"] == {"const": engine_spec.CONTRACT_VERSION}
     assert set(schema["required"]) <= set(schema["properties"])
     engine_spec.parse(engine_spec.PROJECT_ENGINES / "testbed-c.yaml")
+
+
+def test_an_engine_without_a_cache_is_judged_by_its_logits_and_its_cache_is_not_supported(lab, results_dir):
+    wrapper_engine(lab, "nocache", "import shutil; shutil.rmtree(out / 'cache')")
+    df = run(["backend=engine", "engine=nocache", *SMALL]).frame()
+    verdicts = dict(zip(df["oracle"], df["verdict"]))
+    assert verdicts == {"token": "pass", "logits": "pass", "cache": "not supported", "naive": "pass"}
