@@ -243,3 +243,17 @@ def test_an_engine_without_a_cache_is_judged_by_its_logits_and_its_cache_is_not_
 def test_the_hybrid_through_testbed_c_reads_not_supported(results_dir):
     df = run(["backend=engine", "engine=testbed-c", "mode=oracle"], experiment="hybrid").frame()
     assert set(df["verdict"]) == {"not supported"} and df["detail"].str.contains("does not list hybrid").all()
+
+
+def test_ab_of_two_engines_judges_the_pairs(lab, results_dir):
+    """`testbed ab engine:A engine:B`: a lab's build of the engine without the host's vector flags and at -O1
+    against testbed-c, six pairs interleaved in one job; the verdict and both sides are recorded."""
+    lab_engine(lab, "toy")
+    p = cli("ab", "engine:testbed-c", "engine:toy", "experiment=chunk_prefill", "bench.past=16", "chunk=8", "--reps", "6",
+            env={"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)})
+    assert p.returncode in (0, 1), p.stderr
+    assert "A = engine:testbed-c" in p.stdout and "B = engine:toy" in p.stdout
+    records = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    [ab] = [r["metrics"]["ab"] for r in records if r.get("kind") == "measure"]
+    assert ab["pairs"] == 6 and ab["verdict"] in ("slower", "faster", "no change", "undecided")
+    assert ab["a"] == "engine:testbed-c" and ab["b"] == "engine:toy"

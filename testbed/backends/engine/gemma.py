@@ -121,3 +121,63 @@ def backend(w, cfg, run_cfg=None, device: Device | None = None, progress=None) -
     return EngineRunner(w, cfg, device, spec, build.program_for(spec, target), int(option("threads", 1)),
                         option("native.weights", "f32"), int(option("native.group", 32)),
                         count=bool(option("counts", False)))
+
+
+# --- testbed ab over two engines (testbed.lab.ab) ------------------------------------------------------
+
+
+@dataclass
+class EngineCall:
+    """One measured call for `testbed ab engine:A engine:B`: the request both engines serve (a chunk call
+    of C rows after `past` positions, timed once per run by the engine's own clock)."""
+
+    label: str
+    request: Request
+    expect: Expect
+    program: str = "engine"
+    work: dict = field(default_factory=dict)
+
+
+@dataclass
+class EngineRun:
+    """What testbed.lab.ab reads of one run: the timed call's seconds, its count, the outputs, evidence."""
+
+    timings: dict
+    counts: object
+    outputs: dict
+    evidence: object
+
+
+def ab_calls(w: dict, cfg: gemma.GemmaConfig, prompt, past: int, chunk: int, weights: str = "f32",
+             group: int = 32, threads: int = 1) -> list[EngineCall]:
+    model = export_weights(cfg, w, weights, group)
+    tokens = np.asarray(prompt, np.int32)[:past + chunk]
+    request = Request("chunk_prefill", tokens, model, "safetensors", weights, model_config(cfg, weights, group), past,
+                      chunk, [past + chunk - 1], threads=threads, bench={"reps": 1, "warmup": 0})
+    return [EngineCall(f"P={past},C={chunk}/chunk_call", request, Expect(cfg.vocab, cfg.layers, cfg.kv_heads,
+                                                                         cfg.head_dim),
+                       work={"rows": chunk, "keys": past + chunk})]
+
+
+def ab_run(device: Device, spec: specs.EngineSpec, call: EngineCall, program: Path) -> EngineRun:
+    """One run of `call` by the engine: the bench repetition's chunk call (the last call named "chunk")."""
+    from testbed.measure import counts as counting
+
+    response = call_engine(device, spec, call.request, call.expect, program)
+    timed = [c for c in response.timings.get("calls", []) if c.get("name") == "chunk"][-1:]
+    if not timed:
+        raise ContractBroken(f"engine {spec.name}: timings.json has no call named \"chunk\"")
+    counts = response.counts
+    if counts is not None and counts.regions:  # the chunk call's count alone (the past's calls are marked too)
+        counts = counting.Counts(tuple(counts.of("chunk")[-1:]), counts.total, counts.counter, counts.exact, ("chunk",))
+    elif counts is not None:
+        counts = None  # a process count is not a call's: ab does not judge it
+    return EngineRun({"seconds": [float(timed[0]["wall_s"])], "cpu_seconds": [float(timed[0]["cpu_s"])],
+                      "kernel": f"engine:{spec.name}"}, counts, {"logits": response.logits}, response.evidence)
+
+
+def call_engine(device, spec, request, expect, program):
+    response = call(device, spec, request, expect, program, measured=True)
+    if response.refused:
+        raise NotSupported(f"engine {spec.name} refused: {response.reason}")
+    return response
