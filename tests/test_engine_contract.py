@@ -257,3 +257,11 @@ def test_ab_of_two_engines_judges_the_pairs(lab, results_dir):
     [ab] = [r["metrics"]["ab"] for r in records if r.get("kind") == "measure"]
     assert ab["pairs"] == 6 and ab["verdict"] in ("slower", "faster", "no change", "undecided")
     assert ab["a"] == "engine:testbed-c" and ab["b"] == "engine:toy"
+
+
+def test_a_build_tool_that_is_missing_exits_3(lab, results_dir):
+    path = lab_engine(lab, "notool")
+    path.write_text(path.read_text().replace('["cc", ', '["no-such-compiler-tb", '))
+    p = cli("run", "chunk_prefill", "backend=engine", "engine=notool", *SMALL,
+            env={"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)})
+    assert p.returncode == 3 and "'no-such-compiler-tb' is not installed" in p.stderr, p.stderr

@@ -43,6 +43,10 @@ class EngineRunner:
     weights_dtype: str = "f32"
     weights_group: int = 32
     count: bool = False
+    # the model file the engine reads: None = testbed's safetensors engine file of `w` (export_weights); an
+    # engine of model_formats [gguf] is given its GGUF here, with model_format "gguf"
+    model_file: Path | None = None
+    model_format: str = "safetensors"
     evidence: EvidenceLog = field(default_factory=EvidenceLog)
 
     @property
@@ -50,8 +54,8 @@ class EngineRunner:
         return f"engine:{self.spec.name}"
 
     def request(self, tokens, past: int, chunk: int, logits_at: list[int], bench: dict | None = None) -> Request:
-        model = export_weights(self.cfg, self.w, self.weights_dtype, self.weights_group)
-        return Request("chunk_prefill", np.asarray(tokens, np.int32), model, "safetensors", self.weights_dtype,
+        model = self.model_file or export_weights(self.cfg, self.w, self.weights_dtype, self.weights_group)
+        return Request("chunk_prefill", np.asarray(tokens, np.int32), model, self.model_format, self.weights_dtype,
                        model_config(self.cfg, self.weights_dtype, self.weights_group), past, chunk, logits_at,
                        threads=self.threads, bench=bench, count=self.count and bench is not None)
 
