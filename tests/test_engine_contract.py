@@ -265,3 +265,27 @@ def test_a_build_tool_that_is_missing_exits_3(lab, results_dir):
     p = cli("run", "chunk_prefill", "backend=engine", "engine=notool", *SMALL,
             env={"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)})
     assert p.returncode == 3 and "'no-such-compiler-tb' is not installed" in p.stderr, p.stderr
+
+
+TAIL_SMALL = ["mode=oracle", "chunk=8", "tail=[3]", "shape.hidden=64", "shape.layers=2", "shape.heads=2",
+              "shape.kv_heads=1", "shape.head_dim=32", "shape.mlp=128", "shape.vocab=256", "shape.window=32",
+              "oracle.grid_windows=[16]", "oracle.grid_sinks=[0]"]
+
+
+def test_a_kept_pad_row_in_the_tail_fails_the_state_bytes_oracle(lab, results_dir):
+    """The padded tail's snapshot and rollback count one pad row too few, so one stays in the cache (a
+    patched copy of kernels/model_prefill.c in the lab's engine source): state.bin differs from the
+    unpadded append's, and the verdict says where."""
+    source = lab / "padkept-src"
+    shutil.copytree(kernel_build.KERNELS_DIR, source, ignore=shutil.ignore_patterns("build", "*.o", "*.so"))
+    prefill_c = source / "model_prefill.c"
+    find = "const int real = tail - 1, pads = chunk - real;"
+    assert prefill_c.read_text().count(find) == 1
+    prefill_c.write_text(prefill_c.read_text().replace(find, "const int real = tail - 1, pads = chunk - real - 1;"))
+    lab_engine(lab, "padkept")
+    df = run(["backend=engine", "engine=padkept", *TAIL_SMALL], experiment="tail").frame()
+    state = df[df["oracle"] == "state_bytes"]
+    assert len(state) and (state["verdict"] == "fail").any(), df[["case", "verdict", "detail"]].to_string()
+    assert state.loc[state["verdict"] == "fail", "detail"].str.contains("state.bin").all()
+    clean = run(["backend=engine", "engine=testbed-c", *TAIL_SMALL], experiment="tail").frame()
+    assert (clean["verdict"] == "pass").all()
