@@ -98,8 +98,9 @@ def test_a_lab_engine_gets_verdicts_sweep_rows_and_report_rows(lab, results_dir,
 
 
 @pytest.mark.parametrize("fault, failing", [
-    ("TB_FAULT_CHUNK_OFF_BY_ONE", {"logits", "cache", "naive"}),
-    ("TB_FAULT_PAD_ROW_KEPT", {"cache"}),
+    # each fault is one more build of the lab's engine (~10-20 s): one in the default run, all with -m slow_build
+    pytest.param("TB_FAULT_CHUNK_OFF_BY_ONE", {"logits", "cache", "naive"}, marks=pytest.mark.slow_build),
+    pytest.param("TB_FAULT_PAD_ROW_KEPT", {"cache"}, marks=pytest.mark.slow_build),
     ("TB_FAULT_STATE_NOT_CARRIED", {"token", "logits", "cache", "naive"}),
 ])
 def test_planted_engine_faults_fail_the_oracles(lab, results_dir, fault, failing):
