@@ -81,7 +81,7 @@ PRECISIONS = ("fp16-acc32", "fp16-acc16")
 SHAPE_KEYS = ("vocab", "hidden", "layers", "mlp", "heads", "kv_heads", "head_dim", "linear_k_heads",
               "linear_v_heads", "linear_head_dim", "conv_kernel")
 PARAMS = {
-    "backend": Choice(("refimpl", "native")),
+    "backend": Choice(("refimpl", "native", "engine")),
     "mode": Choice(MODES),
     "chunk": Int(1, 4096),
     "gdn_chunk": Int(1, 4096),
@@ -495,6 +495,17 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     from threadpoolctl import threadpool_limits
 
     parts = {"oracle": oracle_records, "crossover": crossover_records, "tail": tail_records, "drift": drift_records}
+    if cfg.backend == "engine":  # engine contract v1 carries chunk_prefill and tail; the hybrid is not wired yet
+        from testbed.backends.engine import spec as engine_spec
+
+        spec = engine_spec.load(cfg.get("engine"))
+        why = (f"engine={spec.name} does not list hybrid ({spec.path}: supports.techniques={list(spec.techniques)})"
+               if "hybrid" not in spec.techniques else
+               "the hybrid experiment does not run through engine contract v1 yet (backend=native runs kernels/hybrid.c)")
+        for part in PARTS[cfg.mode]:
+            yield Record("hybrid", f"{part}/engine", "oracle", part, "not supported", None, {"engine": spec.name},
+                         detail=why)
+        return
     with threadpool_limits(limits=cfg.threads):
         for part in PARTS[cfg.mode]:
             yield from parts[part](cfg, ctx)
