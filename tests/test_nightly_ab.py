@@ -177,3 +177,36 @@ def test_the_baseline_is_the_last_night_that_measured_its_kernels():
     assert baseline is not None and baseline.spec == f"kernels:{flagged['kernels']}"
     assert baseline.revision == "a" * 40
     assert nightly.baseline_tree([flagged, {**stopped, "ab_measured": True}]).revision == "b" * 40
+
+
+def test_the_first_night_of_a_build_says_it_has_no_baseline(tmp_path, results_dir, monkeypatch):
+    """Before any night measured its kernels, tonight's A/B job measures them against themselves: its
+    verdicts say "no baseline: first night of this build", never a "no change" that compared nothing
+    (they did), while a night with a baseline keeps the judge's verdict."""
+    from testbed import PROJECT_ROOT
+    from testbed.devices import connect, load_profile
+    from testbed.lab import ab
+    from testbed.results import Figure, Record
+
+    def judged(cfg, ctx, module, experiment, trees, opts):
+        ratio = Figure.of([1.0] * 6, "ratio")
+        ratio.ab = {"a_commit": "a", "b_commit": "b", "p": 1.0, "pairs": 6, "test": "wilcoxon", "verdict": "no change"}
+        yield Record(experiment, "ab/H=2,hs=32,T=48,kda=0/chunkwise", "measure", figures={"ab_ratio_cpu": ratio},
+                     metrics={"ab": {"verdict": "no change", "verdicts": {"cpu": "no change"}}})
+
+    monkeypatch.setattr(ab, "measure", judged)
+    suite_dir = tmp_path / "suite"
+    suite_dir.mkdir()
+    (suite_dir / "abnight.yaml").write_text(HOST_SUITE.format(
+        shape=", ".join(f'"{o}"' for o in SHAPE), tree=PROJECT_ROOT, locks=tmp_path / "locks",
+        report=tmp_path / "report"))
+    suite = nightly.load_suite(["suite=abnight"], suite_dir=suite_dir)
+    job, = suite.jobs["host"]
+    host = connect(load_profile("host"))
+    tonight, last_night = object(), object()
+    nightly.execute_job(job, host, suite, (tonight, tonight), lambda msg: None)
+    nightly.execute_job(job, host, suite, (last_night, tonight), lambda msg: None)
+    first, second = [r for r in ResultsStore(results_dir).records() if r["kind"] == "measure"]
+    assert first["metrics"]["ab"]["verdict"] == nightly.NO_BASELINE == "no baseline: first night of this build"
+    assert first["figures"]["ab_ratio_cpu"]["ab"]["verdict"] == nightly.NO_BASELINE
+    assert second["metrics"]["ab"]["verdict"] == "no change" == second["figures"]["ab_ratio_cpu"]["ab"]["verdict"]
