@@ -38,6 +38,7 @@ from refimpl import gemma, sliding_cache as sc, tail_prefill as tp
 from testbed.config import Choice, Float, Int, IntList, as_list
 from testbed.errors import UsageError
 from testbed.measure import breakeven, emulation, seed as seeds
+from testbed.measure.decisions import MIN_REPS as MIN_DECIDING_REPS
 from testbed.measure.timing import host_clocks, time_interleaved
 from testbed.results import Figure, Record
 from testbed.oracles.tail import (Engine, check_cache_encoding, check_engine_rollback, check_first_token,
@@ -133,7 +134,9 @@ def source_label(cfg: DictConfig, device: str) -> str:
 
 
 def policy_threshold(cfg: DictConfig, device: str) -> int:
-    """The configured threshold, or breakeven - 1 from this source's stored measurements."""
+    """The configured threshold, or breakeven - 1 from this source's stored measurements, when that
+    breakeven is decided: a threshold is never taken from an undecided breakeven's median (its interval
+    spans other tails; the refusal says the interval and the repetitions that would decide it)."""
     if cfg.threshold != "measured":
         return int(cfg.threshold)
     from testbed.runner import results_store  # the store this run writes to; imported late (cycle)
@@ -141,11 +144,17 @@ def policy_threshold(cfg: DictConfig, device: str) -> int:
     sweep = sweep_frame(decided_from(results_store(SimpleNamespace(cfg=cfg)).frame("tail")))
     label = source_label(cfg, device)
     sweep = sweep[sweep["source"] == label] if len(sweep) else sweep
-    found = breakeven.breakeven_tail(sweep) if len(sweep) else None
-    if found is None:
+    found = breakeven_of(label, sweep) if len(sweep) else None
+    if found is None or found["tail"] is None:
         raise UsageError(f"threshold=measured: no stored tail sweep of {label!r} where padding wins; "
                          "run `testbed sweep experiment=tail tail=...` first")
-    return breakeven.threshold_from_breakeven(found)
+    if not found["decided"]:
+        more = (f"about {found['more_reps']} more repetitions would decide it" if found["more_reps"]
+                else f"at least {MIN_DECIDING_REPS} repetitions give an interval")
+        raise UsageError(f"threshold=measured: the stored breakeven of {label!r} is undecided ({found['says']}); "
+                         f"no threshold is taken from its median tail {found['tail']}: {more} "
+                         "(`testbed sweep experiment=tail tail=... reps=N`), or give threshold=N")
+    return breakeven.threshold_from_breakeven(found["tail"])
 
 
 # --- run -------------------------------------------------------------------------------------------
