@@ -52,6 +52,7 @@ PARAMS = {
     "blocks": Int(0, 1 << 12),
     "tail": IntList(0, 4095),
     "threads": Int(1, 256),
+    "counts": Choice((False, True)),
     "reps": Int(1, 1000),
     "warmup": Int(0, 100),
     "seed": Int(0),
@@ -92,6 +93,9 @@ def validate(cfg: DictConfig) -> None:
         IntList(1, 1 << 20).check("prompt_tokens", cfg.prompt_tokens)
     elif _lengths(cfg)[0] < 1:
         raise UsageError("blocks=0 tail=0 is an empty prompt; accepted: blocks * chunk + tail >= 1")
+    if cfg.counts and cfg.backend != "native":
+        raise UsageError(f"counts=true counts the native engine's instructions; backend={cfg.backend} runs no native "
+                         "program (accepted: counts=true with backend=native)")
     if cfg.threshold != "measured":
         Int(0).check("threshold", cfg.threshold)
     try:
@@ -320,6 +324,12 @@ def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Rec
         timer = host_clocks
     timed = time_interleaved({(n, mode): variant(n, mode) for n in lengths for mode in ("padded", "scalar")},
                              reps=cfg.reps, warmup=cfg.warmup, seed=cfg.seed, timer=timer)
+    if cfg.backend == "native" and cfg.counts and not ctx.device.profile.has("counts"):
+        ctx.progress("tail bench: counting each prefill's instructions under valgrind")
+        for n, mode in timed.figures:  # one more run each, apart from the timed ones
+            r = engine_tail(ctx.device, mcfg, w, prompts[n], forced.settings, reps=1, kill_switch=mode == "scalar",
+                            count=True)
+            instructions[n, mode] = r.counts.of("prefill")
     for (n, mode), clocks in timed.figures.items():
         wall, cpu = clocks["wall"], clocks["cpu"]
         tel = telemetry[n, mode]
