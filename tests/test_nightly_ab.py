@@ -203,7 +203,10 @@ def test_the_first_night_of_a_build_says_it_has_no_baseline(tmp_path, results_di
     suite = nightly.load_suite(["suite=abnight"], suite_dir=suite_dir)
     job, = suite.jobs["host"]
     host = connect(load_profile("host"))
-    tonight, last_night = object(), object()
+    from types import SimpleNamespace
+
+    tonight = SimpleNamespace(spec="kernels:tonight", revision="b" * 40)
+    last_night = SimpleNamespace(spec="kernels:last-night", revision="a" * 40)
     nightly.execute_job(job, host, suite, (tonight, tonight), lambda msg: None)
     nightly.execute_job(job, host, suite, (last_night, tonight), lambda msg: None)
     first, second = [r for r in ResultsStore(results_dir).records() if r["kind"] == "measure"]
