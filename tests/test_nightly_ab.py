@@ -189,8 +189,8 @@ def test_the_first_night_of_a_build_says_it_has_no_baseline(tmp_path, results_di
     from testbed.results import Figure, Record
 
     def judged(cfg, ctx, module, experiment, trees, opts):
-        ratio = Figure.of([1.0] * 6, "ratio")
-        ratio.ab = {"a_commit": "a", "b_commit": "b", "p": 1.0, "pairs": 6, "test": "wilcoxon", "verdict": "no change"}
+        ratio = Figure.of([1.2] * 6, "ratio")  # as noise may have it: the history would flag it
+        ratio.ab = {"a_commit": "a", "b_commit": "b", "p": 0.001, "pairs": 6, "test": "wilcoxon", "verdict": "slower"}
         yield Record(experiment, "ab/H=2,hs=32,T=48,kda=0/chunkwise", "measure", figures={"ab_ratio_cpu": ratio},
                      metrics={"ab": {"verdict": "no change", "verdicts": {"cpu": "no change"}}})
 
@@ -212,4 +212,11 @@ def test_the_first_night_of_a_build_says_it_has_no_baseline(tmp_path, results_di
     first, second = [r for r in ResultsStore(results_dir).records() if r["kind"] == "measure"]
     assert first["metrics"]["ab"]["verdict"] == nightly.NO_BASELINE == "no baseline: first night of this build"
     assert first["figures"]["ab_ratio_cpu"]["ab"]["verdict"] == nightly.NO_BASELINE
-    assert second["metrics"]["ab"]["verdict"] == "no change" == second["figures"]["ab_ratio_cpu"]["ab"]["verdict"]
+    assert second["metrics"]["ab"]["verdict"] == "no change"
+    assert second["figures"]["ab_ratio_cpu"]["ab"]["verdict"] == "slower"
+    # the night's history flags the second night's slowdown, never the first night's same-build noise
+    from testbed.measure import history
+
+    judged = {j.record["run_id"]: j for j in history.ab_judgements([first, second])}
+    assert judged[first["run_id"]].verdict == nightly.NO_BASELINE and not judged[first["run_id"]].regression
+    assert judged[second["run_id"]].regression

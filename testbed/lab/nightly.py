@@ -204,7 +204,7 @@ def baseline_tree(nights: list[dict]):
     return None
 
 
-NO_BASELINE = "no baseline: first night of this build"
+NO_BASELINE = history.NO_BASELINE
 
 
 def without_baseline(record: Record) -> Record:
