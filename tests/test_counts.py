@@ -161,3 +161,24 @@ def test_a_program_without_the_marks_gives_no_count(tmp_path):
     assert json.loads(text)["total"] > 1000
     with pytest.raises(counts.CountError, match="no marked region"):
         counts.parse_plugin_output(text)
+
+
+def test_an_unmarked_program_on_a_counting_device_says_it_was_not_counted(tmp_path):
+    """A count is due for every program on a counting device; one whose program marks no timed region
+    comes back saying "not counted: ..." in the result and in its evidence, never silently nothing."""
+    if shutil.which("aarch64-linux-gnu-gcc") is None:
+        pytest.skip("aarch64-linux-gnu-gcc is not installed")
+    import subprocess
+
+    import numpy as np
+
+    source = tmp_path / "unmarked.c"
+    source.write_text('#include <stdio.h>\nint main(void) { FILE *f = fopen("timings.json", "w"); '
+                      'fputs("{\\"seconds\\": [0.001]}", f); return fclose(f) != 0; }\n')
+    program = tmp_path / "unmarked"
+    subprocess.run(["aarch64-linux-gnu-gcc", "-O1", "-static", "-o", str(program), str(source)], check=True)
+    device = connect(load_profile("qemu-aarch64"))
+    result = run_native(device, NativeJob(program, {"x": np.zeros(1, np.float32)}, [], [], measured=False))
+    assert result.counts is None
+    assert result.uncounted.startswith("not counted: unmarked marks no timed region")
+    assert result.evidence.detail["instructions"] == result.uncounted

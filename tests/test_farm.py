@@ -414,3 +414,24 @@ def test_farm_node_refuses_a_port_ray_takes_for_itself(port, says, monkeypatch, 
     assert main(["farm", "node", f"--port={port}", "--devices=host"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"testbed: error: --port={port} ") and says in err
+
+
+def test_a_record_a_worker_returns_says_the_coordinators_store(tmp_path):
+    """A worker composes its job with its own results_dir and stores into a scratch store; the record the
+    coordinator appends to its store says that store (the worker's stays beside it, under farm)."""
+    from types import SimpleNamespace
+
+    from testbed.results import Record, RunInfo
+
+    rc = config.load(["experiment=gdn", "device=host"])
+    worker = RunInfo(experiment="gdn", device="host", backend="refimpl",
+                     config={**rc.flat(), "results_dir": "/on/the/worker/results"}, fingerprint={})
+    rows = [worker.mark("started"), worker.stamp(Record("gdn", "c", "oracle", "nmse", "pass", 1.0, {})),
+            worker.mark("ended", "ok")]
+    returned = {"status": "ok", "reason": "", "error": "", "info": None, "rows": rows}
+    fake_ray = SimpleNamespace(get=lambda ref: returned)
+    store = ResultsStore(tmp_path / "coordinator")
+    farm.collect(fake_ray, "ref", rc, {"NodeID": "n1", "NodeManagerHostname": "worker"}, None, store, lambda *a: None)
+    stored = store.records()
+    assert stored and all(r["config"]["results_dir"] == str(store.root) for r in stored)
+    assert all(r["farm"]["worker_results_dir"] == "/on/the/worker/results" for r in stored)

@@ -180,3 +180,12 @@ def test_each_row_where_chunkwise_is_not_faster_says_why():
     # an emulated device's times alone are never a rate
     assert hybrid.crossover_table(crossover_rows(600.0, 0.01, emulated=True).rename(
         columns=lambda c: c.replace("tokens_per_ginstr", "tokens_per_cpu_s"))).empty
+
+
+def test_the_default_crossover_has_the_repetitions_an_interval_needs():
+    """At its default bench.reps the crossover is an interval or "undecided (need N more)", never "too few
+    for an interval" (3 repetitions gave no interval)."""
+    from testbed import config
+    from testbed.measure import decisions
+
+    assert config.load(["experiment=hybrid"]).cfg.bench.reps >= decisions.MIN_REPS

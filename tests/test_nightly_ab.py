@@ -177,3 +177,46 @@ def test_the_baseline_is_the_last_night_that_measured_its_kernels():
     assert baseline is not None and baseline.spec == f"kernels:{flagged['kernels']}"
     assert baseline.revision == "a" * 40
     assert nightly.baseline_tree([flagged, {**stopped, "ab_measured": True}]).revision == "b" * 40
+
+
+def test_the_first_night_of_a_build_says_it_has_no_baseline(tmp_path, results_dir, monkeypatch):
+    """Before any night measured its kernels, tonight's A/B job measures them against themselves: its
+    verdicts say "no baseline: first night of this build", never a "no change" that compared nothing
+    (they did), while a night with a baseline keeps the judge's verdict."""
+    from testbed import PROJECT_ROOT
+    from testbed.devices import connect, load_profile
+    from testbed.lab import ab
+    from testbed.results import Figure, Record
+
+    def judged(cfg, ctx, module, experiment, trees, opts):
+        ratio = Figure.of([1.2] * 6, "ratio")  # as noise may have it: the history would flag it
+        ratio.ab = {"a_commit": "a", "b_commit": "b", "p": 0.001, "pairs": 6, "test": "wilcoxon", "verdict": "slower"}
+        yield Record(experiment, "ab/H=2,hs=32,T=48,kda=0/chunkwise", "measure", figures={"ab_ratio_cpu": ratio},
+                     metrics={"ab": {"verdict": "no change", "verdicts": {"cpu": "no change"}}})
+
+    monkeypatch.setattr(ab, "measure", judged)
+    suite_dir = tmp_path / "suite"
+    suite_dir.mkdir()
+    (suite_dir / "abnight.yaml").write_text(HOST_SUITE.format(
+        shape=", ".join(f'"{o}"' for o in SHAPE), tree=PROJECT_ROOT, locks=tmp_path / "locks",
+        report=tmp_path / "report"))
+    suite = nightly.load_suite(["suite=abnight"], suite_dir=suite_dir)
+    job, = suite.jobs["host"]
+    host = connect(load_profile("host"))
+    from types import SimpleNamespace
+
+    tonight = SimpleNamespace(spec="kernels:tonight", revision="b" * 40)
+    last_night = SimpleNamespace(spec="kernels:last-night", revision="a" * 40)
+    nightly.execute_job(job, host, suite, (tonight, tonight), lambda msg: None)
+    nightly.execute_job(job, host, suite, (last_night, tonight), lambda msg: None)
+    first, second = [r for r in ResultsStore(results_dir).records() if r["kind"] == "measure"]
+    assert first["metrics"]["ab"]["verdict"] == nightly.NO_BASELINE == "no baseline: first night of this build"
+    assert first["figures"]["ab_ratio_cpu"]["ab"]["verdict"] == nightly.NO_BASELINE
+    assert second["metrics"]["ab"]["verdict"] == "no change"
+    assert second["figures"]["ab_ratio_cpu"]["ab"]["verdict"] == "slower"
+    # the night's history flags the second night's slowdown, never the first night's same-build noise
+    from testbed.measure import history
+
+    judged = {j.record["run_id"]: j for j in history.ab_judgements([first, second])}
+    assert judged[first["run_id"]].verdict == nightly.NO_BASELINE and not judged[first["run_id"]].regression
+    assert judged[second["run_id"]].regression

@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from testbed import cli, config
+from testbed.errors import UsageError
 from testbed.experiments import tail
 from testbed.results import ResultsStore
 
@@ -56,9 +57,12 @@ def test_a_sweep_over_tails_is_one_interleaved_job_then_table_reads_it(results_d
     by_wall, by_cpu = table["breakevens"]
     assert (by_wall["clock"], by_cpu["clock"]) == ("wall", "cpu")
     assert by_wall["largest_tail"] == 60 and by_wall["tails"] == 3
-    if by_wall["tail"] is not None:  # padding won for good: the policy can take its threshold
-        rc = config.load(["experiment=tail", *TINY, "threshold=measured"])
+    rc = config.load(["experiment=tail", *TINY, "threshold=measured"])
+    if by_wall["tail"] is not None and by_wall["decided"]:  # padding won for good: the policy takes its threshold
         assert tail.policy_threshold(rc.cfg, "host") == by_wall["tail"] - 1 == by_wall["threshold"]
+    elif by_wall["tail"] is not None:  # 3 repetitions: no interval, so no threshold from the median
+        with pytest.raises(UsageError, match="undecided"):
+            tail.policy_threshold(rc.cfg, "host")
 
 
 def sweep_records(wall_tps: dict, cpu_tps: dict) -> pd.DataFrame:
@@ -119,6 +123,46 @@ def test_measured_threshold_needs_a_stored_sweep_of_the_same_source(results_dir,
     assert cli.main(["run", "tail", *TINY, "threshold=measured", "mode=oracle"]) == 2
     assert "no stored tail sweep" in capsys.readouterr().err
     assert len(records(results_dir)) == stored
+
+
+def stored_sweep(monkeypatch, label: str, padded: dict, scalar: list) -> None:
+    """The store threshold=measured reads holds one sweep of `label`: padded tokens/s per tail, each a
+    list of repetitions, and scalar at `scalar` repetitions at every tail."""
+    import types
+
+    import testbed.runner
+
+    rows = []
+    for t, reps in padded.items():
+        for mode, xs in (("padded", reps), ("scalar", scalar)):
+            median = float(pd.Series(xs).median())
+            rows.append({"kind": "measure", "time": "2026-01-01T00:00:00", "run_id": "r1", "params.source": label,
+                         "params.prompt_tokens": 128 + t, "params.tail": t, "params.mode": mode,
+                         "figures.tokens_per_s.median": median, "figures.tokens_per_s.samples": list(xs),
+                         "figures.ttft.median": 1e3 * (128 + t) / median})
+    frame = pd.DataFrame(rows)
+    monkeypatch.setattr(testbed.runner, "results_store", lambda rc: types.SimpleNamespace(frame=lambda name: frame))
+
+
+def test_a_measured_threshold_is_refused_from_an_undecided_breakeven(monkeypatch):
+    """By the medians padding wins from tail 8, but three repetitions whose spread covers scalar's at
+    every tail do not decide it: no threshold is taken from the median (it was, as 7)."""
+    rc = config.load(["experiment=tail", *TINY, "threshold=measured"])
+    label = tail.source_label(rc.cfg, "host")
+    noisy = [100.0, 60.0, 160.0]
+    stored_sweep(monkeypatch, label, {4: [95.0, 60.0, 150.0], 8: [105.0, 55.0, 170.0], 16: [110.0, 50.0, 180.0],
+                                      24: [110.0, 50.0, 180.0]}, noisy)
+    with pytest.raises(UsageError, match=r"undecided .*no threshold is taken from its median tail 8"):
+        tail.policy_threshold(rc.cfg, "host")
+
+
+def test_a_measured_threshold_is_taken_from_a_decided_breakeven(monkeypatch):
+    rc = config.load(["experiment=tail", *TINY, "threshold=measured"])
+    label = tail.source_label(rc.cfg, "host")
+    scalar = [100.0, 101.0, 99.0, 100.5, 99.5]
+    stored_sweep(monkeypatch, label, {4: [80.0, 81.0, 79.0, 80.5, 79.5], 8: [150.0, 151.0, 149.0, 150.5, 149.5],
+                                      16: [160.0, 161.0, 159.0, 160.5, 159.5]}, scalar)
+    assert tail.policy_threshold(rc.cfg, "host") == 7
 
 
 @pytest.mark.parametrize("override,message", [

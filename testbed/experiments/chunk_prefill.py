@@ -66,6 +66,7 @@ PARAMS = {
     "logit_atol": Float(0.0),
     "cache_atol": Float(0.0),
     "threads": Int(1, 256),
+    "counts": Choice((False, True)),
     "seed": Int(0),
     "model.preset": Choice(tuple(PRESETS)),
     "model.weights_seed": Int(0),
@@ -152,6 +153,9 @@ def validate(cfg: DictConfig) -> None:
         from testbed.devices import load_profile
 
         check_target_fits(cfg.target, load_profile(cfg.device.name))
+    if cfg.counts and cfg.backend != "native":
+        raise UsageError(f"counts=true counts the native engine's instructions; backend={cfg.backend} runs no native "
+                         "program (accepted: counts=true with backend=native)")
     if cfg.mode in ("bench", "all") and cfg.bench.past < 1:
         raise UsageError(f"bench.past={cfg.bench.past} is out of range; accepted: integers >= 1")
     weights = cfg.latency.weights

@@ -86,6 +86,7 @@ PARAMS = {
     "chunk": Int(1, 4096),
     "gdn_chunk": Int(1, 4096),
     "threads": Int(1, 256),
+    "counts": Choice((False, True)),
     "threshold": Float(0.0, 1.0),
     "logit_atol": Float(0.0),
     "seed": Int(0),
@@ -164,6 +165,9 @@ def validate(cfg: DictConfig) -> None:
     """What the mode runs must fit: oracle cases n within one chunk and P + n within the prompt, tails
     shorter than a chunk; the checkpoint, prompt and expected token must be usable. (The backend against
     the device: testbed.backends.refuse_mismatch, refimpl on the host only.)"""
+    if cfg.counts and cfg.backend != "native":
+        raise UsageError(f"counts=true counts the native engine's instructions; backend={cfg.backend} runs no native "
+                         "program (accepted: counts=true with backend=native)")
     parts = PARTS[cfg.mode]
     tails = []
     if "oracle" in parts:
@@ -293,7 +297,8 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
 
 def figures(clocks: dict, tokens: int, flops: int) -> dict:
     """Wall and CPU time, and the rates per each: on a shared machine the CPU figures are what the
-    work cost, the wall figures what a user waited. Counted instructions (emulated devices) beside."""
+    work cost, the wall figures what a user waited. Counted instructions (emulated devices; the host with
+    counts=true) beside."""
     wall, cpu = clocks["wall"], clocks["cpu"]
     out = {"time": wall.scaled(1e3, "ms"), "tokens_per_s": wall.rate(tokens, "tokens/s"),
            "cpu_time": cpu.scaled(1e3, "ms"), "tokens_per_cpu_s": cpu.rate(tokens, "tokens/s"),
@@ -346,7 +351,8 @@ def time_variants(cfg: DictConfig, ctx, calls: dict, reps: int, warmup: int) -> 
     (wall, cpu; instructions where counted) and the evidence of the runs. refimpl: numpy on the host,
     timed by the host's clocks; native: the engine program on the device, by its own clocks, one run per
     repetition (its warm-up inside), in an order shuffled per repetition from the run's seed; on an
-    emulated device that counts, one run each (the counts are exact, its times never speed)."""
+    emulated device that counts, one run each (the counts are exact, its times never speed); on the host
+    with counts=true, each call once more under valgrind, apart from the timed runs."""
     if cfg.backend != "native":
         fns = {key: partial(qwen35.prefill, v.w, v.model, prompt, chunk, refimpl_gdn(v.gdn, cfg.gdn_chunk), tail)
                for key, (v, prompt, chunk, tail) in calls.items()}
@@ -371,6 +377,12 @@ def time_variants(cfg: DictConfig, ctx, calls: dict, reps: int, warmup: int) -> 
             if run.counts:
                 samples[key]["instructions"].append(run.counts.per_call)
             evidence[key].append(run.evidence.as_dict())
+    if cfg.counts and not profile.has("counts"):
+        for key, (v, prompt, chunk, tail) in calls.items():
+            ctx.progress(f"hybrid {key}: counting instructions under valgrind")
+            run = engine.prefill(ctx.device, v.model, v.w, prompt, past=0, tokens=len(prompt), chunk=chunk,
+                                 tail=tail, gdn=v.gdn, gdn_chunk=cfg.gdn_chunk, threads=cfg.threads, count=True)
+            samples[key]["instructions"].append(run.counts.per_call)
     clocks = {key: {c: Figure.of(s, "instructions" if c == "instructions" else "s") for c, s in by.items() if s}
               for key, by in samples.items()}
     return clocks, evidence

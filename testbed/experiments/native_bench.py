@@ -28,6 +28,9 @@ rollback   the padded tail's extra cache work (snapshot before the padded append
            (each operation timed apart, interleaved in every repetition), vs one decode step of that
            layer's attention (the decode-steps time over C). On a device that counts, each
            operation's exact instructions too (tb_cache_bench marks each one).
+counts     on a device that counts (the emulated ones) every run's instructions; on the host with
+           counts=true each program of the three parts once more under valgrind, apart from the timed
+           runs (testbed.backends.native.device.count_instructions): every kernel the run times is counted.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from omegaconf import DictConfig
 
 from refimpl import gdn, gemma
 from testbed.backends.native.build import build_programs, target_for_abi
-from testbed.backends.native.device import NativeJob, run_native
+from testbed.backends.native.device import NativeJob, count_instructions, run_native
 from testbed.backends.native.gdn import INPUTS as GDN_INPUTS, auto_chunk
 from testbed.config import BoolList, Choice, Int, IntList, as_bools, as_list
 from testbed.errors import UsageError
@@ -55,6 +58,7 @@ from testbed.results import Figure, Record
 PARAMS = {
     "backend": Choice(("native",)),
     "threads": Int(1, 256),
+    "counts": Choice((False, True)),
     "attention.heads": Int(1, 256),
     "attention.kv_heads": Int(1, 256),
     "attention.head_dim": Int(1, 1024),
@@ -132,12 +136,17 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     reference = gemma.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask,
                                 1 / np.sqrt(a.head_dim))
 
-    def attention_run(form: str, warmup: int, reps: int, inputs=None, cold_mb: int = 0):
+    # the host counts only when asked (valgrind, one more run per program); a counting device, every run
+    host_counts = bool(cfg.counts) and not ctx.device.profile.has("counts")
+
+    def attention_job(form: str, warmup: int, reps: int, inputs=None, cold_mb: int = 0) -> NativeJob:
         args = ["{inputs}", ".", f"form={form}", f"threads={cfg.threads}", f"warmup={warmup}", f"reps={reps}",
                 f"cold_mb={cold_mb}"]
-        return run_native(ctx.device, NativeJob(programs / "tb_attention_bench",
-                                                inputs or {"q": q, "k": k, "v": v, "mask": mask},
-                                                ["out"], args, measured=reps > 0))
+        return NativeJob(programs / "tb_attention_bench", inputs or {"q": q, "k": k, "v": v, "mask": mask},
+                         ["out"], args, measured=reps > 0)
+
+    def attention_run(form: str, warmup: int, reps: int, inputs=None, cold_mb: int = 0):
+        return run_native(ctx.device, attention_job(form, warmup, reps, inputs, cold_mb))
 
     ctx.progress("native_bench attention: chunk vs decode steps, on the device")
     samples: dict[str, list[float]] = {"chunk": [], "decode_steps": []}
@@ -152,6 +161,10 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
                 instructions[form].append(result.counts.per_call)
             evidence[form].append(result.evidence.as_dict())
             outputs[form] = result.outputs["out"]
+    if host_counts:
+        ctx.progress("native_bench attention: counting instructions under valgrind")
+        for form in samples:
+            instructions[form].append(count_instructions(ctx.device, attention_job(form, 0, 1)).per_call)
     times = {form: Figure.of(s, "s") for form, s in samples.items()}
     flops = {"chunk": attention_flops(a.heads, a.chunk, n_keys, a.head_dim),
              "decode_steps": sum(attention_flops(a.heads, 1, a.past + i + 1, a.head_dim) for i in range(a.chunk))}
@@ -183,7 +196,7 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
 
     yield from decode_step_records(cfg, attention_run, q, k, v, mask, params)
     if cfg.ratios.reps:
-        yield from ratio_records(cfg, ctx, programs)
+        yield from ratio_records(cfg, ctx, programs, host_counts)
 
     # Rollback: one layer's K and V caches (float32 rows of head_dim per KV head), a full window.
     ctx.progress("native_bench cache rollback vs one decode step, on the device")
@@ -191,10 +204,13 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     full = rng.integers(0, 256, (2 * a.kv_heads, c.window, row_bytes), dtype=np.uint8)
     rows = rng.integers(0, 256, (2 * a.kv_heads, a.chunk, row_bytes), dtype=np.uint8)
     n_pad = a.chunk - c.real
-    result = run_native(ctx.device, NativeJob(
-        programs / "tb_cache_bench", {"cache": full, "rows": rows}, ["exact", "rolled"],
-        ["{inputs}", ".", f"count={c.window}", f"sink={c.sink}", f"n_pad={n_pad}", f"warmup={b.warmup}",
-         f"reps={b.reps}"], measured=True))
+    def cache_job(warmup: int, reps: int) -> NativeJob:
+        return NativeJob(programs / "tb_cache_bench", {"cache": full, "rows": rows}, ["exact", "rolled"],
+                         ["{inputs}", ".", f"count={c.window}", f"sink={c.sink}", f"n_pad={n_pad}", f"warmup={warmup}",
+                          f"reps={reps}"], measured=True)
+
+    result = run_native(ctx.device, cache_job(b.warmup, b.reps))
+    cache_counts = result.counts or (count_instructions(ctx.device, cache_job(0, 1)) if host_counts else None)
     ops = {name: Figure.of(s, "s") for name, s in result.timings["seconds"].items()}
     padded = np.asarray(result.timings["seconds"]["snapshot"]) + np.asarray(result.timings["seconds"]["padded_append"]) \
         + np.asarray(result.timings["seconds"]["rollback"])
@@ -209,7 +225,7 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
                  detail="" if same else "padded append + rollback left other bytes than the exact append",
                  evidence=[result.evidence.as_dict()])
     for form, t in ops.items():
-        counted = {"instructions": Figure.of(result.counts.of(form), "instructions")} if result.counts else {}
+        counted = {"instructions": Figure.of(cache_counts.of(form), "instructions")} if cache_counts else {}
         yield Record(
             "native_bench", f"cache/{shape}/{form}", "measure",
             figures={"time": t.scaled(1e6, "us"), **counted},
@@ -292,25 +308,30 @@ def torch_reference(cfg: DictConfig):
         raise
 
 
-def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
+def ratio_records(cfg: DictConfig, ctx, programs, host_counts: bool = False) -> Iterator[Record]:
     """Every variant of one repetition interleaved (an order shuffled per repetition): chunk attention at
     each of ratios.key_counts, GDN chunkwise at each ratios.gdn.tokens (scalar gate and KDA), tb_gemm at
     n^3; on this host also numpy's sgemm (OpenBLAS), ggml's GATED_DELTA_NET and transformers' torch
-    chunkwise where they exist. Then issue 25's ratios per repetition; on a device that counts, each
-    kernel's instructions per FLOP beside the reference loop's (tb_gemm_bench form=loop)."""
+    chunkwise where they exist. Then issue 25's ratios per repetition; on a device that counts (or
+    the host with `host_counts`: each of testbed's programs once more under valgrind), each kernel's
+    instructions per FLOP beside the reference loop's (tb_gemm_bench form=loop)."""
     a, r, b = cfg.attention, cfg.ratios, cfg.bench
     rng = np.random.default_rng([cfg.seed, 14])
     keys = sorted(set(as_list(r.key_counts)))
     variants, flops, references, outputs, evidence, counts = {}, {}, {}, {}, {}, {}
     what: dict[str, str] = {}
+    jobs: dict[str, NativeJob] = {}  # testbed's own programs' runs, by variant: what the host counts
     here = ctx.device.profile.transport == "local" and not ctx.device.profile.has("emulated")
 
     def program_run(name: str, program: Path, inputs: dict, output_names: list[str], args: list[str],
                     threads: int | None = None):
+        job = NativeJob(program, inputs, output_names, ["{inputs}", ".", *args, f"threads={threads or cfg.threads}",
+                                                        f"warmup={b.warmup}", "reps=1"], measured=False)
+        if program.parent == programs:
+            jobs[name] = job
+
         def run() -> dict[str, float]:
-            result = run_native(ctx.device, NativeJob(program, inputs, output_names,
-                                                      ["{inputs}", ".", *args, f"threads={threads or cfg.threads}",
-                                                       f"warmup={b.warmup}", "reps=1"], measured=False))
+            result = run_native(ctx.device, job)
             outputs[name] = result.outputs
             evidence.setdefault(name, []).append(result.evidence.as_dict())
             if result.counts:
@@ -373,8 +394,7 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
     variants["gemm"] = program_run("gemm", programs / "tb_gemm_bench", {"a": m, "b": m, "c": zero}, ["c"], ["form=gemm"],
                                    threads=1)
     flops["gemm"] = 2 * r.gemm**3
-    counting = ctx.device.profile.has("counts")
-    if counting:
+    if ctx.device.profile.has("counts") or host_counts:
         references["gemm loop"] = references["gemm"]
         variants["gemm loop"] = program_run("gemm loop", programs / "tb_gemm_bench", {"a": m, "b": m, "c": zero},
                                             ["c"], ["form=loop"], threads=1)
@@ -395,6 +415,10 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
             ctx.progress(f"native_bench ratios: {note}")
     ctx.progress(f"native_bench ratios: {', '.join(variants)}, interleaved")
     timed = time_interleaved(variants, reps=r.reps, warmup=1, seed=cfg.seed, timer=lambda run: run())
+    if host_counts:
+        ctx.progress(f"native_bench ratios: counting {', '.join(jobs)} under valgrind")
+        for name, job in jobs.items():
+            counts[name] = [count_instructions(ctx.device, job).per_call]
     params = {"part": "ratios", "threads": cfg.threads, "order_seed": timed.seed, "fused": bool(cfg.fused),
               "gemm_isa": what.get("gemm")}
     blas = {name: blas_reference.blas_info(1 if name == SGEMM_1 else cfg.threads) for name in variants

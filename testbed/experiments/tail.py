@@ -39,6 +39,7 @@ from refimpl import gemma, sliding_cache as sc, tail_prefill as tp
 from testbed.config import Choice, Float, Int, IntList, as_list
 from testbed.errors import UsageError
 from testbed.measure import breakeven, emulation, seed as seeds
+from testbed.measure.decisions import MIN_REPS as MIN_DECIDING_REPS
 from testbed.measure.timing import host_clocks, time_interleaved
 from testbed.results import Figure, Record
 from testbed.oracles.tail import (Engine, check_cache_encoding, check_engine_rollback, check_first_token,
@@ -52,6 +53,7 @@ PARAMS = {
     "blocks": Int(0, 1 << 12),
     "tail": IntList(0, 4095),
     "threads": Int(1, 256),
+    "counts": Choice((False, True)),
     "reps": Int(1, 1000),
     "warmup": Int(0, 100),
     "seed": Int(0),
@@ -92,6 +94,9 @@ def validate(cfg: DictConfig) -> None:
         IntList(1, 1 << 20).check("prompt_tokens", cfg.prompt_tokens)
     elif _lengths(cfg)[0] < 1:
         raise UsageError("blocks=0 tail=0 is an empty prompt; accepted: blocks * chunk + tail >= 1")
+    if cfg.counts and cfg.backend != "native":
+        raise UsageError(f"counts=true counts the native engine's instructions; backend={cfg.backend} runs no native "
+                         "program (accepted: counts=true with backend=native)")
     if cfg.threshold != "measured":
         Int(0).check("threshold", cfg.threshold)
     try:
@@ -142,7 +147,9 @@ def source_label(cfg: DictConfig, device: str) -> str:
 
 
 def policy_threshold(cfg: DictConfig, device: str) -> int:
-    """The configured threshold, or breakeven - 1 from this source's stored measurements."""
+    """The configured threshold, or breakeven - 1 from this source's stored measurements, when that
+    breakeven is decided: a threshold is never taken from an undecided breakeven's median (its interval
+    spans other tails; the refusal says the interval and the repetitions that would decide it)."""
     if cfg.threshold != "measured":
         return int(cfg.threshold)
     from testbed.runner import results_store  # the store this run writes to; imported late (cycle)
@@ -150,11 +157,17 @@ def policy_threshold(cfg: DictConfig, device: str) -> int:
     sweep = sweep_frame(decided_from(results_store(SimpleNamespace(cfg=cfg)).frame("tail")))
     label = source_label(cfg, device)
     sweep = sweep[sweep["source"] == label] if len(sweep) else sweep
-    found = breakeven.breakeven_tail(sweep) if len(sweep) else None
-    if found is None:
+    found = breakeven_of(label, sweep) if len(sweep) else None
+    if found is None or found["tail"] is None:
         raise UsageError(f"threshold=measured: no stored tail sweep of {label!r} where padding wins; "
                          "run `testbed sweep experiment=tail tail=...` first")
-    return breakeven.threshold_from_breakeven(found)
+    if not found["decided"]:
+        more = (f"about {found['more_reps']} more repetitions would decide it" if found["more_reps"]
+                else f"at least {MIN_DECIDING_REPS} repetitions give an interval")
+        raise UsageError(f"threshold=measured: the stored breakeven of {label!r} is undecided ({found['says']}); "
+                         f"no threshold is taken from its median tail {found['tail']}: {more} "
+                         "(`testbed sweep experiment=tail tail=... reps=N`), or give threshold=N")
+    return breakeven.threshold_from_breakeven(found["tail"])
 
 
 # --- run -------------------------------------------------------------------------------------------
@@ -417,6 +430,12 @@ def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Rec
         timer = host_clocks
     timed = time_interleaved({(n, mode): variant(n, mode) for n in lengths for mode in ("padded", "scalar")},
                              reps=cfg.reps, warmup=cfg.warmup, seed=cfg.seed, timer=timer)
+    if cfg.backend == "native" and cfg.counts and not ctx.device.profile.has("counts"):
+        ctx.progress("tail bench: counting each prefill's instructions under valgrind")
+        for n, mode in timed.figures:  # one more run each, apart from the timed ones
+            r = engine_tail(ctx.device, mcfg, w, prompts[n], forced.settings, reps=1, kill_switch=mode == "scalar",
+                            count=True)
+            instructions[n, mode] = r.counts.of("prefill")
     for (n, mode), clocks in timed.figures.items():
         wall, cpu = clocks["wall"], clocks["cpu"]
         tel = telemetry[n, mode]

@@ -263,6 +263,17 @@ def cancel(ray, pending: dict, device: str) -> None:
             ray.cancel(ref)
 
 
+def stored_here(row: dict, store: ResultsStore) -> None:
+    """A row a worker returned says where it is stored: the coordinator's store, not the results_dir the
+    worker composed (its rows went to a scratch store on its node, then here); the worker's stays
+    beside it under farm.worker_results_dir."""
+    composed = row.get("config", {}).get("results_dir") if isinstance(row.get("config"), dict) else None
+    if composed is None:
+        return
+    row.setdefault("farm", {})["worker_results_dir"] = composed
+    row["config"]["results_dir"] = str(store.root)
+
+
 def collect(ray, ref, rc: RunConfig, node: dict, lost: str | None, store: ResultsStore, log: nightly.Log) -> dict:
     """One finished task: how it ended, its rows (or the one error record of a lost job) stored, and its
     records (the rows that are not run marks)."""
@@ -276,6 +287,8 @@ def collect(ray, ref, rc: RunConfig, node: dict, lost: str | None, store: Result
                  "reason": f"lost on node {node_label(node)}: it died under the job ({type(e).__name__})"}
     if ended["status"] != "ok" and not ended["rows"]:
         ended["rows"] = error_rows(rc, ended["reason"], node)
+    for row in ended["rows"]:
+        stored_here(row, store)
     store.append(ended["rows"])
     ended["records"] = [row for row in ended["rows"] if "record_id" in row]
     if ended["status"] != "ok":

@@ -52,7 +52,7 @@ from testbed.heartbeat import heartbeat
 from testbed.measure import history
 from testbed.measure.timing import cpu_seconds
 from testbed.report import build as report
-from testbed.results import ResultsStore
+from testbed.results import Record, ResultsStore
 
 SCREEN = 12  # at most this many failure or regression lines in the summary; the report has them all
 
@@ -204,22 +204,45 @@ def baseline_tree(nights: list[dict]):
     return None
 
 
+NO_BASELINE = history.NO_BASELINE
+
+
+def without_baseline(record: Record) -> Record:
+    """An A/B record of tonight's kernels against themselves (no earlier night measured its own): its
+    verdicts say so instead of a "no change" that compared nothing. Its counts and ratios are kept: they
+    start the history."""
+    block = record.metrics.get("ab")
+    if isinstance(block, dict):
+        block.update(verdict=NO_BASELINE, baseline=NO_BASELINE)
+    for figure in record.figures.values():
+        if figure.ab:
+            figure.ab["verdict"] = NO_BASELINE
+    return record
+
+
 def execute_job(rc: RunConfig, handle: Device, suite: Suite, trees, log) -> runner.Outcome:
     """One job: a plain run, or an A/B job of trees (A: the last measured night's kernels, B: tonight's;
-    before the first such night, tonight's against themselves: no change, and the history starts)."""
+    before the first such night, tonight's against themselves, every verdict NO_BASELINE, and the
+    history starts)."""
     if not isinstance(rc, ABJob):
         return runner.execute(rc, device=handle)
     from testbed.lab import ab
 
     opts = ab.Options(reps=suite.ab_reps)
     module = experiments.load(rc.experiment)
-    if trees[0] is trees[1]:
-        log("A/B: no earlier night measured its kernels yet; tonight's kernels against themselves")
+    first = trees[0] is trees[1]
+    if first:
+        log(f"A/B: {NO_BASELINE} (no earlier night measured its kernels): tonight's kernels against themselves, "
+            "nothing compared; they are the next night's baseline")
     else:
         log(f"A/B against {trees[0].spec} of commit {trees[0].revision[:12]} (the last measured night's kernels), "
             f"{opts.reps} pairs per call")
-    return runner.execute(rc, device=handle, produce=lambda cfg, ctx: ab.measure(cfg, ctx, module, rc.experiment,
-                                                                                 trees, opts))
+
+    def produce(cfg, ctx):
+        for record in ab.measure(cfg, ctx, module, rc.experiment, trees, opts):
+            yield without_baseline(record) if first else record
+
+    return runner.execute(rc, device=handle, produce=produce)
 
 
 def time_left(elapsed: float, done: int, total: int) -> str:
@@ -334,8 +357,7 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
         entry["kernels_commit"] = measured.revision if named_commit else entry["git_commit"]
         tonight = replace(tonight, spec=f"kernels:{entry['kernels']}", revision=entry["kernels_commit"])
         baseline = baseline_tree(earlier)
-        if baseline is not None:
-            entry["ab_baseline"] = f"{baseline.spec} ({baseline.revision})"
+        entry["ab_baseline"] = f"{baseline.spec} ({baseline.revision})" if baseline is not None else NO_BASELINE
         trees = (baseline or tonight, tonight)
     store_nights(store).append([entry])  # what a killed night leaves in the log
     try:
@@ -371,6 +393,8 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
         status, report_line = 1, f"report: not written: {type(e).__name__}: {e}"
         store_nights(store).append([{**entry, "exit_status": status, "report": report_line}])  # the last word
     compared = compared_with(earlier, records, tonight, settings["min_history"])
+    if entry.get("ab_baseline") == NO_BASELINE:
+        compared += f"\nA/B: {NO_BASELINE}: tonight's kernels were measured against themselves, nothing compared"
     return status, summary(suite, night, results, flags, compared, report_line, status, finished - started, changes)
 
 

@@ -675,6 +675,11 @@ def holm(ps: list[float]) -> list[float]:
     return adjusted
 
 
+# The verdict of an A/B job whose two sides are the same build (the nightly's first night of a build: no
+# earlier night measured its kernels): it compared nothing, so it is neither "no change" nor ever a flag.
+NO_BASELINE = "no baseline: first night of this build"
+
+
 @dataclass
 class ABJudgement:
     """One A/B ratio figure of one run, judged with the run's other A/B figures."""
@@ -691,10 +696,12 @@ class ABJudgement:
 
     @property
     def regression(self) -> bool:
-        return self.p_corrected < self.alpha and self.ratio >= 1 + MIN_CHANGE
+        return self.verdict == "slower"
 
     @property
     def verdict(self) -> str:
+        if self.block.get("verdict") == NO_BASELINE:
+            return NO_BASELINE
         if self.p_corrected >= self.alpha or abs(self.ratio - 1) < MIN_CHANGE:
             return "no change"
         return "slower" if self.ratio > 1 else "faster"

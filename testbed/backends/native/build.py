@@ -283,6 +283,19 @@ def build_info(program: Path) -> dict:
         return {}
 
 
+def valgrind_program(program: Path) -> Path:
+    """The program valgrind runs for a host count: the same program from its build without AVX-512
+    (valgrind 3.19 cannot decode it), when `program` is from a host build of kernels/; a program of
+    another build (a copied, altered kernels/, another target) is counted as it is."""
+    info = build_info(program)
+    if info.get("target") != "host" or "-noavx512-" in Path(program).parent.name:
+        return Path(program)
+    fused = bool(info.get("fused"))
+    if Path(program).parent != build_programs("host", fused=fused):
+        return Path(program)
+    return build_programs("host", fused=fused, avx512=False) / Path(program).name
+
+
 def target_for_abi(abi: str) -> str:
     """The build target whose programs run on a device of this ABI."""
     if abi == "x86_64" and platform.machine() == "x86_64":

@@ -15,8 +15,11 @@ The program contract (kernels/bench/'s benchmark-and-dump programs follow it):
   counts     on a device whose profile has the capability `counts` (the emulated ones: qemu-user runs
              every program under testbed's counting plugin), the instructions of each timed call,
              from the plugin's file in the run folder; with `NativeJob.count` on the host, the program
-             runs under valgrind's callgrind instead (testbed.measure.counts). A count that was due and is
-             missing or does not match the timed calls is an error, never a silent gap.
+             runs under valgrind's callgrind instead (testbed.measure.counts; `count_instructions`
+             runs a job once more so, with the host's build valgrind can run). A count that was due and
+             is missing or does not match the timed calls is an error, never a silent gap; a program
+             that marks no timed region on a counting device has its result and evidence say
+             "not counted: ..." (`NativeResult.uncounted`), never nothing.
 
 Nothing here trusts "it ran": a non-zero exit and outputs that are missing or unreadable are errors
 (the caller's oracle judges the values), and a run that fails is never retried (it is a measurement
@@ -25,6 +28,7 @@ and may have effects).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import secrets
@@ -80,6 +84,7 @@ class NativeResult:
     health: dict[str, Any] = field(default_factory=dict)  # for the record's metrics
     evidence: Evidence | None = None
     counts: counting.Counts | None = None  # instructions of each timed call, where they were counted
+    uncounted: str | None = None  # why a count that was due is absent ("not counted: ..."), else None
 
     def figure(self, unit_scale: float = 1.0, unit: str = "s") -> Figure:
         """The program's own per-repetition times as a Figure (median/min/max/reps)."""
@@ -239,7 +244,10 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
             # a program that marks its timed regions names them ("marks", per repetition)
             marks = tuple(timings.get("marks") or ())
             marked = len(marks) * int(timings.get("reps") or 0)
-            counts = None
+            counts, uncounted = None, None
+            if not marks and device.profile.has("counts"):  # due, and nothing marked to count: said, not silent
+                uncounted = (f"not counted: {job.program.name} marks no timed region (only the harness's "
+                             "tb_count_begin/tb_count_end marks are counted)")
             try:
                 if marks and device.profile.has("counts"):
                     device.pull(f"{run_dir}/{counting.COUNTS_FILE}", tmp / "counts.json")
@@ -259,10 +267,26 @@ def run_native(device: Device, job: NativeJob) -> NativeResult:
                                  "command_seconds": result.seconds}
                                 # what kind of program the pushed bytes are (runner.check_evidence)
                                 | program_identity(job.program)
-                                | ({"instructions": counts.metadata()} if counts else {}))
-            return NativeResult(outputs, timings, result, health, evidence, counts)
+                                | ({"instructions": counts.metadata()} if counts else {})
+                                | ({"instructions": uncounted} if uncounted else {}))
+            return NativeResult(outputs, timings, result, health, evidence, counts, uncounted)
     finally:
         try:
             device.run(["rm", "-rf", run_dir], timeout=60)
         except Exception:  # noqa: BLE001 -- cleanup must not hide the run's own error
             pass
+
+
+def count_instructions(device: Device, job: NativeJob) -> counting.Counts:
+    """The instructions of `job`'s timed calls: on a device that counts by itself, from one run as it is;
+    elsewhere (the host) from one more run under valgrind, never a timed one, of the same program from
+    the build valgrind can run (the host's without AVX-512, testbed.backends.native.build.valgrind_program)."""
+    from testbed.backends.native.build import valgrind_program
+
+    counting_device = device.profile.has("counts")
+    program = job.program if counting_device else valgrind_program(job.program)
+    result = run_native(device, dataclasses.replace(job, program=program, measured=False, count=not counting_device))
+    if result.counts is None:
+        raise counting.CountError(f"{device.name}: {job.program.name}: "
+                                  f"{result.uncounted or 'no count came back from a run that asked for one'}")
+    return result.counts

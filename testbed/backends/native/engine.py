@@ -125,14 +125,21 @@ def program_for(device: Device, fused: bool = False) -> Path:
 
 
 def _run(device: Device, cfg: gemma.GemmaConfig, w: dict, tokens, args: list[str], outputs: list[str] | dict[str, tuple],
-         weights_dtype: str, group: int, program: Path | None, measured: bool) -> tuple[NativeResult, Evidence]:
-    """`outputs`: their names, or each name with its shape (None: any size on that axis)."""
+         weights_dtype: str, group: int, program: Path | None, measured: bool,
+         count: bool = False) -> tuple[NativeResult, Evidence]:
+    """`outputs`: their names, or each name with its shape (None: any size on that axis). `count` on a
+    device that does not count by itself (the host): the run is under valgrind, with the build it can
+    run (kernel_build.valgrind_program); its instructions come back in the result's counts, its times
+    are valgrind's."""
     program = program or program_for(device)
+    valgrind = count and not device.profile.has("counts")
+    if valgrind:
+        program = kernel_build.valgrind_program(program)
     weights = export_weights(cfg, w, weights_dtype, group)
     remote_weights = stage_program(device, weights)
     argv = [".", ".", f"weights=../../{remote_weights}", *model_args(cfg, weights_dtype, group), *args]
-    job = NativeJob(program, {"tokens": np.asarray(tokens, np.int32)}, list(outputs), argv, measured=measured,
-                    shapes=outputs if isinstance(outputs, dict) else {})
+    job = NativeJob(program, {"tokens": np.asarray(tokens, np.int32)}, list(outputs), argv, measured=measured and not valgrind,
+                    shapes=outputs if isinstance(outputs, dict) else {}, count=valgrind)
     result = run_native(device, job)
     # the device's evidence names the program; the weights it computed with are part of what ran
     evidence = dataclasses.replace(result.evidence, detail={**result.evidence.detail,
@@ -158,18 +165,19 @@ class ChunkRun:
 
 def chunk_prefill(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, case, *, weights_dtype: str = "f32",
                   group: int = 32, threads: int = 1, warmup: int = 0, reps: int = 1, reference: bool = False,
-                  program: Path | None = None, cold_mb: int = 0) -> ChunkRun:
+                  program: Path | None = None, cold_mb: int = 0, count: bool = False) -> ChunkRun:
     """Run a chunk-prefill case (testbed.oracles.tokens.TokenCase) on the device. `w`: float32 weights,
     exported in weights_dtype. reps > 1 times a chunk call and a decode step interleaved (and, with
     `reference`, this run's sgemm and streaming-read rates); cold_mb > 0: the caches evicted before
-    each timed decode step (that many MiB written and read)."""
+    each timed decode step (that many MiB written and read). `count`: on the host, under valgrind (_run)."""
     tokens = np.asarray(prompt, np.int64)[: case.past + case.tokens]
     args = ["mode=chunk", f"past={case.past}", f"tokens={case.tokens}", f"chunk={case.chunk}", f"threads={threads}",
             f"warmup={warmup}", f"reps={reps}", f"reference={int(reference)}"] + (
                 [f"cold_mb={cold_mb}"] if cold_mb else [])
     kv = (cfg.layers, cfg.kv_heads, None, cfg.head_dim)
     outputs = {"chunk_logits": (case.calls, cfg.vocab), "k": kv, "v": kv, "decode_logits": (cfg.vocab,)}
-    result, evidence = _run(device, cfg, w, tokens, args, outputs, weights_dtype, group, program, measured=reps > 1)
+    result, evidence = _run(device, cfg, w, tokens, args, outputs, weights_dtype, group, program, measured=reps > 1,
+                            count=count)
     out = result.outputs
     return ChunkRun(out["chunk_logits"], list(out["k"]), list(out["v"]), out["decode_logits"], result.timings,
                     evidence, result.counts)
@@ -232,9 +240,10 @@ def _caches(cfg: gemma.GemmaConfig, s: TailSettings, out: dict, lengths: list[in
 
 def tail(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSettings, *, warmup: int = 0,
          reps: int = 1, kill_switch: bool | None = None,
-         program: Path | None = None) -> TailRun:
+         program: Path | None = None, count: bool = False) -> TailRun:
     """Prefill `prompt` on the device with the tail policy. The kill switch: the host's
-    TESTBED_DISABLE_PREFILL_TAIL_PAD unless given, forwarded to the program."""
+    TESTBED_DISABLE_PREFILL_TAIL_PAD unless given, forwarded to the program. `count`: on the host,
+    under valgrind (_run)."""
     if kill_switch is None:
         kill_switch = os.environ.get(tp.KILL_SWITCH) == "1"
     if s.cache_dtype not in CACHE_DTYPES:
@@ -251,7 +260,7 @@ def tail(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSetting
     outputs = {"logits": (cfg.vocab,), "generated": (s.generate,),
                **{f"layer{i}.{p}": shape for i in range(cfg.layers) for p, shape in parts.items()}}
     result, evidence = _run(device, cfg, w, tokens, args, outputs, s.weights_dtype, s.weights_group, program,
-                            measured=reps > 1)
+                            measured=reps > 1, count=count)
     out, timings = result.outputs, result.timings
     caches = _caches(cfg, s, out, timings["lengths"])
     prefill = DevicePrefill(out["logits"], tp.Telemetry(**timings["telemetry"]), caches, tokens.size,

@@ -33,6 +33,7 @@ class EngineRunner:
     weights_dtype: str = "f32"
     weights_group: int = 32
     program: Path | None = None  # another build of the engine program (the tests' planted bugs)
+    counts: bool = False         # on the host: the bench's calls counted once more under valgrind
     name: str = "native"
     evidence: EvidenceLog = field(default_factory=EvidenceLog)
 
@@ -84,13 +85,18 @@ class EngineRunner:
 
     def bench(self, prompt, past: int, chunk: int, reps: int, warmup: int) -> dict:
         """One chunk call of C rows and one decode step against `past` cached positions, interleaved,
-        timed by the program on the device."""
-        run = self._run(prompt, TokenCase(past, chunk, chunk), reps=reps, warmup=warmup)
+        timed by the program on the device. Instructions per call on a device that counts, and on the
+        host with `counts` from one more run under valgrind (apart from the timed ones)."""
+        case = TokenCase(past, chunk, chunk)
+        run = self._run(prompt, case, reps=reps, warmup=warmup)
         times = {"chunk_call": Figure.of(run.timings["seconds"], "s"),
                  "decode_step": Figure.of(run.timings["decode_seconds"], "s")}
-        if run.counts:  # a device that counts: each call's instructions, exact
-            times |= {"chunk_call_instructions": Figure.of(run.counts.of("chunk"), "instructions"),
-                      "decode_step_instructions": Figure.of(run.counts.of("decode"), "instructions")}
+        counted = run.counts
+        if counted is None and self.counts and not self.device.profile.has("counts"):
+            counted = self._run(prompt, case, reps=1, warmup=0, count=True).counts
+        if counted:  # each call's instructions, exact
+            times |= {"chunk_call_instructions": Figure.of(counted.of("chunk"), "instructions"),
+                      "decode_step_instructions": Figure.of(counted.of("decode"), "instructions")}
         return times
 
 
@@ -101,4 +107,4 @@ def backend(w, cfg, run_cfg=None, device: Device | None = None, progress=None) -
     if device is None:
         raise ValueError("the native engine runs on a device: pass the connected Device")
     dtype, group = option("native.weights", "f32"), int(option("native.group", 32))
-    return EngineRunner(w, cfg, device, int(option("threads", 1)), dtype, group)
+    return EngineRunner(w, cfg, device, int(option("threads", 1)), dtype, group, counts=bool(option("counts", False)))
