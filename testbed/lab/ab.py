@@ -49,6 +49,7 @@ nightly's history keeps per-night A/B ratios, never raw times from different nig
 from __future__ import annotations
 
 import io
+import json
 import math
 import shutil
 import subprocess
@@ -65,6 +66,7 @@ from testbed import PROJECT_ROOT, config, experiments, runner
 from testbed.backends import EvidenceLog
 from testbed.backends.native.build import BuildError, build_programs, target_for_abi, tree_files, tree_hash
 from testbed.backends.native.device import Call, NativeJob, run_native
+from testbed.devices.transport import sha256_file
 from testbed.errors import DeviceError, UsageError
 from testbed.measure import sequential
 from testbed.measure.counts import CountError
@@ -222,10 +224,12 @@ class Options:
         return sequential.fixed(1) if emulated else sequential.group_sequential(self.max_pairs)
 
 
-def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: Options):
-    """Yields one Record per call: the pairs' ratios, both sides' counts, the verdicts."""
+def measure(cfg, ctx, module, experiment: str, trees: tuple, opts: Options, engine=None):
+    """Yields the engine's oracle records for both trees, then one Record per call: the pairs' ratios,
+    both sides' counts, the verdicts. `engine` builds the sides and holds the oracles: NativeEngine (the
+    default) or LlamacppEngine."""
+    engine = engine or NativeEngine()
     device = ctx.device
-    target = target_for_abi(device.profile.abi)
     emulated = device.profile.has("emulated")
     # On a device that does not count by itself, valgrind counts: asked for (counts=true: it must be
     # there), or by default on this machine (the local transport) when valgrind is installed.
@@ -234,8 +238,12 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
     uncounted = "not counted: valgrind missing" if valgrind and not count_here else "not counted"
     builds = {}
     for side, tree in zip("AB", trees):
-        ctx.progress(f"building {side} ({tree.spec}) for {target}")
-        builds[side] = _build(side, tree, target)
+        ctx.progress(f"building {side} ({tree.spec}) for {engine.target(device)}")
+        builds[side] = engine.build(side, tree, device, ctx.progress)
+    # Every oracle the engine has runs on both trees, before any pair: a B that changes results fails
+    # whatever its speed, and its records say which case it changed.
+    for side, tree in zip("AB", trees):
+        yield from engine.oracles(cfg, ctx, side, tree, builds[side])
     calls: list[Call] = module.ab_calls(cfg)
     sides = {(c.label, s): Side() for c in calls for s in "AB"}
     evidence = {c.label: EvidenceLog() for c in calls}
@@ -299,7 +307,7 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
     if count_here:  # one run per tree and call under valgrind, with its build that valgrind can run
         for side, tree in zip("AB", trees):
             ctx.progress(f"counting {side}'s instructions under valgrind")
-            counted = _build(side, tree, target, avx512=False)
+            counted = engine.build(side, tree, device, ctx.progress, for_valgrind=True)
             for call in calls:
                 sides[(call.label, side)].instructions.append(run(call, side, counted, count=True).counts.per_call)
 
@@ -348,7 +356,7 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
         yield Record(experiment, f"ab/{call.label}", "measure", figures=figures, metrics={"ab": ab},
                      work={**call.work, "ab": "B over A, per pair of runs measured back to back in one job"},
                      params={"reps": opts.reps, "max_pairs": None if opts.reps else opts.max_pairs},
-                     artifacts={"a_programs": str(builds["A"].name), "b_programs": str(builds["B"].name)},
+                     artifacts=engine.artifacts(trees, builds, call),
                      evidence=evidence[call.label].take())
 
 
@@ -360,11 +368,74 @@ class BuildFailed(DeviceError):
     """A tree's programs do not build for the device: exit status 4, with the compiler's first error."""
 
 
-def _build(side: str, tree: Tree, target: str, avx512: bool = True) -> Path:
-    try:
-        return build_programs(target, kernels_dir=tree.kernels_dir, avx512=avx512)
-    except BuildError as e:
-        raise BuildFailed(f"{side} ({tree.spec}): {e}") from None
+class NativeEngine:
+    """backend=native: each tree's kernels/ programs (testbed.backends.native.build); no oracles (the
+    measured calls' outputs are compared, `same_output`)."""
+
+    def target(self, device) -> str:
+        return target_for_abi(device.profile.abi)
+
+    def build(self, side: str, tree: Tree, device, progress, for_valgrind: bool = False) -> Path:
+        try:  # valgrind cannot run AVX-512: its runs use the build without it
+            return build_programs(self.target(device), kernels_dir=tree.kernels_dir, avx512=not for_valgrind)
+        except BuildError as e:
+            raise BuildFailed(f"{side} ({tree.spec}): {e}") from None
+
+    def oracles(self, cfg, ctx, side: str, tree: Tree, programs: Path):
+        return iter(())
+
+    def artifacts(self, trees, builds: dict, call: Call) -> dict:
+        return {"a_programs": str(builds["A"].name), "b_programs": str(builds["B"].name)}
+
+
+class LlamacppEngine:
+    """backend=llamacpp: each side is a llama.cpp tree (testbed.backends.llamacpp.trees) whose programs
+    are built for the device by testbed.backends.llamacpp.build (cached by content; ccache shares what
+    did not change between the two), the experiment's llama.cpp calls measured (its `ab_calls` with
+    backend=llamacpp: ggml's op in tb_ggml_gdn, which marks its timed call for the counters), and the
+    experiment's llama.cpp oracles (`ab_oracles`) run on both trees. test-backend-ops' perf cases are
+    not among the calls: its timed loop has no marks a counter can find, and its own clock on an
+    emulator says nothing of speed."""
+
+    def __init__(self, module, programs: tuple[str, ...]):
+        self.module, self.programs = module, programs
+
+    def target(self, device, for_valgrind: bool = False) -> str:
+        from testbed.backends.llamacpp import build as builder
+
+        p = device.profile
+        target = builder.target_for(p.name, p.abi, p.capabilities)
+        # valgrind cannot run this CPU's AVX-512 (GGML_NATIVE): the host's counted runs use the generic build
+        return "host-generic" if for_valgrind and target == "host" else target
+
+    def build(self, side: str, tree, device, progress, for_valgrind: bool = False) -> Path:
+        from testbed.backends.llamacpp import build as builder
+
+        try:
+            return builder.build(self.target(device, for_valgrind), str(tree.source), self.programs, progress).folder
+        except builder.BuildError as e:
+            raise BuildFailed(f"{side} ({tree.spec}): {e}") from None
+
+    def oracles(self, cfg, ctx, side: str, tree, programs: Path):
+        built = json.loads((programs / "build.json").read_text())
+        for record in self.module.ab_oracles(cfg, ctx, programs):
+            record.case = f"ab/{side}/{record.case}"
+            record.params |= {"ab_side": side, "tree": tree.spec}
+            record.artifacts |= {"llamacpp_source_sha256": built["source_sha256"], "tree": tree.revision,
+                                 **{f"{name}_sha256": sha256_file(programs / name) for name in self.programs}}
+            if record.verdict == "fail":
+                ctx.progress(f"{side} ({tree.spec}) fails {record.case}: {record.detail}")
+            yield record
+
+    def artifacts(self, trees, builds: dict, call: Call) -> dict:
+        out = {}
+        for side, tree in zip("ab", trees):
+            folder = builds[side.upper()]
+            built = json.loads((folder / "build.json").read_text())
+            out |= {f"{side}_source_sha256": built["source_sha256"], f"{side}_tree": tree.revision,
+                    f"{side}_program_sha256": sha256_file(folder / call.program),
+                    f"{side}_build_target": built["target"]}
+        return out
 
 
 UNJUDGED = ("not measured", "too few pairs", "undecided")  # a call's overall verdict when nothing judged it
@@ -436,29 +507,60 @@ def _real(option: str, text: str, within, accepted: str) -> float:
     return value
 
 
+BACKENDS = ("native", "llamacpp")
+MAX_NAMED = 10  # failing oracle records named on the terminal (all of them are stored)
+
+
 def command(args) -> int:
     opts = options(args)
     rc = config.load(args.overrides, experiment="gdn")  # experiment= among the overrides, else gdn
     module = experiments.load(rc.experiment)
-    if not hasattr(module, "ab_calls"):
-        offered = [n for n in config.choices("experiment") if hasattr(experiments.load(n), "ab_calls")]
-        raise UsageError(f"experiment {rc.experiment!r} has no A/B calls; accepted: {', '.join(offered)}")
-    if rc.cfg.get("backend") != "native":  # ab measures native programs: its backend, unless one was named
-        if any(o.lstrip("+").startswith("backend=") for o in args.overrides):
-            raise UsageError(f"testbed ab measures native programs; backend={rc.cfg.get('backend')} is not accepted "
-                             "(accepted: backend=native, the one ab chooses when none is named)")
-        rc = config.load([*args.overrides, "backend=native"], experiment="gdn")
-    trees = (resolve_tree(args.a), resolve_tree(args.b))
+    named = next((o.lstrip("+").split("=", 1)[1] for o in args.overrides if o.lstrip("+").startswith("backend=")), None)
+    if named is not None and named not in BACKENDS:
+        raise UsageError(f"testbed ab measures native programs or llama.cpp trees; backend={named} is not accepted "
+                         f"(accepted: {', '.join(BACKENDS)}; native when none is named)")
+    backend = named or "native"
+    if not hasattr(module, "ab_calls") or backend not in getattr(module, "AB_BACKENDS", ("native",)):
+        offered = [n for n in config.choices("experiment") if hasattr(experiments.load(n), "ab_calls")
+                   and backend in getattr(experiments.load(n), "AB_BACKENDS", ("native",))]
+        raise UsageError(f"experiment {rc.experiment!r} has no A/B calls for backend={backend}; accepted: "
+                         f"{', '.join(offered)}")
+    if rc.cfg.get("backend") != backend:  # the device's default backend, unless one was named
+        rc = config.load([*args.overrides, f"backend={backend}"], experiment="gdn")
+    if backend == "llamacpp":
+        from testbed.backends.llamacpp import trees as llamacpp_trees
+
+        say = (lambda msg: print(msg, file=sys.stderr, flush=True))
+        trees = tuple(llamacpp_trees.resolve(spec, args.repo, say) for spec in (args.a, args.b))
+        engine = LlamacppEngine(module, module.AB_PROGRAMS)
+    else:
+        if args.repo is not None:
+            raise UsageError("--repo names a llama.cpp checkout for backend=llamacpp; backend=native takes "
+                             "revisions of this checkout")
+        trees, engine = (resolve_tree(args.a), resolve_tree(args.b)), NativeEngine()
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not sys.stderr.isatty() else \
         (lambda msg: (sys.stderr.write("\r\033[K" + msg[:120]), sys.stderr.flush()))
     outcome = runner.execute(rc, progress=progress,
-                             produce=lambda cfg, ctx: measure(cfg, ctx, module, rc.experiment, trees, opts))
+                             produce=lambda cfg, ctx: measure(cfg, ctx, module, rc.experiment, trees, opts, engine))
     if sys.stderr.isatty():
         sys.stderr.write("\r\033[K")
     rows = outcome.rows
     df = table([r for r in rows if r["kind"] == "measure"])
     print(tables.render(df, args.format))
     worse = [r for r in rows if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] == "slower"]
+    # an oracle that did not pass on either tree fails the comparison, whatever the speed
+    wrong = [r for r in rows if r["kind"] == "oracle" and r["verdict"] != "pass"]
+    for side, tree in zip("AB", trees):
+        judged = [r for r in rows if r["kind"] == "oracle" and r["params"].get("ab_side") == side]
+        if judged:
+            passed = sum(r["verdict"] == "pass" for r in judged)
+            print(f"oracles on {side} ({tree.spec}): {passed}/{len(judged)} pass")
+    for r in wrong[:MAX_NAMED]:
+        p = r["params"]
+        print(f"FAILED {p['ab_side']} ({p['tree']}) {r['case'].removeprefix('ab/' + p['ab_side'] + '/')}: "
+              f"{r['verdict']}: {r['detail']}")
+    if len(wrong) > MAX_NAMED:
+        print(f"... and {len(wrong) - MAX_NAMED} more oracle records that did not pass (testbed records)")
     if args.format == "md":
         where = f"{rc.device}" + (" (emulated: instructions only, times not judged)" if outcome.info.emulated else "")
         print(f"\nA = {trees[0].spec} ({trees[0].revision[:20]}), B = {trees[1].spec} ({trees[1].revision[:20]}) "
@@ -479,15 +581,19 @@ def command(args) -> int:
                     if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] in UNJUDGED]
         if not worse:
             print("B is not worse than A on any call" + (f" judged; not judged: {', '.join(unjudged)}" if unjudged else ""))
-    return 1 if worse else 0
+    return 1 if worse or wrong else 0
 
 
 def register(commands) -> None:
-    c = commands.add_parser("ab", help="two source trees' native programs measured interleaved in one job; "
-                                       "exit 1 when B is worse")
-    c.add_argument("a", help="a git revision of this checkout (HEAD, HEAD~1, a branch) or a folder holding kernels/ "
-                             "('.' is the working tree)")
+    c = commands.add_parser("ab", help="two source trees' programs (testbed's kernels/ or llama.cpp's) measured "
+                                       "interleaved in one job; exit 1 when B is worse or an oracle fails")
+    c.add_argument("a", help="backend=native (the default): a git revision of this checkout (HEAD, HEAD~1, a branch) "
+                             "or a folder holding kernels/ ('.' is the working tree); backend=llamacpp: sdist, a "
+                             "llama.cpp folder, a revision of the --repo checkout, BASE+PATCH or a patch file (on "
+                             "the sdist)")
     c.add_argument("b", help="the same kinds as A; B is judged against A")
+    c.add_argument("--repo", default=None, help="backend=llamacpp: the llama.cpp git checkout whose revisions A and B "
+                                                "may name")
     c.add_argument("overrides", nargs="*", help="the experiment's key=value, e.g. experiment=gdn device=qemu-aarch64 "
                                                 "'bench.tokens=[512]'")
     # the numbers are checked by options(), which says in one line what is accepted
