@@ -1,5 +1,6 @@
-"""`testbed ab A B [key=value ...]`: two source trees' native programs measured against each other in one
-job on one device, and judged on the pairs.
+"""`testbed ab A B [key=value ...]`: two source trees' programs measured against each other in one job on
+one device, and judged on the pairs: testbed's own kernels/ (backend=native, the default) or llama.cpp
+(backend=llamacpp).
 
 A timing compared across nights compares machines as much as code: on a shared host per-run medians
 move +-20% while a kernel stands still. Measured in one job, interleaved, the two builds see the same
@@ -10,6 +11,12 @@ machine, and their ratio cancels what the machine did. So:
             into .cache/ab/ by the hash of every byte a build reads, tree_hash). A symbolic link in a
             tree is refused: its bytes would come from outside it. Each tree's programs are built for
             the device (testbed.backends.native.build, cached by the same hash).
+            backend=llamacpp: A and B are llama.cpp trees (testbed.backends.llamacpp.trees: sdist, a
+            folder, a revision of the checkout --repo names, BASE+PATCH), each built for the device by
+            testbed.backends.llamacpp.build (cached by content; ccache shares what did not change).
+  oracles   backend=llamacpp: the experiment's llama.cpp oracles (`ab_oracles`) on both trees, before
+            any pair; one that does not pass fails the comparison (exit 1, the side and case named),
+            whatever the speed: a faster B that changes results is not an improvement.
   calls     the experiment's measured calls (its `ab_calls(cfg)`: program, inputs, arguments), e.g.
             gdn's serial and chunkwise at each bench length. Inputs are staged on the device once.
   order     per repetition every call runs once for A and once for B; the calls are shuffled and each
@@ -38,8 +45,8 @@ Judging, per call:
                 a call whose p >= 0.05 and interval lies within +-5% is decided "no change"; one the
                 budget left open is "undecided" (testbed.measure.sequential). CPU time decides (what the work cost, whatever else ran); wall time is
                 shown beside it. Fewer than 6 pairs cannot reach p < 0.05: "too few pairs".
-Exit status 1 when B is worse on any call by instructions or CPU time; "no change" for the same tree
-twice. The records (experiment's name, case `ab/CALL`) carry the pairs' ratios as figures
+Exit status 1 when B is worse on any call by instructions or CPU time, or an oracle did not pass on
+either tree; "no change" for the same tree twice. The records (experiment's name, case `ab/CALL`) carry the pairs' ratios as figures
 `ab_ratio_cpu` (with the A/B block testbed.measure.history judges: a_commit, b_commit, p uncorrected, pairs,
 test, verdict) and `ab_ratio_wall` (shown, not judged), B's instructions as `instructions`, and the
 whole judgement (both counts, both sides' median times, every verdict) under metrics `ab`: the
@@ -563,7 +570,7 @@ def command(args) -> int:
         print(f"... and {len(wrong) - MAX_NAMED} more oracle records that did not pass (testbed records)")
     if args.format == "md":
         where = f"{rc.device}" + (" (emulated: instructions only, times not judged)" if outcome.info.emulated else "")
-        print(f"\nA = {trees[0].spec} ({trees[0].revision[:20]}), B = {trees[1].spec} ({trees[1].revision[:20]}) "
+        print(f"\nA = {trees[0].spec} ({_short(trees[0].revision)}), B = {trees[1].spec} ({_short(trees[1].revision)}) "
               f"on {where}, seed {opts.seed}; run {outcome.info.run_id} stored")
         if measured := [r["metrics"]["ab"] for r in rows if r["kind"] == "measure"]:
             print(f"design {measured[0]['design']}; {measured[0]['looks']} look(s), {measured[0]['spent_cpu_s']} "
@@ -582,6 +589,11 @@ def command(args) -> int:
         if not worse:
             print("B is not worse than A on any call" + (f" judged; not judged: {', '.join(unjudged)}" if unjudged else ""))
     return 1 if worse or wrong else 0
+
+
+def _short(revision: str) -> str:
+    """A commit by its first 12 hex digits; any other revision (a folder, a patched sdist) whole."""
+    return revision[:12] if len(revision) == 40 and all(c in "0123456789abcdef" for c in revision) else revision
 
 
 def register(commands) -> None:
