@@ -158,6 +158,7 @@ def test_p11_on_qemu_aarch64_the_chunk_loop_is_neutral_and_dropping_beta_is_caug
     assert artifacts["a_source_sha256"] == build.source_hash(trees.resolve("sdist").source)
     assert artifacts["b_source_sha256"] == build.source_hash(trees.resolve(CHUNK64).source)
     assert artifacts["a_program_sha256"] != artifacts["b_program_sha256"]
+    assert artifacts["a_elf_machine"] == artifacts["b_elf_machine"] == "183"  # EM_AARCH64
     for ran in measured["evidence"]:
         assert ran["detail"]["elf_machine"] == 183 and ran["sha256"] in (artifacts["a_program_sha256"],
                                                                        artifacts["b_program_sha256"])
@@ -170,6 +171,8 @@ def test_p11_on_qemu_aarch64_the_chunk_loop_is_neutral_and_dropping_beta_is_caug
     # the lengths that reach a second chunk of 64 (65, 127, 300 tokens, each gate), and only those
     assert failed and all(int(re.search(r"T=(\d+)", case).group(1)) > 64 for case in failed), out
     assert len(failed) == 6 and "(outputs differ)" in out
+    assert f"FAILED: 6 oracle record(s) did not pass on B (sdist+{DROP_BETA}): results changed" in out
+    assert "B is not worse than A" not in out
 
 
 @BUILDS
@@ -218,6 +221,7 @@ def test_p11_replayed_on_qemu_hexagon(patch, results_dir, capsys):
         failed = re.findall(rf"^FAILED B \(sdist\+{re.escape(patch)}\) (\S+): fail: .*NMSE", out, re.M)
         assert sorted(failed) == sorted(f"H=4,hs=32,T=65,seqs=2,vr=2,perm=0,kda={k},K=1,gate=mild/ggml-CPU"
                                         for k in (0, 1)), out
+        assert "FAILED: 2 oracle record(s) did not pass on B (" in out and "B is not worse than A" not in out
     else:
         assert status == 1 and f"oracles on B (sdist+{patch}): 8/8 pass" in out
         assert b / a - 1 > 0.03

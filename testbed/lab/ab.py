@@ -73,7 +73,7 @@ from testbed import PROJECT_ROOT, config, experiments, runner
 from testbed.backends import EvidenceLog
 from testbed.backends.native.build import BuildError, build_programs, target_for_abi, tree_files, tree_hash
 from testbed.backends.native.device import Call, NativeJob, run_native
-from testbed.devices.transport import sha256_file
+from testbed.devices.transport import elf_machine, sha256_file
 from testbed.errors import DeviceError, UsageError
 from testbed.measure import sequential
 from testbed.measure.counts import CountError
@@ -441,6 +441,7 @@ class LlamacppEngine:
             built = json.loads((folder / "build.json").read_text())
             out |= {f"{side}_source_sha256": built["source_sha256"], f"{side}_tree": tree.revision,
                     f"{side}_program_sha256": sha256_file(folder / call.program),
+                    f"{side}_elf_machine": str(elf_machine(folder / call.program)),
                     f"{side}_build_target": built["target"]}
         return out
 
@@ -586,7 +587,11 @@ def command(args) -> int:
             print(f"SLOWER {ab['kernel']} {r['case'].removeprefix('ab/')}: {'; '.join(what)}")
         unjudged = [r["case"].removeprefix("ab/") + f" ({r['metrics']['ab']['verdict']})" for r in rows
                     if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] in UNJUDGED]
-        if not worse:
+        if wrong:
+            on = " and ".join(f"{side} ({tree.spec})" for side, tree in zip("AB", trees)
+                              if any(r["params"].get("ab_side") == side for r in wrong))
+            print(f"FAILED: {len(wrong)} oracle record(s) did not pass on {on}: results changed, whatever the speed")
+        elif not worse:
             print("B is not worse than A on any call" + (f" judged; not judged: {', '.join(unjudged)}" if unjudged else ""))
     return 1 if worse or wrong else 0
 
