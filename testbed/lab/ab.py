@@ -563,10 +563,10 @@ def command(args) -> int:
         if judged:
             passed = sum(r["verdict"] == "pass" for r in judged)
             print(f"oracles on {side} ({tree.spec}): {passed}/{len(judged)} pass")
-    for r in wrong[:MAX_NAMED]:
-        p = r["params"]
-        print(f"FAILED {p['ab_side']} ({p['tree']}) {r['case'].removeprefix('ab/' + p['ab_side'] + '/')}: "
-              f"{r['verdict']}: {r['detail']}")
+    for r in wrong[:MAX_NAMED]:  # a run's own error record (no side) is named by its case alone
+        side, tree = r["params"].get("ab_side"), r["params"].get("tree")
+        where = f"{side} ({tree}) {r['case'].removeprefix(f'ab/{side}/')}" if side else r["case"]
+        print(f"FAILED {where}: {r['verdict']}: {r['detail']}")
     if len(wrong) > MAX_NAMED:
         print(f"... and {len(wrong) - MAX_NAMED} more oracle records that did not pass (testbed records)")
     if args.format == "md":
