@@ -9,11 +9,15 @@ both trees; seed 002's step P1.1 replayed with the patches in tests/data/llamacp
                                 work, the same values): B is called slower, both counts shown
   does-not-compile.patch        a name nothing declares in ggml-alloc.c: exit 4 with the compiler's error
 
-Costs (2 shared cores): resolving a patched tree copies the sdist's built files once (cached by content).
-Each patched tree is one more llama.cpp build, of which ccache shares everything but the patched file
-(ggml-cpu's ops.cpp, a minute or two) and the link. The default run keeps the bad input and one replay on
-qemu-aarch64 (P1.1 and its planted bug); the three verdicts on qemu-hexagon are opt-in (`-m slow_build`:
-a cold Hexagon llama.cpp build needs zig's libc++ and ggml compiled by zig, tens of minutes here).
+Costs, measured on 2 cores shared with other jobs (load 20-25): resolving a patched tree copies the
+sdist's built files once (cached by content). Each patched tree is one more llama.cpp build, of which
+ccache shares everything but the patched file (ggml-cpu's ops.cpp) and the link. The default run keeps
+the bad input (about 30 s together) and one replay on qemu-aarch64, P1.1 and its planted bug (61 s with
+every tree built; 326 s cold, the sdist's aarch64 build already made by test_llamacpp_built.py). The
+three verdicts on qemu-hexagon are opt-in (`-m slow_build`): about 95 s each with their trees built; a
+cold Hexagon build of the sdist took 24 min here (zig's musl and libc++ first), each patched tree then
+2 to 4 min. The host's replay (opt-in too) pairs CPU time and counts under valgrind: 181 s with its four
+builds made (A and B, native and generic).
 """
 
 import re
@@ -231,3 +235,28 @@ def test_p11_replayed_on_qemu_hexagon(patch, results_dir, capsys):
         assert r["device"] == "qemu-hexagon"
         for ran in r["evidence"]:
             assert ran["detail"]["elf_machine"] == 164
+
+
+# --- on the host: CPU time paired, instructions under valgrind (opt-in) ------------------------------
+
+
+@pytest.mark.slow_build
+@BUILDS
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind counts the host's instructions (Debian: valgrind)")
+def test_extra_work_on_the_host_is_counted_under_valgrind_beside_paired_cpu_time(results_dir, capsys):
+    """The host pairs CPU time (the adaptive design, its verdict whatever the load makes of a few
+    milliseconds) and counts instructions under valgrind with the build without GGML_NATIVE (this CPU's
+    AVX-512 is beyond valgrind): the planted 5% is slower by instructions, both counts shown. Four
+    builds: A and B, each native and generic (ccache shares all but ops.cpp between A and B)."""
+    call = "H=8,hs=64,T=256,kda=0/ggml"
+    status, out, err = replay(capsys, "host", EXTRA_WORK, "matrix=awkward", "bench.tokens=[256]", "bench.heads=8",
+                              "bench.head_size=64", "--budget", "60")
+    assert status == 1, err
+    a, b = _instructions(out, call)
+    assert b / a - 1 > 0.03
+    assert f"SLOWER ggml_gated_delta_net (ggml CPU backend) {call}: instructions {a} -> {b} (+" in out
+    (measured,) = [r for r in ResultsStore(results_dir).records("gdn") if r["kind"] == "measure"]
+    assert measured["figures"]["ab_ratio_cpu"]["reps"] >= 6 and measured["device"] == "host"
+    assert measured["artifacts"]["a_build_target"] == "host"  # timed: the native build; counted: the generic one
+    assert {ran["detail"]["instructions"]["counter"] for ran in measured["evidence"]
+            if "instructions" in ran["detail"]} == {"valgrind-callgrind"}
