@@ -71,6 +71,8 @@ import pandas as pd
 
 from testbed import PROJECT_ROOT, config, experiments, runner
 from testbed.backends import EvidenceLog
+from testbed.backends.llamacpp import build as llamacpp_build
+from testbed.backends.llamacpp import trees as llamacpp_trees
 from testbed.backends.native.build import BuildError, build_programs, target_for_abi, tree_files, tree_hash
 from testbed.backends.native.device import Call, NativeJob, run_native
 from testbed.devices.transport import elf_machine, sha256_file
@@ -408,19 +410,16 @@ class LlamacppEngine:
         self.module, self.programs = module, programs
 
     def target(self, device, for_valgrind: bool = False) -> str:
-        from testbed.backends.llamacpp import build as builder
-
         p = device.profile
-        target = builder.target_for(p.name, p.abi, p.capabilities)
+        target = llamacpp_build.target_for(p.name, p.abi, p.capabilities)
         # valgrind cannot run this CPU's AVX-512 (GGML_NATIVE): the host's counted runs use the generic build
         return "host-generic" if for_valgrind and target == "host" else target
 
     def build(self, side: str, tree, device, progress, for_valgrind: bool = False) -> Path:
-        from testbed.backends.llamacpp import build as builder
-
         try:
-            return builder.build(self.target(device, for_valgrind), str(tree.source), self.programs, progress).folder
-        except builder.BuildError as e:
+            return llamacpp_build.build(self.target(device, for_valgrind), str(tree.source), self.programs,
+                                        progress).folder
+        except llamacpp_build.BuildError as e:
             raise BuildFailed(f"{side} ({tree.spec}): {e}") from None
 
     def oracles(self, cfg, ctx, side: str, tree, programs: Path):
@@ -536,8 +535,6 @@ def command(args) -> int:
     if rc.cfg.get("backend") != backend:  # the device's default backend, unless one was named
         rc = config.load([*args.overrides, f"backend={backend}"], experiment="gdn")
     if backend == "llamacpp":
-        from testbed.backends.llamacpp import trees as llamacpp_trees
-
         say = (lambda msg: print(msg, file=sys.stderr, flush=True))
         trees = tuple(llamacpp_trees.resolve(spec, args.repo, say) for spec in (args.a, args.b))
         engine = LlamacppEngine(module, module.AB_PROGRAMS)
