@@ -525,7 +525,7 @@ def command(args) -> int:
     named = next((o.lstrip("+").split("=", 1)[1] for o in args.overrides if o.lstrip("+").startswith("backend=")), None)
     if named is not None and named not in BACKENDS:
         raise UsageError(f"testbed ab measures native programs or llama.cpp trees; backend={named} is not accepted "
-                         f"(accepted: {', '.join(BACKENDS)}; native when none is named)")
+                         f"(accepted: {' or '.join('backend=' + b for b in BACKENDS)}; backend=native when none is named)")
     backend = named or "native"
     if not hasattr(module, "ab_calls") or backend not in getattr(module, "AB_BACKENDS", ("native",)):
         offered = [n for n in config.choices("experiment") if hasattr(experiments.load(n), "ab_calls")
