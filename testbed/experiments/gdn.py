@@ -330,9 +330,14 @@ def probe_record(seconds: list[float], threads: int) -> Record:
                   params={"role": "machine_probe", "size": SGEMM_SIZE, "threads": threads})
 
 
+AB_BACKENDS = ("native", "llamacpp")  # what `testbed ab` compares: kernels/ trees, or llama.cpp trees
+AB_PROGRAMS = ("tb_ggml_gdn",)         # backend=llamacpp: the programs each llama.cpp tree is built into
+
+
 def ab_calls(cfg: DictConfig) -> list:
-    """The bench's measured calls for `testbed ab`: serial and chunkwise at each bench length, one timed
-    call per program run."""
+    """The bench's measured calls for `testbed ab`, one timed call per program run: with backend=native
+    serial and chunkwise at each bench length; with backend=llamacpp ggml's GATED_DELTA_NET (tb_ggml_gdn,
+    one graph node, `threads` ggml threads) at each bench length."""
     from testbed.backends.native.device import Call
     from testbed.backends.native.gdn import INPUTS
 
@@ -340,12 +345,26 @@ def ab_calls(cfg: DictConfig) -> list:
     for t_len in b.tokens:
         x = ref.draw_inputs(1, t_len, b.heads, b.head_size, kda=b.kda, seed=cfg.seed)
         case = f"H={b.heads},hs={b.head_size},T={t_len},kda={int(b.kda)}"
+        work = {"flops": ref.gdn_flops(1, t_len, b.heads, b.head_size, b.kda), "tokens": t_len}
+        if cfg.backend == "llamacpp":
+            calls.append(Call(f"{case}/ggml", "tb_ggml_gdn", dict(zip(INPUTS, x.arrays())),
+                              ["{inputs}", ".", "K=1", f"threads={cfg.threads}", f"warmup={b.warmup}", "reps=1"],
+                              ["out", "state"], work))
+            continue
         for form, chunk in (("serial", 1), ("chunkwise", cfg.chunk)):
             calls.append(Call(f"{case}/{form}", "tb_gdn_bench", dict(zip(INPUTS, x.arrays())),
                               ["{inputs}", ".", f"form={form}", f"chunk={chunk}", f"head_map={cfg.head_map}",
-                               f"threads={cfg.threads}", f"warmup={b.warmup}", "reps=1"], ["out", "state"],
-                              {"flops": ref.gdn_flops(1, t_len, b.heads, b.head_size, b.kda), "tokens": t_len}))
+                               f"threads={cfg.threads}", f"warmup={b.warmup}", "reps=1"], ["out", "state"], work))
     return calls
+
+
+def ab_oracles(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
+    """`testbed ab ... backend=llamacpp`: the oracles of one tree, ggml's op built from it (tb_ggml_gdn in
+    the folder `programs`) against the float64 reference over the matrix's selected cases."""
+    from testbed.backends.llamacpp import ggml_gdn
+
+    yield from ggml_gdn.oracle_records("gdn", ctx.device, programs / "tb_ggml_gdn", selected_cases(cfg), cfg.seed,
+                                       cfg.threshold, ctx.progress)
 
 
 def llamacpp_records(cfg: DictConfig, ctx) -> Iterator[Record]:

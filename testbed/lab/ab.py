@@ -1,5 +1,6 @@
-"""`testbed ab A B [key=value ...]`: two source trees' native programs measured against each other in one
-job on one device, and judged on the pairs.
+"""`testbed ab A B [key=value ...]`: two source trees' programs measured against each other in one job on
+one device, and judged on the pairs: testbed's own kernels/ (backend=native, the default) or llama.cpp
+(backend=llamacpp).
 
 A timing compared across nights compares machines as much as code: on a shared host per-run medians
 move +-20% while a kernel stands still. Measured in one job, interleaved, the two builds see the same
@@ -10,6 +11,12 @@ machine, and their ratio cancels what the machine did. So:
             into .cache/ab/ by the hash of every byte a build reads, tree_hash). A symbolic link in a
             tree is refused: its bytes would come from outside it. Each tree's programs are built for
             the device (testbed.backends.native.build, cached by the same hash).
+            backend=llamacpp: A and B are llama.cpp trees (testbed.backends.llamacpp.trees: sdist, a
+            folder, a revision of the checkout --repo names, BASE+PATCH), each built for the device by
+            testbed.backends.llamacpp.build (cached by content; ccache shares what did not change).
+  oracles   backend=llamacpp: the experiment's llama.cpp oracles (`ab_oracles`) on both trees, before
+            any pair; one that does not pass fails the comparison (exit 1, the side and case named),
+            whatever the speed: a faster B that changes results is not an improvement.
   calls     the experiment's measured calls (its `ab_calls(cfg)`: program, inputs, arguments), e.g.
             gdn's serial and chunkwise at each bench length. Inputs are staged on the device once.
   order     per repetition every call runs once for A and once for B; the calls are shuffled and each
@@ -38,8 +45,8 @@ Judging, per call:
                 a call whose p >= 0.05 and interval lies within +-5% is decided "no change"; one the
                 budget left open is "undecided" (testbed.measure.sequential). CPU time decides (what the work cost, whatever else ran); wall time is
                 shown beside it. Fewer than 6 pairs cannot reach p < 0.05: "too few pairs".
-Exit status 1 when B is worse on any call by instructions or CPU time; "no change" for the same tree
-twice. The records (experiment's name, case `ab/CALL`) carry the pairs' ratios as figures
+Exit status 1 when B is worse on any call by instructions or CPU time, or an oracle did not pass on
+either tree; "no change" for the same tree twice. The records (experiment's name, case `ab/CALL`) carry the pairs' ratios as figures
 `ab_ratio_cpu` (with the A/B block testbed.measure.history judges: a_commit, b_commit, p uncorrected, pairs,
 test, verdict) and `ab_ratio_wall` (shown, not judged), B's instructions as `instructions`, and the
 whole judgement (both counts, both sides' median times, every verdict) under metrics `ab`: the
@@ -49,6 +56,7 @@ nightly's history keeps per-night A/B ratios, never raw times from different nig
 from __future__ import annotations
 
 import io
+import json
 import math
 import shutil
 import subprocess
@@ -63,8 +71,11 @@ import pandas as pd
 
 from testbed import PROJECT_ROOT, config, experiments, runner
 from testbed.backends import EvidenceLog
+from testbed.backends.llamacpp import build as llamacpp_build
+from testbed.backends.llamacpp import trees as llamacpp_trees
 from testbed.backends.native.build import BuildError, build_programs, target_for_abi, tree_files, tree_hash
 from testbed.backends.native.device import Call, NativeJob, run_native
+from testbed.devices.transport import elf_machine, sha256_file
 from testbed.errors import DeviceError, UsageError
 from testbed.measure import sequential
 from testbed.measure.counts import CountError
@@ -222,39 +233,37 @@ class Options:
         return sequential.fixed(1) if emulated else sequential.group_sequential(self.max_pairs)
 
 
-def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: Options, engines=None):
-    """Yields one Record per call: the pairs' ratios, both sides' counts, the verdicts. engines: the two
-    sides' EngineSpec for `testbed ab engine:A engine:B` (each side's program serves the calls through
-    engine contract v1 instead of a native program of a source tree)."""
+def measure(cfg, ctx, module, experiment: str, trees: tuple, opts: Options, engine=None):
+    """Yields the engine's oracle records for both trees, then one Record per call: the pairs' ratios,
+    both sides' counts, the verdicts. `engine` builds the sides, runs the calls and holds the oracles:
+    NativeEngine (the default), LlamacppEngine, or ContractEngines (`engine:A engine:B`: two engines
+    under test, or two builds of one, serving the calls through engine contract v1)."""
+    engine = engine or NativeEngine()
     device = ctx.device
-    target = target_for_abi(device.profile.abi)
     emulated = device.profile.has("emulated")
     # On a device that does not count by itself, valgrind counts: asked for (counts=true: it must be
     # there), or by default on this machine (the local transport) when valgrind is installed.
     valgrind = not device.profile.has("counts") and (bool(cfg.get("counts")) or device.profile.transport == "local")
     count_here = valgrind and (bool(cfg.get("counts")) or shutil.which("valgrind") is not None)
     uncounted = "not counted: valgrind missing" if valgrind and not count_here else "not counted"
-    if engines:  # an engine's program is built as its yaml says, for valgrind too; on this host its build may
-        count_here, uncounted = False, "not counted (engines are counted on devices that count)"  # hold AVX-512
+    if not engine.valgrind_counts:
+        count_here, uncounted = False, engine.uncounted
     builds = {}
     for side, tree in zip("AB", trees):
-        ctx.progress(f"building {side} ({tree.spec}) for {target}")
-        builds[side] = _build(side, tree, target) if not engines else \
-            _engine_build(side, engines["AB".index(side)], target)
-    calls: list[Call] = module.ab_calls(cfg) if not engines else module.ab_engine_calls(cfg)
+        ctx.progress(f"building {side} ({tree.spec}) for {engine.target(device)}")
+        builds[side] = engine.build(side, tree, device, ctx.progress)
+    # Every oracle the engine has runs on both trees, before any pair: a B that changes results fails
+    # whatever its speed, and its records say which case it changed.
+    for side, tree in zip("AB", trees):
+        yield from engine.oracles(cfg, ctx, side, tree, builds[side])
+    calls: list[Call] = engine.calls(module, cfg)
     sides = {(c.label, s): Side() for c in calls for s in "AB"}
     evidence = {c.label: EvidenceLog() for c in calls}
     rng = np.random.default_rng(opts.seed)
     first = {c.label: int(rng.integers(2)) for c in calls}  # each call's pair order in repetition 0
 
     def run(call: Call, side: str, program: Path, count: bool = False):
-        if engines:
-            from testbed.backends.engine.gemma import ab_run
-
-            result = ab_run(device, engines["AB".index(side)], call, program)
-        else:
-            result = run_native(device, NativeJob(program / call.program, call.inputs, call.outputs, call.args,
-                                                  measured=not count, count=count))
+        result = engine.run(device, side, call, program, count)
         evidence[call.label].add(result.evidence)
         if (count or device.profile.has("counts")) and result.counts is None:
             tree = trees["AB".index(side)]
@@ -309,7 +318,7 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
     if count_here:  # one run per tree and call under valgrind, with its build that valgrind can run
         for side, tree in zip("AB", trees):
             ctx.progress(f"counting {side}'s instructions under valgrind")
-            counted = _build(side, tree, target, avx512=False)
+            counted = engine.build(side, tree, device, ctx.progress, for_valgrind=True)
             for call in calls:
                 sides[(call.label, side)].instructions.append(run(call, side, counted, count=True).counts.per_call)
 
@@ -358,7 +367,7 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
         yield Record(experiment, f"ab/{call.label}", "measure", figures=figures, metrics={"ab": ab},
                      work={**call.work, "ab": "B over A, per pair of runs measured back to back in one job"},
                      params={"reps": opts.reps, "max_pairs": None if opts.reps else opts.max_pairs},
-                     artifacts={"a_programs": str(builds["A"].name), "b_programs": str(builds["B"].name)},
+                     artifacts=engine.artifacts(trees, builds, call),
                      evidence=evidence[call.label].take())
 
 
@@ -370,10 +379,120 @@ class BuildFailed(DeviceError):
     """A tree's programs do not build for the device: exit status 4, with the compiler's first error."""
 
 
-def _engine_build(side: str, spec, target: str) -> Path:
-    from testbed.backends.engine import build
+class NativeEngine:
+    """backend=native: each tree's kernels/ programs (testbed.backends.native.build); no oracles (the
+    measured calls' outputs are compared, `same_output`)."""
 
-    return build.program_for(spec, target)
+    valgrind_counts = True  # its calls can be counted under valgrind on a host that does not count itself
+    uncounted = "not counted"
+
+    def calls(self, module, cfg) -> list[Call]:
+        return module.ab_calls(cfg)
+
+    def run(self, device, side: str, call: Call, program: Path, count: bool):
+        return run_native(device, NativeJob(program / call.program, call.inputs, call.outputs, call.args,
+                                            measured=not count, count=count))
+
+    def target(self, device) -> str:
+        return target_for_abi(device.profile.abi)
+
+    def build(self, side: str, tree: Tree, device, progress, for_valgrind: bool = False) -> Path:
+        try:  # valgrind cannot run AVX-512: its runs use the build without it
+            return build_programs(self.target(device), kernels_dir=tree.kernels_dir, avx512=not for_valgrind)
+        except BuildError as e:
+            raise BuildFailed(f"{side} ({tree.spec}): {e}") from None
+
+    def oracles(self, cfg, ctx, side: str, tree: Tree, programs: Path):
+        return iter(())
+
+    def artifacts(self, trees, builds: dict, call: Call) -> dict:
+        return {"a_programs": str(builds["A"].name), "b_programs": str(builds["B"].name)}
+
+
+class LlamacppEngine(NativeEngine):
+    """backend=llamacpp: each side is a llama.cpp tree (testbed.backends.llamacpp.trees) whose programs
+    are built for the device by testbed.backends.llamacpp.build (cached by content; ccache shares what
+    did not change between the two), the experiment's llama.cpp calls measured (its `ab_calls` with
+    backend=llamacpp: ggml's op in tb_ggml_gdn, which marks its timed call for the counters), and the
+    experiment's llama.cpp oracles (`ab_oracles`) run on both trees. test-backend-ops' perf cases are
+    not among the calls: its timed loop has no marks a counter can find, and its own clock on an
+    emulator says nothing of speed."""
+
+    def __init__(self, module, programs: tuple[str, ...]):
+        self.module, self.programs = module, programs
+
+    def target(self, device, for_valgrind: bool = False) -> str:
+        p = device.profile
+        target = llamacpp_build.target_for(p.name, p.abi, p.capabilities)
+        # valgrind cannot run this CPU's AVX-512 (GGML_NATIVE): the host's counted runs use the generic build
+        return "host-generic" if for_valgrind and target == "host" else target
+
+    def build(self, side: str, tree, device, progress, for_valgrind: bool = False) -> Path:
+        try:
+            return llamacpp_build.build(self.target(device, for_valgrind), str(tree.source), self.programs,
+                                        progress).folder
+        except llamacpp_build.BuildError as e:
+            raise BuildFailed(f"{side} ({tree.spec}): {e}") from None
+
+    def oracles(self, cfg, ctx, side: str, tree, programs: Path):
+        built = json.loads((programs / "build.json").read_text())
+        for record in self.module.ab_oracles(cfg, ctx, programs):
+            record.case = f"ab/{side}/{record.case}"
+            record.params |= {"ab_side": side, "tree": tree.spec}
+            record.artifacts |= {"llamacpp_source_sha256": built["source_sha256"], "tree": tree.revision,
+                                 **{f"{name}_sha256": sha256_file(programs / name) for name in self.programs}}
+            if record.verdict == "fail":
+                ctx.progress(f"{side} ({tree.spec}) fails {record.case}: {record.detail}")
+            yield record
+
+    def artifacts(self, trees, builds: dict, call: Call) -> dict:
+        out = {}
+        for side, tree in zip("ab", trees):
+            folder = builds[side.upper()]
+            built = json.loads((folder / "build.json").read_text())
+            out |= {f"{side}_source_sha256": built["source_sha256"], f"{side}_tree": tree.revision,
+                    f"{side}_program_sha256": sha256_file(folder / call.program),
+                    f"{side}_elf_machine": str(elf_machine(folder / call.program)),
+                    f"{side}_build_target": built["target"]}
+        return out
+
+
+class ContractEngines:
+    """`engine:A engine:B`: two engines under test (or two builds of one: a lab's second yaml naming another
+    source), each side's program built as its yaml says and serving the experiment's engine calls
+    (`ab_engine_calls`) through engine contract v1. Its oracles are the experiment's own
+    (`testbed run EXPERIMENT backend=engine engine=NAME`); here the outputs of the measured calls are
+    compared, `same_output`. Counted on devices that count (per marked call, or per process and labelled
+    so); not under valgrind on this host, whose engine builds may hold AVX-512."""
+
+    valgrind_counts = False
+    uncounted = "not counted (engines are counted on devices that count)"
+
+    def __init__(self, specs):
+        self.specs = specs
+
+    def calls(self, module, cfg) -> list[Call]:
+        return module.ab_engine_calls(cfg)
+
+    def run(self, device, side: str, call: Call, program: Path, count: bool):
+        from testbed.backends.engine.gemma import ab_run
+
+        return ab_run(device, self.specs["AB".index(side)], call, program)
+
+    def target(self, device) -> str:
+        return target_for_abi(device.profile.abi)
+
+    def build(self, side: str, tree: Tree, device, progress, for_valgrind: bool = False) -> Path:
+        from testbed.backends.engine import build
+
+        return build.program_for(self.specs["AB".index(side)], self.target(device))
+
+    def oracles(self, cfg, ctx, side: str, tree: Tree, programs: Path):
+        return iter(())
+
+    def artifacts(self, trees, builds: dict, call: Call) -> dict:
+        return {"a_programs": str(builds["A"].name), "b_programs": str(builds["B"].name),
+                **{f"{side}_engine_yaml_sha256": spec.yaml_sha256 for side, spec in zip("ab", self.specs)}}
 
 
 def engine_sides(a: str, b: str):
@@ -390,13 +509,6 @@ def engine_sides(a: str, b: str):
     trees = tuple(Tree(x, f"{s.name}@{s.yaml_sha256[:12]}" + (f"+{build.tree_hash(s.source)[:12]}" if s.source else ""),
                        s.source or s.path.parent) for x, s in zip((a, b), specs))
     return trees, specs
-
-
-def _build(side: str, tree: Tree, target: str, avx512: bool = True) -> Path:
-    try:
-        return build_programs(target, kernels_dir=tree.kernels_dir, avx512=avx512)
-    except BuildError as e:
-        raise BuildFailed(f"{side} ({tree.spec}): {e}") from None
 
 
 UNJUDGED = ("not measured", "too few pairs", "undecided")  # a call's overall verdict when nothing judged it
@@ -468,39 +580,77 @@ def _real(option: str, text: str, within, accepted: str) -> float:
     return value
 
 
+BACKENDS = ("native", "llamacpp")
+MAX_NAMED = 10  # failing oracle records named on the terminal (all of them are stored)
+
+
 def command(args) -> int:
     opts = options(args)
     rc = config.load(args.overrides, experiment="gdn")  # experiment= among the overrides, else gdn
     module = experiments.load(rc.experiment)
-    if not hasattr(module, "ab_calls") and not engine_sides(args.a, args.b):
-        offered = [n for n in config.choices("experiment") if hasattr(experiments.load(n), "ab_calls")]
-        raise UsageError(f"experiment {rc.experiment!r} has no A/B calls; accepted: {', '.join(offered)}")
     sides = engine_sides(args.a, args.b)
     if sides:  # two engines under test through the contract: backend=engine, the experiment's engine calls
         if not hasattr(module, "ab_engine_calls"):
             raise UsageError(f"experiment {rc.experiment!r} has no A/B calls for engines; accepted: chunk_prefill")
+        if args.repo is not None:
+            raise UsageError("--repo names a llama.cpp checkout for backend=llamacpp; engine:NAME sides are built "
+                             "as their yaml says")
         rc = config.load([*args.overrides, "backend=engine", f"engine={sides[1][1].name}"], experiment="gdn")
-    elif rc.cfg.get("backend") != "native":  # ab measures native programs: its backend, unless one was named
-        if any(o.lstrip("+").startswith("backend=") for o in args.overrides):
-            raise UsageError(f"testbed ab measures native programs; backend={rc.cfg.get('backend')} is not accepted "
-                             "(accepted: backend=native, the one ab chooses when none is named; or "
-                             "engine:NAME engine:NAME for two engines)")
-        rc = config.load([*args.overrides, "backend=native"], experiment="gdn")
-    trees = sides[0] if sides else (resolve_tree(args.a), resolve_tree(args.b))
-    engines = sides[1] if sides else None
+        return _report(args, rc, module, opts, sides[0], ContractEngines(sides[1]))
+    named = next((o.lstrip("+").split("=", 1)[1] for o in args.overrides if o.lstrip("+").startswith("backend=")), None)
+    if named is not None and named not in BACKENDS:
+        raise UsageError(f"testbed ab measures native programs or llama.cpp trees; backend={named} is not accepted "
+                         f"(accepted: {' or '.join('backend=' + b for b in BACKENDS)}; backend=native when none is named; or "
+                         "engine:NAME engine:NAME for two engines)")
+    backend = named or "native"
+    if not hasattr(module, "ab_calls") or backend not in getattr(module, "AB_BACKENDS", ("native",)):
+        offered = [n for n in config.choices("experiment") if hasattr(experiments.load(n), "ab_calls")
+                   and backend in getattr(experiments.load(n), "AB_BACKENDS", ("native",))]
+        raise UsageError(f"experiment {rc.experiment!r} has no A/B calls for backend={backend}; accepted: "
+                         f"{', '.join(offered)}")
+    if rc.cfg.get("backend") != backend:  # the device's default backend, unless one was named
+        rc = config.load([*args.overrides, f"backend={backend}"], experiment="gdn")
+    if backend == "llamacpp":
+        say = (lambda msg: print(msg, file=sys.stderr, flush=True))
+        trees = tuple(llamacpp_trees.resolve(spec, args.repo, say) for spec in (args.a, args.b))
+        engine = LlamacppEngine(module, module.AB_PROGRAMS)
+    else:
+        if args.repo is not None:
+            raise UsageError("--repo names a llama.cpp checkout for backend=llamacpp; backend=native takes "
+                             "revisions of this checkout")
+        trees, engine = (resolve_tree(args.a), resolve_tree(args.b)), NativeEngine()
+    return _report(args, rc, module, opts, trees, engine)
+
+
+def _report(args, rc, module, opts, trees, engine) -> int:
+    """Run the comparison as one job, print its table and say the outcome: exit 1 when B is worse or an
+    oracle fails on either tree."""
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not sys.stderr.isatty() else \
         (lambda msg: (sys.stderr.write("\r\033[K" + msg[:120]), sys.stderr.flush()))
     outcome = runner.execute(rc, progress=progress,
-                             produce=lambda cfg, ctx: measure(cfg, ctx, module, rc.experiment, trees, opts, engines))
+                             produce=lambda cfg, ctx: measure(cfg, ctx, module, rc.experiment, trees, opts, engine))
     if sys.stderr.isatty():
         sys.stderr.write("\r\033[K")
     rows = outcome.rows
     df = table([r for r in rows if r["kind"] == "measure"])
     print(tables.render(df, args.format))
     worse = [r for r in rows if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] == "slower"]
+    # an oracle that did not pass on either tree fails the comparison, whatever the speed
+    wrong = [r for r in rows if r["kind"] == "oracle" and r["verdict"] != "pass"]
+    for side, tree in zip("AB", trees):
+        judged = [r for r in rows if r["kind"] == "oracle" and r["params"].get("ab_side") == side]
+        if judged:
+            passed = sum(r["verdict"] == "pass" for r in judged)
+            print(f"oracles on {side} ({tree.spec}): {passed}/{len(judged)} pass")
+    for r in wrong[:MAX_NAMED]:  # a run's own error record (no side) is named by its case alone
+        side, tree = r["params"].get("ab_side"), r["params"].get("tree")
+        where = f"{side} ({tree}) {r['case'].removeprefix(f'ab/{side}/')}" if side else r["case"]
+        print(f"FAILED {where}: {r['verdict']}: {r['detail']}")
+    if len(wrong) > MAX_NAMED:
+        print(f"... and {len(wrong) - MAX_NAMED} more oracle records that did not pass (testbed records)")
     if args.format == "md":
         where = f"{rc.device}" + (" (emulated: instructions only, times not judged)" if outcome.info.emulated else "")
-        print(f"\nA = {trees[0].spec} ({trees[0].revision[:20]}), B = {trees[1].spec} ({trees[1].revision[:20]}) "
+        print(f"\nA = {trees[0].spec} ({_short(trees[0].revision)}), B = {trees[1].spec} ({_short(trees[1].revision)}) "
               f"on {where}, seed {opts.seed}; run {outcome.info.run_id} stored")
         if measured := [r["metrics"]["ab"] for r in rows if r["kind"] == "measure"]:
             print(f"design {measured[0]['design']}; {measured[0]['looks']} look(s), {measured[0]['spent_cpu_s']} "
@@ -516,17 +666,30 @@ def command(args) -> int:
             print(f"SLOWER {ab['kernel']} {r['case'].removeprefix('ab/')}: {'; '.join(what)}")
         unjudged = [r["case"].removeprefix("ab/") + f" ({r['metrics']['ab']['verdict']})" for r in rows
                     if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] in UNJUDGED]
-        if not worse:
+        if wrong:
+            on = " and ".join(f"{side} ({tree.spec})" for side, tree in zip("AB", trees)
+                              if any(r["params"].get("ab_side") == side for r in wrong))
+            print(f"FAILED: {len(wrong)} oracle record(s) did not pass on {on}: results changed, whatever the speed")
+        elif not worse:
             print("B is not worse than A on any call" + (f" judged; not judged: {', '.join(unjudged)}" if unjudged else ""))
-    return 1 if worse else 0
+    return 1 if worse or wrong else 0
+
+
+def _short(revision: str) -> str:
+    """A commit by its first 12 hex digits; any other revision (a folder, a patched sdist) whole."""
+    return revision[:12] if len(revision) == 40 and all(c in "0123456789abcdef" for c in revision) else revision
 
 
 def register(commands) -> None:
-    c = commands.add_parser("ab", help="two source trees' native programs measured interleaved in one job; "
-                                       "exit 1 when B is worse")
-    c.add_argument("a", help="a git revision of this checkout (HEAD, HEAD~1, a branch) or a folder holding kernels/ "
-                             "('.' is the working tree)")
+    c = commands.add_parser("ab", help="two source trees' programs (testbed's kernels/ or llama.cpp's) measured "
+                                       "interleaved in one job; exit 1 when B is worse or an oracle fails")
+    c.add_argument("a", help="backend=native (the default): a git revision of this checkout (HEAD, HEAD~1, a branch) "
+                             "or a folder holding kernels/ ('.' is the working tree); backend=llamacpp: sdist, a "
+                             "llama.cpp folder, a revision of the --repo checkout, BASE+PATCH or a patch file (on "
+                             "the sdist)")
     c.add_argument("b", help="the same kinds as A; B is judged against A")
+    c.add_argument("--repo", default=None, help="backend=llamacpp: the llama.cpp git checkout whose revisions A and B "
+                                                "may name")
     c.add_argument("overrides", nargs="*", help="the experiment's key=value, e.g. experiment=gdn device=qemu-aarch64 "
                                                 "'bench.tokens=[512]'")
     # the numbers are checked by options(), which says in one line what is accepted

@@ -16,6 +16,9 @@ what it runs (CMakeLists.txt beside this file):
 Targets, chosen from the device profile (target_for):
 
   host          the machine itself, GGML_NATIVE on (what this CPU has)
+  host-generic  the machine without GGML_NATIVE: x86-64 with ggml's default instruction sets (AVX2, no
+                AVX-512), the build valgrind can run where this CPU has AVX-512 (`testbed ab` counts the
+                host's instructions with it)
   aarch64       arm64-v8a Linux or Android CPU: Debian's aarch64-linux-gnu cross compiler, static
                 binaries (no sysroot needed under qemu-aarch64 or on a phone), GGML_NATIVE off
   hexagon       a device of ABI hexagon (qemu-hexagon, adb-loopback-hexagon): ggml's CPU backend (generic
@@ -60,7 +63,7 @@ SDIST = ("llama-cpp-python", "0.3.36")
 HERE = Path(__file__).resolve().parent
 CACHE = ROOT / ".cache" / "llamacpp"
 PROGRAMS = ("test-backend-ops", "tb_ggml_gdn", "llama-bench", "tb_llama_logits")
-TARGETS = ("host", "aarch64", "hexagon", "android-htp")
+TARGETS = ("host", "host-generic", "aarch64", "hexagon", "android-htp")
 # Top-level entries of a llama.cpp tree a build never reads (the snapshot and its hash leave them out).
 NOT_BUILT = ("models", "docs", "media", "examples", "pocs", "gguf-py", "scripts", "benches", "skills")
 # testbed's own inputs to the build: the CMake project, the program and the .npy harness it links.
@@ -199,6 +202,8 @@ def cmake_options(target: str) -> list[str]:
               "-DGGML_CCACHE=OFF", "-DLLAMA_BUILD_NUMBER=0"]
     if target == "host":
         return common + ["-DGGML_NATIVE=ON"]
+    if target == "host-generic":
+        return common + ["-DGGML_NATIVE=OFF"]
     if target == "aarch64":
         return common + ["-DGGML_NATIVE=OFF", "-DCMAKE_SYSTEM_NAME=Linux", "-DCMAKE_SYSTEM_PROCESSOR=aarch64",
                          f"-DCMAKE_C_COMPILER={_require('aarch64-linux-gnu-gcc', 'gcc-aarch64-linux-gnu')}",
@@ -362,5 +367,7 @@ def _step(argv: list[str], env: dict, log: Path, progress: Callable[[str], None]
                 progress(f"{what}: {line.strip()[:100]}")
         p.wait()
     if p.returncode != 0:
-        tail = [line for line in log.read_text().splitlines() if line.strip()][-4:]
-        raise BuildError(f"{what} failed (exit {p.returncode}; log {log}): {' | '.join(tail)}")
+        lines = [line.strip() for line in log.read_text().splitlines() if line.strip()]
+        # the compiler's first error is the cause; what follows it (ninja's own lines among them) is its echo
+        first_error = next((line for line in lines if "error:" in line), None)
+        raise BuildError(f"{what} failed (exit {p.returncode}; log {log}): {first_error or ' | '.join(lines[-4:])}")
