@@ -163,3 +163,14 @@ def save_hybrid_folder(folder, cfg: qwen35.HybridConfig):
     (folder / "config.json").write_text(json.dumps(hf))
     save_file(qwen35.init_weights(cfg), str(folder / "model.safetensors"))
     return folder
+
+
+def test_the_gguf_command_writes_the_file_or_says_in_one_line_why_not(made, tmp_path, capsys):
+    from testbed.cli import main
+
+    assert main(["gguf", str(made.folder), "--out", str(tmp_path / "m.gguf")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "m.gguf")
+    assert hybrid_checkpoints.load_checkpoint(tmp_path / "m.gguf")[0] == hybrid_checkpoints.load_checkpoint(made.folder)[0]
+    assert main(["gguf", str(tmp_path / "absent")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "checkpoint" in err and "absent" in err and "\n" not in err
