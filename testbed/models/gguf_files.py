@@ -39,6 +39,26 @@ FAMILIES = {"gemma3": gemma_checkpoints, "gemma3_text": gemma_checkpoints,
 ULPS = {".A_log": 2}
 
 
+def architecture(path: str | Path) -> str:
+    """A GGUF file's general.architecture (gemma3, qwen35, ...)."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(path).fields.get("general.architecture")
+    except (ValueError, OSError) as e:
+        raise UsageError(f"{path}: not a readable GGUF file ({e})") from None
+    return field.contents() if field is not None else ""
+
+
+def load_gguf(path: str | Path):
+    """(config, weights) of a gemma3 or qwen35 GGUF, by its architecture; any other is refused."""
+    arch = architecture(path)
+    modules = {m.GGUF_ARCH: m for m in FAMILIES.values()}
+    if arch not in modules:
+        raise UsageError(f"{path}: architecture {arch!r} is not accepted; accepted: {', '.join(sorted(modules))}")
+    return modules[arch].load_gguf(path)
+
+
 def family(folder: Path):
     """The checkpoint module for the folder's model_type, and the parsed config.json."""
     config_file = folder / "config.json"

@@ -1,0 +1,124 @@
+"""libllama runs the Qwen3.5 hybrid from the GGUF testbed writes (testbed.models.gguf_files).
+
+A tiny Qwen3.5 is made by transformers (tests/hybrid_support.py: Gated DeltaNet layers with grouped
+value heads, gated full attention, random norms and gates), written to GGUF by testbed, and run by
+llama.cpp's own loader and graph (src/models/qwen35.cpp) through tb_llama_logits, built from the
+llama-cpp-python sdist's tree for the device. Its logits must give transformers' token at every
+position, and agree by NMSE with transformers and with testbed's reference reading the same file
+(refimpl.qwen35 through hybrid_checkpoints.load_gguf). A bug the writer and testbed's reader share
+(the value heads left in Hugging Face's grouped order, which ggml's broadcasting reads tiled) passes
+testbed's own round trip and is caught here, by llama.cpp.
+
+libllama is a heavy build (about 10 minutes cold on two cores, per target), so this file is opt-in:
+`pytest -m slow_build tests/test_llamacpp_hybrid.py`; qemu-aarch64 runs one representative.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from refimpl import qwen35
+from testbed.backends.llamacpp import build, models
+from testbed.devices import connect, load_profile
+from testbed.errors import UsageError
+from testbed.models import gguf_files, hybrid_checkpoints
+from testbed.oracles.numerical import nmse
+from tests.hybrid_support import VARIANTS, make_tiny_qwen35
+
+pytestmark = [pytest.mark.slow_build,
+              pytest.mark.skipif(shutil.which("cmake") is None, reason="libllama is built from source with cmake")]
+
+PROMPT_TOKENS = 80  # past ggml's GDN chunk of 64: llama.cpp's chunked recurrence crosses a boundary
+LLAMACPP_TOLERANCE = 1e-6  # ggml's float32 kernels (its own exp, softplus, l2 norm with eps as max)
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def made(request, tmp_path_factory):
+    pytest.importorskip("transformers", exc_type=ImportError)
+    return make_tiny_qwen35(tmp_path_factory.mktemp("qwen35") / "tiny", VARIANTS[request.param], PROMPT_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def written(made, tmp_path_factory):
+    return gguf_files.write_gguf(made.folder, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def host_program():
+    return build.build("host", programs=("tb_llama_logits",))
+
+
+@pytest.fixture(scope="module")
+def host():
+    device = connect(load_profile("host"))
+    yield device
+    device.close()
+
+
+def refimpl_logits(path, tokens) -> np.ndarray:
+    cfg, w = hybrid_checkpoints.load_checkpoint(path)
+    return qwen35.redecode(w, cfg, tokens)[0]
+
+
+def test_llamacpp_gives_transformers_token_at_every_position(made, written, host_program, host):
+    theirs, evidence = models.logits(host, host_program, written, made.prompt)
+    assert theirs.shape == made.logits.shape
+    assert (theirs.argmax(-1) == made.logits.argmax(-1)).all()
+    assert nmse(made.logits, theirs) < LLAMACPP_TOLERANCE
+    assert nmse(refimpl_logits(written, made.prompt), theirs) < LLAMACPP_TOLERANCE
+    assert evidence["sha256"]
+
+
+def test_value_heads_left_grouped_pass_testbeds_round_trip_and_llamacpp_catches_them(made, tmp_path, host_program,
+                                                                                    host, monkeypatch):
+    monkeypatch.setattr(hybrid_checkpoints, "_reorder_v_heads", lambda name, a, cfg, to_tiled: a)
+    planted = gguf_files.write_gguf(made.folder, tmp_path / "grouped.gguf")  # the round trip cannot see it
+    assert nmse(made.logits, refimpl_logits(planted, made.prompt)) < 1e-9
+    theirs, _ = models.logits(host, host_program, planted, made.prompt)
+    assert nmse(made.logits, theirs) > 1e3 * LLAMACPP_TOLERANCE
+
+
+def test_a_file_llamacpps_loader_refuses_is_an_error_quoting_it(made, tmp_path, host_program, host, monkeypatch):
+    """Without rope.dimension_sections (which Qwen3.5's loader requires) libllama refuses the file;
+    its own message reaches the error."""
+    import gguf
+
+    from testbed.backends.native.device import NativeRunFailed
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_sections", lambda self, dims: None)
+    cfg, w = hybrid_checkpoints.load_checkpoint(made.folder)
+    path = hybrid_checkpoints.save_gguf(tmp_path / "nosections.gguf", cfg, w)
+    with pytest.raises(UsageError, match="rope.dimension_sections' is missing"):
+        hybrid_checkpoints.load_gguf(path)  # testbed's reader refuses it too
+    with pytest.raises(NativeRunFailed, match="key not found in model: qwen35.rope.dimension_sections"):
+        models.logits(host, host_program, path, made.prompt)
+
+
+AARCH64 = pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None or shutil.which("qemu-aarch64") is None,
+                             reason="g++-aarch64-linux-gnu and qemu-user (scripts/bootstrap.sh --test)")
+
+
+@AARCH64
+def test_llamacpp_on_qemu_aarch64_gives_the_hosts_tokens(made, written, host_program, host):
+    program = build.build("aarch64", programs=("tb_llama_logits",))
+    device = connect(load_profile("qemu-aarch64"))
+    try:
+        theirs, evidence = models.logits(device, program, written, made.prompt)
+    finally:
+        device.close()
+    assert (theirs.argmax(-1) == made.logits.argmax(-1)).all()
+    assert nmse(made.logits, theirs) < LLAMACPP_TOLERANCE
+    assert evidence["device"] == "qemu-aarch64"
+
+
+def test_the_logits_mode_judges_the_hybrids_gguf(made, written, host_program, results_dir):
+    from testbed import config, runner
+
+    outcome = runner.execute(config.load(["experiment=llamacpp", "device=host", "mode=logits", f"gguf={written}",
+                                          f"logits.tokens={PROMPT_TOKENS}"]))
+    (record,) = outcome.frame().query("kind == 'oracle'").to_dict("records")
+    assert record["verdict"] == "pass" and record["metrics.argmax_agreement"] == 1.0, record["detail"]
+    assert "refimpl.qwen35" in record["params.reference"]
