@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow_build,
               pytest.mark.skipif(shutil.which("cmake") is None, reason="libllama is built from source with cmake")]
 
 PROMPT_TOKENS = 80  # past ggml's GDN chunk of 64: llama.cpp's chunked recurrence crosses a boundary
-LLAMACPP_TOLERANCE = 1e-6  # ggml's float32 kernels (its own exp, softplus, l2 norm with eps as max)
+LLAMACPP_TOLERANCE = 1e-9  # ggml's float32 kernels (its own exp, softplus, l2 norm): measured 4e-12 to 7e-12
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
