@@ -1,0 +1,53 @@
+/* Engine contract v1, the C side: what a program under `backend=engine` needs to read a request and
+ * write a response (README, "Engine under test"; engines/contract-v1.schema.json). C99 and libc only,
+ * plus harness.c for .npy files and the count marks.
+ *
+ * The harness pushes a request folder and runs   ENGINE REQUEST_DIR RESPONSE_DIR   on the device:
+ *   REQUEST_DIR/request.args   the request, one key=value per line, nested keys dotted (cache.dtype),
+ *                              lists comma-separated (logits_at=850,851); request.json says the same
+ *   REQUEST_DIR/tokens.npy     int32 [n_tokens]; the model file it names beside it
+ * and pulls RESPONSE_DIR: status.json (tb_respond_ok / tb_respond_refused), logits.npy (npy_save),
+ * optionally state.bin and cache/, and timings.json (tb_timings_write).
+ *
+ * Count marks: tb_call_begin() / tb_call_end() put harness.h's tb_count_begin() / tb_count_end()
+ * around one engine call and record it in timings.json's "calls" with "counted": true, so the i-th
+ * counted region on a counting device (qemu-user's plugin, valgrind) is the i-th counted call. An
+ * engine that never marks is counted as a whole process, and its records say so. */
+#ifndef TB_ENGINE_H
+#define TB_ENGINE_H
+
+#define TB_ENGINE_CONTRACT 1
+
+typedef struct tb_request tb_request; /* opaque: the lines of request.args */
+
+/* Read REQUEST_DIR/request.args; NULL (and a message on stderr) if it cannot be read or is not the
+ * contract version this header speaks. */
+tb_request *tb_request_load(const char *request_dir);
+/* The value of `key` as an integer; `dflt` when absent. A value that is not an integer is an error
+ * (message, exit 2): the harness wrote it, so a bad one is a broken request, never a default. */
+long tb_req_int(const tb_request *req, const char *key, long dflt);
+const char *tb_req_str(const tb_request *req, const char *key, const char *dflt);
+/* A comma-separated list of integers into out[0..max): the count, or -1 when absent or too long. */
+int tb_req_ints(const tb_request *req, const char *key, long *out, int max);
+void tb_request_free(tb_request *req);
+
+/* status.json: {"contract": 1, "status": "ok"} or {"contract": 1, "status": "refused", "reason": ...}.
+ * A refusal is what an engine answers to a request it does not support (the harness records "not
+ * supported", never a pass). Both return 0, or -1 when the file cannot be written. */
+int tb_respond_ok(const char *response_dir);
+int tb_respond_refused(const char *response_dir, const char *reason);
+
+/* One engine call for timings.json's "calls": its name ("chunk", "decode", "prefill", ...), the rows
+ * it took, its wall and CPU seconds. tb_timing_add records an unmarked call ("counted": false). */
+void tb_timing_add(const char *name, int rows, double wall_s, double cpu_s);
+/* The marked form: tb_call_begin() starts the clocks and the count region, tb_call_end() closes both
+ * and records the call with "counted": true. Not nested. */
+void tb_call_begin(void);
+void tb_call_end(const char *name, int rows);
+/* RESPONSE_DIR/timings.json: {"contract": 1, "calls": [...], "marks": [names of the counted calls,
+ * in order], "reps": 1, "device_time": ISO 8601 by the device's clock, "engine": {name, version,
+ * source_hash}}. Returns 0, or -1 when it cannot be written. */
+int tb_timings_write(const char *response_dir, const char *engine_name, const char *version,
+                     const char *source_hash);
+
+#endif
