@@ -172,7 +172,8 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
     want_k, want_v = ref.kv(case.past + case.tokens)
     real = max(float(np.abs(a - b).max()) for a, b in zip(ks + vs, want_k + want_v))
     pad = 0.0
-    for row in range(last.n, case.chunk):
+    # every pad row the backend returned (an engine under test may have removed its pads: none to judge)
+    for row in range(last.n, min(case.chunk, last.n + (run.pad_k[0].shape[1] if run.pad_k else 0))):
         pk, pv = ref.pad_row(int(last.tokens[row]), int(last.table_positions[row]))
         col = row - last.n
         pad = max(pad, max(float(np.abs(a[:, col:col + 1] - b).max()) for a, b in zip(run.pad_k + run.pad_v, pk + pv)))
