@@ -15,6 +15,7 @@ with one line naming it, and nothing is left behind: a file appears whole and ju
 
   gguf_for(checkpoint)   the GGUF of a folder, written once per content under .cache/gguf/ (a .gguf
                          file is returned as it is)
+  gguf_of(cfg, weights)  the same for a model given as config and weights (a seeded shape)
   write_gguf(folder, out)
 """
 
@@ -123,20 +124,35 @@ def judge(module, cfg, weights: dict, path: Path, source: str) -> None:
 
 def write_gguf(folder: str | Path, out: str | Path) -> Path:
     """The GGUF of a Hugging Face folder at `out`, judged by testbed's reader before it appears."""
-    folder, out = Path(folder), Path(out)
+    folder = Path(folder)
     module, config = family(folder)
     cfg, weights = module.load_hf_folder(folder)  # refuses what the reference does not compute
     text = config.get("text_config", config)
-    context = int(text.get("max_position_embeddings", module.DEFAULT_CONTEXT))
+    return write_judged(module, cfg, weights, Path(out), str(folder),
+                        int(text.get("max_position_embeddings", module.DEFAULT_CONTEXT)))
+
+
+def write_judged(module, cfg, weights: dict, out: Path, source: str, context: int) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
         module.save_gguf(tmp, cfg, weights, context_length=context)
-        judge(module, cfg, weights, tmp, str(folder))
+        judge(module, cfg, weights, tmp, source)
         tmp.rename(out)
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+def gguf_of(cfg, weights: dict, cache: Path | None = None) -> Path:
+    """The GGUF of a model given as config and weights (a seeded `shape`), written once per content."""
+    module = hybrid_checkpoints if isinstance(cfg, hybrid_checkpoints.HybridConfig) else gemma_checkpoints
+    h = hashlib.sha256(repr(cfg).encode())
+    for name in sorted(weights):
+        h.update(name.encode() + b"\0" + np.ascontiguousarray(weights[name], np.float32).tobytes())
+    out = (cache or CACHE) / f"{h.hexdigest()[:16]}.gguf"
+    return out if out.is_file() else write_judged(module, cfg, weights, out, f"model {module.GGUF_ARCH}",
+                                                   module.DEFAULT_CONTEXT)
 
 
 def folder_digest(folder: Path) -> str:
@@ -151,7 +167,7 @@ def folder_digest(folder: Path) -> str:
     return h.hexdigest()
 
 
-def gguf_for(checkpoint: str | Path, cache: Path = CACHE) -> Path:
+def gguf_for(checkpoint: str | Path, cache: Path | None = None) -> Path:
     """A .gguf file as given; a Hugging Face folder's GGUF, written once per content under `cache`."""
     path = Path(checkpoint)
     if path.suffix == ".gguf" and path.is_file():
@@ -160,5 +176,5 @@ def gguf_for(checkpoint: str | Path, cache: Path = CACHE) -> Path:
         raise UsageError(f"checkpoint {str(path)!r} is not accepted; accepted: a Hugging Face folder (config.json and "
                          f"*.safetensors) or an existing .gguf file")
     family(path)  # refuses a model_type testbed cannot write, before hashing the weights
-    out = cache / f"{folder_digest(path)[:16]}.gguf"
+    out = (cache or CACHE) / f"{folder_digest(path)[:16]}.gguf"
     return out if out.is_file() else write_gguf(path, out)

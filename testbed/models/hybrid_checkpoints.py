@@ -154,12 +154,12 @@ def load_hf_folder(folder: str | Path) -> tuple[HybridConfig, dict[str, np.ndarr
 def load_checkpoint(path: str | Path) -> tuple[HybridConfig, dict[str, np.ndarray]]:
     """A Hugging Face folder or a qwen35 .gguf file."""
     path = Path(path)
-    if path.is_dir():
-        return load_hf_folder(path)
-    if path.suffix == ".gguf" and path.is_file():
-        return load_gguf(path)
-    raise UsageError(f"checkpoint {str(path)!r} is not accepted; accepted: a Qwen3.5 folder with config.json and "
-                     f"*.safetensors, or an existing .gguf file")
+    if path.suffix != ".gguf" or path.is_dir():
+        return load_hf_folder(path)  # says what a folder lacks
+    if not path.is_file():
+        raise UsageError(f"checkpoint {str(path)!r} is not accepted; accepted: a Qwen3.5 folder with config.json and "
+                         f"*.safetensors, or an existing .gguf file")
+    return load_gguf(path)
 
 
 # --- GGUF ------------------------------------------------------------------------------------------
