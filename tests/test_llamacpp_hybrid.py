@@ -122,3 +122,45 @@ def test_the_logits_mode_judges_the_hybrids_gguf(made, written, host_program, re
     (record,) = outcome.frame().query("kind == 'oracle'").to_dict("records")
     assert record["verdict"] == "pass" and record["metrics.argmax_agreement"] == 1.0, record["detail"]
     assert "refimpl.qwen35" in record["params.reference"]
+
+
+# --- through the adapter: `testbed run hybrid backend=engine engine=llamacpp` (engine contract v1) -----------
+
+ADAPTER_CASE = ["backend=engine", "engine=llamacpp", "device=host", "mode=oracle", "chunk=64", "oracle.past=[0,30]",
+                "oracle.tokens=[64,50]", "oracle.chunks=[16,32,64]", "oracle.tails=[1,9]"]
+
+
+def run_hybrid(made, tmp_path, *overrides):
+    from testbed import config, runner
+
+    prompt = tmp_path / "prompt.npy"
+    np.save(prompt, made.prompt)
+    outcome = runner.execute(config.load(["experiment=hybrid", *ADAPTER_CASE, f"model.checkpoint={made.folder}",
+                                          f"model.prompt={prompt}", *overrides]))
+    return {r["case"]: r for r in outcome.frame().query("kind == 'oracle'").to_dict("records")}
+
+
+def test_the_adapter_gives_transformers_tokens_and_refuses_to_roll_back_recurrent_state(made, tmp_path, results_dir):
+    records = run_hybrid(made, tmp_path)
+    for case in ("P=0,n=64,C=64/engine", "P=30,n=50,C=64/engine"):
+        token, naive = records[f"{case}/token"], records[f"{case}/naive"]
+        assert token["verdict"] == "pass" and naive["verdict"] == "pass", (token["detail"], naive["detail"])
+        position = int(token["params.position"])
+        assert token["metrics.token"] == int(made.logits[position].argmax())  # transformers' token
+        assert token["evidence"][0]["ran"] == "tb_llama_engine"
+    chunks = records["N=80,C=16|32|64/engine/chunk_invariance"]
+    assert chunks["verdict"] == "pass", chunks["detail"]
+    tokens = {int(chunks[f"metrics.tokens.{c}"]) for c in (16, 32, 64)}
+    assert tokens == {int(made.logits[79].argmax())}  # transformers' token, whatever the call boundaries
+    for t in (1, 9):  # llama.cpp's recurrent memory cannot lose a partial range: recorded, never passed
+        rollback = records[f"N={64 + t},tail={t},C=64/engine/state_bytes"]
+        assert rollback["verdict"] == "not supported"
+        assert "llama_memory_seq_rm" in rollback["detail"] and "returned false" in rollback["detail"]
+
+
+def test_a_gguf_with_the_value_heads_grouped_fails_the_adapters_oracles(made, tmp_path, results_dir, monkeypatch):
+    monkeypatch.setattr(gguf_files, "CACHE", tmp_path / "gguf")  # the planted file stays out of the shared cache
+    monkeypatch.setattr(hybrid_checkpoints, "_reorder_v_heads", lambda name, a, cfg, to_tiled: a)
+    records = run_hybrid(made, tmp_path)
+    assert records["P=30,n=50,C=64/engine/naive"]["verdict"] == "fail"
+    assert records["P=30,n=50,C=64/engine/naive"]["metrics.nmse"] > 1e-7
