@@ -122,6 +122,24 @@ def test_an_unknown_key_is_refused(tmp_path, monkeypatch):
         hybrid_checkpoints.load_gguf(path)
 
 
+def test_multi_token_prediction_blocks_after_the_decoders_are_left_out(tmp_path, monkeypatch):
+    """The converter stores Qwen3.5's MTP head as blocks after the decoder's (nextn_predict_layers); llama.cpp's
+    main pass does not run them, and neither does testbed's reader."""
+    import gguf
+
+    class WithMtpBlock(gguf.GGUFWriter):
+        def add_block_count(self, length):
+            super().add_block_count(length + 1)
+            self.add_uint32("qwen35.nextn_predict_layers", 1)
+            self.add_tensor(f"blk.{length}.nextn.eh_proj.weight", np.ones((8, 16), np.float32))
+
+    monkeypatch.setattr(gguf, "GGUFWriter", WithMtpBlock)
+    cfg = qwen35.tiny_config()
+    w = qwen35.init_weights(cfg)
+    back_cfg, back = hybrid_checkpoints.load_gguf(hybrid_checkpoints.save_gguf(tmp_path / "m.gguf", cfg, w))
+    assert back_cfg == cfg and set(back) == set(w)
+
+
 def test_gemma_is_written_the_same_way(tmp_path):
     cfg = gemma.tiny_config(layers=3, vocab=64, hidden=32, mlp=64, heads=2, kv_heads=1, head_dim=16,
                             query_pre_attn_scalar=16.0, window=8, layer_types=("local", "local", "global"))
