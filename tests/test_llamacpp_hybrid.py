@@ -126,17 +126,17 @@ def test_the_logits_mode_judges_the_hybrids_gguf(made, written, host_program, re
 
 # --- through the adapter: `testbed run hybrid backend=engine engine=llamacpp` (engine contract v1) -----------
 
-ADAPTER_CASE = ["backend=engine", "engine=llamacpp", "device=host", "mode=oracle", "chunk=64", "oracle.past=[0,30]",
+ADAPTER_CASE = ["backend=engine", "engine=llamacpp", "mode=oracle", "chunk=64", "oracle.past=[0,30]",
                 "oracle.tokens=[64,50]", "oracle.chunks=[16,32,64]", "oracle.tails=[1,9]"]
 
 
-def run_hybrid(made, tmp_path, *overrides):
+def run_hybrid(made, tmp_path, device="host"):
     from testbed import config, runner
 
     prompt = tmp_path / "prompt.npy"
     np.save(prompt, made.prompt)
-    outcome = runner.execute(config.load(["experiment=hybrid", *ADAPTER_CASE, f"model.checkpoint={made.folder}",
-                                          f"model.prompt={prompt}", *overrides]))
+    outcome = runner.execute(config.load(["experiment=hybrid", *ADAPTER_CASE, f"device={device}",
+                                          f"model.checkpoint={made.folder}", f"model.prompt={prompt}"]))
     return {r["case"]: r for r in outcome.frame().query("kind == 'oracle'").to_dict("records")}
 
 
@@ -164,3 +164,14 @@ def test_a_gguf_with_the_value_heads_grouped_fails_the_adapters_oracles(made, tm
     records = run_hybrid(made, tmp_path)
     assert records["P=30,n=50,C=64/engine/naive"]["verdict"] == "fail"
     assert records["P=30,n=50,C=64/engine/naive"]["metrics.nmse"] > 1e-7
+
+
+@AARCH64
+def test_the_adapter_on_qemu_aarch64_gives_the_hosts_verdicts(made, tmp_path, results_dir):
+    """libllama for aarch64 (static, under qemu-user): the same tokens, the same refusal to roll back."""
+    records = run_hybrid(made, tmp_path, device="qemu-aarch64")
+    verdicts = {case: r["verdict"] for case, r in records.items()}
+    assert verdicts == {case: ("not supported" if case.endswith("state_bytes") else "pass") for case in verdicts}
+    assert {r["evidence"][0]["device"] for r in records.values()} == {"qemu-aarch64"}
+    token = records["P=30,n=50,C=64/engine/token"]
+    assert token["metrics.token"] == int(made.logits[79].argmax())
