@@ -31,8 +31,10 @@
  * marked, each from an empty memory; the outputs are those of the last run.
  *
  * Planted faults for the oracles' own tests, compiled in only by defines (build.py's test builds):
- *   TB_PLANT_CHUNK_OFF_BY_ONE  each full call takes C-1 rows but the plan still advances by C (a row
- *                              of every full chunk never reaches the cache)
+ *   TB_PLANT_CHUNK_OFF_BY_ONE  every call after the first reads its tokens one row early (the classic
+ *                              chunk-boundary slip: row i of the call at `start` gets token start+i-1;
+ *                              positions stay right, which llama.cpp checks: a gap or an overlap in
+ *                              positions it refuses itself)
  *   TB_PLANT_KEEP_PAD_ROW      the rollback removes the pad rows from the second one on (one kept) */
 #include <stdio.h>
 #include <stdlib.h>
@@ -95,7 +97,8 @@ static void decode(plan *p, const char *name, long start, long rows, int marked)
     struct llama_batch *b = &p->batch;
     for (long i = 0; i < rows; i++) {
         long pos = start + i;
-        b->token[i] = pos < p->n_tokens ? p->ids[pos] : 0;
+        long at = TB_PLANT_CHUNK_OFF_BY_ONE && start > 0 ? pos - 1 : pos;
+        b->token[i] = pos < p->n_tokens ? p->ids[at] : 0;
         b->pos[i] = (llama_pos)pos;
         b->n_seq_id[i] = 1;
         b->seq_id[i][0] = 0;
@@ -119,7 +122,7 @@ static void decode(plan *p, const char *name, long start, long rows, int marked)
 static int decode_range(plan *p, const char *name, long from, long to, const char *tail, int marked) {
     long c = p->chunk;
     long start = from;
-    for (; start + c <= to; start += c) decode(p, name, start, TB_PLANT_CHUNK_OFF_BY_ONE ? c - 1 : c, marked);
+    for (; start + c <= to; start += c) decode(p, name, start, c, marked);
     long rest = to - start;
     if (rest == 0) return 0;
     if (strcmp(tail, "scalar") == 0) {
