@@ -265,6 +265,36 @@ def test_a_llamacpp_tree_that_corrupts_its_kv_cache_fails_the_token_oracle(gemma
     assert any("NMSE" in p for p in problems), problems
 
 
+@pytest.fixture(scope="session")
+def functiongemma_shaped(tmp_path_factory) -> Model:
+    """A transformers-made Gemma 3 of FunctionGemma's shape (18 layers, 15 local with window 512, hidden
+    640, 4 heads, 1 KV head, head size 256) with the small tokenizer: the seed's shape without its vocabulary."""
+    folder = tmp_path_factory.mktemp("engine-hf") / "functiongemma-shaped"
+    folder.mkdir()
+    (folder / "tokenizer.model").write_bytes(sp := tokenizer_model())
+    vocab = spm.SentencePieceProcessor(model_proto=sp).get_piece_size()
+    torch.manual_seed(3)
+    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                           query_pre_attn_scalar=256, attn_implementation="eager")
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    gguf_path = models.convert(build.sdist_source(), folder, folder.parent / "functiongemma-shaped-f32.gguf")
+    return Model(folder, gguf_path, model, vocab)
+
+
+@pytest.mark.slow_build
+def test_the_seeds_case_800_past_52_tokens_chunk_64_gives_the_token_at_851(functiongemma_shaped, host):
+    response, theirs, refimpl, hf = token_at_position(functiongemma_shaped, host, engine("host"), chunk=64, past=800,
+                                                      n=52)
+    assert [c["rows"] for c in response.timings["calls"] if c["name"] == "chunk"] == [52]  # one partial call
+    assert judge_token(theirs, refimpl, hf) == []
+
+
 # --- padded tail with rollback ---------------------------------------------------------------------------
 
 
