@@ -51,7 +51,8 @@ from testbed import PROJECT_ROOT, __version__
 from testbed.errors import StoreError
 
 SCHEMA = 2  # 2: rows in committed batches, runs between marks (1: one write per run, no marks)
-VERDICTS = ("pass", "fail", "error")
+# "not supported": an engine under test refused the request (engine contract v1): never a pass
+VERDICTS = ("pass", "fail", "error", "not supported")
 
 
 @dataclass

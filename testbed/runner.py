@@ -186,6 +186,13 @@ def host_load(before: dict | None = None) -> dict:
     return {**before, "load_1m_after": load, "noisy": worst > cores}
 
 
+def backend_label(cfg) -> str:
+    """The records' backend: its name, and for backend=engine the engine's (engine:NAME), so two engines
+    stay apart in tables, sweeps and the report."""
+    backend = str(cfg.get("backend", "refimpl"))
+    return f"engine:{cfg.get('engine')}" if backend == "engine" else backend
+
+
 def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = None, produce=None) -> Outcome:
     """Run the experiment (or `produce(cfg, ctx)`, another source of its records: testbed ab) and store
     its records as they come."""
@@ -194,7 +201,7 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
     store.check_writable()
     device = device or connect(profile)
     info = RunInfo(
-        experiment=rc.experiment, device=rc.device, backend=str(rc.cfg.get("backend", "refimpl")),
+        experiment=rc.experiment, device=rc.device, backend=backend_label(rc.cfg),
         config=rc.flat(), fingerprint=device.fingerprint(), emulated=profile.has("emulated"),
     )
     ctx = experiments.Context(device=device, progress=progress)

@@ -84,8 +84,8 @@ def refuse_mismatch(backend: str, device: str, capabilities) -> None:
     device can run instead. refimpl never runs anywhere but the host: a record under a device's name
     must have been computed there."""
     caps = list(capabilities or ())
-    if backend in caps:
-        return
+    if backend in caps or (backend == "engine" and {"native", "llamacpp"} & set(caps)):
+        return  # an engine under test is a program: it runs wherever native programs do
     others = [n for n in PREFERENCE if n in caps and n != "refimpl"]
     if backend == "refimpl":
         raise UsageError(f"backend=refimpl runs on the host; for device={device} use "
@@ -146,6 +146,11 @@ class GDNRunner(Protocol):
 
 
 # --- Gemma graphs (chunk prefill with past) --------------------------------------------------------
+
+
+class NotSupported(Exception):
+    """The implementation under test refused the request (an engine's status "refused", engine contract
+    v1): the experiment records "not supported", never a pass."""
 
 
 class ContractBroken(Exception):

@@ -135,6 +135,13 @@ def prompt_length(cfg: DictConfig) -> int:
 
 def validate(cfg: DictConfig) -> None:
     cases(cfg)
+    if cfg.backend == "engine":  # the engine's yaml, and that it serves this technique and weight type
+        from testbed.backends.engine import spec as engine_spec
+
+        spec = engine_spec.load(cfg.get("engine"))
+        if cfg.native.weights not in spec.weights:
+            raise UsageError(f"native.weights={cfg.native.weights}: engine={spec.name} takes {', '.join(spec.weights)} "
+                             f"({spec.path}: supports.weights)")
     if cfg.backend == "iree":  # a module for another kind of device is refused before anything compiles
         from testbed.backends.iree.device import check_target_fits
         from testbed.devices import load_profile
@@ -175,7 +182,7 @@ def _setup(cfg: DictConfig, ctx):
     prompt = run_prompt(cfg, model)
     artifacts = {"weights_sha256": weights_sha, **prompt.artifacts()}
     backend = backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device, ctx.progress)
-    if cfg.backend == "native" and cfg.native.weights != "f32":
+    if cfg.backend in ("native", "engine") and cfg.native.weights != "f32":
         # the engine computes with the weights its file stores: refimpl on those is the reference
         w = dequantized(w, cfg.native.weights, cfg.native.group)
     return model, w, prompt.ids, backend, artifacts
@@ -187,15 +194,23 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
     every = cases(cfg)
     for i, case in enumerate(every):
         ctx.progress(f"chunk_prefill oracle {i + 1}/{len(every)} {case.name}")
-        verdicts = check_token_at_position(backend, ref, case, expected=cfg.model.expected_token,
-                                           logit_atol=cfg.logit_atol, cache_atol=cfg.cache_atol,
-                                           token_text=tokenizer.token_text if tokenizer else None)
         params = {"past": case.past, "tokens": case.tokens, "chunk": case.chunk, "position": case.position,
                   "calls": case.calls}
+        try:
+            verdicts = check_token_at_position(backend, ref, case, expected=cfg.model.expected_token,
+                                               logit_atol=cfg.logit_atol, cache_atol=cfg.cache_atol,
+                                               token_text=tokenizer.token_text if tokenizer else None)
+        except backends.NotSupported as e:  # an engine's refusal: recorded as such, never a pass
+            for oracle in ("token", "logits", "cache", "naive"):
+                yield Record("chunk_prefill", f"{case.name}/{oracle}", "oracle", oracle, "not supported", None, {},
+                             params=params, detail=str(e), evidence=backend.evidence.take())
+            continue
         evidence = backend.evidence.take()
         for v in verdicts:
-            yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin,
-                         v.metrics, params=params, detail=v.detail, evidence=evidence)
+            unjudged = v.metrics.get("cache_exposed") is False  # an engine that exposes no K/V: not a pass
+            yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle,
+                         "not supported" if unjudged else v.verdict, v.margin, v.metrics, params=params,
+                         detail=v.detail, evidence=evidence)
     # IREE's graphs run the host's masks; the native engine builds its own (the same for every head), so
     # its attention kernel is run with masks that differ per head apart; refimpl is the reference
     if cfg.backend in ("iree", "native"):

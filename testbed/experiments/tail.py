@@ -27,6 +27,7 @@ breakeven. `testbed table tail` prints the reviewer's table and breakeven of eac
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Iterator
 
@@ -44,7 +45,7 @@ from testbed.oracles.tail import (Engine, check_cache_encoding, check_engine_rol
                                   check_padded_rollback, engine_grid, grid, kill_switch, prompt_lengths)
 
 PARAMS = {
-    "backend": Choice(("refimpl", "native")),
+    "backend": Choice(("refimpl", "native", "engine")),
     "mode": Choice(("bench", "oracle", "all", "fixture")),
     "chunk": Int(1, 4096),
     "calibration_tokens": Int(1, 1 << 16),
@@ -107,6 +108,13 @@ def validate(cfg: DictConfig) -> None:
         if len(pair) != 2 or pair[0] * cfg.chunk + pair[1] < 1:
             raise UsageError(f"oracle.around_chunk entry {list(pair)} is not [blocks, offset] with "
                              "blocks * chunk + offset >= 1")
+    if cfg.backend == "engine" and cfg.mode != "fixture":  # the engine's yaml: this technique, this cache dtype
+        from testbed.backends.engine import spec as engine_spec
+
+        spec = engine_spec.load(cfg.get("engine"))
+        if "tail" not in spec.techniques or cfg.cache.dtype not in spec.cache:
+            raise UsageError(f"engine={spec.name} does not support tail with cache.dtype={cfg.cache.dtype} ({spec.path}: "
+                             f"supports.techniques={list(spec.techniques)}, supports.cache={list(spec.cache)})")
     if cfg.mode == "fixture":
         fixture_path(cfg)
     elif cfg.threshold == "measured":
@@ -128,7 +136,8 @@ def fixture_path(cfg: DictConfig):
 def source_label(cfg: DictConfig, device: str) -> str:
     """Which measurements belong in one table: device, backend, model size, chunk, cache."""
     s = cfg.shape
-    return (f"{device}/{cfg.backend} h{s.hidden}x{s.layers} w{s.window} C={cfg.chunk} "
+    backend = f"engine:{cfg.engine}" if cfg.backend == "engine" else cfg.backend
+    return (f"{device}/{backend} h{s.hidden}x{s.layers} w{s.window} C={cfg.chunk} "
             f"{cfg.cache.dtype} sink={cfg.cache.sink}")
 
 
@@ -160,10 +169,11 @@ def engine_settings(cfg: DictConfig, threshold: int):
                         threads=cfg.threads)
 
 
-def make_engine(cfg: DictConfig, mcfg: gemma.GemmaConfig, w: dict, threshold: int, device):
+def make_engine(cfg: DictConfig, mcfg: gemma.GemmaConfig, w: dict, threshold: int, device, refimpl: bool = False):
     """The engine on the chosen backend: refimpl's numpy model on the host, or the model engine in C
-    (kernels/tb_model.h) on `device`, every prefill run there."""
-    if cfg.backend == "native":
+    (kernels/tb_model.h) on `device`, every prefill run there. refimpl=True: the numpy model whatever
+    the backend (the reference an engine under test is judged against)."""
+    if cfg.backend == "native" and not refimpl:
         from testbed.backends.native.engine import DeviceTailEngine
 
         return DeviceTailEngine(device, mcfg, w, engine_settings(cfg, threshold))
@@ -227,7 +237,71 @@ def cache_encoding_records(cfg: DictConfig, ctx, mcfg, w, threshold: int, n: int
                  detail=v.detail, evidence=[judged.evidence.as_dict(), float_run.evidence.as_dict()])
 
 
+def engine_oracle_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
+    """backend=engine: through the contract, the engine grid's prompts with the tail padded then its pad
+    rows removed against the last partial chunk appended unpadded (tail.mode none): state.bin byte for
+    byte and the next token equal (verdict state_bytes); then the suite's prompts, the first token of
+    the padded and the scalar tail against refimpl's engine on the same caches (verdict first_token,
+    logits within oracle.naive_atol of the cache dtype). A refusal is recorded "not supported"."""
+    from testbed.backends import NotSupported
+    from testbed.backends.engine import spec as engine_spec, tail as engine_tail
+    from testbed.oracles.engine import check_first_token_agrees, check_state_bytes
+
+    spec = engine_spec.load(cfg.engine)
+    program = engine_tail.program(ctx.device, spec)
+    label = source_label(cfg, ctx.device.profile.name)
+    base = engine_settings(cfg, threshold)
+    cases = engine_grid(cfg.oracle.grid_chunk, tuple(cfg.oracle.grid_windows), tuple(cfg.oracle.grid_sinks),
+                        (cfg.cache.dtype,))
+    for i, case in enumerate(cases):
+        ctx.progress(f"tail engine state bytes {i + 1}/{len(cases)} {case.name}")
+        model = dataclasses.replace(mcfg, window=case.window)
+        tokens = np.random.default_rng([cfg.seed, case.prompt]).integers(0, mcfg.vocab, case.prompt)
+        settings = dataclasses.replace(base, chunk=case.chunk, cache_dtype=case.dtype, sink=case.sink)
+        runs = []
+        try:
+            for mode in ("padded", "none"):
+                runs.append(engine_tail.prefill(ctx.device, spec, model, w, tokens, settings, mode,
+                                                engine_program=program))
+            v = check_state_bytes(runs[0], runs[1])
+        except NotSupported as e:
+            v = None
+            detail = str(e)
+        evidence = [r.evidence.as_dict() for r in runs if r.evidence]
+        params = dict(vars(case)) | {"source": label}
+        if v is None:
+            yield Record("tail", f"state/{case.name}", "oracle", "state_bytes", "not supported", None, {},
+                         params=params, detail=detail, evidence=evidence)
+        else:
+            yield Record("tail", f"state/{case.name}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
+                         params=params, detail=v.detail, evidence=evidence)
+    for n in suite_lengths(cfg, threshold):
+        ctx.progress(f"tail engine first token N={n}")
+        tokens = prompt(mcfg, n, cfg.seed)
+        reference = make_engine(cfg, mcfg, w, 0, None, refimpl=True).prefill(tokens)
+        runs, detail = {}, ""
+        try:
+            for mode in ("padded", "scalar"):
+                runs[mode] = engine_tail.prefill(ctx.device, spec, mcfg, w, tokens, base, mode, state=False,
+                                                 engine_program=program)
+        except NotSupported as e:
+            detail = str(e)
+        evidence = [r.evidence.as_dict() for r in runs.values() if r.evidence]
+        params = {"prompt_tokens": n, "tail": n % cfg.chunk, "chunk": cfg.chunk, "source": label}
+        if detail:
+            yield Record("tail", f"N={n}/first_token", "oracle", "first_token", "not supported", None, {},
+                         params=params, detail=detail, evidence=evidence)
+            continue
+        v = check_first_token_agrees(reference.logits, {m: r.logits[0] for m, r in runs.items()},
+                                     float(cfg.oracle.naive_atol[cfg.cache.dtype]))
+        yield Record("tail", f"N={n}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin, v.metrics, params=params,
+                     detail=v.detail, evidence=evidence)
+
+
 def oracle_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
+    if cfg.backend == "engine":
+        yield from engine_oracle_records(cfg, ctx, mcfg, w, threshold)
+        return
     yield from cache_grid_records(cfg, ctx, mcfg, w, threshold)
     yield from cache_encoding_records(cfg, ctx, mcfg, w, threshold, suite_lengths(cfg, threshold)[0])
     engine = make_engine(cfg, mcfg, w, threshold, ctx.device)
@@ -270,6 +344,16 @@ def prefill_flops(mcfg: gemma.GemmaConfig, tel: tp.Telemetry) -> int:
     return sum(call_flops(mcfg, rows, past) for rows, past in calls)
 
 
+def requested_telemetry(n: int, chunk: int, mode: str) -> tp.Telemetry:
+    """What a prefill asked of an engine under test did (the contract returns no telemetry): full chunks,
+    then the tail padded or scalar as requested."""
+    tail = n % chunk
+    padded = mode == "padded" and tail > 0
+    return tp.Telemetry(n, chunk, n - tail, tail if padded else 0, chunk - tail if padded else 0,
+                        0 if padded else tail, ("padded" if padded else "scalar") if tail else "none",
+                        f"tail.mode={mode} requested of the engine")
+
+
 def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
     # Padding is forced wherever the guards allow (threshold 0): the sweep measures what the policy's
     # threshold is then chosen from. Scalar is the kill switch. Every (N, mode) is one variant, and
@@ -299,6 +383,28 @@ def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Rec
 
         def timer(run):
             return run()  # the program's own clocks
+    elif cfg.backend == "engine":
+        from testbed.backends.engine import spec as engine_spec, tail as engine_tail
+
+        spec = engine_spec.load(cfg.engine)
+        program = engine_tail.program(ctx.device, spec)
+        settings = engine_settings(cfg, 0)
+
+        def variant(n: int, mode: str):
+            def run() -> dict[str, float]:
+                r = engine_tail.prefill(ctx.device, spec, mcfg, w, prompts[n], settings, mode, state=False,
+                                        bench={"reps": 1, "warmup": 0}, count=bool(cfg.get("counts")),
+                                        engine_program=program)
+                telemetry[n, mode] = requested_telemetry(n, cfg.chunk, mode)
+                evidence.setdefault((n, mode), []).append(r.evidence.as_dict())
+                if r.counts and r.counts.regions:
+                    instructions.setdefault((n, mode), []).extend(r.counts.of("prefill"))
+                timed = r.timings["calls"][-1:]  # the bench repetition's call (the first is the judged run)
+                return {"wall": float(timed[0]["wall_s"]), "cpu": float(timed[0]["cpu_s"])}
+            return run
+
+        def timer(run):
+            return run()  # the engine's own clocks
     else:
         def variant(n: int, mode: str):
             def run():

@@ -46,7 +46,7 @@ else:
     KERNELS_DIR = _PACKAGE / "_shipped" / "kernels"
 LIBRARY_NAME = "_tb_kernels"
 PROGRAMS = ("tb_gdn_bench", "tb_attention_bench", "tb_cache_bench", "tb_model_bench", "tb_hybrid_bench",
-            "tb_gemm_bench")
+            "tb_gemm_bench", "tb_model_engine")
 TARGETS = ("host", "arm32", "aarch64", "hexagon")
 TOOLCHAINS = ("gnu", "zig", "ndk")
 # A device profile's ABI -> the programs' build target (the host profile's ABI is "host").
@@ -374,3 +374,35 @@ def compile_library(kernels_dir: Path, out: Path, optimize: str = "-O2") -> Path
     if p.returncode != 0:
         raise BuildError(f"compiling {kernels_dir} failed: {p.stderr.strip().splitlines()[-1:]}")
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m testbed.backends.native.build --target=T --kernels=DIR --out=OUT --program=NAME`: build
+    (or reuse) the programs of DIR for T and copy NAME and its build.json into OUT, the build command
+    of engines/testbed-c.yaml (engine contract v1). Exit 3 for a missing tool, 4 for a failed build."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m testbed.backends.native.build")
+    parser.add_argument("--target", required=True, choices=TARGETS)
+    parser.add_argument("--kernels", default=str(KERNELS_DIR))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--program", required=True, choices=PROGRAMS)
+    args = parser.parse_args(argv)
+    try:
+        folder = build_programs(args.target, kernels_dir=Path(args.kernels))
+    except ToolMissing as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(folder / args.program, out / args.program)
+    shutil.copy2(folder / "build.json", out / "build.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,296 @@
+/* testbed's model engine (tb_model.h, the code tb_model_bench runs) behind engine contract v1
+ * (tb_engine.h; README, "Engine under test"): what `backend=engine engine=testbed-c` runs.
+ *
+ *   tb_model_engine REQUEST_DIR RESPONSE_DIR
+ *
+ * technique=chunk_prefill  tokens[0:past] in calls of C rows (pad rows never kept, as tb_model_bench
+ *     does), then tokens[past:n_tokens] in calls of C rows. The last call, when partial, by tail.mode:
+ *     none: zero-padded, its pad rows left in the cache (tb_model_bench's chunk mode, whose bits this
+ *     reproduces); padded: the same, the pad rows then dropped; scalar: its real rows one decode step
+ *     each. logits.npy holds the rows at logits_at (at most one per call); cache/k_L.npy, v_L.npy every
+ *     row the cache holds [kv_heads, rows, head_dim]; the cache is float32 (other dtypes refused).
+ * technique=tail  the prompt through tb_model_prefill on sliding-window caches (cache.dtype, .sink,
+ *     .group): tail.mode padded forces the padded tail (threshold 0), scalar sets the kill switch, none
+ *     appends the last partial chunk's real rows in one call (no pads: the rollback's reference).
+ *     logits.npy: the first token's logits (logits_at must be [n_tokens - 1]); state.bin (state=true):
+ *     every layer's cache in order, each its k, v, then (int8) k_scale, v_scale, then positions: the
+ *     slots' raw bytes, a sliding cache's every slot, a full cache's rows in use.
+ * technique=hybrid, a gguf model, or a request outside what the engine holds: refused (status.json).
+ * bench={reps, warmup}: the plan run again warmup + reps times from empty caches, the timed calls
+ * marked for the instruction counters (without bench, the one run's calls are).
+ *
+ * Faults for the tests (defined by a patched copy, never in a build of testbed's): TB_FAULT_CHUNK_OFF_BY_ONE
+ * (the utterance's calls get positions one too far), TB_FAULT_PAD_ROW_KEPT (a partial past call keeps
+ * one pad row), TB_FAULT_STATE_NOT_CARRIED (each utterance call starts from empty caches). */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "../tb_kernels.h"
+#include "../tb_model.h"
+#include "harness.h"
+#include "model_load.h"
+#include "tb_engine.h"
+
+#ifndef TB_FAULT_CHUNK_OFF_BY_ONE
+#define TB_FAULT_CHUNK_OFF_BY_ONE 0
+#endif
+#ifndef TB_FAULT_PAD_ROW_KEPT
+#define TB_FAULT_PAD_ROW_KEPT 0
+#endif
+#ifndef TB_FAULT_STATE_NOT_CARRIED
+#define TB_FAULT_STATE_NOT_CARRIED 0
+#endif
+
+#define ENGINE_NAME "testbed-c"
+#define ENGINE_VERSION "1"
+
+static const char *g_response;
+
+/* A request this engine does not serve: the refusal is its answer (exit 0). */
+static void refuse(const char *fmt, const char *what) {
+    char reason[512];
+    snprintf(reason, sizeof reason, fmt, what);
+    if (tb_respond_refused(g_response, reason)) exit(4);
+    tb_timings_write(g_response, ENGINE_NAME, ENGINE_VERSION, tb_source_hash());
+    exit(0);
+}
+
+static void check(int rc, const char *what) {
+    if (rc == TB_E_REFUSED) die("%s refused: outside the cache or the vocabulary", what);
+    if (rc != TB_OK) die("%s failed with error %d", what, rc);
+}
+
+static int cache_dtype(const char *name) {
+    if (!strcmp(name, "float32")) return TB_F32;
+    if (!strcmp(name, "float16")) return TB_F16;
+    if (!strcmp(name, "int8")) return TB_INT8;
+    refuse("cache.dtype=%s is not one of float32, float16, int8", name);
+    return -1;
+}
+
+typedef struct {
+    const tb_model *m;
+    const int32_t *tokens;
+    int n_tokens, past, chunk, mode; /* mode: 0 none, 1 padded, 2 scalar */
+    const long *at;
+    int n_at;
+    float *logits; /* [n_at, vocab] */
+} plan;
+
+/* The logits row wanted from a call over [start, start + rows), or -1; *slot: its row in logits.npy. */
+static int wanted(const plan *p, int start, int rows, int *slot) {
+    for (int i = 0; i < p->n_at; i++)
+        if (p->at[i] >= start && p->at[i] < start + rows) return *slot = i, (int)(p->at[i] - start);
+    return -1;
+}
+
+static void call(tb_engine *e, const plan *p, const char *name, int start, int real, int keep, int marked,
+                 int64_t position) {
+    int slot = 0, select = wanted(p, start, real, &slot);
+    float *out = select >= 0 ? p->logits + (size_t)slot * p->m->cfg.vocab : NULL;
+    if (marked) tb_call_begin();
+    int rc = !strcmp(name, "decode")
+                 ? tb_model_decode_with_past(e, p->tokens[start], position, out)
+                 : tb_model_prefill_with_past(e, p->tokens + start, real, p->chunk, position, keep, select < 0 ? 0 : select, out);
+    if (marked) tb_call_end(name, real);
+    check(rc, name);
+}
+
+/* The whole chunk-prefill plan from empty caches. */
+static void run_chunks(tb_engine *e, const plan *p, int marked) {
+    const int C = p->chunk;
+    for (int s = 0; s < p->past; s += C) {
+        const int rows = p->past - s < C ? p->past - s : C;
+        const int keep = TB_FAULT_PAD_ROW_KEPT && rows < C ? rows + 1 : rows;
+        call(e, p, "past", s, rows, keep, marked, s);
+    }
+    for (int s = p->past; s < p->n_tokens; s += C) {
+        const int real = p->n_tokens - s < C ? p->n_tokens - s : C;
+        if (TB_FAULT_STATE_NOT_CARRIED) tb_engine_clear(e);
+        if (real < C && p->mode == 2) { /* scalar tail: one decode step per real row */
+            for (int i = 0; i < real; i++) call(e, p, "decode", s + i, 1, 1, marked, s + i);
+            continue;
+        }
+        call(e, p, "chunk", s, real, C, marked, s + TB_FAULT_CHUNK_OFF_BY_ONE);
+        if (real < C && p->mode == 1) check(tb_engine_drop(e, C - real), "pad rollback");
+    }
+}
+
+static void save_cache_rows(const tb_model *m, tb_engine *e) {
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/cache", g_response);
+    mkdir(dir, 0755);
+    const tb_model_config *c = &m->cfg;
+    for (int i = 0; i < c->layers; i++) {
+        const tb_kv_cache *kv = tb_engine_cache(e, i);
+        const int rows = tb_kv_count(kv);
+        const size_t n = (size_t)c->kv_heads * rows * c->head_dim;
+        float *k = malloc(sizeof(float) * (n ? n : 1)), *v = malloc(sizeof(float) * (n ? n : 1));
+        int64_t *positions = malloc(sizeof(int64_t) * (rows ? rows : 1));
+        if (!k || !v || !positions) die("out of memory");
+        tb_kv_read(kv, k, v, positions, rows);
+        size_t shape[3] = {(size_t)c->kv_heads, (size_t)rows, (size_t)c->head_dim};
+        char name[32];
+        snprintf(name, sizeof name, "k_%d", i);
+        npy_save(dir, name, "<f4", 3, shape, k);
+        snprintf(name, sizeof name, "v_%d", i);
+        npy_save(dir, name, "<f4", 3, shape, v);
+        free(k), free(v), free(positions);
+    }
+}
+
+static void serve_chunk_prefill(const tb_request *req, plan *p, int threads, long reps, long warmup) {
+    const tb_model_config *c = &p->m->cfg;
+    if (strcmp(tb_req_str(req, "cache.dtype", "float32"), "float32"))
+        refuse("cache.dtype=%s: testbed-c's chunk prefill keeps a float32 cache", tb_req_str(req, "cache.dtype", ""));
+    for (int i = 0; i < p->n_at; i++) {
+        int s = p->at[i] < p->past ? (int)(p->at[i] / p->chunk * p->chunk)
+                                   : p->past + (int)((p->at[i] - p->past) / p->chunk) * p->chunk;
+        for (int j = i + 1; j < p->n_at; j++) {
+            int t = p->at[j] < p->past ? (int)(p->at[j] / p->chunk * p->chunk)
+                                       : p->past + (int)((p->at[j] - p->past) / p->chunk) * p->chunk;
+            if (s == t && p->mode != 2) refuse("logits_at=%s: testbed-c gives one logits row per call",
+                                              tb_req_str(req, "logits_at", ""));
+        }
+    }
+    const int calls = (p->n_tokens - p->past + p->chunk - 1) / p->chunk;
+    const int capacity = p->past + 1 + calls * p->chunk; /* + 1: room for the planted kept pad row */
+    tb_engine_options o = {TB_F32, 32, 0, 0, capacity, p->chunk, threads};
+    tb_engine *e;
+    check(tb_engine_create(p->m, &o, &e), "engine");
+    run_chunks(e, p, reps == 0);
+    size_t shape[2] = {(size_t)p->n_at, (size_t)c->vocab};
+    npy_save(g_response, "logits", "<f4", 2, shape, p->logits);
+    if (tb_req_int(req, "cache.expose", 1)) save_cache_rows(p->m, e);
+    for (long r = -warmup; r < reps; r++) {
+        tb_engine_clear(e);
+        run_chunks(e, p, r >= 0);
+    }
+    tb_engine_free(e);
+}
+
+static void write_state(const tb_model *m, tb_engine *e) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/state.bin", g_response);
+    FILE *f = fopen(path, "wb");
+    if (!f) die("cannot write %s", path);
+    for (int i = 0; i < m->cfg.layers; i++) {
+        const tb_kv_cache *kv = tb_engine_cache(e, i);
+        for (int part = 0; part < 5; part++) {
+            if (!tb_kv_has_part(kv, part)) continue;
+            const tb_sliding_cache *s = &kv->part[part];
+            const int slots = m->cfg.layer_type[i] == TB_LOCAL ? s->window : tb_kv_count(kv);
+            for (int q = 0; q < s->planes; q++)
+                fwrite(s->rows + (size_t)q * s->window * s->row_bytes, 1, (size_t)slots * s->row_bytes, f);
+        }
+    }
+    if (fclose(f)) die("cannot write %s", path);
+}
+
+static void serve_tail(const tb_request *req, plan *p, int threads, long reps, long warmup) {
+    const tb_model_config *c = &p->m->cfg;
+    if (p->past) refuse("past=%s: testbed-c's tail prefills a prompt from empty caches", tb_req_str(req, "past", ""));
+    if (p->n_at != 1 || p->at[0] != p->n_tokens - 1)
+        refuse("logits_at=%s: testbed-c's tail gives the first token's logits only (n_tokens - 1)",
+               tb_req_str(req, "logits_at", ""));
+    const int sink = (int)tb_req_int(req, "cache.sink", 0), window = (int)tb_req_int(req, "cache.window", c->window);
+    if (window != c->window) refuse("cache.window=%s: testbed-c's window is the model's", tb_req_str(req, "cache.window", ""));
+    if (sink >= c->window) refuse("cache.sink=%s must be below the window", tb_req_str(req, "cache.sink", ""));
+    /* padded: forced wherever the guards allow (threshold 0); scalar: the kill switch; none: the last
+     * partial chunk's real rows appended by one call, what an unpadded append leaves (the reference a
+     * padded tail rolled back must equal byte for byte) */
+    tb_tail_policy policy = {p->mode == 2 ? 8 : 0, p->mode == 2, 0, p->mode == 0};
+    tb_engine_options o = {cache_dtype(tb_req_str(req, "cache.dtype", "float32")), (int)tb_req_int(req, "cache.group", 16),
+                           1, sink, p->n_tokens / p->chunk * p->chunk + p->chunk + 1, p->chunk, threads};
+    if (o.cache_dtype == TB_INT8 && (o.cache_group < 1 || c->head_dim % o.cache_group))
+        refuse("cache.group=%s must divide head_dim", tb_req_str(req, "cache.group", "16"));
+    tb_engine *e;
+    check(tb_engine_create(p->m, &o, &e), "engine");
+    tb_telemetry tel;
+    if (reps == 0) tb_call_begin();
+    check(tb_model_prefill(e, p->tokens, p->n_tokens, p->chunk, &policy, p->logits, &tel), "prefill");
+    if (reps == 0) tb_call_end("prefill", p->n_tokens);
+    size_t shape[2] = {1, (size_t)c->vocab};
+    npy_save(g_response, "logits", "<f4", 2, shape, p->logits);
+    if (tb_req_int(req, "state", 0)) write_state(p->m, e);
+    for (long r = -warmup; r < reps; r++) {
+        tb_engine_clear(e);
+        if (r >= 0) tb_call_begin();
+        check(tb_model_prefill(e, p->tokens, p->n_tokens, p->chunk, &policy, p->logits, &tel), "prefill");
+        if (r >= 0) tb_call_end("prefill", p->n_tokens);
+    }
+    tb_engine_free(e);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3) die("usage: %s REQUEST_DIR RESPONSE_DIR (engine contract v1)", argv[0]);
+    g_response = argv[2];
+    tb_request *req = tb_request_load(argv[1]);
+    if (!req) return 2;
+    const char *technique = tb_req_str(req, "technique", "");
+    if (strcmp(technique, "chunk_prefill") && strcmp(technique, "tail"))
+        refuse("technique=%s: testbed-c serves chunk_prefill and tail", technique);
+    if (strcmp(tb_req_str(req, "model.format", ""), "safetensors"))
+        refuse("model.format=%s: testbed-c reads testbed's safetensors engine file", tb_req_str(req, "model.format", ""));
+    const char *mode = tb_req_str(req, "tail.mode", "none");
+    const int tail_mode = !strcmp(mode, "none") ? 0 : !strcmp(mode, "padded") ? 1 : !strcmp(mode, "scalar") ? 2 : -1;
+    if (tail_mode < 0) refuse("tail.mode=%s is not one of none, padded, scalar", mode);
+
+    /* the model's shape and weights as tb_model_bench takes them: the harness's arguments */
+    static const char *const keys[] = {TB_MODEL_KEYS, NULL};
+    char *args[32], weights[4096];
+    int n_args = 0;
+    args[n_args++] = argv[0], args[n_args++] = argv[1], args[n_args++] = argv[2];
+    snprintf(weights, sizeof weights, "weights=%s/%s", argv[1], tb_req_str(req, "model.file", ""));
+    args[n_args++] = weights;
+    for (const char *const *k = keys + 1; *k; k++) {
+        char key[64];
+        snprintf(key, sizeof key, "model.config.%s", *k);
+        const char *v = tb_req_str(req, key, NULL);
+        if (!v) continue;
+        size_t len = strlen(*k) + strlen(v) + 2;
+        args[n_args] = malloc(len);
+        if (!args[n_args]) die("out of memory");
+        snprintf(args[n_args++], len, "%s=%s", *k, v);
+    }
+    args[n_args] = NULL;
+    args_init(n_args, args, "(model.config.* of the request)", keys);
+    flush_denormals();
+    st_file file;
+    tb_model *m = malloc(sizeof *m);
+    if (!m) die("out of memory");
+    load_model(m, &file);
+
+    npy_array tokens = npy_load(argv[1], "tokens", "<i4");
+    plan p = {m, tokens.data, (int)tokens.count, (int)tb_req_int(req, "past", 0), (int)tb_req_int(req, "chunk", 0),
+              tail_mode, NULL, 0, NULL};
+    if (tokens.ndim != 1 || (long)tokens.count != tb_req_int(req, "n_tokens", -1))
+        die("tokens.npy holds %zu tokens, request.args says n_tokens=%s", tokens.count, tb_req_str(req, "n_tokens", "?"));
+    if (p.chunk < 1 || p.past < 0 || p.past >= p.n_tokens) die("chunk=%d past=%d n_tokens=%d: out of range", p.chunk, p.past, p.n_tokens);
+    for (int i = 0; i < p.n_tokens; i++)
+        if (p.tokens[i] < 0 || p.tokens[i] >= m->cfg.vocab)
+            refuse("a token outside the vocabulary (tokens.npy)%s", "");
+    long *at = malloc(sizeof(long) * (size_t)p.n_tokens);
+    p.at = at;
+    p.n_at = tb_req_ints(req, "logits_at", at, p.n_tokens);
+    if (p.n_at < 1) refuse("logits_at=%s: testbed-c gives at least one logits row", tb_req_str(req, "logits_at", ""));
+    for (int i = 0; i < p.n_at; i++)
+        if (at[i] < 0 || at[i] >= p.n_tokens || (i && at[i] <= at[i - 1]))
+            die("logits_at=%s: positions must ascend within 0..%d", tb_req_str(req, "logits_at", ""), p.n_tokens - 1);
+    p.logits = calloc((size_t)p.n_at * m->cfg.vocab, sizeof(float));
+    if (!p.logits) die("out of memory");
+    const int threads = (int)tb_req_int(req, "threads", 1);
+    const long reps = tb_req_int(req, "bench.reps", 0), warmup = tb_req_int(req, "bench.warmup", 0);
+    if (!strcmp(technique, "chunk_prefill")) serve_chunk_prefill(req, &p, threads, reps, warmup);
+    else serve_tail(req, &p, threads, reps, warmup);
+
+    /* status last: a run that dies before it leaves no "ok" behind */
+    if (tb_timings_write(g_response, ENGINE_NAME, ENGINE_VERSION, tb_source_hash()) || tb_respond_ok(g_response))
+        return 4;
+    st_close(&file);
+    tb_request_free(req);
+    return 0;
+}

@@ -1,0 +1,123 @@
+"""backend=engine for experiment chunk_prefill: the engine under test serves each utterance through the
+contract, and the token oracle judges it as it judges every backend.
+
+One utterance is two requests: the chunk path (tokens[0:P] then tokens[P:P+n] in calls of C rows,
+the logits row at P+n-1, the engine's cache when it exposes one) and the token-by-token path (the same
+tokens in calls of one row). The K/V rows past P+n, where an engine leaves its last call's pad rows in
+its cache (testbed-c does, as backend=native's program does), are judged as the pad rows they are.
+A refusal raises NotSupported: the experiment records "not supported".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from refimpl import gemma
+from testbed.backends import ContractBroken, EvidenceLog, NotSupported, Utterance
+from testbed.backends.engine import build, spec as specs
+from testbed.backends.engine.runner import Expect, Request, Response, call
+from testbed.backends.native import build as kernel_build
+from testbed.backends.native.engine import export_weights, model_args
+from testbed.devices import Device
+from testbed.errors import UsageError
+from testbed.results import Figure
+
+
+def model_config(cfg: gemma.GemmaConfig, dtype: str, group: int) -> dict:
+    """request.json's model.config: the model's shape as testbed's engine programs take it."""
+    return dict(a.split("=", 1) for a in model_args(cfg, dtype, group))
+
+
+@dataclass
+class EngineRunner:
+    w: dict
+    cfg: gemma.GemmaConfig
+    device: Device
+    spec: specs.EngineSpec
+    program: Path
+    threads: int = 1
+    weights_dtype: str = "f32"
+    weights_group: int = 32
+    count: bool = False
+    evidence: EvidenceLog = field(default_factory=EvidenceLog)
+
+    @property
+    def name(self) -> str:
+        return f"engine:{self.spec.name}"
+
+    def request(self, tokens, past: int, chunk: int, logits_at: list[int], bench: dict | None = None) -> Request:
+        model = export_weights(self.cfg, self.w, self.weights_dtype, self.weights_group)
+        return Request("chunk_prefill", np.asarray(tokens, np.int32), model, "safetensors", self.weights_dtype,
+                       model_config(self.cfg, self.weights_dtype, self.weights_group), past, chunk, logits_at,
+                       threads=self.threads, bench=bench, count=self.count and bench is not None)
+
+    def ask(self, request: Request, measured: bool = False) -> Response:
+        c = self.cfg
+        response = call(self.device, self.spec, request, Expect(c.vocab, c.layers, c.kv_heads, c.head_dim),
+                        self.program, measured=measured)
+        if response.evidence:
+            self.evidence.add(response.evidence)
+        if response.refused:
+            raise NotSupported(f"engine {self.spec.name} refused: {response.reason}")
+        return response
+
+    def utterance(self, prompt, case, build_inputs=gemma.chunk_inputs) -> Utterance:
+        real = case.past + case.tokens
+        tokens = np.asarray(prompt)[:real]
+        chunked = self.ask(self.request(tokens, case.past, case.chunk, [real - 1]))
+        stepped = self.ask(self.request(tokens, case.past, 1, [real - 1]))
+        if chunked.cache_k is None:  # cache/ is optional: the token and logits oracles still judge
+            return Utterance(chunked.logits[0], stepped.logits[0], None, None, None, None, None)
+        rows = chunked.cache_k[0].shape[1]
+        if rows < real or rows > real + case.chunk:
+            raise ContractBroken(f"response/cache/k_0.npy holds {rows} rows; P + n = {real} real rows (and at most "
+                                 f"C - n_last = {case.calls * case.chunk - case.tokens} pad rows) were due")
+        last_start = case.past + (case.calls - 1) * case.chunk
+        # the rows past P+n are the last call's pad rows, where the engine keeps them (the oracle judges
+        # as many as there are; an engine that removed them has none to judge)
+        last = build_inputs(self.cfg, tokens[last_start:real], last_start, case.chunk,
+                            past_positions=np.arange(last_start))
+        ks, vs = chunked.cache_k, chunked.cache_v
+        return Utterance(chunked.logits[0], stepped.logits[0], [k[:, :real] for k in ks], [v[:, :real] for v in vs],
+                         [k[:, real:] for k in ks], [v[:, real:] for v in vs], last)
+
+    def bench(self, prompt, past: int, chunk: int, reps: int, warmup: int) -> dict:
+        """The engine's own times of its calls: the chunk call of C rows and a one-row call, each after
+        `past` positions; with the instructions of each where the engine marks its calls and the device
+        counts."""
+        times = {}
+        for name, rows in (("chunk_call", chunk), ("decode_step", 1)):
+            request = self.request(np.asarray(prompt)[:past + rows], past, rows, [past + rows - 1],
+                                   {"reps": reps, "warmup": warmup})
+            response = self.ask(request, measured=True)
+            timed = [c for c in response.timings["calls"] if c.get("name") == "chunk"]
+            timed = timed[-reps:] if len(timed) >= reps else timed
+            if not timed:
+                raise ContractBroken(f"engine {self.spec.name}'s timings.json has no call named \"chunk\"")
+            times[name] = Figure.of([float(c["wall_s"]) for c in timed], "s")
+            if response.counts and response.counts.regions:
+                times[f"{name}_instructions"] = Figure.of(response.counts.of("chunk")[-reps:], "instructions")
+        return times
+
+    def mask_heads(self, case, seed: int = 0):
+        raise NotSupported("an engine builds its own masks; per-head masks are judged for backend=native and iree")
+
+
+def backend(w, cfg, run_cfg=None, device: Device | None = None, progress=None) -> EngineRunner:
+    def option(key, default):
+        return OmegaConf.select(run_cfg, key, default=default) if run_cfg is not None else default
+
+    if device is None:
+        raise ValueError("an engine runs on a device: pass the connected Device")
+    spec = specs.load(option("engine", None))
+    if "chunk_prefill" not in spec.techniques:
+        raise UsageError(f"engine={spec.name} does not support chunk_prefill ({spec.path}: supports.techniques="
+                         f"{list(spec.techniques)})")
+    target = kernel_build.target_for_abi(device.profile.abi)
+    return EngineRunner(w, cfg, device, spec, build.program_for(spec, target), int(option("threads", 1)),
+                        option("native.weights", "f32"), int(option("native.group", 32)),
+                        count=bool(option("counts", False)))

@@ -1,0 +1,74 @@
+"""testbed's own C engine through engine contract v1 (engines/testbed-c.yaml, kernels/bench/tb_model_engine.c)
+on the selected device (`pytest --device=NAME -m device`): the same bits as backend=native's program
+(tb_model_bench) for the chunk path's logits and every K/V row, pads included, and for the tail's cache
+bytes and first-token logits; the same verdicts from the token oracle; the evidence names the engine,
+its yaml's hash, the program's sha256 and machine, and the request's hash."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from refimpl import gemma
+from testbed.backends.engine import gemma as engine_gemma, spec as engine_spec, tail as engine_tail
+from testbed.backends.native import engine as native_engine, gemma as native_gemma
+from testbed.oracles.tokens import Reference, TokenCase, check_token_at_position
+
+pytestmark = [pytest.mark.device, pytest.mark.requires("native")]
+
+TINY = gemma.tiny_config()
+CASE = TokenCase(21, 13, 8)      # a partial past call, three utterance calls, the last one partial
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return gemma.init_weights(TINY, 0)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return np.random.default_rng(7).integers(0, TINY.vocab, 64)
+
+
+
+def engine_runner(weights, device):
+    from omegaconf import OmegaConf
+
+    return engine_gemma.backend(weights, TINY, OmegaConf.create({"engine": "testbed-c"}), device)
+
+
+def test_chunk_prefill_bits_equal_native(device, weights, prompt):
+    native = native_gemma.backend(weights, TINY, None, device).utterance(prompt, CASE)
+    runner = engine_runner(weights, device)
+    through = runner.utterance(prompt, CASE)
+    assert np.array_equal(native.chunk_logits, through.chunk_logits)
+    for a, b in zip(native.k + native.v + native.pad_k + native.pad_v,
+                    through.k + through.v + through.pad_k + through.pad_v):
+        assert a.shape == b.shape and np.array_equal(a, b)
+    evidence = runner.evidence.take()
+    spec = engine_spec.load("testbed-c")
+    assert len(evidence) == 2 and all(e["device"] == device.name for e in evidence)
+    detail = evidence[0]["detail"]
+    assert detail["engine"] == "testbed-c" and detail["engine_yaml_sha256"] == spec.yaml_sha256
+    assert len(detail["request_sha256"]) == 64 and len(evidence[0]["sha256"]) == 64
+    assert evidence[0]["ran"] == "tb_model_engine"
+
+
+def test_same_verdicts_as_native(device, weights, prompt):
+    ref = Reference(weights, TINY, prompt)
+    native = check_token_at_position(native_gemma.backend(weights, TINY, None, device), ref, CASE)
+    through = check_token_at_position(engine_runner(weights, device), ref, CASE)
+    assert [(v.oracle, v.verdict) for v in native] == [(v.oracle, v.verdict) for v in through]
+    assert all(v.passed for v in through), {v.oracle: v.detail for v in through}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_tail_bytes_equal_native(device, weights, dtype):
+    model = dataclasses.replace(TINY, window=24)
+    tokens = np.random.default_rng(3).integers(0, TINY.vocab, 8 * 3 + 5)
+    settings = native_engine.TailSettings(8, dtype, 16, 2, threshold=0)
+    native = native_engine.tail(device, model, weights, tokens, settings, kill_switch=False)
+    spec = engine_spec.load("testbed-c")
+    through = engine_tail.prefill(device, spec, model, weights, tokens, settings, "padded")
+    assert np.array_equal(native.prefill.logits, through.logits[0])
+    assert through.state == engine_tail.native_state_bytes(model, native)
