@@ -350,6 +350,61 @@ def test_the_planted_chunk_off_by_one_fails_on_qemu_aarch64_too(gemma3, qemu_aar
     assert any("NMSE" in p for p in judge_token(theirs, refimpl, hf))
 
 
+# --- through the contract: `testbed run chunk_prefill backend=llamacpp` ------------------------------------
+
+
+def run_chunk_prefill(gguf_path: Path, device: str, *overrides) -> "pd.DataFrame":
+    from testbed import config, runner
+
+    outcome = runner.execute(config.load(["experiment=chunk_prefill", f"device={device}", "backend=llamacpp",
+                                          "mode=oracle", f"model.checkpoint={gguf_path}", "chunk=16",
+                                          f"cases=[{{past: {PAST}, tokens: {CHUNK_TOKENS}}}]", *overrides]))
+    return outcome.frame().query("kind == 'oracle'").set_index("oracle")
+
+
+def planted_lab(tmp_path: Path, program: str) -> Path:
+    """A lab folder whose engines/llamacpp-planted.yaml is llamacpp.yaml with the planted adapter."""
+    lab = tmp_path / "lab"
+    (lab / "engines").mkdir(parents=True)
+    text = (Path(build.ROOT) / "engines" / "llamacpp.yaml").read_text()
+    text = text.replace("name: llamacpp", "name: llamacpp-planted").replace("tb_llama_engine", program)
+    text = text.replace("source: ../testbed/backends/llamacpp", f"source: {build.HERE}")
+    (lab / "engines" / "llamacpp-planted.yaml").write_text(text)
+    return lab
+
+
+def test_backend_llamacpp_passes_chunk_prefill_through_the_contract_on_the_host(gemma3, results_dir):
+    verdicts = run_chunk_prefill(gemma3.gguf, "host")
+    assert verdicts.loc["token", "verdict"] == "pass" and verdicts.loc["logits", "verdict"] == "pass", verdicts
+    assert verdicts.loc["token", "backend"] == "engine:llamacpp"
+    evidence = verdicts.loc["token", "evidence"][0]
+    assert evidence["detail"]["engine_reported"]["source_hash"] == build.source_hash(build.sdist_source())
+    assert evidence["detail"]["elf_machine_name"] and len(evidence["sha256"]) == 64
+
+
+def test_backend_llamacpp_fails_chunk_prefill_with_the_adapters_chunk_off_by_one(gemma3, results_dir, tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.setenv("TESTBED_LAB", str(planted_lab(tmp_path, "tb_llama_engine_plant_chunk_off_by_one")))
+    verdicts = run_chunk_prefill(gemma3.gguf, "host", "backend=engine", "engine=llamacpp-planted")
+    assert verdicts.loc["logits", "verdict"] == "fail", verdicts[["verdict", "detail"]]
+
+
+@AARCH64
+def test_backend_llamacpp_passes_chunk_prefill_on_qemu_aarch64(gemma3, results_dir):
+    verdicts = run_chunk_prefill(gemma3.gguf, "qemu-aarch64")
+    assert verdicts.loc["token", "verdict"] == "pass" and verdicts.loc["logits", "verdict"] == "pass", verdicts
+    assert verdicts.loc["token", "evidence"][0]["detail"]["elf_machine_name"] == "AArch64"
+
+
+@AARCH64
+@pytest.mark.slow_build
+def test_backend_llamacpp_fails_chunk_prefill_on_qemu_aarch64_with_the_chunk_off_by_one(gemma3, results_dir, tmp_path,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("TESTBED_LAB", str(planted_lab(tmp_path, "tb_llama_engine_plant_chunk_off_by_one")))
+    verdicts = run_chunk_prefill(gemma3.gguf, "qemu-aarch64", "backend=engine", "engine=llamacpp-planted")
+    assert verdicts.loc["logits", "verdict"] == "fail", verdicts[["verdict", "detail"]]
+
+
 # --- refusals and bad input -----------------------------------------------------------------------------
 
 
