@@ -207,8 +207,10 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
             continue
         evidence = backend.evidence.take()
         for v in verdicts:
-            yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin,
-                         v.metrics, params=params, detail=v.detail, evidence=evidence)
+            unjudged = v.metrics.get("cache_exposed") is False  # an engine that exposes no K/V: not a pass
+            yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle,
+                         "not supported" if unjudged else v.verdict, v.margin, v.metrics, params=params,
+                         detail=v.detail, evidence=evidence)
     # IREE's graphs run the host's masks; the native engine builds its own (the same for every head), so
     # its attention kernel is run with masks that differ per head apart; refimpl is the reference
     if cfg.backend in ("iree", "native"):

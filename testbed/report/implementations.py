@@ -3,7 +3,7 @@ must never mix (issue 14, item 10). A chunk-size choice over refimpl's and nativ
 one GDN shape listed once per backend with no backend named, answers no question anyone asked.
 
 The backend is the record's config `backend` (what the run asked for; the record's own `backend`
-where the config has none, e.g. an ingested tool run). The model is what the config says was run:
+where the config has none, e.g. an ingested tool run); for backend=engine, engine:NAME. The model is what the config says was run:
 a seed's fixture, a checkpoint's file name, a named model, the synthetic preset (with its overrides),
 the reference model's size (layers x hidden, window), or the shape of a GDN bench (heads x head size,
 KDA gate or not); "any model" where a run names none (a transport test, a tool's op table).
@@ -51,4 +51,7 @@ def model_of(config: dict) -> str:
 
 def of(record: dict) -> Implementation:
     config = record.get("config") or {}
-    return Implementation(str(record["device"]), str(config.get("backend") or record["backend"]), model_of(config))
+    backend = str(config.get("backend") or record["backend"])
+    if backend == "engine":  # an engine under test is its own implementation: engine:NAME
+        backend = f"engine:{config.get('engine')}"
+    return Implementation(str(record["device"]), backend, model_of(config))

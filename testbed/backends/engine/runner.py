@@ -128,7 +128,7 @@ def _finite(a: np.ndarray, shown: str) -> None:
     bad = ~np.isfinite(a)
     if bad.any():
         at = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ContractError(f"{shown} holds {int(bad.sum())} non-finite value(s), the first {a[at]!r} at index {at}")
+        raise ContractError(f"{shown} holds {int(bad.sum())} non-finite value(s), the first {float(a[at])!r} at index {at}")
 
 
 def _pull(device: Device, remote: str, local: Path, shown: str) -> Path:

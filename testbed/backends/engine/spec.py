@@ -109,14 +109,14 @@ def _problem(node: Any, rule: dict, key: str) -> str | None:
         for name in node:
             if rule.get("additionalProperties") is False and name not in props:
                 return f"{here}{name} is not a key{did_you_mean(name, props)}; accepted: {', '.join(props)}"
+        for name, value in node.items():  # a wrong value first: `contract: 2` says so, whatever else is missing
+            if (why := _problem(value, props.get(name, {}), f"{here}{name}")):
+                return why
         for name in rule.get("required", []):
             if name not in node:
                 return f"{here}{name} is missing (required: {', '.join(rule['required'])})"
         if not rule.get("minProperties", 0) <= len(node) <= rule.get("maxProperties", len(node)):
             return f"{key} must hold exactly one of: {', '.join(props)}"
-        for name, value in node.items():
-            if (why := _problem(value, props.get(name, {}), f"{here}{name}")):
-                return why
     return None
 
 
@@ -155,3 +155,13 @@ def parse(path: Path) -> EngineSpec:
         model_formats=tuple(supports.get("model_formats", ["safetensors"])),
         weights=tuple(supports.get("weights", ["f32"])), cache=tuple(supports.get("cache", ["float32"])),
         invoke=tuple(data["invoke"]), timeout_s=float(data.get("timeout_s", 600)), counts=data.get("counts", "process"))
+
+
+def gguf_model(spec: EngineSpec, checkpoint) -> Path:
+    """The GGUF an engine that reads GGUF only is given: the run's model.checkpoint, which testbed's
+    reference reads too (testbed.models.checkpoints.load_gguf), so both compute the same model."""
+    path = Path(str(checkpoint)).expanduser() if checkpoint else None
+    if path is None or path.suffix != ".gguf" or not path.is_file():
+        raise UsageError(f"model.checkpoint={checkpoint!r} is not accepted with engine={spec.name}, which reads GGUF only "
+                         f"({spec.path}: supports.model_formats={list(spec.model_formats)}); accepted: an existing .gguf file")
+    return path.resolve()

@@ -13,8 +13,9 @@
  *   scalar  decoded one token per call
  *   padded  padded to C rows with pad tokens at the following positions, then the pad rows are
  *           removed with llama_memory_seq_rm (llama.cpp's rollback); if llama.cpp refuses to remove
- *           them (a recurrent state cannot lose a partial range), the request is answered "refused"
- *           with llama.cpp's answer, never computed otherwise
+ *           them (a recurrent state cannot lose a partial range unless the context keeps rs_snapshots
+ *           >= the pad count: llama.cpp's n_rs_seq), the request is answered "refused" with llama.cpp's
+ *           answer, never computed otherwise
  * The logits rows at logits_at are copied right after the call that covers them (a later call
  * overwrites llama.cpp's output buffer). With state=1 the sequence's bytes from
  * llama_state_seq_get_data are written to state.bin: a padded tail rolled back must give the same
@@ -31,8 +32,10 @@
  * marked, each from an empty memory; the outputs are those of the last run.
  *
  * Planted faults for the oracles' own tests, compiled in only by defines (build.py's test builds):
- *   TB_PLANT_CHUNK_OFF_BY_ONE  each full call takes C-1 rows but the plan still advances by C (a row
- *                              of every full chunk never reaches the cache)
+ *   TB_PLANT_CHUNK_OFF_BY_ONE  every call after the first reads its tokens one row early (the classic
+ *                              chunk-boundary slip: row i of the call at `start` gets token start+i-1;
+ *                              positions stay right, which llama.cpp checks: a gap or an overlap in
+ *                              positions it refuses itself)
  *   TB_PLANT_KEEP_PAD_ROW      the rollback removes the pad rows from the second one on (one kept) */
 #include <stdio.h>
 #include <stdlib.h>
@@ -95,7 +98,8 @@ static void decode(plan *p, const char *name, long start, long rows, int marked)
     struct llama_batch *b = &p->batch;
     for (long i = 0; i < rows; i++) {
         long pos = start + i;
-        b->token[i] = pos < p->n_tokens ? p->ids[pos] : 0;
+        long at = TB_PLANT_CHUNK_OFF_BY_ONE && start > 0 ? pos - 1 : pos;
+        b->token[i] = pos < p->n_tokens ? p->ids[at] : 0;
         b->pos[i] = (llama_pos)pos;
         b->n_seq_id[i] = 1;
         b->seq_id[i][0] = 0;
@@ -119,7 +123,7 @@ static void decode(plan *p, const char *name, long start, long rows, int marked)
 static int decode_range(plan *p, const char *name, long from, long to, const char *tail, int marked) {
     long c = p->chunk;
     long start = from;
-    for (; start + c <= to; start += c) decode(p, name, start, TB_PLANT_CHUNK_OFF_BY_ONE ? c - 1 : c, marked);
+    for (; start + c <= to; start += c) decode(p, name, start, c, marked);
     long rest = to - start;
     if (rest == 0) return 0;
     if (strcmp(tail, "scalar") == 0) {
@@ -129,9 +133,9 @@ static int decode_range(plan *p, const char *name, long from, long to, const cha
         llama_pos keep = (llama_pos)(to + TB_PLANT_KEEP_PAD_ROW);
         if (!llama_memory_seq_rm(llama_get_memory(p->ctx), 0, keep, -1)) {
             snprintf(p->refusal, sizeof p->refusal,
-                     "llama_memory_seq_rm(seq 0, positions [%ld, end)) returned false: llama.cpp cannot remove the "
-                     "pad rows of a padded tail from this model's memory (a recurrent state cannot lose a partial range)",
-                     (long)keep);
+                     "llama_memory_seq_rm(seq 0, %ld, -1) returned false: llama.cpp cannot remove the pad rows of a "
+                     "padded tail from this model's memory (recurrent state: partial rollback not supported with "
+                     "n_rs_seq=%u)", (long)keep, llama_n_rs_seq(p->ctx));
             return -1;
         }
     } else {
@@ -169,6 +173,7 @@ int main(int argc, char **argv) {
     long n_tokens = tb_req_int(req, "n_tokens", -1), past = tb_req_int(req, "past", 0);
     long chunk = tb_req_int(req, "chunk", -1), threads = tb_req_int(req, "threads", 1);
     long want_state = tb_req_int(req, "state", 0);
+    long rs_snapshots = tb_req_int(req, "rs_snapshots", 0);  /* recurrent-state snapshots llama.cpp keeps for rollback */
     long reps = tb_req_int(req, "bench.reps", 0), warmup = tb_req_int(req, "bench.warmup", 0);
     static long logits_at[MAX_LOGITS_AT];
     int n_logits_at = tb_req_ints(req, "logits_at", logits_at, MAX_LOGITS_AT);
@@ -226,6 +231,7 @@ int main(int argc, char **argv) {
     cp.n_ctx = (uint32_t)(n_tokens + chunk);  /* room for the pads of a padded tail, the same for every tail mode */
     cp.n_batch = cp.n_ubatch = (uint32_t)chunk;
     cp.n_seq_max = 1;
+    cp.n_rs_seq = (uint32_t)(rs_snapshots > 0 ? rs_snapshots : 0);  /* 0: llama.cpp's default, no partial rollback */
     cp.n_threads = cp.n_threads_batch = (int32_t)threads;
     cp.type_k = cp.type_v = cache_type;
     cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
