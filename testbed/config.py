@@ -356,7 +356,7 @@ class RunConfig:
 
 # experiments where backend=llamacpp means backend=engine engine=llamacpp (engines/llamacpp.yaml: testbed's
 # adapter serving the engine contract with libllama)
-LLAMACPP_AS_ENGINE = ("chunk_prefill", "tail")
+LLAMACPP_AS_ENGINE = ("chunk_prefill", "tail", "hybrid")
 
 
 def load(overrides: Iterable[str] = (), experiment: str | None = None) -> RunConfig:

@@ -238,3 +238,8 @@ def test_an_engine_without_a_cache_is_judged_by_its_logits_and_its_cache_is_not_
     df = run(["backend=engine", "engine=nocache", *SMALL]).frame()
     verdicts = dict(zip(df["oracle"], df["verdict"]))
     assert verdicts == {"token": "pass", "logits": "pass", "cache": "not supported", "naive": "pass"}
+
+
+def test_the_hybrid_through_testbed_c_reads_not_supported(results_dir):
+    df = run(["backend=engine", "engine=testbed-c", "mode=oracle"], experiment="hybrid").frame()
+    assert set(df["verdict"]) == {"not supported"} and df["detail"].str.contains("does not list hybrid").all()

@@ -131,7 +131,6 @@ def test_sweep_over_gdn_chunk_and_context(results_dir, capsys):
     (["mode=fast"], "mode='fast' is not accepted"),
     (["bench.shape.heads=3"], None),
     (["backend=engine", "engine=llamacpp"], "mode=all is not run for backend=engine; accepted: mode=oracle"),
-    (["backend=engine", "engine=testbed-c", "mode=oracle"], "engine=testbed-c does not serve the hybrid from a GGUF"),
     (["backend=engine", "engine=llamacpp", "mode=oracle", "model.gguf=/nowhere/m.gguf"],
      "model.gguf='/nowhere/m.gguf' is not accepted; accepted: auto, or a qwen35 .gguf file on this host"),
 ])

@@ -126,16 +126,16 @@ def test_the_logits_mode_judges_the_hybrids_gguf(made, written, host_program, re
 
 # --- through the adapter: `testbed run hybrid backend=engine engine=llamacpp` (engine contract v1) -----------
 
-ADAPTER_CASE = ["backend=engine", "engine=llamacpp", "mode=oracle", "chunk=64", "oracle.past=[0,30]",
+ADAPTER_CASE = ["backend=engine", "mode=oracle", "chunk=64", "oracle.past=[0,30]",
                 "oracle.tokens=[64,50]", "oracle.chunks=[16,32,64]", "oracle.tails=[1,9]"]
 
 
-def run_hybrid(made, tmp_path, device="host"):
+def run_hybrid(made, tmp_path, device="host", engine="engine=llamacpp"):
     from testbed import config, runner
 
     prompt = tmp_path / "prompt.npy"
     np.save(prompt, made.prompt)
-    outcome = runner.execute(config.load(["experiment=hybrid", *ADAPTER_CASE, f"device={device}",
+    outcome = runner.execute(config.load(["experiment=hybrid", *ADAPTER_CASE, engine, f"device={device}",
                                           f"model.checkpoint={made.folder}", f"model.prompt={prompt}"]))
     return {r["case"]: r for r in outcome.frame().query("kind == 'oracle'").to_dict("records")}
 
@@ -152,10 +152,32 @@ def test_the_adapter_gives_transformers_tokens_and_refuses_to_roll_back_recurren
     assert chunks["verdict"] == "pass", chunks["detail"]
     tokens = {int(chunks[f"metrics.tokens.{c}"]) for c in (16, 32, 64)}
     assert tokens == {int(made.logits[79].argmax())}  # transformers' token, whatever the call boundaries
-    for t in (1, 9):  # llama.cpp's recurrent memory cannot lose a partial range: recorded, never passed
-        rollback = records[f"N={64 + t},tail={t},C=64/engine/state_bytes"]
-        assert rollback["verdict"] == "not supported"
-        assert "llama_memory_seq_rm" in rollback["detail"] and "returned false" in rollback["detail"]
+    # llama.cpp's recurrent memory cannot lose a partial range unless it keeps a snapshot per pad row (n_rs_seq,
+    # at most C - 2 with ubatches of C): refused then, recorded "not supported" in its words, never passed
+    for case in ("N=65,tail=1,C=64,rs=0", "N=65,tail=1,C=64,rs=62", "N=73,tail=9,C=64,rs=0"):
+        rollback = records[f"{case}/engine/state_bytes"]
+        assert rollback["verdict"] == "not supported", rollback
+        assert "llama_memory_seq_rm(seq 0" in rollback["detail"] and "returned false" in rollback["detail"]
+    # with 55 snapshots for 55 pads it rolls back to the bytes of the unpadded tail, and the same next token
+    for oracle in ("state_bytes", "first_token"):
+        rolled = records[f"N=73,tail=9,C=64,rs=55/engine/{oracle}"]
+        assert rolled["verdict"] == "pass", rolled["detail"]
+    assert records["N=73,tail=9,C=64,rs=55/engine/first_token"]["metrics.token"] == int(made.logits[72].argmax())
+
+
+def test_an_adapter_that_keeps_a_pad_row_fails_the_rollback(made, tmp_path, results_dir, monkeypatch):
+    """tb_llama_engine built with TB_PLANT_KEEP_PAD_ROW, as a lab's engine: the recurrent state rolled back one
+    row short differs from the unpadded tail's."""
+    lab = tmp_path / "lab"
+    (lab / "engines").mkdir(parents=True)
+    text = (build.ROOT / "engines" / "llamacpp.yaml").read_text().replace("name: llamacpp", "name: llamacpp-planted")
+    text = text.replace("tb_llama_engine", "tb_llama_engine_plant_keep_pad_row")
+    (lab / "engines" / "llamacpp-planted.yaml").write_text(text.replace("source: ../testbed/backends/llamacpp",
+                                                                       f"source: {build.HERE}"))
+    monkeypatch.setenv("TESTBED_LAB", str(lab))
+    records = run_hybrid(made, tmp_path, "host", "engine=llamacpp-planted")
+    planted = records["N=73,tail=9,C=64,rs=55/engine/state_bytes"]
+    assert planted["verdict"] == "fail" and "state.bin holds" in planted["detail"], planted  # the kept row's K/V
 
 
 def test_a_gguf_with_the_value_heads_grouped_fails_the_adapters_oracles(made, tmp_path, results_dir, monkeypatch):
@@ -171,7 +193,9 @@ def test_the_adapter_on_qemu_aarch64_gives_the_hosts_verdicts(made, tmp_path, re
     """libllama for aarch64 (static, under qemu-user): the same tokens, the same refusal to roll back."""
     records = run_hybrid(made, tmp_path, device="qemu-aarch64")
     verdicts = {case: r["verdict"] for case, r in records.items()}
-    assert verdicts == {case: ("not supported" if case.endswith("state_bytes") else "pass") for case in verdicts}
+    refused = ("N=65,tail=1,C=64,rs=0/engine/state_bytes", "N=65,tail=1,C=64,rs=62/engine/state_bytes",
+               "N=73,tail=9,C=64,rs=0/engine/state_bytes")
+    assert verdicts == {case: ("not supported" if case in refused else "pass") for case in verdicts}
     assert {r["evidence"][0]["device"] for r in records.values()} == {"qemu-aarch64"}
     token = records["P=30,n=50,C=64/engine/token"]
     assert token["metrics.token"] == int(made.logits[79].argmax())

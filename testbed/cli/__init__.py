@@ -100,7 +100,8 @@ def _summary(outcome: runner.Outcome, module) -> str:
         f"run {outcome.info.run_id} stored"
     )
     for _, r in oracles[oracles["verdict"] != "pass"].iterrows() if len(oracles) else []:
-        lines.append(f"FAIL {r['case']}: {r['detail']}")
+        said = "NOT SUPPORTED" if r["verdict"] == "not supported" else "FAIL"  # an engine's refusal: never a pass
+        lines.append(f"{said} {r['case']}: {r['detail']}")
     if outcome.info.emulated and len(df) > len(oracles):
         lines.append(f"NOTE: {outcome.info.device} is emulated: its times above are {emulation.REASON}; its "
                      "instruction counts are exact")

@@ -14,8 +14,9 @@ tb_llama_engine), given the GGUF testbed writes of the same model (`model.gguf=a
 mode=oracle (engine_oracle_records): its token at every call boundary and its logits against the
 float64 model; the first token for each C of oracle.chunks (chunk_invariance: the recurrent state
 carried over other call boundaries); and the padded tail rolled back (state_bytes against the
-unpadded tail), or the engine's refusal to roll back recurrent state recorded "not supported" in its
-own words.
+unpadded tail), with the engine's default memory and with a recurrent-state snapshot per pad row asked
+for (rs_snapshots: llama.cpp's n_rs_seq, at most C - 2), an engine's refusal recorded "not supported"
+in its own words.
 
 oracle     per GDN form and case (P past tokens, then n <= C in one call padded to C rows) against
            redecode of the P + n tokens (all positions from scratch, serial GDN): the token (native:
@@ -231,17 +232,14 @@ def validate(cfg: DictConfig) -> None:
 
 def validate_engine(cfg: DictConfig) -> None:
     """backend=engine runs the oracles (the engine's own measurements are the contract's bench, not these
-    modes), with an engine that serves the hybrid from a GGUF and a GGUF file where one is named."""
+    modes), with a GGUF file where one is named. (An engine that does not serve the hybrid from a GGUF is
+    recorded "not supported" by run.)"""
     from testbed.backends.engine import spec as engine_spec
 
     if cfg.mode != "oracle":
         raise UsageError(f"mode={cfg.mode} is not run for backend=engine; accepted: mode=oracle (backend=refimpl or "
                          f"native run crossover, tail and drift)")
-    spec = engine_spec.load(OmegaConf.select(cfg, "engine", default=None))
-    if "hybrid" not in spec.techniques or "gguf" not in spec.model_formats:
-        raise UsageError(f"engine={spec.name} does not serve the hybrid from a GGUF ({spec.path}: supports.techniques="
-                         f"{list(spec.techniques)}, model_formats={list(spec.model_formats)}); accepted: an engine "
-                         f"with hybrid and gguf")
+    engine_spec.load(OmegaConf.select(cfg, "engine", default=None))  # names what is wrong with the yaml
     given = given_gguf(cfg)
     if given and not (project_path(given).is_file() and given.endswith(".gguf")):
         raise UsageError(f"model.gguf={given!r} is not accepted; accepted: auto, or a qwen35 .gguf file on this host")
@@ -359,9 +357,9 @@ def engine_oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     tokenizer = find_tokenizer(cfg.model.checkpoint)
     end = last_position(cfg)
 
-    def run(tokens, past, chunk, logits_at, tail="none", state=False):
+    def run(tokens, past, chunk, logits_at, tail="none", state=False, rs_snapshots=0):
         return engine.prefill(ctx.device, spec, program, gguf, model, tokens, past, chunk, logits_at, tail, state,
-                              cfg.threads)
+                              cfg.threads, rs_snapshots)
 
     def record(case, oracle, response_or_verdict, params, evidence):
         v = response_or_verdict
@@ -397,19 +395,28 @@ def engine_oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     by_chunk = {c: r.logits[0] for c, r in responses.items()} if refused is None else {}
     yield record(name, "chunk_invariance", refused or check_chunk_invariance(
         qwen35.redecode(w, model, ids[:length])[0][-1], by_chunk, cfg.logit_atol), params, evidence)
+    # the padded tail rolled back: with the engine's default memory (llama.cpp keeps no recurrent snapshot and
+    # refuses), and asking it to keep as many recurrent snapshots as there are pad rows (llama.cpp's n_rs_seq),
+    # at most C - 2: llama.cpp keeps the last n_rs_seq + 1 rows in one ubatch of C rows and aborts
+    # (GGML_ASSERT(n_ubatch > n_keep_tail)) beyond that, so a tail of one token (C - 1 pads) stays refused
     for t in as_list(cfg.oracle.tails):
         length = cfg.chunk + t
-        ctx.progress(f"hybrid oracle engine={spec.name}: padded tail N={length} rolled back")
-        params, name = base | {"prompt_tokens": length, "tail": t}, f"N={length},tail={t},C={cfg.chunk}/engine"
-        padded = run(ids[:length], 0, cfg.chunk, [length - 1], "padded", True)
-        if padded.refused:
-            yield record(name, "state_bytes", padded, params, [padded.evidence.as_dict()] if padded.evidence else [])
-            continue
-        unpadded = run(ids[:length], 0, cfg.chunk, [length - 1], "none", True)
-        evidence = [r.evidence.as_dict() for r in (padded, unpadded) if r.evidence]
-        yield record(name, "state_bytes", check_state_bytes(padded, unpadded), params, evidence)
-        yield record(name, "first_token", check_token(qwen35.redecode(w, model, ids[:length])[0][-1], padded.logits[0],
-                                                      "first_token", cfg.logit_atol), params, evidence)
+        reference = None
+        for snapshots in sorted({0, max(0, min(cfg.chunk - t, cfg.chunk - 2))}):
+            ctx.progress(f"hybrid oracle engine={spec.name}: padded tail N={length} rolled back, "
+                         f"{snapshots} recurrent snapshots")
+            params = base | {"prompt_tokens": length, "tail": t, "rs_snapshots": snapshots}
+            name = f"N={length},tail={t},C={cfg.chunk},rs={snapshots}/engine"
+            padded = run(ids[:length], 0, cfg.chunk, [length - 1], "padded", True, snapshots)
+            if padded.refused:
+                yield record(name, "state_bytes", padded, params, [padded.evidence.as_dict()] if padded.evidence else [])
+                continue
+            unpadded = run(ids[:length], 0, cfg.chunk, [length - 1], "none", True, snapshots)
+            evidence = [r.evidence.as_dict() for r in (padded, unpadded) if r.evidence]
+            yield record(name, "state_bytes", check_state_bytes(padded, unpadded), params, evidence)
+            reference = qwen35.redecode(w, model, ids[:length])[0][-1] if reference is None else reference
+            yield record(name, "first_token", check_token(reference, padded.logits[0], "first_token", cfg.logit_atol),
+                         params, evidence)
 
 
 # --- measurements ------------------------------------------------------------------------------------
@@ -619,6 +626,18 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     from threadpoolctl import threadpool_limits
 
     parts = {"oracle": oracle_records, "crossover": crossover_records, "tail": tail_records, "drift": drift_records}
+    if cfg.backend == "engine":
+        from testbed.backends.engine import spec as engine_spec
+
+        spec = engine_spec.load(cfg.get("engine"))
+        if "hybrid" not in spec.techniques or "gguf" not in spec.model_formats:  # recorded, never a pass
+            why = (f"engine={spec.name} does not list hybrid ({spec.path}: supports.techniques={list(spec.techniques)})"
+                   if "hybrid" not in spec.techniques else f"engine={spec.name} does not read GGUF ({spec.path}: "
+                   f"supports.model_formats={list(spec.model_formats)}); testbed gives the hybrid's engine a GGUF")
+            for part in PARTS[cfg.mode]:
+                yield Record("hybrid", f"{part}/engine", "oracle", part, "not supported", None, {"engine": spec.name},
+                             detail=why)
+            return
     with threadpool_limits(limits=cfg.threads):
         for part in PARTS[cfg.mode]:
             yield from parts[part](cfg, ctx)

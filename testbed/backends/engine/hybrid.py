@@ -41,8 +41,10 @@ def call_ends(past: int, total: int, chunk: int) -> list[int]:
 
 def prefill(device: Device, spec: specs.EngineSpec, engine_program: Path, gguf: Path, cfg: qwen35.HybridConfig,
             tokens, past: int, chunk: int, logits_at: list[int], tail: str = "none", state: bool = False,
-            threads: int = 1) -> Response:
-    """One request: tokens[0:past], then the rest, in calls of `chunk` rows, the last one as `tail` says."""
+            threads: int = 1, rs_snapshots: int = 0) -> Response:
+    """One request: tokens[0:past], then the rest, in calls of `chunk` rows, the last one as `tail` says;
+    `rs_snapshots` recurrent states kept for a rollback (0: the engine's default)."""
     request = Request("hybrid", np.asarray(tokens, np.int32).reshape(-1), gguf, "gguf", "f32", asdict(cfg), past,
-                      chunk, logits_at, tail, {"dtype": "float32", "window": 0, "sink": 0}, state, threads)
+                      chunk, logits_at, tail, {"dtype": "float32", "window": 0, "sink": 0}, state, threads,
+                      rs_snapshots=rs_snapshots)
     return call(device, spec, request, Expect(cfg.vocab), engine_program)
