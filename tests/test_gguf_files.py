@@ -188,7 +188,8 @@ def test_the_gguf_command_writes_the_file_or_says_in_one_line_why_not(made, tmp_
 
     assert main(["gguf", str(made.folder), "--out", str(tmp_path / "m.gguf")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "m.gguf")
-    assert hybrid_checkpoints.load_checkpoint(tmp_path / "m.gguf")[0] == hybrid_checkpoints.load_checkpoint(made.folder)[0]
+    written_cfg = hybrid_checkpoints.load_checkpoint(tmp_path / "m.gguf")[0]
+    assert written_cfg == hybrid_checkpoints.load_checkpoint(made.folder)[0]
     assert main(["gguf", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err.strip()
     assert "checkpoint" in err and "absent" in err and "\n" not in err

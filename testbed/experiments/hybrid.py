@@ -390,7 +390,8 @@ def engine_oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     ctx.progress(f"hybrid oracle engine={spec.name}: {length} tokens in calls of C = {chunks}")
     responses = {c: run(ids[:length], 0, c, [length - 1]) for c in chunks}
     evidence = [r.evidence.as_dict() for r in responses.values() if r.evidence]
-    params, name = base | {"prompt_tokens": length, "chunks": chunks}, f"N={length},C={'|'.join(map(str, chunks))}/engine"
+    params = base | {"prompt_tokens": length, "chunks": chunks}
+    name = f"N={length},C={'|'.join(map(str, chunks))}/engine"
     refused = next((r for r in responses.values() if r.refused), None)
     by_chunk = {c: r.logits[0] for c, r in responses.items()} if refused is None else {}
     yield record(name, "chunk_invariance", refused or check_chunk_invariance(
@@ -409,7 +410,8 @@ def engine_oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
             name = f"N={length},tail={t},C={cfg.chunk},rs={snapshots}/engine"
             padded = run(ids[:length], 0, cfg.chunk, [length - 1], "padded", True, snapshots)
             if padded.refused:
-                yield record(name, "state_bytes", padded, params, [padded.evidence.as_dict()] if padded.evidence else [])
+                evidence = [padded.evidence.as_dict()] if padded.evidence else []
+                yield record(name, "state_bytes", padded, params, evidence)
                 continue
             unpadded = run(ids[:length], 0, cfg.chunk, [length - 1], "none", True, snapshots)
             evidence = [r.evidence.as_dict() for r in (padded, unpadded) if r.evidence]
