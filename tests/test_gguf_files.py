@@ -193,3 +193,19 @@ def test_the_gguf_command_writes_the_file_or_says_in_one_line_why_not(made, tmp_
     assert main(["gguf", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err.strip()
     assert "checkpoint" in err and "absent" in err and "\n" not in err
+
+
+@pytest.mark.slow_build  # libllama
+def test_chunk_prefill_through_llamacpp_takes_a_hugging_face_folder(tmp_path, results_dir):
+    """`testbed run chunk_prefill backend=llamacpp model.checkpoint=DIR`: the reference reads the folder,
+    llama.cpp the GGUF testbed writes of it; the token at P + n - 1 and the logits agree."""
+    from testbed import config, runner
+
+    cfg = gemma.tiny_config(layers=3, vocab=64, hidden=32, mlp=64, heads=2, kv_heads=1, head_dim=16,
+                            query_pre_attn_scalar=16.0, window=8, layer_types=("local", "local", "global"))
+    folder = checkpoints.save_hf_folder(tmp_path / "hf", cfg, gemma.init_weights(cfg, 5))
+    outcome = runner.execute(config.load(["experiment=chunk_prefill", "device=host", "backend=llamacpp", "mode=oracle",
+                                          f"model.checkpoint={folder}", "chunk=16", "cases=[{past: 20, tokens: 12}]"]))
+    verdicts = outcome.frame().query("kind == 'oracle'").set_index("oracle")
+    assert verdicts.loc["token", "verdict"] == "pass" and verdicts.loc["logits", "verdict"] == "pass", verdicts
+    assert verdicts.loc["token", "backend"] == "engine:llamacpp"
