@@ -9,8 +9,15 @@ position, and agree by NMSE with transformers and with testbed's reference readi
 (the value heads left in Hugging Face's grouped order, which ggml's broadcasting reads tiled) passes
 testbed's own round trip and is caught here, by llama.cpp.
 
+Then through the engine contract (`testbed run hybrid backend=llamacpp`: tb_llama_engine): transformers'
+token at every call boundary, the first token equal for every C, and the padded tail rolled back: refused
+by llama.cpp without recurrent snapshots (recorded "not supported" in its words), byte-identical to the
+unpadded tail with one snapshot per pad row (n_rs_seq); a planted kept pad row and a GGUF with grouped
+value heads each fail.
+
 libllama is a heavy build (about 10 minutes cold on two cores, per target), so this file is opt-in:
-`pytest -m slow_build tests/test_llamacpp_hybrid.py`; qemu-aarch64 runs one representative.
+`pytest -m slow_build tests/test_llamacpp_hybrid.py` (about 2 minutes once built); qemu-aarch64 runs
+one representative of each part.
 """
 
 from __future__ import annotations

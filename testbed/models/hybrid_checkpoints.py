@@ -1,4 +1,5 @@
-"""Qwen3.5 text checkpoints (a Hugging Face folder: config.json + *.safetensors) for refimpl.qwen35.
+"""Qwen3.5 text checkpoints (a Hugging Face folder: config.json + *.safetensors; or a GGUF of arch qwen35,
+read and written as llama.cpp's converter writes it) for refimpl.qwen35.
 
 Strict, like testbed.models.checkpoints for Gemma: a config field that would change the computation and that
 the reference does not implement is refused, as is a missing, unexpected or misshapen tensor; each
