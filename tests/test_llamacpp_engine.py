@@ -405,6 +405,28 @@ def test_backend_llamacpp_fails_chunk_prefill_on_qemu_aarch64_with_the_chunk_off
     assert verdicts.loc["logits", "verdict"] == "fail", verdicts[["verdict", "detail"]]
 
 
+def test_backend_llamacpp_tail_rolls_back_byte_identically_through_the_contract(results_dir):
+    """`testbed run tail backend=llamacpp`: testbed writes its seeded model as a GGUF (one per window), the
+    engine grid's padded tails rolled back give the unpadded path's state bytes, sink rows are "not
+    supported" (llama.cpp has none), and the first token agrees with refimpl. llama.cpp's float32 logits
+    sit ~1.1e-3 from the float64-free reference at every shape tried (ggml's float16-table GELU), above the
+    1e-3 set for testbed's own engine, hence 3e-3 here."""
+    from testbed import config, runner
+
+    outcome = runner.execute(config.load(["experiment=tail", "device=host", "backend=llamacpp", "mode=oracle",
+                                          "shape.vocab=256", "shape.hidden=64", "shape.heads=2", "shape.kv_heads=1",
+                                          "shape.head_dim=32", "shape.mlp=128", "chunk=32", "tail=[0,4,8]",
+                                          "oracle.grid_sinks=[0,3]", "oracle.grid_windows=[16]",
+                                          "oracle.naive_atol.float32=3e-3"]))
+    df = outcome.frame().query("kind == 'oracle'")
+    state = df[df["oracle"] == "state_bytes"]
+    sinks = state["case"].str.contains("sink=3")
+    assert (state[~sinks]["verdict"] == "pass").all() and len(state[~sinks]) == 5, state[["case", "verdict", "detail"]]
+    assert (state[sinks]["verdict"] == "not supported").all() and "no sink rows" in state[sinks]["detail"].iloc[0]
+    first = df[df["oracle"] == "first_token"]
+    assert len(first) > 0 and (first["verdict"] == "pass").all(), first[["case", "verdict", "detail"]]
+
+
 # --- refusals and bad input -----------------------------------------------------------------------------
 
 

@@ -156,12 +156,3 @@ def parse(path: Path) -> EngineSpec:
         weights=tuple(supports.get("weights", ["f32"])), cache=tuple(supports.get("cache", ["float32"])),
         invoke=tuple(data["invoke"]), timeout_s=float(data.get("timeout_s", 600)), counts=data.get("counts", "process"))
 
-
-def gguf_model(spec: EngineSpec, checkpoint) -> Path:
-    """The GGUF an engine that reads GGUF only is given: the run's model.checkpoint, which testbed's
-    reference reads too (testbed.models.checkpoints.load_gguf), so both compute the same model."""
-    path = Path(str(checkpoint)).expanduser() if checkpoint else None
-    if path is None or path.suffix != ".gguf" or not path.is_file():
-        raise UsageError(f"model.checkpoint={checkpoint!r} is not accepted with engine={spec.name}, which reads GGUF only "
-                         f"({spec.path}: supports.model_formats={list(spec.model_formats)}); accepted: an existing .gguf file")
-    return path.resolve()
