@@ -19,8 +19,11 @@ KV cache stores K wrong, a rollback that keeps one pad row.
 
 The requests are written here as the contract says (request.args + request.json + tokens.npy) and run
 through testbed's device transports, so the same adapter bytes run on the host and under qemu-user.
-libllama is a heavy build (minutes per ABI, cached by content): the host's chunk and tail oracles and
-one emulated device's chunk oracle run by default, the rest is opt-in (`-m slow_build`).
+libllama is a heavy build (minutes per ABI, cached by content): by default, `testbed run chunk_prefill` and
+`testbed run tail` with backend=llamacpp on the host, chunk_prefill on qemu-aarch64, the rollback and the
+planted faults that build in seconds once libllama is built (the adapter's off by one, the kept pad row) and
+the refusals; the rest is opt-in (`-m slow_build`): every C, f16, the KV-corrupting tree (a second libllama),
+the seed's FunctionGemma-shaped case, the direct requests on qemu-aarch64, qemu-hexagon.
 """
 
 from __future__ import annotations
@@ -213,6 +216,7 @@ def judge_token(theirs: np.ndarray, refimpl: np.ndarray, hf: np.ndarray) -> list
     return problems
 
 
+@pytest.mark.slow_build  # the default run has it through `testbed run` (test_backend_llamacpp_passes_...)
 def test_llamacpps_chunked_prefill_with_past_gives_the_references_token_on_the_host(gemma3, host):
     program = engine("host")
     response, theirs, refimpl, hf = token_at_position(gemma3, host, program, chunk=16)
@@ -329,6 +333,7 @@ def test_a_rollback_that_keeps_one_pad_row_fails_the_state_oracle(gemma3, host):
 
 
 @AARCH64
+@pytest.mark.slow_build  # the default run has it through `testbed run` (test_backend_llamacpp_passes_..._aarch64)
 def test_llamacpp_on_qemu_aarch64_gives_the_references_token(gemma3, qemu_aarch64):
     program = engine("aarch64")
     _, theirs, refimpl, hf = token_at_position(gemma3, qemu_aarch64, program, chunk=32)
@@ -425,6 +430,17 @@ def test_backend_llamacpp_tail_rolls_back_byte_identically_through_the_contract(
     assert (state[sinks]["verdict"] == "not supported").all() and "no sink rows" in state[sinks]["detail"].iloc[0]
     first = df[df["oracle"] == "first_token"]
     assert len(first) > 0 and (first["verdict"] == "pass").all(), first[["case", "verdict", "detail"]]
+
+
+HEXAGON = pytest.mark.skipif(shutil.which("qemu-hexagon") is None, reason="qemu-user with Hexagon (scripts/bootstrap.sh --test)")
+
+
+@HEXAGON
+@pytest.mark.slow_build  # libllama built by zig for Hexagon: the slowest build of all (cached by content)
+def test_backend_llamacpp_passes_chunk_prefill_on_qemu_hexagon(gemma3, results_dir):
+    verdicts = run_chunk_prefill(gemma3.gguf, "qemu-hexagon")
+    assert verdicts.loc["token", "verdict"] == "pass" and verdicts.loc["logits", "verdict"] == "pass", verdicts
+    assert verdicts.loc["token", "evidence"][0]["detail"]["elf_machine_name"] == "QUALCOMM DSP6"
 
 
 # --- refusals and bad input -----------------------------------------------------------------------------
