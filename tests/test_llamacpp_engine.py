@@ -432,6 +432,24 @@ def test_backend_llamacpp_tail_rolls_back_byte_identically_through_the_contract(
     assert len(first) > 0 and (first["verdict"] == "pass").all(), first[["case", "verdict", "detail"]]
 
 
+@AARCH64
+def test_a_sweep_over_c_on_qemu_aarch64_names_llamacpps_best_c_by_instructions(gemma3, results_dir):
+    """Issue 31 item 3: `testbed sweep experiment=chunk_prefill backend=llamacpp chunk=...` gives the per-C
+    table and, on an emulated device, the best C by instructions (never by its times)."""
+    import subprocess
+    import sys
+
+    swept = subprocess.run([sys.executable, "-m", "testbed", "sweep", "experiment=chunk_prefill", "backend=llamacpp",
+                            "chunk=16,32", "device=qemu-aarch64", f"model.checkpoint={gemma3.gguf}", "mode=bench",
+                            "bench.past=32", "bench.reps=3", "bench.warmup=0"], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(build.ROOT), "TESTBED_RESULTS": str(results_dir)})
+    assert swept.returncode == 0, swept.stderr
+    out = swept.stdout
+    assert "no best C by time: the device is emulated" in out and "best C by instructions: " in out, out
+    rows = [line for line in out.splitlines() if line.startswith("| chunk_prefill | llamacpp |")]
+    assert len(rows) == 2 and all("| qemu-aarch64 |" in row for row in rows), out
+
+
 HEXAGON = pytest.mark.skipif(shutil.which("qemu-hexagon") is None, reason="qemu-user with Hexagon (scripts/bootstrap.sh --test)")
 
 
