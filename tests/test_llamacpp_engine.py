@@ -19,8 +19,11 @@ KV cache stores K wrong, a rollback that keeps one pad row.
 
 The requests are written here as the contract says (request.args + request.json + tokens.npy) and run
 through testbed's device transports, so the same adapter bytes run on the host and under qemu-user.
-libllama is a heavy build (minutes per ABI, cached by content): the host's chunk and tail oracles and
-one emulated device's chunk oracle run by default, the rest is opt-in (`-m slow_build`).
+libllama is a heavy build (minutes per ABI, cached by content): by default, `testbed run chunk_prefill` and
+`testbed run tail` with backend=llamacpp on the host, chunk_prefill on qemu-aarch64, the rollback and the
+planted faults that build in seconds once libllama is built (the adapter's off by one, the kept pad row) and
+the refusals; the rest is opt-in (`-m slow_build`): every C, f16, the KV-corrupting tree (a second libllama),
+the seed's FunctionGemma-shaped case, the direct requests on qemu-aarch64, qemu-hexagon.
 """
 
 from __future__ import annotations
@@ -213,6 +216,7 @@ def judge_token(theirs: np.ndarray, refimpl: np.ndarray, hf: np.ndarray) -> list
     return problems
 
 
+@pytest.mark.slow_build  # the default run has it through `testbed run` (test_backend_llamacpp_passes_...)
 def test_llamacpps_chunked_prefill_with_past_gives_the_references_token_on_the_host(gemma3, host):
     program = engine("host")
     response, theirs, refimpl, hf = token_at_position(gemma3, host, program, chunk=16)
@@ -329,6 +333,7 @@ def test_a_rollback_that_keeps_one_pad_row_fails_the_state_oracle(gemma3, host):
 
 
 @AARCH64
+@pytest.mark.slow_build  # the default run has it through `testbed run` (test_backend_llamacpp_passes_..._aarch64)
 def test_llamacpp_on_qemu_aarch64_gives_the_references_token(gemma3, qemu_aarch64):
     program = engine("aarch64")
     _, theirs, refimpl, hf = token_at_position(gemma3, qemu_aarch64, program, chunk=32)
@@ -403,6 +408,57 @@ def test_backend_llamacpp_fails_chunk_prefill_on_qemu_aarch64_with_the_chunk_off
     monkeypatch.setenv("TESTBED_LAB", str(planted_lab(tmp_path, "tb_llama_engine_plant_chunk_off_by_one")))
     verdicts = run_chunk_prefill(gemma3.gguf, "qemu-aarch64", "backend=engine", "engine=llamacpp-planted")
     assert verdicts.loc["logits", "verdict"] == "fail", verdicts[["verdict", "detail"]]
+
+
+def test_backend_llamacpp_tail_rolls_back_byte_identically_through_the_contract(results_dir):
+    """`testbed run tail backend=llamacpp`: testbed writes its seeded model as a GGUF (one per window), the
+    engine grid's padded tails rolled back give the unpadded path's state bytes, sink rows are "not
+    supported" (llama.cpp has none), and the first token agrees with refimpl. llama.cpp's float32 logits
+    sit ~1.1e-3 from the float64-free reference at every shape tried (ggml's float16-table GELU), above the
+    1e-3 set for testbed's own engine, hence 3e-3 here."""
+    from testbed import config, runner
+
+    outcome = runner.execute(config.load(["experiment=tail", "device=host", "backend=llamacpp", "mode=oracle",
+                                          "shape.vocab=256", "shape.hidden=64", "shape.heads=2", "shape.kv_heads=1",
+                                          "shape.head_dim=32", "shape.mlp=128", "chunk=32", "tail=[0,4,8]",
+                                          "oracle.grid_sinks=[0,3]", "oracle.grid_windows=[16]",
+                                          "oracle.naive_atol.float32=3e-3"]))
+    df = outcome.frame().query("kind == 'oracle'")
+    state = df[df["oracle"] == "state_bytes"]
+    sinks = state["case"].str.contains("sink=3")
+    assert (state[~sinks]["verdict"] == "pass").all() and len(state[~sinks]) == 5, state[["case", "verdict", "detail"]]
+    assert (state[sinks]["verdict"] == "not supported").all() and "no sink rows" in state[sinks]["detail"].iloc[0]
+    first = df[df["oracle"] == "first_token"]
+    assert len(first) > 0 and (first["verdict"] == "pass").all(), first[["case", "verdict", "detail"]]
+
+
+@AARCH64
+def test_a_sweep_over_c_on_qemu_aarch64_names_llamacpps_best_c_by_instructions(gemma3, results_dir):
+    """Issue 31 item 3: `testbed sweep experiment=chunk_prefill backend=llamacpp chunk=...` gives the per-C
+    table and, on an emulated device, the best C by instructions (never by its times)."""
+    import subprocess
+    import sys
+
+    swept = subprocess.run([sys.executable, "-m", "testbed", "sweep", "experiment=chunk_prefill", "backend=llamacpp",
+                            "chunk=16,32", "device=qemu-aarch64", f"model.checkpoint={gemma3.gguf}", "mode=bench",
+                            "bench.past=32", "bench.reps=3", "bench.warmup=0"], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(build.ROOT), "TESTBED_RESULTS": str(results_dir)})
+    assert swept.returncode == 0, swept.stderr
+    out = swept.stdout
+    assert "no best C by time: the device is emulated" in out and "best C by instructions: " in out, out
+    rows = [line for line in out.splitlines() if line.startswith("| chunk_prefill | llamacpp |")]
+    assert len(rows) == 2 and all("| qemu-aarch64 |" in row for row in rows), out
+
+
+HEXAGON = pytest.mark.skipif(shutil.which("qemu-hexagon") is None, reason="qemu-user with Hexagon (scripts/bootstrap.sh --test)")
+
+
+@HEXAGON
+@pytest.mark.slow_build  # libllama built by zig for Hexagon: the slowest build of all (cached by content)
+def test_backend_llamacpp_passes_chunk_prefill_on_qemu_hexagon(gemma3, results_dir):
+    verdicts = run_chunk_prefill(gemma3.gguf, "qemu-hexagon")
+    assert verdicts.loc["token", "verdict"] == "pass" and verdicts.loc["logits", "verdict"] == "pass", verdicts
+    assert verdicts.loc["token", "evidence"][0]["detail"]["elf_machine_name"] == "QUALCOMM DSP6"
 
 
 # --- refusals and bad input -----------------------------------------------------------------------------

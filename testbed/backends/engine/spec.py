@@ -156,18 +156,3 @@ def parse(path: Path) -> EngineSpec:
         weights=tuple(supports.get("weights", ["f32"])), cache=tuple(supports.get("cache", ["float32"])),
         invoke=tuple(data["invoke"]), timeout_s=float(data.get("timeout_s", 600)), counts=data.get("counts", "process"))
 
-
-def gguf_model(spec: EngineSpec, checkpoint) -> Path:
-    """The GGUF an engine that reads GGUF only is given: the run's model.checkpoint, which testbed's
-    reference reads too (testbed.models.checkpoints.load_gguf), so both compute the same model; for a
-    Hugging Face folder, the GGUF testbed writes of it (testbed.models.gguf_files, cached by content)."""
-    path = Path(str(checkpoint)).expanduser() if checkpoint else None
-    if path is not None and path.is_dir():
-        from testbed.models.gguf_files import gguf_for
-
-        return gguf_for(path)  # refuses, naming it, what a GGUF cannot carry
-    if path is None or path.suffix != ".gguf" or not path.is_file():
-        raise UsageError(f"model.checkpoint={checkpoint!r} is not accepted with engine={spec.name}, which reads GGUF only "
-                         f"({spec.path}: supports.model_formats={list(spec.model_formats)}); accepted: an existing .gguf file or a "
-                         f"Hugging Face folder (testbed writes its GGUF)")
-    return path.resolve()

@@ -29,7 +29,8 @@
  *
  * Every llama_decode is one marked call (tb_call_begin/tb_call_end: exact per-call instructions on
  * counting devices). With bench = {reps R, warmup W}, the plan runs W times unmarked, then R times
- * marked, each from an empty memory; the outputs are those of the last run.
+ * marked, each from an empty memory, each followed by an unmarked call "prefill" timing the whole
+ * repetition; the outputs are those of the last run.
  *
  * Planted faults for the oracles' own tests, compiled in only by defines (build.py's test builds):
  *   TB_PLANT_CHUNK_OFF_BY_ONE  every call after the first reads its tokens one row early (the classic
@@ -249,8 +250,13 @@ int main(int argc, char **argv) {
 
     for (long i = 0; i < warmup; i++)
         if (run_plan(&p, 0) != 0) return refuse(response_dir, p.refusal);
-    for (long i = 0; i < (reps > 0 ? reps : 1); i++)
+    for (long i = 0; i < (reps > 0 ? reps : 1); i++) {
+        double wall = now_seconds(), cpu = cpu_seconds();
         if (run_plan(&p, 1) != 0) return refuse(response_dir, p.refusal);
+        /* bench: the whole prefill of this repetition as one more (unmarked) call, last of the repetition:
+         * a tail's cost is all its calls (scalar: one per token), which the harness reads as the last call */
+        if (reps > 0) tb_timing_add("prefill", (int)n_tokens, now_seconds() - wall, cpu_seconds() - cpu);
+    }
 
     size_t shape[2] = {(size_t)n_logits_at, (size_t)n_vocab};
     npy_save(response_dir, "logits", "<f4", 2, shape, p.logits);
