@@ -98,8 +98,9 @@ def test_a_lab_engine_gets_verdicts_sweep_rows_and_report_rows(lab, results_dir,
 
 
 @pytest.mark.parametrize("fault, failing", [
-    ("TB_FAULT_CHUNK_OFF_BY_ONE", {"logits", "cache", "naive"}),
-    ("TB_FAULT_PAD_ROW_KEPT", {"cache"}),
+    # each fault is one more build of the lab's engine (~10-20 s): one in the default run, all with -m slow_build
+    pytest.param("TB_FAULT_CHUNK_OFF_BY_ONE", {"logits", "cache", "naive"}, marks=pytest.mark.slow_build),
+    pytest.param("TB_FAULT_PAD_ROW_KEPT", {"cache"}, marks=pytest.mark.slow_build),
     ("TB_FAULT_STATE_NOT_CARRIED", {"token", "logits", "cache", "naive"}),
 ])
 def test_planted_engine_faults_fail_the_oracles(lab, results_dir, fault, failing):
@@ -243,3 +244,49 @@ def test_an_engine_without_a_cache_is_judged_by_its_logits_and_its_cache_is_not_
 def test_the_hybrid_through_testbed_c_reads_not_supported(results_dir):
     df = run(["backend=engine", "engine=testbed-c", "mode=oracle"], experiment="hybrid").frame()
     assert set(df["verdict"]) == {"not supported"} and df["detail"].str.contains("does not list hybrid").all()
+
+
+def test_ab_of_two_engines_judges_the_pairs(lab, results_dir):
+    """`testbed ab engine:A engine:B`: a lab's build of the engine without the host's vector flags and at -O1
+    against testbed-c, six pairs interleaved in one job; the verdict and both sides are recorded."""
+    lab_engine(lab, "toy")
+    p = cli("ab", "engine:testbed-c", "engine:toy", "experiment=chunk_prefill", "bench.past=16", "chunk=8", "--reps", "6",
+            env={"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)})
+    assert p.returncode in (0, 1), p.stderr
+    assert "A = engine:testbed-c" in p.stdout and "B = engine:toy" in p.stdout
+    records = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    [ab] = [r["metrics"]["ab"] for r in records if r.get("kind") == "measure"]
+    assert ab["pairs"] == 6 and ab["verdict"] in ("slower", "faster", "no change", "undecided")
+    assert ab["a"] == "engine:testbed-c" and ab["b"] == "engine:toy"
+
+
+def test_a_build_tool_that_is_missing_exits_3(lab, results_dir):
+    path = lab_engine(lab, "notool")
+    path.write_text(path.read_text().replace('["cc", ', '["no-such-compiler-tb", '))
+    p = cli("run", "chunk_prefill", "backend=engine", "engine=notool", *SMALL,
+            env={"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)})
+    assert p.returncode == 3 and "'no-such-compiler-tb' is not installed" in p.stderr, p.stderr
+
+
+TAIL_SMALL = ["mode=oracle", "chunk=8", "tail=[3]", "shape.hidden=64", "shape.layers=2", "shape.heads=2",
+              "shape.kv_heads=1", "shape.head_dim=32", "shape.mlp=128", "shape.vocab=256", "shape.window=32",
+              "oracle.grid_windows=[16]", "oracle.grid_sinks=[0]"]
+
+
+def test_a_kept_pad_row_in_the_tail_fails_the_state_bytes_oracle(lab, results_dir):
+    """The padded tail's snapshot and rollback count one pad row too few, so one stays in the cache (a
+    patched copy of kernels/model_prefill.c in the lab's engine source): state.bin differs from the
+    unpadded append's, and the verdict says where."""
+    source = lab / "padkept-src"
+    shutil.copytree(kernel_build.KERNELS_DIR, source, ignore=shutil.ignore_patterns("build", "*.o", "*.so"))
+    prefill_c = source / "model_prefill.c"
+    find = "const int real = tail - 1, pads = chunk - real;"
+    assert prefill_c.read_text().count(find) == 1
+    prefill_c.write_text(prefill_c.read_text().replace(find, "const int real = tail - 1, pads = chunk - real - 1;"))
+    lab_engine(lab, "padkept")
+    df = run(["backend=engine", "engine=padkept", *TAIL_SMALL], experiment="tail").frame()
+    state = df[df["oracle"] == "state_bytes"]
+    assert len(state) and (state["verdict"] == "fail").any(), df[["case", "verdict", "detail"]].to_string()
+    assert state.loc[state["verdict"] == "fail", "detail"].str.contains("state.bin").all()
+    clean = run(["backend=engine", "engine=testbed-c", *TAIL_SMALL], experiment="tail").frame()
+    assert (clean["verdict"] == "pass").all()

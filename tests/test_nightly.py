@@ -155,7 +155,7 @@ def test_an_oracle_failure_exits_1_with_the_failures_listed(tmp_path, results_di
 
 
 @pytest.mark.parametrize("args, says", [
-    (["suite=nope"], "unknown suite 'nope'; accepted: default, smoke"),
+    (["suite=nope"], "unknown suite 'nope'; accepted: default, engines, smoke"),
     (["suite=smoke", "nokey=1"], "nokey"),
     (["suite=smoke", 'runs.gdn.overrides=["chunk=0"]'], "chunk=0 is out of range"),
     (["suite=smoke", "devices=[nowhere]"], "unknown device 'nowhere'"),

@@ -223,6 +223,16 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
                              "calls": case.calls}, detail=v.detail, evidence=backend.evidence.take())
 
 
+def ab_engine_calls(cfg: DictConfig) -> list:
+    """`testbed ab engine:A engine:B experiment=chunk_prefill`: one chunk call of C rows after bench.past
+    positions, served by each engine through the contract (testbed.backends.engine.gemma.ab_calls)."""
+    from testbed.backends.engine.gemma import ab_calls
+
+    model, w, _ = load_model(*_model_key(cfg))
+    return ab_calls(w, model, run_prompt(cfg, model).ids, cfg.bench.past, cfg.chunk, cfg.native.weights,
+                    cfg.native.group, cfg.threads)
+
+
 def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -> tuple[float, float]:
     """(chunk path, token-by-token path) seconds for an utterance of n tokens plus a reply."""
     return math.ceil(n / chunk) * chunk_s + reply * decode_s, (n + reply) * decode_s

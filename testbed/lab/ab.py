@@ -222,8 +222,10 @@ class Options:
         return sequential.fixed(1) if emulated else sequential.group_sequential(self.max_pairs)
 
 
-def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: Options):
-    """Yields one Record per call: the pairs' ratios, both sides' counts, the verdicts."""
+def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: Options, engines=None):
+    """Yields one Record per call: the pairs' ratios, both sides' counts, the verdicts. engines: the two
+    sides' EngineSpec for `testbed ab engine:A engine:B` (each side's program serves the calls through
+    engine contract v1 instead of a native program of a source tree)."""
     device = ctx.device
     target = target_for_abi(device.profile.abi)
     emulated = device.profile.has("emulated")
@@ -232,19 +234,27 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple[Tree, Tree], opts: O
     valgrind = not device.profile.has("counts") and (bool(cfg.get("counts")) or device.profile.transport == "local")
     count_here = valgrind and (bool(cfg.get("counts")) or shutil.which("valgrind") is not None)
     uncounted = "not counted: valgrind missing" if valgrind and not count_here else "not counted"
+    if engines:  # an engine's program is built as its yaml says, for valgrind too; on this host its build may
+        count_here, uncounted = False, "not counted (engines are counted on devices that count)"  # hold AVX-512
     builds = {}
     for side, tree in zip("AB", trees):
         ctx.progress(f"building {side} ({tree.spec}) for {target}")
-        builds[side] = _build(side, tree, target)
-    calls: list[Call] = module.ab_calls(cfg)
+        builds[side] = _build(side, tree, target) if not engines else \
+            _engine_build(side, engines["AB".index(side)], target)
+    calls: list[Call] = module.ab_calls(cfg) if not engines else module.ab_engine_calls(cfg)
     sides = {(c.label, s): Side() for c in calls for s in "AB"}
     evidence = {c.label: EvidenceLog() for c in calls}
     rng = np.random.default_rng(opts.seed)
     first = {c.label: int(rng.integers(2)) for c in calls}  # each call's pair order in repetition 0
 
     def run(call: Call, side: str, program: Path, count: bool = False):
-        result = run_native(device, NativeJob(program / call.program, call.inputs, call.outputs, call.args,
-                                              measured=not count, count=count))
+        if engines:
+            from testbed.backends.engine.gemma import ab_run
+
+            result = ab_run(device, engines["AB".index(side)], call, program)
+        else:
+            result = run_native(device, NativeJob(program / call.program, call.inputs, call.outputs, call.args,
+                                                  measured=not count, count=count))
         evidence[call.label].add(result.evidence)
         if (count or device.profile.has("counts")) and result.counts is None:
             tree = trees["AB".index(side)]
@@ -360,6 +370,28 @@ class BuildFailed(DeviceError):
     """A tree's programs do not build for the device: exit status 4, with the compiler's first error."""
 
 
+def _engine_build(side: str, spec, target: str) -> Path:
+    from testbed.backends.engine import build
+
+    return build.program_for(spec, target)
+
+
+def engine_sides(a: str, b: str):
+    """`engine:NAME` on both sides: the two engines (or two builds of one: a lab's second yaml naming
+    another source) as Trees for the records, and their specs; None when neither side is an engine."""
+    if not (a.startswith("engine:") or b.startswith("engine:")):
+        return None
+    if not (a.startswith("engine:") and b.startswith("engine:")):
+        raise UsageError(f"ab {a} {b}: one side is an engine, the other not; accepted: two source trees, or "
+                         "engine:NAME engine:NAME")
+    from testbed.backends.engine import build, spec as engine_spec
+
+    specs = [engine_spec.load(x.removeprefix("engine:")) for x in (a, b)]
+    trees = tuple(Tree(x, f"{s.name}@{s.yaml_sha256[:12]}" + (f"+{build.tree_hash(s.source)[:12]}" if s.source else ""),
+                       s.source or s.path.parent) for x, s in zip((a, b), specs))
+    return trees, specs
+
+
 def _build(side: str, tree: Tree, target: str, avx512: bool = True) -> Path:
     try:
         return build_programs(target, kernels_dir=tree.kernels_dir, avx512=avx512)
@@ -440,19 +472,26 @@ def command(args) -> int:
     opts = options(args)
     rc = config.load(args.overrides, experiment="gdn")  # experiment= among the overrides, else gdn
     module = experiments.load(rc.experiment)
-    if not hasattr(module, "ab_calls"):
+    if not hasattr(module, "ab_calls") and not engine_sides(args.a, args.b):
         offered = [n for n in config.choices("experiment") if hasattr(experiments.load(n), "ab_calls")]
         raise UsageError(f"experiment {rc.experiment!r} has no A/B calls; accepted: {', '.join(offered)}")
-    if rc.cfg.get("backend") != "native":  # ab measures native programs: its backend, unless one was named
+    sides = engine_sides(args.a, args.b)
+    if sides:  # two engines under test through the contract: backend=engine, the experiment's engine calls
+        if not hasattr(module, "ab_engine_calls"):
+            raise UsageError(f"experiment {rc.experiment!r} has no A/B calls for engines; accepted: chunk_prefill")
+        rc = config.load([*args.overrides, "backend=engine", f"engine={sides[1][1].name}"], experiment="gdn")
+    elif rc.cfg.get("backend") != "native":  # ab measures native programs: its backend, unless one was named
         if any(o.lstrip("+").startswith("backend=") for o in args.overrides):
             raise UsageError(f"testbed ab measures native programs; backend={rc.cfg.get('backend')} is not accepted "
-                             "(accepted: backend=native, the one ab chooses when none is named)")
+                             "(accepted: backend=native, the one ab chooses when none is named; or "
+                             "engine:NAME engine:NAME for two engines)")
         rc = config.load([*args.overrides, "backend=native"], experiment="gdn")
-    trees = (resolve_tree(args.a), resolve_tree(args.b))
+    trees = sides[0] if sides else (resolve_tree(args.a), resolve_tree(args.b))
+    engines = sides[1] if sides else None
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not sys.stderr.isatty() else \
         (lambda msg: (sys.stderr.write("\r\033[K" + msg[:120]), sys.stderr.flush()))
     outcome = runner.execute(rc, progress=progress,
-                             produce=lambda cfg, ctx: measure(cfg, ctx, module, rc.experiment, trees, opts))
+                             produce=lambda cfg, ctx: measure(cfg, ctx, module, rc.experiment, trees, opts, engines))
     if sys.stderr.isatty():
         sys.stderr.write("\r\033[K")
     rows = outcome.rows

@@ -44,7 +44,10 @@ class EngineRunner:
     weights_dtype: str = "f32"
     weights_group: int = 32
     count: bool = False
-    gguf: Path | None = None  # the run's GGUF, for an engine that reads GGUF (llama.cpp)
+    # the model file the engine reads: None = testbed's safetensors engine file of `w` (export_weights); an
+    # engine of model_formats [gguf] is given its GGUF here, with model_format "gguf"
+    model_file: Path | None = None
+    model_format: str = "safetensors"
     evidence: EvidenceLog = field(default_factory=EvidenceLog)
 
     @property
@@ -52,11 +55,8 @@ class EngineRunner:
         return f"engine:{self.spec.name}"
 
     def request(self, tokens, past: int, chunk: int, logits_at: list[int], bench: dict | None = None) -> Request:
-        if self.gguf is not None:
-            model, fmt = self.gguf, "gguf"
-        else:
-            model, fmt = export_weights(self.cfg, self.w, self.weights_dtype, self.weights_group), "safetensors"
-        return Request("chunk_prefill", np.asarray(tokens, np.int32), model, fmt, self.weights_dtype,
+        model = self.model_file or export_weights(self.cfg, self.w, self.weights_dtype, self.weights_group)
+        return Request("chunk_prefill", np.asarray(tokens, np.int32), model, self.model_format, self.weights_dtype,
                        model_config(self.cfg, self.weights_dtype, self.weights_group), past, chunk, logits_at,
                        threads=self.threads, bench=bench, count=self.count and bench is not None)
 
@@ -123,10 +123,71 @@ def backend(w, cfg, run_cfg=None, device: Device | None = None, progress=None) -
         raise UsageError(f"engine={spec.name} does not support chunk_prefill ({spec.path}: supports.techniques="
                          f"{list(spec.techniques)})")
     target = kernel_build.target_for_abi(device.profile.abi)
-    gguf = None
+    model_file, model_format = None, "safetensors"
     if "safetensors" not in spec.model_formats:  # an engine that reads GGUF: the run's .gguf, or testbed's GGUF of it
         checkpoint = option("model.checkpoint", None)
-        gguf = Path(checkpoint).resolve() if checkpoint and str(checkpoint).endswith(".gguf") else gguf_of(cfg, w)
+        model_format = "gguf"
+        model_file = Path(checkpoint).resolve() if checkpoint and str(checkpoint).endswith(".gguf") else gguf_of(cfg, w)
     return EngineRunner(w, cfg, device, spec, build.program_for(spec, target), int(option("threads", 1)),
                         option("native.weights", "f32"), int(option("native.group", 32)),
-                        count=bool(option("counts", False)), gguf=gguf)
+                        count=bool(option("counts", False)), model_file=model_file, model_format=model_format)
+
+
+# --- testbed ab over two engines (testbed.lab.ab) ------------------------------------------------------
+
+
+@dataclass
+class EngineCall:
+    """One measured call for `testbed ab engine:A engine:B`: the request both engines serve (a chunk call
+    of C rows after `past` positions, timed once per run by the engine's own clock)."""
+
+    label: str
+    request: Request
+    expect: Expect
+    program: str = "engine"
+    work: dict = field(default_factory=dict)
+
+
+@dataclass
+class EngineRun:
+    """What testbed.lab.ab reads of one run: the timed call's seconds, its count, the outputs, evidence."""
+
+    timings: dict
+    counts: object
+    outputs: dict
+    evidence: object
+
+
+def ab_calls(w: dict, cfg: gemma.GemmaConfig, prompt, past: int, chunk: int, weights: str = "f32",
+             group: int = 32, threads: int = 1) -> list[EngineCall]:
+    model = export_weights(cfg, w, weights, group)
+    tokens = np.asarray(prompt, np.int32)[:past + chunk]
+    request = Request("chunk_prefill", tokens, model, "safetensors", weights, model_config(cfg, weights, group), past,
+                      chunk, [past + chunk - 1], threads=threads, bench={"reps": 1, "warmup": 0})
+    return [EngineCall(f"P={past},C={chunk}/chunk_call", request, Expect(cfg.vocab, cfg.layers, cfg.kv_heads,
+                                                                         cfg.head_dim),
+                       work={"rows": chunk, "keys": past + chunk})]
+
+
+def ab_run(device: Device, spec: specs.EngineSpec, call: EngineCall, program: Path) -> EngineRun:
+    """One run of `call` by the engine: the bench repetition's chunk call (the last call named "chunk")."""
+    from testbed.measure import counts as counting
+
+    response = call_engine(device, spec, call.request, call.expect, program)
+    timed = [c for c in response.timings.get("calls", []) if c.get("name") == "chunk"][-1:]
+    if not timed:
+        raise ContractBroken(f"engine {spec.name}: timings.json has no call named \"chunk\"")
+    counts = response.counts
+    if counts is not None and counts.regions:  # the chunk call's count alone (the past's calls are marked too)
+        counts = counting.Counts(tuple(counts.of("chunk")[-1:]), counts.total, counts.counter, counts.exact, ("chunk",))
+    elif counts is not None:
+        counts = None  # a process count is not a call's: ab does not judge it
+    return EngineRun({"seconds": [float(timed[0]["wall_s"])], "cpu_seconds": [float(timed[0]["cpu_s"])],
+                      "kernel": f"engine:{spec.name}"}, counts, {"logits": response.logits}, response.evidence)
+
+
+def call_engine(device, spec, request, expect, program):
+    response = call(device, spec, request, expect, program, measured=True)
+    if response.refused:
+        raise NotSupported(f"engine {spec.name} refused: {response.reason}")
+    return response
