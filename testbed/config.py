@@ -354,6 +354,11 @@ class RunConfig:
         return out
 
 
+# experiments where backend=llamacpp means backend=engine engine=llamacpp (engines/llamacpp.yaml: testbed's
+# adapter serving the engine contract with libllama)
+LLAMACPP_AS_ENGINE = ("chunk_prefill", "tail", "hybrid")
+
+
 def load(overrides: Iterable[str] = (), experiment: str | None = None) -> RunConfig:
     """Compose one configuration. `experiment` (if given) is the default when no override names one."""
     overrides = list(overrides)
@@ -376,6 +381,9 @@ def load(overrides: Iterable[str] = (), experiment: str | None = None) -> RunCon
     groups = {g: str(option) for g, option in chosen.items() if not g.startswith("hydra/")}
     with _unlocked(cfg):
         del cfg["hydra"]
+    if name in LLAMACPP_AS_ENGINE and cfg.get("backend") == "llamacpp":
+        with _unlocked(cfg):  # llama.cpp is judged on these techniques as the engine under test it is
+            cfg.backend, cfg.engine = "engine", "llamacpp"
     parsed = parse_overrides(overrides)  # again: `experiment=` may have been put in front
     _check_additions(parsed, overrides, cfg, name, device)
     sizes = apply_device_sizes(cfg, parsed, name, device)

@@ -130,6 +130,9 @@ def test_sweep_over_gdn_chunk_and_context(results_dir, capsys):
     (["mode=tail", "chunk=16", "bench.tails=[20]"], "tail 20 is not shorter than chunk=16"),
     (["mode=fast"], "mode='fast' is not accepted"),
     (["bench.shape.heads=3"], None),
+    (["backend=engine", "engine=llamacpp"], "mode=all is not run for backend=engine; accepted: mode=oracle"),
+    (["backend=engine", "engine=llamacpp", "mode=oracle", "model.gguf=/nowhere/m.gguf"],
+     "model.gguf='/nowhere/m.gguf' is not accepted; accepted: auto, or a qwen35 .gguf file on this host"),
 ])
 def test_bad_input_is_refused_in_one_line(results_dir, capsys, overrides, message):
     if message is None:  # checked when the model is built: heads must divide by kv_heads

@@ -13,6 +13,8 @@
   testbed records verify | rm ... | export        inspect and repair the results store
   testbed compare A B [--format md|csv|json|jsonl] two commits, nights or stores: each change, beyond noise or not
   testbed ab A B [key=value ...]                  two source trees' programs measured interleaved in one job
+  testbed gguf CHECKPOINT [--out FILE]            the GGUF of a Hugging Face folder (Gemma 3, Qwen3.5), as
+                                                  llama.cpp's converter writes it, judged by testbed's reader
   (run and sweep take farm=HEAD:PORT: the jobs run on the lab's hosts that own their devices)
 
 Exit status: 0 all oracles passed, 1 an oracle failed (or no records to show), 2 bad input,
@@ -267,6 +269,15 @@ def cmd_nightly(args) -> int:
     return status
 
 
+def cmd_gguf(args) -> int:
+    """Write (or find, cached by content) the GGUF of a checkpoint folder and print its path."""
+    from testbed.models import gguf_files
+
+    path = gguf_files.write_gguf(args.checkpoint, args.out) if args.out else gguf_files.gguf_for(args.checkpoint)
+    print(path)
+    return 0
+
+
 class ConfigHelp(argparse.Action):
     """Hydra's --help: the command's options, then the config groups with their options and defaults and,
     for an experiment named before --help (`run EXPERIMENT`, `sweep experiment=NAME`), its keys."""
@@ -329,6 +340,10 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("overrides", nargs="*", help="suite=NAME (default: default), farm=HEAD:PORT (run on the lab's "
                                                 "Ray cluster) and key=value for the suite's keys")
     n.set_defaults(fn=cmd_nightly)
+    g = sub.add_parser("gguf", help="the GGUF of a Hugging Face folder (Gemma 3, Qwen3.5), judged by testbed's reader")
+    g.add_argument("checkpoint", help="a Hugging Face folder: config.json and *.safetensors")
+    g.add_argument("--out", help="where to write it (default: .cache/gguf/, once per content)")
+    g.set_defaults(fn=cmd_gguf)
     report.register(sub), compare.register(sub), ab.register(sub), device_cli.register(sub)
     records_cli.register(sub)
     farm.register(sub)

@@ -8,7 +8,15 @@ prompt of ids or text through its own tokenizer (`model.prompt=`, testbed.models
 Backends: refimpl (numpy, on the host only) and native: the hybrid engine in C (kernels/tb_hybrid.h,
 program tb_hybrid_bench) built for the device's ABI and run ON the device the run names (the host
 included), the states staying there between calls and pulled for the oracles; every record of such a
-run carries the device's evidence. Each in its serial and chunkwise GDN forms.
+run carries the device's evidence. Each in its serial and chunkwise GDN forms. And engine: an engine
+under test through engine contract v1 (`backend=engine engine=llamacpp`: libllama through
+tb_llama_engine), given the GGUF testbed writes of the same model (`model.gguf=auto`, or a file), in
+mode=oracle (engine_oracle_records): its token at every call boundary and its logits against the
+float64 model; the first token for each C of oracle.chunks (chunk_invariance: the recurrent state
+carried over other call boundaries); and the padded tail rolled back (state_bytes against the
+unpadded tail), with the engine's default memory and with a recurrent-state snapshot per pad row asked
+for (rs_snapshots: llama.cpp's n_rs_seq, at most C - 2), an engine's refusal recorded "not supported"
+in its own words.
 
 oracle     per GDN form and case (P past tokens, then n <= C in one call padded to C rows) against
            redecode of the P + n tokens (all positions from scratch, serial GDN): the token (native:
@@ -55,7 +63,7 @@ from typing import Iterator
 
 import numpy as np
 import pandas as pd
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gdn, naive_qwen35, qwen35
 from testbed.config import Choice, Float, Int, IntList, as_list, project_path
@@ -97,6 +105,7 @@ PARAMS = {
     "oracle.past": IntList(0, 1 << 16),
     "oracle.tokens": IntList(1, 4096),
     "oracle.tails": IntList(1, 4095),
+    "oracle.chunks": IntList(1, 4096),
     "bench.contexts": IntList(1, 1 << 17),
     "bench.prefill_chunk": Int(1, 1 << 16),
     "bench.tails": IntList(0, 4095),
@@ -121,9 +130,9 @@ def load_model(checkpoint: str | None, shape: tuple, seed: int):
     """(config, weights, weights digest): a Hugging Face Qwen3.5 folder, or the shape with seeded weights
     (kept for the next job of a sweep)."""
     if checkpoint:
-        from testbed.models.hybrid_checkpoints import load_hf_folder
+        from testbed.models.hybrid_checkpoints import load_checkpoint
 
-        model, w = load_hf_folder(checkpoint)
+        model, w = load_checkpoint(checkpoint)  # a Hugging Face folder, or a qwen35 GGUF
     else:
         model = qwen35.HybridConfig(**dict(shape))
         w = qwen35.init_weights(model, seed)
@@ -131,11 +140,27 @@ def load_model(checkpoint: str | None, shape: tuple, seed: int):
 
 
 def oracle_model(cfg: DictConfig):
-    """The oracles' model: the checkpoint, or `shape` with weights from `seed`."""
-    checkpoint = str(project_path(cfg.model.checkpoint)) if cfg.model.checkpoint else None
+    """The oracles' model: the checkpoint, or (backend=engine) the GGUF given, or `shape` with weights from `seed`."""
+    given = cfg.model.checkpoint or (given_gguf(cfg) if cfg.backend == "engine" else None)
+    checkpoint = str(project_path(given)) if given else None
     if checkpoint is None:
         model_config(cfg.shape)  # its one-line refusals
     return load_model(checkpoint, tuple((k, int(cfg.shape[k])) for k in SHAPE_KEYS), cfg.seed)
+
+
+def given_gguf(cfg: DictConfig) -> str | None:
+    """model.gguf when it names a file (not auto)."""
+    given = OmegaConf.select(cfg, "model.gguf", default="auto")
+    return None if given in (None, "auto") else str(given)
+
+
+def engine_gguf(cfg: DictConfig, model: qwen35.HybridConfig, w: dict):
+    """The GGUF the engine reads: the file given, or the one testbed writes of the oracles' model."""
+    from testbed.models.gguf_files import gguf_for, gguf_of
+
+    if given_gguf(cfg):
+        return project_path(given_gguf(cfg))
+    return gguf_for(project_path(cfg.model.checkpoint)) if cfg.model.checkpoint else gguf_of(model, w)
 
 
 def cases(cfg: DictConfig) -> list[tuple[int, int]]:
@@ -169,6 +194,8 @@ def validate(cfg: DictConfig) -> None:
         raise UsageError(f"counts=true counts the native engine's instructions; backend={cfg.backend} runs no native "
                          "program (accepted: counts=true with backend=native)")
     parts = PARTS[cfg.mode]
+    if cfg.backend == "engine":
+        validate_engine(cfg)
     tails = []
     if "oracle" in parts:
         past, tokens = as_list(cfg.oracle.past), as_list(cfg.oracle.tokens)
@@ -207,8 +234,28 @@ def validate(cfg: DictConfig) -> None:
         run_prompt(cfg, model.vocab)
 
 
+def validate_engine(cfg: DictConfig) -> None:
+    """backend=engine runs the oracles (the engine's own measurements are the contract's bench, not these
+    modes), with a GGUF file where one is named. (An engine that does not serve the hybrid from a GGUF is
+    recorded "not supported" by run.)"""
+    from testbed.backends.engine import spec as engine_spec
+
+    if cfg.mode != "oracle":
+        raise UsageError(f"mode={cfg.mode} is not run for backend=engine; accepted: mode=oracle (backend=refimpl or "
+                         f"native run crossover, tail and drift)")
+    engine_spec.load(OmegaConf.select(cfg, "engine", default=None))  # names what is wrong with the yaml
+    given = given_gguf(cfg)
+    if given and not (project_path(given).is_file() and given.endswith(".gguf")):
+        raise UsageError(f"model.gguf={given!r} is not accepted; accepted: auto, or a qwen35 .gguf file on this host")
+    if given and cfg.model.checkpoint:
+        raise UsageError(f"model.gguf={given!r} and model.checkpoint={cfg.model.checkpoint!r} are both given; "
+                         f"accepted: one (model.gguf=auto writes the checkpoint's GGUF)")
+
+
 def artifacts(cfg: DictConfig) -> dict:
     """What computed the records (the program's sha256 and build are in each record's evidence)."""
+    if cfg.backend == "engine":
+        return {"engine": str(OmegaConf.select(cfg, "engine", default="")), "model_format": "gguf"}
     if cfg.backend == "native":
         from testbed.backends.native import hybrid as engine
 
@@ -225,6 +272,9 @@ def gdn_forms(cfg: DictConfig) -> dict[str, qwen35.GDNFn]:
 
 
 def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
+    if cfg.backend == "engine":
+        yield from engine_oracle_records(cfg, ctx)
+        return
     model, w, weights_sha = oracle_model(cfg)
     prompt = run_prompt(cfg, model.vocab)
     ids = prompt.ids
@@ -290,6 +340,89 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
             x = gdn.draw_inputs(1, 37, model.linear_k_heads, model.linear_head_dim,
                                 v_repeat=model.linear_v_heads // model.linear_k_heads, gate="mild", seed=cfg.seed)
             yield record(f"pads=27/{form}", check_pad_identity(x, 27, fn), base | {"pads": 27})
+
+
+def engine_oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
+    """An engine under test (engine contract v1) on the GGUF of the oracles' model: per case its token at every
+    call boundary and its logits against the float64 model; the first token across oracle.chunks; the
+    padded tail rolled back against the unpadded one, byte for byte, or the engine's refusal."""
+    from testbed.backends.engine import hybrid as engine, spec as engine_spec
+    from testbed.oracles.engine import check_state_bytes
+    from testbed.oracles.hybrid import check_boundaries, check_chunk_invariance, check_naive, check_token
+
+    model, w, weights_sha = oracle_model(cfg)
+    spec = engine_spec.load(cfg.engine)
+    program = engine.program(ctx.device, spec)
+    gguf = engine_gguf(cfg, model, w)
+    prompt = run_prompt(cfg, model.vocab)
+    ids = prompt.ids
+    arts = {"weights_sha256": weights_sha, "gguf": str(gguf), "engine": spec.name, **prompt.artifacts(),
+            **({"checkpoint": str(project_path(cfg.model.checkpoint))} if cfg.model.checkpoint else {})}
+    tokenizer = find_tokenizer(cfg.model.checkpoint)
+    end = last_position(cfg)
+
+    def run(tokens, past, chunk, logits_at, tail="none", state=False, rs_snapshots=0):
+        return engine.prefill(ctx.device, spec, program, gguf, model, tokens, past, chunk, logits_at, tail, state,
+                              cfg.threads, rs_snapshots)
+
+    def record(case, oracle, response_or_verdict, params, evidence):
+        v = response_or_verdict
+        if getattr(v, "refused", False):  # the engine's refusal, in its words: never a pass
+            return Record("hybrid", f"{case}/{oracle}", "oracle", oracle, "not supported", None, {}, params=params,
+                          artifacts=arts, detail=f"engine {spec.name} refused: {v.reason}", evidence=evidence)
+        return Record("hybrid", f"{case}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
+                      params=params, artifacts=arts, detail=v.detail, evidence=evidence)
+
+    base = {"engine": spec.name, "chunk": cfg.chunk}
+    for p, n in cases(cfg):
+        ctx.progress(f"hybrid oracle engine={spec.name} P={p} n={n} C={cfg.chunk}")
+        ends = engine.call_ends(p, p + n, cfg.chunk)
+        response = run(ids[:p + n], p, cfg.chunk, ends)
+        params, name = base | {"past": p, "tokens": n, "position": p + n - 1}, f"P={p},n={n},C={cfg.chunk}/engine"
+        evidence = [response.evidence.as_dict()] if response.evidence else []
+        if response.refused:
+            yield record(name, "token", response, params, evidence)
+            continue
+        reference = qwen35.redecode(w, model, ids[:p + n])[0]
+        expected = cfg.model.expected_token if p + n - 1 == end else None
+        yield record(name, "token", check_boundaries(reference, response.logits, ends, cfg.logit_atol, expected,
+                                                     tokenizer.token_text if tokenizer else None), params, evidence)
+        yield record(name, "naive", check_naive(naive_qwen35.logits(w, model, ids[:p + n]), response.logits[-1],
+                                                cfg.threshold, cfg.logit_atol), params, evidence)
+    length = max(p + n for p, n in cases(cfg))
+    chunks = as_list(cfg.oracle.chunks)
+    ctx.progress(f"hybrid oracle engine={spec.name}: {length} tokens in calls of C = {chunks}")
+    responses = {c: run(ids[:length], 0, c, [length - 1]) for c in chunks}
+    evidence = [r.evidence.as_dict() for r in responses.values() if r.evidence]
+    params = base | {"prompt_tokens": length, "chunks": chunks}
+    name = f"N={length},C={'|'.join(map(str, chunks))}/engine"
+    refused = next((r for r in responses.values() if r.refused), None)
+    by_chunk = {c: r.logits[0] for c, r in responses.items()} if refused is None else {}
+    yield record(name, "chunk_invariance", refused or check_chunk_invariance(
+        qwen35.redecode(w, model, ids[:length])[0][-1], by_chunk, cfg.logit_atol), params, evidence)
+    # the padded tail rolled back: with the engine's default memory (llama.cpp keeps no recurrent snapshot and
+    # refuses), and asking it to keep as many recurrent snapshots as there are pad rows (llama.cpp's n_rs_seq),
+    # at most C - 2: llama.cpp keeps the last n_rs_seq + 1 rows in one ubatch of C rows and aborts
+    # (GGML_ASSERT(n_ubatch > n_keep_tail)) beyond that, so a tail of one token (C - 1 pads) stays refused
+    for t in as_list(cfg.oracle.tails):
+        length = cfg.chunk + t
+        reference = None
+        for snapshots in sorted({0, max(0, min(cfg.chunk - t, cfg.chunk - 2))}):
+            ctx.progress(f"hybrid oracle engine={spec.name}: padded tail N={length} rolled back, "
+                         f"{snapshots} recurrent snapshots")
+            params = base | {"prompt_tokens": length, "tail": t, "rs_snapshots": snapshots}
+            name = f"N={length},tail={t},C={cfg.chunk},rs={snapshots}/engine"
+            padded = run(ids[:length], 0, cfg.chunk, [length - 1], "padded", True, snapshots)
+            if padded.refused:
+                evidence = [padded.evidence.as_dict()] if padded.evidence else []
+                yield record(name, "state_bytes", padded, params, evidence)
+                continue
+            unpadded = run(ids[:length], 0, cfg.chunk, [length - 1], "none", True, snapshots)
+            evidence = [r.evidence.as_dict() for r in (padded, unpadded) if r.evidence]
+            yield record(name, "state_bytes", check_state_bytes(padded, unpadded), params, evidence)
+            reference = qwen35.redecode(w, model, ids[:length])[0][-1] if reference is None else reference
+            yield record(name, "first_token", check_token(reference, padded.logits[0], "first_token", cfg.logit_atol),
+                         params, evidence)
 
 
 # --- measurements ------------------------------------------------------------------------------------
@@ -507,17 +640,18 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     from threadpoolctl import threadpool_limits
 
     parts = {"oracle": oracle_records, "crossover": crossover_records, "tail": tail_records, "drift": drift_records}
-    if cfg.backend == "engine":  # engine contract v1 carries chunk_prefill and tail; the hybrid is not wired yet
+    if cfg.backend == "engine":
         from testbed.backends.engine import spec as engine_spec
 
         spec = engine_spec.load(cfg.get("engine"))
-        why = (f"engine={spec.name} does not list hybrid ({spec.path}: supports.techniques={list(spec.techniques)})"
-               if "hybrid" not in spec.techniques else
-               "the hybrid experiment does not run through engine contract v1 yet (backend=native runs kernels/hybrid.c)")
-        for part in PARTS[cfg.mode]:
-            yield Record("hybrid", f"{part}/engine", "oracle", part, "not supported", None, {"engine": spec.name},
-                         detail=why)
-        return
+        if "hybrid" not in spec.techniques or "gguf" not in spec.model_formats:  # recorded, never a pass
+            why = (f"engine={spec.name} does not list hybrid ({spec.path}: supports.techniques={list(spec.techniques)})"
+                   if "hybrid" not in spec.techniques else f"engine={spec.name} does not read GGUF ({spec.path}: "
+                   f"supports.model_formats={list(spec.model_formats)}); testbed gives the hybrid's engine a GGUF")
+            for part in PARTS[cfg.mode]:
+                yield Record("hybrid", f"{part}/engine", "oracle", part, "not supported", None, {"engine": spec.name},
+                             detail=why)
+            return
     with threadpool_limits(limits=cfg.threads):
         for part in PARTS[cfg.mode]:
             yield from parts[part](cfg, ctx)

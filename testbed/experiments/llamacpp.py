@@ -7,10 +7,11 @@ test   test-backend-ops -o OP -b BACKEND [-p CASES]: one verdict per case and th
 perf   test-backend-ops perf: us/run and GB/s per case (the tool's means; about a second of CPU time
        per case, so an emulated device is given a few with `cases=REGEX`)
 bench  llama-bench -p 512: prompt tokens per second (pp512) over its repetitions
-logits llama.cpp's logits for a Gemma 3 GGUF (gguf=, a file on this host, pushed once per content),
-       computed on the device by libllama (tb_llama_logits) at every position of a seeded prompt, and
-       judged against testbed's own reading of the same file (testbed.models.checkpoints.load_gguf, then
-       refimpl.gemma): a third reference beside transformers, which shares neither loader nor graph
+logits llama.cpp's logits for a Gemma 3 or Qwen3.5 hybrid GGUF (gguf=, a file on this host, pushed once
+       per content; `testbed gguf DIR` writes one from a Hugging Face folder), computed on the device by
+       libllama (tb_llama_logits) at every position of a seeded prompt, and judged against testbed's own
+       reading of the same file (testbed.models.gguf_files.load_gguf, then refimpl.gemma or
+       refimpl.qwen35): a third reference beside transformers, which shares neither loader nor graph
        with testbed. Not part of `all`: it builds libllama (minutes, once per source and target).
 
 Where the tools come from (testbed.backends.llamacpp.build): `llamacpp.build=auto` (the default)
@@ -100,7 +101,7 @@ def validate(cfg: DictConfig) -> None:
     build = cfg.llamacpp.build
     if cfg.mode == "logits":
         if not cfg.gguf or not Path(str(cfg.gguf)).is_file():
-            raise UsageError(f"gguf={cfg.gguf!r} is not accepted with mode=logits; accepted: a Gemma 3 GGUF file "
+            raise UsageError(f"gguf={cfg.gguf!r} is not accepted with mode=logits; accepted: a Gemma 3 or Qwen3.5 GGUF file "
                              "on this host (it is pushed to the device)")
         if build is False:
             raise UsageError("mode=logits runs testbed's own tb_llama_logits, which is only built from source; "
@@ -153,23 +154,33 @@ def records(cfg: DictConfig, ctx, backend: str, tools: llamacpp.Tools, reference
         yield from llamacpp.llama_bench_records(device, "llamacpp", cfg.gguf, cfg.prompt, threads, cfg.reps, tools)
 
 
+def reference_logits(model, weights, tokens) -> tuple[np.ndarray, str]:
+    """refimpl's logits at every position for a GGUF's model (Gemma 3 or the Qwen3.5 hybrid), and what computed them."""
+    from refimpl import gemma, qwen35
+
+    if isinstance(model, qwen35.HybridConfig):
+        return qwen35.redecode(weights, model, tokens)[0], \
+            "testbed.models.hybrid_checkpoints.load_gguf + refimpl.qwen35.redecode (float32, serial GDN)"
+    return np.stack([gemma.redecode(weights, model, tokens, p) for p in range(len(tokens))]), \
+        "testbed.models.checkpoints.load_gguf + refimpl.gemma.redecode (float32)"
+
+
 def logits_records(cfg: DictConfig, ctx, tools: llamacpp.Tools) -> Iterator[Record]:
     """One oracle record: llama.cpp's logits on the device against refimpl's for the same GGUF."""
-    from refimpl import gemma
-    from testbed.models.checkpoints import load_checkpoint
+    from testbed.models.gguf_files import load_gguf
 
-    model, weights = load_checkpoint(cfg.gguf)  # refuses any architecture but gemma3, naming it
+    model, weights = load_gguf(cfg.gguf)  # gemma3 or qwen35; any other architecture is refused, naming it
     tokens = np.random.default_rng(cfg.seed).integers(0, model.vocab, cfg.logits.tokens)
     ctx.progress(f"llama.cpp's logits for {len(tokens)} tokens of {Path(cfg.gguf).name} on {ctx.device.name}")
     theirs, evidence = models.logits(ctx.device, tools.built, Path(cfg.gguf), tokens)
     ctx.progress("refimpl's logits for the same tokens (every position redecoded)")
-    ours = np.stack([gemma.redecode(weights, model, tokens, p) for p in range(len(tokens))])
+    ours, reference = reference_logits(model, weights, tokens)
     v = check_nmse({"logits": ours}, {"logits": theirs}, cfg.logits.nmse)
     agreement = float(np.mean(ours.argmax(-1) == theirs.argmax(-1))) if theirs.shape == ours.shape else 0.0
     yield Record("llamacpp", f"logits/T={len(tokens)}", "oracle", "llama.cpp logits", v.verdict, v.margin,
                  {**v.metrics, "argmax_agreement": agreement},
                  params={"gguf": str(cfg.gguf), "tokens": len(tokens),
-                         "reference": "testbed.models.checkpoints.load_gguf + refimpl.gemma.redecode (float32)"},
+                         "reference": reference},
                  detail=v.detail, evidence=[evidence])
 
 

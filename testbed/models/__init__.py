@@ -1,7 +1,9 @@
 """Models: what a run feeds the reference and the device.
 
   checkpoints         Gemma 3 checkpoints: a Hugging Face folder or a GGUF file
-  hybrid_checkpoints  Qwen3.5 text checkpoints (Hugging Face folder) for refimpl.qwen35
+  hybrid_checkpoints  Qwen3.5 text checkpoints (a Hugging Face folder or a GGUF file) for refimpl.qwen35
+  gguf_files          the GGUF of a Hugging Face folder (Gemma 3, Qwen3.5) as llama.cpp's converter
+                      writes it, judged by testbed's own reader; cached by content
   prompts             the token ids a run feeds the model, from ids or text through the checkpoint's
                       own tokenizer, and where they came from
   contract            the graph contract: each Gemma graph's arguments and results, in order, with

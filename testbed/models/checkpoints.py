@@ -249,6 +249,9 @@ def _from_float32(x) -> float:
     return float(f"{float(x):.7g}")
 
 
+# What the writer states as the training context when the folder's config does not (transformers'
+# Gemma3TextConfig default).
+DEFAULT_CONTEXT = 131_072
 # llama.cpp's converter adds 1 to every Gemma 3 norm weight (its RMSNorm multiplies by w, Gemma's by 1 + w).
 GGUF_NORM_SHIFT = 1.0
 # Metadata that does not change what llama.cpp computes for gemma3: descriptions, the tokenizer, the
@@ -306,6 +309,9 @@ def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
     if "token_embd.weight" not in tensors:
         raise UsageError(f"{path}: missing tensor 'token_embd.weight'")
     K = gguf.Keys
+    vocab = int(tensors["token_embd.weight"].data.shape[0])
+    if int(meta(K.LLM.VOCAB_SIZE, vocab)) != vocab:  # written with tokenizer.ggml.model = none
+        refuse(K.LLM.VOCAB_SIZE, int(meta(K.LLM.VOCAB_SIZE)), f"{vocab} (token_embd's rows)")
     hidden, heads, layers = int(meta(K.LLM.EMBEDDING_LENGTH)), int(meta(K.Attention.HEAD_COUNT)), int(meta(K.LLM.BLOCK_COUNT))
     head_dim = int(meta(K.Attention.KEY_LENGTH, hidden // heads))
     for key in (K.Attention.VALUE_LENGTH, K.Rope.DIMENSION_COUNT):
@@ -319,7 +325,7 @@ def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
     window = int(meta(K.Attention.SLIDING_WINDOW, 0))
     softcap = float(meta(K.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0))
     settings = dict(
-        vocab=int(tensors["token_embd.weight"].data.shape[0]), hidden=hidden, layers=layers, heads=heads,
+        vocab=vocab, hidden=hidden, layers=layers, heads=heads,
         kv_heads=int(meta(K.Attention.HEAD_COUNT_KV)), head_dim=head_dim, mlp=int(meta(K.LLM.FEED_FORWARD_LENGTH)),
         window=window or GemmaConfig.window,
         layer_types=gguf_layer_types(layers, window, meta(K.Attention.SLIDING_WINDOW_PATTERN, 6)),
@@ -350,9 +356,12 @@ def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
     return cfg, check_weights(weights, cfg, str(path))
 
 
-def save_gguf(path: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray]) -> Path:
-    """A float32 GGUF in llama.cpp's converter's form (names, metadata, norm weights + 1). A config the
-    format cannot carry (a query scale llama.cpp would not derive) is refused, not written wrong."""
+def save_gguf(path: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray],
+              context_length: int = DEFAULT_CONTEXT) -> Path:
+    """A float32 GGUF in llama.cpp's converter's form (names, metadata, norm weights + 1), without a
+    tokenizer (tokenizer.ggml.model = none and the vocabulary's size: llama.cpp then takes token ids as
+    given). A config the format cannot carry (a query scale llama.cpp would not derive) is refused,
+    not written wrong."""
     import gguf
 
     derived = gguf_query_pre_attn_scalar(cfg.layers, cfg.hidden, cfg.heads, cfg.head_dim)
@@ -361,6 +370,7 @@ def save_gguf(path: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray]
                          f"accepted: {derived:g} (what llama.cpp derives for {cfg.layers} layers)")
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), GGUF_ARCH)
+    writer.add_context_length(context_length)  # llama.cpp requires it (and only warns past it)
     writer.add_block_count(cfg.layers)
     writer.add_embedding_length(cfg.hidden)
     writer.add_feed_forward_length(cfg.mlp)
@@ -380,6 +390,9 @@ def save_gguf(path: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray]
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
     if cfg.final_logit_softcap:
         writer.add_final_logit_softcapping(cfg.final_logit_softcap)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("none")
+    writer.add_vocab_size(cfg.vocab)
     names = _gguf_names(cfg.layers)
     for hf_name, a in weights.items():
         gguf_name = "output.weight" if hf_name == "lm_head.weight" else names.get_name(hf_name, try_suffixes=(".weight",))

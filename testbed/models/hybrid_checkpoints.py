@@ -1,4 +1,5 @@
-"""Qwen3.5 text checkpoints (a Hugging Face folder: config.json + *.safetensors) for refimpl.qwen35.
+"""Qwen3.5 text checkpoints (a Hugging Face folder: config.json + *.safetensors; or a GGUF of arch qwen35,
+read and written as llama.cpp's converter writes it) for refimpl.qwen35.
 
 Strict, like testbed.models.checkpoints for Gemma: a config field that would change the computation and that
 the reference does not implement is refused, as is a missing, unexpected or misshapen tensor; each
@@ -8,6 +9,7 @@ logits of a text prompt (token ids, dtype, bookkeeping) are accepted and ignored
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -148,3 +150,258 @@ def load_hf_folder(folder: str | Path) -> tuple[HybridConfig, dict[str, np.ndarr
     config, weights, source = read_hf_folder(folder)
     cfg = config_from_hf(config, source)
     return cfg, check_weights(weights, cfg, str(folder))
+
+
+def load_checkpoint(path: str | Path) -> tuple[HybridConfig, dict[str, np.ndarray]]:
+    """A Hugging Face folder or a qwen35 .gguf file."""
+    path = Path(path)
+    if path.suffix != ".gguf" or path.is_dir():
+        return load_hf_folder(path)  # says what a folder lacks
+    if not path.is_file():
+        raise UsageError(f"checkpoint {str(path)!r} is not accepted; accepted: a Qwen3.5 folder with config.json and "
+                         f"*.safetensors, or an existing .gguf file")
+    return load_gguf(path)
+
+
+# --- GGUF ------------------------------------------------------------------------------------------
+#
+# The form llama.cpp's converter writes for Qwen3_5ForCausalLM (arch "qwen35", read by llama.cpp's
+# src/models/qwen35.cpp), and so the form libllama computes with:
+# - names from the `gguf` package's tables; numpy shapes are ggml's `ne` reversed ([out, in]);
+# - the (1 + w) norms (layer norms, final norm, q/k norms) stored as 1 + w; the GDN output norm, a
+#   plain weight, as is;
+# - A_log stored as A = -exp(A_log) (ggml multiplies softplus(...) by it), dt_bias as ssm_dt.bias, the
+#   conv weight [channels, 1, K] without its middle axis;
+# - the value heads of the GDN layers reordered from grouped by key head (Hugging Face: value head
+#   h reads key head h // r, r = H_v / H_k) to tiled (head j * H_k + g reads key head g), which
+#   ggml's broadcasting repeats: the V rows of in_proj_qkv and of the conv, in_proj_z, in_proj_a,
+#   in_proj_b, A_log, dt_bias, and the columns of out_proj;
+# - RoPE as interleaved multimodal RoPE (LLAMA_ROPE_TYPE_IMROPE) over rope.dimension_count dims: a
+#   text prompt feeds the same position to the first three sections and 0 to the fourth, so the
+#   sections must give every rotated pair to one of the first three (gguf_rope_sections).
+
+GGUF_ARCH = "qwen35"
+GGUF_NORM_SHIFT = 1.0
+# What the writer states as the training context when the folder's config does not (transformers'
+# Qwen3_5TextConfig default); llama.cpp requires the key and only warns past it.
+DEFAULT_CONTEXT = 32_768
+GGUF_INERT_PREFIXES = ("general.", "tokenizer.", "quantize.", "GGUF.")
+GGUF_INERT_KEYS = ("{arch}.context_length",)
+RECURRENT_LAYERS_KEY = "{arch}.attention.recurrent_layers"  # the gguf package 0.19 has no constant for it
+NEXTN_KEY = "{arch}.nextn_predict_layers"
+
+
+def shifted_norm(hf_name: str) -> bool:
+    """A norm computed as (1 + w), stored as 1 + w."""
+    return hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight")
+
+
+def gguf_rope_sections(cfg: HybridConfig) -> list[int]:
+    """The fewest sections that give each of the rotary_dim / 2 pairs to the first three position
+    streams (ggml's interleaved M-RoPE takes pair s from stream s % 3 while s < 3 * sections[s % 3],
+    else from the fourth, which is 0 for text). For Qwen3.5's 64 rotary dims these are the
+    converter's default [11, 11, 10, 0]."""
+    pairs = cfg.rotary_dim // 2
+    return [-(-(pairs - k) // 3) for k in range(3)] + [0]
+
+
+def rope_sections_problem(sections: list[int], pairs: int, head_dim: int) -> str | None:
+    """Why llama.cpp would not rotate a text prompt as transformers does with these sections, or None."""
+    if len(sections) != 4 or sum(sections) > head_dim or not any(sections[:3]):
+        return f"four sections, the first three not all 0, summing to at most head_dim={head_dim}"
+    total = sum(sections)
+    for s in range(pairs):
+        sector = s % total
+        if not sector < 3 * sections[sector % 3]:
+            return f"sections that give each of the {pairs} rotary pairs to the first three streams"
+    return None
+
+
+def _v_head_order(a: np.ndarray, axis: int, cfg: HybridConfig, size: int, to_tiled: bool) -> np.ndarray:
+    """Value heads of `size` entries along `axis` from grouped to tiled order, or back."""
+    k, r = cfg.linear_k_heads, cfg.linear_v_heads // cfg.linear_k_heads
+    a = np.moveaxis(a, axis, 0)
+    grouped = a.reshape(*((k, r, size) if to_tiled else (r, k, size)), *a.shape[1:])
+    return np.moveaxis(grouped.swapaxes(0, 1).reshape(a.shape), 0, axis)
+
+
+def _reorder_v_heads(hf_name: str, a: np.ndarray, cfg: HybridConfig, to_tiled: bool) -> np.ndarray:
+    if cfg.linear_k_heads == cfg.linear_v_heads or ".linear_attn." not in hf_name:
+        return a
+    d, part = cfg.linear_head_dim, hf_name.rpartition(".linear_attn.")[2]
+    order = partial(_v_head_order, cfg=cfg, to_tiled=to_tiled)
+    if part in ("in_proj_qkv.weight", "conv1d.weight"):  # q and k channels first, then v
+        return np.concatenate([a[:2 * cfg.key_dim], order(a[2 * cfg.key_dim:], 0, size=d)])
+    if part == "in_proj_z.weight":
+        return order(a, 0, size=d)
+    if part in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
+        return order(a, 0, size=1)
+    if part == "out_proj.weight":
+        return order(a, 1, size=d)
+    return a
+
+
+def gguf_tensor_names(cfg: HybridConfig, layers_in_file: int) -> dict[str, str]:
+    """GGUF name of every Hugging Face tensor of the config."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, layers_in_file)
+    out = {}
+    for hf_name in weight_shapes(cfg):
+        lookup = hf_name.replace(".linear_attn.dt_bias", ".linear_attn.dt_proj.bias")
+        out[hf_name] = names.get_name(lookup, try_suffixes=(".weight", ".bias"))
+    return out
+
+
+def to_gguf_form(hf_name: str, a: np.ndarray, cfg: HybridConfig) -> np.ndarray:
+    """A Hugging Face tensor as the GGUF stores it (float32)."""
+    a = np.asarray(a, np.float32)
+    if shifted_norm(hf_name):
+        a = a + np.float32(GGUF_NORM_SHIFT)
+    elif hf_name.endswith(".A_log"):
+        a = -np.exp(a)
+    elif hf_name.endswith("conv1d.weight"):
+        a = a[:, 0, :]
+    return np.ascontiguousarray(_reorder_v_heads(hf_name, a, cfg, to_tiled=True))
+
+
+def from_gguf_form(hf_name: str, a: np.ndarray, cfg: HybridConfig) -> np.ndarray:
+    """The inverse of to_gguf_form."""
+    a = _reorder_v_heads(hf_name, np.asarray(a, np.float32), cfg, to_tiled=False)
+    if shifted_norm(hf_name):
+        return a - np.float32(GGUF_NORM_SHIFT)
+    if hf_name.endswith(".A_log"):
+        if not (a < 0).all():
+            raise ValueError("ssm_a must be negative (it is -exp(A_log))")
+        return np.log(-a)
+    if hf_name.endswith("conv1d.weight"):
+        return a[:, None, :]
+    return a
+
+
+def save_gguf(path: str | Path, cfg: HybridConfig, weights: dict[str, np.ndarray],
+              context_length: int = DEFAULT_CONTEXT) -> Path:
+    """A float32 qwen35 GGUF in llama.cpp's converter's form (see above), without a tokenizer
+    (tokenizer.ggml.model = none and the vocabulary's size: llama.cpp then takes token ids as given).
+    testbed.models.gguf_files.write_gguf judges it by reading it back."""
+    import gguf
+
+    weights = check_weights(weights, cfg, "weights")
+    writer = gguf.GGUFWriter(str(path), GGUF_ARCH)
+    writer.add_context_length(context_length)
+    writer.add_block_count(cfg.layers)
+    writer.add_embedding_length(cfg.hidden)
+    writer.add_feed_forward_length(cfg.mlp)
+    writer.add_head_count(cfg.heads)
+    writer.add_head_count_kv(cfg.kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_rope_dimension_count(cfg.rotary_dim)
+    writer.add_rope_dimension_sections(gguf_rope_sections(cfg))
+    writer.add_layer_norm_rms_eps(cfg.rms_eps)
+    writer.add_ssm_conv_kernel(cfg.conv_kernel)
+    writer.add_ssm_state_size(cfg.linear_head_dim)
+    writer.add_ssm_group_count(cfg.linear_k_heads)
+    writer.add_ssm_time_step_rank(cfg.linear_v_heads)
+    writer.add_ssm_inner_size(cfg.value_dim)
+    writer.add_array(RECURRENT_LAYERS_KEY.format(arch=GGUF_ARCH), [t == "linear" for t in cfg.layer_types])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("none")
+    writer.add_vocab_size(cfg.vocab)
+    for hf_name, gguf_name in gguf_tensor_names(cfg, cfg.layers).items():
+        writer.add_tensor(gguf_name, to_gguf_form(hf_name, weights[hf_name], cfg))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def load_gguf(path: str | Path) -> tuple[HybridConfig, dict[str, np.ndarray]]:
+    """A qwen35 GGUF read as llama.cpp reads it (llama_model::load_hparams, src/models/qwen35.cpp):
+    every metadata key read, or inert, or refused naming it. Multi-token-prediction blocks
+    (nextn_predict_layers, stored after the decoder's) are left out, as llama.cpp's main pass does."""
+    import gguf
+
+    from testbed.models.checkpoints import _from_float32
+
+    path = Path(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"{path}: not a readable GGUF file ({e})") from None
+    fields = {name: f.contents() for name, f in reader.fields.items()}
+    arch = fields.get("general.architecture")
+    if arch != GGUF_ARCH:
+        raise UsageError(f"{path}: architecture {arch!r} is not accepted; accepted: {GGUF_ARCH}")
+    read: set[str] = {k.format(arch=arch) for k in GGUF_INERT_KEYS}
+
+    def meta(key, default=None):
+        full = key.format(arch=arch)
+        read.add(full)
+        if full not in fields and default is None:
+            raise UsageError(f"{path}: metadata {full!r} is missing")
+        return fields.get(full, default)
+
+    def refuse(key, value, accepted):
+        raise UsageError(f"{path}: metadata {key.format(arch=arch)}={value!r} is not implemented; accepted: {accepted}")
+
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise UsageError(f"{path}: missing tensor 'token_embd.weight'")
+    K = gguf.Keys
+    vocab = int(tensors["token_embd.weight"].data.shape[0])
+    if int(meta(K.LLM.VOCAB_SIZE, vocab)) != vocab:
+        refuse(K.LLM.VOCAB_SIZE, int(meta(K.LLM.VOCAB_SIZE)), f"{vocab} (token_embd's rows)")
+    blocks, nextn = int(meta(K.LLM.BLOCK_COUNT)), int(meta(NEXTN_KEY, 0))
+    layers = blocks - nextn
+    hidden, heads = int(meta(K.LLM.EMBEDDING_LENGTH)), int(meta(K.Attention.HEAD_COUNT))
+    head_dim = int(meta(K.Attention.KEY_LENGTH, hidden // heads))
+    if int(meta(K.Attention.VALUE_LENGTH, head_dim)) != head_dim:
+        refuse(K.Attention.VALUE_LENGTH, int(meta(K.Attention.VALUE_LENGTH)), f"{head_dim} (the key length)")
+    rotary = int(meta(K.Rope.DIMENSION_COUNT, head_dim))
+    sections = [int(s) for s in meta(K.Rope.DIMENSION_SECTIONS)]
+    problem = rope_sections_problem(sections, rotary // 2, head_dim)
+    if problem:
+        refuse(K.Rope.DIMENSION_SECTIONS, sections, problem)
+    state = int(meta(K.SSM.STATE_SIZE))
+    k_heads, v_heads = int(meta(K.SSM.GROUP_COUNT)), int(meta(K.SSM.TIME_STEP_RANK))
+    if int(meta(K.SSM.INNER_SIZE)) != v_heads * state:
+        refuse(K.SSM.INNER_SIZE, int(meta(K.SSM.INNER_SIZE)), f"{v_heads * state} (value heads x state size)")
+    recurrent = meta(RECURRENT_LAYERS_KEY, [])
+    if recurrent:
+        types = tuple("linear" if r else "full" for r in list(recurrent)[:layers])
+    else:
+        interval = int(meta(K.LLM.FULL_ATTENTION_INTERVAL, 4))
+        types = tuple("full" if (i + 1) % interval == 0 else "linear" for i in range(layers))
+    meta(K.LLM.FULL_ATTENTION_INTERVAL, 4)  # read: the layer types above decide
+    settings = dict(
+        vocab=vocab, hidden=hidden, layers=layers, mlp=int(meta(K.LLM.FEED_FORWARD_LENGTH)), heads=heads,
+        kv_heads=int(meta(K.Attention.HEAD_COUNT_KV, heads)), head_dim=head_dim, linear_k_heads=k_heads,
+        linear_v_heads=v_heads, linear_head_dim=state, conv_kernel=int(meta(K.SSM.CONV_KERNEL)), layer_types=types,
+        rope_theta=float(meta(K.Rope.FREQ_BASE, 10_000.0)), rotary_fraction=rotary / head_dim,
+        rms_eps=_from_float32(meta(K.Attention.LAYERNORM_RMS_EPS)), tie_embeddings="output.weight" not in tensors,
+    )
+    unknown = sorted(k for k in fields if k not in read and not k.startswith(GGUF_INERT_PREFIXES))
+    if unknown:
+        refuse(unknown[0], fields[unknown[0]], "the qwen35 keys testbed.models.hybrid_checkpoints.load_gguf reads")
+    try:
+        cfg = HybridConfig(**settings)
+    except ValueError as e:
+        raise UsageError(f"{path}: {e}") from None
+    weights = {}
+    for hf_name, gguf_name in gguf_tensor_names(cfg, blocks).items():
+        t = tensors.pop(gguf_name, None)
+        if t is None:
+            raise UsageError(f"{path}: missing tensor {gguf_name!r} ({hf_name})")
+        a = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        try:
+            weights[hf_name] = from_gguf_form(hf_name, a, cfg)
+        except ValueError as e:
+            raise UsageError(f"{path}: tensor {gguf_name!r}: {e}") from None
+    mtp = tuple(f"blk.{i}." for i in range(layers, blocks))
+    left = [name for name in tensors if not name.startswith(mtp)]
+    if left:
+        raise UsageError(f"{path}: unexpected tensor {left[0]!r} (not a tensor of this Qwen3.5 config)")
+    return cfg, check_weights(weights, cfg, str(path))

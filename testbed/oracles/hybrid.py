@@ -13,6 +13,8 @@ chunk with past  P positions prefilled in chunks, then n <= C tokens in one pref
                  and against the model written out in float64 (refimpl.naive_qwen35, no code shared
                  with refimpl.qwen35, gemma or gdn, which redecode and the candidate share):
                    naive  the candidate's logits by NMSE, and its token by the tie rule
+chunk sizes      (an engine under test) one prompt prefilled in calls of C rows for each C:
+                   chunk_invariance  the same first token for every C, one redecode accepts
 padded tail      a prompt of N = b * C + t tokens prefilled with the tail padded to C rows, and with
                  the tail run one token at a time (scalar):
                    first_token  same argmax after the prompt (the token generation would start with)
@@ -225,3 +227,21 @@ def check_engine_tail(padded, exact, scalar, threshold: float = NMSE_THRESHOLD,
                         said="the scalar tail's"),
             check_state(scalar.state, padded.state, threshold, "tail_state"),
             check_tail_bytes(padded, exact)]
+
+
+def check_chunk_invariance(reference: np.ndarray, by_chunk: dict[int, np.ndarray],
+                           logit_atol: float = LOGIT_ATOL) -> Verdict:
+    """The first token after one prompt prefilled in calls of C rows, for each C (the recurrent state
+    carried across a different set of call boundaries each time): the same token for every C, and one
+    the reference (redecode) accepts by the tie rule. Margin: the least over C of the candidate's best
+    accepted logit minus its best other logit."""
+    accepted = tied_tokens(reference, logit_atol)
+    tokens = {c: int(np.argmax(logits)) for c, logits in by_chunk.items()}
+    problems = [f"C={c} gives token {t}, redecode {accepted}" for c, t in tokens.items() if t not in accepted]
+    if len(set(tokens.values())) > 1:
+        problems.insert(0, f"the first token differs across chunk sizes: {tokens}")
+    spread = max(float(np.abs(np.asarray(a, np.float64) - reference).max()) for a in by_chunk.values())
+    metrics = {"token_ref": accepted[0], "tied_tokens": accepted, "tokens": {str(c): t for c, t in tokens.items()},
+               "chunks": sorted(by_chunk), "max_abs_diff_vs_ref": spread, "margin_ref": top2_margin(reference)}
+    margin = min(margin_for(logits, accepted) for logits in by_chunk.values())
+    return Verdict("chunk_invariance", not problems, margin, metrics, "; ".join(problems))

@@ -24,6 +24,7 @@ from testbed.backends.native import build as kernel_build
 from testbed.backends.native.engine import export_weights, model_args
 from testbed.devices import Device
 from testbed.errors import UsageError
+from testbed.models.gguf_files import gguf_of
 from testbed.results import Figure
 
 
@@ -122,9 +123,14 @@ def backend(w, cfg, run_cfg=None, device: Device | None = None, progress=None) -
         raise UsageError(f"engine={spec.name} does not support chunk_prefill ({spec.path}: supports.techniques="
                          f"{list(spec.techniques)})")
     target = kernel_build.target_for_abi(device.profile.abi)
+    model_file, model_format = None, "safetensors"
+    if "safetensors" not in spec.model_formats:  # an engine that reads GGUF: the run's .gguf, or testbed's GGUF of it
+        checkpoint = option("model.checkpoint", None)
+        model_format = "gguf"
+        model_file = Path(checkpoint).resolve() if checkpoint and str(checkpoint).endswith(".gguf") else gguf_of(cfg, w)
     return EngineRunner(w, cfg, device, spec, build.program_for(spec, target), int(option("threads", 1)),
                         option("native.weights", "f32"), int(option("native.group", 32)),
-                        count=bool(option("counts", False)))
+                        count=bool(option("counts", False)), model_file=model_file, model_format=model_format)
 
 
 # --- testbed ab over two engines (testbed.lab.ab) ------------------------------------------------------

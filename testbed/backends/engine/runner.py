@@ -54,6 +54,7 @@ class Request:
     threads: int = 1
     bench: dict | None = None
     count: bool = False
+    rs_snapshots: int = 0  # recurrent-state snapshots kept for rollback (llama.cpp's n_rs_seq); sent when > 0
 
     def as_json(self) -> dict:
         return {"contract": CONTRACT_VERSION, "technique": self.technique,
@@ -62,7 +63,7 @@ class Request:
                 "tokens": "tokens.npy", "n_tokens": int(np.asarray(self.tokens).size), "past": self.past,
                 "chunk": self.chunk, "logits_at": [int(p) for p in self.logits_at], "tail": {"mode": self.tail_mode},
                 "cache": self.cache, "state": self.state, "threads": self.threads, "bench": self.bench,
-                "count": self.count}
+                "count": self.count, **({"rs_snapshots": self.rs_snapshots} if self.rs_snapshots else {})}
 
 
 def args_text(request: dict) -> str:

@@ -155,3 +155,4 @@ def parse(path: Path) -> EngineSpec:
         model_formats=tuple(supports.get("model_formats", ["safetensors"])),
         weights=tuple(supports.get("weights", ["f32"])), cache=tuple(supports.get("cache", ["float32"])),
         invoke=tuple(data["invoke"]), timeout_s=float(data.get("timeout_s", 600)), counts=data.get("counts", "process"))
+

@@ -19,6 +19,7 @@ from testbed.backends.native import build as kernel_build
 from testbed.backends.native.engine import export_weights
 from testbed.devices import Device
 from testbed.errors import UsageError
+from testbed.models.gguf_files import gguf_of
 
 MODES = ("padded", "scalar")
 
@@ -36,8 +37,11 @@ def prefill(device: Device, spec: specs.EngineSpec, cfg: gemma.GemmaConfig, w: d
     """One request: `tokens` prefilled with the tail `mode`; settings: the native backend's TailSettings
     (chunk, cache dtype, group, sink, weights). A refusal raises NotSupported."""
     tokens = np.asarray(tokens, np.int32).reshape(-1)
-    model = export_weights(cfg, w, settings.weights_dtype, settings.weights_group)
-    request = Request("tail", tokens, model, "safetensors", settings.weights_dtype,
+    if "safetensors" in spec.model_formats:
+        model, fmt = export_weights(cfg, w, settings.weights_dtype, settings.weights_group), "safetensors"
+    else:  # an engine that reads GGUF (llama.cpp): the model written as one, its window the model's
+        model, fmt = gguf_of(cfg, w), "gguf"
+    request = Request("tail", tokens, model, fmt, settings.weights_dtype,
                       model_config(cfg, settings.weights_dtype, settings.weights_group), 0, settings.chunk,
                       [tokens.size - 1], mode,
                       {"dtype": settings.cache_dtype, "window": cfg.window, "sink": settings.sink,

@@ -12,6 +12,8 @@ what it runs (CMakeLists.txt beside this file):
   llama-bench       llama.cpp's benchmark (compiles libllama too: only built when asked for)
   tb_llama_logits   testbed's own program: libllama's logits for every position of a token sequence,
                     llama.cpp's answer for a GGUF model (a third reference; libllama, only when asked)
+  tb_llama_engine   testbed's adapter putting libllama under engine contract v1 (engines/llamacpp.yaml):
+                    chunked prefill with past, padded tail with rollback, state bytes (libllama)
 
 Targets, chosen from the device profile (target_for):
 
@@ -62,12 +64,16 @@ from testbed.errors import ToolMissing, UsageError
 SDIST = ("llama-cpp-python", "0.3.36")
 HERE = Path(__file__).resolve().parent
 CACHE = ROOT / ".cache" / "llamacpp"
-PROGRAMS = ("test-backend-ops", "tb_ggml_gdn", "llama-bench", "tb_llama_logits")
+ENGINE = "tb_llama_engine"
+# the adapter with one planted fault each (tb_llama_engine.c): only the oracles' own tests build them
+PLANTED_ENGINES = ("tb_llama_engine_plant_chunk_off_by_one", "tb_llama_engine_plant_keep_pad_row")
+PROGRAMS = ("test-backend-ops", "tb_ggml_gdn", "llama-bench", "tb_llama_logits", ENGINE, *PLANTED_ENGINES)
 TARGETS = ("host", "host-generic", "aarch64", "hexagon", "android-htp")
 # Top-level entries of a llama.cpp tree a build never reads (the snapshot and its hash leave them out).
 NOT_BUILT = ("models", "docs", "media", "examples", "pocs", "gguf-py", "scripts", "benches", "skills")
 # testbed's own inputs to the build: the CMake project, the program and the .npy harness it links.
-OWN_FILES = (HERE / "CMakeLists.txt", HERE / "tb_ggml_gdn.c", HERE / "tb_llama_logits.c", KERNELS_DIR / "bench" / "harness.c",
+OWN_FILES = (HERE / "CMakeLists.txt", HERE / "tb_ggml_gdn.c", HERE / "tb_llama_logits.c", HERE / "tb_llama_engine.c",
+             KERNELS_DIR / "bench" / "tb_engine.c", KERNELS_DIR / "bench" / "tb_engine.h", KERNELS_DIR / "bench" / "harness.c",
              KERNELS_DIR / "bench" / "harness.h", KERNELS_DIR / "tb_parallel.c", KERNELS_DIR / "tb_parallel.h",
              KERNELS_DIR / "tb_kernels.h", KERNELS_DIR / "tb_simd.h")
 
@@ -367,7 +373,51 @@ def _step(argv: list[str], env: dict, log: Path, progress: Callable[[str], None]
                 progress(f"{what}: {line.strip()[:100]}")
         p.wait()
     if p.returncode != 0:
-        lines = [line.strip() for line in log.read_text().splitlines() if line.strip()]
+        lines = [line for line in log.read_text().splitlines() if line.strip()]
         # the compiler's first error is the cause; what follows it (ninja's own lines among them) is its echo
-        first_error = next((line for line in lines if "error:" in line), None)
-        raise BuildError(f"{what} failed (exit {p.returncode}; log {log}): {first_error or ' | '.join(lines[-4:])}")
+        first_error = next((line.strip() for line in lines if "error:" in line or line.startswith("CMake Error")), None)
+        said = f"first error: {first_error}" if first_error else " | ".join(lines[-4:])
+        raise BuildError(f"{what} failed (exit {p.returncode}; log {log}): {said}")
+
+
+# --- the engine's build command (engines/llamacpp.yaml) ------------------------------------------------
+
+# engine contract ABIs -> the targets above (arm32 is not built: llama.cpp's ARMv7 path is not set up here)
+CONTRACT_TARGETS = {"host": "host", "aarch64": "aarch64", "hexagon": "hexagon"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m testbed.backends.llamacpp.build ABI OUT [PROGRAM ...] [--source DIR]
+
+    Builds the programs (default: the engine adapter) for a contract ABI from the llama.cpp tree DIR
+    (default: the sdist's), cached by content as above, and puts them and build.json in OUT."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m testbed.backends.llamacpp.build")
+    parser.add_argument("abi")
+    parser.add_argument("out")
+    parser.add_argument("programs", nargs="*", default=[ENGINE])
+    parser.add_argument("--source", default="")
+    args = parser.parse_args(argv)
+    if args.abi not in CONTRACT_TARGETS:
+        print(f"error: abi={args.abi!r} is not built for llama.cpp; accepted: {', '.join(CONTRACT_TARGETS)}", file=sys.stderr)
+        return 2
+    try:
+        built = build(CONTRACT_TARGETS[args.abi], args.source, tuple(args.programs),
+                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
+    except (UsageError, ToolMissing) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_status
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ["build.json", *args.programs]:
+        _write_whole(out / name, lambda tmp, name=name: shutil.copy2(built.folder / name, tmp))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
