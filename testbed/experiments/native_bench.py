@@ -463,6 +463,12 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
                f"the call's time on {cfg.threads} threads over its time on one: by the CPU clock, what the threads "
                f"cost beyond the work (the pool's wake-ups, the split); by the wall clock, the speed-up")
               for name in variants if name.endswith(ONE)]
+    # every anchor built or run at its best here: ggml for this CPU, torch with its version and threads
+    anchors = {"ggml": {"build": "llama.cpp's ggml, GGML_NATIVE=ON: built for this CPU (testbed.backends.llamacpp)",
+                        "cpu_isa": blas_reference.cpu_isa()} if ggml else None,
+               "torch": {"version": torch_ref[0].__version__, "threads": cfg.threads,
+                         "cpu_capability": torch_ref[0].backends.cpu.get_cpu_capability()} if torch_ref else None}
+    anchors = {k: v for k, v in anchors.items() if v}
     for top, bottom, target, at_most, text in pairs:
         wall, cpu = ratio(top, bottom, "wall", at_most), ratio(top, bottom, "cpu", at_most)
         library = bottom in ("sgemm", SGEMM_1)
@@ -481,7 +487,8 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
         yield Record("native_bench", f"ratios/{top} vs {bottom}", "measure",
                      figures={"ratio": wall, "ratio_cpu": cpu}, metrics=metrics,
                      work={"what": text, "ratio": "per repetition, of the two variants run in it; median, min, max",
-                           **({"reference": blas[bottom]} if library else {})},
+                           **({"reference": blas[bottom]} if library else {}),
+                           **({"reference": anchors[bottom.split()[0]]} if bottom.split()[0] in anchors else {})},
                      params=params | {"kernel": "ratio", "top": top, "bottom": bottom},
                      # the ratio is of the device's own clocks: the evidence of the two runs it divides
                      evidence=evidence.get(top, [])[-1:] + evidence.get(bottom, [])[-1:])
