@@ -61,6 +61,7 @@ PARAMS = {
     "logit_atol": Float(0.0),
     "cache_atol": Float(0.0),
     "threads": Int(1, 256),
+    "fused": Choice((False, True)),
     "seed": Int(0),
     "model.preset": Choice(tuple(PRESETS)),
     "model.weights_seed": Int(0),
@@ -135,6 +136,9 @@ def prompt_length(cfg: DictConfig) -> int:
 
 def validate(cfg: DictConfig) -> None:
     cases(cfg)
+    if cfg.fused and cfg.backend != "native":
+        raise UsageError(f"fused=true chooses the native programs' FMA build; backend={cfg.backend} has none; "
+                         "accepted: fused=true with backend=native, or fused=false")
     if cfg.backend == "iree":  # a module for another kind of device is refused before anything compiles
         from testbed.backends.iree.device import check_target_fits
         from testbed.devices import load_profile

@@ -41,7 +41,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma
-from testbed.backends.native import engine
+from testbed.backends.native import build as kernel_build, engine
 from testbed.config import Choice, Float, Int
 from testbed.measure import blas_reference
 from testbed.measure.timing import time_interleaved
@@ -130,6 +130,8 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
         t = {k: np.asarray(v, float) for k, v in timings.items() if k.endswith("seconds")}
     params = {"chunk": cfg.chunk, "past": cfg.past, "weights": cfg.weights, "threads": cfg.threads,
               "hidden": model.hidden, "layers": model.layers, "fused": bool(cfg.fused),
+              # how the build computes: arm32's fused build is unfused (no VFPv4; build.multiply_add)
+              "multiply_add": kernel_build.build_info(built).get("multiply_add"),
               "gemm_isa": timings.get("gemm_isa")}
     yield logits_oracle(cfg, model, w, prompt, runs, params)
     m, n, k = timings["sgemm_shape"]

@@ -41,7 +41,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from refimpl import gdn, gemma
-from testbed.backends.native.build import build_programs, target_for_abi
+from testbed.backends.native.build import build_info, build_programs, target_for_abi
 from testbed.backends.native.device import NativeJob, run_native
 from testbed.backends.native.gdn import INPUTS as GDN_INPUTS, auto_chunk
 from testbed.config import BoolList, Choice, Int, IntList, as_bools, as_list
@@ -395,7 +395,9 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
             ctx.progress(f"native_bench ratios: {note}")
     ctx.progress(f"native_bench ratios: {', '.join(variants)}, interleaved")
     timed = time_interleaved(variants, reps=r.reps, warmup=1, seed=cfg.seed, timer=lambda run: run())
+    # fused: the build asked for; multiply_add: how it computes (arm32's fused build computes unfused)
     params = {"part": "ratios", "threads": cfg.threads, "order_seed": timed.seed, "fused": bool(cfg.fused),
+              "multiply_add": build_info(programs / "tb_gemm_bench").get("multiply_add"),
               "gemm_isa": what.get("gemm")}
     blas = {name: blas_reference.blas_info(1 if name == SGEMM_1 else cfg.threads) for name in variants
             if name in ("sgemm", SGEMM_1)}
