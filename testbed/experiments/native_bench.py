@@ -90,6 +90,17 @@ SGEMM_TARGET = 0.75
 GGML_TARGET = 0.25
 GGML_KDA_TARGET = 0.3
 TORCH_TARGETS = {512: 0.25, 4096: 0.2}
+# On a device that counts (the emulated ones: exact instructions), each kernel's instructions per FLOP
+# over the FMA ideal of the ISA it ran on: one instruction per multiply-add of a full vector, 1 / (2
+# lanes) instructions per FLOP. AArch64 NEON: FMLA on 4 float32 lanes, 1/8; ARMv7-A NEON: VMLA (a
+# multiply-accumulate rounding twice; no VFPv4 FMA) on 4 lanes, 1/8; Hexagon v67 as built (scalar C,
+# no HVX): one sffma per 2 FLOP, 1/2; x86-64 AVX-512 (valgrind's counts): 16 lanes, 1/32. Goals (issue
+# 35): tb_gemm at most 1.5x the ideal, GDN chunkwise and attention at most 2x.
+FMA_IDEAL = {"aarch64": (1 / 8, "NEON FMLA, 4 float32 lanes: 8 FLOP per instruction"),
+             "arm32": (1 / 8, "ARMv7-A NEON VMLA, 4 float32 lanes: 8 FLOP per instruction"),
+             "hexagon": (1 / 2, "Hexagon v67 scalar sffma (the build has no HVX): 2 FLOP per instruction"),
+             "host": (1 / 32, "AVX-512 VFMADD, 16 float32 lanes: 32 FLOP per instruction")}
+IDEAL_TARGETS = (("gemm loop", None), ("gemm", 1.5), ("attention", 2.0), ("gdn chunkwise", 2.0))
 # At threads > 1: the kernels' CPU time on N threads over one thread's (the same call), at most.
 THREADS_TARGET = 1.05
 ONE = " (1 thread)"  # the name of a variant's one-thread twin
@@ -299,6 +310,7 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
     chunkwise where they exist. Then issue 25's ratios per repetition; on a device that counts, each
     kernel's instructions per FLOP beside the reference loop's (tb_gemm_bench form=loop)."""
     a, r, b = cfg.attention, cfg.ratios, cfg.bench
+    target = target_for_abi(ctx.device.profile.abi)
     rng = np.random.default_rng([cfg.seed, 14])
     keys = sorted(set(as_list(r.key_counts)))
     variants, flops, references, outputs, evidence, counts = {}, {}, {}, {}, {}, {}
@@ -419,6 +431,8 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
             figures["instructions_per_flop"] = Figure.of([c / flops[name] for c in counts[name]], "instructions/FLOP")
             if loop_ipf:
                 metrics["instructions_vs_reference_loop"] = float(np.median(counts[name]) / flops[name] / loop_ipf)
+            if target in FMA_IDEAL:
+                metrics |= fma_ideal_metrics(name, float(np.median(counts[name]) / flops[name]), target)
         yield Record("native_bench", f"ratios/{name}", "measure", figures=figures, metrics=metrics,
                      work={"flops": flops[name], "flop_count": flop_count(name, blas),
                            "timer": f"numpy on this host, around {repeat} product(s) per call, per product"
@@ -500,6 +514,19 @@ def ratio_records(cfg: DictConfig, ctx, programs) -> Iterator[Record]:
                          metrics={"reference_missing": note}, params=params | {"kernel": f"{name} reference"})
 
 
+def fma_ideal_metrics(name: str, instructions_per_flop: float, target: str) -> dict:
+    """A kernel's exact instructions per FLOP over its ISA's FMA ideal (FMA_IDEAL), with its goal
+    (IDEAL_TARGETS: at most) judged: met, or short_by the factor it must still shed."""
+    ideal, what = FMA_IDEAL[target]
+    over = instructions_per_flop / ideal
+    goal = next((t for prefix, t in IDEAL_TARGETS if name.startswith(prefix)), None)
+    metrics = {"fma_ideal_instructions_per_flop": ideal, "fma_ideal": what, "instructions_vs_fma_ideal": over}
+    if goal is not None:
+        metrics |= {"fma_ideal_target": goal, "meets_fma_ideal_target": bool(over <= goal),
+                    "fma_ideal_short_by": blas_reference.shortfall(over, goal, at_most=True)}
+    return metrics
+
+
 def flop_count(name: str, blas: dict) -> str:
     if name.startswith(("gdn", "ggml", "torch")):
         return ("gdn_chunkwise_flops: the work the chunkwise form really does (GDN chunkwise at its chunk, ggml and "
@@ -556,6 +583,9 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                      "outside kernel ms": None if is_cache else r.get("figures.outside_kernel.median"),
                      "GB/s": r.get("figures.bandwidth.median"),
                      "instructions / FLOP": r.get("figures.instructions_per_flop.median"),
+                     "x FMA ideal": r.get("metrics.instructions_vs_fma_ideal"),
+                     "FMA goal": r.get("metrics.fma_ideal_target"),
+                     "short by": r.get("metrics.fma_ideal_short_by"),
                      "vs reference loop": r.get("metrics.instructions_vs_reference_loop"),
                      "rollback / decode step": r.get("metrics.rollback_vs_decode_step") if is_cache else None,
                      "samples": tables.samples(r)})
