@@ -39,7 +39,7 @@ def test_hybrid_judges_the_fused_build(results_dir):
     assert ran_fused(rows) == {"fused"}
 
 
-@pytest.mark.parametrize("experiment", ["chunk_prefill", "hybrid"])
+@pytest.mark.parametrize("experiment", ["chunk_prefill", "hybrid", "tail"])
 def test_fused_without_native_programs_is_refused(experiment, capsys):
     assert cli.main(["run", experiment, "backend=refimpl", "fused=true"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -62,3 +62,15 @@ def test_a_build_from_before_the_label_reads_as_what_ran(tmp_path):
     (folder / "build.json").write_text(json.dumps({"target": "arm32", "toolchain": "gnu", "fused": True}))
     info = build.build_info(folder / "tb_gemm_bench")
     assert info["fused"] is False and info["fused_requested"] is True and "unfused" in info["multiply_add"]
+
+
+TAIL_TINY = ["mode=oracle", "shape.vocab=256", "shape.hidden=64", "shape.heads=4", "shape.head_dim=16", "shape.mlp=128",
+             "oracle.grid_windows=[16]", "oracle.grid_sinks=[0]"]
+
+
+def test_tail_judges_the_fused_build(results_dir):
+    assert cli.main(["run", "tail", "backend=native", "fused=true", *TAIL_TINY]) == 0
+    rows = ResultsStore(results_dir).records("tail")
+    oracles = [r for r in rows if r["kind"] == "oracle"]
+    assert oracles and all(r["verdict"] == "pass" for r in oracles)
+    assert ran_fused(oracles) == {"fused"}
