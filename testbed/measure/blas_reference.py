@@ -244,20 +244,36 @@ def products_timer(products: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 class ProductsTimer:
-    """products_timer's variant: the products loaded into the reference process once."""
+    """products_timer's variant: the products loaded into the reference process once (again into a new
+    one, should the reference process have been restarted since: TB_ISA changed)."""
 
     def __init__(self, products, threads: int, repeat: int = 1):
-        self.process = reference_process()
-        self.key = self.process.load(list(products))
+        self.products = list(products)
         self.threads, self.repeat = threads, repeat
-        weakref.finalize(self, self.process.drop, self.key)  # the worker lets go of them with the timer
+        self._loaded: list = [None, None]  # [process, key]: what the finalizer lets go of
+        weakref.finalize(self, _drop, self._loaded)  # the worker lets go of them with the timer
+        self._key()
+
+    def _key(self) -> int:
+        process = reference_process()
+        if self._loaded[0] is not process:
+            self._loaded[:] = [process, process.load(self.products)]
+        return self._loaded[1]
 
     def __call__(self) -> dict[str, float]:
-        return self.process.ask("run", self.key, self.threads, self.repeat)
+        key = self._key()
+        return self._loaded[0].ask("run", key, self.threads, self.repeat)
 
     def outputs(self) -> list[np.ndarray]:
         """The products' results as last computed (a check that the timed calls computed them)."""
-        return self.process.ask("result", self.key)
+        key = self._key()
+        return self._loaded[0].ask("result", key)
+
+
+def _drop(loaded: list) -> None:
+    process, key = loaded
+    if process is not None:
+        process.drop(key)
 
 
 def repeats_for(products: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
