@@ -66,8 +66,8 @@ def build(fused: bool, out_dir: Path) -> ctypes.CDLL:
                  (["-mavx512f"] if "avx512f" in flags else [])
     out = out_dir / f"outside_{int(fused)}.so"
     kernels = ROOT / "kernels"
-    subprocess.run(["cc", "-std=c11", "-O3", "-ffp-contract=off", "-fno-math-errno", *vector, f"-DTB_FUSED={int(fused)}",
-                    '-DTB_SOURCE_HASH="outside"', f"-I{kernels}", "-shared", "-fPIC", "-pthread", "-o", str(out),
+    subprocess.run(["cc", "-std=c11", "-O3", "-ffp-contract=off", "-fno-math-errno", *vector,
+                    f"-DTB_FUSED={int(fused)}", '-DTB_SOURCE_HASH="outside"', f"-I{kernels}", "-shared", "-fPIC", "-pthread", "-o", str(out),
                     *(str(kernels / s) for s in SOURCES), "-lm"], check=True)
     return ctypes.CDLL(str(out))
 

@@ -25,7 +25,8 @@ def outside(fused: bool, reps: int, tmp_path: Path) -> dict:
     out = tmp_path / f"outside_{int(fused)}.json"
     subprocess.run([sys.executable, str(SCRIPT), f"--fused={int(fused)}", f"--reps={reps}",
                     f"--keys={','.join(map(str, SIZE['keys']))}", f"--head-dim={SIZE['head_dim']}",
-                    f"--chunk={SIZE['chunk']}", f"--gdn-tokens={SIZE['gdn_tokens']}", f"--gdn-heads={SIZE['gdn_heads']}",
+                    f"--chunk={SIZE['chunk']}", f"--gdn-tokens={SIZE['gdn_tokens']}",
+                    f"--gdn-heads={SIZE['gdn_heads']}",
                     f"--gdn-head-size={SIZE['gdn_head_size']}", f"--gdn-chunk={SIZE['gdn_chunk']}",
                     f"--gemm={SIZE['gemm']}", f"--json={out}"], check=True, capture_output=True, text=True)
     return json.loads(out.read_text())
@@ -39,7 +40,8 @@ def inside(fused: bool, reps: int) -> dict[str, float]:
                  f"ratios.reps={reps}", f"ratios.key_counts=[{','.join(map(str, SIZE['keys']))}]",
                  f"ratios.gdn.heads={SIZE['gdn_heads']}", f"ratios.gdn.head_size={SIZE['gdn_head_size']}",
                  f"ratios.gdn.tokens={SIZE['gdn_tokens']}", f"ratios.gdn.chunk={SIZE['gdn_chunk']}",
-                 "ratios.ggml=false", "ratios.torch=false", f"ratios.sgemm={SIZE['gemm']}", f"ratios.gemm={SIZE['gemm']}"]
+                 "ratios.ggml=false", "ratios.torch=false", f"ratios.sgemm={SIZE['gemm']}",
+                 f"ratios.gemm={SIZE['gemm']}"]
     df = runner.execute(config.load(overrides, experiment="native_bench")).frame()
     ratios = df[(df["kind"] == "measure") & (df["params.kernel"] == "ratio")]
     return {r["case"].removeprefix("ratios/"): r["figures.ratio_cpu.median"] for _, r in ratios.iterrows()}

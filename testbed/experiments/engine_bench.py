@@ -239,7 +239,8 @@ def host_interleaved(cfg: DictConfig, ctx, model, w, program):
     if why:
         ctx.progress(f"engine_bench matmul_vs_sgemm: {why}")
     library = {"seconds": seconds, "spin": spin, "info": info, "order": timed.order,
-               "what": f"numpy ({info.get('internal_api')}, its {info.get('architecture')} kernel, in a process of its own) float32 products of the chunk call's shapes: "
+               "what": f"numpy ({info.get('internal_api')}, its {info.get('architecture')} kernel, in a process of its own) "
+                       f"float32 products of the chunk call's shapes: "
                        f"{len(products)} products ({model.layers} layers x q k v o gate up down, and the LM head "
                        f"on one row), {'dequantised ' if cfg.weights != 'f32' else ''}model weights, "
                        f"{cfg.threads} thread(s); each timed call repeats them {repeat} time(s), per-time seconds"}

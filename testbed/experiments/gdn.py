@@ -269,9 +269,9 @@ def bench_records(cfg: DictConfig, ctx, be) -> Iterator[Record]:
         probe_s += sgemm_s.get("wall", [])
         sgemm = Figure.of(sgemm_s["wall"], "s").rate(2.0 * SGEMM_SIZE**3, "FLOP/s") if sgemm_s else None
         sgemm_cpu = Figure.of(sgemm_s["cpu"], "s").rate(2.0 * SGEMM_SIZE**3, "FLOP/s") if sgemm_s else None
-        spin = blas_reference.spinning(float(np.median(sgemm_s["cpu"])), float(np.median(sgemm_s["cpu_1thread"])),
-                                       cfg.threads) | blas_reference.kernel_rule(blas_reference.blas_info(cfg.threads)) \
-            if sgemm_s else {}
+        spin = (blas_reference.spinning(float(np.median(sgemm_s["cpu"])), float(np.median(sgemm_s["cpu_1thread"])),
+                                        cfg.threads) | blas_reference.kernel_rule(blas_reference.blas_info(cfg.threads))
+                if sgemm_s else {})
         refused = blas_reference.refusal(spin, cfg.threads)
         if refused:
             ctx.progress(f"gdn bench T={t_len}: sgemm_fraction {refused}")
