@@ -17,7 +17,8 @@ from testbed import config, runner
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "outside_ratios.py"
 TOLERANCE = 0.15
-SIZE = {"keys": [256, 1024], "head_dim": 128, "chunk": 32, "gdn_tokens": 128, "gdn_heads": 4, "gdn_head_size": 64,
+REPS = 11  # at load 15-30, 7 repetitions left the small GDN ratios 12-17% apart on some runs
+SIZE = {"keys": [256, 1024], "head_dim": 128, "chunk": 32, "gdn_tokens": 256, "gdn_heads": 8, "gdn_head_size": 64,
         "gdn_chunk": 16, "gemm": 256}
 
 
@@ -58,9 +59,9 @@ def compare(ours: dict[str, float], theirs: dict[str, dict]) -> dict[str, tuple[
 # the fused build is the judged one: in the default run (~1 min); the unfused one with -m slow_build (~1 min more)
 @pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow_build)])
 def test_native_benchs_ratios_reproduce_from_outside(fused, results_dir, tmp_path):
-    theirs = outside(fused, 7, tmp_path)
+    theirs = outside(fused, REPS, tmp_path)
     assert all(e <= 1e-6 for e in theirs["nmse"].values())
-    ours = inside(fused, 7)
+    ours = inside(fused, REPS)
     off = compare(ours, theirs["ratios"])
     assert not off, f"testbed vs outside (fused={fused}, load {theirs['load']:.1f}): {off}"
 
