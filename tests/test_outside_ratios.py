@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from testbed import config, runner
@@ -17,9 +18,11 @@ from testbed import config, runner
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "outside_ratios.py"
 TOLERANCE = 0.15
-REPS = 11  # at load 15-30, 7 repetitions left the small GDN ratios 12-17% apart on some runs
-SIZE = {"keys": [256, 1024], "head_dim": 128, "chunk": 32, "gdn_tokens": 256, "gdn_heads": 8, "gdn_head_size": 64,
-        "gdn_chunk": 16, "gemm": 256}
+# at load 15-30, one run of each side with 7 or 11 repetitions left the small GDN ratios 12-17% apart on
+# some runs (the load swung between the two): the sides alternate instead
+REPS, ROUNDS = 5, 3
+SIZE = {"keys": [256, 1024], "head_dim": 128, "chunk": 32, "gdn_tokens": 256, "gdn_heads": 4, "gdn_head_size": 128,
+        "gdn_chunk": 32, "gemm": 512}  # the claimed gemm size: at 256^3 one call and a hot loop differ ~15%
 
 
 def outside(fused: bool, reps: int, tmp_path: Path) -> dict:
@@ -56,14 +59,21 @@ def compare(ours: dict[str, float], theirs: dict[str, dict]) -> dict[str, tuple[
             if abs(theirs[name]["median"] / ours[name] - 1) > TOLERANCE}
 
 
-# the fused build is the judged one: in the default run (~1 min); the unfused one with -m slow_build (~1 min more)
+# the fused build is the judged one: in the default run (~1.5 min); the unfused one with -m slow_build
 @pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow_build)])
 def test_native_benchs_ratios_reproduce_from_outside(fused, results_dir, tmp_path):
-    theirs = outside(fused, REPS, tmp_path)
-    assert all(e <= 1e-6 for e in theirs["nmse"].values())
-    ours = inside(fused, REPS)
-    off = compare(ours, theirs["ratios"])
-    assert not off, f"testbed vs outside (fused={fused}, load {theirs['load']:.1f}): {off}"
+    # the two harnesses alternate, ROUNDS times each: a swing of the machine's load falls on both sides;
+    # each ratio is the median over the rounds of each side's median
+    theirs_rounds, ours_rounds = [], []
+    for _ in range(ROUNDS):
+        theirs = outside(fused, REPS, tmp_path)
+        assert all(e <= 1e-6 for e in theirs["nmse"].values())
+        theirs_rounds.append(theirs["ratios"])
+        ours_rounds.append(inside(fused, REPS))
+    ours = {k: float(np.median([r[k] for r in ours_rounds])) for k in ours_rounds[0]}
+    theirs = {k: {"median": float(np.median([r[k]["median"] for r in theirs_rounds]))} for k in theirs_rounds[0]}
+    off = compare(ours, theirs)
+    assert not off, f"testbed vs outside (fused={fused}): {off}"
 
 
 def test_the_comparison_catches_a_ratio_off_by_more_than_15_percent():
