@@ -30,15 +30,76 @@ def numpy_blas() -> dict:
 def test_the_reference_is_labelled_with_numpys_blas_when_another_is_loaded():
     """scipy's wheel ships its own OpenBLAS (another version); once scipy is imported (transformers
     does, for the torch reference) threadpoolctl may list it first. The record must still name
-    numpy's, the library that computed the reference."""
+    numpy's, the library that computed the reference (in its own process, where numpy's is the only one)."""
     pytest.importorskip("scipy.linalg")
-    blas = [m for m in threadpool_info() if m["user_api"] == "blas"]
     info = blas_reference.blas_info(1)
-    assert info["version"] == numpy_blas()["version"] and info["libraries"] == len(blas)
-    # whatever order threadpoolctl lists them in
+    assert info["version"] == numpy_blas()["version"] and info["libraries"] == 1
+    blas = [m for m in threadpool_info() if m["user_api"] == "blas"]
     others = [m for m in blas if "/numpy.libs/" not in m["filepath"]]
-    if others:
+    if others:  # whatever order threadpoolctl lists them in
         assert blas_reference.numpy_first(list(reversed(blas)))[0]["filepath"] == numpy_blas()["filepath"]
+
+
+# --- the best kernel, whatever the environment says (issue 35) -----------------------------------------
+
+
+def test_the_reference_runs_the_cpus_own_kernel_whatever_the_environment_forces(monkeypatch):
+    # this machine's environment (and CI's) forces the AVX2 kernel on an AVX-512 CPU
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    monkeypatch.setenv("OPENBLAS_L2_SIZE", "512")
+    monkeypatch.delenv("TB_ISA", raising=False)
+    info = blas_reference.blas_info(1)
+    assert info["kernel_isa"] == info["cpu_isa"] == blas_reference.cpu_isa()
+    assert "OPENBLAS_CORETYPE" not in info.get("environment", {})
+    assert info["environment_removed"] == {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "512"}
+    rule = blas_reference.kernel_rule(info)
+    assert rule["reference_kernel_narrower"] is False and rule["reference_kernel"] == info["architecture"]
+
+
+def test_a_reference_that_honours_a_forced_narrower_kernel_judges_no_target(monkeypatch):
+    """The planted bug: the reference process passes the environment's OPENBLAS_CORETYPE on (as the
+    in-process reference did). On an AVX-512 or AVX2 CPU the forced kernel is narrower: refused."""
+    if blas_reference.ISA_RANK[blas_reference.cpu_isa()] <= blas_reference.ISA_RANK["sse"]:
+        pytest.skip(f"this CPU's widest ISA is {blas_reference.cpu_isa()}: no narrower OpenBLAS kernel to force")
+    monkeypatch.setattr(blas_reference, "KERNEL_VARIABLES", ())
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Prescott")  # an SSE kernel, narrower than any AVX CPU's
+    monkeypatch.delenv("TB_ISA", raising=False)
+    info = blas_reference.blas_info(1)
+    assert info["kernel_isa"] == "sse"
+    spin = blas_reference.spinning(2.5e-3, 2.5e-3, 1) | blas_reference.kernel_rule(info)
+    metrics = blas_reference.judge(0.8, {"cpu": 0.9, "wall": 0.9}, spin, threads=1)
+    assert metrics["meets_target_cpu"] is None and metrics["reference_kernel_narrower"] is True
+    assert "sse" in metrics["target_refused"] and "OPENBLAS_CORETYPE=Prescott" in metrics["target_refused"]
+
+
+@pytest.mark.parametrize("kernel,cpu,target,narrower", [("Haswell", "avx512", "avx512", True),
+                                                        ("SkylakeX", "avx512", "avx512", False),
+                                                        ("Haswell", "avx512", "avx2", False),
+                                                        ("Haswell", "avx2", "avx2", False),
+                                                        ("NoSuchCore", "avx2", "avx2", True)])
+def test_kernel_rule_by_isa(kernel, cpu, target, narrower):
+    info = {"architecture": kernel, "kernel_isa": blas_reference.kernel_isa(kernel), "cpu_isa": cpu,
+            "target_isa": target}
+    rule = blas_reference.kernel_rule(info)
+    assert rule["reference_kernel_narrower"] is narrower
+    assert (blas_reference.refusal(rule, 1) is not None) is narrower
+
+
+def test_a_target_forced_onto_avx2_is_judged_against_openblass_avx2_kernel(monkeypatch):
+    if blas_reference.cpu_isa() != "avx512":
+        pytest.skip("needs a CPU wider than AVX2")
+    monkeypatch.setenv("TB_ISA", "avx2")
+    info = blas_reference.blas_info(1)
+    assert info["architecture"] == "Haswell" and info["target_isa"] == "avx2"
+    assert blas_reference.kernel_rule(info)["reference_kernel_narrower"] is False
+
+
+def test_cpu_isa_reads_the_widest_flag(tmp_path):
+    for i, (flags, isa) in enumerate((("fpu sse2 avx avx2 fma avx512f", "avx512"), ("sse2 avx avx2 fma", "avx2"),
+                                      ("sse2 avx avx2", "avx"), ("fp asimd", "neon"))):
+        f = tmp_path / f"cpuinfo{i}"
+        f.write_text(f"processor : 0\n{'Features' if 'asimd' in flags else 'flags'}\t\t: {flags}\n")
+        assert blas_reference.cpu_isa(str(f)) == isa
 
 
 # --- the spinning rule, fed figures -------------------------------------------------------------------
@@ -66,23 +127,25 @@ def test_a_reference_within_the_limit_is_judged(cpu_n, threads):
     assert "target_refused" not in metrics
 
 
-def test_blas_info_names_what_numpy_runs():
+def test_blas_info_names_what_the_reference_runs():
     info = blas_reference.blas_info(2)
     blas = numpy_blas()
-    for key in ("internal_api", "version", "architecture", "num_threads"):
+    for key in ("internal_api", "version"):
         assert info[key] == blas.get(key)
-    assert info["threads"] == 2 and "user_api='blas'" in info["limit"]
+    assert info["architecture"] and info["threads"] == 2 and "user_api='blas'" in info["limit"]
 
 
 def test_the_reference_runs_under_the_limit_and_gives_it_back():
-    before = numpy_blas()["num_threads"]
+    before = blas_reference.blas_info()["num_threads"]
     products = blas_reference.square_products(48)
     for threads in (1, 2):
-        clocks = blas_reference.products_timer(products, threads)()
+        timer = blas_reference.products_timer(products, threads)
+        clocks = timer()
         assert set(clocks) == {"wall", "cpu"}
-        a, b, out = products[0]
-        np.testing.assert_allclose(out, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-4, atol=1e-3)
-    assert numpy_blas()["num_threads"] == before
+        a, b, _ = products[0]
+        np.testing.assert_allclose(timer.outputs()[0], a.astype(np.float64) @ b.astype(np.float64), rtol=1e-4,
+                                   atol=1e-3)
+    assert blas_reference.blas_info()["num_threads"] == before
 
 
 # --- the experiments' records ------------------------------------------------------------------------------
@@ -108,7 +171,7 @@ def test_engine_bench_on_the_host_divides_by_openblas_on_the_engines_shapes(resu
     matmul = df[df["params.form"] == "matmul_vs_sgemm"]
     assert len(matmul) == 2 and not sgemm_labels_are_honest(df)
     for _, r in matmul.iterrows():
-        assert r["work.reference.threads"] == 2 and r["work.reference.architecture"] == numpy_blas()["architecture"]
+        assert r["work.reference.threads"] == 2 and r["work.reference.kernel_isa"] == blas_reference.cpu_isa()
         # the same products as the chunk call: its FLOP count; the own gemm only beside it, named
         assert "numpy" in r["work.sgemm"] and r["work.matmul_flops"] > 0
         assert r["figures.sgemm.median"] != r["figures.own_gemm.median"]
@@ -146,8 +209,9 @@ def test_native_bench_at_two_threads_records_the_reference_and_its_spinning(resu
     assert set(part["params.kernel"]) >= {"sgemm", "sgemm 1 thread"}
     assert not sgemm_labels_are_honest(df)
     ratio = part[part["params.bottom"] == "sgemm"].iloc[0]
-    for key in ("internal_api", "version", "architecture", "num_threads"):
+    for key in ("internal_api", "version"):
         assert ratio[f"work.reference.{key}"] == numpy_blas().get(key)
+    assert ratio["work.reference.kernel_isa"] == ratio["metrics.cpu_isa"] == blas_reference.cpu_isa()
     assert ratio["work.reference.threads"] == 2
     spins = ratio["metrics.reference_spinning"]
     over = ratio["metrics.reference_cpu_per_call_s"] / ratio["metrics.reference_cpu_per_call_1thread_s"]

@@ -67,6 +67,7 @@ PARAMS = {
     "cache_atol": Float(0.0),
     "threads": Int(1, 256),
     "counts": Choice((False, True)),
+    "fused": Choice((False, True)),
     "seed": Int(0),
     "model.preset": Choice(tuple(PRESETS)),
     "model.weights_seed": Int(0),
@@ -148,6 +149,9 @@ def validate(cfg: DictConfig) -> None:
         if cfg.native.weights not in spec.weights:
             raise UsageError(f"native.weights={cfg.native.weights}: engine={spec.name} takes {', '.join(spec.weights)} "
                              f"({spec.path}: supports.weights)")
+    if cfg.fused and cfg.backend != "native":
+        raise UsageError(f"fused=true chooses the native programs' FMA build; backend={cfg.backend} has none; "
+                         "accepted: fused=true with backend=native, or fused=false")
     if cfg.backend == "iree":  # a module for another kind of device is refused before anything compiles
         from testbed.backends.iree.device import check_target_fits
         from testbed.devices import load_profile

@@ -41,7 +41,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma
-from testbed.backends.native import engine
+from testbed.backends.native import build as kernel_build, engine
 from testbed.config import Choice, Float, Int
 from testbed.measure import blas_reference
 from testbed.measure.timing import time_interleaved
@@ -130,6 +130,8 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
         t = {k: np.asarray(v, float) for k, v in timings.items() if k.endswith("seconds")}
     params = {"chunk": cfg.chunk, "past": cfg.past, "weights": cfg.weights, "threads": cfg.threads,
               "hidden": model.hidden, "layers": model.layers, "fused": bool(cfg.fused),
+              # how the build computes: arm32's fused build is unfused (no VFPv4; build.multiply_add)
+              "multiply_add": kernel_build.build_info(built).get("multiply_add"),
               "gemm_isa": timings.get("gemm_isa")}
     yield logits_oracle(cfg, model, w, prompt, runs, params)
     m, n, k = timings["sgemm_shape"]
@@ -229,13 +231,16 @@ def host_interleaved(cfg: DictConfig, ctx, model, w, program):
          for key in runs[0].timings if key.endswith("seconds")}
     seconds = {clock: np.asarray(timed.samples["sgemm"][clock], float) for clock in ("wall", "cpu")}
     one = timed.samples["sgemm 1 thread" if cfg.threads > 1 else "sgemm"]["cpu"]
-    spin = blas_reference.spinning(float(np.median(seconds["cpu"])), float(np.median(one)), cfg.threads)
+    info = blas_reference.blas_info(cfg.threads)
+    # spinning, and a kernel narrower than the targets may use (an environment forcing one): no target judged
+    spin = blas_reference.spinning(float(np.median(seconds["cpu"])), float(np.median(one)),
+                                   cfg.threads) | blas_reference.kernel_rule(info)
     why = blas_reference.refusal(spin, cfg.threads)
     if why:
         ctx.progress(f"engine_bench matmul_vs_sgemm: {why}")
-    info = blas_reference.blas_info(cfg.threads)
     library = {"seconds": seconds, "spin": spin, "info": info, "order": timed.order,
-               "what": f"numpy ({info.get('internal_api')}) float32 products of the chunk call's shapes: "
+               "what": f"numpy ({info.get('internal_api')}, its {info.get('architecture')} kernel, in a process of its own) "
+                       f"float32 products of the chunk call's shapes: "
                        f"{len(products)} products ({model.layers} layers x q k v o gate up down, and the LM head "
                        f"on one row), {'dequantised ' if cfg.weights != 'f32' else ''}model weights, "
                        f"{cfg.threads} thread(s); each timed call repeats them {repeat} time(s), per-time seconds"}

@@ -95,6 +95,7 @@ PARAMS = {
     "gdn_chunk": Int(1, 4096),
     "threads": Int(1, 256),
     "counts": Choice((False, True)),
+    "fused": Choice((False, True)),
     "threshold": Float(0.0, 1.0),
     "logit_atol": Float(0.0),
     "seed": Int(0),
@@ -197,6 +198,9 @@ def validate(cfg: DictConfig) -> None:
     if cfg.backend == "engine":
         validate_engine(cfg)
     tails = []
+    if cfg.fused and cfg.backend != "native":
+        raise UsageError(f"fused=true chooses the native programs' FMA build; backend={cfg.backend} has none; "
+                         "accepted: fused=true with backend=native, or fused=false")
     if "oracle" in parts:
         past, tokens = as_list(cfg.oracle.past), as_list(cfg.oracle.tokens)
         if len(past) != len(tokens):
@@ -293,7 +297,8 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     forms = gdn_forms(cfg)
     steps, step = len(forms) * (len(cases(cfg)) + len(as_list(cfg.oracle.tails))), 0
     for form, fn in forms.items():
-        base = {"gdn": form, "gdn_chunk": cfg.gdn_chunk if form == "chunkwise" else None, "chunk": cfg.chunk}
+        base = {"gdn": form, "gdn_chunk": cfg.gdn_chunk if form == "chunkwise" else None, "chunk": cfg.chunk,
+                **({"fused": bool(cfg.fused)} if native else {})}
         for p, n in cases(cfg):
             step += 1
             ctx.progress(f"hybrid oracle {step}/{steps} {form} P={p} n={n}")
@@ -303,7 +308,8 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
                 from testbed.backends.native import hybrid as engine
 
                 run = engine.prefill(ctx.device, model, w, ids, past=p, tokens=n, chunk=cfg.chunk, tail="padded",
-                                     gdn=form, gdn_chunk=cfg.gdn_chunk, threads=cfg.threads)
+                                     gdn=form, gdn_chunk=cfg.gdn_chunk, threads=cfg.threads,
+                                     fused=bool(cfg.fused))
                 if p + n not in references:
                     references[p + n] = (qwen35.redecode(w, model, ids[:p + n]), naive_qwen35.logits(w, model, ids[:p + n]))
                 verdicts = check_engine_case(w, model, ids, p, n, run, cfg.threshold, cfg.logit_atol, expected,
@@ -324,7 +330,8 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
                 from testbed.backends.native import hybrid as engine
 
                 runs = {tail: engine.prefill(ctx.device, model, w, ids, past=0, tokens=length, chunk=cfg.chunk,
-                                             tail=tail, gdn=form, gdn_chunk=cfg.gdn_chunk, threads=cfg.threads)
+                                             tail=tail, gdn=form, gdn_chunk=cfg.gdn_chunk, threads=cfg.threads,
+                                             fused=bool(cfg.fused))
                         for tail in ("padded", "exact", "scalar")}
                 verdicts = check_engine_tail(runs["padded"], runs["exact"], runs["scalar"], cfg.threshold,
                                              cfg.logit_atol)
@@ -503,6 +510,7 @@ def time_variants(cfg: DictConfig, ctx, calls: dict, reps: int, warmup: int) -> 
             ctx.progress(f"hybrid {key} ({len(prompt)} tokens)")
             run = engine.prefill(ctx.device, v.model, v.w, prompt, past=0, tokens=len(prompt), chunk=chunk,
                                  tail=tail, gdn=v.gdn, gdn_chunk=cfg.gdn_chunk, threads=cfg.threads,
+                                 fused=bool(cfg.fused),
                                  warmup=warmup, reps=1, measured=True)
             samples[key]["wall"] += run.timings["seconds"]
             samples[key]["cpu"] += run.timings["cpu_seconds"]
@@ -611,7 +619,7 @@ def drift_records(cfg: DictConfig, ctx) -> Iterator[Record]:
 
                 r = engine.prefill(ctx.device, model, w, prompt, past=0, tokens=length, chunk=b.prefill_chunk,
                                    tail="exact", gdn="chunkwise", gdn_chunk=cfg.gdn_chunk, precision=precision,
-                                   all_logits=True, threads=cfg.threads)
+                                   all_logits=True, threads=cfg.threads, fused=bool(cfg.fused))
                 return r.logits_all, r.state, [r.evidence.as_dict()]
             fn = partial(gdn.gdn_chunkwise, chunk=cfg.gdn_chunk, precision=precision)
             logits, state = qwen35.redecode(w, model, prompt, fn)

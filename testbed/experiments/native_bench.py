@@ -44,7 +44,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from refimpl import gdn, gemma
-from testbed.backends.native.build import build_programs, target_for_abi
+from testbed.backends.native.build import build_info, build_programs, target_for_abi
 from testbed.backends.native.device import NativeJob, count_instructions, run_native
 from testbed.backends.native.gdn import INPUTS as GDN_INPUTS, auto_chunk
 from testbed.config import BoolList, Choice, Int, IntList, as_bools, as_list
@@ -94,6 +94,17 @@ SGEMM_TARGET = 0.75
 GGML_TARGET = 0.25
 GGML_KDA_TARGET = 0.3
 TORCH_TARGETS = {512: 0.25, 4096: 0.2}
+# On a device that counts (the emulated ones: exact instructions), each kernel's instructions per FLOP
+# over the FMA ideal of the ISA it ran on: one instruction per multiply-add of a full vector, 1 / (2
+# lanes) instructions per FLOP. AArch64 NEON: FMLA on 4 float32 lanes, 1/8; ARMv7-A NEON: VMLA (a
+# multiply-accumulate rounding twice; no VFPv4 FMA) on 4 lanes, 1/8; Hexagon v67 as built (scalar C,
+# no HVX): one sffma per 2 FLOP, 1/2; x86-64 AVX-512 (valgrind's counts): 16 lanes, 1/32. Goals (issue
+# 35): tb_gemm at most 1.5x the ideal, GDN chunkwise and attention at most 2x.
+FMA_IDEAL = {"aarch64": (1 / 8, "NEON FMLA, 4 float32 lanes: 8 FLOP per instruction"),
+             "arm32": (1 / 8, "ARMv7-A NEON VMLA, 4 float32 lanes: 8 FLOP per instruction"),
+             "hexagon": (1 / 2, "Hexagon v67 scalar sffma (the build has no HVX): 2 FLOP per instruction"),
+             "host": (1 / 32, "AVX-512 VFMADD, 16 float32 lanes: 32 FLOP per instruction")}
+IDEAL_TARGETS = (("gemm loop", None), ("gemm", 1.5), ("attention", 2.0), ("gdn chunkwise", 2.0))
 # At threads > 1: the kernels' CPU time on N threads over one thread's (the same call), at most.
 THREADS_TARGET = 1.05
 ONE = " (1 thread)"  # the name of a variant's one-thread twin
@@ -316,6 +327,7 @@ def ratio_records(cfg: DictConfig, ctx, programs, host_counts: bool = False) -> 
     the host with `host_counts`: each of testbed's programs once more under valgrind), each kernel's
     instructions per FLOP beside the reference loop's (tb_gemm_bench form=loop)."""
     a, r, b = cfg.attention, cfg.ratios, cfg.bench
+    target = target_for_abi(ctx.device.profile.abi)
     rng = np.random.default_rng([cfg.seed, 14])
     keys = sorted(set(as_list(r.key_counts)))
     variants, flops, references, outputs, evidence, counts = {}, {}, {}, {}, {}, {}
@@ -419,7 +431,9 @@ def ratio_records(cfg: DictConfig, ctx, programs, host_counts: bool = False) -> 
         ctx.progress(f"native_bench ratios: counting {', '.join(jobs)} under valgrind")
         for name, job in jobs.items():
             counts[name] = [count_instructions(ctx.device, job).per_call]
+    # fused: the build asked for; multiply_add: how it computes (arm32's fused build computes unfused)
     params = {"part": "ratios", "threads": cfg.threads, "order_seed": timed.seed, "fused": bool(cfg.fused),
+              "multiply_add": build_info(programs / "tb_gemm_bench").get("multiply_add"),
               "gemm_isa": what.get("gemm")}
     blas = {name: blas_reference.blas_info(1 if name == SGEMM_1 else cfg.threads) for name in variants
             if name in ("sgemm", SGEMM_1)}
@@ -441,6 +455,8 @@ def ratio_records(cfg: DictConfig, ctx, programs, host_counts: bool = False) -> 
             figures["instructions_per_flop"] = Figure.of([c / flops[name] for c in counts[name]], "instructions/FLOP")
             if loop_ipf:
                 metrics["instructions_vs_reference_loop"] = float(np.median(counts[name]) / flops[name] / loop_ipf)
+            if target in FMA_IDEAL:
+                metrics |= fma_ideal_metrics(name, float(np.median(counts[name]) / flops[name]), target)
         yield Record("native_bench", f"ratios/{name}", "measure", figures=figures, metrics=metrics,
                      work={"flops": flops[name], "flop_count": flop_count(name, blas),
                            "timer": f"numpy on this host, around {repeat} product(s) per call, per product"
@@ -461,7 +477,7 @@ def ratio_records(cfg: DictConfig, ctx, programs, host_counts: bool = False) -> 
               f"chunk attention GFLOP/s at {keys[-1]} keys over {keys[0]} keys (issue 14)")]
     spin = None
     if here:
-        library = f"numpy sgemm's ({blas['sgemm']['internal_api']})"
+        library = f"numpy sgemm's ({blas['sgemm']['internal_api']}, its {blas['sgemm']['architecture']} kernel)"
         pairs += [(f"attention keys={n}", "sgemm", ATTENTION_TARGET, False,
                    f"chunk attention GFLOP/s at {n} keys over {library}") for n in keys]
         for tokens, kda in gdn_cases:
@@ -477,7 +493,9 @@ def ratio_records(cfg: DictConfig, ctx, programs, host_counts: bool = False) -> 
         pairs.append(("gemm", SGEMM_1 if cfg.threads > 1 else "sgemm", None, False,
                       f"tb_gemm at {r.gemm}^3 over {library} at {r.sgemm}^3, both on one thread"))
         cpu_1 = timed.figures[SGEMM_1 if cfg.threads > 1 else "sgemm"]["cpu"].median
-        spin = blas_reference.spinning(timed.figures["sgemm"]["cpu"].median, cpu_1, cfg.threads)
+        # spinning, and a kernel narrower than the targets may use (an environment forcing one): no target judged
+        spin = blas_reference.spinning(timed.figures["sgemm"]["cpu"].median, cpu_1,
+                                       cfg.threads) | blas_reference.kernel_rule(blas["sgemm"])
         why = blas_reference.refusal(spin, cfg.threads)
         if why:
             ctx.progress(f"native_bench ratios: vs sgemm: {why}")
@@ -485,6 +503,12 @@ def ratio_records(cfg: DictConfig, ctx, programs, host_counts: bool = False) -> 
                f"the call's time on {cfg.threads} threads over its time on one: by the CPU clock, what the threads "
                f"cost beyond the work (the pool's wake-ups, the split); by the wall clock, the speed-up")
               for name in variants if name.endswith(ONE)]
+    # every anchor built or run at its best here: ggml for this CPU, torch with its version and threads
+    anchors = {"ggml": {"build": "llama.cpp's ggml, GGML_NATIVE=ON: built for this CPU (testbed.backends.llamacpp)",
+                        "cpu_isa": blas_reference.cpu_isa()} if ggml else None,
+               "torch": {"version": torch_ref[0].__version__, "threads": cfg.threads,
+                         "cpu_capability": torch_ref[0].backends.cpu.get_cpu_capability()} if torch_ref else None}
+    anchors = {k: v for k, v in anchors.items() if v}
     for top, bottom, target, at_most, text in pairs:
         wall, cpu = ratio(top, bottom, "wall", at_most), ratio(top, bottom, "cpu", at_most)
         library = bottom in ("sgemm", SGEMM_1)
@@ -503,7 +527,8 @@ def ratio_records(cfg: DictConfig, ctx, programs, host_counts: bool = False) -> 
         yield Record("native_bench", f"ratios/{top} vs {bottom}", "measure",
                      figures={"ratio": wall, "ratio_cpu": cpu}, metrics=metrics,
                      work={"what": text, "ratio": "per repetition, of the two variants run in it; median, min, max",
-                           **({"reference": blas[bottom]} if library else {})},
+                           **({"reference": blas[bottom]} if library else {}),
+                           **({"reference": anchors[bottom.split()[0]]} if bottom.split()[0] in anchors else {})},
                      params=params | {"kernel": "ratio", "top": top, "bottom": bottom},
                      # the ratio is of the device's own clocks: the evidence of the two runs it divides
                      evidence=evidence.get(top, [])[-1:] + evidence.get(bottom, [])[-1:])
@@ -511,6 +536,19 @@ def ratio_records(cfg: DictConfig, ctx, programs, host_counts: bool = False) -> 
         if note and here:
             yield Record("native_bench", f"ratios/{name} reference", "measure", figures={},
                          metrics={"reference_missing": note}, params=params | {"kernel": f"{name} reference"})
+
+
+def fma_ideal_metrics(name: str, instructions_per_flop: float, target: str) -> dict:
+    """A kernel's exact instructions per FLOP over its ISA's FMA ideal (FMA_IDEAL), with its goal
+    (IDEAL_TARGETS: at most) judged: met, or short_by the factor it must still shed."""
+    ideal, what = FMA_IDEAL[target]
+    over = instructions_per_flop / ideal
+    goal = next((t for prefix, t in IDEAL_TARGETS if name.startswith(prefix)), None)
+    metrics = {"fma_ideal_instructions_per_flop": ideal, "fma_ideal": what, "instructions_vs_fma_ideal": over}
+    if goal is not None:
+        metrics |= {"fma_ideal_target": goal, "meets_fma_ideal_target": bool(over <= goal),
+                    "fma_ideal_short_by": blas_reference.shortfall(over, goal, at_most=True)}
+    return metrics
 
 
 def flop_count(name: str, blas: dict) -> str:
@@ -569,6 +607,9 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                      "outside kernel ms": None if is_cache else r.get("figures.outside_kernel.median"),
                      "GB/s": r.get("figures.bandwidth.median"),
                      "instructions / FLOP": r.get("figures.instructions_per_flop.median"),
+                     "x FMA ideal": r.get("metrics.instructions_vs_fma_ideal"),
+                     "FMA goal": r.get("metrics.fma_ideal_target"),
+                     "short by": r.get("metrics.fma_ideal_short_by"),
                      "vs reference loop": r.get("metrics.instructions_vs_reference_loop"),
                      "rollback / decode step": r.get("metrics.rollback_vs_decode_step") if is_cache else None,
                      "samples": tables.samples(r)})

@@ -47,6 +47,7 @@ from testbed.oracles.tail import (Engine, check_cache_encoding, check_engine_rol
 
 PARAMS = {
     "backend": Choice(("refimpl", "native", "engine")),
+    "fused": Choice((False, True)),
     "mode": Choice(("bench", "oracle", "all", "fixture")),
     "chunk": Int(1, 4096),
     "calibration_tokens": Int(1, 1 << 16),
@@ -87,6 +88,9 @@ def _lengths(cfg: DictConfig) -> list[int]:
 
 
 def validate(cfg: DictConfig) -> None:
+    if cfg.fused and cfg.backend != "native":
+        raise UsageError(f"fused=true chooses the native programs' FMA build; backend={cfg.backend} has none; "
+                         "accepted: fused=true with backend=native, or fused=false")
     for t in as_list(cfg.tail):
         if t >= cfg.chunk:
             raise UsageError(f"tail={t} is out of range; accepted: integers from 0 to chunk - 1 = {cfg.chunk - 1}")
@@ -179,7 +183,7 @@ def engine_settings(cfg: DictConfig, threshold: int):
 
     c = cfg.cache
     return TailSettings(cfg.chunk, c.dtype, c.group, c.sink, threshold, c.conv_kernel > 0, cfg.oracle.generate,
-                        threads=cfg.threads)
+                        threads=cfg.threads, fused=bool(cfg.fused))
 
 
 def make_engine(cfg: DictConfig, mcfg: gemma.GemmaConfig, w: dict, threshold: int, device, refimpl: bool = False):

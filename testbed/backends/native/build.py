@@ -275,12 +275,31 @@ def _programs_hash(target: str, fused: bool, kernels_dir: Path = KERNELS_DIR, av
     return h.hexdigest()
 
 
+def multiply_add(target: str, fused: bool) -> str:
+    """How a build's multiply-adds round, whatever FUSED asked for: "fused" (one rounding: FMA) only
+    where the target's flags have a fused multiply-add. arm32 is ARMv7-A NEON without VFPv4 (every
+    toolchain's flags), so its FUSED=1 build computes unfused (tb_simd.h: TB_MADD_FUSED 0; its
+    micro-kernel says "neon", not "neon-fma"); the host's FUSED=1 build adds -mfma where the CPU has it."""
+    if not fused:
+        return "unfused"
+    if target == "arm32":
+        return "unfused (FUSED=1 asked; ARMv7-A NEON without VFPv4 has no fused multiply-add)"
+    if target == "host" and platform.machine() in ("x86_64", "amd64") and "fma" not in cpu_flags():
+        return "unfused (FUSED=1 asked; this CPU has no FMA)"
+    return "fused"
+
+
 def build_info(program: Path) -> dict:
     """What built a program: its folder's build.json (target, toolchain, compiler), or {}."""
     try:
-        return json.loads((Path(program).parent / "build.json").read_text())
+        info = json.loads((Path(program).parent / "build.json").read_text())
     except (OSError, ValueError):
         return {}
+    if "multiply_add" not in info and info.get("target") in TARGETS and "fused" in info:  # a build from before
+        info["fused_requested"] = info["fused"]                                           # it was written
+        info["multiply_add"] = multiply_add(info["target"], bool(info["fused"]))
+        info["fused"] = info["multiply_add"] == "fused"
+    return info
 
 
 def valgrind_program(program: Path) -> Path:
@@ -366,7 +385,9 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
         first_error = next((line.strip() for line in lines if "error:" in line), None)
         raise BuildError(f"building the {target} programs failed: {first_error or ' | '.join(lines[-3:])}")
     shutil.rmtree(tmp / "obj")
-    (tmp / "build.json").write_text(json.dumps({"target": target, **identity, "fused": fused,
+    computes = multiply_add(target, fused)
+    (tmp / "build.json").write_text(json.dumps({"target": target, **identity, "fused": computes == "fused",
+                                                "fused_requested": fused, "multiply_add": computes,
                                                 "elf_machine": ELF_MACHINE.get(target)}, indent=1) + "\n")
     # a finished build appears at once, so a concurrent or interrupted one never leaves half a folder
     try:

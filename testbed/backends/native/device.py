@@ -117,7 +117,9 @@ def program_identity(program: Path) -> dict:
     toolchain = info.get("toolchain") if isinstance(info.get("toolchain"), dict) else {
         k: info[k] for k in ("toolchain", "compiler", "target", "libc") if k in info}
     return ({"elf_machine": machine, "elf_machine_name": ELF_MACHINE_NAMES.get(machine, "unknown")}
-            if machine is not None else {}) | ({"toolchain": toolchain} if toolchain else {})
+            if machine is not None else {}) | ({"toolchain": toolchain} if toolchain else {}) | (
+        # what ran: a FUSED=1 build on a target without FMA computes unfused (build.multiply_add)
+        {"multiply_add": info["multiply_add"]} if "multiply_add" in info else {})
 
 
 def runner_prefix(device: Device) -> list[str]:

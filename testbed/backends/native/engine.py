@@ -199,6 +199,7 @@ class TailSettings:
     weights_dtype: str = "f32"
     weights_group: int = 32
     threads: int = 1
+    fused: bool = False            # the FMA build (judged by tolerance) instead of the bit-exact one
 
 
 @dataclass
@@ -259,8 +260,8 @@ def tail(device: Device, cfg: gemma.GemmaConfig, w: dict, prompt, s: TailSetting
         parts |= {"k_scale": (cfg.kv_heads, None, None), "v_scale": (cfg.kv_heads, None, None)}
     outputs = {"logits": (cfg.vocab,), "generated": (s.generate,),
                **{f"layer{i}.{p}": shape for i in range(cfg.layers) for p, shape in parts.items()}}
-    result, evidence = _run(device, cfg, w, tokens, args, outputs, s.weights_dtype, s.weights_group, program,
-                            measured=reps > 1, count=count)
+    result, evidence = _run(device, cfg, w, tokens, args, outputs, s.weights_dtype, s.weights_group,
+                            program or program_for(device, s.fused), measured=reps > 1, count=count)
     out, timings = result.outputs, result.timings
     caches = _caches(cfg, s, out, timings["lengths"])
     prefill = DevicePrefill(out["logits"], tp.Telemetry(**timings["telemetry"]), caches, tokens.size,

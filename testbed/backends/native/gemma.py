@@ -34,12 +34,14 @@ class EngineRunner:
     weights_group: int = 32
     program: Path | None = None  # another build of the engine program (the tests' planted bugs)
     counts: bool = False         # on the host: the bench's calls counted once more under valgrind
+    fused: bool = False          # the FMA build (judged by tolerance) instead of the bit-exact one
     name: str = "native"
     evidence: EvidenceLog = field(default_factory=EvidenceLog)
 
     def _run(self, prompt, case, **timing) -> engine.ChunkRun:
         run = engine.chunk_prefill(self.device, self.cfg, self.w, prompt, case, weights_dtype=self.weights_dtype,
-                                   group=self.weights_group, threads=self.threads, program=self.program, **timing)
+                                   group=self.weights_group, threads=self.threads,
+                                   program=self.program or engine.program_for(self.device, self.fused), **timing)
         self.evidence.add(run.evidence)
         return run
 
@@ -67,7 +69,8 @@ class EngineRunner:
         queries, positions = np.arange(case.past, keys), np.arange(keys)
         mask = head_biased_mask(gemma.attention_mask(queries, positions, c.window, c.heads, "global"), queries, positions)
         want = gemma.attention(*(a.astype(np.float64) for a in (q, k, v, mask)), 1 / np.sqrt(c.head_dim))
-        program = kernel_build.build_programs(kernel_build.target_for_abi(self.device.profile.abi)) / "tb_attention_bench"
+        program = kernel_build.build_programs(kernel_build.target_for_abi(self.device.profile.abi),
+                                              fused=self.fused) / "tb_attention_bench"
         verdicts = {}
         for form in ("chunk", "decode_steps"):
             result = run_native(self.device, NativeJob(program, {"q": q, "k": k, "v": v, "mask": mask}, ["out"],
@@ -107,4 +110,5 @@ def backend(w, cfg, run_cfg=None, device: Device | None = None, progress=None) -
     if device is None:
         raise ValueError("the native engine runs on a device: pass the connected Device")
     dtype, group = option("native.weights", "f32"), int(option("native.group", 32))
-    return EngineRunner(w, cfg, device, int(option("threads", 1)), dtype, group, counts=bool(option("counts", False)))
+    return EngineRunner(w, cfg, device, int(option("threads", 1)), dtype, group, counts=bool(option("counts", False)),
+                        fused=bool(option("fused", False)))

@@ -72,11 +72,12 @@ def model_args(cfg: qwen35.HybridConfig) -> list[str]:
             f"rope_theta={cfg.rope_theta!r}", f"eps={cfg.rms_eps!r}", f"tied={int(cfg.tie_embeddings)}"]
 
 
-def program_for(device: Device, avx512: bool = True) -> Path:
+def program_for(device: Device, avx512: bool = True, fused: bool = False) -> Path:
     """The hybrid program built for the device's ABI (cached by content hash); avx512=False: the host
-    build valgrind can run (host instruction counts)."""
+    build valgrind can run (host instruction counts); fused: the FMA build (judged by tolerance; the
+    default unfused build is bit-exact across targets)."""
     target = kernel_build.target_for_abi(device.profile.abi)
-    return kernel_build.build_programs(target, avx512=avx512 or target != "host") / PROGRAM
+    return kernel_build.build_programs(target, fused=fused, avx512=avx512 or target != "host") / PROGRAM
 
 
 @dataclass
@@ -111,7 +112,7 @@ def state_from(cfg: qwen35.HybridConfig, out: dict, length: int) -> qwen35.Hybri
 def prefill(device: Device, cfg: qwen35.HybridConfig, w: dict, prompt, *, past: int, tokens: int, chunk: int,
             tail: str = "padded", gdn: str = "chunkwise", gdn_chunk: int = 64, precision: str = "f32",
             all_logits: bool = False, threads: int = 1, warmup: int = 0, reps: int = 1, measured: bool = False,
-            count: bool = False, program: Path | None = None) -> HybridRun:
+            count: bool = False, program: Path | None = None, fused: bool = False) -> HybridRun:
     """The first `past` tokens of `prompt`, then the next `tokens`, each in calls of `chunk` rows with
     the remainder by `tail` (exact | padded | scalar), the GDN layers by `gdn` (serial | chunkwise |
     none), on the device. `count` on a device that does not count by itself (the host): one run under
@@ -123,7 +124,7 @@ def prefill(device: Device, cfg: qwen35.HybridConfig, w: dict, prompt, *, past: 
     if ids.size < past + tokens:
         raise UsageError(f"the prompt has {ids.size} tokens, P + n = {past + tokens}")
     valgrind = count and not device.profile.has("counts")
-    program = program or program_for(device, avx512=not valgrind)
+    program = program or program_for(device, avx512=not valgrind, fused=fused)
     weights = export_weights(cfg, w)
     remote_weights = stage_program(device, weights)
     argv = [".", ".", f"weights=../../{remote_weights}", *model_args(cfg), f"past={past}", f"tokens={tokens}",
