@@ -62,7 +62,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,7 +72,8 @@ from testbed import PROJECT_ROOT, config, experiments, runner
 from testbed.backends import EvidenceLog
 from testbed.backends.llamacpp import build as llamacpp_build
 from testbed.backends.llamacpp import trees as llamacpp_trees
-from testbed.backends.native.build import BuildError, build_programs, target_for_abi, tree_files, tree_hash
+from testbed.backends.native.build import (BuildError, build_programs, target_for_abi, tree_files, tree_hash,
+                                          whole_folder)
 from testbed.backends.native.device import Call, NativeJob, run_native
 from testbed.devices.transport import elf_machine, sha256_file
 from testbed.errors import DeviceError, UsageError
@@ -140,23 +140,7 @@ def _extract(sha: str, out: Path) -> None:
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(tmp, filter="data")  # no links or paths out of tmp
 
-    _whole(out, fill)
-
-
-def _whole(out: Path, fill) -> None:
-    """`fill(tmp)` a fresh folder beside `out`, then rename it to `out`: a concurrent or interrupted
-    filling never leaves half a folder under the final name."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
-        fill(tmp)
-        try:
-            tmp.rename(out)
-        except OSError:  # another process filled the same folder first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    whole_folder(out, fill)
 
 
 def snapshot(tree: Tree) -> Tree:
@@ -181,7 +165,7 @@ def snapshot(tree: Tree) -> Tree:
             if tree_hash(tmp / "kernels")[:16] != digest:
                 raise UsageError(f"tree {tree.spec!r} changed while it was being copied; run again")
 
-        _whole(out, fill)
+        whole_folder(out, fill)
     return Tree(tree.spec, f"kernels:{digest} ({tree.revision})", out / "kernels")
 
 

@@ -22,12 +22,12 @@ import io
 import shutil
 import subprocess
 import tarfile
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from testbed.backends.llamacpp import build
+from testbed.backends.native.build import whole_folder
 from testbed.errors import ToolMissing, UsageError
 
 AB_CACHE = build.CACHE / "ab"
@@ -95,7 +95,7 @@ def revision(spec: str, repo: Path) -> LlamaTree:
                                  f"{archive.stderr.decode(errors='replace').strip()}")
             with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
                 tar.extractall(tmp, filter="data")  # no links or paths out of the folder
-        whole(out, fill)
+        whole_folder(out, fill)
     if not is_llamacpp_tree(out):
         raise UsageError(f"revision {spec!r} ({sha[:12]}) of {repo} is not a llama.cpp tree (no ggml/include/ggml.h "
                          "and tests/test-backend-ops.cpp)")
@@ -124,21 +124,5 @@ def patched(base: LlamaTree, patch: Path, spec: str) -> LlamaTree:
                         if line.strip() and not line.startswith(("patching file", "checking file"))]
                 raise UsageError(f"patch {str(patch)!r} does not apply to {base.spec}: "
                                  f"{'; '.join(said[:3]) or f'patch exited {p.returncode}'}")
-        whole(out, fill)
+        whole_folder(out, fill)
     return LlamaTree(spec, f"{base.revision}+patch:{hashlib.sha256(text).hexdigest()[:16]}", out)
-
-
-def whole(out: Path, fill: Callable[[Path], None]) -> None:
-    """`fill(tmp)` a fresh folder beside `out`, then rename it to `out`: a concurrent or interrupted
-    filling never leaves half a folder under the final name."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
-        fill(tmp)
-        try:
-            tmp.rename(out)
-        except OSError:  # another process filled the same folder first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

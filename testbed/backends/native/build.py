@@ -31,8 +31,9 @@ import platform
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 # A checkout holds kernels/ beside the package, and its caches go in it (.cache/). An installed wheel
 # carries the kernel sources inside the package (testbed/_shipped/kernels, put there by setup.py) and
@@ -111,6 +112,23 @@ def tree_hash(kernels_dir: Path = KERNELS_DIR) -> str:
     for path in tree_files(kernels_dir):
         h.update(path.relative_to(kernels_dir).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+
+def whole_folder(out: Path, fill: Callable[[Path], None]) -> None:
+    """`fill(tmp)` a fresh folder beside `out`, then rename it to `out`: a concurrent or interrupted
+    filling never leaves half a folder under the final name (a tree's snapshot, a patched tree)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        fill(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process filled the same folder first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def cpu_flags() -> set[str]:
