@@ -279,39 +279,57 @@ def gguf_layer_types(layers: int, window: int, pattern) -> tuple[str, ...]:
     return tuple("local" if n == 0 or i % n < n - 1 else "global" for i in range(layers))
 
 
+class GGUFFile:
+    """A GGUF opened as llama.cpp's loader reads it: `meta` reads a metadata key (a missing one without
+    a default is refused), `refuse_unread` refuses the first key neither read nor inert, so no setting
+    of the file goes unseen; `tensors` by name; `vocab` is token_embd's rows (the file's vocab_size, if
+    written, must agree: testbed writes tokenizer.ggml.model = none)."""
+
+    def __init__(self, path: str | Path, arch: str, inert_keys):
+        import gguf
+
+        self.path = Path(path)
+        try:
+            reader = gguf.GGUFReader(self.path)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"{self.path}: not a readable GGUF file ({e})") from None
+        self.fields = {name: f.contents() for name, f in reader.fields.items()}
+        self.arch = self.fields.get("general.architecture")
+        if self.arch != arch:
+            raise UsageError(f"{self.path}: architecture {self.arch!r} is not accepted; accepted: {arch}")
+        self.read: set[str] = {k.format(arch=arch) for k in inert_keys}
+        self.tensors = {t.name: t for t in reader.tensors}
+        if "token_embd.weight" not in self.tensors:
+            raise UsageError(f"{self.path}: missing tensor 'token_embd.weight'")
+        self.vocab = int(self.tensors["token_embd.weight"].data.shape[0])
+        key = gguf.Keys.LLM.VOCAB_SIZE
+        if int(self.meta(key, self.vocab)) != self.vocab:
+            self.refuse(key, int(self.meta(key)), f"{self.vocab} (token_embd's rows)")
+
+    def meta(self, key: str, default=None):
+        """A metadata value; without a default, a missing key is refused."""
+        full = key.format(arch=self.arch)
+        self.read.add(full)
+        if full not in self.fields and default is None:
+            raise UsageError(f"{self.path}: metadata {full!r} is missing")
+        return self.fields.get(full, default)
+
+    def refuse(self, key: str, value, accepted: str):
+        raise UsageError(f"{self.path}: metadata {key.format(arch=self.arch)}={value!r} is not implemented; "
+                         f"accepted: {accepted}")
+
+    def refuse_unread(self, inert_prefixes: tuple[str, ...], accepted: str) -> None:
+        unknown = sorted(k for k in self.fields if k not in self.read and not k.startswith(inert_prefixes))
+        if unknown:
+            self.refuse(unknown[0], self.fields[unknown[0]], accepted)
+
+
 def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
     """A gemma3 GGUF read as llama.cpp reads it (src/models/gemma3.cpp, llama_model::load_hparams)."""
     import gguf
 
-    path = Path(path)
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise UsageError(f"{path}: not a readable GGUF file ({e})") from None
-    fields = {name: f.contents() for name, f in reader.fields.items()}
-    arch = fields.get("general.architecture")
-    if arch != GGUF_ARCH:
-        raise UsageError(f"{path}: architecture {arch!r} is not accepted; accepted: {GGUF_ARCH}")
-    read: set[str] = {k.format(arch=arch) for k in GGUF_INERT_KEYS}
-
-    def meta(key, default=None):
-        """A metadata value; without a default, a missing key is refused."""
-        full = key.format(arch=arch)
-        read.add(full)
-        if full not in fields and default is None:
-            raise UsageError(f"{path}: metadata {full!r} is missing")
-        return fields.get(full, default)
-
-    def refuse(key, value, accepted):
-        raise UsageError(f"{path}: metadata {key.format(arch=arch)}={value!r} is not implemented; accepted: {accepted}")
-
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise UsageError(f"{path}: missing tensor 'token_embd.weight'")
-    K = gguf.Keys
-    vocab = int(tensors["token_embd.weight"].data.shape[0])
-    if int(meta(K.LLM.VOCAB_SIZE, vocab)) != vocab:  # written with tokenizer.ggml.model = none
-        refuse(K.LLM.VOCAB_SIZE, int(meta(K.LLM.VOCAB_SIZE)), f"{vocab} (token_embd's rows)")
+    g = GGUFFile(path, GGUF_ARCH, GGUF_INERT_KEYS)
+    path, tensors, meta, refuse, vocab, K = g.path, g.tensors, g.meta, g.refuse, g.vocab, gguf.Keys
     hidden, heads, layers = int(meta(K.LLM.EMBEDDING_LENGTH)), int(meta(K.Attention.HEAD_COUNT)), int(meta(K.LLM.BLOCK_COUNT))
     head_dim = int(meta(K.Attention.KEY_LENGTH, hidden // heads))
     for key in (K.Attention.VALUE_LENGTH, K.Rope.DIMENSION_COUNT):
@@ -335,9 +353,7 @@ def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
         rms_eps=_from_float32(meta(K.Attention.LAYERNORM_RMS_EPS)), final_logit_softcap=softcap or None,
         tie_embeddings="output.weight" not in tensors,
     )
-    unknown = sorted(k for k in fields if k not in read and not k.startswith(GGUF_INERT_PREFIXES))
-    if unknown:
-        refuse(unknown[0], fields[unknown[0]], "the gemma3 keys testbed.models.checkpoints.load_gguf reads")
+    g.refuse_unread(GGUF_INERT_PREFIXES, "the gemma3 keys testbed.models.checkpoints.load_gguf reads")
     try:
         cfg = GemmaConfig(**settings)
     except ValueError as e:

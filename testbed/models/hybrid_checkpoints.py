@@ -324,36 +324,10 @@ def load_gguf(path: str | Path) -> tuple[HybridConfig, dict[str, np.ndarray]]:
     (nextn_predict_layers, stored after the decoder's) are left out, as llama.cpp's main pass does."""
     import gguf
 
-    from testbed.models.checkpoints import _from_float32
+    from testbed.models.checkpoints import GGUFFile, _from_float32
 
-    path = Path(path)
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise UsageError(f"{path}: not a readable GGUF file ({e})") from None
-    fields = {name: f.contents() for name, f in reader.fields.items()}
-    arch = fields.get("general.architecture")
-    if arch != GGUF_ARCH:
-        raise UsageError(f"{path}: architecture {arch!r} is not accepted; accepted: {GGUF_ARCH}")
-    read: set[str] = {k.format(arch=arch) for k in GGUF_INERT_KEYS}
-
-    def meta(key, default=None):
-        full = key.format(arch=arch)
-        read.add(full)
-        if full not in fields and default is None:
-            raise UsageError(f"{path}: metadata {full!r} is missing")
-        return fields.get(full, default)
-
-    def refuse(key, value, accepted):
-        raise UsageError(f"{path}: metadata {key.format(arch=arch)}={value!r} is not implemented; accepted: {accepted}")
-
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise UsageError(f"{path}: missing tensor 'token_embd.weight'")
-    K = gguf.Keys
-    vocab = int(tensors["token_embd.weight"].data.shape[0])
-    if int(meta(K.LLM.VOCAB_SIZE, vocab)) != vocab:
-        refuse(K.LLM.VOCAB_SIZE, int(meta(K.LLM.VOCAB_SIZE)), f"{vocab} (token_embd's rows)")
+    g = GGUFFile(path, GGUF_ARCH, GGUF_INERT_KEYS)
+    path, tensors, meta, refuse, vocab, K = g.path, g.tensors, g.meta, g.refuse, g.vocab, gguf.Keys
     blocks, nextn = int(meta(K.LLM.BLOCK_COUNT)), int(meta(NEXTN_KEY, 0))
     layers = blocks - nextn
     hidden, heads = int(meta(K.LLM.EMBEDDING_LENGTH)), int(meta(K.Attention.HEAD_COUNT))
@@ -383,9 +357,7 @@ def load_gguf(path: str | Path) -> tuple[HybridConfig, dict[str, np.ndarray]]:
         rope_theta=float(meta(K.Rope.FREQ_BASE, 10_000.0)), rotary_fraction=rotary / head_dim,
         rms_eps=_from_float32(meta(K.Attention.LAYERNORM_RMS_EPS)), tie_embeddings="output.weight" not in tensors,
     )
-    unknown = sorted(k for k in fields if k not in read and not k.startswith(GGUF_INERT_PREFIXES))
-    if unknown:
-        refuse(unknown[0], fields[unknown[0]], "the qwen35 keys testbed.models.hybrid_checkpoints.load_gguf reads")
+    g.refuse_unread(GGUF_INERT_PREFIXES, "the qwen35 keys testbed.models.hybrid_checkpoints.load_gguf reads")
     try:
         cfg = HybridConfig(**settings)
     except ValueError as e:
