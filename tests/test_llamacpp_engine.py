@@ -455,10 +455,6 @@ HEXAGON = pytest.mark.skipif(shutil.which("qemu-hexagon") is None, reason="qemu-
 
 @HEXAGON
 @pytest.mark.slow_build  # libllama built by zig for Hexagon: the slowest build of all (cached by content)
-@pytest.mark.xfail(strict=True, raises=Exception,
-                   reason="a finding: libllama built by zig for hexagon-linux-musl segfaults under qemu-hexagon before "
-                          "answering (exit -11, no output; testbed's tb_llama_logits from the same build too), while "
-                          "ggml alone (tb_ggml_gdn, test-backend-ops) runs there")
 def test_backend_llamacpp_passes_chunk_prefill_on_qemu_hexagon(gemma3, results_dir):
     verdicts = run_chunk_prefill(gemma3.gguf, "qemu-hexagon")
     assert verdicts.loc["token", "verdict"] == "pass" and verdicts.loc["logits", "verdict"] == "pass", verdicts

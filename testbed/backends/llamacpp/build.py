@@ -26,9 +26,11 @@ Targets, chosen from the device profile (target_for):
   hexagon       a device of ABI hexagon (qemu-hexagon, adb-loopback-hexagon): ggml's CPU backend (generic
                 C, no Hexagon-specific code) and the programs built with zig's clang and libc++ for
                 hexagon-linux-musl (-mcpu=hexagonv67), static; zig, CMake's compiler wrappers and zig's
-                caches are testbed's (.cache/llamacpp/zig/, .cache/zig/). ggml's own Hexagon backend
-                (GGML_HEXAGON: the HTP ops for a phone's NPU, built with Qualcomm's SDK and started over
-                FastRPC) is not this build: it needs the SDK's toolchain and an Android host side
+                caches are testbed's (.cache/llamacpp/zig/, .cache/zig/). Every program links
+                tb_eh_globals.c, without which any C++ throw jumps to address 0 in a static Hexagon
+                executable (the file says why; libllama throws while loading a GGUF). ggml's own
+                Hexagon backend (GGML_HEXAGON: the HTP ops for a phone's NPU, built with Qualcomm's SDK
+                and started over FastRPC) is not this build: it needs the SDK's toolchain and an Android host side
   android-htp   a phone whose profile has `htp`: the Android NDK with ggml's Hexagon backend
                 (GGML_HEXAGON); needs ANDROID_NDK_HOME and HEXAGON_SDK_ROOT / HEXAGON_TOOLS_ROOT
                 (Qualcomm's SDK, not in any registry here) and is refused with that message otherwise;
@@ -72,7 +74,8 @@ TARGETS = ("host", "host-generic", "aarch64", "hexagon", "android-htp")
 # Top-level entries of a llama.cpp tree a build never reads (the snapshot and its hash leave them out).
 NOT_BUILT = ("models", "docs", "media", "examples", "pocs", "gguf-py", "scripts", "benches", "skills")
 # testbed's own inputs to the build: the CMake project, the program and the .npy harness it links.
-OWN_FILES = (HERE / "CMakeLists.txt", HERE / "tb_ggml_gdn.c", HERE / "tb_llama_logits.c", HERE / "tb_llama_engine.c",
+OWN_FILES = (HERE / "CMakeLists.txt", HERE / "tb_eh_globals.c", HERE / "tb_ggml_gdn.c", HERE / "tb_llama_logits.c",
+             HERE / "tb_llama_engine.c",
              KERNELS_DIR / "bench" / "tb_engine.c", KERNELS_DIR / "bench" / "tb_engine.h", KERNELS_DIR / "bench" / "harness.c",
              KERNELS_DIR / "bench" / "harness.h", KERNELS_DIR / "tb_parallel.c", KERNELS_DIR / "tb_parallel.h",
              KERNELS_DIR / "tb_kernels.h", KERNELS_DIR / "tb_simd.h")
