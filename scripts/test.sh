@@ -14,9 +14,9 @@
 # `scripts/test.sh --full` runs those on every device too, and adds qemu-arm32 and the arm64 phone
 # behind adbd (whose programs the host session already runs under qemu-user and over ADB against the
 # host build's bits). It costs about 15 more minutes per ARM device here, and more on Hexagon; the
-# default is sized for CI (about 30 minutes on 2 cores from a clean clone in a fresh virtualenv at load
-# 1-2, measured: install 4.5, the host session 20, the device sessions 8, with the machine's ccache and zig
-# caches warm; 54 cold at load 9-20; the bar is 60).
+# default is sized for CI (about 47 minutes on 2 cores from a clean clone in a fresh virtualenv at load
+# about 4, measured: install 3, the host session 34 with its llama.cpp and IREE builds cold, the device
+# sessions about 10; the bar is 60).
 #
 # Extra arguments go to every pytest run (e.g. -x, -k NAME). Every run has the network guard on
 # (pyproject.toml: network_guard = "loopback"): a test that sends anything outside loopback fails.
