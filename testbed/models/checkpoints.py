@@ -372,6 +372,24 @@ def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
     return cfg, check_weights(weights, cfg, str(path))
 
 
+def gguf_writer(path: Path, arch: str, cfg, context_length: int) -> "gguf.GGUFWriter":
+    """A GGUF writer holding the decoder's shape every architecture states the same way: blocks, widths,
+    heads, key and value lengths, and the context length (llama.cpp requires it, and only warns past it).
+    `cfg` is a GemmaConfig or a HybridConfig (the same field names)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(context_length)
+    writer.add_block_count(cfg.layers)
+    writer.add_embedding_length(cfg.hidden)
+    writer.add_feed_forward_length(cfg.mlp)
+    writer.add_head_count(cfg.heads)
+    writer.add_head_count_kv(cfg.kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    return writer
+
+
 def save_gguf(path: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray],
               context_length: int = DEFAULT_CONTEXT) -> Path:
     """A float32 GGUF in llama.cpp's converter's form (names, metadata, norm weights + 1), without a
@@ -385,15 +403,7 @@ def save_gguf(path: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray]
         raise UsageError(f"query_pre_attn_scalar={cfg.query_pre_attn_scalar:g} cannot be stored in a GGUF; "
                          f"accepted: {derived:g} (what llama.cpp derives for {cfg.layers} layers)")
     path = Path(path)
-    writer = gguf.GGUFWriter(str(path), GGUF_ARCH)
-    writer.add_context_length(context_length)  # llama.cpp requires it (and only warns past it)
-    writer.add_block_count(cfg.layers)
-    writer.add_embedding_length(cfg.hidden)
-    writer.add_feed_forward_length(cfg.mlp)
-    writer.add_head_count(cfg.heads)
-    writer.add_head_count_kv(cfg.kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
+    writer = gguf_writer(path, GGUF_ARCH, cfg, context_length)
     if "local" in cfg.layer_types:
         writer.add_sliding_window(cfg.window)
         if cfg.layer_types != gguf_layer_types(cfg.layers, cfg.window, 6):

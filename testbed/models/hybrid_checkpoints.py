@@ -16,7 +16,7 @@ import numpy as np
 
 from refimpl.qwen35 import HF_LAYER_TYPES, HybridConfig, weight_shapes
 from testbed.errors import UsageError
-from testbed.models.checkpoints import read_hf_folder
+from testbed.models.checkpoints import gguf_writer, read_hf_folder
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")  # qwen3_5 nests the text model's fields under text_config
 # Read into HybridConfig (the rest of the computation is fixed by the architecture).
@@ -287,15 +287,7 @@ def save_gguf(path: str | Path, cfg: HybridConfig, weights: dict[str, np.ndarray
     import gguf
 
     weights = check_weights(weights, cfg, "weights")
-    writer = gguf.GGUFWriter(str(path), GGUF_ARCH)
-    writer.add_context_length(context_length)
-    writer.add_block_count(cfg.layers)
-    writer.add_embedding_length(cfg.hidden)
-    writer.add_feed_forward_length(cfg.mlp)
-    writer.add_head_count(cfg.heads)
-    writer.add_head_count_kv(cfg.kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
+    writer = gguf_writer(path, GGUF_ARCH, cfg, context_length)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_rope_dimension_count(cfg.rotary_dim)
     writer.add_rope_dimension_sections(gguf_rope_sections(cfg))
