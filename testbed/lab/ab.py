@@ -29,7 +29,7 @@ machine, and their ratio cancels what the machine did. So:
             and missing (a program that stopped marking its timed call) is an error naming the side
             and the call, never a call judged without it.
   how many  adaptive by default (testbed.measure.sequential): looks at 6, 12, 24, ... pairs up to
-            --max-pairs (192), the pairs of the still undecided calls only, until every call is
+            --max-pairs (384), the pairs of the still undecided calls only, until every call is
             decided or the next look would overrun --budget (CPU-seconds of this process and its
             children, default 300; the builds and the valgrind runs are outside it); the record says
             the design, the looks taken and why it stopped ("budget spent: undecided, need about N
@@ -41,7 +41,7 @@ Judging, per call:
   time          (not on emulated devices: their times say nothing of speed) a Wilcoxon signed-rank
                 test on the log ratios of the pairs, two-sided, at each look, its p spent over the looks
                 and Holm-corrected over the calls; B is slower on a clock when the corrected p < 0.05
-                and the 95% interval of the median ratio lies above 1 + `--min-change` (default 2%);
+                and the 95% interval of the median ratio lies above 1 + `--min-change` (default 5%);
                 a call whose p >= 0.05 and interval lies within +-5% is decided "no change"; one the
                 budget left open is "undecided" (testbed.measure.sequential). CPU time decides (what the work cost, whatever else ran); wall time is
                 shown beside it. Fewer than 6 pairs cannot reach p < 0.05: "too few pairs".
@@ -206,9 +206,9 @@ class Options:
     reps: int | None = None   # a fixed design of this many pairs; None: the adaptive (group-sequential) design
     seed: int = 0
     threshold: float = 0.01   # instructions: a rise above this fraction is a regression
-    min_change: float = 0.02  # time: a median ratio beyond this (and p < 0.05 after Holm) is a change
+    min_change: float = sequential.MIN_CHANGE  # time: a median ratio beyond this (and p < 0.05 after Holm) is a change
     budget: float = 300.0     # adaptive: CPU-seconds the repetitions may spend (this process and its children)
-    max_pairs: int = 192      # adaptive: the last look's pairs per call
+    max_pairs: int = sequential.MAX_PAIRS  # adaptive: the last look's pairs per call
 
     def design(self, emulated: bool) -> sequential.Design:
         """--reps N: N pairs; on an emulated device (times not judged) the one pair its counts need."""
@@ -687,7 +687,7 @@ def register(commands) -> None:
     c.add_argument("--seed", type=int, default=0, help="the order's seed (recorded)")
     c.add_argument("--threshold", default="0.01", help="instructions: the rise that is a regression, a fraction "
                                                        "from 0 to 1 (default 0.01 = 1%%)")
-    c.add_argument("--min-change", default="0.02", help="time: the least median change judged, a fraction from 0 "
-                                                        "to 1 (default 0.02)")
+    c.add_argument("--min-change", default=str(Options.min_change),
+                   help=f"time: the least median change judged, a fraction from 0 to 1 (default {Options.min_change:g})")
     c.add_argument("--format", choices=tables.FORMATS, default="md")
     c.set_defaults(fn=command)

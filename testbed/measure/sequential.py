@@ -48,6 +48,13 @@ DETECT = 0.10     # the change the adaptive design is sized to see ("need about 
 NO_CHANGE = 0.05  # "no change" is decided once the median's interval lies within +-this: half of DETECT, so
                   # a DETECT change that one job happens to measure smaller is not dismissed
 POWER = 0.80      # the chance of seeing DETECT that "need about N more pairs" aims at
+MIN_CHANGE = 0.05  # the floor a "slower"/"faster" interval must clear (`testbed ab --min-change`). At 2% the
+                   # same tree against itself was called slower in 1 of 20 jobs at load 25-42 (B/A 1.07,
+                   # interval 1.021-1.195 at 48 pairs): on a loaded host two runs of one binary drift apart
+                   # by more than the signed-rank test's model allows. 5% is half of DETECT, so a +10% change
+                   # still clears it once its interval is +-5% wide; that takes more pairs, hence MAX_PAIRS.
+MAX_PAIRS = 384    # the last look's pairs per call (`--max-pairs`): with the 5% floor, simulated +10% jobs
+                   # (tests/test_sequential.py) are called slower in 96% at 192 and 100% at 384
 
 
 @dataclass(frozen=True)
