@@ -57,9 +57,19 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
 
 /* --- NEON micro-kernels: 8 x 8 on aarch64 (32 registers), 4 x 8 on armv7 (16) -------------------- */
 
+/* Written for the instruction count (issue 35: exact counts under qemu against one FMLA/VMLA per
+ * four multiply-adds). The C tile is named accumulators, not an array (GCC kept t[8][2] in memory
+ * and stored it to the stack every step); A and B are walked by pointers bumped once per step, not
+ * indexed by k * ldb; A is read four steps at a time, one register per row used by lane; and the
+ * packed-panel case (ldb == N_NR) is a copy of the body of its own, so B's four rows are immediate
+ * offsets from one pointer. None of this changes a C element's chain: still one multiply-add per k,
+ * in ascending k. */
 #if defined(TB_NEON)
+#define N_NR 8
+#define INLINE static inline __attribute__((always_inline))
 #if defined(__aarch64__)
 #define N_MR 8
+#define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 /* c += b * a[lane]: one rounding with FMA (fused builds), else a multiply and an add */
 #if TB_MADD_FUSED
 #define MADD_LANE(c, b, a4, lane) ((c) = vfmaq_laneq_f32((c), (b), (a4), (lane)))
@@ -68,6 +78,7 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
 #endif
 #else
 #define N_MR 4
+#define ROWS(X) X(0) X(1) X(2) X(3)
 /* armv7: VMLA is the unfused multiply-accumulate (the product rounded, then added: the bits of a
  * multiply and an add), one instruction; VFMA where the build fuses and the FPU has it (VFPv4). */
 #define LANE2(a4, lane) ((lane) < 2 ? vget_low_f32(a4) : vget_high_f32(a4))
@@ -77,74 +88,117 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
 #define MADD_LANE(c, b, a4, lane) ((c) = vmlaq_lane_f32((c), (b), LANE2((a4), (lane)), (lane) & 1))
 #endif
 #endif
-#define N_NR 8
 
-static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
-                        int load) {
-    float32x4_t t[N_MR][2];
-    for (int r = 0; r < N_MR; r++) {
-        t[r][0] = load ? vld1q_f32(c + r * ldc) : vdupq_n_f32(0.0f);
-        t[r][1] = load ? vld1q_f32(c + r * ldc + 4) : vdupq_n_f32(0.0f);
-    }
+#define DECLARE_C(r) float32x4_t c##r##0, c##r##1;
+#define LOAD_C(r)                                                                           \
+    c##r##0 = load ? vld1q_f32(c + (r) * ldc) : vdupq_n_f32(0.0f);                       \
+    c##r##1 = load ? vld1q_f32(c + (r) * ldc + 4) : vdupq_n_f32(0.0f);
+#define STORE_C(r) vst1q_f32(c + (r) * ldc, c##r##0), vst1q_f32(c + (r) * ldc + 4, c##r##1);
+/* row r's step with B row (b0, b1) and A values in ar's lane */
+#define ROW_STEP(r, ar, lane) MADD_LANE(c##r##0, b0, ar, lane), MADD_LANE(c##r##1, b1, ar, lane);
+
+/* A row-major: row r at a + r * lda */
+INLINE void body_rows(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
+                      int load) {
+    ROWS(DECLARE_C)
+    ROWS(LOAD_C)
     int k = 0;
-    /* four steps of k at a time: each row's four A values in one register, used by lane */
-    for (; k + 4 <= kc; k += 4) {
-        float32x4_t a4[N_MR];
-        for (int r = 0; r < N_MR; r++) a4[r] = vld1q_f32(a + r * lda + k);
-#define STEP(lane)                                                                                              \
-    do {                                                                                                        \
-        const float32x4_t b0 = vld1q_f32(b + (k + (lane)) * ldb), b1 = vld1q_f32(b + (k + (lane)) * ldb + 4); \
-        for (int r = 0; r < N_MR; r++) {                                                                        \
-            MADD_LANE(t[r][0], b0, a4[r], lane);                                                                \
-            MADD_LANE(t[r][1], b1, a4[r], lane);                                                                \
-        }                                                                                                       \
+    for (; k + 4 <= kc; k += 4, a += 4) {
+        /* four steps of k: each row's four A values in one register, used by lane */
+#define LOAD_A(r) const float32x4_t a##r = vld1q_f32(a + (r) * lda);
+        ROWS(LOAD_A)
+#undef LOAD_A
+#define STEP(lane)                                                                                             \
+    do {                                                                                                       \
+        const float32x4_t b0 = vld1q_f32(b + (lane) * ldb), b1 = vld1q_f32(b + (lane) * ldb + 4);             \
+        _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-value\"")                  \
+        ROWS_STEP(lane)                                                                                        \
+        _Pragma("GCC diagnostic pop")                                                                          \
     } while (0)
+#define ROW_LANE0(r) ROW_STEP(r, a##r, 0)
+#define ROW_LANE1(r) ROW_STEP(r, a##r, 1)
+#define ROW_LANE2(r) ROW_STEP(r, a##r, 2)
+#define ROW_LANE3(r) ROW_STEP(r, a##r, 3)
+#define ROWS_STEP(lane) ROWS(ROW_LANE##lane)
         STEP(0);
         STEP(1);
         STEP(2);
         STEP(3);
 #undef STEP
+#undef ROWS_STEP
+        b += 4 * ldb;
     }
-    for (; k < kc; k++) {
-        const float32x4_t b0 = vld1q_f32(b + k * ldb), b1 = vld1q_f32(b + k * ldb + 4);
-        for (int r = 0; r < N_MR; r++) {
-            const float32x4_t a4 = vdupq_n_f32(a[r * lda + k]);
-            MADD_LANE(t[r][0], b0, a4, 0);
-            MADD_LANE(t[r][1], b1, a4, 0);
-        }
+    for (; k < kc; k++, a++, b += ldb) {
+        const float32x4_t b0 = vld1q_f32(b), b1 = vld1q_f32(b + 4);
+#define ROW_ONE(r)                                                \
+    {                                                             \
+        const float32x4_t ar = vld1q_dup_f32(a + (r) * lda);      \
+        ROW_STEP(r, ar, 0)                                        \
     }
-    for (int r = 0; r < N_MR; r++) {
-        vst1q_f32(c + r * ldc, t[r][0]);
-        vst1q_f32(c + r * ldc + 4, t[r][1]);
+        ROWS(ROW_ONE)
+#undef ROW_ONE
     }
+    ROWS(STORE_C)
 }
 
-/* A transposed: the N_MR values of step k are contiguous, one or two registers used by lane */
+static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
+                        int load) {
+    if (ldb == N_NR) body_rows(kc, a, lda, b, N_NR, c, ldc, load); /* a packed panel: B's offsets immediate */
+    else body_rows(kc, a, lda, b, ldb, c, ldc, load);
+}
+
+/* A transposed: the N_MR values of step k are contiguous, a + k * lda, used by lane */
+INLINE void body_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
+                    int load) {
+    ROWS(DECLARE_C)
+    ROWS(LOAD_C)
+    for (int k = 0; k < kc; k++, a += lda, b += ldb) {
+        const float32x4_t b0 = vld1q_f32(b), b1 = vld1q_f32(b + 4);
+        const float32x4_t x0 = vld1q_f32(a);
+        ROW_STEP(0, x0, 0) ROW_STEP(1, x0, 1) ROW_STEP(2, x0, 2) ROW_STEP(3, x0, 3)
+#if N_MR == 8
+        const float32x4_t x1 = vld1q_f32(a + 4);
+        ROW_STEP(4, x1, 0) ROW_STEP(5, x1, 1) ROW_STEP(6, x1, 2) ROW_STEP(7, x1, 3)
+#endif
+    }
+    ROWS(STORE_C)
+}
+
 static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
                            ptrdiff_t ldc, int load) {
-    float32x4_t t[N_MR][2];
-    for (int r = 0; r < N_MR; r++) {
-        t[r][0] = load ? vld1q_f32(c + r * ldc) : vdupq_n_f32(0.0f);
-        t[r][1] = load ? vld1q_f32(c + r * ldc + 4) : vdupq_n_f32(0.0f);
-    }
-    for (int k = 0; k < kc; k++) {
-        const float32x4_t b0 = vld1q_f32(b + k * ldb), b1 = vld1q_f32(b + k * ldb + 4);
-        for (int q = 0; q < N_MR / 4; q++) {
-            const float32x4_t a4 = vld1q_f32(a + k * lda + 4 * q);
-            MADD_LANE(t[4 * q][0], b0, a4, 0), MADD_LANE(t[4 * q][1], b1, a4, 0);
-            MADD_LANE(t[4 * q + 1][0], b0, a4, 1), MADD_LANE(t[4 * q + 1][1], b1, a4, 1);
-            MADD_LANE(t[4 * q + 2][0], b0, a4, 2), MADD_LANE(t[4 * q + 2][1], b1, a4, 2);
-            MADD_LANE(t[4 * q + 3][0], b0, a4, 3), MADD_LANE(t[4 * q + 3][1], b1, a4, 3);
+    if (ldb == N_NR) body_at(kc, a, lda, b, N_NR, c, ldc, load);
+    else body_at(kc, a, lda, b, ldb, c, ldc, load);
+}
+
+/* B transposed (element (k, j) at src[j * cs + k]) into a kc x N_NR panel, zero for j >= nc: four
+ * columns' four steps in four registers, stored by one interleaving store per step (st4 / vst4 by
+ * lane: dst[k * N_NR + j .. j + 3]), no shuffles. The scalar packing took ~4 instructions a float. */
+static void pack_t_neon(int kc, int nc, const float *src, ptrdiff_t cs, float *dst) {
+    const int full = nc & ~3;
+    int k = 0;
+    for (; k + 4 <= kc; k += 4, src += 4, dst += 4 * N_NR) {
+        for (int j = 0; j < full; j += 4) {
+            float32x4x4_t r;
+            r.val[0] = vld1q_f32(src + j * cs), r.val[1] = vld1q_f32(src + (j + 1) * cs);
+            r.val[2] = vld1q_f32(src + (j + 2) * cs), r.val[3] = vld1q_f32(src + (j + 3) * cs);
+            vst4q_lane_f32(dst + j, r, 0);
+            vst4q_lane_f32(dst + N_NR + j, r, 1);
+            vst4q_lane_f32(dst + 2 * N_NR + j, r, 2);
+            vst4q_lane_f32(dst + 3 * N_NR + j, r, 3);
+        }
+        for (int kk = 0; kk < 4; kk++) {
+            for (int j = full; j < nc; j++) dst[kk * N_NR + j] = src[j * cs + kk];
+            for (int j = nc; j < N_NR; j++) dst[kk * N_NR + j] = 0.0f;
         }
     }
-    for (int r = 0; r < N_MR; r++) {
-        vst1q_f32(c + r * ldc, t[r][0]);
-        vst1q_f32(c + r * ldc + 4, t[r][1]);
+    for (; k < kc; k++, src++, dst += N_NR) {
+        for (int j = 0; j < nc; j++) dst[j] = src[j * cs];
+        for (int j = nc; j < N_NR; j++) dst[j] = 0.0f;
     }
 }
 
 static const tb_gemm_kernels neon_kernels = {TB_MADD_FUSED ? "neon-fma" : "neon", N_MR, N_NR, kernel_neon,
-                                             kernel_neon_at, NULL};
+                                             kernel_neon_at, pack_t_neon};
 #endif
 
 /* --- the choice of micro-kernel ------------------------------------------------------------------- */
