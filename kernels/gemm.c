@@ -74,7 +74,19 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
 #if TB_MADD_FUSED
 #define MADD_LANE(c, b, a4, lane) ((c) = vfmaq_laneq_f32((c), (b), (a4), (lane)))
 #else
-#define MADD_LANE(c, b, a4, lane) ((c) = vaddq_f32(vmulq_laneq_f32((b), (a4), (lane)), (c)))
+/* the multiply and its add in one asm statement (the same two instructions as vmulq_laneq_f32 then
+ * vaddq_f32(product, c)): GCC otherwise hoisted the multiplies far ahead of their adds, and the
+ * products it kept live spilled the C tile to the stack every four steps */
+#define TB_STR_(x) #x
+#define TB_STR(x) TB_STR_(x)
+#define MADD_LANE(acc, bv, av, lane)                                                                 \
+    do {                                                                                           \
+        float32x4_t p_;                                                                            \
+        __asm__("fmul %[p].4s, %[b].4s, %[a].s[" TB_STR(lane) "]\n\t"                              \
+                "fadd %[c].4s, %[p].4s, %[c].4s"                                                   \
+                : [c] "+w"(acc), [p] "=&w"(p_)                                                       \
+                : [b] "w"(bv), [a] "w"(av));                                                        \
+    } while (0)
 #endif
 #else
 #define N_MR 4
@@ -95,7 +107,24 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
     c##r##1 = load ? vld1q_f32(c + (r) * ldc + 4) : vdupq_n_f32(0.0f);
 #define STORE_C(r) vst1q_f32(c + (r) * ldc, c##r##0), vst1q_f32(c + (r) * ldc + 4, c##r##1);
 /* row r's step with B row (b0, b1) and A values in ar's lane */
-#define ROW_STEP(r, ar, lane) MADD_LANE(c##r##0, b0, ar, lane), MADD_LANE(c##r##1, b1, ar, lane);
+#define ROW_STEP(r, ar, lane) MADD_LANE(c##r##0, b0, ar, lane); MADD_LANE(c##r##1, b1, ar, lane);
+
+/* armv7 without FMA (every build here: -mfpu=neon is VFPv3): the k loops in asm, VMLA by scalar (its
+ * scalar must sit in d0-d15, so A and B take q0-q7 and the C tile, in operands, gets q8-q15) */
+#if !defined(__aarch64__) && !TB_MADD_FUSED
+#define V7_ASM 1
+#define V7_TILE                                                                                            \
+    [c00] "+w"(c00), [c01] "+w"(c01), [c10] "+w"(c10), [c11] "+w"(c11), [c20] "+w"(c20), [c21] "+w"(c21), \
+        [c30] "+w"(c30), [c31] "+w"(c31)
+/* the four rows' multiply-accumulates with B row (q_lo, q_hi) and row r's A value in scalar s_r */
+#define V7_ROWS(lo, hi, s0, s1, s2, s3)                                                                    \
+    "vmla.f32 %q[c00], " lo ", " s0 "\n\tvmla.f32 %q[c01], " hi ", " s0 "\n\t"                            \
+    "vmla.f32 %q[c10], " lo ", " s1 "\n\tvmla.f32 %q[c11], " hi ", " s1 "\n\t"                            \
+    "vmla.f32 %q[c20], " lo ", " s2 "\n\tvmla.f32 %q[c21], " hi ", " s2 "\n\t"                            \
+    "vmla.f32 %q[c30], " lo ", " s3 "\n\tvmla.f32 %q[c31], " hi ", " s3 "\n\t"
+#else
+#define V7_ASM 0
+#endif
 
 /* A row-major: row r at a + r * lda */
 INLINE void body_rows(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
@@ -103,6 +132,37 @@ INLINE void body_rows(int kc, const float *a, ptrdiff_t lda, const float *b, ptr
     ROWS(DECLARE_C)
     ROWS(LOAD_C)
     int k = 0;
+#if V7_ASM
+    if (kc >= 4) {
+        /* armv7: A's four rows and B walked by post-incrementing loads (one VLD1 a row of B, eight
+         * floats), four VMLA by scalar a B row; no loads can take an offset, so in C every load paid an
+         * address add. Per four steps: 4 + 4 loads, 32 VMLA, the count and the branch (42, ideal 32). */
+        const float *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda;
+        const ptrdiff_t ldb_bytes = ldb * (ptrdiff_t)sizeof(float);
+        int n = kc / 4;
+        __asm__ volatile(
+            "1:\n\t"
+            "vld1.32 {d0-d1}, [%[a0]]!\n\t"
+            "vld1.32 {d2-d3}, [%[a1]]!\n\t"
+            "vld1.32 {d4-d5}, [%[a2]]!\n\t"
+            "vld1.32 {d6-d7}, [%[a3]]!\n\t"
+            "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+            "vld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
+            V7_ROWS("q4", "q5", "d0[0]", "d2[0]", "d4[0]", "d6[0]")
+            "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+            V7_ROWS("q6", "q7", "d0[1]", "d2[1]", "d4[1]", "d6[1]")
+            "vld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
+            V7_ROWS("q4", "q5", "d1[0]", "d3[0]", "d5[0]", "d7[0]")
+            V7_ROWS("q6", "q7", "d1[1]", "d3[1]", "d5[1]", "d7[1]")
+            "subs %[n], %[n], #1\n\t"
+            "bne 1b\n\t"
+            : V7_TILE, [a0] "+r"(a), [a1] "+r"(a1), [a2] "+r"(a2), [a3] "+r"(a3), [b] "+r"(b), [n] "+r"(n)
+            : [ldb] "r"(ldb_bytes)
+            : "d0", "d1", "d2", "d3", "d4", "d5", "d6", "d7", "d8", "d9", "d10", "d11", "d12", "d13", "d14", "d15",
+              "memory", "cc");
+        k = kc & ~3;
+    }
+#endif
     for (; k + 4 <= kc; k += 4, a += 4) {
         /* four steps of k: each row's four A values in one register, used by lane */
 #define LOAD_A(r) const float32x4_t a##r = vld1q_f32(a + (r) * lda);
@@ -111,9 +171,7 @@ INLINE void body_rows(int kc, const float *a, ptrdiff_t lda, const float *b, ptr
 #define STEP(lane)                                                                                             \
     do {                                                                                                       \
         const float32x4_t b0 = vld1q_f32(b + (lane) * ldb), b1 = vld1q_f32(b + (lane) * ldb + 4);             \
-        _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wunused-value\"")                  \
         ROWS_STEP(lane)                                                                                        \
-        _Pragma("GCC diagnostic pop")                                                                          \
     } while (0)
 #define ROW_LANE0(r) ROW_STEP(r, a##r, 0)
 #define ROW_LANE1(r) ROW_STEP(r, a##r, 1)
@@ -152,7 +210,29 @@ INLINE void body_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdi
                     int load) {
     ROWS(DECLARE_C)
     ROWS(LOAD_C)
-    for (int k = 0; k < kc; k++, a += lda, b += ldb) {
+    int k = 0;
+#if V7_ASM
+    if (kc >= 2) {
+        /* armv7: two steps a pass, A's four values and B's row by post-incrementing loads */
+        const ptrdiff_t lda_bytes = lda * (ptrdiff_t)sizeof(float), ldb_bytes = ldb * (ptrdiff_t)sizeof(float);
+        int n = kc / 2;
+        __asm__ volatile(
+            "1:\n\t"
+            "vld1.32 {d0-d1}, [%[a]], %[lda]\n\t"
+            "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+            "vld1.32 {d2-d3}, [%[a]], %[lda]\n\t"
+            "vld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
+            V7_ROWS("q4", "q5", "d0[0]", "d0[1]", "d1[0]", "d1[1]")
+            V7_ROWS("q6", "q7", "d2[0]", "d2[1]", "d3[0]", "d3[1]")
+            "subs %[n], %[n], #1\n\t"
+            "bne 1b\n\t"
+            : V7_TILE, [a] "+r"(a), [b] "+r"(b), [n] "+r"(n)
+            : [lda] "r"(lda_bytes), [ldb] "r"(ldb_bytes)
+            : "d0", "d1", "d2", "d3", "d8", "d9", "d10", "d11", "d12", "d13", "d14", "d15", "memory", "cc");
+        k = kc & ~1;
+    }
+#endif
+    for (; k < kc; k++, a += lda, b += ldb) {
         const float32x4_t b0 = vld1q_f32(b), b1 = vld1q_f32(b + 4);
         const float32x4_t x0 = vld1q_f32(a);
         ROW_STEP(0, x0, 0) ROW_STEP(1, x0, 1) ROW_STEP(2, x0, 2) ROW_STEP(3, x0, 3)
