@@ -427,14 +427,21 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
             const int kc = K - pc < KC ? K - pc : KC;
             const int load = accumulate || pc > 0;
             if (!direct && !B->rows && B->cs == 1) { /* row-major B: read along its rows, once */
-                const float *src = B->p + pc * B->rs + jc;
+                /* walked by pointers, and a panel row of one vector (NEON's and the portable kernel's
+                 * nr) copied as one: indexed by ((p kc + k) nr), this loop took ~26 instructions per 8
+                 * floats on aarch64, 7% of a 128^3 product's */
+                const int full = nc / nr;
+                const size_t panel = (size_t)kc * nr;
                 for (int k = 0; k < kc; k++) {
+                    const float *s = B->p + (size_t)(pc + k) * B->rs + jc;
+                    float *d = bpack + (size_t)k * nr;
                     int p = 0;
-                    for (; (p + 1) * nr <= nc; p++)
-                        copy_panel_row(bpack + ((size_t)p * kc + k) * nr, src + k * B->rs + p * nr, nr);
+                    if (nr == VF_LANES)
+                        for (; p < full; p++, s += VF_LANES, d += panel) vf_store(d, vf_load(s));
+                    else
+                        for (; p < full; p++, s += nr, d += panel) copy_panel_row(d, s, nr);
                     if (p * nr < nc) {
-                        float *d = bpack + ((size_t)p * kc + k) * nr;
-                        memcpy(d, src + k * B->rs + p * nr, sizeof(float) * (size_t)(nc - p * nr));
+                        memcpy(d, s, sizeof(float) * (size_t)(nc - p * nr));
                         memset(d + (nc - p * nr), 0, sizeof(float) * (size_t)((p + 1) * nr - nc));
                     }
                 }
