@@ -68,26 +68,7 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
 #define N_NR 8
 #define INLINE static inline __attribute__((always_inline))
 #if defined(__aarch64__)
-#define N_MR 8
-#define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
-/* c += b * a[lane]: one rounding with FMA (fused builds), else a multiply and an add */
-#if TB_MADD_FUSED
-#define MADD_LANE(c, b, a4, lane) ((c) = vfmaq_laneq_f32((c), (b), (a4), (lane)))
-#else
-/* the multiply and its add in one asm statement (the same two instructions as vmulq_laneq_f32 then
- * vaddq_f32(product, c)): GCC otherwise hoisted the multiplies far ahead of their adds, and the
- * products it kept live spilled the C tile to the stack every four steps */
-#define TB_STR_(x) #x
-#define TB_STR(x) TB_STR_(x)
-#define MADD_LANE(acc, bv, av, lane)                                                                 \
-    do {                                                                                           \
-        float32x4_t p_;                                                                            \
-        __asm__("fmul %[p].4s, %[b].4s, %[a].s[" TB_STR(lane) "]\n\t"                              \
-                "fadd %[c].4s, %[p].4s, %[c].4s"                                                   \
-                : [c] "+w"(acc), [p] "=&w"(p_)                                                       \
-                : [b] "w"(bv), [a] "w"(av));                                                        \
-    } while (0)
-#endif
+#define N_MR 8 /* the kernels are asm, below */
 #else
 #define N_MR 4
 #define ROWS(X) X(0) X(1) X(2) X(3)
@@ -126,6 +107,122 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
 #define V7_ASM 0
 #endif
 
+/* aarch64: the whole micro-kernel in asm (C's tile in v16-v31, row r in v(16+2r), v(17+2r); A in
+ * v0-v7, B in v8-v9, the unfused product in v10). Each B row is one LD1 of eight floats
+ * post-incremented by ldb (any ldb: a packed panel or B in place), each A row one LD1 post-incremented
+ * through its own pointer (x9-x15 for rows 1-7), so a pass of four steps is 8 + 4 loads, 64 FMLA (or
+ * 64 FMUL + 64 FADD unfused: the product rounded, then added, as vaddq_f32(product, c)), the count and
+ * the branch: 78 for 64 (GCC's own made 82, more with B in place), and a call's set-up, C's loads or
+ * zeros and stores about 50 (GCC's ~110: GDN's products are many short ones). In C the tile is 16
+ * "+w" operands, 32 of asm's 30, so the asm holds the whole kernel. */
+#if defined(__aarch64__)
+#define A64_ASM 1
+#if TB_MADD_FUSED
+#define A64_MADD(c, b, s) "fmla " c ".4s, " b ".4s, " s "\n\t"
+#else
+#define A64_MADD(c, b, s) "fmul v10.4s, " b ".4s, " s "\n\tfadd " c ".4s, v10.4s, " c ".4s\n\t"
+#endif
+/* the eight rows' multiply-adds with B row (v8, v9) and row r's A value in lane s_r */
+#define A64_ROWS(s0, s1, s2, s3, s4, s5, s6, s7)                                                           \
+    A64_MADD("v16", "v8", s0) A64_MADD("v17", "v9", s0) A64_MADD("v18", "v8", s1) A64_MADD("v19", "v9", s1) \
+    A64_MADD("v20", "v8", s2) A64_MADD("v21", "v9", s2) A64_MADD("v22", "v8", s3) A64_MADD("v23", "v9", s3) \
+    A64_MADD("v24", "v8", s4) A64_MADD("v25", "v9", s4) A64_MADD("v26", "v8", s5) A64_MADD("v27", "v9", s5) \
+    A64_MADD("v28", "v8", s6) A64_MADD("v29", "v9", s6) A64_MADD("v30", "v8", s7) A64_MADD("v31", "v9", s7)
+#define A64_LOAD_B "ld1 {v8.4s, v9.4s}, [%[b]], %[ldb]\n\t"
+/* step `l` of four, row r's A values in v<r> */
+#define A64_LANE(l)                                                                                        \
+    A64_LOAD_B A64_ROWS("v0.s[" #l "]", "v1.s[" #l "]", "v2.s[" #l "]", "v3.s[" #l "]", "v4.s[" #l "]",   \
+                        "v5.s[" #l "]", "v6.s[" #l "]", "v7.s[" #l "]")
+/* C's tile: loaded (load != 0) or zeros, at the start; stored at the end (x16 walks its rows) */
+#define A64_C_IN                                                                                           \
+    "mov x16, %[c]\n\t"                                                                                    \
+    "cbz %w[load], 2f\n\t"                                                                                 \
+    "ld1 {v16.4s, v17.4s}, [x16], %[ldc]\n\tld1 {v18.4s, v19.4s}, [x16], %[ldc]\n\t"                      \
+    "ld1 {v20.4s, v21.4s}, [x16], %[ldc]\n\tld1 {v22.4s, v23.4s}, [x16], %[ldc]\n\t"                      \
+    "ld1 {v24.4s, v25.4s}, [x16], %[ldc]\n\tld1 {v26.4s, v27.4s}, [x16], %[ldc]\n\t"                      \
+    "ld1 {v28.4s, v29.4s}, [x16], %[ldc]\n\tld1 {v30.4s, v31.4s}, [x16]\n\t"                              \
+    "b 3f\n\t"                                                                                             \
+    "2:\n\t"                                                                                               \
+    "movi v16.16b, #0\n\tmovi v17.16b, #0\n\tmovi v18.16b, #0\n\tmovi v19.16b, #0\n\t"                    \
+    "movi v20.16b, #0\n\tmovi v21.16b, #0\n\tmovi v22.16b, #0\n\tmovi v23.16b, #0\n\t"                    \
+    "movi v24.16b, #0\n\tmovi v25.16b, #0\n\tmovi v26.16b, #0\n\tmovi v27.16b, #0\n\t"                    \
+    "movi v28.16b, #0\n\tmovi v29.16b, #0\n\tmovi v30.16b, #0\n\tmovi v31.16b, #0\n\t"                    \
+    "3:\n\t"
+#define A64_C_OUT                                                                                          \
+    "mov x16, %[c]\n\t"                                                                                    \
+    "st1 {v16.4s, v17.4s}, [x16], %[ldc]\n\tst1 {v18.4s, v19.4s}, [x16], %[ldc]\n\t"                      \
+    "st1 {v20.4s, v21.4s}, [x16], %[ldc]\n\tst1 {v22.4s, v23.4s}, [x16], %[ldc]\n\t"                      \
+    "st1 {v24.4s, v25.4s}, [x16], %[ldc]\n\tst1 {v26.4s, v27.4s}, [x16], %[ldc]\n\t"                      \
+    "st1 {v28.4s, v29.4s}, [x16], %[ldc]\n\tst1 {v30.4s, v31.4s}, [x16]\n\t"
+#define A64_CLOBBERS                                                                                       \
+    "x9", "x10", "x11", "x12", "x13", "x14", "x15", "x16", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7",  \
+        "v8", "v9", "v10", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26",      \
+        "v27", "v28", "v29", "v30", "v31", "memory", "cc"
+
+/* A row-major: row r at a + r * lda */
+static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
+                        int load) {
+    long n = kc >> 2, rest = kc & 3;
+    const ptrdiff_t lda_b = lda * (ptrdiff_t)sizeof(float), ldb_b = ldb * (ptrdiff_t)sizeof(float),
+                    ldc_b = ldc * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        A64_C_IN
+        "add x9, %[a], %[lda]\n\tadd x10, x9, %[lda]\n\tadd x11, x10, %[lda]\n\tadd x12, x11, %[lda]\n\t"
+        "add x13, x12, %[lda]\n\tadd x14, x13, %[lda]\n\tadd x15, x14, %[lda]\n\t"
+        "cbz %[n], 5f\n\t"
+        "4:\n\t" /* four steps: each row's four A values in one register, used by lane */
+        "ld1 {v0.4s}, [%[a]], #16\n\tld1 {v1.4s}, [x9], #16\n\tld1 {v2.4s}, [x10], #16\n\t"
+        "ld1 {v3.4s}, [x11], #16\n\tld1 {v4.4s}, [x12], #16\n\tld1 {v5.4s}, [x13], #16\n\t"
+        "ld1 {v6.4s}, [x14], #16\n\tld1 {v7.4s}, [x15], #16\n\t"
+        A64_LANE(0) A64_LANE(1) A64_LANE(2) A64_LANE(3)
+        "subs %[n], %[n], #1\n\t"
+        "b.ne 4b\n\t"
+        "5:\n\t"
+        "cbz %[rest], 7f\n\t"
+        "6:\n\t" /* the last kc % 4 steps one by one, A broadcast */
+        "ld1r {v0.4s}, [%[a]], #4\n\tld1r {v1.4s}, [x9], #4\n\tld1r {v2.4s}, [x10], #4\n\t"
+        "ld1r {v3.4s}, [x11], #4\n\tld1r {v4.4s}, [x12], #4\n\tld1r {v5.4s}, [x13], #4\n\t"
+        "ld1r {v6.4s}, [x14], #4\n\tld1r {v7.4s}, [x15], #4\n\t"
+        A64_LANE(0)
+        "subs %[rest], %[rest], #1\n\t"
+        "b.ne 6b\n\t"
+        "7:\n\t"
+        A64_C_OUT
+        : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest)
+        : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [c] "r"(c), [ldc] "r"(ldc_b), [load] "r"(load)
+        : A64_CLOBBERS);
+}
+
+/* A transposed: the eight values of step k contiguous at a + k * lda, one LD1 into (v0, v1) */
+#define A64_AT_STEP                                                                                        \
+    "ld1 {v0.4s, v1.4s}, [%[a]], %[lda]\n\t" A64_LOAD_B                                                    \
+    A64_ROWS("v0.s[0]", "v0.s[1]", "v0.s[2]", "v0.s[3]", "v1.s[0]", "v1.s[1]", "v1.s[2]", "v1.s[3]")
+static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                           ptrdiff_t ldc, int load) {
+    long n = kc >> 1, rest = kc & 1;
+    const ptrdiff_t lda_b = lda * (ptrdiff_t)sizeof(float), ldb_b = ldb * (ptrdiff_t)sizeof(float),
+                    ldc_b = ldc * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        A64_C_IN
+        "cbz %[n], 5f\n\t"
+        "4:\n\t" /* two steps a pass */
+        A64_AT_STEP A64_AT_STEP
+        "subs %[n], %[n], #1\n\t"
+        "b.ne 4b\n\t"
+        "5:\n\t"
+        "cbz %[rest], 7f\n\t"
+        A64_AT_STEP
+        "7:\n\t"
+        A64_C_OUT
+        : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest)
+        : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [c] "r"(c), [ldc] "r"(ldc_b), [load] "r"(load)
+        : A64_CLOBBERS);
+}
+#else
+#define A64_ASM 0
+#endif
+
+#if !A64_ASM /* armv7 (and its FMA build, where the FPU has VFPv4) */
 /* A row-major: row r at a + r * lda */
 INLINE void body_rows(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
                       int load) {
@@ -249,6 +346,8 @@ static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b
     if (ldb == N_NR) body_at(kc, a, lda, b, N_NR, c, ldc, load);
     else body_at(kc, a, lda, b, ldb, c, ldc, load);
 }
+
+#endif
 
 /* B transposed (element (k, j) at src[j * cs + k]) into a kc x N_NR panel, zero for j >= nc: four
  * columns' four steps in four registers, stored by one interleaving store per step (st4 / vst4 by
