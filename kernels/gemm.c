@@ -58,12 +58,12 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
 /* --- NEON micro-kernels: 8 x 8 on aarch64 (32 registers), 4 x 8 on armv7 (16) -------------------- */
 
 /* Written for the instruction count (issue 35: exact counts under qemu against one FMLA/VMLA per
- * four multiply-adds). The C tile is named accumulators, not an array (GCC kept t[8][2] in memory
- * and stored it to the stack every step); A and B are walked by pointers bumped once per step, not
- * indexed by k * ldb; A is read four steps at a time, one register per row used by lane; and the
- * packed-panel case (ldb == N_NR) is a copy of the body of its own, so B's four rows are immediate
- * offsets from one pointer. None of this changes a C element's chain: still one multiply-add per k,
- * in ascending k. */
+ * four multiply-adds). The builds that run here (aarch64, fused or not; armv7 without FMA) have
+ * their micro-kernels in asm: in C, GCC kept the 8 x 8 tile's t[8][2] on the stack and stored it
+ * every step, hoisted unfused multiplies until the tile spilled, indexed B by k * ldb, and kept C's
+ * row addresses on the stack across the loop. An armv7 build with FMA (VFPv4) keeps the C kernels
+ * (named accumulators, pointer-walked A and B). None of this changes a C element's chain: one
+ * multiply-add per k, in ascending k, as tb_gemm.h promises. */
 #if defined(TB_NEON)
 #define N_NR 8
 #define INLINE static inline __attribute__((always_inline))
@@ -90,19 +90,109 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
 /* row r's step with B row (b0, b1) and A values in ar's lane */
 #define ROW_STEP(r, ar, lane) MADD_LANE(c##r##0, b0, ar, lane); MADD_LANE(c##r##1, b1, ar, lane);
 
-/* armv7 without FMA (every build here: -mfpu=neon is VFPv3): the k loops in asm, VMLA by scalar (its
- * scalar must sit in d0-d15, so A and B take q0-q7 and the C tile, in operands, gets q8-q15) */
+/* armv7 without FMA (every build here: -mfpu=neon is VFPv3): the whole micro-kernel in asm, as on
+ * aarch64 below. C's tile in q8-q15 (row r in q(8+2r), q(9+2r)), A in q0-q3 and B in q4-q7 (VMLA's
+ * scalar must sit in d0-d15). ARMv7 loads take no offset, so in C every load paid an address add and
+ * GCC kept C's row addresses on the stack; here A's rows and B are walked by post-incrementing VLD1
+ * (one a row of B, eight floats, post-incremented by ldb: a packed panel or B in place), so a pass of
+ * four steps is 4 + 4 loads, 32 VMLA, the count and the branch (42 for 32). */
 #if !defined(__aarch64__) && !TB_MADD_FUSED
 #define V7_ASM 1
-#define V7_TILE                                                                                            \
-    [c00] "+w"(c00), [c01] "+w"(c01), [c10] "+w"(c10), [c11] "+w"(c11), [c20] "+w"(c20), [c21] "+w"(c21), \
-        [c30] "+w"(c30), [c31] "+w"(c31)
-/* the four rows' multiply-accumulates with B row (q_lo, q_hi) and row r's A value in scalar s_r */
+/* the four rows' multiply-accumulates with B row (lo, hi) and row r's A value in scalar s_r */
 #define V7_ROWS(lo, hi, s0, s1, s2, s3)                                                                    \
-    "vmla.f32 %q[c00], " lo ", " s0 "\n\tvmla.f32 %q[c01], " hi ", " s0 "\n\t"                            \
-    "vmla.f32 %q[c10], " lo ", " s1 "\n\tvmla.f32 %q[c11], " hi ", " s1 "\n\t"                            \
-    "vmla.f32 %q[c20], " lo ", " s2 "\n\tvmla.f32 %q[c21], " hi ", " s2 "\n\t"                            \
-    "vmla.f32 %q[c30], " lo ", " s3 "\n\tvmla.f32 %q[c31], " hi ", " s3 "\n\t"
+    "vmla.f32 q8, " lo ", " s0 "\n\tvmla.f32 q9, " hi ", " s0 "\n\t"                                      \
+    "vmla.f32 q10, " lo ", " s1 "\n\tvmla.f32 q11, " hi ", " s1 "\n\t"                                    \
+    "vmla.f32 q12, " lo ", " s2 "\n\tvmla.f32 q13, " hi ", " s2 "\n\t"                                    \
+    "vmla.f32 q14, " lo ", " s3 "\n\tvmla.f32 q15, " hi ", " s3 "\n\t"
+/* C's tile: loaded (load != 0) or zeros at the start, stored at the end */
+#define V7_C_IN                                                                                            \
+    "cmp %[load], #0\n\t"                                                                                  \
+    "beq 2f\n\t"                                                                                           \
+    "vld1.32 {d16-d19}, [%[c]], %[ldc]\n\tvld1.32 {d20-d23}, [%[c]], %[ldc]\n\t"                          \
+    "vld1.32 {d24-d27}, [%[c]], %[ldc]\n\tvld1.32 {d28-d31}, [%[c]]\n\t"                                  \
+    "sub %[c], %[c], %[ldc], lsl #1\n\tsub %[c], %[c], %[ldc]\n\t"                                       \
+    "b 3f\n\t"                                                                                             \
+    "2:\n\t"                                                                                               \
+    "vmov.i32 q8, #0\n\tvmov.i32 q9, #0\n\tvmov.i32 q10, #0\n\tvmov.i32 q11, #0\n\t"                      \
+    "vmov.i32 q12, #0\n\tvmov.i32 q13, #0\n\tvmov.i32 q14, #0\n\tvmov.i32 q15, #0\n\t"                    \
+    "3:\n\t"
+#define V7_C_OUT                                                                                           \
+    "vst1.32 {d16-d19}, [%[c]], %[ldc]\n\tvst1.32 {d20-d23}, [%[c]], %[ldc]\n\t"                          \
+    "vst1.32 {d24-d27}, [%[c]], %[ldc]\n\tvst1.32 {d28-d31}, [%[c]]\n\t"
+#define V7_CLOBBERS                                                                                        \
+    "d0", "d1", "d2", "d3", "d4", "d5", "d6", "d7", "d8", "d9", "d10", "d11", "d12", "d13", "d14", "d15", "d16", \
+        "d17", "d18", "d19", "d20", "d21", "d22", "d23", "d24", "d25", "d26", "d27", "d28", "d29", "d30", "d31", \
+        "memory", "cc"
+
+/* A row-major: row r at a + r * lda */
+static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
+                        int load) {
+    const float *a1 = a + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+    int n = kc >> 2, rest = kc & 3;
+    const ptrdiff_t ldb_b = ldb * (ptrdiff_t)sizeof(float), ldc_b = ldc * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        V7_C_IN
+        "cmp %[n], #0\n\t"
+        "beq 5f\n\t"
+        "4:\n\t" /* four steps: each row's four A values in one register, used by lane */
+        "vld1.32 {d0-d1}, [%[a0]]!\n\tvld1.32 {d2-d3}, [%[a1]]!\n\t"
+        "vld1.32 {d4-d5}, [%[a2]]!\n\tvld1.32 {d6-d7}, [%[a3]]!\n\t"
+        "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+        "vld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
+        V7_ROWS("q4", "q5", "d0[0]", "d2[0]", "d4[0]", "d6[0]")
+        "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+        V7_ROWS("q6", "q7", "d0[1]", "d2[1]", "d4[1]", "d6[1]")
+        "vld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
+        V7_ROWS("q4", "q5", "d1[0]", "d3[0]", "d5[0]", "d7[0]")
+        V7_ROWS("q6", "q7", "d1[1]", "d3[1]", "d5[1]", "d7[1]")
+        "subs %[n], %[n], #1\n\t"
+        "bne 4b\n\t"
+        "5:\n\t"
+        "cmp %[rest], #0\n\t"
+        "beq 7f\n\t"
+        "6:\n\t" /* the last kc % 4 steps one by one, A broadcast */
+        "vld1.32 {d0[], d1[]}, [%[a0]]!\n\tvld1.32 {d2[], d3[]}, [%[a1]]!\n\t"
+        "vld1.32 {d4[], d5[]}, [%[a2]]!\n\tvld1.32 {d6[], d7[]}, [%[a3]]!\n\t"
+        "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+        V7_ROWS("q4", "q5", "d0[0]", "d2[0]", "d4[0]", "d6[0]")
+        "subs %[rest], %[rest], #1\n\t"
+        "bne 6b\n\t"
+        "7:\n\t"
+        V7_C_OUT
+        : [a0] "+r"(a), [a1] "+r"(a1), [a2] "+r"(a2), [a3] "+r"(a3), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest),
+          [c] "+r"(c)
+        : [ldb] "r"(ldb_b), [ldc] "r"(ldc_b), [load] "r"(load)
+        : V7_CLOBBERS);
+}
+
+/* A transposed: the four values of step k contiguous at a + k * lda; two steps a pass */
+static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                           ptrdiff_t ldc, int load) {
+    int n = kc >> 1, rest = kc & 1;
+    const ptrdiff_t lda_b = lda * (ptrdiff_t)sizeof(float), ldb_b = ldb * (ptrdiff_t)sizeof(float),
+                    ldc_b = ldc * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        V7_C_IN
+        "cmp %[n], #0\n\t"
+        "beq 5f\n\t"
+        "4:\n\t"
+        "vld1.32 {d0-d1}, [%[a]], %[lda]\n\tvld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+        "vld1.32 {d2-d3}, [%[a]], %[lda]\n\tvld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
+        V7_ROWS("q4", "q5", "d0[0]", "d0[1]", "d1[0]", "d1[1]")
+        V7_ROWS("q6", "q7", "d2[0]", "d2[1]", "d3[0]", "d3[1]")
+        "subs %[n], %[n], #1\n\t"
+        "bne 4b\n\t"
+        "5:\n\t"
+        "cmp %[rest], #0\n\t"
+        "beq 7f\n\t"
+        "vld1.32 {d0-d1}, [%[a]], %[lda]\n\tvld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+        V7_ROWS("q4", "q5", "d0[0]", "d0[1]", "d1[0]", "d1[1]")
+        "7:\n\t"
+        V7_C_OUT
+        : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest), [c] "+r"(c)
+        : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [ldc] "r"(ldc_b), [load] "r"(load)
+        : V7_CLOBBERS);
+}
 #else
 #define V7_ASM 0
 #endif
@@ -222,44 +312,13 @@ static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b
 #define A64_ASM 0
 #endif
 
-#if !A64_ASM /* armv7 (and its FMA build, where the FPU has VFPv4) */
+#if !A64_ASM && !V7_ASM /* armv7 where the FPU has FMA (VFPv4) and the build fuses: VFMA has no by-scalar form */
 /* A row-major: row r at a + r * lda */
 INLINE void body_rows(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
                       int load) {
     ROWS(DECLARE_C)
     ROWS(LOAD_C)
     int k = 0;
-#if V7_ASM
-    if (kc >= 4) {
-        /* armv7: A's four rows and B walked by post-incrementing loads (one VLD1 a row of B, eight
-         * floats), four VMLA by scalar a B row; no loads can take an offset, so in C every load paid an
-         * address add. Per four steps: 4 + 4 loads, 32 VMLA, the count and the branch (42, ideal 32). */
-        const float *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda;
-        const ptrdiff_t ldb_bytes = ldb * (ptrdiff_t)sizeof(float);
-        int n = kc / 4;
-        __asm__ volatile(
-            "1:\n\t"
-            "vld1.32 {d0-d1}, [%[a0]]!\n\t"
-            "vld1.32 {d2-d3}, [%[a1]]!\n\t"
-            "vld1.32 {d4-d5}, [%[a2]]!\n\t"
-            "vld1.32 {d6-d7}, [%[a3]]!\n\t"
-            "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
-            "vld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
-            V7_ROWS("q4", "q5", "d0[0]", "d2[0]", "d4[0]", "d6[0]")
-            "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
-            V7_ROWS("q6", "q7", "d0[1]", "d2[1]", "d4[1]", "d6[1]")
-            "vld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
-            V7_ROWS("q4", "q5", "d1[0]", "d3[0]", "d5[0]", "d7[0]")
-            V7_ROWS("q6", "q7", "d1[1]", "d3[1]", "d5[1]", "d7[1]")
-            "subs %[n], %[n], #1\n\t"
-            "bne 1b\n\t"
-            : V7_TILE, [a0] "+r"(a), [a1] "+r"(a1), [a2] "+r"(a2), [a3] "+r"(a3), [b] "+r"(b), [n] "+r"(n)
-            : [ldb] "r"(ldb_bytes)
-            : "d0", "d1", "d2", "d3", "d4", "d5", "d6", "d7", "d8", "d9", "d10", "d11", "d12", "d13", "d14", "d15",
-              "memory", "cc");
-        k = kc & ~3;
-    }
-#endif
     for (; k + 4 <= kc; k += 4, a += 4) {
         /* four steps of k: each row's four A values in one register, used by lane */
 #define LOAD_A(r) const float32x4_t a##r = vld1q_f32(a + (r) * lda);
@@ -308,27 +367,6 @@ INLINE void body_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdi
     ROWS(DECLARE_C)
     ROWS(LOAD_C)
     int k = 0;
-#if V7_ASM
-    if (kc >= 2) {
-        /* armv7: two steps a pass, A's four values and B's row by post-incrementing loads */
-        const ptrdiff_t lda_bytes = lda * (ptrdiff_t)sizeof(float), ldb_bytes = ldb * (ptrdiff_t)sizeof(float);
-        int n = kc / 2;
-        __asm__ volatile(
-            "1:\n\t"
-            "vld1.32 {d0-d1}, [%[a]], %[lda]\n\t"
-            "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
-            "vld1.32 {d2-d3}, [%[a]], %[lda]\n\t"
-            "vld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
-            V7_ROWS("q4", "q5", "d0[0]", "d0[1]", "d1[0]", "d1[1]")
-            V7_ROWS("q6", "q7", "d2[0]", "d2[1]", "d3[0]", "d3[1]")
-            "subs %[n], %[n], #1\n\t"
-            "bne 1b\n\t"
-            : V7_TILE, [a] "+r"(a), [b] "+r"(b), [n] "+r"(n)
-            : [lda] "r"(lda_bytes), [ldb] "r"(ldb_bytes)
-            : "d0", "d1", "d2", "d3", "d8", "d9", "d10", "d11", "d12", "d13", "d14", "d15", "memory", "cc");
-        k = kc & ~1;
-    }
-#endif
     for (; k < kc; k++, a += lda, b += ldb) {
         const float32x4_t b0 = vld1q_f32(b), b1 = vld1q_f32(b + 4);
         const float32x4_t x0 = vld1q_f32(a);
