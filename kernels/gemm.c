@@ -391,6 +391,28 @@ static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b
  * columns' four steps in four registers, stored by one interleaving store per step (st4 / vst4 by
  * lane: dst[k * N_NR + j .. j + 3]), no shuffles. The scalar packing took ~4 instructions a float. */
 static void pack_t_neon(int kc, int nc, const float *src, ptrdiff_t cs, float *dst) {
+    if (nc == N_NR) { /* a whole panel (every one but a product's last): eight columns' pointers walked,
+                       * the stores in address order (each row's two halves, row after row) */
+        const float *s0 = src, *s1 = src + cs, *s2 = src + 2 * cs, *s3 = src + 3 * cs, *s4 = src + 4 * cs,
+                    *s5 = src + 5 * cs, *s6 = src + 6 * cs, *s7 = src + 7 * cs;
+        int k = 0;
+        for (; k + 4 <= kc; k += 4) {
+            float32x4x4_t lo, hi;
+            lo.val[0] = vld1q_f32(s0), lo.val[1] = vld1q_f32(s1), lo.val[2] = vld1q_f32(s2), lo.val[3] = vld1q_f32(s3);
+            hi.val[0] = vld1q_f32(s4), hi.val[1] = vld1q_f32(s5), hi.val[2] = vld1q_f32(s6), hi.val[3] = vld1q_f32(s7);
+            s0 += 4, s1 += 4, s2 += 4, s3 += 4, s4 += 4, s5 += 4, s6 += 4, s7 += 4;
+            vst4q_lane_f32(dst, lo, 0), vst4q_lane_f32(dst + 4, hi, 0);
+            vst4q_lane_f32(dst + 8, lo, 1), vst4q_lane_f32(dst + 12, hi, 1);
+            vst4q_lane_f32(dst + 16, lo, 2), vst4q_lane_f32(dst + 20, hi, 2);
+            vst4q_lane_f32(dst + 24, lo, 3), vst4q_lane_f32(dst + 28, hi, 3);
+            dst += 4 * N_NR;
+        }
+        for (; k < kc; k++, dst += N_NR) {
+            dst[0] = *s0++, dst[1] = *s1++, dst[2] = *s2++, dst[3] = *s3++;
+            dst[4] = *s4++, dst[5] = *s5++, dst[6] = *s6++, dst[7] = *s7++;
+        }
+        return;
+    }
     const int full = nc & ~3;
     int k = 0;
     for (; k + 4 <= kc; k += 4, src += 4, dst += 4 * N_NR) {
