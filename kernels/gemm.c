@@ -621,7 +621,27 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
                     pack_panel(kr, B, pc, kc, jc + jr, cols, bpack, tmp);
                     bp = bpack, ldb = nr;
                 }
-                for (int i0 = 0; i0 < M; i0 += mr) {
+                int i0 = 0;
+                if (cols == nr) {
+                    /* the whole row tiles of a whole panel, the common case, kept tight: the general
+                     * loop below re-derives every operand per tile (~60 instructions a tile on armv7,
+                     * as many as the loads of a 16-step kernel call). The same calls, in order. */
+                    void (*const kernel)(int, const float *, ptrdiff_t, const float *, ptrdiff_t, float *, ptrdiff_t,
+                                         int) = at ? kr->kernel_at : kr->kernel;
+                    const float *ap = at ? A + (size_t)pc * lda : A + pc;
+                    float *cp = C + jc + jr;
+                    const size_t astep = at ? (size_t)mr : (size_t)mr * lda, cstep = (size_t)mr * ldc;
+                    for (; i0 + mr <= M; i0 += mr, ap += astep, cp += cstep) {
+                        int keff = kc;
+                        if (lower) {
+                            const int kend = i0 + mr; /* row i needs k <= i */
+                            if (kend <= pc) continue; /* nothing in this block: C keeps its chain (load = 1 here) */
+                            if (kend - pc < keff) keff = kend - pc;
+                        }
+                        kernel(keff, ap, lda, bp, ldb, cp, ldc, load);
+                    }
+                }
+                for (; i0 < M; i0 += mr) {
                     const int rows = M - i0 < mr ? M - i0 : mr;
                     int keff = kc;
                     if (lower) {
