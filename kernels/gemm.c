@@ -57,17 +57,21 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
 
 /* --- NEON micro-kernels: 8 x 8 on aarch64 (32 registers), 4 x 8 on armv7 (16) -------------------- */
 
+/* Written for the instruction count (issue 35: exact counts under qemu against one FMLA/VMLA per
+ * four multiply-adds). The builds that run here (aarch64, fused or not; armv7 without FMA) have
+ * their micro-kernels in asm: in C, GCC kept the 8 x 8 tile's t[8][2] on the stack and stored it
+ * every step, hoisted unfused multiplies until the tile spilled, indexed B by k * ldb, and kept C's
+ * row addresses on the stack across the loop. An armv7 build with FMA (VFPv4) keeps the C kernels
+ * (named accumulators, pointer-walked A and B). None of this changes a C element's chain: one
+ * multiply-add per k, in ascending k, as tb_gemm.h promises. */
 #if defined(TB_NEON)
+#define N_NR 8
+#define INLINE static inline __attribute__((always_inline))
 #if defined(__aarch64__)
-#define N_MR 8
-/* c += b * a[lane]: one rounding with FMA (fused builds), else a multiply and an add */
-#if TB_MADD_FUSED
-#define MADD_LANE(c, b, a4, lane) ((c) = vfmaq_laneq_f32((c), (b), (a4), (lane)))
-#else
-#define MADD_LANE(c, b, a4, lane) ((c) = vaddq_f32(vmulq_laneq_f32((b), (a4), (lane)), (c)))
-#endif
+#define N_MR 8 /* the kernels are asm, below */
 #else
 #define N_MR 4
+#define ROWS(X) X(0) X(1) X(2) X(3)
 /* armv7: VMLA is the unfused multiply-accumulate (the product rounded, then added: the bits of a
  * multiply and an add), one instruction; VFMA where the build fuses and the FPU has it (VFPv4). */
 #define LANE2(a4, lane) ((lane) < 2 ? vget_low_f32(a4) : vget_high_f32(a4))
@@ -77,74 +81,363 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
 #define MADD_LANE(c, b, a4, lane) ((c) = vmlaq_lane_f32((c), (b), LANE2((a4), (lane)), (lane) & 1))
 #endif
 #endif
-#define N_NR 8
 
+#define DECLARE_C(r) float32x4_t c##r##0, c##r##1;
+#define LOAD_C(r)                                                                           \
+    c##r##0 = load ? vld1q_f32(c + (r) * ldc) : vdupq_n_f32(0.0f);                       \
+    c##r##1 = load ? vld1q_f32(c + (r) * ldc + 4) : vdupq_n_f32(0.0f);
+#define STORE_C(r) vst1q_f32(c + (r) * ldc, c##r##0), vst1q_f32(c + (r) * ldc + 4, c##r##1);
+/* row r's step with B row (b0, b1) and A values in ar's lane */
+#define ROW_STEP(r, ar, lane) MADD_LANE(c##r##0, b0, ar, lane); MADD_LANE(c##r##1, b1, ar, lane);
+
+/* armv7 without FMA (every build here: -mfpu=neon is VFPv3): the whole micro-kernel in asm, as on
+ * aarch64 below. C's tile in q8-q15 (row r in q(8+2r), q(9+2r)), A in q0-q3 and B in q4-q7 (VMLA's
+ * scalar must sit in d0-d15). ARMv7 loads take no offset, so in C every load paid an address add and
+ * GCC kept C's row addresses on the stack; here A's rows and B are walked by post-incrementing VLD1
+ * (one a row of B, eight floats, post-incremented by ldb: a packed panel or B in place), so a pass of
+ * four steps is 4 + 4 loads, 32 VMLA, the count and the branch (42 for 32). */
+#if !defined(__aarch64__) && !TB_MADD_FUSED
+#define V7_ASM 1
+/* the four rows' multiply-accumulates with B row (lo, hi) and row r's A value in scalar s_r */
+#define V7_ROWS(lo, hi, s0, s1, s2, s3)                                                                    \
+    "vmla.f32 q8, " lo ", " s0 "\n\tvmla.f32 q9, " hi ", " s0 "\n\t"                                      \
+    "vmla.f32 q10, " lo ", " s1 "\n\tvmla.f32 q11, " hi ", " s1 "\n\t"                                    \
+    "vmla.f32 q12, " lo ", " s2 "\n\tvmla.f32 q13, " hi ", " s2 "\n\t"                                    \
+    "vmla.f32 q14, " lo ", " s3 "\n\tvmla.f32 q15, " hi ", " s3 "\n\t"
+/* C's tile: loaded (load != 0) or zeros at the start, stored at the end */
+#define V7_C_IN                                                                                            \
+    "cmp %[load], #0\n\t"                                                                                  \
+    "beq 2f\n\t"                                                                                           \
+    "vld1.32 {d16-d19}, [%[c]], %[ldc]\n\tvld1.32 {d20-d23}, [%[c]], %[ldc]\n\t"                          \
+    "vld1.32 {d24-d27}, [%[c]], %[ldc]\n\tvld1.32 {d28-d31}, [%[c]]\n\t"                                  \
+    "sub %[c], %[c], %[ldc], lsl #1\n\tsub %[c], %[c], %[ldc]\n\t"                                       \
+    "b 3f\n\t"                                                                                             \
+    "2:\n\t"                                                                                               \
+    "vmov.i32 q8, #0\n\tvmov.i32 q9, #0\n\tvmov.i32 q10, #0\n\tvmov.i32 q11, #0\n\t"                      \
+    "vmov.i32 q12, #0\n\tvmov.i32 q13, #0\n\tvmov.i32 q14, #0\n\tvmov.i32 q15, #0\n\t"                    \
+    "3:\n\t"
+#define V7_C_OUT                                                                                           \
+    "vst1.32 {d16-d19}, [%[c]], %[ldc]\n\tvst1.32 {d20-d23}, [%[c]], %[ldc]\n\t"                          \
+    "vst1.32 {d24-d27}, [%[c]], %[ldc]\n\tvst1.32 {d28-d31}, [%[c]]\n\t"
+#define V7_CLOBBERS                                                                                        \
+    "d0", "d1", "d2", "d3", "d4", "d5", "d6", "d7", "d8", "d9", "d10", "d11", "d12", "d13", "d14", "d15", "d16", \
+        "d17", "d18", "d19", "d20", "d21", "d22", "d23", "d24", "d25", "d26", "d27", "d28", "d29", "d30", "d31", \
+        "memory", "cc"
+
+/* A row-major: row r at a + r * lda */
 static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
                         int load) {
-    float32x4_t t[N_MR][2];
-    for (int r = 0; r < N_MR; r++) {
-        t[r][0] = load ? vld1q_f32(c + r * ldc) : vdupq_n_f32(0.0f);
-        t[r][1] = load ? vld1q_f32(c + r * ldc + 4) : vdupq_n_f32(0.0f);
-    }
+    const float *a1 = a + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+    int n = kc >> 2, rest = kc & 3;
+    const ptrdiff_t ldb_b = ldb * (ptrdiff_t)sizeof(float), ldc_b = ldc * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        V7_C_IN
+        "cmp %[n], #0\n\t"
+        "beq 5f\n\t"
+        "4:\n\t" /* four steps: each row's four A values in one register, used by lane */
+        "vld1.32 {d0-d1}, [%[a0]]!\n\tvld1.32 {d2-d3}, [%[a1]]!\n\t"
+        "vld1.32 {d4-d5}, [%[a2]]!\n\tvld1.32 {d6-d7}, [%[a3]]!\n\t"
+        "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+        "vld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
+        V7_ROWS("q4", "q5", "d0[0]", "d2[0]", "d4[0]", "d6[0]")
+        "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+        V7_ROWS("q6", "q7", "d0[1]", "d2[1]", "d4[1]", "d6[1]")
+        "vld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
+        V7_ROWS("q4", "q5", "d1[0]", "d3[0]", "d5[0]", "d7[0]")
+        V7_ROWS("q6", "q7", "d1[1]", "d3[1]", "d5[1]", "d7[1]")
+        "subs %[n], %[n], #1\n\t"
+        "bne 4b\n\t"
+        "5:\n\t"
+        "cmp %[rest], #0\n\t"
+        "beq 7f\n\t"
+        "6:\n\t" /* the last kc % 4 steps one by one, A broadcast */
+        "vld1.32 {d0[], d1[]}, [%[a0]]!\n\tvld1.32 {d2[], d3[]}, [%[a1]]!\n\t"
+        "vld1.32 {d4[], d5[]}, [%[a2]]!\n\tvld1.32 {d6[], d7[]}, [%[a3]]!\n\t"
+        "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+        V7_ROWS("q4", "q5", "d0[0]", "d2[0]", "d4[0]", "d6[0]")
+        "subs %[rest], %[rest], #1\n\t"
+        "bne 6b\n\t"
+        "7:\n\t"
+        V7_C_OUT
+        : [a0] "+r"(a), [a1] "+r"(a1), [a2] "+r"(a2), [a3] "+r"(a3), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest),
+          [c] "+r"(c)
+        : [ldb] "r"(ldb_b), [ldc] "r"(ldc_b), [load] "r"(load)
+        : V7_CLOBBERS);
+}
+
+/* A transposed: the four values of step k contiguous at a + k * lda; two steps a pass */
+static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                           ptrdiff_t ldc, int load) {
+    int n = kc >> 1, rest = kc & 1;
+    const ptrdiff_t lda_b = lda * (ptrdiff_t)sizeof(float), ldb_b = ldb * (ptrdiff_t)sizeof(float),
+                    ldc_b = ldc * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        V7_C_IN
+        "cmp %[n], #0\n\t"
+        "beq 5f\n\t"
+        "4:\n\t"
+        "vld1.32 {d0-d1}, [%[a]], %[lda]\n\tvld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+        "vld1.32 {d2-d3}, [%[a]], %[lda]\n\tvld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
+        V7_ROWS("q4", "q5", "d0[0]", "d0[1]", "d1[0]", "d1[1]")
+        V7_ROWS("q6", "q7", "d2[0]", "d2[1]", "d3[0]", "d3[1]")
+        "subs %[n], %[n], #1\n\t"
+        "bne 4b\n\t"
+        "5:\n\t"
+        "cmp %[rest], #0\n\t"
+        "beq 7f\n\t"
+        "vld1.32 {d0-d1}, [%[a]], %[lda]\n\tvld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+        V7_ROWS("q4", "q5", "d0[0]", "d0[1]", "d1[0]", "d1[1]")
+        "7:\n\t"
+        V7_C_OUT
+        : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest), [c] "+r"(c)
+        : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [ldc] "r"(ldc_b), [load] "r"(load)
+        : V7_CLOBBERS);
+}
+#else
+#define V7_ASM 0
+#endif
+
+/* aarch64: the whole micro-kernel in asm (C's tile in v16-v31, row r in v(16+2r), v(17+2r); A in
+ * v0-v7, B in v8-v9, the unfused product in v10). Each B row is one LD1 of eight floats
+ * post-incremented by ldb (any ldb: a packed panel or B in place), each A row one LD1 post-incremented
+ * through its own pointer (x9-x15 for rows 1-7), so a pass of four steps is 8 + 4 loads, 64 FMLA (or
+ * 64 FMUL + 64 FADD unfused: the product rounded, then added, as vaddq_f32(product, c)), the count and
+ * the branch: 78 for 64 (GCC's own made 82, more with B in place), and a call's set-up, C's loads or
+ * zeros and stores about 50 (GCC's ~110: GDN's products are many short ones). In C the tile is 16
+ * "+w" operands, 32 of asm's 30, so the asm holds the whole kernel. */
+#if defined(__aarch64__)
+#define A64_ASM 1
+#if TB_MADD_FUSED
+#define A64_MADD(c, b, s) "fmla " c ".4s, " b ".4s, " s "\n\t"
+#else
+#define A64_MADD(c, b, s) "fmul v10.4s, " b ".4s, " s "\n\tfadd " c ".4s, v10.4s, " c ".4s\n\t"
+#endif
+/* the eight rows' multiply-adds with B row (v8, v9) and row r's A value in lane s_r */
+#define A64_ROWS(s0, s1, s2, s3, s4, s5, s6, s7)                                                           \
+    A64_MADD("v16", "v8", s0) A64_MADD("v17", "v9", s0) A64_MADD("v18", "v8", s1) A64_MADD("v19", "v9", s1) \
+    A64_MADD("v20", "v8", s2) A64_MADD("v21", "v9", s2) A64_MADD("v22", "v8", s3) A64_MADD("v23", "v9", s3) \
+    A64_MADD("v24", "v8", s4) A64_MADD("v25", "v9", s4) A64_MADD("v26", "v8", s5) A64_MADD("v27", "v9", s5) \
+    A64_MADD("v28", "v8", s6) A64_MADD("v29", "v9", s6) A64_MADD("v30", "v8", s7) A64_MADD("v31", "v9", s7)
+#define A64_LOAD_B "ld1 {v8.4s, v9.4s}, [%[b]], %[ldb]\n\t"
+/* step `l` of four, row r's A values in v<r> */
+#define A64_LANE(l)                                                                                        \
+    A64_LOAD_B A64_ROWS("v0.s[" #l "]", "v1.s[" #l "]", "v2.s[" #l "]", "v3.s[" #l "]", "v4.s[" #l "]",   \
+                        "v5.s[" #l "]", "v6.s[" #l "]", "v7.s[" #l "]")
+/* C's tile: loaded (load != 0) or zeros, at the start; stored at the end (x16 walks its rows) */
+#define A64_C_IN                                                                                           \
+    "mov x16, %[c]\n\t"                                                                                    \
+    "cbz %w[load], 2f\n\t"                                                                                 \
+    "ld1 {v16.4s, v17.4s}, [x16], %[ldc]\n\tld1 {v18.4s, v19.4s}, [x16], %[ldc]\n\t"                      \
+    "ld1 {v20.4s, v21.4s}, [x16], %[ldc]\n\tld1 {v22.4s, v23.4s}, [x16], %[ldc]\n\t"                      \
+    "ld1 {v24.4s, v25.4s}, [x16], %[ldc]\n\tld1 {v26.4s, v27.4s}, [x16], %[ldc]\n\t"                      \
+    "ld1 {v28.4s, v29.4s}, [x16], %[ldc]\n\tld1 {v30.4s, v31.4s}, [x16]\n\t"                              \
+    "b 3f\n\t"                                                                                             \
+    "2:\n\t"                                                                                               \
+    "movi v16.16b, #0\n\tmovi v17.16b, #0\n\tmovi v18.16b, #0\n\tmovi v19.16b, #0\n\t"                    \
+    "movi v20.16b, #0\n\tmovi v21.16b, #0\n\tmovi v22.16b, #0\n\tmovi v23.16b, #0\n\t"                    \
+    "movi v24.16b, #0\n\tmovi v25.16b, #0\n\tmovi v26.16b, #0\n\tmovi v27.16b, #0\n\t"                    \
+    "movi v28.16b, #0\n\tmovi v29.16b, #0\n\tmovi v30.16b, #0\n\tmovi v31.16b, #0\n\t"                    \
+    "3:\n\t"
+#define A64_C_OUT                                                                                          \
+    "mov x16, %[c]\n\t"                                                                                    \
+    "st1 {v16.4s, v17.4s}, [x16], %[ldc]\n\tst1 {v18.4s, v19.4s}, [x16], %[ldc]\n\t"                      \
+    "st1 {v20.4s, v21.4s}, [x16], %[ldc]\n\tst1 {v22.4s, v23.4s}, [x16], %[ldc]\n\t"                      \
+    "st1 {v24.4s, v25.4s}, [x16], %[ldc]\n\tst1 {v26.4s, v27.4s}, [x16], %[ldc]\n\t"                      \
+    "st1 {v28.4s, v29.4s}, [x16], %[ldc]\n\tst1 {v30.4s, v31.4s}, [x16]\n\t"
+#define A64_CLOBBERS                                                                                       \
+    "x9", "x10", "x11", "x12", "x13", "x14", "x15", "x16", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7",  \
+        "v8", "v9", "v10", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26",      \
+        "v27", "v28", "v29", "v30", "v31", "memory", "cc"
+
+/* A row-major: row r at a + r * lda */
+static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
+                        int load) {
+    long n = kc >> 2, rest = kc & 3;
+    const ptrdiff_t lda_b = lda * (ptrdiff_t)sizeof(float), ldb_b = ldb * (ptrdiff_t)sizeof(float),
+                    ldc_b = ldc * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        A64_C_IN
+        "add x9, %[a], %[lda]\n\tadd x10, x9, %[lda]\n\tadd x11, x10, %[lda]\n\tadd x12, x11, %[lda]\n\t"
+        "add x13, x12, %[lda]\n\tadd x14, x13, %[lda]\n\tadd x15, x14, %[lda]\n\t"
+        "cbz %[n], 5f\n\t"
+        "4:\n\t" /* four steps: each row's four A values in one register, used by lane */
+        "ld1 {v0.4s}, [%[a]], #16\n\tld1 {v1.4s}, [x9], #16\n\tld1 {v2.4s}, [x10], #16\n\t"
+        "ld1 {v3.4s}, [x11], #16\n\tld1 {v4.4s}, [x12], #16\n\tld1 {v5.4s}, [x13], #16\n\t"
+        "ld1 {v6.4s}, [x14], #16\n\tld1 {v7.4s}, [x15], #16\n\t"
+        A64_LANE(0) A64_LANE(1) A64_LANE(2) A64_LANE(3)
+        "subs %[n], %[n], #1\n\t"
+        "b.ne 4b\n\t"
+        "5:\n\t"
+        "cbz %[rest], 7f\n\t"
+        "6:\n\t" /* the last kc % 4 steps one by one, A broadcast */
+        "ld1r {v0.4s}, [%[a]], #4\n\tld1r {v1.4s}, [x9], #4\n\tld1r {v2.4s}, [x10], #4\n\t"
+        "ld1r {v3.4s}, [x11], #4\n\tld1r {v4.4s}, [x12], #4\n\tld1r {v5.4s}, [x13], #4\n\t"
+        "ld1r {v6.4s}, [x14], #4\n\tld1r {v7.4s}, [x15], #4\n\t"
+        A64_LANE(0)
+        "subs %[rest], %[rest], #1\n\t"
+        "b.ne 6b\n\t"
+        "7:\n\t"
+        A64_C_OUT
+        : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest)
+        : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [c] "r"(c), [ldc] "r"(ldc_b), [load] "r"(load)
+        : A64_CLOBBERS);
+}
+
+/* A transposed: the eight values of step k contiguous at a + k * lda, one LD1 into (v0, v1) */
+#define A64_AT_STEP                                                                                        \
+    "ld1 {v0.4s, v1.4s}, [%[a]], %[lda]\n\t" A64_LOAD_B                                                    \
+    A64_ROWS("v0.s[0]", "v0.s[1]", "v0.s[2]", "v0.s[3]", "v1.s[0]", "v1.s[1]", "v1.s[2]", "v1.s[3]")
+static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                           ptrdiff_t ldc, int load) {
+    long n = kc >> 1, rest = kc & 1;
+    const ptrdiff_t lda_b = lda * (ptrdiff_t)sizeof(float), ldb_b = ldb * (ptrdiff_t)sizeof(float),
+                    ldc_b = ldc * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        A64_C_IN
+        "cbz %[n], 5f\n\t"
+        "4:\n\t" /* two steps a pass */
+        A64_AT_STEP A64_AT_STEP
+        "subs %[n], %[n], #1\n\t"
+        "b.ne 4b\n\t"
+        "5:\n\t"
+        "cbz %[rest], 7f\n\t"
+        A64_AT_STEP
+        "7:\n\t"
+        A64_C_OUT
+        : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest)
+        : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [c] "r"(c), [ldc] "r"(ldc_b), [load] "r"(load)
+        : A64_CLOBBERS);
+}
+#else
+#define A64_ASM 0
+#endif
+
+#if !A64_ASM && !V7_ASM /* armv7 where the FPU has FMA (VFPv4) and the build fuses: VFMA has no by-scalar form */
+/* A row-major: row r at a + r * lda */
+INLINE void body_rows(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
+                      int load) {
+    ROWS(DECLARE_C)
+    ROWS(LOAD_C)
     int k = 0;
-    /* four steps of k at a time: each row's four A values in one register, used by lane */
-    for (; k + 4 <= kc; k += 4) {
-        float32x4_t a4[N_MR];
-        for (int r = 0; r < N_MR; r++) a4[r] = vld1q_f32(a + r * lda + k);
-#define STEP(lane)                                                                                              \
-    do {                                                                                                        \
-        const float32x4_t b0 = vld1q_f32(b + (k + (lane)) * ldb), b1 = vld1q_f32(b + (k + (lane)) * ldb + 4); \
-        for (int r = 0; r < N_MR; r++) {                                                                        \
-            MADD_LANE(t[r][0], b0, a4[r], lane);                                                                \
-            MADD_LANE(t[r][1], b1, a4[r], lane);                                                                \
-        }                                                                                                       \
+    for (; k + 4 <= kc; k += 4, a += 4) {
+        /* four steps of k: each row's four A values in one register, used by lane */
+#define LOAD_A(r) const float32x4_t a##r = vld1q_f32(a + (r) * lda);
+        ROWS(LOAD_A)
+#undef LOAD_A
+#define STEP(lane)                                                                                             \
+    do {                                                                                                       \
+        const float32x4_t b0 = vld1q_f32(b + (lane) * ldb), b1 = vld1q_f32(b + (lane) * ldb + 4);             \
+        ROWS_STEP(lane)                                                                                        \
     } while (0)
+#define ROW_LANE0(r) ROW_STEP(r, a##r, 0)
+#define ROW_LANE1(r) ROW_STEP(r, a##r, 1)
+#define ROW_LANE2(r) ROW_STEP(r, a##r, 2)
+#define ROW_LANE3(r) ROW_STEP(r, a##r, 3)
+#define ROWS_STEP(lane) ROWS(ROW_LANE##lane)
         STEP(0);
         STEP(1);
         STEP(2);
         STEP(3);
 #undef STEP
+#undef ROWS_STEP
+        b += 4 * ldb;
     }
-    for (; k < kc; k++) {
-        const float32x4_t b0 = vld1q_f32(b + k * ldb), b1 = vld1q_f32(b + k * ldb + 4);
-        for (int r = 0; r < N_MR; r++) {
-            const float32x4_t a4 = vdupq_n_f32(a[r * lda + k]);
-            MADD_LANE(t[r][0], b0, a4, 0);
-            MADD_LANE(t[r][1], b1, a4, 0);
-        }
+    for (; k < kc; k++, a++, b += ldb) {
+        const float32x4_t b0 = vld1q_f32(b), b1 = vld1q_f32(b + 4);
+#define ROW_ONE(r)                                                \
+    {                                                             \
+        const float32x4_t ar = vld1q_dup_f32(a + (r) * lda);      \
+        ROW_STEP(r, ar, 0)                                        \
     }
-    for (int r = 0; r < N_MR; r++) {
-        vst1q_f32(c + r * ldc, t[r][0]);
-        vst1q_f32(c + r * ldc + 4, t[r][1]);
+        ROWS(ROW_ONE)
+#undef ROW_ONE
     }
+    ROWS(STORE_C)
 }
 
-/* A transposed: the N_MR values of step k are contiguous, one or two registers used by lane */
+static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
+                        int load) {
+    if (ldb == N_NR) body_rows(kc, a, lda, b, N_NR, c, ldc, load); /* a packed panel: B's offsets immediate */
+    else body_rows(kc, a, lda, b, ldb, c, ldc, load);
+}
+
+/* A transposed: the N_MR values of step k are contiguous, a + k * lda, used by lane */
+INLINE void body_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
+                    int load) {
+    ROWS(DECLARE_C)
+    ROWS(LOAD_C)
+    int k = 0;
+    for (; k < kc; k++, a += lda, b += ldb) {
+        const float32x4_t b0 = vld1q_f32(b), b1 = vld1q_f32(b + 4);
+        const float32x4_t x0 = vld1q_f32(a);
+        ROW_STEP(0, x0, 0) ROW_STEP(1, x0, 1) ROW_STEP(2, x0, 2) ROW_STEP(3, x0, 3)
+#if N_MR == 8
+        const float32x4_t x1 = vld1q_f32(a + 4);
+        ROW_STEP(4, x1, 0) ROW_STEP(5, x1, 1) ROW_STEP(6, x1, 2) ROW_STEP(7, x1, 3)
+#endif
+    }
+    ROWS(STORE_C)
+}
+
 static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
                            ptrdiff_t ldc, int load) {
-    float32x4_t t[N_MR][2];
-    for (int r = 0; r < N_MR; r++) {
-        t[r][0] = load ? vld1q_f32(c + r * ldc) : vdupq_n_f32(0.0f);
-        t[r][1] = load ? vld1q_f32(c + r * ldc + 4) : vdupq_n_f32(0.0f);
+    if (ldb == N_NR) body_at(kc, a, lda, b, N_NR, c, ldc, load);
+    else body_at(kc, a, lda, b, ldb, c, ldc, load);
+}
+
+#endif
+
+/* B transposed (element (k, j) at src[j * cs + k]) into a kc x N_NR panel, zero for j >= nc: four
+ * columns' four steps in four registers, stored by one interleaving store per step (st4 / vst4 by
+ * lane: dst[k * N_NR + j .. j + 3]), no shuffles. The scalar packing took ~4 instructions a float. */
+static void pack_t_neon(int kc, int nc, const float *src, ptrdiff_t cs, float *dst) {
+    if (nc == N_NR) { /* a whole panel (every one but a product's last): eight columns' pointers walked,
+                       * the stores in address order (each row's two halves, row after row) */
+        const float *s0 = src, *s1 = src + cs, *s2 = src + 2 * cs, *s3 = src + 3 * cs, *s4 = src + 4 * cs,
+                    *s5 = src + 5 * cs, *s6 = src + 6 * cs, *s7 = src + 7 * cs;
+        int k = 0;
+        for (; k + 4 <= kc; k += 4) {
+            float32x4x4_t lo, hi;
+            lo.val[0] = vld1q_f32(s0), lo.val[1] = vld1q_f32(s1), lo.val[2] = vld1q_f32(s2), lo.val[3] = vld1q_f32(s3);
+            hi.val[0] = vld1q_f32(s4), hi.val[1] = vld1q_f32(s5), hi.val[2] = vld1q_f32(s6), hi.val[3] = vld1q_f32(s7);
+            s0 += 4, s1 += 4, s2 += 4, s3 += 4, s4 += 4, s5 += 4, s6 += 4, s7 += 4;
+            vst4q_lane_f32(dst, lo, 0), vst4q_lane_f32(dst + 4, hi, 0);
+            vst4q_lane_f32(dst + 8, lo, 1), vst4q_lane_f32(dst + 12, hi, 1);
+            vst4q_lane_f32(dst + 16, lo, 2), vst4q_lane_f32(dst + 20, hi, 2);
+            vst4q_lane_f32(dst + 24, lo, 3), vst4q_lane_f32(dst + 28, hi, 3);
+            dst += 4 * N_NR;
+        }
+        for (; k < kc; k++, dst += N_NR) {
+            dst[0] = *s0++, dst[1] = *s1++, dst[2] = *s2++, dst[3] = *s3++;
+            dst[4] = *s4++, dst[5] = *s5++, dst[6] = *s6++, dst[7] = *s7++;
+        }
+        return;
     }
-    for (int k = 0; k < kc; k++) {
-        const float32x4_t b0 = vld1q_f32(b + k * ldb), b1 = vld1q_f32(b + k * ldb + 4);
-        for (int q = 0; q < N_MR / 4; q++) {
-            const float32x4_t a4 = vld1q_f32(a + k * lda + 4 * q);
-            MADD_LANE(t[4 * q][0], b0, a4, 0), MADD_LANE(t[4 * q][1], b1, a4, 0);
-            MADD_LANE(t[4 * q + 1][0], b0, a4, 1), MADD_LANE(t[4 * q + 1][1], b1, a4, 1);
-            MADD_LANE(t[4 * q + 2][0], b0, a4, 2), MADD_LANE(t[4 * q + 2][1], b1, a4, 2);
-            MADD_LANE(t[4 * q + 3][0], b0, a4, 3), MADD_LANE(t[4 * q + 3][1], b1, a4, 3);
+    const int full = nc & ~3;
+    int k = 0;
+    for (; k + 4 <= kc; k += 4, src += 4, dst += 4 * N_NR) {
+        for (int j = 0; j < full; j += 4) {
+            float32x4x4_t r;
+            r.val[0] = vld1q_f32(src + j * cs), r.val[1] = vld1q_f32(src + (j + 1) * cs);
+            r.val[2] = vld1q_f32(src + (j + 2) * cs), r.val[3] = vld1q_f32(src + (j + 3) * cs);
+            vst4q_lane_f32(dst + j, r, 0);
+            vst4q_lane_f32(dst + N_NR + j, r, 1);
+            vst4q_lane_f32(dst + 2 * N_NR + j, r, 2);
+            vst4q_lane_f32(dst + 3 * N_NR + j, r, 3);
+        }
+        for (int kk = 0; kk < 4; kk++) {
+            for (int j = full; j < nc; j++) dst[kk * N_NR + j] = src[j * cs + kk];
+            for (int j = nc; j < N_NR; j++) dst[kk * N_NR + j] = 0.0f;
         }
     }
-    for (int r = 0; r < N_MR; r++) {
-        vst1q_f32(c + r * ldc, t[r][0]);
-        vst1q_f32(c + r * ldc + 4, t[r][1]);
+    for (; k < kc; k++, src++, dst += N_NR) {
+        for (int j = 0; j < nc; j++) dst[j] = src[j * cs];
+        for (int j = nc; j < N_NR; j++) dst[j] = 0.0f;
     }
 }
 
 static const tb_gemm_kernels neon_kernels = {TB_MADD_FUSED ? "neon-fma" : "neon", N_MR, N_NR, kernel_neon,
-                                             kernel_neon_at, NULL};
+                                             kernel_neon_at, pack_t_neon};
 #endif
 
 /* --- the choice of micro-kernel ------------------------------------------------------------------- */
@@ -293,14 +586,21 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
             const int kc = K - pc < KC ? K - pc : KC;
             const int load = accumulate || pc > 0;
             if (!direct && !B->rows && B->cs == 1) { /* row-major B: read along its rows, once */
-                const float *src = B->p + pc * B->rs + jc;
+                /* walked by pointers, and a panel row of one vector (NEON's and the portable kernel's
+                 * nr) copied as one: indexed by ((p kc + k) nr), this loop took ~26 instructions per 8
+                 * floats on aarch64, 7% of a 128^3 product's */
+                const int full = nc / nr;
+                const size_t panel = (size_t)kc * nr;
                 for (int k = 0; k < kc; k++) {
+                    const float *s = B->p + (size_t)(pc + k) * B->rs + jc;
+                    float *d = bpack + (size_t)k * nr;
                     int p = 0;
-                    for (; (p + 1) * nr <= nc; p++)
-                        copy_panel_row(bpack + ((size_t)p * kc + k) * nr, src + k * B->rs + p * nr, nr);
+                    if (nr == VF_LANES)
+                        for (; p < full; p++, s += VF_LANES, d += panel) vf_store(d, vf_load(s));
+                    else
+                        for (; p < full; p++, s += nr, d += panel) copy_panel_row(d, s, nr);
                     if (p * nr < nc) {
-                        float *d = bpack + ((size_t)p * kc + k) * nr;
-                        memcpy(d, src + k * B->rs + p * nr, sizeof(float) * (size_t)(nc - p * nr));
+                        memcpy(d, s, sizeof(float) * (size_t)(nc - p * nr));
                         memset(d + (nc - p * nr), 0, sizeof(float) * (size_t)((p + 1) * nr - nc));
                     }
                 }
@@ -321,7 +621,27 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
                     pack_panel(kr, B, pc, kc, jc + jr, cols, bpack, tmp);
                     bp = bpack, ldb = nr;
                 }
-                for (int i0 = 0; i0 < M; i0 += mr) {
+                int i0 = 0;
+                if (cols == nr) {
+                    /* the whole row tiles of a whole panel, the common case, kept tight: the general
+                     * loop below re-derives every operand per tile (~60 instructions a tile on armv7,
+                     * as many as the loads of a 16-step kernel call). The same calls, in order. */
+                    void (*const kernel)(int, const float *, ptrdiff_t, const float *, ptrdiff_t, float *, ptrdiff_t,
+                                         int) = at ? kr->kernel_at : kr->kernel;
+                    const float *ap = at ? A + (size_t)pc * lda : A + pc;
+                    float *cp = C + jc + jr;
+                    const size_t astep = at ? (size_t)mr : (size_t)mr * lda, cstep = (size_t)mr * ldc;
+                    for (; i0 + mr <= M; i0 += mr, ap += astep, cp += cstep) {
+                        int keff = kc;
+                        if (lower) {
+                            const int kend = i0 + mr; /* row i needs k <= i */
+                            if (kend <= pc) continue; /* nothing in this block: C keeps its chain (load = 1 here) */
+                            if (kend - pc < keff) keff = kend - pc;
+                        }
+                        kernel(keff, ap, lda, bp, ldb, cp, ldc, load);
+                    }
+                }
+                for (; i0 < M; i0 += mr) {
                     const int rows = M - i0 < mr ? M - i0 : mr;
                     int keff = kc;
                     if (lower) {
