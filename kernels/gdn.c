@@ -256,6 +256,42 @@ static void pair_grams(const float *ki, const float *qi, const float *kj, float 
     *a = ra, *qk = rq;
 }
 
+/* C[r][j] = sum_c X[r][c] KrT[c][j] (r < rows <= KDA_BLOCK, j < n, n a multiple of VF_LANES: the
+ * block's reference m is a multiple of KDA_BLOCK = VF_LANES), each element one chain over c in
+ * ascending order from zero: tb_gemm's arithmetic, so the bits of gemm_nn. A block's products are
+ * at most 8 x 24 x d at L = 32: tb_gemm's 8 x 32 tiles were mostly edge (a packed partial panel, C
+ * through a padded tile), about half of its multiply-add rate there; here 8 x 8 tiles in registers,
+ * B read in place. */
+static void kda_gram_product(int rows, int n, int d, const float *X, const float *KrT, int ldk, float *C, int ldc) {
+    for (int j = 0; j < n; j += VF_LANES) {
+        if (rows == 8) {
+            vf c0 = vf_zero(), c1 = vf_zero(), c2 = vf_zero(), c3 = vf_zero();
+            vf c4 = vf_zero(), c5 = vf_zero(), c6 = vf_zero(), c7 = vf_zero();
+            for (int k = 0; k < d; k++) {
+                const vf b = vf_load(KrT + (size_t)k * ldk + j);
+                const float *x = X + k;
+                c0 = vf_madd(vf_set1(x[0]), b, c0);
+                c1 = vf_madd(vf_set1(x[d]), b, c1);
+                c2 = vf_madd(vf_set1(x[2 * d]), b, c2);
+                c3 = vf_madd(vf_set1(x[3 * d]), b, c3);
+                c4 = vf_madd(vf_set1(x[4 * d]), b, c4);
+                c5 = vf_madd(vf_set1(x[5 * d]), b, c5);
+                c6 = vf_madd(vf_set1(x[6 * d]), b, c6);
+                c7 = vf_madd(vf_set1(x[7 * d]), b, c7);
+            }
+            vf_store(C + j, c0), vf_store(C + ldc + j, c1), vf_store(C + 2 * ldc + j, c2);
+            vf_store(C + 3 * ldc + j, c3), vf_store(C + 4 * ldc + j, c4), vf_store(C + 5 * ldc + j, c5);
+            vf_store(C + 6 * ldc + j, c6), vf_store(C + 7 * ldc + j, c7);
+            continue;
+        }
+        for (int r = 0; r < rows; r++) {
+            vf c0 = vf_zero();
+            for (int k = 0; k < d; k++) c0 = vf_madd(vf_set1(X[(size_t)r * d + k]), vf_load(KrT + (size_t)k * ldk + j), c0);
+            vf_store(C + (size_t)r * ldc + j, c0);
+        }
+    }
+}
+
 static void kda_grams(chunk_scratch *w, int L, int d) {
     float *Xq = w->X, *Xk = w->Qin; /* Qin is free until after the grams */
     float *KrT = w->Kref;           /* [d][L]: k_j exp(G_m - G_j) for j < m, transposed */
@@ -289,8 +325,8 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
             }
             for (int c = 0; c < d; c++)
                 for (int j = prev; j < m; j++) KrT[(size_t)c * L + j] = fresh[(size_t)(j - prev) * d + c];
-            gemm_nn(rows, m, d, Xk + (size_t)m * d, d, KrT, L, w->A + m * L, L, 0, 0);
-            gemm_nn(rows, m, d, Xq + (size_t)m * d, d, KrT, L, w->QK + m * L, L, 0, 0);
+            kda_gram_product(rows, m, d, Xk + (size_t)m * d, KrT, L, w->A + m * L, L);
+            kda_gram_product(rows, m, d, Xq + (size_t)m * d, KrT, L, w->QK + m * L, L);
         }
         for (int i = m; i < m_end; i++) {
             if (i > m) { /* exp(g_i), as exp(G_i - G_{i-1}) */
