@@ -422,6 +422,60 @@ static void invert_unit_lower(const float *A, float *T, int L) {
     }
 }
 
+/* S = diag(e) S + op(A) U, the state's decay and update in one pass over S (d x d, row-major, U: L x
+ * d, row-major): A[i][k] at a[i * ars + k * aks] (K_out given transposed: ars = 1, aks = d; KDA's
+ * K_out^T: ars = L, aks = 1). The bits of scale_n then tb_gemm accumulating: each element of S
+ * rounded times e[i], then one chain over k in ascending order (fused as the build's AVX-512
+ * micro-kernel fuses). With AVX-512 and d a multiple of 32: 8 x 32 tiles of S in registers, loaded
+ * once (the separate decay read and wrote all of S, 64 KiB per head at d = 128, once more), U read
+ * in place (tb_gemm packs it: M = d rows is past its in-place rule). Elsewhere the two steps. */
+#if defined(__x86_64__) && defined(__AVX512F__)
+static inline __m512 gdn_madd16(__m512 a, __m512 b, __m512 c) {
+#if TB_FUSED
+    return _mm512_fmadd_ps(a, b, c);
+#else
+    return _mm512_add_ps(_mm512_mul_ps(a, b), c);
+#endif
+}
+#endif
+
+static void state_update(chunk_scratch *w, int d, int L, const float *e, const float *a, ptrdiff_t ars, ptrdiff_t aks) {
+    float *S = w->S;
+    const float *U = w->U;
+#if defined(__x86_64__) && defined(__AVX512F__)
+    if (d % 32 == 0 && w->precision == TB_PRECISION_F32) {
+        for (int i0 = 0; i0 < d; i0 += 8)
+            for (int j0 = 0; j0 < d; j0 += 32) {
+                __m512 t[8][2];
+                for (int r = 0; r < 8; r++) {
+                    const __m512 er = _mm512_set1_ps(e[i0 + r]);
+                    float *sr = S + (size_t)(i0 + r) * d + j0;
+                    t[r][0] = _mm512_mul_ps(_mm512_loadu_ps(sr), er);
+                    t[r][1] = _mm512_mul_ps(_mm512_loadu_ps(sr + 16), er);
+                }
+                const float *ai = a + (size_t)i0 * ars;
+                for (int k = 0; k < L; k++) {
+                    const __m512 b0 = _mm512_loadu_ps(U + (size_t)k * d + j0), b1 = _mm512_loadu_ps(U + (size_t)k * d + j0 + 16);
+                    for (int r = 0; r < 8; r++) {
+                        const __m512 x = _mm512_set1_ps(ai[r * ars + k * aks]);
+                        t[r][0] = gdn_madd16(x, b0, t[r][0]);
+                        t[r][1] = gdn_madd16(x, b1, t[r][1]);
+                    }
+                }
+                for (int r = 0; r < 8; r++) {
+                    float *sr = S + (size_t)(i0 + r) * d + j0;
+                    _mm512_storeu_ps(sr, t[r][0]);
+                    _mm512_storeu_ps(sr + 16, t[r][1]);
+                }
+            }
+        return;
+    }
+#endif
+    for (int i = 0; i < d; i++) scale_n(S + (size_t)i * d, e[i], d);
+    if (ars == 1) product(w, d, d, L, a, (int)aks, 1, U, d, 0, S, d, 1, 0);
+    else gemm_nn(d, d, L, a, (int)ars, U, d, S, d, 1, 0);
+}
+
 /* One chunk of L tokens from t0 for (seq, head); w->S holds the state on entry and on exit.
  *   grams    A = -beta (K K^T) o decay (strict lower), QK = scale (Q K^T) o decay (lower)
  *   T        (I - A)^-1 (unit lower), by rows
@@ -489,16 +543,15 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     product(w, L, d, d, w->Qin, d, 0, w->S, d, 0, out, ldo, 0, 0);
     product(w, L, d, L, w->QK, L, 0, w->U, d, 0, out, ldo, 1, 1);
 
-    /* S = diag(exp(G_last)) S + K_out^T U */
+    /* S = diag(exp(G_last)) S + K_out^T U (KDA: K_out^T from the grams' factors) */
     if (kda) {
         exp_n(w->e, w->G + (size_t)(L - 1) * d, d);
-        for (int i = 0; i < d; i++) scale_n(w->S + (size_t)i * d, w->e[i], d);
+        state_update(w, d, L, w->e, w->Kref, L, 1);
     } else {
         const float last = exp1(w->G[L - 1]);
-        for (int i = 0; i < d; i++) scale_n(w->S + (size_t)i * d, last, d);
+        for (int i = 0; i < d; i++) w->e[i] = last;
+        state_update(w, d, L, w->e, w->Kout, 1, d);
     }
-    if (kda) gemm_nn(d, d, L, w->Kref, L, w->U, d, w->S, d, 1, 0); /* K_out^T, from the grams' factors */
-    else product(w, d, d, L, w->Kout, d, 1, w->U, d, 0, w->S, d, 1, 0);
 }
 
 /* A range of (seq, head) items, chunk by chunk: every item's first chunk, then every item's second,
