@@ -293,6 +293,17 @@ static void pair_grams(const float *ki, const float *qi, const float *kj, float 
     *a = ra, *qk = rq;
 }
 
+/* a * b + c in 16 lanes, fused as the build's AVX-512 micro-kernel (gemm_avx512.c) fuses */
+#if defined(__x86_64__) && defined(__AVX512F__)
+static inline __m512 gdn_madd16(__m512 a, __m512 b, __m512 c) {
+#if TB_FUSED
+    return _mm512_fmadd_ps(a, b, c);
+#else
+    return _mm512_add_ps(_mm512_mul_ps(a, b), c);
+#endif
+}
+#endif
+
 /* C[r][j] = sum_c X[r][c] KrT[c][j] (r < rows <= KDA_BLOCK, j < n, n a multiple of VF_LANES: the
  * block's reference m is a multiple of KDA_BLOCK = VF_LANES), each element one chain over c in
  * ascending order from zero: tb_gemm's arithmetic, so the bits of gemm_nn. A block's products are
@@ -300,7 +311,20 @@ static void pair_grams(const float *ki, const float *qi, const float *kj, float 
  * through a padded tile), about half of its multiply-add rate there; here 8 x 8 tiles in registers,
  * B read in place. */
 static void kda_gram_product(int rows, int n, int d, const float *X, const float *KrT, int ldk, float *C, int ldc) {
-    for (int j = 0; j < n; j += VF_LANES) {
+    int j = 0;
+#if defined(__x86_64__) && defined(__AVX512F__)
+    /* AVX-512: 8 x 16 tiles (the same chains, twice the columns per broadcast) */
+    for (; rows == 8 && j + 16 <= n; j += 16) {
+        __m512 t[8];
+        for (int r = 0; r < 8; r++) t[r] = _mm512_setzero_ps();
+        for (int k = 0; k < d; k++) {
+            const __m512 b = _mm512_loadu_ps(KrT + (size_t)k * ldk + j);
+            for (int r = 0; r < 8; r++) t[r] = gdn_madd16(_mm512_set1_ps(X[(size_t)r * d + k]), b, t[r]);
+        }
+        for (int r = 0; r < 8; r++) _mm512_storeu_ps(C + (size_t)r * ldc + j, t[r]);
+    }
+#endif
+    for (; j < n; j += VF_LANES) {
         if (rows == 8) {
             vf c0 = vf_zero(), c1 = vf_zero(), c2 = vf_zero(), c3 = vf_zero();
             vf c4 = vf_zero(), c5 = vf_zero(), c6 = vf_zero(), c7 = vf_zero();
@@ -466,15 +490,6 @@ static void invert_unit_lower(const float *A, float *T, int L) {
  * micro-kernel fuses). With AVX-512 and d a multiple of 32: 8 x 32 tiles of S in registers, loaded
  * once (the separate decay read and wrote all of S, 64 KiB per head at d = 128, once more), U read
  * in place (tb_gemm packs it: M = d rows is past its in-place rule). Elsewhere the two steps. */
-#if defined(__x86_64__) && defined(__AVX512F__)
-static inline __m512 gdn_madd16(__m512 a, __m512 b, __m512 c) {
-#if TB_FUSED
-    return _mm512_fmadd_ps(a, b, c);
-#else
-    return _mm512_add_ps(_mm512_mul_ps(a, b), c);
-#endif
-}
-#endif
 
 static void state_update(chunk_scratch *w, int d, int L, const float *e, const float *a, ptrdiff_t ars, ptrdiff_t aks) {
     float *S = w->S;
