@@ -528,6 +528,47 @@ static void state_update(chunk_scratch *w, int d, int L, const float *e, const f
     else gemm_nn(d, d, L, a, (int)ars, U, d, S, d, 1, 0);
 }
 
+/* R += K_in S and out = Q_in S (both L x d, K = d), the two products that read the state before its
+ * update, as one pass over S: for each 32-column panel of S, the panel (in L1 after its first tile)
+ * serves the K_in tiles and then the Q_in tiles, so S comes from L2 once per step instead of twice.
+ * Each element is tb_gemm's chain (R's from its value, out's from zero, over k in order, fused as
+ * the AVX-512 micro-kernel fuses), so the bits are unchanged. Returns 0 (nothing done) where it does
+ * not apply: without AVX-512, d not a multiple of 32, L not a multiple of 8, reduced precision. */
+static int state_reads(chunk_scratch *w, int L, int d, float *out, int ldo) {
+#if defined(__x86_64__) && defined(__AVX512F__)
+    if (d % 32 || L % 8 || w->precision != TB_PRECISION_F32) return 0;
+    const float *S = w->S;
+    for (int j0 = 0; j0 < d; j0 += 32)
+        for (int src = 0; src < 2; src++)
+            for (int i0 = 0; i0 < L; i0 += 8) {
+                const float *a = (src ? w->Qin : w->Kin) + (size_t)i0 * d;
+                float *c = src ? out + (size_t)i0 * ldo + j0 : w->R + (size_t)i0 * d + j0;
+                const ptrdiff_t ldc = src ? ldo : d;
+                __m512 t[8][2];
+                for (int r = 0; r < 8; r++) {
+                    t[r][0] = src ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc);
+                    t[r][1] = src ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16);
+                }
+                for (int k = 0; k < d; k++) {
+                    const __m512 b0 = _mm512_loadu_ps(S + (size_t)k * d + j0), b1 = _mm512_loadu_ps(S + (size_t)k * d + j0 + 16);
+                    for (int r = 0; r < 8; r++) {
+                        const __m512 x = _mm512_set1_ps(a[(size_t)r * d + k]);
+                        t[r][0] = gdn_madd16(x, b0, t[r][0]);
+                        t[r][1] = gdn_madd16(x, b1, t[r][1]);
+                    }
+                }
+                for (int r = 0; r < 8; r++) {
+                    _mm512_storeu_ps(c + r * ldc, t[r][0]);
+                    _mm512_storeu_ps(c + r * ldc + 16, t[r][1]);
+                }
+            }
+    return 1;
+#else
+    (void)w, (void)L, (void)d, (void)out, (void)ldo;
+    return 0;
+#endif
+}
+
 /* One chunk of L tokens from t0 for (seq, head); w->S holds the state on entry and on exit.
  *   grams    A = -beta (K K^T) o decay (strict lower), QK = scale (Q K^T) o decay (lower)
  *   T        (I - A)^-1 (unit lower), by rows
@@ -587,12 +628,12 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
         for (int i = 0; i < d; i++) r[i] = b * vt[i];
     }
 
-    /* R = beta v - beta k_in S; U = T R */
-    product(w, L, d, d, w->Kin, d, 0, w->S, d, 0, w->R, d, 1, 0);
+    /* R = beta v - beta k_in S and out = Q_in S (one pass over S where state_reads applies); U = T R;
+     * out += QK U, in the output rows */
+    const int both = state_reads(w, L, d, out, ldo);
+    if (!both) product(w, L, d, d, w->Kin, d, 0, w->S, d, 0, w->R, d, 1, 0);
     gemm_nn(L, d, L, w->T, L, w->R, d, w->U, d, 0, 1); /* the forward substitution's part: float32 always */
-
-    /* out = Q_in S + QK U, into the output rows */
-    product(w, L, d, d, w->Qin, d, 0, w->S, d, 0, out, ldo, 0, 0);
+    if (!both) product(w, L, d, d, w->Qin, d, 0, w->S, d, 0, out, ldo, 0, 0);
     product(w, L, d, L, w->QK, L, 0, w->U, d, 0, out, ldo, 1, 1);
 
     /* S = diag(exp(G_last)) S + K_out^T U (KDA: K_out^T from the grams' factors) */
