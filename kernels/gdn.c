@@ -12,6 +12,43 @@
 #include "tb_linalg.h"
 #include "tb_parallel.h"
 
+/* dst[i] = exp(src[i]): tb_simd.h's exp_n. With AVX-512, 16 lanes at a time by the same operations
+ * in the same order (vf_exp's: clamp, round by the magic number, the two-step reduction, the
+ * polynomial with vf_madd's fusing, the scale by 2^n, the flush below -87.3), so the bits of vf_exp
+ * element by element; the tail by exp_n. KDA takes O(L d) exponentials per chunk (~8% of its time
+ * at 8 lanes). */
+static inline void gdn_exp_n(float *dst, const float *src, int n) {
+    int i = 0;
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(TB_AVX2)
+#if TB_MADD_FUSED
+#define GDN_MADD16(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#else
+#define GDN_MADD16(a, b, c) _mm512_add_ps(_mm512_mul_ps((a), (b)), (c))
+#endif
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(src + i), lo = _mm512_set1_ps(-87.3f);
+        const __m512 xc = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), lo);
+        const __m512 magic = _mm512_set1_ps(12582912.0f);
+        const __m512 nn = _mm512_sub_ps(GDN_MADD16(xc, _mm512_set1_ps(1.44269504088896341f), magic), magic);
+        __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(nn, _mm512_set1_ps(0.693359375f)));
+        r = _mm512_sub_ps(r, _mm512_mul_ps(nn, _mm512_set1_ps(-2.12194440e-4f)));
+        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+        p = GDN_MADD16(p, r, _mm512_set1_ps(1.3981999507e-3f));
+        p = GDN_MADD16(p, r, _mm512_set1_ps(8.3334519073e-3f));
+        p = GDN_MADD16(p, r, _mm512_set1_ps(4.1665795894e-2f));
+        p = GDN_MADD16(p, r, _mm512_set1_ps(1.6666665459e-1f));
+        p = GDN_MADD16(p, r, _mm512_set1_ps(5.0000001201e-1f));
+        p = GDN_MADD16(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+        const __m512 nc = _mm512_max_ps(nn, _mm512_set1_ps(-126.0f));
+        const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(nc), _mm512_set1_epi32(127));
+        const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
+        _mm512_storeu_ps(dst + i, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), y));
+    }
+#undef GDN_MADD16
+#endif
+    if (i < n) exp_n(dst + i, src + i, n - i);
+}
+
 typedef struct {
     const tb_gdn_shape *shape;
     const float *q, *k, *v, *g, *beta, *state_in;
@@ -106,7 +143,7 @@ static int serial_heads(void *arg, int begin, int end) {
             const float *qt = row_of(c->q, s->q_stride, seq, t, hk), *kt = row_of(c->k, s->k_stride, seq, t, hk);
             const float *vt = row_of(c->v, s->v_stride, seq, t, h);
             float decay = 0.0f;
-            if (s->kda) exp_n(decay_vec, c->g + tok * d, d);
+            if (s->kda) gdn_exp_n(decay_vec, c->g + tok * d, d);
             else decay = exp1(c->g[tok]);
             float *ot = c->out + tok * d;
             int j = 0;
@@ -256,6 +293,66 @@ static void pair_grams(const float *ki, const float *qi, const float *kj, float 
     *a = ra, *qk = rq;
 }
 
+/* a * b + c in 16 lanes, fused as the build's AVX-512 micro-kernel (gemm_avx512.c) fuses */
+#if defined(__x86_64__) && defined(__AVX512F__)
+static inline __m512 gdn_madd16(__m512 a, __m512 b, __m512 c) {
+#if TB_FUSED
+    return _mm512_fmadd_ps(a, b, c);
+#else
+    return _mm512_add_ps(_mm512_mul_ps(a, b), c);
+#endif
+}
+#endif
+
+/* C[r][j] = sum_c X[r][c] KrT[c][j] (r < rows <= KDA_BLOCK, j < n, n a multiple of VF_LANES: the
+ * block's reference m is a multiple of KDA_BLOCK = VF_LANES), each element one chain over c in
+ * ascending order from zero: tb_gemm's arithmetic, so the bits of gemm_nn. A block's products are
+ * at most 8 x 24 x d at L = 32: tb_gemm's 8 x 32 tiles were mostly edge (a packed partial panel, C
+ * through a padded tile), about half of its multiply-add rate there; here 8 x 8 tiles in registers,
+ * B read in place. */
+static void kda_gram_product(int rows, int n, int d, const float *X, const float *KrT, int ldk, float *C, int ldc) {
+    int j = 0;
+#if defined(__x86_64__) && defined(__AVX512F__)
+    /* AVX-512: 8 x 16 tiles (the same chains, twice the columns per broadcast) */
+    for (; rows == 8 && j + 16 <= n; j += 16) {
+        __m512 t[8];
+        for (int r = 0; r < 8; r++) t[r] = _mm512_setzero_ps();
+        for (int k = 0; k < d; k++) {
+            const __m512 b = _mm512_loadu_ps(KrT + (size_t)k * ldk + j);
+            for (int r = 0; r < 8; r++) t[r] = gdn_madd16(_mm512_set1_ps(X[(size_t)r * d + k]), b, t[r]);
+        }
+        for (int r = 0; r < 8; r++) _mm512_storeu_ps(C + (size_t)r * ldc + j, t[r]);
+    }
+#endif
+    for (; j < n; j += VF_LANES) {
+        if (rows == 8) {
+            vf c0 = vf_zero(), c1 = vf_zero(), c2 = vf_zero(), c3 = vf_zero();
+            vf c4 = vf_zero(), c5 = vf_zero(), c6 = vf_zero(), c7 = vf_zero();
+            for (int k = 0; k < d; k++) {
+                const vf b = vf_load(KrT + (size_t)k * ldk + j);
+                const float *x = X + k;
+                c0 = vf_madd(vf_set1(x[0]), b, c0);
+                c1 = vf_madd(vf_set1(x[d]), b, c1);
+                c2 = vf_madd(vf_set1(x[2 * d]), b, c2);
+                c3 = vf_madd(vf_set1(x[3 * d]), b, c3);
+                c4 = vf_madd(vf_set1(x[4 * d]), b, c4);
+                c5 = vf_madd(vf_set1(x[5 * d]), b, c5);
+                c6 = vf_madd(vf_set1(x[6 * d]), b, c6);
+                c7 = vf_madd(vf_set1(x[7 * d]), b, c7);
+            }
+            vf_store(C + j, c0), vf_store(C + ldc + j, c1), vf_store(C + 2 * ldc + j, c2);
+            vf_store(C + 3 * ldc + j, c3), vf_store(C + 4 * ldc + j, c4), vf_store(C + 5 * ldc + j, c5);
+            vf_store(C + 6 * ldc + j, c6), vf_store(C + 7 * ldc + j, c7);
+            continue;
+        }
+        for (int r = 0; r < rows; r++) {
+            vf c0 = vf_zero();
+            for (int k = 0; k < d; k++) c0 = vf_madd(vf_set1(X[(size_t)r * d + k]), vf_load(KrT + (size_t)k * ldk + j), c0);
+            vf_store(C + (size_t)r * ldc + j, c0);
+        }
+    }
+}
+
 static void kda_grams(chunk_scratch *w, int L, int d) {
     float *Xq = w->X, *Xk = w->Qin; /* Qin is free until after the grams */
     float *KrT = w->Kref;           /* [d][L]: k_j exp(G_m - G_j) for j < m, transposed */
@@ -266,7 +363,7 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
         const float *Gm = w->G + (size_t)m * d;
         for (int i = m; i < m_end; i++) {
             for (int c = 0; c < d; c++) eg[c] = w->G[(size_t)i * d + c] - Gm[c];
-            exp_n(eg, eg, d);
+            gdn_exp_n(eg, eg, d);
             for (int c = 0; c < d; c++) {
                 Xq[(size_t)i * d + c] = w->Q[i * w->ldq + c] * eg[c];
                 Xk[(size_t)i * d + c] = w->K[i * w->ldk + c] * eg[c];
@@ -278,24 +375,24 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
             const int prev = m - KDA_BLOCK;
             const float *Gp = w->G + (size_t)prev * d;
             for (int c = 0; c < d; c++) eg[c] = Gm[c] - Gp[c];
-            exp_n(eg, eg, d);
+            gdn_exp_n(eg, eg, d);
             for (int c = 0; c < d; c++) scale_n(KrT + (size_t)c * L, eg[c], prev);
             float *fresh = w->R; /* [KDA_BLOCK][d], then written transposed: contiguous per channel */
             for (int j = prev; j < m; j++) {
                 float *f = fresh + (size_t)(j - prev) * d;
                 for (int c = 0; c < d; c++) f[c] = Gm[c] - w->G[(size_t)j * d + c];
-                exp_n(f, f, d);
+                gdn_exp_n(f, f, d);
                 for (int c = 0; c < d; c++) f[c] *= w->K[j * w->ldk + c];
             }
             for (int c = 0; c < d; c++)
                 for (int j = prev; j < m; j++) KrT[(size_t)c * L + j] = fresh[(size_t)(j - prev) * d + c];
-            gemm_nn(rows, m, d, Xk + (size_t)m * d, d, KrT, L, w->A + m * L, L, 0, 0);
-            gemm_nn(rows, m, d, Xq + (size_t)m * d, d, KrT, L, w->QK + m * L, L, 0, 0);
+            kda_gram_product(rows, m, d, Xk + (size_t)m * d, KrT, L, w->A + m * L, L);
+            kda_gram_product(rows, m, d, Xq + (size_t)m * d, KrT, L, w->QK + m * L, L);
         }
         for (int i = m; i < m_end; i++) {
             if (i > m) { /* exp(g_i), as exp(G_i - G_{i-1}) */
                 for (int c = 0; c < d; c++) eg[c] = w->G[(size_t)i * d + c] - w->G[(size_t)(i - 1) * d + c];
-                exp_n(eg, eg, d);
+                gdn_exp_n(eg, eg, d);
             }
             const float *ki = w->K + i * w->ldk, *qi = w->Q + i * w->ldq;
             for (int j = m; j < i; j++) /* E_j *= exp(g_i), then both products with k_j E_j, one pass */
@@ -319,7 +416,7 @@ static void kda_decays(chunk_scratch *w, int L, int d, float scale) {
     const float *Glast = w->G + (size_t)(L - 1) * d;
     for (int m = 0; m < L; m += KDA_BLOCK) {
         const int m_end = m + KDA_BLOCK < L ? m + KDA_BLOCK : L;
-        exp_n(em, w->G + (size_t)m * d, d);
+        gdn_exp_n(em, w->G + (size_t)m * d, d);
         for (int t = m; t < m_end; t++) {
             const float *xq = Xq + (size_t)t * d, *xk = Xk + (size_t)t * d;
             float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d; /* qin overwrites xk: read first */
@@ -331,11 +428,11 @@ static void kda_decays(chunk_scratch *w, int L, int d, float scale) {
     const int last = (L - 1) / KDA_BLOCK * KDA_BLOCK; /* the last block's reference */
     const float *Gl = w->G + (size_t)last * d;
     for (int c = 0; c < d; c++) em[c] = Glast[c] - Gl[c];
-    exp_n(em, em, d);
+    gdn_exp_n(em, em, d);
     for (int c = 0; c < d; c++) scale_n(KoutT + (size_t)c * L, em[c], last);
     for (int j = last; j < L; j++) {
         for (int c = 0; c < d; c++) em[c] = Glast[c] - w->G[(size_t)j * d + c];
-        exp_n(em, em, d);
+        gdn_exp_n(em, em, d);
         for (int c = 0; c < d; c++) KoutT[(size_t)c * L + j] = w->K[j * w->ldk + c] * em[c];
     }
 }
@@ -355,7 +452,7 @@ static void scalar_grams(chunk_scratch *w, int L, int d) {
     for (int i = 0; i < L; i++) {
         float *a = w->A + i * L, *qk = w->QK + i * L;
         for (int j = 0; j <= i; j++) decay[j] = w->G[i] - w->G[j];
-        exp_n(decay, decay, i + 1);
+        gdn_exp_n(decay, decay, i + 1);
         for (int j = 0; j < i; j++) a[j] *= decay[j], qk[j] *= decay[j];
         qk[i] *= decay[i];
         for (int j = i; j < L; j++) a[j] = 0.0f;
@@ -384,6 +481,92 @@ static void invert_unit_lower(const float *A, float *T, int L) {
             for (int k = width; k < L; k++) t[k] = 0.0f;
         }
     }
+}
+
+/* S = diag(e) S + op(A) U, the state's decay and update in one pass over S (d x d, row-major, U: L x
+ * d, row-major): A[i][k] at a[i * ars + k * aks] (K_out given transposed: ars = 1, aks = d; KDA's
+ * K_out^T: ars = L, aks = 1). The bits of scale_n then tb_gemm accumulating: each element of S
+ * rounded times e[i], then one chain over k in ascending order (fused as the build's AVX-512
+ * micro-kernel fuses). With AVX-512 and d a multiple of 32: 8 x 32 tiles of S in registers, loaded
+ * once (the separate decay read and wrote all of S, 64 KiB per head at d = 128, once more), U read
+ * in place (tb_gemm packs it: M = d rows is past its in-place rule). Elsewhere the two steps. */
+
+static void state_update(chunk_scratch *w, int d, int L, const float *e, const float *a, ptrdiff_t ars, ptrdiff_t aks) {
+    float *S = w->S;
+    const float *U = w->U;
+#if defined(__x86_64__) && defined(__AVX512F__)
+    if (d % 32 == 0 && w->precision == TB_PRECISION_F32) {
+        for (int i0 = 0; i0 < d; i0 += 8)
+            for (int j0 = 0; j0 < d; j0 += 32) {
+                __m512 t[8][2];
+                for (int r = 0; r < 8; r++) {
+                    const __m512 er = _mm512_set1_ps(e[i0 + r]);
+                    float *sr = S + (size_t)(i0 + r) * d + j0;
+                    t[r][0] = _mm512_mul_ps(_mm512_loadu_ps(sr), er);
+                    t[r][1] = _mm512_mul_ps(_mm512_loadu_ps(sr + 16), er);
+                }
+                const float *ai = a + (size_t)i0 * ars;
+                for (int k = 0; k < L; k++) {
+                    const __m512 b0 = _mm512_loadu_ps(U + (size_t)k * d + j0), b1 = _mm512_loadu_ps(U + (size_t)k * d + j0 + 16);
+                    for (int r = 0; r < 8; r++) {
+                        const __m512 x = _mm512_set1_ps(ai[r * ars + k * aks]);
+                        t[r][0] = gdn_madd16(x, b0, t[r][0]);
+                        t[r][1] = gdn_madd16(x, b1, t[r][1]);
+                    }
+                }
+                for (int r = 0; r < 8; r++) {
+                    float *sr = S + (size_t)(i0 + r) * d + j0;
+                    _mm512_storeu_ps(sr, t[r][0]);
+                    _mm512_storeu_ps(sr + 16, t[r][1]);
+                }
+            }
+        return;
+    }
+#endif
+    for (int i = 0; i < d; i++) scale_n(S + (size_t)i * d, e[i], d);
+    if (ars == 1) product(w, d, d, L, a, (int)aks, 1, U, d, 0, S, d, 1, 0);
+    else gemm_nn(d, d, L, a, (int)ars, U, d, S, d, 1, 0);
+}
+
+/* R += K_in S and out = Q_in S (both L x d, K = d), the two products that read the state before its
+ * update, as one pass over S: for each 32-column panel of S, the panel (in L1 after its first tile)
+ * serves the K_in tiles and then the Q_in tiles, so S comes from L2 once per step instead of twice.
+ * Each element is tb_gemm's chain (R's from its value, out's from zero, over k in order, fused as
+ * the AVX-512 micro-kernel fuses), so the bits are unchanged. Returns 0 (nothing done) where it does
+ * not apply: without AVX-512, d not a multiple of 32, L not a multiple of 8, reduced precision. */
+static int state_reads(chunk_scratch *w, int L, int d, float *out, int ldo) {
+#if defined(__x86_64__) && defined(__AVX512F__)
+    if (d % 32 || L % 8 || w->precision != TB_PRECISION_F32) return 0;
+    const float *S = w->S;
+    for (int j0 = 0; j0 < d; j0 += 32)
+        for (int src = 0; src < 2; src++)
+            for (int i0 = 0; i0 < L; i0 += 8) {
+                const float *a = (src ? w->Qin : w->Kin) + (size_t)i0 * d;
+                float *c = src ? out + (size_t)i0 * ldo + j0 : w->R + (size_t)i0 * d + j0;
+                const ptrdiff_t ldc = src ? ldo : d;
+                __m512 t[8][2];
+                for (int r = 0; r < 8; r++) {
+                    t[r][0] = src ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc);
+                    t[r][1] = src ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16);
+                }
+                for (int k = 0; k < d; k++) {
+                    const __m512 b0 = _mm512_loadu_ps(S + (size_t)k * d + j0), b1 = _mm512_loadu_ps(S + (size_t)k * d + j0 + 16);
+                    for (int r = 0; r < 8; r++) {
+                        const __m512 x = _mm512_set1_ps(a[(size_t)r * d + k]);
+                        t[r][0] = gdn_madd16(x, b0, t[r][0]);
+                        t[r][1] = gdn_madd16(x, b1, t[r][1]);
+                    }
+                }
+                for (int r = 0; r < 8; r++) {
+                    _mm512_storeu_ps(c + r * ldc, t[r][0]);
+                    _mm512_storeu_ps(c + r * ldc + 16, t[r][1]);
+                }
+            }
+    return 1;
+#else
+    (void)w, (void)L, (void)d, (void)out, (void)ldo;
+    return 0;
+#endif
 }
 
 /* One chunk of L tokens from t0 for (seq, head); w->S holds the state on entry and on exit.
@@ -445,24 +628,23 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
         for (int i = 0; i < d; i++) r[i] = b * vt[i];
     }
 
-    /* R = beta v - beta k_in S; U = T R */
-    product(w, L, d, d, w->Kin, d, 0, w->S, d, 0, w->R, d, 1, 0);
+    /* R = beta v - beta k_in S and out = Q_in S (one pass over S where state_reads applies); U = T R;
+     * out += QK U, in the output rows */
+    const int both = state_reads(w, L, d, out, ldo);
+    if (!both) product(w, L, d, d, w->Kin, d, 0, w->S, d, 0, w->R, d, 1, 0);
     gemm_nn(L, d, L, w->T, L, w->R, d, w->U, d, 0, 1); /* the forward substitution's part: float32 always */
-
-    /* out = Q_in S + QK U, into the output rows */
-    product(w, L, d, d, w->Qin, d, 0, w->S, d, 0, out, ldo, 0, 0);
+    if (!both) product(w, L, d, d, w->Qin, d, 0, w->S, d, 0, out, ldo, 0, 0);
     product(w, L, d, L, w->QK, L, 0, w->U, d, 0, out, ldo, 1, 1);
 
-    /* S = diag(exp(G_last)) S + K_out^T U */
+    /* S = diag(exp(G_last)) S + K_out^T U (KDA: K_out^T from the grams' factors) */
     if (kda) {
-        exp_n(w->e, w->G + (size_t)(L - 1) * d, d);
-        for (int i = 0; i < d; i++) scale_n(w->S + (size_t)i * d, w->e[i], d);
+        gdn_exp_n(w->e, w->G + (size_t)(L - 1) * d, d);
+        state_update(w, d, L, w->e, w->Kref, L, 1);
     } else {
         const float last = exp1(w->G[L - 1]);
-        for (int i = 0; i < d; i++) scale_n(w->S + (size_t)i * d, last, d);
+        for (int i = 0; i < d; i++) w->e[i] = last;
+        state_update(w, d, L, w->e, w->Kout, 1, d);
     }
-    if (kda) gemm_nn(d, d, L, w->Kref, L, w->U, d, w->S, d, 1, 0); /* K_out^T, from the grams' factors */
-    else product(w, d, d, L, w->Kout, d, 1, w->U, d, 0, w->S, d, 1, 0);
 }
 
 /* A range of (seq, head) items, chunk by chunk: every item's first chunk, then every item's second,
