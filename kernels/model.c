@@ -231,6 +231,11 @@ static inline void prefetch_line(next_block *b) {
     if (b->p < b->end) __builtin_prefetch(b->p, 0, 3), b->p += 64;
 }
 
+/* the scale of weight row `row` of an int8 matrix for its inputs' group g */
+static inline float group_scale(const tb_matrix *w, int row, int g) {
+    return w->scales[(size_t)row * (w->cols / w->group) + g];
+}
+
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(TB_AVX2)
 /* int8 on AVX-512: two weight rows per 512-bit register, rows 2k and 2k + 1 in its low and high halves
  * and x's 8 lanes in both, so one vpmovsxbd, vcvtdq2ps, multiply by the two rows' scales and
@@ -251,15 +256,14 @@ static inline __m512 madd16(__m512 a, __m512 b, __m512 c) {
 static void dot8_int8_wide(const float *x, const tb_matrix *w, int row0, vf acc[8]) {
     const int n = w->cols, groups = n / w->group;
     const int8_t *q = (const int8_t *)w->data + (size_t)row0 * n;
-    const float *scales = w->scales + (size_t)row0 * groups;
     next_block pf = next_block_of(w, row0, 1);
     __m512 a[4];
     for (int k = 0; k < 4; k++) a[k] = _mm512_setzero_ps();
     for (int g = 0, i = 0; g < groups; g++) {
         __m512 s[4];
         for (int k = 0; k < 4; k++)
-            s[k] = _mm512_mask_mov_ps(_mm512_set1_ps(scales[(size_t)(2 * k) * groups + g]), 0xff00,
-                                      _mm512_set1_ps(scales[(size_t)(2 * k + 1) * groups + g]));
+            s[k] = _mm512_mask_mov_ps(_mm512_set1_ps(group_scale(w, row0 + 2 * k, g)), 0xff00,
+                                      _mm512_set1_ps(group_scale(w, row0 + 2 * k + 1, g)));
         for (const int end = i + w->group; i < end; i += VF_LANES) {
             /* x[i..i+7] in both halves */
             const __m512 xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x + i))));
@@ -309,11 +313,10 @@ static void dot8_stored(const float *x, const tb_matrix *w, int row0, float *out
     next_block pf = next_block_of(w, row0, 1);
     for (int r0 = 0; r0 < 8; r0 += 4) {
         const int8_t *q = (const int8_t *)w->data + (size_t)(row0 + r0) * n;
-        const float *scales = w->scales + (size_t)(row0 + r0) * groups;
         vf a0 = vf_zero(), a1 = vf_zero(), a2 = vf_zero(), a3 = vf_zero();
         for (int g = 0, i = 0; g < groups; g++) {
-            const vf s0 = vf_set1(scales[g]), s1 = vf_set1(scales[groups + g]);
-            const vf s2 = vf_set1(scales[2 * (size_t)groups + g]), s3 = vf_set1(scales[3 * (size_t)groups + g]);
+            const vf s0 = vf_set1(group_scale(w, row0 + r0, g)), s1 = vf_set1(group_scale(w, row0 + r0 + 1, g));
+            const vf s2 = vf_set1(group_scale(w, row0 + r0 + 2, g)), s3 = vf_set1(group_scale(w, row0 + r0 + 3, g));
             for (const int end = i + w->group; i < end; i += VF_LANES) {
                 const vf xv = vf_load(x + i);
                 if (i & 8) prefetch_line(&pf); /* 32 bytes a step: a line every other step */

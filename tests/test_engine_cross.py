@@ -101,7 +101,7 @@ def test_a_scale_read_from_the_wrong_group_is_caught():
     weights that way); the caches do not: a chunk call's layer products dequantise through another path."""
     from tests.native_support import mutant_program
 
-    mutant = mutant_program("host", "model.c", "const int g = i / w->group;", "const int g = 0 * i;")
+    mutant = mutant_program("host", "model.c", "(w->cols / w->group) + g];", "(w->cols / w->group) + 0 * g];")
     stored = run_chunk(mutant.parent, WEIGHTS, "int8")
     as_f32 = run_chunk(mutant.parent, engine.dequantized(WEIGHTS, "int8", 32), "f32")
     v = check_bitexact(as_f32, stored)
