@@ -187,34 +187,13 @@ typedef struct {
     float *y;
 } matmul_call;
 
-/* Eight dot products of x with w[0..7] (dot()'s order: eight independent chains, so more weight rows
- * stream in flight). */
-static void dot8(const float *x, const float *const *w, int n, float *out) {
-    vf acc[8];
-    for (int r = 0; r < 8; r++) acc[r] = vf_zero();
-    int i = 0;
-    for (; i + VF_LANES <= n; i += VF_LANES) {
-        const vf xv = vf_load(x + i);
-        for (int r = 0; r < 8; r++) acc[r] = vf_madd(xv, vf_load(w[r] + i), acc[r]);
-    }
-    for (int r = 0; r < 8; r++) {
-        float s = vf_hsum(acc[r]);
-        for (int k = i; k < n; k++) s = madd1(x[k], w[r][k], s);
-        out[r] = s;
-    }
-}
-
-/* dot8 on weight rows row0..row0+7 of an f16 or int8 matrix as they are stored, each weight converted
- * in registers (f16: f16_lanes; int8: q times its group's scale, rounded once; the group a multiple
- * of 8, so n is too): the values weight_row writes, summed in dot8's order, so the bits of dot8 on
- * weight_row's rows. The decode step reads each weight once, at its stored size, and writes nothing.
- *
- * Prefetching: the eight rows are one contiguous block of memory, and so are the next eight (the next
- * call: the following block of the same matrix). Each step prefetches its share of the next block in
- * address order, so the whole next block is requested while this one is summed, one block (4-32 KiB
- * here) ahead. Prefetching a fixed distance ahead within each row, as before, left the first lines of
- * every row to demand misses (rows of 0.5-4 KiB: eight short streams, which the hardware prefetchers
- * ramp up on too late), and the decode step ran at 1.5-2x the time to stream its weights. */
+/* Prefetching for the products that stream weight rows (dot8 on f32 rows in place, dot8_stored): the
+ * eight rows of a call are one contiguous block of memory, and so are the next eight (the next call:
+ * the following block of the same matrix). Each step prefetches its share of the next block in address
+ * order, so the whole next block is requested while this one is summed, one block (4-64 KiB here)
+ * ahead. Prefetching a fixed distance ahead within each row, as dot8_stored did, left the first lines
+ * of every row to demand misses (rows of 0.5-8 KiB: eight short streams, which the hardware
+ * prefetchers ramp up on too late): its decode steps ran at 1.5-2x the time to stream their weights. */
 typedef struct {
     const char *p, *end;
 } next_block;
@@ -231,6 +210,24 @@ static inline void prefetch_line(next_block *b) {
     if (b->p < b->end) __builtin_prefetch(b->p, 0, 3), b->p += 64;
 }
 
+/* Eight dot products of x with w[0..7] (dot()'s order: eight independent chains, so more weight rows
+ * stream in flight); pf: the next block, four lines a step (f32 rows: 256 bytes a step), or none. */
+static void dot8(const float *x, const float *const *w, int n, float *out, next_block *pf) {
+    vf acc[8];
+    for (int r = 0; r < 8; r++) acc[r] = vf_zero();
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) {
+        const vf xv = vf_load(x + i);
+        prefetch_line(pf), prefetch_line(pf), prefetch_line(pf), prefetch_line(pf);
+        for (int r = 0; r < 8; r++) acc[r] = vf_madd(xv, vf_load(w[r] + i), acc[r]);
+    }
+    for (int r = 0; r < 8; r++) {
+        float s = vf_hsum(acc[r]);
+        for (int k = i; k < n; k++) s = madd1(x[k], w[r][k], s);
+        out[r] = s;
+    }
+}
+
 /* the scale of weight row `row` of an int8 matrix for its inputs' group g */
 static inline float group_scale(const tb_matrix *w, int row, int g) {
     return w->scales[(size_t)row * (w->cols / w->group) + g];
@@ -241,10 +238,12 @@ static inline float group_scale(const tb_matrix *w, int row, int g) {
  * and x's 8 lanes in both, so one vpmovsxbd, vcvtdq2ps, multiply by the two rows' scales and
  * multiply-add do 16 weights while each row keeps its own 8 lanes: every lane's chain is the 8-lane
  * code's, the same operations in the same order, so the same bits. All eight rows at once (4
- * accumulators and 4 scale registers of the 32). The int8 conversion is 4 vector operations per 8
- * weights and was the step's bound (about 1.5 cycles per 8 weights of one row on 8 lanes, 1.25 here,
- * measured 10% less time on warm weights); f16's is one (vcvtph2ps from memory), and pairing its rows
- * costs an insert per 16 weights, as much as it saves: f16 stays on 8 lanes. */
+ * accumulators and 4 scale registers of the 32). int8's conversion and multiply-add are 4 vector
+ * operations per 8 weights, 3 of them on the two floating-point ports, and bound the step once the
+ * weights stream (by port count 1.5 cycles per 8 weights of a row on 8 lanes, 1.25 here with the
+ * pairing's one shuffle per 16; measured on warm weights, 10% less time). f16's conversion is one
+ * operation (vcvtph2ps from memory), and pairing its rows costs an insert per 16 weights, as much as
+ * it saves (measured equal): f16 stays on 8 lanes. */
 static inline __m512 madd16(__m512 a, __m512 b, __m512 c) {
 #if TB_MADD_FUSED
     return _mm512_fmadd_ps(a, b, c);
@@ -283,6 +282,11 @@ static void dot8_int8_wide(const float *x, const tb_matrix *w, int row0, vf acc[
 }
 #endif
 
+/* dot8 on weight rows row0..row0+7 of an f16 or int8 matrix as they are stored, each weight converted
+ * in registers (f16: f16_lanes; int8: q times its group's scale, rounded once; the group a multiple
+ * of 8, so n is too): the values weight_row writes, summed in dot8's order, so the bits of dot8 on
+ * weight_row's rows. The decode step reads each weight once, at its stored size, and writes nothing;
+ * it prefetches the next block as dot8 does, 128 bytes a step for f16, 64 for int8. */
 static void dot8_stored(const float *x, const tb_matrix *w, int row0, float *out) {
     const int n = w->cols;
     vf acc[8];
@@ -345,9 +349,11 @@ static void dot_block(const matmul_call *c, int o0, int nb, float *scratch) {
     for (; j + 8 <= nb; j += 8) {
         const float *w[8];
         for (int r = 0; r < 8; r++) w[r] = weight_row(c->w, o0 + j + r, scratch + (size_t)r * in);
+        next_block pf = next_block_of(c->w, o0 + j, sizeof(float));
+        if (c->w->dtype != TB_F32) pf.end = pf.p; /* rows dequantised into scratch: nothing to prefetch */
         for (int r = 0; r < c->rows; r++) {
             float s[8];
-            dot8(c->x + (size_t)r * in, w, in, s);
+            dot8(c->x + (size_t)r * in, w, in, s, &pf);
             memcpy(c->y + (size_t)r * out + o0 + j, s, sizeof s);
         }
     }
