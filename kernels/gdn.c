@@ -49,6 +49,101 @@ static inline void gdn_exp_n(float *dst, const float *src, int n) {
     if (i < n) exp_n(dst + i, src + i, n - i);
 }
 
+/* The element-wise loops below in explicit vectors where the build has NEON: GCC does not vectorise
+ * float loops for armv7's NEON (not IEEE without flush-to-zero; the kernels run with it set, so a
+ * NEON lane rounds as the scalar VFP does), and on aarch64 it kept some of them scalar or strided.
+ * Each element is the same operation(s) in the same order as the plain loop, so the bits are those
+ * of the scalar code; elsewhere (x86, which vectorises them itself; Hexagon, scalar) the plain loops. */
+#if defined(TB_NEON)
+#define GDN_VEC 1
+#else
+#define GDN_VEC 0
+#endif
+
+/* dst[i] = x[i] * a */
+static inline void gdn_mul_n(float *dst, const float *x, float a, int n) {
+    int i = 0;
+#if GDN_VEC
+    const vf va = vf_set1(a);
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vf_mul(vf_load(x + i), va));
+#endif
+    for (; i < n; i++) dst[i] = x[i] * a;
+}
+
+/* dst[i] = x[i] - y[i] */
+static inline void gdn_sub_n(float *dst, const float *x, const float *y, int n) {
+    int i = 0;
+#if GDN_VEC
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vf_sub(vf_load(x + i), vf_load(y + i)));
+#endif
+    for (; i < n; i++) dst[i] = x[i] - y[i];
+}
+
+/* dst[i] = x[i] + y[i] */
+static inline void gdn_add_n(float *dst, const float *x, const float *y, int n) {
+    int i = 0;
+#if GDN_VEC
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vf_add(vf_load(x + i), vf_load(y + i)));
+#endif
+    for (; i < n; i++) dst[i] = x[i] + y[i];
+}
+
+/* dst[i] = x[i] * y[i] */
+static inline void gdn_mulv_n(float *dst, const float *x, const float *y, int n) {
+    int i = 0;
+#if GDN_VEC
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vf_mul(vf_load(x + i), vf_load(y + i)));
+#endif
+    for (; i < n; i++) dst[i] = x[i] * y[i];
+}
+
+/* d1[i] = x1[i] * y[i], d2[i] = x2[i] * y[i] */
+static inline void gdn_mulv2_n(float *d1, const float *x1, float *d2, const float *x2, const float *y, int n) {
+    int i = 0;
+#if GDN_VEC
+    for (; i + VF_LANES <= n; i += VF_LANES) {
+        const vf yi = vf_load(y + i);
+        vf_store(d1 + i, vf_mul(vf_load(x1 + i), yi));
+        vf_store(d2 + i, vf_mul(vf_load(x2 + i), yi));
+    }
+#endif
+    for (; i < n; i++) d1[i] = x1[i] * y[i], d2[i] = x2[i] * y[i];
+}
+
+/* dst[i] = a * x[i] * y[i], i.e. (a * x[i]) * y[i] */
+static inline void gdn_mul2_n(float *dst, float a, const float *x, const float *y, int n) {
+    int i = 0;
+#if GDN_VEC
+    const vf va = vf_set1(a);
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vf_mul(vf_mul(va, vf_load(x + i)), vf_load(y + i)));
+#endif
+    for (; i < n; i++) dst[i] = a * x[i] * y[i];
+}
+
+/* dst[i * n + j] = src[j * n + i] (n x n): 4 x 4 blocks through registers on NEON */
+static void gdn_transpose(float *dst, const float *src, int n) {
+    int i0 = 0;
+#if GDN_VEC
+    for (; i0 + 4 <= n; i0 += 4) {
+        int j0 = 0;
+        for (; j0 + 4 <= n; j0 += 4) {
+            const float *s = src + (size_t)j0 * n + i0; /* rows j0..j0+3 of src, columns i0..i0+3 */
+            const float32x4x2_t t01 = vtrnq_f32(vld1q_f32(s), vld1q_f32(s + n));
+            const float32x4x2_t t23 = vtrnq_f32(vld1q_f32(s + 2 * n), vld1q_f32(s + 3 * n));
+            float *o = dst + (size_t)i0 * n + j0;
+            vst1q_f32(o, vcombine_f32(vget_low_f32(t01.val[0]), vget_low_f32(t23.val[0])));
+            vst1q_f32(o + n, vcombine_f32(vget_low_f32(t01.val[1]), vget_low_f32(t23.val[1])));
+            vst1q_f32(o + 2 * n, vcombine_f32(vget_high_f32(t01.val[0]), vget_high_f32(t23.val[0])));
+            vst1q_f32(o + 3 * n, vcombine_f32(vget_high_f32(t01.val[1]), vget_high_f32(t23.val[1])));
+        }
+        for (int i = i0; i < i0 + 4; i++)
+            for (int j = j0; j < n; j++) dst[(size_t)i * n + j] = src[(size_t)j * n + i];
+    }
+#endif
+    for (int i = i0; i < n; i++)
+        for (int j = 0; j < n; j++) dst[(size_t)i * n + j] = src[(size_t)j * n + i];
+}
+
 typedef struct {
     const tb_gdn_shape *shape;
     const float *q, *k, *v, *g, *beta, *state_in;
@@ -362,27 +457,24 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
         const int m_end = m + KDA_BLOCK < L ? m + KDA_BLOCK : L, rows = m_end - m;
         const float *Gm = w->G + (size_t)m * d;
         for (int i = m; i < m_end; i++) {
-            for (int c = 0; c < d; c++) eg[c] = w->G[(size_t)i * d + c] - Gm[c];
+            gdn_sub_n(eg, w->G + (size_t)i * d, Gm, d);
             gdn_exp_n(eg, eg, d);
-            for (int c = 0; c < d; c++) {
-                Xq[(size_t)i * d + c] = w->Q[i * w->ldq + c] * eg[c];
-                Xk[(size_t)i * d + c] = w->K[i * w->ldk + c] * eg[c];
-            }
+            gdn_mulv2_n(Xq + (size_t)i * d, w->Q + i * w->ldq, Xk + (size_t)i * d, w->K + i * w->ldk, eg, d);
         }
         if (m > 0) {
             /* columns j < m - KDA_BLOCK: carried from the previous reference; the previous block's
              * columns: fresh */
             const int prev = m - KDA_BLOCK;
             const float *Gp = w->G + (size_t)prev * d;
-            for (int c = 0; c < d; c++) eg[c] = Gm[c] - Gp[c];
+            gdn_sub_n(eg, Gm, Gp, d);
             gdn_exp_n(eg, eg, d);
             for (int c = 0; c < d; c++) scale_n(KrT + (size_t)c * L, eg[c], prev);
             float *fresh = w->R; /* [KDA_BLOCK][d], then written transposed: contiguous per channel */
             for (int j = prev; j < m; j++) {
                 float *f = fresh + (size_t)(j - prev) * d;
-                for (int c = 0; c < d; c++) f[c] = Gm[c] - w->G[(size_t)j * d + c];
+                gdn_sub_n(f, Gm, w->G + (size_t)j * d, d);
                 gdn_exp_n(f, f, d);
-                for (int c = 0; c < d; c++) f[c] *= w->K[j * w->ldk + c];
+                gdn_mulv_n(f, f, w->K + j * w->ldk, d);
             }
             for (int c = 0; c < d; c++)
                 for (int j = prev; j < m; j++) KrT[(size_t)c * L + j] = fresh[(size_t)(j - prev) * d + c];
@@ -391,7 +483,7 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
         }
         for (int i = m; i < m_end; i++) {
             if (i > m) { /* exp(g_i), as exp(G_i - G_{i-1}) */
-                for (int c = 0; c < d; c++) eg[c] = w->G[(size_t)i * d + c] - w->G[(size_t)(i - 1) * d + c];
+                gdn_sub_n(eg, w->G + (size_t)i * d, w->G + (size_t)(i - 1) * d, d);
                 gdn_exp_n(eg, eg, d);
             }
             const float *ki = w->K + i * w->ldk, *qi = w->Q + i * w->ldq;
@@ -421,19 +513,20 @@ static void kda_decays(chunk_scratch *w, int L, int d, float scale) {
             const float *xq = Xq + (size_t)t * d, *xk = Xk + (size_t)t * d;
             float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d; /* qin overwrites xk: read first */
             const float kb = -w->beta[t];
-            for (int c = 0; c < d; c++) kin[c] = kb * xk[c] * em[c];
-            for (int c = 0; c < d; c++) qin[c] = scale * xq[c] * em[c];
+            gdn_mul2_n(kin, kb, xk, em, d);
+            gdn_mul2_n(qin, scale, xq, em, d);
         }
     }
     const int last = (L - 1) / KDA_BLOCK * KDA_BLOCK; /* the last block's reference */
     const float *Gl = w->G + (size_t)last * d;
-    for (int c = 0; c < d; c++) em[c] = Glast[c] - Gl[c];
+    gdn_sub_n(em, Glast, Gl, d);
     gdn_exp_n(em, em, d);
     for (int c = 0; c < d; c++) scale_n(KoutT + (size_t)c * L, em[c], last);
     for (int j = last; j < L; j++) {
-        for (int c = 0; c < d; c++) em[c] = Glast[c] - w->G[(size_t)j * d + c];
+        gdn_sub_n(em, Glast, w->G + (size_t)j * d, d);
         gdn_exp_n(em, em, d);
-        for (int c = 0; c < d; c++) KoutT[(size_t)c * L + j] = w->K[j * w->ldk + c] * em[c];
+        gdn_mulv_n(em, w->K + j * w->ldk, em, d);
+        for (int c = 0; c < d; c++) KoutT[(size_t)c * L + j] = em[c];
     }
 }
 
@@ -593,7 +686,8 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
         if (kda) {
             float *Gt = w->G + (size_t)t * d;
             const float *gt = c->g + tok * d;
-            for (int i = 0; i < d; i++) Gt[i] = t ? Gt[i - d] + gt[i] : gt[i];
+            if (t) gdn_add_n(Gt, Gt - d, gt, d);
+            else memcpy(Gt, gt, sizeof(float) * (size_t)d);
         } else {
             w->G[t] = t ? w->G[t - 1] + c->g[tok] : c->g[tok];
         }
@@ -614,18 +708,31 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     invert_unit_lower(w->A, w->T, L);
 
     /* q (times scale) and k (times -beta) decayed to the chunk start; k decayed to the chunk end; R = beta v */
+    /* the scalar gate's factors exp(G_t) and exp(G_last - G_t) for the whole chunk: exp_n, lane by lane
+     * the arithmetic of one exp1 per value (A is free after the inversion) */
+    float *to_start = w->e, *to_end = w->A;
     if (kda) kda_decays(w, L, d, scale);
+    else {
+        for (int t = 0; t < L; t++) to_end[t] = w->G[L - 1] - w->G[t];
+        exp_n(to_start, w->G, L);
+        exp_n(to_end, to_end, L);
+    }
     for (int t = 0; t < L; t++) {
         const float *qt = w->Q + t * w->ldq, *kt = w->K + t * w->ldk, *vt = w->V + t * w->ldv;
         float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d, *kout = w->Kout + (size_t)t * d;
         float *r = w->R + (size_t)t * d;
         const float b = w->beta[t];
         if (!kda) {
-            const float to_start = exp1(w->G[t]), to_end = exp1(w->G[L - 1] - w->G[t]);
-            const float qs = scale * to_start, ks = -b * to_start;
-            for (int i = 0; i < d; i++) qin[i] = qt[i] * qs, kin[i] = kt[i] * ks, kout[i] = kt[i] * to_end;
+            const float qs = scale * to_start[t], ks = -b * to_start[t];
+#if GDN_VEC
+            gdn_mul_n(qin, qt, qs, d);
+            gdn_mul_n(kin, kt, ks, d);
+            gdn_mul_n(kout, kt, to_end[t], d);
+#else
+            for (int i = 0; i < d; i++) qin[i] = qt[i] * qs, kin[i] = kt[i] * ks, kout[i] = kt[i] * to_end[t];
+#endif
         }
-        for (int i = 0; i < d; i++) r[i] = b * vt[i];
+        gdn_mul_n(r, vt, b, d); /* b * v: the product commutes, bit for bit */
     }
 
     /* R = beta v - beta k_in S and out = Q_in S (one pass over S where state_reads applies); U = T R;
@@ -641,7 +748,7 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
         gdn_exp_n(w->e, w->G + (size_t)(L - 1) * d, d);
         state_update(w, d, L, w->e, w->Kref, L, 1);
     } else {
-        const float last = exp1(w->G[L - 1]);
+        const float last = w->e[L - 1]; /* exp(G_last), to_start above */
         for (int i = 0; i < d; i++) w->e[i] = last;
         state_update(w, d, L, w->e, w->Kout, 1, d);
     }
@@ -663,9 +770,7 @@ static int chunkwise_heads(void *arg, int begin, int end) {
     float *states = w->extra;
     for (int item = begin; item < end; item++) {
         const float *m_in = c->state_in + (size_t)item * d * d;
-        float *S = states + (size_t)(item - begin) * d * d;
-        for (int i = 0; i < d; i++)
-            for (int j = 0; j < d; j++) S[(size_t)i * d + j] = m_in[(size_t)j * d + i];
+        gdn_transpose(states + (size_t)(item - begin) * d * d, m_in, d);
     }
     for (int t0 = 0; t0 < T; t0 += L)
         for (int item = begin; item < end; item++) {
@@ -674,9 +779,7 @@ static int chunkwise_heads(void *arg, int begin, int end) {
         }
     for (int item = begin; item < end; item++) {
         const float *S = states + (size_t)(item - begin) * d * d;
-        float *m_out = c->state_out + (size_t)item * d * d;
-        for (int j = 0; j < d; j++)
-            for (int i = 0; i < d; i++) m_out[(size_t)j * d + i] = S[(size_t)i * d + j];
+        gdn_transpose(c->state_out + (size_t)item * d * d, S, d);
     }
     return TB_OK;
 }
