@@ -120,28 +120,46 @@ static inline void gdn_mul2_n(float *dst, float a, const float *x, const float *
     for (; i < n; i++) dst[i] = a * x[i] * y[i];
 }
 
-/* dst[i * n + j] = src[j * n + i] (n x n): 4 x 4 blocks through registers on NEON */
-static void gdn_transpose(float *dst, const float *src, int n) {
-    int i0 = 0;
+/* dst[i] = exp(x[i] - y[i]): the difference rounded, then gdn_exp_n's exponential; on NEON in one pass
+ * (the difference stays in registers: the same value as stored and reloaded) */
+static inline void gdn_exp_diff_n(float *dst, const float *x, const float *y, int n) {
 #if GDN_VEC
-    for (; i0 + 4 <= n; i0 += 4) {
-        int j0 = 0;
-        for (; j0 + 4 <= n; j0 += 4) {
-            const float *s = src + (size_t)j0 * n + i0; /* rows j0..j0+3 of src, columns i0..i0+3 */
-            const float32x4x2_t t01 = vtrnq_f32(vld1q_f32(s), vld1q_f32(s + n));
-            const float32x4x2_t t23 = vtrnq_f32(vld1q_f32(s + 2 * n), vld1q_f32(s + 3 * n));
-            float *o = dst + (size_t)i0 * n + j0;
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vf_exp(vf_sub(vf_load(x + i), vf_load(y + i))));
+    if (i < n) {
+        float t[VF_LANES] = {0};
+        for (int j = i; j < n; j++) t[j - i] = x[j] - y[j];
+        vf_store(t, vf_exp(vf_load(t)));
+        memcpy(dst + i, t, sizeof(float) * (size_t)(n - i));
+    }
+#else
+    gdn_sub_n(dst, x, y, n);
+    gdn_exp_n(dst, dst, n);
+#endif
+}
+
+/* dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: 4 x 4 blocks through registers on NEON */
+static void gdn_transpose(float *dst, ptrdiff_t ldd, const float *src, ptrdiff_t lds, int rows, int cols) {
+    int c0 = 0;
+#if GDN_VEC
+    for (; c0 + 4 <= cols; c0 += 4) {
+        int r0 = 0;
+        for (; r0 + 4 <= rows; r0 += 4) {
+            const float *s = src + r0 * lds + c0; /* rows r0..r0+3 of src, columns c0..c0+3 */
+            const float32x4x2_t t01 = vtrnq_f32(vld1q_f32(s), vld1q_f32(s + lds));
+            const float32x4x2_t t23 = vtrnq_f32(vld1q_f32(s + 2 * lds), vld1q_f32(s + 3 * lds));
+            float *o = dst + c0 * ldd + r0;
             vst1q_f32(o, vcombine_f32(vget_low_f32(t01.val[0]), vget_low_f32(t23.val[0])));
-            vst1q_f32(o + n, vcombine_f32(vget_low_f32(t01.val[1]), vget_low_f32(t23.val[1])));
-            vst1q_f32(o + 2 * n, vcombine_f32(vget_high_f32(t01.val[0]), vget_high_f32(t23.val[0])));
-            vst1q_f32(o + 3 * n, vcombine_f32(vget_high_f32(t01.val[1]), vget_high_f32(t23.val[1])));
+            vst1q_f32(o + ldd, vcombine_f32(vget_low_f32(t01.val[1]), vget_low_f32(t23.val[1])));
+            vst1q_f32(o + 2 * ldd, vcombine_f32(vget_high_f32(t01.val[0]), vget_high_f32(t23.val[0])));
+            vst1q_f32(o + 3 * ldd, vcombine_f32(vget_high_f32(t01.val[1]), vget_high_f32(t23.val[1])));
         }
-        for (int i = i0; i < i0 + 4; i++)
-            for (int j = j0; j < n; j++) dst[(size_t)i * n + j] = src[(size_t)j * n + i];
+        for (int c = c0; c < c0 + 4; c++)
+            for (int r = r0; r < rows; r++) dst[c * ldd + r] = src[r * lds + c];
     }
 #endif
-    for (int i = i0; i < n; i++)
-        for (int j = 0; j < n; j++) dst[(size_t)i * n + j] = src[(size_t)j * n + i];
+    for (int c = c0; c < cols; c++)
+        for (int r = 0; r < rows; r++) dst[c * ldd + r] = src[r * lds + c];
 }
 
 typedef struct {
@@ -457,8 +475,7 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
         const int m_end = m + KDA_BLOCK < L ? m + KDA_BLOCK : L, rows = m_end - m;
         const float *Gm = w->G + (size_t)m * d;
         for (int i = m; i < m_end; i++) {
-            gdn_sub_n(eg, w->G + (size_t)i * d, Gm, d);
-            gdn_exp_n(eg, eg, d);
+            gdn_exp_diff_n(eg, w->G + (size_t)i * d, Gm, d);
             gdn_mulv2_n(Xq + (size_t)i * d, w->Q + i * w->ldq, Xk + (size_t)i * d, w->K + i * w->ldk, eg, d);
         }
         if (m > 0) {
@@ -466,25 +483,21 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
              * columns: fresh */
             const int prev = m - KDA_BLOCK;
             const float *Gp = w->G + (size_t)prev * d;
-            gdn_sub_n(eg, Gm, Gp, d);
-            gdn_exp_n(eg, eg, d);
+            gdn_exp_diff_n(eg, Gm, Gp, d);
             for (int c = 0; c < d; c++) scale_n(KrT + (size_t)c * L, eg[c], prev);
             float *fresh = w->R; /* [KDA_BLOCK][d], then written transposed: contiguous per channel */
             for (int j = prev; j < m; j++) {
                 float *f = fresh + (size_t)(j - prev) * d;
-                gdn_sub_n(f, Gm, w->G + (size_t)j * d, d);
-                gdn_exp_n(f, f, d);
+                gdn_exp_diff_n(f, Gm, w->G + (size_t)j * d, d);
                 gdn_mulv_n(f, f, w->K + j * w->ldk, d);
             }
-            for (int c = 0; c < d; c++)
-                for (int j = prev; j < m; j++) KrT[(size_t)c * L + j] = fresh[(size_t)(j - prev) * d + c];
+            gdn_transpose(KrT + prev, L, fresh, d, KDA_BLOCK, d);
             kda_gram_product(rows, m, d, Xk + (size_t)m * d, KrT, L, w->A + m * L, L);
             kda_gram_product(rows, m, d, Xq + (size_t)m * d, KrT, L, w->QK + m * L, L);
         }
         for (int i = m; i < m_end; i++) {
             if (i > m) { /* exp(g_i), as exp(G_i - G_{i-1}) */
-                gdn_sub_n(eg, w->G + (size_t)i * d, w->G + (size_t)(i - 1) * d, d);
-                gdn_exp_n(eg, eg, d);
+                gdn_exp_diff_n(eg, w->G + (size_t)i * d, w->G + (size_t)(i - 1) * d, d);
             }
             const float *ki = w->K + i * w->ldk, *qi = w->Q + i * w->ldq;
             for (int j = m; j < i; j++) /* E_j *= exp(g_i), then both products with k_j E_j, one pass */
@@ -519,15 +532,15 @@ static void kda_decays(chunk_scratch *w, int L, int d, float scale) {
     }
     const int last = (L - 1) / KDA_BLOCK * KDA_BLOCK; /* the last block's reference */
     const float *Gl = w->G + (size_t)last * d;
-    gdn_sub_n(em, Glast, Gl, d);
-    gdn_exp_n(em, em, d);
+    gdn_exp_diff_n(em, Glast, Gl, d);
     for (int c = 0; c < d; c++) scale_n(KoutT + (size_t)c * L, em[c], last);
+    float *fresh = w->R; /* [L - last][d], then transposed into KoutT's columns; R is written after this */
     for (int j = last; j < L; j++) {
-        gdn_sub_n(em, Glast, w->G + (size_t)j * d, d);
-        gdn_exp_n(em, em, d);
-        gdn_mulv_n(em, w->K + j * w->ldk, em, d);
-        for (int c = 0; c < d; c++) KoutT[(size_t)c * L + j] = em[c];
+        float *f = fresh + (size_t)(j - last) * d;
+        gdn_exp_diff_n(f, Glast, w->G + (size_t)j * d, d);
+        gdn_mulv_n(f, w->K + j * w->ldk, f, d);
     }
+    gdn_transpose(KoutT + last, L, fresh, d, L - last, d);
 }
 
 /* Scalar-gate gram matrices: the chunk's k and q rows copied into one block [K; Q] (2L x d, the first
@@ -770,7 +783,7 @@ static int chunkwise_heads(void *arg, int begin, int end) {
     float *states = w->extra;
     for (int item = begin; item < end; item++) {
         const float *m_in = c->state_in + (size_t)item * d * d;
-        gdn_transpose(states + (size_t)(item - begin) * d * d, m_in, d);
+        gdn_transpose(states + (size_t)(item - begin) * d * d, d, m_in, d, d, d);
     }
     for (int t0 = 0; t0 < T; t0 += L)
         for (int item = begin; item < end; item++) {
@@ -779,7 +792,7 @@ static int chunkwise_heads(void *arg, int begin, int end) {
         }
     for (int item = begin; item < end; item++) {
         const float *S = states + (size_t)(item - begin) * d * d;
-        gdn_transpose(c->state_out + (size_t)item * d * d, S, d);
+        gdn_transpose(c->state_out + (size_t)item * d * d, d, S, d, d, d);
     }
     return TB_OK;
 }

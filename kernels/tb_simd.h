@@ -245,9 +245,17 @@ static inline vf vf_zero(void) { return vf_set1(0.0f); }
 
 /* Sum of the 8 lanes in one fixed order, the same on every target. */
 static inline float vf_hsum(vf a) {
+#if defined(TB_NEON)
+    /* in registers, each addition the scalar order's with its operands in the same order:
+     * s = (t0 + t4, t1 + t5, t2 + t6, t3 + t7), then (s0 + s2, s1 + s3), then their sum */
+    const float32x4_t s = vaddq_f32(a.lo, a.hi);
+    const float32x2_t h = vadd_f32(vget_low_f32(s), vget_high_f32(s));
+    return vget_lane_f32(h, 0) + vget_lane_f32(h, 1);
+#else
     float t[VF_LANES];
     vf_store(t, a);
     return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+#endif
 }
 
 /* exp(x) in float32 from plain arithmetic (Cephes' expf polynomial, about 1 ulp), so every target
