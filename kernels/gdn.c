@@ -428,6 +428,38 @@ static void pair_grams(const float *ki, const float *qi, const float *kj, float 
     *a = ra, *qk = rq;
 }
 
+#if GDN_VEC && defined(__aarch64__)
+/* pair_grams for two earlier tokens j0, j1 at once (32 vector registers hold both pairs' sums): f, k_i
+ * and q_i loaded once for both; each pair's operations and their order exactly pair_grams' */
+static void pair_grams2(const float *ki, const float *qi, const float *kj0, const float *kj1, float *e0, float *e1,
+                        const float *f, int d, float *a0, float *qk0, float *a1, float *qk1) {
+    vf sa0 = vf_zero(), sq0 = vf_zero(), sa1 = vf_zero(), sq1 = vf_zero();
+    int c = 0;
+    for (; c + VF_LANES <= d; c += VF_LANES) {
+        const vf fc = vf_load(f + c), kic = vf_load(ki + c), qic = vf_load(qi + c);
+        const vf ec0 = vf_mul(vf_load(e0 + c), fc), ec1 = vf_mul(vf_load(e1 + c), fc);
+        vf_store(e0 + c, ec0);
+        vf_store(e1 + c, ec1);
+        const vf ke0 = vf_mul(vf_load(kj0 + c), ec0), ke1 = vf_mul(vf_load(kj1 + c), ec1);
+        sa0 = vf_madd(kic, ke0, sa0);
+        sq0 = vf_madd(qic, ke0, sq0);
+        sa1 = vf_madd(kic, ke1, sa1);
+        sq1 = vf_madd(qic, ke1, sq1);
+    }
+    float ra0 = vf_hsum(sa0), rq0 = vf_hsum(sq0), ra1 = vf_hsum(sa1), rq1 = vf_hsum(sq1);
+    for (; c < d; c++) {
+        e0[c] *= f[c];
+        e1[c] *= f[c];
+        const float ke0 = kj0[c] * e0[c], ke1 = kj1[c] * e1[c];
+        ra0 = madd1(ki[c], ke0, ra0);
+        rq0 = madd1(qi[c], ke0, rq0);
+        ra1 = madd1(ki[c], ke1, ra1);
+        rq1 = madd1(qi[c], ke1, rq1);
+    }
+    *a0 = ra0, *qk0 = rq0, *a1 = ra1, *qk1 = rq1;
+}
+#endif
+
 /* a * b + c in 16 lanes, fused as the build's AVX-512 micro-kernel (gemm_avx512.c) fuses */
 #if defined(__x86_64__) && defined(__AVX512F__)
 static inline __m512 gdn_madd16(__m512 a, __m512 b, __m512 c) {
@@ -522,7 +554,14 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
                 gdn_exp_diff_n(eg, w->G + (size_t)i * d, w->G + (size_t)(i - 1) * d, d);
             }
             const float *ki = w->K + i * w->ldk, *qi = w->Q + i * w->ldq;
-            for (int j = m; j < i; j++) /* E_j *= exp(g_i), then both products with k_j E_j, one pass */
+            int j = m;
+#if GDN_VEC && defined(__aarch64__)
+            for (; j + 1 < i; j += 2)
+                pair_grams2(ki, qi, w->K + j * w->ldk, w->K + (j + 1) * w->ldk, E + (size_t)(j - m) * d,
+                            E + (size_t)(j + 1 - m) * d, eg, d, &w->A[i * L + j], &w->QK[i * L + j],
+                            &w->A[i * L + j + 1], &w->QK[i * L + j + 1]);
+#endif
+            for (; j < i; j++) /* E_j *= exp(g_i), then both products with k_j E_j, one pass */
                 pair_grams(ki, qi, w->K + j * w->ldk, E + (size_t)(j - m) * d, eg, d, &w->A[i * L + j],
                            &w->QK[i * L + j]);
             for (int c = 0; c < d; c++) E[(size_t)(i - m) * d + c] = 1.0f;
