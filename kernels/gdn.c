@@ -124,6 +124,7 @@ static inline void gdn_sub_n(float *dst, const float *x, const float *y, int n) 
     for (; i < n; i++) dst[i] = x[i] - y[i];
 }
 
+#if GDN_VEC
 /* dst[i] = x[i] + y[i] */
 static inline void gdn_add_n(float *dst, const float *x, const float *y, int n) {
     int i = 0;
@@ -132,6 +133,7 @@ static inline void gdn_add_n(float *dst, const float *x, const float *y, int n) 
 #endif
     for (; i < n; i++) dst[i] = x[i] + y[i];
 }
+#endif
 
 /* dst[i] = x[i] * y[i] */
 static inline void gdn_mulv_n(float *dst, const float *x, const float *y, int n) {
@@ -568,7 +570,12 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
                 gdn_exp_diff_n(f, Gm, w->G + (size_t)j * d, d);
                 gdn_mulv_n(f, f, w->K + j * w->ldk, d);
             }
+#if GDN_VEC
             gdn_transpose(KrT + prev, L, fresh, d, KDA_BLOCK, d);
+#else
+            for (int c = 0; c < d; c++)
+                for (int j = prev; j < m; j++) KrT[(size_t)c * L + j] = fresh[(size_t)(j - prev) * d + c];
+#endif
             kda_gram_product(rows, m, d, Xk + (size_t)m * d, KrT, L, w->A + m * L, L);
             kda_gram_product(rows, m, d, Xq + (size_t)m * d, KrT, L, w->QK + m * L, L);
         }
@@ -618,6 +625,7 @@ static void kda_decays(chunk_scratch *w, int L, int d, float scale) {
     const float *Gl = w->G + (size_t)last * d;
     gdn_exp_diff_n(em, Glast, Gl, d);
     for (int c = 0; c < d; c++) scale_n(KoutT + (size_t)c * L, em[c], last);
+#if GDN_VEC
     float *fresh = w->R; /* [L - last][d], then transposed into KoutT's columns; R is written after this */
     for (int j = last; j < L; j++) {
         float *f = fresh + (size_t)(j - last) * d;
@@ -625,6 +633,12 @@ static void kda_decays(chunk_scratch *w, int L, int d, float scale) {
         gdn_mulv_n(f, w->K + j * w->ldk, f, d);
     }
     gdn_transpose(KoutT + last, L, fresh, d, L - last, d);
+#else
+    for (int j = last; j < L; j++) {
+        gdn_exp_diff_n(em, Glast, w->G + (size_t)j * d, d);
+        for (int c = 0; c < d; c++) KoutT[(size_t)c * L + j] = w->K[j * w->ldk + c] * em[c];
+    }
+#endif
 }
 
 /* Scalar-gate gram matrices: the chunk's k and q rows copied into one block [K; Q] (2L x d, the first
@@ -787,8 +801,12 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
         if (kda) {
             float *Gt = w->G + (size_t)t * d;
             const float *gt = c->g + tok * d;
+#if GDN_VEC
             if (t) gdn_add_n(Gt, Gt - d, gt, d);
             else memcpy(Gt, gt, sizeof(float) * (size_t)d);
+#else
+            for (int i = 0; i < d; i++) Gt[i] = t ? Gt[i - d] + gt[i] : gt[i];
+#endif
         } else {
             w->G[t] = t ? w->G[t - 1] + c->g[tok] : c->g[tok];
         }
@@ -824,13 +842,13 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
         float *r = w->R + (size_t)t * d;
         const float b = w->beta[t];
         if (!kda) {
-            const float qs = scale * to_start[t], ks = -b * to_start[t];
+            const float qs = scale * to_start[t], ks = -b * to_start[t], te = to_end[t];
 #if GDN_VEC
             gdn_mul_n(qin, qt, qs, d);
             gdn_mul_n(kin, kt, ks, d);
-            gdn_mul_n(kout, kt, to_end[t], d);
+            gdn_mul_n(kout, kt, te, d);
 #else
-            for (int i = 0; i < d; i++) qin[i] = qt[i] * qs, kin[i] = kt[i] * ks, kout[i] = kt[i] * to_end[t];
+            for (int i = 0; i < d; i++) qin[i] = qt[i] * qs, kin[i] = kt[i] * ks, kout[i] = kt[i] * te;
 #endif
         }
         gdn_mul_n(r, vt, b, d); /* b * v: the product commutes, bit for bit */
