@@ -49,6 +49,168 @@ static inline void gdn_exp_n(float *dst, const float *src, int n) {
     if (i < n) exp_n(dst + i, src + i, n - i);
 }
 
+/* The element-wise loops below in explicit vectors where the build has NEON: GCC does not vectorise
+ * float loops for armv7's NEON (not IEEE without flush-to-zero; the kernels run with it set, so a
+ * NEON lane rounds as the scalar VFP does), and on aarch64 it kept some of them scalar or strided.
+ * Each element is the same operation(s) in the same order as the plain loop, so the bits are those
+ * of the scalar code; elsewhere (x86, which vectorises them itself; Hexagon, scalar) the plain loops. */
+#if defined(TB_NEON)
+#define GDN_VEC 1
+#else
+#define GDN_VEC 0
+#endif
+
+#if GDN_VEC
+/* dst[i] = x[i] * a */
+static inline void gdn_mul_n(float *dst, const float *x, float a, int n) {
+    int i = 0;
+#if GDN_VEC && !defined(__aarch64__) && defined(__GNUC__) && !defined(__clang__)
+    /* armv7 (GCC): eight floats a load and a store, post-incremented; GCC's vf loop took 13-15
+     * instructions for 8 floats here (two address computations per load and store) */
+    if (n >= VF_LANES) {
+        int blocks = n / VF_LANES;
+        uint32_t bits;
+        memcpy(&bits, &a, sizeof bits);
+        const float *xp = x;
+        float *dp = dst;
+        __asm__ volatile("vdup.32 q10, %[a]\n\t"
+                         "1:\n\t"
+                         "vld1.32 {d16-d19}, [%[x]]!\n\t"
+                         "vmul.f32 q8, q8, q10\n\t"
+                         "vmul.f32 q9, q9, q10\n\t"
+                         "subs %[b], %[b], #1\n\t"
+                         "vst1.32 {d16-d19}, [%[d]]!\n\t"
+                         "bne 1b\n\t"
+                         : [x] "+r"(xp), [d] "+r"(dp), [b] "+r"(blocks)
+                         : [a] "r"(bits)
+                         : "d16", "d17", "d18", "d19", "d20", "d21", "memory", "cc");
+        i = n / VF_LANES * VF_LANES;
+    }
+#elif GDN_VEC
+    const vf va = vf_set1(a);
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vf_mul(vf_load(x + i), va));
+#endif
+    for (; i < n; i++) dst[i] = x[i] * a;
+}
+#endif
+
+/* dst[i] = src[i]: on armv7 (GCC) in NEON registers (glibc's memcpy took ~115 instructions per row
+ * of 64 floats there), elsewhere memcpy */
+static inline void gdn_copy_n(float *dst, const float *src, int n) {
+#if GDN_VEC && !defined(__aarch64__) && defined(__GNUC__) && !defined(__clang__)
+    int blocks = n / VF_LANES;
+    if (blocks) {
+        const float *sp = src;
+        float *dp = dst;
+        __asm__ volatile("1:\n\t"
+                         "vld1.32 {d16-d19}, [%[s]]!\n\t"
+                         "subs %[b], %[b], #1\n\t"
+                         "vst1.32 {d16-d19}, [%[d]]!\n\t"
+                         "bne 1b\n\t"
+                         : [s] "+r"(sp), [d] "+r"(dp), [b] "+r"(blocks)
+                         :
+                         : "d16", "d17", "d18", "d19", "memory", "cc");
+    }
+    for (int i = n / VF_LANES * VF_LANES; i < n; i++) dst[i] = src[i];
+#else /* aarch64's memcpy beat a vf loop here */
+    memcpy(dst, src, sizeof(float) * (size_t)n);
+#endif
+}
+
+/* dst[i] = x[i] - y[i] */
+static inline void gdn_sub_n(float *dst, const float *x, const float *y, int n) {
+    int i = 0;
+#if GDN_VEC
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vf_sub(vf_load(x + i), vf_load(y + i)));
+#endif
+    for (; i < n; i++) dst[i] = x[i] - y[i];
+}
+
+#if GDN_VEC
+/* dst[i] = x[i] + y[i] */
+static inline void gdn_add_n(float *dst, const float *x, const float *y, int n) {
+    int i = 0;
+#if GDN_VEC
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vf_add(vf_load(x + i), vf_load(y + i)));
+#endif
+    for (; i < n; i++) dst[i] = x[i] + y[i];
+}
+#endif
+
+/* dst[i] = x[i] * y[i] */
+static inline void gdn_mulv_n(float *dst, const float *x, const float *y, int n) {
+    int i = 0;
+#if GDN_VEC
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vf_mul(vf_load(x + i), vf_load(y + i)));
+#endif
+    for (; i < n; i++) dst[i] = x[i] * y[i];
+}
+
+/* d1[i] = x1[i] * y[i], d2[i] = x2[i] * y[i] */
+static inline void gdn_mulv2_n(float *d1, const float *x1, float *d2, const float *x2, const float *y, int n) {
+    int i = 0;
+#if GDN_VEC
+    for (; i + VF_LANES <= n; i += VF_LANES) {
+        const vf yi = vf_load(y + i);
+        vf_store(d1 + i, vf_mul(vf_load(x1 + i), yi));
+        vf_store(d2 + i, vf_mul(vf_load(x2 + i), yi));
+    }
+#endif
+    for (; i < n; i++) d1[i] = x1[i] * y[i], d2[i] = x2[i] * y[i];
+}
+
+/* dst[i] = a * x[i] * y[i], i.e. (a * x[i]) * y[i] */
+static inline void gdn_mul2_n(float *dst, float a, const float *x, const float *y, int n) {
+    int i = 0;
+#if GDN_VEC
+    const vf va = vf_set1(a);
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vf_mul(vf_mul(va, vf_load(x + i)), vf_load(y + i)));
+#endif
+    for (; i < n; i++) dst[i] = a * x[i] * y[i];
+}
+
+/* dst[i] = exp(x[i] - y[i]): the difference rounded, then gdn_exp_n's exponential; on NEON in one pass
+ * (the difference stays in registers: the same value as stored and reloaded) */
+static inline void gdn_exp_diff_n(float *dst, const float *x, const float *y, int n) {
+#if GDN_VEC
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vf_exp(vf_sub(vf_load(x + i), vf_load(y + i))));
+    if (i < n) {
+        float t[VF_LANES] = {0};
+        for (int j = i; j < n; j++) t[j - i] = x[j] - y[j];
+        vf_store(t, vf_exp(vf_load(t)));
+        memcpy(dst + i, t, sizeof(float) * (size_t)(n - i));
+    }
+#else
+    gdn_sub_n(dst, x, y, n);
+    gdn_exp_n(dst, dst, n);
+#endif
+}
+
+/* dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: 4 x 4 blocks through registers on NEON */
+static void gdn_transpose(float *dst, ptrdiff_t ldd, const float *src, ptrdiff_t lds, int rows, int cols) {
+    int c0 = 0;
+#if GDN_VEC
+    for (; c0 + 4 <= cols; c0 += 4) {
+        int r0 = 0;
+        for (; r0 + 4 <= rows; r0 += 4) {
+            const float *s = src + r0 * lds + c0; /* rows r0..r0+3 of src, columns c0..c0+3 */
+            const float32x4x2_t t01 = vtrnq_f32(vld1q_f32(s), vld1q_f32(s + lds));
+            const float32x4x2_t t23 = vtrnq_f32(vld1q_f32(s + 2 * lds), vld1q_f32(s + 3 * lds));
+            float *o = dst + c0 * ldd + r0;
+            vst1q_f32(o, vcombine_f32(vget_low_f32(t01.val[0]), vget_low_f32(t23.val[0])));
+            vst1q_f32(o + ldd, vcombine_f32(vget_low_f32(t01.val[1]), vget_low_f32(t23.val[1])));
+            vst1q_f32(o + 2 * ldd, vcombine_f32(vget_high_f32(t01.val[0]), vget_high_f32(t23.val[0])));
+            vst1q_f32(o + 3 * ldd, vcombine_f32(vget_high_f32(t01.val[1]), vget_high_f32(t23.val[1])));
+        }
+        for (int c = c0; c < c0 + 4; c++)
+            for (int r = r0; r < rows; r++) dst[c * ldd + r] = src[r * lds + c];
+    }
+#endif
+    for (int c = c0; c < cols; c++)
+        for (int r = 0; r < rows; r++) dst[c * ldd + r] = src[r * lds + c];
+}
+
 typedef struct {
     const tb_gdn_shape *shape;
     const float *q, *k, *v, *g, *beta, *state_in;
@@ -293,6 +455,38 @@ static void pair_grams(const float *ki, const float *qi, const float *kj, float 
     *a = ra, *qk = rq;
 }
 
+#if GDN_VEC && defined(__aarch64__)
+/* pair_grams for two earlier tokens j0, j1 at once (32 vector registers hold both pairs' sums): f, k_i
+ * and q_i loaded once for both; each pair's operations and their order exactly pair_grams' */
+static void pair_grams2(const float *ki, const float *qi, const float *kj0, const float *kj1, float *e0, float *e1,
+                        const float *f, int d, float *a0, float *qk0, float *a1, float *qk1) {
+    vf sa0 = vf_zero(), sq0 = vf_zero(), sa1 = vf_zero(), sq1 = vf_zero();
+    int c = 0;
+    for (; c + VF_LANES <= d; c += VF_LANES) {
+        const vf fc = vf_load(f + c), kic = vf_load(ki + c), qic = vf_load(qi + c);
+        const vf ec0 = vf_mul(vf_load(e0 + c), fc), ec1 = vf_mul(vf_load(e1 + c), fc);
+        vf_store(e0 + c, ec0);
+        vf_store(e1 + c, ec1);
+        const vf ke0 = vf_mul(vf_load(kj0 + c), ec0), ke1 = vf_mul(vf_load(kj1 + c), ec1);
+        sa0 = vf_madd(kic, ke0, sa0);
+        sq0 = vf_madd(qic, ke0, sq0);
+        sa1 = vf_madd(kic, ke1, sa1);
+        sq1 = vf_madd(qic, ke1, sq1);
+    }
+    float ra0 = vf_hsum(sa0), rq0 = vf_hsum(sq0), ra1 = vf_hsum(sa1), rq1 = vf_hsum(sq1);
+    for (; c < d; c++) {
+        e0[c] *= f[c];
+        e1[c] *= f[c];
+        const float ke0 = kj0[c] * e0[c], ke1 = kj1[c] * e1[c];
+        ra0 = madd1(ki[c], ke0, ra0);
+        rq0 = madd1(qi[c], ke0, rq0);
+        ra1 = madd1(ki[c], ke1, ra1);
+        rq1 = madd1(qi[c], ke1, rq1);
+    }
+    *a0 = ra0, *qk0 = rq0, *a1 = ra1, *qk1 = rq1;
+}
+#endif
+
 /* a * b + c in 16 lanes, fused as the build's AVX-512 micro-kernel (gemm_avx512.c) fuses */
 #if defined(__x86_64__) && defined(__AVX512F__)
 static inline __m512 gdn_madd16(__m512 a, __m512 b, __m512 c) {
@@ -362,40 +556,44 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
         const int m_end = m + KDA_BLOCK < L ? m + KDA_BLOCK : L, rows = m_end - m;
         const float *Gm = w->G + (size_t)m * d;
         for (int i = m; i < m_end; i++) {
-            for (int c = 0; c < d; c++) eg[c] = w->G[(size_t)i * d + c] - Gm[c];
-            gdn_exp_n(eg, eg, d);
-            for (int c = 0; c < d; c++) {
-                Xq[(size_t)i * d + c] = w->Q[i * w->ldq + c] * eg[c];
-                Xk[(size_t)i * d + c] = w->K[i * w->ldk + c] * eg[c];
-            }
+            gdn_exp_diff_n(eg, w->G + (size_t)i * d, Gm, d);
+            gdn_mulv2_n(Xq + (size_t)i * d, w->Q + i * w->ldq, Xk + (size_t)i * d, w->K + i * w->ldk, eg, d);
         }
         if (m > 0) {
             /* columns j < m - KDA_BLOCK: carried from the previous reference; the previous block's
              * columns: fresh */
             const int prev = m - KDA_BLOCK;
             const float *Gp = w->G + (size_t)prev * d;
-            for (int c = 0; c < d; c++) eg[c] = Gm[c] - Gp[c];
-            gdn_exp_n(eg, eg, d);
+            gdn_exp_diff_n(eg, Gm, Gp, d);
             for (int c = 0; c < d; c++) scale_n(KrT + (size_t)c * L, eg[c], prev);
             float *fresh = w->R; /* [KDA_BLOCK][d], then written transposed: contiguous per channel */
             for (int j = prev; j < m; j++) {
                 float *f = fresh + (size_t)(j - prev) * d;
-                for (int c = 0; c < d; c++) f[c] = Gm[c] - w->G[(size_t)j * d + c];
-                gdn_exp_n(f, f, d);
-                for (int c = 0; c < d; c++) f[c] *= w->K[j * w->ldk + c];
+                gdn_exp_diff_n(f, Gm, w->G + (size_t)j * d, d);
+                gdn_mulv_n(f, f, w->K + j * w->ldk, d);
             }
+#if GDN_VEC
+            gdn_transpose(KrT + prev, L, fresh, d, KDA_BLOCK, d);
+#else
             for (int c = 0; c < d; c++)
                 for (int j = prev; j < m; j++) KrT[(size_t)c * L + j] = fresh[(size_t)(j - prev) * d + c];
+#endif
             kda_gram_product(rows, m, d, Xk + (size_t)m * d, KrT, L, w->A + m * L, L);
             kda_gram_product(rows, m, d, Xq + (size_t)m * d, KrT, L, w->QK + m * L, L);
         }
         for (int i = m; i < m_end; i++) {
             if (i > m) { /* exp(g_i), as exp(G_i - G_{i-1}) */
-                for (int c = 0; c < d; c++) eg[c] = w->G[(size_t)i * d + c] - w->G[(size_t)(i - 1) * d + c];
-                gdn_exp_n(eg, eg, d);
+                gdn_exp_diff_n(eg, w->G + (size_t)i * d, w->G + (size_t)(i - 1) * d, d);
             }
             const float *ki = w->K + i * w->ldk, *qi = w->Q + i * w->ldq;
-            for (int j = m; j < i; j++) /* E_j *= exp(g_i), then both products with k_j E_j, one pass */
+            int j = m;
+#if GDN_VEC && defined(__aarch64__)
+            for (; j + 1 < i; j += 2)
+                pair_grams2(ki, qi, w->K + j * w->ldk, w->K + (j + 1) * w->ldk, E + (size_t)(j - m) * d,
+                            E + (size_t)(j + 1 - m) * d, eg, d, &w->A[i * L + j], &w->QK[i * L + j],
+                            &w->A[i * L + j + 1], &w->QK[i * L + j + 1]);
+#endif
+            for (; j < i; j++) /* E_j *= exp(g_i), then both products with k_j E_j, one pass */
                 pair_grams(ki, qi, w->K + j * w->ldk, E + (size_t)(j - m) * d, eg, d, &w->A[i * L + j],
                            &w->QK[i * L + j]);
             for (int c = 0; c < d; c++) E[(size_t)(i - m) * d + c] = 1.0f;
@@ -421,20 +619,28 @@ static void kda_decays(chunk_scratch *w, int L, int d, float scale) {
             const float *xq = Xq + (size_t)t * d, *xk = Xk + (size_t)t * d;
             float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d; /* qin overwrites xk: read first */
             const float kb = -w->beta[t];
-            for (int c = 0; c < d; c++) kin[c] = kb * xk[c] * em[c];
-            for (int c = 0; c < d; c++) qin[c] = scale * xq[c] * em[c];
+            gdn_mul2_n(kin, kb, xk, em, d);
+            gdn_mul2_n(qin, scale, xq, em, d);
         }
     }
     const int last = (L - 1) / KDA_BLOCK * KDA_BLOCK; /* the last block's reference */
     const float *Gl = w->G + (size_t)last * d;
-    for (int c = 0; c < d; c++) em[c] = Glast[c] - Gl[c];
-    gdn_exp_n(em, em, d);
+    gdn_exp_diff_n(em, Glast, Gl, d);
     for (int c = 0; c < d; c++) scale_n(KoutT + (size_t)c * L, em[c], last);
+#if GDN_VEC
+    float *fresh = w->R; /* [L - last][d], then transposed into KoutT's columns; R is written after this */
     for (int j = last; j < L; j++) {
-        for (int c = 0; c < d; c++) em[c] = Glast[c] - w->G[(size_t)j * d + c];
-        gdn_exp_n(em, em, d);
+        float *f = fresh + (size_t)(j - last) * d;
+        gdn_exp_diff_n(f, Glast, w->G + (size_t)j * d, d);
+        gdn_mulv_n(f, w->K + j * w->ldk, f, d);
+    }
+    gdn_transpose(KoutT + last, L, fresh, d, L - last, d);
+#else
+    for (int j = last; j < L; j++) {
+        gdn_exp_diff_n(em, Glast, w->G + (size_t)j * d, d);
         for (int c = 0; c < d; c++) KoutT[(size_t)c * L + j] = w->K[j * w->ldk + c] * em[c];
     }
+#endif
 }
 
 /* Scalar-gate gram matrices: the chunk's k and q rows copied into one block [K; Q] (2L x d, the first
@@ -445,8 +651,8 @@ static void kda_decays(chunk_scratch *w, int L, int d, float scale) {
 static void scalar_grams(chunk_scratch *w, int L, int d) {
     float *decay = w->e, *KQ = w->Kin; /* [2L][d]: Kin and Kout are free until the decays below */
     for (int t = 0; t < L; t++) {
-        memcpy(KQ + (size_t)t * d, w->K + t * w->ldk, sizeof(float) * (size_t)d);
-        memcpy(KQ + (size_t)(L + t) * d, w->Q + t * w->ldq, sizeof(float) * (size_t)d);
+        gdn_copy_n(KQ + (size_t)t * d, w->K + t * w->ldk, d);
+        gdn_copy_n(KQ + (size_t)(L + t) * d, w->Q + t * w->ldq, d);
     }
     product(w, 2 * L, L, d, KQ, d, 0, KQ, d, 1, w->A, L, 0, 0);
     for (int i = 0; i < L; i++) {
@@ -523,7 +729,11 @@ static void state_update(chunk_scratch *w, int d, int L, const float *e, const f
         return;
     }
 #endif
+#if GDN_VEC
+    for (int i = 0; i < d; i++) gdn_mul_n(S + (size_t)i * d, S + (size_t)i * d, e[i], d); /* scale_n's x * a */
+#else
     for (int i = 0; i < d; i++) scale_n(S + (size_t)i * d, e[i], d);
+#endif
     if (ars == 1) product(w, d, d, L, a, (int)aks, 1, U, d, 0, S, d, 1, 0);
     else gemm_nn(d, d, L, a, (int)ars, U, d, S, d, 1, 0);
 }
@@ -593,7 +803,12 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
         if (kda) {
             float *Gt = w->G + (size_t)t * d;
             const float *gt = c->g + tok * d;
+#if GDN_VEC
+            if (t) gdn_add_n(Gt, Gt - d, gt, d);
+            else memcpy(Gt, gt, sizeof(float) * (size_t)d);
+#else
             for (int i = 0; i < d; i++) Gt[i] = t ? Gt[i - d] + gt[i] : gt[i];
+#endif
         } else {
             w->G[t] = t ? w->G[t - 1] + c->g[tok] : c->g[tok];
         }
@@ -613,19 +828,49 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     }
     invert_unit_lower(w->A, w->T, L);
 
-    /* q (times scale) and k (times -beta) decayed to the chunk start; k decayed to the chunk end; R = beta v */
+    /* q (times scale) and k (times -beta) decayed to the chunk start; k decayed to the chunk end; R = beta v.
+     * Off x86, the scalar gate's factors exp(G_t) and exp(G_last - G_t) for the whole chunk by exp_n (lane
+     * by lane the arithmetic of one exp1 per value, which computes a whole vector for one value; A is
+     * free after the inversion). x86 keeps its code as it was: the change moved its timings +-1.5%. */
+#if !defined(__x86_64__)
+#define GDN_BATCH_EXP 1
+    float *to_start = w->e, *to_end = w->A;
+#else
+#define GDN_BATCH_EXP 0
+#endif
     if (kda) kda_decays(w, L, d, scale);
+#if GDN_BATCH_EXP
+    else {
+        for (int t = 0; t < L; t++) to_end[t] = w->G[L - 1] - w->G[t];
+        exp_n(to_start, w->G, L);
+        exp_n(to_end, to_end, L);
+    }
+#endif
     for (int t = 0; t < L; t++) {
         const float *qt = w->Q + t * w->ldq, *kt = w->K + t * w->ldk, *vt = w->V + t * w->ldv;
         float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d, *kout = w->Kout + (size_t)t * d;
         float *r = w->R + (size_t)t * d;
         const float b = w->beta[t];
         if (!kda) {
-            const float to_start = exp1(w->G[t]), to_end = exp1(w->G[L - 1] - w->G[t]);
-            const float qs = scale * to_start, ks = -b * to_start;
-            for (int i = 0; i < d; i++) qin[i] = qt[i] * qs, kin[i] = kt[i] * ks, kout[i] = kt[i] * to_end;
+#if GDN_BATCH_EXP
+            const float ts = to_start[t], te = to_end[t];
+#else
+            const float ts = exp1(w->G[t]), te = exp1(w->G[L - 1] - w->G[t]);
+#endif
+            const float qs = scale * ts, ks = -b * ts;
+#if GDN_VEC
+            gdn_mul_n(qin, qt, qs, d);
+            gdn_mul_n(kin, kt, ks, d);
+            gdn_mul_n(kout, kt, te, d);
+#else
+            for (int i = 0; i < d; i++) qin[i] = qt[i] * qs, kin[i] = kt[i] * ks, kout[i] = kt[i] * te;
+#endif
         }
+#if GDN_VEC
+        gdn_mul_n(r, vt, b, d); /* b * v: the product commutes, bit for bit */
+#else
         for (int i = 0; i < d; i++) r[i] = b * vt[i];
+#endif
     }
 
     /* R = beta v - beta k_in S and out = Q_in S (one pass over S where state_reads applies); U = T R;
@@ -641,7 +886,11 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
         gdn_exp_n(w->e, w->G + (size_t)(L - 1) * d, d);
         state_update(w, d, L, w->e, w->Kref, L, 1);
     } else {
+#if GDN_BATCH_EXP
+        const float last = w->e[L - 1]; /* exp(G_last), to_start above */
+#else
         const float last = exp1(w->G[L - 1]);
+#endif
         for (int i = 0; i < d; i++) w->e[i] = last;
         state_update(w, d, L, w->e, w->Kout, 1, d);
     }
@@ -663,9 +912,7 @@ static int chunkwise_heads(void *arg, int begin, int end) {
     float *states = w->extra;
     for (int item = begin; item < end; item++) {
         const float *m_in = c->state_in + (size_t)item * d * d;
-        float *S = states + (size_t)(item - begin) * d * d;
-        for (int i = 0; i < d; i++)
-            for (int j = 0; j < d; j++) S[(size_t)i * d + j] = m_in[(size_t)j * d + i];
+        gdn_transpose(states + (size_t)(item - begin) * d * d, d, m_in, d, d, d);
     }
     for (int t0 = 0; t0 < T; t0 += L)
         for (int item = begin; item < end; item++) {
@@ -674,9 +921,7 @@ static int chunkwise_heads(void *arg, int begin, int end) {
         }
     for (int item = begin; item < end; item++) {
         const float *S = states + (size_t)(item - begin) * d * d;
-        float *m_out = c->state_out + (size_t)item * d * d;
-        for (int j = 0; j < d; j++)
-            for (int i = 0; i < d; i++) m_out[(size_t)j * d + i] = S[(size_t)i * d + j];
+        gdn_transpose(c->state_out + (size_t)item * d * d, d, S, d, d, d);
     }
     return TB_OK;
 }

@@ -127,9 +127,22 @@ static inline vf vf_madd(vf a, vf b, vf c) {
 #endif
     return r;
 }
+/* a >= b lane by lane. GCC's armv7 arm_neon.h defines vcgeq_f32 as the GNU vector expression
+ * (a >= b), which it then compares lane by lane in VFP (NEON's compare flushes denormals: not IEEE),
+ * about 30 instructions a quad (most of vf_exp's on armv7); the kernels run with flush-to-zero set, so
+ * VCGE gives the same mask. */
+static inline uint32x4_t vcge_q(float32x4_t a, float32x4_t b) {
+#if !defined(__aarch64__) && defined(__GNUC__) && !defined(__clang__)
+    uint32x4_t r;
+    __asm__("vcge.f32 %q0, %q1, %q2" : "=w"(r) : "w"(a), "w"(b));
+    return r;
+#else
+    return vcgeq_f32(a, b);
+#endif
+}
 static inline vf vf_zero_below(vf x, vf test, vf lo) {
-    vf r = {vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x.lo), vcgeq_f32(test.lo, lo.lo))),
-            vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x.hi), vcgeq_f32(test.hi, lo.hi)))};
+    vf r = {vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x.lo), vcge_q(test.lo, lo.lo))),
+            vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x.hi), vcge_q(test.hi, lo.hi)))};
     return r;
 }
 static inline float32x4_t pow2i_q(float32x4_t n) {
@@ -245,9 +258,17 @@ static inline vf vf_zero(void) { return vf_set1(0.0f); }
 
 /* Sum of the 8 lanes in one fixed order, the same on every target. */
 static inline float vf_hsum(vf a) {
+#if defined(TB_NEON)
+    /* in registers, each addition the scalar order's with its operands in the same order:
+     * s = (t0 + t4, t1 + t5, t2 + t6, t3 + t7), then (s0 + s2, s1 + s3), then their sum */
+    const float32x4_t s = vaddq_f32(a.lo, a.hi);
+    const float32x2_t h = vadd_f32(vget_low_f32(s), vget_high_f32(s));
+    return vget_lane_f32(h, 0) + vget_lane_f32(h, 1);
+#else
     float t[VF_LANES];
     vf_store(t, a);
     return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+#endif
 }
 
 /* exp(x) in float32 from plain arithmetic (Cephes' expf polynomial, about 1 ulp), so every target
