@@ -57,13 +57,12 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
 
 /* --- NEON micro-kernels: 8 x 8 on aarch64 (32 registers), 4 x 8 on armv7 (16) -------------------- */
 
-/* Written for the instruction count (issue 35: exact counts under qemu against one FMLA/VMLA per
- * four multiply-adds). The builds that run here (aarch64, fused or not; armv7 without FMA) have
- * their micro-kernels in asm: in C, GCC kept the 8 x 8 tile's t[8][2] on the stack and stored it
- * every step, hoisted unfused multiplies until the tile spilled, indexed B by k * ldb, and kept C's
- * row addresses on the stack across the loop. An armv7 build with FMA (VFPv4) keeps the C kernels
- * (named accumulators, pointer-walked A and B). None of this changes a C element's chain: one
- * multiply-add per k, in ascending k, as tb_gemm.h promises. */
+/* Written for the instruction count (issue 35: exact counts under qemu against one FMLA/VMLA/VFMA
+ * per four multiply-adds). Every NEON build has its micro-kernels in asm (aarch64 fused or not, armv7
+ * VFPv3 unfused with VMLA, armv7 VFPv4 fused with VFMA): in C, GCC kept the 8 x 8 tile's t[8][2] on the
+ * stack and stored it every step, hoisted unfused multiplies until the tile spilled, indexed B by
+ * k * ldb, and kept C's row addresses on the stack across the loop. None of this changes a C element's
+ * chain: one multiply-add per k, in ascending k, as tb_gemm.h promises. */
 #if defined(TB_NEON)
 #define N_NR 8
 #define INLINE static inline __attribute__((always_inline))
@@ -71,39 +70,23 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
 #define N_MR 8 /* the kernels are asm, below */
 #else
 #define N_MR 4
-#define ROWS(X) X(0) X(1) X(2) X(3)
-/* armv7: VMLA is the unfused multiply-accumulate (the product rounded, then added: the bits of a
- * multiply and an add), one instruction; VFMA where the build fuses and the FPU has it (VFPv4). */
-#define LANE2(a4, lane) ((lane) < 2 ? vget_low_f32(a4) : vget_high_f32(a4))
-#if TB_MADD_FUSED
-#define MADD_LANE(c, b, a4, lane) ((c) = vfmaq_f32((c), (b), vdupq_n_f32(vgetq_lane_f32((a4), (lane)))))
-#else
-#define MADD_LANE(c, b, a4, lane) ((c) = vmlaq_lane_f32((c), (b), LANE2((a4), (lane)), (lane) & 1))
-#endif
 #endif
 
-#define DECLARE_C(r) float32x4_t c##r##0, c##r##1;
-#define LOAD_C(r)                                                                           \
-    c##r##0 = load ? vld1q_f32(c + (r) * ldc) : vdupq_n_f32(0.0f);                       \
-    c##r##1 = load ? vld1q_f32(c + (r) * ldc + 4) : vdupq_n_f32(0.0f);
-#define STORE_C(r) vst1q_f32(c + (r) * ldc, c##r##0), vst1q_f32(c + (r) * ldc + 4, c##r##1);
-/* row r's step with B row (b0, b1) and A values in ar's lane */
-#define ROW_STEP(r, ar, lane) MADD_LANE(c##r##0, b0, ar, lane); MADD_LANE(c##r##1, b1, ar, lane);
-
-/* armv7 without FMA (every build here: -mfpu=neon is VFPv3): the whole micro-kernel in asm, as on
- * aarch64 below. C's tile in q8-q15 (row r in q(8+2r), q(9+2r)), A in q0-q3 and B in q4-q7 (VMLA's
- * scalar must sit in d0-d15). ARMv7 loads take no offset, so in C every load paid an address add and
- * GCC kept C's row addresses on the stack; here A's rows and B are walked by post-incrementing VLD1
- * (one a row of B, eight floats, post-incremented by ldb: a packed panel or B in place), so a pass of
- * four steps is 4 + 4 loads, 32 VMLA, the count and the branch (42 for 32). */
-#if !defined(__aarch64__) && !TB_MADD_FUSED
+/* armv7: the whole micro-kernel in asm, as on aarch64 below. C's tile in q8-q15 (row r in q(8+2r),
+ * q(9+2r)), A in q0-q3 and B in q4-q7. ARMv7 loads take no offset, so in C every load paid an address
+ * add and GCC kept C's row addresses on the stack; here A's rows and B are walked by post-incrementing
+ * VLD1 (one a row of B, eight floats, post-incremented by ldb: a packed panel or B in place).
+ *
+ * Without FMA (FUSED=0, or any VFPv3 build): VMLA, the unfused multiply-accumulate (the product
+ * rounded, then added: the bits of a multiply and an add), by scalar (its scalar must sit in d0-d15):
+ * a pass of four steps is 4 + 4 loads, 32 VMLA, the count and the branch (42 for 32).
+ * With FMA (FUSED=1 builds for VFPv4, kernels/Makefile): VFMA.F32, which has no by-scalar form, so
+ * each step broadcasts row r's A value into q(r): with A row-major, one VLD1 to all lanes per row
+ * (post-incremented), a step 4 + 1 loads and 8 VFMA, a pass of four 54 for 32 (the broadcasts are the
+ * cost of VFMA's form: a row's four consecutive values in two double-spaced VLD4 would need four B rows
+ * live, 20 q registers); with A transposed, 2 + 1 loads a step (below). */
+#if !defined(__aarch64__)
 #define V7_ASM 1
-/* the four rows' multiply-accumulates with B row (lo, hi) and row r's A value in scalar s_r */
-#define V7_ROWS(lo, hi, s0, s1, s2, s3)                                                                    \
-    "vmla.f32 q8, " lo ", " s0 "\n\tvmla.f32 q9, " hi ", " s0 "\n\t"                                      \
-    "vmla.f32 q10, " lo ", " s1 "\n\tvmla.f32 q11, " hi ", " s1 "\n\t"                                    \
-    "vmla.f32 q12, " lo ", " s2 "\n\tvmla.f32 q13, " hi ", " s2 "\n\t"                                    \
-    "vmla.f32 q14, " lo ", " s3 "\n\tvmla.f32 q15, " hi ", " s3 "\n\t"
 /* C's tile: loaded (load != 0) or zeros at the start, stored at the end */
 #define V7_C_IN                                                                                            \
     "cmp %[load], #0\n\t"                                                                                  \
@@ -123,6 +106,85 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
     "d0", "d1", "d2", "d3", "d4", "d5", "d6", "d7", "d8", "d9", "d10", "d11", "d12", "d13", "d14", "d15", "d16", \
         "d17", "d18", "d19", "d20", "d21", "d22", "d23", "d24", "d25", "d26", "d27", "d28", "d29", "d30", "d31", \
         "memory", "cc"
+
+#if TB_MADD_FUSED
+/* the four rows' fused multiply-adds with B row (lo, hi) and row r's A value broadcast in q(r) */
+#define V7_FMA_ROWS(lo, hi)                                                                                \
+    "vfma.f32 q8, " lo ", q0\n\tvfma.f32 q9, " hi ", q0\n\t"                                              \
+    "vfma.f32 q10, " lo ", q1\n\tvfma.f32 q11, " hi ", q1\n\t"                                            \
+    "vfma.f32 q12, " lo ", q2\n\tvfma.f32 q13, " hi ", q2\n\t"                                            \
+    "vfma.f32 q14, " lo ", q3\n\tvfma.f32 q15, " hi ", q3\n\t"
+/* one step, A row-major: each row's value broadcast from its own pointer, then B's row */
+#define V7_FMA_STEP                                                                                        \
+    "vld1.32 {d0[], d1[]}, [%[a0]]!\n\tvld1.32 {d2[], d3[]}, [%[a1]]!\n\t"                                \
+    "vld1.32 {d4[], d5[]}, [%[a2]]!\n\tvld1.32 {d6[], d7[]}, [%[a3]]!\n\t"                                \
+    "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t" V7_FMA_ROWS("q4", "q5")
+
+/* A row-major: row r at a + r * lda */
+static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
+                        int load) {
+    const float *a1 = a + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+    int n = kc >> 2, rest = kc & 3;
+    const ptrdiff_t ldb_b = ldb * (ptrdiff_t)sizeof(float), ldc_b = ldc * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        V7_C_IN
+        "cmp %[n], #0\n\t"
+        "beq 5f\n\t"
+        "4:\n\t" /* four steps */
+        V7_FMA_STEP V7_FMA_STEP V7_FMA_STEP V7_FMA_STEP
+        "subs %[n], %[n], #1\n\t"
+        "bne 4b\n\t"
+        "5:\n\t"
+        "cmp %[rest], #0\n\t"
+        "beq 7f\n\t"
+        "6:\n\t" /* the last kc % 4 steps */
+        V7_FMA_STEP
+        "subs %[rest], %[rest], #1\n\t"
+        "bne 6b\n\t"
+        "7:\n\t"
+        V7_C_OUT
+        : [a0] "+r"(a), [a1] "+r"(a1), [a2] "+r"(a2), [a3] "+r"(a3), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest),
+          [c] "+r"(c)
+        : [ldb] "r"(ldb_b), [ldc] "r"(ldc_b), [load] "r"(load)
+        : V7_CLOBBERS);
+}
+
+/* A transposed: the four values of step k contiguous at a + k * lda, broadcast into q0-q3 by two VLD4
+ * to all lanes (double-spaced: the first fills d0, d2, d4, d6, the second d1, d3, d5, d7), so a step is
+ * 2 + 1 loads and 8 VFMA, as many as the VMLA kernel's two steps a pass (22 for 16) */
+#define V7_FMA_AT_STEP(lo, hi, b_lo)                                                                        \
+    "vld4.32 {d0[], d2[], d4[], d6[]}, [%[a]]\n\tvld4.32 {d1[], d3[], d5[], d7[]}, [%[a]], %[lda]\n\t"      \
+    "vld1.32 {" b_lo "}, [%[b]], %[ldb]\n\t" V7_FMA_ROWS(lo, hi)
+static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                           ptrdiff_t ldc, int load) {
+    int n = kc >> 1, rest = kc & 1;
+    const ptrdiff_t lda_b = lda * (ptrdiff_t)sizeof(float), ldb_b = ldb * (ptrdiff_t)sizeof(float),
+                    ldc_b = ldc * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        V7_C_IN
+        "cmp %[n], #0\n\t"
+        "beq 5f\n\t"
+        "4:\n\t" /* two steps a pass */
+        V7_FMA_AT_STEP("q4", "q5", "d8-d11") V7_FMA_AT_STEP("q6", "q7", "d12-d15")
+        "subs %[n], %[n], #1\n\t"
+        "bne 4b\n\t"
+        "5:\n\t"
+        "cmp %[rest], #0\n\t"
+        "beq 7f\n\t"
+        V7_FMA_AT_STEP("q4", "q5", "d8-d11")
+        "7:\n\t"
+        V7_C_OUT
+        : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest), [c] "+r"(c)
+        : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [ldc] "r"(ldc_b), [load] "r"(load)
+        : V7_CLOBBERS);
+}
+#else /* unfused: VMLA by scalar */
+/* the four rows' multiply-accumulates with B row (lo, hi) and row r's A value in scalar s_r */
+#define V7_ROWS(lo, hi, s0, s1, s2, s3)                                                                    \
+    "vmla.f32 q8, " lo ", " s0 "\n\tvmla.f32 q9, " hi ", " s0 "\n\t"                                      \
+    "vmla.f32 q10, " lo ", " s1 "\n\tvmla.f32 q11, " hi ", " s1 "\n\t"                                    \
+    "vmla.f32 q12, " lo ", " s2 "\n\tvmla.f32 q13, " hi ", " s2 "\n\t"                                    \
+    "vmla.f32 q14, " lo ", " s3 "\n\tvmla.f32 q15, " hi ", " s3 "\n\t"
 
 /* A row-major: row r at a + r * lda */
 static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
@@ -193,6 +255,7 @@ static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b
         : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [ldc] "r"(ldc_b), [load] "r"(load)
         : V7_CLOBBERS);
 }
+#endif /* TB_MADD_FUSED */
 #else
 #define V7_ASM 0
 #endif
@@ -310,81 +373,6 @@ static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b
 }
 #else
 #define A64_ASM 0
-#endif
-
-#if !A64_ASM && !V7_ASM /* armv7 where the FPU has FMA (VFPv4) and the build fuses: VFMA has no by-scalar form */
-/* A row-major: row r at a + r * lda */
-INLINE void body_rows(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
-                      int load) {
-    ROWS(DECLARE_C)
-    ROWS(LOAD_C)
-    int k = 0;
-    for (; k + 4 <= kc; k += 4, a += 4) {
-        /* four steps of k: each row's four A values in one register, used by lane */
-#define LOAD_A(r) const float32x4_t a##r = vld1q_f32(a + (r) * lda);
-        ROWS(LOAD_A)
-#undef LOAD_A
-#define STEP(lane)                                                                                             \
-    do {                                                                                                       \
-        const float32x4_t b0 = vld1q_f32(b + (lane) * ldb), b1 = vld1q_f32(b + (lane) * ldb + 4);             \
-        ROWS_STEP(lane)                                                                                        \
-    } while (0)
-#define ROW_LANE0(r) ROW_STEP(r, a##r, 0)
-#define ROW_LANE1(r) ROW_STEP(r, a##r, 1)
-#define ROW_LANE2(r) ROW_STEP(r, a##r, 2)
-#define ROW_LANE3(r) ROW_STEP(r, a##r, 3)
-#define ROWS_STEP(lane) ROWS(ROW_LANE##lane)
-        STEP(0);
-        STEP(1);
-        STEP(2);
-        STEP(3);
-#undef STEP
-#undef ROWS_STEP
-        b += 4 * ldb;
-    }
-    for (; k < kc; k++, a++, b += ldb) {
-        const float32x4_t b0 = vld1q_f32(b), b1 = vld1q_f32(b + 4);
-#define ROW_ONE(r)                                                \
-    {                                                             \
-        const float32x4_t ar = vld1q_dup_f32(a + (r) * lda);      \
-        ROW_STEP(r, ar, 0)                                        \
-    }
-        ROWS(ROW_ONE)
-#undef ROW_ONE
-    }
-    ROWS(STORE_C)
-}
-
-static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
-                        int load) {
-    if (ldb == N_NR) body_rows(kc, a, lda, b, N_NR, c, ldc, load); /* a packed panel: B's offsets immediate */
-    else body_rows(kc, a, lda, b, ldb, c, ldc, load);
-}
-
-/* A transposed: the N_MR values of step k are contiguous, a + k * lda, used by lane */
-INLINE void body_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
-                    int load) {
-    ROWS(DECLARE_C)
-    ROWS(LOAD_C)
-    int k = 0;
-    for (; k < kc; k++, a += lda, b += ldb) {
-        const float32x4_t b0 = vld1q_f32(b), b1 = vld1q_f32(b + 4);
-        const float32x4_t x0 = vld1q_f32(a);
-        ROW_STEP(0, x0, 0) ROW_STEP(1, x0, 1) ROW_STEP(2, x0, 2) ROW_STEP(3, x0, 3)
-#if N_MR == 8
-        const float32x4_t x1 = vld1q_f32(a + 4);
-        ROW_STEP(4, x1, 0) ROW_STEP(5, x1, 1) ROW_STEP(6, x1, 2) ROW_STEP(7, x1, 3)
-#endif
-    }
-    ROWS(STORE_C)
-}
-
-static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
-                           ptrdiff_t ldc, int load) {
-    if (ldb == N_NR) body_at(kc, a, lda, b, N_NR, c, ldc, load);
-    else body_at(kc, a, lda, b, ldb, c, ldc, load);
-}
-
 #endif
 
 /* B transposed (element (k, j) at src[j * cs + k]) into a kc x N_NR panel, zero for j >= nc: four
