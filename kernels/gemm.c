@@ -151,27 +151,33 @@ static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, p
 
 /* A transposed: the four values of step k contiguous at a + k * lda, broadcast into q0-q3 by two VLD4
  * to all lanes (double-spaced: the first fills d0, d2, d4, d6, the second d1, d3, d5, d7), so a step is
- * 2 + 1 loads and 8 VFMA, as many as the VMLA kernel's two steps a pass (22 for 16) */
+ * 2 + 1 loads and 8 VFMA, as many as the VMLA kernel's with A transposed; a pass of four steps 46 for
+ * 32 (VMLA's row-major kernel: 42). Three loads a step is the least this tile can take: a step's eight
+ * VFMA read six q registers (four broadcasts, B's two) and a load fills at most four d registers. */
 #define V7_FMA_AT_STEP(lo, hi, b_lo)                                                                        \
     "vld4.32 {d0[], d2[], d4[], d6[]}, [%[a]]\n\tvld4.32 {d1[], d3[], d5[], d7[]}, [%[a]], %[lda]\n\t"      \
     "vld1.32 {" b_lo "}, [%[b]], %[ldb]\n\t" V7_FMA_ROWS(lo, hi)
 static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
                            ptrdiff_t ldc, int load) {
-    int n = kc >> 1, rest = kc & 1;
+    int n = kc >> 2, rest = kc & 3;
     const ptrdiff_t lda_b = lda * (ptrdiff_t)sizeof(float), ldb_b = ldb * (ptrdiff_t)sizeof(float),
                     ldc_b = ldc * (ptrdiff_t)sizeof(float);
     __asm__ volatile(
         V7_C_IN
         "cmp %[n], #0\n\t"
         "beq 5f\n\t"
-        "4:\n\t" /* two steps a pass */
+        "4:\n\t" /* four steps a pass */
+        V7_FMA_AT_STEP("q4", "q5", "d8-d11") V7_FMA_AT_STEP("q6", "q7", "d12-d15")
         V7_FMA_AT_STEP("q4", "q5", "d8-d11") V7_FMA_AT_STEP("q6", "q7", "d12-d15")
         "subs %[n], %[n], #1\n\t"
         "bne 4b\n\t"
         "5:\n\t"
         "cmp %[rest], #0\n\t"
         "beq 7f\n\t"
+        "6:\n\t" /* the last kc % 4 steps */
         V7_FMA_AT_STEP("q4", "q5", "d8-d11")
+        "subs %[rest], %[rest], #1\n\t"
+        "bne 6b\n\t"
         "7:\n\t"
         V7_C_OUT
         : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest), [c] "+r"(c)
@@ -548,6 +554,30 @@ static void pack_panel(const tb_gemm_kernels *kr, const tb_gemm_b *B, int k0, in
 
 /* --- the driver --------------------------------------------------------------------------------------- */
 
+/* armv7 fused (VFPv4): VFMA has no by-scalar form, so with A row-major the micro-kernel broadcasts each
+ * A value by a load of its own (13 instructions a step of 8 VFMA), with A transposed by two VLD4 for
+ * four rows (11). When a row tile passes over two or more panels, the driver packs A's whole row tiles
+ * transposed (tile t's step k: the four rows' values at apack + (t kc + k) 4), one VST4 per four steps
+ * of a tile, and runs kernel_at on them. The same multiply-adds in the same order: the same bits. */
+#if defined(TB_NEON) && !defined(__aarch64__) && TB_MADD_FUSED
+#define PACK_A 1
+static void pack_a_v7(int tiles, int kc, const float *a, ptrdiff_t lda, float *dst) {
+    for (int t = 0; t < tiles; t++, a += 4 * lda) {
+        const float *r0 = a, *r1 = a + lda, *r2 = a + 2 * lda, *r3 = a + 3 * lda;
+        int k = 0;
+        for (; k + 4 <= kc; k += 4, dst += 16) {
+            float32x4x4_t x;
+            x.val[0] = vld1q_f32(r0 + k), x.val[1] = vld1q_f32(r1 + k);
+            x.val[2] = vld1q_f32(r2 + k), x.val[3] = vld1q_f32(r3 + k);
+            vst4q_f32(dst, x);
+        }
+        for (; k < kc; k++, dst += 4) dst[0] = r0[k], dst[1] = r1[k], dst[2] = r2[k], dst[3] = r3[k];
+    }
+}
+#else
+#define PACK_A 0
+#endif
+
 /* The driver; at: A given transposed (A[i][k] at A[k * lda + i]). */
 static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_gemm_b *B, float *C, int ldc,
                  int accumulate, int lower) {
@@ -564,7 +594,15 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
      * the product); a transposed or dequantised one is always packed. */
     const int direct = !B->rows && B->cs == 1 && (M <= 2 * mr || (M <= DIRECT_ROWS && (B->rs * sizeof(float)) % 4096 != 0));
     const size_t pack_floats = direct ? (size_t)kcb * nr : (size_t)kcb * nr * panels;
+#if PACK_A
+    /* A packed when it is row-major and a row tile meets two or more panels */
+    const int pack_a = kr == &neon_kernels && !at && M >= mr && (ncb > nr || N > NC);
+    const size_t apack_floats = pack_a ? (size_t)(M / mr) * mr * kcb : 0;
+    float *buf = scratch(pack_floats + (size_t)mr * kcb + (size_t)mr * nr + (B->rows ? (size_t)nr * kcb : 0) + 16 +
+                         apack_floats);
+#else
     float *buf = scratch(pack_floats + (size_t)mr * kcb + (size_t)mr * nr + (B->rows ? (size_t)nr * kcb : 0) + 16);
+#endif
     if (!buf) abort(); /* a few hundred KiB per thread; nothing sensible to return to a void caller */
     float *bpack = buf, *apad = bpack + pack_floats, *ctile = apad + (size_t)mr * kcb, *tmp = ctile + (size_t)mr * nr;
 
@@ -573,6 +611,10 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
         for (int pc = 0; pc < K; pc += KC) {
             const int kc = K - pc < KC ? K - pc : KC;
             const int load = accumulate || pc > 0;
+#if PACK_A
+            float *const apack = tmp + (B->rows ? (size_t)nr * kcb : 0) + 16;
+            if (pack_a) pack_a_v7(M / mr, kc, A + pc, lda, apack);
+#endif
             if (!direct && !B->rows && B->cs == 1) { /* row-major B: read along its rows, once */
                 /* walked by pointers, and a panel row of one vector (NEON's and the portable kernel's
                  * nr) copied as one: indexed by ((p kc + k) nr), this loop took ~26 instructions per 8
@@ -618,7 +660,17 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
                                          int) = at ? kr->kernel_at : kr->kernel;
                     const float *ap = at ? A + (size_t)pc * lda : A + pc;
                     float *cp = C + jc + jr;
-                    const size_t astep = at ? (size_t)mr : (size_t)mr * lda, cstep = (size_t)mr * ldc;
+                    size_t astep = at ? (size_t)mr : (size_t)mr * lda;
+                    const size_t cstep = (size_t)mr * ldc;
+                    ptrdiff_t la = lda;
+#if PACK_A
+                    void (*const kernel_packed)(int, const float *, ptrdiff_t, const float *, ptrdiff_t, float *,
+                                                ptrdiff_t, int) = kr->kernel_at;
+                    if (pack_a) ap = apack, la = mr, astep = (size_t)mr * kc;
+#define KERNEL (pack_a ? kernel_packed : kernel)
+#else
+#define KERNEL kernel
+#endif
                     for (; i0 + mr <= M; i0 += mr, ap += astep, cp += cstep) {
                         int keff = kc;
                         if (lower) {
@@ -626,8 +678,9 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
                             if (kend <= pc) continue; /* nothing in this block: C keeps its chain (load = 1 here) */
                             if (kend - pc < keff) keff = kend - pc;
                         }
-                        kernel(keff, ap, lda, bp, ldb, cp, ldc, load);
+                        KERNEL(keff, ap, la, bp, ldb, cp, ldc, load);
                     }
+#undef KERNEL
                 }
                 for (; i0 < M; i0 += mr) {
                     const int rows = M - i0 < mr ? M - i0 : mr;
@@ -640,6 +693,9 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
                     const float *ap = at ? A + (size_t)pc * lda + i0 : A + (size_t)i0 * lda + pc;
                     ptrdiff_t la = lda;
                     int tr = at;
+#if PACK_A
+                    if (pack_a && rows == mr) ap = apack + (size_t)(i0 / mr) * mr * kc, la = mr, tr = 1;
+#endif
                     if (rows < mr) { /* the missing rows as zeros, row-major */
                         for (int r = 0; r < mr; r++) {
                             float *row = apad + (size_t)r * keff;
