@@ -660,16 +660,18 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
                                          int) = at ? kr->kernel_at : kr->kernel;
                     const float *ap = at ? A + (size_t)pc * lda : A + pc;
                     float *cp = C + jc + jr;
-                    size_t astep = at ? (size_t)mr : (size_t)mr * lda;
-                    const size_t cstep = (size_t)mr * ldc;
-                    ptrdiff_t la = lda;
+                    const size_t astep = at ? (size_t)mr : (size_t)mr * lda, cstep = (size_t)mr * ldc;
 #if PACK_A
-                    void (*const kernel_packed)(int, const float *, ptrdiff_t, const float *, ptrdiff_t, float *,
-                                                ptrdiff_t, int) = kr->kernel_at;
-                    if (pack_a) ap = apack, la = mr, astep = (size_t)mr * kc;
-#define KERNEL (pack_a ? kernel_packed : kernel)
-#else
-#define KERNEL kernel
+                    if (pack_a) /* every whole row tile from the packed A (the loop below then has none left) */
+                        for (const float *pa = apack; i0 + mr <= M; i0 += mr, pa += (size_t)mr * kc, cp += cstep) {
+                            int keff = kc;
+                            if (lower) {
+                                const int kend = i0 + mr;
+                                if (kend <= pc) continue;
+                                if (kend - pc < keff) keff = kend - pc;
+                            }
+                            kr->kernel_at(keff, pa, mr, bp, ldb, cp, ldc, load);
+                        }
 #endif
                     for (; i0 + mr <= M; i0 += mr, ap += astep, cp += cstep) {
                         int keff = kc;
@@ -678,9 +680,8 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
                             if (kend <= pc) continue; /* nothing in this block: C keeps its chain (load = 1 here) */
                             if (kend - pc < keff) keff = kend - pc;
                         }
-                        KERNEL(keff, ap, la, bp, ldb, cp, ldc, load);
+                        kernel(keff, ap, lda, bp, ldb, cp, ldc, load);
                     }
-#undef KERNEL
                 }
                 for (; i0 < M; i0 += mr) {
                     const int rows = M - i0 < mr ? M - i0 : mr;
