@@ -57,13 +57,12 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
 
 /* --- NEON micro-kernels: 8 x 8 on aarch64 (32 registers), 4 x 8 on armv7 (16) -------------------- */
 
-/* Written for the instruction count (issue 35: exact counts under qemu against one FMLA/VMLA per
- * four multiply-adds). The builds that run here (aarch64, fused or not; armv7 without FMA) have
- * their micro-kernels in asm: in C, GCC kept the 8 x 8 tile's t[8][2] on the stack and stored it
- * every step, hoisted unfused multiplies until the tile spilled, indexed B by k * ldb, and kept C's
- * row addresses on the stack across the loop. An armv7 build with FMA (VFPv4) keeps the C kernels
- * (named accumulators, pointer-walked A and B). None of this changes a C element's chain: one
- * multiply-add per k, in ascending k, as tb_gemm.h promises. */
+/* Written for the instruction count (issue 35: exact counts under qemu against one FMLA/VMLA/VFMA
+ * per four multiply-adds). Every NEON build has its micro-kernels in asm (aarch64 fused or not, armv7
+ * VFPv3 unfused with VMLA, armv7 VFPv4 fused with VFMA): in C, GCC kept the 8 x 8 tile's t[8][2] on the
+ * stack and stored it every step, hoisted unfused multiplies until the tile spilled, indexed B by
+ * k * ldb, and kept C's row addresses on the stack across the loop. None of this changes a C element's
+ * chain: one multiply-add per k, in ascending k, as tb_gemm.h promises. */
 #if defined(TB_NEON)
 #define N_NR 8
 #define INLINE static inline __attribute__((always_inline))
@@ -71,39 +70,23 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
 #define N_MR 8 /* the kernels are asm, below */
 #else
 #define N_MR 4
-#define ROWS(X) X(0) X(1) X(2) X(3)
-/* armv7: VMLA is the unfused multiply-accumulate (the product rounded, then added: the bits of a
- * multiply and an add), one instruction; VFMA where the build fuses and the FPU has it (VFPv4). */
-#define LANE2(a4, lane) ((lane) < 2 ? vget_low_f32(a4) : vget_high_f32(a4))
-#if TB_MADD_FUSED
-#define MADD_LANE(c, b, a4, lane) ((c) = vfmaq_f32((c), (b), vdupq_n_f32(vgetq_lane_f32((a4), (lane)))))
-#else
-#define MADD_LANE(c, b, a4, lane) ((c) = vmlaq_lane_f32((c), (b), LANE2((a4), (lane)), (lane) & 1))
-#endif
 #endif
 
-#define DECLARE_C(r) float32x4_t c##r##0, c##r##1;
-#define LOAD_C(r)                                                                           \
-    c##r##0 = load ? vld1q_f32(c + (r) * ldc) : vdupq_n_f32(0.0f);                       \
-    c##r##1 = load ? vld1q_f32(c + (r) * ldc + 4) : vdupq_n_f32(0.0f);
-#define STORE_C(r) vst1q_f32(c + (r) * ldc, c##r##0), vst1q_f32(c + (r) * ldc + 4, c##r##1);
-/* row r's step with B row (b0, b1) and A values in ar's lane */
-#define ROW_STEP(r, ar, lane) MADD_LANE(c##r##0, b0, ar, lane); MADD_LANE(c##r##1, b1, ar, lane);
-
-/* armv7 without FMA (every build here: -mfpu=neon is VFPv3): the whole micro-kernel in asm, as on
- * aarch64 below. C's tile in q8-q15 (row r in q(8+2r), q(9+2r)), A in q0-q3 and B in q4-q7 (VMLA's
- * scalar must sit in d0-d15). ARMv7 loads take no offset, so in C every load paid an address add and
- * GCC kept C's row addresses on the stack; here A's rows and B are walked by post-incrementing VLD1
- * (one a row of B, eight floats, post-incremented by ldb: a packed panel or B in place), so a pass of
- * four steps is 4 + 4 loads, 32 VMLA, the count and the branch (42 for 32). */
-#if !defined(__aarch64__) && !TB_MADD_FUSED
+/* armv7: the whole micro-kernel in asm, as on aarch64 below. C's tile in q8-q15 (row r in q(8+2r),
+ * q(9+2r)), A in q0-q3 and B in q4-q7. ARMv7 loads take no offset, so in C every load paid an address
+ * add and GCC kept C's row addresses on the stack; here A's rows and B are walked by post-incrementing
+ * VLD1 (one a row of B, eight floats, post-incremented by ldb: a packed panel or B in place).
+ *
+ * Without FMA (FUSED=0, or any VFPv3 build): VMLA, the unfused multiply-accumulate (the product
+ * rounded, then added: the bits of a multiply and an add), by scalar (its scalar must sit in d0-d15):
+ * a pass of four steps is 4 + 4 loads, 32 VMLA, the count and the branch (42 for 32).
+ * With FMA (FUSED=1 builds for VFPv4, kernels/Makefile): VFMA.F32, which has no by-scalar form, so
+ * each step broadcasts row r's A value into q(r): with A row-major, one VLD1 to all lanes per row
+ * (post-incremented), a step 4 + 1 loads and 8 VFMA, a pass of four 54 for 32 (the broadcasts are the
+ * cost of VFMA's form: a row's four consecutive values in two double-spaced VLD4 would need four B rows
+ * live, 20 q registers); with A transposed, 2 + 1 loads a step (below). */
+#if !defined(__aarch64__)
 #define V7_ASM 1
-/* the four rows' multiply-accumulates with B row (lo, hi) and row r's A value in scalar s_r */
-#define V7_ROWS(lo, hi, s0, s1, s2, s3)                                                                    \
-    "vmla.f32 q8, " lo ", " s0 "\n\tvmla.f32 q9, " hi ", " s0 "\n\t"                                      \
-    "vmla.f32 q10, " lo ", " s1 "\n\tvmla.f32 q11, " hi ", " s1 "\n\t"                                    \
-    "vmla.f32 q12, " lo ", " s2 "\n\tvmla.f32 q13, " hi ", " s2 "\n\t"                                    \
-    "vmla.f32 q14, " lo ", " s3 "\n\tvmla.f32 q15, " hi ", " s3 "\n\t"
 /* C's tile: loaded (load != 0) or zeros at the start, stored at the end */
 #define V7_C_IN                                                                                            \
     "cmp %[load], #0\n\t"                                                                                  \
@@ -123,6 +106,91 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
     "d0", "d1", "d2", "d3", "d4", "d5", "d6", "d7", "d8", "d9", "d10", "d11", "d12", "d13", "d14", "d15", "d16", \
         "d17", "d18", "d19", "d20", "d21", "d22", "d23", "d24", "d25", "d26", "d27", "d28", "d29", "d30", "d31", \
         "memory", "cc"
+
+#if TB_MADD_FUSED
+/* the four rows' fused multiply-adds with B row (lo, hi) and row r's A value broadcast in q(r) */
+#define V7_FMA_ROWS(lo, hi)                                                                                \
+    "vfma.f32 q8, " lo ", q0\n\tvfma.f32 q9, " hi ", q0\n\t"                                              \
+    "vfma.f32 q10, " lo ", q1\n\tvfma.f32 q11, " hi ", q1\n\t"                                            \
+    "vfma.f32 q12, " lo ", q2\n\tvfma.f32 q13, " hi ", q2\n\t"                                            \
+    "vfma.f32 q14, " lo ", q3\n\tvfma.f32 q15, " hi ", q3\n\t"
+/* one step, A row-major: each row's value broadcast from its own pointer, then B's row */
+#define V7_FMA_STEP                                                                                        \
+    "vld1.32 {d0[], d1[]}, [%[a0]]!\n\tvld1.32 {d2[], d3[]}, [%[a1]]!\n\t"                                \
+    "vld1.32 {d4[], d5[]}, [%[a2]]!\n\tvld1.32 {d6[], d7[]}, [%[a3]]!\n\t"                                \
+    "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t" V7_FMA_ROWS("q4", "q5")
+
+/* A row-major: row r at a + r * lda */
+static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
+                        int load) {
+    const float *a1 = a + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+    int n = kc >> 2, rest = kc & 3;
+    const ptrdiff_t ldb_b = ldb * (ptrdiff_t)sizeof(float), ldc_b = ldc * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        V7_C_IN
+        "cmp %[n], #0\n\t"
+        "beq 5f\n\t"
+        "4:\n\t" /* four steps */
+        V7_FMA_STEP V7_FMA_STEP V7_FMA_STEP V7_FMA_STEP
+        "subs %[n], %[n], #1\n\t"
+        "bne 4b\n\t"
+        "5:\n\t"
+        "cmp %[rest], #0\n\t"
+        "beq 7f\n\t"
+        "6:\n\t" /* the last kc % 4 steps */
+        V7_FMA_STEP
+        "subs %[rest], %[rest], #1\n\t"
+        "bne 6b\n\t"
+        "7:\n\t"
+        V7_C_OUT
+        : [a0] "+r"(a), [a1] "+r"(a1), [a2] "+r"(a2), [a3] "+r"(a3), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest),
+          [c] "+r"(c)
+        : [ldb] "r"(ldb_b), [ldc] "r"(ldc_b), [load] "r"(load)
+        : V7_CLOBBERS);
+}
+
+/* A transposed: the four values of step k contiguous at a + k * lda, broadcast into q0-q3 by two VLD4
+ * to all lanes (double-spaced: the first fills d0, d2, d4, d6, the second d1, d3, d5, d7), so a step is
+ * 2 + 1 loads and 8 VFMA, as many as the VMLA kernel's with A transposed; a pass of four steps 46 for
+ * 32 (VMLA's row-major kernel: 42). Three loads a step is the least this tile can take: a step's eight
+ * VFMA read six q registers (four broadcasts, B's two) and a load fills at most four d registers. */
+#define V7_FMA_AT_STEP(lo, hi, b_lo)                                                                        \
+    "vld4.32 {d0[], d2[], d4[], d6[]}, [%[a]]\n\tvld4.32 {d1[], d3[], d5[], d7[]}, [%[a]], %[lda]\n\t"      \
+    "vld1.32 {" b_lo "}, [%[b]], %[ldb]\n\t" V7_FMA_ROWS(lo, hi)
+static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                           ptrdiff_t ldc, int load) {
+    int n = kc >> 2, rest = kc & 3;
+    const ptrdiff_t lda_b = lda * (ptrdiff_t)sizeof(float), ldb_b = ldb * (ptrdiff_t)sizeof(float),
+                    ldc_b = ldc * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        V7_C_IN
+        "cmp %[n], #0\n\t"
+        "beq 5f\n\t"
+        "4:\n\t" /* four steps a pass */
+        V7_FMA_AT_STEP("q4", "q5", "d8-d11") V7_FMA_AT_STEP("q6", "q7", "d12-d15")
+        V7_FMA_AT_STEP("q4", "q5", "d8-d11") V7_FMA_AT_STEP("q6", "q7", "d12-d15")
+        "subs %[n], %[n], #1\n\t"
+        "bne 4b\n\t"
+        "5:\n\t"
+        "cmp %[rest], #0\n\t"
+        "beq 7f\n\t"
+        "6:\n\t" /* the last kc % 4 steps */
+        V7_FMA_AT_STEP("q4", "q5", "d8-d11")
+        "subs %[rest], %[rest], #1\n\t"
+        "bne 6b\n\t"
+        "7:\n\t"
+        V7_C_OUT
+        : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest), [c] "+r"(c)
+        : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [ldc] "r"(ldc_b), [load] "r"(load)
+        : V7_CLOBBERS);
+}
+#else /* unfused: VMLA by scalar */
+/* the four rows' multiply-accumulates with B row (lo, hi) and row r's A value in scalar s_r */
+#define V7_ROWS(lo, hi, s0, s1, s2, s3)                                                                    \
+    "vmla.f32 q8, " lo ", " s0 "\n\tvmla.f32 q9, " hi ", " s0 "\n\t"                                      \
+    "vmla.f32 q10, " lo ", " s1 "\n\tvmla.f32 q11, " hi ", " s1 "\n\t"                                    \
+    "vmla.f32 q12, " lo ", " s2 "\n\tvmla.f32 q13, " hi ", " s2 "\n\t"                                    \
+    "vmla.f32 q14, " lo ", " s3 "\n\tvmla.f32 q15, " hi ", " s3 "\n\t"
 
 /* A row-major: row r at a + r * lda */
 static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
@@ -193,6 +261,7 @@ static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b
         : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [ldc] "r"(ldc_b), [load] "r"(load)
         : V7_CLOBBERS);
 }
+#endif /* TB_MADD_FUSED */
 #else
 #define V7_ASM 0
 #endif
@@ -310,81 +379,6 @@ static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b
 }
 #else
 #define A64_ASM 0
-#endif
-
-#if !A64_ASM && !V7_ASM /* armv7 where the FPU has FMA (VFPv4) and the build fuses: VFMA has no by-scalar form */
-/* A row-major: row r at a + r * lda */
-INLINE void body_rows(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
-                      int load) {
-    ROWS(DECLARE_C)
-    ROWS(LOAD_C)
-    int k = 0;
-    for (; k + 4 <= kc; k += 4, a += 4) {
-        /* four steps of k: each row's four A values in one register, used by lane */
-#define LOAD_A(r) const float32x4_t a##r = vld1q_f32(a + (r) * lda);
-        ROWS(LOAD_A)
-#undef LOAD_A
-#define STEP(lane)                                                                                             \
-    do {                                                                                                       \
-        const float32x4_t b0 = vld1q_f32(b + (lane) * ldb), b1 = vld1q_f32(b + (lane) * ldb + 4);             \
-        ROWS_STEP(lane)                                                                                        \
-    } while (0)
-#define ROW_LANE0(r) ROW_STEP(r, a##r, 0)
-#define ROW_LANE1(r) ROW_STEP(r, a##r, 1)
-#define ROW_LANE2(r) ROW_STEP(r, a##r, 2)
-#define ROW_LANE3(r) ROW_STEP(r, a##r, 3)
-#define ROWS_STEP(lane) ROWS(ROW_LANE##lane)
-        STEP(0);
-        STEP(1);
-        STEP(2);
-        STEP(3);
-#undef STEP
-#undef ROWS_STEP
-        b += 4 * ldb;
-    }
-    for (; k < kc; k++, a++, b += ldb) {
-        const float32x4_t b0 = vld1q_f32(b), b1 = vld1q_f32(b + 4);
-#define ROW_ONE(r)                                                \
-    {                                                             \
-        const float32x4_t ar = vld1q_dup_f32(a + (r) * lda);      \
-        ROW_STEP(r, ar, 0)                                        \
-    }
-        ROWS(ROW_ONE)
-#undef ROW_ONE
-    }
-    ROWS(STORE_C)
-}
-
-static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
-                        int load) {
-    if (ldb == N_NR) body_rows(kc, a, lda, b, N_NR, c, ldc, load); /* a packed panel: B's offsets immediate */
-    else body_rows(kc, a, lda, b, ldb, c, ldc, load);
-}
-
-/* A transposed: the N_MR values of step k are contiguous, a + k * lda, used by lane */
-INLINE void body_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
-                    int load) {
-    ROWS(DECLARE_C)
-    ROWS(LOAD_C)
-    int k = 0;
-    for (; k < kc; k++, a += lda, b += ldb) {
-        const float32x4_t b0 = vld1q_f32(b), b1 = vld1q_f32(b + 4);
-        const float32x4_t x0 = vld1q_f32(a);
-        ROW_STEP(0, x0, 0) ROW_STEP(1, x0, 1) ROW_STEP(2, x0, 2) ROW_STEP(3, x0, 3)
-#if N_MR == 8
-        const float32x4_t x1 = vld1q_f32(a + 4);
-        ROW_STEP(4, x1, 0) ROW_STEP(5, x1, 1) ROW_STEP(6, x1, 2) ROW_STEP(7, x1, 3)
-#endif
-    }
-    ROWS(STORE_C)
-}
-
-static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
-                           ptrdiff_t ldc, int load) {
-    if (ldb == N_NR) body_at(kc, a, lda, b, N_NR, c, ldc, load);
-    else body_at(kc, a, lda, b, ldb, c, ldc, load);
-}
-
 #endif
 
 /* B transposed (element (k, j) at src[j * cs + k]) into a kc x N_NR panel, zero for j >= nc: four
@@ -560,6 +554,30 @@ static void pack_panel(const tb_gemm_kernels *kr, const tb_gemm_b *B, int k0, in
 
 /* --- the driver --------------------------------------------------------------------------------------- */
 
+/* armv7 fused (VFPv4): VFMA has no by-scalar form, so with A row-major the micro-kernel broadcasts each
+ * A value by a load of its own (13 instructions a step of 8 VFMA), with A transposed by two VLD4 for
+ * four rows (11). When a row tile passes over two or more panels, the driver packs A's whole row tiles
+ * transposed (tile t's step k: the four rows' values at apack + (t kc + k) 4), one VST4 per four steps
+ * of a tile, and runs kernel_at on them. The same multiply-adds in the same order: the same bits. */
+#if defined(TB_NEON) && !defined(__aarch64__) && TB_MADD_FUSED
+#define PACK_A 1
+static void pack_a_v7(int tiles, int kc, const float *a, ptrdiff_t lda, float *dst) {
+    for (int t = 0; t < tiles; t++, a += 4 * lda) {
+        const float *r0 = a, *r1 = a + lda, *r2 = a + 2 * lda, *r3 = a + 3 * lda;
+        int k = 0;
+        for (; k + 4 <= kc; k += 4, dst += 16) {
+            float32x4x4_t x;
+            x.val[0] = vld1q_f32(r0 + k), x.val[1] = vld1q_f32(r1 + k);
+            x.val[2] = vld1q_f32(r2 + k), x.val[3] = vld1q_f32(r3 + k);
+            vst4q_f32(dst, x);
+        }
+        for (; k < kc; k++, dst += 4) dst[0] = r0[k], dst[1] = r1[k], dst[2] = r2[k], dst[3] = r3[k];
+    }
+}
+#else
+#define PACK_A 0
+#endif
+
 /* The driver; at: A given transposed (A[i][k] at A[k * lda + i]). */
 static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_gemm_b *B, float *C, int ldc,
                  int accumulate, int lower) {
@@ -576,7 +594,15 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
      * the product); a transposed or dequantised one is always packed. */
     const int direct = !B->rows && B->cs == 1 && (M <= 2 * mr || (M <= DIRECT_ROWS && (B->rs * sizeof(float)) % 4096 != 0));
     const size_t pack_floats = direct ? (size_t)kcb * nr : (size_t)kcb * nr * panels;
+#if PACK_A
+    /* A packed when it is row-major and a row tile meets two or more panels */
+    const int pack_a = kr == &neon_kernels && !at && M >= mr && (ncb > nr || N > NC);
+    const size_t apack_floats = pack_a ? (size_t)(M / mr) * mr * kcb : 0;
+    float *buf = scratch(pack_floats + (size_t)mr * kcb + (size_t)mr * nr + (B->rows ? (size_t)nr * kcb : 0) + 16 +
+                         apack_floats);
+#else
     float *buf = scratch(pack_floats + (size_t)mr * kcb + (size_t)mr * nr + (B->rows ? (size_t)nr * kcb : 0) + 16);
+#endif
     if (!buf) abort(); /* a few hundred KiB per thread; nothing sensible to return to a void caller */
     float *bpack = buf, *apad = bpack + pack_floats, *ctile = apad + (size_t)mr * kcb, *tmp = ctile + (size_t)mr * nr;
 
@@ -585,6 +611,10 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
         for (int pc = 0; pc < K; pc += KC) {
             const int kc = K - pc < KC ? K - pc : KC;
             const int load = accumulate || pc > 0;
+#if PACK_A
+            float *const apack = tmp + (B->rows ? (size_t)nr * kcb : 0) + 16;
+            if (pack_a) pack_a_v7(M / mr, kc, A + pc, lda, apack);
+#endif
             if (!direct && !B->rows && B->cs == 1) { /* row-major B: read along its rows, once */
                 /* walked by pointers, and a panel row of one vector (NEON's and the portable kernel's
                  * nr) copied as one: indexed by ((p kc + k) nr), this loop took ~26 instructions per 8
@@ -631,6 +661,18 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
                     const float *ap = at ? A + (size_t)pc * lda : A + pc;
                     float *cp = C + jc + jr;
                     const size_t astep = at ? (size_t)mr : (size_t)mr * lda, cstep = (size_t)mr * ldc;
+#if PACK_A
+                    if (pack_a) /* every whole row tile from the packed A (the loop below then has none left) */
+                        for (const float *pa = apack; i0 + mr <= M; i0 += mr, pa += (size_t)mr * kc, cp += cstep) {
+                            int keff = kc;
+                            if (lower) {
+                                const int kend = i0 + mr;
+                                if (kend <= pc) continue;
+                                if (kend - pc < keff) keff = kend - pc;
+                            }
+                            kr->kernel_at(keff, pa, mr, bp, ldb, cp, ldc, load);
+                        }
+#endif
                     for (; i0 + mr <= M; i0 += mr, ap += astep, cp += cstep) {
                         int keff = kc;
                         if (lower) {
@@ -652,6 +694,9 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
                     const float *ap = at ? A + (size_t)pc * lda + i0 : A + (size_t)i0 * lda + pc;
                     ptrdiff_t la = lda;
                     int tr = at;
+#if PACK_A
+                    if (pack_a && rows == mr) ap = apack + (size_t)(i0 / mr) * mr * kc, la = mr, tr = 1;
+#endif
                     if (rows < mr) { /* the missing rows as zeros, row-major */
                         for (int r = 0; r < mr; r++) {
                             float *row = apad + (size_t)r * keff;

@@ -15,7 +15,8 @@
  * micro-kernel's instruction set has one: faster, judged by tolerance.
  *
  * Micro-kernels: AVX-512 8 x 32 and AVX2 6 x 16 (x86-64), NEON 8 x 8 (aarch64) and 4 x 8 (armv7:
- * vmla, the unfused multiply-accumulate), and a portable 4 x 8 one (any target, Hexagon included).
+ * vmla, the unfused multiply-accumulate; vfma in the FUSED=1 build, which targets VFPv4), and a
+ * portable 4 x 8 one (any target, Hexagon included).
  * The widest one the build's flags allow runs: on x86-64 the host library is built once per level
  * (baseline, AVX2, AVX-512) and the loader takes the best the CPU has, so a wheel built anywhere runs
  * on any x86-64. TB_ISA=avx512|avx2|neon|scalar in the environment forces a narrower one (the widest

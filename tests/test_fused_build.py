@@ -1,7 +1,8 @@
 """The fast build is the judged build (issue 35): `fused=true` runs the FMA programs through the CLI's own
 oracles (chunk_prefill, hybrid), every record's evidence says how the program it ran computes its
-multiply-adds, and arm32's FUSED=1 build, which has no FMA (ARMv7-A NEON without VFPv4), is labelled
-unfused: what ran, not what was asked."""
+multiply-adds: what ran, not what was asked. arm32's FUSED=1 build targets VFPv4 (NEON VFMA.F32) and
+fuses; its FUSED=0 build stays VFPv3 (no FMA), and an arm32 FUSED=1 build cached from before it targeted
+VFPv4 reads back as unfused."""
 
 import json
 
@@ -46,17 +47,29 @@ def test_fused_without_native_programs_is_refused(experiment, capsys):
     assert len(err) == 1 and "fused=true" in err[0] and "backend=refimpl" in err[0]
 
 
-@pytest.mark.parametrize("target,fused,fma", [("arm32", True, False), ("arm32", False, False), ("aarch64", True, True),
+@pytest.mark.parametrize("target,fused,fma", [("arm32", True, True), ("arm32", False, False), ("aarch64", True, True),
                                               ("hexagon", True, True), ("aarch64", False, False)])
 def test_a_build_says_how_it_computes(target, fused, fma):
     computes = build.multiply_add(target, fused)
     assert (computes == "fused") is fma
-    if target == "arm32" and fused:
-        assert "VFPv4" in computes
+
+
+@pytest.mark.parametrize("toolchain", ["gnu", "zig"])
+def test_arm32s_fused_build_is_built_for_vfpv4(toolchain):
+    """The FPU each arm32 build targets is part of its identity (its cache key and build.json): VFPv4 for
+    FUSED=1 only; FUSED=0 keeps ARMv7-A NEON VFPv3's flags."""
+    try:
+        unfused, fused = (build.toolchain_identity("arm32", toolchain, f) for f in (False, True))
+    except build.ToolMissing as e:
+        pytest.skip(str(e))
+    assert "VFPv3" in unfused["fpu"] and "vfpv4" in fused["fpu"]
+    if toolchain == "zig":
+        assert unfused["target"].endswith("+neon+vfp3") and fused["target"].endswith("+neon+vfp4")
 
 
 def test_a_build_from_before_the_label_reads_as_what_ran(tmp_path):
-    """A cached arm32 FUSED=1 build's build.json said fused: true: read back, it says what it computes."""
+    """A cached arm32 FUSED=1 build from before the label (VFPv3 then) said fused: true: read back, it says
+    what it computed."""
     folder = tmp_path / "arm32-fused-0123456789abcdef"
     folder.mkdir()
     (folder / "build.json").write_text(json.dumps({"target": "arm32", "toolchain": "gnu", "fused": True}))

@@ -138,3 +138,20 @@ def test_fused_programs_are_judged_by_tolerance(shape):
     assert timings["gemm_isa"].endswith("-fma") or not X86
     want = a.astype(np.float64) @ b.astype(np.float64)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("target", ARM_TARGETS)
+def test_fused_arm_programs_fuse_and_are_judged_by_tolerance(target):
+    """arm32's FUSED=1 build targets VFPv4 (VFMA.F32) as aarch64's has FMLA: both run their fused NEON
+    micro-kernel ("neon-fma", A row-major and transposed, every edge) within tolerance of float64."""
+    programs = _build(target, fused=True)
+    assert kernel_build.build_info(programs / "tb_gemm_bench")["multiply_add"] == "fused"
+    for shape in SHAPES[:6] + [(37, 70, 300)]:
+        for flags in FLAGS[::3] + [FLAGS[4]]:
+            a, b, c = operands(*shape, flags["trans"], flags["lower"], 2, flags["transa"])
+            got, timings = native_programs.gemm(programs, target, a, b, c, **flags)
+            assert timings["gemm_isa"] == "neon-fma"
+            want = (c.astype(np.float64) if flags["accumulate"] else 0) + (a.T if flags["transa"] else a).astype(
+                np.float64) @ (b.T if flags["trans"] else b).astype(np.float64)
+            assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()) * max(1, shape[2] / 64), \
+                f"{target} {shape} {flags}"

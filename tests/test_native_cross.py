@@ -92,6 +92,28 @@ def test_fused_build_is_caught_by_the_bitexact_oracle(programs, host_gdn, refere
     assert not check_bitexact(host_gdn[(case, "chunkwise")], {"out": out, "state": state}).passed
 
 
+@pytest.mark.parametrize("target", ARM_TARGETS)
+def test_fused_arm_builds_are_judged_by_tolerance(target, host_gdn, references):
+    """The FMA builds (aarch64 FMLA, arm32 VFPv4's VFMA.F32): GDN and attention within NMSE of float64,
+    labelled fused, and no longer the unfused build's bits."""
+    fused = _build(target, fused=True)
+    assert kernel_build.build_info(fused / "tb_gdn_bench")["multiply_add"] == "fused"
+    differs = False
+    for case in [c for c in GDN_CASES if c.n_seq_tokens > 64][:3]:
+        for form, chunk in GDN_FORMS:
+            out, state, _ = native_programs.gdn(fused, target, case.inputs(seed=3), form, chunk)
+            got = {"out": out, "state": state}
+            v = check_nmse(references[case], got)
+            assert v.passed, f"{target} fused {case.name} {form}: {v.detail}"
+            differs |= not check_bitexact(host_gdn[(case, form)], got).passed
+    assert differs
+    q, k, v, mask, scale = attention_inputs(8, 2, 32, 90, 24, 20, "local")
+    want = {"out": gemma.attention(*(a.astype(np.float64) for a in (q, k, v, mask)), scale)}
+    out, timings = native_programs.attention(fused, target, q, k, v, mask, scale)
+    assert check_nmse(want, {"out": out}).passed
+    assert timings["gemm_isa"] == "neon-fma" and timings["vector_path"] == "neon-fma", timings
+
+
 @pytest.mark.parametrize("case", [(4, 1, 64, 150, 1, 1, "global"), (8, 2, 32, 90, 24, 20, "local")], ids=str)
 def test_attention_under_qemu(programs, case):
     q, k, v, mask, scale = attention_inputs(*case)

@@ -130,7 +130,7 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
         t = {k: np.asarray(v, float) for k, v in timings.items() if k.endswith("seconds")}
     params = {"chunk": cfg.chunk, "past": cfg.past, "weights": cfg.weights, "threads": cfg.threads,
               "hidden": model.hidden, "layers": model.layers, "fused": bool(cfg.fused),
-              # how the build computes: arm32's fused build is unfused (no VFPv4; build.multiply_add)
+              # how the build computes (build.multiply_add): what ran, whatever fused asked for
               "multiply_add": kernel_build.build_info(built).get("multiply_add"),
               "gemm_isa": timings.get("gemm_isa")}
     yield logits_oracle(cfg, model, w, prompt, runs, params)

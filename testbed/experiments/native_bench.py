@@ -96,12 +96,13 @@ GGML_KDA_TARGET = 0.3
 TORCH_TARGETS = {512: 0.25, 4096: 0.2}
 # On a device that counts (the emulated ones: exact instructions), each kernel's instructions per FLOP
 # over the FMA ideal of the ISA it ran on: one instruction per multiply-add of a full vector, 1 / (2
-# lanes) instructions per FLOP. AArch64 NEON: FMLA on 4 float32 lanes, 1/8; ARMv7-A NEON: VMLA (a
-# multiply-accumulate rounding twice; no VFPv4 FMA) on 4 lanes, 1/8; Hexagon v67 as built (scalar C,
-# no HVX): one sffma per 2 FLOP, 1/2; x86-64 AVX-512 (valgrind's counts): 16 lanes, 1/32. Goals (issue
-# 35): tb_gemm at most 1.5x the ideal, GDN chunkwise and attention at most 2x.
+# lanes) instructions per FLOP. AArch64 NEON: FMLA on 4 float32 lanes, 1/8; ARMv7-A NEON: VFMA (the
+# fused build, VFPv4) or VMLA (the unfused one: a multiply-accumulate rounding twice) on 4 lanes, 1/8;
+# Hexagon v67 as built (scalar C, no HVX): one sffma per 2 FLOP, 1/2; x86-64 AVX-512 (valgrind's
+# counts): 16 lanes, 1/32. Goals (issue 35): tb_gemm at most 1.5x the ideal, GDN chunkwise and
+# attention at most 2x.
 FMA_IDEAL = {"aarch64": (1 / 8, "NEON FMLA, 4 float32 lanes: 8 FLOP per instruction"),
-             "arm32": (1 / 8, "ARMv7-A NEON VMLA, 4 float32 lanes: 8 FLOP per instruction"),
+             "arm32": (1 / 8, "ARMv7-A NEON VFMA (VFPv4; VMLA unfused), 4 float32 lanes: 8 FLOP per instruction"),
              "hexagon": (1 / 2, "Hexagon v67 scalar sffma (the build has no HVX): 2 FLOP per instruction"),
              "host": (1 / 32, "AVX-512 VFMADD, 16 float32 lanes: 32 FLOP per instruction")}
 IDEAL_TARGETS = (("gemm loop", None), ("gemm", 1.5), ("attention", 2.0), ("gdn chunkwise", 2.0))

@@ -255,23 +255,33 @@ def _first_line(*argv: str) -> str:
     return (p.stdout or p.stderr).strip().splitlines()[0] if p.returncode == 0 and (p.stdout or p.stderr).strip() else ""
 
 
-def toolchain_identity(target: str, toolchain: str) -> dict:
-    """Which compiler builds `target` with `toolchain`: its name, command and version. Part of the
-    programs' cache key and of the evidence of every run."""
+# arm32's floating point, FUSED=0 / FUSED=1 (kernels/Makefile: ARM32_FPU). FUSED=0 is ARMv7-A NEON with
+# VFPv3, which has no fused multiply-add (every NEON core runs it; the builds bit-exact across targets);
+# FUSED=1 targets VFPv4 (NEON VFMA.F32): Cortex-A5, A7, A12, A15, A17 and every ARMv8 core in 32-bit mode,
+# not Cortex-A8 or A9.
+ARM32_FPU = {False: "neon (VFPv3, no fused multiply-add)", True: "neon-vfpv4 (VFMA.F32)"}
+
+
+def toolchain_identity(target: str, toolchain: str, fused: bool = False) -> dict:
+    """Which compiler builds `target` with `toolchain`: its name, command and version (and arm32's FPU,
+    which FUSED chooses). Part of the programs' cache key and of the evidence of every run."""
+    arm32 = {"fpu": ARM32_FPU[bool(fused)]} if target == "arm32" else {}
     if toolchain == "zig":
         zig = zig_binary()
         triple = ZIG_TRIPLES.get(target)
         if triple is None:
             raise BuildError(f"toolchain zig builds for {', '.join(ZIG_TRIPLES)}, not {target!r}")
-        cpu = {"hexagon": f"-mcpu=hexagon{HEXAGON_CORE}", "arm32": "-mcpu=generic+v7a+neon+vfp3",
+        cpu = {"hexagon": f"-mcpu=hexagon{HEXAGON_CORE}",
+               "arm32": f"-mcpu=generic+v7a+neon+{'vfp4' if fused else 'vfp3'}",
                "aarch64": "-mcpu=generic"}[target]
         return {"toolchain": "zig", "compiler": f"zig {_first_line(str(zig), 'version')} cc",
-                "target": f"-target {triple} {cpu}", "libc": "musl (static)"}
+                "target": f"-target {triple} {cpu}", "libc": "musl (static)", **arm32}
     if toolchain == "ndk":
         ndk = os.environ.get("ANDROID_NDK_HOME", "")
         if not ndk:
             raise ToolMissing("toolchain ndk needs ANDROID_NDK_HOME (the Android NDK's folder)")
-        return {"toolchain": "ndk", "compiler": f"Android NDK clang ({ndk})", "target": target, "libc": "bionic"}
+        return {"toolchain": "ndk", "compiler": f"Android NDK clang ({ndk})", "target": target, "libc": "bionic",
+                **arm32}
     cc = {"arm32": "arm-linux-gnueabihf-gcc", "aarch64": "aarch64-linux-gnu-gcc"}.get(target,
                                                                                     os.environ.get("HOST_CC", "cc"))
     if target == "hexagon":
@@ -280,7 +290,7 @@ def toolchain_identity(target: str, toolchain: str) -> dict:
         raise ToolMissing(f"`{cc}` builds the {target} programs and is not installed (Debian: apt-get install "
                           f"{GNU_PACKAGES.get(target, 'gcc')})")
     return {"toolchain": "gnu", "compiler": _first_line(cc, "--version") or cc, "target": target,
-            "libc": "glibc (static)"}
+            "libc": "glibc (static)", **arm32}
 
 
 def _programs_hash(target: str, fused: bool, kernels_dir: Path = KERNELS_DIR, avx512: bool = True,
@@ -288,20 +298,18 @@ def _programs_hash(target: str, fused: bool, kernels_dir: Path = KERNELS_DIR, av
     toolchain = toolchain or default_toolchain(target)
     h = hashlib.sha256(f"{target} fused={int(fused)}{'' if avx512 else ' avx512=0'}".encode())
     h.update(tree_hash(kernels_dir).encode())
-    h.update(json.dumps(toolchain_identity(target, toolchain), sort_keys=True).encode())
+    h.update(json.dumps(toolchain_identity(target, toolchain, fused), sort_keys=True).encode())
     h.update(os.environ.get("ANDROID_NDK_HOME", "").encode())
     return h.hexdigest()
 
 
 def multiply_add(target: str, fused: bool) -> str:
     """How a build's multiply-adds round, whatever FUSED asked for: "fused" (one rounding: FMA) only
-    where the target's flags have a fused multiply-add. arm32 is ARMv7-A NEON without VFPv4 (every
-    toolchain's flags), so its FUSED=1 build computes unfused (tb_simd.h: TB_MADD_FUSED 0; its
-    micro-kernel says "neon", not "neon-fma"); the host's FUSED=1 build adds -mfma where the CPU has it."""
+    where the target's flags have a fused multiply-add. arm32's FUSED=1 build targets VFPv4 (NEON
+    VFMA.F32; ARM32_FPU), so it fuses (tb_simd.h: TB_MADD_FUSED 1; its micro-kernel says "neon-fma");
+    the host's FUSED=1 build adds -mfma where the CPU has it."""
     if not fused:
         return "unfused"
-    if target == "arm32":
-        return "unfused (FUSED=1 asked; ARMv7-A NEON without VFPv4 has no fused multiply-add)"
     if target == "host" and platform.machine() in ("x86_64", "amd64") and "fma" not in cpu_flags():
         return "unfused (FUSED=1 asked; this CPU has no FMA)"
     return "fused"
@@ -316,6 +324,8 @@ def build_info(program: Path) -> dict:
     if "multiply_add" not in info and info.get("target") in TARGETS and "fused" in info:  # a build from before
         info["fused_requested"] = info["fused"]                                           # it was written
         info["multiply_add"] = multiply_add(info["target"], bool(info["fused"]))
+        if info["target"] == "arm32" and info["fused"]:  # built then for VFPv3 (no FMA), whatever FUSED said
+            info["multiply_add"] = "unfused (FUSED=1 asked; built for ARMv7-A NEON VFPv3, no fused multiply-add)"
         info["fused"] = info["multiply_add"] == "fused"
     return info
 
@@ -378,7 +388,7 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
     toolchain = toolchain or default_toolchain(target)
     if toolchain not in TOOLCHAINS:
         raise ValueError(f"toolchain {toolchain!r} is not one of {', '.join(TOOLCHAINS)}")
-    identity = toolchain_identity(target, toolchain)
+    identity = toolchain_identity(target, toolchain, fused)
     cache_dir = cache_dir or ROOT / ".cache" / "kernels"
     remove_stale_temporaries(cache_dir)
     variant = ("" if toolchain == default_toolchain(target) else f"-{toolchain}") + ("-fused" if fused else "") + \
