@@ -106,6 +106,10 @@ static const tb_gemm_kernels scalar_kernels = {TB_MADD_FUSED ? "portable-fma" : 
     "d0", "d1", "d2", "d3", "d4", "d5", "d6", "d7", "d8", "d9", "d10", "d11", "d12", "d13", "d14", "d15", "d16", \
         "d17", "d18", "d19", "d20", "d21", "d22", "d23", "d24", "d25", "d26", "d27", "d28", "d29", "d30", "d31", \
         "memory", "cc"
+/* the k loop around a kernel's steps: kc / 4 passes of `four` (four steps), then kc % 4 of `one` */
+#define V7_STEPS(four, one)                                                                                \
+    "cmp %[n], #0\n\tbeq 5f\n\t4:\n\t" four "subs %[n], %[n], #1\n\tbne 4b\n\t5:\n\t"                       \
+    "cmp %[rest], #0\n\tbeq 7f\n\t6:\n\t" one "subs %[rest], %[rest], #1\n\tbne 6b\n\t7:\n\t"
 
 #if TB_MADD_FUSED
 /* the four rows' fused multiply-adds with B row (lo, hi) and row r's A value broadcast in q(r) */
@@ -128,20 +132,10 @@ static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, p
     const ptrdiff_t ldb_b = ldb * (ptrdiff_t)sizeof(float), ldc_b = ldc * (ptrdiff_t)sizeof(float);
     __asm__ volatile(
         V7_C_IN
-        "cmp %[n], #0\n\t"
-        "beq 5f\n\t"
-        "4:\n\t" /* four steps */
-        V7_FMA_STEP V7_FMA_STEP V7_FMA_STEP V7_FMA_STEP
-        "subs %[n], %[n], #1\n\t"
-        "bne 4b\n\t"
-        "5:\n\t"
-        "cmp %[rest], #0\n\t"
-        "beq 7f\n\t"
-        "6:\n\t" /* the last kc % 4 steps */
-        V7_FMA_STEP
-        "subs %[rest], %[rest], #1\n\t"
-        "bne 6b\n\t"
-        "7:\n\t"
+        V7_STEPS(/* four steps */
+            V7_FMA_STEP V7_FMA_STEP V7_FMA_STEP V7_FMA_STEP,
+            /* the last kc % 4 steps */
+            V7_FMA_STEP)
         V7_C_OUT
         : [a0] "+r"(a), [a1] "+r"(a1), [a2] "+r"(a2), [a3] "+r"(a3), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest),
           [c] "+r"(c)
@@ -164,21 +158,11 @@ static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b
                     ldc_b = ldc * (ptrdiff_t)sizeof(float);
     __asm__ volatile(
         V7_C_IN
-        "cmp %[n], #0\n\t"
-        "beq 5f\n\t"
-        "4:\n\t" /* four steps a pass */
-        V7_FMA_AT_STEP("q4", "q5", "d8-d11") V7_FMA_AT_STEP("q6", "q7", "d12-d15")
-        V7_FMA_AT_STEP("q4", "q5", "d8-d11") V7_FMA_AT_STEP("q6", "q7", "d12-d15")
-        "subs %[n], %[n], #1\n\t"
-        "bne 4b\n\t"
-        "5:\n\t"
-        "cmp %[rest], #0\n\t"
-        "beq 7f\n\t"
-        "6:\n\t" /* the last kc % 4 steps */
-        V7_FMA_AT_STEP("q4", "q5", "d8-d11")
-        "subs %[rest], %[rest], #1\n\t"
-        "bne 6b\n\t"
-        "7:\n\t"
+        V7_STEPS(/* four steps a pass */
+            V7_FMA_AT_STEP("q4", "q5", "d8-d11") V7_FMA_AT_STEP("q6", "q7", "d12-d15")
+            V7_FMA_AT_STEP("q4", "q5", "d8-d11") V7_FMA_AT_STEP("q6", "q7", "d12-d15"),
+            /* the last kc % 4 steps */
+            V7_FMA_AT_STEP("q4", "q5", "d8-d11"))
         V7_C_OUT
         : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest), [c] "+r"(c)
         : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [ldc] "r"(ldc_b), [load] "r"(load)
@@ -200,32 +184,22 @@ static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, p
     const ptrdiff_t ldb_b = ldb * (ptrdiff_t)sizeof(float), ldc_b = ldc * (ptrdiff_t)sizeof(float);
     __asm__ volatile(
         V7_C_IN
-        "cmp %[n], #0\n\t"
-        "beq 5f\n\t"
-        "4:\n\t" /* four steps: each row's four A values in one register, used by lane */
-        "vld1.32 {d0-d1}, [%[a0]]!\n\tvld1.32 {d2-d3}, [%[a1]]!\n\t"
-        "vld1.32 {d4-d5}, [%[a2]]!\n\tvld1.32 {d6-d7}, [%[a3]]!\n\t"
-        "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
-        "vld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
-        V7_ROWS("q4", "q5", "d0[0]", "d2[0]", "d4[0]", "d6[0]")
-        "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
-        V7_ROWS("q6", "q7", "d0[1]", "d2[1]", "d4[1]", "d6[1]")
-        "vld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
-        V7_ROWS("q4", "q5", "d1[0]", "d3[0]", "d5[0]", "d7[0]")
-        V7_ROWS("q6", "q7", "d1[1]", "d3[1]", "d5[1]", "d7[1]")
-        "subs %[n], %[n], #1\n\t"
-        "bne 4b\n\t"
-        "5:\n\t"
-        "cmp %[rest], #0\n\t"
-        "beq 7f\n\t"
-        "6:\n\t" /* the last kc % 4 steps one by one, A broadcast */
-        "vld1.32 {d0[], d1[]}, [%[a0]]!\n\tvld1.32 {d2[], d3[]}, [%[a1]]!\n\t"
-        "vld1.32 {d4[], d5[]}, [%[a2]]!\n\tvld1.32 {d6[], d7[]}, [%[a3]]!\n\t"
-        "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
-        V7_ROWS("q4", "q5", "d0[0]", "d2[0]", "d4[0]", "d6[0]")
-        "subs %[rest], %[rest], #1\n\t"
-        "bne 6b\n\t"
-        "7:\n\t"
+        V7_STEPS(/* four steps: each row's four A values in one register, used by lane */
+            "vld1.32 {d0-d1}, [%[a0]]!\n\tvld1.32 {d2-d3}, [%[a1]]!\n\t"
+            "vld1.32 {d4-d5}, [%[a2]]!\n\tvld1.32 {d6-d7}, [%[a3]]!\n\t"
+            "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+            "vld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
+            V7_ROWS("q4", "q5", "d0[0]", "d2[0]", "d4[0]", "d6[0]")
+            "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+            V7_ROWS("q6", "q7", "d0[1]", "d2[1]", "d4[1]", "d6[1]")
+            "vld1.32 {d12-d15}, [%[b]], %[ldb]\n\t"
+            V7_ROWS("q4", "q5", "d1[0]", "d3[0]", "d5[0]", "d7[0]")
+            V7_ROWS("q6", "q7", "d1[1]", "d3[1]", "d5[1]", "d7[1]"),
+            /* the last kc % 4 steps one by one, A broadcast */
+            "vld1.32 {d0[], d1[]}, [%[a0]]!\n\tvld1.32 {d2[], d3[]}, [%[a1]]!\n\t"
+            "vld1.32 {d4[], d5[]}, [%[a2]]!\n\tvld1.32 {d6[], d7[]}, [%[a3]]!\n\t"
+            "vld1.32 {d8-d11}, [%[b]], %[ldb]\n\t"
+            V7_ROWS("q4", "q5", "d0[0]", "d2[0]", "d4[0]", "d6[0]"))
         V7_C_OUT
         : [a0] "+r"(a), [a1] "+r"(a1), [a2] "+r"(a2), [a3] "+r"(a3), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest),
           [c] "+r"(c)
