@@ -550,17 +550,27 @@ static int layer(tb_engine *e, int i, int rows, int keep) {
     norm_rope_heads(e->k, rows, c->kv_heads, hd, w->k_norm, c->rms_eps, e->cos[type], e->sin[type], e->kh);
     heads_first(e->v, rows, c->kv_heads, hd, e->vh);
 
-    /* keys: the held rows (decoded to float32), then this call's own rows */
-    tb_kv_read(cache, e->keys_k, e->keys_v, e->key_positions, keys);
-    for (int h = 0; h < c->kv_heads; h++) {
-        memcpy(e->keys_k + ((size_t)h * keys + held) * hd, e->kh + (size_t)h * rows * hd, sizeof(float) * rows * hd);
-        memcpy(e->keys_v + ((size_t)h * keys + held) * hd, e->vh + (size_t)h * rows * hd, sizeof(float) * rows * hd);
+    /* keys: the held rows, then this call's own rows; read in place from a float32 cache with room
+     * after its held rows, else from a float32 copy */
+    const float *keys_k, *keys_v;
+    int kv_rows;
+    const int staged = tb_kv_stage(cache, e->kh, e->vh, rows, &keys_k, &keys_v, &kv_rows);
+    if (staged) {
+        tb_kv_positions(cache, e->key_positions);
+    } else {
+        tb_kv_read(cache, e->keys_k, e->keys_v, e->key_positions, keys);
+        for (int h = 0; h < c->kv_heads; h++) {
+            memcpy(e->keys_k + ((size_t)h * keys + held) * hd, e->kh + (size_t)h * rows * hd, sizeof(float) * rows * hd);
+            memcpy(e->keys_v + ((size_t)h * keys + held) * hd, e->vh + (size_t)h * rows * hd, sizeof(float) * rows * hd);
+        }
+        keys_k = e->keys_k, keys_v = e->keys_v, kv_rows = keys;
     }
     memcpy(e->key_positions + held, e->positions, sizeof(int64_t) * rows);
     build_mask(e->positions, rows, e->key_positions, keys, type == TB_LOCAL, c->window, c->heads, e->mask);
-    if ((rc = tb_attention(c->heads, c->kv_heads, rows, keys, keys, hd, e->qh, e->keys_k, e->keys_v, e->mask,
-                           c->attn_scale, e->att, e->o.threads)))
-        return rc;
+    rc = tb_attention(c->heads, c->kv_heads, rows, keys, kv_rows, hd, e->qh, keys_k, keys_v, e->mask, c->attn_scale,
+                      e->att, e->o.threads);
+    if (staged) tb_kv_unstage(cache, rows);
+    if (rc) return rc;
     /* the chunk's rows join the cache once this layer has read it */
     if ((rc = tb_kv_append(cache, e->kh, e->vh, rows, e->positions, keep))) return rc;
 

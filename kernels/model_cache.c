@@ -98,6 +98,34 @@ static void decode_row(const tb_kv_cache *c, const uint8_t *data, const float *s
     }
 }
 
+void tb_kv_positions(const tb_kv_cache *c, int64_t *positions) {
+    memcpy(positions, c->part[TB_KV_POSITIONS].rows, sizeof(int64_t) * tb_kv_count(c));
+}
+
+int tb_kv_stage(tb_kv_cache *c, const float *k, const float *v, int rows, const float **k_planes,
+                const float **v_planes, int *kv_rows) {
+    tb_sliding_cache *pk = &c->part[TB_KV_K], *pv = &c->part[TB_KV_V];
+    const int held = tb_kv_count(c);
+    if (c->dtype != TB_F32 || rows < 0 || held + rows > pk->window) return 0;
+    const size_t bytes = sizeof(float) * c->head_dim;
+    for (int h = 0; h < c->kv_heads; h++) {
+        const size_t slot = (size_t)h * pk->window + held;
+        memcpy(pk->rows + slot * bytes, k + (size_t)h * rows * c->head_dim, bytes * rows);
+        memcpy(pv->rows + slot * bytes, v + (size_t)h * rows * c->head_dim, bytes * rows);
+    }
+    *k_planes = (const float *)pk->rows, *v_planes = (const float *)pv->rows, *kv_rows = pk->window;
+    return 1;
+}
+
+void tb_kv_unstage(tb_kv_cache *c, int rows) {
+    const int held = tb_kv_count(c);
+    for (int p = TB_KV_K; p <= TB_KV_V; p++) {
+        tb_sliding_cache *s = &c->part[p];
+        for (int h = 0; h < c->kv_heads; h++)
+            memset(s->rows + ((size_t)h * s->window + held) * s->row_bytes, s->empty_byte, s->row_bytes * rows);
+    }
+}
+
 void tb_kv_read(const tb_kv_cache *c, float *k, float *v, int64_t *positions, int kv_rows) {
     const int n = tb_kv_count(c), d = c->head_dim;
     const tb_fp_mode caller = tb_fp_flush_enter();
@@ -111,7 +139,7 @@ void tb_kv_read(const tb_kv_cache *c, float *k, float *v, int64_t *positions, in
             decode_row(c, pk->rows + slot * pk->row_bytes, ks, k + ((size_t)h * kv_rows + r) * d);
             decode_row(c, pv->rows + slot * pv->row_bytes, vs, v + ((size_t)h * kv_rows + r) * d);
         }
-    memcpy(positions, c->part[TB_KV_POSITIONS].rows, sizeof(int64_t) * n);
+    tb_kv_positions(c, positions);
     tb_fp_restore(caller);
 }
 

@@ -94,6 +94,18 @@ void tb_kv_clear(tb_kv_cache *c);
 /* The held rows as float32: k, v [kv_heads, kv_rows, head_dim] (rows 0..count-1 written) and their
  * positions [count]. */
 void tb_kv_read(const tb_kv_cache *c, float *k, float *v, int64_t *positions, int kv_rows);
+/* The held rows' positions [count]. */
+void tb_kv_positions(const tb_kv_cache *c, int64_t *positions);
+/* Attention's keys read in place. A float32 cache's K and V planes are already what tb_attention reads
+ * ([kv_heads, capacity, head_dim], the held rows first, in order), so a call's own rows k, v
+ * [kv_heads, rows, head_dim] are staged in the free slots right after them: not held (count and
+ * positions unchanged; tb_kv_unstage empties the slots again, leaving the cache's bytes as they were),
+ * and the planes are handed out with kv_rows = capacity. Returns 1 when staged; 0 when the cache holds
+ * another dtype or has no room for the rows after its held ones, and nothing is written: the caller
+ * reads a float32 copy (tb_kv_read). A decode step then streams its K/V once instead of three times. */
+int tb_kv_stage(tb_kv_cache *c, const float *k, const float *v, int rows, const float **k_planes,
+                const float **v_planes, int *kv_rows);
+void tb_kv_unstage(tb_kv_cache *c, int rows);
 /* Whether part p is in use (the scales only for int8). */
 int tb_kv_has_part(const tb_kv_cache *c, int p);
 

@@ -14,10 +14,22 @@ The reference: numpy's OpenBLAS running its own kernel for this CPU. The variabl
 another (OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE: set for every process on the project's machines) are
 read when the library loads, so the script re-executes itself without them before numpy loads.
 
-    python scripts/outside_ratios.py [--fused 1|0] [--reps 7] [--keys 512,2048,8192] [--head-dim 256] [--chunk 64]
-        [--gdn-tokens 512,4096] [--gdn-heads 16] [--gdn-head-size 128] [--gdn-chunk 0] [--gemm 512] [--json OUT]
+The model engine's decode step (kernels/tb_model.h, engine_bench's `decode_vs_stream`): the engine is
+made here through its C ABI (ctypes structures mirroring tb_model.h; the weights stored in f32, f16 or
+int8 by numpy here), P positions prefilled, then each repetition evicts the caches (256 MiB written and
+read), times one decode step by this thread's CPU clock and drops its row; beside it, in the same
+shuffled repetition, a streaming read of 256 MiB (numpy's integer sum, which the memory bounds). The
+ratio: the step's time over the time to read the weights once (every matrix in its stored dtype, the
+scales too) at that bandwidth. The step's logits are checked against refimpl.gemma in float64 on the
+weights as stored.
 
-Defaults: native_bench's (experiments/experiment/native_bench.yaml), one thread; the sgemm at --gemm's size.
+    python scripts/outside_ratios.py [--fused 1|0] [--reps 7] [--keys 512,2048,8192] [--head-dim 256] [--chunk 64]
+        [--gdn-tokens 512,4096] [--gdn-heads 16] [--gdn-head-size 128] [--gdn-chunk 0] [--gemm 512]
+        [--decode f32,f16,int8] [--decode-past 512] [--hugepages 0] [--json OUT]
+
+Defaults: native_bench's (experiments/experiment/native_bench.yaml) and engine_bench's model
+(experiments/experiment/engine_bench.yaml), one thread; the sgemm at --gemm's size. `--decode ''`
+leaves the engine out; `--kernels 0` leaves the kernels out.
 """
 
 from __future__ import annotations
@@ -40,12 +52,23 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+try:  # numpy 2; numpy 1 had it under its old name
+    from numpy._core import multiarray  # noqa: E402
+except ImportError:
+    from numpy.core import multiarray  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from refimpl import gdn  # noqa: E402
+from refimpl import gdn, gemma  # noqa: E402
 
-SOURCES = ("gdn.c", "attention.c", "sliding_cache.c", "tb_parallel.c", "gemm.c", "gemm_avx2.c", "gemm_avx512.c")
+SOURCES = ("gdn.c", "attention.c", "sliding_cache.c", "tb_parallel.c", "gemm.c", "gemm_avx2.c", "gemm_avx512.c",
+           "model.c", "model_cache.c", "model_prefill.c")
 MIN_SAMPLE_S = 0.02  # each timed sample lasts at least this much CPU time (calls repeated)
+# engine_bench's model (experiments/experiment/engine_bench.yaml: shape, group, seed)
+DECODE_MODEL = gemma.GemmaConfig(vocab=4096, hidden=512, layers=6, heads=8, kv_heads=2, head_dim=64, mlp=2048,
+                                 window=512)
+DECODE_GROUP, DECODE_SEED = 32, 0
+STREAM_BYTES = 256 << 20  # the streaming read, and what evicts the caches before each decode step
 
 
 def cpu_flags() -> set[str]:
@@ -151,20 +174,203 @@ def variants(lib: ctypes.CDLL, args, rng) -> tuple[dict, dict]:
     return calls, flops, checks
 
 
-def measure(calls: dict, reps: int, seed: int) -> dict[str, list[float]]:
+# --- the model engine, through tb_model.h's ABI ---------------------------------------------------------
+
+MAX_LAYERS = 256  # TB_MAX_LAYERS
+DTYPES = {"f32": 0, "f16": 1, "int8": 2}  # TB_F32, TB_F16, TB_INT8
+
+
+class ModelConfig(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int) for n in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "mlp",
+                                            "window")] + [
+        ("layer_type", ctypes.c_int * MAX_LAYERS), ("rope_local", ctypes.c_double), ("rope_global", ctypes.c_double),
+        ("rope_global_scaling", ctypes.c_double), ("attn_scale", ctypes.c_float), ("rms_eps", ctypes.c_float),
+        ("softcap", ctypes.c_float)]
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [("dtype", ctypes.c_int), ("rows", ctypes.c_int), ("cols", ctypes.c_int), ("group", ctypes.c_int),
+                ("data", ctypes.c_void_p), ("scales", ctypes.c_void_p)]
+
+
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+NORMS = ("q_norm", "k_norm", "input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm")
+
+
+class LayerWeights(ctypes.Structure):
+    _fields_ = [(n, Matrix) for n in PROJECTIONS] + [(n, ctypes.c_void_p) for n in NORMS]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("cfg", ModelConfig), ("embed", Matrix), ("final_norm", ctypes.c_void_p),
+                ("layer", LayerWeights * MAX_LAYERS)]
+
+
+class EngineOptions(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int) for n in ("cache_dtype", "cache_group", "sliding", "sink", "capacity", "max_rows",
+                                            "threads")]
+
+
+HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj", "q_norm": "self_attn.q_norm",
+            "k_norm": "self_attn.k_norm", "input_norm": "input_layernorm",
+            "post_attn_norm": "post_attention_layernorm", "pre_ff_norm": "pre_feedforward_layernorm",
+            "post_ff_norm": "post_feedforward_layernorm"}
+
+
+def stored(a: np.ndarray, dtype: str, group: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """A [rows, cols] matrix as the engine stores it (its arrays: data, then int8's scales) and the
+    float64 values it stands for. int8: one scale per `group` consecutive elements of a row, max|x| / 127."""
+    if dtype == "f32":
+        return [np.ascontiguousarray(a, np.float32)], a.astype(np.float64)
+    if dtype == "f16":
+        h = np.ascontiguousarray(a, np.float16)
+        return [h], h.astype(np.float64)
+    rows, cols = a.shape
+    g = a.astype(np.float64).reshape(rows, cols // group, group)
+    scale = (np.abs(g).max(-1) / 127).astype(np.float32)
+    q = np.clip(np.rint(g / np.where(scale == 0, 1, scale)[:, :, None]), -127, 127).astype(np.int8)
+    return [q.reshape(rows, cols), scale], (q.astype(np.float64) * scale[:, :, None]).reshape(rows, cols)
+
+
+def aligned(a: np.ndarray, to: int = 64) -> np.ndarray:
+    """A copy of `a` starting on a cache line (numpy's large arrays start 16 bytes past a page): a
+    row that straddles lines costs the step up to 10% (f32)."""
+    buf = np.empty(a.nbytes + to, np.uint8)
+    off = (-buf.ctypes.data) % to
+    out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+class Engine:
+    """One engine over one stored copy of the weights, P positions prefilled."""
+
+    def __init__(self, lib: ctypes.CDLL, cfg: gemma.GemmaConfig, w: dict, dtype: str, tokens: np.ndarray):
+        self.lib, self.keep, self.ref = lib, [], {}
+        self.weight_bytes = 0
+        m = Model()
+        c = m.cfg
+        for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "window"):
+            setattr(c, name, getattr(cfg, name))
+        for i, t in enumerate(cfg.layer_types):
+            c.layer_type[i] = 1 if t == "global" else 0  # TB_GLOBAL, TB_LOCAL
+        c.rope_local, c.rope_global, c.rope_global_scaling = cfg.rope_local, cfg.rope_global, cfg.rope_scaling_global
+        c.attn_scale, c.rms_eps, c.softcap = cfg.scale, cfg.rms_eps, cfg.final_logit_softcap or 0.0
+        m.embed = self.matrix("model.embed_tokens.weight", w, dtype)
+        m.final_norm = self.vector("model.norm.weight", w)
+        for i in range(cfg.layers):
+            layer = m.layer[i]
+            for name in PROJECTIONS:
+                setattr(layer, name, self.matrix(f"model.layers.{i}.{HF_NAMES[name]}.weight", w, dtype))
+            for name in NORMS:
+                setattr(layer, name, self.vector(f"model.layers.{i}.{HF_NAMES[name]}.weight", w))
+        self.model = m
+        past = len(tokens) - 1
+        # a float32 cache of every row, room for the decode step's
+        options = EngineOptions(0, DECODE_GROUP, 0, 0, past + 1, past, 1)
+        self.engine = ctypes.c_void_p()
+        lib.tb_engine_create.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(EngineOptions),
+                                         ctypes.POINTER(ctypes.c_void_p)]
+        lib.tb_model_prefill_with_past.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                                   ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.tb_model_decode_with_past.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p]
+        lib.tb_engine_drop.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.tb_engine_free.argtypes = [ctypes.c_void_p]
+        check(lib.tb_engine_create(ctypes.byref(m), ctypes.byref(options), ctypes.byref(self.engine)), "engine")
+        self.tokens = np.ascontiguousarray(tokens, np.int32)
+        self.logits = np.empty(cfg.vocab, np.float32)
+        self.past = past
+        check(lib.tb_model_prefill_with_past(self.engine, self.tokens.ctypes.data, past, past, 0, past, past - 1,
+                                             self.logits.ctypes.data), "prefill")
+
+    def matrix(self, name: str, w: dict, dtype: str) -> Matrix:
+        arrays, self.ref[name] = stored(w[name], dtype, DECODE_GROUP)
+        arrays = [aligned(a) for a in arrays]
+        self.keep += arrays
+        self.weight_bytes += sum(a.nbytes for a in arrays)
+        rows, cols = w[name].shape
+        return Matrix(DTYPES[dtype], rows, cols, DECODE_GROUP, arrays[0].ctypes.data,
+                      arrays[1].ctypes.data if len(arrays) > 1 else None)
+
+    def vector(self, name: str, w: dict) -> int:
+        a = np.ascontiguousarray(w[name], np.float32)
+        self.keep.append(a)
+        self.ref[name] = a.astype(np.float64)
+        return a.ctypes.data
+
+    def decode(self):
+        """One decode step at position P, its row then dropped (the cache as before)."""
+        check(self.lib.tb_model_decode_with_past(self.engine, int(self.tokens[self.past]), self.past,
+                                                 self.logits.ctypes.data), "decode step")
+        check(self.lib.tb_engine_drop(self.engine, 1), "drop")
+
+    def close(self):
+        self.lib.tb_engine_free(self.engine)
+
+
+def check(rc: int, what: str):
+    if rc != 0:
+        raise RuntimeError(f"{what}: the engine returned {rc}")
+
+
+def decode_variants(lib: ctypes.CDLL, args):
+    """name -> call, bytes, check for each weights dtype's decode step, and the streaming read (its
+    bytes); the engines (to free); and what makes the caches cold before each."""
+    cfg = DECODE_MODEL
+    w = gemma.init_weights(cfg, DECODE_SEED)
+    tokens = np.random.default_rng(DECODE_SEED).integers(0, cfg.vocab, args.decode_past + 1)
+    calls, nbytes, checks, engines = {}, {}, {}, []
+    evict = np.zeros(STREAM_BYTES // 8, np.uint64)
+    stream = np.arange(STREAM_BYTES // 8, dtype=np.uint64)
+    for dtype in args.decode:
+        e = Engine(lib, cfg, w, dtype, tokens)
+        engines.append(e)
+
+        name = f"decode {dtype}"
+        calls[name], nbytes[name] = e.decode, float(e.weight_bytes)
+        # the float64 reference on the weights as stored: the logits at position P of the whole prompt
+        want = gemma.prefill_at(e.ref, cfg, tokens, args.decode_past)[0]
+        checks[name] = lambda e=e, want=want: nmse(e.logits.astype(np.float64), want)
+    calls["stream"], nbytes["stream"] = lambda: int(stream.sum()), float(stream.nbytes)
+
+    def cold():  # the caches written and read over, untimed: what other work leaves behind
+        evict.fill(np.uint64(time.monotonic_ns() & 0xff))
+        int(evict.sum())
+    return calls, nbytes, checks, engines, cold
+
+
+def decode_ratios(samples: dict, nbytes: dict) -> dict[str, dict]:
+    """Per repetition: the step's time over the time its weights take to stream once at the
+    repetition's bandwidth; median, min, max."""
+    result = {}
+    for name in samples:
+        if not name.startswith("decode "):
+            continue
+        per_rep = [t / (nbytes[name] / (nbytes["stream"] / u)) for t, u in zip(samples[name], samples["stream"])]
+        result[f"{name} vs stream"] = {"median": float(np.median(per_rep)), "min": float(min(per_rep)),
+                                       "max": float(max(per_rep)), "reps": len(per_rep)}
+    return result
+
+
+def measure(calls: dict, reps: int, seed: int, once: tuple[str, ...] = (), before=None) -> dict[str, list[float]]:
     """CPU seconds per call of each variant, one sample per repetition, every variant once per
-    repetition in an order shuffled by [seed, rep]."""
+    repetition in an order shuffled by [seed, rep]. A variant in `once` is timed one call a sample (a
+    cold decode step: repeated, it would find its weights cached); `before`, if given, runs untimed
+    before each sample."""
     repeat = {}
     for name, call in calls.items():
         call()  # warm-up
         t0 = time.thread_time()
         call()
-        repeat[name] = max(1, int(np.ceil(MIN_SAMPLE_S / max(time.thread_time() - t0, 1e-6))))
+        repeat[name] = 1 if name in once else max(1, int(np.ceil(MIN_SAMPLE_S / max(time.thread_time() - t0, 1e-6))))
     samples = {name: [] for name in calls}
     names = list(calls)
     for rep in range(reps):
         for i in np.random.default_rng([seed, rep]).permutation(len(names)):
             name = names[i]
+            if before:
+                before()
             t0 = time.thread_time()
             for _ in range(repeat[name]):
                 calls[name]()
@@ -197,26 +403,52 @@ def main(argv=None) -> int:
     parser.add_argument("--gdn-heads", type=int, default=16)
     parser.add_argument("--gdn-head-size", type=int, default=128)
     parser.add_argument("--gemm", type=int, default=512)
+    parser.add_argument("--kernels", type=int, choices=(0, 1), default=1, help="0: the engine's decode step only")
+    parser.add_argument("--decode", type=lambda s: [x for x in s.split(",") if x], default=list(DTYPES),
+                        help="weights dtypes of the decode steps (f32,f16,int8); empty: none")
+    parser.add_argument("--decode-past", type=int, default=512, help="positions held when the step runs")
+    parser.add_argument("--hugepages", type=int, choices=(0, 1), default=0,
+                        help="1: the decode's weights and streaming read in transparent huge pages")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     args.keys = sorted(args.keys)
+    bad = [d for d in args.decode if d not in DTYPES]
+    if bad:
+        parser.error(f"--decode {bad[0]!r} is not one of {', '.join(DTYPES)}")
     from threadpoolctl import threadpool_info, threadpool_limits
 
     with tempfile.TemporaryDirectory() as tmp, threadpool_limits(1, "blas"):
         lib = build(bool(args.fused), Path(tmp))
         lib.tb_gemm_isa.restype = ctypes.c_char_p
-        calls, flops, checks = variants(lib, args, np.random.default_rng([args.seed, 35]))
-        samples = measure(calls, args.reps, args.seed)
-        worst = {name: check() for name, check in checks.items()}
+        worst, gflops, found = {}, {}, {}
+        if args.kernels:
+            calls, flops, checks = variants(lib, args, np.random.default_rng([args.seed, 35]))
+            samples = measure(calls, args.reps, args.seed)
+            worst |= {name: check() for name, check in checks.items()}
+            gflops = {n: flops[n] / float(np.median(s)) / 1e9 for n, s in samples.items()}
+            found |= ratios(samples, flops, args.keys)
+        if args.decode:
+            # numpy asks for transparent huge pages for its large arrays (where the kernel's setting is
+            # madvise, only those get them); the engine program's memory is plain malloc. Off, the
+            # weights and the streaming read are paged as in engine_bench; on, this machine streams
+            # ~1.5x faster while the step gains ~5%: the step does not run at the best streaming rate
+            multiarray._set_madvise_hugepage(bool(args.hugepages))
+            calls, nbytes, checks, engines, cold = decode_variants(lib, args)
+            samples = measure(calls, args.reps, args.seed, once=tuple(calls), before=cold)
+            worst |= {name: check() for name, check in checks.items()}
+            found |= decode_ratios(samples, nbytes)
+            gflops["stream GB/s"] = float(np.median([nbytes["stream"] / u / 1e9 for u in samples["stream"]]))
+            for e in engines:
+                e.close()
         blas = next((m for m in threadpool_info() if m.get("user_api") == "blas"), {})
         report = {"fused": bool(args.fused), "gemm_isa": lib.tb_gemm_isa().decode(),
                   "sgemm_kernel": blas.get("architecture"), "openblas": blas.get("version"),
                   "environment": {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")},
                   "clock": "this thread's CPU time, 1 thread", "load": os.getloadavg()[0],
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                  "nmse": worst, "gflops_cpu": {n: flops[n] / float(np.median(s)) / 1e9 for n, s in samples.items()},
-                  "ratios": ratios(samples, flops, args.keys)}
+                  "hugepages": bool(args.hugepages) if args.decode else None,
+                  "nmse": worst, "gflops_cpu": gflops, "ratios": found}
     bad = {name: e for name, e in worst.items() if not e <= 1e-6}
     text = json.dumps(report, indent=1)
     if args.json:
