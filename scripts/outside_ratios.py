@@ -18,14 +18,15 @@ The model engine's decode step (kernels/tb_model.h, engine_bench's `decode_vs_st
 made here through its C ABI (ctypes structures mirroring tb_model.h; the weights stored in f32, f16 or
 int8 by numpy here), P positions prefilled, then each repetition evicts the caches (256 MiB written and
 read), times one decode step by this thread's CPU clock and drops its row; beside it, in the same
-shuffled repetition, a streaming read of 256 MiB (numpy's integer sum, which the memory bounds). The
+shuffled repetition, a streaming read of 256 MiB (numpy's integer sum, which the memory bounds, over
+huge pages: the best rate). The
 ratio: the step's time over the time to read the weights once (every matrix in its stored dtype, the
 scales too) at that bandwidth. The step's logits are checked against refimpl.gemma in float64 on the
 weights as stored.
 
     python scripts/outside_ratios.py [--fused 1|0] [--reps 7] [--keys 512,2048,8192] [--head-dim 256] [--chunk 64]
         [--gdn-tokens 512,4096] [--gdn-heads 16] [--gdn-head-size 128] [--gdn-chunk 0] [--gemm 512]
-        [--decode f32,f16,int8] [--decode-past 512] [--hugepages 0] [--json OUT]
+        [--decode f32,f16,int8] [--decode-past 512] [--json OUT]
 
 Defaults: native_bench's (experiments/experiment/native_bench.yaml) and engine_bench's model
 (experiments/experiment/engine_bench.yaml), one thread; the sgemm at --gemm's size. `--decode ''`
@@ -321,8 +322,15 @@ def decode_variants(lib: ctypes.CDLL, args):
     w = gemma.init_weights(cfg, DECODE_SEED)
     tokens = np.random.default_rng(DECODE_SEED).integers(0, cfg.vocab, args.decode_past + 1)
     calls, nbytes, checks, engines = {}, {}, {}, []
-    evict = np.zeros(STREAM_BYTES // 8, np.uint64)
+    # Pages: numpy asks for transparent huge pages for its large arrays (where the kernel's setting is
+    # madvise, only those get them); the engine program's weights are plain malloc. The streaming read
+    # gets them: it is the machine's best rate (numpy's sum over 4 KiB pages reads ~1.5x slower here,
+    # the program's own loop does not), and a floor is the best rate. The weights and the eviction do
+    # not: they are paged as the program's are.
+    multiarray._set_madvise_hugepage(True)
     stream = np.arange(STREAM_BYTES // 8, dtype=np.uint64)
+    multiarray._set_madvise_hugepage(False)
+    evict = np.zeros(STREAM_BYTES // 8, np.uint64)
     for dtype in args.decode:
         e = Engine(lib, cfg, w, dtype, tokens)
         engines.append(e)
@@ -407,8 +415,6 @@ def main(argv=None) -> int:
     parser.add_argument("--decode", type=lambda s: [x for x in s.split(",") if x], default=list(DTYPES),
                         help="weights dtypes of the decode steps (f32,f16,int8); empty: none")
     parser.add_argument("--decode-past", type=int, default=512, help="positions held when the step runs")
-    parser.add_argument("--hugepages", type=int, choices=(0, 1), default=0,
-                        help="1: the decode's weights and streaming read in transparent huge pages")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -429,11 +435,6 @@ def main(argv=None) -> int:
             gflops = {n: flops[n] / float(np.median(s)) / 1e9 for n, s in samples.items()}
             found |= ratios(samples, flops, args.keys)
         if args.decode:
-            # numpy asks for transparent huge pages for its large arrays (where the kernel's setting is
-            # madvise, only those get them); the engine program's memory is plain malloc. Off, the
-            # weights and the streaming read are paged as in engine_bench; on, this machine streams
-            # ~1.5x faster while the step gains ~5%: the step does not run at the best streaming rate
-            multiarray._set_madvise_hugepage(bool(args.hugepages))
             calls, nbytes, checks, engines, cold = decode_variants(lib, args)
             samples = measure(calls, args.reps, args.seed, once=tuple(calls), before=cold)
             worst |= {name: check() for name, check in checks.items()}
@@ -447,7 +448,6 @@ def main(argv=None) -> int:
                   "environment": {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")},
                   "clock": "this thread's CPU time, 1 thread", "load": os.getloadavg()[0],
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                  "hugepages": bool(args.hugepages) if args.decode else None,
                   "nmse": worst, "gflops_cpu": gflops, "ratios": found}
     bad = {name: e for name, e in worst.items() if not e <= 1e-6}
     text = json.dumps(report, indent=1)
