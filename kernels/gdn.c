@@ -402,12 +402,22 @@ static void round_f16(int rows, int cols, const float *x, int ld, int transposed
  * float32); fp16-acc16 a binary16 accumulator rounded after each multiply-add, from zero, then added
  * onto C in float32 when accumulating. The reduced forms model an NPU's matrix unit, for accuracy
  * only: they are not fast. */
+/* gemm_nn; on aarch64, whole tiles by tb_gemm_tiles where the shape allows (the same micro-kernel calls,
+ * so the same bits, without the driver: a chunk's products are short, 8 x 8 tiles at K = L or d) */
+static void chunk_gemm_nn(int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
+                          int accumulate, int lower) {
+#if GDN_VEC && defined(__aarch64__)
+    if (tb_gemm_tiles(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower)) return;
+#endif
+    gemm_nn(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
+}
+
 static void product(chunk_scratch *w, int M, int N, int K, const float *A, int lda, int a_t, const float *B, int ldb,
                     int b_t, float *C, int ldc, int accumulate, int lower) {
     if (w->precision == TB_PRECISION_F32) {
         if (a_t) gemm_tn(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
         else if (b_t) gemm_nt(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
-        else gemm_nn(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
+        else chunk_gemm_nn(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
         return;
     }
     round_f16(M, K, A, lda, a_t, w->Ha);
@@ -506,6 +516,11 @@ static inline __m512 gdn_madd16(__m512 a, __m512 b, __m512 c) {
  * B read in place. */
 static void kda_gram_product(int rows, int n, int d, const float *X, const float *KrT, int ldk, float *C, int ldc) {
     int j = 0;
+#if GDN_VEC && defined(__aarch64__)
+    /* aarch64: tb_gemm's 8 x 8 asm micro-kernel on each tile (the same chains; the loop below broadcast
+     * every A value by a load of its own, ~1.9 instructions per FMLA against the kernel's ~1.27) */
+    if (tb_gemm_tiles(rows, n, d, X, d, KrT, ldk, C, ldc, 0, 0)) return;
+#endif
 #if defined(__x86_64__) && defined(__AVX512F__)
     /* AVX-512: 8 x 16 tiles (the same chains, twice the columns per broadcast) */
     for (; rows == 8 && j + 16 <= n; j += 16) {
@@ -677,7 +692,7 @@ static void invert_unit_lower(const float *A, float *T, int L) {
     for (int i0 = 0; i0 < L; i0 += INVERT_BLOCK) {
         const int rows = L - i0 < INVERT_BLOCK ? L - i0 : INVERT_BLOCK;
         const int width = i0 + rows; /* the block's rows are zero from here on */
-        if (i0) gemm_nn(rows, width, i0, A + (size_t)i0 * L, L, T, L, T + (size_t)i0 * L, L, 0, 0);
+        if (i0) chunk_gemm_nn(rows, width, i0, A + (size_t)i0 * L, L, T, L, T + (size_t)i0 * L, L, 0, 0);
         else
             for (int i = 0; i < rows; i++) memset(T + (size_t)i * L, 0, sizeof(float) * (size_t)width);
         for (int i = i0; i < i0 + rows; i++) {
@@ -729,13 +744,18 @@ static void state_update(chunk_scratch *w, int d, int L, const float *e, const f
         return;
     }
 #endif
+#if GDN_VEC && defined(__aarch64__)
+    /* aarch64: each 8 x 8 tile of S scaled as the micro-kernel loads it (x * e[i], as below), no pass of
+     * its own */
+    if (ars != 1 && tb_gemm_tiles_scaled(d, d, L, a, (int)ars, U, d, S, d, S, d, e)) return;
+#endif
 #if GDN_VEC
     for (int i = 0; i < d; i++) gdn_mul_n(S + (size_t)i * d, S + (size_t)i * d, e[i], d); /* scale_n's x * a */
 #else
     for (int i = 0; i < d; i++) scale_n(S + (size_t)i * d, e[i], d);
 #endif
     if (ars == 1) product(w, d, d, L, a, (int)aks, 1, U, d, 0, S, d, 1, 0);
-    else gemm_nn(d, d, L, a, (int)ars, U, d, S, d, 1, 0);
+    else chunk_gemm_nn(d, d, L, a, (int)ars, U, d, S, d, 1, 0);
 }
 
 /* R += K_in S and out = Q_in S (both L x d, K = d), the two products that read the state before its
@@ -778,6 +798,13 @@ static int state_reads(chunk_scratch *w, int L, int d, float *out, int ldo) {
     return 0;
 #endif
 }
+
+/* aarch64: R's beta v folded into R's product (tb_gemm_tiles_scaled) instead of a pass of its own */
+#if GDN_VEC && defined(__aarch64__)
+#define GDN_FOLD_R 1
+#else
+#define GDN_FOLD_R 0
+#endif
 
 /* One chunk of L tokens from t0 for (seq, head); w->S holds the state on entry and on exit.
  *   grams    A = -beta (K K^T) o decay (strict lower), QK = scale (Q K^T) o decay (lower)
@@ -866,7 +893,9 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
             for (int i = 0; i < d; i++) qin[i] = qt[i] * qs, kin[i] = kt[i] * ks, kout[i] = kt[i] * te;
 #endif
         }
-#if GDN_VEC
+#if GDN_FOLD_R
+        (void)vt, (void)r, (void)b; /* R below */
+#elif GDN_VEC
         gdn_mul_n(r, vt, b, d); /* b * v: the product commutes, bit for bit */
 #else
         for (int i = 0; i < d; i++) r[i] = b * vt[i];
@@ -876,8 +905,17 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     /* R = beta v - beta k_in S and out = Q_in S (one pass over S where state_reads applies); U = T R;
      * out += QK U, in the output rows */
     const int both = state_reads(w, L, d, out, ldo);
+#if GDN_FOLD_R
+    /* aarch64: beta v as the micro-kernel loads R's tiles (v * beta, the pass's product), then - k_in S */
+    if (w->precision != TB_PRECISION_F32 ||
+        !tb_gemm_tiles_scaled(L, d, d, w->Kin, d, w->S, d, w->R, d, w->V, (int)w->ldv, w->beta)) {
+        for (int t = 0; t < L; t++) gdn_mul_n(w->R + (size_t)t * d, w->V + t * w->ldv, w->beta[t], d);
+        product(w, L, d, d, w->Kin, d, 0, w->S, d, 0, w->R, d, 1, 0);
+    }
+#else
     if (!both) product(w, L, d, d, w->Kin, d, 0, w->S, d, 0, w->R, d, 1, 0);
-    gemm_nn(L, d, L, w->T, L, w->R, d, w->U, d, 0, 1); /* the forward substitution's part: float32 always */
+#endif
+    chunk_gemm_nn(L, d, L, w->T, L, w->R, d, w->U, d, 0, 1); /* the forward substitution's part: float32 always */
     if (!both) product(w, L, d, d, w->Qin, d, 0, w->S, d, 0, out, ldo, 0, 0);
     product(w, L, d, L, w->QK, L, 0, w->U, d, 0, out, ldo, 1, 1);
 

@@ -292,6 +292,30 @@ static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b
         "v8", "v9", "v10", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26",      \
         "v27", "v28", "v29", "v30", "v31", "memory", "cc"
 
+/* A row-major (row r at a + r * lda): A's row pointers, then kc / 4 passes of four steps and kc % 4
+ * single steps on the tile in v16-v31 */
+#define A64_NN_STEPS                                                                                       \
+    "add x9, %[a], %[lda]\n\tadd x10, x9, %[lda]\n\tadd x11, x10, %[lda]\n\tadd x12, x11, %[lda]\n\t"     \
+    "add x13, x12, %[lda]\n\tadd x14, x13, %[lda]\n\tadd x15, x14, %[lda]\n\t"                            \
+    "cbz %[n], 5f\n\t"                                                                                     \
+    "4:\n\t" /* four steps: each row's four A values in one register, used by lane */                     \
+    "ld1 {v0.4s}, [%[a]], #16\n\tld1 {v1.4s}, [x9], #16\n\tld1 {v2.4s}, [x10], #16\n\t"                   \
+    "ld1 {v3.4s}, [x11], #16\n\tld1 {v4.4s}, [x12], #16\n\tld1 {v5.4s}, [x13], #16\n\t"                   \
+    "ld1 {v6.4s}, [x14], #16\n\tld1 {v7.4s}, [x15], #16\n\t"                                               \
+    A64_LANE(0) A64_LANE(1) A64_LANE(2) A64_LANE(3)                                                        \
+    "subs %[n], %[n], #1\n\t"                                                                              \
+    "b.ne 4b\n\t"                                                                                          \
+    "5:\n\t"                                                                                               \
+    "cbz %[rest], 7f\n\t"                                                                                  \
+    "6:\n\t" /* the last kc % 4 steps one by one, A broadcast */                                          \
+    "ld1r {v0.4s}, [%[a]], #4\n\tld1r {v1.4s}, [x9], #4\n\tld1r {v2.4s}, [x10], #4\n\t"                   \
+    "ld1r {v3.4s}, [x11], #4\n\tld1r {v4.4s}, [x12], #4\n\tld1r {v5.4s}, [x13], #4\n\t"                   \
+    "ld1r {v6.4s}, [x14], #4\n\tld1r {v7.4s}, [x15], #4\n\t"                                               \
+    A64_LANE(0)                                                                                            \
+    "subs %[rest], %[rest], #1\n\t"                                                                        \
+    "b.ne 6b\n\t"                                                                                          \
+    "7:\n\t"
+
 /* A row-major: row r at a + r * lda */
 static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
                         int load) {
@@ -300,29 +324,41 @@ static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, p
                     ldc_b = ldc * (ptrdiff_t)sizeof(float);
     __asm__ volatile(
         A64_C_IN
-        "add x9, %[a], %[lda]\n\tadd x10, x9, %[lda]\n\tadd x11, x10, %[lda]\n\tadd x12, x11, %[lda]\n\t"
-        "add x13, x12, %[lda]\n\tadd x14, x13, %[lda]\n\tadd x15, x14, %[lda]\n\t"
-        "cbz %[n], 5f\n\t"
-        "4:\n\t" /* four steps: each row's four A values in one register, used by lane */
-        "ld1 {v0.4s}, [%[a]], #16\n\tld1 {v1.4s}, [x9], #16\n\tld1 {v2.4s}, [x10], #16\n\t"
-        "ld1 {v3.4s}, [x11], #16\n\tld1 {v4.4s}, [x12], #16\n\tld1 {v5.4s}, [x13], #16\n\t"
-        "ld1 {v6.4s}, [x14], #16\n\tld1 {v7.4s}, [x15], #16\n\t"
-        A64_LANE(0) A64_LANE(1) A64_LANE(2) A64_LANE(3)
-        "subs %[n], %[n], #1\n\t"
-        "b.ne 4b\n\t"
-        "5:\n\t"
-        "cbz %[rest], 7f\n\t"
-        "6:\n\t" /* the last kc % 4 steps one by one, A broadcast */
-        "ld1r {v0.4s}, [%[a]], #4\n\tld1r {v1.4s}, [x9], #4\n\tld1r {v2.4s}, [x10], #4\n\t"
-        "ld1r {v3.4s}, [x11], #4\n\tld1r {v4.4s}, [x12], #4\n\tld1r {v5.4s}, [x13], #4\n\t"
-        "ld1r {v6.4s}, [x14], #4\n\tld1r {v7.4s}, [x15], #4\n\t"
-        A64_LANE(0)
-        "subs %[rest], %[rest], #1\n\t"
-        "b.ne 6b\n\t"
-        "7:\n\t"
+        A64_NN_STEPS
         A64_C_OUT
         : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest)
         : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [c] "r"(c), [ldc] "r"(ldc_b), [load] "r"(load)
+        : A64_CLOBBERS);
+}
+
+/* kernel_neon with the tile's start scaled by rows: C = diag(e) X + A B for an 8 x 8 tile, X read at
+ * x (leading dimension ldx: C itself, or another matrix), row r of X multiplied by e[r] as it loads
+ * (FMUL by element: x * e[r] rounded, the bits of a separate pass of x * a), then kernel_neon's steps.
+ * GDN's state update (S = diag(exp(G_last)) S + K^T U) and its right-hand sides (R = diag(beta) V - K S)
+ * with no pass of their own over X: the pass was an extra load, multiply and store per 4 floats. */
+static void kernel_neon_scaled(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                               ptrdiff_t ldc, const float *x, ptrdiff_t ldx, const float *e) {
+    long n = kc >> 2, rest = kc & 3;
+    const ptrdiff_t lda_b = lda * (ptrdiff_t)sizeof(float), ldb_b = ldb * (ptrdiff_t)sizeof(float),
+                    ldc_b = ldc * (ptrdiff_t)sizeof(float), ldx_b = ldx * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        "ld1 {v0.4s, v1.4s}, [%[e]]\n\t"
+        "ld1 {v16.4s, v17.4s}, [%[x]], %[ldx]\n\tld1 {v18.4s, v19.4s}, [%[x]], %[ldx]\n\t"
+        "ld1 {v20.4s, v21.4s}, [%[x]], %[ldx]\n\tld1 {v22.4s, v23.4s}, [%[x]], %[ldx]\n\t"
+        "ld1 {v24.4s, v25.4s}, [%[x]], %[ldx]\n\tld1 {v26.4s, v27.4s}, [%[x]], %[ldx]\n\t"
+        "ld1 {v28.4s, v29.4s}, [%[x]], %[ldx]\n\tld1 {v30.4s, v31.4s}, [%[x]]\n\t"
+        "fmul v16.4s, v16.4s, v0.s[0]\n\tfmul v17.4s, v17.4s, v0.s[0]\n\t"
+        "fmul v18.4s, v18.4s, v0.s[1]\n\tfmul v19.4s, v19.4s, v0.s[1]\n\t"
+        "fmul v20.4s, v20.4s, v0.s[2]\n\tfmul v21.4s, v21.4s, v0.s[2]\n\t"
+        "fmul v22.4s, v22.4s, v0.s[3]\n\tfmul v23.4s, v23.4s, v0.s[3]\n\t"
+        "fmul v24.4s, v24.4s, v1.s[0]\n\tfmul v25.4s, v25.4s, v1.s[0]\n\t"
+        "fmul v26.4s, v26.4s, v1.s[1]\n\tfmul v27.4s, v27.4s, v1.s[1]\n\t"
+        "fmul v28.4s, v28.4s, v1.s[2]\n\tfmul v29.4s, v29.4s, v1.s[2]\n\t"
+        "fmul v30.4s, v30.4s, v1.s[3]\n\tfmul v31.4s, v31.4s, v1.s[3]\n\t"
+        A64_NN_STEPS
+        A64_C_OUT
+        : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest), [x] "+r"(x)
+        : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [c] "r"(c), [ldc] "r"(ldc_b), [ldx] "r"(ldx_b), [e] "r"(e)
         : A64_CLOBBERS);
 }
 
@@ -697,6 +733,41 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
             }
         }
     }
+}
+
+int tb_gemm_tiles(int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
+                  int accumulate, int lower) {
+    const tb_gemm_kernels *kr = kernels();
+    const int mr = kr->mr, nr = kr->nr;
+    if (M <= 0 || N <= 0 || K <= 0 || K > KC || M % mr || N % nr) return 0;
+#if PACK_A
+    /* armv7 fused: the driver packs A where a row tile meets two panels (fewer loads than these calls) */
+    if (kr == &neon_kernels && N > nr) return 0;
+#endif
+    /* gemm()'s calls for one KC block and B in place: per row tile, keff = K, or up to the tile's last
+     * row's diagonal when lower; load = accumulate */
+    for (int i0 = 0; i0 < M; i0 += mr) {
+        const int keff = lower && i0 + mr < K ? i0 + mr : K;
+        const float *ap = A + (size_t)i0 * lda;
+        float *cp = C + (size_t)i0 * ldc;
+        for (int j0 = 0; j0 < N; j0 += nr) kr->kernel(keff, ap, lda, B + j0, ldb, cp + j0, ldc, accumulate);
+    }
+    return 1;
+}
+
+int tb_gemm_tiles_scaled(int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
+                         const float *X, int ldx, const float *e) {
+#if A64_ASM
+    if (kernels() != &neon_kernels || M <= 0 || N <= 0 || K <= 0 || K > KC || M % N_MR || N % N_NR) return 0;
+    for (int i0 = 0; i0 < M; i0 += N_MR)
+        for (int j0 = 0; j0 < N; j0 += N_NR)
+            kernel_neon_scaled(K, A + (size_t)i0 * lda, lda, B + j0, ldb, C + (size_t)i0 * ldc + j0, ldc,
+                               X + (size_t)i0 * ldx + j0, ldx, e + i0);
+    return 1;
+#else
+    (void)M, (void)N, (void)K, (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc, (void)X, (void)ldx, (void)e;
+    return 0;
+#endif
 }
 
 void tb_gemm(int M, int N, int K, const float *A, int lda, const tb_gemm_b *B, float *C, int ldc, int accumulate,
