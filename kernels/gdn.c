@@ -187,6 +187,46 @@ static inline void gdn_exp_diff_n(float *dst, const float *x, const float *y, in
 #endif
 }
 
+#if GDN_VEC
+/* dst[i] = exp(x[i] - x[i]) without the exponential: x - x is +0 (finite x) or NaN (inf, NaN), and vf_exp
+ * gives exactly 1 at +0 (n = 0, r = +0, p = 0 + (r + 1)) and 0 at NaN (its x >= -87.3 mask), so the
+ * mask of the difference ANDed onto 1: the same bits, 3 operations a quad instead of ~34 */
+static inline void gdn_exp_self_n(float *dst, const float *x, int n) {
+    const vf one = vf_set1(1.0f), lo = vf_set1(-87.3f);
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) {
+        const vf z = vf_sub(vf_load(x + i), vf_load(x + i));
+        vf_store(dst + i, vf_zero_below(one, z, lo));
+    }
+    for (; i < n; i++) {
+        const float z = x[i] - x[i];
+        dst[i] = z >= -87.3f ? 1.0f : 0.0f;
+    }
+}
+
+/* dst[i] = v for i < n */
+static inline void gdn_fill_n(float *dst, float v, int n) {
+    const vf vv = vf_set1(v);
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vv);
+    for (; i < n; i++) dst[i] = v;
+}
+#endif
+
+/* X[c][0..n) *= f[c] for c < rows (row c at X + c * ld): scale_n on each row; on NEON nothing at all for
+ * n = 0 (KDA's first carried columns at L = 16) and one vector a row for n = VF_LANES, without a call of
+ * scale_n's loop per row */
+static void scale_rows(float *X, int ld, const float *f, int rows, int n) {
+#if GDN_VEC
+    if (n == 0) return;
+    if (n == VF_LANES) {
+        for (int c = 0; c < rows; c++) vf_store(X + (size_t)c * ld, vf_mul(vf_load(X + (size_t)c * ld), vf_set1(f[c])));
+        return;
+    }
+#endif
+    for (int c = 0; c < rows; c++) scale_n(X + (size_t)c * ld, f[c], n);
+}
+
 /* dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: 4 x 4 blocks through registers on NEON */
 static void gdn_transpose(float *dst, ptrdiff_t ldd, const float *src, ptrdiff_t lds, int rows, int cols) {
     int c0 = 0;
@@ -571,8 +611,16 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
         const int m_end = m + KDA_BLOCK < L ? m + KDA_BLOCK : L, rows = m_end - m;
         const float *Gm = w->G + (size_t)m * d;
         for (int i = m; i < m_end; i++) {
-            gdn_exp_diff_n(eg, w->G + (size_t)i * d, Gm, d);
-            gdn_mulv2_n(Xq + (size_t)i * d, w->Q + i * w->ldq, Xk + (size_t)i * d, w->K + i * w->ldk, eg, d);
+#if GDN_VEC
+            /* row L - 1's factor exp(G_last - G_m) kept in U (free until T R) for kda_decays, which needs it */
+            float *ei = i == L - 1 ? w->U : eg;
+            if (i == m) gdn_exp_self_n(ei, Gm, d);
+            else gdn_exp_diff_n(ei, w->G + (size_t)i * d, Gm, d);
+#else
+            float *ei = eg;
+            gdn_exp_diff_n(ei, w->G + (size_t)i * d, Gm, d);
+#endif
+            gdn_mulv2_n(Xq + (size_t)i * d, w->Q + i * w->ldq, Xk + (size_t)i * d, w->K + i * w->ldk, ei, d);
         }
         if (m > 0) {
             /* columns j < m - KDA_BLOCK: carried from the previous reference; the previous block's
@@ -580,7 +628,7 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
             const int prev = m - KDA_BLOCK;
             const float *Gp = w->G + (size_t)prev * d;
             gdn_exp_diff_n(eg, Gm, Gp, d);
-            for (int c = 0; c < d; c++) scale_n(KrT + (size_t)c * L, eg[c], prev);
+            scale_rows(KrT, L, eg, d, prev);
             float *fresh = w->R; /* [KDA_BLOCK][d], then written transposed: contiguous per channel */
             for (int j = prev; j < m; j++) {
                 float *f = fresh + (size_t)(j - prev) * d;
@@ -611,7 +659,11 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
             for (; j < i; j++) /* E_j *= exp(g_i), then both products with k_j E_j, one pass */
                 pair_grams(ki, qi, w->K + j * w->ldk, E + (size_t)(j - m) * d, eg, d, &w->A[i * L + j],
                            &w->QK[i * L + j]);
+#if GDN_VEC
+            gdn_fill_n(E + (size_t)(i - m) * d, 1.0f, d);
+#else
             for (int c = 0; c < d; c++) E[(size_t)(i - m) * d + c] = 1.0f;
+#endif
             w->A[i * L + i] = 0.0f;
             w->QK[i * L + i] = dot(qi, ki, d); /* E_i = 1: k_i itself */
         }
@@ -639,18 +691,20 @@ static void kda_decays(chunk_scratch *w, int L, int d, float scale) {
         }
     }
     const int last = (L - 1) / KDA_BLOCK * KDA_BLOCK; /* the last block's reference */
-    const float *Gl = w->G + (size_t)last * d;
-    gdn_exp_diff_n(em, Glast, Gl, d);
-    for (int c = 0; c < d; c++) scale_n(KoutT + (size_t)c * L, em[c], last);
 #if GDN_VEC
+    scale_rows(KoutT, L, w->U, d, last); /* exp(G_last - G_last'): kda_grams' row L - 1 factor */
     float *fresh = w->R; /* [L - last][d], then transposed into KoutT's columns; R is written after this */
     for (int j = last; j < L; j++) {
         float *f = fresh + (size_t)(j - last) * d;
-        gdn_exp_diff_n(f, Glast, w->G + (size_t)j * d, d);
+        if (j == L - 1) gdn_exp_self_n(f, Glast, d);
+        else gdn_exp_diff_n(f, Glast, w->G + (size_t)j * d, d);
         gdn_mulv_n(f, w->K + j * w->ldk, f, d);
     }
     gdn_transpose(KoutT + last, L, fresh, d, L - last, d);
 #else
+    const float *Gl = w->G + (size_t)last * d;
+    gdn_exp_diff_n(em, Glast, Gl, d);
+    for (int c = 0; c < d; c++) scale_n(KoutT + (size_t)c * L, em[c], last);
     for (int j = last; j < L; j++) {
         gdn_exp_diff_n(em, Glast, w->G + (size_t)j * d, d);
         for (int c = 0; c < d; c++) KoutT[(size_t)c * L + j] = w->K[j * w->ldk + c] * em[c];
