@@ -169,6 +169,23 @@ static inline void gdn_mul2_n(float *dst, float a, const float *x, const float *
     for (; i < n; i++) dst[i] = a * x[i] * y[i];
 }
 
+#if GDN_VEC
+/* d1[i] = a1 * x1[i] * y[i] and d2[i] = a2 * x2[i] * y[i] (gdn_mul2_n twice) in one pass, y loaded once;
+ * d2 may be x1 itself (each index's x1 is read before its d2 is written) */
+static inline void gdn_mul2x2_n(float *d1, float a1, const float *x1, float *d2, float a2, const float *x2,
+                                const float *y, int n) {
+    const vf va1 = vf_set1(a1), va2 = vf_set1(a2);
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) {
+        const vf yi = vf_load(y + i), p1 = vf_mul(vf_mul(va1, vf_load(x1 + i)), yi);
+        const vf p2 = vf_mul(vf_mul(va2, vf_load(x2 + i)), yi);
+        vf_store(d1 + i, p1);
+        vf_store(d2 + i, p2);
+    }
+    for (; i < n; i++) d1[i] = a1 * x1[i] * y[i], d2[i] = a2 * x2[i] * y[i];
+}
+#endif
+
 /* dst[i] = exp(x[i] - y[i]): the difference rounded, then gdn_exp_n's exponential; on NEON in one pass
  * (the difference stays in registers: the same value as stored and reloaded) */
 static inline void gdn_exp_diff_n(float *dst, const float *x, const float *y, int n) {
@@ -235,6 +252,19 @@ static void gdn_transpose(float *dst, ptrdiff_t ldd, const float *src, ptrdiff_t
         int r0 = 0;
         for (; r0 + 4 <= rows; r0 += 4) {
             const float *s = src + r0 * lds + c0; /* rows r0..r0+3 of src, columns c0..c0+3 */
+#if defined(__aarch64__)
+            /* TRN1/TRN2 on 32-bit lanes, then on 64-bit halves: 8 permutes for the block (GCC made
+             * vcombine of the halves 14 moves and inserts) */
+            const float32x4_t r0v = vld1q_f32(s), r1v = vld1q_f32(s + lds);
+            const float32x4_t r2v = vld1q_f32(s + 2 * lds), r3v = vld1q_f32(s + 3 * lds);
+            const float64x2_t e01 = vreinterpretq_f64_f32(vtrn1q_f32(r0v, r1v)), o01 = vreinterpretq_f64_f32(vtrn2q_f32(r0v, r1v));
+            const float64x2_t e23 = vreinterpretq_f64_f32(vtrn1q_f32(r2v, r3v)), o23 = vreinterpretq_f64_f32(vtrn2q_f32(r2v, r3v));
+            float *o = dst + c0 * ldd + r0;
+            vst1q_f32(o, vreinterpretq_f32_f64(vtrn1q_f64(e01, e23)));
+            vst1q_f32(o + ldd, vreinterpretq_f32_f64(vtrn1q_f64(o01, o23)));
+            vst1q_f32(o + 2 * ldd, vreinterpretq_f32_f64(vtrn2q_f64(e01, e23)));
+            vst1q_f32(o + 3 * ldd, vreinterpretq_f32_f64(vtrn2q_f64(o01, o23)));
+#else
             const float32x4x2_t t01 = vtrnq_f32(vld1q_f32(s), vld1q_f32(s + lds));
             const float32x4x2_t t23 = vtrnq_f32(vld1q_f32(s + 2 * lds), vld1q_f32(s + 3 * lds));
             float *o = dst + c0 * ldd + r0;
@@ -242,6 +272,7 @@ static void gdn_transpose(float *dst, ptrdiff_t ldd, const float *src, ptrdiff_t
             vst1q_f32(o + ldd, vcombine_f32(vget_low_f32(t01.val[1]), vget_low_f32(t23.val[1])));
             vst1q_f32(o + 2 * ldd, vcombine_f32(vget_high_f32(t01.val[0]), vget_high_f32(t23.val[0])));
             vst1q_f32(o + 3 * ldd, vcombine_f32(vget_high_f32(t01.val[1]), vget_high_f32(t23.val[1])));
+#endif
         }
         for (int c = c0; c < c0 + 4; c++)
             for (int r = r0; r < rows; r++) dst[c * ldd + r] = src[r * lds + c];
@@ -686,8 +717,12 @@ static void kda_decays(chunk_scratch *w, int L, int d, float scale) {
             const float *xq = Xq + (size_t)t * d, *xk = Xk + (size_t)t * d;
             float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d; /* qin overwrites xk: read first */
             const float kb = -w->beta[t];
+#if GDN_VEC
+            gdn_mul2x2_n(kin, kb, xk, qin, scale, xq, em, d);
+#else
             gdn_mul2_n(kin, kb, xk, em, d);
             gdn_mul2_n(qin, scale, xq, em, d);
+#endif
         }
     }
     const int last = (L - 1) / KDA_BLOCK * KDA_BLOCK; /* the last block's reference */
@@ -903,6 +938,17 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     } else {
         scalar_grams(w, L, d);
     }
+#if GDN_VEC
+    /* whole rows in vectors where L allows: A's entries from the diagonal on are never read again (the
+     * inversion reads j < i), and QK's zeros times scale > 0 stay +0; the rest is each value times its
+     * factor as before */
+    if (L % VF_LANES == 0) {
+        for (int i = 0; i < L; i++) {
+            gdn_mul_n(w->A + i * L, w->A + i * L, -w->beta[i], L);
+            gdn_mul_n(w->QK + i * L, w->QK + i * L, scale, L);
+        }
+    } else
+#endif
     for (int i = 0; i < L; i++) {
         scale_n(w->A + i * L, -w->beta[i], i); /* A holds -beta k.k */
         scale_n(w->QK + i * L, scale, i + 1);
