@@ -61,7 +61,7 @@ void tb_gemm_at(int M, int N, int K, const float *At, int ldat, const tb_gemm_b 
 int tb_gemm_tiles(int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
                   int accumulate, int lower);
 
-/* C = diag(e) X + A B (A row-major, B row-major in place), whole 8 x 8 tiles on aarch64's NEON kernel:
+/* C = diag(e) X + A B (A row-major, B row-major in place), whole 4 x 16 tiles on aarch64's NEON kernel:
  * each element of X times its row's e rounded, then one chain over k in ascending order, the bits of
  * scaling X into C and then tb_gemm accumulating (X may be C itself). Returns 0, doing nothing,
  * elsewhere (other micro-kernels, other targets) or when the shape does not qualify as for tb_gemm_tiles. */
