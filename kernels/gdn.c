@@ -244,6 +244,43 @@ static void scale_rows(float *X, int ld, const float *f, int rows, int n) {
     for (int c = 0; c < rows; c++) scale_n(X + (size_t)c * ld, f[c], n);
 }
 
+#if GDN_VEC
+/* e = exp(x - y) as gdn_exp_diff_n computes it, then d1 = x1 * e and d2 = x2 * e (gdn_mulv2_n's products;
+ * d2 may be NULL) in the same pass, e from registers (the value a store and reload would give); e itself
+ * stored only where keep is not NULL */
+static inline void gdn_exp_diff_mulv2_n(float *keep, const float *x, const float *y, float *d1, const float *x1,
+                                        float *d2, const float *x2, int n) {
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) {
+        const vf e = vf_exp(vf_sub(vf_load(x + i), vf_load(y + i)));
+        if (keep) vf_store(keep + i, e);
+        vf_store(d1 + i, vf_mul(vf_load(x1 + i), e));
+        if (d2) vf_store(d2 + i, vf_mul(vf_load(x2 + i), e));
+    }
+    if (i < n) {
+        float t[VF_LANES];
+        gdn_exp_diff_n(t, x + i, y + i, n - i);
+        for (int j = i; j < n; j++) {
+            if (keep) keep[j] = t[j - i];
+            d1[j] = x1[j] * t[j - i];
+            if (d2) d2[j] = x2[j] * t[j - i];
+        }
+    }
+}
+
+/* dst = exp(x - y) * k (e first: the product's operands in gdn_mulv_n(dst, e, k)'s order), one pass */
+static inline void gdn_exp_diff_times_n(float *dst, const float *x, const float *y, const float *k, int n) {
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES)
+        vf_store(dst + i, vf_mul(vf_exp(vf_sub(vf_load(x + i), vf_load(y + i))), vf_load(k + i)));
+    if (i < n) {
+        float t[VF_LANES];
+        gdn_exp_diff_n(t, x + i, y + i, n - i);
+        for (int j = i; j < n; j++) dst[j] = t[j - i] * k[j];
+    }
+}
+#endif
+
 /* dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: 4 x 4 blocks through registers on NEON */
 static void gdn_transpose(float *dst, ptrdiff_t ldd, const float *src, ptrdiff_t lds, int rows, int cols) {
     int c0 = 0;
@@ -645,8 +682,12 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
 #if GDN_VEC
             /* row L - 1's factor exp(G_last - G_m) kept in U (free until T R) for kda_decays, which needs it */
             float *ei = i == L - 1 ? w->U : eg;
-            if (i == m) gdn_exp_self_n(ei, Gm, d);
-            else gdn_exp_diff_n(ei, w->G + (size_t)i * d, Gm, d);
+            if (i > m) { /* the factor used from registers (stored only for row L - 1) */
+                gdn_exp_diff_mulv2_n(i == L - 1 ? ei : NULL, w->G + (size_t)i * d, Gm, Xq + (size_t)i * d,
+                                     w->Q + i * w->ldq, Xk + (size_t)i * d, w->K + i * w->ldk, d);
+                continue;
+            }
+            gdn_exp_self_n(ei, Gm, d);
 #else
             float *ei = eg;
             gdn_exp_diff_n(ei, w->G + (size_t)i * d, Gm, d);
@@ -663,8 +704,12 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
             float *fresh = w->R; /* [KDA_BLOCK][d], then written transposed: contiguous per channel */
             for (int j = prev; j < m; j++) {
                 float *f = fresh + (size_t)(j - prev) * d;
+#if GDN_VEC
+                gdn_exp_diff_times_n(f, Gm, w->G + (size_t)j * d, w->K + j * w->ldk, d);
+#else
                 gdn_exp_diff_n(f, Gm, w->G + (size_t)j * d, d);
                 gdn_mulv_n(f, f, w->K + j * w->ldk, d);
+#endif
             }
 #if GDN_VEC
             gdn_transpose(KrT + prev, L, fresh, d, KDA_BLOCK, d);
@@ -731,8 +776,11 @@ static void kda_decays(chunk_scratch *w, int L, int d, float scale) {
     float *fresh = w->R; /* [L - last][d], then transposed into KoutT's columns; R is written after this */
     for (int j = last; j < L; j++) {
         float *f = fresh + (size_t)(j - last) * d;
-        if (j == L - 1) gdn_exp_self_n(f, Glast, d);
-        else gdn_exp_diff_n(f, Glast, w->G + (size_t)j * d, d);
+        if (j < L - 1) { /* k times the factor, from registers */
+            gdn_exp_diff_mulv2_n(NULL, Glast, w->G + (size_t)j * d, f, w->K + j * w->ldk, NULL, NULL, d);
+            continue;
+        }
+        gdn_exp_self_n(f, Glast, d);
         gdn_mulv_n(f, w->K + j * w->ldk, f, d);
     }
     gdn_transpose(KoutT + last, L, fresh, d, L - last, d);
