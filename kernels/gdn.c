@@ -510,11 +510,12 @@ static void round_f16(int rows, int cols, const float *x, int ld, int transposed
  * float32); fp16-acc16 a binary16 accumulator rounded after each multiply-add, from zero, then added
  * onto C in float32 when accumulating. The reduced forms model an NPU's matrix unit, for accuracy
  * only: they are not fast. */
-/* gemm_nn; on aarch64, whole tiles by tb_gemm_tiles where the shape allows (the same micro-kernel calls,
- * so the same bits, without the driver: a chunk's products are short, 8 x 8 tiles at K = L or d) */
+/* gemm_nn; on NEON, whole tiles by tb_gemm_tiles where the shape allows (the same micro-kernel calls,
+ * so the same bits, without the driver: a chunk's products are short, 8 x 8 or 4 x 8 tiles at K = L
+ * or d) */
 static void chunk_gemm_nn(int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
                           int accumulate, int lower) {
-#if GDN_VEC && defined(__aarch64__)
+#if GDN_VEC
     if (tb_gemm_tiles(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower)) return;
 #endif
     gemm_nn(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
@@ -624,9 +625,10 @@ static inline __m512 gdn_madd16(__m512 a, __m512 b, __m512 c) {
  * B read in place. */
 static void kda_gram_product(int rows, int n, int d, const float *X, const float *KrT, int ldk, float *C, int ldc) {
     int j = 0;
-#if GDN_VEC && defined(__aarch64__)
-    /* aarch64: tb_gemm's 8 x 8 asm micro-kernel on each tile (the same chains; the loop below broadcast
-     * every A value by a load of its own, ~1.9 instructions per FMLA against the kernel's ~1.27) */
+#if GDN_VEC
+    /* NEON: tb_gemm's asm micro-kernel on each tile (the same chains; the loop below broadcast every A
+     * value by a load of its own: ~1.9 instructions per FMLA on aarch64 against the kernel's ~1.27, ~6
+     * per VMLA or VFMA on armv7, where GCC compiles vf_set1 of a loaded value poorly) */
     if (tb_gemm_tiles(rows, n, d, X, d, KrT, ldk, C, ldc, 0, 0)) return;
 #endif
 #if defined(__x86_64__) && defined(__AVX512F__)
