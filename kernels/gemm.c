@@ -826,20 +826,10 @@ int tb_gemm_tiles(int M, int N, int K, const float *A, int lda, const float *B, 
 #endif
     if (M % mr || N % nr) return 0;
 #if PACK_A
-    if (kr == &neon_kernels && N > nr) {
-        /* armv7 fused: A's row tiles packed transposed as the driver packs them where a row tile meets
-         * two or more panels, and kernel_at on them: the driver's calls */
-        float *apack = scratch((size_t)M * K);
-        if (!apack) abort();
-        pack_a_v7(M / mr, K, A, lda, apack);
-        for (int i0 = 0; i0 < M; i0 += mr) {
-            const int keff = lower && i0 + mr < K ? i0 + mr : K;
-            const float *pa = apack + (size_t)i0 * K;
-            float *cp = C + (size_t)i0 * ldc;
-            for (int j0 = 0; j0 < N; j0 += nr) kr->kernel_at(keff, pa, mr, B + j0, ldb, cp + j0, ldc, accumulate);
-        }
-        return 1;
-    }
+    /* armv7 fused: where a row tile meets two or more panels the driver packs A's row tiles (fewer loads
+     * than these calls); a second caller of that packing changed GCC's code for it (+0.1% on tb_gemm),
+     * so those products stay with the driver */
+    if (kr == &neon_kernels && N > nr) return 0;
 #endif
     /* gemm()'s calls for one KC block and B in place: per row tile, keff = K, or up to the tile's last
      * row's diagonal when lower; load = accumulate */
