@@ -510,9 +510,9 @@ static void round_f16(int rows, int cols, const float *x, int ld, int transposed
  * float32); fp16-acc16 a binary16 accumulator rounded after each multiply-add, from zero, then added
  * onto C in float32 when accumulating. The reduced forms model an NPU's matrix unit, for accuracy
  * only: they are not fast. */
-/* gemm_nn; on NEON, whole tiles by tb_gemm_tiles where the shape allows (the same micro-kernel calls,
- * so the same bits, without the driver: a chunk's products are short, 8 x 8 or 4 x 8 tiles at K = L
- * or d) */
+/* gemm_nn; on NEON, whole tiles by tb_gemm_tiles where the shape allows (the same chains, so the same
+ * bits, without the driver: a chunk's products are short, K = L or d; 4 x 16 tiles on aarch64, tb_gemm's
+ * 4 x 8 kernel on armv7) */
 static void chunk_gemm_nn(int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
                           int accumulate, int lower) {
 #if GDN_VEC
@@ -884,8 +884,8 @@ static void state_update(chunk_scratch *w, int d, int L, const float *e, const f
     }
 #endif
 #if GDN_VEC && defined(__aarch64__)
-    /* aarch64: each 8 x 8 tile of S scaled as the micro-kernel loads it (x * e[i], as below), no pass of
-     * its own */
+    /* aarch64: each tile of S scaled as the micro-kernel loads it (x * e[i], as below), no pass of its
+     * own */
     if (ars != 1 && tb_gemm_tiles_scaled(d, d, L, a, (int)ars, U, d, S, d, S, d, e)) return;
 #endif
 #if GDN_VEC
