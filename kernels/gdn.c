@@ -169,6 +169,23 @@ static inline void gdn_mul2_n(float *dst, float a, const float *x, const float *
     for (; i < n; i++) dst[i] = a * x[i] * y[i];
 }
 
+#if GDN_VEC
+/* d1[i] = a1 * x1[i] * y[i] and d2[i] = a2 * x2[i] * y[i] (gdn_mul2_n twice) in one pass, y loaded once;
+ * d2 may be x1 itself (each index's x1 is read before its d2 is written) */
+static inline void gdn_mul2x2_n(float *d1, float a1, const float *x1, float *d2, float a2, const float *x2,
+                                const float *y, int n) {
+    const vf va1 = vf_set1(a1), va2 = vf_set1(a2);
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) {
+        const vf yi = vf_load(y + i), p1 = vf_mul(vf_mul(va1, vf_load(x1 + i)), yi);
+        const vf p2 = vf_mul(vf_mul(va2, vf_load(x2 + i)), yi);
+        vf_store(d1 + i, p1);
+        vf_store(d2 + i, p2);
+    }
+    for (; i < n; i++) d1[i] = a1 * x1[i] * y[i], d2[i] = a2 * x2[i] * y[i];
+}
+#endif
+
 /* dst[i] = exp(x[i] - y[i]): the difference rounded, then gdn_exp_n's exponential; on NEON in one pass
  * (the difference stays in registers: the same value as stored and reloaded) */
 static inline void gdn_exp_diff_n(float *dst, const float *x, const float *y, int n) {
@@ -187,6 +204,83 @@ static inline void gdn_exp_diff_n(float *dst, const float *x, const float *y, in
 #endif
 }
 
+#if GDN_VEC
+/* dst[i] = exp(x[i] - x[i]) without the exponential: x - x is +0 (finite x) or NaN (inf, NaN), and vf_exp
+ * gives exactly 1 at +0 (n = 0, r = +0, p = 0 + (r + 1)) and 0 at NaN (its x >= -87.3 mask), so the
+ * mask of the difference ANDed onto 1: the same bits, 3 operations a quad instead of ~34 */
+static inline void gdn_exp_self_n(float *dst, const float *x, int n) {
+    const vf one = vf_set1(1.0f), lo = vf_set1(-87.3f);
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) {
+        const vf z = vf_sub(vf_load(x + i), vf_load(x + i));
+        vf_store(dst + i, vf_zero_below(one, z, lo));
+    }
+    for (; i < n; i++) {
+        const float z = x[i] - x[i];
+        dst[i] = z >= -87.3f ? 1.0f : 0.0f;
+    }
+}
+
+/* dst[i] = v for i < n */
+static inline void gdn_fill_n(float *dst, float v, int n) {
+    const vf vv = vf_set1(v);
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) vf_store(dst + i, vv);
+    for (; i < n; i++) dst[i] = v;
+}
+#endif
+
+/* X[c][0..n) *= f[c] for c < rows (row c at X + c * ld): scale_n on each row; on NEON nothing at all for
+ * n = 0 (KDA's first carried columns at L = 16) and one vector a row for n = VF_LANES, without a call of
+ * scale_n's loop per row */
+static void scale_rows(float *X, int ld, const float *f, int rows, int n) {
+#if GDN_VEC
+    if (n == 0) return;
+    if (n == VF_LANES) {
+        for (int c = 0; c < rows; c++) vf_store(X + (size_t)c * ld, vf_mul(vf_load(X + (size_t)c * ld), vf_set1(f[c])));
+        return;
+    }
+#endif
+    for (int c = 0; c < rows; c++) scale_n(X + (size_t)c * ld, f[c], n);
+}
+
+#if GDN_VEC
+/* e = exp(x - y) as gdn_exp_diff_n computes it, then d1 = x1 * e and d2 = x2 * e (gdn_mulv2_n's products;
+ * d2 may be NULL) in the same pass, e from registers (the value a store and reload would give); e itself
+ * stored only where keep is not NULL */
+static inline void gdn_exp_diff_mulv2_n(float *keep, const float *x, const float *y, float *d1, const float *x1,
+                                        float *d2, const float *x2, int n) {
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES) {
+        const vf e = vf_exp(vf_sub(vf_load(x + i), vf_load(y + i)));
+        if (keep) vf_store(keep + i, e);
+        vf_store(d1 + i, vf_mul(vf_load(x1 + i), e));
+        if (d2) vf_store(d2 + i, vf_mul(vf_load(x2 + i), e));
+    }
+    if (i < n) {
+        float t[VF_LANES];
+        gdn_exp_diff_n(t, x + i, y + i, n - i);
+        for (int j = i; j < n; j++) {
+            if (keep) keep[j] = t[j - i];
+            d1[j] = x1[j] * t[j - i];
+            if (d2) d2[j] = x2[j] * t[j - i];
+        }
+    }
+}
+
+/* dst = exp(x - y) * k (e first: the product's operands in gdn_mulv_n(dst, e, k)'s order), one pass */
+static inline void gdn_exp_diff_times_n(float *dst, const float *x, const float *y, const float *k, int n) {
+    int i = 0;
+    for (; i + VF_LANES <= n; i += VF_LANES)
+        vf_store(dst + i, vf_mul(vf_exp(vf_sub(vf_load(x + i), vf_load(y + i))), vf_load(k + i)));
+    if (i < n) {
+        float t[VF_LANES];
+        gdn_exp_diff_n(t, x + i, y + i, n - i);
+        for (int j = i; j < n; j++) dst[j] = t[j - i] * k[j];
+    }
+}
+#endif
+
 /* dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: 4 x 4 blocks through registers on NEON */
 static void gdn_transpose(float *dst, ptrdiff_t ldd, const float *src, ptrdiff_t lds, int rows, int cols) {
     int c0 = 0;
@@ -195,6 +289,19 @@ static void gdn_transpose(float *dst, ptrdiff_t ldd, const float *src, ptrdiff_t
         int r0 = 0;
         for (; r0 + 4 <= rows; r0 += 4) {
             const float *s = src + r0 * lds + c0; /* rows r0..r0+3 of src, columns c0..c0+3 */
+#if defined(__aarch64__)
+            /* TRN1/TRN2 on 32-bit lanes, then on 64-bit halves: 8 permutes for the block (GCC made
+             * vcombine of the halves 14 moves and inserts) */
+            const float32x4_t r0v = vld1q_f32(s), r1v = vld1q_f32(s + lds);
+            const float32x4_t r2v = vld1q_f32(s + 2 * lds), r3v = vld1q_f32(s + 3 * lds);
+            const float64x2_t e01 = vreinterpretq_f64_f32(vtrn1q_f32(r0v, r1v)), o01 = vreinterpretq_f64_f32(vtrn2q_f32(r0v, r1v));
+            const float64x2_t e23 = vreinterpretq_f64_f32(vtrn1q_f32(r2v, r3v)), o23 = vreinterpretq_f64_f32(vtrn2q_f32(r2v, r3v));
+            float *o = dst + c0 * ldd + r0;
+            vst1q_f32(o, vreinterpretq_f32_f64(vtrn1q_f64(e01, e23)));
+            vst1q_f32(o + ldd, vreinterpretq_f32_f64(vtrn1q_f64(o01, o23)));
+            vst1q_f32(o + 2 * ldd, vreinterpretq_f32_f64(vtrn2q_f64(e01, e23)));
+            vst1q_f32(o + 3 * ldd, vreinterpretq_f32_f64(vtrn2q_f64(o01, o23)));
+#else
             const float32x4x2_t t01 = vtrnq_f32(vld1q_f32(s), vld1q_f32(s + lds));
             const float32x4x2_t t23 = vtrnq_f32(vld1q_f32(s + 2 * lds), vld1q_f32(s + 3 * lds));
             float *o = dst + c0 * ldd + r0;
@@ -202,6 +309,7 @@ static void gdn_transpose(float *dst, ptrdiff_t ldd, const float *src, ptrdiff_t
             vst1q_f32(o + ldd, vcombine_f32(vget_low_f32(t01.val[1]), vget_low_f32(t23.val[1])));
             vst1q_f32(o + 2 * ldd, vcombine_f32(vget_high_f32(t01.val[0]), vget_high_f32(t23.val[0])));
             vst1q_f32(o + 3 * ldd, vcombine_f32(vget_high_f32(t01.val[1]), vget_high_f32(t23.val[1])));
+#endif
         }
         for (int c = c0; c < c0 + 4; c++)
             for (int r = r0; r < rows; r++) dst[c * ldd + r] = src[r * lds + c];
@@ -402,12 +510,23 @@ static void round_f16(int rows, int cols, const float *x, int ld, int transposed
  * float32); fp16-acc16 a binary16 accumulator rounded after each multiply-add, from zero, then added
  * onto C in float32 when accumulating. The reduced forms model an NPU's matrix unit, for accuracy
  * only: they are not fast. */
+/* gemm_nn; on NEON, whole tiles by tb_gemm_tiles where the shape allows (the same chains, so the same
+ * bits, without the driver: a chunk's products are short, K = L or d; 4 x 16 tiles on aarch64, tb_gemm's
+ * 4 x 8 kernel on armv7) */
+static void chunk_gemm_nn(int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
+                          int accumulate, int lower) {
+#if GDN_VEC
+    if (tb_gemm_tiles(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower)) return;
+#endif
+    gemm_nn(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
+}
+
 static void product(chunk_scratch *w, int M, int N, int K, const float *A, int lda, int a_t, const float *B, int ldb,
                     int b_t, float *C, int ldc, int accumulate, int lower) {
     if (w->precision == TB_PRECISION_F32) {
         if (a_t) gemm_tn(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
         else if (b_t) gemm_nt(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
-        else gemm_nn(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
+        else chunk_gemm_nn(M, N, K, A, lda, B, ldb, C, ldc, accumulate, lower);
         return;
     }
     round_f16(M, K, A, lda, a_t, w->Ha);
@@ -506,6 +625,12 @@ static inline __m512 gdn_madd16(__m512 a, __m512 b, __m512 c) {
  * B read in place. */
 static void kda_gram_product(int rows, int n, int d, const float *X, const float *KrT, int ldk, float *C, int ldc) {
     int j = 0;
+#if GDN_VEC
+    /* NEON: tb_gemm's asm micro-kernel on each tile (the same chains; the loop below broadcast every A
+     * value by a load of its own: ~1.9 instructions per FMLA on aarch64 against the kernel's ~1.27, ~6
+     * per VMLA or VFMA on armv7, where GCC compiles vf_set1 of a loaded value poorly) */
+    if (tb_gemm_tiles(rows, n, d, X, d, KrT, ldk, C, ldc, 0, 0)) return;
+#endif
 #if defined(__x86_64__) && defined(__AVX512F__)
     /* AVX-512: 8 x 16 tiles (the same chains, twice the columns per broadcast) */
     for (; rows == 8 && j + 16 <= n; j += 16) {
@@ -556,8 +681,20 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
         const int m_end = m + KDA_BLOCK < L ? m + KDA_BLOCK : L, rows = m_end - m;
         const float *Gm = w->G + (size_t)m * d;
         for (int i = m; i < m_end; i++) {
-            gdn_exp_diff_n(eg, w->G + (size_t)i * d, Gm, d);
-            gdn_mulv2_n(Xq + (size_t)i * d, w->Q + i * w->ldq, Xk + (size_t)i * d, w->K + i * w->ldk, eg, d);
+#if GDN_VEC
+            /* row L - 1's factor exp(G_last - G_m) kept in U (free until T R) for kda_decays, which needs it */
+            float *ei = i == L - 1 ? w->U : eg;
+            if (i > m) { /* the factor used from registers (stored only for row L - 1) */
+                gdn_exp_diff_mulv2_n(i == L - 1 ? ei : NULL, w->G + (size_t)i * d, Gm, Xq + (size_t)i * d,
+                                     w->Q + i * w->ldq, Xk + (size_t)i * d, w->K + i * w->ldk, d);
+                continue;
+            }
+            gdn_exp_self_n(ei, Gm, d);
+#else
+            float *ei = eg;
+            gdn_exp_diff_n(ei, w->G + (size_t)i * d, Gm, d);
+#endif
+            gdn_mulv2_n(Xq + (size_t)i * d, w->Q + i * w->ldq, Xk + (size_t)i * d, w->K + i * w->ldk, ei, d);
         }
         if (m > 0) {
             /* columns j < m - KDA_BLOCK: carried from the previous reference; the previous block's
@@ -565,12 +702,16 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
             const int prev = m - KDA_BLOCK;
             const float *Gp = w->G + (size_t)prev * d;
             gdn_exp_diff_n(eg, Gm, Gp, d);
-            for (int c = 0; c < d; c++) scale_n(KrT + (size_t)c * L, eg[c], prev);
+            scale_rows(KrT, L, eg, d, prev);
             float *fresh = w->R; /* [KDA_BLOCK][d], then written transposed: contiguous per channel */
             for (int j = prev; j < m; j++) {
                 float *f = fresh + (size_t)(j - prev) * d;
+#if GDN_VEC
+                gdn_exp_diff_times_n(f, Gm, w->G + (size_t)j * d, w->K + j * w->ldk, d);
+#else
                 gdn_exp_diff_n(f, Gm, w->G + (size_t)j * d, d);
                 gdn_mulv_n(f, f, w->K + j * w->ldk, d);
+#endif
             }
 #if GDN_VEC
             gdn_transpose(KrT + prev, L, fresh, d, KDA_BLOCK, d);
@@ -596,7 +737,11 @@ static void kda_grams(chunk_scratch *w, int L, int d) {
             for (; j < i; j++) /* E_j *= exp(g_i), then both products with k_j E_j, one pass */
                 pair_grams(ki, qi, w->K + j * w->ldk, E + (size_t)(j - m) * d, eg, d, &w->A[i * L + j],
                            &w->QK[i * L + j]);
+#if GDN_VEC
+            gdn_fill_n(E + (size_t)(i - m) * d, 1.0f, d);
+#else
             for (int c = 0; c < d; c++) E[(size_t)(i - m) * d + c] = 1.0f;
+#endif
             w->A[i * L + i] = 0.0f;
             w->QK[i * L + i] = dot(qi, ki, d); /* E_i = 1: k_i itself */
         }
@@ -619,23 +764,32 @@ static void kda_decays(chunk_scratch *w, int L, int d, float scale) {
             const float *xq = Xq + (size_t)t * d, *xk = Xk + (size_t)t * d;
             float *qin = w->Qin + (size_t)t * d, *kin = w->Kin + (size_t)t * d; /* qin overwrites xk: read first */
             const float kb = -w->beta[t];
+#if GDN_VEC
+            gdn_mul2x2_n(kin, kb, xk, qin, scale, xq, em, d);
+#else
             gdn_mul2_n(kin, kb, xk, em, d);
             gdn_mul2_n(qin, scale, xq, em, d);
+#endif
         }
     }
     const int last = (L - 1) / KDA_BLOCK * KDA_BLOCK; /* the last block's reference */
-    const float *Gl = w->G + (size_t)last * d;
-    gdn_exp_diff_n(em, Glast, Gl, d);
-    for (int c = 0; c < d; c++) scale_n(KoutT + (size_t)c * L, em[c], last);
 #if GDN_VEC
+    scale_rows(KoutT, L, w->U, d, last); /* exp(G_last - G_last'): kda_grams' row L - 1 factor */
     float *fresh = w->R; /* [L - last][d], then transposed into KoutT's columns; R is written after this */
     for (int j = last; j < L; j++) {
         float *f = fresh + (size_t)(j - last) * d;
-        gdn_exp_diff_n(f, Glast, w->G + (size_t)j * d, d);
+        if (j < L - 1) { /* k times the factor, from registers */
+            gdn_exp_diff_mulv2_n(NULL, Glast, w->G + (size_t)j * d, f, w->K + j * w->ldk, NULL, NULL, d);
+            continue;
+        }
+        gdn_exp_self_n(f, Glast, d);
         gdn_mulv_n(f, w->K + j * w->ldk, f, d);
     }
     gdn_transpose(KoutT + last, L, fresh, d, L - last, d);
 #else
+    const float *Gl = w->G + (size_t)last * d;
+    gdn_exp_diff_n(em, Glast, Gl, d);
+    for (int c = 0; c < d; c++) scale_n(KoutT + (size_t)c * L, em[c], last);
     for (int j = last; j < L; j++) {
         gdn_exp_diff_n(em, Glast, w->G + (size_t)j * d, d);
         for (int c = 0; c < d; c++) KoutT[(size_t)c * L + j] = w->K[j * w->ldk + c] * em[c];
@@ -677,7 +831,7 @@ static void invert_unit_lower(const float *A, float *T, int L) {
     for (int i0 = 0; i0 < L; i0 += INVERT_BLOCK) {
         const int rows = L - i0 < INVERT_BLOCK ? L - i0 : INVERT_BLOCK;
         const int width = i0 + rows; /* the block's rows are zero from here on */
-        if (i0) gemm_nn(rows, width, i0, A + (size_t)i0 * L, L, T, L, T + (size_t)i0 * L, L, 0, 0);
+        if (i0) chunk_gemm_nn(rows, width, i0, A + (size_t)i0 * L, L, T, L, T + (size_t)i0 * L, L, 0, 0);
         else
             for (int i = 0; i < rows; i++) memset(T + (size_t)i * L, 0, sizeof(float) * (size_t)width);
         for (int i = i0; i < i0 + rows; i++) {
@@ -729,13 +883,18 @@ static void state_update(chunk_scratch *w, int d, int L, const float *e, const f
         return;
     }
 #endif
+#if GDN_VEC && defined(__aarch64__)
+    /* aarch64: each tile of S scaled as the micro-kernel loads it (x * e[i], as below), no pass of its
+     * own */
+    if (ars != 1 && tb_gemm_tiles_scaled(d, d, L, a, (int)ars, U, d, S, d, S, d, e)) return;
+#endif
 #if GDN_VEC
     for (int i = 0; i < d; i++) gdn_mul_n(S + (size_t)i * d, S + (size_t)i * d, e[i], d); /* scale_n's x * a */
 #else
     for (int i = 0; i < d; i++) scale_n(S + (size_t)i * d, e[i], d);
 #endif
     if (ars == 1) product(w, d, d, L, a, (int)aks, 1, U, d, 0, S, d, 1, 0);
-    else gemm_nn(d, d, L, a, (int)ars, U, d, S, d, 1, 0);
+    else chunk_gemm_nn(d, d, L, a, (int)ars, U, d, S, d, 1, 0);
 }
 
 /* R += K_in S and out = Q_in S (both L x d, K = d), the two products that read the state before its
@@ -778,6 +937,13 @@ static int state_reads(chunk_scratch *w, int L, int d, float *out, int ldo) {
     return 0;
 #endif
 }
+
+/* aarch64: R's beta v folded into R's product (tb_gemm_tiles_scaled) instead of a pass of its own */
+#if GDN_VEC && defined(__aarch64__)
+#define GDN_FOLD_R 1
+#else
+#define GDN_FOLD_R 0
+#endif
 
 /* One chunk of L tokens from t0 for (seq, head); w->S holds the state on entry and on exit.
  *   grams    A = -beta (K K^T) o decay (strict lower), QK = scale (Q K^T) o decay (lower)
@@ -822,6 +988,17 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     } else {
         scalar_grams(w, L, d);
     }
+#if GDN_VEC
+    /* whole rows in vectors where L allows: A's entries from the diagonal on are never read again (the
+     * inversion reads j < i), and QK's zeros times scale > 0 stay +0; the rest is each value times its
+     * factor as before */
+    if (L % VF_LANES == 0) {
+        for (int i = 0; i < L; i++) {
+            gdn_mul_n(w->A + i * L, w->A + i * L, -w->beta[i], L);
+            gdn_mul_n(w->QK + i * L, w->QK + i * L, scale, L);
+        }
+    } else
+#endif
     for (int i = 0; i < L; i++) {
         scale_n(w->A + i * L, -w->beta[i], i); /* A holds -beta k.k */
         scale_n(w->QK + i * L, scale, i + 1);
@@ -866,7 +1043,9 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
             for (int i = 0; i < d; i++) qin[i] = qt[i] * qs, kin[i] = kt[i] * ks, kout[i] = kt[i] * te;
 #endif
         }
-#if GDN_VEC
+#if GDN_FOLD_R
+        (void)vt, (void)r, (void)b; /* R below */
+#elif GDN_VEC
         gdn_mul_n(r, vt, b, d); /* b * v: the product commutes, bit for bit */
 #else
         for (int i = 0; i < d; i++) r[i] = b * vt[i];
@@ -876,8 +1055,17 @@ static void chunk_step(chunk_scratch *w, const gdn_call *c, int seq, int h, int 
     /* R = beta v - beta k_in S and out = Q_in S (one pass over S where state_reads applies); U = T R;
      * out += QK U, in the output rows */
     const int both = state_reads(w, L, d, out, ldo);
+#if GDN_FOLD_R
+    /* aarch64: beta v as the micro-kernel loads R's tiles (v * beta, the pass's product), then - k_in S */
+    if (w->precision != TB_PRECISION_F32 ||
+        !tb_gemm_tiles_scaled(L, d, d, w->Kin, d, w->S, d, w->R, d, w->V, (int)w->ldv, w->beta)) {
+        for (int t = 0; t < L; t++) gdn_mul_n(w->R + (size_t)t * d, w->V + t * w->ldv, w->beta[t], d);
+        product(w, L, d, d, w->Kin, d, 0, w->S, d, 0, w->R, d, 1, 0);
+    }
+#else
     if (!both) product(w, L, d, d, w->Kin, d, 0, w->S, d, 0, w->R, d, 1, 0);
-    gemm_nn(L, d, L, w->T, L, w->R, d, w->U, d, 0, 1); /* the forward substitution's part: float32 always */
+#endif
+    chunk_gemm_nn(L, d, L, w->T, L, w->R, d, w->U, d, 0, 1); /* the forward substitution's part: float32 always */
     if (!both) product(w, L, d, d, w->Qin, d, 0, w->S, d, 0, out, ldo, 0, 0);
     product(w, L, d, L, w->QK, L, 0, w->U, d, 0, out, ldo, 1, 1);
 

@@ -292,6 +292,30 @@ static void kernel_neon_at(int kc, const float *a, ptrdiff_t lda, const float *b
         "v8", "v9", "v10", "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26",      \
         "v27", "v28", "v29", "v30", "v31", "memory", "cc"
 
+/* A row-major (row r at a + r * lda): A's row pointers, then kc / 4 passes of four steps and kc % 4
+ * single steps on the tile in v16-v31 */
+#define A64_NN_STEPS                                                                                       \
+    "add x9, %[a], %[lda]\n\tadd x10, x9, %[lda]\n\tadd x11, x10, %[lda]\n\tadd x12, x11, %[lda]\n\t"     \
+    "add x13, x12, %[lda]\n\tadd x14, x13, %[lda]\n\tadd x15, x14, %[lda]\n\t"                            \
+    "cbz %[n], 5f\n\t"                                                                                     \
+    "4:\n\t" /* four steps: each row's four A values in one register, used by lane */                     \
+    "ld1 {v0.4s}, [%[a]], #16\n\tld1 {v1.4s}, [x9], #16\n\tld1 {v2.4s}, [x10], #16\n\t"                   \
+    "ld1 {v3.4s}, [x11], #16\n\tld1 {v4.4s}, [x12], #16\n\tld1 {v5.4s}, [x13], #16\n\t"                   \
+    "ld1 {v6.4s}, [x14], #16\n\tld1 {v7.4s}, [x15], #16\n\t"                                               \
+    A64_LANE(0) A64_LANE(1) A64_LANE(2) A64_LANE(3)                                                        \
+    "subs %[n], %[n], #1\n\t"                                                                              \
+    "b.ne 4b\n\t"                                                                                          \
+    "5:\n\t"                                                                                               \
+    "cbz %[rest], 7f\n\t"                                                                                  \
+    "6:\n\t" /* the last kc % 4 steps one by one, A broadcast */                                          \
+    "ld1r {v0.4s}, [%[a]], #4\n\tld1r {v1.4s}, [x9], #4\n\tld1r {v2.4s}, [x10], #4\n\t"                   \
+    "ld1r {v3.4s}, [x11], #4\n\tld1r {v4.4s}, [x12], #4\n\tld1r {v5.4s}, [x13], #4\n\t"                   \
+    "ld1r {v6.4s}, [x14], #4\n\tld1r {v7.4s}, [x15], #4\n\t"                                               \
+    A64_LANE(0)                                                                                            \
+    "subs %[rest], %[rest], #1\n\t"                                                                        \
+    "b.ne 6b\n\t"                                                                                          \
+    "7:\n\t"
+
 /* A row-major: row r at a + r * lda */
 static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c, ptrdiff_t ldc,
                         int load) {
@@ -300,30 +324,113 @@ static void kernel_neon(int kc, const float *a, ptrdiff_t lda, const float *b, p
                     ldc_b = ldc * (ptrdiff_t)sizeof(float);
     __asm__ volatile(
         A64_C_IN
-        "add x9, %[a], %[lda]\n\tadd x10, x9, %[lda]\n\tadd x11, x10, %[lda]\n\tadd x12, x11, %[lda]\n\t"
-        "add x13, x12, %[lda]\n\tadd x14, x13, %[lda]\n\tadd x15, x14, %[lda]\n\t"
-        "cbz %[n], 5f\n\t"
-        "4:\n\t" /* four steps: each row's four A values in one register, used by lane */
-        "ld1 {v0.4s}, [%[a]], #16\n\tld1 {v1.4s}, [x9], #16\n\tld1 {v2.4s}, [x10], #16\n\t"
-        "ld1 {v3.4s}, [x11], #16\n\tld1 {v4.4s}, [x12], #16\n\tld1 {v5.4s}, [x13], #16\n\t"
-        "ld1 {v6.4s}, [x14], #16\n\tld1 {v7.4s}, [x15], #16\n\t"
-        A64_LANE(0) A64_LANE(1) A64_LANE(2) A64_LANE(3)
-        "subs %[n], %[n], #1\n\t"
-        "b.ne 4b\n\t"
-        "5:\n\t"
-        "cbz %[rest], 7f\n\t"
-        "6:\n\t" /* the last kc % 4 steps one by one, A broadcast */
-        "ld1r {v0.4s}, [%[a]], #4\n\tld1r {v1.4s}, [x9], #4\n\tld1r {v2.4s}, [x10], #4\n\t"
-        "ld1r {v3.4s}, [x11], #4\n\tld1r {v4.4s}, [x12], #4\n\tld1r {v5.4s}, [x13], #4\n\t"
-        "ld1r {v6.4s}, [x14], #4\n\tld1r {v7.4s}, [x15], #4\n\t"
-        A64_LANE(0)
-        "subs %[rest], %[rest], #1\n\t"
-        "b.ne 6b\n\t"
-        "7:\n\t"
+        A64_NN_STEPS
         A64_C_OUT
         : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [rest] "+r"(rest)
         : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [c] "r"(c), [ldc] "r"(ldc_b), [load] "r"(load)
         : A64_CLOBBERS);
+}
+
+/* 4 x 16 tiles for tb_gemm_tiles (whole tiles, B in place): C's tile in v16-v31 (row r in v(16+4r) ..
+ * v(19+4r)), A's four rows eight steps at a time in v0-v7 (row r in v(2r), v(2r+1)), B's row of sixteen
+ * in v8-v11 by one LD1, the unfused product in v12. Eight steps are 4 + 8 loads, 128 FMLA, the count
+ * and the branch: 142 for 128 where the 8 x 8 kernel takes 156 (8 + 8 loads and two loop ends); C is
+ * 4 loads and 4 stores a tile instead of 8 and 8. Each C element is the same chain, in the same order,
+ * with the same multiply-add (operands in the 8 x 8 kernel's order), so the bits are tb_gemm's. */
+#if TB_MADD_FUSED
+#define A416_MADD(c, b, s) "fmla " c ".4s, " b ".4s, " s "\n\t"
+#else
+#define A416_MADD(c, b, s) "fmul v12.4s, " b ".4s, " s "\n\tfadd " c ".4s, v12.4s, " c ".4s\n\t"
+#endif
+/* one step: B's row, then row r's sixteen multiply-adds with its A value s_r */
+#define A416_STEP(s0, s1, s2, s3)                                                                          \
+    "ld1 {v8.4s, v9.4s, v10.4s, v11.4s}, [%[b]], %[ldb]\n\t"                                             \
+    A416_MADD("v16", "v8", s0) A416_MADD("v17", "v9", s0) A416_MADD("v18", "v10", s0) A416_MADD("v19", "v11", s0) \
+    A416_MADD("v20", "v8", s1) A416_MADD("v21", "v9", s1) A416_MADD("v22", "v10", s1) A416_MADD("v23", "v11", s1) \
+    A416_MADD("v24", "v8", s2) A416_MADD("v25", "v9", s2) A416_MADD("v26", "v10", s2) A416_MADD("v27", "v11", s2) \
+    A416_MADD("v28", "v8", s3) A416_MADD("v29", "v9", s3) A416_MADD("v30", "v10", s3) A416_MADD("v31", "v11", s3)
+/* step `l` of a register of four: rows' values in v0, v2, v4, v6 (lo) or v1, v3, v5, v7 (hi) */
+#define A416_LANE_LO(l) A416_STEP("v0.s[" #l "]", "v2.s[" #l "]", "v4.s[" #l "]", "v6.s[" #l "]")
+#define A416_LANE_HI(l) A416_STEP("v1.s[" #l "]", "v3.s[" #l "]", "v5.s[" #l "]", "v7.s[" #l "]")
+/* A's row pointers, then kc / 8 passes of eight steps, one of four when kc % 8 >= 4, kc % 4 single steps */
+#define A416_STEPS                                                                                         \
+    "add x9, %[a], %[lda]\n\tadd x10, x9, %[lda]\n\tadd x11, x10, %[lda]\n\t"                             \
+    "cbz %[n], 5f\n\t"                                                                                     \
+    "4:\n\t"                                                                                               \
+    "ld1 {v0.4s, v1.4s}, [%[a]], #32\n\tld1 {v2.4s, v3.4s}, [x9], #32\n\t"                                \
+    "ld1 {v4.4s, v5.4s}, [x10], #32\n\tld1 {v6.4s, v7.4s}, [x11], #32\n\t"                                \
+    A416_LANE_LO(0) A416_LANE_LO(1) A416_LANE_LO(2) A416_LANE_LO(3)                                        \
+    A416_LANE_HI(0) A416_LANE_HI(1) A416_LANE_HI(2) A416_LANE_HI(3)                                        \
+    "subs %[n], %[n], #1\n\t"                                                                              \
+    "b.ne 4b\n\t"                                                                                          \
+    "5:\n\t"                                                                                               \
+    "cbz %[four], 6f\n\t"                                                                                  \
+    "ld1 {v0.4s}, [%[a]], #16\n\tld1 {v2.4s}, [x9], #16\n\tld1 {v4.4s}, [x10], #16\n\tld1 {v6.4s}, [x11], #16\n\t" \
+    A416_LANE_LO(0) A416_LANE_LO(1) A416_LANE_LO(2) A416_LANE_LO(3)                                        \
+    "6:\n\t"                                                                                               \
+    "cbz %[rest], 8f\n\t"                                                                                  \
+    "7:\n\t"                                                                                               \
+    "ld1r {v0.4s}, [%[a]], #4\n\tld1r {v2.4s}, [x9], #4\n\tld1r {v4.4s}, [x10], #4\n\tld1r {v6.4s}, [x11], #4\n\t" \
+    A416_LANE_LO(0)                                                                                        \
+    "subs %[rest], %[rest], #1\n\t"                                                                        \
+    "b.ne 7b\n\t"                                                                                          \
+    "8:\n\t"
+#define A416_C_OUT                                                                                         \
+    "mov x16, %[c]\n\t"                                                                                    \
+    "st1 {v16.4s, v17.4s, v18.4s, v19.4s}, [x16], %[ldc]\n\tst1 {v20.4s, v21.4s, v22.4s, v23.4s}, [x16], %[ldc]\n\t" \
+    "st1 {v24.4s, v25.4s, v26.4s, v27.4s}, [x16], %[ldc]\n\tst1 {v28.4s, v29.4s, v30.4s, v31.4s}, [x16]\n\t"
+#define A416_CLOBBERS                                                                                      \
+    "x9", "x10", "x11", "x16", "v0", "v1", "v2", "v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11", "v12", \
+        "v16", "v17", "v18", "v19", "v20", "v21", "v22", "v23", "v24", "v25", "v26", "v27", "v28", "v29",    \
+        "v30", "v31", "memory", "cc"
+
+/* C[4 x 16] = (load ? C : 0) + A B, A row-major (row r at a + r * lda) */
+static void kernel_neon_4x16(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                             ptrdiff_t ldc, int load) {
+    long n = kc >> 3, four = (kc >> 2) & 1, rest = kc & 3;
+    const ptrdiff_t lda_b = lda * (ptrdiff_t)sizeof(float), ldb_b = ldb * (ptrdiff_t)sizeof(float),
+                    ldc_b = ldc * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        "mov x16, %[c]\n\t"
+        "cbz %w[load], 2f\n\t"
+        "ld1 {v16.4s, v17.4s, v18.4s, v19.4s}, [x16], %[ldc]\n\tld1 {v20.4s, v21.4s, v22.4s, v23.4s}, [x16], %[ldc]\n\t"
+        "ld1 {v24.4s, v25.4s, v26.4s, v27.4s}, [x16], %[ldc]\n\tld1 {v28.4s, v29.4s, v30.4s, v31.4s}, [x16]\n\t"
+        "b 3f\n\t"
+        "2:\n\t"
+        "movi v16.16b, #0\n\tmovi v17.16b, #0\n\tmovi v18.16b, #0\n\tmovi v19.16b, #0\n\t"
+        "movi v20.16b, #0\n\tmovi v21.16b, #0\n\tmovi v22.16b, #0\n\tmovi v23.16b, #0\n\t"
+        "movi v24.16b, #0\n\tmovi v25.16b, #0\n\tmovi v26.16b, #0\n\tmovi v27.16b, #0\n\t"
+        "movi v28.16b, #0\n\tmovi v29.16b, #0\n\tmovi v30.16b, #0\n\tmovi v31.16b, #0\n\t"
+        "3:\n\t"
+        A416_STEPS
+        A416_C_OUT
+        : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [four] "+r"(four), [rest] "+r"(rest)
+        : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [c] "r"(c), [ldc] "r"(ldc_b), [load] "r"(load)
+        : A416_CLOBBERS);
+}
+
+/* C[4 x 16] = diag(e) X + A B: X's tile (leading dimension ldx; C itself, or another matrix) loaded and
+ * row r multiplied by e[r] (FMUL by element: x * e[r] rounded, the bits of a separate pass of x * a),
+ * then the steps. GDN's state update (S = diag(exp(G_last)) S + K^T U) and its right-hand sides
+ * (R = diag(beta) V - K S) without a pass of their own over X (a load, a multiply and a store a quad). */
+static void kernel_neon_4x16_scaled(int kc, const float *a, ptrdiff_t lda, const float *b, ptrdiff_t ldb, float *c,
+                                    ptrdiff_t ldc, const float *x, ptrdiff_t ldx, const float *e) {
+    long n = kc >> 3, four = (kc >> 2) & 1, rest = kc & 3;
+    const ptrdiff_t lda_b = lda * (ptrdiff_t)sizeof(float), ldb_b = ldb * (ptrdiff_t)sizeof(float),
+                    ldc_b = ldc * (ptrdiff_t)sizeof(float), ldx_b = ldx * (ptrdiff_t)sizeof(float);
+    __asm__ volatile(
+        "ld1 {v0.4s}, [%[e]]\n\t"
+        "ld1 {v16.4s, v17.4s, v18.4s, v19.4s}, [%[x]], %[ldx]\n\tld1 {v20.4s, v21.4s, v22.4s, v23.4s}, [%[x]], %[ldx]\n\t"
+        "ld1 {v24.4s, v25.4s, v26.4s, v27.4s}, [%[x]], %[ldx]\n\tld1 {v28.4s, v29.4s, v30.4s, v31.4s}, [%[x]]\n\t"
+        "fmul v16.4s, v16.4s, v0.s[0]\n\tfmul v17.4s, v17.4s, v0.s[0]\n\tfmul v18.4s, v18.4s, v0.s[0]\n\tfmul v19.4s, v19.4s, v0.s[0]\n\t"
+        "fmul v20.4s, v20.4s, v0.s[1]\n\tfmul v21.4s, v21.4s, v0.s[1]\n\tfmul v22.4s, v22.4s, v0.s[1]\n\tfmul v23.4s, v23.4s, v0.s[1]\n\t"
+        "fmul v24.4s, v24.4s, v0.s[2]\n\tfmul v25.4s, v25.4s, v0.s[2]\n\tfmul v26.4s, v26.4s, v0.s[2]\n\tfmul v27.4s, v27.4s, v0.s[2]\n\t"
+        "fmul v28.4s, v28.4s, v0.s[3]\n\tfmul v29.4s, v29.4s, v0.s[3]\n\tfmul v30.4s, v30.4s, v0.s[3]\n\tfmul v31.4s, v31.4s, v0.s[3]\n\t"
+        A416_STEPS
+        A416_C_OUT
+        : [a] "+r"(a), [b] "+r"(b), [n] "+r"(n), [four] "+r"(four), [rest] "+r"(rest), [x] "+r"(x)
+        : [lda] "r"(lda_b), [ldb] "r"(ldb_b), [c] "r"(c), [ldc] "r"(ldc_b), [ldx] "r"(ldx_b), [e] "r"(e)
+        : A416_CLOBBERS);
 }
 
 /* A transposed: the eight values of step k contiguous at a + k * lda, one LD1 into (v0, v1) */
@@ -697,6 +804,57 @@ static void gemm(int M, int N, int K, const float *A, int lda, int at, const tb_
             }
         }
     }
+}
+
+int tb_gemm_tiles(int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
+                  int accumulate, int lower) {
+    const tb_gemm_kernels *kr = kernels();
+    const int mr = kr->mr, nr = kr->nr;
+    if (M <= 0 || N <= 0 || K <= 0 || K > KC) return 0;
+#if A64_ASM
+    if (kr == &neon_kernels && M % 4 == 0 && N % 16 == 0) {
+        /* 4 x 16 tiles; lower: each row's chain over the k that gemm()'s 8-row tile of it takes (up to
+         * that tile's last row, M at most), so the same terms, exact zeros included */
+        for (int i0 = 0; i0 < M; i0 += 4) {
+            const int kend = (i0 & ~7) + 8 < M ? (i0 & ~7) + 8 : M, keff = lower && kend < K ? kend : K;
+            const float *ap = A + (size_t)i0 * lda;
+            float *cp = C + (size_t)i0 * ldc;
+            for (int j0 = 0; j0 < N; j0 += 16) kernel_neon_4x16(keff, ap, lda, B + j0, ldb, cp + j0, ldc, accumulate);
+        }
+        return 1;
+    }
+#endif
+    if (M % mr || N % nr) return 0;
+#if PACK_A
+    /* armv7 fused: where a row tile meets two or more panels the driver packs A's row tiles (fewer loads
+     * than these calls); a second caller of that packing changed GCC's code for it (+0.1% on tb_gemm),
+     * so those products stay with the driver */
+    if (kr == &neon_kernels && N > nr) return 0;
+#endif
+    /* gemm()'s calls for one KC block and B in place: per row tile, keff = K, or up to the tile's last
+     * row's diagonal when lower; load = accumulate */
+    for (int i0 = 0; i0 < M; i0 += mr) {
+        const int keff = lower && i0 + mr < K ? i0 + mr : K;
+        const float *ap = A + (size_t)i0 * lda;
+        float *cp = C + (size_t)i0 * ldc;
+        for (int j0 = 0; j0 < N; j0 += nr) kr->kernel(keff, ap, lda, B + j0, ldb, cp + j0, ldc, accumulate);
+    }
+    return 1;
+}
+
+int tb_gemm_tiles_scaled(int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
+                         const float *X, int ldx, const float *e) {
+#if A64_ASM
+    if (kernels() != &neon_kernels || M <= 0 || N <= 0 || K <= 0 || K > KC || M % 4 || N % 16) return 0;
+    for (int i0 = 0; i0 < M; i0 += 4)
+        for (int j0 = 0; j0 < N; j0 += 16)
+            kernel_neon_4x16_scaled(K, A + (size_t)i0 * lda, lda, B + j0, ldb, C + (size_t)i0 * ldc + j0, ldc,
+                                    X + (size_t)i0 * ldx + j0, ldx, e + i0);
+    return 1;
+#else
+    (void)M, (void)N, (void)K, (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc, (void)X, (void)ldx, (void)e;
+    return 0;
+#endif
 }
 
 void tb_gemm(int M, int N, int K, const float *A, int lda, const tb_gemm_b *B, float *C, int ldc, int accumulate,

@@ -52,6 +52,23 @@ void tb_gemm(int M, int N, int K, const float *A, int lda, const tb_gemm_b *B, f
 void tb_gemm_at(int M, int N, int K, const float *At, int ldat, const tb_gemm_b *B, float *C, int ldc, int accumulate,
                 int lower);
 
+/* tb_gemm for a product of whole tiles with B row-major and read in place (B[k][n] at B[k * ldb + n]):
+ * when M and N are multiples of the micro-kernel's MR and NR and 0 < K <= its KC, the micro-kernel
+ * called on each tile straight from here, the calls (and so the bits) tb_gemm itself would make, without
+ * its set-up, scratch and packing (GDN's chunk products are short, K = 16 or 64: the driver's ~180
+ * instructions a call and ~17 a tile were a tenth of the micro-kernel's on aarch64). On aarch64 the
+ * tiles are 4 x 16 (asm, fewer loads a multiply-add than the 8 x 8 kernel) where M and N allow.
+ * Returns 0, doing nothing, when the shape does not qualify: the caller then calls tb_gemm. */
+int tb_gemm_tiles(int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
+                  int accumulate, int lower);
+
+/* C = diag(e) X + A B (A row-major, B row-major in place), whole 4 x 16 tiles on aarch64's NEON kernel:
+ * each element of X times its row's e rounded, then one chain over k in ascending order, the bits of
+ * scaling X into C and then tb_gemm accumulating (X may be C itself). Returns 0, doing nothing,
+ * elsewhere (other micro-kernels, other targets) or when the shape does not qualify as for tb_gemm_tiles. */
+int tb_gemm_tiles_scaled(int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
+                         const float *X, int ldx, const float *e);
+
 /* The micro-kernel in use ("avx512", "avx2", "neon", "scalar") and whether fused ("-fma" suffix). */
 const char *tb_gemm_isa(void);
 
