@@ -111,13 +111,19 @@ class Sshd:
         return out
 
     def kill(self) -> None:
-        """The machine dies: the listener and all its sessions, at once."""
-        for pid in self.session_pids():
+        """The machine dies: the listener and all its sessions. The listener goes first and is reaped
+        (its listening socket closed) before any session dies: a client whose session drops reconnects
+        at once and must find nothing listening. Killed in one sweep, that reconnect could reach the
+        listener while it was still exiting, be accepted, then reset (an EOF where a real dead machine
+        refuses): a CI run saw it once."""
+        sessions = self.session_pids()[1:]
+        self.proc.kill()
+        self.proc.wait()
+        for pid in sessions:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.proc.wait()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
