@@ -32,9 +32,11 @@
  *       float32 matrix product and a streaming read in the same run, the rates to compare with].
  * A request outside the cache or the vocabulary is refused before anything runs; a weights file of
  * another shape or dtype, or a damaged one, is an error naming the tensor; both exit nonzero. */
+#define _DEFAULT_SOURCE /* posix_memalign, madvise */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "../tb_linalg.h"
 #include "../tb_model.h"
@@ -86,11 +88,24 @@ typedef struct {
     size_t stream_floats;
 } reference_work;
 
+/* The streaming read's buffer, in transparent huge pages where the kernel gives them on request
+ * (madvise, this VM's setting and Android's): over 4 KiB pages the read measured 13-18 GB/s from run to
+ * run on the same quiet machine, over huge pages 17-18 (the rate an outside read over huge pages
+ * gets), and a floor is the best rate the memory gives. The weights stay as the engine has them. */
+static float *stream_buffer(size_t bytes) {
+    void *p = NULL;
+    if (posix_memalign(&p, (size_t)2 << 20, bytes)) return NULL;
+#ifdef MADV_HUGEPAGE
+    (void)madvise(p, bytes, MADV_HUGEPAGE); /* a request: refused, the read runs over 4 KiB pages */
+#endif
+    return p;
+}
+
 static reference_work reference_setup(const tb_model_config *c, int rows) {
     reference_work r = {0};
     r.m = rows, r.n = c->mlp, r.k = c->hidden, r.stream_floats = (size_t)64 << 20; /* 256 MiB */
     r.a = calloc((size_t)r.m * r.k, sizeof(float)), r.b = calloc((size_t)r.k * r.n, sizeof(float));
-    r.c = calloc((size_t)r.m * r.n, sizeof(float)), r.stream = malloc(sizeof(float) * r.stream_floats);
+    r.c = calloc((size_t)r.m * r.n, sizeof(float)), r.stream = stream_buffer(sizeof(float) * r.stream_floats);
     if (!r.a || !r.b || !r.c || !r.stream) die("out of memory");
     for (size_t i = 0; i < (size_t)r.m * r.k; i++) r.a[i] = (float)(i % 7) * 0.25f;
     for (size_t i = 0; i < (size_t)r.k * r.n; i++) r.b[i] = (float)(i % 5) * 0.5f;
