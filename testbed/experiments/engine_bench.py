@@ -22,7 +22,8 @@ matmul_vs_own_gemm  (a device: no numpy there) the same engine products over the
                   and no sgemm target judged from it.
 decode_vs_stream  a decode step's time, over the time to read its weights once (every projection and
                   the tied LM head, in the weights' dtype) at the bandwidth of a streaming read of
-                  256 MiB timed in the same repetition; cold (bench.cold_mb > 0, the default): the
+                  256 MiB timed in the same repetition (over huge pages where the kernel grants them:
+                  the memory's best rate); cold (bench.cold_mb > 0, the default): the
                   caches evicted before each timed step, as a step after other work finds them
 
 Both by the wall clock and by the process's CPU clock (on a shared machine the CPU clock leaves out
