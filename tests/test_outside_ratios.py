@@ -97,7 +97,7 @@ def inside_decode(weights: str, reps: int) -> float:
 
 
 # opt-in: each side streams 256 MiB many times, and the ratio moves with the memory traffic of whatever else
-# runs (under a neighbour's load both sides read 0.8-1.1 while a quiet machine reads 1.1-1.5)
+# runs (a neighbour streaming memory slows the floor's read more than the step: both sides then read lower)
 @pytest.mark.slow_build
 def test_engine_benchs_decode_ratios_reproduce_from_outside(results_dir, tmp_path):
     theirs_rounds, ours_rounds = [], []
