@@ -19,10 +19,9 @@ made here through its C ABI (ctypes structures mirroring tb_model.h; the weights
 int8 by numpy here), P positions prefilled, then each repetition evicts the caches (256 MiB written and
 read), times one decode step by this thread's CPU clock and drops its row; beside it, in the same
 shuffled repetition, a streaming read of 256 MiB (numpy's integer sum, which the memory bounds, over
-huge pages: the best rate). The
-ratio: the step's time over the time to read the weights once (every matrix in its stored dtype, the
-scales too) at that bandwidth. The step's logits are checked against refimpl.gemma in float64 on the
-weights as stored.
+huge pages: the best rate). The ratio: the step's time over the time to read the weights once (every
+matrix in its stored dtype, the scales too) at that bandwidth. The step's logits are checked against
+refimpl.gemma in float64 on the weights as stored.
 
     python scripts/outside_ratios.py [--fused 1|0] [--reps 7] [--keys 512,2048,8192] [--head-dim 256] [--chunk 64]
         [--gdn-tokens 512,4096] [--gdn-heads 16] [--gdn-head-size 128] [--gdn-chunk 0] [--gemm 512]
@@ -271,13 +270,6 @@ class Engine:
         # a float32 cache of every row, room for the decode step's
         options = EngineOptions(0, DECODE_GROUP, 0, 0, past + 1, past, 1)
         self.engine = ctypes.c_void_p()
-        lib.tb_engine_create.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(EngineOptions),
-                                         ctypes.POINTER(ctypes.c_void_p)]
-        lib.tb_model_prefill_with_past.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                                   ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-        lib.tb_model_decode_with_past.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p]
-        lib.tb_engine_drop.argtypes = [ctypes.c_void_p, ctypes.c_int]
-        lib.tb_engine_free.argtypes = [ctypes.c_void_p]
         check(lib.tb_engine_create(ctypes.byref(m), ctypes.byref(options), ctypes.byref(self.engine)), "engine")
         self.tokens = np.ascontiguousarray(tokens, np.int32)
         self.logits = np.empty(cfg.vocab, np.float32)
@@ -310,6 +302,17 @@ class Engine:
         self.lib.tb_engine_free(self.engine)
 
 
+def declare_engine_abi(lib: ctypes.CDLL):
+    """tb_model.h's calls the decode needs, with their argument types."""
+    lib.tb_engine_create.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(EngineOptions),
+                                     ctypes.POINTER(ctypes.c_void_p)]
+    lib.tb_model_prefill_with_past.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                               ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.tb_model_decode_with_past.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p]
+    lib.tb_engine_drop.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.tb_engine_free.argtypes = [ctypes.c_void_p]
+
+
 def check(rc: int, what: str):
     if rc != 0:
         raise RuntimeError(f"{what}: the engine returned {rc}")
@@ -319,6 +322,7 @@ def decode_variants(lib: ctypes.CDLL, args):
     """name -> call, bytes, check for each weights dtype's decode step, and the streaming read (its
     bytes); the engines (to free); and what makes the caches cold before each."""
     cfg = DECODE_MODEL
+    declare_engine_abi(lib)
     w = gemma.init_weights(cfg, DECODE_SEED)
     tokens = np.random.default_rng(DECODE_SEED).integers(0, cfg.vocab, args.decode_past + 1)
     calls, nbytes, checks, engines = {}, {}, {}, []
