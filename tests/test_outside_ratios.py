@@ -125,6 +125,20 @@ def test_the_outside_decode_builds_its_own_engine_and_checks_its_logits(tmp_path
     assert 0 < report["ratios"]["decode int8 vs stream"]["median"] < float("inf")
 
 
+def test_the_outside_decode_check_catches_a_global_layer_read_as_local(tmp_path):
+    """The planted bug: the script's engine built with every layer local (a wrong layer_type), past
+    beyond the window so the global layer's far keys matter. Its logits leave refimpl's: exit 1, named."""
+    source = SCRIPT.read_text()
+    planted = source.replace('c.layer_type[i] = 1 if t == "global" else 0', "c.layer_type[i] = 0")
+    planted = planted.replace("ROOT = Path(__file__).resolve().parent.parent", f"ROOT = Path({str(ROOT)!r})")
+    assert planted.count("c.layer_type[i] = 0") == 1 and f"ROOT = Path({str(ROOT)!r})" in planted
+    script = tmp_path / "outside_planted.py"
+    script.write_text(planted)
+    p = subprocess.run([sys.executable, str(script), "--kernels=0", "--decode=int8", "--decode-past=600", "--reps=1"],
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and "decode int8" in p.stderr, (p.returncode, p.stderr[-500:])
+
+
 def test_the_comparison_catches_a_ratio_off_by_more_than_15_percent():
     """The planted bug: a harness that reads the reference 20% slow (the environment's narrower
     kernel) inflates every ratio over it."""
