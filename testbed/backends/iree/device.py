@@ -20,7 +20,10 @@ What a device needs, and where it comes from:
 Every run adds Evidence (module name and sha256, the argv, seconds) to the caller's EvidenceLog, so a
 record can show it was computed there. Nothing trusts "it ran": a non-zero exit (a crash, a kill, a
 module the runtime refuses) is an IreeRunFailed with the tool's stderr tail, and outputs go to the
-oracles.
+oracles. One failure is the driver's, not the module's: a Vulkan device that loses the call while
+the module loads its parameters (runtime.vulkan_lost). The tools write outputs only on success and
+leave the run folder's inputs as they were, so the call is made again in a fresh process, at most
+VULKAN_LOST_RETRIES times, and each loss is kept in the call's evidence (detail.lost_device).
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ import numpy as np
 
 from testbed import PROJECT_ROOT
 from testbed.backends import Evidence, EvidenceLog
-from testbed.backends.iree.runtime import HOST_ELF, ModuleRequirements, parse_benchmark_json
+from testbed.backends.iree.runtime import (HOST_ELF, VULKAN_LOST_RETRIES, ModuleRequirements, parse_benchmark_json,
+                                          vulkan_lost)
 from testbed.devices import CommandResult, Device
 from testbed.devices.transport import sha256_file
 from testbed.errors import DeviceError, UsageError
@@ -308,7 +312,7 @@ class IreeDevice:
         if not profile.iree:
             raise UsageError(f"device={profile.name} names no IREE target (devices/{profile.name}.yaml has no "
                              f"iree: {{target, hal_device}})")
-        self.device, self.threads = device, threads
+        self.device, self.threads, self.progress = device, threads, progress
         self.hal_device = hal_device or profile.iree["hal_device"]
         if (self.hal_device == "vulkan") != (profile.iree["hal_device"] == "vulkan"):
             raise UsageError(f"HAL device {self.hal_device} does not run on device={profile.name} "
@@ -353,11 +357,10 @@ class IreeDevice:
         if len(outputs) != m.n_results:
             raise ValueError(f"{m.function} has {m.n_results} results; {len(outputs)} output names given")
         argv = self._argv("iree-run-module", m, inputs) + [f"--output=@{o}" if o else "--output=" for o in outputs]
-        result = self.device.run(argv, cwd=run.path)
-        self._check(result, argv)
+        result, lost = self._run_tool(run, argv)
         self.evidence.add(Evidence(self.device.name, m.name, m.sha256, " ".join(argv), result.seconds,
                                    {"timer": "the transport's wall clock around the command",
-                                    "module_formats": list(m.formats)}))
+                                    "module_formats": list(m.formats), **lost}))
         return result
 
     def benchmark(self, run: "RunFolder", m: StagedModule, inputs: Sequence[str], reps: int = 1,
@@ -369,19 +372,35 @@ class IreeDevice:
         argv = self._argv("iree-benchmark-module", m, inputs) + [
             f"--benchmark_repetitions={reps}", "--benchmark_format=json", f"--benchmark_min_time={min_time}",
             "--benchmark_min_warmup_time=1e-6"]
-        result = self.device.run(argv, cwd=run.path)
-        self._check(result, argv)
+        result, lost = self._run_tool(run, argv)
         figure = parse_benchmark_json(result.stdout)
         self.evidence.add(Evidence(self.device.name, m.name, m.sha256, " ".join(argv), figure.median,
                                    {"timer": "iree-benchmark-module real_time (the device's clock)",
-                                    "reps": figure.reps, "module_formats": list(m.formats)}))
+                                    "reps": figure.reps, "module_formats": list(m.formats), **lost}))
         return figure
 
-    def _check(self, result: CommandResult, argv: list[str]) -> None:
-        if result.returncode != 0:
-            tail = (result.stderr or result.stdout).strip()[-600:] or "no output"
-            raise IreeRunFailed(f"{self.device.name}: {Path(argv[0]).name} exited {result.returncode} "
-                                f"({argv[2]}): {tail}")
+    def _run_tool(self, run: "RunFolder", argv: list[str]) -> tuple[CommandResult, dict]:
+        """The tool's result once it exits 0, and {"lost_device": [each loss's words]} if the Vulkan
+        device lost the call on the way (made again in a fresh process)."""
+        losses: list[str] = []
+        while True:
+            result = self.device.run(argv, cwd=run.path)
+            if result.returncode == 0:
+                return result, ({"lost_device": losses} if losses else {})
+            words = self._words(result)
+            if not (self.hal_device == "vulkan" and vulkan_lost(words)):
+                raise IreeRunFailed(f"{self.device.name}: {Path(argv[0]).name} exited {result.returncode} "
+                                    f"({argv[2]}): {words}")
+            losses.append(words)
+            if len(losses) > VULKAN_LOST_RETRIES:
+                raise IreeRunFailed(f"{self.device.name}: {Path(argv[0]).name} lost the Vulkan device on each of "
+                                    f"{len(losses)} attempts ({argv[2]}): " + " | ".join(losses))
+            self.progress(f"{self.device.name}: {Path(argv[0]).name} lost the Vulkan device ({argv[2]}); "
+                          f"making the call again ({len(losses)} of {VULKAN_LOST_RETRIES} retries)")
+
+    @staticmethod
+    def _words(result: CommandResult) -> str:
+        return (result.stderr or result.stdout).strip()[-600:] or "no output"
 
     def folder(self) -> "RunFolder":
         return RunFolder(self.device)

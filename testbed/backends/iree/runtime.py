@@ -41,10 +41,31 @@ CPU_DRIVERS = ("local-sync", "local-task")
 DRIVERS = (*CPU_DRIVERS, "vulkan")
 # platform.machine() -> the ELF format IREE's llvm-cpu backend emits for it
 HOST_ELF = {"x86_64": "embedded-elf-x86_64", "aarch64": "embedded-elf-arm_64", "armv7l": "embedded-elf-arm_32"}
+# IREE 3.13's Vulkan driver on Mesa 22.3's lavapipe (Debian 12) fails about 1.5 of 100 module loads
+# that read a parameter archive, in the runtime's own parameter load, before any of the module's code
+# runs: the device is lost ("DATA_LOSS ... [vkWaitSemaphores] VK_ERROR_DEVICE_LOST ...") or, rarely,
+# the read lands in a buffer its allocation has not backed yet ("transient buffer has no staged
+# Vulkan backing"). Measured: 60 of 4,000 iree-run-module processes loading the tiny Gemma's prefill
+# module, whatever --vulkan_dedicated_compute_queue, --vulkan_tracing, --vulkan_buffer_device_addresses,
+# --parameter_mode or MESA_VK_ENABLE_SUBMIT_THREAD said; 5 of 300 in-process loads; 0 of 500 loads of a
+# module without parameters. A phone's GPU driver can lose its device too. Such a load is made again
+# on a fresh device, at most VULKAN_LOST_RETRIES times; one that fails every time still fails, with
+# every attempt's words.
+VULKAN_LOST_RETRIES = 3
+_VULKAN_LOST = re.compile(r"(?:^|[\s:;])DATA_LOSS;|transient buffer has no staged Vulkan backing")
+
+
+def vulkan_lost(words: str) -> bool:
+    """Whether an IREE error on a Vulkan device is the device losing the call (see VULKAN_LOST_RETRIES)."""
+    return bool(_VULKAN_LOST.search(words))
 
 
 class IncompatibleModule(Exception):
     """The module was compiled for another kind of device than the one asked to run it."""
+
+
+class VulkanLost(DeviceError):
+    """The Vulkan device lost the module's load (vulkan_lost): every session on it is gone with it."""
 
 
 @dataclass(frozen=True)
@@ -137,7 +158,6 @@ class RuntimeSession:
         check_runs_on(artifact, driver)
         self.artifact, self.driver, self.contract = artifact, driver, artifact.contract
         self._rt = rt
-        self.device = device if device is not None else open_device(driver)
         instance = rt.VmInstance()
         module = rt.VmModule.mmap(instance, str(artifact.module))
         function = module.lookup_function(self.contract.function)
@@ -145,16 +165,40 @@ class RuntimeSession:
             raise ContractError(f"{artifact.module} exports no function {self.contract.function!r}; "
                                 f"it has {', '.join(module.function_names)}")
         check_signature(self.contract, function.reflection["iree.abi.declaration"])
-        modules = [rt.create_hal_module(instance, self.device)]
-        if artifact.parameters is not None:
-            index = rt.ParameterIndex()
-            index.load(str(artifact.parameters))
-            scope = artifact.manifest.get("parameters", {}).get("scope", "model")
-            modules.insert(0, rt.create_io_parameters_module(instance, index.create_provider(scope=scope)))
-        elif artifact.manifest.get("parameters", {}).get("entries"):
+        if artifact.parameters is None and artifact.manifest.get("parameters", {}).get("entries"):
             raise ContractError(f"{artifact.module} loads parameters but no parameter archive was given")
-        self._context = rt.VmContext(instance, [*modules, module])
-        self._function = function
+        self._instance, self._module, self._function = instance, module, function
+        self.lost_device: list[str] = []  # the words of each load a Vulkan device lost on the way
+        if device is not None:
+            self.attach(device)  # on a loss, the device's owner opens another (TargetRunner)
+            return
+        while True:
+            try:
+                self.attach(open_device(driver))
+                return
+            except VulkanLost as lost:
+                self.lost_device.append(str(lost))
+                if len(self.lost_device) > VULKAN_LOST_RETRIES:
+                    raise VulkanLost(f"the Vulkan device lost the load on each of {len(self.lost_device)} "
+                                     f"attempts: " + " | ".join(self.lost_device)) from None
+
+    def attach(self, device) -> None:
+        """Load the module on `device`, its parameter archive (if any) read into it: at construction,
+        and again on a fresh device after the last one was lost. VulkanLost if this load is lost."""
+        rt = self._rt
+        self.device = device
+        modules = [rt.create_hal_module(self._instance, device)]
+        if self.artifact.parameters is not None:
+            index = rt.ParameterIndex()
+            index.load(str(self.artifact.parameters))
+            scope = self.artifact.manifest.get("parameters", {}).get("scope", "model")
+            modules.insert(0, rt.create_io_parameters_module(self._instance, index.create_provider(scope=scope)))
+        try:
+            self._context = rt.VmContext(self._instance, [*modules, self._module])
+        except RuntimeError as e:
+            if self.driver == "vulkan" and vulkan_lost(str(e)):
+                raise VulkanLost(f"{self.artifact.module}: {e}") from None
+            raise
 
     def __call__(self, *arrays: np.ndarray) -> list[np.ndarray]:
         rt = self._rt
@@ -292,10 +336,28 @@ class TargetRunner:
         if key not in self._sessions:
             artifact = compile_graph(graph, self.target, self.cache_dir, self.progress)
             self.artifacts[graph.name] = artifact
-            if self._device is None:
-                self._device = open_device(self.driver)
-            self._sessions[key] = RuntimeSession(artifact, self.driver, self._device)
+            self._load(key, artifact)
         return self._sessions[key]
+
+    def _load(self, key: tuple, artifact: Artifact) -> None:
+        """A session for `artifact` on the runner's device. A Vulkan device that loses a load takes
+        every session on it along: the next attempt opens a fresh device and loads them all again
+        there (in place: a caller's session stays good), at most VULKAN_LOST_RETRIES times."""
+        for attempt in range(VULKAN_LOST_RETRIES + 1):
+            try:
+                if self._device is None:
+                    self._device = open_device(self.driver)
+                    for session in self._sessions.values():
+                        session.attach(self._device)
+                self._sessions[key] = RuntimeSession(artifact, self.driver, self._device)
+                return
+            except VulkanLost as lost:
+                self._device = None
+                if attempt == VULKAN_LOST_RETRIES:
+                    raise VulkanLost(f"the Vulkan device lost the load on each of {attempt + 1} attempts; "
+                                     f"the last: {lost}") from None
+                self.progress(f"{artifact.module.parent.name}: the Vulkan device lost the module's load; "
+                              f"loading again on a fresh device ({attempt + 1} of {VULKAN_LOST_RETRIES} retries)")
 
     def _digest(self, weights) -> str:
         """The weights' digest, once per weights object (hashing a gigabyte per call would cost
