@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -66,6 +66,26 @@ class IncompatibleModule(Exception):
 
 class VulkanLost(DeviceError):
     """The Vulkan device lost the module's load (vulkan_lost): every session on it is gone with it."""
+
+
+Loaded = TypeVar("Loaded")
+
+
+def load_until_kept(load: Callable[[], Loaded], what: str,
+                    progress: Callable[[str], None] = lambda msg: None) -> tuple[Loaded, list[str]]:
+    """load() made again after each VulkanLost (it opens its fresh device), at most VULKAN_LOST_RETRIES
+    times: what it returned, and the words of each loss on the way."""
+    losses: list[str] = []
+    while True:
+        try:
+            return load(), losses
+        except VulkanLost as lost:
+            losses.append(str(lost))
+            if len(losses) > VULKAN_LOST_RETRIES:
+                raise VulkanLost(f"the Vulkan device lost the load on each of {len(losses)} attempts: "
+                                 + " | ".join(losses)) from None
+            progress(f"{what}: the Vulkan device lost the module's load; loading again on a fresh device "
+                     f"({len(losses)} of {VULKAN_LOST_RETRIES} retries)")
 
 
 @dataclass(frozen=True)
@@ -171,16 +191,8 @@ class RuntimeSession:
         self.lost_device: list[str] = []  # the words of each load a Vulkan device lost on the way
         if device is not None:
             self.attach(device)  # on a loss, the device's owner opens another (TargetRunner)
-            return
-        while True:
-            try:
-                self.attach(open_device(driver))
-                return
-            except VulkanLost as lost:
-                self.lost_device.append(str(lost))
-                if len(self.lost_device) > VULKAN_LOST_RETRIES:
-                    raise VulkanLost(f"the Vulkan device lost the load on each of {len(self.lost_device)} "
-                                     f"attempts: " + " | ".join(self.lost_device)) from None
+        else:
+            _, self.lost_device = load_until_kept(lambda: self.attach(open_device(driver)), artifact.module.parent.name)
 
     def attach(self, device) -> None:
         """Load the module on `device`, its parameter archive (if any) read into it: at construction,
@@ -343,21 +355,19 @@ class TargetRunner:
         """A session for `artifact` on the runner's device. A Vulkan device that loses a load takes
         every session on it along: the next attempt opens a fresh device and loads them all again
         there (in place: a caller's session stays good), at most VULKAN_LOST_RETRIES times."""
-        for attempt in range(VULKAN_LOST_RETRIES + 1):
+
+        def attempt() -> RuntimeSession:
             try:
                 if self._device is None:
                     self._device = open_device(self.driver)
                     for session in self._sessions.values():
                         session.attach(self._device)
-                self._sessions[key] = RuntimeSession(artifact, self.driver, self._device)
-                return
-            except VulkanLost as lost:
+                return RuntimeSession(artifact, self.driver, self._device)
+            except VulkanLost:
                 self._device = None
-                if attempt == VULKAN_LOST_RETRIES:
-                    raise VulkanLost(f"the Vulkan device lost the load on each of {attempt + 1} attempts; "
-                                     f"the last: {lost}") from None
-                self.progress(f"{artifact.module.parent.name}: the Vulkan device lost the module's load; "
-                              f"loading again on a fresh device ({attempt + 1} of {VULKAN_LOST_RETRIES} retries)")
+                raise
+
+        self._sessions[key], _ = load_until_kept(attempt, artifact.module.parent.name, self.progress)
 
     def _digest(self, weights) -> str:
         """The weights' digest, once per weights object (hashing a gigabyte per call would cost
