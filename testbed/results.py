@@ -49,10 +49,9 @@ import pandas as pd
 
 from testbed import PROJECT_ROOT, __version__
 from testbed.errors import StoreError
+from testbed.verdicts import PASS, VERDICTS
 
 SCHEMA = 2  # 2: rows in committed batches, runs between marks (1: one write per run, no marks)
-# "not supported": an engine under test refused the request (engine contract v1): never a pass
-VERDICTS = ("pass", "fail", "error", "not supported")
 
 
 @dataclass
@@ -207,7 +206,7 @@ class RunInfo:
 
 def passed(record: dict) -> bool:
     """A verdict that counts as passed: "pass", from a run that ended complete."""
-    return record.get("verdict") == "pass" and not record.get("incomplete")
+    return record.get("verdict") == PASS and not record.get("incomplete")
 
 
 def unfinished_run_record(start: dict, kept: int, marked: bool = True) -> dict:

@@ -32,6 +32,7 @@ from testbed.devices.profile import Profile
 from testbed.errors import DeviceError
 from testbed.results import Record, ResultsStore, RunInfo
 from testbed.stop import STOP, STOP_SIGNAL, Interrupted, raise_if_stopped  # noqa: F401 -- used as runner.X
+from testbed.verdicts import UNJUDGED, Tally
 
 
 # Interrupted, STOP and raise_if_stopped live in testbed.stop (the transports check them too).
@@ -125,7 +126,8 @@ def check_evidence(records: list[Record], profile) -> None:
     natively: without this, a build for the wrong target computes on the host and passes."""
     if profile.transport == "local" and not profile.has("emulated"):
         return  # the host itself: what ran here ran on the host
-    bare = [r.case for r in records if not r.evidence]
+    # a refusal or a verdict not judged claims nothing was computed: it needs no evidence (what it has is checked)
+    bare = [r.case for r in records if not r.evidence and not (r.kind == "oracle" and r.verdict in UNJUDGED)]
     if bare:
         raise ComputedElsewhere(f"{len(bare)} record(s) of a run on device {profile.name} carry no evidence that "
                                 f"the device computed them (first: {bare[0]}); nothing computed on the host is "
@@ -171,8 +173,14 @@ class Outcome:
         return pd.json_normalize(self.rows, sep=".") if self.rows else pd.DataFrame()
 
     @property
+    def tally(self) -> Tally:
+        """Its oracle verdicts by state (testbed.verdicts): what its exit status and summary say."""
+        return Tally.of_records(self.rows)
+
+    @property
     def failed(self) -> int:
-        return sum(r["kind"] == "oracle" and r["verdict"] != "pass" for r in self.rows)
+        """Its verdicts that fail or err (a refusal or a verdict not judged is neither)."""
+        return self.tally.failed
 
 
 def host_load(before: dict | None = None) -> dict:

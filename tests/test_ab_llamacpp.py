@@ -152,7 +152,7 @@ def test_p11_on_qemu_aarch64_the_chunk_loop_is_neutral_and_dropping_beta_is_caug
     call = "H=4,hs=64,T=128,kda=0/ggml"
     status, out, err = replay(capsys, "qemu-aarch64", CHUNK64, "matrix=awkward")
     assert status == 0, err
-    assert "oracles on A (sdist): 12/12 pass" in out and f"oracles on B (sdist+{CHUNK64}): 12/12 pass" in out
+    assert "oracles on A (sdist): 12 pass" in out and f"oracles on B (sdist+{CHUNK64}): 12 pass" in out
     a, b = _instructions(out, call)
     assert a > 1_000_000 and abs(b / a - 1) < 0.01, (a, b)
     assert "(outputs differ)" not in out  # the same per-token code: the same bits
@@ -170,7 +170,7 @@ def test_p11_on_qemu_aarch64_the_chunk_loop_is_neutral_and_dropping_beta_is_caug
 
     status, out, err = replay(capsys, "qemu-aarch64", DROP_BETA, "matrix=awkward")
     assert status == 1, err
-    assert "oracles on A (sdist): 12/12 pass" in out
+    assert "oracles on A (sdist): 12 pass" in out
     failed = re.findall(rf"^FAILED B \(sdist\+{re.escape(DROP_BETA)}\) (\S+): fail: .*NMSE", out, re.M)
     # the lengths that reach a second chunk of 64 (65, 127, 300 tokens, each gate), and only those
     assert failed and all(int(re.search(r"T=(\d+)", case).group(1)) > 64 for case in failed), out
@@ -216,9 +216,9 @@ def test_p11_replayed_on_qemu_hexagon(patch, results_dir, capsys):
     op counted under qemu-hexagon's plugin at the profile's bench shape."""
     status, out, err = replay(capsys, "qemu-hexagon", patch)
     a, b = _instructions(out, HEXAGON_CALL)
-    assert "oracles on A (sdist): 8/8 pass" in out
+    assert "oracles on A (sdist): 8 pass" in out
     if patch == CHUNK64:
-        assert status == 0 and f"oracles on B (sdist+{patch}): 8/8 pass" in out, err
+        assert status == 0 and f"oracles on B (sdist+{patch}): 8 pass" in out, err
         assert abs(b / a - 1) < 0.01 and "(outputs differ)" not in out
     elif patch == DROP_BETA:
         assert status == 1
@@ -227,7 +227,7 @@ def test_p11_replayed_on_qemu_hexagon(patch, results_dir, capsys):
                                         for k in (0, 1)), out
         assert "FAILED: 2 oracle record(s) did not pass on B (" in out and "B is not worse than A" not in out
     else:
-        assert status == 1 and f"oracles on B (sdist+{patch}): 8/8 pass" in out
+        assert status == 1 and f"oracles on B (sdist+{patch}): 8 pass" in out
         assert b / a - 1 > 0.03
         (slower,) = [line for line in out.splitlines() if line.startswith("SLOWER ")]
         assert f"{HEXAGON_CALL}: instructions {a} -> {b} (+" in slower

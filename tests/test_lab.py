@@ -33,7 +33,7 @@ def test_a_lab_folder_adds_devices_and_suites(tmp_path):
     env = {"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(tmp_path / "results")}
     night = cli("nightly", "suite=tiny", f"lock_dir={tmp_path / 'locks'}", env=env)
     assert night.returncode == 0, night.stdout + night.stderr
-    assert "  bench9         ok           1 runs, oracles 48/48 pass" in night.stdout
+    assert "  bench9         ok           1 runs, oracles 48 pass" in night.stdout
 
 
 def test_a_lab_that_is_not_a_folder_is_one_line(tmp_path):
@@ -69,7 +69,7 @@ def test_another_package_adds_an_experiment_through_an_entry_point(tmp_path):
     env = {"PYTHONPATH": str(tmp_path / "site"), "TESTBED_RESULTS": str(tmp_path / "results")}
     r = cli("run", "hello", "greetings=3", env=env)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "hello on host (refimpl): oracles 3/3 pass" in r.stdout
+    assert "hello on host (refimpl): oracles 3 pass" in r.stdout
     assert "hello" not in config.choices("experiment")  # only where the package is installed
 
 
@@ -95,7 +95,7 @@ def test_a_broken_entry_point_is_one_line_and_the_rest_still_runs(tmp_path, monk
         assert line.startswith(f"testbed: error: experiment {name!r}: entry point testbed.experiments {name} = "), line
         assert "reinstall or uninstall the package that declares it" in line
     assert main(["run", "gdn", "mode=oracle", "matrix=awkward", "max_tokens=1"]) == 0
-    assert "gdn on host (refimpl): oracles 8/8 pass" in capsys.readouterr().out
+    assert "gdn on host (refimpl): oracles 8 pass" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     # the package that is gone is left out of the listing, saying why (the other's module is imported on use only)

@@ -114,7 +114,7 @@ def test_devices_in_parallel_busy_and_unreachable(tmp_path, lab, results_dir):
 
     assert status == 3  # nothing failed, but not every device was there
     rows = {line.split()[0]: line.split(None, 2)[1:] for line in summary.splitlines()[1:4]}
-    assert rows["host"][0] == "ok" and "oracles 48/48 pass" in rows["host"][1]
+    assert rows["host"][0] == "ok" and "oracles 48 pass" in rows["host"][1]
     assert rows["bench2"][0] == "busy" and "night other" in rows["bench2"][1]
     assert rows["phone"][0] == "unreachable" and "refused" in rows["phone"][1]
     # one worker per device: the phone was given up while the host was still running its experiment

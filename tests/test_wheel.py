@@ -46,7 +46,7 @@ def test_an_installed_wheel_runs_an_experiment_from_another_folder(tmp_path):
     run = subprocess.run([env_dir / "bin" / "testbed", "run", "gdn", "mode=oracle", "matrix=awkward"], cwd=elsewhere,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "gdn on host (refimpl): oracles 48/48 pass" in run.stdout
+    assert "gdn on host (refimpl): oracles 48 pass" in run.stdout
     where = subprocess.run([python, "-c", "import testbed; print(testbed.__file__)"], cwd=elsewhere, env=env,
                            capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(env_dir))
@@ -55,7 +55,7 @@ def test_an_installed_wheel_runs_an_experiment_from_another_folder(tmp_path):
     native = subprocess.run([env_dir / "bin" / "testbed", "run", "gdn", "backend=native", "mode=oracle",
                              "matrix=awkward"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=900)
     assert native.returncode == 0, native.stdout + native.stderr
-    assert "gdn on host (native): oracles 48/48 pass" in native.stdout
+    assert "gdn on host (native): oracles 48 pass" in native.stdout
     assert list((elsewhere / ".cache" / "kernels").glob("host-*/tb_gdn_bench"))
     plugin = subprocess.run([python, "-c", "from testbed.measure.counts import PLUGIN_SOURCE; "
                                            "print(PLUGIN_SOURCE.is_file())"],

@@ -17,10 +17,12 @@
                                                   llama.cpp's converter writes it, judged by testbed's reader
   (run and sweep take farm=HEAD:PORT: the jobs run on the lab's hosts that own their devices)
 
-Exit status: 0 all oracles passed, 1 an oracle failed (or no records to show), 2 bad input,
-3 a device could not be reached, 4 a device operation failed, 5 the results store cannot be written,
-6 testbed itself broke (compare: never 1, which means a regression), 128+N stopped by signal N (SIGINT,
-SIGTERM, SIGHUP; the run is stored as broken).
+Exit status: 0 at least one oracle was judged and none failed (or the run only measures), 1 an oracle
+failed (or no records to show), 2 bad input, 3 a device could not be reached, 4 a device operation
+failed, 5 the results store cannot be written, 6 testbed itself broke (compare: never 1, which means a
+regression), 7 nothing was judged: every verdict is "not supported" (the engine or device refused) or
+"not judged" (testbed.verdicts), 128+N stopped by signal N (SIGINT, SIGTERM, SIGHUP; the run is stored as
+broken).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 import pandas as pd
 from omegaconf import OmegaConf
 
-from testbed import __version__, config, experiments, runner
+from testbed import __version__, config, experiments, runner, verdicts
 from testbed.cli import devices as device_cli, records as records_cli
 from testbed.errors import DeviceError, DeviceUnreachable, StoreError, ToolMissing, UsageError
 from testbed.heartbeat import Step
@@ -88,7 +90,7 @@ class ProgressLine:
 def _summary(outcome: runner.Outcome, module) -> str:
     df = outcome.frame()
     oracles = df[df["kind"] == "oracle"] if len(df) else df
-    n_pass = int((oracles["verdict"] == "pass").sum()) if len(oracles) else 0
+    tally = outcome.tally
     # An experiment may condense its run into several small tables; the full view is `testbed table`.
     shown = module.summary(df) if hasattr(module, "summary") else [module.view(df)]
     lines = [*(tables.markdown(t) + "\n" for t in shown)] if len(df) else ["(no records)", ""]
@@ -96,12 +98,13 @@ def _summary(outcome: runner.Outcome, module) -> str:
         lines += [tables.breakeven_line(b) for b in module.breakevens(df)]
     lines.append(
         f"{outcome.info.experiment} on {outcome.info.device} ({outcome.info.backend}): "
-        f"oracles {n_pass}/{len(oracles)} pass, {len(df) - len(oracles)} measurements; "
-        f"run {outcome.info.run_id} stored"
+        f"oracles {tally.phrase()}, {len(df) - len(oracles)} measurements; run {outcome.info.run_id} stored"
     )
-    for _, r in oracles[oracles["verdict"] != "pass"].iterrows() if len(oracles) else []:
-        said = "NOT SUPPORTED" if r["verdict"] == "not supported" else "FAIL"  # an engine's refusal: never a pass
-        lines.append(f"{said} {r['case']}: {r['detail']}")
+    for _, r in oracles[oracles["verdict"] != verdicts.PASS].iterrows() if len(oracles) else []:
+        lines.append(f"{verdicts.LABEL.get(r['verdict'], 'ERROR')} {r['case']}: {r['detail']}")
+    if tally.exit_status() == verdicts.NOTHING_JUDGED:
+        lines.append(f"NOTHING JUDGED: every verdict is not supported or not judged; nothing passed and nothing "
+                     f"failed (exit {verdicts.NOTHING_JUDGED})")
     if outcome.info.emulated and len(df) > len(oracles):
         lines.append(f"NOTE: {outcome.info.device} is emulated: its times above are {emulation.REASON}; its "
                      "instruction counts are exact")
@@ -149,7 +152,7 @@ def cmd_run(args) -> int:
         progress.clear()
     module = experiments.load(rc.experiment)
     print(_summary(outcome, module))
-    return 1 if outcome.failed else 0
+    return outcome.tally.exit_status()
 
 
 def _sweep_here(jobs: list[config.RunConfig]):
@@ -183,9 +186,9 @@ def cmd_sweep(args) -> int:
     modules = [runner.check(rc)[0] for rc in jobs]  # every job is checked before the first one runs
     # with farm=, on the lab's nodes that own the devices, devices side by side
     outcomes = farm.execute(address, jobs, runner.results_store(jobs[0])) if address else _sweep_here(jobs)
-    rows, failed = [], 0
+    rows, tally = [], verdicts.Tally()
     for rc, module, outcome in zip(jobs, modules, outcomes):
-        failed += outcome.failed
+        tally += outcome.tally
         summarise = getattr(module, "sweep_row", lambda df: module.view(df).iloc[0].to_dict())
         rows.append({"experiment": rc.experiment, **dict(o.split("=", 1) for o in rc.overrides
                                                           if not o.startswith("experiment=")),
@@ -194,8 +197,8 @@ def cmd_sweep(args) -> int:
     for module in dict.fromkeys(modules):
         if hasattr(module, "sweep_footer"):
             print(module.sweep_footer(pd.DataFrame(rows), jobs))
-    print(f"{len(jobs)} runs, {failed} oracle failures; records in {runner.results_store(jobs[0]).path}")
-    return 1 if failed else 0
+    print(f"{len(jobs)} runs, oracles {tally.phrase()}; records in {runner.results_store(jobs[0]).path}")
+    return tally.exit_status()
 
 
 def cmd_table(args) -> int:
@@ -255,7 +258,7 @@ def cmd_ingest(args) -> int:
         if r["case"].endswith("/tally"):
             print(f"{r['case']}: {r['metrics']['tally']} ({r['verdict']}) {r['detail']}".rstrip())
     print(f"{len(rows)} records from {args.file} stored for {rc.experiment} on {rc.device}")
-    return 1 if any(r["kind"] == "oracle" and r["verdict"] != "pass" for r in rows) else 0
+    return verdicts.Tally.of_records(rows).exit_status()
 
 
 def cmd_nightly(args) -> int:

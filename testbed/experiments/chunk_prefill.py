@@ -50,6 +50,7 @@ from testbed.oracles.numerical import digest
 from testbed.oracles.tokens import Reference, TokenCase, check_mask_heads, check_token_at_position
 from testbed.report import tables
 from testbed.results import Record
+from testbed.verdicts import Tally
 
 PRESETS = {"tiny": gemma.tiny_config, "functiongemma": gemma.functiongemma_config}
 
@@ -484,7 +485,7 @@ def sweep_row(df: pd.DataFrame) -> dict:
     if len(oracles):
         tokens = oracles[oracles["oracle"] == "token"]
         row["token verdicts"] = " ".join(f"{c.split('/')[0]}:{v}" for c, v in zip(tokens["case"], tokens["verdict"]))
-        row["oracles"] = f"{int((oracles['verdict'] == 'pass').sum())}/{len(oracles)} pass"
+        row["oracles"] = Tally(oracles["verdict"]).phrase()
         row["token margin"] = float(pd.to_numeric(tokens["margin"], errors="coerce").min())
         row["ref top1-top2"] = float(pd.to_numeric(tokens["metrics.margin_ref"]).min())
         diffs = pd.to_numeric(oracles.get("metrics.max_abs_logits_diff"), errors="coerce")

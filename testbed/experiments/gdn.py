@@ -41,6 +41,7 @@ from testbed.measure import blas_reference, decisions
 from testbed.oracles.numerical import check_bitexact, check_nmse
 from testbed.report import tables
 from testbed.results import Figure, Record
+from testbed.verdicts import Tally
 
 PARAMS = {
     "backend": Choice(("refimpl", "native", "iree", "llamacpp")),
@@ -480,7 +481,7 @@ def sweep_row(df: pd.DataFrame) -> dict:
     oracles = df[df["kind"] == "oracle"]
     row = {"chunk": df["params.chunk"].iloc[0] if "params.chunk" in df else None}
     if len(oracles):
-        row["oracles"] = f"{int((oracles['verdict'] == 'pass').sum())}/{len(oracles)} pass"
+        row["oracles"] = Tally(oracles["verdict"]).phrase()
         row["worst NMSE"] = worst_nmse(oracles[oracles["oracle"] == "nmse"])
     repetitions = {}  # the chunkwise calls' repetitions per T, for the best chunk's confidence (programs only)
     for _, r in df[(df["kind"] == "measure") & (df["params.form"] == "chunkwise")].iterrows():

@@ -75,6 +75,7 @@ from testbed.measure.timing import interleaved_order, time_alternating_clocks
 from testbed.models.prompts import find_tokenizer, load_prompt
 from testbed.oracles.numerical import digest, nmse
 from testbed.results import Figure, Record
+from testbed.verdicts import Tally
 
 MODES = ("oracle", "crossover", "tail", "drift", "bench", "all")
 PARTS = {"oracle": ("oracle",), "crossover": ("crossover",), "tail": ("tail",), "drift": ("drift",),
@@ -991,7 +992,7 @@ def sweep_row(df: pd.DataFrame) -> dict:
     row: dict = {}
     o = df[df["kind"] == "oracle"]
     if len(o):
-        row["oracles"] = f"{int((o['verdict'] == 'pass').sum())}/{len(o)} pass"
+        row["oracles"] = Tally(o["verdict"]).phrase()
     table = crossover_table(df)
     for _, r in table.iterrows():
         for model in MODELS:

@@ -39,6 +39,7 @@ from testbed.errors import UsageError
 from testbed.oracles.numerical import check_nmse
 from testbed.report import tables
 from testbed.results import Record
+from testbed.verdicts import Tally
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,7 @@ def sweep_row(df: pd.DataFrame) -> dict:
         row["test-backend-ops"] = tally["metrics.tally"].iloc[0]
     ours = oracles[oracles["oracle"] == "nmse"]
     if len(ours):
-        row["testbed reference"] = f"{int((ours['verdict'] == 'pass').sum())}/{len(ours)} pass"
+        row["testbed reference"] = Tally(ours["verdict"]).phrase()
     for _, r in df[df["case"].str.endswith("/perf")].iterrows():
         row[f"us/run {r['params.params']}"] = r["figures.time.median"]
     if "figures.tokens_per_s.median" in df:

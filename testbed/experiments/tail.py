@@ -44,6 +44,7 @@ from testbed.measure.timing import host_clocks, time_interleaved
 from testbed.results import Figure, Record
 from testbed.oracles.tail import (Engine, check_cache_encoding, check_engine_rollback, check_first_token,
                                   check_padded_rollback, engine_grid, grid, kill_switch, prompt_lengths)
+from testbed.verdicts import Tally
 
 PARAMS = {
     "backend": Choice(("refimpl", "native", "engine")),
@@ -632,5 +633,5 @@ def sweep_row(df: pd.DataFrame) -> dict:
                 row["breakeven tail (CPU time)"] = breakeven_of("this job", cpu, "cpu")["tail"]
     oracles = df[df["kind"] == "oracle"]
     if len(oracles):
-        row["oracles"] = f"{int((oracles['verdict'] == 'pass').sum())}/{len(oracles)} pass"
+        row["oracles"] = Tally(oracles["verdict"]).phrase()
     return row

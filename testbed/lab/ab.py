@@ -82,6 +82,7 @@ from testbed.measure.counts import CountError
 from testbed.measure.timing import cpu_seconds
 from testbed.report import tables
 from testbed.results import Figure, Record
+from testbed.verdicts import FAILING, LABEL, UNJUDGED, Tally
 
 MAX_REPS = 1000        # pairs per call: at 1000 a small call's job already takes hours on an emulator
 
@@ -620,18 +621,21 @@ def _report(args, rc, module, opts, trees, engine) -> int:
     print(tables.render(df, args.format))
     worse = [r for r in rows if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] == "slower"]
     # an oracle that did not pass on either tree fails the comparison, whatever the speed
-    wrong = [r for r in rows if r["kind"] == "oracle" and r["verdict"] != "pass"]
+    wrong = [r for r in rows if r["kind"] == "oracle" and r["verdict"] in FAILING]
     for side, tree in zip("AB", trees):
-        judged = [r for r in rows if r["kind"] == "oracle" and r["params"].get("ab_side") == side]
-        if judged:
-            passed = sum(r["verdict"] == "pass" for r in judged)
-            print(f"oracles on {side} ({tree.spec}): {passed}/{len(judged)} pass")
+        side_rows = [r for r in rows if r["kind"] == "oracle" and r["params"].get("ab_side") == side]
+        if side_rows:
+            print(f"oracles on {side} ({tree.spec}): {Tally.of_records(side_rows).phrase()}")
+            for r in side_rows:  # a refusal is said, never counted against the tree
+                if r["verdict"] in UNJUDGED:
+                    print(f"{LABEL[r['verdict']]} {side} ({tree.spec}) {r['case'].removeprefix(f'ab/{side}/')}: "
+                          f"{r['detail']}")
     for r in wrong[:MAX_NAMED]:  # a run's own error record (no side) is named by its case alone
         side, tree = r["params"].get("ab_side"), r["params"].get("tree")
         where = f"{side} ({tree}) {r['case'].removeprefix(f'ab/{side}/')}" if side else r["case"]
         print(f"FAILED {where}: {r['verdict']}: {r['detail']}")
     if len(wrong) > MAX_NAMED:
-        print(f"... and {len(wrong) - MAX_NAMED} more oracle records that did not pass (testbed records)")
+        print(f"... and {len(wrong) - MAX_NAMED} more oracle records that failed (testbed records)")
     if args.format == "md":
         where = f"{rc.device}" + (" (emulated: instructions only, times not judged)" if outcome.info.emulated else "")
         print(f"\nA = {trees[0].spec} ({_short(trees[0].revision)}), B = {trees[1].spec} ({_short(trees[1].revision)}) "
@@ -653,7 +657,7 @@ def _report(args, rc, module, opts, trees, engine) -> int:
         if wrong:
             on = " and ".join(f"{side} ({tree.spec})" for side, tree in zip("AB", trees)
                               if any(r["params"].get("ab_side") == side for r in wrong))
-            print(f"FAILED: {len(wrong)} oracle record(s) did not pass on {on}: results changed, whatever the speed")
+            print(f"FAILED: {len(wrong)} oracle record(s) failed on {on}: results changed, whatever the speed")
         elif not worse:
             print("B is not worse than A on any call" + (f" judged; not judged: {', '.join(unjudged)}" if unjudged else ""))
     return 1 if worse or wrong else 0

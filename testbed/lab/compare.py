@@ -66,7 +66,8 @@ import pandas as pd
 from testbed.errors import INTERNAL_ERROR, UsageError
 from testbed.measure import emulation, history
 from testbed.report import tables
-from testbed.results import ResultsStore, passed
+from testbed.results import ResultsStore
+from testbed.verdicts import FAIL, NOT_JUDGED, PASS, Tally
 
 ALPHA = 0.05
 COMMIT = re.compile(r"[0-9a-f]{4,40}(-dirty)?")  # what testbed.results.git_commit stores, or a prefix
@@ -379,7 +380,16 @@ def figure_rows(a: list[dict], b: list[dict], ignoring: tuple[str, ...] = ()) ->
 
 
 def _tally(records: list[dict]) -> str:
-    return f"{sum(passed(r) for r in records)}/{len(records)} pass"
+    return Tally.of_records(records).phrase()
+
+
+def _state(records: list[dict]) -> str | None:
+    """One side's verdicts in one word: fail (any fails or errs), pass (none fails, one passed), not judged
+    (each a refusal or not judged); None where the side has none."""
+    if not records:
+        return None
+    tally = Tally.of_records(records)
+    return FAIL if tally.failed else PASS if tally[PASS] else NOT_JUDGED
 
 
 def oracle_rows(a: list[dict], b: list[dict], ignoring: tuple[str, ...] = ()) -> list[dict]:
@@ -395,13 +405,15 @@ def oracle_rows(a: list[dict], b: list[dict], ignoring: tuple[str, ...] = ()) ->
     rows = []
     for key in sorted(sides["A"].keys() | sides["B"].keys()):
         ra, rb = sides["A"].get(key, []), sides["B"].get(key, [])
-        ok = {s: all(passed(r) for r in rs) if rs else None for s, rs in (("A", ra), ("B", rb))}
-        if ok["A"] is None or ok["B"] is None:
-            verdict = "only in A" if ok["B"] is None else "only in B"
-        elif ok["A"] == ok["B"]:
-            verdict = "pass" if ok["A"] else "fail, as before"
-        else:
-            verdict = "PASS -> FAIL" if ok["A"] else "fail -> pass"
+        state = {"A": _state(ra), "B": _state(rb)}
+        if state["A"] is None or state["B"] is None:
+            verdict = "only in A" if state["B"] is None else "only in B"
+        elif state["A"] == state["B"]:
+            verdict = "pass" if state["A"] == PASS else f"{state['A']}, as before"
+        elif state["B"] == FAIL:  # the one change that is a regression
+            verdict = f"{state['A'].upper()} -> FAIL"
+        else:  # better, or now refused / not judged: said, never a regression
+            verdict = f"{state['A']} -> {state['B']}"
         rows.append({"experiment": key[0], "device": key[1], "backend": key[2], "config": key[3], "case": key[4],
                      "quantity": key[5], "derived": "", "unit": "verdict",
                      "a_verdict": _tally(ra) if ra else "", "b_verdict": _tally(rb) if rb else "",
@@ -494,9 +506,9 @@ def _compare(args) -> int:
     else:  # data on stdout, nothing else
         print(legend, file=sys.stderr)
         print(tables.render(df, args.format))
-    flips = df[df["verdict"] == "PASS -> FAIL"]
+    flips = df[df["verdict"].astype(str).str.endswith("-> FAIL")]
     for _, r in flips.iterrows():
-        print(f"PASS -> FAIL: {r['experiment']} on {r['device']} ({r['backend']}) {r['case']} {r['quantity']}: "
+        print(f"{r['verdict']}: {r['experiment']} on {r['device']} ({r['backend']}) {r['case']} {r['quantity']}: "
               f"{r['a_verdict']} in A, {r['b_verdict']} in B", file=sys.stderr)
     return 1 if len(flips) or df["verdict"].isin(["slower", "more instructions"]).any() else 0
 

@@ -21,9 +21,10 @@ testbed.measure.history.flag_data gives it: quantity, levels before and after, c
 probe's reading, the A/B evidence; and every instruction count that changed tonight) once the report
 is written, so
 a killed night still shows in the log, and the logged exit status is the one the process returns;
-the report reads the log beside the records. Exit status: 0 every oracle passed and nothing
-regressed; 1 an oracle failed, a run broke, or a figure or oracle regressed; 2 a usage or
-configuration error; 3 a device was unreachable or busy and nothing else went wrong.
+the report reads the log beside the records. Exit status (testbed.verdicts): 0 no oracle failed and
+nothing regressed (a refusal, "not supported", is never a failure); 1 an oracle failed, a run broke,
+or a figure or oracle regressed; 2 a usage or configuration error; 3 a device was unreachable or busy
+and nothing else went wrong; 7 every verdict of the night was not supported or not judged.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from testbed.measure import history
 from testbed.measure.timing import cpu_seconds
 from testbed.report import build as report
 from testbed.results import Record, ResultsStore
+from testbed.verdicts import FAILING, LABEL, NOTHING_JUDGED, UNJUDGED, Tally
 
 SCREEN = 12  # at most this many failure or regression lines in the summary; the report has them all
 
@@ -150,10 +152,10 @@ class DeviceNight:
     status: str = "ok"  # ok | unreachable | busy
     reason: str = ""
     run_ids: list[str] = field(default_factory=list)
-    oracles: int = 0
-    passed: int = 0
+    tally: Tally = field(default_factory=Tally)  # its oracle verdicts by state
     measurements: int = 0
     failures: list[str] = field(default_factory=list)  # one line per failing oracle or broken run
+    refusals: list[str] = field(default_factory=list)  # one line per verdict not supported or not judged
     seconds: float = 0.0
     ab_jobs_done: int = 0  # A/B jobs that completed: tonight's kernels were measured in them
 
@@ -161,11 +163,12 @@ class DeviceNight:
         """Add one finished run's records."""
         self.run_ids.append(run_id)
         oracles = [r for r in rows if r["kind"] == "oracle"]
-        self.oracles += len(oracles)
-        self.passed += sum(r["verdict"] == "pass" for r in oracles)
+        self.tally += Tally.of_records(oracles)
         self.measurements += len(rows) - len(oracles)
-        self.failures += [f"{self.device} {r['experiment']} {r['case']}: {r['verdict']} {r['detail']}"
-                          for r in oracles if r["verdict"] != "pass"]
+        def line(r):
+            return f"{self.device} {r['experiment']} ({r['backend']}) {r['case']}: {r['verdict']} {r['detail']}"
+        self.failures += [line(r) for r in oracles if r["verdict"] in FAILING]
+        self.refusals += [f"{LABEL[r['verdict']]} {line(r)}" for r in oracles if r["verdict"] in UNJUDGED]
 
 
 class Log:
@@ -403,11 +406,13 @@ def store_nights(store: ResultsStore) -> ResultsStore:
 
 
 def exit_status(results: list[DeviceNight], flags: list[history.Flag]) -> int:
-    if flags or any(r.failures or r.passed < r.oracles for r in results):
+    """1 a verdict failed or a run broke, or a regression; 3 a device unreachable or busy; NOTHING_JUDGED every
+    verdict of the night a refusal or not judged; 0 otherwise."""
+    if flags or any(r.failures or r.tally.failed for r in results):
         return 1
     if any(r.status != "ok" for r in results):
         return 3
-    return 0
+    return sum((r.tally for r in results), Tally()).exit_status()
 
 
 def compared_with(earlier: list[dict], records: list[dict], tonight: set[str], min_history: int) -> str:
@@ -430,21 +435,25 @@ def summary(suite: Suite, night: str, results: list[DeviceNight], flags: list[hi
             report_line: str, status: int, took: dt.timedelta, changes: list[history.CountChange] = ()) -> str:
     lines = [f"nightly {suite.name}: night {night} ({took.total_seconds():.0f} s, {cpu_seconds():.0f} CPU-s)"]
     for r in results:
-        what = (f"{len(r.run_ids)} runs, oracles {r.passed}/{r.oracles} pass, {r.measurements} measurements"
+        what = (f"{len(r.run_ids)} runs, oracles {r.tally.phrase()}, {r.measurements} measurements"
                 if r.status == "ok" else r.reason)
         lines.append(f"  {r.device:<14} {r.status:<12} {what}")
     failures = [f for r in results for f in r.failures]
     problems = [f"FAIL {f}" for f in failures] + [
         f"REGRESSION {f.line()}" for f in flags] + [
-        f"CHANGED {c.line()}" for c in changes if not c.regression]  # counts: reported, not flagged
+        f"CHANGED {c.line()}" for c in changes if not c.regression] + [  # counts: reported, not flagged
+        f for r in results for f in r.refusals]  # refusals last: never a failure
     lines += problems[:SCREEN]
     if len(problems) > SCREEN:
         lines.append(f"... and {len(problems) - SCREEN} more in the report")
     lines.append(compared)
     lines.append(report_line)
-    meaning = {0: "all oracles pass, no regression",
+    tally = sum((r.tally for r in results), Tally())
+    meaning = {0: "all oracles pass, no regression" if not tally.unjudged else
+                  f"no oracle failed ({tally.phrase()}), no regression",
                1: f"{len(failures)} failures, {len(flags)} regressions"
                   + ("; the report was not written" if "not written" in report_line else ""),
-               3: "a device was unreachable or busy"}
+               3: "a device was unreachable or busy",
+               NOTHING_JUDGED: "nothing judged: every verdict not supported or not judged"}
     lines.append(f"exit {status}: {meaning[status]}")
     return "\n".join(lines)

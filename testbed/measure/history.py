@@ -77,6 +77,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from itertools import groupby
 
+from testbed.verdicts import PASS, UNJUDGED
+
 # Where records and fixtures are kept says nothing about what was measured. Nor does a device
 # profile's `sizes` mapping: it holds every experiment's sizes on that device, and what applied to this
 # run is in the experiment's own keys (bench.tokens, matrix, ...); editing one experiment's sizes must
@@ -737,14 +739,15 @@ def ab_judgements(records: list[dict], alpha: float = AB_ALPHA) -> list[ABJudgem
 
 
 def oracle_flips(records: list[dict]) -> list[Flag]:
-    """Oracles whose latest verdict is not a pass although an earlier comparable run passed."""
+    """Oracles whose latest verdict fails or errs although an earlier comparable run passed. A refusal or a
+    verdict not judged after a pass is no regression (testbed.verdicts): `testbed compare` shows the change."""
     flags = []
     oracles = by_run_time([r for r in records if r["kind"] == "oracle"])
     oracles.sort(key=series_key)
     for key, group in groupby(oracles, key=series_key):
-        rows = list(group)
-        last_pass = max((i for i, r in enumerate(rows) if r["verdict"] == "pass"), default=None)
-        if rows[-1]["verdict"] == "pass" or last_pass is None:
+        rows = [r for r in group if r["verdict"] not in UNJUDGED]
+        last_pass = max((i for i, r in enumerate(rows) if r["verdict"] == PASS), default=None)
+        if not rows or rows[-1]["verdict"] == PASS or last_pass is None:
             continue
         first_fail, passed = rows[last_pass + 1], rows[last_pass]
         flags.append(Flag(

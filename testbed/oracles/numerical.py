@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from testbed.verdicts import FAIL, NOT_JUDGED, PASS, UNJUDGED
+
 NMSE_THRESHOLD = 1e-7  # test-backend-ops' default max_nmse_err, for float32
 
 
@@ -23,10 +25,22 @@ class Verdict:
     margin: float | None
     metrics: dict[str, Any] = field(default_factory=dict)
     detail: str = ""
+    # "not supported" or "not judged" (testbed.verdicts) where the oracle could not compare: never a pass
+    unjudged: str | None = None
+
+    def __post_init__(self):
+        if self.unjudged is not None and (self.unjudged not in UNJUDGED or self.passed):
+            raise ValueError(f"a verdict {self.unjudged!r} is one of {UNJUDGED} and never passed")
 
     @property
     def verdict(self) -> str:
-        return "pass" if self.passed else "fail"
+        return self.unjudged or (PASS if self.passed else FAIL)
+
+    @classmethod
+    def not_judged(cls, oracle: str, why: str, metrics: dict[str, Any] | None = None,
+                   state: str = NOT_JUDGED) -> "Verdict":
+        """An oracle that had nothing to compare (or, state="not supported", was refused): `why` says so."""
+        return cls(oracle, False, None, dict(metrics or {}), why, state)
 
 
 def nmse(ref: np.ndarray, out: np.ndarray) -> float:

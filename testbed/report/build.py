@@ -48,13 +48,13 @@ import jinja2
 import numpy as np
 import pandas as pd
 
-from testbed import experiments
+from testbed import experiments, verdicts
 from testbed.devices.private import process_alive
 from testbed.errors import INTERNAL_ERROR, StoreError, UsageError
 from testbed.measure import breakeven, emulation, history, seed
 from testbed.report import implementations, plots
 from testbed.report.tables import _cell as format_number
-from testbed.results import passed as counts_as_passed
+from testbed.verdicts import FAILING, NOTHING_JUDGED, PASS, UNJUDGED, Tally
 
 TEMPLATES = Path(__file__).parent / "templates"
 MARKER = ".testbed-report"  # in every report folder: what may be replaced by the next report
@@ -224,10 +224,20 @@ def unreadable_records(inp: "Inputs") -> Section | None:
 EXACT_ORACLES = frozenset({"bitexact", "cache_bytes", "exact_state", "pad_identity", "determinism"})
 
 
-def verdict_text(oracle: str, passed: int, total: int, margin: float | None) -> str:
-    if oracle in EXACT_ORACLES and passed == total:
-        return f"{passed}/{total} pass, bit-exact"
-    return f"{passed}/{total} pass" + (f", margin {format_number(margin)}" if margin is not None else "")
+def verdict_text(oracle: str, tally: Tally, margin: float | None, reason: str = "") -> str:
+    """A cell's words: each state's count ("3 pass, 1 not supported"), bit-exact or the smallest margin where
+    something was judged, and a refusal's own reason where nothing was."""
+    if not tally.judged and tally.unjudged == tally.total:
+        return tally.phrase() + (f": {reason}" if reason else "")
+    if oracle in EXACT_ORACLES and tally[PASS] == tally.total:
+        return f"{tally.phrase()}, bit-exact"
+    return tally.phrase() + (f", margin {format_number(margin)}" if margin is not None else "")
+
+
+def verdict_class(tally: Tally) -> str:
+    """A cell's colour: red where a verdict fails or errs, grey where nothing was judged (a refusal is never
+    red), green otherwise."""
+    return "fail" if tally.failed else "unjudged" if not tally[PASS] else "pass"
 
 
 def oracle_matrix(inp: Inputs) -> Section | None:
@@ -245,21 +255,24 @@ def oracle_matrix(inp: Inputs) -> Section | None:
             if not group:
                 row.append(cell(None))
                 continue
-            worst = min(group, key=lambda r: (counts_as_passed(r), _number(r.get("margin"), math.inf)))
-            passed = sum(counts_as_passed(r) for r in group)
-            margin = _number(worst.get("margin"), None)
-            value = {"passed": passed, "total": len(group), "margin": margin,
-                     "bit_exact": worst["oracle"] in EXACT_ORACLES and passed == len(group),
+            # the worst: a failing verdict, then a pass by its margin, then a refusal (never worse than a pass)
+            worst = min(group, key=lambda r: (verdicts.of(r) not in FAILING, verdicts.of(r) in UNJUDGED,
+                                              _number(r.get("margin"), math.inf)))
+            tally = Tally.of_records(group)
+            margin = _number(worst.get("margin"), None) if tally.judged else None
+            value = {"passed": tally[PASS], "total": tally.total, **tally.as_dict(), "margin": margin,
+                     "bit_exact": worst["oracle"] in EXACT_ORACLES and tally[PASS] == tally.total,
                      "worst_record": worst["record_id"]}
-            row.append(cell(value, inp.cite(worst), "pass" if passed == len(group) else "fail",
-                            text=verdict_text(worst["oracle"], passed, len(group), margin)))
+            row.append(cell(value, inp.cite(worst), verdict_class(tally),
+                            text=verdict_text(worst["oracle"], tally, margin, str(worst.get("detail") or ""))))
         rows.append(row)
-    failing = [r for r in oracles if not counts_as_passed(r)]
-    for r in failing:
-        inp.cite(r)
-    lines = [f"{len(oracles) - len(failing)}/{len(oracles)} oracle verdicts pass in the current runs; "
-             "each cell links to its worst record (the failing one, else the smallest margin). A verdict "
-             "of a run that did not end complete never counts as a pass."]
+    for r in oracles:
+        if verdicts.of(r) in FAILING:
+            inp.cite(r)
+    lines = [f"Oracle verdicts in the current runs: {Tally.of_records(oracles).phrase()}. Each cell links to its "
+             "worst record (the failing one, else the smallest margin). A verdict of a run that did not end "
+             "complete never counts as a pass; a refusal (not supported) or a verdict not judged is grey, never "
+             "red, and never a pass."]
     return Section("oracles", "Oracle matrix", lines,
                    [Table("device x backend x model x experiment:oracle", ["device", "backend", "model", *columns],
                           rows)])
@@ -886,14 +899,16 @@ def device_verdict(inp: Inputs, device: str) -> dict:
     unread = [why for r, why in inp.unreadable if r["device"] == device]
     notes = f"load: {reading.note()}" + (f"; {len(unread)} record{'s' * (len(unread) != 1)} the report cannot "
                                         f"read (first: {unread[0]})" if unread else "")
-    failing = [r for r in oracles if not counts_as_passed(r)]
+    failing = [r for r in oracles if verdicts.of(r) in FAILING]
+    tally = Tally.of_records(oracles)
     if failing:
         first = failing[0]
-        said = ("its run did not end complete" if first.get("verdict") == "pass"
+        said = ("its run did not end complete" if first.get("verdict") == PASS
                 else first.get("detail") or first.get("verdict"))
         return {"device": device, "colour": "red",
-                "reason": f"{len(failing)} of {len(oracles)} oracle verdicts fail or err; first: {first['experiment']} "
-                          f"{first['case']} ({implementations.of(first).backend}): {said}. {notes}"}
+                "reason": f"{len(failing)} of {len(oracles)} oracle verdicts fail or err ({tally.phrase()}); first: "
+                          f"{first['experiment']} {first['case']} ({implementations.of(first).backend}): {said}. "
+                          f"{notes}"}
     concerns = []
     flags = [f for f in inp.flags if f.device == device]
     if flags:  # every flag by name: the first alone hides the rest
@@ -913,12 +928,20 @@ def device_verdict(inp: Inputs, device: str) -> dict:
                         + (f" ({last_night['reason']})" if last_night.get("reason") else ""))
     if records and not oracles:
         concerns.append("no oracle verdicts in its current runs")
+    elif oracles and not tally.judged:
+        concerns.append(f"nothing judged: {tally.phrase()}")
+    # a refusal is said beside the verdict, in its own words, never as its colour
+    refused = [r for r in oracles if verdicts.of(r) in UNJUDGED]
+    aside = (f" Not judged here: {refused[0]['experiment']} {refused[0]['case']} "
+             f"({implementations.of(refused[0]).backend}): {refused[0].get('detail') or refused[0]['verdict']}"
+             + (f" (and {len(refused) - 1} more)" if len(refused) > 1 else "") + ".") if refused else ""
+    passing = f"all {len(oracles)} oracle verdicts pass" if tally[PASS] == len(oracles) else \
+        f"no oracle verdict fails ({tally.phrase()})"
     if concerns:
-        passing = f"all {len(oracles)} oracle verdicts pass, but " if oracles else ""
-        return {"device": device, "colour": "amber", "reason": passing + "; ".join(concerns) + f". {notes}"}
+        return {"device": device, "colour": "amber",
+                "reason": (f"{passing}, but " if oracles else "") + "; ".join(concerns) + f". {notes}{aside}"}
     return {"device": device, "colour": "green",
-            "reason": f"all {len(oracles)} oracle verdicts pass; no regression flag; newest run "
-                      f"{newest.date().isoformat()}. {notes}"}
+            "reason": f"{passing}; no regression flag; newest run {newest.date().isoformat()}. {notes}{aside}"}
 
 
 def verdict_banner(inp: Inputs) -> list[dict]:
@@ -1093,7 +1116,9 @@ def _replace(staging: Path, out: Path) -> None:
 
 def summary(inp: Inputs, flags: list[history.Flag]) -> dict:
     oracles = current_oracles(inp)
-    return {"oracles": len(oracles), "oracles_passed": sum(counts_as_passed(r) for r in oracles),
+    tally = Tally.of_records(oracles)
+    return {"oracles": len(oracles), "oracles_passed": tally[PASS], "oracles_failed": tally.failed,
+            "oracles_unjudged": tally.unjudged, "oracle_verdicts": tally.phrase(),
             "measurements": sum(r["kind"] == "measure" for r in inp.current),
             "regressions": len(flags), "devices": sorted({r["device"] for r in inp.current}),
             "verdicts": verdict_banner(inp)}
@@ -1135,14 +1160,15 @@ def write(store, out: Path | None, since: dt.datetime | None = None) -> tuple[Pa
 def summary_line(out: Path, content: dict) -> str:
     s = content["summary"]
     return (f"report {out / 'report.html'}: {content['records']} records, {len(content['current_runs'])} current "
-            f"runs on {', '.join(s['devices']) or 'no device'}; oracles {s['oracles_passed']}/{s['oracles']} pass; "
+            f"runs on {', '.join(s['devices']) or 'no device'}; oracles {s['oracle_verdicts']}; "
             f"{s['regressions']} regressions; " + (", ".join(f"{v['device']} {v['colour']}" for v in s["verdicts"])
                                                     or "no device verdicts"))
 
 
 def command(args) -> int:
     """`testbed report [--since DATE] [--out DIR]`. Exit 1 when a current oracle fails or a figure
-    regressed (as nightly), 0 otherwise; 2 on bad input; 6 when a section could not be drawn (`draw`)."""
+    regressed (as nightly); 7 when no current verdict was judged (each not supported or not judged); 0
+    otherwise; 2 on bad input; 6 when a section could not be drawn (`draw`)."""
     from testbed import config, runner
 
     since = parse_since(args.since)
@@ -1163,7 +1189,9 @@ def command(args) -> int:
               file=sys.stderr)
         return INTERNAL_ERROR
     s = content["summary"]
-    return 1 if s["regressions"] or s["oracles_passed"] < s["oracles"] else 0
+    if s["regressions"] or s["oracles_failed"]:
+        return 1
+    return NOTHING_JUDGED if s["oracles"] and not s["oracles_passed"] else 0
 
 
 def register(commands) -> None:
