@@ -13,6 +13,9 @@
                                  (testbed.errors.ToolMissing: zig without the cross extra, a cross gcc)
                                  is a skip naming the tool and how to get it, not an error
   results_dir fixture            a per-session results store, so tests never write into results/
+  judge(outcome)                 a run's verdicts as a device test reads them (testbed.verdicts): a fail or an
+                                 error fails the test, naming the first records; a run whose every verdict
+                                 is not supported or not judged is a skip saying why, never a pass
   network guard                  (ini `network_guard`, or --network-guard=loopback|off; the project's
                                  pytest config turns it on) no test may send a packet outside loopback:
                                  a connect, sendto or name lookup off this machine, in the test's
@@ -32,6 +35,7 @@ from testbed.config import choices
 from testbed.devices import connect, load_profile
 from testbed.devices.private import DeviceBusy, device_lock
 from testbed.errors import DeviceUnreachable, ToolMissing, UsageError, did_you_mean
+from testbed.verdicts import FAILING, LABEL, UNJUDGED, Tally
 
 # The real peers the device tests talk to (loopback adbd, sshd) and their fixtures.
 pytest_plugins = ["testbed.peers.fixtures"]
@@ -210,3 +214,20 @@ def results_dir(tmp_path, monkeypatch):
     path = tmp_path / "results"
     monkeypatch.setenv("TESTBED_RESULTS", str(path))
     return path
+
+
+def judge(outcome, named: int = 3) -> Tally:
+    """A run's verdicts as a device test reads them: fail the test when any verdict fails or errs (naming the
+    first `named` records), skip it when nothing was judged (every verdict not supported or not judged: a
+    refusal is never a pass); the tally otherwise."""
+    rows = [r for r in outcome.rows if r["kind"] == "oracle"]
+    tally = Tally.of_records(rows)
+    if tally.failed:
+        first = [f"{r['case']}: {r['verdict']}: {r['detail']}" for r in rows if r["verdict"] in FAILING][:named]
+        pytest.fail(f"{outcome.info.experiment} on {outcome.info.device} ({outcome.info.backend}): "
+                    f"{tally.phrase()}; " + "; ".join(first), pytrace=False)
+    if not tally.judged and tally.total:
+        first = next(r for r in rows if r["verdict"] in UNJUDGED)
+        pytest.skip(f"{outcome.info.experiment} on {outcome.info.device}: nothing judged ({tally.phrase()}); "
+                    f"{LABEL[first['verdict']]} {first['case']}: {first['detail']}")
+    return tally

@@ -107,3 +107,21 @@ def test_an_engine_that_refuses_everything_judged_nothing_exit_7(lab, results_di
     [banner] = json.loads(page)["summary"]["verdicts"]
     assert banner["colour"] == "amber" and "nothing judged" in banner["reason"] and "no past, ever" in banner["reason"]
     assert 'class="unjudged' in (tmp_path / "report" / "report.html").read_text()  # grey, never red
+
+
+def test_a_device_test_fails_on_a_fail_and_skips_when_nothing_was_judged():
+    """pytest --device reads verdicts as the CLI does (testbed.pytest_plugin.judge): a refusal is a skip with
+    the engine's words, never a pass; a fail fails the test whatever else passed."""
+    from testbed.pytest_plugin import judge
+    from testbed.results import RunInfo
+
+    def outcome(*states):
+        info = RunInfo(experiment="tail", device="qemu-aarch64", backend="engine:x", config={}, fingerprint={})
+        return runner.Outcome(info, [{"kind": "oracle", "case": f"c{i}", "verdict": v, "detail": f"said {i}"}
+                                     for i, v in enumerate(states)])
+
+    assert judge(outcome(PASS, NOT_SUPPORTED)).phrase() == "1 pass, 1 not supported"
+    with pytest.raises(pytest.skip.Exception, match="nothing judged .*NOT SUPPORTED c0: said 0"):
+        judge(outcome(NOT_SUPPORTED, NOT_JUDGED))
+    with pytest.raises(pytest.fail.Exception, match="1 pass, 1 fail; c1: fail: said 1"):
+        judge(outcome(PASS, FAIL))
