@@ -290,3 +290,33 @@ def test_a_kept_pad_row_in_the_tail_fails_the_state_bytes_oracle(lab, results_di
     assert state.loc[state["verdict"] == "fail", "detail"].str.contains("state.bin").all()
     clean = run(["backend=engine", "engine=testbed-c", *TAIL_SMALL], experiment="tail").frame()
     assert (clean["verdict"] == "pass").all()
+
+
+def test_an_engine_that_reads_a_hugging_face_folder_is_handed_one(lab, results_dir):
+    """model_formats: [hf] (an exporter's input): the request's model is a folder holding config.json and
+    model.safetensors, written once per content from the run's model; the engine here only reads it and
+    answers in its own words what it was given."""
+    script = lab / "hf-reader.py"
+    script.write_text(f"#!{sys.executable}\n" + textwrap.dedent("""\
+        import json, sys
+        from pathlib import Path
+        request, out = Path(sys.argv[1]), Path(sys.argv[2])
+        model = request / json.loads((request / "request.json").read_text())["model"]["file"]
+        config = json.loads((model / "config.json").read_text())
+        said = f"{model.name}/ holds {', '.join(sorted(p.name for p in model.iterdir()))}; {config['model_type']}"
+        (out / "status.json").write_text(json.dumps({"contract": 1, "status": "refused", "reason": said}))
+        """))
+    script.chmod(0o755)
+    (lab / "engines").mkdir()
+    (lab / "engines" / "hf-reader.yaml").write_text(textwrap.dedent("""\
+        name: hf-reader
+        contract: 1
+        build: {prebuilt: {host: ../hf-reader.py}}
+        program: hf-reader.py
+        abis: [host]
+        supports: {techniques: [chunk_prefill], model_formats: [hf]}
+        invoke: ["{program}", "{request}", "{response}"]
+        """))
+    df = run(["backend=engine", "engine=hf-reader", *SMALL]).frame()
+    assert set(df["verdict"]) == {"not supported"}
+    assert df["detail"].str.contains("model/ holds config.json, model.safetensors; gemma3_text").all(), df["detail"][0]

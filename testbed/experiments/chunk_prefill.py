@@ -319,7 +319,7 @@ def ab_engine_calls(cfg: DictConfig) -> list:
 
     model, w, _ = load_model(*_model_key(cfg))
     return ab_calls(w, model, run_prompt(cfg, model).ids, cfg.bench.past, cfg.chunk, cfg.native.weights,
-                    cfg.native.group, cfg.threads)
+                    cfg.native.group, cfg.threads, cfg.model.checkpoint)
 
 
 def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -> tuple[float, float]:

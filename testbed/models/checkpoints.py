@@ -21,13 +21,17 @@ activation, bidirectional attention, an unknown key) is a UsageError naming it.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 import struct
 from pathlib import Path
 
 import numpy as np
 
 from refimpl.gemma import GemmaConfig, weight_shapes
+from testbed.config import project_path
 from testbed.errors import UsageError
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
@@ -232,6 +236,24 @@ def save_hf_folder(folder: str | Path, cfg: GemmaConfig, weights: dict[str, np.n
     (folder / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=1) + "\n")
     save_file({k: np.ascontiguousarray(v, np.float32) for k, v in weights.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def hf_folder_of(cfg: GemmaConfig, weights: dict[str, np.ndarray], cache: Path | None = None) -> Path:
+    """The Hugging Face folder of a model given as config and weights (a seeded preset), written once per
+    content under .cache/hf/: what an engine that takes a Hugging Face folder (model_formats: [hf]) is handed."""
+    h = hashlib.sha256(repr(cfg).encode())
+    for name in sorted(weights):
+        h.update(name.encode() + b"\0" + np.ascontiguousarray(weights[name], np.float32).tobytes())
+    out = (cache or project_path(".cache/hf")) / h.hexdigest()[:16]
+    if not (out / "config.json").is_file():
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_hf_folder(tmp, cfg, weights)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process wrote the same folder first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 # --- GGUF ------------------------------------------------------------------------------------------

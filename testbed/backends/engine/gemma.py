@@ -10,6 +10,7 @@ A refusal raises NotSupported: the experiment records "not supported".
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,12 +20,12 @@ from omegaconf import OmegaConf
 from refimpl import gemma
 from testbed.backends import ContractBroken, EvidenceLog, NotSupported, Utterance
 from testbed.backends.engine import build, spec as specs
+from testbed.backends.engine.models import GemmaModel
 from testbed.backends.engine.runner import Expect, Request, Response, call
 from testbed.backends.native import build as kernel_build
-from testbed.backends.native.engine import export_weights, model_args
+from testbed.backends.native.engine import model_args
 from testbed.devices import Device
 from testbed.errors import UsageError
-from testbed.models.gguf_files import gguf_of
 from testbed.results import Figure
 
 
@@ -44,8 +45,7 @@ class EngineRunner:
     weights_dtype: str = "f32"
     weights_group: int = 32
     count: bool = False
-    # the model file the engine reads: None = testbed's safetensors engine file of `w` (export_weights); an
-    # engine of model_formats [gguf] is given its GGUF here, with model_format "gguf"
+    # the model the engine reads, in a format its yaml accepts (testbed.backends.engine.models)
     model_file: Path | None = None
     model_format: str = "safetensors"
     evidence: EvidenceLog = field(default_factory=EvidenceLog)
@@ -55,8 +55,8 @@ class EngineRunner:
         return f"engine:{self.spec.name}"
 
     def request(self, tokens, past: int, chunk: int, logits_at: list[int], bench: dict | None = None) -> Request:
-        model = self.model_file or export_weights(self.cfg, self.w, self.weights_dtype, self.weights_group)
-        return Request("chunk_prefill", np.asarray(tokens, np.int32), model, self.model_format, self.weights_dtype,
+        return Request("chunk_prefill", np.asarray(tokens, np.int32), self.model_file, self.model_format,
+                       self.weights_dtype,
                        model_config(self.cfg, self.weights_dtype, self.weights_group), past, chunk, logits_at,
                        threads=self.threads, bench=bench, count=self.count and bench is not None)
 
@@ -123,14 +123,11 @@ def backend(w, cfg, run_cfg=None, device: Device | None = None, progress=None) -
         raise UsageError(f"engine={spec.name} does not support chunk_prefill ({spec.path}: supports.techniques="
                          f"{list(spec.techniques)})")
     target = kernel_build.target_for_abi(device.profile.abi)
-    model_file, model_format = None, "safetensors"
-    if "safetensors" not in spec.model_formats:  # an engine that reads GGUF: the run's .gguf, or testbed's GGUF of it
-        checkpoint = option("model.checkpoint", None)
-        model_format = "gguf"
-        model_file = Path(checkpoint).resolve() if checkpoint and str(checkpoint).endswith(".gguf") else gguf_of(cfg, w)
+    weights, group = option("native.weights", "f32"), int(option("native.group", 32))
+    model_file, model_format = GemmaModel(cfg, w, weights, group, option("model.checkpoint", None)).file_for(spec)
     return EngineRunner(w, cfg, device, spec, build.program_for(spec, target), int(option("threads", 1)),
-                        option("native.weights", "f32"), int(option("native.group", 32)),
-                        count=bool(option("counts", False)), model_file=model_file, model_format=model_format)
+                        weights, group, count=bool(option("counts", False)), model_file=model_file,
+                        model_format=model_format)
 
 
 # --- testbed ab over two engines (testbed.lab.ab) ------------------------------------------------------
@@ -139,13 +136,19 @@ def backend(w, cfg, run_cfg=None, device: Device | None = None, progress=None) -
 @dataclass
 class EngineCall:
     """One measured call for `testbed ab engine:A engine:B`: the request both engines serve (a chunk call
-    of C rows after `past` positions, timed once per run by the engine's own clock)."""
+    of C rows after `past` positions, timed once per run by the engine's own clock), each handed `model` in a
+    format its yaml accepts."""
 
     label: str
     request: Request
     expect: Expect
+    model: GemmaModel
     program: str = "engine"
     work: dict = field(default_factory=dict)
+
+    def request_for(self, spec: specs.EngineSpec) -> Request:
+        model_file, model_format = self.model.file_for(spec)
+        return dataclasses.replace(self.request, model_file=model_file, model_format=model_format)
 
 
 @dataclass
@@ -159,21 +162,20 @@ class EngineRun:
 
 
 def ab_calls(w: dict, cfg: gemma.GemmaConfig, prompt, past: int, chunk: int, weights: str = "f32",
-             group: int = 32, threads: int = 1) -> list[EngineCall]:
-    model = export_weights(cfg, w, weights, group)
+             group: int = 32, threads: int = 1, checkpoint: str | None = None) -> list[EngineCall]:
     tokens = np.asarray(prompt, np.int32)[:past + chunk]
-    request = Request("chunk_prefill", tokens, model, "safetensors", weights, model_config(cfg, weights, group), past,
+    request = Request("chunk_prefill", tokens, None, "safetensors", weights, model_config(cfg, weights, group), past,
                       chunk, [past + chunk - 1], threads=threads, bench={"reps": 1, "warmup": 0})
     return [EngineCall(f"P={past},C={chunk}/chunk_call", request, Expect(cfg.vocab, cfg.layers, cfg.kv_heads,
                                                                          cfg.head_dim),
-                       work={"rows": chunk, "keys": past + chunk})]
+                       GemmaModel(cfg, w, weights, group, checkpoint), work={"rows": chunk, "keys": past + chunk})]
 
 
 def ab_run(device: Device, spec: specs.EngineSpec, call: EngineCall, program: Path) -> EngineRun:
     """One run of `call` by the engine: the bench repetition's chunk call (the last call named "chunk")."""
     from testbed.measure import counts as counting
 
-    response = call_engine(device, spec, call.request, call.expect, program)
+    response = call_engine(device, spec, call.request_for(spec), call.expect, program)
     timed = [c for c in response.timings.get("calls", []) if c.get("name") == "chunk"][-1:]
     if not timed:
         raise ContractBroken(f"engine {spec.name}: timings.json has no call named \"chunk\"")

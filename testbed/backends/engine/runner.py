@@ -23,7 +23,7 @@ import numpy as np
 from testbed.backends import Evidence
 from testbed.backends.engine.spec import CONTRACT_VERSION, EngineSpec
 from testbed.backends.native.device import check_machine, program_digest, program_identity, pull_dumps, \
-    runner_prefix, stage_program
+    runner_prefix, stage_folder, stage_program
 from testbed.devices import Device
 from testbed.devices.transport import CommandTimeout, quoted
 from testbed.errors import DeviceError
@@ -56,9 +56,14 @@ class Request:
     count: bool = False
     rs_snapshots: int = 0  # recurrent-state snapshots kept for rollback (llama.cpp's n_rs_seq); sent when > 0
 
+    @property
+    def model_name(self) -> str:
+        """The model's name in the request folder: model.safetensors, model.gguf, or the folder model/ (hf)."""
+        return "model" if self.model_format == "hf" else f"model.{self.model_format}"
+
     def as_json(self) -> dict:
         return {"contract": CONTRACT_VERSION, "technique": self.technique,
-                "model": {"format": self.model_format, "file": f"model.{self.model_format}", "weights": self.weights,
+                "model": {"format": self.model_format, "file": self.model_name, "weights": self.weights,
                           "config": self.config},
                 "tokens": "tokens.npy", "n_tokens": int(np.asarray(self.tokens).size), "past": self.past,
                 "chunk": self.chunk, "logits_at": [int(p) for p in self.logits_at], "tail": {"mode": self.tail_mode},
@@ -181,7 +186,8 @@ def call(device: Device, spec: EngineSpec, request: Request, expect: Expect, pro
         with tempfile.TemporaryDirectory(prefix="testbed-engine-") as tmp:
             tmp = Path(tmp)
             remote_program = stage_program(device, program)
-            remote_model = stage_program(device, Path(request.model_file))  # once per content, like programs
+            model = Path(request.model_file)  # pushed once per content, like programs
+            remote_model = stage_folder(device, model) if model.is_dir() else stage_program(device, model)
             device.run(["mkdir", "-p", f"{run_dir}/request", f"{run_dir}/response"], timeout=60)
             device.run(["ln", "-s", f"../../../{remote_model}", f"{run_dir}/request/{body['model']['file']}"],
                        timeout=60)

@@ -14,12 +14,11 @@ from refimpl import gemma
 from testbed.backends import NotSupported
 from testbed.backends.engine import build, spec as specs
 from testbed.backends.engine.gemma import model_config
+from testbed.backends.engine.models import GemmaModel
 from testbed.backends.engine.runner import Expect, Request, Response, call
 from testbed.backends.native import build as kernel_build
-from testbed.backends.native.engine import export_weights
 from testbed.devices import Device
 from testbed.errors import UsageError
-from testbed.models.gguf_files import gguf_of
 
 MODES = ("padded", "scalar")
 
@@ -37,10 +36,8 @@ def prefill(device: Device, spec: specs.EngineSpec, cfg: gemma.GemmaConfig, w: d
     """One request: `tokens` prefilled with the tail `mode`; settings: the native backend's TailSettings
     (chunk, cache dtype, group, sink, weights). A refusal raises NotSupported."""
     tokens = np.asarray(tokens, np.int32).reshape(-1)
-    if "safetensors" in spec.model_formats:
-        model, fmt = export_weights(cfg, w, settings.weights_dtype, settings.weights_group), "safetensors"
-    else:  # an engine that reads GGUF (llama.cpp): the model written as one, its window the model's
-        model, fmt = gguf_of(cfg, w), "gguf"
+    # in a format the engine reads (a GGUF or a Hugging Face folder holds the model's window as the cfg says)
+    model, fmt = GemmaModel(cfg, w, settings.weights_dtype, settings.weights_group).file_for(spec)
     request = Request("tail", tokens, model, fmt, settings.weights_dtype,
                       model_config(cfg, settings.weights_dtype, settings.weights_group), 0, settings.chunk,
                       [tokens.size - 1], mode,

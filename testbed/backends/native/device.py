@@ -44,7 +44,7 @@ from testbed.backends import Evidence
 from testbed.backends.native.build import ELF_MACHINE_NAMES, build_info
 from testbed.devices import CommandResult, Device
 from testbed.devices.transport import elf_machine, quoted, sha256_file
-from testbed.errors import DeviceError
+from testbed.errors import DeviceError, UsageError
 from testbed.measure import counts as counting
 from testbed.results import Figure
 
@@ -138,6 +138,25 @@ def stage_program(device: Device, program: Path) -> str:
     remote = f"bin/{digest[:16]}/{program.name}"
     if device.transport.remote_digest(remote) != (program.stat().st_size, digest):
         device.push(program, remote, mode=0o755)
+    return remote
+
+
+def stage_folder(device: Device, folder: Path) -> str:
+    """models/SHA/ holding the folder's files (its top level: a Hugging Face folder's config.json, weights and
+    tokenizer), pushed once per content as stage_inputs pushes inputs; a file the device holds with the same
+    size and sha256 is not pushed again."""
+    files = {p.name: p for p in sorted(Path(folder).iterdir()) if p.is_file()}
+    if not files:
+        raise UsageError(f"{folder}: the model folder holds no files")
+    digests = {name: sha256_file(path) for name, path in files.items()}
+    h = hashlib.sha256()
+    for name in files:
+        h.update(name.encode() + b"\0" + digests[name].encode())
+    remote = f"models/{h.hexdigest()[:20]}"
+    held = device.transport.remote_digests([f"{remote}/{name}" for name in files])
+    for name, path in files.items():
+        if held.get(f"{remote}/{name}") != (path.stat().st_size, digests[name]):
+            device.push(path, f"{remote}/{name}")
     return remote
 
 
