@@ -463,7 +463,20 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy2(folder / args.program, out / args.program)
     shutil.copy2(folder / "build.json", out / "build.json")
+    (out / f"{args.program}.d").write_text(depfile(out / args.program, args.target, Path(args.kernels)))
     return 0
+
+
+def depfile(program: Path, target: str, kernels_dir: Path) -> str:
+    """A make-style list of what a build of the programs reads: every file of the kernels tree, this
+    builder and the compiler. Left beside the program it copies out, so an engine build of it
+    (testbed.backends.engine.build) is reused while they are unchanged."""
+    toolchain = default_toolchain(target)
+    compiler = (zig_binary() if toolchain == "zig" else shutil.which(
+        {"arm32": "arm-linux-gnueabihf-gcc", "aarch64": "aarch64-linux-gnu-gcc"}.get(target, os.environ.get("HOST_CC", "cc")))
+        if toolchain == "gnu" else None)
+    read = [*tree_files(kernels_dir), Path(__file__).resolve(), *([Path(compiler).resolve()] if compiler else [])]
+    return f"{program}: " + " \\\n ".join(str(p).replace(" ", "\\ ") for p in read) + "\n"
 
 
 if __name__ == "__main__":
