@@ -91,10 +91,13 @@ class Found:
         if self.call is None:
             return f"{head}: {self.stopped or 'every call agrees with redecode at its last row'}"
         first, last = self.rows
-        span = f"rows {first}-{last}" if last > first else f"row {first}"
-        text = f"{head} first differs at call {self.call + 1} of {self.calls} ({span})"
-        if self.row is not None:
-            text += f", row {self.row.position} (position {self.row.position}): {self.row.said()}"
+        text = f"{head} first differs at call {self.call + 1} of {self.calls}"
+        if last == first and self.row is not None:  # a call of one row: that row
+            text += f" (row {first}, position {first}): {self.row.said()}"
+        else:
+            text += f" (rows {first}-{last})" if last > first else f" (row {first})"
+            if self.row is not None:
+                text += f", row {self.row.position} (position {self.row.position}): {self.row.said()}"
         return text + (f" ({self.stopped})" if self.stopped else "")
 
     def metrics(self) -> dict:
