@@ -171,8 +171,8 @@ def check_mask_heads(call: ModuleCall, ref: Reference, case: TokenCase, rows: in
     passed = logit_diff <= logit_atol and kv_diff <= cache_atol
     said = f"with masks that differ per head the module differs from refimpl.gemma by {logit_diff:.3g} in the " \
            f"logits, {kv_diff:.3g} in K/V"
-    detail = "" if passed else f"{said}: " + mask_heads_cause(ref, inp, ks, vs, out, contract, list(want_k), list(want_v),
-                                                               logits, logit_atol, cache_atol, failed_plain)
+    detail = "" if passed else f"{said}: " + mask_heads_cause(
+        ref, inp, ks, vs, out, contract, list(want_k), list(want_v), logits, logit_atol, cache_atol, failed_plain)
     verdict = closeness("mask_heads", logit_diff, logit_atol, detail)
     verdict.metrics.update({"max_abs_kv_diff": kv_diff, "cache_atol": cache_atol, "position": case.position})
     if not kv_diff <= cache_atol:
@@ -195,8 +195,9 @@ def mask_heads_cause(ref: Reference, inp: gemma.ChunkInputs, ks, vs, outputs, co
                     f"arguments (refimpl given head {h}'s mask for every head agrees with the module)")
     also = (f"the module fails with the contract's own masks too ({', '.join(failed_plain)}: see their diagnosis); "
             if failed_plain else "")
+    first = first_difference(contract, inp, outputs, want_k, want_v, want_logits, ks[0].shape[1], cache_atol)
     return (f"{also}no single known fault explains the per-head difference (a head reading one head's mask does "
-            f"not); {first_difference(contract, inp, outputs, want_k, want_v, want_logits, ks[0].shape[1], cache_atol)}")
+            f"not); {first}")
 
 
 def _agrees(logits, kv, want_logits, want_kv, logit_atol: float, cache_atol: float) -> bool:

@@ -125,7 +125,8 @@ def keep(files: dict[str, str], tokens, model: Path, model_name: str, expect: di
                 (tmp / f"{name}.txt").write_text(output[-(1 << 20):])  # the end of a long log
             (tmp / CALL_FILE).write_text(json.dumps({
                 "request_sha256": sha, **spec.identity(), "invoke": list(spec.invoke), "timeout_s": spec.timeout_s,
-                "counts": spec.counts, "program": str(Path(program).resolve()), "program_sha256": program_digest(program),
+                "counts": spec.counts, "program": str(Path(program).resolve()),
+                "program_sha256": program_digest(program),
                 "device": device.name, "model": model_pointer(model), "expect": expect, "why": why}, indent=1) + "\n")
             try:
                 tmp.rename(folder)
@@ -234,10 +235,10 @@ def read(folder: Path) -> KeptCall:
     if sha != folder.name or call.get("request_sha256") != sha:
         raise UsageError(f"{request / 'request.json'} has sha256 {sha}, not the {folder.name} it was kept as")
     kept = KeptCall(folder, call, json.loads(text), text, tokens)
-    if not kept.program.is_file() or program_digest(kept.program) != call.get("program_sha256"):
-        raise UsageError(f"{kept.program}: the program that ran (sha256 {call.get('program_sha256', '?')[:16]}) is gone "
-                         "or changed; rebuild that engine's source to replay it")
-    if not kept.model.exists() or model_pointer(kept.model)["sha256"] != call["model"].get("sha256"):
-        raise UsageError(f"{kept.model}: the model the engine was handed (sha256 {call['model'].get('sha256', '?')[:16]}) "
-                         "is gone or changed")
+    ran, model_sha = str(call.get("program_sha256", "?")), str(call["model"].get("sha256", "?"))
+    if not kept.program.is_file() or program_digest(kept.program) != ran:
+        raise UsageError(f"{kept.program}: the program that ran (sha256 {ran[:16]}) is gone or changed; rebuild "
+                         "that engine's source to replay it")
+    if not kept.model.exists() or model_pointer(kept.model)["sha256"] != model_sha:
+        raise UsageError(f"{kept.model}: the model the engine was handed (sha256 {model_sha[:16]}) is gone or changed")
     return kept
