@@ -409,13 +409,23 @@ def test_a_crashing_engine_keeps_its_request_and_evidence_and_is_replayed(lab, r
     assert replayed.returncode == 4 and "the engine failed again" in replayed.stderr and "exited 139" in \
         replayed.stderr, replayed.stderr
     assert f"by hand:   cd {folder}" in replayed.stdout
+    # a kept request that is not what ran is refused in one line, never run
+    request = folder / "request" / "request.json"
+    request.write_text(request.read_text().replace('"past": 5', '"past": 4'))
+    edited = subprocess.run(replay_of(line), shell=True, capture_output=True, text=True, cwd=kernel_build.ROOT,
+                            env={**os.environ, "PYTHONPATH": str(kernel_build.ROOT)})
+    assert edited.returncode == 2 and f"not the {folder.name} it was kept as" in edited.stderr, edited.stderr
 
 
-def test_replay_refuses_what_it_cannot_replay_in_one_line(lab, results_dir):
-    for args, message in ((["0123456789abcdef"], "names 0 kept requests"), (["xyz"], "is not a request's sha256"),
-                          (["nosuchrun", "1"], "kept no engine request")):
-        p = cli("engine", "replay", *args, env={"TESTBED_RESULTS": str(results_dir)})
-        assert p.returncode == 2 and message in p.stderr and len(said(p.stderr)) == 1, p.stderr
+@pytest.mark.parametrize("args, message", [(["0123456789abcdef"], "names 0 kept requests"),
+                                           (["xyz"], "is not a request's sha256"),
+                                           (["nosuchrun", "1"], "kept no engine request")])
+def test_replay_refuses_what_it_cannot_replay_in_one_line(results_dir, capsys, args, message):
+    from testbed.cli import main
+
+    assert main(["engine", "replay", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
 
 
 # --- builds keyed by what they read ----------------------------------------------------------------
