@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from testbed import PROJECT_ROOT
 from testbed.backends.engine.spec import EngineSpec
 from testbed.backends.native.device import program_digest, runner_prefix
-from testbed import PROJECT_ROOT
 from testbed.devices import Device
 from testbed.devices.transport import sha256_file
 from testbed.errors import UsageError
