@@ -370,6 +370,19 @@ def redecode(w: dict, cfg: GemmaConfig, tokens, position: int, attention: Attent
     """The reference: logits at `position` from the whole sequence run from scratch. Rows after
     `position` cannot influence it (causality), so they are not computed. Tables and masks are built
     here by direct index comparison, independently of the host-side builders."""
+    return lm_head(w, cfg, _redecode_rows(w, cfg, tokens, position, attention)[position])
+
+
+def redecode_at(w: dict, cfg: GemmaConfig, tokens, positions, attention: AttentionFn = attention) -> np.ndarray:
+    """redecode's logits at several positions [len(positions), vocab], from one run of the sequence up to
+    the last of them (each row as redecode computes it, but for the rounding of a matmul over more rows)."""
+    positions = [int(p) for p in positions]
+    rows = _redecode_rows(w, cfg, tokens, max(positions), attention)
+    return np.stack([lm_head(w, cfg, rows[p]) for p in positions])
+
+
+def _redecode_rows(w: dict, cfg: GemmaConfig, tokens, position: int, attention: AttentionFn) -> np.ndarray:
+    """The final layer's output rows 0..position of the sequence run from scratch."""
     tokens = np.asarray(tokens).reshape(-1)[: position + 1]
     pos = np.arange(tokens.size)
     query, key = pos[:, None], pos[None, :]
@@ -381,7 +394,7 @@ def redecode(w: dict, cfg: GemmaConfig, tokens, position: int, attention: Attent
         cos, sin = rope_tables(pos, cfg.head_dim, base, scaling)
         mask = np.broadcast_to(np.where(visible[t], 0.0, MASKED).astype(DTYPE), (1, cfg.heads, *visible[t].shape))
         x, _, _ = decoder_layer(w, cfg, i, x, cos, sin, past_k[i], past_v[i], mask, attention)
-    return lm_head(w, cfg, x[position])
+    return x
 
 
 def graph_flops(cfg: GemmaConfig, rows: int, past: int, logit_rows: int = 1) -> int:

@@ -29,6 +29,7 @@ warning per read; `testbed records verify` lists them. Tables are pandas views o
 
 from __future__ import annotations
 
+import contextvars
 import datetime as _dt
 import fcntl
 import json
@@ -40,6 +41,7 @@ import stat
 import subprocess
 import uuid
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -202,6 +204,33 @@ class RunInfo:
         process = {"host": socket.gethostname(), "pid": os.getpid()} if which == "started" else {}
         return {**self.context(), "run_mark": which, "outcome": outcome, **process,
                 "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+@dataclass(frozen=True)
+class RunPlace:
+    """The run going on in this thread: its store's folder (where it keeps files beside its records, such as
+    an engine's failing requests) and its id."""
+
+    store: Path
+    run_id: str
+
+
+_CURRENT_RUN: contextvars.ContextVar[RunPlace | None] = contextvars.ContextVar("testbed_current_run", default=None)
+
+
+@contextmanager
+def running(store: Path, run_id: str):
+    """Mark `run_id` of the store at `store` as the run this thread is in (testbed.runner.execute)."""
+    token = _CURRENT_RUN.set(RunPlace(Path(store), run_id))
+    try:
+        yield
+    finally:
+        _CURRENT_RUN.reset(token)
+
+
+def current_run() -> RunPlace | None:
+    """The run this thread is in, or None (a call outside any run: a test, a replay)."""
+    return _CURRENT_RUN.get()
 
 
 def passed(record: dict) -> bool:

@@ -30,7 +30,7 @@ from testbed.config import RunConfig, check_params, results_path
 from testbed.devices import Device, connect, load_profile
 from testbed.devices.profile import Profile
 from testbed.errors import DeviceError
-from testbed.results import Record, ResultsStore, RunInfo
+from testbed.results import Record, ResultsStore, RunInfo, running
 from testbed.stop import STOP, STOP_SIGNAL, Interrupted, raise_if_stopped  # noqa: F401 -- used as runner.X
 from testbed.verdicts import UNJUDGED, Tally
 
@@ -220,14 +220,15 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
         RUNS[info.run_id] = "running"
     try:
         raise_if_stopped()
-        for record in (produce or module.run)(rc.cfg, ctx):
-            check_evidence([record], profile)
-            info.host_load = host_load(load_before)
-            row = info.stamp(record)
-            with storing():
-                store.append([row])
-                rows.append(row)
-            raise_if_stopped()
+        with running(store.root, info.run_id):  # the run an engine's failing requests are kept for
+            for record in (produce or module.run)(rc.cfg, ctx):
+                check_evidence([record], profile)
+                info.host_load = host_load(load_before)
+                row = info.stamp(record)
+                with storing():
+                    store.append([row])
+                    rows.append(row)
+                raise_if_stopped()
     except BaseException as e:  # noqa: BLE001  -- signals included: the store must say the run broke
         if isinstance(e, KeyboardInterrupt):
             what = "interrupted"
@@ -236,8 +237,10 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
         else:
             what = f"{type(e).__name__}: {e}"
         with storing():
+            # what the failing call ran (an engine that crashed: its program, sha256, command and kept request)
+            evidence = list(getattr(e, "evidence", None) or [])
             store.append([info.stamp(Record(rc.experiment, "run", "oracle", "run", "error", None,
-                                            {"records_before_error": len(rows)}, detail=what)),
+                                            {"records_before_error": len(rows)}, detail=what, evidence=evidence)),
                           info.mark("ended", "broke")])
             RUNS[info.run_id] = "broken by a signal" if isinstance(e, (KeyboardInterrupt, Interrupted)) else "broke"
         raise

@@ -110,10 +110,10 @@ def test_planted_engine_faults_fail_the_oracles(lab, results_dir, fault, failing
     assert failing <= failed, df[["oracle", "verdict", "detail"]].to_string()
 
 
-def wrapper_engine(lab: Path, name: str, damage: str, timeout: float = 300) -> None:
-    """A host engine that runs testbed-c for real, then damages its response (python, `damage` given the
-    response folder as `out` and numpy as `np`)."""
-    real = kernel_build.build_programs("host") / "tb_model_engine"
+def wrapper_engine(lab: Path, name: str, damage: str, timeout: float = 300, real: Path | None = None) -> None:
+    """A host engine that runs testbed-c (or the program `real`) for real, then damages its response
+    (python, `damage` given the response folder as `out` and numpy as `np`)."""
+    real = real or kernel_build.build_programs("host") / "tb_model_engine"
     script = lab / f"{name}.py"
     script.write_text(f"#!{sys.executable}\n" + textwrap.dedent(f"""\
         import json, subprocess, sys, time
@@ -320,3 +320,190 @@ def test_an_engine_that_reads_a_hugging_face_folder_is_handed_one(lab, results_d
     df = run(["backend=engine", "engine=hf-reader", *SMALL]).frame()
     assert set(df["verdict"]) == {"not supported"}
     assert df["detail"].str.contains("model/ holds config.json, model.safetensors; gemma3_text").all(), df["detail"][0]
+
+
+# --- where a failure is, and its replay ------------------------------------------------------------
+
+
+def fail_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("FAIL ")]
+
+
+def replay_of(line: str) -> str:
+    """The replay command a FAIL line (or an error line) names."""
+    return line.split("replay: ", 1)[1].split(";")[0].strip()
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache exposed", "no cache"])
+def test_a_position_fault_after_the_first_call_is_located_and_its_request_replayed(lab, results_dir, cache):
+    """The utterance's calls after its first get positions one too far (P=5, n=7, C=4: calls 0-3, 4, 5-8,
+    9-11): the FAIL line names call 4 and its row 9, with cache/ the layer and head whose K first differs,
+    and the command that replays the failing request, which the test runs as printed."""
+    from testbed.backends.engine import build
+
+    lab_engine(lab, "posfault", ("TB_FAULT_POSITION_AFTER_FIRST_CALL",))
+    name = "posfault"
+    if not cache:
+        wrapper_engine(lab, "posfault-nocache", "import shutil; shutil.rmtree(out / 'cache', ignore_errors=True)",
+                       real=build.program_for(engine_spec.load("posfault"), "host"))
+        name = "posfault-nocache"
+    env = {"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)}
+    p = cli("run", "chunk_prefill", "backend=engine", f"engine={name}", *SMALL, env=env)
+    assert p.returncode == 1, p.stderr
+    failed = fail_lines(p.stdout)
+    assert failed and all("where: chunk path (C=4) first differs at call 4 of 4 (rows 9-11), row 9 (position 9): "
+                          in line for line in failed), p.stdout
+    kv = "K/V first differ at row 9 (call 4), layer 0 head 0: K "
+    assert all((kv in line) == cache for line in failed), p.stdout
+    records = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    [token] = [r for r in records if r.get("oracle") == "logits"]
+    where = token["metrics"]["where"]
+    assert where["paths"][0] | {"requests": 0} == {
+        "path": "chunk", "chunk": 4, "calls": 4, "requests": 0, "call": 4, "call_rows": [9, 11], "row": 9,
+        "token": where["paths"][0]["token"], "token_ref": where["paths"][0]["token_ref"],
+        "max_abs_logit_diff": where["paths"][0]["max_abs_logit_diff"]}
+    assert where["paths"][0]["max_abs_logit_diff"] > 1e-3
+    kept = where["kept"][0]
+    assert Path(kept["request_folder"], "request", "request.json").is_file()
+    # the replay, as printed
+    replayed = subprocess.run(replay_of(failed[0]), shell=True, capture_output=True, text=True, cwd=kernel_build.ROOT,
+                              env={**os.environ, "PYTHONPATH": str(kernel_build.ROOT)})
+    assert replayed.returncode == 0, replayed.stderr
+    chunk_token = [r for r in records if r.get("oracle") == "token"][0]["metrics"]["token_chunk"]
+    assert f"position 11: token {chunk_token} " in replayed.stdout, replayed.stdout
+    # by hand, as the record says: the same logits
+    by_hand = subprocess.run(kept["by_hand"], shell=True, capture_output=True, text=True)
+    assert by_hand.returncode == 0, by_hand.stderr
+    logits = np.load(Path(kept["request_folder"]) / "response" / "logits.npy")
+    assert int(np.argmax(logits[0])) == chunk_token
+
+
+def test_a_passing_run_asks_nothing_more_and_keeps_nothing(lab, results_dir):
+    lab_engine(lab, "toy")
+    df = run(["backend=engine", "engine=toy", *SMALL]).frame()
+    assert (df["verdict"] == "pass").all()
+    assert len(df["evidence"].iloc[0]) == 2  # the chunk and the token-by-token requests, nothing else
+    assert not (results_dir / "engine-requests").exists()
+
+
+def test_a_crashing_engine_keeps_its_request_and_evidence_and_is_replayed(lab, results_dir):
+    wrapper_engine(lab, "crasher", "print('Segmentation fault (planted)', file=sys.stderr); code = 139")
+    env = {"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)}
+    p = cli("run", "chunk_prefill", "backend=engine", "engine=crasher", *SMALL, env=env)
+    assert p.returncode == 4, p.stderr
+    [line] = [line for line in said(p.stderr) if "exited 139" in line]
+    assert "request kept in " in line and "replay: python3 -m testbed engine replay" in line
+    records = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    [error] = [r for r in records if r.get("verdict") == "error"]
+    [evidence] = error["evidence"]
+    spec = engine_spec.load("crasher")
+    assert evidence["ran"] == "crasher.py" and len(evidence["sha256"]) == 64 and "crasher.py" in evidence["command"]
+    detail = evidence["detail"]
+    assert detail["exit_status"] == 139 and detail["engine_yaml_sha256"] == spec.yaml_sha256
+    folder = Path(detail["request_folder"])
+    assert folder.name == detail["request_sha256"] and (folder / "request" / "tokens.npy").is_file()
+    assert "Segmentation fault (planted)" in (folder / "stderr.txt").read_text()
+    assert "gdb --args" in detail["under_gdb"] and detail["replay"] == replay_of(line)
+    replayed = subprocess.run(replay_of(line), shell=True, capture_output=True, text=True, cwd=kernel_build.ROOT,
+                              env={**os.environ, "PYTHONPATH": str(kernel_build.ROOT)})
+    assert replayed.returncode == 4 and "the engine failed again" in replayed.stderr and "exited 139" in \
+        replayed.stderr, replayed.stderr
+    assert f"by hand:   cd {folder}" in replayed.stdout
+    # a kept request that is not what ran is refused in one line, never run
+    request = folder / "request" / "request.json"
+    request.write_text(request.read_text().replace('"past": 5', '"past": 4'))
+    edited = subprocess.run(replay_of(line), shell=True, capture_output=True, text=True, cwd=kernel_build.ROOT,
+                            env={**os.environ, "PYTHONPATH": str(kernel_build.ROOT)})
+    assert edited.returncode == 2 and f"not the {folder.name} it was kept as" in edited.stderr, edited.stderr
+
+
+@pytest.mark.parametrize("args, message", [(["0123456789abcdef"], "names 0 kept requests"),
+                                           (["xyz"], "is not a request's sha256"),
+                                           (["nosuchrun", "1"], "kept no engine request")])
+def test_replay_refuses_what_it_cannot_replay_in_one_line(results_dir, capsys, args, message):
+    from testbed.cli import main
+
+    assert main(["engine", "replay", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+# --- builds keyed by what they read ----------------------------------------------------------------
+
+
+def readme_engine(lab: Path, kernels: Path) -> Path:
+    """The README's yaml shape: the adapter in the lab's source folder, testbed's kernels compiled by
+    absolute path from outside it (here a copy of kernels/)."""
+    mine = lab / "mine"
+    mine.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(kernels / "bench" / "tb_model_engine.c", mine / "adapter.c")
+    outside = [str(kernels / s) for s in SOURCES if s != "bench/tb_model_engine.c"]
+    command = ["cc", "-std=c11", "-O1", "-ffp-contract=off", "-fno-math-errno", "-I", str(kernels), "-I",
+               str(kernels / "bench"), "-DTB_FUSED=0", '-DTB_SOURCE_HASH="mine"', "-o", "{out}/mine", "adapter.c",
+               *outside, "-lm", "-pthread"]
+    (lab / "engines").mkdir(exist_ok=True)
+    (lab / "engines" / "mine.yaml").write_text(textwrap.dedent(f"""\
+        name: mine
+        contract: 1
+        source: ../mine
+        build:
+          command: {json.dumps(command)}
+        program: mine
+        abis: [host]
+        supports: {{techniques: [chunk_prefill], model_formats: [safetensors], weights: [f32]}}
+        invoke: ["{{program}}", "{{request}}", "{{response}}"]
+        timeout_s: 600
+        counts: marked
+        """))
+    return lab / "engines" / "mine.yaml"
+
+
+def test_editing_a_file_the_build_reads_outside_its_source_rebuilds(lab, results_dir, tmp_path):
+    """A header outside `source`, named nowhere in the command, read by the compile: the compiler's
+    dependency list keys the build, so a fault planted in it is built and fails the oracles."""
+    from testbed.backends.engine import build
+
+    kernels = tmp_path / "kernels"
+    shutil.copytree(kernel_build.KERNELS_DIR, kernels, ignore=shutil.ignore_patterns("build", "*.o", "*.so"))
+    readme_engine(lab, kernels)
+    honest = run(["backend=engine", "engine=mine", *SMALL]).frame()
+    assert (honest.loc[honest["oracle"] != "cache", "verdict"] == "pass").all(), honest[["oracle", "detail"]]
+    program = build.program_for(engine_spec.load("mine"), "host")
+    inputs = json.loads((program.parent / build.INPUTS_FILE).read_text())
+    assert str((kernels / "tb_model.h").resolve()) in inputs["files"] and inputs["how"].startswith("the compiler's")
+    assert build.program_for(engine_spec.load("mine"), "host") == program  # unchanged: reused
+    header = kernels / "tb_model.h"
+    header.write_text(header.read_text() + "\n#define TB_FAULT_CHUNK_OFF_BY_ONE 1\n")
+    faulty = run(["backend=engine", "engine=mine", *SMALL]).frame()
+    assert build.program_for(engine_spec.load("mine"), "host") != program
+    assert {"logits", "naive"} <= set(faulty.loc[faulty["verdict"] == "fail", "oracle"]), faulty[["oracle", "detail"]]
+
+
+def test_a_build_command_that_says_nothing_runs_at_every_use_and_one_that_lists_what_it_read_is_reused(lab):
+    """A script reading a file outside `source` that it does not name: run again at every use, so the
+    program follows the file; the same script leaving {out}/PROGRAM.d is reused until a listed file changes."""
+    from testbed.backends.engine import build
+
+    outside, runs = lab / "outside.txt", lab / "runs.txt"
+    (lab / "src").mkdir()
+    for name, depfile in (("says-nothing", ""), ("lists-inputs", f'echo "$1/prog: {outside}" > "$1/prog.d"')):
+        outside.write_text("one\n")
+        (lab / "src" / f"{name}.sh").write_text(f'cp {outside} "$1/prog"; echo run >> {runs}; {depfile}\n')
+        (lab / "engines").mkdir(exist_ok=True)
+        (lab / "engines" / f"{name}.yaml").write_text(textwrap.dedent(f"""\
+            name: {name}
+            contract: 1
+            source: ../src
+            build: {{command: [sh, {name}.sh, "{{out}}"]}}
+            program: prog
+            abis: [host]
+            supports: {{techniques: [chunk_prefill]}}
+            invoke: ["{{program}}", "{{request}}", "{{response}}"]
+            """))
+        runs.write_text("")
+        first = build.program_for(engine_spec.load(name), "host")
+        again = build.program_for(engine_spec.load(name), "host")
+        assert first.read_text() == again.read_text() == "one\n"
+        assert runs.read_text().count("run") == (2 if name == "says-nothing" else 1), name
+        outside.write_text("two\n")
+        assert build.program_for(engine_spec.load(name), "host").read_text() == "two\n", name

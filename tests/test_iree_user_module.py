@@ -6,7 +6,9 @@ manifest.json) beside a checkpoint folder, and judged on the selected device (`p
 host by default; lavapipe and qemu-aarch64 run the same tests). Then the contract faults an exporter
 makes, planted in the module, each caught and named by its argument or result: two arguments read
 swapped, select read one row off, a mask of the wrong type, K/V results in the wrong order, cos and sin
-exchanged, the tables of one layer type missing; and folders that are refused before anything runs
+exchanged, the tables of one layer type missing; faults no single argument explains (RoPE one position
+late, a window one key wider, a cache write one row late) said so, with the first row, layer and head that
+differ, and never blamed on a head reading another head's mask; and folders that are refused before anything runs
 (another contract or version, a signature that disagrees, a missing parameter archive, a changed
 file, another model), exit 2 with one line and nothing stored.
 
@@ -168,11 +170,25 @@ def planted(cfg, w, fault: str) -> Graph:
             return good.fn(weights, *args)
         if fault == "masks_swapped":
             return good.fn(weights, *swapped(args, "mask_local", "mask_global"))
+        if fault == "rope_one_position_late":     # the global layers rotate each row as the position after it
+            args = list(args)
+            for name in ("cos_global", "sin_global"):
+                args[index[name]] = jnp.roll(args[index[name]], -1, axis=0)
+            return good.fn(weights, *args)
+        if fault == "window_one_key_wider":       # the local layers also see the key just outside the window
+            args = list(args)
+            mask = args[index["mask_local"]]
+            seen = mask > -1e29
+            older = jnp.roll(seen, -1, axis=-1) & (jnp.arange(ROWS + CHUNK) < ROWS - 1)
+            args[index["mask_local"]] = jnp.where(~seen & older, jnp.roll(mask, -1, axis=-1), mask)
+            return good.fn(weights, *args)
         out = list(good.fn(weights, *args))
         if fault == "kv_results_swapped":         # returns v_0 before k_0
             out[1], out[2] = out[2], out[1]
         if fault == "v_1_new_rows_off":           # no contract fault: a computation off by 0.01
             out[4] = out[4] + 0.01 * (jnp.arange(ROWS + CHUNK) >= ROWS)[None, :, None]
+        if fault == "k_0_new_rows_one_late":      # the cache write lands one row late
+            out[1] = jnp.concatenate([out[1][:, :ROWS], jnp.roll(out[1][:, ROWS:], 1, axis=1)], axis=1)
         return tuple(out)
 
     return Graph(f"{good.name}_fault_{fault}", fn, good.contract, good.weights)
@@ -190,7 +206,8 @@ FAULTS = [
     ("kv_results_swapped", "vmfb", "cache",
      "result 1 (k_0_out) holds v_0_out, result 2 (v_0_out) holds k_0_out"),
     ("v_1_new_rows_off", "mlir", "cache",
-     "no single argument or result fault explains it; the first result that differs is result 4 (v_1_out)"),
+     "no single argument or result fault explains it; the first result that differs is result 4 (v_1_out), first "
+     "at row 40 (chunk row 0, position 30) KV head 0"),
 ]
 
 
@@ -203,6 +220,29 @@ def test_a_planted_contract_fault_fails_naming_the_argument(fault, form, fails, 
     assert verdicts[fails].verdict == "fail"
     assert named in verdicts[fails].detail, verdicts[fails].detail
     assert all(named in v.detail for v in verdicts.values() if v.oracle != "mask_heads" and not v.passed)
+
+
+# faults that are not a head reading another head's mask, yet fail mask_heads too (the module is wrong
+# whatever its masks): where the first K/V result differs, and that no head-mask fault is named
+NOT_HEAD_MASK_FAULTS = [
+    ("rope_one_position_late", "result 3 (k_1_out), first at row 40 (chunk row 0, position 30) KV head 0"),
+    ("window_one_key_wider", "result 3 (k_1_out), first at row 40 (chunk row 0, position 30) KV head 0"),
+    ("k_0_new_rows_one_late", "result 1 (k_0_out), first at row 40 (chunk row 0, position 30) KV head 0"),
+]
+
+
+@pytest.mark.parametrize("fault, first", NOT_HEAD_MASK_FAULTS, ids=[f[0] for f in NOT_HEAD_MASK_FAULTS])
+def test_a_rope_window_or_cache_fault_is_not_called_a_head_mask_fault(fault, first, model, reference, device,
+                                                                       tmp_path):
+    _, cfg, w = model
+    folder = write_user_folder(tmp_path / fault, planted(cfg, w, fault), cfg, target=target_of(device))
+    verdicts, _ = judge(folder, device, model, reference)
+    assert verdicts["cache"].verdict == "fail" and verdicts["mask_heads"].verdict == "fail"
+    assert f"no single argument or result fault explains it; the first result that differs is {first}" in \
+        verdicts["cache"].detail, verdicts["cache"].detail
+    mask = verdicts["mask_heads"].detail
+    assert "a head reads another head's mask" not in mask, mask
+    assert "the module fails with the contract's own masks too" in mask and first in mask, mask
 
 
 def test_a_module_that_reads_one_heads_mask_fails_mask_heads(model, reference, device, tmp_path):
@@ -221,7 +261,7 @@ def test_a_module_that_reads_one_heads_mask_fails_mask_heads(model, reference, d
                                cfg)
     verdicts, _ = judge(folder, device, model, reference)
     assert [n for n, v in verdicts.items() if not v.passed] == ["mask_heads"]
-    assert "a head reads another head's mask" in verdicts["mask_heads"].detail
+    assert "a head reads another head's mask: every head attends with head 0's rows" in verdicts["mask_heads"].detail
 
 
 # --- folders refused before anything runs ----------------------------------------------------------

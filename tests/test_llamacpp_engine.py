@@ -392,6 +392,12 @@ def test_backend_llamacpp_fails_chunk_prefill_with_the_adapters_chunk_off_by_one
     monkeypatch.setenv("TESTBED_LAB", str(planted_lab(tmp_path, "tb_llama_engine_plant_chunk_off_by_one")))
     verdicts = run_chunk_prefill(gemma3.gguf, "host", "backend=engine", "engine=llamacpp-planted")
     assert verdicts.loc["logits", "verdict"] == "fail", verdicts[["verdict", "detail"]]
+    # where (testbed.oracles.where): every call after the plan's first reads its tokens one row early, so the
+    # second call (the past's rows 16-31 at C=16) is the first wrong one, from its first row; llama.cpp gives
+    # several rows of one call, so that call's rows are asked in one request
+    detail = verdicts.loc["logits", "detail"]
+    assert "chunk path (C=16) first differs at call 2 of 7 (rows 16-31), row 16 (position 16): " in detail, detail
+    assert verdicts.loc["logits", "metrics.where.paths"][0]["requests"] == 2
 
 
 @AARCH64

@@ -21,7 +21,8 @@
  *
  * Faults for the tests (defined by a patched copy, never in a build of testbed's): TB_FAULT_CHUNK_OFF_BY_ONE
  * (the utterance's calls get positions one too far), TB_FAULT_PAD_ROW_KEPT (a partial past call keeps
- * one pad row), TB_FAULT_STATE_NOT_CARRIED (each utterance call starts from empty caches). */
+ * one pad row), TB_FAULT_STATE_NOT_CARRIED (each utterance call starts from empty caches),
+ * TB_FAULT_POSITION_AFTER_FIRST_CALL (the utterance's calls after its first get positions one too far). */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,6 +43,9 @@
 #endif
 #ifndef TB_FAULT_STATE_NOT_CARRIED
 #define TB_FAULT_STATE_NOT_CARRIED 0
+#endif
+#ifndef TB_FAULT_POSITION_AFTER_FIRST_CALL
+#define TB_FAULT_POSITION_AFTER_FIRST_CALL 0
 #endif
 
 #define ENGINE_NAME "testbed-c"
@@ -114,7 +118,8 @@ static void run_chunks(tb_engine *e, const plan *p, int marked) {
             for (int i = 0; i < real; i++) call(e, p, "decode", s + i, 1, 1, marked, s + i);
             continue;
         }
-        call(e, p, "chunk", s, real, C, marked, s + TB_FAULT_CHUNK_OFF_BY_ONE);
+        call(e, p, "chunk", s, real, C, marked,
+             s + TB_FAULT_CHUNK_OFF_BY_ONE + (TB_FAULT_POSITION_AFTER_FIRST_CALL && s > p->past));
         if (real < C && p->mode == 1) check(tb_engine_drop(e, C - real), "pad rollback");
     }
 }

@@ -15,6 +15,7 @@
   testbed ab A B [key=value ...]                  two source trees' programs measured interleaved in one job
   testbed gguf CHECKPOINT [--out FILE]            the GGUF of a Hugging Face folder (Gemma 3, Qwen3.5), as
                                                   llama.cpp's converter writes it, judged by testbed's reader
+  testbed engine replay RUN CALL | SHA            an engine's failing call, kept by the run, run again once
   (run and sweep take farm=HEAD:PORT: the jobs run on the lab's hosts that own their devices)
 
 Exit status: 0 at least one oracle was judged and none failed (or the run only measures), 1 an oracle
@@ -37,7 +38,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from testbed import __version__, config, experiments, runner, verdicts
-from testbed.cli import devices as device_cli, records as records_cli
+from testbed.cli import devices as device_cli, engine as engine_cli, records as records_cli
 from testbed.errors import DeviceError, DeviceUnreachable, StoreError, ToolMissing, UsageError
 from testbed.heartbeat import Step
 from testbed.lab import ab, compare, farm, nightly
@@ -348,7 +349,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--out", help="where to write it (default: .cache/gguf/, once per content)")
     g.set_defaults(fn=cmd_gguf)
     report.register(sub), compare.register(sub), ab.register(sub), device_cli.register(sub)
-    records_cli.register(sub)
+    records_cli.register(sub), engine_cli.register(sub)
     farm.register(sub)
     return p
 

@@ -252,6 +252,10 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
                 yield Record("chunk_prefill", f"{case.name}/{oracle}", "oracle", oracle, "not supported", None, {},
                              params=params, detail=str(e), evidence=backend.evidence.take())
             continue
+        failing = [v for v in verdicts if not v.passed and v.metrics.get("cache_exposed") is not False]
+        if cfg.backend == "engine" and failing:
+            ctx.progress(f"chunk_prefill oracle {case.name} failed: asking the engine where")
+            where_it_broke(backend, ref, case, failing, cfg.logit_atol, cfg.cache_atol)
         evidence = backend.evidence.take()
         for v in verdicts:
             unjudged = v.metrics.get("cache_exposed") is False  # an engine that exposes no K/V: not a pass
@@ -268,6 +272,29 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
         yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
                      params={"past": case.past, "tokens": case.tokens, "chunk": case.chunk, "position": case.position,
                              "calls": case.calls}, detail=v.detail, evidence=backend.evidence.take())
+
+
+def where_it_broke(backend, ref: Reference, case: TokenCase, failing: list, logit_atol: float,
+                   cache_atol: float) -> None:
+    """An engine's failing case localised (testbed.oracles.where: the first call, row, and cache layer and
+    head that differ), and the failing path's request kept for replay (testbed.backends.engine.keep): each
+    failing verdict's detail says both, its metrics["where"] holds them."""
+    from testbed.oracles.where import locate
+
+    asks = {"chunk": functools.partial(backend.logits_at, ref.prompt, case.past, case.chunk),
+            "decode": functools.partial(backend.logits_at, ref.prompt, case.past, 1)}
+    final = {path: response.logits[0] for path, (_, response) in backend.last.items()}
+    chunked = backend.last["chunk"][1]
+    real = case.past + case.tokens
+    cache = None if chunked.cache_k is None else ([k[:, :real] for k in chunked.cache_k],
+                                                  [v[:, :real] for v in chunked.cache_v])
+    where = locate(asks, ref, case, final, cache, logit_atol, cache_atol, ref.cfg.vocab)
+    paths = [f.path for f in where.found if f.call is not None] or ["chunk"]
+    kept = [k for k in (backend.keep(path, failing[0].detail) for path in paths) if k is not None]
+    where.kept = kept[0].said() if kept else ""
+    for v in failing:
+        v.detail = f"{v.detail}; {where.said()}"
+        v.metrics["where"] = {**where.metrics(), "kept": [k.as_dict() for k in kept]}
 
 
 def user_module_records(cfg, ctx, ref, backend, tokenizer) -> Iterator[Record]:

@@ -16,7 +16,10 @@ call on the device; then, on the host:
              alone at its table position; within cache_atol
   mask_heads the same call with masks that differ per head (testbed.oracles.numerical.head_biased_mask)
              against refimpl.gemma.prefill_with_past on those inputs: a module that reads one head's
-             mask for every head passes the three above and fails here
+             mask for every head passes the three above and fails here. Its detail says a head reads
+             another head's mask only where refimpl, given head h's mask for every head, agrees with
+             the module; a module wrong whatever the masks (a RoPE, window or cache fault) fails here
+             too, and is said to (the verdicts above failed), with where its outputs first differ
 
 Diagnosis. Where a verdict fails, the outputs are explained, if they can be, by one contract fault
 that the detail then names by argument or result (index and name):
@@ -27,8 +30,11 @@ that the detail then names by argument or result (index and name):
   - select read one row off (refimpl's logits of the row before or after agree);
   - a layer type attending with another type's mask, or rotating with another type's tables, or with
     cos and sin exchanged (refimpl given those inputs agrees with the module).
-Each is a counterfactual computed by refimpl on the host: no second device call. Otherwise the detail
-names the first result that differs.
+Each is a counterfactual computed by refimpl on the host: no second device call; a cause is named only
+where its counterfactual matched the module's outputs. Otherwise the detail says no single fault explains
+it and where the outputs first differ: the first K/V row (a cache row, or the chunk's row and its
+position), at it the first layer's result and KV head, the module's value and the reference's; or the
+logits where every K/V result agrees.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from testbed.models.contract import Contract, pack_prefill_with_past
 from testbed.oracles.numerical import Verdict, nmse
 from testbed.oracles.tokens import (Reference, closeness, head_biased_inputs, margin_for, not_finite, tied_tokens,
                                     top2_margin)
+from testbed.oracles.where import first_kv_difference
 
 ModuleCall = Callable[[Sequence[np.ndarray]], list]
 
@@ -144,26 +151,87 @@ def check_module(call: ModuleCall, ref: Reference, case: TokenCase, rows: int, c
             v.metrics["diagnosis"] = diagnosis
             if not v.passed:
                 v.detail = f"{v.detail}; {diagnosis}"
-    verdicts.append(check_mask_heads(call, ref, case, rows, logit_atol, cache_atol))
+    failed = [v.oracle for v in verdicts if not v.passed]
+    verdicts.append(check_mask_heads(call, ref, case, rows, logit_atol, cache_atol, contract, failed))
     return verdicts
 
 
 def check_mask_heads(call: ModuleCall, ref: Reference, case: TokenCase, rows: int, logit_atol: float,
-                     cache_atol: float) -> Verdict:
-    """The same call with masks that differ per head, against refimpl on the same inputs."""
+                     cache_atol: float, contract: Contract, failed_plain: Sequence[str] = ()) -> Verdict:
+    """The same call with masks that differ per head, against refimpl on the same inputs. Where it fails,
+    the detail names a head reading another head's mask only where refimpl, given every head head h's
+    mask, agrees with the module; `failed_plain`: the verdicts the call with the contract's own masks
+    failed (then the module is wrong whatever the masks, and their diagnosis says how)."""
     inp, ks, vs = case_inputs(ref, case, rows, build=head_biased_inputs)
     out = call(pack_prefill_with_past(ref.cfg, inp, ks, vs))
     logits, want_k, want_v = gemma.prefill_with_past(ref.w, ref.cfg, inp.tokens, inp.tables, ks, vs, inp.masks,
                                                      inp.select)
     logit_diff = float(np.abs(np.asarray(out[0], np.float64) - logits).max())
     kv_diff = _max_diff(out[1::2] + out[2::2], want_k + want_v)
-    detail = (f"with masks that differ per head the module differs from refimpl.gemma by {logit_diff:.3g} in the "
-              f"logits, {kv_diff:.3g} in K/V: a head reads another head's mask (the mask_* arguments)")
+    passed = logit_diff <= logit_atol and kv_diff <= cache_atol
+    said = f"with masks that differ per head the module differs from refimpl.gemma by {logit_diff:.3g} in the " \
+           f"logits, {kv_diff:.3g} in K/V"
+    detail = "" if passed else f"{said}: " + mask_heads_cause(
+        ref, inp, ks, vs, out, contract, list(want_k), list(want_v), logits, logit_atol, cache_atol, failed_plain)
     verdict = closeness("mask_heads", logit_diff, logit_atol, detail)
     verdict.metrics.update({"max_abs_kv_diff": kv_diff, "cache_atol": cache_atol, "position": case.position})
     if not kv_diff <= cache_atol:
         verdict = Verdict("mask_heads", False, verdict.margin, verdict.metrics, detail)
     return verdict
+
+
+def mask_heads_cause(ref: Reference, inp: gemma.ChunkInputs, ks, vs, outputs, contract: Contract, want_k, want_v,
+                     want_logits, logit_atol: float, cache_atol: float, failed_plain: Sequence[str]) -> str:
+    """Why the call with per-head masks differs: the cause whose counterfactual refimpl computed and the
+    module's outputs matched (every head reading one head's mask), or no single known fault and where the
+    outputs first differ."""
+    cfg = ref.cfg
+    module_kv = list(outputs[1::2]) + list(outputs[2::2])
+    for h in range(cfg.heads):
+        masks = {t: np.broadcast_to(m[:, h:h + 1], m.shape).copy() for t, m in inp.masks.items()}
+        got = gemma.prefill_with_past(ref.w, cfg, inp.tokens, inp.tables, ks, vs, masks, inp.select)
+        if _agrees(outputs[0], module_kv, got[0], list(got[1]) + list(got[2]), logit_atol, cache_atol):
+            return (f"a head reads another head's mask: every head attends with head {h}'s rows of the mask_* "
+                    f"arguments (refimpl given head {h}'s mask for every head agrees with the module)")
+    also = (f"the module fails with the contract's own masks too ({', '.join(failed_plain)}: see their diagnosis); "
+            if failed_plain else "")
+    first = first_difference(contract, inp, outputs, want_k, want_v, want_logits, ks[0].shape[1], cache_atol)
+    return (f"{also}no single known fault explains the per-head difference (a head reading one head's mask does "
+            f"not); {first}")
+
+
+def _agrees(logits, kv, want_logits, want_kv, logit_atol: float, cache_atol: float) -> bool:
+    logits = np.asarray(logits, np.float64)
+    return int(np.argmax(logits)) == int(np.argmax(want_logits)) and \
+        float(np.abs(logits - want_logits).max()) <= logit_atol and _max_diff(kv, want_kv) <= cache_atol
+
+
+def row_named(inp: gemma.ChunkInputs, row: int, past_rows: int) -> str:
+    """A K/V result's row as the contract lays it out: the passed cache's rows (the first P of them hold
+    positions 0..P-1, the rest are empty), then the chunk's real rows and its pad rows."""
+    if row < past_rows:
+        cached = int(inp.table_positions[0])  # the chunk starts at position P
+        return f"row {row} (cache row, position {row})" if row < cached else f"row {row} (an empty cache row)"
+    i = row - past_rows
+    return f"row {row} ({'chunk' if i < inp.n else 'pad'} row {i}, position {int(inp.table_positions[i])})"
+
+
+def first_difference(contract: Contract, inp: gemma.ChunkInputs, outputs, want_k, want_v, want_logits,
+                     past_rows: int, cache_atol: float) -> str:
+    """Where the module's outputs first differ from what they must be: the first K/V row (by row, then
+    layer, then KV head, K before V), or the logits where the K/V agree."""
+    out_k, out_v = list(outputs[1::2]), list(outputs[2::2])
+    found = first_kv_difference(out_k, out_v, want_k, want_v, cache_atol)
+    if found is None:
+        diff = float(np.abs(np.asarray(outputs[0], np.float64) - want_logits).max())
+        return (f"the K/V results agree; {_result(contract, 'logits')} differs by {diff:.3g} (the final norm, the "
+                f"LM head, or {_arg(contract, 'select')})")
+    name = f"{found.part.lower()}_{found.layer}_out"
+    diff = float(np.abs(np.asarray((out_k if found.part == "K" else out_v)[found.layer], np.float64)
+                        - (want_k if found.part == "K" else want_v)[found.layer]).max())
+    return (f"the first result that differs is {_result(contract, name)}, first at "
+            f"{row_named(inp, found.row, past_rows)} KV head {found.head}: {found.value:.4g} vs "
+            f"{found.value_ref:.4g} (by {diff:.3g} at most)")
 
 
 # --- diagnosis -------------------------------------------------------------------------------------
@@ -264,11 +332,7 @@ def diagnose(ref: Reference, inp: gemma.ChunkInputs, ks, vs, outputs, contract: 
                             f"{_arg(contract, f'sin_{u}')}, not cos_{t} and sin_{t} (missing tables of the "
                             f"first {t} layer)")
     # nothing single explains it: where it starts
-    order = [x for i in range(layers) for x in (i, layers + i)]  # k_0, v_0, k_1, ... as results come
-    for j in order:
-        diff = float(np.abs(np.asarray(module_kv[j], np.float64) - (want_k + want_v)[j]).max())
-        if diff > cache_atol:
-            return (f"diagnosis: no single argument or result fault explains it; the first result that differs is "
-                    f"{_result(contract, result_names[j])} (by {diff:.3g})")
-    return (f"diagnosis: the K/V results agree; {_result(contract, 'logits')} differs (the final norm, the LM head, "
-            f"or {_arg(contract, 'select')})")
+    where = first_difference(contract, inp, outputs, want_k, want_v, reference, past, cache_atol)
+    if where.startswith("the K/V results agree"):
+        return f"diagnosis: {where}"
+    return f"diagnosis: no single argument or result fault explains it; {where}"

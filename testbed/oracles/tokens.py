@@ -91,6 +91,7 @@ class Reference:
     def __init__(self, w: dict, cfg: gemma.GemmaConfig, prompt: np.ndarray):
         self.w, self.cfg, self.prompt = w, cfg, np.asarray(prompt)
         self._logits: dict[int, np.ndarray] = {}
+        self._rows: dict[int, np.ndarray] = {}  # logits_at's
         self._naive: dict[int, np.ndarray] = {}
         self._kv: tuple[list, list] | None = None
 
@@ -98,6 +99,14 @@ class Reference:
         if position not in self._logits:
             self._logits[position] = gemma.redecode(self.w, self.cfg, self.prompt, position)
         return self._logits[position]
+
+    def logits_at(self, positions) -> np.ndarray:
+        """redecode's logits at several positions [len(positions), vocab] from one run of the prompt
+        (refimpl.gemma.redecode_at): what localising a failure compares many rows with."""
+        missing = sorted({int(p) for p in positions} - set(self._rows))
+        if missing:
+            self._rows.update(zip(missing, gemma.redecode_at(self.w, self.cfg, self.prompt, missing)))
+        return np.stack([self._rows[int(p)] for p in positions])
 
     def naive_logits(self, position: int) -> np.ndarray:
         """The float64 logits of refimpl.naive_gemma at `position`: the reference independent of refimpl.gemma."""

@@ -2,15 +2,16 @@
 
 An engine is a program described by engines/NAME.yaml (the project's, or a lab's TESTBED_LAB/engines/):
 how it is built per ABI, what it supports, how it is invoked (spec.py; the schema is
-engines/contract-v1.schema.json). testbed builds it (cached by content), pushes it with the native
+engines/contract-v1.schema.json). testbed builds it (cached by every file it reads), pushes it with the native
 backend's machinery, and runs it once per request: a folder of request.json, request.args, tokens.npy
 and the model file, answered by a response folder (status.json, logits.npy, state.bin, cache/,
 timings.json) that runner.py pulls and validates strictly before any oracle sees it. testbed owns the
 checkpoint, prompt, plan, reference, oracles and instruments; the engine owns only its computation.
 
   spec.load(name) -> EngineSpec                      the yaml, validated
-  build.program_for(spec, target) -> Path            the program for a build target, cached by content
+  build.program_for(spec, target) -> Path            the program for a build target, cached by what it reads
   runner.call(device, spec, request, expect) -> Response
+  keep.*                                             failing calls kept for replay (testbed engine replay)
   gemma.backend(...)                                 experiment chunk_prefill (the GemmaRunner interface)
   tail.*                                             experiment tail (state bytes, first token, TTFT)
 

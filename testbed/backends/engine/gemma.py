@@ -21,7 +21,7 @@ from refimpl import gemma
 from testbed.backends import ContractBroken, EvidenceLog, NotSupported, Utterance
 from testbed.backends.engine import build, spec as specs
 from testbed.backends.engine.models import GemmaModel
-from testbed.backends.engine.runner import Expect, Request, Response, call
+from testbed.backends.engine.runner import Expect, Request, Response, call, keep_request
 from testbed.backends.native import build as kernel_build
 from testbed.backends.native.engine import model_args
 from testbed.devices import Device
@@ -49,6 +49,9 @@ class EngineRunner:
     model_file: Path | None = None
     model_format: str = "safetensors"
     evidence: EvidenceLog = field(default_factory=EvidenceLog)
+    # the last utterance's requests and responses by path ("chunk", "decode"): what a failing case is
+    # localised from and kept as
+    last: dict[str, tuple[Request, Response]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -60,10 +63,13 @@ class EngineRunner:
                        model_config(self.cfg, self.weights_dtype, self.weights_group), past, chunk, logits_at,
                        threads=self.threads, bench=bench, count=self.count and bench is not None)
 
-    def ask(self, request: Request, measured: bool = False) -> Response:
+    @property
+    def expect(self) -> Expect:
         c = self.cfg
-        response = call(self.device, self.spec, request, Expect(c.vocab, c.layers, c.kv_heads, c.head_dim),
-                        self.program, measured=measured)
+        return Expect(c.vocab, c.layers, c.kv_heads, c.head_dim)
+
+    def ask(self, request: Request, measured: bool = False) -> Response:
+        response = call(self.device, self.spec, request, self.expect, self.program, measured=measured)
         if response.evidence:
             self.evidence.add(response.evidence)
         if response.refused:
@@ -73,8 +79,10 @@ class EngineRunner:
     def utterance(self, prompt, case, build_inputs=gemma.chunk_inputs) -> Utterance:
         real = case.past + case.tokens
         tokens = np.asarray(prompt)[:real]
-        chunked = self.ask(self.request(tokens, case.past, case.chunk, [real - 1]))
-        stepped = self.ask(self.request(tokens, case.past, 1, [real - 1]))
+        requests = {"chunk": self.request(tokens, case.past, case.chunk, [real - 1]),
+                    "decode": self.request(tokens, case.past, 1, [real - 1])}
+        self.last = {path: (request, self.ask(request)) for path, request in requests.items()}
+        chunked, stepped = self.last["chunk"][1], self.last["decode"][1]
         if chunked.cache_k is None:  # cache/ is optional: the token and logits oracles still judge
             return Utterance(chunked.logits[0], stepped.logits[0], None, None, None, None, None)
         rows = chunked.cache_k[0].shape[1]
@@ -89,6 +97,20 @@ class EngineRunner:
         ks, vs = chunked.cache_k, chunked.cache_v
         return Utterance(chunked.logits[0], stepped.logits[0], [k[:, :real] for k in ks], [v[:, :real] for v in vs],
                          [k[:, real:] for k in ks], [v[:, real:] for v in vs], last)
+
+    def logits_at(self, prompt, past: int, chunk: int, positions: list[int], end: int) -> np.ndarray:
+        """The logits rows at `positions` of the plan (P = past, C = chunk) over prompt[:end]; a cut inside
+        the past keeps the past's calls before the cut's call as the past (the plan's calls are the same up
+        to the cut). For localising a failing case (testbed.oracles.where); a refusal raises NotSupported."""
+        if end <= past:
+            past = (end - 1) // chunk * chunk
+        return self.ask(self.request(np.asarray(prompt)[:end], past, chunk, list(positions))).logits
+
+    def keep(self, path: str, why: str):
+        """The last utterance's request of `path` kept for replay in the run's store
+        (testbed.backends.engine.keep), or None outside a run."""
+        request, _ = self.last[path]
+        return keep_request(self.device, self.spec, self.program, request, self.expect, why)
 
     def bench(self, prompt, past: int, chunk: int, reps: int, warmup: int) -> dict:
         """The engine's own times of its calls: the chunk call of C rows and a one-row call, each after

@@ -15,12 +15,13 @@ import hashlib
 import json
 import secrets
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from testbed.backends import Evidence
+from testbed.backends.engine.keep import Kept, keep
 from testbed.backends.engine.spec import CONTRACT_VERSION, EngineSpec
 from testbed.backends.native.device import check_machine, program_digest, program_identity, pull_dumps, \
     runner_prefix, stage_folder, stage_program
@@ -32,7 +33,10 @@ from testbed.measure import counts as counting
 
 class ContractError(DeviceError):
     """The engine's response breaks the contract (a file missing, of the wrong shape or dtype, NaN, another
-    version), or the engine failed (non-zero exit, timeout): exit 4, and never a pass."""
+    version), or the engine failed (non-zero exit, timeout): exit 4, and never a pass. `evidence`: what ran
+    (testbed.backends.Evidence dicts), which the run's error record carries."""
+
+    evidence: list[dict] = []
 
 
 @dataclass
@@ -69,6 +73,14 @@ class Request:
                 "chunk": self.chunk, "logits_at": [int(p) for p in self.logits_at], "tail": {"mode": self.tail_mode},
                 "cache": self.cache, "state": self.state, "threads": self.threads, "bench": self.bench,
                 "count": self.count, **({"rs_snapshots": self.rs_snapshots} if self.rs_snapshots else {})}
+
+
+def request_text(request: Request) -> tuple[dict, str, str]:
+    """(request.json as an object, its exact text, that text's sha256): what names a request everywhere
+    (the evidence, a kept request's folder)."""
+    body = request.as_json()
+    text = json.dumps(body, indent=1, sort_keys=True) + "\n"
+    return body, text, hashlib.sha256(text.encode()).hexdigest()
 
 
 def args_text(request: dict) -> str:
@@ -178,10 +190,9 @@ def call(device: Device, spec: EngineSpec, request: Request, expect: Expect, pro
          measured: bool = False) -> Response:
     """Run one request on `device` with the engine's `program` (build.program_for); the validated Response."""
     check_machine(device, program)
-    body = request.as_json()
-    text = json.dumps(body, indent=1, sort_keys=True) + "\n"
-    request_sha = hashlib.sha256(text.encode()).hexdigest()
+    body, text, request_sha = request_text(request)
     run_dir = f"runs/{secrets.token_hex(6)}"
+    argv, result = [], None  # what ran and what it said: a failing call's evidence
     try:
         with tempfile.TemporaryDirectory(prefix="testbed-engine-") as tmp:
             tmp = Path(tmp)
@@ -227,11 +238,36 @@ def call(device: Device, spec: EngineSpec, request: Request, expect: Expect, pro
                 out.counts = _counts(device, spec, run_dir, tmp, timings, valgrind)
             out.evidence = _evidence(device, spec, program, argv, request_sha, timings, out.counts)
             return out
+    except ContractError as e:  # a crash, a hang, a broken response: kept for replay, with what ran
+        raise failed_call(e, device, spec, program, argv, request, expect, result) from None
     finally:
         try:
             device.run(["rm", "-rf", run_dir], timeout=60)
         except Exception:  # noqa: BLE001 -- cleanup must not hide the run's own error
             pass
+
+
+def keep_request(device: Device, spec: EngineSpec, program: Path, request: Request, expect: Expect, why: str,
+                 said: dict[str, str] | None = None) -> Kept | None:
+    """Keep `request` for replay in the current run's store (testbed.backends.engine.keep); None outside a run."""
+    body, text, _ = request_text(request)
+    return keep({"request.json": text, "request.args": args_text(body)}, request.tokens, request.model_file,
+                request.model_name, asdict(expect), why, said, device=device, spec=spec, program=program)
+
+
+def failed_call(error: ContractError, device: Device, spec: EngineSpec, program: Path, argv: list[str],
+                request: Request, expect: Expect, result) -> ContractError:
+    """`error` again, saying where its request is kept and how to replay it, with the evidence of what ran
+    (the program, its sha256, the command, the request's sha256): a crash leaves as much as a pass does."""
+    said = {"stdout": result.stdout, "stderr": result.stderr} if result is not None else None
+    kept = keep_request(device, spec, program, request, expect, str(error), said)
+    _, _, request_sha = request_text(request)
+    evidence = _evidence(device, spec, program, argv, request_sha, {}, None)
+    evidence.detail |= {"failed": str(error), **({"exit_status": result.returncode} if result is not None else {}),
+                        **(kept.as_dict() if kept else {})}
+    failed = ContractError(f"{error}; {kept.said()}" if kept else str(error))
+    failed.evidence = [evidence.as_dict()]
+    return failed
 
 
 def _read_outputs(device: Device, resp: str, tmp: Path, request: Request, expect: Expect, out: Response) -> None:

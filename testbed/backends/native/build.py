@@ -262,6 +262,12 @@ def _first_line(*argv: str) -> str:
 ARM32_FPU = {False: "neon (VFPv3, no fused multiply-add)", True: "neon-vfpv4 (VFMA.F32)"}
 
 
+def gnu_compiler(target: str) -> str:
+    """The gcc that builds `target` with toolchain gnu (the host's: HOST_CC, default cc)."""
+    return {"arm32": "arm-linux-gnueabihf-gcc", "aarch64": "aarch64-linux-gnu-gcc"}.get(target,
+                                                                                   os.environ.get("HOST_CC", "cc"))
+
+
 def toolchain_identity(target: str, toolchain: str, fused: bool = False) -> dict:
     """Which compiler builds `target` with `toolchain`: its name, command and version (and arm32's FPU,
     which FUSED chooses). Part of the programs' cache key and of the evidence of every run."""
@@ -282,8 +288,7 @@ def toolchain_identity(target: str, toolchain: str, fused: bool = False) -> dict
             raise ToolMissing("toolchain ndk needs ANDROID_NDK_HOME (the Android NDK's folder)")
         return {"toolchain": "ndk", "compiler": f"Android NDK clang ({ndk})", "target": target, "libc": "bionic",
                 **arm32}
-    cc = {"arm32": "arm-linux-gnueabihf-gcc", "aarch64": "aarch64-linux-gnu-gcc"}.get(target,
-                                                                                    os.environ.get("HOST_CC", "cc"))
+    cc = gnu_compiler(target)
     if target == "hexagon":
         raise BuildError("the hexagon programs build with toolchain zig only (no gcc targets Hexagon)")
     if shutil.which(cc) is None:
@@ -463,7 +468,19 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy2(folder / args.program, out / args.program)
     shutil.copy2(folder / "build.json", out / "build.json")
+    (out / f"{args.program}.d").write_text(depfile(out / args.program, args.target, Path(args.kernels)))
     return 0
+
+
+def depfile(program: Path, target: str, kernels_dir: Path) -> str:
+    """A make-style list of what a build of the programs reads: every file of the kernels tree, this
+    builder and the compiler. Left beside the program it copies out, so an engine build of it
+    (testbed.backends.engine.build) is reused while they are unchanged."""
+    toolchain = default_toolchain(target)
+    compiler = zig_binary() if toolchain == "zig" else shutil.which(gnu_compiler(target)) if toolchain == "gnu" \
+        else None
+    read = [*tree_files(kernels_dir), Path(__file__).resolve(), *([Path(compiler).resolve()] if compiler else [])]
+    return f"{program}: " + " \\\n ".join(str(p).replace(" ", "\\ ") for p in read) + "\n"
 
 
 if __name__ == "__main__":
