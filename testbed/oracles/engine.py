@@ -87,10 +87,12 @@ def check_continuation(reference: np.ndarray, logits: np.ndarray, fed: list[int]
         diffs.append(diff)
         margins.append(margin_for(np.asarray(got), accepted))
         if not problems and (token not in accepted or not diff <= atol):
-            problems.append(f"continuing from its state.bin (restored in a fresh process), at position "
-                            f"{positions + i} (token {i + 1} of {len(fed)} after the {positions} restored) the "
-                            f"engine gives token {token}, the reference {int(np.argmax(ref))} (accepted {accepted}); "
-                            f"max |logit - reference| {diff:.3g}" + (f" > {atol:g}" if not diff <= atol else ""))
+            where = (f"continuing from its state.bin (restored in a fresh process), at position {positions + i} "
+                     f"(token {i + 1} of {len(fed)} after the {positions} restored)")
+            problems.append(f"{where} the engine gives token {token}, the reference {int(np.argmax(ref))} (accepted "
+                            f"{accepted}); max |logit - reference| {diff:.3g}" if token not in accepted else
+                            f"{where} the logits differ from the reference's by {diff:.3g} > {atol:g} (token {token} "
+                            "as the reference's)")
     metrics = {"restored_positions": positions, "fed": [int(t) for t in fed], "tokens": tokens,
                "tokens_ref": [int(np.argmax(r)) for r in reference], "max_abs_diff": max(diffs) if diffs else None,
                "max_abs_diff_per_token": diffs, "atol": atol}
