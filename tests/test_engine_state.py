@@ -52,7 +52,8 @@ STATE_FAULTS = {
 
 
 def tail_frame(engine: str):
-    outcome = run(["backend=engine", f"engine={engine}", *TAIL_SMALL], experiment="tail")
+    # the state grid of TAIL_SMALL (5 prompts of one window) and one first-token prompt
+    outcome = run(["backend=engine", f"engine={engine}", *TAIL_SMALL, "oracle.around_chunk=[[1,2]]"], experiment="tail")
     return outcome, outcome.frame()
 
 
@@ -92,7 +93,7 @@ def test_a_state_corrupted_where_the_engine_cannot_tell_fails_the_continuation_b
     _, df = tail_frame("k-corrupt")
     content = df[df["oracle"] == "state_continuation"]
     assert (content["verdict"] == "fail").all(), content[["verdict", "detail"]].to_string()
-    assert content["detail"].str.contains("max |logit - reference|", regex=False).all()
+    assert content["detail"].str.contains("logits differ from the reference's by|the engine gives token").all()
 
 
 def test_honest_testbed_c_passes_the_continuation_and_its_agreement_counts(results_dir):

@@ -47,7 +47,10 @@ def check_state_bytes(padded, unpadded, layout: str = "bytes", tolerance: float 
     is the engine agreeing with itself: see judged_with. `diff`: the two states' comparison, when made already."""
     problems = []
     diff = diff or compare(padded.state, unpadded.state, layout, tolerance)
-    if not diff.same:
+    if diff.sizes[0] != diff.sizes[1]:
+        problems.append(f"state.bin holds {diff.sizes[0]} bytes after the padded tail, {diff.sizes[1]} after the "
+                        "unpadded one")
+    elif not diff.same:
         problems.append(diff.says("state.bin after the padded tail", "after the unpadded one"))
     tokens = [int(np.argmax(r.logits[0])) for r in (padded, unpadded)]
     if tokens[0] != tokens[1]:

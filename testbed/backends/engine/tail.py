@@ -68,18 +68,22 @@ class CacheBytes:
     def growth(self, shorter: int, longer: int) -> tuple[int, int]:
         """(least, most) bytes a state may grow by from `shorter` to `longer` positions: at least every global
         layer's new rows (a local layer's cache may be kept at its window's size from the start); at most
-        every layer adding every row, with its bookkeeping."""
+        every layer adding every row, in float32 or the cache dtype's own rows if wider, with its bookkeeping."""
         rows = longer - shorter
-        return (rows * self.row * self.cfg.layer_types.count("global"),
-                rows * self.cfg.layers * (self.row + ROW_OVERHEAD))
+        return rows * self.row * self.cfg.layer_types.count("global"), rows * self.cfg.layers * (self.widest + ROW_OVERHEAD)
+
+    @property
+    def widest(self) -> int:
+        """A row as the widest an engine may store it: float32, or the cache dtype's own rows if wider (int8
+        with small scale groups)."""
+        return max(self.row, CacheBytes(self.cfg, "float32").row)
 
     def ceiling(self, rows: int) -> int:
         """The most a state.bin may hold for a request of `rows` rows (pads included): every global layer
         holding every row, every local one its whole window if that is more (a sliding cache may be kept
         at its window's size), in float32 or the cache dtype's own rows if wider, with bookkeeping and headers."""
-        widest = max(self.row, CacheBytes(self.cfg, "float32").row)
         slots = sum(rows if t == "global" else max(rows, self.cfg.window) for t in self.cfg.layer_types)
-        return slots * (widest + ROW_OVERHEAD) + HEADER_OVERHEAD
+        return slots * (self.widest + ROW_OVERHEAD) + HEADER_OVERHEAD
 
 
 def program(device: Device, spec: specs.EngineSpec) -> Path:
