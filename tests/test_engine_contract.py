@@ -110,17 +110,20 @@ def test_planted_engine_faults_fail_the_oracles(lab, results_dir, fault, failing
     assert failing <= failed, df[["oracle", "verdict", "detail"]].to_string()
 
 
-def wrapper_engine(lab: Path, name: str, damage: str, timeout: float = 300, real: Path | None = None) -> None:
-    """A host engine that runs testbed-c (or the program `real`) for real, then damages its response
-    (python, `damage` given the response folder as `out` and numpy as `np`)."""
+def wrapper_engine(lab: Path, name: str, damage: str, timeout: float = 300, real: Path | None = None,
+                   supports: str = "{techniques: [chunk_prefill]}", more: str = "") -> None:
+    """A host engine that runs testbed-c (or the program `real`) for real, then damages its response (python,
+    `damage` given the response folder as `out`, the request's as `request`, the real program's path as `real`
+    and numpy as `np`); `supports` and `more` (further yaml lines) say what its yaml declares."""
     real = real or kernel_build.build_programs("host") / "tb_model_engine"
     script = lab / f"{name}.py"
     script.write_text(f"#!{sys.executable}\n" + textwrap.dedent(f"""\
         import json, subprocess, sys, time
         from pathlib import Path
         import numpy as np
-        code = subprocess.run([{str(real)!r}, sys.argv[1], sys.argv[2]]).returncode
-        out = Path(sys.argv[2])
+        real = {str(real)!r}
+        code = subprocess.run([real, sys.argv[1], sys.argv[2]]).returncode
+        request, out = Path(sys.argv[1]), Path(sys.argv[2])
         """) + textwrap.dedent(damage) + "\nsys.exit(code)\n")
     script.chmod(0o755)
     (lab / "engines").mkdir(parents=True, exist_ok=True)
@@ -131,11 +134,11 @@ def wrapper_engine(lab: Path, name: str, damage: str, timeout: float = 300, real
           prebuilt: {{host: ../{name}.py}}
         program: {name}.py
         abis: [host]
-        supports: {{techniques: [chunk_prefill]}}
+        supports: {supports}
         invoke: ["{{program}}", "{{request}}", "{{response}}"]
         timeout_s: {timeout}
         counts: process
-        """))
+        """) + textwrap.dedent(more))
 
 
 BAD_RESPONSES = {

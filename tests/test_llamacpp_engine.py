@@ -13,9 +13,13 @@ window and llama.cpp's sliding cache evicts. The oracles:
   rollback            a padded tail (pad rows then removed with llama_memory_seq_rm) leaves the
                       sequence's state bytes (llama_state_seq_get_data) identical to the unpadded
                       path's, f32 and f16 caches, with eviction; the next token equal
+  continuation        (through `testbed run tail`) that state restored with llama_state_seq_set_data in
+                      a fresh process decodes the next tokens as refimpl does, within llama.cpp's
+                      declared tolerance (engines/llamacpp.yaml)
 
 Each oracle is shown failing on a planted fault: the adapter's chunk off by one, a llama.cpp tree whose
-KV cache stores K wrong, a rollback that keeps one pad row.
+KV cache stores K wrong, a rollback that keeps one pad row, an adapter whose state.bin is llama.cpp's
+sequence 1 (empty) or the state from before its last llama_decode.
 
 The requests are written here as the contract says (request.args + request.json + tokens.npy) and run
 through testbed's device transports, so the same adapter bytes run on the host and under qemu-user.
@@ -416,26 +420,70 @@ def test_backend_llamacpp_fails_chunk_prefill_on_qemu_aarch64_with_the_chunk_off
     assert verdicts.loc["logits", "verdict"] == "fail", verdicts[["verdict", "detail"]]
 
 
-def test_backend_llamacpp_tail_rolls_back_byte_identically_through_the_contract(results_dir):
-    """`testbed run tail backend=llamacpp`: testbed writes its seeded model as a GGUF (one per window), the
-    engine grid's padded tails rolled back give the unpadded path's state bytes, sink rows are "not
-    supported" (llama.cpp has none), and the first token agrees with refimpl. llama.cpp's float32 logits
-    sit ~1.1e-3 from the float64-free reference at every shape tried (ggml's float16-table GELU), above the
-    1e-3 set for testbed's own engine, hence 3e-3 here."""
+TAIL_SHAPE = ["shape.vocab=256", "shape.hidden=64", "shape.heads=2", "shape.kv_heads=1", "shape.head_dim=32",
+              "shape.mlp=128", "chunk=32", "tail=[0,4,8]", "oracle.grid_windows=[16]"]
+
+
+def run_tail(*overrides) -> "pd.DataFrame":
     from testbed import config, runner
 
     outcome = runner.execute(config.load(["experiment=tail", "device=host", "backend=llamacpp", "mode=oracle",
-                                          "shape.vocab=256", "shape.hidden=64", "shape.heads=2", "shape.kv_heads=1",
-                                          "shape.head_dim=32", "shape.mlp=128", "chunk=32", "tail=[0,4,8]",
-                                          "oracle.grid_sinks=[0,3]", "oracle.grid_windows=[16]",
-                                          "oracle.naive_atol.float32=3e-3"]))
-    df = outcome.frame().query("kind == 'oracle'")
-    state = df[df["oracle"] == "state_bytes"]
-    sinks = state["case"].str.contains("sink=3")
-    assert (state[~sinks]["verdict"] == "pass").all() and len(state[~sinks]) == 5, state[["case", "verdict", "detail"]]
-    assert (state[sinks]["verdict"] == "not supported").all() and "no sink rows" in state[sinks]["detail"].iloc[0]
+                                          *TAIL_SHAPE, *overrides]))
+    return outcome, outcome.frame().query("kind == 'oracle'")
+
+
+def test_backend_llamacpp_tail_rolls_back_and_continues_through_the_contract(results_dir):
+    """`testbed run tail backend=llamacpp`: testbed writes its seeded model as a GGUF (one per window), the
+    engine grid's padded tails rolled back give the unpadded path's state bytes, and each padded state,
+    restored with llama_state_seq_set_data in a fresh process, decodes 4 more tokens as refimpl does; sink rows
+    are "not supported" (llama.cpp has none), and the first token agrees with refimpl. Logits are judged within
+    llama.cpp's declared tolerance (engines/llamacpp.yaml: ggml's measured floor, above testbed-c's 1e-3)."""
+    outcome, df = run_tail("oracle.grid_sinks=[0,3]")
+    for oracle in ("state_bytes", "state_continuation"):
+        state = df[df["oracle"] == oracle]
+        sinks = state["case"].str.contains("sink=3")
+        assert (state[~sinks]["verdict"] == "pass").all() and len(state[~sinks]) == 5, state[["case", "verdict", "detail"]]
+        assert (state[sinks]["verdict"] == "not supported").all() and "no sink rows" in state[sinks]["detail"].iloc[0]
+    continued = df[df["oracle"] == "state_continuation"].iloc[0]
+    assert continued["metrics.atol"] == 3e-3 and "llamacpp.yaml: tolerance.float32" in continued["metrics.atol_from"]
     first = df[df["oracle"] == "first_token"]
     assert len(first) > 0 and (first["verdict"] == "pass").all(), first[["case", "verdict", "detail"]]
+    assert outcome.tally.exit_status() == 0
+
+
+@pytest.mark.parametrize("program, says", [
+    # llama.cpp's sequence 1 holds nothing: restored, the sequence ends before the prompt does
+    ("tb_llama_engine_plant_state_wrong_sequence", "the restored sequence 0 ends at position -1"),
+    # the state from before the tail's llama_decode: it ends at the full chunks
+    ("tb_llama_engine_plant_state_before_last_call", "the restored sequence 0 ends at position"),
+])
+def test_an_adapter_whose_state_is_not_the_prompts_fails_tail(results_dir, tmp_path, monkeypatch, program, says):
+    """Such an adapter agrees with itself (its padded and unpadded states are equally wrong): continued from its
+    state, it fails; its agreement is not judged, never a pass."""
+    monkeypatch.setenv("TESTBED_LAB", str(planted_lab(tmp_path, program)))
+    outcome, df = run_tail("backend=engine", "engine=llamacpp-planted", "oracle.grid_sinks=[0]")
+    continued = df[df["oracle"] == "state_continuation"]
+    assert len(continued) == 5 and (continued["verdict"] == "fail").all(), continued[["case", "verdict", "detail"]]
+    assert continued["detail"].str.contains(says, regex=False).all(), continued["detail"].iloc[0]
+    assert "pass" not in set(df.loc[df["oracle"] == "state_bytes", "verdict"])
+    assert outcome.tally.exit_status() == 1
+
+
+def test_testbed_run_tail_backend_llamacpp_passes_at_its_defaults_and_a_planted_fault_fails(results_dir, tmp_path):
+    """The CLI, every key at its default but mode=oracle (the default shape, suite and grid: ~40 s here): the
+    honest llama.cpp exits 0 within its declared tolerance; the adapter whose chunk is off by one exits 1."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(build.ROOT), "TESTBED_RESULTS": str(results_dir)}
+    honest = subprocess.run([sys.executable, "-m", "testbed", "run", "tail", "backend=llamacpp", "mode=oracle"],
+                            capture_output=True, text=True, env=env)
+    assert honest.returncode == 0, honest.stdout[-3000:] + honest.stderr[-3000:]
+    planted = subprocess.run([sys.executable, "-m", "testbed", "run", "tail", "backend=engine", "engine=llamacpp-planted",
+                              "mode=oracle", *TAIL_SHAPE], capture_output=True, text=True,
+                             env={**env, "TESTBED_LAB": str(planted_lab(tmp_path, "tb_llama_engine_plant_chunk_off_by_one"))})
+    assert planted.returncode == 1, planted.stdout[-3000:] + planted.stderr[-3000:]
+    assert "first_token" in planted.stdout and "fail" in planted.stdout
 
 
 @AARCH64

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "harness.h"
@@ -120,6 +121,52 @@ void tb_request_free(tb_request *req) {
     if (!req) return;
     for (int i = 0; i < req->n; i++) free(req->keys[i]), free(req->values[i]);
     free(req->keys), free(req->values), free(req);
+}
+
+/* --- state_in -------------------------------------------------------------------------------------- */
+
+int tb_state_in_find(const tb_request *req, const char *request_dir, tb_state_in *s) {
+    memset(s, 0, sizeof *s);
+    const char *file = tb_req_str(req, "state_in.file", NULL);
+    if (!file) return 0;
+    /* a plain name inside the request folder: never a path out of it, never a symlink */
+    if (!*file || strchr(file, '/') || !strcmp(file, ".") || !strcmp(file, "..")) {
+        fprintf(stderr, "error: request.args: state_in.file=%s is not a file name in the request folder\n", file);
+        return -1;
+    }
+    long n_tokens = tb_req_int(req, "n_tokens", -1);
+    s->positions = tb_req_int(req, "state_in.positions", -1);
+    if (s->positions < 1 || s->positions >= n_tokens) {
+        fprintf(stderr, "error: request.args: state_in.positions=%ld is outside 1 .. n_tokens - 1 = %ld\n", s->positions,
+                n_tokens - 1);
+        return -1;
+    }
+    int n = snprintf(s->path, sizeof s->path, "%s/%s", request_dir, file);
+    struct stat st;
+    if (n < 0 || (size_t)n >= sizeof s->path || lstat(s->path, &st) != 0 || !S_ISREG(st.st_mode)) {
+        fprintf(stderr, "error: state_in: %s is not a regular file\n", s->path);
+        return -1;
+    }
+    s->bytes = (size_t)st.st_size;
+    return 1;
+}
+
+unsigned char *tb_state_in_read(const tb_state_in *s, size_t max_bytes) {
+    if (s->bytes > max_bytes) {
+        fprintf(stderr, "error: state_in: %s holds %zu bytes, more than this engine's caches hold (%zu)\n", s->path,
+                s->bytes, max_bytes);
+        return NULL;
+    }
+    unsigned char *buf = malloc(s->bytes ? s->bytes : 1);
+    FILE *f = buf ? fopen(s->path, "rb") : NULL;
+    if (!f || fread(buf, 1, s->bytes, f) != s->bytes || fgetc(f) != EOF) {
+        fprintf(stderr, "error: state_in: cannot read %zu bytes of %s\n", s->bytes, s->path);
+        if (f) fclose(f);
+        free(buf);
+        return NULL;
+    }
+    fclose(f);
+    return buf;
 }
 
 /* `s` as a JSON string's contents: quotes, backslashes and control characters escaped. */

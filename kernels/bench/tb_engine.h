@@ -7,7 +7,9 @@
  *                              lists comma-separated (logits_at=850,851); request.json says the same
  *   REQUEST_DIR/tokens.npy     int32 [n_tokens]; the model file it names beside it
  * and pulls RESPONSE_DIR: status.json (tb_respond_ok / tb_respond_refused), logits.npy (npy_save),
- * optionally state.bin and cache/, and timings.json (tb_timings_write).
+ * optionally state.bin (and state_before_last.bin: the state after every call but the last, when the
+ * request says state_before_last=1), cache/, and timings.json (tb_timings_write). A request may carry a
+ * state to restore first (state_in, below).
  *
  * Count marks: tb_call_begin() / tb_call_end() put harness.h's tb_count_begin() / tb_count_end()
  * around one engine call and record it in timings.json's "calls" with "counted": true, so the i-th
@@ -15,6 +17,8 @@
  * engine that never marks is counted as a whole process, and its records say so. */
 #ifndef TB_ENGINE_H
 #define TB_ENGINE_H
+
+#include <stddef.h>
 
 #define TB_ENGINE_CONTRACT 1
 
@@ -30,6 +34,26 @@ const char *tb_req_str(const tb_request *req, const char *key, const char *dflt)
 /* A comma-separated list of integers into out[0..max): the count, or -1 when absent or too long. */
 int tb_req_ints(const tb_request *req, const char *key, long *out, int max);
 void tb_request_free(tb_request *req);
+
+/* state_in: a request may carry a state to restore (only to an engine whose yaml says supports.state_in:
+ * true): a state.bin this engine wrote for an earlier request with the same model and cache settings,
+ * pushed as REQUEST_DIR/<state_in.file>, holding positions 0 .. state_in.positions - 1 (tokens[0:P]). The
+ * engine restores it before its calls, then decodes tokens[P:n_tokens] one token per call at positions
+ * P .. n_tokens - 1 (logits_at lies among them; state=1: state.bin after them).
+ * tb_state_in_find: 0 when the request carries no state_in; 1 when it does (*s: the file's path, its
+ * size, the positions it holds); -1 (a message on stderr) when state_in names no regular file inside
+ * REQUEST_DIR (a path, a symlink) or its positions are not in 1 .. n_tokens - 1. */
+typedef struct {
+    char path[4096];
+    long positions;
+    size_t bytes;
+} tb_state_in;
+
+int tb_state_in_find(const tb_request *req, const char *request_dir, tb_state_in *s);
+/* The whole file in a malloc'd buffer (the caller frees it) when it holds at most max_bytes (what the
+ * engine's caches can hold: a larger one is not a state of them, and is never read); NULL and a message
+ * otherwise. */
+unsigned char *tb_state_in_read(const tb_state_in *s, size_t max_bytes);
 
 /* status.json: {"contract": 1, "status": "ok"} or {"contract": 1, "status": "refused", "reason": ...}.
  * A refusal is what an engine answers to a request it does not support (the harness records "not

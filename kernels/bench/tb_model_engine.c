@@ -14,7 +14,11 @@
  *     appends the last partial chunk's real rows in one call (no pads: the rollback's reference).
  *     logits.npy: the first token's logits (logits_at must be [n_tokens - 1]); state.bin (state=true):
  *     every layer's cache in order, each its k, v, then (int8) k_scale, v_scale, then positions: the
- *     slots' raw bytes, a sliding cache's every slot, a full cache's rows in use.
+ *     slots' raw bytes, a sliding cache's every slot, a full cache's rows in use. The prefill is one
+ *     call ("prefill"), so state_before_last.bin (state_before_last=1) is the empty caches' state.
+ *     With state_in (tb_engine.h): that state.bin restored (same model, cache dtype, group, sink),
+ *     checked to hold positions 0 .. P - 1, then tokens[P:] decoded one per call ("decode"), logits at
+ *     logits_at among them; state_before_last.bin then the state before the last decode.
  * technique=hybrid, a gguf model, or a request outside what the engine holds: refused (status.json).
  * bench={reps, warmup}: the plan run again warmup + reps times from empty caches, the timed calls
  * marked for the instruction counters (without bench, the one run's calls are).
@@ -24,6 +28,7 @@
  * one pad row), TB_FAULT_STATE_NOT_CARRIED (each utterance call starts from empty caches),
  * TB_FAULT_POSITION_AFTER_FIRST_CALL (the utterance's calls after its first get positions one too far). */
 #define _POSIX_C_SOURCE 200809L
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,7 +56,7 @@
 #define ENGINE_NAME "testbed-c"
 #define ENGINE_VERSION "1"
 
-static const char *g_response;
+static const char *g_request, *g_response;
 
 /* A request this engine does not serve: the refusal is its answer (exit 0). */
 static void refuse(const char *fmt, const char *what) {
@@ -177,9 +182,9 @@ static void serve_chunk_prefill(const tb_request *req, plan *p, int threads, lon
     tb_engine_free(e);
 }
 
-static void write_state(const tb_model *m, tb_engine *e) {
+static void write_state(const tb_model *m, tb_engine *e, const char *name) {
     char path[4096];
-    snprintf(path, sizeof path, "%s/state.bin", g_response);
+    snprintf(path, sizeof path, "%s/%s", g_response, name);
     FILE *f = fopen(path, "wb");
     if (!f) die("cannot write %s", path);
     for (int i = 0; i < m->cfg.layers; i++) {
@@ -195,9 +200,104 @@ static void write_state(const tb_model *m, tb_engine *e) {
     if (fclose(f)) die("cannot write %s", path);
 }
 
+/* The slots of state.bin's layout (write_state) in one layer's part: a local layer's every slot, a global
+ * layer's `rows` in use. */
+static int state_slots(const tb_model *m, int layer, const tb_sliding_cache *s, int rows) {
+    return m->cfg.layer_type[layer] == TB_LOCAL ? s->window : rows;
+}
+
+/* state_in: a state.bin of write_state's layout into the engine's (empty) caches. Its size says how many
+ * rows the global layers hold (the local layers' slots are fixed); each cache's held rows are those with
+ * a position (-1: empty slot, all after the held ones). It must hold positions 0 .. P - 1: every global
+ * layer each of them in order, every local layer its newest at P - 1. Anything else is an error: a state
+ * this engine did not write for this model and these caches, or another prompt's. */
+static void restore_state(const tb_model *m, tb_engine *e, const tb_state_in *in) {
+    const tb_model_config *c = &m->cfg;
+    size_t fixed = 0, per_row = 0; /* bytes of the local layers; bytes each row adds over the global layers */
+    int capacity = INT_MAX;
+    for (int i = 0; i < c->layers; i++) {
+        const tb_kv_cache *kv = tb_engine_cache(e, i);
+        for (int part = 0; part < 5; part++) {
+            if (!tb_kv_has_part(kv, part)) continue;
+            const tb_sliding_cache *s = &kv->part[part];
+            if (c->layer_type[i] == TB_LOCAL) fixed += (size_t)s->planes * s->window * s->row_bytes;
+            else per_row += (size_t)s->planes * s->row_bytes;
+        }
+        if (c->layer_type[i] != TB_LOCAL && kv->part[TB_KV_K].window < capacity) capacity = kv->part[TB_KV_K].window;
+    }
+    const size_t most = fixed + (per_row ? per_row * (size_t)capacity : 0);
+    unsigned char *bytes = tb_state_in_read(in, most);
+    if (!bytes) die("state_in: not a state of testbed-c's caches for this request (at most %zu bytes)", most);
+    if (in->bytes < fixed || (per_row ? (in->bytes - fixed) % per_row : in->bytes != fixed))
+        die("state_in: %zu bytes is not a state of these caches (%zu bytes of sliding caches, then %zu per row of "
+            "the full ones)", in->bytes, fixed, per_row);
+    const int rows = per_row ? (int)((in->bytes - fixed) / per_row) : 0;
+    size_t at = 0;
+    for (int i = 0; i < c->layers; i++) {
+        tb_kv_cache *kv = tb_engine_cache(e, i);
+        for (int part = 0; part < 5; part++) {
+            if (!tb_kv_has_part(kv, part)) continue;
+            tb_sliding_cache *s = &kv->part[part];
+            const size_t plane = (size_t)state_slots(m, i, s, rows) * s->row_bytes;
+            for (int q = 0; q < s->planes; q++, at += plane) memcpy(s->rows + (size_t)q * s->window * s->row_bytes, bytes + at, plane);
+        }
+        const tb_sliding_cache *pos = &kv->part[TB_KV_POSITIONS];
+        const int64_t *positions = (const int64_t *)pos->rows;
+        const int slots = state_slots(m, i, pos, rows);
+        int held = 0;
+        while (held < slots && positions[held] != -1) held++;
+        for (int r = held; r < slots; r++)
+            if (positions[r] != -1) die("state_in: layer %d holds a row at position %lld after an empty slot", i, (long long)positions[r]);
+        for (int r = 1; r < held; r++)
+            if (positions[r] <= positions[r - 1]) die("state_in: layer %d's positions do not ascend at slot %d", i, r);
+        if (held < 1 || positions[held - 1] != in->positions - 1 ||
+            (c->layer_type[i] != TB_LOCAL && (held != in->positions || positions[0] != 0)))
+            die("state_in: layer %d holds %d rows, the newest at position %lld; the request says the state holds "
+                "positions 0 .. %ld", i, held, held ? (long long)positions[held - 1] : -1LL, in->positions - 1);
+        for (int part = 0; part < 5; part++) kv->part[part].count = held;
+    }
+    free(bytes);
+}
+
+/* technique=tail with state_in: restore, then decode tokens[P:] one per call, each marked "decode". */
+static void serve_continuation(const tb_request *req, plan *p, const tb_state_in *in, int threads) {
+    const tb_model_config *c = &p->m->cfg;
+    for (int i = 0; i < p->n_at; i++)
+        if (p->at[i] < in->positions) refuse("logits_at=%s: a continued state gives logits of the decoded tokens only",
+                                             tb_req_str(req, "logits_at", ""));
+    const int sink = (int)tb_req_int(req, "cache.sink", 0), window = (int)tb_req_int(req, "cache.window", c->window);
+    if (window != c->window) refuse("cache.window=%s: testbed-c's window is the model's", tb_req_str(req, "cache.window", ""));
+    if (sink >= c->window) refuse("cache.sink=%s must be below the window", tb_req_str(req, "cache.sink", ""));
+    tb_engine_options o = {cache_dtype(tb_req_str(req, "cache.dtype", "float32")), (int)tb_req_int(req, "cache.group", 16),
+                           1, sink, p->n_tokens + 1, 1, threads};
+    if (o.cache_dtype == TB_INT8 && (o.cache_group < 1 || c->head_dim % o.cache_group))
+        refuse("cache.group=%s must divide head_dim", tb_req_str(req, "cache.group", "16"));
+    tb_engine *e;
+    check(tb_engine_create(p->m, &o, &e), "engine");
+    restore_state(p->m, e, in);
+    const int want_state = (int)tb_req_int(req, "state", 0);
+    for (int pos = (int)in->positions; pos < p->n_tokens; pos++) {
+        if (pos == p->n_tokens - 1 && want_state && tb_req_int(req, "state_before_last", 0))
+            write_state(p->m, e, "state_before_last.bin");
+        call(e, p, "decode", pos, 1, 1, 1, pos);
+    }
+    size_t shape[2] = {(size_t)p->n_at, (size_t)c->vocab};
+    npy_save(g_response, "logits", "<f4", 2, shape, p->logits);
+    if (want_state) write_state(p->m, e, "state.bin");
+    tb_engine_free(e);
+}
+
 static void serve_tail(const tb_request *req, plan *p, int threads, long reps, long warmup) {
     const tb_model_config *c = &p->m->cfg;
     if (p->past) refuse("past=%s: testbed-c's tail prefills a prompt from empty caches", tb_req_str(req, "past", ""));
+    tb_state_in in;
+    const int restoring = tb_state_in_find(req, g_request, &in);
+    if (restoring < 0) exit(2);
+    if (restoring) {
+        if (reps) refuse("bench=%s: a continued state is not timed", tb_req_str(req, "bench.reps", ""));
+        serve_continuation(req, p, &in, threads);
+        return;
+    }
     if (p->n_at != 1 || p->at[0] != p->n_tokens - 1)
         refuse("logits_at=%s: testbed-c's tail gives the first token's logits only (n_tokens - 1)",
                tb_req_str(req, "logits_at", ""));
@@ -215,12 +315,14 @@ static void serve_tail(const tb_request *req, plan *p, int threads, long reps, l
     tb_engine *e;
     check(tb_engine_create(p->m, &o, &e), "engine");
     tb_telemetry tel;
+    const int want_state = (int)tb_req_int(req, "state", 0);
+    if (want_state && tb_req_int(req, "state_before_last", 0)) write_state(p->m, e, "state_before_last.bin");
     if (reps == 0) tb_call_begin();
     check(tb_model_prefill(e, p->tokens, p->n_tokens, p->chunk, &policy, p->logits, &tel), "prefill");
     if (reps == 0) tb_call_end("prefill", p->n_tokens);
     size_t shape[2] = {1, (size_t)c->vocab};
     npy_save(g_response, "logits", "<f4", 2, shape, p->logits);
-    if (tb_req_int(req, "state", 0)) write_state(p->m, e);
+    if (want_state) write_state(p->m, e, "state.bin");
     for (long r = -warmup; r < reps; r++) {
         tb_engine_clear(e);
         if (r >= 0) tb_call_begin();
@@ -232,7 +334,7 @@ static void serve_tail(const tb_request *req, plan *p, int threads, long reps, l
 
 int main(int argc, char **argv) {
     if (argc != 3) die("usage: %s REQUEST_DIR RESPONSE_DIR (engine contract v1)", argv[0]);
-    g_response = argv[2];
+    g_request = argv[1], g_response = argv[2];
     tb_request *req = tb_request_load(argv[1]);
     if (!req) return 2;
     const char *technique = tb_req_str(req, "technique", "");

@@ -10,7 +10,10 @@ bench    for each prompt length N (blocks * chunk + each tail of the list, or pr
 oracle   the byte-identical cache grid and the first-token suite (C+2, C+9, 2C-1, 8C-1 by default,
          and C + threshold, C + threshold + 1 for the padding decision); the shortest prompt's logits
          also against the float64 model written out independently (refimpl.naive_gemma, verdict
-         naive, within oracle.naive_atol of the cache dtype).
+         naive, within oracle.naive_atol of the cache dtype). backend=engine: the grid's state.bin
+         padded against unpadded, judged only beside what the state holds (the state restored and
+         continued, or its properties: engine_state_records), and the suite's first token within the
+         engine's declared tolerance (engine_atol).
 fixture  the seed's measured sweep (M4 Pro, gemma-4-e2b-it) as records, so the same table shows it.
 
 backend=refimpl runs the numpy model on the host; backend=native runs the model engine in C
@@ -42,6 +45,7 @@ from testbed.measure import breakeven, emulation, seed as seeds
 from testbed.measure.decisions import MIN_REPS as MIN_DECIDING_REPS
 from testbed.measure.timing import host_clocks, time_interleaved
 from testbed.results import Figure, Record
+from testbed.oracles.numerical import Verdict
 from testbed.oracles.tail import (Engine, check_cache_encoding, check_engine_rollback, check_first_token,
                                   check_padded_rollback, engine_grid, grid, kill_switch, prompt_lengths)
 from testbed.verdicts import Tally
@@ -75,6 +79,8 @@ PARAMS = {
     "oracle.grid_windows": IntList(2, 4096),
     "oracle.grid_sinks": IntList(0, 4096),
     "oracle.grid_chunk": Int(2, 4096),
+    "oracle.continuation": Int(1, 1000),
+    "oracle.engine_tolerance": Choice((True, False)),
     **{f"oracle.naive_atol.{dtype}": Float(0.0) for dtype in sc.STORAGE_DTYPES},
 }
 
@@ -255,44 +261,117 @@ def cache_encoding_records(cfg: DictConfig, ctx, mcfg, w, threshold: int, n: int
                  detail=v.detail, evidence=[judged.evidence.as_dict(), float_run.evidence.as_dict()])
 
 
+def engine_atol(cfg: DictConfig, spec, dtype: str) -> tuple[float, str]:
+    """The logits tolerance an engine under test is judged with for a cache dtype, and where it comes from:
+    the engine's declared precision (its yaml's `tolerance`), unless oracle.engine_tolerance=false or it
+    declares none for that dtype; then oracle.naive_atol."""
+    declared = spec.logits_tolerance(dtype) if cfg.oracle.engine_tolerance else None
+    if declared is None:
+        return float(cfg.oracle.naive_atol[dtype]), f"oracle.naive_atol.{dtype}"
+    measured = f" (measured {spec.tolerance_measured})" if spec.tolerance_measured else ""
+    return declared, f"{spec.path.name}: tolerance.{dtype}{measured}"
+
+
+def engine_state_records(cfg: DictConfig, ctx, mcfg, w, spec, program, base, label: str) -> Iterator[Record]:
+    """The engine grid's prompts (testbed.oracles.tail.engine_grid), each prefilled with its tail padded then
+    its pad rows removed and with the last partial chunk appended unpadded (tail.mode none): state.bin
+    equal (state_bytes), which counts only beside an oracle on what the state holds (judged_with,
+    testbed.oracles.engine): for an engine that restores (supports.state_in) the padded state restored in
+    a fresh engine process that decodes oracle.continuation more tokens, against refimpl's continuation
+    of the same prompt (state_continuation); otherwise the state's properties (state_properties): it
+    differs from the state of the prompt with its last token changed and from the state before the last
+    call, and its size follows the model's K/V rows."""
+    from testbed.backends import NotSupported
+    from testbed.backends.engine import tail as engine_tail
+    from testbed.backends.engine.runner import ContractError
+    from testbed.backends.engine.state import compare
+    from testbed.oracles.engine import (check_continuation, check_state_bytes, check_state_properties,
+                                        continuation_failed, judged_with)
+    from testbed.oracles.tail import greedy_continuation
+
+    content_oracle = "state_continuation" if spec.state_in else "state_properties"
+    cases = engine_grid(cfg.oracle.grid_chunk, tuple(cfg.oracle.grid_windows), tuple(cfg.oracle.grid_sinks),
+                        (cfg.cache.dtype,))
+    shorter: dict[tuple, tuple[int, int]] = {}  # per (window, sink, dtype): the last state's (positions, bytes)
+    for i, case in enumerate(cases):
+        ctx.progress(f"tail engine state {i + 1}/{len(cases)} {case.name}")
+        model = dataclasses.replace(mcfg, window=case.window)
+        tokens = np.random.default_rng([cfg.seed, case.prompt]).integers(0, mcfg.vocab, case.prompt)
+        settings = dataclasses.replace(base, chunk=case.chunk, cache_dtype=case.dtype, sink=case.sink)
+        params = dict(vars(case)) | {"source": label}
+        runs = []
+
+        def prefill(prompt_tokens, mode, **kw):
+            r = engine_tail.prefill(ctx.device, spec, model, w, prompt_tokens, settings, mode, engine_program=program,
+                                    **kw)
+            runs.append(r)
+            return r
+
+        def record(v):
+            evidence = [r.evidence.as_dict() for r in runs if r.evidence]
+            return Record("tail", f"state/{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
+                          params=params, detail=v.detail, evidence=evidence)
+
+        try:
+            padded = prefill(tokens, "padded", state=True, state_before_last=not spec.state_in)
+        except NotSupported as e:
+            for oracle in ("state_bytes", content_oracle):
+                yield record(Verdict.not_judged(oracle, str(e), state="not supported"))
+            continue
+        diff = None  # padded against unpadded: None when the engine refuses the unpadded tail
+        try:
+            unpadded = prefill(tokens, "none", state=True)
+            diff = compare(padded.state, unpadded.state, spec.state_layout, spec.state_tolerance)
+            agreement = check_state_bytes(padded, unpadded, spec.state_layout, spec.state_tolerance, diff)
+        except NotSupported as e:
+            agreement = Verdict.not_judged("state_bytes", str(e), state="not supported")
+        if spec.state_in:
+            reference = Engine(w, model, tp.ChunkGraph(case.chunk), tp.TailPolicy(0),
+                               lambda: tp.model_caches(model, case.dtype, case.sink, cfg.cache.group))
+            fed, expected = greedy_continuation(reference, tokens, cfg.oracle.continuation)
+            atol, atol_from = engine_atol(cfg, spec, case.dtype)
+            try:
+                r = engine_tail.continue_from(ctx.device, spec, model, w, np.r_[tokens, fed], settings, padded.state,
+                                              tokens.size, program)
+                runs.append(r)
+                content = check_continuation(expected, r.logits, fed, tokens.size, atol)
+            except NotSupported as e:
+                content = Verdict.not_judged(content_oracle, str(e), state="not supported")
+            except ContractError as e:  # the engine broke on its own state: the state oracle fails, saying how
+                content = continuation_failed(tokens.size, str(e))
+            content.metrics["atol_from"] = atol_from
+        else:
+            other_tokens = tokens.copy()
+            other_tokens[-1] = (other_tokens[-1] + 1) % mcfg.vocab
+            try:
+                other = prefill(other_tokens, "padded", state=True).state
+            except NotSupported:
+                other = None
+            group = (case.window, case.sink, case.dtype)
+            content = check_state_properties(padded.state, tokens.size,
+                                             engine_tail.CacheBytes(model, case.dtype, cfg.cache.group), diff, other,
+                                             padded.state_before_last, shorter.get(group), spec.state_layout,
+                                             spec.state_tolerance)
+            shorter[group] = (tokens.size, padded.state.size)
+        yield record(content)
+        yield record(judged_with(agreement, content))
+
+
 def engine_oracle_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Record]:
-    """backend=engine: through the contract, the engine grid's prompts with the tail padded then its pad
-    rows removed against the last partial chunk appended unpadded (tail.mode none): state.bin byte for
-    byte and the next token equal (verdict state_bytes); then the suite's prompts, the first token of
-    the padded and the scalar tail against refimpl's engine on the same caches (verdict first_token,
-    logits within oracle.naive_atol of the cache dtype). A refusal is recorded "not supported"."""
+    """backend=engine, through the contract: the state oracles over the engine grid (engine_state_records);
+    then the suite's prompts, the first token of the padded and the scalar tail against refimpl's engine
+    on the same caches (verdict first_token, logits within the engine's declared tolerance or
+    oracle.naive_atol of the cache dtype: engine_atol). A refusal is recorded "not supported"."""
     from testbed.backends import NotSupported
     from testbed.backends.engine import spec as engine_spec, tail as engine_tail
-    from testbed.oracles.engine import check_first_token_agrees, check_state_bytes
+    from testbed.oracles.engine import check_first_token_agrees
 
     spec = engine_spec.load(cfg.engine)
     program = engine_tail.program(ctx.device, spec)
     label = source_label(cfg, ctx.device.profile.name)
     base = engine_settings(cfg, threshold)
-    cases = engine_grid(cfg.oracle.grid_chunk, tuple(cfg.oracle.grid_windows), tuple(cfg.oracle.grid_sinks),
-                        (cfg.cache.dtype,))
-    for i, case in enumerate(cases):
-        ctx.progress(f"tail engine state bytes {i + 1}/{len(cases)} {case.name}")
-        model = dataclasses.replace(mcfg, window=case.window)
-        tokens = np.random.default_rng([cfg.seed, case.prompt]).integers(0, mcfg.vocab, case.prompt)
-        settings = dataclasses.replace(base, chunk=case.chunk, cache_dtype=case.dtype, sink=case.sink)
-        runs = []
-        try:
-            for mode in ("padded", "none"):
-                runs.append(engine_tail.prefill(ctx.device, spec, model, w, tokens, settings, mode,
-                                                engine_program=program))
-            v = check_state_bytes(runs[0], runs[1])
-        except NotSupported as e:
-            v = None
-            detail = str(e)
-        evidence = [r.evidence.as_dict() for r in runs if r.evidence]
-        params = dict(vars(case)) | {"source": label}
-        if v is None:
-            yield Record("tail", f"state/{case.name}", "oracle", "state_bytes", "not supported", None, {},
-                         params=params, detail=detail, evidence=evidence)
-        else:
-            yield Record("tail", f"state/{case.name}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
-                         params=params, detail=v.detail, evidence=evidence)
+    yield from engine_state_records(cfg, ctx, mcfg, w, spec, program, base, label)
+    atol, atol_from = engine_atol(cfg, spec, cfg.cache.dtype)
     for n in suite_lengths(cfg, threshold):
         ctx.progress(f"tail engine first token N={n}")
         tokens = prompt(mcfg, n, cfg.seed)
@@ -310,8 +389,8 @@ def engine_oracle_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iter
             yield Record("tail", f"N={n}/first_token", "oracle", "first_token", "not supported", None, {},
                          params=params, detail=detail, evidence=evidence)
             continue
-        v = check_first_token_agrees(reference.logits, {m: r.logits[0] for m, r in runs.items()},
-                                     float(cfg.oracle.naive_atol[cfg.cache.dtype]))
+        v = check_first_token_agrees(reference.logits, {m: r.logits[0] for m, r in runs.items()}, atol)
+        v.metrics["atol_from"] = atol_from
         yield Record("tail", f"N={n}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin, v.metrics, params=params,
                      detail=v.detail, evidence=evidence)
 

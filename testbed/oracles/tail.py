@@ -195,6 +195,19 @@ class Engine:
         return tp.generate(self.w, self.cfg, state, steps, self.attention, self.ops)
 
 
+def greedy_continuation(engine: Engine, tokens, steps: int) -> tuple[list[int], np.ndarray]:
+    """The reference's continuation of a prompt: its prefill, then `steps` step-graph calls, each fed the
+    previous call's argmax. (The tokens fed, their logits [steps, vocab] at positions n .. n + steps - 1.)"""
+    state = engine.prefill(tokens)
+    logits, position, fed, rows = state.logits, state.position, [], []
+    for _ in range(steps):
+        fed.append(int(np.argmax(logits)))
+        logits = tp.run_rows(engine.w, engine.cfg, state.caches, [fed[-1]], 1, position, engine.attention, engine.ops)
+        rows.append(np.asarray(logits))
+        position += 1
+    return fed, np.stack(rows)
+
+
 def logit_margin(logits: np.ndarray) -> float:
     """Top-1 minus top-2 logit: how far the argmax is from flipping."""
     top = np.sort(np.asarray(logits, np.float64))[-2:]

@@ -1,7 +1,8 @@
 """testbed's own C engine through engine contract v1 (engines/testbed-c.yaml, kernels/bench/tb_model_engine.c)
 on the selected device (`pytest --device=NAME -m device`): the same bits as backend=native's program
 (tb_model_bench) for the chunk path's logits and every K/V row, pads included, and for the tail's cache
-bytes and first-token logits; the same verdicts from the token oracle; the evidence names the engine,
+bytes and first-token logits, and for the tail continued from a restored state (state_in); the same
+verdicts from the token oracle; the evidence names the engine,
 its yaml's hash, the program's sha256 and machine, and the request's hash. heavy_emulation: the verdicts
 and the int8 cache (the bits of the chunk path and the float32 tail stay in every device session)."""
 
@@ -73,4 +74,26 @@ def test_tail_bytes_equal_native(device, weights, dtype):
     spec = engine_spec.load("testbed-c")
     through = engine_tail.prefill(device, spec, model, weights, tokens, settings, "padded")
     assert np.array_equal(native.prefill.logits, through.logits[0])
-    assert through.state == engine_tail.native_state_bytes(model, native)
+    assert through.state.read_bytes() == engine_tail.native_state_bytes(model, native)
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("int8", marks=pytest.mark.heavy_emulation)])
+def test_a_restored_state_continues_with_the_bits_of_native(device, weights, dtype, tmp_path):
+    """state_in: testbed-c restores the state backend=native's program leaves after the prompt without its last
+    3 tokens (its tail scalar: decode steps) and decodes those 3 one per call. Its last logits and its state.bin
+    after them equal, bit for bit, backend=native's scalar prefill of the whole prompt, whose tail is the same
+    decode steps: the restore loses nothing and the engine continues as if it had never stopped."""
+    from testbed.backends.engine.state import StateFile
+
+    model = dataclasses.replace(TINY, window=24)
+    tokens = np.random.default_rng(5).integers(0, TINY.vocab, 8 * 3 + 5)
+    settings = native_engine.TailSettings(8, dtype, 16, 2, threshold=0)
+    short = native_engine.tail(device, model, weights, tokens[:-3], settings, kill_switch=True)
+    whole = native_engine.tail(device, model, weights, tokens, settings, kill_switch=True)
+    (tmp_path / "state.bin").write_bytes(engine_tail.native_state_bytes(model, short))
+    spec = engine_spec.load("testbed-c")
+    through = engine_tail.continue_from(device, spec, model, weights, tokens, settings, StateFile(tmp_path / "state.bin"),
+                                        tokens.size - 3, state_out=True)
+    assert [c["name"] for c in through.timings["calls"]] == ["decode"] * 3
+    assert np.array_equal(through.logits[-1], whole.prefill.logits)
+    assert through.state.read_bytes() == engine_tail.native_state_bytes(model, whole)

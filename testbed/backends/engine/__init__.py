@@ -13,7 +13,9 @@ checkpoint, prompt, plan, reference, oracles and instruments; the engine owns on
   runner.call(device, spec, request, expect) -> Response
   keep.*                                             failing calls kept for replay (testbed engine replay)
   gemma.backend(...)                                 experiment chunk_prefill (the GemmaRunner interface)
-  tail.*                                             experiment tail (state bytes, first token, TTFT)
+  tail.*                                             experiment tail (state bytes, first token, TTFT; a
+                                                     state restored and continued: tail.continue_from)
+  state.StateFile, state.compare                     a pulled state.bin, compared in bounded memory
 
 A refusal (status "refused") is a Response the experiments record as "not supported", never a pass; a
 broken response is a ContractError (exit 4) naming the file and the value.

@@ -4,9 +4,11 @@ The request folder (request.json, request.args, tokens.npy, and the model file a
 pushed once per content) is pushed to runs/ID/request; the engine runs in runs/ID as
 `invoke` says, writes runs/ID/response; everything it must write is pulled and checked before an
 oracle sees it: status.json's version and status, logits.npy's dtype, shape and finiteness,
-state.bin when asked, cache/ when present, timings.json. Whatever is wrong is a ContractError (exit 4)
-naming the file and the value; a refusal is a Response with status "refused" (the experiments record
-it as "not supported").
+state.bin when asked (pulled to a file and kept there, testbed.backends.engine.state, never larger than
+the model's caches can hold), cache/ when present, timings.json. Whatever is wrong is a ContractError
+(exit 4) naming the file and the value; a refusal is a Response with status "refused" (the experiments
+record it as "not supported"). A request may carry a state to restore (state_in: a state.bin the same
+engine gave earlier, pushed as request/state_in.bin), only to an engine whose yaml says supports.state_in.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ import numpy as np
 from testbed.backends import Evidence
 from testbed.backends.engine.keep import Kept, keep
 from testbed.backends.engine.spec import CONTRACT_VERSION, EngineSpec
+from testbed.backends.engine.state import StateFile
 from testbed.backends.native.device import check_machine, program_digest, program_identity, pull_dumps, \
     runner_prefix, stage_folder, stage_program
 from testbed.devices import Device
 from testbed.devices.transport import CommandTimeout, quoted
-from testbed.errors import DeviceError
+from testbed.errors import DeviceError, UsageError
 from testbed.measure import counts as counting
 
 
@@ -59,6 +62,11 @@ class Request:
     bench: dict | None = None
     count: bool = False
     rs_snapshots: int = 0  # recurrent-state snapshots kept for rollback (llama.cpp's n_rs_seq); sent when > 0
+    state_in: Path | None = None   # a state.bin of this engine to restore first (supports.state_in engines only)
+    state_in_positions: int = 0    # the positions it holds: tokens[0:state_in_positions]
+    state_before_last: bool = False  # also ask for state_before_last.bin (the state after every call but the last)
+
+    STATE_IN_FILE = "state_in.bin"
 
     @property
     def model_name(self) -> str:
@@ -72,7 +80,10 @@ class Request:
                 "tokens": "tokens.npy", "n_tokens": int(np.asarray(self.tokens).size), "past": self.past,
                 "chunk": self.chunk, "logits_at": [int(p) for p in self.logits_at], "tail": {"mode": self.tail_mode},
                 "cache": self.cache, "state": self.state, "threads": self.threads, "bench": self.bench,
-                "count": self.count, **({"rs_snapshots": self.rs_snapshots} if self.rs_snapshots else {})}
+                "count": self.count, **({"rs_snapshots": self.rs_snapshots} if self.rs_snapshots else {}),
+                **({"state_in": {"file": self.STATE_IN_FILE, "positions": int(self.state_in_positions)}}
+                   if self.state_in is not None else {}),
+                **({"state_before_last": True} if self.state_before_last else {})}
 
 
 def request_text(request: Request) -> tuple[dict, str, str]:
@@ -109,7 +120,8 @@ class Response:
     status: str                          # "ok" | "refused"
     reason: str = ""
     logits: np.ndarray | None = None     # [len(logits_at), vocab] float32
-    state: bytes | None = None
+    state: StateFile | None = None       # response/state.bin when asked
+    state_before_last: StateFile | None = None  # response/state_before_last.bin, when asked and written
     cache_k: list[np.ndarray] | None = None  # per layer [kv_heads, rows, head_dim]
     cache_v: list[np.ndarray] | None = None
     timings: dict = field(default_factory=dict)
@@ -133,6 +145,7 @@ class Expect:
     layers: int | None = None
     kv_heads: int | None = None
     head_dim: int | None = None
+    state_max_bytes: int | None = None  # the most a state.bin can hold for this model and request (bigger: refused)
 
 
 def _load_npy(path: Path, shown: str) -> np.ndarray:
@@ -190,6 +203,9 @@ def call(device: Device, spec: EngineSpec, request: Request, expect: Expect, pro
          measured: bool = False) -> Response:
     """Run one request on `device` with the engine's `program` (build.program_for); the validated Response."""
     check_machine(device, program)
+    if request.state_in is not None and not spec.state_in:
+        raise UsageError(f"engine {spec.name} does not restore a state ({spec.path}: supports.state_in is not true); "
+                         "no request carries it one")
     body, text, request_sha = request_text(request)
     run_dir = f"runs/{secrets.token_hex(6)}"
     argv, result = [], None  # what ran and what it said: a failing call's evidence
@@ -207,6 +223,8 @@ def call(device: Device, spec: EngineSpec, request: Request, expect: Expect, pro
             np.save(tmp / "tokens.npy", np.ascontiguousarray(np.asarray(request.tokens, np.int32)))
             for name in ("request.json", "request.args", "tokens.npy"):
                 device.push(tmp / name, f"{run_dir}/request/{name}")
+            if request.state_in is not None:
+                device.push(Path(request.state_in), f"{run_dir}/request/{request.STATE_IN_FILE}")
             fill = {"program": f"../../{remote_program}", "request": "request", "response": "response"}
             argv = [*runner_prefix(device), *(part.format(**fill) for part in spec.invoke)]
             valgrind = request.count and spec.counts == "marked" and not device.profile.has("counts")
@@ -281,7 +299,9 @@ def _read_outputs(device: Device, resp: str, tmp: Path, request: Request, expect
     _finite(logits, shown)
     out.logits = logits
     if request.state:
-        out.state = _pull(device, f"{resp}/state.bin", tmp / "state.bin", "response/state.bin").read_bytes()
+        out.state = _pull_state(device, resp, "state.bin", tmp, expect)
+    if request.state_before_last and device.transport.remote_digest(f"{resp}/state_before_last.bin") is not None:
+        out.state_before_last = _pull_state(device, resp, "state_before_last.bin", tmp, expect)
     if expect.layers and device.transport.remote_digest(f"{resp}/cache/k_0.npy") is not None:
         out.cache_k, out.cache_v = [], []
         for layer in range(expect.layers):
@@ -302,6 +322,20 @@ def _read_outputs(device: Device, resp: str, tmp: Path, request: Request, expect
                                     "differ in shape")
             out.cache_k.append(pair[0])
             out.cache_v.append(pair[1])
+
+
+def _pull_state(device: Device, resp: str, name: str, tmp: Path, expect: Expect) -> StateFile:
+    """response/NAME pulled to a file of its own (never read whole); one larger than the model's caches can
+    hold (expect.state_max_bytes) is refused before it is pulled."""
+    shown = f"response/{name}"
+    found = device.transport.remote_digest(f"{resp}/{name}")
+    if found is None:
+        raise ContractError(f"{shown} is missing: the engine wrote no such file")
+    if expect.state_max_bytes is not None and found[0] > expect.state_max_bytes:
+        raise ContractError(f"{shown} holds {found[0]} bytes, more than this model's caches can hold for the request "
+                            f"({expect.state_max_bytes} bytes); not pulled")
+    device.pull(f"{resp}/{name}", tmp / name)
+    return StateFile(tmp / name, shown)
 
 
 def _counts(device: Device, spec: EngineSpec, run_dir: str, tmp: Path, timings: dict, valgrind: bool):

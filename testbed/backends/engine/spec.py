@@ -40,6 +40,15 @@ class EngineSpec:
     invoke: tuple[str, ...]
     timeout_s: float
     counts: str                    # "marked": per call (tb_engine.h's marks) | "process": the whole run
+    state_in: bool = False         # restores a request's state_in and continues from it (supports.state_in)
+    state_layout: str = "bytes"    # state.bin compared as: bytes (exactly) | float32 | float16 (as float32 values)
+    state_tolerance: float = 0.0   # max |a - b| between two states of a float layout (0: equal values)
+    tolerance: tuple[tuple[str, float], ...] = ()  # the engine's logits precision per cache dtype (yaml `tolerance`)
+    tolerance_measured: str = ""   # where that precision was measured (yaml tolerance.measured)
+
+    def logits_tolerance(self, cache_dtype: str) -> float | None:
+        """The engine's declared max |logit - reference| for a cache dtype, or None when it declares none."""
+        return dict(self.tolerance).get(cache_dtype)
 
     def identity(self) -> dict:
         return {"engine": self.name, "engine_yaml": str(self.path), "engine_yaml_sha256": self.yaml_sha256}
@@ -86,6 +95,10 @@ def _problem(node: Any, rule: dict, key: str) -> str | None:
         return f"{key}={node!r} is not a number"
     if kind == "number" and "exclusiveMinimum" in rule and not node > rule["exclusiveMinimum"]:
         return f"{key}={node!r}; accepted: a number > {rule['exclusiveMinimum']}"
+    if kind == "number" and "minimum" in rule and not node >= rule["minimum"]:
+        return f"{key}={node!r}; accepted: a number >= {rule['minimum']}"
+    if kind == "boolean" and not isinstance(node, bool):
+        return f"{key}={node!r}; accepted: true, false"
     if kind == "string" and "pattern" in rule:
         import re
 
@@ -147,6 +160,12 @@ def parse(path: Path) -> EngineSpec:
     if "{program}" not in data["invoke"] and not any("{program}" in a for a in data["invoke"]):
         raise UsageError(f"{path}: invoke={data['invoke']!r} never names {{program}}")
     supports = data["supports"]
+    state = data.get("state") or {}
+    layout = state.get("layout", "bytes")
+    if "tolerance" in state and layout == "bytes":
+        raise UsageError(f"{path}: state.tolerance={state['tolerance']!r} needs a state.layout that says how to read "
+                         "state.bin as numbers; accepted: float32, float16 (bytes are compared exactly)")
+    precision = data.get("tolerance") or {}
     return EngineSpec(
         name=data["name"], path=path, yaml_sha256=hashlib.sha256(raw).hexdigest(),
         description=data.get("description", ""), source=source,
@@ -154,5 +173,9 @@ def parse(path: Path) -> EngineSpec:
         program=data["program"], abis=tuple(data["abis"]), techniques=tuple(supports["techniques"]),
         model_formats=tuple(supports.get("model_formats", ["safetensors"])),
         weights=tuple(supports.get("weights", ["f32"])), cache=tuple(supports.get("cache", ["float32"])),
-        invoke=tuple(data["invoke"]), timeout_s=float(data.get("timeout_s", 600)), counts=data.get("counts", "process"))
+        invoke=tuple(data["invoke"]), timeout_s=float(data.get("timeout_s", 600)), counts=data.get("counts", "process"),
+        state_in=bool(supports.get("state_in", False)), state_layout=layout,
+        state_tolerance=float(state.get("tolerance", 0.0)),
+        tolerance=tuple((k, float(v)) for k, v in precision.items() if k != "measured"),
+        tolerance_measured=str(precision.get("measured", "")))
 

@@ -19,7 +19,12 @@
  * The logits rows at logits_at are copied right after the call that covers them (a later call
  * overwrites llama.cpp's output buffer). With state=1 the sequence's bytes from
  * llama_state_seq_get_data are written to state.bin: a padded tail rolled back must give the same
- * bytes as an unpadded one.
+ * bytes as an unpadded one; with state_before_last=1 also state_before_last.bin, the sequence's bytes
+ * right before the plan's last llama_decode.
+ *
+ * state_in (tb_engine.h; engines/llamacpp.yaml says supports.state_in): the state.bin of an earlier
+ * request is restored into sequence 0 with llama_state_seq_set_data, which must leave the sequence's
+ * last position at state_in.positions - 1; then tokens[P:] are decoded one per llama_decode ("decode").
  *
  * Cache: type_k = type_v = cache.dtype (float32 or float16; testbed's int8 rows are not a llama.cpp
  * cache type, so int8 is refused). cache.window 0 keeps every row (swa_full); a window W > 0 must be
@@ -37,7 +42,10 @@
  *                              chunk-boundary slip: row i of the call at `start` gets token start+i-1;
  *                              positions stay right, which llama.cpp checks: a gap or an overlap in
  *                              positions it refuses itself)
- *   TB_PLANT_KEEP_PAD_ROW      the rollback removes the pad rows from the second one on (one kept) */
+ *   TB_PLANT_KEEP_PAD_ROW      the rollback removes the pad rows from the second one on (one kept)
+ *   TB_PLANT_STATE_WRONG_SEQUENCE  state.bin is read from llama.cpp's sequence 1 (which holds nothing)
+ *                              instead of the request's sequence 0
+ *   TB_PLANT_STATE_BEFORE_LAST_CALL  state.bin is the sequence's state from before the last llama_decode */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,6 +64,13 @@
 #ifndef TB_PLANT_KEEP_PAD_ROW
 #define TB_PLANT_KEEP_PAD_ROW 0
 #endif
+#ifndef TB_PLANT_STATE_WRONG_SEQUENCE
+#define TB_PLANT_STATE_WRONG_SEQUENCE 0
+#endif
+#ifndef TB_PLANT_STATE_BEFORE_LAST_CALL
+#define TB_PLANT_STATE_BEFORE_LAST_CALL 0
+#endif
+#define STATE_SEQUENCE (TB_PLANT_STATE_WRONG_SEQUENCE ? 1 : 0) /* the request's sequence is 0 */
 
 #define MAX_LOGITS_AT 4096
 
@@ -84,7 +99,42 @@ typedef struct {
     float *logits;             /* [n_logits_at, n_vocab] */
     struct llama_batch batch;
     char refusal[512];         /* set when llama.cpp refuses a step of the plan */
+    const char *state_dir;     /* the response folder when states are asked (state=1), else NULL */
+    int before_last;           /* state_before_last=1: the state before the last llama_decode too */
 } plan;
+
+/* The sequence's bytes (llama_state_seq_get_data) to RESPONSE_DIR/name. */
+static void save_state(struct llama_context *ctx, const char *response_dir, const char *name) {
+    size_t size = llama_state_seq_get_size(ctx, STATE_SEQUENCE);
+    uint8_t *bytes = malloc(size ? size : 1);
+    if (bytes == NULL) die("out of memory for %zu state bytes", size);
+    size_t got = llama_state_seq_get_data(ctx, bytes, size, STATE_SEQUENCE);
+    if (got != size) die("llama_state_seq_get_data wrote %zu of %zu bytes", got, size);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", response_dir, name);
+    FILE *f = fopen(path, "wb");
+    if (f == NULL || fwrite(bytes, 1, size, f) != size || fclose(f) != 0) die("cannot write %s", path);
+    free(bytes);
+}
+
+/* A GGUF metadata integer of the model's architecture (ARCH.suffix), or dflt. */
+static long meta_long(const struct llama_model *model, const char *suffix, long dflt) {
+    char arch[64], key[160], value[64];
+    if (llama_model_meta_val_str(model, "general.architecture", arch, sizeof arch) < 0) return dflt;
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    if (llama_model_meta_val_str(model, key, value, sizeof value) < 0) return dflt;
+    return strtol(value, NULL, 10);
+}
+
+/* The most a sequence's state can hold in a context of n_ctx cells: every layer's K and V rows of every
+ * cell in float32 (the widest cache type here) with 64 bytes of bookkeeping per cell, at most the model's
+ * own size of recurrent state, and 1 MiB of headers. A larger state_in is no state of this context. */
+static size_t state_bound(const struct llama_model *model, uint32_t n_ctx) {
+    long head = llama_model_n_embd(model) / (llama_model_n_head(model) > 0 ? llama_model_n_head(model) : 1);
+    long k = meta_long(model, "attention.key_length", head), v = meta_long(model, "attention.value_length", head);
+    size_t row = (size_t)llama_model_n_head_kv(model) * (size_t)(k + v) * 4 + 64;
+    return (size_t)llama_model_n_layer(model) * n_ctx * row + 4 * (size_t)llama_model_n_params(model) + ((size_t)1 << 20);
+}
 
 /* The index in logits_at of `pos`, or -1. */
 static int wanted(const plan *p, long pos) {
@@ -107,6 +157,10 @@ static void decode(plan *p, const char *name, long start, long rows, int marked)
         b->logits[i] = pos < p->n_tokens && wanted(p, pos) >= 0;
     }
     b->n_tokens = (int32_t)rows;
+    if (p->state_dir && start + rows >= p->n_tokens) { /* the plan's last call: the state before it */
+        if (p->before_last) save_state(p->ctx, p->state_dir, "state_before_last.bin");
+        if (TB_PLANT_STATE_BEFORE_LAST_CALL) save_state(p->ctx, p->state_dir, "state.bin");
+    }
     if (marked) tb_call_begin();
     int rc = llama_decode(p->ctx, *b);
     if (marked) tb_call_end(name, (int)rows);
@@ -149,6 +203,23 @@ static int run_plan(plan *p, int marked) {
     llama_memory_clear(llama_get_memory(p->ctx), true);
     if (decode_range(p, "past", 0, p->past, "none", marked) != 0) return -1;
     return decode_range(p, "chunk", p->past, p->n_tokens, p->tail, marked);
+}
+
+/* state_in: the state restored into sequence 0, which must then end at position P - 1; tokens[P:] decoded
+ * one per llama_decode. */
+static void continue_from_state(plan *p, const struct llama_model *model, const tb_state_in *in, uint32_t n_ctx) {
+    unsigned char *bytes = tb_state_in_read(in, state_bound(model, n_ctx));
+    if (bytes == NULL) die("state_in: not a state of this context (n_ctx=%u)", n_ctx);
+    llama_memory_clear(llama_get_memory(p->ctx), true);
+    if (llama_state_seq_set_data(p->ctx, bytes, in->bytes, 0) == 0)
+        die("llama_state_seq_set_data could not restore state_in (%zu bytes): %s", in->bytes,
+            last_error[0] ? last_error : "no message");
+    free(bytes);
+    llama_pos last = llama_memory_seq_pos_max(llama_get_memory(p->ctx), 0);
+    if (last != (llama_pos)(in->positions - 1))
+        die("state_in: the restored sequence 0 ends at position %d; the request says it holds positions 0 .. %ld", last,
+            in->positions - 1);
+    for (long pos = in->positions; pos < p->n_tokens; pos++) decode(p, "decode", pos, 1, 1);
 }
 
 static int refuse(const char *response_dir, const char *reason) {
@@ -196,6 +267,12 @@ int main(int argc, char **argv) {
     else if (strcmp(dtype, "float16") == 0) cache_type = GGML_TYPE_F16;
     else return refuse(response_dir, "llama.cpp's K/V cache types here are float32 and float16 (testbed's int8 rows are not a llama.cpp cache type)");
     if (sink > 0) return refuse(response_dir, "llama.cpp's sliding-window cache has no sink rows (cache.sink must be 0)");
+    tb_state_in in;
+    int restoring = tb_state_in_find(req, request_dir, &in);
+    if (restoring < 0) return 2;
+    if (restoring && (reps > 0 || warmup > 0)) return refuse(response_dir, "a restored state (state_in) is not timed (bench)");
+    for (int i = 0; restoring && i < n_logits_at; i++)
+        if (logits_at[i] < in.positions) return refuse(response_dir, "with state_in, logits_at lies among the decoded tokens");
 
     npy_array tokens = npy_load(request_dir, "tokens", "<i4");
     if (tokens.ndim != 1 || (long)tokens.count != n_tokens) die("tokens.npy must be int32 [%ld]", n_tokens);
@@ -247,10 +324,13 @@ int main(int argc, char **argv) {
               .batch = llama_batch_init((int32_t)chunk, 0, 1)};
     p.logits = calloc((size_t)(n_logits_at ? n_logits_at : 1) * (size_t)n_vocab, sizeof(float));
     if (p.logits == NULL) die("out of memory for %d x %d logits", n_logits_at, n_vocab);
+    p.state_dir = want_state ? response_dir : NULL;
+    p.before_last = (int)tb_req_int(req, "state_before_last", 0);
 
-    for (long i = 0; i < warmup; i++)
+    if (restoring) continue_from_state(&p, model, &in, cp.n_ctx);
+    for (long i = 0; !restoring && i < warmup; i++)
         if (run_plan(&p, 0) != 0) return refuse(response_dir, p.refusal);
-    for (long i = 0; i < (reps > 0 ? reps : 1); i++) {
+    for (long i = 0; !restoring && i < (reps > 0 ? reps : 1); i++) {
         double wall = now_seconds(), cpu = cpu_seconds();
         if (run_plan(&p, 1) != 0) return refuse(response_dir, p.refusal);
         /* bench: the whole prefill of this repetition as one more (unmarked) call, last of the repetition:
@@ -260,18 +340,7 @@ int main(int argc, char **argv) {
 
     size_t shape[2] = {(size_t)n_logits_at, (size_t)n_vocab};
     npy_save(response_dir, "logits", "<f4", 2, shape, p.logits);
-    if (want_state) {
-        size_t size = llama_state_seq_get_size(ctx, 0);
-        uint8_t *bytes = malloc(size ? size : 1);
-        if (bytes == NULL) die("out of memory for %zu state bytes", size);
-        size_t got = llama_state_seq_get_data(ctx, bytes, size, 0);
-        if (got != size) die("llama_state_seq_get_data wrote %zu of %zu bytes", got, size);
-        char path[4096];
-        snprintf(path, sizeof path, "%s/state.bin", response_dir);
-        FILE *f = fopen(path, "wb");
-        if (f == NULL || fwrite(bytes, 1, size, f) != size || fclose(f) != 0) die("cannot write %s", path);
-        free(bytes);
-    }
+    if (want_state && !TB_PLANT_STATE_BEFORE_LAST_CALL) save_state(ctx, response_dir, "state.bin");
     char desc[256];
     llama_model_desc(model, desc, sizeof desc);
     char version[512];
