@@ -53,6 +53,7 @@ from testbed.results import Record
 from testbed.verdicts import Tally
 
 PRESETS = {"tiny": gemma.tiny_config, "functiongemma": gemma.functiongemma_config}
+ORACLES = ("token", "logits", "cache", "naive")  # per case (testbed.oracles.tokens.check_token_at_position)
 
 PARAMS = {
     "backend": Choice(tuple(backends.implementing("gemma"))),
@@ -143,13 +144,10 @@ def prompt_length(cfg: DictConfig) -> int:
 
 def validate(cfg: DictConfig) -> None:
     cases(cfg)
-    if cfg.backend == "engine":  # the engine's yaml, and that it serves this technique and weight type
+    if cfg.backend == "engine":  # the engine's yaml (what it serves is recorded by run: engine_refusal)
         from testbed.backends.engine import spec as engine_spec
 
-        spec = engine_spec.load(cfg.get("engine"))
-        if cfg.native.weights not in spec.weights:
-            raise UsageError(f"native.weights={cfg.native.weights}: engine={spec.name} takes {', '.join(spec.weights)} "
-                             f"({spec.path}: supports.weights)")
+        engine_spec.load(cfg.get("engine"))
     if cfg.fused and cfg.backend != "native":
         raise UsageError(f"fused=true chooses the native programs' FMA build; backend={cfg.backend} has none; "
                          "accepted: fused=true with backend=native, or fused=false")
@@ -248,7 +246,7 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
                                                logit_atol=cfg.logit_atol, cache_atol=cfg.cache_atol,
                                                token_text=tokenizer.token_text if tokenizer else None)
         except backends.NotSupported as e:  # an engine's refusal: recorded as such, never a pass
-            for oracle in ("token", "logits", "cache", "naive"):
+            for oracle in ORACLES:
                 yield Record("chunk_prefill", f"{case.name}/{oracle}", "oracle", oracle, "not supported", None, {},
                              params=params, detail=str(e), evidence=backend.evidence.take())
             continue
@@ -351,9 +349,28 @@ def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
                      params=params | {"form": "projection", "utterance_tokens": n}, evidence=evidence)
 
 
+def engine_refusal(cfg: DictConfig, ctx) -> Iterator[Record]:
+    """backend=engine: what the engine's yaml says it does not serve (chunk_prefill, the device's ABI, the
+    weights dtype), recorded "not supported" for every oracle and measurement the run would have made."""
+    from testbed.backends.engine import refusals, spec as engine_spec
+
+    why = refusals.why_not(engine_spec.load(cfg.engine), ctx.device, "chunk_prefill", weights=cfg.native.weights)
+    if why is None:
+        return
+    judged = [(f"{c.name}/{o}", o) for c in cases(cfg) for o in ORACLES] if cfg.mode != "bench" else []
+    if cfg.mode != "oracle":
+        judged.append((f"P={cfg.bench.past},C={cfg.chunk}/bench", "bench"))
+    yield from refusals.records("chunk_prefill", judged, why)
+
+
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     from threadpoolctl import threadpool_limits
 
+    if cfg.backend == "engine":
+        refused = list(engine_refusal(cfg, ctx))
+        if refused:
+            yield from refused
+            return
     with threadpool_limits(limits=cfg.threads):
         model, w, prompt, backend, artifacts = _setup(cfg, ctx)
         bench = user_bench_records if user_artifact(cfg) else bench_records

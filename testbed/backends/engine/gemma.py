@@ -25,7 +25,6 @@ from testbed.backends.engine.runner import Expect, Request, Response, call
 from testbed.backends.native import build as kernel_build
 from testbed.backends.native.engine import model_args
 from testbed.devices import Device
-from testbed.errors import UsageError
 from testbed.results import Figure
 
 
@@ -119,11 +118,10 @@ def backend(w, cfg, run_cfg=None, device: Device | None = None, progress=None) -
     if device is None:
         raise ValueError("an engine runs on a device: pass the connected Device")
     spec = specs.load(option("engine", None))
-    if "chunk_prefill" not in spec.techniques:
-        raise UsageError(f"engine={spec.name} does not support chunk_prefill ({spec.path}: supports.techniques="
-                         f"{list(spec.techniques)})")
     target = kernel_build.target_for_abi(device.profile.abi)
     weights, group = option("native.weights", "f32"), int(option("native.group", 32))
+    if (why := spec.refusal("chunk_prefill", target, weights)) is not None:
+        raise NotSupported(why)
     model_file, model_format = GemmaModel(cfg, w, weights, group, option("model.checkpoint", None)).file_for(spec)
     return EngineRunner(w, cfg, device, spec, build.program_for(spec, target), int(option("threads", 1)),
                         weights, group, count=bool(option("counts", False)), model_file=model_file,

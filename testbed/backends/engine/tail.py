@@ -18,16 +18,15 @@ from testbed.backends.engine.models import GemmaModel
 from testbed.backends.engine.runner import Expect, Request, Response, call
 from testbed.backends.native import build as kernel_build
 from testbed.devices import Device
-from testbed.errors import UsageError
 
 MODES = ("padded", "scalar")
 
 
 def program(device: Device, spec: specs.EngineSpec) -> Path:
-    if "tail" not in spec.techniques:
-        raise UsageError(f"engine={spec.name} does not support tail ({spec.path}: supports.techniques="
-                         f"{list(spec.techniques)})")
-    return build.program_for(spec, kernel_build.target_for_abi(device.profile.abi))
+    target = kernel_build.target_for_abi(device.profile.abi)
+    if (why := spec.refusal("tail", target)) is not None:
+        raise NotSupported(why)
+    return build.program_for(spec, target)
 
 
 def prefill(device: Device, spec: specs.EngineSpec, cfg: gemma.GemmaConfig, w: dict, tokens, settings, mode: str,
