@@ -29,7 +29,8 @@
  *
  * Faults for the tests (defined by a patched copy, never in a build of testbed's): TB_FAULT_CHUNK_OFF_BY_ONE
  * (the utterance's calls get positions one too far), TB_FAULT_PAD_ROW_KEPT (a partial past call keeps
- * one pad row), TB_FAULT_STATE_NOT_CARRIED (each utterance call starts from empty caches). */
+ * one pad row), TB_FAULT_STATE_NOT_CARRIED (each utterance call starts from empty caches; the hybrid's
+ * from an empty past, its conv and recurrent states and KV caches dropped). */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
@@ -275,6 +276,7 @@ static void hybrid_run(hybrid_plan *p, int marked) {
     for (int s = 0; s < p->past; s += C) hybrid_call(p, "past", s, p->past - s < C ? p->past - s : C, C, marked);
     for (int s = p->past; s < p->n_tokens; s += C) {
         const int real = p->n_tokens - s < C ? p->n_tokens - s : C;
+        if (TB_FAULT_STATE_NOT_CARRIED) tb_hybrid_clear(p->e);
         if (real == C || p->mode == 1) hybrid_call(p, real == C ? "chunk" : "tail", s, real, C, marked);
         else if (p->mode == 0) hybrid_call(p, "tail", s, real, real, marked);
         else

@@ -148,6 +148,7 @@ def validate(cfg: DictConfig) -> None:
         from testbed.backends.engine import spec as engine_spec
 
         engine_spec.load(cfg.get("engine"))
+    check_given_gguf(cfg)
     if cfg.fused and cfg.backend != "native":
         raise UsageError(f"fused=true chooses the native programs' FMA build; backend={cfg.backend} has none; "
                          "accepted: fused=true with backend=native, or fused=false")
@@ -180,6 +181,37 @@ def validate(cfg: DictConfig) -> None:
             raise UsageError(f"model.expected_token={expected} pins one token but the cases end at positions "
                              f"{', '.join(map(str, ends))}; accepted: cases that all end at one position")
     run_prompt(cfg, model)
+
+
+def given_gguf(cfg: DictConfig) -> str | None:
+    gguf = OmegaConf.select(cfg, "model.gguf", default=None)
+    return str(project_path(gguf)) if gguf else None
+
+
+def check_given_gguf(cfg: DictConfig) -> None:
+    """model.gguf: a GGUF handed to the engine beside the Hugging Face folder the reference reads."""
+    gguf = given_gguf(cfg)
+    if gguf is None:
+        return
+    if cfg.backend != "engine":
+        raise UsageError(f"model.gguf={cfg.model.gguf} is handed to an engine under test; accepted with backend=engine "
+                         f"(or backend=llamacpp), not backend={cfg.backend}")
+    if not (gguf.endswith(".gguf") and Path(gguf).is_file()):
+        raise UsageError(f"model.gguf={cfg.model.gguf!r} is not accepted; accepted: a .gguf file on this host")
+    if not (cfg.model.checkpoint and (project_path(cfg.model.checkpoint) / "config.json").is_file()):
+        raise UsageError(f"model.gguf={cfg.model.gguf} needs model.checkpoint=DIR, the Hugging Face folder the reference "
+                         "reads and the file is judged against (model.checkpoint=FILE.gguf reads a GGUF alone)")
+
+
+def reference_source(cfg: DictConfig) -> str:
+    """What the reference reads, for the records: a GGUF read alone is judged against itself."""
+    checkpoint = cfg.model.checkpoint
+    if not checkpoint:
+        return f"the seeded {cfg.model.preset} model"
+    if str(checkpoint).endswith(".gguf"):
+        return (f"testbed's reading of {project_path(checkpoint)}, the GGUF the engine reads: a field the file lost is "
+                "lost on both sides (model.checkpoint=DIR model.gguf=FILE judges the file against its folder)")
+    return f"the Hugging Face folder {project_path(checkpoint)} (testbed.models.checkpoints.load_hf_folder)"
 
 
 def user_artifact(cfg: DictConfig) -> str | None:
@@ -222,6 +254,9 @@ def _setup(cfg: DictConfig, ctx):
     prompt = run_prompt(cfg, model)
     artifacts = {"weights_sha256": weights_sha, **prompt.artifacts()}
     backend = backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device, ctx.progress)
+    if cfg.backend == "engine":  # what the engine read, and what the reference read
+        artifacts |= {"model_file": str(backend.model_file), "model_format": backend.model_format,
+                      "reference": reference_source(cfg)}
     if user_artifact(cfg):  # which module and manifest every verdict and figure is about
         artifacts.update(backend.user.record_artifacts())
     if cfg.backend in ("native", "engine") and cfg.native.weights != "f32":
@@ -317,7 +352,7 @@ def ab_engine_calls(cfg: DictConfig) -> list:
 
     model, w, _ = load_model(*_model_key(cfg))
     return ab_calls(w, model, run_prompt(cfg, model).ids, cfg.bench.past, cfg.chunk, cfg.native.weights,
-                    cfg.native.group, cfg.threads, cfg.model.checkpoint)
+                    cfg.native.group, cfg.threads, cfg.model.checkpoint, given_gguf(cfg))
 
 
 def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -> tuple[float, float]:

@@ -122,7 +122,8 @@ def backend(w, cfg, run_cfg=None, device: Device | None = None, progress=None) -
     weights, group = option("native.weights", "f32"), int(option("native.group", 32))
     if (why := spec.refusal("chunk_prefill", target, weights)) is not None:
         raise NotSupported(why)
-    model_file, model_format = GemmaModel(cfg, w, weights, group, option("model.checkpoint", None)).file_for(spec)
+    model_file, model_format = GemmaModel(cfg, w, option("model.checkpoint", None), option("model.gguf", None),
+                                          weights, group).file_for(spec)
     return EngineRunner(w, cfg, device, spec, build.program_for(spec, target), int(option("threads", 1)),
                         weights, group, count=bool(option("counts", False)), model_file=model_file,
                         model_format=model_format)
@@ -160,13 +161,14 @@ class EngineRun:
 
 
 def ab_calls(w: dict, cfg: gemma.GemmaConfig, prompt, past: int, chunk: int, weights: str = "f32",
-             group: int = 32, threads: int = 1, checkpoint: str | None = None) -> list[EngineCall]:
+             group: int = 32, threads: int = 1, checkpoint: str | None = None,
+             gguf: str | None = None) -> list[EngineCall]:
     tokens = np.asarray(prompt, np.int32)[:past + chunk]
     request = Request("chunk_prefill", tokens, None, "safetensors", weights, model_config(cfg, weights, group), past,
                       chunk, [past + chunk - 1], threads=threads, bench={"reps": 1, "warmup": 0})
     return [EngineCall(f"P={past},C={chunk}/chunk_call", request, Expect(cfg.vocab, cfg.layers, cfg.kv_heads,
                                                                          cfg.head_dim),
-                       GemmaModel(cfg, w, weights, group, checkpoint), work={"rows": chunk, "keys": past + chunk})]
+                       GemmaModel(cfg, w, checkpoint, gguf, weights, group), work={"rows": chunk, "keys": past + chunk})]
 
 
 def ab_run(device: Device, spec: specs.EngineSpec, call: EngineCall, program: Path) -> EngineRun:

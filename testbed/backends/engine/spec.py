@@ -58,7 +58,7 @@ class EngineSpec:
         if weights is not None and weights not in self.weights:
             return f"{said} does not take {weights} weights ({self.path}: supports.weights={list(self.weights)})"
         if cache is not None and cache not in self.cache:
-            return f"{said} does not keep a {cache} cache ({self.path}: supports.cache={list(self.cache)})"
+            return f"{said} keeps no {cache} cache ({self.path}: supports.cache={list(self.cache)})"
         return None
 
 

@@ -36,7 +36,7 @@ def prefill(device: Device, spec: specs.EngineSpec, cfg: gemma.GemmaConfig, w: d
     (chunk, cache dtype, group, sink, weights). A refusal raises NotSupported."""
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     # in a format the engine reads (a GGUF or a Hugging Face folder holds the model's window as the cfg says)
-    model, fmt = GemmaModel(cfg, w, settings.weights_dtype, settings.weights_group).file_for(spec)
+    model, fmt = GemmaModel(cfg, w, weights=settings.weights_dtype, group=settings.weights_group).file_for(spec)
     request = Request("tail", tokens, model, fmt, settings.weights_dtype,
                       model_config(cfg, settings.weights_dtype, settings.weights_group), 0, settings.chunk,
                       [tokens.size - 1], mode,
