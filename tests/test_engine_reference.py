@@ -104,3 +104,21 @@ def test_a_gguf_beside_no_folder_is_refused_in_one_line(converted, results_dir):
     _, _, gguf = converted
     with pytest.raises(UsageError, match="model.gguf=.* needs model.checkpoint=DIR"):
         verdicts(f"model.gguf={gguf}")
+
+
+@pytest.mark.slow_build  # tb_llama_logits: libllama linked into one more program
+def test_the_logits_mode_reads_the_folder_too(converted, results_dir):
+    """`testbed run llamacpp mode=logits gguf=FILE checkpoint=DIR`: llama.cpp's logits at every position against
+    refimpl on the folder; without checkpoint=, against testbed's reading of the file, which the record says."""
+    _, folder, gguf = converted
+
+    def logits(*overrides):
+        outcome = runner.execute(config.load(["experiment=llamacpp", "device=host", "mode=logits", f"gguf={gguf}",
+                                              "logits.tokens=24", *overrides]))
+        (record,) = [r for r in outcome.rows if r["kind"] == "oracle"]
+        return record
+
+    against_folder = logits(f"checkpoint={folder}")
+    assert against_folder["verdict"] == "fail" and "load_hf_folder" in against_folder["params"]["reference"]
+    alone = logits()
+    assert alone["verdict"] == "pass" and "judged against itself" in alone["params"]["reference"]
