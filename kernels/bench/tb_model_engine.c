@@ -236,6 +236,23 @@ static void serve_tail(const tb_request *req, plan *p, int threads, long reps, l
     tb_engine_free(e);
 }
 
+/* The harness's arguments of testbed's programs from the request: weights=REQUEST_DIR/MODEL_FILE and
+ * model.config's key=value strings (the shape, as tb_model_bench and tb_hybrid_bench take it); a key outside
+ * `keys` exits naming it. */
+static void model_args(tb_request *req, char **argv, const char *const *keys) {
+    static char weights[4096];
+    const char *const *config = tb_req_model_config(req);
+    int n = 0;
+    while (config[n]) n++;
+    char **args = malloc(sizeof(char *) * (size_t)(n + 5));
+    if (!args) die("out of memory");
+    snprintf(weights, sizeof weights, "weights=%s/%s", argv[1], tb_req_str(req, "model.file", ""));
+    args[0] = argv[0], args[1] = argv[1], args[2] = argv[2], args[3] = weights;
+    for (int i = 0; i < n; i++) args[4 + i] = (char *)config[i];
+    args[4 + n] = NULL;
+    args_init(4 + n, args, "(model.config.* of the request)", keys);
+}
+
 /* --- technique=hybrid: the Qwen3.5-style hybrid (tb_hybrid.h), computed as tb_hybrid_bench computes it --- */
 
 typedef struct {
@@ -307,29 +324,14 @@ static void hybrid_write_state(tb_hybrid_engine *e, const tb_hybrid_config *c, i
     if (fclose(f)) die("cannot write %s", path);
 }
 
-static int serve_hybrid(const tb_request *req, char **argv, int tail_mode) {
+static int serve_hybrid(tb_request *req, char **argv, int tail_mode) {
     static const char *const keys[] = {TB_HYBRID_KEYS, NULL};
-    char *args[32], weights[4096];
-    int n_args = 0;
-    args[n_args++] = argv[0], args[n_args++] = argv[1], args[n_args++] = argv[2];
-    snprintf(weights, sizeof weights, "weights=%s/%s", argv[1], tb_req_str(req, "model.file", ""));
-    args[n_args++] = weights;
-    for (const char *const *k = keys + 1; *k; k++) {
-        char key[64];
-        snprintf(key, sizeof key, "model.config.%s", *k);
-        const char *v = tb_req_str(req, key, NULL);
-        if (!v) continue;
-        size_t len = strlen(*k) + strlen(v) + 2;
-        if (!(args[n_args] = malloc(len))) die("out of memory");
-        snprintf(args[n_args++], len, "%s=%s", *k, v);
-    }
-    args[n_args] = NULL;
     if (strcmp(tb_req_str(req, "cache.dtype", "float32"), "float32"))
         refuse("cache.dtype=%s: testbed-c's hybrid keeps float32 states and caches", tb_req_str(req, "cache.dtype", ""));
     if (tb_req_int(req, "cache.window", 0) || tb_req_int(req, "cache.sink", 0))
         refuse("cache.window=%s: testbed-c's hybrid has no sliding window (its attention layers keep every row)",
                tb_req_str(req, "cache.window", "0"));
-    args_init(n_args, args, "(model.config.* of the request)", keys);
+    model_args(req, argv, keys);
     flush_denormals();
     st_file file;
     tb_hybrid_model *m = malloc(sizeof *m);
@@ -392,23 +394,7 @@ int main(int argc, char **argv) {
 
     /* the model's shape and weights as tb_model_bench takes them: the harness's arguments */
     static const char *const keys[] = {TB_MODEL_KEYS, NULL};
-    char *args[32], weights[4096];
-    int n_args = 0;
-    args[n_args++] = argv[0], args[n_args++] = argv[1], args[n_args++] = argv[2];
-    snprintf(weights, sizeof weights, "weights=%s/%s", argv[1], tb_req_str(req, "model.file", ""));
-    args[n_args++] = weights;
-    for (const char *const *k = keys + 1; *k; k++) {
-        char key[64];
-        snprintf(key, sizeof key, "model.config.%s", *k);
-        const char *v = tb_req_str(req, key, NULL);
-        if (!v) continue;
-        size_t len = strlen(*k) + strlen(v) + 2;
-        args[n_args] = malloc(len);
-        if (!args[n_args]) die("out of memory");
-        snprintf(args[n_args++], len, "%s=%s", *k, v);
-    }
-    args[n_args] = NULL;
-    args_init(n_args, args, "(model.config.* of the request)", keys);
+    model_args(req, argv, keys);
     flush_denormals();
     st_file file;
     tb_model *m = malloc(sizeof *m);
