@@ -380,3 +380,30 @@ def test_an_engine_that_reads_a_hugging_face_folder_is_handed_one(lab, results_d
     df = run(["backend=engine", "engine=hf-reader", *SMALL]).frame()
     assert set(df["verdict"]) == {"not supported"}
     assert df["detail"].str.contains("model/ holds config.json, model.safetensors; gemma3_text").all(), df["detail"][0]
+
+
+def test_the_schemas_request_and_timings_are_what_testbed_sends_and_testbed_c_writes(results_dir, monkeypatch):
+    """engines/contract-v1.schema.json's $defs describe the contract whole: every request testbed makes (the three
+    techniques, through the experiments) validates against $defs.request, whose objects admit no key they do not
+    describe (a key testbed sends undocumented fails here), and testbed-c's timings.json against $defs.timings."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from testbed.backends.engine import gemma as engine_gemma, hybrid as engine_hybrid, tail as engine_tail
+
+    schema = engine_spec.schema()
+    seen = []
+
+    def recording(device, spec, request, expect, program, measured=False):
+        response = engine_runner.call(device, spec, request, expect, program, measured)
+        seen.append((json.loads(json.dumps(request.as_json())), response.timings))
+        return response
+
+    for module in (engine_gemma, engine_hybrid, engine_tail):
+        monkeypatch.setattr(module, "call", recording)
+    run(["backend=engine", "engine=testbed-c", *SMALL])
+    run(["backend=engine", "engine=testbed-c", *TAIL_SMALL, "oracle.around_chunk=[[1,2]]"], experiment="tail")
+    run(["backend=engine", "engine=testbed-c", "mode=oracle", "chunk=16", "oracle.past=[4]", "oracle.tokens=[12]",
+         "oracle.tails=[5]", "oracle.chunks=[16]", "oracle.prompt_tokens=24"], experiment="hybrid")
+    assert {request["technique"] for request, _ in seen} == {"chunk_prefill", "tail", "hybrid"}
+    for request, timings in seen:
+        jsonschema.validate(request, {**schema["$defs"]["request"], "$defs": schema["$defs"]})
+        jsonschema.validate(timings, schema["$defs"]["timings"])
