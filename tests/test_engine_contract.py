@@ -324,6 +324,15 @@ def test_ab_of_two_engines_judges_the_pairs(lab, results_dir):
     assert ab["a"] == "engine:testbed-c" and ab["b"] == "engine:toy"
 
 
+def test_ab_with_an_engine_its_yaml_does_not_build_for_the_device_is_not_supported_exit_7(lab, results_dir):
+    declining_engine(lab, "hostonly", "{techniques: [chunk_prefill]}")
+    p = cli("ab", "engine:testbed-c", "engine:hostonly", "experiment=chunk_prefill", "device=qemu-aarch64",
+            env={"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)})
+    assert p.returncode == 7, p.stderr  # nothing measured, nothing judged: neither "B is worse" nor an error
+    assert "NOT SUPPORTED B (engine:hostonly) engine: engine=hostonly is not built for aarch64" in p.stdout, p.stdout
+    assert "nothing measured" in p.stdout and "B is not worse" not in p.stdout
+
+
 def test_a_build_tool_that_is_missing_exits_3(lab, results_dir):
     path = lab_engine(lab, "notool")
     path.write_text(path.read_text().replace('["cc", ', '["no-such-compiler-tb", '))

@@ -664,9 +664,7 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
 
     parts = {"oracle": oracle_records, "crossover": crossover_records, "tail": tail_records, "drift": drift_records}
     if cfg.backend == "engine":
-        from testbed.backends.engine import spec as engine_spec
-
-        from testbed.backends.engine import refusals
+        from testbed.backends.engine import refusals, spec as engine_spec
 
         spec = engine_spec.load(cfg.get("engine"))
         why = refusals.why_not(spec, ctx.device, "hybrid")

@@ -674,13 +674,19 @@ def _report(args, rc, module, opts, trees, engine) -> int:
             on = " and ".join(f"{side} ({tree.spec})" for side, tree in zip("AB", trees)
                               if any(r["params"].get("ab_side") == side for r in wrong))
             print(f"FAILED: {len(wrong)} oracle record(s) failed on {on}: results changed, whatever the speed")
+        elif declined(rows):
+            print("nothing measured: an engine declines these calls (NOT SUPPORTED above)")
         elif not worse:
             print("B is not worse than A on any call" + (f" judged; not judged: {', '.join(unjudged)}" if unjudged else ""))
-    oracles = [r for r in rows if r["kind"] == "oracle"]
-    if not worse and not wrong and not any(r["kind"] == "measure" for r in rows) and oracles \
-            and Tally.of_records(oracles).judged == 0:
-        return NOTHING_JUDGED  # every side refused: nothing was measured or judged
+    if declined(rows):
+        return NOTHING_JUDGED
     return 1 if worse or wrong else 0
+
+
+def declined(rows: list[dict]) -> bool:
+    """Nothing measured and nothing judged: a side's engine declined the calls (ContractEngines.refusals)."""
+    oracles = [r for r in rows if r["kind"] == "oracle"]
+    return bool(oracles) and not any(r["kind"] == "measure" for r in rows) and Tally.of_records(oracles).judged == 0
 
 
 def _short(revision: str) -> str:
