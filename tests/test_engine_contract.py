@@ -27,8 +27,8 @@ from testbed.backends.native import build as kernel_build
 from testbed.errors import UsageError
 
 SOURCES = ["bench/tb_model_engine.c", "bench/tb_engine.c", "bench/harness.c", "bench/safetensors.c", "bench/model_load.c",
-           "bench/hybrid_load.c", "gdn.c", "attention.c", "sliding_cache.c", "tb_parallel.c", "model.c", "model_cache.c",
-           "model_prefill.c", "hybrid.c", "gemm.c", "gemm_avx2.c", "gemm_avx512.c"]
+           "bench/hybrid_load.c", "gdn.c", "attention.c", "sliding_cache.c", "tb_parallel.c", "model.c",
+           "model_cache.c", "model_prefill.c", "hybrid.c", "gemm.c", "gemm_avx2.c", "gemm_avx512.c"]
 SMALL = ["mode=oracle", "cases=[{past: 5, tokens: 7}]", "chunk=4"]
 TAIL_SMALL = ["mode=oracle", "chunk=8", "tail=[3]", "shape.hidden=64", "shape.layers=2", "shape.heads=2",
               "shape.kv_heads=1", "shape.head_dim=32", "shape.mlp=128", "shape.vocab=256", "shape.window=32",
@@ -128,7 +128,8 @@ def test_the_hybrid_through_a_lab_engine_fails_when_its_state_is_not_carried(lab
     lab_engine(lab, "faulty", ("TB_FAULT_STATE_NOT_CARRIED",))
     df = run(["backend=engine", "engine=faulty", *HYBRID_SMALL], experiment="hybrid").frame()
     failed = set(df.loc[df["verdict"] == "fail", "oracle"])
-    assert {"naive", "chunk_invariance", "first_token"} <= failed, df[["case", "oracle", "verdict", "detail"]].to_string()
+    assert {"naive", "chunk_invariance", "first_token"} <= failed, \
+        df[["case", "oracle", "verdict", "detail"]].to_string()
 
 
 def wrapper_engine(lab: Path, name: str, damage: str, timeout: float = 300) -> None:
@@ -287,8 +288,9 @@ DECLINED = {  # what the engine's yaml says, the run, the reason recorded
                "supports.techniques=['chunk_prefill', 'tail'])"),
     "abi": ("{techniques: [chunk_prefill, tail]}", "[host]", ["tail", *TAIL_SMALL, "device=qemu-aarch64"],
             "is not built for aarch64 (", "abis=['host']); device qemu-aarch64 runs aarch64 programs"),
-    "weights": ("{techniques: [chunk_prefill], weights: [f32]}", "[host]", ["chunk_prefill", *SMALL, "native.weights=int8"],
-                "does not take int8 weights (", "supports.weights=['f32'])"),
+    "weights": ("{techniques: [chunk_prefill], weights: [f32]}", "[host]",
+                ["chunk_prefill", *SMALL, "native.weights=int8"], "does not take int8 weights (",
+                "supports.weights=['f32'])"),
     "cache": ("{techniques: [tail], cache: [float32, float16]}", "[host]", ["tail", *TAIL_SMALL, "cache.dtype=int8"],
               "keeps no int8 cache (", "supports.cache=['float32', 'float16'])"),
 }

@@ -511,7 +511,8 @@ def test_ab_of_testbed_c_and_llamacpp_hands_each_its_own_format_and_gives_a_verd
 
     p = subprocess.run([sys.executable, "-m", "testbed", "ab", "engine:testbed-c", "engine:llamacpp",
                         "experiment=chunk_prefill", "bench.past=16", "chunk=8", "--reps", "6"], capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": str(build.ROOT), "TESTBED_RESULTS": str(results_dir)})
+                       text=True,
+                       env={**os.environ, "PYTHONPATH": str(build.ROOT), "TESTBED_RESULTS": str(results_dir)})
     assert p.returncode in (0, 1) and "Traceback" not in p.stderr, p.stderr
     records = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
     [ab] = [r["metrics"]["ab"] for r in records if r.get("kind") == "measure"]

@@ -199,8 +199,9 @@ def check_given_gguf(cfg: DictConfig) -> None:
     if not (gguf.endswith(".gguf") and Path(gguf).is_file()):
         raise UsageError(f"model.gguf={cfg.model.gguf!r} is not accepted; accepted: a .gguf file on this host")
     if not (cfg.model.checkpoint and (project_path(cfg.model.checkpoint) / "config.json").is_file()):
-        raise UsageError(f"model.gguf={cfg.model.gguf} needs model.checkpoint=DIR, the Hugging Face folder the reference "
-                         "reads and the file is judged against (model.checkpoint=FILE.gguf reads a GGUF alone)")
+        raise UsageError(f"model.gguf={cfg.model.gguf} needs model.checkpoint=DIR, the Hugging Face folder the "
+                         "reference reads and the file is judged against (model.checkpoint=FILE.gguf reads a GGUF "
+                         "alone)")
 
 
 def reference_source(cfg: DictConfig) -> str:

@@ -108,8 +108,8 @@ def validate(cfg: DictConfig) -> None:
             raise UsageError(f"gguf={cfg.gguf!r} is not accepted with mode=logits; accepted: a Gemma 3 or Qwen3.5 GGUF file "
                              "on this host (it is pushed to the device)")
         if cfg.get("checkpoint") and not (Path(str(cfg.checkpoint)) / "config.json").is_file():
-            raise UsageError(f"checkpoint={cfg.checkpoint!r} is not accepted; accepted: the Hugging Face folder the GGUF "
-                             "was made from (config.json and *.safetensors), or empty")
+            raise UsageError(f"checkpoint={cfg.checkpoint!r} is not accepted; accepted: the Hugging Face folder the "
+                             "GGUF was made from (config.json and *.safetensors), or empty")
         if build is False:
             raise UsageError("mode=logits runs testbed's own tb_llama_logits, which is only built from source; "
                              "accepted: llamacpp.build=auto or true")

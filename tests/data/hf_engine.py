@@ -17,10 +17,10 @@ A lab's yaml for it (tests/test_hf_engine.py writes one):
 The plan is the contract's: tokens[0:past] in calls of at most `chunk` rows, then tokens[past:n_tokens] in
 calls of `chunk` rows (the last one as long as it is: tail.mode none), each call continuing transformers'
 cache (DynamicCache: a sliding layer keeps what its window needs) at its positions; logits.npy holds the
-rows at logits_at; bench={reps, warmup} runs the plan again that many times. The cache is not exposed (its sliding layers keep a window, not every row), so testbed's
-cache oracle reads "not supported". Anything else (another technique, a tail mode, a cache dtype but
-float32, a sink, a model format but hf) is refused in its own words. Only the standard library, numpy,
-torch and transformers.
+rows at logits_at; bench={reps, warmup} runs the plan again that many times. The cache is not exposed
+(its sliding layers keep a window, not every row), so testbed's cache oracle reads "not supported".
+Anything else (another technique, a tail mode, a cache dtype but float32, a sink, a model format but hf)
+is refused in its own words. Only the standard library, numpy, torch and transformers.
 """
 
 from __future__ import annotations

@@ -100,8 +100,9 @@ def test_hybrid_bits_equal_native(device, past, tokens, tail):
                                    tail={"none": "exact"}.get(tail, tail))
     spec = engine_spec.load("testbed-c")
     ends = [int(p) for p in native.call_positions]  # every call's last row
-    through = engine_hybrid.prefill(device, spec, engine_hybrid.program(device, spec), HybridModel(HYBRID, w).file_for(spec),
-                                    HYBRID, prompt, past, 16, ends, tail, state=True)
+    model = HybridModel(HYBRID, w).file_for(spec)
+    through = engine_hybrid.prefill(device, spec, engine_hybrid.program(device, spec), model, HYBRID, prompt, past, 16,
+                                    ends, tail, state=True)
     assert np.array_equal(native.call_logits, through.logits)
     assert through.state == state_bytes(native.state) and len(through.state) > 0
     assert through.evidence.as_dict()["ran"] == "tb_model_engine"

@@ -166,9 +166,9 @@ def ab_calls(w: dict, cfg: gemma.GemmaConfig, prompt, past: int, chunk: int, wei
     tokens = np.asarray(prompt, np.int32)[:past + chunk]
     request = Request("chunk_prefill", tokens, None, "safetensors", weights, model_config(cfg, weights, group), past,
                       chunk, [past + chunk - 1], threads=threads, bench={"reps": 1, "warmup": 0})
-    return [EngineCall(f"P={past},C={chunk}/chunk_call", request, Expect(cfg.vocab, cfg.layers, cfg.kv_heads,
-                                                                         cfg.head_dim),
-                       GemmaModel(cfg, w, checkpoint, gguf, weights, group), work={"rows": chunk, "keys": past + chunk})]
+    expect = Expect(cfg.vocab, cfg.layers, cfg.kv_heads, cfg.head_dim)
+    model = GemmaModel(cfg, w, checkpoint, gguf, weights, group)
+    return [EngineCall(f"P={past},C={chunk}/chunk_call", request, expect, model, work={"rows": chunk, "keys": past + chunk})]
 
 
 def ab_run(device: Device, spec: specs.EngineSpec, call: EngineCall, program: Path) -> EngineRun:
