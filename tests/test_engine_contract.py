@@ -27,9 +27,12 @@ from testbed.backends.native import build as kernel_build
 from testbed.errors import UsageError
 
 SOURCES = ["bench/tb_model_engine.c", "bench/tb_engine.c", "bench/harness.c", "bench/safetensors.c", "bench/model_load.c",
-           "gdn.c", "attention.c", "sliding_cache.c", "tb_parallel.c", "model.c", "model_cache.c", "model_prefill.c",
-           "hybrid.c", "gemm.c", "gemm_avx2.c", "gemm_avx512.c"]
+           "bench/hybrid_load.c", "gdn.c", "attention.c", "sliding_cache.c", "tb_parallel.c", "model.c",
+           "model_cache.c", "model_prefill.c", "hybrid.c", "gemm.c", "gemm_avx2.c", "gemm_avx512.c"]
 SMALL = ["mode=oracle", "cases=[{past: 5, tokens: 7}]", "chunk=4"]
+TAIL_SMALL = ["mode=oracle", "chunk=8", "tail=[3]", "shape.hidden=64", "shape.layers=2", "shape.heads=2",
+              "shape.kv_heads=1", "shape.head_dim=32", "shape.mlp=128", "shape.vocab=256", "shape.window=32",
+              "oracle.grid_windows=[16]", "oracle.grid_sinks=[0]"]
 
 
 def lab_engine(lab: Path, name: str, defines: tuple[str, ...] = ()) -> Path:
@@ -51,7 +54,7 @@ def lab_engine(lab: Path, name: str, defines: tuple[str, ...] = ()) -> Path:
         program: tb_model_engine
         abis: [host]
         supports:
-          techniques: [chunk_prefill, tail]
+          techniques: [chunk_prefill, tail, hybrid]
           cache: [float32, float16, int8]
         invoke: ["{{program}}", "{{request}}", "{{response}}"]
         timeout_s: 300
@@ -108,6 +111,25 @@ def test_planted_engine_faults_fail_the_oracles(lab, results_dir, fault, failing
     df = run(["backend=engine", "engine=faulty", *SMALL]).frame()
     failed = set(df.loc[df["verdict"] == "fail", "oracle"])
     assert failing <= failed, df[["oracle", "verdict", "detail"]].to_string()
+
+
+HYBRID_SMALL = ["mode=oracle", "chunk=16", "oracle.past=[20]", "oracle.tokens=[12]", "oracle.tails=[5]",
+                "oracle.chunks=[8,16]", "oracle.prompt_tokens=40"]
+
+
+def test_the_hybrid_through_a_lab_engine_fails_when_its_state_is_not_carried(lab, results_dir):
+    """The hybrid through the contract (a lab's build of testbed-c, the same faulty build as above): honest, every
+    oracle passes; with each utterance call started from an empty past (conv, recurrent state and KV caches
+    dropped), the logits against the float64 model, the first token across C and after a padded tail fail (the
+    token alone can survive: a tiny random model's next token leans on the last token)."""
+    lab_engine(lab, "toy")
+    honest = run(["backend=engine", "engine=toy", *HYBRID_SMALL], experiment="hybrid").frame()
+    assert len(honest) and (honest["verdict"] == "pass").all(), honest[["case", "verdict", "detail"]].to_string()
+    lab_engine(lab, "faulty", ("TB_FAULT_STATE_NOT_CARRIED",))
+    df = run(["backend=engine", "engine=faulty", *HYBRID_SMALL], experiment="hybrid").frame()
+    failed = set(df.loc[df["verdict"] == "fail", "oracle"])
+    assert {"naive", "chunk_invariance", "first_token"} <= failed, \
+        df[["case", "oracle", "verdict", "detail"]].to_string()
 
 
 def wrapper_engine(lab: Path, name: str, damage: str, timeout: float = 300, real: Path | None = None,
@@ -182,8 +204,9 @@ def test_a_refusal_reads_not_supported(lab, results_dir):
     assert df["detail"].str.contains("no past beyond 4 rows").all()
 
 
-def test_testbed_c_refuses_hybrid(results_dir):
-    """testbed's own engine answers a technique it does not serve with a refusal, not a crash."""
+def test_testbed_c_refuses_a_model_format_it_does_not_read(results_dir):
+    """testbed's own engine answers a request it does not serve (a GGUF: it reads its safetensors file) with a
+    refusal in its words, not a crash."""
     from refimpl import gemma
     from testbed import devices
     from testbed.backends.engine import build
@@ -193,10 +216,10 @@ def test_testbed_c_refuses_hybrid(results_dir):
     cfg = gemma.tiny_config()
     spec = engine_spec.load("testbed-c")
     device = devices.connect(load_profile("host"))
-    request = engine_runner.Request("hybrid", np.arange(8), export_weights(cfg, gemma.init_weights(cfg, 0)),
+    request = engine_runner.Request("hybrid", np.arange(8), export_weights(cfg, gemma.init_weights(cfg, 0)), "gguf",
                                     chunk=4, logits_at=[7])
     response = engine_runner.call(device, spec, request, engine_runner.Expect(cfg.vocab), build.program_for(spec, "host"))
-    assert response.refused and "technique=hybrid" in response.reason
+    assert response.refused and "model.format=gguf" in response.reason
 
 
 @pytest.mark.parametrize("text, said_", [
@@ -244,9 +267,52 @@ def test_an_engine_without_a_cache_is_judged_by_its_logits_and_its_cache_is_not_
     assert verdicts == {"token": "pass", "logits": "pass", "cache": "not supported", "naive": "pass"}
 
 
-def test_the_hybrid_through_testbed_c_reads_not_supported(results_dir):
-    df = run(["backend=engine", "engine=testbed-c", "mode=oracle"], experiment="hybrid").frame()
-    assert set(df["verdict"]) == {"not supported"} and df["detail"].str.contains("does not list hybrid").all()
+def declining_engine(lab: Path, name: str, supports: str, abis: str = "[host]") -> None:
+    """A lab's engine whose yaml declines what the case asks: testbed never builds nor runs it (its prebuilt
+    program does not even exist), since its yaml alone says no."""
+    (lab / "engines").mkdir(parents=True, exist_ok=True)
+    (lab / "engines" / f"{name}.yaml").write_text(textwrap.dedent(f"""\
+        name: {name}
+        contract: 1
+        build: {{prebuilt: {{host: ../never-built}}}}
+        program: never-built
+        abis: {abis}
+        supports: {supports}
+        invoke: ["{{program}}", "{{request}}", "{{response}}"]
+        """))
+
+
+DECLINED = {  # what the engine's yaml says, the run, the reason recorded
+    "technique": ("{techniques: [tail]}", "[host]", ["chunk_prefill", *SMALL],
+                  "does not support chunk_prefill (", "supports.techniques=['tail'])"),
+    "tail": ("{techniques: [chunk_prefill]}", "[host]", ["tail", *TAIL_SMALL], "does not support tail (",
+             "supports.techniques=['chunk_prefill'])"),
+    "hybrid": ("{techniques: [chunk_prefill, tail]}", "[host]", ["hybrid", "mode=oracle"], "does not support hybrid (",
+               "supports.techniques=['chunk_prefill', 'tail'])"),
+    "abi": ("{techniques: [chunk_prefill, tail]}", "[host]", ["tail", *TAIL_SMALL, "device=qemu-aarch64"],
+            "is not built for aarch64 (", "abis=['host']); device qemu-aarch64 runs aarch64 programs"),
+    "weights": ("{techniques: [chunk_prefill], weights: [f32]}", "[host]",
+                ["chunk_prefill", *SMALL, "native.weights=int8"], "does not take int8 weights (",
+                "supports.weights=['f32'])"),
+    "cache": ("{techniques: [tail], cache: [float32, float16]}", "[host]", ["tail", *TAIL_SMALL, "cache.dtype=int8"],
+              "keeps no int8 cache (", "supports.cache=['float32', 'float16'])"),
+}
+
+
+@pytest.mark.parametrize("declined", list(DECLINED))
+def test_what_an_engines_yaml_declines_is_not_supported_in_its_words_never_a_usage_or_device_error(lab, results_dir,
+                                                                                                  declined):
+    supports, abis, command, *said_ = DECLINED[declined]
+    declining_engine(lab, "decliner", supports, abis)
+    p = cli("run", *command, "backend=engine", "engine=decliner",
+            env={"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)})
+    assert p.returncode == 7, p.stderr  # nothing judged: neither a failure, a usage error nor a device error
+    records = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    oracles = [r for r in records if r.get("kind") == "oracle"]
+    assert oracles and {r["verdict"] for r in oracles} == {"not supported"}
+    for part in said_:
+        assert all(part in r["detail"] for r in oracles), oracles[0]["detail"]
+    assert all(r["detail"].startswith("engine=decliner ") and "decliner.yaml" in r["detail"] for r in oracles)
 
 
 def test_ab_of_two_engines_judges_the_pairs(lab, results_dir):
@@ -263,6 +329,15 @@ def test_ab_of_two_engines_judges_the_pairs(lab, results_dir):
     assert ab["a"] == "engine:testbed-c" and ab["b"] == "engine:toy"
 
 
+def test_ab_with_an_engine_its_yaml_does_not_build_for_the_device_is_not_supported_exit_7(lab, results_dir):
+    declining_engine(lab, "hostonly", "{techniques: [chunk_prefill]}")
+    p = cli("ab", "engine:testbed-c", "engine:hostonly", "experiment=chunk_prefill", "device=qemu-aarch64",
+            env={"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)})
+    assert p.returncode == 7, p.stderr  # nothing measured, nothing judged: neither "B is worse" nor an error
+    assert "NOT SUPPORTED B (engine:hostonly) engine: engine=hostonly is not built for aarch64" in p.stdout, p.stdout
+    assert "nothing measured" in p.stdout and "B is not worse" not in p.stdout
+
+
 def test_a_build_tool_that_is_missing_exits_3(lab, results_dir):
     path = lab_engine(lab, "notool")
     path.write_text(path.read_text().replace('["cc", ', '["no-such-compiler-tb", '))
@@ -270,10 +345,6 @@ def test_a_build_tool_that_is_missing_exits_3(lab, results_dir):
             env={"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)})
     assert p.returncode == 3 and "'no-such-compiler-tb' is not installed" in p.stderr, p.stderr
 
-
-TAIL_SMALL = ["mode=oracle", "chunk=8", "tail=[3]", "shape.hidden=64", "shape.layers=2", "shape.heads=2",
-              "shape.kv_heads=1", "shape.head_dim=32", "shape.mlp=128", "shape.vocab=256", "shape.window=32",
-              "oracle.grid_windows=[16]", "oracle.grid_sinks=[0]"]
 
 
 def test_a_kept_pad_row_in_the_tail_fails_the_state_bytes_oracle(lab, results_dir):
@@ -323,6 +394,33 @@ def test_an_engine_that_reads_a_hugging_face_folder_is_handed_one(lab, results_d
     df = run(["backend=engine", "engine=hf-reader", *SMALL]).frame()
     assert set(df["verdict"]) == {"not supported"}
     assert df["detail"].str.contains("model/ holds config.json, model.safetensors; gemma3_text").all(), df["detail"][0]
+
+
+def test_the_schemas_request_and_timings_are_what_testbed_sends_and_testbed_c_writes(results_dir, monkeypatch):
+    """engines/contract-v1.schema.json's $defs describe the contract whole: every request testbed makes (the three
+    techniques, through the experiments) validates against $defs.request, whose objects admit no key they do not
+    describe (a key testbed sends undocumented fails here), and testbed-c's timings.json against $defs.timings."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from testbed.backends.engine import gemma as engine_gemma, hybrid as engine_hybrid, tail as engine_tail
+
+    schema = engine_spec.schema()
+    seen = []
+
+    def recording(device, spec, request, expect, program, measured=False):
+        response = engine_runner.call(device, spec, request, expect, program, measured)
+        seen.append((json.loads(json.dumps(request.as_json())), response.timings))
+        return response
+
+    for module in (engine_gemma, engine_hybrid, engine_tail):
+        monkeypatch.setattr(module, "call", recording)
+    run(["backend=engine", "engine=testbed-c", *SMALL])
+    run(["backend=engine", "engine=testbed-c", *TAIL_SMALL, "oracle.around_chunk=[[1,2]]"], experiment="tail")
+    run(["backend=engine", "engine=testbed-c", "mode=oracle", "chunk=16", "oracle.past=[4]", "oracle.tokens=[12]",
+         "oracle.tails=[5]", "oracle.chunks=[16]", "oracle.prompt_tokens=24"], experiment="hybrid")
+    assert {request["technique"] for request, _ in seen} == {"chunk_prefill", "tail", "hybrid"}
+    for request, timings in seen:
+        jsonschema.validate(request, {**schema["$defs"]["request"], "$defs": schema["$defs"]})
+        jsonschema.validate(timings, schema["$defs"]["timings"])
 
 
 # --- where a failure is, and its replay ------------------------------------------------------------

@@ -555,3 +555,22 @@ def test_what_llamacpps_cache_cannot_be_is_refused(gemma3, host):
     assert int8.status["status"] == "refused" and "float32 and float16" in int8.status["reason"]
     window = serve(host, engine("host"), gemma3.gguf, tokens, past=4, chunk=16, logits_at=[19], window=32)
     assert window.status["status"] == "refused" and "n_swa=8" in window.status["reason"]
+
+
+def test_ab_of_testbed_c_and_llamacpp_hands_each_its_own_format_and_gives_a_verdict(results_dir):
+    """`testbed ab engine:testbed-c engine:llamacpp experiment=chunk_prefill`: testbed-c reads its safetensors
+    file, llama.cpp testbed's GGUF of the same seeded model; six pairs interleaved, a verdict, no traceback."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "testbed", "ab", "engine:testbed-c", "engine:llamacpp",
+                        "experiment=chunk_prefill", "bench.past=16", "chunk=8", "--reps", "6"], capture_output=True,
+                       text=True,
+                       env={**os.environ, "PYTHONPATH": str(build.ROOT), "TESTBED_RESULTS": str(results_dir)})
+    assert p.returncode in (0, 1) and "Traceback" not in p.stderr, p.stderr
+    records = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    [ab] = [r["metrics"]["ab"] for r in records if r.get("kind") == "measure"]
+    assert ab["a"] == "engine:testbed-c" and ab["b"] == "engine:llamacpp" and ab["pairs"] == 6
+    assert ab["verdict"] in ("slower", "faster", "no change", "undecided")
+    requests = {e["detail"]["request_sha256"] for r in records if r.get("kind") == "measure" for e in r["evidence"]}
+    assert len(requests) == 2  # two requests: each engine's own model file and format

@@ -14,6 +14,7 @@
 struct tb_request {
     int n;
     char **keys, **values;
+    char **config; /* tb_req_model_config's strings, made on first use */
 };
 
 static char *copy(const char *s, size_t n) {
@@ -117,10 +118,32 @@ int tb_req_ints(const tb_request *req, const char *key, long *out, int max) {
     return n;
 }
 
+const char *const *tb_req_model_config(tb_request *req) {
+    static const char prefix[] = "model.config.";
+    if (req->config) return (const char *const *)req->config;
+    int n = 0;
+    if (!(req->config = calloc((size_t)req->n + 1, sizeof(char *)))) {
+        fputs("error: out of memory reading request.args\n", stderr);
+        exit(2);
+    }
+    for (int i = 0; i < req->n; i++) {
+        if (strncmp(req->keys[i], prefix, sizeof prefix - 1)) continue;
+        const char *key = req->keys[i] + sizeof prefix - 1;
+        size_t len = strlen(key) + strlen(req->values[i]) + 2;
+        if (!(req->config[n] = malloc(len))) {
+            fputs("error: out of memory reading request.args\n", stderr);
+            exit(2);
+        }
+        snprintf(req->config[n++], len, "%s=%s", key, req->values[i]);
+    }
+    return (const char *const *)req->config;
+}
+
 void tb_request_free(tb_request *req) {
     if (!req) return;
     for (int i = 0; i < req->n; i++) free(req->keys[i]), free(req->values[i]);
-    free(req->keys), free(req->values), free(req);
+    for (int i = 0; req->config && req->config[i]; i++) free(req->config[i]);
+    free(req->keys), free(req->values), free(req->config), free(req);
 }
 
 /* --- state_in -------------------------------------------------------------------------------------- */

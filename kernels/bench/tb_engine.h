@@ -33,6 +33,10 @@ long tb_req_int(const tb_request *req, const char *key, long dflt);
 const char *tb_req_str(const tb_request *req, const char *key, const char *dflt);
 /* A comma-separated list of integers into out[0..max): the count, or -1 when absent or too long. */
 int tb_req_ints(const tb_request *req, const char *key, long *out, int max);
+/* model.config as "key=value" strings (model.config.hidden=640 gives "hidden=640"), in request order,
+ * NULL-terminated and owned by the request: the model's shape for an engine whose model file does not carry
+ * it (testbed's safetensors file), as testbed's own programs take it on their command line. */
+const char *const *tb_req_model_config(tb_request *req);
 void tb_request_free(tb_request *req);
 
 /* state_in: a request may carry a state to restore (only to an engine whose yaml says supports.state_in:

@@ -53,6 +53,7 @@ from testbed.results import Record
 from testbed.verdicts import Tally
 
 PRESETS = {"tiny": gemma.tiny_config, "functiongemma": gemma.functiongemma_config}
+ORACLES = ("token", "logits", "cache", "naive")  # per case (testbed.oracles.tokens.check_token_at_position)
 
 PARAMS = {
     "backend": Choice(tuple(backends.implementing("gemma"))),
@@ -143,13 +144,11 @@ def prompt_length(cfg: DictConfig) -> int:
 
 def validate(cfg: DictConfig) -> None:
     cases(cfg)
-    if cfg.backend == "engine":  # the engine's yaml, and that it serves this technique and weight type
+    if cfg.backend == "engine":  # the engine's yaml (what it serves is recorded by run: engine_refusal)
         from testbed.backends.engine import spec as engine_spec
 
-        spec = engine_spec.load(cfg.get("engine"))
-        if cfg.native.weights not in spec.weights:
-            raise UsageError(f"native.weights={cfg.native.weights}: engine={spec.name} takes {', '.join(spec.weights)} "
-                             f"({spec.path}: supports.weights)")
+        engine_spec.load(cfg.get("engine"))
+    check_given_gguf(cfg)
     if cfg.fused and cfg.backend != "native":
         raise UsageError(f"fused=true chooses the native programs' FMA build; backend={cfg.backend} has none; "
                          "accepted: fused=true with backend=native, or fused=false")
@@ -182,6 +181,38 @@ def validate(cfg: DictConfig) -> None:
             raise UsageError(f"model.expected_token={expected} pins one token but the cases end at positions "
                              f"{', '.join(map(str, ends))}; accepted: cases that all end at one position")
     run_prompt(cfg, model)
+
+
+def given_gguf(cfg: DictConfig) -> str | None:
+    gguf = OmegaConf.select(cfg, "model.gguf", default=None)
+    return str(project_path(gguf)) if gguf else None
+
+
+def check_given_gguf(cfg: DictConfig) -> None:
+    """model.gguf: a GGUF handed to the engine beside the Hugging Face folder the reference reads."""
+    gguf = given_gguf(cfg)
+    if gguf is None:
+        return
+    if cfg.backend != "engine":
+        raise UsageError(f"model.gguf={cfg.model.gguf} is handed to an engine under test; accepted with backend=engine "
+                         f"(or backend=llamacpp), not backend={cfg.backend}")
+    if not (gguf.endswith(".gguf") and Path(gguf).is_file()):
+        raise UsageError(f"model.gguf={cfg.model.gguf!r} is not accepted; accepted: a .gguf file on this host")
+    if not (cfg.model.checkpoint and (project_path(cfg.model.checkpoint) / "config.json").is_file()):
+        raise UsageError(f"model.gguf={cfg.model.gguf} needs model.checkpoint=DIR, the Hugging Face folder the "
+                         "reference reads and the file is judged against (model.checkpoint=FILE.gguf reads a GGUF "
+                         "alone)")
+
+
+def reference_source(cfg: DictConfig) -> str:
+    """What the reference reads, for the records: a GGUF read alone is judged against itself."""
+    checkpoint = cfg.model.checkpoint
+    if not checkpoint:
+        return f"the seeded {cfg.model.preset} model"
+    if str(checkpoint).endswith(".gguf"):
+        return (f"testbed's reading of {project_path(checkpoint)}, the GGUF the engine reads: a field the file lost is "
+                "lost on both sides (model.checkpoint=DIR model.gguf=FILE judges the file against its folder)")
+    return f"the Hugging Face folder {project_path(checkpoint)} (testbed.models.checkpoints.load_hf_folder)"
 
 
 def user_artifact(cfg: DictConfig) -> str | None:
@@ -224,6 +255,9 @@ def _setup(cfg: DictConfig, ctx):
     prompt = run_prompt(cfg, model)
     artifacts = {"weights_sha256": weights_sha, **prompt.artifacts()}
     backend = backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device, ctx.progress)
+    if cfg.backend == "engine":  # what the engine read, and what the reference read
+        artifacts |= {"model_file": str(backend.model_file), "model_format": backend.model_format,
+                      "reference": reference_source(cfg)}
     if user_artifact(cfg):  # which module and manifest every verdict and figure is about
         artifacts.update(backend.user.record_artifacts())
     if cfg.backend in ("native", "engine") and cfg.native.weights != "f32":
@@ -248,7 +282,7 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
                                                logit_atol=cfg.logit_atol, cache_atol=cfg.cache_atol,
                                                token_text=tokenizer.token_text if tokenizer else None)
         except backends.NotSupported as e:  # an engine's refusal: recorded as such, never a pass
-            for oracle in ("token", "logits", "cache", "naive"):
+            for oracle in ORACLES:
                 yield Record("chunk_prefill", f"{case.name}/{oracle}", "oracle", oracle, "not supported", None, {},
                              params=params, detail=str(e), evidence=backend.evidence.take())
             continue
@@ -346,7 +380,7 @@ def ab_engine_calls(cfg: DictConfig) -> list:
 
     model, w, _ = load_model(*_model_key(cfg))
     return ab_calls(w, model, run_prompt(cfg, model).ids, cfg.bench.past, cfg.chunk, cfg.native.weights,
-                    cfg.native.group, cfg.threads, cfg.model.checkpoint)
+                    cfg.native.group, cfg.threads, cfg.model.checkpoint, given_gguf(cfg))
 
 
 def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -> tuple[float, float]:
@@ -378,9 +412,28 @@ def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
                      params=params | {"form": "projection", "utterance_tokens": n}, evidence=evidence)
 
 
+def engine_refusal(cfg: DictConfig, ctx) -> Iterator[Record]:
+    """backend=engine: what the engine's yaml says it does not serve (chunk_prefill, the device's ABI, the
+    weights dtype), recorded "not supported" for every oracle and measurement the run would have made."""
+    from testbed.backends.engine import refusals, spec as engine_spec
+
+    why = refusals.why_not(engine_spec.load(cfg.engine), ctx.device, "chunk_prefill", weights=cfg.native.weights)
+    if why is None:
+        return
+    judged = [(f"{c.name}/{o}", o) for c in cases(cfg) for o in ORACLES] if cfg.mode != "bench" else []
+    if cfg.mode != "oracle":
+        judged.append((f"P={cfg.bench.past},C={cfg.chunk}/bench", "bench"))
+    yield from refusals.records("chunk_prefill", judged, why)
+
+
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     from threadpoolctl import threadpool_limits
 
+    if cfg.backend == "engine":
+        refused = list(engine_refusal(cfg, ctx))
+        if refused:
+            yield from refused
+            return
     with threadpool_limits(limits=cfg.threads):
         model, w, prompt, backend, artifacts = _setup(cfg, ctx)
         bench = user_bench_records if user_artifact(cfg) else bench_records

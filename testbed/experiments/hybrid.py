@@ -10,7 +10,8 @@ program tb_hybrid_bench) built for the device's ABI and run ON the device the ru
 included), the states staying there between calls and pulled for the oracles; every record of such a
 run carries the device's evidence. Each in its serial and chunkwise GDN forms. And engine: an engine
 under test through engine contract v1 (`backend=engine engine=llamacpp`: libllama through
-tb_llama_engine), given the GGUF testbed writes of the same model (`model.gguf=auto`, or a file), in
+tb_llama_engine, given the GGUF testbed writes of the same model, `model.gguf=auto`, or a file;
+`engine=testbed-c`: tb_hybrid.h from the safetensors file backend=native reads), in
 mode=oracle (engine_oracle_records): its token at every call boundary and its logits against the
 float64 model; the first token for each C of oracle.chunks (chunk_invariance: the recurrent state
 carried over other call boundaries); and the padded tail rolled back (state_bytes against the
@@ -142,7 +143,8 @@ def load_model(checkpoint: str | None, shape: tuple, seed: int):
 
 
 def oracle_model(cfg: DictConfig):
-    """The oracles' model: the checkpoint, or (backend=engine) the GGUF given, or `shape` with weights from `seed`."""
+    """The oracles' model: the checkpoint (a Hugging Face folder: never the GGUF an engine is handed beside it),
+    or (backend=engine) the GGUF given alone, or `shape` with weights from `seed`."""
     given = cfg.model.checkpoint or (given_gguf(cfg) if cfg.backend == "engine" else None)
     checkpoint = str(project_path(given)) if given else None
     if checkpoint is None:
@@ -156,13 +158,24 @@ def given_gguf(cfg: DictConfig) -> str | None:
     return None if given in (None, "auto") else str(given)
 
 
-def engine_gguf(cfg: DictConfig, model: qwen35.HybridConfig, w: dict):
-    """The GGUF the engine reads: the file given, or the one testbed writes of the oracles' model."""
-    from testbed.models.gguf_files import gguf_for, gguf_of
+def engine_model(cfg: DictConfig, model: qwen35.HybridConfig, w: dict):
+    """The model as engines are handed it (testbed.backends.engine.models): the checkpoint and the GGUF given,
+    or what testbed writes of the oracles' model in the format each engine reads."""
+    from testbed.backends.engine.models import HybridModel
 
+    given = given_gguf(cfg)
+    checkpoint = str(project_path(cfg.model.checkpoint)) if cfg.model.checkpoint else None
+    return HybridModel(model, w, checkpoint, str(project_path(given)) if given else None)
+
+
+def reference_source(cfg: DictConfig) -> str:
+    """Where the oracles' model comes from, for the records: a GGUF read alone is judged against itself."""
+    if cfg.model.checkpoint:
+        return f"the checkpoint {project_path(cfg.model.checkpoint)} as testbed reads it"
     if given_gguf(cfg):
-        return project_path(given_gguf(cfg))
-    return gguf_for(project_path(cfg.model.checkpoint)) if cfg.model.checkpoint else gguf_of(model, w)
+        return (f"testbed's reading of {given_gguf(cfg)}, the GGUF the engine reads: a field the file lost is lost on "
+                "both sides (model.checkpoint=DIR judges the file against its folder)")
+    return "the seeded `shape`"
 
 
 def cases(cfg: DictConfig) -> list[tuple[int, int]]:
@@ -241,8 +254,8 @@ def validate(cfg: DictConfig) -> None:
 
 def validate_engine(cfg: DictConfig) -> None:
     """backend=engine runs the oracles (the engine's own measurements are the contract's bench, not these
-    modes), with a GGUF file where one is named. (An engine that does not serve the hybrid from a GGUF is
-    recorded "not supported" by run.)"""
+    modes), with a GGUF file where one is named. (An engine whose yaml does not serve the hybrid is recorded
+    "not supported" by run.)"""
     from testbed.backends.engine import spec as engine_spec
 
     if cfg.mode != "oracle":
@@ -252,15 +265,15 @@ def validate_engine(cfg: DictConfig) -> None:
     given = given_gguf(cfg)
     if given and not (project_path(given).is_file() and given.endswith(".gguf")):
         raise UsageError(f"model.gguf={given!r} is not accepted; accepted: auto, or a qwen35 .gguf file on this host")
-    if given and cfg.model.checkpoint:
-        raise UsageError(f"model.gguf={given!r} and model.checkpoint={cfg.model.checkpoint!r} are both given; "
-                         f"accepted: one (model.gguf=auto writes the checkpoint's GGUF)")
+    if given and cfg.model.checkpoint and not (project_path(cfg.model.checkpoint) / "config.json").is_file():
+        raise UsageError(f"model.gguf={given!r} with model.checkpoint={cfg.model.checkpoint!r}: the oracles read the "
+                         "checkpoint; accepted: a Hugging Face folder beside a GGUF (the GGUF alone is read itself)")
 
 
 def artifacts(cfg: DictConfig) -> dict:
     """What computed the records (the program's sha256 and build are in each record's evidence)."""
     if cfg.backend == "engine":
-        return {"engine": str(OmegaConf.select(cfg, "engine", default="")), "model_format": "gguf"}
+        return {"engine": str(OmegaConf.select(cfg, "engine", default=""))}
     if cfg.backend == "native":
         from testbed.backends.native import hybrid as engine
 
@@ -351,7 +364,7 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
 
 
 def engine_oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
-    """An engine under test (engine contract v1) on the GGUF of the oracles' model: per case its token at every
+    """An engine under test (engine contract v1) on the oracles' model in its format: per case its token at every
     call boundary and its logits against the float64 model; the first token across oracle.chunks; the
     padded tail rolled back against the unpadded one, byte for byte, or the engine's refusal."""
     from testbed.backends.engine import hybrid as engine, spec as engine_spec
@@ -361,16 +374,17 @@ def engine_oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     model, w, weights_sha = oracle_model(cfg)
     spec = engine_spec.load(cfg.engine)
     program = engine.program(ctx.device, spec)
-    gguf = engine_gguf(cfg, model, w)
+    handed = engine_model(cfg, model, w).file_for(spec)
     prompt = run_prompt(cfg, model.vocab)
     ids = prompt.ids
-    arts = {"weights_sha256": weights_sha, "gguf": str(gguf), "engine": spec.name, **prompt.artifacts(),
+    arts = {"weights_sha256": weights_sha, "model_file": str(handed[0]), "model_format": handed[1],
+            "engine": spec.name, "reference": reference_source(cfg), **prompt.artifacts(),
             **({"checkpoint": str(project_path(cfg.model.checkpoint))} if cfg.model.checkpoint else {})}
     tokenizer = find_tokenizer(cfg.model.checkpoint)
     end = last_position(cfg)
 
     def run(tokens, past, chunk, logits_at, tail="none", state=False, rs_snapshots=0):
-        return engine.prefill(ctx.device, spec, program, gguf, model, tokens, past, chunk, logits_at, tail, state,
+        return engine.prefill(ctx.device, spec, program, handed, model, tokens, past, chunk, logits_at, tail, state,
                               cfg.threads, rs_snapshots)
 
     def record(case, oracle, response_or_verdict, params, evidence):
@@ -650,16 +664,13 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
 
     parts = {"oracle": oracle_records, "crossover": crossover_records, "tail": tail_records, "drift": drift_records}
     if cfg.backend == "engine":
-        from testbed.backends.engine import spec as engine_spec
+        from testbed.backends.engine import refusals, spec as engine_spec
 
         spec = engine_spec.load(cfg.get("engine"))
-        if "hybrid" not in spec.techniques or "gguf" not in spec.model_formats:  # recorded, never a pass
-            why = (f"engine={spec.name} does not list hybrid ({spec.path}: supports.techniques={list(spec.techniques)})"
-                   if "hybrid" not in spec.techniques else f"engine={spec.name} does not read GGUF ({spec.path}: "
-                   f"supports.model_formats={list(spec.model_formats)}); testbed gives the hybrid's engine a GGUF")
-            for part in PARTS[cfg.mode]:
-                yield Record("hybrid", f"{part}/engine", "oracle", part, "not supported", None, {"engine": spec.name},
-                             detail=why)
+        why = refusals.why_not(spec, ctx.device, "hybrid")
+        if why is not None:  # recorded, never a pass
+            yield from refusals.records("hybrid", [(f"{part}/engine", part) for part in PARTS[cfg.mode]], why,
+                                        {"engine": spec.name})
             return
     with threadpool_limits(limits=cfg.threads):
         for part in PARTS[cfg.mode]:

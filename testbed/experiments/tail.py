@@ -124,13 +124,10 @@ def validate(cfg: DictConfig) -> None:
         if len(pair) != 2 or pair[0] * cfg.chunk + pair[1] < 1:
             raise UsageError(f"oracle.around_chunk entry {list(pair)} is not [blocks, offset] with "
                              "blocks * chunk + offset >= 1")
-    if cfg.backend == "engine" and cfg.mode != "fixture":  # the engine's yaml: this technique, this cache dtype
+    if cfg.backend == "engine" and cfg.mode != "fixture":  # the engine's yaml (what it serves: engine_refusal)
         from testbed.backends.engine import spec as engine_spec
 
-        spec = engine_spec.load(cfg.get("engine"))
-        if "tail" not in spec.techniques or cfg.cache.dtype not in spec.cache:
-            raise UsageError(f"engine={spec.name} does not support tail with cache.dtype={cfg.cache.dtype} ({spec.path}: "
-                             f"supports.techniques={list(spec.techniques)}, supports.cache={list(spec.cache)})")
+        engine_spec.load(cfg.get("engine"))
     if cfg.mode == "fixture":
         fixture_path(cfg)
     elif cfg.threshold == "measured":
@@ -567,10 +564,29 @@ def fixture_records(cfg: DictConfig) -> Iterator[Record]:
             )
 
 
+def engine_refusal(cfg: DictConfig, ctx) -> Iterator[Record]:
+    """backend=engine: what the engine's yaml says it does not serve (tail, the device's ABI, the cache dtype),
+    recorded "not supported" for each oracle and the bench the run would have made."""
+    from testbed.backends.engine import refusals, spec as engine_spec
+
+    why = refusals.why_not(engine_spec.load(cfg.engine), ctx.device, "tail", cache=cfg.cache.dtype)
+    if why is None:
+        return
+    judged = [("state_bytes/engine", "state_bytes"), ("first_token/engine", "first_token")] \
+        if cfg.mode in ("oracle", "all") else []
+    judged += [("bench/engine", "bench")] if cfg.mode in ("bench", "all") else []
+    yield from refusals.records("tail", judged, why)
+
+
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     if cfg.mode == "fixture":
         yield from fixture_records(cfg)
         return
+    if cfg.backend == "engine":
+        refused = list(engine_refusal(cfg, ctx))
+        if refused:
+            yield from refused
+            return
     from threadpoolctl import threadpool_limits
 
     threshold = policy_threshold(cfg, ctx.device.profile.name)

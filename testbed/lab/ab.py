@@ -82,7 +82,7 @@ from testbed.measure.counts import CountError
 from testbed.measure.timing import cpu_seconds
 from testbed.report import tables
 from testbed.results import Figure, Record
-from testbed.verdicts import FAILING, LABEL, UNJUDGED, Tally
+from testbed.verdicts import FAILING, LABEL, NOTHING_JUDGED, UNJUDGED, Tally
 
 MAX_REPS = 1000        # pairs per call: at 1000 a small call's job already takes hours on an emulator
 
@@ -233,6 +233,12 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple, opts: Options, engi
     uncounted = "not counted: valgrind missing" if valgrind and not count_here else "not counted"
     if not engine.valgrind_counts:
         count_here, uncounted = False, engine.uncounted
+    # a side whose engine declares it does not serve this (its technique, the device's ABI, the weights dtype)
+    # is recorded "not supported" in its yaml's words, and nothing is measured
+    refused = list(engine.refusals(cfg, device, experiment, trees)) if hasattr(engine, "refusals") else []
+    if refused:
+        yield from refused
+        return
     builds = {}
     for side, tree in zip("AB", trees):
         ctx.progress(f"building {side} ({tree.spec}) for {engine.target(device)}")
@@ -459,6 +465,16 @@ class ContractEngines:
     def calls(self, module, cfg) -> list[Call]:
         return module.ab_engine_calls(cfg)
 
+    def refusals(self, cfg, device, experiment: str, trees):
+        """A "not supported" record for each side whose yaml does not serve the experiment's calls here."""
+        from testbed.backends.engine import refusals
+
+        for side, spec, tree in zip("AB", self.specs, trees):
+            why = refusals.why_not(spec, device, experiment, weights=cfg.get("native", {}).get("weights"))
+            if why is not None:
+                yield from refusals.records(experiment, [(f"ab/{side}/engine", "engine")], why,
+                                            {"ab_side": side, "tree": tree.spec})
+
     def run(self, device, side: str, call: Call, program: Path, count: bool):
         from testbed.backends.engine.gemma import ab_run
 
@@ -496,7 +512,7 @@ def engine_sides(a: str, b: str):
     return trees, specs
 
 
-UNJUDGED = ("not measured", "too few pairs", "undecided")  # a call's overall verdict when nothing judged it
+CALL_UNJUDGED = ("not measured", "too few pairs", "undecided")  # a call's overall verdict when nothing judged it
 
 
 def _overall(verdicts: dict) -> str:
@@ -653,14 +669,24 @@ def _report(args, rc, module, opts, trees, engine) -> int:
                 what.append(f"CPU time x{r['figures']['ab_ratio_cpu']['median']:.3f} (p={ab['p']:.2g})")
             print(f"SLOWER {ab['kernel']} {r['case'].removeprefix('ab/')}: {'; '.join(what)}")
         unjudged = [r["case"].removeprefix("ab/") + f" ({r['metrics']['ab']['verdict']})" for r in rows
-                    if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] in UNJUDGED]
+                    if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] in CALL_UNJUDGED]
         if wrong:
             on = " and ".join(f"{side} ({tree.spec})" for side, tree in zip("AB", trees)
                               if any(r["params"].get("ab_side") == side for r in wrong))
             print(f"FAILED: {len(wrong)} oracle record(s) failed on {on}: results changed, whatever the speed")
+        elif declined(rows):
+            print("nothing measured: an engine declines these calls (NOT SUPPORTED above)")
         elif not worse:
             print("B is not worse than A on any call" + (f" judged; not judged: {', '.join(unjudged)}" if unjudged else ""))
+    if declined(rows):
+        return NOTHING_JUDGED
     return 1 if worse or wrong else 0
+
+
+def declined(rows: list[dict]) -> bool:
+    """Nothing measured and nothing judged: a side's engine declined the calls (ContractEngines.refusals)."""
+    oracles = [r for r in rows if r["kind"] == "oracle"]
+    return bool(oracles) and not any(r["kind"] == "measure" for r in rows) and Tally.of_records(oracles).judged == 0
 
 
 def _short(revision: str) -> str:

@@ -25,7 +25,6 @@ from testbed.backends.engine.runner import Expect, Request, Response, call, keep
 from testbed.backends.native import build as kernel_build
 from testbed.backends.native.engine import model_args
 from testbed.devices import Device
-from testbed.errors import UsageError
 from testbed.results import Figure
 
 
@@ -141,12 +140,12 @@ def backend(w, cfg, run_cfg=None, device: Device | None = None, progress=None) -
     if device is None:
         raise ValueError("an engine runs on a device: pass the connected Device")
     spec = specs.load(option("engine", None))
-    if "chunk_prefill" not in spec.techniques:
-        raise UsageError(f"engine={spec.name} does not support chunk_prefill ({spec.path}: supports.techniques="
-                         f"{list(spec.techniques)})")
     target = kernel_build.target_for_abi(device.profile.abi)
     weights, group = option("native.weights", "f32"), int(option("native.group", 32))
-    model_file, model_format = GemmaModel(cfg, w, weights, group, option("model.checkpoint", None)).file_for(spec)
+    if (why := spec.refusal("chunk_prefill", target, weights)) is not None:
+        raise NotSupported(why)
+    model_file, model_format = GemmaModel(cfg, w, option("model.checkpoint", None), option("model.gguf", None),
+                                          weights, group).file_for(spec)
     return EngineRunner(w, cfg, device, spec, build.program_for(spec, target), int(option("threads", 1)),
                         weights, group, count=bool(option("counts", False)), model_file=model_file,
                         model_format=model_format)
@@ -184,13 +183,14 @@ class EngineRun:
 
 
 def ab_calls(w: dict, cfg: gemma.GemmaConfig, prompt, past: int, chunk: int, weights: str = "f32",
-             group: int = 32, threads: int = 1, checkpoint: str | None = None) -> list[EngineCall]:
+             group: int = 32, threads: int = 1, checkpoint: str | None = None,
+             gguf: str | None = None) -> list[EngineCall]:
     tokens = np.asarray(prompt, np.int32)[:past + chunk]
     request = Request("chunk_prefill", tokens, None, "safetensors", weights, model_config(cfg, weights, group), past,
                       chunk, [past + chunk - 1], threads=threads, bench={"reps": 1, "warmup": 0})
-    return [EngineCall(f"P={past},C={chunk}/chunk_call", request, Expect(cfg.vocab, cfg.layers, cfg.kv_heads,
-                                                                         cfg.head_dim),
-                       GemmaModel(cfg, w, weights, group, checkpoint), work={"rows": chunk, "keys": past + chunk})]
+    expect = Expect(cfg.vocab, cfg.layers, cfg.kv_heads, cfg.head_dim)
+    model = GemmaModel(cfg, w, checkpoint, gguf, weights, group)
+    return [EngineCall(f"P={past},C={chunk}/chunk_call", request, expect, model, work={"rows": chunk, "keys": past + chunk})]
 
 
 def ab_run(device: Device, spec: specs.EngineSpec, call: EngineCall, program: Path) -> EngineRun:

@@ -1,14 +1,37 @@
 """One request/response exchange of engine contract v1 with an engine on a device.
 
-The request folder (request.json, request.args, tokens.npy, and the model file as a link to its copy
-pushed once per content) is pushed to runs/ID/request; the engine runs in runs/ID as
-`invoke` says, writes runs/ID/response; everything it must write is pulled and checked before an
-oracle sees it: status.json's version and status, logits.npy's dtype, shape and finiteness,
-state.bin when asked (pulled to a file and kept there, testbed.backends.engine.state, never larger than
-the model's caches can hold), cache/ when present, timings.json. Whatever is wrong is a ContractError
-(exit 4) naming the file and the value; a refusal is a Response with status "refused" (the experiments
-record it as "not supported"). A request may carry a state to restore (state_in: a state.bin the same
-engine gave earlier, pushed as request/state_in.bin), only to an engine whose yaml says supports.state_in.
+The contract whole (README, "Engine under test"; engines/contract-v1.schema.json, whose $defs describe the
+request and the response files):
+
+  request/   pushed to runs/ID/request on the device
+    request.json   contract 1; technique (chunk_prefill | tail | hybrid); model {format (safetensors | gguf |
+                   hf), file (its name here), weights (f32 | f16 | int8), config (the shape: tb_model_bench's
+                   or tb_hybrid_bench's argument keys)}; tokens (tokens.npy), n_tokens; past P (tokens[0:P] in
+                   calls of at most C rows first); chunk C (the rest in calls of C rows); logits_at (ascending
+                   positions); tail.mode (the last partial call: none | padded: C rows, the pads then removed |
+                   scalar: one row per call); cache {dtype, window (the model's sliding window; 0 none), sink,
+                   group}; state (write state.bin); threads; bench (null | {reps, warmup}: the plan again, the
+                   timed calls marked); count; rs_snapshots (hybrid, optional); state_in (optional: {file,
+                   positions}, a state.bin the same engine gave earlier to restore first, pushed as
+                   request/state_in.bin, only to an engine whose yaml says supports.state_in);
+                   state_before_last (optional: also write state_before_last.bin)
+    request.args   the same flattened: key=value lines, nested keys dotted, lists comma-separated, 1/0, no nulls
+    tokens.npy     int32 [n_tokens]
+    MODEL          a link to the model's copy, pushed once per content (like programs)
+  the engine runs in runs/ID as `invoke` says (relative paths request, response) and exits 0 once it wrote
+  status.json; any other exit, or a hang past timeout_s, is a ContractError
+  response/  everything it must write is pulled and checked before an oracle sees it
+    status.json    {"contract": 1, "status": "ok"} | {"contract": 1, "status": "refused", "reason": ...}
+    logits.npy     float32 [len(logits_at), vocab], finite
+    state.bin      when asked: the sequence's state, the engine's own bytes (pulled to a file and kept there,
+                   testbed.backends.engine.state; never larger than the model's caches can hold)
+    cache/         optional: k_L.npy, v_L.npy float32 [kv_heads, rows, head_dim] per layer, the P + n real rows
+                   in order, then at most C - n_last pad rows (each its pad token alone at its position)
+    timings.json   {"contract": 1, "calls": [{name, rows, wall_s, cpu_s, counted}], "marks": [...],
+                   "device_time", "engine": {name, version, source_hash}}
+
+Whatever is wrong is a ContractError (exit 4) naming the file and the value; a refusal is a Response with
+status "refused" (the experiments record it as "not supported").
 """
 
 from __future__ import annotations

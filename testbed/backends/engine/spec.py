@@ -53,6 +53,23 @@ class EngineSpec:
     def identity(self) -> dict:
         return {"engine": self.name, "engine_yaml": str(self.path), "engine_yaml_sha256": self.yaml_sha256}
 
+    def refusal(self, technique: str, target: str | None = None, weights: str | None = None,
+                cache: str | None = None) -> str | None:
+        """Why this engine, by its own yaml, does not serve a request: the technique, the build target of the
+        device (an ABI it is not built for), the weights dtype or the cache dtype, said in the yaml's words
+        (which key lists what); None when the yaml allows it. A run records it "not supported", never a
+        usage error: the engine said so itself."""
+        said = f"engine={self.name}"
+        if technique not in self.techniques:
+            return f"{said} does not support {technique} ({self.path}: supports.techniques={list(self.techniques)})"
+        if target is not None and target not in self.abis:
+            return f"{said} is not built for {target} ({self.path}: abis={list(self.abis)})"
+        if weights is not None and weights not in self.weights:
+            return f"{said} does not take {weights} weights ({self.path}: supports.weights={list(self.weights)})"
+        if cache is not None and cache not in self.cache:
+            return f"{said} keeps no {cache} cache ({self.path}: supports.cache={list(self.cache)})"
+        return None
+
 
 def engine_dirs() -> list[Path]:
     """Where engines/NAME.yaml are looked for, the project's first."""
