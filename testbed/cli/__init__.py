@@ -273,10 +273,19 @@ def cmd_nightly(args) -> int:
 
 
 def cmd_gguf(args) -> int:
-    """Write (or find, cached by content) the GGUF of a checkpoint folder and print its path."""
+    """Write (or find, cached by content) the GGUF of a checkpoint folder and print its path; a .gguf file
+    is read whole by testbed's reader (as llama.cpp reads it) and its path printed when nothing is wrong."""
+    from pathlib import Path
+
     from testbed.models import gguf_files
 
+    if args.out and Path(args.checkpoint).suffix == ".gguf":
+        raise UsageError(f"--out={args.out}: {args.checkpoint} is a GGUF already; accepted: --out with a Hugging Face "
+                         "folder (a .gguf alone is checked, not written)")
     path = gguf_files.write_gguf(args.checkpoint, args.out) if args.out else gguf_files.gguf_for(args.checkpoint)
+    if Path(args.checkpoint).suffix == ".gguf":
+        print(f"testbed: {path}: read by testbed's reader as llama.cpp reads it (every metadata key, every tensor's "
+              "shape and type); nothing refused", file=sys.stderr)
     print(path)
     return 0
 
