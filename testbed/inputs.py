@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from testbed.errors import UsageError
 
 
@@ -60,3 +62,19 @@ def _depth() -> int:
     import sys
 
     return sys.getrecursionlimit()
+
+
+def shown(value, limit: int = 80) -> str:
+    """A value for a one-line message, however large or deep: a bounded repr (reprlib: the first entries
+    of a long list, the start of a long string), an array by its first entries and its length."""
+    import reprlib
+
+    if isinstance(value, np.ndarray):
+        if value.size > 8:
+            return f"[{', '.join(map(repr, value.ravel()[:4].tolist()))}, ... ({value.size} entries)]"
+        value = value.tolist()
+    brief = reprlib.Repr()
+    brief.maxlevel, brief.maxstring, brief.maxother, brief.maxlong = 3, limit, limit, 40
+    brief.maxlist = brief.maxtuple = brief.maxdict = brief.maxset = 6
+    text = brief.repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."

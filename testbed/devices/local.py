@@ -84,8 +84,12 @@ class LocalTransport(Transport):
         folder = self.inside(cwd) if cwd else self.root
         folder.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        proc = subprocess.Popen(self.command(argv, folder), cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, errors="replace", start_new_session=True)
+        try:
+            proc = subprocess.Popen(self.command(argv, folder), cwd=folder, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+        except OSError as e:  # as a shell says it on the other transports: 127 not found, 126 cannot be started
+            status = 127 if isinstance(e, FileNotFoundError) else 126
+            return CommandResult(status, "", f"{argv[0]}: {e.strerror}", time.monotonic() - t0)
 
         def kill() -> None:  # the whole group: the program and anything it started
             try:

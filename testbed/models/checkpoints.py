@@ -33,7 +33,7 @@ import numpy as np
 from refimpl.gemma import GemmaConfig, weight_shapes
 from testbed.config import project_path
 from testbed.errors import UsageError
-from testbed.inputs import parse_json, read_bounded
+from testbed.inputs import parse_json, read_bounded, shown
 from testbed.models import gguf_reader
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
@@ -97,7 +97,7 @@ def hf_count(hf: dict, key: str, source: str, low: int = 1, high: int = HF_MAX_C
     """An integer field of a config.json in low..high (a bool, a float or a string is refused)."""
     value = hf.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise UsageError(f"{source}: {key}={gguf_reader.shown(value)} is not accepted; accepted: an integer in "
+        raise UsageError(f"{source}: {key}={shown(value)} is not accepted; accepted: an integer in "
                          f"{low}..{high}")
     return value
 
@@ -106,7 +106,7 @@ def hf_number(value, key: str, source: str, positive: bool = True) -> float:
     """A finite number of a config.json (positive unless told)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) \
             or (positive and not value > 0):
-        raise UsageError(f"{source}: {key}={gguf_reader.shown(value)} is not accepted; accepted: a finite"
+        raise UsageError(f"{source}: {key}={shown(value)} is not accepted; accepted: a finite"
                          f"{' positive' if positive else ''} number")
     return float(value)
 
@@ -114,7 +114,7 @@ def hf_number(value, key: str, source: str, positive: bool = True) -> float:
 def hf_kind(value, kind: type, key: str, source: str, accepted: str):
     """`value` if it is a `kind` (dict, list, ...), else refused naming the key."""
     if not isinstance(value, kind):
-        raise UsageError(f"{source}: {key}={gguf_reader.shown(value)} is not accepted; accepted: {accepted}")
+        raise UsageError(f"{source}: {key}={shown(value)} is not accepted; accepted: {accepted}")
     return value
 
 
@@ -137,12 +137,12 @@ def hf_rope(hf: dict, source: str) -> dict:
         kind = p.get("rope_type", p.get("type", "default"))
         where = f"{source}: RoPE of {layer_type}"
         if not isinstance(kind, str) or kind not in HF_ROPE_TYPES:
-            raise UsageError(f"{where}: rope_type={gguf_reader.shown(kind)} is not implemented; accepted: "
+            raise UsageError(f"{where}: rope_type={shown(kind)} is not implemented; accepted: "
                              f"{', '.join(HF_ROPE_TYPES)}")
         known = {"rope_type", "type", "rope_theta"} | ({"factor"} if kind == "linear" else set())
         unknown = sorted(set(p) - known)
         if unknown:
-            raise UsageError(f"{where}: {unknown[0]}={gguf_reader.shown(p[unknown[0]])} is not implemented for "
+            raise UsageError(f"{where}: {unknown[0]}={shown(p[unknown[0]])} is not implemented for "
                              f"rope_type={kind!r}; "
                              f"accepted keys: {', '.join(sorted(known))}")
         if kind == "linear" and "factor" not in p:
@@ -162,7 +162,7 @@ def config_from_hf(config: dict, source: str) -> GemmaConfig:
     given = hf_kind(config.get("text_config", config), dict, "text_config", source, "an object")
     unknown = sorted(set(given) - set(HF_DEFAULTS) - HF_INERT_KEYS)
     if unknown:
-        raise UsageError(f"{source}: key {unknown[0]!r}={gguf_reader.shown(given[unknown[0]])} is not implemented by "
+        raise UsageError(f"{source}: key {unknown[0]!r}={shown(given[unknown[0]])} is not implemented by "
                          f"this loader "
                          f"(it may change the computation); accepted keys: testbed.models.checkpoints.HF_DEFAULTS "
                          f"and HF_INERT_KEYS")
@@ -172,7 +172,7 @@ def config_from_hf(config: dict, source: str) -> GemmaConfig:
                "use_bidirectional_attention": (False,)}
     for key, accepted in refused.items():
         if hf[key] not in accepted:
-            raise UsageError(f"{source}: {key}={gguf_reader.shown(hf[key])} is not implemented; accepted: "
+            raise UsageError(f"{source}: {key}={shown(hf[key])} is not implemented; accepted: "
                              f"{', '.join(map(repr, accepted))}")
     for key in ("query_pre_attn_scalar", "sliding_window"):
         hf_number(hf[key], key, source)
@@ -181,7 +181,7 @@ def config_from_hf(config: dict, source: str) -> GemmaConfig:
         given_types = hf_kind(hf["layer_types"], list, "layer_types", source, f"a list of {layers} layer types")
         bad = [t for t in given_types if not isinstance(t, str) or t not in HF_LAYER_TYPES]
         if bad:
-            raise UsageError(f"{source}: layer type {gguf_reader.shown(bad[0])} is not accepted; accepted: "
+            raise UsageError(f"{source}: layer type {shown(bad[0])} is not accepted; accepted: "
                              f"{', '.join(HF_LAYER_TYPES)}")
         types = [HF_LAYER_TYPES[t] for t in given_types]
     else:
@@ -249,16 +249,16 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             continue
         where = f"{path}: tensor {name!r}"
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
-            raise UsageError(f"{where}: {gguf_reader.shown(info)} is not an entry {{dtype, shape, data_offsets}}")
+            raise UsageError(f"{where}: {shown(info)} is not an entry {{dtype, shape, data_offsets}}")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
-            raise UsageError(f"{where} has dtype {gguf_reader.shown(dtype)}; accepted: {', '.join(SAFETENSORS_DTYPES)}")
+            raise UsageError(f"{where} has dtype {shown(dtype)}; accepted: {', '.join(SAFETENSORS_DTYPES)}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
-            raise UsageError(f"{where} has shape {gguf_reader.shown(shape)}; accepted: a list of sizes >= 0")
+            raise UsageError(f"{where} has shape {shown(shape)}; accepted: a list of sizes >= 0")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(
                 isinstance(o, int) and not isinstance(o, bool) for o in offsets) or not 0 <= offsets[0] <= offsets[1]:
-            raise UsageError(f"{where} has data_offsets {gguf_reader.shown(offsets)}; accepted: [begin, end], "
+            raise UsageError(f"{where} has data_offsets {shown(offsets)}; accepted: [begin, end], "
                              f"0 <= begin <= end")
         begin, end = offsets
         itemsize = np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
@@ -397,7 +397,7 @@ class GGUFFile:
         self.fields = {name: f.value for name, f in self.file.fields.items()}
         self.arch = self.fields.get("general.architecture")
         if self.arch != arch:
-            raise UsageError(f"{self.path}: architecture {gguf_reader.shown(self.arch)} is not accepted; "
+            raise UsageError(f"{self.path}: architecture {shown(self.arch)} is not accepted; "
                              f"accepted: {arch}")
         self.read: set[str] = {k.format(arch=arch) for k in inert_keys}
         self.tensors = dict(self.file.tensors)
@@ -463,7 +463,7 @@ class GGUFFile:
         return value
 
     def refuse(self, key: str, value, accepted: str, why: str = "is not implemented"):
-        raise UsageError(f"{self.path}: metadata {key.format(arch=self.arch)}={gguf_reader.shown(value)} {why}; "
+        raise UsageError(f"{self.path}: metadata {key.format(arch=self.arch)}={shown(value)} {why}; "
                          f"accepted: {accepted}")
 
     def refuse_unread(self, inert_prefixes: tuple[str, ...], accepted: str) -> None:

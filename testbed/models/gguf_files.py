@@ -30,9 +30,9 @@ import numpy as np
 
 from testbed.config import project_path
 from testbed.errors import UsageError
+from testbed.inputs import shown
 from testbed.models import checkpoints as gemma_checkpoints, hybrid_checkpoints
 from testbed.models.checkpoints import read_config
-from testbed.models.gguf_reader import shown
 
 CACHE = project_path(".cache/gguf")
 FAMILIES = {"gemma3": gemma_checkpoints, "gemma3_text": gemma_checkpoints,

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from testbed.errors import UsageError
+from testbed.inputs import shown
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)          # gguf.cpp: version 1 is no longer read, past 3 is not known
@@ -95,15 +96,6 @@ class GGUF:
         """The largest extent of any tensor: no dimension of the model can be larger, so counts read
         from the metadata are bounded by what the file holds."""
         return max((d for t in self.tensors.values() for d in t.shape), default=0)
-
-
-def shown(value, limit: int = 80) -> str:
-    """A value for a one-line message: its repr, cut to `limit` characters; an array by its first entries."""
-    if isinstance(value, (np.ndarray, tuple)) and len(value) > 8:
-        first = value[:4].tolist() if isinstance(value, np.ndarray) else list(value[:4])
-        return f"[{', '.join(map(repr, first))}, ... ({len(value)} entries)]"
-    text = repr(value.tolist() if isinstance(value, np.ndarray) else value)
-    return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
 class _Cursor:

@@ -17,7 +17,7 @@ import numpy as np
 from refimpl.qwen35 import HF_LAYER_TYPES, HybridConfig, weight_shapes
 from testbed.errors import UsageError
 from testbed.models.checkpoints import LLAMA_MAX_LAYERS, gguf_writer, hf_count, hf_kind, hf_number, read_hf_folder
-from testbed.models.gguf_reader import shown
+from testbed.inputs import shown
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")  # qwen3_5 nests the text model's fields under text_config
 # Read into HybridConfig (the rest of the computation is fixed by the architecture).
