@@ -77,6 +77,10 @@ class LocalTransport(Transport):
         path = self.inside(remote)
         return (path.stat().st_size, sha256_file(path)) if path.is_file() else None
 
+    def remote_size(self, remote: str) -> int | None:
+        path = self.inside(remote)
+        return path.stat().st_size if path.is_file() else None
+
     def command(self, argv: list[str], folder: Path) -> list[str]:
         return check_argv(argv)
 

@@ -24,6 +24,7 @@ SCHEMA_FILE = PROJECT_ENGINES / f"contract-v{CONTRACT_VERSION}.schema.json"
 TARGETS = ("host", "arm32", "aarch64", "hexagon")
 TECHNIQUES = ("chunk_prefill", "tail", "hybrid")
 YAML_MAX_BYTES = 1 << 20
+YAML_MAX_DEPTH = 16
 
 
 @dataclass(frozen=True)
@@ -210,17 +211,20 @@ def parse(path: Path) -> EngineSpec:
     path = Path(path)
     raw = read_bounded(path, YAML_MAX_BYTES, str(path), "an engine yaml is a few dozen lines")
     try:
-        for event in yaml.parse(raw, Loader=yaml.SafeLoader):
+        depth = 0
+        for event in yaml.parse(raw, Loader=yaml.SafeLoader):  # checked as it is read: it stops at the first
             if isinstance(event, yaml.AliasEvent):  # `*name`: a value shared, repeated or containing itself
                 raise UsageError(f"{path}: line {event.start_mark.line + 1} repeats a value by an alias (*{event.anchor});"
                                  f" accepted: every value written out (no anchors and aliases)")
+            depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+            if depth > YAML_MAX_DEPTH:  # PyYAML's time grows with the square of the depth
+                raise UsageError(f"{path}: line {event.start_mark.line + 1} nests more than {YAML_MAX_DEPTH} levels "
+                                 f"deep; accepted: an engine yaml's few levels")
         data = yaml.safe_load(raw)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise UsageError(f"{path}:{where} is not YAML: {getattr(e, 'problem', e)}") from None
-    except RecursionError:
-        raise UsageError(f"{path}: nests deeper than testbed reads; accepted: an engine yaml's few levels") from None
     why = _problem(data, schema(), "")
     if why:
         raise UsageError(f"{path}: {why}")
@@ -235,13 +239,13 @@ def parse(path: Path) -> EngineSpec:
         if "prebuilt" in build else None
     if prebuilt is None and "command" not in build:
         raise UsageError(f"{path}: build is missing; accepted: build.command (argv) or build.prebuilt (a path per ABI)")
-    if "{program}" not in data["invoke"] and not any("{program}" in a for a in data["invoke"]):
-        raise UsageError(f"{path}: invoke={shown(data['invoke'])} never names {{program}}")
     for key, argv, accepted in (("invoke", data["invoke"], INVOKE_PLACEHOLDERS),
                                 ("build.command", build.get("command") or [], COMMAND_PLACEHOLDERS)):
         why = argv_problem(argv, key, accepted)
         if why:
             raise UsageError(f"{path}: {why}")
+    if not any(field == "program" for word in data["invoke"] for _, field, _, _ in string.Formatter().parse(word)):
+        raise UsageError(f"{path}: invoke={shown(data['invoke'])} never names {{program}}")
     if "command" in build:
         check_source_tree(path, data["source"], source)
     if prebuilt is not None:
