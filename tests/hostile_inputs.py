@@ -1,10 +1,13 @@
 """Hostile inputs made from valid ones by seeded mutations, and the child process that hands each to
 testbed's real entry point (tests/test_hostile_inputs.py runs it and judges what it reports).
 
-Four surfaces, each from a valid input testbed accepts:
+Five surfaces, each from a valid input testbed accepts:
 - GGUF files (a gemma3 and a qwen35 file testbed wrote): byte flips, truncations, counts and lengths made
   huge, metadata values of another kind or range, keys dropped, doubled and swapped, tensors retyped,
   reshaped, renamed and moved; handed to testbed.models.gguf_files.load_gguf.
+- Hugging Face folders (Gemma 3, Qwen3.5): config.json values of another kind, dropped, the file broken;
+  safetensors headers' entries changed, lengths made huge, files truncated; handed to
+  testbed.models.gguf_files.write_gguf (what `testbed gguf DIR --out FILE` runs).
 - engine responses (what testbed-c answers to a small request): logits.npy and cache/ files with headers
   claiming huge or wrong shapes, truncated or flipped; timings.json, status.json as other JSON, deeply
   nested, huge numbers, huge files; replayed by a real engine program through
@@ -232,6 +235,90 @@ def gguf_mutants(base: GGUFParts, rng: random.Random) -> Iterator[tuple[str, byt
     for _ in range(15):
         end = rng.choice([0, 3, 4, 8, 16, 24, rng.randrange(header_end), rng.randrange(len(valid))])
         yield (f"truncated to {end} bytes", valid[:end])
+
+
+# --- Hugging Face folders (what `testbed gguf DIR` and model.checkpoint=DIR read) ----------------------
+
+
+def safetensors_bytes(header: dict | bytes, body: bytes) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
+def hf_mutants(config: dict, weights: bytes, rng: random.Random) -> Iterator[tuple[str, bytes, bytes]]:
+    """(what was changed, config.json's bytes, model.safetensors' bytes) of a valid folder."""
+    odd = [None, True, 0, -1, 1.5, 10**9, 2**63, "x", [], {}, [1], {"a": 1}, float("nan"), [[[[]]]]]
+    text = json.dumps(config).encode()
+    for key in config:
+        for value in rng.sample(odd, 4):
+            yield f"config.json {key}={str(value)[:20]}", json.dumps({**config, key: value}).encode(), weights
+        yield f"config.json {key} dropped", json.dumps({k: v for k, v in config.items() if k != key}).encode(), weights
+    for what, data in (("nested 100000 deep", b"[" * 100000 + b"]" * 100000), ("an array", b"[]"), ("empty", b""),
+                       ("not UTF-8", b"\xff\xfe" + text), ("a 5000-digit number", text[:-1] + b', "n": ' + b"7" * 5000 + b"}"),
+                       ("of 32 MB", text + b" " * (32 << 20)), ("truncated", text[:len(text) // 2])):
+        yield f"config.json {what}", data, weights
+    (n,) = struct.unpack("<Q", weights[:8])
+    header, body = json.loads(weights[8:8 + n]), weights[8 + n:]
+    names = [k for k in header if k != "__metadata__"]
+    for name in rng.sample(names, 6):
+        entry = header[name]
+        for field, value in (("dtype", "F8"), ("dtype", 5), ("shape", [2**40, 2**40]), ("shape", [-1]), ("shape", "x"),
+                             ("shape", [True]), ("data_offsets", [0, 2**62]), ("data_offsets", [8, 4]),
+                             ("data_offsets", [0]), ("data_offsets", "x"), ("shape", entry["shape"][::-1] + [1])):
+            changed = {**header, name: {**entry, field: value}}
+            yield f"safetensors {name}.{field}={str(value)[:20]}", text, safetensors_bytes(changed, body)
+        yield f"safetensors {name} an int", text, safetensors_bytes({**header, name: 5}, body)
+        yield f"safetensors {name} dropped", text, safetensors_bytes({k: v for k, v in header.items() if k != name}, body)
+    for what, data in (("header length 2^62", struct.pack("<Q", 2**62) + weights[8:]),
+                       ("header length past the file", struct.pack("<Q", len(weights)) + weights[8:]),
+                       ("header not JSON", safetensors_bytes(b"{" + b"x" * 20, body)),
+                       ("header an array", safetensors_bytes(b"[1]", body)),
+                       ("header nested 100000 deep", safetensors_bytes(b"[" * 100000 + b"]" * 100000, body))):
+        yield f"safetensors {what}", text, data
+    for _ in range(10):
+        yield "safetensors truncated", text, weights[:rng.randrange(len(weights))]
+        flipped = bytearray(weights)
+        for at in (rng.randrange(8 + n) for _ in range(rng.randint(1, 4))):
+            flipped[at] ^= 1 << rng.randrange(8)
+        yield "safetensors with bits flipped in its header", text, bytes(flipped)
+
+
+def hf_cases(work: Path, rng: random.Random) -> Iterator[Case]:
+    from refimpl import gemma, qwen35
+    from safetensors.numpy import save_file
+    from testbed.models import checkpoints, gguf_files
+
+    gemma_folder = checkpoints.save_hf_folder(work / "hf-gemma", gemma.tiny_config(layers=2),
+                                              gemma.init_weights(gemma.tiny_config(layers=2), 0))
+    cfg = qwen35.tiny_config()
+    qwen_folder = work / "hf-qwen35"
+    qwen_folder.mkdir(parents=True, exist_ok=True)
+    (qwen_folder / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_5_text", "vocab_size": cfg.vocab, "hidden_size": cfg.hidden,
+        "num_hidden_layers": cfg.layers, "intermediate_size": cfg.mlp, "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "linear_num_key_heads": cfg.linear_k_heads,
+        "linear_num_value_heads": cfg.linear_v_heads, "linear_key_head_dim": cfg.linear_head_dim,
+        "linear_value_head_dim": cfg.linear_head_dim, "linear_conv_kernel_dim": cfg.conv_kernel,
+        "layer_types": [{"linear": "linear_attention", "full": "full_attention"}[t] for t in cfg.layer_types],
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                            "partial_rotary_factor": cfg.rotary_fraction},
+        "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings}))
+    save_file(qwen35.init_weights(cfg, 0), str(qwen_folder / "model.safetensors"))
+    for label, valid in (("gemma3", gemma_folder), ("qwen35", qwen_folder)):
+        config, weights = json.loads((valid / "config.json").read_text()), (valid / "model.safetensors").read_bytes()
+        for i, (what, config_bytes, weights_bytes) in enumerate(hf_mutants(config, weights, rng)):
+            folder = work / "folders" / f"{label}-{i}"
+
+            def run(folder=folder, config_bytes=config_bytes, weights_bytes=weights_bytes):
+                folder.mkdir(parents=True)
+                (folder / "config.json").write_bytes(config_bytes)
+                (folder / "model.safetensors").write_bytes(weights_bytes)
+                try:
+                    gguf_files.write_gguf(folder, folder / "out.gguf")
+                finally:
+                    shutil.rmtree(folder, ignore_errors=True)
+
+            yield Case("hf", f"{label}: {what}", run, (str(folder),))
 
 
 # --- engine responses, replayed by a real program through the contract ------------------------------
@@ -646,7 +733,7 @@ def gguf_cases(work: Path, rng: random.Random) -> Iterator[Case]:
             yield Case("gguf", f"{label}: {what}", run, (str(path),))
 
 
-SURFACES = {"gguf": gguf_cases, "response": response_cases, "yaml": yaml_cases, "manifest": manifest_cases}
+SURFACES = {"gguf": gguf_cases, "hf": hf_cases, "response": response_cases, "yaml": yaml_cases, "manifest": manifest_cases}
 
 
 def main(argv: list[str] | None = None) -> int:

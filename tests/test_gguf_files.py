@@ -92,7 +92,7 @@ def test_a_field_a_gguf_cannot_carry_is_refused_naming_it(tmp_path):
     """A GGUF holds no query scale (llama.cpp derives it from the block count): Gemma's 24 is refused."""
     cfg = gemma.tiny_config(layers=2, query_pre_attn_scalar=24.0)
     folder = checkpoints.save_hf_folder(tmp_path / "hf", cfg, gemma.init_weights(cfg))
-    with pytest.raises(UsageError, match=r"^query_pre_attn_scalar=24 cannot be stored in a GGUF; accepted: 16") as e:
+    with pytest.raises(UsageError, match=r"hf: query_pre_attn_scalar=24 cannot be stored in a GGUF; accepted: 16") as e:
         gguf_files.write_gguf(folder, tmp_path / "out" / "m.gguf")
     assert "\n" not in str(e.value) and list((tmp_path / "out").iterdir()) == []
 

@@ -1,8 +1,8 @@
 """Hostile inputs end in testbed's own one-line error, in bounded memory and time, never a traceback (issue 44).
 
-tests/hostile_inputs.py makes seeded mutants of four valid inputs (a GGUF of each family, testbed-c's
-response replayed by a real engine program, engine yamls, a user's IREE folder) and hands each to testbed's
-entry point in a child process: nearly a thousand cases, each ending accepted (the mutation was harmless)
+tests/hostile_inputs.py makes seeded mutants of five valid inputs (a GGUF of each family, a Hugging Face
+folder of each, testbed-c's response replayed by a real engine program, engine yamls, a user's IREE folder)
+and hands each to testbed's entry point in a child process: over a thousand cases, each ending accepted (the mutation was harmless)
 or in UsageError (exit 2) or, for an engine's response, ContractError (exit 4), with one line naming the
 file. The child's address space is bounded while each case runs (an allocation past it is a MemoryError,
 which counts as a traceback), and its peak RSS and each case's CPU time are asserted here.
@@ -34,12 +34,14 @@ PEAK_RSS_MB = 1024
 LIMIT_AS_MB = 4096
 CPU_PER_CASE_S = 10.0
 # The fewest cases each surface must run (the seed makes a few more), and the exit status of its refusals.
-SURFACES = {"gguf": (450, {2}), "response": (150, {4}), "yaml": (180, {2}), "manifest": (75, {2})}
+SURFACES = {"gguf": (450, {2}), "hf": (350, {2}), "response": (150, {4}), "yaml": (180, {2}), "manifest": (75, {2})}
 NAMED = {
     "gguf": ["gemma3: gemma3.block_count=10^9", "qwen35: qwen35.block_count=10^9",
              "gemma3: gemma3.attention.sliding_window_pattern: an array of 10^6 entries",
              "qwen35: qwen35.attention.recurrent_layers: an array of 10^6 entries", "given twice",
              "tensor count 4611686018427387904", "truncated to 0 bytes"],
+    "hf": ["gemma3: config.json an array", "qwen35: config.json nested 100000 deep", "config.json of 32 MB",
+           "safetensors header length 2^62", "safetensors header nested 100000 deep", "safetensors truncated"],
     "response": ["logits.npy shape (10^6, 10^6)", "timings.json marks=5", "timings.json a 5000-digit number",
                  "timings.json nested 100000 deep", "timings.json of 2^40 bytes (sparse)",
                  "cache/k_0.npy with 10^9 rows", "status.json contract true", "status.json contract 1.0"],

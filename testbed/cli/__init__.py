@@ -279,14 +279,17 @@ def cmd_gguf(args) -> int:
 
     from testbed.models import gguf_files
 
-    if args.out and Path(args.checkpoint).suffix == ".gguf":
-        raise UsageError(f"--out={args.out}: {args.checkpoint} is a GGUF already; accepted: --out with a Hugging Face "
-                         "folder (a .gguf alone is checked, not written)")
-    path = gguf_files.write_gguf(args.checkpoint, args.out) if args.out else gguf_files.gguf_for(args.checkpoint)
-    if Path(args.checkpoint).suffix == ".gguf":
-        print(f"testbed: {path}: read by testbed's reader as llama.cpp reads it (every metadata key, every tensor's "
-              "shape and type); nothing refused", file=sys.stderr)
-    print(path)
+    given = Path(args.checkpoint)
+    if given.suffix == ".gguf" and given.is_file():
+        if args.out:
+            raise UsageError(f"--out={args.out}: {given} is a GGUF already; accepted: --out with a Hugging Face folder "
+                             "(a .gguf alone is checked, not written)")
+        gguf_files.load_gguf(given)  # whole: every weight as the model computes with it
+        print(f"testbed: {given}: read by testbed's reader as llama.cpp reads it (every metadata key, every tensor's "
+              "shape, type and values); nothing refused", file=sys.stderr)
+        print(given)
+        return 0
+    print(gguf_files.write_gguf(given, args.out) if args.out else gguf_files.gguf_for(given))
     return 0
 
 

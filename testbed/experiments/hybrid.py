@@ -252,6 +252,10 @@ def validate_engine(cfg: DictConfig) -> None:
     given = given_gguf(cfg)
     if given and not (project_path(given).is_file() and given.endswith(".gguf")):
         raise UsageError(f"model.gguf={given!r} is not accepted; accepted: auto, or a qwen35 .gguf file on this host")
+    if given:  # its header and tensor table now, so a file testbed's reader refuses stores no run
+        from testbed.models.gguf_files import gguf_for
+
+        gguf_for(project_path(given))
     if given and cfg.model.checkpoint:
         raise UsageError(f"model.gguf={given!r} and model.checkpoint={cfg.model.checkpoint!r} are both given; "
                          f"accepted: one (model.gguf=auto writes the checkpoint's GGUF)")

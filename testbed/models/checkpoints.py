@@ -174,8 +174,8 @@ def config_from_hf(config: dict, source: str) -> GemmaConfig:
         if hf[key] not in accepted:
             raise UsageError(f"{source}: {key}={shown(hf[key])} is not implemented; accepted: "
                              f"{', '.join(map(repr, accepted))}")
-    for key in ("query_pre_attn_scalar", "sliding_window"):
-        hf_number(hf[key], key, source)
+    hf_number(hf["query_pre_attn_scalar"], "query_pre_attn_scalar", source)
+    window = hf_count(hf, "sliding_window", source)
     layers = hf_count(hf, "num_hidden_layers", source, high=LLAMA_MAX_LAYERS)
     if hf["layer_types"] is not None:
         given_types = hf_kind(hf["layer_types"], list, "layer_types", source, f"a list of {layers} layer types")
@@ -193,7 +193,7 @@ def config_from_hf(config: dict, source: str) -> GemmaConfig:
             vocab=hf_count(hf, "vocab_size", source), hidden=hf_count(hf, "hidden_size", source), layers=layers,
             heads=hf_count(hf, "num_attention_heads", source), kv_heads=hf_count(hf, "num_key_value_heads", source),
             head_dim=hf_count(hf, "head_dim", source), mlp=hf_count(hf, "intermediate_size", source),
-            window=int(hf["sliding_window"]), layer_types=tuple(types), **hf_rope(hf, source),
+            window=window, layer_types=tuple(types), **hf_rope(hf, source),
             query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
             rms_eps=hf_number(hf["rms_norm_eps"], "rms_norm_eps", source),
             final_logit_softcap=None if softcap is None else hf_number(softcap, "final_logit_softcapping", source),
@@ -476,19 +476,24 @@ class GGUFFile:
         tensors (every block has some)."""
         return self.count(key, high=min(LLAMA_MAX_LAYERS, len(self.tensors)))
 
-    def weight(self, gguf_name: str, hf_name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """A tensor taken out of `tensors`, checked to have `shape` before it is dequantized to float32."""
+    def weight(self, gguf_name: str, hf_name: str, shape: tuple[int, ...], read: bool = True) -> np.ndarray | None:
+        """A tensor taken out of `tensors`, checked to have `shape` and a type testbed dequantizes, then
+        dequantized to float32 (read=False: checked only, None)."""
         t = self.tensors.pop(gguf_name, None)
         if t is None:
             raise UsageError(f"{self.path}: missing tensor {gguf_name!r} ({hf_name})")
         if t.shape != tuple(shape):
             raise UsageError(f"{self.path}: tensor {gguf_name!r} holding {hf_name!r} has shape {t.shape}, the config "
                              f"needs {tuple(shape)}")
+        if not read:
+            t.float32(self.path, rows=0)  # its type's dequantization exists
+            return None
         return t.float32(self.path)
 
 
-def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
-    """A gemma3 GGUF read as llama.cpp reads it (src/models/gemma3.cpp, llama_model::load_hparams)."""
+def load_gguf(path: str | Path, weights: bool = True) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
+    """A gemma3 GGUF read as llama.cpp reads it (src/models/gemma3.cpp, llama_model::load_hparams).
+    weights=False: its metadata and its tensors' names, shapes and types checked, no weight read ({})."""
     import gguf
 
     g = GGUFFile(path, GGUF_ARCH, GGUF_INERT_KEYS)
@@ -530,14 +535,15 @@ def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
     except ValueError as e:
         raise UsageError(f"{path}: {e}") from None
     names = _gguf_names(cfg.layers)
-    weights = {}
+    read = {}
     for hf_name, shape in weight_shapes(cfg).items():
         gguf_name = "output.weight" if hf_name == "lm_head.weight" else names.get_name(hf_name, try_suffixes=(".weight",))
-        a = g.weight(gguf_name, hf_name, shape)
-        weights[hf_name] = a - GGUF_NORM_SHIFT if hf_name.endswith("norm.weight") else a
+        a = g.weight(gguf_name, hf_name, shape, read=weights)
+        if weights:
+            read[hf_name] = a - GGUF_NORM_SHIFT if hf_name.endswith("norm.weight") else a
     if tensors:
         raise UsageError(f"{path}: unexpected tensor {next(iter(tensors))!r} (not a tensor of this Gemma config)")
-    return cfg, check_weights(weights, cfg, str(path))
+    return cfg, check_weights(read, cfg, str(path)) if weights else {}
 
 
 def gguf_writer(path: Path, arch: str, cfg, context_length: int) -> "gguf.GGUFWriter":

@@ -14,7 +14,7 @@ within 2 float32 ulps (stored as A, read back through a log). What does not come
 with one line naming it, and nothing is left behind: a file appears whole and judged, or not at all.
 
   gguf_for(checkpoint)   the GGUF of a folder, written once per content under .cache/gguf/ (a .gguf
-                         file is read whole by testbed's reader, then returned as it is)
+                         file is checked by testbed's reader, then returned as it is)
   gguf_of(cfg, weights)  the same for a model given as config and weights (a seeded shape)
   write_gguf(folder, out)
 """
@@ -49,13 +49,15 @@ def architecture(path: str | Path) -> str:
     return value.value if value is not None and isinstance(value.value, str) else ""
 
 
-def load_gguf(path: str | Path):
-    """(config, weights) of a gemma3 or qwen35 GGUF, by its architecture; any other is refused."""
+def load_gguf(path: str | Path, weights: bool = True):
+    """(config, weights) of a gemma3 or qwen35 GGUF, by its architecture; any other is refused.
+    weights=False: the file checked as far as reading no weight goes (metadata; tensors' names, shapes
+    and types), the config and {}: what is checked before a run, in the file's header's time."""
     arch = architecture(path)
     modules = {m.GGUF_ARCH: m for m in FAMILIES.values()}
     if arch not in modules:
         raise UsageError(f"{path}: architecture {arch!r} is not accepted; accepted: {', '.join(sorted(modules))}")
-    return modules[arch].load_gguf(path)
+    return modules[arch].load_gguf(path, weights)
 
 
 def family(folder: Path):
@@ -141,7 +143,10 @@ def write_judged(module, cfg, weights: dict, out: Path, source: str, context: in
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        module.save_gguf(tmp, cfg, weights, context_length=context)
+        try:
+            module.save_gguf(tmp, cfg, weights, context_length=context)
+        except UsageError as e:  # what the format cannot carry, said of the model it was asked of
+            raise UsageError(f"{source}: {e}") from None
         judge(module, cfg, weights, tmp, source)
         tmp.rename(out)
     except OSError as e:
@@ -175,12 +180,12 @@ def folder_digest(folder: Path) -> str:
 
 
 def gguf_for(checkpoint: str | Path, cache: Path | None = None) -> Path:
-    """A .gguf file as given, once testbed's reader reads it whole (every metadata key read or inert,
-    every tensor of the model's shape and a type it dequantizes: load_gguf); a Hugging Face folder's
-    GGUF, written once per content under `cache` (and judged as it was written)."""
+    """A .gguf file as given, once testbed's reader accepts it (every metadata key read or inert, every
+    tensor of the model's shape and of a type it dequantizes: load_gguf without reading the weights); a
+    Hugging Face folder's GGUF, written once per content under `cache` (and judged as it was written)."""
     path = Path(checkpoint)
     if path.suffix == ".gguf" and path.is_file():
-        load_gguf(path)
+        load_gguf(path, weights=False)
         return path
     if not path.is_dir():
         raise UsageError(f"checkpoint {str(path)!r} is not accepted; accepted: a Hugging Face folder (config.json and "

@@ -69,17 +69,19 @@ class Tensor:
     nbytes: int
     raw: np.ndarray        # uint8 view of its bytes, rows of whole blocks: [..., ne0 / block * type_size]
 
-    def float32(self, path: Path) -> np.ndarray:
-        """The tensor dequantized to float32 (a copy: at most 8 bytes per byte of the file's data)."""
+    def float32(self, path: Path, rows: int | None = None) -> np.ndarray:
+        """The tensor dequantized to float32 (a copy: at most 8 bytes per byte of the file's data); with
+        `rows`, only its first rows (0: nothing, only its type checked to be one testbed dequantizes)."""
         import gguf
 
+        qtype = gguf.GGMLQuantizationType(self.tensor_type)
+        raw = self.raw if rows is None else self.raw.reshape(-1, self.raw.shape[-1])[:rows]
         try:
-            qtype = gguf.GGMLQuantizationType(self.tensor_type)
-            out = gguf.quants.dequantize(self.raw, qtype)
+            out = gguf.quants.dequantize(raw, qtype)
         except NotImplementedError:
             raise UsageError(f"{path}: tensor {self.name!r} has type {qtype.name}, which testbed cannot dequantize; "
                              f"accepted: F32, F16, BF16 and the quantized types of the gguf package") from None
-        return np.asarray(out, np.float32).reshape(self.shape)
+        return np.asarray(out, np.float32).reshape(self.shape if rows is None else (-1, self.shape[-1]))
 
 
 @dataclass(frozen=True)

@@ -317,10 +317,11 @@ def gguf_form_shape(hf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[0], shape[2]) if hf_name.endswith("conv1d.weight") else tuple(shape)
 
 
-def load_gguf(path: str | Path) -> tuple[HybridConfig, dict[str, np.ndarray]]:
+def load_gguf(path: str | Path, weights: bool = True) -> tuple[HybridConfig, dict[str, np.ndarray]]:
     """A qwen35 GGUF read as llama.cpp reads it (llama_model::load_hparams, src/models/qwen35.cpp):
     every metadata key read, or inert, or refused naming it. Multi-token-prediction blocks
-    (nextn_predict_layers, stored after the decoder's) are left out, as llama.cpp's main pass does."""
+    (nextn_predict_layers, stored after the decoder's) are left out, as llama.cpp's main pass does.
+    weights=False: its metadata and its tensors' names, shapes and types checked, no weight read ({})."""
     import gguf
 
     from testbed.models import gguf_reader
@@ -366,15 +367,16 @@ def load_gguf(path: str | Path) -> tuple[HybridConfig, dict[str, np.ndarray]]:
     except ValueError as e:
         raise UsageError(f"{path}: {e}") from None
     shapes = weight_shapes(cfg)
-    weights = {}
+    read = {}
     for hf_name, gguf_name in gguf_tensor_names(cfg, blocks).items():
-        a = g.weight(gguf_name, hf_name, gguf_form_shape(hf_name, shapes[hf_name]))
+        a = g.weight(gguf_name, hf_name, gguf_form_shape(hf_name, shapes[hf_name]), read=weights)
         try:
-            weights[hf_name] = from_gguf_form(hf_name, a, cfg)
+            if weights:
+                read[hf_name] = from_gguf_form(hf_name, a, cfg)
         except ValueError as e:
             raise UsageError(f"{path}: tensor {gguf_name!r}: {e}") from None
     mtp = tuple(f"blk.{i}." for i in range(layers, blocks))
     left = [name for name in tensors if not name.startswith(mtp)]
     if left:
         raise UsageError(f"{path}: unexpected tensor {left[0]!r} (not a tensor of this Qwen3.5 config)")
-    return cfg, check_weights(weights, cfg, str(path))
+    return cfg, check_weights(read, cfg, str(path)) if weights else {}
