@@ -36,7 +36,6 @@ import resource
 import shutil
 import struct
 import sys
-import textwrap
 import time
 import traceback
 from dataclasses import dataclass
@@ -115,8 +114,8 @@ def _value(kind: int, value, item: int | None) -> bytes:
 
 
 def gguf_bytes(p: GGUFParts) -> bytes:
-    out = bytearray(b"GGUF" + struct.pack("<IQQ", p.version, len(p.tensors) if p.tensor_count is None else p.tensor_count,
-                                          len(p.kvs) if p.kv_count is None else p.kv_count))
+    tensors = len(p.tensors) if p.tensor_count is None else p.tensor_count
+    out = bytearray(b"GGUF" + struct.pack("<IQQ", p.version, tensors, len(p.kvs) if p.kv_count is None else p.kv_count))
     for kv in p.kvs:
         out += _string(kv.key) + struct.pack("<I", kv.kind) + _value(kv.kind, kv.value, kv.item)
     offset, data = 0, bytearray()
@@ -130,7 +129,7 @@ def gguf_bytes(p: GGUFParts) -> bytes:
     return bytes(out + data)
 
 
-def _replace_kv(p: GGUFParts, key: str, kind: int, value, item=None) -> GGUFParts:
+def replace_kv(p: GGUFParts, key: str, kind: int, value, item=None) -> GGUFParts:
     kvs = [KV(kv.key, kind, value, item) if kv.key == key else kv for kv in p.kvs]
     return GGUFParts(kvs, p.tensors, p.version, p.alignment)
 
@@ -141,22 +140,22 @@ def _with(p: GGUFParts, **changes) -> GGUFParts:
 
 HUGE = (2**32 - 1, 10**9, 2**62)
 # Values of another kind or range for a metadata key: (GGUF type, value, entry type).
-ODD_VALUES = [(4, 0, None), (5, -1, None), (10, 10**9, None), (10, 2**63, None), (6, 1.5, None), (6, float("nan"), None),
-              (12, float("inf"), None), (STRING, "sixty-four", None), (7, True, None), (ARRAY, [1, 2], 4),
-              (ARRAY, ["a"], STRING), (ARRAY, [[1]], ARRAY), (99, None, None)]
+ODD_VALUES = [(4, 0, None), (5, -1, None), (10, 10**9, None), (10, 2**63, None), (6, 1.5, None),
+              (6, float("nan"), None), (12, float("inf"), None), (STRING, "sixty-four", None), (7, True, None),
+              (ARRAY, [1, 2], 4), (ARRAY, ["a"], STRING), (ARRAY, [[1]], ARRAY), (99, None, None)]
 
 
 def gguf_mutants(base: GGUFParts, rng: random.Random) -> Iterator[tuple[str, bytes]]:
-    """(what was changed, the file's bytes) for one valid file: every model key given each odd value,
+    """(what was changed, the file's bytes) for one valid file: every model key given four odd values (seeded),
     keys dropped, doubled, swapped and added, array lengths made huge, tensors changed, header counts and
     versions changed, then seeded byte flips, huge u64 fields and truncations of the whole file."""
     arch = next(kv.value for kv in base.kvs if kv.key == "general.architecture")
     model_keys = [kv.key for kv in base.kvs if kv.key.startswith(f"{arch}.")]
     for key in model_keys:
         for kind, value, item in rng.sample(ODD_VALUES, 4):
-            yield (f"{key}={value!r} (type {kind})", gguf_bytes(_replace_kv(base, key, kind, value, item)))
+            yield (f"{key}={value!r} (type {kind})", gguf_bytes(replace_kv(base, key, kind, value, item)))
         yield (f"{key} dropped", gguf_bytes(_with(base, kvs=[kv for kv in base.kvs if kv.key != key])))
-    yield (f"{arch}.block_count=10^9", gguf_bytes(_replace_kv(base, f"{arch}.block_count", 4, 10**9)))
+    yield (f"{arch}.block_count=10^9", gguf_bytes(replace_kv(base, f"{arch}.block_count", 4, 10**9)))
     kvs = base.kvs
     for _ in range(4):
         a, b = rng.sample(range(len(kvs)), 2)
@@ -185,8 +184,8 @@ def gguf_mutants(base: GGUFParts, rng: random.Random) -> Iterator[tuple[str, byt
     yield ("alignment 0", gguf_bytes(_with(base, kvs=[*kvs, KV("general.alignment", 4, 0)])))
     yield ("alignment 3", gguf_bytes(_with(base, kvs=[*kvs, KV("general.alignment", 4, 3)])))
     yield ("alignment as a string", gguf_bytes(_with(base, kvs=[*kvs, KV("general.alignment", STRING, "32")])))
-    yield ("architecture llama", gguf_bytes(_replace_kv(base, "general.architecture", STRING, "llama")))
-    yield ("architecture as an int", gguf_bytes(_replace_kv(base, "general.architecture", 4, 3)))
+    yield ("architecture llama", gguf_bytes(replace_kv(base, "general.architecture", STRING, "llama")))
+    yield ("architecture as an int", gguf_bytes(replace_kv(base, "general.architecture", 4, 3)))
     for version in (0, 1, 4, 3 << 24):
         yield (f"version {version}", gguf_bytes(_with(base, version=version)))
     for count in HUGE:
@@ -200,7 +199,8 @@ def gguf_mutants(base: GGUFParts, rng: random.Random) -> Iterator[tuple[str, byt
         t = tensors[i]
 
         def changed(**kw):
-            return gguf_bytes(_with(base, tensors=[*tensors[:i], TensorEntry(**{**t.__dict__, **kw}), *tensors[i + 1:]]))
+            one = TensorEntry(**{**t.__dict__, **kw})
+            return gguf_bytes(_with(base, tensors=[*tensors[:i], one, *tensors[i + 1:]]))
 
         yield (f"tensor {t.name} dropped", gguf_bytes(_with(base, tensors=tensors[:i] + tensors[i + 1:])))
         yield (f"tensor {t.name} given twice", gguf_bytes(_with(base, tensors=[*tensors, t])))
@@ -254,7 +254,8 @@ def hf_mutants(config: dict, weights: bytes, rng: random.Random) -> Iterator[tup
             yield f"config.json {key}={str(value)[:20]}", json.dumps({**config, key: value}).encode(), weights
         yield f"config.json {key} dropped", json.dumps({k: v for k, v in config.items() if k != key}).encode(), weights
     for what, data in (("nested 100000 deep", b"[" * 100000 + b"]" * 100000), ("an array", b"[]"), ("empty", b""),
-                       ("not UTF-8", b"\xff\xfe" + text), ("a 5000-digit number", text[:-1] + b', "n": ' + b"7" * 5000 + b"}"),
+                       ("not UTF-8", b"\xff\xfe" + text),
+                       ("a 5000-digit number", text[:-1] + b', "n": ' + b"7" * 5000 + b"}"),
                        ("of 32 MB", text + b" " * (32 << 20)), ("truncated", text[:len(text) // 2])):
         yield f"config.json {what}", data, weights
     (n,) = struct.unpack("<Q", weights[:8])
@@ -268,7 +269,8 @@ def hf_mutants(config: dict, weights: bytes, rng: random.Random) -> Iterator[tup
             changed = {**header, name: {**entry, field: value}}
             yield f"safetensors {name}.{field}={str(value)[:20]}", text, safetensors_bytes(changed, body)
         yield f"safetensors {name} an int", text, safetensors_bytes({**header, name: 5}, body)
-        yield f"safetensors {name} dropped", text, safetensors_bytes({k: v for k, v in header.items() if k != name}, body)
+        others = {k: v for k, v in header.items() if k != name}
+        yield f"safetensors {name} dropped", text, safetensors_bytes(others, body)
     for what, data in (("header length 2^62", struct.pack("<Q", 2**62) + weights[8:]),
                        ("header length past the file", struct.pack("<Q", len(weights)) + weights[8:]),
                        ("header not JSON", safetensors_bytes(b"{" + b"x" * 20, body)),
@@ -407,14 +409,16 @@ def response_mutants(valid: Path, rng: random.Random) -> Iterator[tuple[str, dic
     for what, data in json_mutants(timings, rng):
         yield f"timings.json {what}", {"timings.json": data}
     call = timings["calls"][0]
-    for what, calls in (("calls[0].wall_s=-1", [{**call, "wall_s": -1}]), ("calls[0].cpu_s='1'", [{**call, "cpu_s": "1"}]),
+    for what, calls in (("calls[0].wall_s=-1", [{**call, "wall_s": -1}]),
+                        ("calls[0].cpu_s='1'", [{**call, "cpu_s": "1"}]),
                         ("calls[0].wall_s=1e400", None), ("calls[0].name=5", [{**call, "name": 5}]),
                         ("calls=[5]", [5]), ("100000 calls", [call] * 10**5)):
         text = json.dumps({**timings, "calls": calls}) if calls is not None else \
             json.dumps({**timings, "calls": [{**call, "wall_s": 7.5}]}).replace("7.5", "1e400")
         yield f"timings.json {what}", {"timings.json": text.encode()}
     for marks in (5, "chunk", [1], [{"a": 1}], ["chunk"] * (len(timings["calls"]) + 1), None, []):
-        yield f"timings.json marks={str(marks)[:30]}", {"timings.json": json.dumps({**timings, "marks": marks}).encode()}
+        marked = json.dumps({**timings, "marks": marks}).encode()
+        yield f"timings.json marks={str(marks)[:30]}", {"timings.json": marked}
     header = {"descr": "<f4", "fortran_order": False, "shape": logits.shape}
     body = logits.astype("<f4").tobytes()
     for what, h, data in (
@@ -440,7 +444,8 @@ def response_mutants(valid: Path, rng: random.Random) -> Iterator[tuple[str, dic
             ("a header missing shape", "{'descr': '<f4', 'fortran_order': False}", body),
             ("a header nested 10000 deep", "{'descr': '<f4', 'fortran_order': False, 'shape': " + "(" * 10000
              + ")" * 10000 + "}", body),
-            ("a header calling a function", "{'descr': '<f4', 'fortran_order': False, 'shape': __import__('os')}", body)):
+            ("a header calling a function",
+             "{'descr': '<f4', 'fortran_order': False, 'shape': __import__('os')}", body)):
         yield f"logits.npy {what}", {"logits.npy": npy_bytes(h, data)}
     yield "logits.npy format version 3.0", {"logits.npy": npy_bytes(header, body, b"\x03\x00")}
     yield "logits.npy header length 2^32-1", {"logits.npy": b"\x93NUMPY\x02\x00\xff\xff\xff\xff{"}
@@ -534,7 +539,8 @@ def yaml_mutants(base: dict, word_keys: tuple[str, ...], rng: random.Random) -> 
                 else:
                     command = json.loads(base["build"][len("{command: "):-1])
                     command[at] = word
-                    yield f"build.command[{at}]={word!r}", yaml_text({**base, "build": f"{{command: {json.dumps(command)}}}"})
+                    built = f"{{command: {json.dumps(command)}}}"
+                    yield f"build.command[{at}]={word!r}", yaml_text({**base, "build": built})
     text = yaml_text(base)
     yield "an alias of an alias, nine deep", "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi")) + text.replace(
@@ -603,7 +609,7 @@ def yaml_cases(work: Path, rng: random.Random) -> Iterator[Case]:
 # --- users' IREE folders --------------------------------------------------------------------------------
 
 
-def manifest_mutants(manifest: dict, module: bytes, rng: random.Random) -> Iterator[tuple[str, dict | bytes | None, bytes]]:
+def manifest_mutants(manifest: dict, module: bytes, rng: random.Random) -> Iterator[tuple[str, dict | bytes, bytes]]:
     """(what was changed, the manifest (a dict, or raw bytes), the module's bytes)."""
     odd = [None, True, 5, 1.5, "x", [], {}, ["module.vmfb"], {"path": 5}, [[[]]]]
     for key in ("contract", "files", "function", "parameter_scope", "model"):
@@ -611,13 +617,15 @@ def manifest_mutants(manifest: dict, module: bytes, rng: random.Random) -> Itera
             yield f"{key}={str(value)[:20]}", {**manifest, key: value}, module
     files = manifest["files"]
     for value in ("module.vmfb", ["module.vmfb"], {"module": "module.vmfb"}, {"module": ["module.vmfb"]},
-                  {"module": {"path": None}}, {"module": {"path": "../module.vmfb"}}, {"module": {"path": "/etc/passwd.vmfb"}},
-                  {"module": {"path": "module.vmfb", "sha256": 5}}, {"module": {"path": "module.vmfb", "sha256": "0" * 64}},
+                  {"module": {"path": None}}, {"module": {"path": "../module.vmfb"}},
+                  {"module": {"path": "/etc/passwd.vmfb"}}, {"module": {"path": "module.vmfb", "sha256": 5}},
+                  {"module": {"path": "module.vmfb", "sha256": "0" * 64}},
                   {**files, "parameters": {"path": "nothing.irpa"}}, {**files, "parameters": "module.vmfb"},
                   {"module": {"path": "x" * 5000 + ".vmfb"}}, {"module": {"path": "a\0b.vmfb"}}):
         yield f"files={str(value)[:40]}", {**manifest, "files": value}, module
     contract = manifest["contract"]
-    for what, changed in (("version true", {**contract, "version": True}), ("version 1.0", {**contract, "version": 1.0}),
+    for what, changed in (("version true", {**contract, "version": True}),
+                          ("version 1.0", {**contract, "version": 1.0}),
                           ("args as a dict", {**contract, "args": {}}), ("args [5]", {**contract, "args": [5]}),
                           ("an arg of shape [1e9, 1e9]", {**contract, "args": [{**contract["args"][0],
                                                                                  "shape": [10**9, 10**9]}]}),
@@ -665,7 +673,8 @@ def manifest_cases(work: Path, rng: random.Random) -> Iterator[Case]:
 
         def run(folder=folder, changed=changed, module_bytes=module_bytes):
             shutil.copytree(valid, folder)
-            (folder / "manifest.json").write_bytes(changed if isinstance(changed, bytes) else json.dumps(changed).encode())
+            text = changed if isinstance(changed, bytes) else json.dumps(changed).encode()
+            (folder / "manifest.json").write_bytes(text)
             (folder / "module.vmfb").write_bytes(module_bytes)
             try:
                 user_module.load(folder, cfg, "host")
@@ -733,7 +742,8 @@ def gguf_cases(work: Path, rng: random.Random) -> Iterator[Case]:
             yield Case("gguf", f"{label}: {what}", run, (str(path),))
 
 
-SURFACES = {"gguf": gguf_cases, "hf": hf_cases, "response": response_cases, "yaml": yaml_cases, "manifest": manifest_cases}
+SURFACES = {"gguf": gguf_cases, "hf": hf_cases, "response": response_cases, "yaml": yaml_cases,
+            "manifest": manifest_cases}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -212,10 +212,10 @@ def _header_length(folder):
 
 def _block_count(value):
     def write(folder):
-        from tests.hostile_inputs import _replace_kv, gguf_bytes, read_parts
+        from tests.hostile_inputs import replace_kv, gguf_bytes, read_parts
 
         valid = gguf_files.gguf_of(gemma.tiny_config(), gemma.init_weights(gemma.tiny_config(), 0), folder / "cache")
-        (folder / "m.gguf").write_bytes(gguf_bytes(_replace_kv(read_parts(valid), "gemma3.block_count", 4, value)))
+        (folder / "m.gguf").write_bytes(gguf_bytes(replace_kv(read_parts(valid), "gemma3.block_count", 4, value)))
     return write
 
 
@@ -224,7 +224,8 @@ def _block_count(value):
 GGUF_COMMAND_REFUSALS = [
     ("config.json not JSON", lambda f: _config(f, '{"model_type": "gemma3_text",'), "config.json is not JSON"),
     ("config.json an array", lambda f: _config(f, "[1, 2]"), "config.json is an array, not an object"),
-    ("10^9 layers", lambda f: _config(f, lambda t: t.replace('"num_hidden_layers": 2', '"num_hidden_layers": 1000000000')),
+    ("10^9 layers", lambda f: _config(f, lambda t: t.replace('"num_hidden_layers": 2', '"num_hidden_layers": 10**9')
+                                      .replace("10**9", str(10**9))),
      "num_hidden_layers=1000000000 is not accepted"),
     ("a truncated safetensors file", _cut_safetensors, "run past the end of the file"),
     ("a safetensors header length of 2^62", _header_length, "its header claims 4611686018427387904 bytes"),

@@ -2,10 +2,11 @@
 
 tests/hostile_inputs.py makes seeded mutants of five valid inputs (a GGUF of each family, a Hugging Face
 folder of each, testbed-c's response replayed by a real engine program, engine yamls, a user's IREE folder)
-and hands each to testbed's entry point in a child process: over a thousand cases, each ending accepted (the mutation was harmless)
-or in UsageError (exit 2) or, for an engine's response, ContractError (exit 4), with one line naming the
-file. The child's address space is bounded while each case runs (an allocation past it is a MemoryError,
-which counts as a traceback), and its peak RSS and each case's CPU time are asserted here.
+and hands each to testbed's entry point in a child process: over a thousand cases, each ending accepted
+(the mutation was harmless) or in UsageError (exit 2) or, for an engine's response, ContractError (exit 4),
+with one line naming the file. The child's address space is bounded while each case runs (an allocation
+past it is a MemoryError, which counts as a traceback), and its peak RSS and each case's CPU time are
+asserted here.
 
 The issue's own inputs are asserted by name beside the seeded ones (each must be in the run and refused):
 a logits.npy header claiming (10^6, 10^6), timings.json marks=5, a 5000-digit number and 100000 brackets,

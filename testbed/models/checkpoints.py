@@ -239,8 +239,8 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     data = np.memmap(path, np.uint8, mode="r")
     (n,) = struct.unpack("<Q", bytes(data[:8]))
     if n > min(size - 8, SAFETENSORS_MAX_HEADER):
-        raise UsageError(f"{path}: not a safetensors file (its header claims {n} bytes; the file holds {size - 8} after "
-                         f"the length, safetensors reads at most {SAFETENSORS_MAX_HEADER})")
+        raise UsageError(f"{path}: not a safetensors file (its header claims {n} bytes; the file holds {size - 8} "
+                         f"after the length, safetensors reads at most {SAFETENSORS_MAX_HEADER})")
     header = parse_json(bytes(data[8:8 + n]), f"{path}: the safetensors header", kind=dict)
     body = data[8 + n:]
     out = {}

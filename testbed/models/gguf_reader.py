@@ -140,7 +140,8 @@ class _Cursor:
         if item == ARRAY:
             raise self.refuse(f"key {key!r} is an array of arrays; accepted: arrays of numbers, bools or strings")
         if item not in SCALARS and item != STRING:
-            raise self.refuse(f"key {key!r} is an array of type {item}; accepted: {', '.join(sorted(TYPE_NAMES.values()))}")
+            raise self.refuse(f"key {key!r} is an array of type {item}; accepted: "
+                              f"{', '.join(sorted(TYPE_NAMES.values()))}")
         least = 8 if item == STRING else struct.calcsize(SCALARS[item])  # bytes per entry, at the least
         if count > (self.size - self.at) // least:
             raise self.refuse(f"key {key!r} claims {count} entries of {TYPE_NAMES[item]}, the {self.size - self.at} "
@@ -206,7 +207,8 @@ def read(path: str | Path) -> GGUF:
         fields[key] = c.value(key)
     alignment = fields.get(ALIGNMENT_KEY, Field(DEFAULT_ALIGNMENT, 4))
     if alignment.kind != 4 or alignment.value == 0 or alignment.value & (alignment.value - 1):
-        raise c.refuse(f"{ALIGNMENT_KEY}={shown(alignment.value)} ({alignment.type_name}); accepted: a uint32 power of two")
+        raise c.refuse(f"{ALIGNMENT_KEY}={shown(alignment.value)} ({alignment.type_name}); accepted: a uint32 power "
+                       f"of two")
     alignment = int(alignment.value)
     headers = []
     for i in range(n_tensors):

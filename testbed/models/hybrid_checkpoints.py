@@ -50,7 +50,8 @@ ROPE_IGNORED = {"mrope_section", "mrope_interleaved"}
 def config_from_hf(hf: dict, source: str) -> HybridConfig:
     model_type = hf.get("model_type")
     if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
-        raise UsageError(f"{source}: model_type {shown(model_type)} is not accepted; accepted: {', '.join(MODEL_TYPES)}")
+        raise UsageError(f"{source}: model_type {shown(model_type)} is not accepted; accepted: "
+                         f"{', '.join(MODEL_TYPES)}")
     if model_type == "qwen3_5":
         hf = hf_kind(hf.get("text_config") or {}, dict, "text_config", source, "an object")
     # the older form keeps RoPE's fields at the top level (transformers moves them into rope_parameters)
@@ -96,7 +97,8 @@ def config_from_hf(hf: dict, source: str) -> HybridConfig:
         given = hf_kind(hf["layer_types"], list, "layer_types", source, f"a list of {layers} layer types")
         bad = [t for t in given if not isinstance(t, str) or t not in HF_LAYER_TYPES]
         if bad:
-            raise UsageError(f"{source}: layer type {shown(bad[0])} is not accepted; accepted: {', '.join(HF_LAYER_TYPES)}")
+            raise UsageError(f"{source}: layer type {shown(bad[0])} is not accepted; accepted: "
+                             f"{', '.join(HF_LAYER_TYPES)}")
         types = tuple(HF_LAYER_TYPES[t] for t in given)
     else:
         types = tuple("full" if (i + 1) % interval == 0 else "linear" for i in range(layers))

@@ -30,7 +30,7 @@ from testbed.backends.native.device import check_machine, program_digest, progra
 from testbed.devices import Device
 from testbed.devices.transport import CommandTimeout, quoted
 from testbed.errors import DeviceError
-from testbed.inputs import parse_json, read_bounded
+from testbed.inputs import parse_json
 from testbed.measure import counts as counting
 
 
@@ -200,7 +200,7 @@ def _pull(device: Device, remote: str, local: Path, shown: str, limit: int | Non
     return local
 
 
-def _validate_status(text: str, shown: str) -> dict:
+def _validate_status(text: str | bytes, shown: str) -> dict:
     status = parse_json(text, shown, ContractError, kind=dict)
     if not _is(status.get("contract"), CONTRACT_VERSION):
         raise ContractError(f"{shown}: contract={inputs.shown(status.get('contract'))}; testbed speaks contract "
@@ -215,7 +215,7 @@ def _is(value, expected) -> bool:
     return type(value) is type(expected) and value == expected
 
 
-def _validate_timings(text: str, shown: str) -> dict:
+def _validate_timings(text: str | bytes, shown: str) -> dict:
     timings = parse_json(text, shown, ContractError, kind=dict)
     calls = timings.get("calls")
     if not isinstance(calls, list):
@@ -230,7 +230,8 @@ def _validate_timings(text: str, shown: str) -> dict:
                                     "seconds")
         if not isinstance(c.get("name", ""), str):
             raise ContractError(f"{shown}: calls[{i}].name={inputs.shown(c['name'])} is not a string")
-    for key, kind, accepted in (("device_time", str, "a time stamp"), ("engine", dict, "an object {name, version, ...}")):
+    for key, kind, accepted in (("device_time", str, "a time stamp"),
+                                ("engine", dict, "an object {name, version, ...}")):
         if timings.get(key) is not None and not isinstance(timings[key], kind):
             raise ContractError(f"{shown}: {key}={inputs.shown(timings[key])} is not accepted; accepted: absent, or "
                                 f"{accepted}")
@@ -350,9 +351,13 @@ def _counts(device: Device, spec: EngineSpec, run_dir: str, tmp: Path, timings: 
     limit = STATUS_MAX_BYTES + TIMINGS_BYTES_PER_CALL * max(len(timings.get("calls") or ()), 1)
     try:
         if device.profile.has("counts"):
-            shown = f"{run_dir}/{counting.COUNTS_FILE}"
-            text = read_bounded(_pull(device, shown, tmp / "counts.json", shown), limit, shown,
-                                "what this request's calls take", counting.CountError).decode(errors="replace")
+            shown = f"{run_dir}/{counting.COUNTS_FILE}"  # the counter's, in the folder the engine writes to
+            size = device.transport.remote_size(shown)
+            if size is not None and size > limit:
+                raise counting.CountError(f"{shown} is {size} bytes; accepted: at most {limit} (what the counter "
+                                          f"writes of {len(timings.get('calls') or ())} calls)")
+            device.pull(shown, tmp / "counts.json")
+            text = (tmp / "counts.json").read_text(errors="replace")
             if marks:
                 return counting.parse_plugin_output(text, len(marks), marks)
             total = parse_json(text, shown, counting.CountError, kind=dict).get("total")

@@ -156,8 +156,9 @@ def argv_problem(argv: list[str], key: str, accepted: tuple[str, ...]) -> str | 
                 return f"{key}[{i}]={shown(word)} names {named}; accepted: {names}"
             if i == 0 and SHELL_CHARACTERS & set(literal):
                 bad = "".join(sorted(SHELL_CHARACTERS & set(literal)))
-                return f"{key}[0]={shown(word)} is the program to start and holds {bad!r}: an argv is not a shell line " \
-                       f"(nothing splits or interprets it); accepted: the program alone, its arguments as more items"
+                return f"{key}[0]={shown(word)} is the program to start and holds {bad!r}: an argv is not a " \
+                       f"shell line (nothing splits or interprets it); accepted: the program alone, its arguments " \
+                       f"as more items"
     return None
 
 
@@ -198,12 +199,13 @@ def check_prebuilt(path: Path, data: dict, prebuilt: dict[str, Path]) -> None:
         want = elf_machine_for({t: abi for abi, t in TARGET_FOR_ABI.items()}[target])
         machine = elf_machine(file)
         if head == b"\x7fELF" and want is not None and machine != want:
-            raise UsageError(f"{path}: {given} is an ELF for machine {machine} ({ELF_MACHINE_NAMES.get(machine, 'unknown')}"
-                             f"), not {want} ({ELF_MACHINE_NAMES.get(want, 'unknown')}) of ABI {target}")
+            raise UsageError(f"{path}: {given} is an ELF for machine {machine} "
+                             f"({ELF_MACHINE_NAMES.get(machine, 'unknown')}), not {want} "
+                             f"({ELF_MACHINE_NAMES.get(want, 'unknown')}) of ABI {target}")
         if head != b"\x7fELF" and not head.startswith(b"#!"):
-            raise UsageError(f"{path}: {given} begins {head!r}: neither an ELF program nor a script (#!), so the device "
-                             f"cannot start it (Exec format error); accepted: a program built for {target}, or invoke "
-                             f"naming the program that runs it first")
+            raise UsageError(f"{path}: {given} begins {head!r}: neither an ELF program nor a script (#!), so the "
+                             f"device cannot start it (Exec format error); accepted: a program built for {target}, or "
+                             f"invoke naming the program that runs it first")
 
 
 def parse(path: Path) -> EngineSpec:
@@ -214,8 +216,8 @@ def parse(path: Path) -> EngineSpec:
         depth = 0
         for event in yaml.parse(raw, Loader=yaml.SafeLoader):  # checked as it is read: it stops at the first
             if isinstance(event, yaml.AliasEvent):  # `*name`: a value shared, repeated or containing itself
-                raise UsageError(f"{path}: line {event.start_mark.line + 1} repeats a value by an alias (*{event.anchor});"
-                                 f" accepted: every value written out (no anchors and aliases)")
+                raise UsageError(f"{path}: line {event.start_mark.line + 1} repeats a value by an alias "
+                                 f"(*{event.anchor}); accepted: every value written out (no anchors and aliases)")
             depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
             if depth > YAML_MAX_DEPTH:  # PyYAML's time grows with the square of the depth
                 raise UsageError(f"{path}: line {event.start_mark.line + 1} nests more than {YAML_MAX_DEPTH} levels "
