@@ -585,6 +585,10 @@ def yaml_cases(work: Path, rng: random.Random) -> Iterator[Case]:
     texts += [(f"command yaml: {w}", t) for w, t in yaml_mutants(command, ("build",), rng)]
     texts += [(f"prebuilt.host is {name}", yaml_text({**prebuilt, "build": f"{{prebuilt: {{host: ../{name}}}}}"}))
               for name in files if name != "prog"]
+    for what, name in (("with a NUL", '"a\\0b"'), ("of 5000 characters", "y" * 5000), ("/dev/zero", "/dev/zero")):
+        texts += [(f"prebuilt.host {what}", yaml_text({**prebuilt, "build": f"{{prebuilt: {{host: {name}}}}}"})),
+                  (f"source {what}", yaml_text({**command, "source": name}))]
+    texts += [("prebuilt.host a folder", yaml_text({**prebuilt, "build": "{prebuilt: {host: ../src}}"}))]
     texts += [("prebuilt.host is missing", yaml_text({**prebuilt, "build": "{prebuilt: {host: ../nothing}}"})),
               ("abis lists aarch64 with no prebuilt", yaml_text({**prebuilt, "abis": "[host, aarch64]"})),
               ("source is a file", yaml_text({**command, "source": "../prog"}))]

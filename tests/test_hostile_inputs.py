@@ -47,7 +47,8 @@ NAMED = {
                  "timings.json nested 100000 deep", "timings.json of 2^40 bytes (sparse)",
                  "cache/k_0.npy with 10^9 rows", "status.json contract true", "status.json contract 1.0"],
     "yaml": ["prebuilt.host is random", "prebuilt.host is empty", "source holds a link out of it",
-             "nested 100000 deep", "an alias of an alias, nine deep"],
+             "nested 100000 deep", "an alias of an alias, nine deep", "prebuilt.host with a NUL",
+             "source of 5000 characters"],
     "manifest": ["files=['module.vmfb']", "files=module.vmfb", "module random bytes", "module empty", "module an ELF",
                  "contract version true", "manifest nested 100000 deep"],
 }

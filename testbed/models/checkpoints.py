@@ -124,7 +124,7 @@ def hf_rope(hf: dict, source: str) -> dict:
     and rope_scaling applies to the global layers only. Returns GemmaConfig's rope fields."""
     given = hf["rope_parameters"] or {}
     if not isinstance(given, dict) or not set(given) <= set(HF_LAYER_TYPES):
-        raise UsageError(f"{source}: rope_parameters={given!r} is not accepted; accepted: a dict keyed by "
+        raise UsageError(f"{source}: rope_parameters={shown(given)} is not accepted; accepted: a dict keyed by "
                          f"layer type ({', '.join(HF_LAYER_TYPES)})")
     params = {t: dict(hf_kind(given.get(t) or {}, dict, f"rope_parameters.{t}", source, "a dict"))
               for t in HF_LAYER_TYPES}
@@ -143,8 +143,7 @@ def hf_rope(hf: dict, source: str) -> dict:
         unknown = sorted(set(p) - known)
         if unknown:
             raise UsageError(f"{where}: {unknown[0]}={shown(p[unknown[0]])} is not implemented for "
-                             f"rope_type={kind!r}; "
-                             f"accepted keys: {', '.join(sorted(known))}")
+                             f"rope_type={kind!r}; accepted keys: {', '.join(sorted(known))}")
         if kind == "linear" and "factor" not in p:
             raise UsageError(f"{where}: rope_type='linear' needs a factor")
         theta[layer_type] = hf_number(p["rope_theta"], f"{layer_type} rope_theta", source)
@@ -162,10 +161,9 @@ def config_from_hf(config: dict, source: str) -> GemmaConfig:
     given = hf_kind(config.get("text_config", config), dict, "text_config", source, "an object")
     unknown = sorted(set(given) - set(HF_DEFAULTS) - HF_INERT_KEYS)
     if unknown:
-        raise UsageError(f"{source}: key {unknown[0]!r}={shown(given[unknown[0]])} is not implemented by "
-                         f"this loader "
-                         f"(it may change the computation); accepted keys: testbed.models.checkpoints.HF_DEFAULTS "
-                         f"and HF_INERT_KEYS")
+        raise UsageError(f"{source}: key {unknown[0]!r}={shown(given[unknown[0]])} is not implemented by this "
+                         f"loader (it may change the computation); accepted keys: "
+                         f"testbed.models.checkpoints.HF_DEFAULTS and HF_INERT_KEYS")
     hf = {**HF_DEFAULTS, **given}
     refused = {"model_type": HF_MODEL_TYPES, "hidden_activation": ("gelu_pytorch_tanh",),
                "attn_logit_softcapping": (None,), "attention_bias": (False,),
@@ -382,7 +380,7 @@ class GGUFFile:
     """A GGUF opened as llama.cpp's loader reads it (testbed.models.gguf_reader: bounded by the file).
 
     `meta` reads a metadata key as it is (a missing one without a default is refused); `count`,
-    `number`, `text`, `flags` and `integers` read it as a value of that kind and refuse any other, and
+    `number`, `text` and `array` read it as a value of that kind and refuse any other, and
     every count is bounded by the model's limits (LLAMA_MAX_LAYERS blocks) and by the file: no extent
     of the model can exceed the largest dimension of a tensor the file holds, so nothing computed from
     the metadata outgrows the file. `refuse_unread` refuses the first key neither read nor inert, so no
@@ -397,8 +395,7 @@ class GGUFFile:
         self.fields = {name: f.value for name, f in self.file.fields.items()}
         self.arch = self.fields.get("general.architecture")
         if self.arch != arch:
-            raise UsageError(f"{self.path}: architecture {shown(self.arch)} is not accepted; "
-                             f"accepted: {arch}")
+            raise UsageError(f"{self.path}: architecture {shown(self.arch)} is not accepted; accepted: {arch}")
         self.read: set[str] = {k.format(arch=arch) for k in inert_keys}
         self.tensors = dict(self.file.tensors)
         embedding = self.tensors.get("token_embd.weight")

@@ -208,6 +208,17 @@ def check_prebuilt(path: Path, data: dict, prebuilt: dict[str, Path]) -> None:
                              f"invoke naming the program that runs it first")
 
 
+def _beside(path: Path, key: str, given: str) -> Path:
+    """`given`, relative to the yaml, resolved; one line when it cannot name a file here (a NUL, too long)."""
+    try:
+        resolved = (path.parent / given).resolve()
+        resolved.exists()  # a name the system refuses raises here
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: {key}={shown(given)} cannot name a file: {getattr(e, 'strerror', None) or e}; "
+                         f"accepted: a path relative to the yaml") from None
+    return resolved
+
+
 def parse(path: Path) -> EngineSpec:
     """engines/NAME.yaml, validated against the schema; every problem one line: the file and the key."""
     path = Path(path)
@@ -233,11 +244,11 @@ def parse(path: Path) -> EngineSpec:
     if data["name"] != path.stem:
         raise UsageError(f"{path}: name={shown(data['name'])} must equal the file's stem {path.stem!r}")
     build = data.get("build") or {}
-    source = (path.parent / data["source"]).resolve() if "source" in data else None
+    source = _beside(path, "source", data["source"]) if "source" in data else None
     if "command" in build and (source is None or not source.is_dir()):
         raise UsageError(f"{path}: source={shown(data.get('source'))} is not a folder (relative to the yaml); a build "
                          "command runs in it")
-    prebuilt = {t: (path.parent / p).resolve() for t, p in build.get("prebuilt", {}).items()} \
+    prebuilt = {t: _beside(path, f"build.prebuilt.{t}", p) for t, p in build.get("prebuilt", {}).items()} \
         if "prebuilt" in build else None
     if prebuilt is None and "command" not in build:
         raise UsageError(f"{path}: build is missing; accepted: build.command (argv) or build.prebuilt (a path per ABI)")
