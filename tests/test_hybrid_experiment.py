@@ -192,3 +192,14 @@ def test_the_default_crossover_has_the_repetitions_an_interval_needs():
     from testbed.measure import decisions
 
     assert config.load(["experiment=hybrid"]).cfg.bench.reps >= decisions.MIN_REPS
+
+
+def test_a_gguf_testbeds_reader_refuses_stores_no_run(results_dir, capsys, tmp_path):
+    """model.gguf is read (header and tensor table) before the run starts: a file that is no GGUF is one line,
+    exit 2, and nothing in the store."""
+    bad = tmp_path / "m.gguf"
+    bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (2**62).to_bytes(8, "little") * 2)
+    assert cli.main(["run", "hybrid", "backend=engine", "engine=llamacpp", "mode=oracle", f"model.gguf={bad}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(bad) in err and "the header claims 4611686018427387904 key-value" in err
+    assert not (results_dir / "records.jsonl").exists()

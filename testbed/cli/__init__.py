@@ -274,11 +274,23 @@ def cmd_nightly(args) -> int:
 
 
 def cmd_gguf(args) -> int:
-    """Write (or find, cached by content) the GGUF of a checkpoint folder and print its path."""
+    """Write (or find, cached by content) the GGUF of a checkpoint folder and print its path; a .gguf file
+    is read whole by testbed's reader (as llama.cpp reads it) and its path printed when nothing is wrong."""
+    from pathlib import Path
+
     from testbed.models import gguf_files
 
-    path = gguf_files.write_gguf(args.checkpoint, args.out) if args.out else gguf_files.gguf_for(args.checkpoint)
-    print(path)
+    given = Path(args.checkpoint)
+    if given.suffix == ".gguf" and given.is_file():
+        if args.out:
+            raise UsageError(f"--out={args.out}: {given} is a GGUF already; accepted: --out with a Hugging Face folder "
+                             "(a .gguf alone is checked, not written)")
+        gguf_files.load_gguf(given)  # whole: every weight as the model computes with it
+        print(f"testbed: {given}: read by testbed's reader as llama.cpp reads it (every metadata key, every tensor's "
+              "shape, type and values); nothing refused", file=sys.stderr)
+        print(given)
+        return 0
+    print(gguf_files.write_gguf(given, args.out) if args.out else gguf_files.gguf_for(given))
     return 0
 
 

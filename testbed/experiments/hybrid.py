@@ -265,6 +265,10 @@ def validate_engine(cfg: DictConfig) -> None:
     given = given_gguf(cfg)
     if given and not (project_path(given).is_file() and given.endswith(".gguf")):
         raise UsageError(f"model.gguf={given!r} is not accepted; accepted: auto, or a qwen35 .gguf file on this host")
+    if given:  # its header and tensor table now, so a file testbed's reader refuses stores no run
+        from testbed.models.gguf_files import gguf_for
+
+        gguf_for(project_path(given))
     if given and cfg.model.checkpoint and not (project_path(cfg.model.checkpoint) / "config.json").is_file():
         raise UsageError(f"model.gguf={given!r} with model.checkpoint={cfg.model.checkpoint!r}: the oracles read the "
                          "checkpoint; accepted: a Hugging Face folder beside a GGUF (the GGUF alone is read itself)")

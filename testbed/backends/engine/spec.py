@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,12 +16,15 @@ import yaml
 
 from testbed.config import lab_dir
 from testbed.errors import UsageError, did_you_mean
+from testbed.inputs import read_bounded, shown
 
 CONTRACT_VERSION = 1
 PROJECT_ENGINES = Path(__file__).resolve().parents[3] / "engines"
 SCHEMA_FILE = PROJECT_ENGINES / f"contract-v{CONTRACT_VERSION}.schema.json"
 TARGETS = ("host", "arm32", "aarch64", "hexagon")
 TECHNIQUES = ("chunk_prefill", "tail", "hybrid")
+YAML_MAX_BYTES = 1 << 20
+YAML_MAX_DEPTH = 16
 
 
 @dataclass(frozen=True)
@@ -98,36 +103,42 @@ def schema() -> dict:
     return json.loads(SCHEMA_FILE.read_text())
 
 
+def _same(node: Any, value: Any) -> bool:
+    """`node` is `value` and of its type: YAML's `true` is not the contract version 1, nor is `1.0`."""
+    return type(node) is type(value) and node == value
+
+
 def _problem(node: Any, rule: dict, key: str) -> str | None:
     """What is wrong with `node` under the schema `rule` (the subset contract-v1.schema.json uses), or None.
     `key` is the dotted key being checked, for nested problems."""
-    if "const" in rule and node != rule["const"]:
-        return f"{key}={node!r}; accepted: {rule['const']!r}"
-    if "enum" in rule and node not in rule["enum"]:
-        return f"{key}={node!r}{did_you_mean(node, rule['enum'])}; accepted: {', '.join(map(str, rule['enum']))}"
+    if "const" in rule and not _same(node, rule["const"]):
+        return f"{key}={shown(node)}; accepted: {rule['const']!r}"
+    if "enum" in rule and not any(_same(node, e) for e in rule["enum"]):
+        return f"{key}={shown(node)}{did_you_mean(node, rule['enum'])}; accepted: {', '.join(map(str, rule['enum']))}"
     kind = rule.get("type")
     if kind == "string" and not isinstance(node, str):
-        return f"{key}={node!r} is not a string"
-    if kind == "number" and (isinstance(node, bool) or not isinstance(node, (int, float))):
-        return f"{key}={node!r} is not a number"
-    if kind == "number" and "exclusiveMinimum" in rule and not node > rule["exclusiveMinimum"]:
-        return f"{key}={node!r}; accepted: a number > {rule['exclusiveMinimum']}"
-    if kind == "number" and "minimum" in rule and not node >= rule["minimum"]:
-        return f"{key}={node!r}; accepted: a number >= {rule['minimum']}"
+        return f"{key}={shown(node)} is not a string"
+    if kind == "number":
+        bounds = [f"> {rule['exclusiveMinimum']}"] * ("exclusiveMinimum" in rule) + \
+            [f">= {rule['minimum']}"] * ("minimum" in rule) + [f"<= {rule['maximum']}"] * ("maximum" in rule)
+        if isinstance(node, bool) or not isinstance(node, (int, float)) or not math.isfinite(node) \
+                or not node > rule.get("exclusiveMinimum", -math.inf) or not node >= rule.get("minimum", -math.inf) \
+                or not node <= rule.get("maximum", math.inf):
+            return f"{key}={shown(node)}; accepted: a finite number{' ' + ' and '.join(bounds) if bounds else ''}"
     if kind == "boolean" and not isinstance(node, bool):
-        return f"{key}={node!r}; accepted: true, false"
+        return f"{key}={shown(node)}; accepted: true, false"
     if kind == "string" and "pattern" in rule:
         import re
 
         if not re.search(rule["pattern"], node):
-            return f"{key}={node!r} does not match {rule['pattern']}"
+            return f"{key}={shown(node)} does not match {rule['pattern']}"
     if kind == "array":
         if not isinstance(node, list):
-            return f"{key}={node!r} is not a list"
+            return f"{key}={shown(node)} is not a list"
         if len(node) < rule.get("minItems", 0):
             return f"{key} is empty; accepted: at least {rule['minItems']} item(s)"
         if rule.get("uniqueItems") and len(set(map(str, node))) != len(node):
-            return f"{key}={node!r} repeats an item"
+            return f"{key}={shown(node)} repeats an item"
         for i, item in enumerate(node):
             if (why := _problem(item, rule.get("items", {}), f"{key}[{i}]")):
                 return why
@@ -150,11 +161,107 @@ def _problem(node: Any, rule: dict, key: str) -> str | None:
     return None
 
 
+# What each argv's placeholders may name (str.format fields, filled by build.program_for and runner.call).
+INVOKE_PLACEHOLDERS = ("program", "request", "response")
+COMMAND_PLACEHOLDERS = ("abi", "out", "source", "jobs", "python")
+# What a shell would read as more than a program's name: an argv's first word holds none of these (it is
+# started as it is, never through a shell).
+SHELL_CHARACTERS = frozenset(" \t\n\r;&|<>()$`\\\"'*?[]#~!")
+
+
+def argv_problem(argv: list[str], key: str, accepted: tuple[str, ...]) -> str | None:
+    """What is wrong with an argv's placeholders ({name} of `accepted`, nothing else str.format reads) or
+    its program word (no whitespace or shell syntax around its placeholders), or None."""
+    names = ", ".join(f"{{{a}}}" for a in accepted)
+    for i, word in enumerate(argv):
+        try:
+            parts = list(string.Formatter().parse(word))
+        except ValueError as e:  # a lone { or }
+            return f"{key}[{i}]={shown(word)} is not a template str.format reads ({e}); accepted: placeholders " \
+                   f"{names}, a brace itself written twice ({{{{ or }}}})"
+        for literal, field, spec, conversion in parts:
+            if field is not None and (field not in accepted or spec or conversion):
+                named = "{" + field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+                return f"{key}[{i}]={shown(word)} names {named}; accepted: {names}"
+            if i == 0 and SHELL_CHARACTERS & set(literal):
+                bad = "".join(sorted(SHELL_CHARACTERS & set(literal)))
+                return f"{key}[0]={shown(word)} is the program to start and holds {bad!r}: an argv is not a " \
+                       f"shell line (nothing splits or interprets it); accepted: the program alone, its arguments " \
+                       f"as more items"
+    return None
+
+
+def check_source_tree(path: Path, given: str, source: Path) -> None:
+    """The source folder a build command runs in, hashed for the build cache: plain files and folders."""
+    from testbed.backends.native.build import LinkInTree, tree_files
+
+    try:
+        tree_files(source)
+    except LinkInTree as e:
+        raise UsageError(f"{path}: source={given!r} holds a symbolic link, {e.link}; accepted: a tree of plain files "
+                         "and folders (a link's bytes would come from outside the tree)") from None
+
+
+def check_prebuilt(path: Path, data: dict, prebuilt: dict[str, Path]) -> None:
+    """Every ABI the yaml lists has its prebuilt file, and a file started as the program (invoke begins
+    {program}) is one its device can start: an ELF for that ABI's machine, or a script (#!)."""
+    from testbed.backends.native.build import ELF_MACHINE_NAMES, TARGET_FOR_ABI
+    from testbed.devices.profile import elf_machine_for
+    from testbed.devices.transport import elf_machine
+
+    for target in data["abis"]:
+        file = prebuilt.get(target)
+        if file is None:
+            raise UsageError(f"{path}: build.prebuilt has no {target}, which abis lists; accepted: a program file "
+                             f"for each ABI of abis (relative to the yaml)")
+        given = f"build.prebuilt.{target}={data['build']['prebuilt'][target]!r}"
+        if not file.is_file():
+            raise UsageError(f"{path}: {given} is not a file; accepted: a program file for each ABI of abis "
+                             f"(relative to the yaml)")
+        if data["invoke"][0] != "{program}":
+            continue  # started by another program (an interpreter): its format is that program's business
+        try:
+            with open(file, "rb") as f:
+                head = f.read(4)
+        except OSError as e:
+            raise UsageError(f"{path}: {given} cannot be read: {e.strerror}") from None
+        want = elf_machine_for({t: abi for abi, t in TARGET_FOR_ABI.items()}[target])
+        machine = elf_machine(file)
+        if head == b"\x7fELF" and want is not None and machine != want:
+            raise UsageError(f"{path}: {given} is an ELF for machine {machine} "
+                             f"({ELF_MACHINE_NAMES.get(machine, 'unknown')}), not {want} "
+                             f"({ELF_MACHINE_NAMES.get(want, 'unknown')}) of ABI {target}")
+        if head != b"\x7fELF" and not head.startswith(b"#!"):
+            raise UsageError(f"{path}: {given} begins {head!r}: neither an ELF program nor a script (#!), so the "
+                             f"device cannot start it (Exec format error); accepted: a program built for {target}, or "
+                             f"invoke naming the program that runs it first")
+
+
+def _beside(path: Path, key: str, given: str) -> Path:
+    """`given`, relative to the yaml, resolved; one line when it cannot name a file here (a NUL, too long)."""
+    try:
+        resolved = (path.parent / given).resolve()
+        resolved.exists()  # a name the system refuses raises here
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: {key}={shown(given)} cannot name a file: {getattr(e, 'strerror', None) or e}; "
+                         f"accepted: a path relative to the yaml") from None
+    return resolved
+
+
 def parse(path: Path) -> EngineSpec:
     """engines/NAME.yaml, validated against the schema; every problem one line: the file and the key."""
     path = Path(path)
-    raw = path.read_bytes()
+    raw = read_bounded(path, YAML_MAX_BYTES, str(path), "an engine yaml is a few dozen lines")
     try:
+        depth = 0
+        for event in yaml.parse(raw, Loader=yaml.SafeLoader):  # checked as it is read: it stops at the first
+            if isinstance(event, yaml.AliasEvent):  # `*name`: a value shared, repeated or containing itself
+                raise UsageError(f"{path}: line {event.start_mark.line + 1} repeats a value by an alias "
+                                 f"(*{event.anchor}); accepted: every value written out (no anchors and aliases)")
+            depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+            if depth > YAML_MAX_DEPTH:  # PyYAML's time grows with the square of the depth
+                raise UsageError(f"{path}: line {event.start_mark.line + 1} nests more than {YAML_MAX_DEPTH} levels "
+                                 f"deep; accepted: an engine yaml's few levels")
         data = yaml.safe_load(raw)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -164,18 +271,27 @@ def parse(path: Path) -> EngineSpec:
     if why:
         raise UsageError(f"{path}: {why}")
     if data["name"] != path.stem:
-        raise UsageError(f"{path}: name={data['name']!r} must equal the file's stem {path.stem!r}")
+        raise UsageError(f"{path}: name={shown(data['name'])} must equal the file's stem {path.stem!r}")
     build = data.get("build") or {}
-    source = (path.parent / data["source"]).resolve() if "source" in data else None
+    source = _beside(path, "source", data["source"]) if "source" in data else None
     if "command" in build and (source is None or not source.is_dir()):
-        raise UsageError(f"{path}: source={data.get('source')!r} is not a folder (relative to the yaml); a build "
+        raise UsageError(f"{path}: source={shown(data.get('source'))} is not a folder (relative to the yaml); a build "
                          "command runs in it")
-    prebuilt = {t: (path.parent / p).resolve() for t, p in build.get("prebuilt", {}).items()} \
+    prebuilt = {t: _beside(path, f"build.prebuilt.{t}", p) for t, p in build.get("prebuilt", {}).items()} \
         if "prebuilt" in build else None
     if prebuilt is None and "command" not in build:
         raise UsageError(f"{path}: build is missing; accepted: build.command (argv) or build.prebuilt (a path per ABI)")
-    if "{program}" not in data["invoke"] and not any("{program}" in a for a in data["invoke"]):
-        raise UsageError(f"{path}: invoke={data['invoke']!r} never names {{program}}")
+    for key, argv, accepted in (("invoke", data["invoke"], INVOKE_PLACEHOLDERS),
+                                ("build.command", build.get("command") or [], COMMAND_PLACEHOLDERS)):
+        why = argv_problem(argv, key, accepted)
+        if why:
+            raise UsageError(f"{path}: {why}")
+    if not any(field == "program" for word in data["invoke"] for _, field, _, _ in string.Formatter().parse(word)):
+        raise UsageError(f"{path}: invoke={shown(data['invoke'])} never names {{program}}")
+    if "command" in build:
+        check_source_tree(path, data["source"], source)
+    if prebuilt is not None:
+        check_prebuilt(path, data, prebuilt)
     supports = data["supports"]
     state = data.get("state") or {}
     layout = state.get("layout", "bytes")

@@ -97,8 +97,7 @@ def tree_files(kernels_dir: Path = KERNELS_DIR) -> list[Path]:
         here = Path(folder)
         for name in subfolders + names:
             if (here / name).is_symlink():
-                raise BuildError(f"{here / name} is a symbolic link; accepted: a kernels/ tree of plain files and "
-                                 "folders (a link's bytes would come from outside the tree)")
+                raise LinkInTree(here / name)
         subfolders[:] = sorted(d for d in subfolders if not any(fnmatch.fnmatch(d, p) for p in BUILD_OUTPUTS))
         files += [here / n for n in names if not any(fnmatch.fnmatch(n, p) for p in BUILD_OUTPUTS)]
     return sorted(files, key=lambda f: f.relative_to(kernels_dir).as_posix())
@@ -202,6 +201,15 @@ def library_extension_args() -> list[dict]:
 
 class BuildError(RuntimeError):
     """A toolchain is missing or a compile failed; the message says which and why."""
+
+
+class LinkInTree(BuildError):
+    """A symbolic link in a source tree: its bytes would come from outside the tree (tree_files)."""
+
+    def __init__(self, link: Path):
+        self.link = link
+        super().__init__(f"{link} is a symbolic link; accepted: a kernels/ tree of plain files and folders (a link's "
+                         "bytes would come from outside the tree)")
 
 
 try:  # setup.py loads this file by path, before the package (and its errors) can be imported
