@@ -2,7 +2,9 @@
 
 The request folder (request.json, request.args, tokens.npy, and the model file as a link to its copy
 pushed once per content) is pushed to runs/ID/request; the engine runs in runs/ID as
-`invoke` says, writes runs/ID/response; everything it must write is pulled and checked before an
+`invoke` says (through tb_peak_rss where its peak RSS can be read: testbed.backends.engine.peak_rss),
+writes runs/ID/response; an exporter-based engine's model is its exporter's output, made on the host
+once per content (testbed.backends.engine.export); everything it must write is pulled and checked before an
 oracle sees it: status.json's version and status, logits.npy's dtype, shape and finiteness,
 state.bin when asked, cache/ when present, timings.json. Whatever is wrong is a ContractError (exit 4)
 naming the file and the value; a refusal is a Response with status "refused" (the experiments record
@@ -11,6 +13,7 @@ it as "not supported").
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import secrets
@@ -21,7 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from testbed.backends import Evidence
+from testbed.backends.engine import export as exporting, peak_rss
 from testbed.backends.engine.spec import CONTRACT_VERSION, EngineSpec
+from testbed.backends.native.build import target_for_abi
 from testbed.backends.native.device import check_machine, program_digest, program_identity, pull_dumps, \
     runner_prefix, stage_folder, stage_program
 from testbed.devices import Device
@@ -104,6 +109,8 @@ class Response:
     evidence: Evidence | None = None
     counts: counting.Counts | None = None
     request_sha256: str = ""
+    peak_rss_bytes: int | None = None    # the engine process's VmHWM, where the device lets it be read
+    export: exporting.Export | None = None  # what an exporter-based engine's program read
 
     @property
     def refused(self) -> bool:
@@ -174,11 +181,32 @@ def _validate_timings(text: str, shown: str) -> dict:
     return timings
 
 
+def request_values(body: dict, keys) -> dict:
+    """request.json's values at dotted `keys` (an exporter's keys: chunk, cache.dtype, ...)."""
+    out = {}
+    for key in keys:
+        node = body
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        out[key] = node
+    return out
+
+
 def call(device: Device, spec: EngineSpec, request: Request, expect: Expect, program: Path,
-         measured: bool = False) -> Response:
-    """Run one request on `device` with the engine's `program` (build.program_for); the validated Response."""
+         measured: bool = False, say=None) -> Response:
+    """Run one request on `device` with the engine's `program` (build.program_for); the validated Response.
+    An exporter-based engine's model is exported first (on the host, once per content; `say` hears its
+    progress and heartbeats)."""
     check_machine(device, program)
     body = request.as_json()
+    export = None
+    if spec.export is not None:
+        if request.model_format != "hf":
+            raise ContractError(f"engine={spec.name} exports from a Hugging Face folder; the request holds "
+                                f"model.format={request.model_format}")
+        export = exporting.exported(spec, Path(request.model_file), request_values(body, spec.export.keys), say)
+        request = dataclasses.replace(request, model_file=export.folder)
+        body["model"]["exported"] = spec.name  # what the program reads: the exporter's output, not the folder
     text = json.dumps(body, indent=1, sort_keys=True) + "\n"
     request_sha = hashlib.sha256(text.encode()).hexdigest()
     run_dir = f"runs/{secrets.token_hex(6)}"
@@ -201,6 +229,9 @@ def call(device: Device, spec: EngineSpec, request: Request, expect: Expect, pro
             valgrind = request.count and spec.counts == "marked" and not device.profile.has("counts")
             if valgrind:
                 argv = counting.valgrind_argv(argv)
+            wrapper = peak_rss.wrapper_for(device, target_for_abi(device.profile.abi), valgrind)
+            if isinstance(wrapper, Path):  # the engine's peak RSS, read by the wrapper that reaps it
+                argv = [f"../../{stage_program(device, wrapper)}", peak_rss.OUTPUT, *argv]
 
             def once():
                 return device.run(argv, timeout=spec.timeout_s, cwd=run_dir)
@@ -221,11 +252,15 @@ def call(device: Device, spec: EngineSpec, request: Request, expect: Expect, pro
             if device.transport.remote_digest(f"{resp}/timings.json") is not None or status["status"] == "ok":
                 timings = _validate_timings(_pull(device, f"{resp}/timings.json", tmp / "timings.json",
                                                   "response/timings.json").read_text(), "response/timings.json")
-            out = Response(status["status"], str(status.get("reason", "")), timings=timings, request_sha256=request_sha)
+            out = Response(status["status"], str(status.get("reason", "")), timings=timings, request_sha256=request_sha,
+                           export=export)
             if status["status"] == "ok":
                 _read_outputs(device, resp, tmp, request, expect, out)
                 out.counts = _counts(device, spec, run_dir, tmp, timings, valgrind)
-            out.evidence = _evidence(device, spec, program, argv, request_sha, timings, out.counts)
+            memory = _peak_rss(device, run_dir, tmp) if isinstance(wrapper, Path) else wrapper
+            if isinstance(memory, int):
+                out.peak_rss_bytes = memory
+            out.evidence = _evidence(device, spec, program, argv, request_sha, timings, out.counts, memory, export)
             return out
     finally:
         try:
@@ -268,6 +303,21 @@ def _read_outputs(device: Device, resp: str, tmp: Path, request: Request, expect
             out.cache_v.append(pair[1])
 
 
+def _peak_rss(device: Device, run_dir: str, tmp: Path) -> int | str:
+    """The engine's peak RSS in bytes from the wrapper's file, or why it could not be read."""
+    remote = f"{run_dir}/{peak_rss.OUTPUT}"
+    if device.transport.remote_digest(remote) is None:
+        return "not read: tb_peak_rss wrote nothing"
+    device.pull(remote, tmp / peak_rss.OUTPUT)
+    try:
+        kb = json.loads((tmp / peak_rss.OUTPUT).read_text())["peak_rss_kb"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"not read: {peak_rss.OUTPUT} is not what tb_peak_rss writes ({e})"
+    if isinstance(kb, bool) or not isinstance(kb, int) or kb <= 0:
+        return f"not read: {peak_rss.OUTPUT} says peak_rss_kb={kb!r}"
+    return kb * 1024
+
+
 def _counts(device: Device, spec: EngineSpec, run_dir: str, tmp: Path, timings: dict, valgrind: bool):
     """Per call where the engine marks its calls (tb_engine.h), on a device that counts (or the host under
     valgrind); the whole process where it does not, labelled so by the evidence."""
@@ -288,7 +338,7 @@ def _counts(device: Device, spec: EngineSpec, run_dir: str, tmp: Path, timings: 
 
 
 def _evidence(device: Device, spec: EngineSpec, program: Path, argv: list[str], request_sha: str, timings: dict,
-              counts) -> Evidence:
+              counts, memory: int | str, export: exporting.Export | None) -> Evidence:
     calls = timings.get("calls") or []
     detail = {**spec.identity(), "request_sha256": request_sha, "engine_reported": timings.get("engine"),
               "device_time": timings.get("device_time"), "timed_calls": len(calls),
@@ -299,5 +349,9 @@ def _evidence(device: Device, spec: EngineSpec, program: Path, argv: list[str], 
     detail |= program_identity(program)
     if counts:
         detail["instructions"] = counts.metadata()
+    detail |= {"peak_rss_bytes": memory, "peak_rss_how": peak_rss.HOW} if isinstance(memory, int) else \
+        {"peak_rss": memory}
+    if export is not None:
+        detail |= export.evidence()
     return Evidence(device.name, program.name, program_digest(program), quoted(argv),
                     float(sum(float(c["wall_s"]) for c in calls)) if calls else None, detail)

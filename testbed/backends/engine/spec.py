@@ -1,11 +1,16 @@
 """engines/NAME.yaml: an engine under test as engine contract v1 describes it
 (engines/contract-v1.schema.json). A file that breaks the schema is one line naming the file and the
-key, exit 2."""
+key, exit 2.
+
+An engine with an `export:` section is exporter-based (ExecuTorch, ONNX Runtime, LiteRT, MNN): its
+exporter runs on the host, once per content, from the Hugging Face folder testbed hands it, and its
+program reads the exporter's output as request/model/ (testbed.backends.engine.export)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +25,17 @@ PROJECT_ENGINES = Path(__file__).resolve().parents[3] / "engines"
 SCHEMA_FILE = PROJECT_ENGINES / f"contract-v{CONTRACT_VERSION}.schema.json"
 TARGETS = ("host", "arm32", "aarch64", "hexagon")
 TECHNIQUES = ("chunk_prefill", "tail", "hybrid")
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """The yaml's `export:`: how the runtime's files are made from a Hugging Face folder, on the host."""
+
+    command: tuple[str, ...]       # argv; {python} {source} {model} {out} and one placeholder per key
+    extra: str                     # the pyproject extra that installs it
+    modules: tuple[str, ...]       # Python modules it imports (missing: exit 3 naming the extra)
+    keys: tuple[str, ...]          # request values the export depends on (request.json's dotted keys)
+    timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -40,6 +56,7 @@ class EngineSpec:
     invoke: tuple[str, ...]
     timeout_s: float
     counts: str                    # "marked": per call (tb_engine.h's marks) | "process": the whole run
+    export: ExportSpec | None = None  # exporter-based: the program reads the exporter's output
 
     def identity(self) -> dict:
         return {"engine": self.name, "engine_yaml": str(self.path), "engine_yaml_sha256": self.yaml_sha256}
@@ -147,6 +164,26 @@ def parse(path: Path) -> EngineSpec:
     if "{program}" not in data["invoke"] and not any("{program}" in a for a in data["invoke"]):
         raise UsageError(f"{path}: invoke={data['invoke']!r} never names {{program}}")
     supports = data["supports"]
+    export = None
+    if "export" in data:
+        e = data["export"]
+        if "hf" not in supports.get("model_formats", []):
+            raise UsageError(f"{path}: export needs supports.model_formats to list hf (the exporter reads a Hugging "
+                             f"Face folder); it lists {supports.get('model_formats', ['safetensors'])}")
+        if source is None or not source.is_dir():
+            raise UsageError(f"{path}: source={data.get('source')!r} is not a folder (relative to the yaml); the "
+                             "exporter runs in it")
+        fields = {"python", "source", "model", "out", *(k.replace(".", "_") for k in e.get("keys", []))}
+        for part in e["command"]:
+            for _, name, _, _ in string.Formatter().parse(part):
+                if name is not None and name not in fields:
+                    raise UsageError(f"{path}: export.command names {{{name}}}; accepted: "
+                                     f"{', '.join('{' + f + '}' for f in sorted(fields))} (a key's placeholder "
+                                     "needs it in export.keys)")
+        if not any("{out}" in part for part in e["command"]) or not any("{model}" in part for part in e["command"]):
+            raise UsageError(f"{path}: export.command={e['command']!r} must name {{model}} and {{out}}")
+        export = ExportSpec(tuple(e["command"]), e["extra"], tuple(e["modules"]), tuple(e.get("keys", [])),
+                            float(e.get("timeout_s", 3600)))
     return EngineSpec(
         name=data["name"], path=path, yaml_sha256=hashlib.sha256(raw).hexdigest(),
         description=data.get("description", ""), source=source,
@@ -154,5 +191,6 @@ def parse(path: Path) -> EngineSpec:
         program=data["program"], abis=tuple(data["abis"]), techniques=tuple(supports["techniques"]),
         model_formats=tuple(supports.get("model_formats", ["safetensors"])),
         weights=tuple(supports.get("weights", ["f32"])), cache=tuple(supports.get("cache", ["float32"])),
-        invoke=tuple(data["invoke"]), timeout_s=float(data.get("timeout_s", 600)), counts=data.get("counts", "process"))
+        invoke=tuple(data["invoke"]), timeout_s=float(data.get("timeout_s", 600)), counts=data.get("counts", "process"),
+        export=export)
 
