@@ -3,7 +3,7 @@
 
     adapter.py REQUEST_DIR RESPONSE_DIR
 
-request/model/ is export.py's output (request.json: model.format "hf", model.exported "onnxruntime"): one
+request/model/ is export.py's output (request.json: model.format "hf", model.exported the engine's name): one
 ONNX graph of the model with its past key/values as inputs and outputs, run by onnxruntime's CPU execution
 provider. The adapter keeps the cache itself (per layer K and V [1, kv_heads, rows, head_dim], every row,
 as numpy arrays), so a call's pad rows are removed by slicing what the graph returns.
@@ -73,16 +73,14 @@ class Engine:
     def rows(self) -> int:
         return self.cache[0].shape[2]
 
-    def call(self, name: str, tokens: np.ndarray, start: int, width: int, wanted: list[int], timed: bool):
-        """tokens[start:start+len] as one call of `width` rows (zero-padded), appended to the cache at
-        position `start` (the cache holds exactly the rows before it); the pad rows are dropped after.
-        Returns the logits of the positions in `wanted` (each within this call)."""
-        real = len(tokens)
+    def call(self, name: str, tokens: np.ndarray, position: int, width: int, rows: list[int], timed: bool):
+        """`tokens` as one call of `width` rows (zero-padded) at positions position.., appended to the
+        cache; the pad rows are dropped after. Returns the logits of the call's `rows`."""
+        real, kept = len(tokens), self.rows
         ids = np.zeros((1, width), np.int64)
         ids[0, :real] = tokens
-        positions = np.arange(start, start + width, dtype=np.int64)[None]
-        rows = np.asarray([at - start for at in wanted] or [real - 1], np.int64)
-        feeds = {"input_ids": ids, "position_ids": positions, "logits_rows": rows,
+        positions = np.arange(position, position + width, dtype=np.int64)[None]
+        feeds = {"input_ids": ids, "position_ids": positions, "logits_rows": np.asarray(rows or [real - 1], np.int64),
                  **{name: kv for name, kv in zip(self.manifest["inputs"][3:], self.cache)}}
         wall, cpu = time.perf_counter(), time.process_time()
         out = self.session.run(None, feeds)
@@ -90,8 +88,8 @@ class Engine:
         if timed:
             self.calls.append({"name": name, "rows": width, "wall_s": wall, "cpu_s": cpu, "counted": False})
         # the pad rows (past the call's real rows) never stay in the cache
-        self.cache = [np.ascontiguousarray(kv[:, :, :start + real]) for kv in out[1:]]
-        return out[0][0, :len(wanted)]
+        self.cache = [np.ascontiguousarray(kv[:, :, :kept + real]) for kv in out[1:]]
+        return out[0][0, :len(rows)]
 
     def prefill(self, tokens: np.ndarray, past: int, chunk: int, mode: str, wanted: list[int], timed: bool,
                 names=("past", "chunk")) -> dict[int, np.ndarray]:
@@ -106,11 +104,13 @@ class Engine:
             if last and mode == "scalar":
                 for i in range(s, end):
                     at = [p for p in wanted if p == i]
-                    logits |= dict(zip(at, self.call("decode", tokens[i:i + 1], i, 1, at, timed)))
+                    logits |= dict(zip(at, self.call("decode", tokens[i:i + 1], i, 1, [0] * len(at), timed)))
                 continue
             width = end - s if last and mode == "none" else chunk
             at = [p for p in wanted if s <= p < end]
-            logits |= dict(zip(at, self.call(name, tokens[s:end], s, width, at, timed)))
+            position = s                      # the call's first position: the rows before it are cached
+            rows = [p - s for p in at]        # the call's rows whose logits are asked
+            logits |= dict(zip(at, self.call(name, tokens[s:end], position, width, rows, timed)))
         return logits
 
 
@@ -121,11 +121,13 @@ def check(request: dict, folder: Path) -> None:
         raise Refused(f"technique={technique}: the onnxruntime engine serves chunk_prefill and tail (the Qwen3.5 "
                       "hybrid's recurrent state is not in its export)")
     model = request.get("model", {})
-    if model.get("format") != "hf" or model.get("exported") != "onnxruntime":
+    if model.get("format") != "hf" or not model.get("exported"):
         raise Refused(f"model.format={model.get('format')}, exported={model.get('exported')}: the onnxruntime engine "
-                      "reads its own export of a Hugging Face folder")
+                      "reads export.py's export of a Hugging Face folder")
     if (folder / "refused.json").is_file():
         raise Refused(json.loads((folder / "refused.json").read_text())["reason"])
+    if not (folder / "export.json").is_file():
+        raise Refused("request/model/ holds no export.json: not export.py's export")
     if model.get("weights", "f32") != "f32":
         raise Refused(f"weights={model.get('weights')}: the export is float32")
     cache = request.get("cache") or {}
