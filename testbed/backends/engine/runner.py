@@ -30,8 +30,8 @@ from testbed.backends.native.build import target_for_abi
 from testbed.backends.native.device import check_machine, program_digest, program_identity, pull_dumps, \
     runner_prefix, stage_folder, stage_program
 from testbed.devices import Device
-from testbed.devices.transport import CommandTimeout, quoted
-from testbed.errors import DeviceError
+from testbed.devices.transport import CommandTimeout, elf_machine, quoted
+from testbed.errors import DeviceError, UsageError
 from testbed.measure import counts as counting
 
 
@@ -198,6 +198,11 @@ def call(device: Device, spec: EngineSpec, request: Request, expect: Expect, pro
     An exporter-based engine's model is exported first (on the host, once per content; `say` hears its
     progress and heartbeats)."""
     check_machine(device, program)
+    if getattr(device.transport, "kind", "") == "qemu" and elf_machine(program) is None:
+        # qemu-user emulates ELF programs only: a script would run on this host and pass as the device's
+        raise UsageError(f"{device.name}: engine {spec.name}'s program {program.name} is not an ELF program; under "
+                         f"qemu-user it would run on this host, not emulated; accepted: a program built for "
+                         f"{device.profile.abi} ({spec.path}: build)")
     body = request.as_json()
     export = None
     if spec.export is not None:
