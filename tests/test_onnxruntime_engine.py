@@ -129,6 +129,9 @@ def test_planted_adapter_faults_fail(gemma3, tmp_path, fault):
     assert done.returncode == 1, done.stdout + done.stderr
     for oracle in failing:
         assert verdicts[oracle] == "fail", (oracle, verdicts, done.stdout)
+    table = cli("table", "chunk_prefill", "--format", "json", env={"TESTBED_RESULTS": str(tmp_path / "results")})
+    [row] = json.loads(table.stdout)["engines"]  # the engines table says it too
+    assert row["engine"] == "onnx-faulty" and row["verdict"] == "fail", row
 
 
 def test_padded_tail_rolls_back_byte_for_byte_and_sinks_are_refused(tmp_path):

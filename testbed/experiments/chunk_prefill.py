@@ -331,9 +331,14 @@ def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -
 def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
     p, c = cfg.bench.past, cfg.chunk
     ctx.progress(f"chunk_prefill bench P={p} C={c}")
-    times = backend.bench(prompt, p, c, cfg.bench.reps, cfg.bench.warmup)
-    evidence = backend.evidence.take()
     params = {"past": p, "chunk": c, "threads": cfg.threads}
+    try:
+        times = backend.bench(prompt, p, c, cfg.bench.reps, cfg.bench.warmup)
+    except backends.NotSupported as e:  # an engine that refuses to be measured: said as such, never a figure
+        yield Record("chunk_prefill", f"P={p},C={c}/bench", "oracle", "bench", "not supported", None, {},
+                     params=params | {"form": "chunk_call"}, detail=str(e), evidence=backend.evidence.take())
+        return
+    evidence = backend.evidence.take()
     for name, rows in (("chunk_call", c), ("decode_step", 1)):
         flops = gemma.graph_flops(model, rows, p)
         counted = {"instructions": times[f"{name}_instructions"]} if f"{name}_instructions" in times else {}
@@ -491,11 +496,13 @@ def sweep_row(df: pd.DataFrame) -> dict:
         row["token verdicts"] = " ".join(f"{c.split('/')[0]}:{v}" for c, v in zip(tokens["case"], tokens["verdict"]))
         row["oracles"] = Tally(oracles["verdict"]).phrase()
         row["token margin"] = float(pd.to_numeric(tokens["margin"], errors="coerce").min())
-        row["ref top1-top2"] = float(pd.to_numeric(tokens["metrics.margin_ref"]).min())
+        # a job whose every verdict is a refusal has no reference margins
+        row["ref top1-top2"] = float(pd.to_numeric(tokens["metrics.margin_ref"]).min()) \
+            if "metrics.margin_ref" in tokens else None
         diffs = pd.to_numeric(oracles.get("metrics.max_abs_logits_diff"), errors="coerce")
         row["max |dlogit|"] = float(diffs.max())
     for form in ("chunk_call", "decode_step"):
-        m = df[df.get("params.form") == form] if "params.form" in df else df.iloc[:0]
+        m = df[(df.get("params.form") == form) & (df["kind"] == "measure")] if "params.form" in df else df.iloc[:0]
         if len(m):
             row[f"{form} s"] = float(m["figures.time.median"].iloc[0])
             if form == "chunk_call":  # its repetitions, for the best C's confidence (programs only)
