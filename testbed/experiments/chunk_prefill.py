@@ -38,7 +38,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma
-from testbed import backends
+from testbed import backends, verdicts
 from testbed.backends.iree.artifacts import target_names
 from testbed.backends.native.engine import WEIGHT_DTYPES, dequantized
 from testbed.config import Choice, Float, Int, IntList, project_path
@@ -50,7 +50,6 @@ from testbed.oracles.numerical import digest
 from testbed.oracles.tokens import Reference, TokenCase, check_mask_heads, check_token_at_position
 from testbed.report import implementations, tables
 from testbed.results import Record
-from testbed import verdicts
 from testbed.verdicts import Tally
 
 PRESETS = {"tiny": gemma.tiny_config, "functiongemma": gemma.functiongemma_config}
@@ -616,15 +615,16 @@ def engines(df: pd.DataFrame) -> pd.DataFrame:
             reply = int(first.get("config.latency.reply_tokens") or 0)
             samples = {c: list(r.get("figures.time.samples") or [r["figures.time.median"]]) for c, r in by_c.items()}
             decode_s = float(decode.median()) if len(decode) else 0.0
-            emulated = bool(calls.get("emulated", pd.Series(False)).fillna(False).astype(bool).any())
+            if "emulated" in calls and calls["emulated"].fillna(False).astype(bool).any():
+                calls = calls.iloc[:0]  # an emulated device's times are never speed (testbed.measure.emulation)
+                row["best C says"] = "none: the device is emulated (its times are never speed)"
+        if len(calls):
             decision = best_chunk(samples, decode_s, lengths, weights if isinstance(weights, list) else None, reply)
             best = int(decision["best"])
             rate, rate_ci = _at(by_c[best], "rows_per_s")
             cpu, cpu_ci = _at(by_c[best], "cpu_time")
-            row |= {"best C": best, "best C says": "emulated: its times decide nothing" if emulated
-                    else decision["says"],
-                    "prefill tok/s": rate, "tok/s lo": rate_ci[0] if rate_ci else None,
-                    "tok/s hi": rate_ci[1] if rate_ci else None,
+            row |= {"best C": best, "best C says": decision["says"], "prefill tok/s": rate,
+                    "tok/s lo": rate_ci[0] if rate_ci else None, "tok/s hi": rate_ci[1] if rate_ci else None,
                     "chunk call CPU ms": cpu * 1e3 if cpu is not None else None,
                     "CPU ms lo": cpu_ci[0] * 1e3 if cpu_ci else None, "CPU ms hi": cpu_ci[1] * 1e3 if cpu_ci else None}
         rss, export = _evidence_max(group, "peak_rss_bytes"), _evidence_max(group, "export_bytes")

@@ -165,6 +165,17 @@ def engine_gguf(cfg: DictConfig, model: qwen35.HybridConfig, w: dict):
     return gguf_for(project_path(cfg.model.checkpoint)) if cfg.model.checkpoint else gguf_of(model, w)
 
 
+def engine_model(cfg: DictConfig, model: qwen35.HybridConfig, w: dict, formats) -> tuple:
+    """(path, format) of the model as the engine reads it: the GGUF (engine_gguf) where it reads GGUF, else a
+    Hugging Face folder: the checkpoint's, or the one testbed writes of the oracles' model (an exporter's
+    input)."""
+    from testbed.models.hybrid_checkpoints import hf_folder_of
+
+    if "gguf" in formats or given_gguf(cfg):
+        return engine_gguf(cfg, model, w), "gguf"
+    return (project_path(cfg.model.checkpoint) if cfg.model.checkpoint else hf_folder_of(model, w)), "hf"
+
+
 def cases(cfg: DictConfig) -> list[tuple[int, int]]:
     return list(zip(as_list(cfg.oracle.past), as_list(cfg.oracle.tokens)))
 
@@ -260,7 +271,11 @@ def validate_engine(cfg: DictConfig) -> None:
 def artifacts(cfg: DictConfig) -> dict:
     """What computed the records (the program's sha256 and build are in each record's evidence)."""
     if cfg.backend == "engine":
-        return {"engine": str(OmegaConf.select(cfg, "engine", default="")), "model_format": "gguf"}
+        from testbed.backends.engine import spec as engine_spec
+
+        formats = engine_spec.load(OmegaConf.select(cfg, "engine", default="")).model_formats
+        return {"engine": str(OmegaConf.select(cfg, "engine", default="")),
+                "model_format": "gguf" if "gguf" in formats or given_gguf(cfg) else "hf"}
     if cfg.backend == "native":
         from testbed.backends.native import hybrid as engine
 
@@ -361,17 +376,18 @@ def engine_oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     model, w, weights_sha = oracle_model(cfg)
     spec = engine_spec.load(cfg.engine)
     program = engine.program(ctx.device, spec)
-    gguf = engine_gguf(cfg, model, w)
+    model_file, model_format = engine_model(cfg, model, w, spec.model_formats)
     prompt = run_prompt(cfg, model.vocab)
     ids = prompt.ids
-    arts = {"weights_sha256": weights_sha, "gguf": str(gguf), "engine": spec.name, **prompt.artifacts(),
+    arts = {"weights_sha256": weights_sha, model_format if model_format == "gguf" else "model_folder": str(model_file),
+            "engine": spec.name, **prompt.artifacts(),
             **({"checkpoint": str(project_path(cfg.model.checkpoint))} if cfg.model.checkpoint else {})}
     tokenizer = find_tokenizer(cfg.model.checkpoint)
     end = last_position(cfg)
 
     def run(tokens, past, chunk, logits_at, tail="none", state=False, rs_snapshots=0):
-        return engine.prefill(ctx.device, spec, program, gguf, model, tokens, past, chunk, logits_at, tail, state,
-                              cfg.threads, rs_snapshots)
+        return engine.prefill(ctx.device, spec, program, model_file, model, tokens, past, chunk, logits_at, tail, state,
+                              cfg.threads, rs_snapshots, model_format)
 
     def record(case, oracle, response_or_verdict, params, evidence):
         v = response_or_verdict
@@ -653,10 +669,12 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
         from testbed.backends.engine import spec as engine_spec
 
         spec = engine_spec.load(cfg.get("engine"))
-        if "hybrid" not in spec.techniques or "gguf" not in spec.model_formats:  # recorded, never a pass
+        readable = {"gguf", "hf"} & set(spec.model_formats)
+        if "hybrid" not in spec.techniques or not readable:  # recorded, never a pass
             why = (f"engine={spec.name} does not list hybrid ({spec.path}: supports.techniques={list(spec.techniques)})"
-                   if "hybrid" not in spec.techniques else f"engine={spec.name} does not read GGUF ({spec.path}: "
-                   f"supports.model_formats={list(spec.model_formats)}); testbed gives the hybrid's engine a GGUF")
+                   if "hybrid" not in spec.techniques else f"engine={spec.name} reads neither GGUF nor a Hugging Face "
+                   f"folder ({spec.path}: supports.model_formats={list(spec.model_formats)}); testbed gives the "
+                   "hybrid's engine one of those")
             for part in PARTS[cfg.mode]:
                 yield Record("hybrid", f"{part}/engine", "oracle", part, "not supported", None, {"engine": spec.name},
                              detail=why)

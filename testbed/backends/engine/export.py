@@ -23,6 +23,7 @@ that is interrupted leaves no export behind. While it runs, testbed.heartbeat sa
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -74,10 +75,16 @@ def _say_on_stderr(message: str) -> None:
     print(f"testbed: {message}", file=sys.stderr, flush=True)
 
 
+@functools.lru_cache(maxsize=1)
+def _distributions() -> dict[str, list[str]]:
+    """Top-level module -> the installed distributions providing it (read once: it scans every one)."""
+    return importlib.metadata.packages_distributions()
+
+
 def module_versions(spec: EngineSpec) -> dict[str, str]:
     """{module: version of the distribution that provides it} for every module the exporter names; a
     module that is not installed is ToolMissing (exit 3) naming the extra that installs it."""
-    provides = importlib.metadata.packages_distributions()
+    provides = _distributions()
     versions = {}
     for module in spec.export.modules:
         try:
@@ -93,13 +100,21 @@ def module_versions(spec: EngineSpec) -> dict[str, str]:
     return versions
 
 
+_DIGESTS: dict[tuple, str] = {}  # a folder's digest while its files keep their size and mtime (this process)
+
+
 def folder_digest(folder: Path) -> str:
-    """sha256 over a flat folder's files (names and contents' sha256), as the folder is pushed to a device."""
-    h = hashlib.sha256()
-    for path in sorted(Path(folder).iterdir()):
-        if path.is_file() and not path.is_symlink():
+    """sha256 over a flat folder's files (names and contents' sha256), as the folder is pushed to a device.
+    A run asks for one folder's export once per request: its bytes (a real checkpoint's gigabyte) are read
+    again only when a file's name, size or mtime changed."""
+    files = [p for p in sorted(Path(folder).iterdir()) if p.is_file() and not p.is_symlink()]
+    seen = (str(Path(folder).resolve()), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+    if seen not in _DIGESTS:
+        h = hashlib.sha256()
+        for path in files:
             h.update(path.name.encode() + b"\0" + sha256_file(path).encode() + b"\n")
-    return h.hexdigest()
+        _DIGESTS[seen] = h.hexdigest()
+    return _DIGESTS[seen]
 
 
 def exporter_digest(spec: EngineSpec) -> str:

@@ -1,6 +1,7 @@
 """backend=engine for experiment hybrid: the Qwen3.5 hybrid (GDN layers with conv and recurrent state,
 gated full attention with its KV cache) served by an engine under test that reads GGUF (llama.cpp
-through tb_llama_engine). testbed writes the GGUF (testbed.models.gguf_files) and owns the plan: one
+through tb_llama_engine) or a Hugging Face folder (an exporter's input). testbed writes the GGUF
+(testbed.models.gguf_files) or the folder (testbed.models.hybrid_checkpoints.hf_folder_of) and owns the plan: one
 request per prefill, its calls of C rows over the engine's recurrent state, the logits rows the
 oracles judge, and for a padded tail the state bytes after the pad rows are removed. A refusal is
 returned as it is (the experiment records "not supported" with the engine's words), never raised
@@ -27,9 +28,9 @@ def program(device: Device, spec: specs.EngineSpec) -> Path:
     if "hybrid" not in spec.techniques:
         raise UsageError(f"engine={spec.name} does not support hybrid ({spec.path}: supports.techniques="
                          f"{list(spec.techniques)})")
-    if "gguf" not in spec.model_formats:
+    if not {"gguf", "hf"} & set(spec.model_formats):
         raise UsageError(f"engine={spec.name} reads {', '.join(spec.model_formats)}; experiment hybrid gives an "
-                         f"engine a GGUF ({spec.path}: supports.model_formats)")
+                         f"engine a GGUF or a Hugging Face folder ({spec.path}: supports.model_formats)")
     return build.program_for(spec, kernel_build.target_for_abi(device.profile.abi))
 
 
@@ -39,12 +40,13 @@ def call_ends(past: int, total: int, chunk: int) -> list[int]:
     return ends + [min(s + chunk, total) - 1 for s in range(past, total, chunk)]
 
 
-def prefill(device: Device, spec: specs.EngineSpec, engine_program: Path, gguf: Path, cfg: qwen35.HybridConfig,
+def prefill(device: Device, spec: specs.EngineSpec, engine_program: Path, model: Path, cfg: qwen35.HybridConfig,
             tokens, past: int, chunk: int, logits_at: list[int], tail: str = "none", state: bool = False,
-            threads: int = 1, rs_snapshots: int = 0) -> Response:
+            threads: int = 1, rs_snapshots: int = 0, model_format: str = "gguf") -> Response:
     """One request: tokens[0:past], then the rest, in calls of `chunk` rows, the last one as `tail` says;
-    `rs_snapshots` recurrent states kept for a rollback (0: the engine's default)."""
-    request = Request("hybrid", np.asarray(tokens, np.int32).reshape(-1), gguf, "gguf", "f32", asdict(cfg), past,
+    `rs_snapshots` recurrent states kept for a rollback (0: the engine's default). `model`: a GGUF, or a
+    Hugging Face folder (model_format hf)."""
+    request = Request("hybrid", np.asarray(tokens, np.int32).reshape(-1), model, model_format, "f32", asdict(cfg), past,
                       chunk, logits_at, tail, {"dtype": "float32", "window": 0, "sink": 0}, state, threads,
                       rs_snapshots=rs_snapshots)
     return call(device, spec, request, Expect(cfg.vocab), engine_program)
