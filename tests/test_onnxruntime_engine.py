@@ -8,7 +8,11 @@ execution provider) under testbed's oracles, on a Gemma 3 checkpoint transformer
 - the padded tail with its pad rows removed equals the unpadded append byte for byte, and attention sinks
   are refused in the engine's words ("not supported");
 - the seed's case (P=800, n=52, C=64 -> position 851) on a FunctionGemma-shaped tiny checkpoint: opt-in
-  (-m slow_build: an 18-layer export).
+  (-m slow_build: an 18-layer export);
+- the exporter machinery (testbed.backends.engine.export) on small exporters written here: one export per
+  content and key value, a heartbeat while it runs, a failing exporter one line quoting its first error
+  (exit 4) that leaves nothing behind, a missing module exit 3 naming the extra, a bad export section one
+  line naming the key.
 
 Each model is exported once per content (.cache/exports/): a cold run exports the 4-layer checkpoint and
 the tail's 2-layer model (about 30 s of CPU each); warm runs reuse them."""
@@ -295,3 +299,26 @@ def lab_dir(tmp_path, monkeypatch):
     folder.mkdir()
     monkeypatch.setenv("TESTBED_LAB", str(folder))
     return folder
+
+
+BAD_EXPORT_SECTIONS = {
+    "an unknown placeholder": ('"{out}"]', '"{out}", "--c={chunk}"]', "export.command names {chunk}"),
+    "no {out}": ('"{model}", "{out}"]', '"{model}"]', "must name {model} and {out}"),
+    "no extra": ("extra: onnx, ", "", "export.extra is missing"),
+    "a key the request has not": ('keys: []', 'keys: [tokens]', "export.keys[0]='tokens'"),
+    "a folder format": ("model_formats: [hf]", "model_formats: [safetensors]", "export needs supports.model_formats"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_EXPORT_SECTIONS)
+def test_a_bad_export_section_is_one_line_naming_the_key(lab_dir, case):
+    from testbed.backends.engine import spec
+    from testbed.errors import UsageError
+
+    yaml = lab_exporter(lab_dir, "bad", COUNTING)
+    old, new, said = BAD_EXPORT_SECTIONS[case]
+    assert old in yaml.read_text(), old
+    yaml.write_text(yaml.read_text().replace(old, new))
+    with pytest.raises(UsageError) as e:
+        spec.load("bad")
+    assert said in str(e.value) and str(yaml) in str(e.value) and "\n" not in str(e.value)
