@@ -52,3 +52,29 @@ def test_where_it_is_not_read_the_reason_is_said(results_dir):
         finally:
             device.close()
     assert peak_rss.build("hexagon").startswith("not read: no compiler here builds tb_peak_rss for hexagon")
+
+
+@pytest.mark.parametrize("which", ["local_device", "ssh_device"])
+def test_every_engine_request_says_its_peak_rss_through_the_transport(request, which, wrapper):
+    """testbed-c serving one chunk_prefill request on the host and over SSH (a real sshd on loopback): the
+    wrapper is pushed like a program, its file pulled like a response; the figure is in the evidence."""
+    import numpy as np
+
+    from refimpl import gemma
+    from testbed.backends.engine import build, spec as engine_spec
+    from testbed.backends.engine.gemma import model_config
+    from testbed.backends.engine.models import GemmaModel
+    from testbed.backends.engine.runner import Expect, Request, call
+
+    device = request.getfixturevalue(which)
+    spec = engine_spec.load("testbed-c")
+    cfg = gemma.tiny_config(layers=2)
+    model, fmt = GemmaModel(cfg, gemma.init_weights(cfg, 0)).file_for(spec)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab, 12)
+    response = call(device, spec, Request("chunk_prefill", tokens, model, fmt, "f32", model_config(cfg, "f32", 32),
+                                          past=5, chunk=4, logits_at=[11]),
+                    Expect(cfg.vocab, cfg.layers, cfg.kv_heads, cfg.head_dim), build.program_for(spec, "host"))
+    assert response.status == "ok" and 1 << 20 < response.peak_rss_bytes < 1 << 30
+    detail = response.evidence.detail
+    assert detail["peak_rss_bytes"] == response.peak_rss_bytes and "VmHWM" in detail["peak_rss_how"]
+    assert "tb_peak_rss" in response.evidence.command
