@@ -199,7 +199,8 @@ def cmd_sweep(args) -> int:
     for module in dict.fromkeys(modules):
         if hasattr(module, "sweep_footer"):
             print(module.sweep_footer(pd.DataFrame(rows), jobs))
-        for name, table in (module.more_tables(pd.concat(frames[module])) if hasattr(module, "more_tables") else {}).items():
+        more = module.more_tables(pd.concat(frames[module])) if hasattr(module, "more_tables") else {}
+        for name, table in more.items():  # e.g. chunk_prefill's engines table
             print(f"\n{name}:\n{tables.markdown(table)}")
     print(f"{len(jobs)} runs, oracles {tally.phrase()}; records in {runner.results_store(jobs[0]).path}")
     return tally.exit_status()

@@ -342,8 +342,8 @@ def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
         flops = gemma.graph_flops(model, rows, p)
         counted = {"instructions": times[f"{name}_instructions"]} if f"{name}_instructions" in times else {}
         # an engine's CPU time of the call, its process's peak RSS and its export's size, where it has them
-        counted |= {figure: times[key] for figure, key in (("cpu_time", f"{name}_cpu"), ("peak_rss", f"{name}_peak_rss"),
-                                                          ("export_bytes", "export_bytes")) if key in times}
+        extra = (("cpu_time", f"{name}_cpu"), ("peak_rss", f"{name}_peak_rss"), ("export_bytes", "export_bytes"))
+        counted |= {figure: times[key] for figure, key in extra if key in times}
         yield Record("chunk_prefill", f"P={p},C={c}/{name}", "measure",
                      figures={"time": times[name], "gflops": times[name].rate(flops / 1e9, "GFLOP/s"),
                               "rows_per_s": times[name].rate(rows, "rows/s"), **counted}, evidence=evidence,

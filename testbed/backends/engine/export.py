@@ -169,6 +169,11 @@ def _check_output(spec: EngineSpec, out: Path) -> int:
     return size
 
 
+def _final_log(log: Path) -> Path:
+    """Where a log written as KEY.tmpPID.log ends up: KEY.log."""
+    return log.with_name(re.sub(r"\.tmp\d+\.log$", ".log", log.name))
+
+
 def _run(spec: EngineSpec, argv: list[str], log: Path, say: Callable[[str], None]) -> float:
     """Run the exporter in its source folder, its output into `log`; its wall seconds. Its process group
     is killed on a timeout or when testbed is interrupted."""
@@ -188,14 +193,16 @@ def _run(spec: EngineSpec, argv: list[str], log: Path, say: Callable[[str], None
             p.wait()
             if isinstance(e, subprocess.TimeoutExpired):
                 raise ExportFailed(f"engine={spec.name}: the exporter did not finish within export.timeout_s="
-                                   f"{spec.export.timeout_s:g} ({spec.path}); killed, its output in {log}") from None
+                                   f"{spec.export.timeout_s:g} ({spec.path}); killed, its output in "
+                                   f"{_final_log(log)}") from None
             raise
     if code != 0:
         text = log.read_text(errors="replace")
         if code == 3:  # the exporter's own word for a missing tool, as testbed's builders say it
             raise ToolMissing(f"engine={spec.name}: exporting: {first_error(text)} (pip install "
                               f"'testbed[{spec.export.extra}]')")
-        raise ExportFailed(f"engine={spec.name}: the exporter exited {code}: {first_error(text)} (its output: {log})")
+        raise ExportFailed(f"engine={spec.name}: the exporter exited {code}: {first_error(text)} (its output: "
+                           f"{_final_log(log)})")
     return time.monotonic() - began
 
 
@@ -224,13 +231,17 @@ def exported(spec: EngineSpec, folder: Path, values: dict | None = None,
     shown = ", ".join(f"{k}={v}" for k, v in values.items())
     say(f"exporting {spec.name} from {folder}{f' at {shown}' if shown else ''} (once per content: "
         f".cache/exports/{out.name})")
-    log = out.with_name(out.name + ".log")
+    log = out.with_name(out.name + ".log")  # written under this process's name, then put in place whatever happens
+    own_log = out.with_name(f"{out.name}.tmp{os.getpid()}.log")
     try:
-        seconds = _run(spec, argv, log, say)
+        seconds = _run(spec, argv, own_log, say)
         size = _check_output(spec, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if own_log.exists():
+            own_log.replace(log)
     sidecar.write_text(json.dumps({"engine": spec.name, "key": key, "seconds": seconds, "size_bytes": size,
                                    "versions": versions, "values": values, "command": argv[1:],
                                    "model": str(folder)}, indent=1) + "\n")
