@@ -157,8 +157,10 @@ def parse(path: Path) -> EngineSpec:
     if "command" in build and (source is None or not source.is_dir()):
         raise UsageError(f"{path}: source={data.get('source')!r} is not a folder (relative to the yaml); a build "
                          "command runs in it")
-    prebuilt = {t: (path.parent / p).resolve() for t, p in build.get("prebuilt", {}).items()} \
-        if "prebuilt" in build else None
+    # a prebuilt program is named relative to the engine's source where it has one and the file is there
+    # (engines/onnxruntime.yaml: source onnxruntime, prebuilt adapter.py), else relative to the yaml
+    prebuilt = {t: (source / p if source is not None and (source / p).is_file() else path.parent / p).resolve()
+                for t, p in build.get("prebuilt", {}).items()} if "prebuilt" in build else None
     if prebuilt is None and "command" not in build:
         raise UsageError(f"{path}: build is missing; accepted: build.command (argv) or build.prebuilt (a path per ABI)")
     if "{program}" not in data["invoke"] and not any("{program}" in a for a in data["invoke"]):
