@@ -187,17 +187,22 @@ def cmd_sweep(args) -> int:
     modules = [runner.check(rc)[0] for rc in jobs]  # every job is checked before the first one runs
     # with farm=, on the lab's nodes that own the devices, devices side by side
     outcomes = farm.execute(address, jobs, runner.results_store(jobs[0])) if address else _sweep_here(jobs)
-    rows, tally = [], verdicts.Tally()
+    rows, tally, frames = [], verdicts.Tally(), {}
     for rc, module, outcome in zip(jobs, modules, outcomes):
         tally += outcome.tally
         summarise = getattr(module, "sweep_row", lambda df: module.view(df).iloc[0].to_dict())
+        frame = outcome.frame()
+        frames.setdefault(module, []).append(frame)
         rows.append({"experiment": rc.experiment, **dict(o.split("=", 1) for o in rc.overrides
                                                           if not o.startswith("experiment=")),
-                     **summarise(outcome.frame())})
+                     **summarise(frame)})
     print(tables.markdown(pd.DataFrame(rows)))
     for module in dict.fromkeys(modules):
         if hasattr(module, "sweep_footer"):
             print(module.sweep_footer(pd.DataFrame(rows), jobs))
+        more = module.more_tables(pd.concat(frames[module])) if hasattr(module, "more_tables") else {}
+        for name, table in more.items():  # e.g. chunk_prefill's engines table
+            print(f"\n{name}:\n{tables.markdown(table)}")
     print(f"{len(jobs)} runs, oracles {tally.phrase()}; records in {runner.results_store(jobs[0]).path}")
     return tally.exit_status()
 
@@ -217,7 +222,8 @@ def cmd_table(args) -> int:
     view = module.view(speed)
     # rows drawn from several records each (a sweep's row per N): the records' samples ride beside them
     behind = tables.record_samples(speed) if "samples" not in view.columns else []
-    print(tables.render(view, args.format, breakevens, behind))
+    more = module.more_tables(speed) if hasattr(module, "more_tables") else {}  # e.g. chunk_prefill's engines table
+    print(tables.render(view, args.format, breakevens, behind, more))
     if args.format == "csv":  # the CSV holds rows alone
         for b in breakevens:
             print(tables.breakeven_line(b), file=sys.stderr)

@@ -10,6 +10,9 @@ An experiment module provides:
   sweep_footer(rows, jobs) -> str  what a sweep prints below its table: the decisions over its jobs,
                           each with its confidence (testbed.measure.decisions) (optional)
   summary(frame) -> [frames]  what `testbed run` prints (optional; defaults to [view(frame)])
+  more_tables(frame) -> {name: frame}  tables drawn over a set of runs beside view's: printed under a sweep,
+                          by `testbed table` (an object of their own in JSON) and in the report (optional;
+                          chunk_prefill's engines table)
   validate(cfg)           cross-parameter checks (optional), raising UsageError
   SWEEP_TOGETHER          keys a sweep measures interleaved in one job, not one job per value (optional)
 """

@@ -38,7 +38,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma
-from testbed import backends
+from testbed import backends, verdicts
 from testbed.backends.iree.artifacts import target_names
 from testbed.backends.native.engine import WEIGHT_DTYPES, dequantized
 from testbed.config import Choice, Float, Int, IntList, project_path
@@ -48,7 +48,7 @@ from testbed.models.checkpoints import load_checkpoint
 from testbed.models.prompts import find_tokenizer, load_prompt
 from testbed.oracles.numerical import digest
 from testbed.oracles.tokens import Reference, TokenCase, check_mask_heads, check_token_at_position
-from testbed.report import tables
+from testbed.report import implementations, tables
 from testbed.results import Record
 from testbed.verdicts import Tally
 
@@ -391,12 +391,20 @@ def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -
 def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
     p, c = cfg.bench.past, cfg.chunk
     ctx.progress(f"chunk_prefill bench P={p} C={c}")
-    times = backend.bench(prompt, p, c, cfg.bench.reps, cfg.bench.warmup)
-    evidence = backend.evidence.take()
     params = {"past": p, "chunk": c, "threads": cfg.threads}
+    try:
+        times = backend.bench(prompt, p, c, cfg.bench.reps, cfg.bench.warmup)
+    except backends.NotSupported as e:  # an engine that refuses to be measured: said as such, never a figure
+        yield Record("chunk_prefill", f"P={p},C={c}/bench", "oracle", "bench", "not supported", None, {},
+                     params=params | {"form": "chunk_call"}, detail=str(e), evidence=backend.evidence.take())
+        return
+    evidence = backend.evidence.take()
     for name, rows in (("chunk_call", c), ("decode_step", 1)):
         flops = gemma.graph_flops(model, rows, p)
         counted = {"instructions": times[f"{name}_instructions"]} if f"{name}_instructions" in times else {}
+        # an engine's CPU time of the call, its process's peak RSS and its export's size, where it has them
+        extra = (("cpu_time", f"{name}_cpu"), ("peak_rss", f"{name}_peak_rss"), ("export_bytes", "export_bytes"))
+        counted |= {figure: times[key] for figure, key in extra if key in times}
         yield Record("chunk_prefill", f"P={p},C={c}/{name}", "measure",
                      figures={"time": times[name], "gflops": times[name].rate(flops / 1e9, "GFLOP/s"),
                               "rows_per_s": times[name].rate(rows, "rows/s"), **counted}, evidence=evidence,
@@ -567,11 +575,13 @@ def sweep_row(df: pd.DataFrame) -> dict:
         row["token verdicts"] = " ".join(f"{c.split('/')[0]}:{v}" for c, v in zip(tokens["case"], tokens["verdict"]))
         row["oracles"] = Tally(oracles["verdict"]).phrase()
         row["token margin"] = float(pd.to_numeric(tokens["margin"], errors="coerce").min())
-        row["ref top1-top2"] = float(pd.to_numeric(tokens["metrics.margin_ref"]).min())
+        # a job whose every verdict is a refusal has no reference margins
+        row["ref top1-top2"] = float(pd.to_numeric(tokens["metrics.margin_ref"]).min()) \
+            if "metrics.margin_ref" in tokens else None
         diffs = pd.to_numeric(oracles.get("metrics.max_abs_logits_diff"), errors="coerce")
         row["max |dlogit|"] = float(diffs.max())
     for form in ("chunk_call", "decode_step"):
-        m = df[df.get("params.form") == form] if "params.form" in df else df.iloc[:0]
+        m = df[(df.get("params.form") == form) & (df["kind"] == "measure")] if "params.form" in df else df.iloc[:0]
         if len(m):
             row[f"{form} s"] = float(m["figures.time.median"].iloc[0])
             if form == "chunk_call":  # its repetitions, for the best C's confidence (programs only)
@@ -592,7 +602,8 @@ def sweep_footer(rows: pd.DataFrame, jobs) -> str:
     groups: dict[tuple, list[dict]] = {}
     for (_, row), rc in zip(rows.iterrows(), jobs):
         if pd.notna(row.get("chunk_call s")) and pd.notna(row.get("decode_step s")):
-            key = (rc.cfg.backend, rc.device, rc.cfg.model.checkpoint or rc.cfg.model.preset)
+            backend = f"engine:{rc.cfg.engine}" if rc.cfg.backend == "engine" else rc.cfg.backend  # one per engine
+            key = (backend, rc.device, rc.cfg.model.checkpoint or rc.cfg.model.preset)
             groups.setdefault(key, []).append(row)
     cfg = jobs[0].cfg
     parts = []
@@ -606,3 +617,103 @@ def sweep_footer(rows: pd.DataFrame, jobs) -> str:
                                     emulated=any(r.get("emulated") is True for r in measured)))
     parts.append(render_fixture(cfg))
     return "\n\n".join(parts)
+
+
+# --- the engines table: every engine under test side by side ----------------------------------------
+
+ENGINE = "engine:"
+
+
+def _headline(tally: Tally) -> str:
+    """One verdict for an engine and technique (testbed.verdicts): fail where any oracle failed or erred,
+    else pass where any passed, else the refusal (not supported) or not judged."""
+    if tally.failed:
+        return verdicts.FAIL
+    for state in (verdicts.PASS, verdicts.NOT_SUPPORTED, verdicts.NOT_JUDGED):
+        if tally[state]:
+            return state
+    return ""
+
+
+def _evidence_max(group: pd.DataFrame, key: str) -> float | None:
+    """The largest `key` any run of the group states in its evidence (every engine request says its peak
+    RSS and, exporter-based, its export's size)."""
+    found = [d.get(key) for ev in group.get("evidence", pd.Series(dtype=object)) if isinstance(ev, list)
+             for e in ev if isinstance(e, dict) for d in [e.get("detail") or {}]]
+    numbers = [float(v) for v in found if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return max(numbers) if numbers else None
+
+
+def _at(row: pd.Series, figure: str) -> tuple[float | None, tuple[float, float] | None]:
+    """A figure's median and the 95% interval of its median (decisions.median_interval) in one record."""
+    median = row.get(f"figures.{figure}.median")
+    if median is None or pd.isna(median):
+        return None, None
+    found = row.get(f"figures.{figure}.samples")
+    return float(median), decisions.median_interval(found) if isinstance(found, list) else None
+
+
+def engines(df: pd.DataFrame) -> pd.DataFrame:
+    """The engines under test side by side (records of chunk_prefill and tail with backend=engine:NAME):
+    one row per engine, technique, device and model. Its verdict (testbed.verdicts: fail, pass, not
+    supported with the engine's reason, not judged) over every oracle of the technique; for chunk_prefill's
+    bench, the best C by the projected utterance latency with its confidence (best_chunk: unpaired
+    bootstrap over each C's repetitions; an emulated device's times decide nothing) and, at that C, the
+    chunk call's prefill tokens/s and CPU time, each its median with the 95% interval of the median; the
+    largest peak RSS of the engine process any of its requests had (VmHWM) and its export's size on disk
+    (exporter-based engines)."""
+    if df.empty or "backend" not in df:
+        return pd.DataFrame()
+    df = df[df["backend"].astype(str).str.startswith(ENGINE)]
+    if df.empty:
+        return pd.DataFrame()
+    settings = [c for c in df.columns if c.startswith("config.")]
+    df = df.assign(_model=[implementations.model_of({k[len("config."):]: v for k, v in zip(settings, values)
+                                                     if not (isinstance(v, float) and math.isnan(v))})
+                            for values in df[settings].itertuples(index=False)])
+    # the newest run of each configuration (its C and mode): an older run's verdicts are history
+    config = [c for c in ("backend", "experiment", "device", "_model", "config.chunk", "config.mode") if c in df]
+    df = df.sort_values("time", kind="stable")
+    df = df[df["run_id"] == df.groupby(config, dropna=False)["run_id"].transform("last")]
+    rows = []
+    for (engine, technique, device, name), group in df.groupby(["backend", "experiment", "device", "_model"],
+                                                                sort=True):
+        tally = Tally.of_records(group.to_dict("records"))
+        refused = group[(group["kind"] == "oracle") & (group["verdict"] == verdicts.NOT_SUPPORTED)]
+        row = {"engine": engine[len(ENGINE):], "technique": technique, "device": device, "model": name,
+               "verdict": _headline(tally), "oracles": tally.phrase(),
+               "reason": str(refused["detail"].iloc[0]) if len(refused) else ""}
+        calls = group[(group["kind"] == "measure") & (group.get("params.form") == "chunk_call")] \
+            if "params.form" in group else group.iloc[:0]
+        if len(calls):
+            calls = calls.sort_values("time").groupby("params.chunk").tail(1)
+            by_c = {int(r["params.chunk"]): r for _, r in calls.iterrows()}
+            decode = group[group.get("params.form") == "decode_step"]["figures.time.median"]
+            first = calls.iloc[0]
+            lengths = list(first.get("config.latency.utterance_tokens") or [16, 36, 44, 52])
+            weights = first.get("config.latency.weights")
+            reply = int(first.get("config.latency.reply_tokens") or 0)
+            samples = {c: list(r.get("figures.time.samples") or [r["figures.time.median"]]) for c, r in by_c.items()}
+            decode_s = float(decode.median()) if len(decode) else 0.0
+            if "emulated" in calls and calls["emulated"].fillna(False).astype(bool).any():
+                calls = calls.iloc[:0]  # an emulated device's times are never speed (testbed.measure.emulation)
+                row["best C says"] = "none: the device is emulated (its times are never speed)"
+        if len(calls):
+            decision = best_chunk(samples, decode_s, lengths, weights if isinstance(weights, list) else None, reply)
+            best = int(decision["best"])
+            rate, rate_ci = _at(by_c[best], "rows_per_s")
+            cpu, cpu_ci = _at(by_c[best], "cpu_time")
+            row |= {"best C": best, "best C says": decision["says"], "prefill tok/s": rate,
+                    "tok/s lo": rate_ci[0] if rate_ci else None, "tok/s hi": rate_ci[1] if rate_ci else None,
+                    "chunk call CPU ms": cpu * 1e3 if cpu is not None else None,
+                    "CPU ms lo": cpu_ci[0] * 1e3 if cpu_ci else None, "CPU ms hi": cpu_ci[1] * 1e3 if cpu_ci else None}
+        rss, export = _evidence_max(group, "peak_rss_bytes"), _evidence_max(group, "export_bytes")
+        row |= {"peak RSS MB": rss / 1e6 if rss else None, "export MB": export / 1e6 if export else None}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def more_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """The tables drawn over a set of runs beside view's (a sweep's, `testbed table`, the report)."""
+    found = engines(df)
+    return {"engines": found} if len(found) else {}

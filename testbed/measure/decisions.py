@@ -78,6 +78,18 @@ def _undecided_text(more: int | None) -> str:
                  "would resolve)")
 
 
+def median_interval(samples: Sequence[float], level: float = LEVEL, seed: int = 0) -> tuple[float, float] | None:
+    """The percentile-bootstrap interval of the median of `samples` at `level` (the statistic the tables
+    print); None with fewer than MIN_REPS repetitions, which give no interval worth printing."""
+    values = np.asarray(samples, float)
+    if values.size < MIN_REPS:
+        return None
+    medians = _medians(values, _draw_picks(values.size, np.random.default_rng(seed)))
+    tail = (1 - level) / 2
+    lo, hi = np.quantile(medians, [tail, 1 - tail])
+    return float(lo), float(hi)
+
+
 def best_of(samples: Mapping[Hashable, Sequence[float]], lower_is_better: bool = True, paired: bool = False,
             by: str = "time", level: float = LEVEL, seed: int = 0) -> dict:
     """The best variant by median, and every variant not distinguishable from it at `level`: a variant

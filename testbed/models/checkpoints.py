@@ -302,28 +302,33 @@ def load_hf_folder(folder: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarra
     return cfg, check_weights(weights, cfg, str(folder))
 
 
-def save_hf_folder(folder: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray]) -> Path:
-    """config.json + model.safetensors (float32), written by the safetensors package."""
+def save_hf_folder(folder: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray],
+                   config_json: dict | None = None) -> Path:
+    """config.json (`config_json`, else Gemma 3's config_to_hf) + model.safetensors (float32), written by the
+    safetensors package."""
     from safetensors.numpy import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=1) + "\n")
+    (folder / "config.json").write_text(json.dumps(config_json or config_to_hf(cfg), indent=1) + "\n")
     save_file({k: np.ascontiguousarray(v, np.float32) for k, v in weights.items()}, str(folder / "model.safetensors"))
     return folder
 
 
-def hf_folder_of(cfg: GemmaConfig, weights: dict[str, np.ndarray], cache: Path | None = None) -> Path:
+def hf_folder_of(cfg, weights: dict[str, np.ndarray], cache: Path | None = None,
+                 config_json: dict | None = None) -> Path:
     """The Hugging Face folder of a model given as config and weights (a seeded preset), written once per
-    content under .cache/hf/: what an engine that takes a Hugging Face folder (model_formats: [hf]) is handed."""
-    h = hashlib.sha256(repr(cfg).encode())
+    content under .cache/hf/: what an engine that takes a Hugging Face folder (model_formats: [hf]) is handed.
+    `cfg` is a GemmaConfig (config.json by config_to_hf) or another model's config with its `config_json`
+    (the Qwen3.5 hybrid's: testbed.models.hybrid_checkpoints.hf_folder_of)."""
+    h = hashlib.sha256(repr(cfg).encode() + json.dumps(config_json, sort_keys=True).encode())
     for name in sorted(weights):
         h.update(name.encode() + b"\0" + np.ascontiguousarray(weights[name], np.float32).tobytes())
     out = (cache or project_path(".cache/hf")) / h.hexdigest()[:16]
     if not (out / "config.json").is_file():
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_hf_folder(tmp, cfg, weights)
+        save_hf_folder(tmp, cfg, weights, config_json)
         try:
             tmp.rename(out)
         except OSError:  # another process wrote the same folder first

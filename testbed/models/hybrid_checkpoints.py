@@ -16,8 +16,9 @@ import numpy as np
 
 from refimpl.qwen35 import HF_LAYER_TYPES, HybridConfig, weight_shapes
 from testbed.errors import UsageError
-from testbed.models.checkpoints import LLAMA_MAX_LAYERS, gguf_writer, hf_count, hf_kind, hf_number, read_hf_folder
 from testbed.inputs import shown
+from testbed.models import checkpoints
+from testbed.models.checkpoints import LLAMA_MAX_LAYERS, gguf_writer, hf_count, hf_kind, hf_number, read_hf_folder
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")  # qwen3_5 nests the text model's fields under text_config
 # Read into HybridConfig (the rest of the computation is fixed by the architecture).
@@ -117,6 +118,31 @@ def config_from_hf(hf: dict, source: str) -> HybridConfig:
         )
     except ValueError as e:
         raise UsageError(f"{source}: {e}") from None
+
+
+def config_to_hf(cfg: HybridConfig) -> dict:
+    """config.json of a Qwen3_5ForCausalLM as transformers 5 saves it (Qwen3_5TextConfig's fields; RoPE under
+    rope_parameters), which config_from_hf reads back to `cfg`."""
+    names = {short: name for name, short in HF_LAYER_TYPES.items()}
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": cfg.vocab,
+        "hidden_size": cfg.hidden, "num_hidden_layers": cfg.layers, "intermediate_size": cfg.mlp,
+        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "linear_num_key_heads": cfg.linear_k_heads, "linear_num_value_heads": cfg.linear_v_heads,
+        "linear_key_head_dim": cfg.linear_head_dim, "linear_value_head_dim": cfg.linear_head_dim,
+        "linear_conv_kernel_dim": cfg.conv_kernel, "layer_types": [names[t] for t in cfg.layer_types],
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                            "partial_rotary_factor": cfg.rotary_fraction},
+        "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "attention_bias": False,
+    }
+
+
+def hf_folder_of(cfg: HybridConfig, weights: dict[str, np.ndarray], cache: Path | None = None) -> Path:
+    """The Hugging Face folder (config.json + model.safetensors) of a hybrid given as config and weights
+    (testbed's seeded model), once per content under .cache/hf/: what an engine that reads a Hugging
+    Face folder, an exporter's input, is handed."""
+    return checkpoints.hf_folder_of(cfg, check_weights(weights, cfg, "weights"), cache, config_to_hf(cfg))
 
 
 def text_tensors(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

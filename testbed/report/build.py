@@ -409,6 +409,25 @@ def chunk_choice(inp: Inputs) -> Section | None:
     return section
 
 
+def engines(inp: Inputs) -> Section | None:
+    """The engines under test side by side (chunk_prefill's engines table over the current chunk_prefill and
+    tail records of every engine:NAME backend): verdict per technique, speed at the best C with its
+    confidence, peak RSS and export size."""
+    records = [r for r in inp.current_of("chunk_prefill") + inp.current_of("tail")
+               if str(r.get("backend", "")).startswith("engine:")]
+    if not records:
+        return None
+    table = experiments.load("chunk_prefill").engines(pd.json_normalize(records, sep="."))
+    if table.empty:
+        return None
+    return Section("engines", "Engines under test", [
+        "One row per engine, technique, device and model: the verdict over the technique's oracles (a refusal "
+        "is not supported, with the engine's reason, never a failure); at the best C by projected utterance "
+        "latency (with its confidence), the chunk call's prefill tokens/s and CPU time, each the median with "
+        "the 95% interval of the median (lo, hi); the engine process's largest peak RSS (VmHWM) and, for an "
+        "exporter-based engine, its export's size on disk."], [frame_table("engines", table)])
+
+
 def spread_cell(fig: dict) -> dict:
     """A figure's spread: the standard deviation of its repetitions (as llama-bench prints t/s +- sd), or
     its least and greatest where the record keeps no repetitions (a seed's quoted figure, an ingested row)."""
@@ -699,6 +718,21 @@ def cited_records(inp: Inputs) -> Section | None:
 # Every column a table of the report may have, said once. The oracle matrix's columns are named
 # EXPERIMENT:ORACLE (ORACLE_COLUMN). tests/test_report_commands.py checks that every column on a page is here.
 GLOSSARY = {
+    "engine": "the engine under test (engines/NAME.yaml, or a lab's): backend=engine engine=NAME",
+    "technique": "the experiment its verdicts and figures come from (chunk_prefill, tail)",
+    "oracles": "how many of the technique's oracle verdicts are in each state (pass, fail, not supported, ...)",
+    "reason": "the engine's own words where it refused (not supported): never a failure, never a pass",
+    "best C": "the chunk size of lowest projected utterance latency over the measured C (by the medians)",
+    "best C says": "that choice with its confidence: the C not distinguishable from it at 95% (bootstrap)",
+    "prefill tok/s": "rows of the chunk call of C rows (at the best C) per second of its wall time, median",
+    "tok/s lo": "the low end of the 95% bootstrap interval of that median (none below 5 repetitions)",
+    "tok/s hi": "the high end of that interval",
+    "chunk call CPU ms": "the chunk call's CPU time at the best C (the engine process's, by its own clock), median",
+    "CPU ms lo": "the low end of the 95% bootstrap interval of that median",
+    "CPU ms hi": "the high end of that interval",
+    "peak RSS MB": "the largest peak resident memory (VmHWM) of the engine process over its requests, where the "
+                   "device lets it be read (not on emulated devices)",
+    "export MB": "an exporter-based engine's export on disk (what a phone holds): bytes of its files",
     "device": "the device profile the run used (devices/NAME.yaml); host is this machine",
     "backend": "what computed it: refimpl (the numpy reference), native (testbed's C kernels), iree, llamacpp",
     "model": "what was run: a checkpoint or seed, or the size of the reference model or GDN shape",
@@ -800,7 +834,8 @@ def glossary(sections: list[Section]) -> Section | None:
 
 # The page, in order. Each function returns None when it has nothing to show.
 SECTIONS: list[Callable[[Inputs], Section | None]] = [
-    oracle_matrix, unreadable_records, regressions, numbers, tail_sweep, chunk_choice, gdn_throughput, instruction_counts, other_measurements,
+    oracle_matrix, unreadable_records, regressions, numbers, engines, tail_sweep, chunk_choice, gdn_throughput,
+    instruction_counts, other_measurements,
     nights_over_time, nights,
     provenance, cited_records,
 ]

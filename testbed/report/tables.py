@@ -124,25 +124,35 @@ def breakeven_line(breakeven: dict) -> str:
     return f"breakeven ({breakeven['source']}): {breakeven['says']}"
 
 
-def render(df: pd.DataFrame, fmt: str, breakevens: list[dict] = (), behind: list[dict] = ()) -> str:
+def render(df: pd.DataFrame, fmt: str, breakevens: list[dict] = (), behind: list[dict] = (),
+           more: dict[str, pd.DataFrame] | None = None) -> str:
     """The table in `fmt`; `breakevens` (dicts with at least `source` and `says`): lines under the
     Markdown table, a `breakevens` list beside `rows` in JSON, `{"breakeven": ...}` lines after the rows
     in JSON lines, and never in the CSV (rows alone: the caller says them on stderr). `behind`: the
     samples of the records the rows draw on (record_samples), for a table without a `samples` column:
-    a `samples` list beside `rows` in JSON, `{"samples": ...}` lines in JSON lines."""
-    df = whole_numbers(df)
+    a `samples` list beside `rows` in JSON, `{"samples": ...}` lines in JSON lines. `more`: tables drawn
+    over the same records ({name: table}): each under its name after the Markdown table, a list of rows
+    under its name in JSON, `{name: row}` lines in JSON lines; the CSV holds the main rows alone."""
+    df, more = whole_numbers(df), {name: whole_numbers(t) for name, t in (more or {}).items()}
+
+    def data_rows(table):
+        return [{k: _json_value(v) for k, v in row.items()} for row in for_programs(table).to_dict(orient="records")]
+
     if fmt == "md":
-        return "\n".join([markdown(df), *("\n" + breakeven_line(b) for b in breakevens)])
+        return "\n".join([markdown(df), *("\n" + breakeven_line(b) for b in breakevens),
+                          *(f"\n{name}:\n{markdown(t)}" for name, t in more.items())])
     if fmt == "csv":
         return for_programs(for_people(df)).to_csv(index=False)
     if fmt in ("json", "jsonl"):  # numbers stay numbers, to the last bit; missing values are null
-        rows = [{k: _json_value(v) for k, v in row.items()} for row in for_programs(df).to_dict(orient="records")]
+        rows = data_rows(df)
         if fmt == "json":
             data = {"rows": rows, "breakevens": list(breakevens)}
             if behind:
                 data["samples"] = list(behind)
+            data |= {name: data_rows(t) for name, t in more.items() if name not in data}
             return json.dumps(data, indent=1, default=str)
         return "\n".join([*(json.dumps(r, default=str) for r in rows),
                           *(json.dumps({"breakeven": b}) for b in breakevens),
-                          *(json.dumps({"samples": s}) for s in behind)])
+                          *(json.dumps({"samples": s}) for s in behind),
+                          *(json.dumps({name: r}, default=str) for name, t in more.items() for r in data_rows(t))])
     raise ValueError(f"format {fmt!r} is not one of {FORMATS}")

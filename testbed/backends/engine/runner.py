@@ -30,12 +30,16 @@ request and the response files):
     timings.json   {"contract": 1, "calls": [{name, rows, wall_s, cpu_s, counted}], "marks": [...],
                    "device_time", "engine": {name, version, source_hash}}
 
-Whatever is wrong is a ContractError (exit 4) naming the file and the value; a refusal is a Response with
-status "refused" (the experiments record it as "not supported").
+The engine runs through tb_peak_rss where its peak RSS can be read (testbed.backends.engine.peak_rss); an
+exporter-based engine's model is its exporter's output, made on the host once per content
+(testbed.backends.engine.export), and request.json's model says `exported: NAME`. Whatever is wrong is a
+ContractError (exit 4) naming the file and the value; a refusal is a Response with status "refused" (the
+experiments record it as "not supported").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import secrets
@@ -49,13 +53,15 @@ import numpy as np
 
 from testbed import inputs
 from testbed.backends import Evidence
+from testbed.backends.engine import export as exporting, peak_rss
 from testbed.backends.engine.keep import Kept, keep
 from testbed.backends.engine.spec import CONTRACT_VERSION, EngineSpec
 from testbed.backends.engine.state import StateFile
+from testbed.backends.native.build import target_for_abi
 from testbed.backends.native.device import check_machine, program_digest, program_identity, pull_dumps, \
     runner_prefix, stage_folder, stage_program
 from testbed.devices import Device
-from testbed.devices.transport import CommandTimeout, quoted
+from testbed.devices.transport import CommandTimeout, elf_machine, quoted
 from testbed.errors import DeviceError, UsageError
 from testbed.inputs import parse_json
 from testbed.measure import counts as counting
@@ -92,6 +98,7 @@ class Request:
     state_in: Path | None = None   # a state.bin of this engine to restore first (supports.state_in engines only)
     state_in_positions: int = 0    # the positions it holds: tokens[0:state_in_positions]
     state_before_last: bool = False  # also ask for state_before_last.bin (the state after every call but the last)
+    exported: str | None = None    # the engine whose exporter made the model folder (an exporter-based engine)
 
     STATE_IN_FILE = "state_in.bin"
 
@@ -103,7 +110,7 @@ class Request:
     def as_json(self) -> dict:
         return {"contract": CONTRACT_VERSION, "technique": self.technique,
                 "model": {"format": self.model_format, "file": self.model_name, "weights": self.weights,
-                          "config": self.config},
+                          "config": self.config, **({"exported": self.exported} if self.exported else {})},
                 "tokens": "tokens.npy", "n_tokens": int(np.asarray(self.tokens).size), "past": self.past,
                 "chunk": self.chunk, "logits_at": [int(p) for p in self.logits_at], "tail": {"mode": self.tail_mode},
                 "cache": self.cache, "state": self.state, "threads": self.threads, "bench": self.bench,
@@ -155,6 +162,8 @@ class Response:
     evidence: Evidence | None = None
     counts: counting.Counts | None = None
     request_sha256: str = ""
+    peak_rss_bytes: int | None = None    # the engine process's VmHWM, where the device lets it be read
+    export: exporting.Export | None = None  # what an exporter-based engine's program read
 
     @property
     def refused(self) -> bool:
@@ -291,13 +300,40 @@ def _validate_timings(text: str | bytes, shown: str) -> dict:
     return timings
 
 
+def request_values(body: dict, keys) -> dict:
+    """request.json's values at dotted `keys` (an exporter's keys: chunk, cache.dtype, ...)."""
+    out = {}
+    for key in keys:
+        node = body
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        out[key] = node
+    return out
+
+
 def call(device: Device, spec: EngineSpec, request: Request, expect: Expect, program: Path,
-         measured: bool = False) -> Response:
-    """Run one request on `device` with the engine's `program` (build.program_for); the validated Response."""
+         measured: bool = False, say=None) -> Response:
+    """Run one request on `device` with the engine's `program` (build.program_for); the validated Response.
+    An exporter-based engine's model is exported first (on the host, once per content; `say` hears its
+    progress and heartbeats)."""
     check_machine(device, program)
     if request.state_in is not None and not spec.state_in:
         raise UsageError(f"engine {spec.name} does not restore a state ({spec.path}: supports.state_in is not true); "
                          "no request carries it one")
+    if getattr(device.transport, "kind", "") == "qemu" and elf_machine(program) is None:
+        # qemu-user emulates ELF programs only: a script would run on this host and pass as the device's
+        raise UsageError(f"{device.name}: engine {spec.name}'s program {program.name} is not an ELF program; under "
+                         f"qemu-user it would run on this host, not emulated; accepted: a program built for "
+                         f"{device.profile.abi} ({spec.path}: build)")
+    export = None
+    if spec.export is not None:
+        if request.model_format != "hf":
+            raise ContractError(f"engine={spec.name} exports from a Hugging Face folder; the request holds "
+                                f"model.format={request.model_format}")
+        export = exporting.exported(spec, Path(request.model_file), request_values(request.as_json(),
+                                                                                  spec.export.keys), say)
+        # what the program reads: the exporter's output, not the folder
+        request = dataclasses.replace(request, model_file=export.folder, exported=spec.name)
     body, text, request_sha = request_text(request)
     run_dir = f"runs/{secrets.token_hex(6)}"
     argv, result = [], None  # what ran and what it said: a failing call's evidence
@@ -322,6 +358,9 @@ def call(device: Device, spec: EngineSpec, request: Request, expect: Expect, pro
             valgrind = request.count and spec.counts == "marked" and not device.profile.has("counts")
             if valgrind:
                 argv = counting.valgrind_argv(argv)
+            wrapper = peak_rss.wrapper_for(device, target_for_abi(device.profile.abi), valgrind)
+            if isinstance(wrapper, Path):  # the engine's peak RSS, read by the wrapper that reaps it
+                argv = [f"../../{stage_program(device, wrapper)}", peak_rss.OUTPUT, *argv]
 
             def once():
                 return device.run(argv, timeout=spec.timeout_s, cwd=run_dir)
@@ -345,11 +384,15 @@ def call(device: Device, spec: EngineSpec, request: Request, expect: Expect, pro
                                                   "response/timings.json", timings_limit(request),
                                                   "what this request's calls take").read_bytes(),
                                             "response/timings.json")
-            out = Response(status["status"], str(status.get("reason", "")), timings=timings, request_sha256=request_sha)
+            out = Response(status["status"], str(status.get("reason", "")), timings=timings, request_sha256=request_sha,
+                           export=export)
             if status["status"] == "ok":
                 _read_outputs(device, resp, tmp, request, expect, out)
                 out.counts = _counts(device, spec, run_dir, tmp, timings, valgrind)
-            out.evidence = _evidence(device, spec, program, argv, request_sha, timings, out.counts)
+            memory = _peak_rss(device, run_dir, tmp) if isinstance(wrapper, Path) else wrapper
+            if isinstance(memory, int):
+                out.peak_rss_bytes = memory
+            out.evidence = _evidence(device, spec, program, argv, request_sha, timings, out.counts, memory, export)
             return out
     except ContractError as e:  # a crash, a hang, a broken response: kept for replay, with what ran
         raise failed_call(e, device, spec, program, argv, request, expect, result) from None
@@ -437,6 +480,24 @@ def _pull_state(device: Device, resp: str, name: str, tmp: Path, expect: Expect)
     return StateFile(tmp / name, shown)
 
 
+def _peak_rss(device: Device, run_dir: str, tmp: Path) -> int | str:
+    """The engine's peak RSS in bytes from the wrapper's file, or why it could not be read."""
+    remote = f"{run_dir}/{peak_rss.OUTPUT}"
+    size = device.transport.remote_size(remote)
+    if size is None:
+        return "not read: tb_peak_rss wrote nothing"
+    if size > STATUS_MAX_BYTES:
+        return f"not read: {peak_rss.OUTPUT} holds {size} bytes, more than tb_peak_rss writes"
+    device.pull(remote, tmp / peak_rss.OUTPUT)
+    try:
+        kb = json.loads((tmp / peak_rss.OUTPUT).read_text())["peak_rss_kb"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"not read: {peak_rss.OUTPUT} is not what tb_peak_rss writes ({e})"
+    if isinstance(kb, bool) or not isinstance(kb, int) or kb <= 0:
+        return f"not read: {peak_rss.OUTPUT} says peak_rss_kb={kb!r}"
+    return kb * 1024
+
+
 def _counts(device: Device, spec: EngineSpec, run_dir: str, tmp: Path, timings: dict, valgrind: bool):
     """Per call where the engine marks its calls (tb_engine.h), on a device that counts (or the host under
     valgrind); the whole process where it does not, labelled so by the evidence."""
@@ -465,7 +526,8 @@ def _counts(device: Device, spec: EngineSpec, run_dir: str, tmp: Path, timings: 
 
 
 def _evidence(device: Device, spec: EngineSpec, program: Path, argv: list[str], request_sha: str, timings: dict,
-              counts) -> Evidence:
+              counts, memory: int | str = "not read: the engine did not answer", export: exporting.Export | None = None
+              ) -> Evidence:
     calls = timings.get("calls") or []
     detail = {**spec.identity(), "request_sha256": request_sha, "engine_reported": timings.get("engine"),
               "device_time": timings.get("device_time"), "timed_calls": len(calls),
@@ -476,5 +538,9 @@ def _evidence(device: Device, spec: EngineSpec, program: Path, argv: list[str], 
     detail |= program_identity(program)
     if counts:
         detail["instructions"] = counts.metadata()
+    detail |= {"peak_rss_bytes": memory, "peak_rss_how": peak_rss.HOW} if isinstance(memory, int) else \
+        {"peak_rss": memory}
+    if export is not None:
+        detail |= export.evidence()
     return Evidence(device.name, program.name, program_digest(program), quoted(argv),
                     float(sum(float(c["wall_s"]) for c in calls)) if calls else None, detail)

@@ -1,6 +1,10 @@
 """engines/NAME.yaml: an engine under test as engine contract v1 describes it
 (engines/contract-v1.schema.json). A file that breaks the schema is one line naming the file and the
-key, exit 2."""
+key, exit 2.
+
+An engine with an `export:` section is exporter-based (ExecuTorch, ONNX Runtime, LiteRT, MNN): its
+exporter runs on the host, once per content, from the Hugging Face folder testbed hands it, and its
+program reads the exporter's output as request/model/ (testbed.backends.engine.export)."""
 
 from __future__ import annotations
 
@@ -28,6 +32,17 @@ YAML_MAX_DEPTH = 16
 
 
 @dataclass(frozen=True)
+class ExportSpec:
+    """The yaml's `export:`: how the runtime's files are made from a Hugging Face folder, on the host."""
+
+    command: tuple[str, ...]       # argv; {python} {source} {model} {out} and one placeholder per key
+    extra: str                     # the pyproject extra that installs it
+    modules: tuple[str, ...]       # Python modules it imports (missing: exit 3 naming the extra)
+    keys: tuple[str, ...]          # request values the export depends on (request.json's dotted keys)
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     name: str
     path: Path                     # the yaml
@@ -50,6 +65,7 @@ class EngineSpec:
     state_tolerance: float = 0.0   # max |a - b| between two states of a float layout (0: equal values)
     tolerance: tuple[tuple[str, float], ...] = ()  # the engine's logits precision per cache dtype (yaml `tolerance`)
     tolerance_measured: str = ""   # where that precision was measured (yaml tolerance.measured)
+    export: ExportSpec | None = None  # exporter-based: the program reads the exporter's output
 
     def logits_tolerance(self, cache_dtype: str) -> float | None:
         """The engine's declared max |logit - reference| for a cache dtype, or None when it declares none."""
@@ -277,7 +293,10 @@ def parse(path: Path) -> EngineSpec:
     if "command" in build and (source is None or not source.is_dir()):
         raise UsageError(f"{path}: source={shown(data.get('source'))} is not a folder (relative to the yaml); a build "
                          "command runs in it")
-    prebuilt = {t: _beside(path, f"build.prebuilt.{t}", p) for t, p in build.get("prebuilt", {}).items()} \
+    # a prebuilt program is named relative to the engine's source where it has one and the file is there
+    # (engines/onnxruntime.yaml: source onnxruntime, prebuilt adapter.py), else relative to the yaml
+    prebuilt = {t: source / p if source is not None and (source / p).is_file() else
+                _beside(path, f"build.prebuilt.{t}", p) for t, p in build.get("prebuilt", {}).items()} \
         if "prebuilt" in build else None
     if prebuilt is None and "command" not in build:
         raise UsageError(f"{path}: build is missing; accepted: build.command (argv) or build.prebuilt (a path per ABI)")
@@ -299,6 +318,26 @@ def parse(path: Path) -> EngineSpec:
         raise UsageError(f"{path}: state.tolerance={state['tolerance']!r} needs a state.layout that says how to read "
                          "state.bin as numbers; accepted: float32, float16 (bytes are compared exactly)")
     precision = data.get("tolerance") or {}
+    export = None
+    if "export" in data:
+        e = data["export"]
+        if "hf" not in supports.get("model_formats", []):
+            raise UsageError(f"{path}: export needs supports.model_formats to list hf (the exporter reads a Hugging "
+                             f"Face folder); it lists {supports.get('model_formats', ['safetensors'])}")
+        if source is None or not source.is_dir():
+            raise UsageError(f"{path}: source={data.get('source')!r} is not a folder (relative to the yaml); the "
+                             "exporter runs in it")
+        fields = {"python", "source", "model", "out", *(k.replace(".", "_") for k in e.get("keys", []))}
+        for part in e["command"]:
+            for _, name, _, _ in string.Formatter().parse(part):
+                if name is not None and name not in fields:
+                    raise UsageError(f"{path}: export.command names {{{name}}}; accepted: "
+                                     f"{', '.join('{' + f + '}' for f in sorted(fields))} (a key's placeholder "
+                                     "needs it in export.keys)")
+        if not any("{out}" in part for part in e["command"]) or not any("{model}" in part for part in e["command"]):
+            raise UsageError(f"{path}: export.command={e['command']!r} must name {{model}} and {{out}}")
+        export = ExportSpec(tuple(e["command"]), e["extra"], tuple(e["modules"]), tuple(e.get("keys", [])),
+                            float(e.get("timeout_s", 3600)))
     return EngineSpec(
         name=data["name"], path=path, yaml_sha256=hashlib.sha256(raw).hexdigest(),
         description=data.get("description", ""), source=source,
@@ -310,5 +349,5 @@ def parse(path: Path) -> EngineSpec:
         state_in=bool(supports.get("state_in", False)), state_layout=layout,
         state_tolerance=float(state.get("tolerance", 0.0)),
         tolerance=tuple((k, float(v)) for k, v in precision.items() if k != "measured"),
-        tolerance_measured=str(precision.get("measured", "")))
+        tolerance_measured=str(precision.get("measured", "")), export=export)
 
