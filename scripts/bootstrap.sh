@@ -9,7 +9,9 @@
 #                                 (lavapipe), Chromium for the report check, torch + transformers
 #                                 for the cross-checks against Hugging Face (the `hf` extra), CMake,
 #                                 Ninja, ccache and the aarch64 C++ compiler that build llama.cpp's tools,
-#                                 Ray (the farm extra: the tests run a three-node cluster here), and
+#                                 Ray (the farm extra: the tests run a three-node cluster here), the
+#                                 exported runtimes judged as engines (the executorch, litert and mnn
+#                                 extras: engines/README.md), and
 #                                 iproute2 (scripts/offline.sh brings up loopback in the tests' own
 #                                 network namespace)
 set -eu
@@ -23,7 +25,7 @@ packages="$HOST_PACKAGES"
 extras="full,cross"
 if [ "${1:-}" = "--test" ]; then
   packages="$packages $TEST_PACKAGES"
-  extras="full,hf,farm,cross"
+  extras="full,hf,farm,cross,executorch,litert,mnn"
 fi
 
 missing=""
