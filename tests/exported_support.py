@@ -205,3 +205,14 @@ def judge_token(theirs: np.ndarray, model: Model, tokens, position: int) -> list
     if not error < TOLERANCE:
         problems.append(f"NMSE {error:.3g} against transformers (tolerance {TOLERANCE:g})")
     return problems
+
+
+def transformers_token(model: Model, args: list[str], real: int) -> int:
+    """T for `testbed run chunk_prefill ... model.expected_token=T`: transformers' argmax at position real - 1 of
+    the prompt the run itself will use (testbed's run_prompt for these arguments)."""
+    from testbed import config
+    from testbed.experiments.chunk_prefill import run_prompt
+
+    cfg = config.load(["experiment=chunk_prefill", *args]).cfg
+    shape, _ = checkpoints.load_checkpoint(model.folder)
+    return int(np.argmax(model.transformers_logits(run_prompt(cfg, shape).ids[:real])))

@@ -30,7 +30,7 @@ pytest.importorskip("transformers", reason="the hf extra: pip install 'testbed[h
 pytest.importorskip("executorch", reason="the executorch extra: pip install 'testbed[executorch]'", exc_type=ImportError)
 
 from tests.exported_support import (ENGINES, NEEDS_EXPORT_MECHANISM, TOLERANCE, export, judge_token, make_gemma3,  # noqa: E402
-                                    patched, prompt, serve, spec_of)
+                                    patched, prompt, serve, spec_of, transformers_token)
 from testbed import cli  # noqa: E402
 from testbed.devices import connect, load_profile  # noqa: E402
 from testbed.oracles.numerical import nmse  # noqa: E402
@@ -204,20 +204,10 @@ def test_the_exporter_names_the_extra_when_executorch_is_missing(gemma3, tmp_pat
 # --- through testbed run, once the exporter-based engine kind is merged -----------------------------------
 
 
-def transformers_token(gemma3, args) -> int:
-    from testbed import config
-    from testbed.experiments.chunk_prefill import run_prompt
-    from testbed.models import checkpoints
-
-    cfg = config.load(["experiment=chunk_prefill", *args]).cfg
-    model, _ = checkpoints.load_checkpoint(gemma3.folder)
-    return int(np.argmax(gemma3.transformers_logits(run_prompt(cfg, model).ids[:PAST + TOKENS])))
-
-
 @NEEDS_EXPORT_MECHANISM
 def test_testbed_run_passes_with_transformers_token_and_fails_with_a_wrong_one(gemma3, results_dir, capsys):
     args = ["device=host", "backend=engine", "engine=executorch", "mode=oracle", f"model.checkpoint={gemma3.folder}",
             "chunk=16", f"cases=[{{past: {PAST}, tokens: {TOKENS}}}]"]
-    token = transformers_token(gemma3, args)
+    token = transformers_token(gemma3, args, PAST + TOKENS)
     assert cli.main(["run", "chunk_prefill", *args, f"model.expected_token={token}"]) == 0, capsys.readouterr().out
     assert cli.main(["run", "chunk_prefill", *args, f"model.expected_token={(token + 1) % gemma3.vocab}"]) == 1

@@ -30,7 +30,7 @@ pytest.importorskip("litert_torch", reason="the litert extra: pip install 'testb
 pytest.importorskip("ai_edge_litert", reason="the litert extra: pip install 'testbed[litert]'", exc_type=ImportError)
 
 from tests.exported_support import (ENGINES, NEEDS_EXPORT_MECHANISM, TOLERANCE, export, judge_token, make_gemma3,  # noqa: E402
-                                    patched, prompt, serve, spec_of)
+                                    patched, prompt, serve, spec_of, transformers_token)
 from testbed import cli  # noqa: E402
 from testbed.devices import connect, load_profile  # noqa: E402
 from testbed.oracles.numerical import nmse  # noqa: E402
@@ -158,11 +158,9 @@ def test_the_exporter_refuses_a_bad_chunk_in_one_line(gemma3, tmp_path):
 
 @NEEDS_EXPORT_MECHANISM
 def test_testbed_run_passes_with_transformers_token_and_fails_with_a_wrong_one(gemma3, results_dir, capsys):
-    from tests.test_executorch_engine import transformers_token
-
     args = ["device=host", "backend=engine", "engine=litert", "mode=oracle", f"model.checkpoint={gemma3.folder}",
             "chunk=16", f"cases=[{{past: {PAST}, tokens: {TOKENS}}}]"]
-    token = transformers_token(gemma3, args)
+    token = transformers_token(gemma3, args, PAST + TOKENS)
     assert cli.main(["run", "chunk_prefill", *args, f"model.expected_token={token}"]) == 0, capsys.readouterr().out
     assert cli.main(["run", "chunk_prefill", *args, f"model.expected_token={(token + 1) % gemma3.vocab}"]) == 1
 
