@@ -21,7 +21,8 @@ Two workarounds, both for litert-torch 0.10 against the `hf` extra's transformer
     @use_kernel_forward_from_hub"); so hub kernels are switched off for the export (USE_HUB_KERNELS=0, and the
     package hidden from transformers), which on CPU changes nothing transformers computes.
 
-OUT receives model.tflite and manifest.json (written last, under a temporary name). Exit 0 done; 2 bad
+OUT receives model.tflite and manifest.json (written last, under a temporary name: an OUT without it is no
+export). Exit 0 done; 2 bad
 arguments; 3 a module missing (the `litert` extra); 4 the export failed: one line on stderr quoting the first
 error.
 """
@@ -31,13 +32,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
-import io
 import json
 import os
 import shutil
 import sys
 import time
-from contextlib import redirect_stdout
 from importlib import metadata
 from pathlib import Path
 
@@ -76,10 +75,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chunk", type=chunks, required=True, help="prefill signature sizes, e.g. 64 or 16,32,64,128")
     p.add_argument("--cache-length", type=int, default=DEFAULT_CACHE_LENGTH,
                    help="rows of every layer's KV cache: the most positions a request may reach")
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:
-        sys.exit(2 if e.code else 0)
+    args = p.parse_args(argv)  # a bad argument: argparse's one line, exit 2
     if not (args.model / "config.json").is_file():
         fail(2, f"{args.model} holds no config.json; accepted: a Hugging Face folder")
     if not max(args.chunk) < args.cache_length <= 1 << 16:
@@ -125,11 +121,9 @@ def export(model_dir: Path, out: Path, sizes: list[int], cache_length: int) -> d
     started = time.perf_counter()
     work = out.with_name(f".{out.name}.work{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
-    log = io.StringIO()
     try:
-        with redirect_stdout(log):  # the exporter prints its progress and config: kept for the manifest's tail
-            export_hf.export(model=str(model_dir), output_dir=str(work), prefill_lengths=sizes, cache_length=cache_length,
-                             quantization_recipe="none", bundle_litert_lm=False, keep_temporary_files=True)
+        export_hf.export(model=str(model_dir), output_dir=str(work), prefill_lengths=sizes, cache_length=cache_length,
+                         quantization_recipe="none", bundle_litert_lm=False, keep_temporary_files=True)
         tflite = work / "model.tflite"
         if not tflite.is_file():
             raise RuntimeError(f"litert-torch wrote no model.tflite (it wrote: {sorted(p.name for p in work.iterdir())})")
@@ -160,16 +154,10 @@ def export(model_dir: Path, out: Path, sizes: list[int], cache_length: int) -> d
             "export_s": round(time.perf_counter() - started, 3),
         }
         out.mkdir(parents=True, exist_ok=True)
-        tflite.rename(out / ".model.tflite.tmp")
-        (out / ".model.tflite.tmp").rename(out / "model.tflite")
+        tflite.rename(out / "model.tflite")
         (out / ".manifest.json.tmp").write_text(json.dumps(manifest, indent=1) + "\n")
-        (out / ".manifest.json.tmp").rename(out / "manifest.json")
+        (out / ".manifest.json.tmp").rename(out / "manifest.json")  # last: the export is whole once it is there
         return manifest
-    except BaseException:
-        said = [line for line in log.getvalue().splitlines() if "ERROR" in line or "Error" in line]
-        if said:
-            print("\n".join(said[-5:]), file=sys.stderr)
-        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
