@@ -65,7 +65,9 @@ def test_undecided_says_about_how_many_more_repetitions_would_separate_them():
     assert theory / 3 < np.median(totals) < theory * 3  # 'about': a pilot's estimate of a scaling law
     # medians that are equal cannot be separated by any number of repetitions
     equal = decisions.best_of({"a": [1.0, 1.2, 0.8, 0.9, 1.1], "b": [0.9, 1.0, 1.1, 1.2, 0.8]})
-    assert equal["more_reps"] is None and "more repetitions would resolve" in equal["says"]
+    assert equal["more_reps"] is None
+    assert "undecided at this noise (the closest are too near for even 10000 more repetitions to separate)" \
+        in equal["says"]
 
 
 def test_interleaved_repetitions_are_compared_paired():

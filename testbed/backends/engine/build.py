@@ -14,6 +14,7 @@ from pathlib import Path
 from testbed.backends.engine.spec import EngineSpec
 from testbed.backends.native.build import ROOT, tree_hash
 from testbed.errors import DeviceError, ToolMissing, UsageError
+from testbed.heartbeat import say
 
 CACHE_DIR = ROOT / ".cache" / "engines"
 
@@ -43,6 +44,7 @@ def program_for(spec: EngineSpec, target: str) -> Path:
     out = CACHE_DIR / f"{spec.name}-{target}-{build_key(spec, target)[:16]}"
     if (out / spec.program).is_file():
         return out / spec.program
+    say(f"building engine {spec.name} for {target} ({spec.path.name}: build.command; cached by content once built)")
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
