@@ -242,10 +242,10 @@ class ProgressLine:
         return series.left(now, step, total, msg)
 
     def _write(self, text: str, now: float, lasting: bool = False) -> None:
-        if self.tty:
-            self.stream.write("\r\033[K" + (text + "\n" if lasting else text[:LINE_WIDTH]))
-        else:
-            self.stream.write(f"[{now - self.began:.0f} s] {text}\n")
+        """One line of at most LINE_WIDTH columns (the records and the summary keep what is cut)."""
+        line = text if self.tty else f"[{now - self.began:.0f} s] {text}"
+        line = line if len(line) <= LINE_WIDTH else line[:LINE_WIDTH - 3] + "..."
+        self.stream.write(("\r\033[K" + line + ("\n" if lasting else "")) if self.tty else line + "\n")
         self.stream.flush()
         self.said = now
 

@@ -264,17 +264,18 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
 
 
 def verdict_line(row: dict) -> str:
-    """An oracle's verdict as progress says it the moment it is decided, in one line of at most
-    tables.WIDTH columns: the verdict, experiment and case, the device and the engine (the backend),
-    the margin, and for any verdict but a pass the first words of why."""
-    text = f"{LABEL.get(row['verdict'], 'ERROR')} {row['experiment']} {row['case']} on {row['device']} ({row['backend']})"
+    """An oracle's verdict as progress says it the moment it is decided, in one line: the verdict,
+    experiment, case and oracle, the device and the engine (the backend), the margin, and for any verdict but a
+    pass why (the progress line cuts it to the terminal's width; the record and the summary keep it)."""
+    oracle = str(row.get("oracle") or "")
+    case = row["case"] if not oracle or row["case"].endswith(oracle) else f"{row['case']} {oracle}"
+    text = f"{LABEL.get(row['verdict'], 'ERROR')} {row['experiment']} {case} on {row['device']} ({row['backend']})"
     margin = row.get("margin")
     if isinstance(margin, (int, float)) and not isinstance(margin, bool) and math.isfinite(margin):
         text += f", margin {tables.number(margin)}"
     if row["verdict"] != PASS and row.get("detail"):
         text += f": {row['detail']}"
-    text = " ".join(text.split())  # a detail's own line breaks never break the one line
-    return text if len(text) <= tables.WIDTH else text[:tables.WIDTH - 3] + "..."
+    return " ".join(text.split())  # a detail's own line breaks never break the one line
 
 
 def stored_so_far() -> str:
@@ -288,7 +289,8 @@ def stored_so_far() -> str:
     if ids("broke"):
         said.append(f"run {', '.join(ids('broke'))} broke before the signal (its error record is stored)")
     for run_id in ids("broken by a signal"):  # with the verdicts it reached before the signal
-        reached = f"; its verdicts so far: {REACHED[run_id]}" if REACHED.get(run_id, "no verdicts") != "no verdicts" else ""
+        verdicts = REACHED.get(run_id, "no verdicts")
+        reached = f"; its verdicts so far: {verdicts}" if verdicts != "no verdicts" else ""
         said.append(f"run {run_id} was recorded as broken (what it measured is kept{reached})")
     if ids("running"):
         said.append(f"run {', '.join(ids('running'))} was still inside a call when testbed stopped waiting for it: "

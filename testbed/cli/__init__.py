@@ -151,7 +151,8 @@ def cmd_sweep(args) -> int:
         rows.append({"experiment": rc.experiment, **dict(o.split("=", 1) for o in rc.overrides
                                                           if not o.startswith("experiment=")),
                      **summarise(outcome.frame())})
-    named = " or ".join(f"`testbed table {e} --format md|csv|json`" for e in dict.fromkeys(rc.experiment for rc in jobs))
+    named = " or ".join(f"`testbed table {e} --format md|csv|json`"
+                        for e in dict.fromkeys(rc.experiment for rc in jobs))
     print(tables.for_terminal(pd.DataFrame(rows), named))
     for module in dict.fromkeys(modules):
         if hasattr(module, "sweep_footer"):

@@ -437,8 +437,8 @@ class ChunkMeasures:
 def choices(measured: ChunkMeasures, lengths, weights, reply: int) -> list[dict]:
     """Every decision over one implementation's C, each with its confidence: the best C (the C not
     distinguishable from it; a tie of exact counts names each), and chunked at that C (the best by
-    median where undecided; the only C where one was measured) against token by token; by time (never on an emulated device) and by
-    instructions where every C was counted. Each: the decision's data, `decision` (what is decided) and
+    median where undecided; the only C where one was measured) against token by token; by time (never
+    on an emulated device) and by instructions where every C was counted. Each: the decision's data, `decision` (what is decided) and
     `by`."""
     found = []
     for by, calls, decode in (("time", measured.time, measured.decode),

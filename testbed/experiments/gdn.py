@@ -477,22 +477,29 @@ def summary(df: pd.DataFrame) -> list[pd.DataFrame]:
 
 
 def sweep_row(df: pd.DataFrame) -> dict:
-    """Per sweep job: chunk, oracle tally and worst NMSE, chunkwise tokens/s per T."""
+    """Per sweep job: chunk, oracle tally and worst NMSE, chunkwise tokens/s and its speed-up over serial
+    per T; on an emulated device, whose times are never speed, the chunkwise call's exact instructions
+    instead."""
     oracles = df[df["kind"] == "oracle"]
     row = {"chunk": df["params.chunk"].iloc[0] if "params.chunk" in df else None}
     if len(oracles):
         row["oracles"] = Tally(oracles["verdict"]).phrase()
         row["worst NMSE"] = worst_nmse(oracles[oracles["oracle"] == "nmse"])
+    emulated = "emulated" in df and bool(df["emulated"].fillna(False).astype(bool).any())
     repetitions = {}  # the chunkwise calls' repetitions per T, for the best chunk's confidence (programs only)
     for _, r in df[(df["kind"] == "measure") & (df["params.form"] == "chunkwise")].iterrows():
         t = int(r["params.tokens"])
-        row[f"T={t} tok/s"] = round(float(r["figures.tokens_per_s.median"]), 1)
-        row[f"T={t} x serial"] = round(float(r["metrics.speedup_vs_serial"]), 2)
+        if emulated:
+            if pd.notna(r.get("figures.instructions.median")):
+                row[f"T={t} instructions"] = int(r["figures.instructions.median"])
+        else:
+            row[f"T={t} tok/s"] = round(float(r["figures.tokens_per_s.median"]), 1)
+            row[f"T={t} x serial"] = round(float(r["metrics.speedup_vs_serial"]), 2)
         repetitions |= {f"T={t} {figure}": values for figure, values in tables.samples(r).items()
                         if figure in ("time", "instructions")}
     if repetitions:
         row["samples"] = repetitions
-    if "emulated" in df and df["emulated"].fillna(False).astype(bool).any():
+    if emulated:
         row["emulated"] = True  # its times are never a decision (testbed.measure.emulation)
     return row
 

@@ -979,22 +979,14 @@ def _tail_breakeven(sweep: pd.DataFrame, by: str) -> str:
 
 
 def tail_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The padded-vs-scalar table by CPU time with its breakeven as the last row; on a device that
-    counts, the breakeven by instructions too (emulated: the instructions' table alone, its times never
-    speed)."""
+    """The padded-vs-scalar table by CPU time, with each mode's exact instructions where they were
+    counted; on an emulated device the instructions alone (its times never speed). Its breakevens are
+    decisions beside the rows (tail_breakevens), never a row."""
     timed, counted = tail_frame(df), tail_frame(df, "instructions")
-    if timed.empty and counted.empty:
-        return timed
-    if len(timed):
-        table = breakeven.tail_table(timed).astype(object)
-    else:
-        table = breakeven.instruction_table(counted).astype(object)
-    rows = [{"N": "breakeven", "winner" if len(timed) else "fewer instructions": _tail_breakeven(timed, "CPU time")}
-            ] if len(timed) else []
-    if len(counted):
-        rows.append({"N": "breakeven (instructions)", "winner" if len(timed) else "fewer instructions":
-                     _tail_breakeven(counted, "instructions")})
-    return pd.concat([table, pd.DataFrame(rows, dtype=object)], ignore_index=True)
+    if timed.empty:
+        return breakeven.instruction_table(counted) if len(counted) else timed
+    table = breakeven.tail_table(timed)
+    return table.merge(breakeven.instruction_table(counted), on=["N", "tail"], how="left") if len(counted) else table
 
 
 def drift_table(df: pd.DataFrame) -> pd.DataFrame:

@@ -42,9 +42,13 @@ Judging, per call:
                 test on the log ratios of the pairs, two-sided, at each look, its p spent over the looks
                 and Holm-corrected over the calls; B is slower on a clock when the corrected p < 0.05
                 and the 95% interval of the median ratio lies above 1 + `--min-change` (default 5%);
-                a call whose p >= 0.05 and interval lies within +-5% is decided "no change"; one the
-                budget left open is "undecided" (testbed.measure.sequential). CPU time decides (what the work cost, whatever else ran); wall time is
-                shown beside it. Fewer than 6 pairs cannot reach p < 0.05: "too few pairs".
+                a call whose p >= 0.05 and interval lies within +-5% is decided "no change"; one whose
+                p < 0.05 and whole interval lies within +-`--min-change` is "below floor" (a real change
+                smaller than the job can call, said so, never "need N more pairs"); one the budget left
+                open is "undecided", with why (testbed.measure.sequential). CPU time decides (what the
+                work cost, whatever else ran); wall time is shown beside it; a CPU time left undecided is
+                the call's verdict whatever its instructions did under their threshold. Fewer than 6
+                pairs cannot reach p < 0.05: "too few pairs".
 Exit status 1 when B is worse on any call by instructions or CPU time, or an oracle did not pass on
 either tree; "no change" for the same tree twice. The records (experiment's name, case `ab/CALL`) carry the pairs' ratios as figures
 `ab_ratio_cpu` (with the A/B block testbed.measure.history judges: a_commit, b_commit, p uncorrected, pairs,
@@ -626,7 +630,8 @@ def _report(args, rc, module, opts, trees, engine) -> int:
     rows = outcome.rows
     df = table([r for r in rows if r["kind"] == "measure"])
     # the terminal's table fits it; every column: the format options, or the records (`testbed table`)
-    print(tables.for_terminal(df, f"--format csv|json, or `testbed table {rc.experiment} --format md`")
+    print(tables.for_terminal(df.dropna(axis=1, how="all"), f"--format csv|json, or `testbed table {rc.experiment} "
+                                                           "--format md`")
           if args.format == "md" else tables.render(df, args.format))
     worse = [r for r in rows if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] == "slower"]
     # an oracle that did not pass on either tree fails the comparison, whatever the speed

@@ -193,17 +193,23 @@ def _width(df: pd.DataFrame) -> int:
 
 
 def fit(df: pd.DataFrame, width: int = WIDTH) -> tuple[pd.DataFrame, dict[str, str], list[str]]:
-    """The table as the terminal shows it within `width` columns. Where it is wider: a column holding
-    one value in every row is said once above the table instead; then the longest text cells are cut
+    """The table as the terminal shows it within `width` columns. Where it is wider: the columns holding
+    one value in every row, from the first, are said once above the table instead, as many as it takes;
+    then the longest text cells are cut
     short, each column no more than it must and none below TEXT_CELL characters; then as many
     columns, from the first, as fit are kept. Returns (that table, the columns said once {name:
     value}, the columns left out)."""
     shown = for_people(whole_numbers(df))
     if shown.empty or _width(shown) <= width:
         return shown, {}, []
-    once = {str(c): _cell(shown[c].iloc[0]) for c in shown.columns
-            if len(shown) > 1 and shown[c].map(_cell).nunique() == 1 and _cell(shown[c].iloc[0])}
-    shown = shown.drop(columns=[c for c in shown.columns if str(c) in once]).copy()
+    once = {}  # one value in every row, from the first such column, as many as it takes to fit
+    for c in list(shown.columns):
+        if _width(shown) <= width:
+            break
+        if len(shown) > 1 and shown[c].map(_cell).nunique() == 1 and _cell(shown[c].iloc[0]):
+            once[str(c)] = _cell(shown[c].iloc[0])
+            shown = shown.drop(columns=[c])
+    shown = shown.copy()
     texts = [c for c in shown.columns if pd.api.types.is_string_dtype(shown[c]) or shown[c].dtype == object]
     while _width(shown) > width:
         longest = max(texts, key=lambda c: max(len(_cell(v)) for v in shown[c]), default=None)
