@@ -438,8 +438,8 @@ def choices(measured: ChunkMeasures, lengths, weights, reply: int) -> list[dict]
     """Every decision over one implementation's C, each with its confidence: the best C (the C not
     distinguishable from it; a tie of exact counts names each), and chunked at that C (the best by
     median where undecided; the only C where one was measured) against token by token; by time (never
-    on an emulated device) and by instructions where every C was counted. Each: the decision's data, `decision` (what is decided) and
-    `by`."""
+    on an emulated device) and by instructions where every C was counted. Each: the decision's data,
+    `decision` (what is decided), `by`, and for chunked against token by token its `chunk`."""
     found = []
     for by, calls, decode in (("time", measured.time, measured.decode),
                               ("instructions", measured.instructions, measured.decode_instructions)):
@@ -590,7 +590,7 @@ def measured_chunks(df: pd.DataFrame) -> list[tuple[str, ChunkMeasures, dict]]:
     """From stored records (a flattened frame: store.frame, or the report's records), per
     implementation (device, backend, model: testbed.report.implementations), bench past and threads,
     the latest chunk-call and decode-step repetitions of each C, with the run's latency settings
-    (utterance_tokens, weights, reply_tokens): [(label, ChunkMeasures, settings)]."""
+    (lengths, weights, reply) and its device: [(label, ChunkMeasures, settings)]."""
     if df.empty or "params.form" not in df:
         return []
     m = df[(df["kind"] == "measure") & df["params.form"].isin(["chunk_call", "decode_step"])]
@@ -601,7 +601,7 @@ def measured_chunks(df: pd.DataFrame) -> list[tuple[str, ChunkMeasures, dict]]:
     for _, r in m.iterrows():
         config = {c[len("config."):]: v for c in config_columns if _present(v := r[c])}
         impl = implementations.of({"config": config, "device": r["device"], "backend": r["backend"]})
-        key = (impl.label, config.get("bench.past"), config.get("threads", 1))
+        key = (impl.label, _whole(config.get("bench.past")), _whole(config.get("threads", 1)))
         group = groups.setdefault(key, {"rows": {}, "config": config})
         group["rows"][int(r["params.chunk"]), r["params.form"]] = r  # the latest record of each C and form
         group["config"] = config
@@ -625,7 +625,8 @@ def measured_chunks(df: pd.DataFrame) -> list[tuple[str, ChunkMeasures, dict]]:
                                  emulated=any(_present(r.get("emulated")) and bool(r.get("emulated"))
                                               for r in rows.values()))
         settings = {"lengths": list(config.get("latency.utterance_tokens") or []),
-                    "weights": config.get("latency.weights"), "reply": int(config.get("latency.reply_tokens") or 0)}
+                    "weights": config.get("latency.weights"), "reply": int(config.get("latency.reply_tokens") or 0),
+                    "device": next(iter(rows.values()))["device"]}
         setting = ", ".join([*([f"past {past}"] if past is not None else []),
                              *([f"{threads} threads"] if threads not in (None, 1) else [])])
         found.append((f"{label}, {setting}" if setting else label, measures, settings))
@@ -633,6 +634,11 @@ def measured_chunks(df: pd.DataFrame) -> list[tuple[str, ChunkMeasures, dict]]:
 
 
 TIME_SCALE = {"s": 1.0, "ms": 1e-3, "us": 1e-6}  # a time figure's unit in seconds
+
+
+def _whole(value):
+    """A count from a frame (where a missing value elsewhere made it float): an int, or None."""
+    return int(value) if value is not None and _present(value) else None
 
 
 def _present(value) -> bool:
@@ -648,6 +654,5 @@ def table_choices(df: pd.DataFrame) -> list[dict]:
         if not settings["lengths"]:
             continue
         for d in choices(measures, settings["lengths"], settings["weights"], settings["reply"]):
-            out.append({"source": label, "decision": d["decision"], "label": decisions.label(d)
-                        if d["decision"] == "best C" else None, **decisions.as_data(d)})
+            out.append(decisions.as_choice(d, label))
     return out

@@ -566,6 +566,5 @@ def table_choices(df: pd.DataFrame) -> list[dict]:
         measured = {c: tables.samples(r) for c, r in by_chunk.items()}
         emulated = any(pd.notna(r.get("emulated")) and bool(r.get("emulated")) for r in by_chunk.values())
         source = f"{device} / {backend}, H={heads} hs={size}, {threads} thread(s), T={t}"
-        out += [{"source": source, "decision": d["decision"], "label": decisions.label(d), **decisions.as_data(d)}
-                for d in best_chunks(measured, emulated)]
+        out += [decisions.as_choice(d, source) for d in best_chunks(measured, emulated)]
     return out

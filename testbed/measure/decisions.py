@@ -234,6 +234,13 @@ def as_data(decision: dict) -> dict:
     return {k: plain(decision[k]) for k in DATA_KEYS if k in decision}
 
 
+def as_choice(decision: dict, source: str) -> dict:
+    """A decision as a table or report carries it beside its rows: what is decided (`decision`), of what
+    (`source`), its cell `label` (a best_of's; None for another kind) and its data (as_data)."""
+    return {"source": source, "decision": decision.get("decision"),
+            "label": label(decision) if "candidates" in decision else None, **as_data(decision)}
+
+
 def _crossing_index(wins: np.ndarray, for_good: bool) -> np.ndarray:
     """Per draw (row), the index of the crossing: the first x where it wins (for_good: from which it
     wins at every larger x too); len(x) where it never does. wins: (draws, xs) booleans."""

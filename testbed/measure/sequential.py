@@ -62,6 +62,7 @@ MIN_CHANGE = 0.05  # the floor a "slower"/"faster" interval must clear (`testbed
                    # still clears it once its interval is +-5% wide; that takes more pairs, hence MAX_PAIRS.
 MAX_PAIRS = 384    # the last look's pairs per call (`--max-pairs`): with the 5% floor, simulated +10% jobs
                    # (tests/test_sequential.py) are called slower in 96% at 192 and 100% at 384
+NEED_CAP = 100_000  # "need about N more pairs" beyond this is no estimate anyone would act on: not given
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,8 @@ def _open(design: Design, ratios, calls: int, significant: bool, min_change: flo
     level = ALPHA * design.share(len(design.looks) - 1) / calls
     n = (norm.ppf(1 - level / 2) + norm.ppf(POWER)) ** 2 * (spread / max(target, 1e-9)) ** 2 * math.pi / 3
     need = math.ceil(n) - len(ratios)
-    return (need, why) if need >= 1 else (None, why)
+    # an estimate at no more pairs than it has, or past any job's reach, is no estimate: the words say why
+    return (need, why) if 1 <= need <= NEED_CAP else (None, why)
 
 
 def undecided_words(judged: list[Judgement]) -> str:

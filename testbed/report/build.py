@@ -398,9 +398,8 @@ def chunk_choice(inp: Inputs) -> Section | None:
     for label, measured, settings in chunk_prefill.measured_chunks(pd.json_normalize(measures, sep=".")
                                                                    if measures else pd.DataFrame()):
         lengths = settings["lengths"] or list(inp.settings["utterance_lengths"])
-        if not measured.decode and not measured.decode_instructions:  # no decode step measured: the seed's quoted one
-            device = label.split(" / ")[0]
-            measured.decode = {c: [quoted[device]] for c in measured.time} if device in quoted else {}
+        if not measured.decode and settings["device"] in quoted:  # no decode step measured: the seed's quoted one
+            measured.decode = {c: [quoted[settings["device"]]] for c in measured.time}
         choices = chunk_prefill.choices(measured, lengths, settings["weights"], settings["reply"])
         if not (measured.time or measured.instructions):
             continue
@@ -408,8 +407,7 @@ def chunk_choice(inp: Inputs) -> Section | None:
                                           chunk_choice_table(measured, lengths, settings["weights"],
                                                              settings["reply"], choices)))
         section.lines += [f"{label}: {chunk_prefill.choice_line(d)}" for d in choices]
-        inp.choices += [{"source": label, "decision": d["decision"], "label": decisions.label(d)
-                         if d["decision"] == "best C" else None, **decisions.as_data(d)} for d in choices]
+        inp.choices += [decisions.as_choice(d, label) for d in choices]
     for impl in sorted({implementations.of(r) for r in measures}):
         calls, decode_s, spread = chunk_times([r for r in measures if implementations.of(r) == impl])
         if calls:
@@ -436,9 +434,6 @@ def chunk_choice(inp: Inputs) -> Section | None:
     return section
 
 
-TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
-
-
 def chunk_times(records: list[dict]) -> tuple[dict[int, float], float | None, dict[int, tuple[float, float]]]:
     """Seconds per chunk call by C (median, and its min and max), and per decode step, from
     chunk_prefill's measure records (params.form chunk_call / decode_step, figures.time)."""
@@ -447,7 +442,7 @@ def chunk_times(records: list[dict]) -> tuple[dict[int, float], float | None, di
         fig = r["figures"].get("time")
         if r["kind"] != "measure" or fig is None:
             continue
-        scale = TIME_UNITS[fig["unit"]]
+        scale = chunk_prefill.TIME_SCALE[fig["unit"]]
         if r["params"].get("form") == "chunk_call":
             c = int(r["params"]["chunk"])
             calls[c] = fig["median"] * scale

@@ -4,7 +4,7 @@ One rule for every number a person reads (`number`: whole numbers whole, others 
 digits, very small or large ones in 3 with an exponent), used by the tables, the terminal's sentences
 and the report alike. On the terminal a line fits WIDTH columns (`for_terminal`): a table wider than
 that shows its first columns, long text cut short, and names the ones left out (`testbed table
-EXPERIMENT --format md|csv|json` has them all); a sentence wraps.
+EXPERIMENT --format md|csv|json` has them all); a sentence wraps (`wrap`).
 
 For programs a table is data: numbers stay numbers (never "1.2 ms"), columns have machine names (the
 label a person reads, "padded TTFT (ms)", as padded_TTFT_ms: `column_name`), a figure's raw
@@ -195,10 +195,9 @@ def _width(df: pd.DataFrame) -> int:
 def fit(df: pd.DataFrame, width: int = WIDTH) -> tuple[pd.DataFrame, dict[str, str], list[str]]:
     """The table as the terminal shows it within `width` columns. Where it is wider: the columns holding
     one value in every row, from the first, are said once above the table instead, as many as it takes;
-    then the longest text cells are cut
-    short, each column no more than it must and none below TEXT_CELL characters; then as many
-    columns, from the first, as fit are kept. Returns (that table, the columns said once {name:
-    value}, the columns left out)."""
+    then the longest text cells are cut short, each column no more than it must and none below
+    TEXT_CELL characters; then as many columns, from the first, as fit are kept. Returns (that table,
+    the columns said once {name: value}, the columns left out)."""
     shown = for_people(whole_numbers(df))
     if shown.empty or _width(shown) <= width:
         return shown, {}, []
