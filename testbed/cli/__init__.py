@@ -152,11 +152,12 @@ def cmd_sweep(args) -> int:
                      **summarise(outcome.frame())})
     named = " or ".join(f"`testbed table {e} --format md|csv|json`"
                         for e in dict.fromkeys(rc.experiment for rc in jobs))
-    print(tables.for_terminal(pd.DataFrame(rows), named))
+    settings = ["experiment", *(o.split("=", 1)[0] for rc in jobs for o in rc.overrides)]
+    print(tables.for_terminal(pd.DataFrame(rows), named, settings=settings))  # results are never said once
     for module in dict.fromkeys(modules):
         if hasattr(module, "sweep_footer"):
             print(tables.wrap(module.sweep_footer(pd.DataFrame(rows), jobs)))
-    print(tables.wrap(f"{len(jobs)} runs, oracles {tally.phrase()}; records in {runner.results_store(jobs[0]).path}"))
+    print(f"{len(jobs)} runs, oracles {tally.phrase()}; records in {runner.results_store(jobs[0]).path}")
     return tally.exit_status()
 
 
@@ -233,7 +234,7 @@ def cmd_nightly(args) -> int:
     # farm=HEAD:PORT: the lab's Ray cluster runs the jobs on the hosts that own the devices
     drive = farm.driver(address, suite) if address else None
     status, text = nightly.run_night(suite, store, drive=drive)
-    print(text)
+    print(tables.wrap(text))
     return status
 
 

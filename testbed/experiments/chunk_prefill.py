@@ -474,7 +474,7 @@ def render_latency(title: str, measured: ChunkMeasures, lengths, weights, reply:
              f"decode {tables.number(decode_s)} s/token; reply {reply} tokens",
              tables.markdown(df)]
     if measured.emulated:
-        lines.append("no choice by time: the device is emulated (its times are never speed)")
+        lines.append("no best C by time: the device is emulated (its times are never speed)")
     lines += [choice_line(d) for d in choices(measured, lengths, weights, reply)]
     return "\n".join(lines)
 

@@ -533,14 +533,14 @@ def table(rows: list[dict]) -> pd.DataFrame:
     for r in rows:
         ab, fig = r["metrics"]["ab"], r["figures"]
         change = ab["instructions_change"]
-        out.append({
-            "call": r["case"].removeprefix("ab/"), "kernel": ab["kernel"],
+        out.append({  # the verdict beside the call: the first columns are what a narrow terminal keeps
+            "call": r["case"].removeprefix("ab/"),
+            "verdict": ab["verdict"] + ("" if ab["same_output"] else " (outputs differ)"), "kernel": ab["kernel"],
             "instructions A": ab["instructions_a"], "instructions B": ab["instructions_b"],
             "instr. change": ab["verdicts"]["instructions"] if change is None else f"{change:+.3%}",
             "cpu B/A": fig["ab_ratio_cpu"]["median"] if "ab_ratio_cpu" in fig else None,
             "wall B/A": fig["ab_ratio_wall"]["median"] if "ab_ratio_wall" in fig else None,
             "pairs": ab["pairs"], "p (cpu, Holm)": ab["p"],
-            "verdict": ab["verdict"] + ("" if ab["same_output"] else " (outputs differ)"),
         })
     return pd.DataFrame(out)
 
@@ -631,7 +631,7 @@ def _report(args, rc, module, opts, trees, engine) -> int:
     df = table([r for r in rows if r["kind"] == "measure"])
     # the terminal's table fits it; every column: the format options, or the records (`testbed table`)
     print(tables.for_terminal(df.dropna(axis=1, how="all"), f"--format csv|json, or `testbed table {rc.experiment} "
-                                                           "--format md`")
+                                                           "--format md`", settings=())
           if args.format == "md" else tables.render(df, args.format))
     worse = [r for r in rows if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] == "slower"]
     # an oracle that did not pass on either tree fails the comparison, whatever the speed

@@ -54,7 +54,7 @@ from testbed.errors import INTERNAL_ERROR, StoreError, UsageError
 from testbed.experiments import chunk_prefill
 from testbed.experiments.chunk_prefill import ChunkMeasures
 from testbed.measure import breakeven, decisions, emulation, history, seed
-from testbed.report import implementations, plots
+from testbed.report import implementations, plots, tables
 from testbed.report.tables import number as format_number
 from testbed.verdicts import FAILING, NOTHING_JUDGED, PASS, UNJUDGED, Tally
 
@@ -303,8 +303,10 @@ def tail_sweep(inp: Inputs) -> Section | None:
         "how many more repetitions would decide it."])
     for impl in sorted({implementations.of(r) for r in records}):
         of_impl = [r for r in records if implementations.of(r) == impl]
-        frame = sweep_frame(pd.json_normalize(of_impl, sep="."))
-        if frame.empty:  # an emulated device's tail runs: kept for their counts, their times listed apart
+        flat = pd.json_normalize(of_impl, sep=".")
+        frame = sweep_frame(flat)
+        if frame.empty:  # an emulated device's tail runs: its times listed apart, its exact counts decide
+            counted_breakevens(inp, section, impl, sweep_frame(flat, "instructions"), of_impl[0]["config"])
             continue
         for source, rows in frame.groupby("source", sort=False):
             name = sweep_name(impl, str(source), of_impl[0]["config"])
@@ -329,6 +331,26 @@ def tail_sweep(inp: Inputs) -> Section | None:
                                    **{key: decision.get(key) for key in ("lo", "hi", "decided", "level", "method",
                                                                          "reps", "says")}})
     return section
+
+
+def counted_breakevens(inp: Inputs, section: Section, impl: implementations.Implementation, counted: pd.DataFrame,
+                       config: dict) -> None:
+    """A device that counts and whose times are never speed (emulated): each source's table of
+    instructions per mode and its breakeven by instructions, exact (the tail experiment's own
+    MIN_SWEEP_TAILS: fewer tails are a comparison, not a sweep)."""
+    for source, rows in counted.groupby("source", sort=False) if len(counted) else ():
+        if rows["tail"].nunique() < experiments.load("tail").MIN_SWEEP_TAILS:
+            continue
+        name = sweep_name(impl, str(source), config)
+        point, decision = breakeven.breakeven_tail(rows), breakeven.breakeven_interval(rows, by="instructions")
+        said = decision["says"] if point is not None else f"not reached up to tail {int(rows['tail'].max())}"
+        section.tables.append(frame_table(f"{name}: breakeven tail by instructions {said}",
+                                          breakeven.instruction_table(rows)))
+        inp.breakevens.append({"device": impl.device, "backend": impl.backend, "model": impl.model,
+                               "source": source, "tail": point, "by": "instructions",
+                               "threshold": breakeven.threshold_from_breakeven(point),
+                               **{key: decision.get(key) for key in ("lo", "hi", "decided", "level", "method",
+                                                                     "reps", "says")}})
 
 
 def sweep_name(impl: implementations.Implementation, source: str, config: dict) -> str:
@@ -1228,7 +1250,7 @@ def command(args) -> int:
     except OSError as e:  # a read-only or full store, a folder not ours to write: one line, exit 5
         raise StoreError(f"the report cannot be written: {e.strerror or e} ({e.filename or args.out or store.path}); "
                          "give a writable folder with --out") from None
-    print(summary_line(out, content))
+    print(tables.wrap(summary_line(out, content)))
     if content["broken_sections"]:
         print(f"testbed: the report is incomplete: {content['broken_sections'][0]}"
               + (f" (and {len(content['broken_sections']) - 1} more)" if len(content['broken_sections']) > 1 else ""),

@@ -192,12 +192,13 @@ def _width(df: pd.DataFrame) -> int:
     return 1 + sum(max(len(str(c)), *(len(_cell(v)) for v in df[c])) + 3 for c in df.columns) if len(df) else 0
 
 
-def fit(df: pd.DataFrame, width: int = WIDTH) -> tuple[pd.DataFrame, dict[str, str], list[str]]:
+def fit(df: pd.DataFrame, width: int = WIDTH, settings=None) -> tuple[pd.DataFrame, dict[str, str], list[str]]:
     """The table as the terminal shows it within `width` columns. Where it is wider: the columns holding
-    one value in every row, from the first, are said once above the table instead, as many as it takes;
-    then the longest text cells are cut short, each column no more than it must and none below
-    TEXT_CELL characters; then as many columns, from the first, as fit are kept. Returns (that table,
-    the columns said once {name: value}, the columns left out)."""
+    one value in every row, from the first, are said once above the table instead, as many as it takes
+    (of `settings` only, where given: a sweep's configuration, never its results); then the longest text
+    cells are cut short, each column no more than it must and none below TEXT_CELL characters; then as
+    many columns, from the first, as fit are kept. Returns (that table, the columns said once {name:
+    value}, the columns left out)."""
     shown = for_people(whole_numbers(df))
     if shown.empty or _width(shown) <= width:
         return shown, {}, []
@@ -205,20 +206,22 @@ def fit(df: pd.DataFrame, width: int = WIDTH) -> tuple[pd.DataFrame, dict[str, s
     for c in list(shown.columns):
         if _width(shown) <= width:
             break
+        if settings is not None and c not in settings:
+            continue
         if len(shown) > 1 and shown[c].map(_cell).nunique() == 1 and _cell(shown[c].iloc[0]):
             once[str(c)] = _cell(shown[c].iloc[0])
             shown = shown.drop(columns=[c])
-    shown = shown.copy()
+    # cut long text only where that makes the table fit: a cut that still leaves columns out loses the
+    # text and keeps nothing more
     texts = [c for c in shown.columns if pd.api.types.is_string_dtype(shown[c]) or shown[c].dtype == object]
-    while _width(shown) > width:
-        longest = max(texts, key=lambda c: max(len(_cell(v)) for v in shown[c]), default=None)
-        longest_width = max((len(_cell(v)) for v in shown[longest]), default=0) if longest is not None else 0
-        if longest is None or longest_width <= TEXT_CELL:
-            break
-        cut = max(TEXT_CELL, longest_width - (_width(shown) - width), len(str(longest)))
-        if cut >= longest_width:
-            break
-        shown[longest] = [_shorten(v, cut) if isinstance(v, str) else v for v in shown[longest]]
+    widest = {c: max(len(str(c)), *(len(_cell(v)) for v in shown[c])) for c in texts}
+    if sum(max(w - max(TEXT_CELL, len(str(c))), 0) for c, w in widest.items()) >= _width(shown) - width:
+        shown = shown.copy()
+        while _width(shown) > width:
+            longest = max(texts, key=lambda c: max(len(_cell(v)) for v in shown[c]))
+            longest_width = max(len(_cell(v)) for v in shown[longest])
+            cut = max(TEXT_CELL, longest_width - (_width(shown) - width), len(str(longest)))
+            shown[longest] = [_shorten(v, cut) if isinstance(v, str) else v for v in shown[longest]]
     kept: list = []
     for column in shown.columns:
         if kept and _width(shown[[*kept, column]]) > width:
@@ -227,10 +230,10 @@ def fit(df: pd.DataFrame, width: int = WIDTH) -> tuple[pd.DataFrame, dict[str, s
     return shown[kept], once, [str(c) for c in shown.columns if c not in kept]
 
 
-def for_terminal(df: pd.DataFrame, full: str = "", width: int = WIDTH) -> str:
+def for_terminal(df: pd.DataFrame, full: str = "", width: int = WIDTH, settings=None) -> str:
     """A table as Markdown that fits the terminal (`fit`): the columns of one value said above it, and,
     where columns were left out, a line naming them and `full`, the command that prints them all."""
-    shown, once, left_out = fit(df, width)
+    shown, once, left_out = fit(df, width, settings)
     text = markdown(shown)
     if once:
         text = wrap("; ".join(f"{name}: {value}" for name, value in once.items()), width) + "\n" + text
