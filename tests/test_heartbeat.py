@@ -174,8 +174,39 @@ def test_a_run_says_each_verdict_the_moment_it_is_decided_and_a_stopped_run_keep
         runner.execute(rc, progress=progress, produce=produce)
     progress.close()
     lines = [re.sub(r"^\[\d+ s\] ", "", text) for text in out.lines()]
-    assert lines[:3] == ["PASS gdn T=64/chunkwise on host (refimpl), margin 0.866",
-                         "FAIL gdn T=65/chunkwise on host (refimpl), margin -0.5: NMSE 3e-3 over the threshold 1e-7",
+    assert lines[:3] == ["PASS gdn T=64/chunkwise nmse on host (refimpl), margin 0.866",
+                         "FAIL gdn T=65/chunkwise nmse on host (refimpl), margin -0.5: NMSE 3e-3 over the "
+                         "threshold 1e-7",
                          "hybrid crossover 1/4 L=64"], lines
     assert all(re.fullmatch(r"still hybrid crossover 1/4 L=64 \(\d+ s\)", x) for x in lines[3:]) and len(lines) >= 5
     assert "(what it measured is kept; its verdicts so far: 1 pass, 1 fail)" in runner.stored_so_far()
+
+
+def test_on_a_terminal_the_step_is_rewritten_and_a_verdict_stays_above_it():
+    from testbed.heartbeat import Lasting, ProgressLine
+
+    class Terminal(Lines):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    line = ProgressLine(out, every=3600)
+    line("hybrid oracle 1/6 serial P=0 n=64")
+    line(Lasting("PASS hybrid P=0,n=64,C=64/serial token on qemu-aarch64 (native), margin 0.4589"))
+    line.close()
+    assert out.text == ("\r\033[Khybrid oracle 1/6 serial P=0 n=64"
+                        "\r\033[KPASS hybrid P=0,n=64,C=64/serial token on qemu-aarch64 (native), margin 0.4589\n"
+                        "\r\033[Khybrid oracle 1/6 serial P=0 n=64\r\033[K")
+
+
+def test_a_build_deep_in_a_backend_says_itself_through_the_running_command():
+    """A build starts where no progress is handed (testbed.backends.native.build): `say` reaches the run's
+    progress inside `saying`, so a heartbeat names the build, and nothing outside a run."""
+    from testbed.heartbeat import say, saying
+
+    heard = []
+    say("building testbed's programs for hexagon")  # no run: nobody to tell
+    with saying(heard.append):
+        say("building testbed's programs for hexagon")
+    say("after the run")
+    assert heard == ["building testbed's programs for hexagon"]

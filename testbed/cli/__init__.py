@@ -234,7 +234,7 @@ def cmd_nightly(args) -> int:
     # farm=HEAD:PORT: the lab's Ray cluster runs the jobs on the hosts that own the devices
     drive = farm.driver(address, suite) if address else None
     status, text = nightly.run_night(suite, store, drive=drive)
-    print(tables.wrap(text))
+    print(text)
     return status
 
 
