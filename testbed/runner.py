@@ -240,6 +240,9 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
         RUNS[info.run_id] = "running"
     try:
         raise_if_stopped()
+        # the first step named at once: what a heartbeat says until the experiment says more (a model to
+        # build, programs to compile)
+        progress(f"{rc.experiment} on {rc.device} ({info.backend}): starting")
         with saying(progress):  # a build deep in a backend says so through this run's progress
             _store_as_they_come((produce or module.run)(rc.cfg, ctx), profile, info, store, rows, load_before,
                                 progress)

@@ -174,6 +174,7 @@ def test_a_run_says_each_verdict_the_moment_it_is_decided_and_a_stopped_run_keep
         runner.execute(rc, progress=progress, produce=produce)
     progress.close()
     lines = [re.sub(r"^\[\d+ s\] ", "", text) for text in out.lines()]
+    assert lines.pop(0) == "gdn on host (refimpl): starting"
     assert lines[:3] == ["PASS gdn T=64/chunkwise nmse on host (refimpl), margin 0.866",
                          "FAIL gdn T=65/chunkwise nmse on host (refimpl), margin -0.5: NMSE 3e-3 over the "
                          "threshold 1e-7",
