@@ -236,11 +236,26 @@ def for_terminal(df: pd.DataFrame, full: str = "", width: int = WIDTH, settings=
     shown, once, left_out = fit(df, width, settings)
     text = markdown(shown)
     if once:
-        text = wrap("; ".join(f"{name}: {value}" for name, value in once.items()), width) + "\n" + text
+        text = _pack([f"{name}: {value}" for name, value in once.items()], "; ", width) + "\n" + text
     if left_out:
-        where = f"; all of them: {full}" if full else ""
-        text += "\n" + wrap(f"({len(left_out)} more column(s): {', '.join(left_out)}{where})", width)
+        names = [f"({len(left_out)} more column(s): {left_out[0]}", *left_out[1:]]
+        names[-1] += (f"; all of them: {full})" if full else ")")
+        text += "\n" + _pack(names, ", ", width)
     return text
+
+
+def _pack(parts: list[str], joint: str, width: int) -> str:
+    """Parts joined by `joint` in lines of at most `width` columns, never breaking inside a part (a column's
+    name, "device: host"), a continued line indented."""
+    lines = [""]
+    for part in parts:
+        piece = (joint if lines[-1].strip() else "") + part
+        if lines[-1].strip() and len(lines[-1]) + len(piece) > width:
+            lines[-1] += joint.rstrip()
+            lines.append("  " + part)
+        else:
+            lines[-1] += piece
+    return "\n".join(lines)
 
 
 def wrap(text: str, width: int = WIDTH) -> str:
