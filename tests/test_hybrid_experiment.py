@@ -1,6 +1,8 @@
 """The `hybrid` experiment through the CLI: oracle records, the crossover, tail and drift records and
 tables, sweeps over the GDN chunk and the context, and bad input refused in one line."""
 
+import itertools
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -109,7 +111,9 @@ def test_sweep_over_gdn_chunk_and_context(results_dir, capsys):
     assert cli.main(["sweep", "experiment=hybrid", "backend=native", "mode=crossover", *TINY_BENCH,
                      "gdn_chunk=4,16", "bench.contexts=32,64"]) == 0
     out = capsys.readouterr().out
-    assert sum(line.startswith("| hybrid ") for line in out.splitlines()) == 4
+    lines = out.splitlines()  # the sweep's table: a row per job (the one experiment said above it, to fit)
+    ruled = next(i for i, line in enumerate(lines) if line.startswith("| -"))
+    assert len(list(itertools.takewhile(lambda line: line.startswith("| "), lines[ruled + 1:]))) == 4, out
     assert "crossover with dense: hybrid-serial:" in out
 
 

@@ -35,6 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from testbed.heartbeat import say
+
 # A checkout holds kernels/ beside the package, and its caches go in it (.cache/). An installed wheel
 # carries the kernel sources inside the package (testbed/_shipped/kernels, put there by setup.py) and
 # builds its programs where it is run, as its results go (testbed.PROJECT_ROOT).
@@ -411,6 +413,8 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
         return out
     if shutil.which("make") is None:
         raise ToolMissing("`make` is not installed (Debian: apt-get install make)")
+    say(f"building testbed's programs for {target} ({toolchain}{', for valgrind' if not avx512 else ''}; "
+        "cached by content once built)")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
