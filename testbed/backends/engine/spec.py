@@ -135,8 +135,8 @@ def _problem(node: Any, rule: dict, key: str) -> str | None:
     if kind == "string" and not isinstance(node, str):
         return f"{key}={shown(node)} is not a string"
     if kind == "number":
-        bounds = [f"> {rule['exclusiveMinimum']}"] * ("exclusiveMinimum" in rule) + \
-            [f">= {rule['minimum']}"] * ("minimum" in rule) + [f"<= {rule['maximum']}"] * ("maximum" in rule)
+        bounds = [f"{sign} {rule[name]}" for name, sign in (("exclusiveMinimum", ">"), ("minimum", ">="),
+                                                           ("maximum", "<=")) if name in rule]
         if isinstance(node, bool) or not isinstance(node, (int, float)) or not math.isfinite(node) \
                 or not node > rule.get("exclusiveMinimum", -math.inf) or not node >= rule.get("minimum", -math.inf) \
                 or not node <= rule.get("maximum", math.inf):
