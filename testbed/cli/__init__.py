@@ -61,8 +61,9 @@ class ProgressLine:
         self.series: dict[tuple[str, int], tuple[float, int]] = {}  # (text before the count, total) -> start, first step
 
     def __call__(self, msg: str) -> None:
+        shown = tables.printable(msg)  # a case's name, a build tool's line: never a control sequence
         if self.tty:
-            self.stream.write("\r\033[K" + msg[:120])
+            self.stream.write("\r\033[K" + shown[:120])
             self.stream.flush()
             return
         now, left = time.monotonic(), ""
@@ -80,7 +81,7 @@ class ProgressLine:
                 left = nightly.time_left(now - started, msg.done - first_work, msg.total - first_work)
             else:
                 left = nightly.time_left(now - started, step - first, total - first + 1)
-        print(f"[{now - self.began:.0f} s] {msg}{left}", file=self.stream, flush=True)
+        print(f"[{now - self.began:.0f} s] {shown}{left}", file=self.stream, flush=True)
 
     def clear(self) -> None:
         if self.tty:
@@ -101,7 +102,7 @@ def _summary(outcome: runner.Outcome, module) -> str:
         f"oracles {tally.phrase()}, {len(df) - len(oracles)} measurements; run {outcome.info.run_id} stored"
     )
     for _, r in oracles[oracles["verdict"] != verdicts.PASS].iterrows() if len(oracles) else []:
-        lines.append(f"{verdicts.LABEL.get(r['verdict'], 'ERROR')} {r['case']}: {r['detail']}")
+        lines.append(tables.printable(f"{verdicts.LABEL.get(r['verdict'], 'ERROR')} {r['case']}: {r['detail']}"))
     if tally.exit_status() == verdicts.NOTHING_JUDGED:
         lines.append(f"NOTHING JUDGED: every verdict is not supported or not judged; nothing passed and nothing "
                      f"failed (exit {verdicts.NOTHING_JUDGED})")
@@ -256,7 +257,7 @@ def cmd_ingest(args) -> int:
     store.append([info.mark("started"), *rows, info.mark("ended", "complete")])  # one batch: whole or nothing
     for r in rows:
         if r["case"].endswith("/tally"):
-            print(f"{r['case']}: {r['metrics']['tally']} ({r['verdict']}) {r['detail']}".rstrip())
+            print(tables.printable(f"{r['case']}: {r['metrics']['tally']} ({r['verdict']}) {r['detail']}".rstrip()))
     print(f"{len(rows)} records from {args.file} stored for {rc.experiment} on {rc.device}")
     return verdicts.Tally.of_records(rows).exit_status()
 
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except tuple(SAYS) as e:  # one line each, its own status
         kind = next(k for k in SAYS if isinstance(e, k))
-        print(f"testbed: {SAYS[kind].format(e)}", file=sys.stderr)
+        print(tables.printable(f"testbed: {SAYS[kind].format(e)}"), file=sys.stderr)  # it may quote a device
         return e.exit_status
     except (KeyboardInterrupt, runner.Interrupted) as e:
         signum = e.signum if isinstance(e, runner.Interrupted) else 2

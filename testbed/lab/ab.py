@@ -628,12 +628,12 @@ def _report(args, rc, module, opts, trees, engine) -> int:
             print(f"oracles on {side} ({tree.spec}): {Tally.of_records(side_rows).phrase()}")
             for r in side_rows:  # a refusal is said, never counted against the tree
                 if r["verdict"] in UNJUDGED:
-                    print(f"{LABEL[r['verdict']]} {side} ({tree.spec}) {r['case'].removeprefix(f'ab/{side}/')}: "
-                          f"{r['detail']}")
+                    print(tables.printable(f"{LABEL[r['verdict']]} {side} ({tree.spec}) "
+                                           f"{r['case'].removeprefix(f'ab/{side}/')}: {r['detail']}"))
     for r in wrong[:MAX_NAMED]:  # a run's own error record (no side) is named by its case alone
         side, tree = r["params"].get("ab_side"), r["params"].get("tree")
         where = f"{side} ({tree}) {r['case'].removeprefix(f'ab/{side}/')}" if side else r["case"]
-        print(f"FAILED {where}: {r['verdict']}: {r['detail']}")
+        print(tables.printable(f"FAILED {where}: {r['verdict']}: {r['detail']}"))
     if len(wrong) > MAX_NAMED:
         print(f"... and {len(wrong) - MAX_NAMED} more oracle records that failed (testbed records)")
     if args.format == "md":

@@ -53,7 +53,7 @@ from testbed.devices.private import process_alive
 from testbed.errors import INTERNAL_ERROR, StoreError, UsageError
 from testbed.measure import breakeven, emulation, history, seed
 from testbed.report import implementations, plots
-from testbed.report.tables import _cell as format_number
+from testbed.report.tables import _cell as format_number, printable
 from testbed.verdicts import FAILING, NOTHING_JUDGED, PASS, UNJUDGED, Tally
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -968,10 +968,10 @@ def tool_versions() -> dict[str, str]:
 
 def markdown_text(value) -> str:
     """A value as inert Markdown text: no HTML (Markdown passes HTML through), no links, no table
-    breaks, one line."""
-    text = str(value)
+    breaks, one line, no control characters (tables.printable)."""
+    text = printable(str(value).replace("\r", " ").replace("\n", " "))
     for raw, safe in (("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ("\\", "\\\\"), ("|", "\\|"), ("[", "\\["),
-                      ("]", "\\]"), ("`", "\\`"), ("\r", " "), ("\n", " ")):
+                      ("]", "\\]"), ("`", "\\`")):
         text = text.replace(raw, safe)
     return text
 
