@@ -68,7 +68,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from testbed import PROJECT_ROOT, config, experiments, runner
+from testbed import PROJECT_ROOT, children, config, experiments, runner
 from testbed.backends import EvidenceLog
 from testbed.backends.llamacpp import build as llamacpp_build
 from testbed.backends.llamacpp import trees as llamacpp_trees
@@ -100,7 +100,7 @@ class Tree:
 
 
 def _git(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(PROJECT_ROOT), *args], capture_output=True, text=True)
+    return children.run(["git", "-C", str(PROJECT_ROOT), *args], capture_output=True, text=True)
 
 
 def resolve_tree(spec: str) -> Tree:
@@ -134,8 +134,8 @@ def resolve_tree(spec: str) -> Tree:
 def _extract(sha: str, out: Path) -> None:
     """kernels/ of commit `sha` into `out`, whole or not at all."""
     def fill(tmp: Path) -> None:
-        archive = subprocess.run(["git", "-C", str(PROJECT_ROOT), "archive", "--format=tar", sha, "kernels"],
-                                 capture_output=True)
+        archive = children.run(["git", "-C", str(PROJECT_ROOT), "archive", "--format=tar", sha, "kernels"],
+                               capture_output=True)
         if archive.returncode != 0:
             raise UsageError(f"git archive of {sha[:12]} failed: {archive.stderr.decode(errors='replace').strip()}")
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:

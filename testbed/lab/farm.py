@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from testbed import config, runner
+from testbed import children, config, runner
 from testbed.config import RunConfig
 from testbed.devices import load_profile, reachability
 from testbed.devices.private import DeviceBusy, device_lock
@@ -444,9 +444,8 @@ NO_USAGE_STATS = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_USAGE_STATS_REPORT_URL": 
 def run_node(argv: list[str], log: Path, on_up) -> int:
     """`ray start --block` as a child, its output in `log`: once it says the node is up, `on_up(node IP)`;
     then wait. Ending this command (Ctrl-C, SIGTERM) stops this node, and only it."""
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **NO_USAGE_STATS})
+    with open(log, "w") as out:  # a child of testbed's (testbed.children): it stops with this command
+        proc = children.start(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **NO_USAGE_STATS})
     try:
         deadline = time.monotonic() + NODE_START_S
         while True:
@@ -463,12 +462,7 @@ def run_node(argv: list[str], log: Path, on_up) -> int:
                 return DeviceUnreachable.exit_status
             time.sleep(0.2)
     finally:
-        if proc.poll() is None:
-            proc.terminate()  # Ray's node drains and stops its own processes on SIGTERM
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        children.end(proc, grace_s=60)  # Ray's node drains and stops its own processes on SIGTERM
 
 
 def cmd_status(args) -> int:

@@ -7,12 +7,12 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+from testbed import children
 from testbed.backends.engine.spec import EngineSpec
-from testbed.backends.native.build import ROOT, tree_hash
+from testbed.backends.native.build import ROOT, BuildError, target_for_abi, tree_hash
 from testbed.errors import DeviceError, ToolMissing, UsageError
 
 CACHE_DIR = ROOT / ".cache" / "engines"
@@ -50,12 +50,15 @@ def program_for(spec: EngineSpec, target: str) -> Path:
             "python": sys.executable}
     argv = [part.format(**fill) for part in spec.command]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    try:
-        p = subprocess.run(argv, cwd=spec.source, capture_output=True, text=True, env=env)
+    try:  # a child of testbed's (testbed.children): a stop or testbed's end ends the build too
+        p = children.run(argv, cwd=spec.source, capture_output=True, text=True, env=env)
     except FileNotFoundError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ToolMissing(f"engine={spec.name}: its build command's tool {argv[0]!r} is not installed "
                           f"({spec.path}: build.command)") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     lines = (p.stderr + "\n" + p.stdout).strip().splitlines()
     if p.returncode != 0 or not (tmp / spec.program).is_file():
         shutil.rmtree(tmp, ignore_errors=True)

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from testbed import children
 from testbed.backends.native.build import KERNELS_DIR, ROOT
 from testbed.errors import ToolMissing, UsageError
 
@@ -113,9 +114,9 @@ def sdist_source(cache: Path = CACHE, progress: Callable[[str], None] = print) -
     archive = archive_dir / f"{stem}.tar.gz"
     if not archive.is_file():
         progress(f"downloading the {name}=={version} sdist (76 MB) with pip")
-        p = subprocess.run(["python3", "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                            "--disable-pip-version-check", "-d", str(archive_dir), f"{name}=={version}"],
-                           capture_output=True, text=True)
+        p = children.run(["python3", "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                          "--disable-pip-version-check", "-d", str(archive_dir), f"{name}=={version}"],
+                         capture_output=True, text=True)
         if p.returncode != 0 or not archive.is_file():
             tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-2:]) or "no output"
             raise ToolMissing(f"llama.cpp's source is not here and pip could not download {name}=={version} "
@@ -281,7 +282,7 @@ def _toolchain_identity(options: list[str]) -> str:
     compilers = [o.split("=", 1)[1] for o in options if o.startswith(("-DCMAKE_C_COMPILER=", "-DCMAKE_CXX_COMPILER="))]
     versions = []
     for cc in compilers or ["cc", "c++"]:
-        p = subprocess.run([cc, "--version"], capture_output=True, text=True)
+        p = children.run([cc, "--version"], capture_output=True, text=True)
         versions.append(p.stdout.splitlines()[0] if p.returncode == 0 and p.stdout else cc)
         if "/zig/" in cc:  # the wrapper: its text names zig's path and target
             versions.append(Path(cc).read_text())
@@ -368,13 +369,17 @@ def _write_whole(path: Path, write: Callable[[Path], object]) -> None:
 def _step(argv: list[str], env: dict, log: Path, progress: Callable[[str], None], what: str) -> None:
     """Run a build step, its output to `log` and its progress lines ("[12/57] Building ...") to the
     terminal; a failure raises with the log's last lines."""
-    with open(log, "w") as f:
-        p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in p.stdout:
-            f.write(line)
-            if line.startswith("["):
-                progress(f"{what}: {line.strip()[:100]}")
+    # a child of testbed's (testbed.children): a stop or testbed's end ends the build too
+    p = children.start(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        with open(log, "w") as f:
+            for line in children.lines(p):
+                f.write(line)
+                if line.startswith("["):
+                    progress(f"{what}: {line.strip()[:100]}")
         p.wait()
+    finally:
+        children.end(p)
     if p.returncode != 0:
         lines = [line for line in log.read_text().splitlines() if line.strip()]
         # the compiler's first error is the cause; what follows it (ninja's own lines among them) is its echo

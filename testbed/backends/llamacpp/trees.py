@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from testbed import children
 from testbed.backends.llamacpp import build
 from testbed.backends.native.build import whole_folder
 from testbed.errors import ToolMissing, UsageError
@@ -76,7 +77,7 @@ def resolve(spec: str, repo: str | None = None, progress: Callable[[str], None] 
 def revision(spec: str, repo: Path) -> LlamaTree:
     """The files of revision `spec` of the llama.cpp git checkout `repo`."""
     def git(*args: str, text: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=text)
+        return children.run(["git", "-C", str(repo), *args], capture_output=True, text=text)
 
     if not repo.is_dir() or git("rev-parse", "--git-dir").returncode != 0:
         raise UsageError(f"--repo {str(repo)!r} is not a git checkout; accepted: the folder of a llama.cpp git clone")
@@ -117,8 +118,8 @@ def patched(base: LlamaTree, patch: Path, spec: str) -> LlamaTree:
                 copy.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source, copy)
             # --batch: never ask; rejects go nowhere (the folder is thrown away when a hunk fails)
-            p = subprocess.run(["patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch", "-r", "-",
-                                "-d", str(tmp), "-i", str(patch.resolve())], capture_output=True, text=True)
+            p = children.run(["patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch", "-r", "-",
+                              "-d", str(tmp), "-i", str(patch.resolve())], capture_output=True, text=True)
             if p.returncode != 0:
                 said = [line.strip() for line in (p.stdout + p.stderr).splitlines()
                         if line.strip() and not line.startswith(("patching file", "checking file"))]
