@@ -145,22 +145,40 @@ def resolve_source(source: str, progress: Callable[[str], None] = print) -> Path
         raise UsageError(f"llamacpp.source={source!r} is not a llama.cpp tree; accepted: a folder holding "
                          "ggml/include/ggml.h and tests/test-backend-ops.cpp, or empty for the "
                          f"{SDIST[0]}=={SDIST[1]} sdist")
+    try:
+        built_files(tree)  # no symbolic link among what a build reads
+    except UsageError as e:
+        raise UsageError(f"llamacpp.source={source!r}: {e}") from None
     return tree
 
 
-def _built_files(tree: Path) -> list[Path]:
+def built_path(relative: str) -> bool:
+    """Whether a build may read the file at `relative` (a path inside a llama.cpp tree): everything but the
+    top-level folders NOT_BUILT, hidden ones and earlier build folders."""
+    top = relative.split("/", 1)[0]
+    return not (top.startswith((".", "build")) or top in NOT_BUILT)
+
+
+def built_files(tree: Path) -> list[Path]:
+    """Every file a build may read (built_path), in a fixed order. A symbolic link among them is refused
+    (UsageError: bad input, exit 2), as in a kernels/ tree: its bytes would come from outside the tree."""
     files = []
-    for entry in sorted(tree.iterdir()):
-        if entry.name.startswith((".", "build")) or entry.name in NOT_BUILT:
-            continue
-        files += [entry] if entry.is_file() else sorted(p for p in entry.rglob("*") if p.is_file())
-    return files
+    for folder, subfolders, names in os.walk(tree):
+        here = Path(folder)
+        inside = [n for n in subfolders + names if built_path((here / n).relative_to(tree).as_posix())]
+        for name in inside:
+            if (here / name).is_symlink():
+                raise UsageError(f"{(here / name).relative_to(tree)} is a symbolic link; accepted: a llama.cpp tree "
+                                 "of plain files and folders (a link's bytes would come from outside the tree)")
+        subfolders[:] = [d for d in subfolders if d in inside]
+        files += [here / n for n in names if n in inside]
+    return sorted(files, key=lambda f: f.relative_to(tree).parts)  # the order source_hash has always had
 
 
 def source_hash(tree: Path) -> str:
     """sha256 over the relative names and bytes of every file a build may read."""
     h = hashlib.sha256()
-    for path in _built_files(tree):
+    for path in built_files(tree):
         h.update(str(path.relative_to(tree)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -172,7 +190,7 @@ def snapshot(tree: Path, digest: str, cache: Path = CACHE) -> Path:
         return dest
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    for path in _built_files(tree):
+    for path in built_files(tree):
         target = tmp / path.relative_to(tree)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, target)
