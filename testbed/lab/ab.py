@@ -581,6 +581,11 @@ def command(args) -> int:
             raise UsageError("--repo names a llama.cpp checkout for backend=llamacpp; engine:NAME sides are built "
                              "as their yaml says")
         rc = config.load([*args.overrides, "backend=engine", f"engine={sides[1][1].name}"], experiment="gdn")
+        from testbed.backends.engine import build as engine_build
+        from testbed.devices import load_profile
+
+        for spec in sides[1]:  # A's too: both are refused before the run starts
+            engine_build.check_device(spec, load_profile(rc.device))
         return _report(args, rc, module, opts, sides[0], ContractEngines(sides[1]))
     named = next((o.lstrip("+").split("=", 1)[1] for o in args.overrides if o.lstrip("+").startswith("backend=")), None)
     if named is not None and named not in BACKENDS:

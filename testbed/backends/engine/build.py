@@ -30,8 +30,9 @@ def build_key(spec: EngineSpec, target: str) -> str:
     return h.hexdigest()
 
 
-def program_for(spec: EngineSpec, target: str) -> Path:
-    """The program that runs on a device of build target `target` (host, arm32, aarch64, hexagon)."""
+def check(spec: EngineSpec, target: str) -> None:
+    """What is refused before a run starts (exit 2, nothing stored): an engine not built for `target`, or
+    whose prebuilt program for it is not a file."""
     if target not in spec.abis:
         raise UsageError(f"engine={spec.name} is not built for {target} ({spec.path}: abis={list(spec.abis)}); "
                          f"accepted devices: those of ABI {', '.join(spec.abis)}")
@@ -39,7 +40,23 @@ def program_for(spec: EngineSpec, target: str) -> Path:
         path = spec.prebuilt.get(target)
         if path is None or not path.is_file():
             raise UsageError(f"{spec.path}: build.prebuilt.{target}={str(path) if path else None!r} is not a file")
-        return path
+
+
+def check_device(spec: EngineSpec, profile) -> None:
+    """`check` for the build target of a device profile's ABI."""
+    try:
+        target = target_for_abi(profile.abi)
+    except BuildError:
+        raise UsageError(f"engine={spec.name} has no build for device={profile.name} (ABI {profile.abi}); accepted "
+                         f"devices: those of ABI {', '.join(spec.abis)}") from None
+    check(spec, target)
+
+
+def program_for(spec: EngineSpec, target: str) -> Path:
+    """The program that runs on a device of build target `target` (host, arm32, aarch64, hexagon)."""
+    check(spec, target)
+    if spec.prebuilt is not None:
+        return spec.prebuilt[target]
     out = CACHE_DIR / f"{spec.name}-{target}-{build_key(spec, target)[:16]}"
     if (out / spec.program).is_file():
         return out / spec.program
