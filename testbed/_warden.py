@@ -17,9 +17,9 @@ MARK_VARIABLE = "TESTBED_WARDEN"
 
 
 def _processes():
-    """(pid, its session, its environment's bytes or b"") of every live process, by /proc: a stat line is
+    """(pid, its session, where its environment is read) of every live process, by /proc: a stat line is
     "PID (NAME) STATE PPID PGRP SESSION ...", and a name may hold anything, so its fields are read after
-    the last ")"; zombies are dead already. Another user's environment is not readable (b"")."""
+    the last ")"; zombies are dead already."""
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -34,16 +34,13 @@ def _processes():
 
 
 def _environ(path: str) -> bytes:
+    """A process's environment (NAME=VALUE entries, NUL-separated); b"" where it is not readable (another
+    user's process, one just gone)."""
     try:
         with open(path, "rb") as f:
             return f.read()
     except OSError:
         return b""
-
-
-def members(sid: int) -> list[int]:
-    """Every live process of session `sid`."""
-    return [pid for pid, session, _ in _processes() if session == sid]
 
 
 def kill_until_none(chosen) -> None:

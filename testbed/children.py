@@ -19,11 +19,12 @@ with the first child in a session of its own, so that whatever kills testbed's g
 its job. It reads a pipe whose writing end only testbed holds: testbed writes "+SID" there for each
 child as it starts it and "-SID" once it has ended that session. When the pipe reaches its end, testbed
 is gone, however it went: the warden kills every session still listed and every process that carries
-testbed's mark, in an environment variable (_warden.MARK_VARIABLE) every child is started with and every
-descendant inherits (a testbed started by testbed adds its own mark to its parent's): so the one started in the instant between its start and its announcement, and
-the one that left its session (a daemon) die too. A program that empties its environment and leaves
-its session is beyond it. A child that is testbed again (a build command `python -m testbed...`, the
-loopback adbd) has its own warden and mark, so the chain holds through any depth.
+testbed's mark, an environment variable (_warden.MARK_VARIABLE) every child is started with and every
+descendant inherits: so the one started in the instant between its start and its announcement, and the
+one that left its session (a daemon), die too. A program that empties its environment and leaves its
+session is beyond it. A child that is testbed again (a build command `python -m testbed...`, the
+loopback adbd) adds its own mark to its parent's and has its own warden, so the chain holds through any
+depth; a warden carries no mark, so that none kills another before it has done its job.
 
 A session's id is its leader's process id, which the kernel does not hand out again while any process
 of the session lives, and otherwise only after going through every other id (pid_max): a session is
@@ -65,10 +66,11 @@ def _ensure_warden() -> None:
     if _warden_fd is not None:
         os.close(_warden_fd)
     read, write = os.pipe()
+    unmarked = {k: v for k, v in os.environ.items() if k != _warden.MARK_VARIABLE}  # no warden kills another
     try:
         _warden_proc = subprocess.Popen([sys.executable, "-I", "-S", _warden.__file__, MARK], stdin=read,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/",
-                                        start_new_session=True)
+                                        start_new_session=True, env=unmarked)
     finally:
         os.close(read)
     _warden_fd = write
@@ -90,8 +92,10 @@ def start(argv, **popen) -> subprocess.Popen:
             raise TypeError(f"children.start sets {key} itself")
     popen.setdefault("stdin", subprocess.DEVNULL)
     env = os.environ if popen.get("env") is None else popen["env"]
-    marks = [m for m in env.get(_warden.MARK_VARIABLE, "").split(":") if m]  # a testbed started by testbed: both
-    popen["env"] = {**env, _warden.MARK_VARIABLE: ":".join([*marks, MARK])}
+    # the marks of every testbed above this one too (a testbed started by testbed), even in an environment
+    # made from scratch (the loopback adbd's shell): each of their wardens finds this child
+    above = [m for e in (os.environ, env) for m in e.get(_warden.MARK_VARIABLE, "").split(":") if m]
+    popen["env"] = {**env, _warden.MARK_VARIABLE: ":".join(dict.fromkeys([*above, MARK]))}
     netguard.unpoliced(argv, popen.get("cwd"))
     with _lock:
         _ensure_warden()
@@ -214,7 +218,10 @@ def running() -> list[int]:
 
 
 def end_all() -> None:
-    """End every session still running (the interpreter's exit; the warden does it if testbed cannot)."""
+    """At the interpreter's exit: end every session still running, then let the warden go (the end of its
+    pipe) and wait for it, so that what testbed's children left behind (their mark says so) is gone when
+    testbed is. If testbed cannot get here, the warden does the same without it."""
+    global _warden_proc, _warden_fd
     with _lock:
         procs = list(_running.values())
     for proc in procs:
@@ -222,6 +229,14 @@ def end_all() -> None:
             end(proc)
         except Exception:  # noqa: BLE001 -- at exit, the next session matters more than why one failed
             pass
+    with _lock:
+        if _warden_fd is not None:
+            os.close(_warden_fd)
+            try:
+                _warden_proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        _warden_proc = _warden_fd = None
 
 
 atexit.register(end_all)

@@ -7,8 +7,8 @@ nightly's one worker per device) cannot be interrupted that way, so every long w
 itself and raises `Interrupted` there:
 
   * a repetition loop (testbed.measure.timing: between any two timed calls);
-  * a program testbed started (testbed.children: waited for POLL_S at a time, its process group killed
-    on a stop), a command on a remote device (testbed.devices.ssh: the channel is closed);
+  * a program testbed started (testbed.children: waited for POLL_S at a time, its session killed on a
+    stop), a command on a remote device (testbed.devices.ssh: the channel is closed);
   * testbed nightly's main thread waits for its workers at most GRACE_S after a stop, then leaves
     the ones still inside one long call behind (daemon threads: the process exits without them; the
     run they were in reads back as never ended, never as passed).

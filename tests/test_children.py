@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,7 +110,7 @@ def drop_box():
     folder = Path(tempfile.mkdtemp(prefix="tb-children-", dir="/tmp"))
     folder.chmod(0o777)
     yield folder
-    subprocess.run(["rm", "-rf", str(folder)], check=False)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # --- one way to start a program ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import pandas as pd
 import pytest
 
 from testbed import PROJECT_ROOT
@@ -38,9 +39,7 @@ def test_printable_escapes_what_acts_on_a_display_and_keeps_text(text, shown):
 
 
 def test_a_markdown_table_cell_and_header_are_escaped():
-    import pandas as pd
-
-    table = markdown(pd.DataFrame({f"col\x1b[1m": [HOSTILE]}))
+    table = markdown(pd.DataFrame({"col\x1b[1m": [HOSTILE]}))
     assert not any(c in table for c in ACTING) and SHOWN in table and "col\\x1b[1m" in table
 
 
