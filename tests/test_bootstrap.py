@@ -3,6 +3,7 @@
 import fcntl
 import subprocess
 import sys
+from pathlib import Path
 
 from testbed import PROJECT_ROOT
 
@@ -21,7 +22,8 @@ def test_bootstrap_waits_for_a_held_package_lock_saying_who_holds_it(tmp_path):
     waiting = subprocess.Popen([str(PROJECT_ROOT / "scripts" / "wait-for-dpkg-lock.sh"), str(tmp_path / "absent"),
                                 str(lock)], stderr=subprocess.PIPE, text=True)
     first = waiting.stderr.readline()
-    assert first == f"bootstrap: waiting for the package lock, held by process {holder.pid} (python3) on {lock}\n"
+    name = Path(f"/proc/{holder.pid}/comm").read_text().strip()  # the holder's name, as ps shows it
+    assert first == f"bootstrap: waiting for the package lock, held by process {holder.pid} ({name}) on {lock}\n"
     assert waiting.poll() is None  # still waiting: the lock is held
     holder.stdin.close()  # the holder ends, and its lock with it
     holder.wait(timeout=60)
