@@ -560,6 +560,10 @@ def ratio_records(cfg: DictConfig, ctx, programs, host_counts: bool = False) -> 
                 "target_is": "at least"}
             metrics["short_by_cpu"] = (blas_reference.shortfall(cpu.median, target, at_most=False)
                                        if metrics["meets_target_cpu"] is not None else None)
+        if library:  # beside the reference's ratio, the same over each candidate library (CPU, median)
+            for lib in best.candidates:
+                under = blas_reference.variant_name("sgemm", lib, bottom == SGEMM_1 and cfg.threads > 1)
+                metrics[f"ratio_cpu_vs_{lib}"] = ratio(top, under, "cpu", at_most).median
         yield Record("native_bench", f"ratios/{top} vs {bottom}", "measure",
                      figures={"ratio": wall, "ratio_cpu": cpu}, metrics=metrics,
                      work={"what": text, "ratio": "per repetition, of the two variants run in it; median, min, max",
