@@ -578,6 +578,41 @@ def ratio_records(cfg: DictConfig, ctx, programs, host_counts: bool = False) -> 
                          metrics={"reference_missing": note}, params=params | {"kernel": f"{name} reference"})
 
 
+def ab_calls(cfg: DictConfig) -> list:
+    """The ratios' measured kernel calls for `testbed ab` (one timed call per program run, the build
+    `fused` asks for): chunk attention at each ratios.key_counts, GDN chunkwise at each ratios.gdn.tokens
+    and gate, and tb_gemm at ratios.gemm^3, on the inputs ratio_records draws."""
+    from testbed.backends.native.device import Call
+
+    a, r, b = cfg.attention, cfg.ratios, cfg.bench
+    rng = np.random.default_rng([cfg.seed, 14])
+    timed = [f"threads={cfg.threads}", f"warmup={b.warmup}", "reps=1"]
+    calls = []
+    for n_keys in sorted(set(as_list(r.key_counts))):
+        q = rng.standard_normal((a.heads, a.chunk, a.head_dim)).astype(np.float32)
+        k = rng.standard_normal((a.kv_heads, n_keys, a.head_dim)).astype(np.float32)
+        v = rng.standard_normal((a.kv_heads, n_keys, a.head_dim)).astype(np.float32)
+        mask = gemma.attention_mask(np.arange(n_keys - a.chunk, n_keys), np.arange(n_keys), cfg.cache.window, a.heads,
+                                    "global")
+        calls.append(Call(f"attention keys={n_keys}", "tb_attention_bench", {"q": q, "k": k, "v": v, "mask": mask},
+                          ["{inputs}", ".", "form=chunk", *timed], ["out"],
+                          {"flops": attention_flops(a.heads, a.chunk, n_keys, a.head_dim)}))
+    g = r.gdn
+    chunk = g.chunk or auto_chunk(g.head_size)
+    for tokens in sorted(set(as_list(g.tokens))):
+        for kda in sorted(set(as_bools(g.kda))):
+            x = gdn.draw_inputs(1, tokens, g.heads, g.head_size, kda=kda, seed=cfg.seed)
+            calls.append(Call(f"gdn chunkwise {_gdn_name(tokens, kda)}", "tb_gdn_bench", dict(zip(GDN_INPUTS, x.arrays())),
+                              ["{inputs}", ".", "form=chunkwise", f"chunk={g.chunk or 'auto'}", "head_map=tiled", *timed],
+                              ["out", "state"],
+                              {"flops": gdn.gdn_chunkwise_flops(1, tokens, g.heads, g.head_size, chunk, kda)}))
+    m = np.random.default_rng([cfg.seed, 14, r.gemm]).standard_normal((r.gemm, r.gemm)).astype(np.float32)
+    calls.append(Call("gemm", "tb_gemm_bench", {"a": m, "b": m, "c": np.zeros_like(m)},
+                      ["{inputs}", ".", "form=gemm", "threads=1", f"warmup={b.warmup}", "reps=1"], ["c"],
+                      {"flops": 2 * r.gemm**3}))
+    return calls
+
+
 def gemm_target() -> float:
     """tb_gemm's goal over the best library's sgemm: GEMM_TARGET on the CPU's widest ISA, AVX2_GEMM_TARGET
     where TB_ISA forces the kernels (and the reference, like for like) onto AVX2."""
