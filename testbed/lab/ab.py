@@ -223,7 +223,7 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple, opts: Options, engi
     both sides' counts, the verdicts. `engine` builds the sides, runs the calls and holds the oracles:
     NativeEngine (the default), LlamacppEngine, or ContractEngines (`engine:A engine:B`: two engines
     under test, or two builds of one, serving the calls through engine contract v1)."""
-    engine = engine or NativeEngine()
+    engine = engine or NativeEngine(bool(cfg.get("fused", False)))  # the build the experiment's fused asks for
     device = ctx.device
     emulated = device.profile.has("emulated")
     # On a device that does not count by itself, valgrind counts: asked for (counts=true: it must be
@@ -608,7 +608,7 @@ def command(args) -> int:
         if args.repo is not None:
             raise UsageError("--repo names a llama.cpp checkout for backend=llamacpp; backend=native takes "
                              "revisions of this checkout")
-        trees, engine = (resolve_tree(args.a), resolve_tree(args.b)), NativeEngine(bool(rc.cfg.get("fused", False)))
+        trees, engine = (resolve_tree(args.a), resolve_tree(args.b)), None  # measure's NativeEngine
     return _report(args, rc, module, opts, trees, engine)
 
 
