@@ -56,6 +56,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
@@ -436,14 +437,18 @@ class BestReference:
         return Pick(lib, names[lib], one, samples[names[lib]], info, rule)
 
 
+@dataclass
 class Pick:
     """The chosen reference of a BestReference: its library, its variant's name and samples (clock ->
     seconds per repetition), the name of the same library's one-thread variant, what ran (blas_info
     with every candidate and the decision) and the kernel rule's figures."""
 
-    def __init__(self, library: str, name: str, one_thread: str, samples: dict, info: dict, rule: dict):
-        self.library, self.name, self.one_thread, self.samples = library, name, one_thread, samples
-        self.info, self.rule = info, rule
+    library: str
+    name: str
+    one_thread: str
+    samples: dict
+    info: dict
+    rule: dict
 
     def describe(self) -> str:
         """One line for a ratio's text: the library, its kernel and ISA, and how it was chosen."""
