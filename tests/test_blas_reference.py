@@ -294,6 +294,14 @@ def test_a_machine_without_mkl_says_which_reference_ran(without_mkl):
     assert list(pick.info["candidates"]) == ["openblas"] and pick.rule["reference_library"] == "openblas"
 
 
+def test_a_broken_mkl_is_missing_and_says_why(monkeypatch):
+    """A libmkl_rt that does not load (a broken install): the reference process exits at once; the
+    reference is OpenBLAS alone and says oneMKL did not run, instead of the run failing."""
+    monkeypatch.setattr(blas_reference, "mkl_runtime", lambda: ("/nonexistent/libmkl_rt.so.3", "planted"))
+    best = blas_reference.BestReference(blas_reference.square_products(16), 1, 1)
+    assert best.candidates == ["openblas"] and best.missing["mkl"].startswith("oneMKL did not run")
+
+
 def test_native_bench_without_mkl_records_openblas_as_the_reference_and_why(without_mkl, results_dir):
     df = run([*SMALL_NATIVE_BENCH, "ratios.ggml=false", "ratios.torch=false"], "native_bench").frame()
     part = df[(df["params.part"] == "ratios") & (df["kind"] == "measure")]

@@ -188,6 +188,10 @@ class ReferenceProcess:
         self._lock = threading.Lock()
         self._keys = itertools.count()
 
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
     def ask(self, *message):
         with self._lock:
             if self._proc.poll() is not None:
@@ -220,11 +224,11 @@ _process_lock = threading.Lock()
 def reference_process(library: str = "openblas", threads: int = 1) -> ReferenceProcess:
     """This process's reference process for a library and thread count (oneMKL: one per threading
     layer), started on first use, closed at exit; restarted when TB_ISA or the environment's kernel
-    variables changed since."""
+    variables changed since, or when it is gone (a library that failed to load exits)."""
     layer = mkl_layer(threads) if library == "mkl" else None
     with _process_lock:
         process = _processes.get((library, layer))
-        if process is None or process.environ != reference_environment(library=library):
+        if process is None or not process.alive or process.environ != reference_environment(library=library):
             if process is not None:
                 process.close()
             process = _processes[(library, layer)] = ReferenceProcess(library, layer)
@@ -401,9 +405,17 @@ class BestReference:
         for lib in LIBRARIES:
             if lib in self.missing:
                 continue
-            self.timers[variant_name(label, lib)] = products_timer(products, threads, repeat, lib)
-            if threads > 1:
-                self.timers[variant_name(label, lib, True)] = products_timer(products, 1, repeat, lib)
+            try:
+                timers = {variant_name(label, lib): products_timer(products, threads, repeat, lib)}
+                if threads > 1:
+                    timers[variant_name(label, lib, True)] = products_timer(products, 1, repeat, lib)
+            except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+                if lib == "openblas":  # numpy's: the floor of the reference, never optional
+                    raise
+                # an optional library that does not run here (a broken install) is missing, and says why
+                self.missing[lib] = f"{LIBRARY_NAMES[lib]} did not run: {e or type(e).__name__}"
+                continue
+            self.timers |= timers
 
     @property
     def candidates(self) -> list[str]:
