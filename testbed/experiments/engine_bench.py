@@ -30,9 +30,9 @@ decode_vs_stream  a decode step's time, over the time to read its weights once (
 Both by the wall clock and by the process's CPU clock (on a shared machine the CPU clock leaves out
 the time other processes held the core): one record per clock, each with the other clock's figure of
 the same calls beside it (never wall alone), and the exact instructions of a chunk call and a decode
-step where they were counted (a device that counts; the host with counts=true, under valgrind). Each ratio is computed per repetition and reported as
-median, min and max over them; beside it the ratio of the best times (on a shared machine the best
-repetition is the least disturbed one). Measurements: the configured targets are printed beside
+step where they were counted (a device that counts; the host with counts=true, under valgrind). Each
+ratio is computed per repetition and reported as median, min and max over them; beside it the ratio of
+the best times (on a shared machine the best repetition is the least disturbed one). Measurements: the configured targets are printed beside
 them (matmul_vs_sgemm also says whether it meets its target, unless the reference spins).
 """
 
@@ -291,5 +291,7 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                      "meets target": r.get("metrics.meets_target_" + str(r.get("params.clock"))),
                      "note": r.get("metrics.target_refused") if isinstance(r.get("metrics.target_refused"), str)
                      else None,
-                     "unit": "GFLOP/s" if "matmul" in r["case"] else "s", "samples": tables.samples(r)})
+                     "unit": "GFLOP/s" if "matmul" in r["case"] else "s",
+                     "instructions": r.get("figures.chunk_call_instructions.median") if "matmul" in r["case"]
+                     else r.get("figures.decode_step_instructions.median"), "samples": tables.samples(r)})
     return pd.DataFrame(rows)
