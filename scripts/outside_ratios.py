@@ -15,10 +15,11 @@ oneMKL's cblas_sgemm (sequential layer, through ctypes from the `mkl` wheel's li
 system's) where it is installed; both are variants of the same shuffled repetitions, and the one with
 the lower median CPU time is what every "vs sgemm" ratio divides by (the JSON's `reference` says which,
 both medians, and why oneMKL is absent where it is). The variables that force another kernel
-(OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE: set for every process on the project's machines; MKL_ENABLE_INSTRUCTIONS,
-MKL_CBWR, ...) are read when the libraries load, so the script re-executes itself without them before
-numpy loads. `--isa avx2` forces the kernels onto AVX2 (TB_ISA=avx2) and the references onto their AVX2
-kernels (OPENBLAS_CORETYPE=Haswell, MKL_ENABLE_INSTRUCTIONS=AVX2): like for like.
+(OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE: set for every process on the project's machines;
+MKL_ENABLE_INSTRUCTIONS, MKL_CBWR, ...) are read when the libraries load, so the script re-executes
+itself without them (and without TB_ISA) before numpy loads. `--isa avx2` forces the kernels onto AVX2
+(TB_ISA=avx2) and the references onto their AVX2 kernels (OPENBLAS_CORETYPE=Haswell,
+MKL_ENABLE_INSTRUCTIONS=AVX2): like for like.
 
 The model engine's decode step (kernels/tb_model.h, engine_bench's `decode_vs_stream`): the engine is
 made here through its C ABI (ctypes structures mirroring tb_model.h; the weights stored in f32, f16 or
@@ -28,8 +29,8 @@ shuffled repetition, two streaming reads of 256 MiB over huge pages (numpy's int
 script's own C loop summing float32 into four independent vector accumulators: on the AMD EPYC numpy's
 sum read 34-36 GB/s where a loop with independent accumulators reads 40-41); the floor is the faster of
 the two in each repetition, the best rate. The ratio: the step's time over the time to read the weights
-once (every matrix in its stored dtype, the scales too) at that bandwidth. The step's logits are checked against
-refimpl.gemma in float64 on the weights as stored.
+once (every matrix in its stored dtype, the scales too) at that bandwidth. The step's logits are checked
+against refimpl.gemma in float64 on the weights as stored.
 
     python scripts/outside_ratios.py [--fused 1|0] [--reps 7] [--keys 512,2048,8192] [--head-dim 256] [--chunk 64]
         [--gdn-tokens 512,4096] [--gdn-heads 16] [--gdn-head-size 128] [--gdn-chunk 0] [--gemm 512]

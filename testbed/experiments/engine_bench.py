@@ -32,8 +32,9 @@ the time other processes held the core): one record per clock, each with the oth
 the same calls beside it (never wall alone), and the exact instructions of a chunk call and a decode
 step where they were counted (a device that counts; the host with counts=true, under valgrind). Each
 ratio is computed per repetition and reported as median, min and max over them; beside it the ratio of
-the best times (on a shared machine the best repetition is the least disturbed one). Measurements: the configured targets are printed beside
-them (matmul_vs_sgemm also says whether it meets its target, unless the reference spins).
+the best times (on a shared machine the best repetition is the least disturbed one). Measurements: the
+configured targets are printed beside them (matmul_vs_sgemm also says whether it meets its target,
+unless the reference spins).
 """
 
 from __future__ import annotations

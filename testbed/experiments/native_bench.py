@@ -602,9 +602,10 @@ def ab_calls(cfg: DictConfig) -> list:
     for tokens in sorted(set(as_list(g.tokens))):
         for kda in sorted(set(as_bools(g.kda))):
             x = gdn.draw_inputs(1, tokens, g.heads, g.head_size, kda=kda, seed=cfg.seed)
-            calls.append(Call(f"gdn chunkwise {_gdn_name(tokens, kda)}", "tb_gdn_bench", dict(zip(GDN_INPUTS, x.arrays())),
-                              ["{inputs}", ".", "form=chunkwise", f"chunk={g.chunk or 'auto'}", "head_map=tiled", *timed],
-                              ["out", "state"],
+            calls.append(Call(f"gdn chunkwise {_gdn_name(tokens, kda)}", "tb_gdn_bench",
+                              dict(zip(GDN_INPUTS, x.arrays())),
+                              ["{inputs}", ".", "form=chunkwise", f"chunk={g.chunk or 'auto'}", "head_map=tiled",
+                               *timed], ["out", "state"],
                               {"flops": gdn.gdn_chunkwise_flops(1, tokens, g.heads, g.head_size, chunk, kda)}))
     m = np.random.default_rng([cfg.seed, 14, r.gemm]).standard_normal((r.gemm, r.gemm)).astype(np.float32)
     calls.append(Call("gemm", "tb_gemm_bench", {"a": m, "b": m, "c": np.zeros_like(m)},
