@@ -429,6 +429,24 @@ def test_a_kept_pad_row_in_the_tail_fails_the_state_bytes_oracle(lab, results_di
     assert (clean["verdict"] == "pass").all()
 
 
+@pytest.mark.parametrize("delta, verdict", [(2e-3, "pass"), (5e-3, "fail")])
+def test_chunk_prefill_judges_an_engine_within_the_precision_its_yaml_declares(lab, results_dir, delta, verdict):
+    """An engine whose K/V differ from the reference by `delta` in one value (as another summation order does)
+    and whose yaml declares tolerance.float32 = 3e-3: within it the cache oracle passes, past it fails; with
+    engine_tolerance=false it is held to cache_atol (1e-3) and fails either way."""
+    damage = f"""\
+        if (out / "cache").is_dir():
+            k = np.load(out / "cache" / "k_0.npy"); k[0, 1, 0] += {delta}; np.save(out / "cache" / "k_0.npy", k)
+        """
+    wrapper_engine(lab, "summed", damage, more="tolerance: {float32: 3.0e-3, measured: a planted 2e-3}\n")
+    df = run(["backend=engine", "engine=summed", *SMALL]).frame()
+    cache = df[df["oracle"] == "cache"]
+    assert len(cache) and (cache["verdict"] == verdict).all(), df[["oracle", "verdict", "detail"]].to_string()
+    assert (df.loc[df["oracle"] != "cache", "verdict"] == "pass").all()
+    strict = run(["backend=engine", "engine=summed", "engine_tolerance=false", *SMALL]).frame()
+    assert (strict.loc[strict["oracle"] == "cache", "verdict"] == "fail").all()
+
+
 def test_an_engine_that_reads_a_hugging_face_folder_is_handed_one(lab, results_dir):
     """model_formats: [hf] (an exporter's input): the request's model is a folder holding config.json and
     model.safetensors, written once per content from the run's model; the engine here only reads it and

@@ -66,6 +66,7 @@ PARAMS = {
     "native.group": Int(1, 1 << 16),
     "chunk": Int(1, 4096),
     "logit_atol": Float(0.0),
+    "engine_tolerance": Choice((True, False)),
     "cache_atol": Float(0.0),
     "threads": Int(1, 256),
     "counts": Choice((False, True)),
@@ -273,13 +274,14 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
         yield from user_module_records(cfg, ctx, ref, backend, tokenizer)
         return
     every = cases(cfg)
+    logit_atol, cache_atol, tolerance = atols(cfg)
     for i, case in enumerate(every):
         ctx.progress(f"chunk_prefill oracle {i + 1}/{len(every)} {case.name}")
         params = {"past": case.past, "tokens": case.tokens, "chunk": case.chunk, "position": case.position,
-                  "calls": case.calls}
+                  "calls": case.calls, "tolerance": tolerance}
         try:
             verdicts = check_token_at_position(backend, ref, case, expected=cfg.model.expected_token,
-                                               logit_atol=cfg.logit_atol, cache_atol=cfg.cache_atol,
+                                               logit_atol=logit_atol, cache_atol=cache_atol,
                                                token_text=tokenizer.token_text if tokenizer else None)
         except backends.NotSupported as e:  # an engine's refusal: recorded as such, never a pass
             for oracle in ORACLES:
@@ -289,7 +291,7 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
         failing = [v for v in verdicts if not v.passed and v.metrics.get("cache_exposed") is not False]
         if cfg.backend == "engine" and failing:
             ctx.progress(f"chunk_prefill oracle {case.name} failed: asking the engine where")
-            where_it_broke(backend, ref, case, failing, cfg.logit_atol, cfg.cache_atol)
+            where_it_broke(backend, ref, case, failing, logit_atol, cache_atol)
         evidence = backend.evidence.take()
         for v in verdicts:
             unjudged = v.metrics.get("cache_exposed") is False  # an engine that exposes no K/V: not a pass
@@ -306,6 +308,21 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
         yield Record("chunk_prefill", f"{case.name}/{v.oracle}", "oracle", v.oracle, v.verdict, v.margin, v.metrics,
                      params={"past": case.past, "tokens": case.tokens, "chunk": case.chunk, "position": case.position,
                              "calls": case.calls}, detail=v.detail, evidence=backend.evidence.take())
+
+
+def atols(cfg: DictConfig) -> tuple[float, float, str]:
+    """(logit_atol, cache_atol, where they come from): the config's, or for an engine under test that declares
+    its precision (its yaml's `tolerance.float32`: another engine's kernels sum in other orders) that precision
+    for both, unless engine_tolerance=false."""
+    if cfg.backend == "engine" and cfg.engine_tolerance:
+        from testbed.backends.engine import spec as engine_spec
+
+        spec = engine_spec.load(cfg.get("engine"))
+        declared = spec.logits_tolerance("float32")
+        if declared is not None:
+            measured = f" (measured {spec.tolerance_measured})" if spec.tolerance_measured else ""
+            return declared, declared, f"{spec.path.name}: tolerance.float32{measured}"
+    return float(cfg.logit_atol), float(cfg.cache_atol), "logit_atol, cache_atol"
 
 
 def where_it_broke(backend, ref: Reference, case: TokenCase, failing: list, logit_atol: float,
