@@ -1143,8 +1143,7 @@ def device_verdict(inp: Inputs, device: str) -> dict:
                           f"({implementations.of(first).backend}){stop}: {said}. {notes}"}
     if stopped and not records:
         return {"device": device, "colour": "grey", **counted,
-                "reason": f"incomplete: every run here since the last complete one was stopped before it ended "
-                          f"({stopped[0].how}); nothing reached fails. {notes}"}
+                "reason": f"incomplete: no run here ended; nothing they reached fails. {notes}"}
     concerns = []
     flags = [f for f in inp.flags if f.device == device]
     if flags:  # every flag by name: the first alone hides the rest
