@@ -16,7 +16,7 @@ A run stopped before it ended (killed, interrupted: testbed.results.stopped_runs
 ...">, never a pass. A nightly adds a testcase per device that did not answer (<error>) and per regression
 flag (<failure>), so the file fails exactly when the night's exit status does. Every count (tests,
 failures, errors, skipped) is on each suite and on <testsuites>; text is XML-escaped, and characters XML 1.0
-cannot hold (control characters an engine may print) are written as \\xNN.
+cannot hold (control characters an engine may print) are written as \\xNN (\\uNNNN above 0xff).
 
 The file is written whole or not at all: into a temporary file beside it, then renamed over it.
 """
@@ -45,7 +45,8 @@ MESSAGE_CHARS = 1000  # a message attribute is one line a CI page shows; the ele
 
 
 def xml_text(value) -> str:
-    return NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}", str(value))
+    return NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
+                       str(value))
 
 
 @dataclass
