@@ -152,6 +152,7 @@ class Inputs:
     # apart from everything above: incomplete, never current, never failing by being stopped
     stopped: list[dict] = field(default_factory=list)
     stopped_how: dict[str, str] = field(default_factory=dict)  # run id -> how it was stopped
+    incomplete: list["IncompleteRun"] = field(default_factory=list)  # those newer than their series' current run
 
     def cite(self, record: dict) -> str:
         self.referenced[record["record_id"]] = record
@@ -291,7 +292,7 @@ def incomplete_runs(inp: "Inputs") -> list[IncompleteRun]:
 
 
 def incomplete(inp: Inputs) -> Section | None:
-    runs = incomplete_runs(inp)
+    runs = inp.incomplete
     if not runs:
         return None
     older = len(set(inp.stopped_how)) - len(runs)
@@ -867,13 +868,14 @@ def cited_records(inp: Inputs) -> Section | None:
     if not inp.referenced:
         return None
     rows = [[cell(r["record_id"][:12], cls="anchor"), cell(r["experiment"]), cell(r["device"]),
-             cell(implementations.of(r).backend), cell(r["case"]), cell(r.get("oracle") or ""), cell(r.get("verdict") or ""), cell(_number(r.get("margin"), None)),
+             cell(implementations.of(r).backend), cell(r["case"]), cell(r.get("oracle") or ""),
+             cell(r.get("verdict") or ""), cell(_number(r.get("margin"), None)),
              cell(r["run_id"]), cell(r["started"]), cell(r.get("detail", ""))]
             for r in sorted(inp.referenced.values(), key=lambda r: (r["experiment"], r["device"], r["case"]))]
     return Section("records", "Records referenced above",
                    ["Every record is in the results store (records.jsonl) under its record_id."],
-                   [Table("records", ["record", "experiment", "device", "backend", "case", "oracle", "verdict", "margin",
-                                      "run", "started", "detail"], rows)])
+                   [Table("records", ["record", "experiment", "device", "backend", "case", "oracle", "verdict",
+                                      "margin", "run", "started", "detail"], rows)])
 
 
 # --- reading the tables: each column explained once -------------------------------------------------
@@ -1005,8 +1007,8 @@ def glossary(sections: list[Section]) -> Section | None:
 
 # The page, in order. Each function returns None when it has nothing to show.
 SECTIONS: list[Callable[[Inputs], Section | None]] = [
-    oracle_matrix, incomplete, unreadable_records, regressions, numbers, engines, tail_sweep, chunk_choice, gdn_throughput,
-    instruction_counts, other_measurements,
+    oracle_matrix, incomplete, unreadable_records, regressions, numbers, engines, tail_sweep, chunk_choice,
+    gdn_throughput, instruction_counts, other_measurements,
     nights_over_time, nights,
     provenance, cited_records,
 ]
@@ -1094,7 +1096,7 @@ def current_oracles(inp: Inputs) -> list[dict]:
 
 def reached_failing(inp: Inputs) -> list[dict]:
     """The fails and errors that incomplete runs reached before they were stopped (IncompleteRun.failing)."""
-    return [r for run in incomplete_runs(inp) for r in run.failing]
+    return [r for run in inp.incomplete for r in run.failing]
 
 
 def device_counts(tally: Tally, not_run: int) -> dict:
@@ -1118,7 +1120,7 @@ def device_verdict(inp: Inputs, device: str) -> dict:
     names what decided the colour, then the load the records carry (LoadReading.note), and any record
     left out as unreadable; `line` counts each state, and the incomplete runs as "not run"."""
     records = [r for r in inp.current if r["device"] == device]
-    stopped = [run for run in incomplete_runs(inp) if run.first["device"] == device]
+    stopped = [run for run in inp.incomplete if run.first["device"] == device]
     reached = [r for run in stopped for r in run.failing]
     oracles = [r for r in current_oracles(inp) if r["device"] == device]
     reading = load_reading(inp, device)
@@ -1126,8 +1128,8 @@ def device_verdict(inp: Inputs, device: str) -> dict:
     notes = f"load: {reading.note()}" + (f"; {len(unread)} record{'s' * (len(unread) != 1)} the report cannot "
                                         f"read (first: {unread[0]})" if unread else "")
     if stopped:
-        notes += (f"; {len(stopped)} run{'s' * (len(stopped) != 1)} stopped before {'they' if len(stopped) > 1 else 'it'}"
-                  f" ended ({stopped[0].how}: {stopped[0].first['experiment']}, "
+        notes += (f"; {len(stopped)} run{'s were' if len(stopped) > 1 else ' was'} stopped before the end "
+                  f"({stopped[0].how}: {stopped[0].first['experiment']}, "
                   f"{implementations.of(stopped[0].first).backend}): incomplete, under Incomplete runs")
     failing = [r for r in oracles if verdicts.of(r) in FAILING] + reached
     tally = Tally.of_records(oracles) + Tally(verdicts.of(r) for r in reached)
@@ -1183,7 +1185,7 @@ def verdict_banner(inp: Inputs) -> list[dict]:
     """One verdict per device of the current runs, of its incomplete runs and of the last night."""
     devices = {r["device"] for r in inp.current} | {r["device"] for r, _ in inp.unreadable
                                                      if r["run_id"] in inp.current_runs}
-    devices |= {run.first["device"] for run in incomplete_runs(inp)}
+    devices |= {run.first["device"] for run in inp.incomplete}
     if inp.nights:
         devices |= set(inp.nights[-1].get("devices") or {})
     return [device_verdict(inp, device) for device in sorted(devices)]
@@ -1273,7 +1275,7 @@ def first_screen(inp: Inputs) -> dict:
         steps.append({"say": "every change between the commits around the first regression",
                       "command": shlex.join(["testbed", "compare", first_flag.last_clean_commit[:12],
                                              first_flag.since_commit[:12]])})
-    stopped_runs = incomplete_runs(inp)
+    stopped_runs = inp.incomplete
     if stopped_runs and not worst:
         steps.append({"say": f"finish the newest incomplete run ({stopped_runs[-1].how})",
                       "command": reproduce_command(stopped_runs[-1].first)})
@@ -1356,6 +1358,8 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
                      dt.datetime.now(dt.timezone.utc), settings, list(night_log), flags, set_apart=emulated,
                      unreadable=[(r, judged[id(r)]) for r in chosen if judged[id(r)] is not None],
                      current_runs=current_runs, stopped=stopped, stopped_how=stopped_how)
+        inp.incomplete = incomplete_runs(inp)
+        screen = first_screen(inp)  # before the sections: the records it links to are listed at the end
         drawn = [draw(fn, inp) for fn in SECTIONS]
         sections = [s for s, _ in drawn if s is not None]
         broken = [why for _, why in drawn if why is not None]
@@ -1370,7 +1374,7 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
             "records": len(window),
             "current_runs": sorted(current_runs),
             "summary": summary(inp, flags),
-            "first_screen": first_screen(inp),
+            "first_screen": screen,
             "flags": [history.flag_data(f) for f in flags],
             "breakevens": inp.breakevens,
             "choices": inp.choices,
@@ -1378,7 +1382,8 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
             "broken_sections": broken,
         }
         for name in ("report.html", "report.md"):  # for people: the sections' cells, rendered
-            page = TEMPLATE_ENV.get_template(name + ".j2").render({**content, "sections": [asdict(s) for s in sections]})
+            page = TEMPLATE_ENV.get_template(name + ".j2").render({**content,
+                                                                   "sections": [asdict(s) for s in sections]})
             (staging / name).write_text(page, encoding="utf-8")
         (staging / "report.json").write_text(json.dumps(content, indent=1, default=str), encoding="utf-8")
         staging.chmod(0o755)  # mkdtemp made it private; a report is for reading, e.g. from a web server
@@ -1456,7 +1461,7 @@ def summary(inp: Inputs, flags: list[history.Flag]) -> dict:
     reached = reached_failing(inp)  # decided before their runs were stopped: a fail is a fail
     return {"oracles": len(oracles), "oracles_passed": tally[PASS], "oracles_failed": tally.failed + len(reached),
             "oracles_unjudged": tally.unjudged, "oracle_verdicts": tally.phrase(),
-            "incomplete_runs": len(incomplete_runs(inp)),
+            "incomplete_runs": len(inp.incomplete),
             "measurements": sum(r["kind"] == "measure" for r in inp.current),
             "regressions": len(flags), "devices": sorted({r["device"] for r in inp.current}),
             "verdicts": verdict_banner(inp)}

@@ -101,7 +101,8 @@ def run_suites(records: Iterable[dict]) -> list[Suite]:
         suite = Suite(f"{first['experiment']} on {impl.device} ({impl.backend}): run {run_id}",
                       properties={"run_id": run_id, "experiment": str(first["experiment"]), "device": impl.device,
                                   "backend": impl.backend, "model": impl.model, "git_commit": str(first["git_commit"]),
-                                  "started": str(first["started"]), "emulated": str(bool(first.get("emulated"))).lower(),
+                                  "started": str(first["started"]),
+                                  "emulated": str(bool(first.get("emulated"))).lower(),
                                   "overrides": " ".join(map(str, first.get("overrides") or []))})
         started = _utc(first["started"])
         if started is not None:
