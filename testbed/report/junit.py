@@ -15,8 +15,8 @@ A run stopped before it ended (killed, interrupted: testbed.results.stopped_runs
 <error> (the command's exit status says it too), and a pass it had reached is <skipped message="incomplete:
 ...">, never a pass. A nightly adds a testcase per device that did not answer (<error>) and per regression
 flag (<failure>), so the file fails exactly when the night's exit status does. Every count (tests,
-failures, errors, skipped) is on each suite and on <testsuites>; text is XML-escaped, and characters XML 1.0
-cannot hold (control characters an engine may print) are written as \\xNN (\\uNNNN above 0xff).
+failures, errors, skipped) is on each suite and on <testsuites>; text is XML-escaped, and what acts on a
+display or XML 1.0 cannot hold (an engine's control characters) is written as its escape (\\x1b, \\u202e).
 
 The file is written whole or not at all: into a temporary file beside it, then renamed over it.
 """
@@ -35,6 +35,7 @@ from typing import Iterable
 from testbed import verdicts
 from testbed.errors import UsageError
 from testbed.report import implementations
+from testbed.report.tables import printable
 from testbed.results import stopped_runs
 from testbed.verdicts import ERROR, FAIL, NOT_JUDGED, NOT_SUPPORTED, PASS
 
@@ -45,8 +46,11 @@ MESSAGE_CHARS = 1000  # a message attribute is one line a CI page shows; the ele
 
 
 def xml_text(value) -> str:
-    return NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
-                       str(value))
+    """Text for an attribute or element: each line through tables.printable (the one escape of what engines
+    and devices say: ESC as \\x1b, a right-to-left override as \\u202e), line breaks kept for an element's
+    text, then what XML 1.0 still cannot hold (U+FFFE, U+FFFF) escaped the same way."""
+    text = "\n".join(printable(line) for line in str(value).split("\n"))
+    return NOT_XML.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace").decode("ascii"), text)
 
 
 @dataclass
