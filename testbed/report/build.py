@@ -1526,6 +1526,11 @@ def command(args) -> int:
         raise StoreError(f"the report cannot be written: {e.strerror or e} ({e.filename or args.out or store.path}); "
                          "give a writable folder with --out") from None
     print(tables.wrap(summary_line(out, content)))
+    worst = content["first_screen"]["worst"]
+    if worst:  # what the page opens with, on the terminal too: the worst failure and how to run it again
+        print(tables.wrap(printable(f"worst of {worst['of']} failing: {worst['line']}")))
+        print(tables.wrap(printable(f"run it again: {worst['reproduce']}"
+                                    + (f"; the engine's call alone: {worst['replay']}" if worst["replay"] else ""))))
     if content["broken_sections"]:
         print(f"testbed: the report is incomplete: {content['broken_sections'][0]}"
               + (f" (and {len(content['broken_sections']) - 1} more)" if len(content['broken_sections']) > 1 else ""),
