@@ -258,3 +258,32 @@ def test_a_killed_runs_figures_are_never_shown_as_current(tmp_path):
     # bench figures alone: no verdict either way ("no oracle verdicts"), the killed run a count, never a failure
     assert host["colour"] == "amber" and "no oracle verdicts in its current runs" in host["reason"]
     assert host["counts"]["not_run"] == 1 and host["counts"]["fail"] == host["counts"]["error"] == 0
+
+
+def test_what_regressed_names_the_engine_and_its_commits(tmp_path):
+    """The first screen's "Regressed" lines and the Regressions table name the engine under test (three
+    engines may run one case) and the commit range; what to do next compares those commits."""
+    from tests.test_report_judging import planted
+
+    def of_an_engine(record: dict) -> dict:  # the planted nights, as an engine's (backend=engine engine=testbed-c)
+        record = copy.deepcopy(record)
+        if record["experiment"] == "native_bench":
+            record["config"] = {**record["config"], "backend": "engine", "engine": "testbed-c"}
+            record["backend"] = "engine:testbed-c"
+        return record
+
+    content = report.build([of_an_engine(r) for r in planted({"k1"}, ab=False)], tmp_path / "report", FIXTURES,
+                           report.settings())
+    flags = content["flags"]
+    regressed = content["first_screen"]["regressed"]
+    assert flags and len(regressed) == len(flags)
+    for flag, line in zip(flags, regressed):
+        assert f"on {flag['device']} (engine:testbed-c): {flag['case']}" in line["line"]
+        assert f"commits {flag['commit_range']}" in line["line"]
+    (table,) = next(s for s in content["sections"] if s["id"] == "regressions")["tables"]
+    assert {row["backend"] for row in table["rows"]} == {"engine:testbed-c"}
+    compare = [step["command"] for step in content["first_screen"]["next"] if step["command"]]
+    first = flags[0]
+    assert compare == [f"testbed compare {first['last_clean_commit'][:12]} {first['since_commit'][:12]}"]
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "Regressed (" in page and page.index("Regressed (") < page.index('<details class="section"')
