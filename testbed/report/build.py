@@ -13,9 +13,14 @@ run of each experiment, device and configuration, an A/B job's apart from the ex
 is named and left out (`unreadable`), and a section that still fails is a notice in its place (`draw`):
 the page is always built.
 
-The page opens with one verdict per device (green, amber or red by the result, the load a note; with the
-reason; `device_verdict`), then per device the numbers that matter (`numbers`), and ends with each
-column explained once (`glossary`).
+The page's first screen answers what broke, where, and what next: one line per device (green, amber, red
+or grey by the result, its counts of pass / fail / not supported / not judged / not run, the reason and
+the load a note beneath; `device_verdict`), then the worst failure with the commands that reproduce it
+(the run's overrides, the engine's kept call), what regressed with its commits, and the next step
+(`first_screen`). The sections below are folded; among them per device the numbers that matter
+(`numbers`), and at the end each column explained once (`glossary`). A run stopped before it ended
+(killed, interrupted: testbed.results.stopped_runs) is incomplete: set apart before anything else, listed
+grey under "Incomplete runs", never current, never a failing verdict for being stopped (`IncompleteRun`).
 Every table and plot is of one device, backend and model (testbed.report.implementations): figures of two
 implementations side by side in one choice, or one series, would answer no question.
 
