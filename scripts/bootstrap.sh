@@ -29,7 +29,7 @@ packages="$HOST_PACKAGES"
 extras="full,cross"
 if [ "${1:-}" = "--test" ]; then
   packages="$packages $TEST_PACKAGES"
-  extras="full,hf,farm,cross,onnx,executorch,litert"
+  extras="full,hf,farm,cross,onnx,executorch,litert,junit"
 fi
 
 missing=""

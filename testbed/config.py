@@ -605,7 +605,8 @@ class Choice:
 
     def check(self, key: str, value: Any) -> None:
         if value not in self.options:
-            raise UsageError(f"{key}={value!r} is not accepted; accepted: {', '.join(map(str, self.options))}")
+            raise UsageError(f"{key}={value!r} is not accepted{did_you_mean(value, self.options)}; accepted: "
+                             f"{', '.join(map(str, self.options))}")
 
 
 @dataclass(frozen=True)

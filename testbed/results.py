@@ -172,6 +172,8 @@ class RunInfo:
     host_load: dict[str, Any] = field(default_factory=dict)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     git_commit: str = field(default_factory=git_commit)
+    # the overrides the run was given (`testbed run EXPERIMENT` + these reproduces it: the report's "what next")
+    overrides: list[str] = field(default_factory=list)
     started: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
     def context(self) -> dict:
@@ -189,6 +191,7 @@ class RunInfo:
             "config": _jsonable(self.config),
             "git_commit": self.git_commit,
             "testbed_version": __version__,
+            "overrides": [str(o) for o in self.overrides],
         }
 
     def stamp(self, record: Record) -> dict:
@@ -251,6 +254,24 @@ def unfinished_run_record(start: dict, kept: int, marked: bool = True) -> dict:
             "incomplete": True}
 
 
+def stopped_runs(records: Iterable[dict]) -> dict[str, str]:
+    """The runs among `records` that were stopped before they ended, each with how: interrupted by a signal
+    (SIGINT, SIGTERM, SIGHUP: the error record testbed.runner stores then says "interrupted ...") or killed
+    outright, or still running (no end mark: the reader's error record, `unfinished_run_record`). Such a run
+    is incomplete, not failing: nothing it did says the code is wrong; a run that broke on its own (an
+    exception, a device failure) is not among them: that is an error."""
+    stopped = {}
+    for r in records:
+        if r.get("case") != "run" or r.get("verdict") != "error":
+            continue
+        detail = str(r.get("detail") or "")
+        if str(r.get("record_id", "")).endswith("-unfinished"):
+            stopped[r["run_id"]] = "never ended (killed, or still running)"
+        elif detail.startswith("interrupted"):
+            stopped[r["run_id"]] = detail
+    return stopped
+
+
 EDITED = "edited"  # an end mark's outcome once `testbed records rm` took records out of its run
 
 
@@ -272,7 +293,7 @@ RECORD_TYPES = {"record_id": str, "run_id": str, "experiment": str, "case": str,
 RECORD_FIELDS = tuple(RECORD_TYPES)
 # What some records have, and of what type when they do (null allowed).
 OPTIONAL_TYPES = {"verdict": str, "oracle": str, "margin": (int, float), "detail": str, "evidence": list,
-                  "work": dict, "artifacts": dict, "emulated": bool, "host_load": dict}
+                  "work": dict, "artifacts": dict, "emulated": bool, "host_load": dict, "overrides": list}
 
 
 def malformed(row: dict) -> str | None:

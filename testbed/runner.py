@@ -235,6 +235,7 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
     info = RunInfo(
         experiment=rc.experiment, device=rc.device, backend=backend_label(rc.cfg),
         config=rc.flat(), fingerprint=device.fingerprint(), emulated=profile.has("emulated"),
+        overrides=[o for o in rc.overrides if o.split("=", 1)[0].lstrip("+") != "experiment"],
     )
     ctx = experiments.Context(device=device, progress=progress)
     load_before = host_load()
@@ -253,7 +254,7 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
             _store_as_they_come((produce or module.run)(rc.cfg, ctx), profile, info, store, rows, load_before,
                                 progress)
     except BaseException as e:  # noqa: BLE001  -- signals included: the store must say the run broke
-        if isinstance(e, KeyboardInterrupt):
+        if isinstance(e, KeyboardInterrupt):  # "interrupted ...": a stopped run, incomplete (results.stopped_runs)
             what = "interrupted"
         elif isinstance(e, Interrupted):
             what = str(e)

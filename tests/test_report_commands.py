@@ -14,6 +14,8 @@ import json
 import os
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -107,17 +109,22 @@ def test_an_ab_run_stays_beside_the_experiments_own_run(readme_store, tmp_path, 
 
 README = Path(__file__).parents[1] / "README.md"
 # Placeholders the README leaves to the reader: a command naming one is left out, said in the test's output.
-PLACEHOLDERS = {"DIR", "M.gguf", "A", "B", "ID", "farm=HEAD:6379"}
+PLACEHOLDERS = {"DIR", "M.gguf", "A", "B", "ID", "farm=HEAD:6379", "HEAD:6379", "FILE.gguf", "RUN", "CALL", "FIX.patch",
+                "iree.artifact=/tmp/user", "engine=mine", "engine:mine"}
 STAND_INS = {"test-backend-ops.out": str(FIXTURES / "test-backend-ops" / "perf_b_CPU.stdout")}
 
 
-def readme_commands() -> tuple[list[list[str]], list[str]]:
-    """Every `testbed ...` command of README "Using it", as written: optional [parts] left out, the first
-    of `a|b` alternatives, `;` splitting two commands; and those left out for a placeholder."""
-    block = README.read_text().split("## Using it", 1)[1].split("\nExit status", 1)[0]
+def readme_commands(whole: bool = False) -> tuple[list[list[str]], list[str]]:
+    """Every `testbed ...` command of README "Using it" (whole: of every code block of the README, the
+    lines indented as code), as written: optional [parts] left out, the first of `a|b` alternatives, `;`
+    splitting two commands; and those left out for a placeholder."""
+    text = README.read_text()
+    block = text if whole else text.split("## Using it", 1)[1].split("\nExit status", 1)[0]
     lines, joined = [], ""
     for line in block.splitlines():
-        code = line.split("#", 1)[0].rstrip()
+        if whole and not joined and not line.startswith("    "):
+            continue
+        code = line.split(" #", 1)[0].rstrip() if not line.lstrip().startswith("#") else ""
         piece = code.rstrip("\\").strip()
         joined = f"{joined} {piece}" if joined else piece
         if code.endswith("\\"):
@@ -140,8 +147,6 @@ def readme_commands() -> tuple[list[list[str]], list[str]]:
 def test_the_report_builds_on_every_readme_command(tmp_path, capsys):
     """Each README command into one store, as a newcomer runs them (a command may refuse: a tool missing,
     a device absent); then the report: no traceback, no section left undrawn."""
-    import subprocess
-    import sys
 
     commands, left_out = readme_commands()
     assert len(commands) >= 25 and ["run", "hybrid", "device=qemu-arm32", "mode=oracle"] in commands
@@ -157,6 +162,116 @@ def test_the_report_builds_on_every_readme_command(tmp_path, capsys):
     print("exit statuses:", json.dumps(said, indent=1))
     status, content, err = report_of(tmp_path / "results", tmp_path / "report", capsys)
     assert status in (0, 1) and "Traceback" not in err and content["broken_sections"] == [], err
+
+
+# --- the README's commands as written, every code block (issue 46, item 5) ---------------------------------
+
+# Run on the host as written, in README order into one store: each in seconds once what it builds is cached
+# (tests build the same programs and IREE modules), with the exit statuses it may honestly give.
+RUN_HERE = {
+    "run gdn chunk=32 --cfg job": {0},
+    "run --help": {0},
+    "run gdn backend=native mode=bench": {0},
+    "sweep chunk=32,64": {0},
+    "run chunk_prefill backend=iree": {0},
+    "run hybrid device=qemu-arm32 mode=oracle": {0},  # its arm32 programs are built by README_SMALL above
+    "records verify": {0},
+    "report": {0},
+    "devices": {0},
+    "doctor pixel": {3},  # the phone is not here: said in one line, exit 3
+}
+# Checked as written but not run here (the parser takes them; a run or sweep is composed and checked by
+# runner.check, every parameter and the device, as `testbed run` does before running): minutes of CPU, a
+# device this machine runs only under the device suites, the whole nightly, an input only a phone makes.
+NOT_RUN_HERE = {
+    "run gdn": "36 oracle cases and a benchmark: about 20 CPU-s",
+    "sweep experiment=gdn backend=native chunk=16,32,64,128": "four jobs: about 30 CPU-s",
+    "run gdn -m chunk=16,32": "two jobs of the whole GDN matrix: about 50 CPU-s",
+    "run native_bench": "the kernel ratios, interleaved: minutes",
+    "run tail": "every tail and mode, interleaved: minutes",
+    "sweep experiment=tail tail=0,2,4,8,16,24,32,40 chunk=64,128": "two sweeps of eight tails: minutes",
+    "run hybrid backend=native": "the crossover runs for minutes",
+    "sweep experiment=hybrid mode=crossover gdn_chunk=16,32,64,128 bench.contexts=512": "four crossovers: minutes",
+    "run hybrid backend=engine engine=llamacpp mode=oracle": "builds llama.cpp's engine (minutes cold)",
+    "run chunk_prefill backend=iree device=lavapipe": "Vulkan on lavapipe: a CPU-minute",
+    "run chunk_prefill backend=iree device=qemu-aarch64": "emulated IREE: a CPU-minute",
+    "table tail --format md": "reads `run tail`'s records (not run here)",
+    "run llamacpp device=qemu-aarch64": "builds llama.cpp for aarch64 (minutes cold)",
+    "nightly": "the whole default suite: about 3 CPU-minutes (its cost is in experiments/suite/default.yaml)",
+    "ab HEAD~1 .": "two builds of the kernels and pairs until decided: minutes",
+    "run gdn backend=native counts=true": "valgrind: about a CPU-minute",
+    "run gdn device=qemu-arm32": "emulated: minutes",
+    "run gdn device=adb-loopback mode=oracle": "needs the loopback phone the device suites start",
+    "run gdn device=qemu-hexagon": "emulated Hexagon: minutes",
+    "run native_bench device=qemu-aarch64": "emulated: a CPU-minute",
+    "run chunk_prefill backend=native device=qemu-arm32": "emulated: a CPU-minute",
+    "run tail backend=native mode=all": "every tail and mode on the engine: minutes",
+    "run hybrid device=adb-loopback": "needs the loopback phone the device suites start",
+    "run engine_bench": "the engine's matmuls against OpenBLAS: minutes",
+    "run native_bench device=qemu-hexagon": "emulated Hexagon: minutes",
+    "run chunk_prefill backend=native device=qemu-hexagon": "emulated Hexagon: minutes",
+    "run tail backend=native device=qemu-hexagon": "emulated Hexagon: minutes",
+    "run gdn backend=llamacpp device=qemu-hexagon": "builds llama.cpp for Hexagon (30 minutes cold)",
+    "farm node": "starts a Ray head node, in the foreground until Ctrl-C",
+    "ingest {fixtures}/test-backend-ops/perf_b_CPU.stdout --device hexagon": "needs a phone's output: the fixtures "
+    "hold CPU runs, which ingest rightly refuses for hexagon (HTP0)",
+}
+
+
+def as_written(words: list[str]) -> str:
+    return " ".join(words).replace(str(FIXTURES), "{fixtures}")
+
+
+def check_as_written(words: list[str]) -> None:
+    """What `testbed run` and `sweep` check before running (runner.check: parameters, the device, the
+    backend against it), without running; other commands are parsed by testbed's own parser."""
+    from testbed import config, experiments, runner
+    from testbed.cli import parser
+
+    if {"-h", "--help"} & set(words):  # its help, printed and exit 0: it is run below
+        return
+    args, extra = parser().parse_known_args(words)
+    if args.command not in ("run", "sweep") or getattr(args, "cfg", None):
+        return
+    _, overrides = config.split_farm([*args.overrides, *extra])
+    if args.command == "run" and not args.multirun:
+        jobs = [config.load(overrides, experiment=args.experiment)]
+    else:
+        if args.command == "run":
+            overrides = [f"experiment={args.experiment}", *overrides]
+        together = experiments.sweep_together(config.swept_experiments(overrides))
+        jobs = [config.load(combo) for combo in config.expand_sweep(overrides, together)]
+    for rc in jobs:
+        runner.check(rc)
+
+
+def test_every_readme_command_is_run_or_checked_as_written(tmp_path, capsys):
+    """Every `testbed ...` line of the README's code blocks: the cheap ones run on the host as written (exit
+    status as listed, never a usage error or a traceback), the rest checked as `testbed run` checks before
+    running; every device a command names is a profile. A command the README gains must be listed here."""
+    from testbed import config
+
+    commands, left_out = readme_commands(whole=True)
+    written = [as_written(words) for words in commands]
+    assert set(written) == set(RUN_HERE) | set(NOT_RUN_HERE), (sorted(set(written) - set(RUN_HERE) - set(NOT_RUN_HERE)),
+                                                          sorted(set(RUN_HERE) | set(NOT_RUN_HERE) - set(written)))
+    profiles = set(config.choices("device"))
+    for line in [" ".join(w) for w in commands] + left_out:
+        for names in re.findall(r"(?:device=|--devices |--device )([\w,.-]+)", line):
+            assert set(names.split(",")) <= profiles | {"D", "NAME"}, line  # D, NAME: placeholders
+    for words in commands:
+        check_as_written(words)
+    results = tmp_path / "results"
+    said = {}
+    for words, line in zip(commands, written):
+        if line not in RUN_HERE:
+            continue
+        done = subprocess.run([sys.executable, "-m", "testbed", *words], capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=1800,
+                              env={**os.environ, "TESTBED_RESULTS": str(results)})
+        said[line] = done.returncode
+        assert done.returncode in RUN_HERE[line] and "Traceback" not in done.stderr, (line, done.stderr[-2000:])
+    print("ran as written:", said)
 
 
 # --- odd records: a damaged store, an older testbed, a hand edit ------------------------------------------

@@ -172,7 +172,7 @@ def test_banner_is_red_amber_or_green_per_device_with_its_reason(tmp_path, gdn_r
     store.append(as_runs(copy_run(gdn_run, "phone-loaded", loaded)))
     store.append(as_runs(copy_run(gdn_run, "phone-clean", quiet)))
     store.append(as_runs(copy_run(gdn_run, "phone-old", quiet, days_ago=report.settings()["stale_after_days"] + 3)))
-    killed = copy_run(gdn_run, "phone-killed", quiet)  # its run started and never ended: no verdict counts
+    killed = copy_run(gdn_run, "phone-killed", quiet)  # its run started and never ended: incomplete, no verdict counts
     context = ("schema", "run_id", "started", "experiment", "device", "backend", "emulated", "host_load",
                "fingerprint", "config", "git_commit", "testbed_version", "time")  # what RunInfo.mark writes
     store.append([{**{k: killed[0][k] for k in context}, "run_mark": "started", "outcome": None}])
@@ -186,7 +186,7 @@ def test_banner_is_red_amber_or_green_per_device_with_its_reason(tmp_path, gdn_r
 
     # the colour is the result: a loaded machine whose verdicts all pass is green (issue 33), the load a note
     expected = {"phone-failing": "red", "phone-loaded": "green", "phone-clean": "green", "phone-old": "amber",
-                "phone-gone": "amber", "phone-slower": "amber", "phone-killed": "red"}
+                "phone-gone": "amber", "phone-slower": "amber", "phone-killed": "grey"}
     assert {v["device"]: v["colour"] for v in content["summary"]["verdicts"]} == expected
     shown = {text.split(":")[0]: (colour, text) for colour, text in page.verdicts}
     assert {device: colour for device, (colour, _) in shown.items()} == expected
@@ -198,7 +198,8 @@ def test_banner_is_red_amber_or_green_per_device_with_its_reason(tmp_path, gdn_r
     figures = sum(len(r["figures"]) for r in gdn_run if r["kind"] == "measure")
     assert f"{figures} figures of 1 run measured" in shown["phone-loaded"][1]
     assert "judged like the others (none left out)" in shown["phone-loaded"][1]
-    assert "did not end complete" in shown["phone-killed"][1] or "never ended" in shown["phone-killed"][1]
+    assert "never ended" in shown["phone-killed"][1] and "0 fail" in shown["phone-killed"][1] \
+        and "1 not run (incomplete)" in shown["phone-killed"][1]
     n = sum(r["kind"] == "oracle" for r in gdn_run)
     assert f"all {n} oracle verdicts pass" in shown["phone-clean"][1]
     assert "figures measured under load 0.4 on 2 cores (quiet)" in shown["phone-clean"][1]  # what quiet() planted

@@ -6,9 +6,10 @@
   and exits, nothing run or stored; --help lists the config groups and, for a named experiment, its
   keys; `run EXPERIMENT -m key=a,b` is `sweep experiment=EXPERIMENT key=a,b`. hydra.* overrides are
   refused: testbed composes with Hydra but stores runs in its results store, not Hydra's folders)
-  testbed table EXPERIMENT [--format md|csv|json|jsonl] tables from stored records only (json, jsonl
+  testbed table EXPERIMENT [--format md|csv|json|jsonl] [-o FILE]   tables from stored records only (json, jsonl
                                                   and csv are data: machine column names, numbers, raw
-                                                  samples, breakevens apart; csv rows alone)
+                                                  samples, breakevens apart; csv rows alone); -o writes
+                                                  the table to FILE, whole or not at all
   testbed ingest FILE [--device NAME]             store test-backend-ops output run elsewhere
   testbed records verify | rm ... | export        inspect and repair the results store
   testbed compare A B [--format md|csv|json|jsonl] two commits, nights or stores: each change, beyond noise or not
@@ -17,21 +18,26 @@
                                                   llama.cpp's converter writes it, judged by testbed's reader
   testbed engine replay RUN CALL | SHA            an engine's failing call, kept by the run, run again once
   (run and sweep take farm=HEAD:PORT: the jobs run on the lab's hosts that own their devices)
+  (run, sweep and nightly take --junit FILE: every verdict as JUnit XML, testbed.report.junit)
 
 Exit status: 0 at least one oracle was judged and none failed (or the run only measures), 1 an oracle
 failed (or no records to show), 2 bad input, 3 a device could not be reached, 4 a device operation
 failed, 5 the results store cannot be written, 6 testbed itself broke (compare: never 1, which means a
 regression), 7 nothing was judged: every verdict is "not supported" (the engine or device refused) or
 "not judged" (testbed.verdicts), 128+N stopped by signal N (SIGINT, SIGTERM, SIGHUP; the run is stored as
-broken).
+broken). A usage error (2) is one line that ends by naming the subcommand's --help.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pandas as pd
 from omegaconf import OmegaConf
@@ -42,7 +48,7 @@ from testbed.errors import DeviceError, DeviceUnreachable, StoreError, ToolMissi
 from testbed.heartbeat import Lasting, ProgressLine, time_left
 from testbed.lab import ab, compare, farm, nightly
 from testbed.measure import emulation
-from testbed.report import build as report, tables
+from testbed.report import build as report, junit, tables
 
 
 def _summary(outcome: runner.Outcome, module) -> str:
@@ -102,18 +108,36 @@ def cmd_run(args) -> int:
     if args.cfg:
         _print_composed(rc, args)
         return 0
-    if address:  # on the lab's node that owns the device
-        runner.check(rc)
-        [outcome] = farm.execute(address, [rc], runner.results_store(rc))
-    else:
-        progress = ProgressLine()
-        try:
-            outcome = runner.execute(rc, progress=progress)  # checks every parameter before running
-        finally:
-            progress.close()
+    target = junit.check_target(args.junit) if args.junit else None
+    with junit_of_runs(target, runner.results_store(rc)) as ran:
+        if address:  # on the lab's node that owns the device
+            runner.check(rc)
+            [outcome] = farm.execute(address, [rc], runner.results_store(rc))
+        else:
+            progress = ProgressLine()
+            try:
+                outcome = runner.execute(rc, progress=progress)  # checks every parameter before running
+            finally:
+                progress.close()
+        ran.add(outcome.info.run_id)
     module = experiments.load(rc.experiment)
     print(_summary(outcome, module))
     return outcome.tally.exit_status()
+
+
+@contextlib.contextmanager
+def junit_of_runs(target: Path | None, store):
+    """With --junit FILE: after the command's runs (also when one breaks or a signal stops them), their
+    verdicts as JUnit XML (testbed.report.junit), read back from the store as every report reads them.
+    Yields a set the caller adds run ids to (a farm's runs happen in other processes); this process's
+    own runs are known to the runner. Nothing is written when no run started (bad input)."""
+    ran: set[str] = set()
+    try:
+        yield ran
+    finally:
+        runs = ran | set(runner.RUNS)
+        if target is not None and runs:
+            junit.write(target, junit.run_suites(r for r in store.records() if r["run_id"] in runs))
 
 
 def _sweep_here(jobs: list[config.RunConfig]):
@@ -142,10 +166,17 @@ def cmd_sweep(args) -> int:
             _print_composed(rc, args)
         return 0
     modules = [runner.check(rc)[0] for rc in jobs]  # every job is checked before the first one runs
+    target = junit.check_target(args.junit) if args.junit else None
+    with junit_of_runs(target, runner.results_store(jobs[0])) as ran:
+        return _sweep(jobs, modules, address, ran)
+
+
+def _sweep(jobs: list[config.RunConfig], modules: list, address: str | None, ran: set[str]) -> int:
     # with farm=, on the lab's nodes that own the devices, devices side by side
     outcomes = farm.execute(address, jobs, runner.results_store(jobs[0])) if address else _sweep_here(jobs)
     rows, tally, frames = [], verdicts.Tally(), {}
     for rc, module, outcome in zip(jobs, modules, outcomes):
+        ran.add(outcome.info.run_id)
         tally += outcome.tally
         summarise = getattr(module, "sweep_row", lambda df: module.view(df).iloc[0].to_dict())
         frame = outcome.frame()
@@ -168,6 +199,30 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_table(args) -> int:
+    if args.output:  # checked before anything is read: a table is written whole or not at all
+        out = Path(args.output)
+        if out.is_dir() or not out.parent.is_dir():
+            raise UsageError(f"-o {args.output}: {'is a folder' if out.is_dir() else 'its folder does not exist'}; "
+                             "accepted: a file path in an existing folder")
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            status = _table(args)
+        if status == 0:
+            fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(buffer.getvalue())
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, out)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            print(f"testbed: table written to {out}", file=sys.stderr)
+        return status
+    return _table(args)
+
+
+def _table(args) -> int:
     rc = config.load([], experiment=args.experiment)
     module = experiments.load(rc.experiment)
     store = runner.results_store(rc)
@@ -242,7 +297,8 @@ def cmd_nightly(args) -> int:
     store = runner.results_store(config.load([]))
     # farm=HEAD:PORT: the lab's Ray cluster runs the jobs on the hosts that own the devices
     drive = farm.driver(address, suite) if address else None
-    status, text = nightly.run_night(suite, store, drive=drive)
+    target = junit.check_target(args.junit) if args.junit else None
+    status, text = nightly.run_night(suite, store, drive=drive, junit=target)
     print(text)
     return status
 
@@ -282,10 +338,22 @@ class ConfigHelp(argparse.Action):
         named = experiment is not None or _names_experiment(plain)
         text = config.describe(config.load(plain, experiment=experiment), keys=named)  # before any output
         parser.print_help()
-        print(f"\n{text}")
+        print(f"\n{text}\n\n{engines_help()}")
         for name, why in config.broken_entry_points().items():  # left out of the listing above: say why
             print(f"testbed: warning: experiment {name!r} is left out: {why}", file=sys.stderr)
         parser.exit()
+
+
+def engines_help() -> str:
+    """The engines under test `backend=engine engine=NAME` takes, the project's and the lab's, for --help."""
+    from testbed.backends.engine import spec as engine_spec
+
+    project = sorted(p.stem for p in engine_spec.PROJECT_ENGINES.glob("*.yaml"))
+    lab = [name for name in engine_spec.names() if name not in project]
+    return ("== Engines under test ==\nbackend=engine engine=NAME (chunk_prefill, tail, hybrid; README \"Engine under "
+            f"test\")\n\nengine: {', '.join(project)} (the project's, engines/)"
+            + (f"; {', '.join(lab)} (the lab's, {config.lab_dir()}/engines/)" if lab else
+               "; a lab's own under $TESTBED_LAB/engines/"))
 
 
 def _hydra_options(p: argparse.ArgumentParser) -> None:
@@ -294,6 +362,9 @@ def _hydra_options(p: argparse.ArgumentParser) -> None:
                                                   "checked beyond composing, or stored")
     p.add_argument("--resolve", action="store_true", help="with --cfg: resolve interpolations (${...})")
     p.add_argument("-p", "--package", help="with --cfg: only this part of the config, e.g. device or bench")
+    p.add_argument("--junit", metavar="FILE", help="also write every verdict as JUnit XML to FILE (one testcase per "
+                                                   "verdict: fail a failure, error an error, not supported and not "
+                                                   "judged skipped), whole or not at all")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -316,6 +387,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("experiment")
     t.add_argument("--format", choices=tables.FORMATS, default=None,
                    help="md, csv, json or jsonl: every column (default: what fits the terminal, 120 columns)")
+    t.add_argument("-o", "--output", metavar="FILE", help="write the table to FILE instead of the terminal (whole or "
+                                                          "not at all; notes stay on stderr)")
     t.set_defaults(fn=cmd_table)
     i = sub.add_parser("ingest", help="store a tool's output: test-backend-ops console or CSV")
     i.add_argument("file")
@@ -330,6 +403,8 @@ def parser() -> argparse.ArgumentParser:
     n = sub.add_parser("nightly", help="run a suite (experiments/suite/) on its devices, then the report")
     n.add_argument("overrides", nargs="*", help="suite=NAME (default: default), farm=HEAD:PORT (run on the lab's "
                                                 "Ray cluster) and key=value for the suite's keys")
+    n.add_argument("--junit", metavar="FILE", help="also write the night's verdicts as JUnit XML to FILE (a testcase "
+                                                   "per verdict, per device that did not answer, per regression)")
     n.set_defaults(fn=cmd_nightly)
     g = sub.add_parser("gguf", help="the GGUF of a Hugging Face folder (Gemma 3, Qwen3.5), judged by testbed's reader")
     g.add_argument("checkpoint", help="a Hugging Face folder: config.json and *.safetensors")
@@ -351,19 +426,22 @@ def main(argv: list[str] | None = None) -> int:
     runner.stop_on_signals()
     runner.RUNS.clear()  # this command's runs only (main may be called again in one process)
     runner.REACHED.clear()
+    command = None
     try:
         p = parser()  # it lists the config's names, the lab's included
         args, extra = p.parse_known_args(argv)
+        command = args.command
         # argparse gives a key=value after an option (`run gdn --cfg job chunk=32`) back unparsed: it is one
         # more override, as Hydra takes it
         if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
             args.overrides = [*args.overrides, *extra]
-        elif extra:
-            p.error(f"unrecognized arguments: {' '.join(extra)}")
+        elif extra:  # said with the subcommand's own usage, as argparse says its errors
+            subcommand(p, command).error(f"unrecognized arguments: {' '.join(extra)}")
         return args.fn(args)
     except tuple(SAYS) as e:  # one line each, its own status
         kind = next(k for k in SAYS if isinstance(e, k))
-        print(tables.printable(f"testbed: {SAYS[kind].format(e)}"), file=sys.stderr)  # it may quote a device
+        pointer = f" (usage: testbed {command} --help)" if kind is UsageError and command else ""
+        print(tables.printable(f"testbed: {SAYS[kind].format(e)}") + pointer, file=sys.stderr)  # it may quote a device
         return e.exit_status
     except (KeyboardInterrupt, runner.Interrupted) as e:
         signum = e.signum if isinstance(e, runner.Interrupted) else 2
@@ -372,6 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `testbed table gdn | head`: the reader had enough; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def subcommand(p: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand `name` (its usage goes with its errors)."""
+    actions = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    return actions[0].choices.get(name, p) if actions else p
 
 
 if __name__ == "__main__":

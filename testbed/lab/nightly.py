@@ -52,10 +52,10 @@ from testbed.errors import DeviceUnreachable, UsageError, did_you_mean
 from testbed.heartbeat import heartbeat, time_left
 from testbed.measure import history
 from testbed.measure.timing import cpu_seconds
-from testbed.report import build as report
+from testbed.report import build as report, junit
 from testbed.report.tables import printable
 from testbed.results import Record, ResultsStore
-from testbed.verdicts import FAILING, LABEL, NOTHING_JUDGED, UNJUDGED, Tally
+from testbed.verdicts import ERROR, FAIL, FAILING, LABEL, NOTHING_JUDGED, UNJUDGED, Tally
 
 SCREEN = 12  # at most this many failure or regression lines in the summary; the report has them all
 
@@ -326,9 +326,10 @@ def on_this_host(suite: Suite, night: str, log: Log,
 
 
 def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], Device] = open_device,
-              log: Log | None = None, drive=None) -> tuple[int, str]:
+              log: Log | None = None, drive=None, junit: Path | None = None) -> tuple[int, str]:
     """Run the suite, write the report, log the night; (exit status, summary). `drive`
-    runs the jobs and stores their records (default: on_this_host; testbed.lab.farm: on a Ray cluster)."""
+    runs the jobs and stores their records (default: on_this_host; testbed.lab.farm: on a Ray cluster).
+    `junit`: where to write the night's verdicts as JUnit XML (night_junit), also when a signal stops it."""
     log = Log() if log is None else log
     started = dt.datetime.now(dt.timezone.utc)
     night = started.strftime("%Y-%m-%dT%H%M%SZ-") + uuid.uuid4().hex[:6]
@@ -358,6 +359,9 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
     try:
         results = drive(suite, store, night, log) if drive else on_this_host(suite, night, log, open_device, trees)
     except runner.Interrupted as e:  # the workers stop at their next record (runner.STOP)
+        if junit is not None:  # what the runs started since the night began stored, each stopped run an error
+            ran = {r["run_id"] for r in store.records() if str(r["started"]) >= entry["started"]}
+            night_junit(junit, night, store, ran, [], [], stopped=str(e))
         stopped = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         store_nights(store).append([{**entry, "finished": stopped, "exit_status": 128 + e.signum,
                                      "report": f"not written: {e}"}])
@@ -381,6 +385,8 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
                                  "last_clean_commit": c.old["git_commit"], "since_commit": c.new["git_commit"],
                                  "line": c.line()} for c in changes])
     store_nights(store).append([entry])  # before the report, which shows it
+    if junit is not None:
+        night_junit(junit, night, store, tonight, results, flags)
     try:
         out, _ = report.write(store, suite.report_out)
         report_line = f"report: {out / 'report.html'}"
@@ -391,6 +397,25 @@ def run_night(suite: Suite, store: ResultsStore, open_device: Callable[[str], De
     if entry.get("ab_baseline") == NO_BASELINE:
         compared += f"\nA/B: {NO_BASELINE}: tonight's kernels were measured against themselves, nothing compared"
     return status, summary(suite, night, results, flags, compared, report_line, status, finished - started, changes)
+
+
+def night_junit(path: Path, night: str, store: ResultsStore, runs: set[str], results: list[DeviceNight],
+                flags: list[history.Flag], stopped: str | None = None) -> None:
+    """The night as JUnit XML (testbed.report.junit): a suite per run, then one suite of the night's own
+    cases: each device that did not answer and each run that broke before storing a verdict (errors), each
+    regression flag (failures); and, for a night a signal stopped, that stop (an error)."""
+    suites = junit.run_suites(r for r in store.records() if r["run_id"] in runs)
+    classname = "testbed.nightly"
+    cases = [junit.Case(f"device {r.device}", classname, ERROR, f"{r.status}: {r.reason}")
+             for r in results if r.status != "ok"]
+    cases += [junit.Case(f"run broke: {line.split(': run broke: ')[0]}", classname, ERROR, line)
+              for r in results for line in r.failures if ": run broke: " in line]
+    cases += [junit.Case(f"regression: {f.experiment} on {f.device} {f.case} {f.what}", classname, FAIL, f.line(),
+                         f.line()) for f in flags]
+    if stopped:
+        cases.append(junit.Case("night", classname, ERROR, f"the night was stopped: {stopped}"))
+    suites.append(junit.Suite(f"nightly {night}", cases, {"night": night}))
+    junit.write(path, suites, name=f"testbed nightly {night}")
 
 
 def store_nights(store: ResultsStore) -> ResultsStore:

@@ -7,6 +7,7 @@
                    leaf every command prints its tables with
   implementations  what a figure is of (device, backend, model): what a table or plot never mixes; a
                    leaf too
+  junit            verdicts as JUnit XML, the file CI tools read (`run`, `sweep`, `nightly` --junit FILE)
 
 build and plots may use everything below the lab (experiments, measure, results); tables and
 implementations use nothing of testbed (tests/test_layering.py).

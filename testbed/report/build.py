@@ -13,9 +13,14 @@ run of each experiment, device and configuration, an A/B job's apart from the ex
 is named and left out (`unreadable`), and a section that still fails is a notice in its place (`draw`):
 the page is always built.
 
-The page opens with one verdict per device (green, amber or red by the result, the load a note; with the
-reason; `device_verdict`), then per device the numbers that matter (`numbers`), and ends with each
-column explained once (`glossary`).
+The page's first screen answers what broke, where, and what next: one line per device (green, amber, red
+or grey by the result, its counts of pass / fail / not supported / not judged / not run, the reason and
+the load a note beneath; `device_verdict`), then the worst failure with the commands that reproduce it
+(the run's overrides, the engine's kept call), what regressed with its commits, and the next step
+(`first_screen`). The sections below are folded; among them per device the numbers that matter
+(`numbers`), and at the end each column explained once (`glossary`). A run stopped before it ended
+(killed, interrupted: testbed.results.stopped_runs) is incomplete: set apart before anything else, listed
+grey under "Incomplete runs", never current, never a failing verdict for being stopped (`IncompleteRun`).
 Every table and plot is of one device, backend and model (testbed.report.implementations): figures of two
 implementations side by side in one choice, or one series, would answer no question.
 
@@ -35,6 +40,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import socket
 import sys
@@ -48,7 +54,7 @@ import jinja2
 import numpy as np
 import pandas as pd
 
-from testbed import experiments, verdicts
+from testbed import experiments, results, verdicts
 from testbed.devices.private import process_alive
 from testbed.errors import INTERNAL_ERROR, StoreError, UsageError
 from testbed.experiments import chunk_prefill
@@ -56,7 +62,8 @@ from testbed.experiments.chunk_prefill import ChunkMeasures
 from testbed.measure import breakeven, decisions, emulation, history, seed
 from testbed.report import implementations, plots, tables
 from testbed.report.tables import number as format_number, printable
-from testbed.verdicts import FAILING, NOTHING_JUDGED, PASS, UNJUDGED, Tally
+from testbed.runner import verdict_line
+from testbed.verdicts import FAIL, FAILING, NOTHING_JUDGED, PASS, UNJUDGED, Tally
 
 TEMPLATES = Path(__file__).parent / "templates"
 MARKER = ".testbed-report"  # in every report folder: what may be replaced by the next report
@@ -72,6 +79,9 @@ class Table:
     caption: str
     columns: list[str]
     rows: list[list[dict]]  # cells: {"text": str, "href": optional anchor, "cls": optional css class}
+    # a table that may grow past a screen either way (the oracle matrix: a column per oracle, a row per
+    # implementation) scrolls inside a frame of its own, its header and first column kept in view
+    framed: bool = False
 
 
 @dataclass
@@ -110,7 +120,8 @@ def frame_table(caption: str, df: pd.DataFrame) -> Table:
 def table_data(table: Table) -> dict:
     """A table as report.json holds it: one object per row, each cell's value (numbers stay numbers)."""
     return {"caption": table.caption, "columns": table.columns,
-            "rows": [dict(zip(table.columns, (c["value"] for c in row))) for row in table.rows]}
+            "rows": [dict(zip(table.columns, (c["value"] for c in row))) for row in table.rows],
+            "framed": table.framed}
 
 
 def section_data(section: Section) -> dict:
@@ -142,6 +153,11 @@ class Inputs:
     set_apart: list[dict] = field(default_factory=list)  # emulated figures, listed apart (testbed.measure.emulation)
     unreadable: list[tuple[dict, str]] = field(default_factory=list)  # records the report cannot read, and why
     current_runs: set[str] = field(default_factory=set)  # the runs of `current`, and of unreadable records
+    # records of runs stopped before they ended (killed, interrupted by a signal: results.stopped_runs), set
+    # apart from everything above: incomplete, never current, never failing by being stopped
+    stopped: list[dict] = field(default_factory=list)
+    stopped_how: dict[str, str] = field(default_factory=dict)  # run id -> how it was stopped
+    incomplete: list["IncompleteRun"] = field(default_factory=list)  # those newer than their series' current run
 
     def cite(self, record: dict) -> str:
         self.referenced[record["record_id"]] = record
@@ -219,6 +235,93 @@ def unreadable_records(inp: "Inputs") -> Section | None:
         [Table("records left out", ["record", "experiment", "device", "case", "kind", "run", "what is wrong"], rows)])
 
 
+# --- runs stopped before they ended: incomplete (grey), never failing for it, never current ----------
+
+
+def series_of(record: dict) -> tuple:
+    """What `latest_runs` keeps the newest run of: the experiment, device and config, an A/B job's apart."""
+    return record["experiment"], record["device"], history.config_key(record), is_ab(record)
+
+
+@dataclass
+class IncompleteRun:
+    """A run stopped before it ended (killed, or interrupted by a signal) and replaced by no complete run of
+    its series since: the newest attempt there did not finish."""
+
+    run_id: str
+    how: str  # how it was stopped (results.stopped_runs)
+    stop: dict  # the error record that says it was stopped
+    records: list[dict]  # what it stored before the stop
+    shown: dict | None  # a record of the complete run the page shows for the same series instead, if any
+
+    @property
+    def first(self) -> dict:
+        return self.records[0] if self.records else self.stop
+
+    @property
+    def reached(self) -> Tally:
+        """The verdicts it stored before the stop, as stored: a pass of a run that never finished is no pass
+        (the gates read it as an error), but what it had reached is worth saying."""
+        return Tally.of_records(self.records, strict=False)
+
+    @property
+    def failing(self) -> list[dict]:
+        """The fails and errors it reached before the stop: each was decided, whatever came after."""
+        return [r for r in self.records if r["kind"] == "oracle" and r.get("verdict") in FAILING]
+
+    @property
+    def figures(self) -> int:
+        return sum(len(r.get("figures") or {}) for r in self.records if r["kind"] == "measure")
+
+
+def incomplete_runs(inp: "Inputs") -> list[IncompleteRun]:
+    """The stopped runs that started after the current run of their series (or whose series has none).
+    A stopped run a complete run of the same series came after is history, and left out."""
+    shown: dict[tuple, dict] = {}
+    for r in inp.current:
+        key = series_of(r)
+        if key not in shown or (r["started"], r["run_id"]) > (shown[key]["started"], shown[key]["run_id"]):
+            shown[key] = r
+    runs: dict[str, list[dict]] = {}
+    for r in inp.stopped:
+        runs.setdefault(r["run_id"], []).append(r)
+    out = []
+    for run_id, rows in runs.items():
+        stop = next((r for r in rows if r["case"] == "run" and r.get("verdict") == "error"), rows[0])
+        own = [r for r in rows if r is not stop]
+        current = shown.get(series_of(own[0] if own else stop))
+        if current is not None and (current["started"], current["run_id"]) > (stop["started"], run_id):
+            continue
+        out.append(IncompleteRun(run_id, inp.stopped_how.get(run_id, "stopped"), stop, own, current))
+    return sorted(out, key=lambda run: (run.stop["device"], run.stop["started"], run.run_id))
+
+
+def incomplete(inp: Inputs) -> Section | None:
+    runs = inp.incomplete
+    if not runs:
+        return None
+    older = len(set(inp.stopped_how)) - len(runs)
+    rows = [[cell(run.run_id), cell(run.first["experiment"]), cell(run.first["device"]),
+             cell(implementations.of(run.first).backend), cell(run.stop["started"]), cell(run.how, cls="unjudged"),
+             cell(run.reached.as_dict(), text=run.reached.phrase(), cls="fail" if run.failing else "unjudged"),
+             cell(run.figures, text=f"{run.figures} (not shown)" if run.figures else "none", cls="unjudged"),
+             cell(None if run.shown is None else run.shown["run_id"],
+                  text="none: no complete run of it" if run.shown is None
+                  else f"run {run.shown['run_id']}, started {run.shown['started']}")]
+            for run in runs]
+    return Section("incomplete", "Incomplete runs", [
+        f"{len(runs)} run(s) were stopped before they ended (killed, or interrupted by a signal: a time limit, "
+        "Ctrl-C) and no complete run of the same experiment, device and config came after them. A stopped run is "
+        "incomplete, drawn grey: being stopped says nothing about the code, so it is never a failing verdict; and "
+        "what it did not finish is never current: a pass it reached is not a pass, its figures are neither shown "
+        "as current nor judged for a regression. A fail or an error it reached before the stop was decided, and "
+        "counts as one. Where the same series has a complete run, the page shows that run instead (\"shown "
+        "instead\")." + (f" {older} older stopped run(s), each followed by a complete run, are left out."
+                          if older else "")],
+        [Table("runs stopped before they ended", ["run", "experiment", "device", "backend", "started",
+                                                  "how it ended", "reached", "figures", "shown instead"], rows)])
+
+
 # --- sections -------------------------------------------------------------------------------------
 
 
@@ -278,7 +381,7 @@ def oracle_matrix(inp: Inputs) -> Section | None:
              "red, and never a pass."]
     return Section("oracles", "Oracle matrix", lines,
                    [Table("device x backend x model x experiment:oracle", ["device", "backend", "model", *columns],
-                          rows)])
+                          rows, framed=True)])
 
 
 def _number(value, default):
@@ -714,11 +817,12 @@ def regressions(inp: Inputs) -> Section:
         evidence = (f"{f.ab.get('pairs')} pairs, {f.ab.get('test')}: p {f.ab.get('p'):.2g}, Holm "
                     f"{f.ab.get('p_corrected'):.2g}; A {str(f.ab.get('a_commit'))[:10]}, B "
                     f"{str(f.ab.get('b_commit'))[:10]}; its own verdict: {f.ab.get('verdict')}") if f.ab else ""
-        rows.append([cell(f.kind), cell(f.experiment), cell(f.device), cell(f.config_key),
+        rows.append([cell(f.kind), cell(f.experiment), cell(f.device), cell(implementations.of(record).backend),
+                     cell(f.config_key),
                      cell(f.case, inp.cite(record)), cell(what), cell(f.now), cell(f.before), cell(f.spread),
                      cell(f.change, cls="fail"), cell(f.since), cell(f.commit_range()), cell(f.machine),
                      cell(f.ab, text=evidence)])
-    section.tables.append(Table("flags", ["kind", "experiment", "device", "config", "case", "what", "now",
+    section.tables.append(Table("flags", ["kind", "experiment", "device", "backend", "config", "case", "what", "now",
                                           "before (level)", "before (noise)", "change", "since",
                                           "commits (last old .. first new)", "machine", "A/B evidence"], rows))
     return section
@@ -768,14 +872,15 @@ def provenance(inp: Inputs) -> Section:
 def cited_records(inp: Inputs) -> Section | None:
     if not inp.referenced:
         return None
-    rows = [[cell(r["record_id"][:12], cls="anchor"), cell(r["experiment"]), cell(r["device"]), cell(r["case"]),
-             cell(r.get("oracle") or ""), cell(r.get("verdict") or ""), cell(_number(r.get("margin"), None)),
+    rows = [[cell(r["record_id"][:12], cls="anchor"), cell(r["experiment"]), cell(r["device"]),
+             cell(implementations.of(r).backend), cell(r["case"]), cell(r.get("oracle") or ""),
+             cell(r.get("verdict") or ""), cell(_number(r.get("margin"), None)),
              cell(r["run_id"]), cell(r["started"]), cell(r.get("detail", ""))]
             for r in sorted(inp.referenced.values(), key=lambda r: (r["experiment"], r["device"], r["case"]))]
     return Section("records", "Records referenced above",
                    ["Every record is in the results store (records.jsonl) under its record_id."],
-                   [Table("records", ["record", "experiment", "device", "case", "oracle", "verdict", "margin",
-                                      "run", "started", "detail"], rows)])
+                   [Table("records", ["record", "experiment", "device", "backend", "case", "oracle", "verdict",
+                                      "margin", "run", "started", "detail"], rows)])
 
 
 # --- reading the tables: each column explained once -------------------------------------------------
@@ -799,7 +904,8 @@ GLOSSARY = {
                    "device lets it be read (not on emulated devices)",
     "export MB": "an exporter-based engine's export on disk (what a phone holds): bytes of its files",
     "device": "the device profile the run used (devices/NAME.yaml); host is this machine",
-    "backend": "what computed it: refimpl (the numpy reference), native (testbed's C kernels), iree, llamacpp",
+    "backend": "what computed it: refimpl (the numpy reference), native (testbed's C kernels), iree, llamacpp, "
+               "or engine:NAME (an engine under test)",
     "model": "what was run: a checkpoint or seed, or the size of the reference model or GDN shape",
     "experiment": "the experiment that stored the record (experiments/experiment/NAME.yaml)",
     "case": "what the record is of within its experiment: a kernel and shape, an oracle's input, an A/B call",
@@ -879,6 +985,11 @@ GLOSSARY = {
     "devices": "each device's status that night",
     "exit": "the night's exit status (0: all passed)",
     "figures left out": "emulated figures not shown as speeds",
+    "how it ended": "how a run was stopped before it ended: interrupted by a signal (a time limit, Ctrl-C), or "
+                    "killed outright (no end mark): incomplete, never a failing verdict",
+    "reached": "the verdicts a stopped run had stored before the stop, as stored (a pass there is no pass)",
+    "figures": "how many figures a stopped run had stored: incomplete, never shown as current or judged",
+    "shown instead": "the complete run of the same experiment, device and config the page shows, if any",
 }
 ORACLE_COLUMN = ("EXPERIMENT:ORACLE", "the oracle's verdicts of the experiment's current runs: how many passed of "
                  "how many, and the smallest margin (or bit-exact); linked to the worst record")
@@ -901,8 +1012,8 @@ def glossary(sections: list[Section]) -> Section | None:
 
 # The page, in order. Each function returns None when it has nothing to show.
 SECTIONS: list[Callable[[Inputs], Section | None]] = [
-    oracle_matrix, unreadable_records, regressions, numbers, engines, tail_sweep, chunk_choice, gdn_throughput,
-    instruction_counts, other_measurements,
+    oracle_matrix, incomplete, unreadable_records, regressions, numbers, engines, tail_sweep, chunk_choice,
+    gdn_throughput, instruction_counts, other_measurements,
     nights_over_time, nights,
     provenance, cited_records,
 ]
@@ -988,29 +1099,58 @@ def current_oracles(inp: Inputs) -> list[dict]:
         for r, why in inp.unreadable if r["kind"] == "oracle" and r["run_id"] in inp.current_runs]
 
 
+def reached_failing(inp: Inputs) -> list[dict]:
+    """The fails and errors that incomplete runs reached before they were stopped (IncompleteRun.failing)."""
+    return [r for run in inp.incomplete for r in run.failing]
+
+
+def device_counts(tally: Tally, not_run: int) -> dict:
+    """A device's line of counts: each verdict state (error only where there is one), then its incomplete
+    runs as "not run"."""
+    counts = {state: tally[state] for state in (PASS, FAIL, verdicts.ERROR, verdicts.NOT_SUPPORTED,
+                                                  verdicts.NOT_JUDGED)}
+    said = [f"{n} {state}" for state, n in counts.items() if n or state != verdicts.ERROR]
+    said.append(f"{not_run} not run (incomplete)" if not_run else "0 not run")
+    return {"counts": {**{k.replace(" ", "_"): v for k, v in counts.items()}, "not_run": not_run},
+            "line": ", ".join(said)}
+
+
 def device_verdict(inp: Inputs, device: str) -> dict:
-    """The colour says the result, nothing else. Red: a current oracle fails or errs (a run that did not
-    end complete counts as an error, as does a verdict the report cannot read). Amber: every current
-    oracle passes, but a figure, count or oracle is flagged as a regression, or the passes cannot be
-    trusted to be tonight's (the device's runs are stale, it was missing from the last night, it has no
-    verdicts at all). Green otherwise, whatever the load. The reason names what decided the colour, then
-    the load the records carry (LoadReading.note), and any record left out as unreadable."""
+    """The colour says the result, nothing else. Red: a current oracle fails or errs (a run that broke
+    counts as an error, as does a verdict the report cannot read), or a run stopped before it ended had
+    reached a fail or an error. Amber: every current oracle passes, but a figure, count or oracle is flagged
+    as a regression, or the passes cannot be trusted to be tonight's (the device's runs are stale, it was
+    missing from the last night, it has no verdicts at all). Grey: the device's only runs were stopped
+    before they ended (incomplete: no verdict either way). Green otherwise, whatever the load. The reason
+    names what decided the colour, then the load the records carry (LoadReading.note), and any record
+    left out as unreadable; `line` counts each state, and the incomplete runs as "not run"."""
     records = [r for r in inp.current if r["device"] == device]
+    stopped = [run for run in inp.incomplete if run.first["device"] == device]
+    reached = [r for run in stopped for r in run.failing]
     oracles = [r for r in current_oracles(inp) if r["device"] == device]
     reading = load_reading(inp, device)
     unread = [why for r, why in inp.unreadable if r["device"] == device]
     notes = f"load: {reading.note()}" + (f"; {len(unread)} record{'s' * (len(unread) != 1)} the report cannot "
                                         f"read (first: {unread[0]})" if unread else "")
-    failing = [r for r in oracles if verdicts.of(r) in FAILING]
-    tally = Tally.of_records(oracles)
+    if stopped:
+        notes += (f"; {len(stopped)} run{'s were' if len(stopped) > 1 else ' was'} stopped before the end "
+                  f"({stopped[0].how}: {stopped[0].first['experiment']}, "
+                  f"{implementations.of(stopped[0].first).backend}): incomplete, under Incomplete runs")
+    failing = [r for r in oracles if verdicts.of(r) in FAILING] + reached
+    tally = Tally.of_records(oracles) + Tally(verdicts.of(r) for r in reached)
+    counted = device_counts(tally, len(stopped))
     if failing:
-        first = failing[0]
+        first = worst_of(failing)
         said = ("its run did not end complete" if first.get("verdict") == PASS
                 else first.get("detail") or first.get("verdict"))
-        return {"device": device, "colour": "red",
-                "reason": f"{len(failing)} of {len(oracles)} oracle verdicts fail or err ({tally.phrase()}); first: "
-                          f"{first['experiment']} {first['case']} ({implementations.of(first).backend}): {said}. "
-                          f"{notes}"}
+        stop = " (reached before its run was stopped)" if any(first is r for r in reached) else ""
+        return {"device": device, "colour": "red", **counted,
+                "reason": f"{len(failing)} of {len(oracles) + len(reached)} oracle verdicts fail or err "
+                          f"({tally.phrase()}); worst: {first['experiment']} {first['case']} "
+                          f"({implementations.of(first).backend}){stop}: {said}. {notes}"}
+    if stopped and not records:
+        return {"device": device, "colour": "grey", **counted,
+                "reason": f"incomplete: no run here ended; nothing they reached fails. {notes}"}
     concerns = []
     flags = [f for f in inp.flags if f.device == device]
     if flags:  # every flag by name: the first alone hides the rest
@@ -1040,19 +1180,114 @@ def device_verdict(inp: Inputs, device: str) -> dict:
     passing = f"all {len(oracles)} oracle verdicts pass" if tally[PASS] == len(oracles) else \
         f"no oracle verdict fails ({tally.phrase()})"
     if concerns:
-        return {"device": device, "colour": "amber",
+        return {"device": device, "colour": "amber", **counted,
                 "reason": (f"{passing}, but " if oracles else "") + "; ".join(concerns) + f". {notes}{aside}"}
-    return {"device": device, "colour": "green",
+    return {"device": device, "colour": "green", **counted,
             "reason": f"{passing}; no regression flag; newest run {newest.date().isoformat()}. {notes}{aside}"}
 
 
 def verdict_banner(inp: Inputs) -> list[dict]:
-    """One verdict per device of the current runs and of the last night."""
+    """One verdict per device of the current runs, of its incomplete runs and of the last night."""
     devices = {r["device"] for r in inp.current} | {r["device"] for r, _ in inp.unreadable
                                                      if r["run_id"] in inp.current_runs}
+    devices |= {run.first["device"] for run in inp.incomplete}
     if inp.nights:
         devices |= set(inp.nights[-1].get("devices") or {})
     return [device_verdict(inp, device) for device in sorted(devices)]
+
+
+# --- the first screen: what broke, where, what next -------------------------------------------------
+
+
+def worst_of(failing: list[dict]) -> dict:
+    """The worst of failing verdicts: a fail (a wrong answer) before an error (a run that broke), then the
+    furthest from passing (the smallest margin), then the newest."""
+    newest_first = sorted(failing, key=lambda r: str(r["started"]), reverse=True)  # min keeps the first of equals
+    return min(newest_first, key=lambda r: (verdicts.of(r) != FAIL, _number(r.get("margin"), math.inf)))
+
+
+def reproduce_command(record: dict) -> str:
+    """The command that runs again what stored `record`: `testbed run EXPERIMENT` (an A/B job: `testbed ab A
+    B`) with the overrides its run was given, the device named. A record stored before runs kept their
+    overrides gets the settings that choose the code under test (device, backend, engine); report.json
+    holds its whole config."""
+    overrides = record.get("overrides")
+    config = record.get("config") or {}
+    if not isinstance(overrides, list):
+        overrides = [f"{key}={config[key]}" for key in ("backend", "engine") if config.get(key) not in (None, "")]
+    overrides = [str(o) for o in overrides]
+    if not any(o.split("=", 1)[0].lstrip("+") == "device" for o in overrides):
+        overrides.append(f"device={record['device']}")
+    ab = (record.get("metrics") or {}).get("ab") if is_ab(record) else None
+    if ab:
+        words = ["testbed", "ab", str(ab.get("a_commit", "A"))[:12], str(ab.get("b_commit", "B"))[:12]]
+    else:
+        words = ["testbed", "run", str(record["experiment"])]
+    return shlex.join([*words, *overrides])
+
+
+def replay_of(record: dict) -> str | None:
+    """The replay command an engine's failing call left in its record (testbed.backends.engine.keep: the
+    kept request's `replay`, in the evidence of a call that broke the contract, or in metrics.where.kept
+    of an oracle that failed), or None."""
+    places = []
+    for evidence in record.get("evidence") or []:
+        if isinstance(evidence, dict):
+            places += [evidence, evidence.get("detail")]
+    where = (record.get("metrics") or {}).get("where")
+    places += where.get("kept") or [] if isinstance(where, dict) and isinstance(where.get("kept"), list) else []
+    return next((place["replay"] for place in places if isinstance(place, dict)
+                 and isinstance(place.get("replay"), str) and place["replay"]), None)
+
+
+def regression_line(inp: Inputs, flag: history.Flag) -> str:
+    """A flag in one line that names the backend (the engine, for an engine under test) and its commits."""
+    record = next((r for r in inp.records if r["record_id"] == flag.record_id), None)
+    backend = implementations.of(record).backend if record else "?"
+    what = f"{flag.what} (and {', '.join(flag.derived)})" if flag.derived else flag.what
+    return (f"{flag.experiment} on {flag.device} ({backend}): {flag.case} {what} {flag.change}, {flag.now} vs "
+            f"{flag.before}; commits {flag.commit_range()} (last old .. first new), since {flag.since[:16]}")
+
+
+def first_screen(inp: Inputs) -> dict:
+    """What the page opens with under the device lines: the worst failure and the commands that reproduce
+    it (the run, and the engine's kept call where there is one), what regressed with its commits, and what
+    to do next."""
+    failing = [r for r in current_oracles(inp) if verdicts.of(r) in FAILING]
+    reached = reached_failing(inp)
+    worst = None
+    if failing or reached:
+        record = worst_of(failing + reached)
+        stopped = any(record is r for r in reached)
+        line = verdict_line({**record, "verdict": verdicts.of(record) if not stopped else record["verdict"],
+                             "backend": implementations.of(record).backend})
+        if record.get("verdict") == PASS:  # a pass of a run that did not end complete: an error, and why
+            line += ": its run did not end complete"
+        worst = {"line": line, "record": record["record_id"], "href": inp.cite(record),
+                 "run": record["run_id"], "started": record["started"], "commit": str(record["git_commit"])[:10],
+                 "stopped": inp.stopped_how.get(record["run_id"]) if stopped else None,
+                 "of": len(failing) + len(reached), "reproduce": reproduce_command(record), "replay": replay_of(record)}
+    regressed = [{"line": regression_line(inp, f), "commit_range": f.commit_range(), "record": f.record_id}
+                 for f in inp.flags]
+    steps = []
+    if worst:
+        steps.append({"say": "run the worst failure again", "command": worst["reproduce"]})
+        if worst["replay"]:
+            steps.append({"say": "run the engine's failing call once more, from the request its run kept",
+                          "command": worst["replay"]})
+    first_flag = next((f for f in inp.flags if f.last_clean_commit and f.since_commit), None)
+    if first_flag:
+        steps.append({"say": "every change between the commits around the first regression",
+                      "command": shlex.join(["testbed", "compare", first_flag.last_clean_commit[:12],
+                                             first_flag.since_commit[:12]])})
+    stopped_runs = inp.incomplete
+    if stopped_runs and not worst:
+        steps.append({"say": f"finish the newest incomplete run ({stopped_runs[-1].how})",
+                      "command": reproduce_command(stopped_runs[-1].first)})
+    if not steps:
+        steps.append({"say": "nothing to do: no verdict fails, nothing regressed, no run is incomplete",
+                      "command": None})
+    return {"worst": worst, "regressed": regressed, "next": steps}
 
 
 # --- building and writing -------------------------------------------------------------------------
@@ -1108,6 +1343,10 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
           since: dt.datetime | None = None) -> dict:
     """Write the report folder `out` from `records`; return its JSON content."""
     chosen = select(records, since)
+    # runs stopped before they ended are set apart first: never current, never judged, never failing for it
+    stopped_how = results.stopped_runs(chosen)
+    stopped = [r for r in chosen if r["run_id"] in stopped_how and unreadable(r) is None]
+    chosen = [r for r in chosen if r["run_id"] not in stopped_how]
     current_runs = latest_runs(chosen)
     judged = {id(r): unreadable(r) for r in chosen}
     window, emulated = emulation.split([r for r in chosen if judged[id(r)] is None])
@@ -1123,7 +1362,9 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
         inp = Inputs(window, [r for r in window if r["run_id"] in current_runs], fixtures, staging,
                      dt.datetime.now(dt.timezone.utc), settings, list(night_log), flags, set_apart=emulated,
                      unreadable=[(r, judged[id(r)]) for r in chosen if judged[id(r)] is not None],
-                     current_runs=current_runs)
+                     current_runs=current_runs, stopped=stopped, stopped_how=stopped_how)
+        inp.incomplete = incomplete_runs(inp)
+        screen = first_screen(inp)  # before the sections: the records it links to are listed at the end
         drawn = [draw(fn, inp) for fn in SECTIONS]
         sections = [s for s, _ in drawn if s is not None]
         broken = [why for _, why in drawn if why is not None]
@@ -1138,6 +1379,7 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
             "records": len(window),
             "current_runs": sorted(current_runs),
             "summary": summary(inp, flags),
+            "first_screen": screen,
             "flags": [history.flag_data(f) for f in flags],
             "breakevens": inp.breakevens,
             "choices": inp.choices,
@@ -1145,7 +1387,8 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
             "broken_sections": broken,
         }
         for name in ("report.html", "report.md"):  # for people: the sections' cells, rendered
-            page = TEMPLATE_ENV.get_template(name + ".j2").render({**content, "sections": [asdict(s) for s in sections]})
+            page = TEMPLATE_ENV.get_template(name + ".j2").render({**content,
+                                                                   "sections": [asdict(s) for s in sections]})
             (staging / name).write_text(page, encoding="utf-8")
         (staging / "report.json").write_text(json.dumps(content, indent=1, default=str), encoding="utf-8")
         staging.chmod(0o755)  # mkdtemp made it private; a report is for reading, e.g. from a web server
@@ -1220,8 +1463,10 @@ def _replace(staging: Path, out: Path) -> None:
 def summary(inp: Inputs, flags: list[history.Flag]) -> dict:
     oracles = current_oracles(inp)
     tally = Tally.of_records(oracles)
-    return {"oracles": len(oracles), "oracles_passed": tally[PASS], "oracles_failed": tally.failed,
+    reached = reached_failing(inp)  # decided before their runs were stopped: a fail is a fail
+    return {"oracles": len(oracles), "oracles_passed": tally[PASS], "oracles_failed": tally.failed + len(reached),
             "oracles_unjudged": tally.unjudged, "oracle_verdicts": tally.phrase(),
+            "incomplete_runs": len(inp.incomplete),
             "measurements": sum(r["kind"] == "measure" for r in inp.current),
             "regressions": len(flags), "devices": sorted({r["device"] for r in inp.current}),
             "verdicts": verdict_banner(inp)}
@@ -1286,6 +1531,11 @@ def command(args) -> int:
         raise StoreError(f"the report cannot be written: {e.strerror or e} ({e.filename or args.out or store.path}); "
                          "give a writable folder with --out") from None
     print(tables.wrap(summary_line(out, content)))
+    worst = content["first_screen"]["worst"]
+    if worst:  # what the page opens with, on the terminal too: the worst failure and how to run it again
+        print(tables.wrap(printable(f"worst of {worst['of']} failing: {worst['line']}")))
+        print(tables.wrap(printable(f"run it again: {worst['reproduce']}"
+                                    + (f"; the engine's call alone: {worst['replay']}" if worst["replay"] else ""))))
     if content["broken_sections"]:
         print(f"testbed: the report is incomplete: {content['broken_sections'][0]}"
               + (f" (and {len(content['broken_sections']) - 1} more)" if len(content['broken_sections']) > 1 else ""),
