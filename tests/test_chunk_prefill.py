@@ -55,6 +55,7 @@ def test_fixture_is_rendered(results_dir):
     assert "C=32 2.45 s, C=64 4.58 s; decode 0.26 s/token" in text and "best C = " in text
 
 
+@pytest.mark.quick
 def test_run_and_table(results_dir, capsys):
     assert cli.main(["run", "chunk_prefill", "chunk=16", *SMALL]) == 0
     assert "oracles 4 pass, 6 measurements" in capsys.readouterr().out
