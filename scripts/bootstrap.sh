@@ -7,9 +7,13 @@
 #   scripts/bootstrap.sh --test   also what the test suites drive for real: Debian's adb client,
 #                                 openssh-server, Mesa's software Vulkan
 #                                 (lavapipe), Chromium for the report check, torch + transformers
-#                                 for the cross-checks against Hugging Face (the `hf` extra), CMake,
+#                                 for the cross-checks against Hugging Face (the `hf` extra), ONNX
+#                                 Runtime and torch.onnx's exporter (the `onnx` extra: engine=onnxruntime), CMake,
 #                                 Ninja, ccache and the aarch64 C++ compiler that build llama.cpp's tools,
-#                                 Ray (the farm extra: the tests run a three-node cluster here), and
+#                                 Ray (the farm extra: the tests run a three-node cluster here), the
+#                                 exported runtimes judged as engines (the executorch and litert
+#                                 extras: engines/README.md; mnn, a recorded finding whose exporter
+#                                 reports home, only with `pip install 'testbed[mnn]'`), and
 #                                 iproute2 (scripts/offline.sh brings up loopback in the tests' own
 #                                 network namespace)
 set -eu
@@ -23,7 +27,7 @@ packages="$HOST_PACKAGES"
 extras="full,cross"
 if [ "${1:-}" = "--test" ]; then
   packages="$packages $TEST_PACKAGES"
-  extras="full,hf,farm,cross"
+  extras="full,hf,farm,cross,onnx,executorch,litert"
 fi
 
 missing=""

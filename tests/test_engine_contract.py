@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.cli_support import said
+from tests.cli_support import said, table_rows
 from testbed import config, runner
 from testbed.backends.engine import runner as engine_runner, spec as engine_spec
 from testbed.backends.native import build as kernel_build
@@ -105,7 +105,8 @@ def test_a_lab_engine_gets_verdicts_sweep_rows_and_report_rows(lab, results_dir,
     swept = cli("sweep", "experiment=chunk_prefill", "backend=engine", "engine=toy", "chunk=4,8", *SMALL[:2],
                         env=env)
     assert swept.returncode == 0, swept.stderr
-    rows = [line for line in swept.stdout.splitlines() if line.startswith("| chunk_prefill | engine  | toy")]
+    rows = table_rows(swept.stdout)  # the job's settings said once above its rows where they would not fit
+    assert "backend: engine; engine: toy" in swept.stdout or all("| engine  | toy" in row for row in rows)
     assert len(rows) == 2 and all("4 pass" in row for row in rows), swept.stdout
     report = cli("report", f"--out={tmp_path / 'report'}", env=env)
     assert report.returncode == 0, report.stderr
@@ -202,6 +203,18 @@ BAD_RESPONSES = {
     "version": ("(out / 'status.json').write_text(json.dumps({'contract': 2, 'status': 'ok'}))",
                 "response/status.json: contract=2"),
     "hang": ("time.sleep(600)", "did not answer within timeout_s=3"),
+    # a header claiming what no request allows: refused from the header, nothing allocated (was a MemoryError)
+    "huge-header": ("a = np.load(out / 'logits.npy'); h = repr({'descr': '<f4', 'fortran_order': False, "
+                    "'shape': (10**6, 10**6)}); h += ' ' * (-(len(h) + 11) % 64) + chr(10); "
+                    "(out / 'logits.npy').write_bytes(b'\\x93NUMPY\\x01\\x00' + len(h).to_bytes(2, 'little') "
+                    "+ h.encode() + a.tobytes())",
+                    "response/logits.npy has shape (1000000, 1000000); the contract says (1, 256)"),
+    "marks": ("t = json.loads((out / 'timings.json').read_text()); t['marks'] = 5; "
+              "(out / 'timings.json').write_text(json.dumps(t))", "response/timings.json: marks=5 is not accepted"),
+    "digits": ("(out / 'timings.json').write_text('{\"calls\": [{\"wall_s\": ' + '9' * 5000 + '}]}')",
+               "response/timings.json is not JSON testbed reads: it holds an integer of more than 4300 digits"),
+    "nested": ("(out / 'timings.json').write_text('[' * 5000 + ']' * 5000)",
+               "response/timings.json is not JSON testbed reads: it nests deeper than"),
 }
 
 
@@ -258,6 +271,23 @@ def test_testbed_c_refuses_a_model_format_it_does_not_read(results_dir):
     ("name: x\ncontract: 1\nprogram: p\nabis: [host]\nsupports: {techniques: [tail]}\ninvoke: ['{program}']\n"
      "build: {prebuilt: {host: p}}\ntimeout: 3\n", "timeout is not a key (did you mean 'timeout_s'?)"),
     ("name: x\ncontract: [1\n", "is not YAML"),
+    *[(f"name: x\ncontract: 1\nprogram: p\nabis: [host]\nsupports: {{techniques: [tail]}}\n{line}\n"
+       "build: {prebuilt: {host: p}}\n", said) for line, said in (
+        ("invoke: ['{program}', '{nosuch}']", "invoke[1]='{nosuch}' names {nosuch}; accepted: {program}, {request}, "
+                                              "{response}"),
+        ("invoke: ['{program}', 'a{b']", "invoke[1]='a{b' is not a template str.format reads"),
+        ("invoke: ['{program};', '{request}']", "invoke[0]='{program};' is the program to start and holds ';'"),
+        ("invoke: ['{program} x']", "invoke[0]='{program} x' is the program to start and holds ' '"),
+        ("invoke: ['{{program}}']", "invoke=['{{program}}'] never names {program}"),
+        ("invoke: ['{program}']\ntimeout_s: .inf", "timeout_s=inf; accepted: a finite number > 0 and <= 604800"),
+        ("invoke: ['{program}']\nextra: &a [*a]", "repeats a value by an alias (*a)"))],
+    ("name: x\ncontract: true\n", "contract=True; accepted: 1"),
+    ("name: x\ncontract: 1.0\n", "contract=1.0; accepted: 1"),
+    ("name: x\ncontract: 1\nprogram: p\nabis: [host]\nsupports: {techniques: [tail]}\ninvoke: ['{program}']\n"
+     "source: .\nbuild: {command: [cc, '{nosuch}']}\n", "build.command[1]='{nosuch}' names {nosuch}; accepted: "
+                                                        "{abi}, {out}, {source}, {jobs}, {python}"),
+    ("name: x\ncontract: 1\nprogram: p\nabis: [host]\nsupports: {techniques: [tail]}\ninvoke: ['{program}']\n"
+     "source: .\nbuild: {command: ['cc;', '{'] }\n", "build.command[0]='cc;' is the program to start"),
 ])
 def test_a_bad_engine_yaml_is_one_line_naming_file_and_key(lab, text, said_):
     (lab / "engines").mkdir()
@@ -265,6 +295,36 @@ def test_a_bad_engine_yaml_is_one_line_naming_file_and_key(lab, text, said_):
     with pytest.raises(UsageError, match="x.yaml") as e:
         engine_spec.load("x")
     assert said_ in str(e.value) and "\n" not in str(e.value)
+
+
+BAD_ENGINE_FILES = {
+    # a prebuilt file the device cannot start (was OSError: Exec format error, exit 1)
+    "random prebuilt": ("build: {prebuilt: {host: ../prog}}", "build.prebuilt.host='../prog' begins"),
+    # a link in the source tree a build command runs in (was a BuildError traceback)
+    "link in source": ("source: ../src\nbuild: {command: [cc, -o, '{out}/prog', main.c]}",
+                       "source='../src' holds a symbolic link"),
+    # a lone brace in the build command (was ValueError from str.format)
+    "lone brace": ("source: ../src\nbuild: {command: [cc, -o, '{out/prog', main.c]}",
+                   "build.command[2]='{out/prog' is not a template str.format reads"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_ENGINE_FILES))
+def test_a_bad_engine_yaml_exits_2_before_a_run_is_stored(lab, results_dir, bad):
+    build, message = BAD_ENGINE_FILES[bad]
+    (lab / "prog").write_bytes(bytes(range(256)) * 4)
+    (lab / "src").mkdir()
+    (lab / "src" / "main.c").write_text("int main(void) { return 0; }\n")
+    (lab / "src" / "outside.h").symlink_to("/etc/hostname")
+    (lab / "engines").mkdir()
+    yaml = lab / "engines" / "x.yaml"
+    yaml.write_text(f"name: x\ncontract: 1\nprogram: prog\nabis: [host]\nsupports: {{techniques: [chunk_prefill]}}\n"
+                    f"invoke: ['{{program}}', '{{request}}', '{{response}}']\n{build}\n")
+    p = cli("run", "chunk_prefill", "backend=engine", "engine=x", *SMALL,
+            env={"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)})
+    lines = said(p.stderr)
+    assert p.returncode == 2 and len(lines) == 1 and message in lines[0] and str(yaml) in lines[0], p.stderr
+    assert not (results_dir / "records.jsonl").exists()
 
 
 def test_an_unknown_engine_names_the_closest(lab):

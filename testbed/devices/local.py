@@ -77,6 +77,10 @@ class LocalTransport(Transport):
         path = self.inside(remote)
         return (path.stat().st_size, sha256_file(path)) if path.is_file() else None
 
+    def remote_size(self, remote: str) -> int | None:
+        path = self.inside(remote)
+        return path.stat().st_size if path.is_file() else None
+
     def command(self, argv: list[str], folder: Path) -> list[str]:
         return check_argv(argv)
 
@@ -84,8 +88,12 @@ class LocalTransport(Transport):
         folder = self.inside(cwd) if cwd else self.root
         folder.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        proc = subprocess.Popen(self.command(argv, folder), cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, errors="replace", start_new_session=True)
+        try:
+            proc = subprocess.Popen(self.command(argv, folder), cwd=folder, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+        except OSError as e:  # as a shell says it on the other transports: 127 not found, 126 cannot be started
+            status = 127 if isinstance(e, FileNotFoundError) else 126
+            return CommandResult(status, "", f"{argv[0]}: {e.strerror}", time.monotonic() - t0)
 
         def kill() -> None:  # the whole group: the program and anything it started
             try:

@@ -185,6 +185,12 @@ class Transport:
         """remote_digest of each file (None for one that is absent)."""
         return {remote: self.remote_digest(remote) for remote in remotes}
 
+    def remote_size(self, remote: str) -> int | None:
+        """The size of a file in the work folder, read without reading the file (None if absent): what to
+        check before pulling, or hashing, a file a program on the device wrote at a size of its choosing."""
+        got = self.remote_digest(remote)
+        return got[0] if got else None
+
     def cleanup(self) -> None:
         raise NotImplementedError
 
@@ -295,6 +301,11 @@ class RemoteShell(Transport):
         if r.returncode != 0 or len(lines) < 2 or not lines[0].isdigit():
             return None
         return int(lines[0]), lines[1].lower()
+
+    def remote_size(self, remote: str, timeout: float = 60.0) -> int | None:
+        r = self.run(["sh", "-c", '[ -f "$1" ] && stat -c %s -- "$1"', "sh", confine(remote)], timeout)
+        size = r.stdout.strip()
+        return int(size) if r.returncode == 0 and size.isdigit() else None
 
     def remote_digests(self, remotes: list[str], timeout: float = 120.0) -> dict[str, tuple[int, str] | None]:
         """remote_digest of each file, in one command on the device."""

@@ -69,6 +69,7 @@ from omegaconf import DictConfig, OmegaConf
 from refimpl import gdn, naive_qwen35, qwen35
 from testbed.config import Choice, Float, Int, IntList, as_list, project_path
 from testbed.errors import UsageError
+from testbed.heartbeat import Step, Tick
 from testbed.measure import breakeven, decisions
 from testbed.oracles.hybrid import (check_chunk_with_past, check_engine_case, check_engine_tail, check_pad_identity,
                                     check_padded_tail)
@@ -265,6 +266,10 @@ def validate_engine(cfg: DictConfig) -> None:
     given = given_gguf(cfg)
     if given and not (project_path(given).is_file() and given.endswith(".gguf")):
         raise UsageError(f"model.gguf={given!r} is not accepted; accepted: auto, or a qwen35 .gguf file on this host")
+    if given:  # its header and tensor table now, so a file testbed's reader refuses stores no run
+        from testbed.models.gguf_files import gguf_for
+
+        gguf_for(project_path(given))
     if given and cfg.model.checkpoint and not (project_path(cfg.model.checkpoint) / "config.json").is_file():
         raise UsageError(f"model.gguf={given!r} with model.checkpoint={cfg.model.checkpoint!r}: the oracles read the "
                          "checkpoint; accepted: a Hugging Face folder beside a GGUF (the GGUF alone is read itself)")
@@ -511,7 +516,8 @@ def time_variants(cfg: DictConfig, ctx, calls: dict, reps: int, warmup: int) -> 
     if cfg.backend != "native":
         fns = {key: partial(qwen35.prefill, v.w, v.model, prompt, chunk, refimpl_gdn(v.gdn, cfg.gdn_chunk), tail)
                for key, (v, prompt, chunk, tail) in calls.items()}
-        return time_alternating_clocks(fns, reps=reps, warmup=warmup), {key: [] for key in calls}
+        return (time_alternating_clocks(fns, reps=reps, warmup=warmup, progress=ctx.progress, what="hybrid timing"),
+                {key: [] for key in calls})
     from testbed.backends.native import hybrid as engine
 
     profile = ctx.device.profile
@@ -519,10 +525,12 @@ def time_variants(cfg: DictConfig, ctx, calls: dict, reps: int, warmup: int) -> 
         reps, warmup = 1, 0  # its figures are exact counts: a repetition would give the same number again
     samples = {key: {"wall": [], "cpu": [], "gdn_cpu": [], "instructions": []} for key in calls}
     evidence = {key: [] for key in calls}
+    runs = 0
     for rep in interleaved_order(list(calls), reps, cfg.seed):
         for key in rep:
             v, prompt, chunk, tail = calls[key]
-            ctx.progress(f"hybrid {key} ({len(prompt)} tokens)")
+            runs += 1  # each run inside the step: what the heartbeat says, with the time left
+            ctx.progress(Tick(f"hybrid run {runs}/{reps * len(calls)}: {key} ({len(prompt)} tokens)"))
             run = engine.prefill(ctx.device, v.model, v.w, prompt, past=0, tokens=len(prompt), chunk=chunk,
                                  tail=tail, gdn=v.gdn, gdn_chunk=cfg.gdn_chunk, threads=cfg.threads,
                                  fused=bool(cfg.fused),
@@ -534,8 +542,8 @@ def time_variants(cfg: DictConfig, ctx, calls: dict, reps: int, warmup: int) -> 
                 samples[key]["instructions"].append(run.counts.per_call)
             evidence[key].append(run.evidence.as_dict())
     if cfg.counts and not profile.has("counts"):
-        for key, (v, prompt, chunk, tail) in calls.items():
-            ctx.progress(f"hybrid {key}: counting instructions under valgrind")
+        for k, (key, (v, prompt, chunk, tail)) in enumerate(calls.items(), 1):
+            ctx.progress(f"hybrid: counting instructions under valgrind {k}/{len(calls)}: {key}")
             run = engine.prefill(ctx.device, v.model, v.w, prompt, past=0, tokens=len(prompt), chunk=chunk,
                                  tail=tail, gdn=v.gdn, gdn_chunk=cfg.gdn_chunk, threads=cfg.threads, count=True)
             samples[key]["instructions"].append(run.counts.per_call)
@@ -562,7 +570,8 @@ def crossover_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     gates = qwen35.median_log_decay(hybrid.w, hybrid.model)
     contexts = as_list(b.contexts)
     for i, length in enumerate(contexts):
-        ctx.progress(f"hybrid crossover {i + 1}/{len(contexts)} L={length}")
+        # each context's work grows with L: the time left is the contexts' tokens left at the pace so far
+        ctx.progress(Step(f"hybrid crossover {i + 1}/{len(contexts)} L={length}", sum(contexts[:i]), sum(contexts)))
         prompt = np.random.default_rng(cfg.seed).integers(0, hybrid.model.vocab, length)
         calls = {name: (v, prompt, b.prefill_chunk, "exact") for name, v in variants.items()}
         clocks, evidence = time_variants(cfg, ctx, calls, b.reps, b.warmup)
@@ -903,10 +912,11 @@ def crossover_summary(df: pd.DataFrame) -> pd.DataFrame:
 def breakevens(df: pd.DataFrame) -> list[dict]:
     """The crossovers as data beside `testbed table hybrid`'s rows (testbed.report.tables.render): per
     device, backend and rate, each hybrid form over each dense model, with its interval (lo, hi, the
-    level, the method, how many repetitions, whether decided) and the sentence a person reads."""
+    level, the method, how many repetitions, whether decided) and the sentence a person reads; then
+    the padded tail's breakevens (tail_breakevens)."""
     m = measure_frame(df, "crossover")
     if m.empty:
-        return []
+        return tail_breakevens(df)
     rates = _rates(m.groupby(["device", "backend", "params.context", "params.model"]).tail(1))
     found = []
     for (device, backend, per), grp in rates.groupby(["device", "backend", "per"]):
@@ -921,45 +931,77 @@ def breakevens(df: pd.DataFrame) -> list[dict]:
                               **{k: c[k] for k in ("point", "lo", "hi", "level", "method", "reps", "decided",
                                                    "more_reps")},
                               "says": f"crossover context {c['says']}"})
+    return found + tail_breakevens(df)
+
+
+def tail_breakevens(df: pd.DataFrame) -> list[dict]:
+    """The padded tail's breakeven per device and backend, by CPU time (never an emulated device's) and
+    by instructions where the prefills were counted, with its interval, as data."""
+    m = measure_frame(df, "tail")
+    found = []
+    for (device, backend), records in (m.groupby(["device", "backend"], sort=False) if len(m) else ()):
+        for by in ("CPU time", "instructions"):
+            sweep = tail_frame(records, by)
+            if sweep.empty or sweep["tail"].nunique() < 2:
+                continue
+            point, c = breakeven.breakeven_tail(sweep), breakeven.breakeven_interval(sweep, by=by)
+            found.append({"source": f"{device}/{backend}: padded tail", "by": by, "tail": point,
+                          **{k: c[k] for k in ("lo", "hi", "level", "method", "reps", "decided", "more_reps")},
+                          "says": _tail_breakeven(sweep, by)})
     return found
 
 
-def tail_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """breakeven's columns from CPU-time figures (tok/s and TTFT per CPU second); emulated devices'
-    times are never speed, so their rows are left out."""
+def tail_frame(df: pd.DataFrame, by: str = "CPU time") -> pd.DataFrame:
+    """breakeven's columns by CPU time (tok/s and TTFT per CPU second; emulated devices' times are never
+    speed, so their rows are left out) or by instructions (tokens per 1e9 instructions, the TTFT
+    columns holding the instructions: wherever the prefill was counted, emulated devices included)."""
     m = measure_frame(df, "tail")
     if m.empty:
         return pd.DataFrame()
-    if "emulated" in m:
+    counted = by == "instructions"
+    rate, cost = (("figures.tokens_per_ginstr", "figures.instructions") if counted
+                  else ("figures.tokens_per_cpu_s", "figures.cpu_time"))
+    if "emulated" in m and not counted:
         m = m[~m["emulated"].fillna(False).astype(bool)]
+    if m.empty or f"{rate}.median" not in m:
+        return pd.DataFrame()
+    m = m[m[f"{rate}.median"].notna()].groupby(["params.prompt_tokens", "params.mode"]).tail(1)
     if m.empty:
         return pd.DataFrame()
-    m = m.groupby(["params.prompt_tokens", "params.mode"]).tail(1)
     wide = m.pivot_table(index=["params.prompt_tokens", "params.tail"], columns="params.mode",
-                         values=["figures.tokens_per_cpu_s.median", "figures.cpu_time.median"], aggfunc="last").dropna()
+                         values=[f"{rate}.median", f"{cost}.median"], aggfunc="last").dropna()
     frame = pd.DataFrame({
         "prompt_tokens": wide.index.get_level_values(0).astype(int), "tail": wide.index.get_level_values(1).astype(int),
-        "padded_tps": wide[("figures.tokens_per_cpu_s.median", "padded")].to_numpy(),
-        "scalar_tps": wide[("figures.tokens_per_cpu_s.median", "scalar")].to_numpy(),
-        "padded_ttft_ms": wide[("figures.cpu_time.median", "padded")].to_numpy(),
-        "scalar_ttft_ms": wide[("figures.cpu_time.median", "scalar")].to_numpy()})
-    if "figures.tokens_per_cpu_s.samples" in m:  # each repetition, for the breakeven's interval
-        by_rep = m.set_index(["params.prompt_tokens", "params.mode"])["figures.tokens_per_cpu_s.samples"]
+        "padded_tps": wide[(f"{rate}.median", "padded")].to_numpy(),
+        "scalar_tps": wide[(f"{rate}.median", "scalar")].to_numpy(),
+        "padded_ttft_ms": wide[(f"{cost}.median", "padded")].to_numpy(),
+        "scalar_ttft_ms": wide[(f"{cost}.median", "scalar")].to_numpy()})
+    if f"{rate}.samples" in m:  # each repetition, for the breakeven's interval
+        by_rep = m.set_index(["params.prompt_tokens", "params.mode"])[f"{rate}.samples"]
         for mode in ("padded", "scalar"):
             frame[f"{mode}_tps_samples"] = [by_rep.get((n, mode)) for n in frame["prompt_tokens"]]
     return frame
 
 
-def tail_table(df: pd.DataFrame) -> pd.DataFrame:
-    sweep = tail_frame(df)
-    if sweep.empty:
-        return sweep
-    table = breakeven.tail_table(sweep).astype(object)
+def _tail_breakeven(sweep: pd.DataFrame, by: str) -> str:
     b = breakeven.breakeven_tail(sweep)
     verdict = f"padded from tail {b}" if b is not None else f"scalar up to tail {int(sweep['tail'].max())}"
+    if by != "CPU time":
+        verdict += f", by {by}"
     if (sweep["tail"] > 0).any():
-        verdict += f"; breakeven tail {breakeven.breakeven_interval(sweep, by='CPU time')['says']}"
-    return pd.concat([table, pd.DataFrame([{"N": "breakeven", "winner": verdict}], dtype=object)], ignore_index=True)
+        verdict += f"; breakeven tail {breakeven.breakeven_interval(sweep, by=by)['says']}"
+    return verdict
+
+
+def tail_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The padded-vs-scalar table by CPU time, with each mode's exact instructions where they were
+    counted; on an emulated device the instructions alone (its times never speed). Its breakevens are
+    decisions beside the rows (tail_breakevens), never a row."""
+    timed, counted = tail_frame(df), tail_frame(df, "instructions")
+    if timed.empty:
+        return breakeven.instruction_table(counted) if len(counted) else timed
+    table = breakeven.tail_table(timed)
+    return table.merge(breakeven.instruction_table(counted), on=["N", "tail"], how="left") if len(counted) else table
 
 
 def drift_table(df: pd.DataFrame) -> pd.DataFrame:

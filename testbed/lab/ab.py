@@ -42,9 +42,13 @@ Judging, per call:
                 test on the log ratios of the pairs, two-sided, at each look, its p spent over the looks
                 and Holm-corrected over the calls; B is slower on a clock when the corrected p < 0.05
                 and the 95% interval of the median ratio lies above 1 + `--min-change` (default 5%);
-                a call whose p >= 0.05 and interval lies within +-5% is decided "no change"; one the
-                budget left open is "undecided" (testbed.measure.sequential). CPU time decides (what the work cost, whatever else ran); wall time is
-                shown beside it. Fewer than 6 pairs cannot reach p < 0.05: "too few pairs".
+                a call whose p >= 0.05 and interval lies within +-5% is decided "no change"; one whose
+                p < 0.05 and whole interval lies within +-`--min-change` is "below floor" (a real change
+                smaller than the job can call, said so, never "need N more pairs"); one the budget left
+                open is "undecided", with why (testbed.measure.sequential). CPU time decides (what the
+                work cost, whatever else ran); wall time is shown beside it; a CPU time left undecided is
+                the call's verdict whatever its instructions did under their threshold. Fewer than 6
+                pairs cannot reach p < 0.05: "too few pairs".
 Exit status 1 when B is worse on any call by instructions or CPU time, or an oracle did not pass on
 either tree; "no change" for the same tree twice. The records (experiment's name, case `ab/CALL`) carry the pairs' ratios as figures
 `ab_ratio_cpu` (with the A/B block testbed.measure.history judges: a_commit, b_commit, p uncorrected, pairs,
@@ -77,6 +81,7 @@ from testbed.backends.native.build import (BuildError, build_programs, target_fo
 from testbed.backends.native.device import Call, NativeJob, run_native
 from testbed.devices.transport import elf_machine, sha256_file
 from testbed.errors import DeviceError, UsageError
+from testbed.heartbeat import ProgressLine, Tick
 from testbed.measure import sequential
 from testbed.measure.counts import CountError
 from testbed.measure.timing import cpu_seconds
@@ -270,11 +275,12 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple, opts: Options, engi
         """`pairs` more pairs of each open call, interleaved (ABBA); their CPU ratios."""
         nonlocal repetition
         before = {i: len(ratios[calls[i].label]["cpu"]) for i in open_calls}
+        taken, look = 0, pairs * len(open_calls)
         for _ in range(pairs):
-            for n, i in enumerate(rng.permutation(open_calls)):
+            for i in rng.permutation(open_calls):
                 call = calls[i]
-                ctx.progress(f"A/B pair {len(ratios[call.label]['cpu']) + 1} of call {n + 1}/{len(open_calls)}: "
-                             f"{call.label}")
+                taken += 1  # inside the look: what the heartbeat says, with the look's time left
+                ctx.progress(Tick(f"A/B pairs {taken}/{look} of this look ({len(open_calls)} call(s)): {call.label}"))
                 order = "AB" if (first[call.label] + repetition) % 2 == 0 else "BA"
                 for side in order:
                     result = run(call, side, builds[side])
@@ -308,9 +314,10 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple, opts: Options, engi
     spent = cpu_seconds() - started
     if count_here:  # one run per tree and call under valgrind, with its build that valgrind can run
         for side, tree in zip("AB", trees):
-            ctx.progress(f"counting {side}'s instructions under valgrind")
+            ctx.progress(f"building {side} ({tree.spec}) for valgrind")
             counted = engine.build(side, tree, device, ctx.progress, for_valgrind=True)
-            for call in calls:
+            for k, call in enumerate(calls, 1):  # minutes each at bench sizes: counted, so the time left shows
+                ctx.progress(f"counting {side}'s instructions under valgrind {k}/{len(calls)}: {call.label}")
                 sides[(call.label, side)].instructions.append(run(call, side, counted, count=True).counts.per_call)
 
     judged = {"cpu": outcome.judgements,
@@ -346,6 +353,7 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple, opts: Options, engi
               "p": judged["cpu"][i].p_adjusted, "p_raw": judged["cpu"][i].p, "p_wall": judged["wall"][i].p_adjusted,
               "design": design.describe(), "looks": outcome.looks_taken, "stopped": outcome.stopped,
               "decided": judged["cpu"][i].decided, "need_pairs": judged["cpu"][i].need,
+              "cpu_interval": [judged["cpu"][i].low, judged["cpu"][i].high], "undecided_why": judged["cpu"][i].why,
               "budget_cpu_s": None if opts.reps else opts.budget, "spent_cpu_s": round(spent, 1),
               "verdicts": verdicts, "verdict": "slower" if worse else _overall(verdicts),
               "instructions_a": a_count, "instructions_b": b_count,
@@ -517,14 +525,17 @@ CALL_UNJUDGED = ("not measured", "too few pairs", "undecided")  # a call's overa
 
 def _overall(verdicts: dict) -> str:
     """One word for a call (B worse is "slower", decided before this): "no change" only when something
-    was judged and all of it held still."""
+    was judged and all of it held still. A CPU time left undecided is said as such, whatever the
+    instructions did under their threshold: a sub-1% "changed" never stands for a verdict on time."""
     known = {v for v in verdicts.values() if not v.startswith("not counted")} - {"too few pairs"}
     if "faster" in known or "fewer" in known:
         return "faster"
-    if known - {"no change", "undecided"}:
-        return "changed"
     if verdicts.get("cpu") == "undecided":
         return "undecided"
+    if verdicts.get("cpu") == sequential.BELOW_FLOOR:
+        return sequential.BELOW_FLOOR
+    if known - {"no change"}:
+        return "changed"
     if known:
         return "no change"
     return "too few pairs" if "too few pairs" in verdicts.values() else "not measured"
@@ -538,14 +549,14 @@ def table(rows: list[dict]) -> pd.DataFrame:
     for r in rows:
         ab, fig = r["metrics"]["ab"], r["figures"]
         change = ab["instructions_change"]
-        out.append({
-            "call": r["case"].removeprefix("ab/"), "kernel": ab["kernel"],
+        out.append({  # the verdict beside the call: the first columns are what a narrow terminal keeps
+            "call": r["case"].removeprefix("ab/"),
+            "verdict": ab["verdict"] + ("" if ab["same_output"] else " (outputs differ)"), "kernel": ab["kernel"],
             "instructions A": ab["instructions_a"], "instructions B": ab["instructions_b"],
             "instr. change": ab["verdicts"]["instructions"] if change is None else f"{change:+.3%}",
             "cpu B/A": fig["ab_ratio_cpu"]["median"] if "ab_ratio_cpu" in fig else None,
             "wall B/A": fig["ab_ratio_wall"]["median"] if "ab_ratio_wall" in fig else None,
             "pairs": ab["pairs"], "p (cpu, Holm)": ab["p"],
-            "verdict": ab["verdict"] + ("" if ab["same_output"] else " (outputs differ)"),
         })
     return pd.DataFrame(out)
 
@@ -626,15 +637,18 @@ def command(args) -> int:
 def _report(args, rc, module, opts, trees, engine) -> int:
     """Run the comparison as one job, print its table and say the outcome: exit 1 when B is worse or an
     oracle fails on either tree."""
-    progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not sys.stderr.isatty() else \
-        (lambda msg: (sys.stderr.write("\r\033[K" + msg[:120]), sys.stderr.flush()))
-    outcome = runner.execute(rc, progress=progress,
-                             produce=lambda cfg, ctx: measure(cfg, ctx, module, rc.experiment, trees, opts, engine))
-    if sys.stderr.isatty():
-        sys.stderr.write("\r\033[K")
+    progress = ProgressLine()  # a line per step, a heartbeat through the silent ones (builds, valgrind)
+    try:
+        outcome = runner.execute(rc, progress=progress,
+                                 produce=lambda cfg, ctx: measure(cfg, ctx, module, rc.experiment, trees, opts, engine))
+    finally:
+        progress.close()
     rows = outcome.rows
     df = table([r for r in rows if r["kind"] == "measure"])
-    print(tables.render(df, args.format))
+    # the terminal's table fits it; every column: the format options, or the records (`testbed table`)
+    print(tables.for_terminal(df.dropna(axis=1, how="all"), f"--format csv|json, or `testbed table {rc.experiment} "
+                                                           "--format md`", settings=())
+          if args.format == "md" else tables.render(df, args.format))
     worse = [r for r in rows if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] == "slower"]
     # an oracle that did not pass on either tree fails the comparison, whatever the speed
     wrong = [r for r in rows if r["kind"] == "oracle" and r["verdict"] in FAILING]
@@ -668,16 +682,32 @@ def _report(args, rc, module, opts, trees, engine) -> int:
             if ab["verdicts"].get("cpu") == "slower":
                 what.append(f"CPU time x{r['figures']['ab_ratio_cpu']['median']:.3f} (p={ab['p']:.2g})")
             print(f"SLOWER {ab['kernel']} {r['case'].removeprefix('ab/')}: {'; '.join(what)}")
-        unjudged = [r["case"].removeprefix("ab/") + f" ({r['metrics']['ab']['verdict']})" for r in rows
-                    if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] in CALL_UNJUDGED]
+        measured = [r for r in rows if r["kind"] == "measure"]
+        for r in measured:  # an open CPU verdict or a change under the floor, said per call in full
+            ab = r["metrics"]["ab"]
+            cpu = ab["verdicts"].get("cpu")
+            if cpu == "undecided":
+                why = ab.get("undecided_why") or ab["stopped"]
+                print(tables.wrap(f"UNDECIDED {r['case'].removeprefix('ab/')}: CPU time {why}"))
+            elif cpu == sequential.BELOW_FLOOR:
+                low, high = ab.get("cpu_interval") or (None, None)
+                print(tables.wrap(f"BELOW FLOOR {r['case'].removeprefix('ab/')}: CPU time B/A "
+                                  f"{r['figures']['ab_ratio_cpu']['median']:.3f} (95%: {low:.3f} to {high:.3f}): a "
+                                  f"change below {sequential.floor_words(ab['min_change'])}"))
+        unjudged = [r["case"].removeprefix("ab/") + f" ({r['metrics']['ab']['verdict']})" for r in measured
+                    if r["metrics"]["ab"]["verdict"] in CALL_UNJUDGED]
         if wrong:
             on = " and ".join(f"{side} ({tree.spec})" for side, tree in zip("AB", trees)
                               if any(r["params"].get("ab_side") == side for r in wrong))
             print(f"FAILED: {len(wrong)} oracle record(s) failed on {on}: results changed, whatever the speed")
         elif declined(rows):
             print("nothing measured: an engine declines these calls (NOT SUPPORTED above)")
+        elif not worse and unjudged:
+            judged = len(measured) - len(unjudged)
+            print(tables.wrap(f"B is not shown worse than A: {judged} call(s) judged not worse; not judged: "
+                              f"{', '.join(unjudged)}"))
         elif not worse:
-            print("B is not worse than A on any call" + (f" judged; not judged: {', '.join(unjudged)}" if unjudged else ""))
+            print("B is not worse than A on any call")
     if declined(rows):
         return NOTHING_JUDGED
     return 1 if worse or wrong else 0

@@ -499,12 +499,12 @@ def _compare(args) -> int:
               "named (simulated exact test, p < 0.05 / quantities)")
     if args.format == "md":
         counts = df["unit"] == history.INSTRUCTIONS
-        text = legend + "\n\n" + tables.markdown(for_people(df[~counts]))
+        text = tables.wrap(legend) + "\n\n" + tables.markdown(for_people(df[~counts]))
         if counts.any():  # never in a table of times
             text += "\n\ninstruction counts (exact):\n\n" + tables.markdown(for_people(df[counts]))
         print(text)
     else:  # data on stdout, nothing else
-        print(legend, file=sys.stderr)
+        print(tables.wrap(legend), file=sys.stderr)
         print(tables.render(df, args.format))
     flips = df[df["verdict"].astype(str).str.endswith("-> FAIL")]
     for _, r in flips.iterrows():

@@ -46,6 +46,7 @@ from testbed.backends.engine.spec import EngineSpec
 from testbed.backends.native.build import ROOT, tree_hash
 from testbed.devices.transport import sha256_file
 from testbed.errors import DeviceError, ToolMissing, UsageError
+from testbed.heartbeat import say
 
 CACHE_DIR = ROOT / ".cache" / "engines"
 INPUTS_FILE = "build-inputs.json"
@@ -199,6 +200,7 @@ def _recorded(folder: Path) -> dict | None:
 def _build(spec: EngineSpec, target: str, argv: list[str], tmp: Path, out: Path | None, inputs: dict) -> Path:
     """Run the build command into `tmp`, then move it to `out` (or, where `out` is None, to a folder named
     by what the build says it read, or by the program's bytes when it says nothing)."""
+    say(f"building engine {spec.name} for {target} ({spec.path.name}: build.command; cached by what it reads)")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -54,6 +55,7 @@ class EngineRunner:
     # the last utterance's requests and responses by path ("chunk", "decode"): what a failing case is
     # localised from and kept as
     last: dict[str, tuple[Request, Response]] = field(default_factory=dict)
+    progress: Callable[[str], None] | None = None  # hears an exporter's progress and heartbeats
 
     @property
     def name(self) -> str:
@@ -71,7 +73,8 @@ class EngineRunner:
         return Expect(c.vocab, c.layers, c.kv_heads, c.head_dim)
 
     def ask(self, request: Request, measured: bool = False) -> Response:
-        response = call(self.device, self.spec, request, self.expect, self.program, measured=measured)
+        response = call(self.device, self.spec, request, self.expect, self.program, measured=measured,
+                        say=self.progress)
         if response.evidence:
             self.evidence.add(response.evidence)
         if response.refused:
@@ -128,8 +131,9 @@ class EngineRunner:
 
     def bench(self, prompt, past: int, chunk: int, reps: int, warmup: int) -> dict:
         """The engine's own times of its calls: the chunk call of C rows and a one-row call, each after
-        `past` positions; with the instructions of each where the engine marks its calls and the device
-        counts."""
+        `past` positions (wall and CPU seconds); with the instructions of each where the engine marks its
+        calls and the device counts; the engine process's peak RSS where the device lets it be read, and
+        an exporter-based engine's export size ({name}_peak_rss, export_bytes: one value each)."""
         times = {}
         for name, rows in (("chunk_call", chunk), ("decode_step", 1)):
             request = self.request(np.asarray(prompt)[:past + rows], past, rows, [past + rows - 1],
@@ -140,6 +144,11 @@ class EngineRunner:
             if not timed:
                 raise ContractBroken(f"engine {self.spec.name}'s timings.json has no call named \"chunk\"")
             times[name] = Figure.of([float(c["wall_s"]) for c in timed], "s")
+            times[f"{name}_cpu"] = Figure.of([float(c["cpu_s"]) for c in timed], "s")
+            if response.peak_rss_bytes is not None:
+                times[f"{name}_peak_rss"] = Figure.of([response.peak_rss_bytes], "bytes")
+            if response.export is not None:
+                times["export_bytes"] = Figure.of([response.export.size_bytes], "bytes")
             if response.counts and response.counts.regions:
                 times[f"{name}_instructions"] = Figure.of(response.counts.of("chunk")[-reps:], "instructions")
         return times
@@ -163,7 +172,7 @@ def backend(w, cfg, run_cfg=None, device: Device | None = None, progress=None) -
                                           weights, group).file_for(spec)
     return EngineRunner(w, cfg, device, spec, build.program_for(spec, target), int(option("threads", 1)),
                         weights, group, count=bool(option("counts", False)), model_file=model_file,
-                        model_format=model_format)
+                        model_format=model_format, progress=progress)
 
 
 # --- testbed ab over two engines (testbed.lab.ab) ------------------------------------------------------

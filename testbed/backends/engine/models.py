@@ -104,11 +104,10 @@ class HybridModel(Model):
     def write(self, fmt: str, spec: EngineSpec) -> Path:
         from testbed.backends.native.hybrid import export_weights
         from testbed.models.gguf_files import gguf_for, gguf_of
+        from testbed.models.hybrid_checkpoints import hf_folder_of
 
         if fmt == "safetensors":
             return export_weights(self.cfg, self.w)
         if fmt == "gguf":
             return gguf_for(self.folder()) if self.folder() else gguf_of(self.cfg, self.w)
-        raise UsageError(f"engine={spec.name} reads the hybrid from a Hugging Face folder ({spec.path}: "
-                         f"supports.model_formats={list(spec.model_formats)}), and testbed writes none of a seeded "
-                         "hybrid; accepted: model.checkpoint=DIR, a Qwen3.5 folder")
+        return hf_folder_of(self.cfg, self.w)  # a seeded hybrid as transformers' Qwen3_5ForCausalLM loads it

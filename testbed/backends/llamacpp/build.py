@@ -62,6 +62,7 @@ from typing import Callable
 
 from testbed.backends.native.build import KERNELS_DIR, ROOT
 from testbed.errors import ToolMissing, UsageError
+from testbed.heartbeat import say
 
 SDIST = ("llama-cpp-python", "0.3.36")
 HERE = Path(__file__).resolve().parent
@@ -103,7 +104,7 @@ class Built:
 # --- the source ------------------------------------------------------------------------------------
 
 
-def sdist_source(cache: Path = CACHE, progress: Callable[[str], None] = print) -> Path:
+def sdist_source(cache: Path = CACHE, progress: Callable[[str], None] = say) -> Path:
     """The llama.cpp tree vendored by the llama-cpp-python sdist, downloaded once by pip."""
     name, version = SDIST
     archive_dir = cache / "sdist"
@@ -137,7 +138,7 @@ def sdist_source(cache: Path = CACHE, progress: Callable[[str], None] = print) -
     return tree
 
 
-def resolve_source(source: str, progress: Callable[[str], None] = print) -> Path:
+def resolve_source(source: str, progress: Callable[[str], None] = say) -> Path:
     """`source`: empty for the sdist's llama.cpp, or the path of a llama.cpp tree."""
     if not source:
         return sdist_source(progress=progress)
@@ -310,7 +311,7 @@ def _host_cpu() -> str:
 
 
 def build(target: str, source: str = "", programs: tuple[str, ...] = ("test-backend-ops", "tb_ggml_gdn"),
-          progress: Callable[[str], None] = print, cache: Path = CACHE) -> Built:
+          progress: Callable[[str], None] = say, cache: Path = CACHE) -> Built:
     """Build (or reuse) `programs` for `target` from `source` (see resolve_source)."""
     unknown = [p for p in programs if p not in PROGRAMS]
     if unknown:

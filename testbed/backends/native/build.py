@@ -35,6 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from testbed.heartbeat import say
+
 # A checkout holds kernels/ beside the package, and its caches go in it (.cache/). An installed wheel
 # carries the kernel sources inside the package (testbed/_shipped/kernels, put there by setup.py) and
 # builds its programs where it is run, as its results go (testbed.PROJECT_ROOT).
@@ -97,8 +99,7 @@ def tree_files(kernels_dir: Path = KERNELS_DIR) -> list[Path]:
         here = Path(folder)
         for name in subfolders + names:
             if (here / name).is_symlink():
-                raise BuildError(f"{here / name} is a symbolic link; accepted: a kernels/ tree of plain files and "
-                                 "folders (a link's bytes would come from outside the tree)")
+                raise LinkInTree(here / name)
         subfolders[:] = sorted(d for d in subfolders if not any(fnmatch.fnmatch(d, p) for p in BUILD_OUTPUTS))
         files += [here / n for n in names if not any(fnmatch.fnmatch(n, p) for p in BUILD_OUTPUTS)]
     return sorted(files, key=lambda f: f.relative_to(kernels_dir).as_posix())
@@ -202,6 +203,15 @@ def library_extension_args() -> list[dict]:
 
 class BuildError(RuntimeError):
     """A toolchain is missing or a compile failed; the message says which and why."""
+
+
+class LinkInTree(BuildError):
+    """A symbolic link in a source tree: its bytes would come from outside the tree (tree_files)."""
+
+    def __init__(self, link: Path):
+        self.link = link
+        super().__init__(f"{link} is a symbolic link; accepted: a kernels/ tree of plain files and folders (a link's "
+                         "bytes would come from outside the tree)")
 
 
 try:  # setup.py loads this file by path, before the package (and its errors) can be imported
@@ -403,6 +413,8 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
         return out
     if shutil.which("make") is None:
         raise ToolMissing("`make` is not installed (Debian: apt-get install make)")
+    say(f"building testbed's programs for {target} ({toolchain}{', for valgrind' if not avx512 else ''}; "
+        "cached by content once built)")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

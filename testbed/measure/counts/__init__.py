@@ -119,7 +119,7 @@ def parse_plugin_output(text: str, expected_regions: int | None = None, names: t
         regions = tuple(int(x) for x in data["regions"])
         total, exact = int(data["total"]), bool(data["exact"])
         unmatched, dropped = int(data["unmatched_markers"]), int(data["regions_dropped"])
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise CountError(f"the counting plugin's output is not what it writes ({e}): {text[:200]!r}") from None
     if unmatched or dropped:
         raise CountError(f"the counting plugin saw {unmatched} unmatched marks and dropped {dropped} regions")
