@@ -1,8 +1,8 @@
 """`testbed ab --min-change`: a change of time is called only beyond the floor the user gives, on both sides.
 
 The judge (testbed.measure.sequential.judge) calls B "slower" when the pairs' median ratio and its whole
-interval lie above 1 + min_change, "faster" when below 1 / (1 + min_change); a change inside the floor stays
-"no change" however certain it is. Shown on pairs whose ratio is known exactly (every pair 3% apart, so the
+interval lie above 1 + min_change, "faster" when below 1 / (1 + min_change); a change inside the floor is "below floor" however certain it
+is. Shown on pairs whose ratio is known exactly (every pair 3% apart, so the
 signed-rank test is sure of it), through the judge and through the user's command: two engines under test
 whose only difference is what their own clock reports for the timed call (a lab's engines: testbed-c
 computing for real, its timings.json then giving the chunk call a fixed time, so every pair's ratio is the
@@ -36,8 +36,8 @@ def floor_problems(judge) -> list[str]:
     """What is wrong with `judge`'s floor: a 3% change called under a 5% floor, or not called under a 2% one."""
     problems = []
     for ratio, beyond in ((1.03, "slower"), (1 / 1.03, "faster")):
-        if (got := verdict(judge, ratio, 0.05)) != "no change":
-            problems.append(f"B/A {ratio:.4f} under --min-change 0.05 is {got!r}, not 'no change'")
+        if (got := verdict(judge, ratio, 0.05)) != sequential.BELOW_FLOOR:
+            problems.append(f"B/A {ratio:.4f} under --min-change 0.05 is {got!r}, not {sequential.BELOW_FLOOR!r}")
         if (got := verdict(judge, ratio, 0.02)) != beyond:
             problems.append(f"B/A {ratio:.4f} under --min-change 0.02 is {got!r}, not {beyond!r}")
     return problems
@@ -92,8 +92,8 @@ def ab_verdict(b: str, min_change: float, results_dir, capsys) -> tuple[int, str
 
 
 # (B, floor): what `testbed ab` must say of B 3% slower or faster: its exit status and CPU-time verdict
-COMMAND = {("slower", 0.05): (0, "no change"), ("slower", 0.02): (1, "slower"),
-           ("faster", 0.05): (0, "no change"), ("faster", 0.02): (0, "faster")}
+COMMAND = {("slower", 0.05): (0, sequential.BELOW_FLOOR), ("slower", 0.02): (1, "slower"),
+           ("faster", 0.05): (0, sequential.BELOW_FLOOR), ("faster", 0.02): (0, "faster")}
 
 
 def command_problems(results_dir, capsys, cases=tuple(COMMAND)) -> list[str]:
