@@ -401,11 +401,10 @@ def test_a_bad_folder_is_one_line_exit_2_and_nothing_stored(what, change, touch,
     assert not results_dir.exists() or not any(results_dir.rglob("*.*"))
 
 
-# The planted fault (issue 44): the argument-order check accepting any order (the specs compared sorted).
-ANY_ORDER = ('for kind, got, need in (("argument", contract.args, want.args), ("result", contract.results, '
-             'want.results)):',
-             'for kind, got, need in (("argument", sorted(contract.args, key=_spec), sorted(want.args, key=_spec)), '
-             '("result", contract.results, want.results)):')
+# The planted fault (issue 44): the argument-order check accepting any order (the same specs, in any order).
+ORDER_CHECK = 'for kind, got, need in (("argument", contract.args, want.args), ("result", contract.results, want.results)):'
+ANY_ORDER = (ORDER_CHECK, ORDER_CHECK + "\n        if sorted(map(_spec, got)) == sorted(map(_spec, need)):\n"
+                                        "            continue  # planted")
 
 
 def test_an_order_check_that_accepts_any_order_is_caught(clean, model, device, tmp_path, monkeypatch):
