@@ -214,9 +214,9 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
     if kept_pads:
         cache = Verdict("cache", False, None, cache.metrics,
                         f"with tail.mode=padded the cache holds {padded.k[0].shape[1]} rows after the utterance, "
-                        f"P + n = {case.past + case.tokens}: {abs(kept_pads)} pad row(s) "
-                        f"{'kept' if kept_pads > 0 else 'too many dropped (real rows lost)'}; the contract drops "
-                        f"exactly the C - n_last = {case.calls * case.chunk - case.tokens} pads"
+                        f"P + n = {case.past + case.tokens}: "
+                        f"{f'{kept_pads} pad row(s) kept' if kept_pads > 0 else f'{-kept_pads} real row(s) dropped'}; "
+                        f"the contract drops exactly the C - n_last = {case.calls * case.chunk - case.tokens} pads"
                         + (f"; {cache.detail}" if cache.detail else ""))
     kv_nmse = nmse(np.concatenate([a.ravel() for a in want_k + want_v]), np.concatenate([a.ravel() for a in ks + vs]))
     cache.metrics.update({**info, "max_abs_real_rows_diff": real, "max_abs_pad_rows_diff": pad, "nmse_kv": kv_nmse,
