@@ -134,8 +134,8 @@ def mutant_one_program(target: str, file: str, find: str, replace: str, program:
         shutil.copytree(kernel_build.KERNELS_DIR, copy)
         (copy / file).write_text(text.replace(find, replace))
         variant = "" if avx512 else " avx512=0"
-        digest = hashlib.sha256(f"{target} {program} {sources}{variant}".encode() + kernel_build.tree_hash(copy).encode()
-                                ).hexdigest()[:16]
+        key = f"{target} {program} {sources}{variant} {kernel_build.tree_hash(copy)}"
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         out = MUTANTS_DIR / f"{target}-{program}-{digest}"
         if not (out / program).is_file():
             work = out.with_name(out.name + f".tmp{os.getpid()}")

@@ -125,7 +125,7 @@ def test_a_state_that_lost_rows_of_a_global_cache_fails_the_continuation(lab, re
     outcome = run(["backend=engine", "engine=state-cut", *GLOBAL_LAYER], experiment="tail")
     df = outcome.frame()
     content = df[df["oracle"] == "state_continuation"]
-    assert len(content) == 5 and (content["verdict"] == "fail").all(), content[["case", "verdict", "detail"]].to_string()
+    assert len(content) == 5 and (content["verdict"] == "fail").all(), content[["verdict", "detail"]].to_string()
     assert "pass" not in set(df.loc[df["oracle"] == "state_bytes", "verdict"])
     assert outcome.tally.exit_status() == 1
     honest = run(["backend=engine", "engine=testbed-c", *GLOBAL_LAYER], experiment="tail").frame()

@@ -402,7 +402,8 @@ def test_a_bad_folder_is_one_line_exit_2_and_nothing_stored(what, change, touch,
 
 
 # The planted fault (issue 44): the argument-order check accepting any order (the same specs, in any order).
-ORDER_CHECK = 'for kind, got, need in (("argument", contract.args, want.args), ("result", contract.results, want.results)):'
+ORDER_CHECK = ('for kind, got, need in (("argument", contract.args, want.args), ("result", contract.results, '
+               'want.results)):')
 ANY_ORDER = (ORDER_CHECK, ORDER_CHECK + "\n        if sorted(map(_spec, got)) == sorted(map(_spec, need)):\n"
                                         "            continue  # planted")
 

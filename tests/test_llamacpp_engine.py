@@ -349,7 +349,8 @@ def several_rows_problems(model: Model, device, program: Path) -> list[str]:
     assert response.returncode == 0 and response.status["status"] == "ok", response
     cfg, w = checkpoints.load_checkpoint(model.gguf)
     problems = []
-    for row, theirs, want in zip(ROWS_OF_ONE_CALL, response.logits, gemma.redecode_at(w, cfg, tokens, ROWS_OF_ONE_CALL)):
+    want_rows = gemma.redecode_at(w, cfg, tokens, ROWS_OF_ONE_CALL)
+    for row, theirs, want in zip(ROWS_OF_ONE_CALL, response.logits, want_rows):
         if int(np.argmax(theirs)) != int(np.argmax(want)) or not nmse(want[None], theirs[None]) < LLAMACPP_TOLERANCE:
             problems.append(f"row {row}: token {np.argmax(theirs)} (refimpl {np.argmax(want)}), NMSE "
                             f"{nmse(want[None], theirs[None]):.3g}")
@@ -519,9 +520,10 @@ def test_the_hybrid_through_the_adapter_passes_and_an_adapter_splitting_its_call
     honest = subprocess.run([sys.executable, "-m", "testbed", "run", "hybrid", "backend=llamacpp", *HYBRID_SMALL],
                             capture_output=True, text=True, env=env)
     assert honest.returncode == 0, honest.stdout[-3000:] + honest.stderr[-3000:]
+    lab = planted_lab(tmp_path, "tb_llama_engine_plant_half_ubatch")
     planted = subprocess.run([sys.executable, "-m", "testbed", "run", "hybrid", "backend=engine",
                               "engine=llamacpp-planted", *HYBRID_SMALL], capture_output=True, text=True,
-                             env={**env, "TESTBED_LAB": str(planted_lab(tmp_path, "tb_llama_engine_plant_half_ubatch"))})
+                             env={**env, "TESTBED_LAB": str(lab)})
     assert planted.returncode == 4 and "GGML_ASSERT" in planted.stderr, planted.stdout[-3000:] + planted.stderr[-3000:]
 
 

@@ -1,13 +1,14 @@
 """`testbed ab --min-change`: a change of time is called only beyond the floor the user gives, on both sides.
 
 The judge (testbed.measure.sequential.judge) calls B "slower" when the pairs' median ratio and its whole
-interval lie above 1 + min_change, "faster" when below 1 / (1 + min_change); a change inside the floor is "below floor" however certain it
-is. Shown on pairs whose ratio is known exactly (every pair 3% apart, so the
+interval lie above 1 + min_change, "faster" when below 1 / (1 + min_change); a change inside the floor is
+"below floor" however certain it is. Shown on pairs whose ratio is known exactly (every pair 3% apart, so the
 signed-rank test is sure of it), through the judge and through the user's command: two engines under test
 whose only difference is what their own clock reports for the timed call (a lab's engines: testbed-c
 computing for real, its timings.json then giving the chunk call a fixed time, so every pair's ratio is the
 same; a real machine's noise could not pin a ratio inside the floor run after run). Planted (issue 44): the
-floor ignored on the slower side, and on the faster side; each turns a 3% change under a 5% floor into a verdict.
+floor ignored on the slower side, and on the faster side; each turns a 3% change under a 5% floor into a
+verdict.
 """
 
 from __future__ import annotations

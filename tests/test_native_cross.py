@@ -125,7 +125,8 @@ def test_fused_arm_builds_are_judged_by_tolerance(target, host_gdn, references):
 def test_attention_under_qemu(programs, case):
     q, k, v, mask, scale = attention_inputs(*case)
     want = {"out": gemma.attention(*(a.astype(np.float64) for a in (q, k, v, mask)), scale)}
-    outs = {t: {"out": native_programs.attention(programs[t], t, q, k, v, mask, scale)[0]} for t in ("host", *ARM_TARGETS)}
+    outs = {t: {"out": native_programs.attention(programs[t], t, q, k, v, mask, scale)[0]}
+            for t in ("host", *ARM_TARGETS)}
     for t, got in outs.items():
         assert check_nmse(want, got).passed, t
         assert check_bitexact(outs["host"], got).passed, t
