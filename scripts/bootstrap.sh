@@ -16,6 +16,8 @@
 #                                 reports home, only with `pip install 'testbed[mnn]'`), and
 #                                 iproute2 (scripts/offline.sh brings up loopback in the tests' own
 #                                 network namespace)
+# Where another apt-get holds the package lock (a shared machine), each apt-get waits its turn
+# (scripts/wait-for-dpkg-lock.sh: a line naming the holder, then one at least every 30 s).
 set -eu
 cd "$(dirname "$0")/.."
 
@@ -40,8 +42,13 @@ if [ -n "$missing" ]; then
     exit 1
   fi
   echo "bootstrap: installing Debian packages:$missing" >&2
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  # On a shared machine another apt-get may hold the package lock: wait for it, saying so (apt-get alone
+  # would exit 100); the lock timeout covers the instant between that wait and apt-get taking the lock.
+  scripts/wait-for-dpkg-lock.sh
+  apt-get -o DPkg::Lock::Timeout=600 update -qq
+  scripts/wait-for-dpkg-lock.sh
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends \
+    $missing >/dev/null
 fi
 
 # Into the Python on PATH: an active virtualenv's, else this machine's. pip is quiet for minutes

@@ -48,6 +48,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from testbed.errors import UsageError
+from testbed.report.tables import printable
 
 HEARTBEAT_ENV = "TESTBED_HEARTBEAT_S"
 HEARTBEAT_S = 25.0
@@ -243,6 +244,7 @@ class ProgressLine:
 
     def _write(self, text: str, now: float, lasting: bool = False) -> None:
         """One line of at most LINE_WIDTH columns (the records and the summary keep what is cut)."""
+        text = printable(text)  # a case's name, a build tool's or an engine's line: never a control sequence
         line = text if self.tty else f"[{now - self.began:.0f} s] {text}"
         line = line if len(line) <= LINE_WIDTH else line[:LINE_WIDTH - 3] + "..."
         self.stream.write(("\r\033[K" + line + ("\n" if lasting else "")) if self.tty else line + "\n")

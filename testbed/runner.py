@@ -94,6 +94,10 @@ def check(rc: RunConfig):
         backends.refuse_mismatch(backend, rc.device, rc.cfg.device.get("capabilities"))
     if backend == "native":
         check_native_tools(profile, counted=bool(rc.cfg.get("counts")))
+    if backend == "engine" and rc.cfg.get("engine"):  # built for this device, its prebuilt program there
+        from testbed.backends.engine import build as engine_build, spec as engine_spec
+
+        engine_build.check_device(engine_spec.load(rc.cfg.engine), profile)
     if hasattr(module, "validate"):
         module.validate(rc.cfg)
     return module, profile

@@ -357,14 +357,17 @@ def test_an_engine_without_a_cache_is_judged_by_its_logits_and_its_cache_is_not_
 
 
 def declining_engine(lab: Path, name: str, supports: str, abis: str = "[host]") -> None:
-    """A lab's engine whose yaml declines what the case asks: testbed never builds nor runs it (its prebuilt
-    program does not even exist), since its yaml alone says no."""
+    """A lab's engine whose yaml declines what the case asks: testbed never runs it (its prebuilt program
+    fails loudly if it ever does), since its yaml alone says no."""
     (lab / "engines").mkdir(parents=True, exist_ok=True)
+    program = lab / "never-run"
+    program.write_text("#!/bin/sh\necho this engine must never run >&2\nexit 99\n")
+    program.chmod(0o755)
     (lab / "engines" / f"{name}.yaml").write_text(textwrap.dedent(f"""\
         name: {name}
         contract: 1
-        build: {{prebuilt: {{host: ../never-built}}}}
-        program: never-built
+        build: {{prebuilt: {{host: ../never-run}}}}
+        program: never-run
         abis: {abis}
         supports: {supports}
         invoke: ["{{program}}", "{{request}}", "{{response}}"]

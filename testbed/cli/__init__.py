@@ -60,7 +60,7 @@ def _summary(outcome: runner.Outcome, module) -> str:
         f"oracles {tally.phrase()}, {len(df) - len(oracles)} measurements; run {outcome.info.run_id} stored"
     )
     for _, r in oracles[oracles["verdict"] != verdicts.PASS].iterrows() if len(oracles) else []:
-        lines.append(f"{verdicts.LABEL.get(r['verdict'], 'ERROR')} {r['case']}: {r['detail']}")
+        lines.append(tables.printable(f"{verdicts.LABEL.get(r['verdict'], 'ERROR')} {r['case']}: {r['detail']}"))
     if tally.exit_status() == verdicts.NOTHING_JUDGED:
         lines.append(f"NOTHING JUDGED: every verdict is not supported or not judged; nothing passed and nothing "
                      f"failed (exit {verdicts.NOTHING_JUDGED})")
@@ -231,7 +231,7 @@ def cmd_ingest(args) -> int:
     store.append([info.mark("started"), *rows, info.mark("ended", "complete")])  # one batch: whole or nothing
     for r in rows:
         if r["case"].endswith("/tally"):
-            print(f"{r['case']}: {r['metrics']['tally']} ({r['verdict']}) {r['detail']}".rstrip())
+            print(tables.printable(f"{r['case']}: {r['metrics']['tally']} ({r['verdict']}) {r['detail']}".rstrip()))
     print(f"{len(rows)} records from {args.file} stored for {rc.experiment} on {rc.device}")
     return verdicts.Tally.of_records(rows).exit_status()
 
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except tuple(SAYS) as e:  # one line each, its own status
         kind = next(k for k in SAYS if isinstance(e, k))
-        print(f"testbed: {SAYS[kind].format(e)}", file=sys.stderr)
+        print(tables.printable(f"testbed: {SAYS[kind].format(e)}"), file=sys.stderr)  # it may quote a device
         return e.exit_status
     except (KeyboardInterrupt, runner.Interrupted) as e:
         signum = e.signum if isinstance(e, runner.Interrupted) else 2

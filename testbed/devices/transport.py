@@ -11,9 +11,10 @@ NUL byte, which no command line can carry, is refused before anything is sent.
 Remote devices (ADB, SSH) share the same discipline:
   run       `cd WORK && timeout -s KILL T argv...`: the device kills a hung command itself; if the
             device stops answering, the host gives up at T plus a grace period, drops the
-            connection (which kills the command's process group on the device) and raises
-            CommandTimeout. A run is never retried: it may have had effects, and a benchmark run
-            twice is a different measurement.
+            connection and raises CommandTimeout. A command whose connection closes (the host gave
+            up, stopped or died) is killed on the device with all it started (ADB: adbd ends the
+            stream's processes; SSH: a watcher beside the command, ssh.WATCHED). A run is never
+            retried: it may have had effects, and a benchmark run twice is a different measurement.
   push      send, then check size and sha256 on the device; a mismatch or a lost connection is
             retried (a push is idempotent); a device that refuses (full, read-only) is not.
   pull      sha256 on the device first, then receive into a temporary file, check, rename: a

@@ -72,7 +72,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from testbed import PROJECT_ROOT, config, experiments, runner
+from testbed import PROJECT_ROOT, children, config, experiments, runner
 from testbed.backends import EvidenceLog
 from testbed.backends.llamacpp import build as llamacpp_build
 from testbed.backends.llamacpp import trees as llamacpp_trees
@@ -105,7 +105,7 @@ class Tree:
 
 
 def _git(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(PROJECT_ROOT), *args], capture_output=True, text=True)
+    return children.run(["git", "-C", str(PROJECT_ROOT), *args], capture_output=True, text=True)
 
 
 def resolve_tree(spec: str) -> Tree:
@@ -139,8 +139,8 @@ def resolve_tree(spec: str) -> Tree:
 def _extract(sha: str, out: Path) -> None:
     """kernels/ of commit `sha` into `out`, whole or not at all."""
     def fill(tmp: Path) -> None:
-        archive = subprocess.run(["git", "-C", str(PROJECT_ROOT), "archive", "--format=tar", sha, "kernels"],
-                                 capture_output=True)
+        archive = children.run(["git", "-C", str(PROJECT_ROOT), "archive", "--format=tar", sha, "kernels"],
+                               capture_output=True)
         if archive.returncode != 0:
             raise UsageError(f"git archive of {sha[:12]} failed: {archive.stderr.decode(errors='replace').strip()}")
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
@@ -608,6 +608,11 @@ def command(args) -> int:
             raise UsageError("--repo names a llama.cpp checkout for backend=llamacpp; engine:NAME sides are built "
                              "as their yaml says")
         rc = config.load([*args.overrides, "backend=engine", f"engine={sides[1][1].name}"], experiment="gdn")
+        from testbed.backends.engine import build as engine_build
+        from testbed.devices import load_profile
+
+        for spec in sides[1]:  # A's too: both are refused before the run starts
+            engine_build.check_device(spec, load_profile(rc.device))
         return _report(args, rc, module, opts, sides[0], ContractEngines(sides[1]))
     named = next((o.lstrip("+").split("=", 1)[1] for o in args.overrides if o.lstrip("+").startswith("backend=")), None)
     if named is not None and named not in BACKENDS:
@@ -658,12 +663,12 @@ def _report(args, rc, module, opts, trees, engine) -> int:
             print(f"oracles on {side} ({tree.spec}): {Tally.of_records(side_rows).phrase()}")
             for r in side_rows:  # a refusal is said, never counted against the tree
                 if r["verdict"] in UNJUDGED:
-                    print(f"{LABEL[r['verdict']]} {side} ({tree.spec}) {r['case'].removeprefix(f'ab/{side}/')}: "
-                          f"{r['detail']}")
+                    print(tables.printable(f"{LABEL[r['verdict']]} {side} ({tree.spec}) "
+                                           f"{r['case'].removeprefix(f'ab/{side}/')}: {r['detail']}"))
     for r in wrong[:MAX_NAMED]:  # a run's own error record (no side) is named by its case alone
         side, tree = r["params"].get("ab_side"), r["params"].get("tree")
         where = f"{side} ({tree}) {r['case'].removeprefix(f'ab/{side}/')}" if side else r["case"]
-        print(f"FAILED {where}: {r['verdict']}: {r['detail']}")
+        print(tables.printable(f"FAILED {where}: {r['verdict']}: {r['detail']}"))
     if len(wrong) > MAX_NAMED:
         print(f"... and {len(wrong) - MAX_NAMED} more oracle records that failed (testbed records)")
     if args.format == "md":

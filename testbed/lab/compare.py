@@ -508,8 +508,8 @@ def _compare(args) -> int:
         print(tables.render(df, args.format))
     flips = df[df["verdict"].astype(str).str.endswith("-> FAIL")]
     for _, r in flips.iterrows():
-        print(f"{r['verdict']}: {r['experiment']} on {r['device']} ({r['backend']}) {r['case']} {r['quantity']}: "
-              f"{r['a_verdict']} in A, {r['b_verdict']} in B", file=sys.stderr)
+        print(tables.printable(f"{r['verdict']}: {r['experiment']} on {r['device']} ({r['backend']}) {r['case']} "
+                               f"{r['quantity']}: {r['a_verdict']} in A, {r['b_verdict']} in B"), file=sys.stderr)
     return 1 if len(flips) or df["verdict"].isin(["slower", "more instructions"]).any() else 0
 
 

@@ -53,6 +53,7 @@ from testbed.heartbeat import heartbeat, time_left
 from testbed.measure import history
 from testbed.measure.timing import cpu_seconds
 from testbed.report import build as report
+from testbed.report.tables import printable
 from testbed.results import Record, ResultsStore
 from testbed.verdicts import FAILING, LABEL, NOTHING_JUDGED, UNJUDGED, Tally
 
@@ -179,7 +180,7 @@ class Log:
 
     def __call__(self, device: str, message: str) -> None:
         with self.lock:
-            print(f"[{device}] {message}", file=self.stream, flush=True)
+            print(printable(f"[{device}] {message}"), file=self.stream, flush=True)
 
 
 def job_label(rc: RunConfig) -> str:
@@ -447,4 +448,4 @@ def summary(suite: Suite, night: str, results: list[DeviceNight], flags: list[hi
                3: "a device was unreachable or busy",
                NOTHING_JUDGED: "nothing judged: every verdict not supported or not judged"}
     lines.append(f"exit {status}: {meaning[status]}")
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))  # reasons and names from engines, devices and files

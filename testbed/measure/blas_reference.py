@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from testbed import children
 
 SPIN_LIMIT = 1.2  # CPU time per call at N threads over the 1-thread CPU time above which the reference spins
 OWN_GEMM = "own_gemm"  # the label of the project's own product where it is the only reference (a device)
@@ -118,8 +119,8 @@ class ReferenceProcess:
         self.environ = reference_environment(environ)
         self.removed = {k: environ[k] for k in KERNEL_VARIABLES if k in environ and
                         self.environ.get(k) != environ[k]}
-        self._proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("blas_worker.py"))],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.environ)
+        self._proc = children.start([sys.executable, str(Path(__file__).with_name("blas_worker.py"))],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.environ)
         self._lock = threading.Lock()
         self._keys = itertools.count()
 
@@ -144,7 +145,11 @@ class ReferenceProcess:
     def close(self) -> None:
         if self._proc.poll() is None:
             self._proc.stdin.close()
-            self._proc.wait(timeout=30)
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        children.end(self._proc)
 
 
 _process: ReferenceProcess | None = None

@@ -55,7 +55,7 @@ from testbed.experiments import chunk_prefill
 from testbed.experiments.chunk_prefill import ChunkMeasures
 from testbed.measure import breakeven, decisions, emulation, history, seed
 from testbed.report import implementations, plots, tables
-from testbed.report.tables import number as format_number
+from testbed.report.tables import number as format_number, printable
 from testbed.verdicts import FAILING, NOTHING_JUDGED, PASS, UNJUDGED, Tally
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -1070,10 +1070,10 @@ def tool_versions() -> dict[str, str]:
 
 def markdown_text(value) -> str:
     """A value as inert Markdown text: no HTML (Markdown passes HTML through), no links, no table
-    breaks, one line."""
-    text = str(value)
+    breaks, one line, no control characters (tables.printable)."""
+    text = printable(str(value).replace("\r", " ").replace("\n", " "))
     for raw, safe in (("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ("\\", "\\\\"), ("|", "\\|"), ("[", "\\["),
-                      ("]", "\\]"), ("`", "\\`"), ("\r", " "), ("\n", " ")):
+                      ("]", "\\]"), ("`", "\\`")):
         text = text.replace(raw, safe)
     return text
 

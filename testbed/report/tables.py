@@ -22,6 +22,7 @@ import json
 import math
 import re
 import textwrap
+import unicodedata
 
 import numpy as np
 import pandas as pd
@@ -85,6 +86,25 @@ def number(v: float) -> str:
     if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6):
         return f"{v:.3g}"
     return f"{v:.4g}" if abs(v) < 100 else f"{v:.1f}"
+# Unicode's categories of what is not text to show but acts on the display: controls (Cc: ESC begins
+# an ANSI sequence, CR and BS rewrite a line, C1's 0x9b is ESC [ to many terminals), format characters
+# (Cf: a right-to-left override reorders what follows, zero-width ones hide), surrogates (Cs: bytes
+# that were not UTF-8) and the line and paragraph separators (Zl, Zp).
+NOT_SHOWN = ("Cc", "Cf", "Cs", "Zl", "Zp")
+
+
+def printable(text) -> str:
+    """`text` with every character that acts on a display shown as its escape (ESC as \\x1b, a newline
+    as \\n, U+202E as \\u202e): what an engine, a device or a file says (a refusal's reason, a
+    program's output, a name) put on one terminal line or into one Markdown cell, where it can neither
+    move the cursor, recolour, hide text nor break the line. The one escape every such output uses (the
+    Markdown tables here, the report's Markdown, testbed's terminal lines); HTML is the report
+    templates' to escape."""
+    text = str(text)
+    if text.isprintable():  # the usual case, checked in C
+        return text
+    return "".join(c if unicodedata.category(c) not in NOT_SHOWN else
+                   c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in text)
 
 
 def _cell(v) -> str:
@@ -92,7 +112,7 @@ def _cell(v) -> str:
         return ""
     if isinstance(v, (float, np.floating)):
         return number(v)
-    return str(v)
+    return printable(v)
 
 
 def whole_numbers(df: pd.DataFrame) -> pd.DataFrame:
@@ -132,7 +152,7 @@ def markdown(df: pd.DataFrame) -> str:
     df = for_people(df)
     if df.empty:
         return "(no rows)"
-    cols = [str(c) for c in df.columns]
+    cols = [printable(c) for c in df.columns]
     body = [[_cell(v) for v in row] for row in df.itertuples(index=False)]
     widths = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(cols)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
@@ -140,7 +160,7 @@ def markdown(df: pd.DataFrame) -> str:
 
 
 def breakeven_line(breakeven: dict) -> str:
-    return f"breakeven ({breakeven['source']}): {breakeven['says']}"
+    return printable(f"breakeven ({breakeven['source']}): {breakeven['says']}")
 
 
 def choice_line(choice: dict) -> str:

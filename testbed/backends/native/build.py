@@ -258,8 +258,10 @@ def zig_env(env: dict | None = None) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _first_line(*argv: str) -> str:
+    from testbed import children  # here: setup.py loads this file before the package
+
     try:
-        p = subprocess.run(list(argv), capture_output=True, text=True, timeout=60)
+        p = children.run(list(argv), capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return (p.stdout or p.stderr).strip().splitlines()[0] if p.returncode == 0 and (p.stdout or p.stderr).strip() else ""
@@ -422,7 +424,13 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
             f"TOOLCHAIN={toolchain}", f"SOURCE_HASH={source_hash(kernels_dir)}", f"FUSED={int(fused)}",
             *([] if avx512 else ["AVX512=0"]),
             *([f"ZIG={zig_binary()}", f"HEXAGON_CORE={HEXAGON_CORE}"] if toolchain == "zig" else []), "programs"]
-    p = subprocess.run(argv, capture_output=True, text=True, env=zig_env() if toolchain == "zig" else None)
+    from testbed import children  # a child of testbed's: a stop or testbed's end ends the build too
+
+    try:
+        p = children.run(argv, capture_output=True, text=True, env=zig_env() if toolchain == "zig" else None)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if p.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         lines = (p.stderr or p.stdout).strip().splitlines()
@@ -449,7 +457,9 @@ def compile_library(kernels_dir: Path, out: Path, optimize: str = "-O2") -> Path
     flags = [f for f in LIBRARY_CFLAGS if not f.startswith("-O")] + [optimize] + host_vector_flags()
     argv = ["cc", *flags, "-shared", "-fPIC", "-pthread", f"-I{kernels_dir}",
             f'-DTB_SOURCE_HASH="{source_hash(kernels_dir)}"', "-o", str(out), *sources, "-lm"]
-    p = subprocess.run(argv, capture_output=True, text=True)
+    from testbed import children
+
+    p = children.run(argv, capture_output=True, text=True)
     if p.returncode != 0:
         raise BuildError(f"compiling {kernels_dir} failed: {p.stderr.strip().splitlines()[-1:]}")
     return out
