@@ -228,7 +228,7 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple, opts: Options, engi
     both sides' counts, the verdicts. `engine` builds the sides, runs the calls and holds the oracles:
     NativeEngine (the default), LlamacppEngine, or ContractEngines (`engine:A engine:B`: two engines
     under test, or two builds of one, serving the calls through engine contract v1)."""
-    engine = engine or NativeEngine()
+    engine = engine or NativeEngine(bool(cfg.get("fused", False)))  # the build the experiment's fused asks for
     device = ctx.device
     emulated = device.profile.has("emulated")
     # On a device that does not count by itself, valgrind counts: asked for (counts=true: it must be
@@ -379,11 +379,15 @@ class BuildFailed(DeviceError):
 
 
 class NativeEngine:
-    """backend=native: each tree's kernels/ programs (testbed.backends.native.build); no oracles (the
-    measured calls' outputs are compared, `same_output`)."""
+    """backend=native: each tree's kernels/ programs (testbed.backends.native.build), the unfused build or
+    (the experiment's fused=true) the FMA one; no oracles (the measured calls' outputs are compared,
+    `same_output`)."""
 
     valgrind_counts = True  # its calls can be counted under valgrind on a host that does not count itself
     uncounted = "not counted"
+
+    def __init__(self, fused: bool = False):
+        self.fused = fused
 
     def calls(self, module, cfg) -> list[Call]:
         return module.ab_calls(cfg)
@@ -397,7 +401,8 @@ class NativeEngine:
 
     def build(self, side: str, tree: Tree, device, progress, for_valgrind: bool = False) -> Path:
         try:  # valgrind cannot run AVX-512: its runs use the build without it
-            return build_programs(self.target(device), kernels_dir=tree.kernels_dir, avx512=not for_valgrind)
+            return build_programs(self.target(device), fused=self.fused, kernels_dir=tree.kernels_dir,
+                                  avx512=not for_valgrind)
         except BuildError as e:
             raise BuildFailed(f"{side} ({tree.spec}): {e}") from None
 
@@ -635,7 +640,7 @@ def command(args) -> int:
         if args.repo is not None:
             raise UsageError("--repo names a llama.cpp checkout for backend=llamacpp; backend=native takes "
                              "revisions of this checkout")
-        trees, engine = (resolve_tree(args.a), resolve_tree(args.b)), NativeEngine()
+        trees, engine = (resolve_tree(args.a), resolve_tree(args.b)), None  # measure's NativeEngine
     return _report(args, rc, module, opts, trees, engine)
 
 

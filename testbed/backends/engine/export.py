@@ -31,7 +31,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from testbed import children
 from testbed.backends.engine.spec import EngineSpec
 from testbed.backends.native.build import ROOT, tree_files
 from testbed.devices.transport import sha256_file
@@ -180,22 +180,16 @@ def _run(spec: EngineSpec, argv: list[str], log: Path, say: Callable[[str], None
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     began = time.monotonic()
     with open(log, "wb") as sink, heartbeat(f"exporting {spec.name}", say):
-        try:
-            p = subprocess.Popen(argv, cwd=spec.source, stdout=sink, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True, stdin=subprocess.DEVNULL)
+        try:  # a child of testbed's (testbed.children): a timeout, a stop or testbed's end ends it and all it started
+            code = children.run(argv, cwd=spec.source, stdout=sink, stderr=subprocess.STDOUT, env=env,
+                                timeout=spec.export.timeout_s).returncode
         except FileNotFoundError:
             raise ToolMissing(f"engine={spec.name}: its exporter's tool {argv[0]!r} is not installed "
                               f"({spec.path}: export.command)") from None
-        try:
-            code = p.wait(timeout=spec.export.timeout_s)
-        except BaseException as e:  # a timeout, or testbed stopped by a signal: the exporter stops too
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            if isinstance(e, subprocess.TimeoutExpired):
-                raise ExportFailed(f"engine={spec.name}: the exporter did not finish within export.timeout_s="
-                                   f"{spec.export.timeout_s:g} ({spec.path}); killed, its output in "
-                                   f"{_final_log(log)}") from None
-            raise
+        except subprocess.TimeoutExpired:
+            raise ExportFailed(f"engine={spec.name}: the exporter did not finish within export.timeout_s="
+                               f"{spec.export.timeout_s:g} ({spec.path}); killed, its output in "
+                               f"{_final_log(log)}") from None
     if code != 0:
         text = log.read_text(errors="replace")
         if code == 3:  # the exporter's own word for a missing tool, as testbed's builders say it

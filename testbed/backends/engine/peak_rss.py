@@ -16,9 +16,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
+from testbed import children
 from testbed.backends.native.build import ROOT
 from testbed.devices import Device
 
@@ -44,7 +44,7 @@ def build(target: str) -> Path | str:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{PROGRAM}.tmp{os.getpid()}")
-    p = subprocess.run([*compiler, "-std=c99", "-O2", "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+    p = children.run([*compiler, "-std=c99", "-O2", "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
     if p.returncode != 0:
         tmp.unlink(missing_ok=True)
         return f"not read: tb_peak_rss did not build for {target}: {(p.stderr or p.stdout).strip().splitlines()[:1]}"
