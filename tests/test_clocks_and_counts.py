@@ -4,8 +4,8 @@ Clocks. A copy of kernels/ whose clock (kernels/bench/harness.c now_seconds) idl
 it reads the time: every timed region then holds IDLE of wall time its CPU time does not, whatever else the
 machine does. testbed-c built from that copy (a lab's engine) and its tb_gdn_bench: every figure, ratio and
 piece of evidence read from the wall clock must exceed its CPU twin by the idle; one read from the CPU clock,
-or a wall figure filled from it, cannot. Checked through chunk_prefill's and tail's bench, `testbed ab` of
-two engines, and gdn's bench on the native program.
+or a wall figure filled from it, cannot. Checked through chunk_prefill's bench (time and cpu_time) and tail's
+(ttft and ttft_cpu), `testbed ab` of two engines, and gdn's bench on the native program.
 
 Counts. testbed-c on qemu-aarch64 (which counts every instruction of a run) marks each call (tb_engine.h):
 chunk_prefill's bench keeps each timed call's instructions, its evidence says "per call".
@@ -84,6 +84,8 @@ def engine_clock_problems() -> list[str]:
     calls = [r for r in rows if r["kind"] == "measure" and r["case"].endswith(("chunk_call", "decode_step"))]
     problems += [f"{r['case']}: time {samples(r, 'time')} is not wall time holding the idle" for r in calls
                  if not (samples(r, "time") >= 0.9 * IDLE).all()]
+    problems += [f"{r['case']}: no cpu_time beside its time" for r in calls if "cpu_time" not in r["figures"]] or \
+        wall_over_cpu(calls, "time", "cpu_time")
     for e in calls[0]["evidence"]:
         d = e["detail"]
         if not e["device_seconds"] >= d["cpu_seconds"] + 0.9 * IDLE * d["timed_calls"]:
