@@ -493,8 +493,8 @@ def test_the_schemas_request_and_timings_are_what_testbed_sends_and_testbed_c_wr
     schema = engine_spec.schema()
     seen = []
 
-    def recording(device, spec, request, expect, program, measured=False):
-        response = engine_runner.call(device, spec, request, expect, program, measured)
+    def recording(device, spec, request, expect, program, measured=False, say=None):
+        response = engine_runner.call(device, spec, request, expect, program, measured, say)
         seen.append((json.loads(json.dumps(request.as_json())), response.timings))
         return response
 
