@@ -106,12 +106,23 @@ def cache_missing_chunkwise(reads: int) -> Path:
 # The hybrid engine program needs only these of the library's sources (GDN, the matrix product; no
 # Gemma engine, attention or sliding cache): a planted bug in them rebuilds this one program alone.
 HYBRID_SOURCES = "gdn.c tb_parallel.c hybrid.c gemm.c gemm_avx2.c gemm_avx512.c"
+# The Gemma-like model engine program's (tb_model_bench): no GDN, no hybrid.
+MODEL_SOURCES = "attention.c sliding_cache.c tb_parallel.c model.c model_cache.c model_prefill.c gemm.c gemm_avx2.c " \
+                "gemm_avx512.c"
 
 
 def mutant_hybrid_program(target: str, file: str, find: str, replace: str) -> Path:
-    """tb_hybrid_bench for `target` built by kernels/Makefile (its compilers and flags) from a copy of
-    kernels/ with `find` replaced by `replace` in kernels/FILE (exactly once), cached by content hash
-    under .cache/kernels/mutants/."""
+    """tb_hybrid_bench for `target` from a copy of kernels/ with one planted edit (mutant_one_program)."""
+    return mutant_one_program(target, file, find, replace, "tb_hybrid_bench", HYBRID_SOURCES)
+
+
+def mutant_one_program(target: str, file: str, find: str, replace: str, program: str, sources: str,
+                       avx512: bool = True) -> Path:
+    """One program (kernels/bench/PROGRAM.c linked with the library's `sources` only) for `target`, built by
+    kernels/Makefile (its compilers and flags; avx512=False: the host build without AVX-512, whose vector code
+    is the 8-lane path ARM's NEON runs too) from a copy of kernels/ with `find` replaced by `replace` in
+    kernels/FILE (exactly once), cached by content hash under .cache/kernels/mutants/: a planted bug costs one
+    program's compile, not every program's."""
     import hashlib
     import os
     import subprocess
@@ -122,21 +133,22 @@ def mutant_hybrid_program(target: str, file: str, find: str, replace: str) -> Pa
         copy = Path(tmp) / "kernels"
         shutil.copytree(kernel_build.KERNELS_DIR, copy)
         (copy / file).write_text(text.replace(find, replace))
-        digest = hashlib.sha256(f"{target} hybrid-only".encode() + kernel_build.source_hash(copy).encode()
-                                + (copy / "bench" / "tb_hybrid_bench.c").read_bytes()).hexdigest()[:16]
-        out = MUTANTS_DIR / f"{target}-hybrid-{digest}"
-        if not (out / "tb_hybrid_bench").is_file():
+        variant = "" if avx512 else " avx512=0"
+        key = f"{target} {program} {sources}{variant} {kernel_build.tree_hash(copy)}"
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        out = MUTANTS_DIR / f"{target}-{program}-{digest}"
+        if not (out / program).is_file():
             work = out.with_name(out.name + f".tmp{os.getpid()}")
             shutil.rmtree(work, ignore_errors=True)
             work.mkdir(parents=True)
             p = subprocess.run(["make", "-s", f"-j{os.cpu_count() or 1}", "-C", str(copy), f"TARGET={target}",
                                 f"OUT={work}", f"SOURCE_HASH={kernel_build.source_hash(copy)}", "FUSED=0",
-                                f"LIB_SRC={HYBRID_SOURCES}", "PROGRAMS=tb_hybrid_bench", "programs"],
-                               capture_output=True, text=True)
-            assert p.returncode == 0, f"building the planted {target} program failed: {p.stderr[-500:]}"
+                                *([] if avx512 else ["AVX512=0"]), f"LIB_SRC={sources}", f"PROGRAMS={program}",
+                                "programs"], capture_output=True, text=True)
+            assert p.returncode == 0, f"building the planted {target} {program} failed: {p.stderr[-500:]}"
             shutil.rmtree(work / "obj")
             try:
                 work.rename(out)
             except OSError:  # built by another process meanwhile
                 shutil.rmtree(work, ignore_errors=True)
-    return out / "tb_hybrid_bench"
+    return out / program

@@ -47,6 +47,7 @@ def kernels_copy(folder: Path) -> Path:
 # --- options and trees: refused in one line, exit 2, nothing built or stored -------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("option, value", [("--threshold", "nan"), ("--threshold", "inf"), ("--threshold", "-5"),
                                            ("--min-change", "nan"), ("--min-change", "inf"),
                                            ("--min-change", "-0.02"), ("--reps", "1e12"), ("--reps", "0"),
@@ -117,6 +118,43 @@ def test_the_tree_hash_covers_every_byte_a_build_reads(tmp_path):
         assert kernel_build.tree_hash(changed.kernels_dir) == kernel_build.tree_hash(tree)
         path.write_text(before) if before else path.unlink()
     assert kernel_build.tree_hash(tree) == base
+
+
+# Headers a build reads, at the top of kernels/ (the library's) and in bench/ (the programs'): one edit of any
+# is another tree. Planted (issue 44): the tree's files without their headers, or the hash skipping them.
+HEADERS = ("tb_model.h", "tb_simd.h", "bench/harness.h", "bench/tb_engine.h")
+HEADERLESS = {"tree_files": ("files += [here / n for n in names if not any(",
+                             "files += [here / n for n in names if not n.endswith('.h') and not any("),
+              "tree_hash": ("for path in tree_files(kernels_dir):",
+                            "for path in [f for f in tree_files(kernels_dir) if f.suffix != '.h']:")}
+
+
+def header_edits_unseen(tree: Path) -> list[str]:
+    """The headers of `tree` whose one-line edit leaves kernel_build.tree_hash(tree) unchanged."""
+    base, unseen = kernel_build.tree_hash(tree), []
+    for name in HEADERS:
+        header = tree / name
+        before = header.read_text()
+        header.write_text(before + "#define TB_PLANTED_EDIT 1\n")
+        if kernel_build.tree_hash(tree) == base:
+            unseen.append(name)
+        header.write_text(before)
+    return unseen
+
+
+@pytest.mark.quick
+def test_a_header_edit_is_another_tree(tmp_path):
+    assert header_edits_unseen(kernels_copy(tmp_path / "tree") / "kernels") == []
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("planted", list(HEADERLESS))
+def test_a_tree_hash_blind_to_headers_is_caught(planted, tmp_path, monkeypatch):
+    from tests.mutants import mutant
+
+    tree = kernels_copy(tmp_path / "tree") / "kernels"
+    monkeypatch.setattr(kernel_build, planted, mutant(kernel_build, planted, *HEADERLESS[planted]))
+    assert header_edits_unseen(tree) != []
 
 
 # --- a change only the build sees, a tree that does not build, a count that is due and missing ---------

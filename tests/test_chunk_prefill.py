@@ -59,6 +59,7 @@ def test_fixture_is_rendered(results_dir):
            "medians alone" in text
 
 
+@pytest.mark.quick
 def test_run_and_table(results_dir, capsys):
     assert cli.main(["run", "chunk_prefill", "chunk=16", *SMALL]) == 0
     assert "oracles 4 pass, 6 measurements" in capsys.readouterr().out

@@ -113,12 +113,14 @@ def test_planted_input_bug_fails(bug):
     assert fails(vs), f"{bug.__name__} passed the oracle"
 
 
+@pytest.mark.quick
 def test_pad_rows_bug_is_caught_by_the_cache_check():
     vs = verdicts(SMALL, pad_rows_attend_real_rows)
     assert vs["token"].passed and not vs["cache"].passed
     assert vs["cache"].metrics["max_abs_real_rows_diff"] < 1e-4 < vs["cache"].metrics["max_abs_pad_rows_diff"]
 
 
+@pytest.mark.quick
 def test_kv_not_extended_fails():
     w, ref, good = model()
 

@@ -14,6 +14,7 @@ from tests.cli_support import table_rows
 SMALL = ["matrix=awkward", "bench.tokens=[64]", "bench.heads=4", "bench.head_size=32", "bench.reps=2"]
 
 
+@pytest.mark.quick
 def test_run_gdn_stores_records_and_prints_a_summary(results_dir, capsys):
     assert main(["run", "gdn", *SMALL]) == 0
     out = capsys.readouterr().out
@@ -49,6 +50,7 @@ def test_table_formats_read_only_stored_records(results_dir, capsys):
     assert capsys.readouterr().out.startswith("device,backend,chunk,case")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -35,8 +35,9 @@ TAIL_SMALL = ["mode=oracle", "chunk=8", "tail=[3]", "shape.hidden=64", "shape.la
               "oracle.grid_windows=[16]", "oracle.grid_sinks=[0]"]
 
 
-def lab_engine(lab: Path, name: str, defines: tuple[str, ...] = ()) -> Path:
-    """lab/engines/NAME.yaml and its source: a copy of kernels/ built by a plain cc command."""
+def lab_engine(lab: Path, name: str, defines: tuple[str, ...] = (), state_in: bool = False) -> Path:
+    """lab/engines/NAME.yaml and its source: a copy of kernels/ built by a plain cc command (state_in: its
+    yaml says it restores its own state.bin, as testbed-c's does)."""
     source = lab / f"{name}-src"
     if not source.is_dir():
         shutil.copytree(kernel_build.KERNELS_DIR, source, ignore=shutil.ignore_patterns("build", "*.o", "*.so"))
@@ -56,11 +57,23 @@ def lab_engine(lab: Path, name: str, defines: tuple[str, ...] = ()) -> Path:
         supports:
           techniques: [chunk_prefill, tail, hybrid]
           cache: [float32, float16, int8]
+          state_in: {str(state_in).lower()}
         invoke: ["{{program}}", "{{request}}", "{{response}}"]
         timeout_s: 300
         counts: marked
         """))
     return lab / "engines" / f"{name}.yaml"
+
+
+def patched_lab_engine(lab: Path, name: str, file: str, find: str, replace: str, state_in: bool = False) -> Path:
+    """lab_engine over a copy of kernels/ with `find` replaced by `replace` in FILE (exactly once): a planted
+    fault in testbed-c's own code, built by the lab's command."""
+    source = lab / f"{name}-src"
+    shutil.copytree(kernel_build.KERNELS_DIR, source, ignore=shutil.ignore_patterns("build", "*.o", "*.so"))
+    text = (source / file).read_text()
+    assert text.count(find) == 1, f"the planted edit must match kernels/{file} exactly once: {find!r}"
+    (source / file).write_text(text.replace(find, replace))
+    return lab_engine(lab, name, state_in=state_in)
 
 
 @pytest.fixture
@@ -105,13 +118,28 @@ def test_a_lab_engine_gets_verdicts_sweep_rows_and_report_rows(lab, results_dir,
     # each fault is one more build of the lab's engine (~10-20 s): one in the default run, all with -m slow_build
     pytest.param("TB_FAULT_CHUNK_OFF_BY_ONE", {"logits", "cache", "naive"}, marks=pytest.mark.slow_build),
     pytest.param("TB_FAULT_PAD_ROW_KEPT", {"cache"}, marks=pytest.mark.slow_build),
-    ("TB_FAULT_STATE_NOT_CARRIED", {"token", "logits", "cache", "naive"}),
+    pytest.param("TB_FAULT_STATE_NOT_CARRIED", {"token", "logits", "cache", "naive"}, marks=pytest.mark.quick),
 ])
 def test_planted_engine_faults_fail_the_oracles(lab, results_dir, fault, failing):
     lab_engine(lab, "faulty", (fault,))
     df = run(["backend=engine", "engine=faulty", *SMALL]).frame()
     failed = set(df.loc[df["verdict"] == "fail", "oracle"])
     assert failing <= failed, df[["oracle", "verdict", "detail"]].to_string()
+
+
+@pytest.mark.quick
+def test_a_padded_tail_that_keeps_a_pad_row_fails_the_cache_oracle(lab, results_dir):
+    """chunk_prefill's cases whose last call is partial are also asked with tail.mode=padded (that call padded
+    to C, its pads dropped): an engine whose rollback drops one pad row too few (planted in its copy of
+    kernels/bench/tb_model_engine.c, issue 44) fails the cache verdict, the kept row said; its logits are right."""
+    patched_lab_engine(lab, "padfault", "bench/tb_model_engine.c", 'check(tb_engine_drop(e, C - real), "pad rollback")',
+                       'check(tb_engine_drop(e, C - real - 1), "pad rollback")')
+    df = run(["backend=engine", "engine=padfault", *SMALL]).frame().set_index("oracle")
+    assert df.loc["cache", "verdict"] == "fail", df[["verdict", "detail"]].to_string()
+    assert "with tail.mode=padded the cache holds 13 rows after the utterance, P + n = 12: 1 pad row(s) kept" in \
+        df.loc["cache", "detail"]
+    assert df.loc["token", "verdict"] == df.loc["logits", "verdict"] == "pass"
+    assert df.loc["token", "metrics.tail_padded"] == "judged"
 
 
 HYBRID_SMALL = ["mode=oracle", "chunk=16", "oracle.past=[20]", "oracle.tokens=[12]", "oracle.tails=[5]",
@@ -205,6 +233,7 @@ def test_a_response_that_breaks_the_contract_is_one_line_exit_4_and_never_a_pass
     assert "pass" not in verdicts and "error" in verdicts
 
 
+@pytest.mark.quick
 def test_a_refusal_reads_not_supported(lab, results_dir):
     wrapper_engine(lab, "refuser", """\
         for f in out.iterdir():
@@ -414,13 +443,8 @@ def test_a_kept_pad_row_in_the_tail_fails_the_state_bytes_oracle(lab, results_di
     """The padded tail's snapshot and rollback count one pad row too few, so one stays in the cache (a
     patched copy of kernels/model_prefill.c in the lab's engine source): state.bin differs from the
     unpadded append's, and the verdict says where."""
-    source = lab / "padkept-src"
-    shutil.copytree(kernel_build.KERNELS_DIR, source, ignore=shutil.ignore_patterns("build", "*.o", "*.so"))
-    prefill_c = source / "model_prefill.c"
-    find = "const int real = tail - 1, pads = chunk - real;"
-    assert prefill_c.read_text().count(find) == 1
-    prefill_c.write_text(prefill_c.read_text().replace(find, "const int real = tail - 1, pads = chunk - real - 1;"))
-    lab_engine(lab, "padkept")
+    patched_lab_engine(lab, "padkept", "model_prefill.c", "const int real = tail - 1, pads = chunk - real;",
+                       "const int real = tail - 1, pads = chunk - real - 1;")
     df = run(["backend=engine", "engine=padkept", *TAIL_SMALL], experiment="tail").frame()
     state = df[df["oracle"] == "state_bytes"]
     assert len(state) and (state["verdict"] == "fail").any(), df[["case", "verdict", "detail"]].to_string()
@@ -487,8 +511,8 @@ def test_the_schemas_request_and_timings_are_what_testbed_sends_and_testbed_c_wr
     schema = engine_spec.schema()
     seen = []
 
-    def recording(device, spec, request, expect, program, measured=False):
-        response = engine_runner.call(device, spec, request, expect, program, measured)
+    def recording(device, spec, request, expect, program, measured=False, say=None):
+        response = engine_runner.call(device, spec, request, expect, program, measured, say)
         seen.append((json.loads(json.dumps(request.as_json())), response.timings))
         return response
 
@@ -564,7 +588,7 @@ def test_a_passing_run_asks_nothing_more_and_keeps_nothing(lab, results_dir):
     lab_engine(lab, "toy")
     df = run(["backend=engine", "engine=toy", *SMALL]).frame()
     assert (df["verdict"] == "pass").all()
-    assert len(df["evidence"].iloc[0]) == 2  # the chunk and the token-by-token requests, nothing else
+    assert len(df["evidence"].iloc[0]) == 3  # the chunk path, its padded tail and the token-by-token path, nothing else
     assert not (results_dir / "engine-requests").exists()
 
 

@@ -96,6 +96,7 @@ def test_a_state_corrupted_where_the_engine_cannot_tell_fails_the_continuation_b
     assert content["detail"].str.contains("logits differ from the reference's by|the engine gives token").all()
 
 
+@pytest.mark.quick
 def test_honest_testbed_c_passes_the_continuation_and_its_agreement_counts(results_dir):
     _, df = tail_frame("testbed-c")
     state = df[df["oracle"].isin(["state_continuation", "state_bytes"])]
@@ -103,6 +104,32 @@ def test_honest_testbed_c_passes_the_continuation_and_its_agreement_counts(resul
     continued = df[df["oracle"] == "state_continuation"].iloc[0]
     assert continued["metrics.max_abs_diff"] < 1e-4 and len(continued["metrics.fed"]) == 4
     assert continued["metrics.atol_from"] == "oracle.naive_atol.float32"
+
+
+# testbed-c's own code with a planted fault (issue 44), its yaml saying it restores its state: state.bin written
+# without the last row of each global layer's cache. TAIL_SMALL's two layers are both local: six put layer 5 global.
+GLOBAL_LAYER = [*TAIL_SMALL, "shape.layers=6", "oracle.around_chunk=[[1,2]]"]
+STATE_PLANTS = {"last global row dropped": (
+    "bench/tb_model_engine.c", "const int slots = m->cfg.layer_type[i] == TB_LOCAL ? s->window : tb_kv_count(kv);",
+    "const int slots = m->cfg.layer_type[i] == TB_LOCAL ? s->window : tb_kv_count(kv) - 1;")}
+
+
+@pytest.mark.parametrize("planted", list(STATE_PLANTS))
+def test_a_state_that_lost_rows_of_a_global_cache_fails_the_continuation(lab, results_dir, planted):
+    """The padded and unpadded states lose the same row, so they agree; the sizes stay above the caches' floor
+    (state_properties cannot see a row an engine's own layout lacks); restored and continued, it fails, and
+    the same model through the honest engine passes."""
+    from tests.test_engine_contract import patched_lab_engine
+
+    patched_lab_engine(lab, "state-cut", *STATE_PLANTS[planted], state_in=True)
+    outcome = run(["backend=engine", "engine=state-cut", *GLOBAL_LAYER], experiment="tail")
+    df = outcome.frame()
+    content = df[df["oracle"] == "state_continuation"]
+    assert len(content) == 5 and (content["verdict"] == "fail").all(), content[["verdict", "detail"]].to_string()
+    assert "pass" not in set(df.loc[df["oracle"] == "state_bytes", "verdict"])
+    assert outcome.tally.exit_status() == 1
+    honest = run(["backend=engine", "engine=testbed-c", *GLOBAL_LAYER], experiment="tail").frame()
+    assert (honest["verdict"] == "pass").all(), honest[["case", "verdict", "detail"]].to_string()
 
 
 def test_an_engine_that_cannot_restore_gets_the_property_checks(lab, results_dir):

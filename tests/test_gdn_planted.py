@@ -23,6 +23,7 @@ def serial_reference(x):
     return {"out": out, "state": state}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("bug", ["gate_wrong_axis", "decay_after_update", "output_before_update", "dropped_beta"])
 def test_nmse_oracle_catches_recurrence_bugs(bug):
     x = ref.draw_inputs(**CASE, kda=True)
@@ -59,6 +60,7 @@ def test_nmse_oracle_catches_chunk_boundary_off_by_one(bug):
     assert not check_nmse(serial_reference(x), chunkwise_with_boundary_bug(x, 32, bug)).passed
 
 
+@pytest.mark.quick
 def test_bitexact_oracle_accepts_a_pure_restructuring_and_catches_an_off_by_one():
     x = ref.draw_inputs(**CASE)
     whole = dict(zip(("out", "state"), ref.gdn_serial(*x.arrays())))

@@ -62,6 +62,7 @@ def test_pad_rows_are_the_identity_on_the_state_bit_for_bit(form):
     assert v.passed, v.detail
 
 
+@pytest.mark.quick
 def test_pad_identity_fails_when_pads_keep_their_gate():
     x = gdn.draw_inputs(1, 37, 2, 16, v_repeat=2, gate="mild")
 
@@ -89,6 +90,7 @@ def wrap_linear_attention(monkeypatch, change_past):
     monkeypatch.setattr(qwen35, "linear_attention", planted)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("forgotten", ["recurrent", "conv"])
 def test_planted_state_not_carried_fails(model, monkeypatch, forgotten):
     cfg, w, prompt = model

@@ -328,6 +328,11 @@ def _other_model(m):
     m["model"]["window"] = 512
 
 
+def _kv_swapped(m):  # an exporter that lists the first layer's V before its K (the same shapes and dtypes)
+    args = m["contract"]["args"]
+    args[3], args[4] = args[4], args[3]
+
+
 def _files_as(value):
     def change(m):
         m["files"] = value
@@ -349,6 +354,9 @@ REFUSED = [
     ("a result fewer", _drop_result, None, "result 4 is nothing; the seed's contract for this model (2 layers, 5 "
                                            "results, the manifest has 4) says v_1_out float32[2, 48, 16]"),
     ("a wrong dtype", _wrong_dtype, None, "argument 3 is k_0 float16[2, 40, 16]; the seed's contract"),
+    ("k_0 and v_0 swapped", _kv_swapped, None, "argument 3 is v_0 float32[2, 40, 16]; the seed's contract for this "
+                                               "model (2 layers, 12 arguments, the manifest has 12) says k_0 "
+                                               "float32[2, 40, 16]"),
     ("another model", _other_model, None, "model.window=512, the run's model has 16"),
     ("no parameter archive", None, "parameters.irpa", "files.parameters='parameters.irpa': "),
     ("a changed module", None, "module.mlir", "files.module='module.mlir' has sha256"),
@@ -391,6 +399,66 @@ def test_a_bad_folder_is_one_line_exit_2_and_nothing_stored(what, change, touch,
     assert code == 2 and len(err) == 1 and message in err[0], err
     assert str(folder / "manifest.json") in err[0] or str(folder) in err[0]
     assert not results_dir.exists() or not any(results_dir.rglob("*.*"))
+
+
+# The planted fault (issue 44): the argument-order check accepting any order (the same specs, in any order).
+ORDER_CHECK = ('for kind, got, need in (("argument", contract.args, want.args), ("result", contract.results, '
+               'want.results)):')
+ANY_ORDER = (ORDER_CHECK, ORDER_CHECK + "\n        if sorted(map(_spec, got)) == sorted(map(_spec, need)):\n"
+                                        "            continue  # planted")
+
+
+def test_an_order_check_that_accepts_any_order_is_caught(clean, model, device, tmp_path, monkeypatch):
+    from testbed.backends.iree import user_module
+    from tests.mutants import mutant
+
+    _, cfg, _ = model
+    folder = copy_of(clean, tmp_path)
+    edit_manifest(folder, _kv_swapped)
+    with pytest.raises(UsageError, match="argument 3 is v_0"):
+        load(folder, cfg, target_of(device))
+    monkeypatch.setattr(user_module, "check_against_seed", mutant(user_module, "check_against_seed", *ANY_ORDER))
+    assert load(folder, cfg, target_of(device)).contract.args[3].name == "v_0"  # accepted: the table's case fails
+
+
+def off_by_001(cfg, w, tmp_path):
+    """The "v_1_new_rows_off" module of FAULTS (no contract fault: its new V rows 0.01 off) as a user's folder."""
+    return write_user_folder(tmp_path / "off", planted(cfg, w, "v_1_new_rows_off"), cfg)
+
+
+def command_line_verdicts(folder, checkpoint, device, results_dir, capsys) -> tuple[int, dict]:
+    code = main(["run", "chunk_prefill", "backend=iree", f"device={device.name}", f"iree.artifact={folder}",
+                 f"model.checkpoint={checkpoint}", f"chunk={CHUNK}", "cases=[{past:30,tokens:6}]", "mode=oracle"])
+    capsys.readouterr()
+    rows = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    (results_dir / "records.jsonl").unlink()
+    return code, {r["oracle"]: r for r in rows if r.get("kind") == "oracle"}
+
+
+def test_the_command_line_fails_a_module_0_01_off_at_the_configured_tolerance(model, device, results_dir, tmp_path,
+                                                                               capsys):
+    """The user's command, at chunk_prefill's tolerances (experiments: cache_atol 1e-3): exit 1, the cache
+    verdict failing by the 0.01 and naming the tolerance it was judged at."""
+    checkpoint, cfg, w = model
+    code, verdicts = command_line_verdicts(off_by_001(cfg, w, tmp_path), checkpoint, device, results_dir, capsys)
+    assert code == 1 and verdicts["cache"]["verdict"] == "fail", verdicts["cache"]["detail"]
+    assert verdicts["cache"]["metrics"]["cache_atol"] == 1e-3 and "(tolerance 0.001)" in verdicts["cache"]["detail"]
+    assert 0.009 < verdicts["cache"]["metrics"]["max_abs_cache_diff"] < 0.011
+
+
+# The planted fault (issue 44): the tolerances the command hands the oracle widened 100x.
+WIDENED = ("logit_atol=cfg.logit_atol, cache_atol=cfg.cache_atol,",
+           "logit_atol=cfg.logit_atol * 100, cache_atol=cfg.cache_atol * 100,")
+
+
+def test_tolerances_widened_100x_are_caught(model, device, results_dir, tmp_path, capsys, monkeypatch):
+    from testbed.experiments import chunk_prefill
+    from tests.mutants import mutant
+
+    checkpoint, cfg, w = model
+    monkeypatch.setattr(chunk_prefill, "user_module_records", mutant(chunk_prefill, "user_module_records", *WIDENED))
+    code, verdicts = command_line_verdicts(off_by_001(cfg, w, tmp_path), checkpoint, device, results_dir, capsys)
+    assert code == 0 and verdicts["cache"]["metrics"]["cache_atol"] == 0.1  # what the test above refuses
 
 
 def test_cases_that_do_not_fit_the_module_are_refused(clean, model, device, results_dir, capsys):

@@ -334,6 +334,40 @@ def test_a_rollback_that_keeps_one_pad_row_fails_the_state_oracle(gemma3, host):
     assert padded.state != exact.state
 
 
+# --- several rows of one call ----------------------------------------------------------------------------
+
+# logits_at may name several rows of one call (the contract's; testbed.oracles.where asks so to localise a
+# failure): at C = 16 the chunk's calls are rows 40-55, 56-71, 72-87 and 88-91
+ROWS_OF_ONE_CALL = [72, 75, 80, 87, 88, 91]
+
+
+def several_rows_problems(model: Model, device, program: Path) -> list[str]:
+    """What is wrong with the rows llama.cpp gives for several rows asked of one call, each against refimpl's
+    redecode at that row (on testbed's reading of the same GGUF)."""
+    tokens = prompt(model, PAST + CHUNK_TOKENS)
+    response = serve(device, program, model.gguf, tokens, past=PAST, chunk=16, logits_at=ROWS_OF_ONE_CALL)
+    assert response.returncode == 0 and response.status["status"] == "ok", response
+    cfg, w = checkpoints.load_checkpoint(model.gguf)
+    problems = []
+    want_rows = gemma.redecode_at(w, cfg, tokens, ROWS_OF_ONE_CALL)
+    for row, theirs, want in zip(ROWS_OF_ONE_CALL, response.logits, want_rows):
+        if int(np.argmax(theirs)) != int(np.argmax(want)) or not nmse(want[None], theirs[None]) < LLAMACPP_TOLERANCE:
+            problems.append(f"row {row}: token {np.argmax(theirs)} (refimpl {np.argmax(want)}), NMSE "
+                            f"{nmse(want[None], theirs[None]):.3g}")
+    return problems
+
+
+def test_every_row_asked_of_one_call_is_that_rows_logits(gemma3, host):
+    assert several_rows_problems(gemma3, host, engine("host")) == []
+
+
+def test_an_adapter_giving_the_calls_last_row_for_every_row_is_caught(gemma3, host):
+    """Planted (issue 44): llama_get_logits_ith(ctx, -1) for every row asked (tb_llama_engine.c's
+    TB_PLANT_LAST_ROW_LOGITS): right for a call's last row, wrong for the others."""
+    problems = several_rows_problems(gemma3, host, engine("host", "tb_llama_engine_plant_last_row_logits"))
+    assert problems and not any(p.startswith(("row 87:", "row 91:")) for p in problems), problems
+
+
 # --- an emulated device --------------------------------------------------------------------------------
 
 
@@ -468,6 +502,29 @@ def test_an_adapter_whose_state_is_not_the_prompts_fails_tail(results_dir, tmp_p
     assert continued["detail"].str.contains(says, regex=False).all(), continued["detail"].iloc[0]
     assert "pass" not in set(df.loc[df["oracle"] == "state_bytes", "verdict"])
     assert outcome.tally.exit_status() == 1
+
+
+HYBRID_SMALL = ["mode=oracle", "chunk=16", "oracle.past=[20]", "oracle.tokens=[12]", "oracle.tails=[5]",
+                "oracle.chunks=[8,16]", "oracle.prompt_tokens=40"]
+
+
+def test_the_hybrid_through_the_adapter_passes_and_an_adapter_splitting_its_calls_is_caught(results_dir, tmp_path):
+    """`testbed run hybrid backend=llamacpp` on testbed's seeded hybrid (its GGUF written by testbed: no
+    transformers): exit 0. Planted (issue 44): the adapter's n_ubatch = C / 2 (TB_PLANT_HALF_UBATCH), each call of C
+    rows two ubatches of llama.cpp's graph: on an attention model the same logits within tolerance, but llama.cpp's
+    own assert stops the hybrid, whose recurrent memory needs each call whole (exit 4, its words said)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(build.ROOT), "TESTBED_RESULTS": str(results_dir)}
+    honest = subprocess.run([sys.executable, "-m", "testbed", "run", "hybrid", "backend=llamacpp", *HYBRID_SMALL],
+                            capture_output=True, text=True, env=env)
+    assert honest.returncode == 0, honest.stdout[-3000:] + honest.stderr[-3000:]
+    lab = planted_lab(tmp_path, "tb_llama_engine_plant_half_ubatch")
+    planted = subprocess.run([sys.executable, "-m", "testbed", "run", "hybrid", "backend=engine",
+                              "engine=llamacpp-planted", *HYBRID_SMALL], capture_output=True, text=True,
+                             env={**env, "TESTBED_LAB": str(lab)})
+    assert planted.returncode == 4 and "GGML_ASSERT" in planted.stderr, planted.stdout[-3000:] + planted.stderr[-3000:]
 
 
 def test_testbed_run_tail_backend_llamacpp_passes_at_its_defaults_and_a_planted_fault_fails(results_dir, tmp_path):

@@ -102,6 +102,7 @@ def test_every_variant_the_cpu_runs_matches_the_reference(variant):
     assert lib.tb_gemm_isa().decode() == GEMM_KERNEL[variant.suffix]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("head_map", ["tiled", "interleaved"])
 @pytest.mark.parametrize("case", GDN_CASES, ids=lambda c: c.name)
 def test_gdn_matches_the_reference(case, head_map):
@@ -165,6 +166,7 @@ def test_attention_matches_the_gemma_reference(case, head_bias):
     assert v_.passed, v_.detail
 
 
+@pytest.mark.quick
 def test_decode_steps_against_a_larger_cache_equal_the_chunk_rows():
     q, k, v, mask, scale = attention_inputs(4, 2, 64, 100, 16, 16, "global", seed=1)
     chunk = native.attention(q, k, v, mask, scale)
@@ -177,6 +179,7 @@ def test_decode_steps_against_a_larger_cache_equal_the_chunk_rows():
 # --- sliding cache -----------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_cache_ops_are_byte_identical_over_the_grid():
     ops = native.sliding_cache_ops()
     failed = [(c.name, v.detail) for c in grid() for v in [check_padded_rollback(c, ops)] if not v.passed]

@@ -2,6 +2,7 @@
 library, and the oracle that guards the kernel must catch it (while the real kernel passes the
 same checks in tests/test_native.py)."""
 
+import pytest
 import numpy as np
 
 from tests.native_support import GDN_CASES, mutant_library, mutant_program, reference64
@@ -25,6 +26,7 @@ def gdn_failures(lib, chunk=16):
     return failed
 
 
+@pytest.mark.quick
 def test_chunk_boundary_off_by_one_is_caught():
     # The state handed to the next chunk decays by the gates only up to the chunk's second-to-last
     # token (the final state is an output too, so a single chunk of two or more tokens shows it).
@@ -52,6 +54,7 @@ def attention_failures(lib, cases):
     return failed
 
 
+@pytest.mark.quick
 def test_mask_rows_of_the_wrong_head_are_caught():
     # Each KV head's block of query rows reads the mask from row 0 instead of from its own rows.
     lib = mutant_library("attention.c", "a->mask + (size_t)(r0 + r) * a->l", "a->mask + (size_t)r * a->l")

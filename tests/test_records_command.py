@@ -7,6 +7,8 @@ import json
 import os
 import threading
 
+import pytest
+
 from testbed.cli import main
 from testbed.results import Record, ResultsStore, RunInfo
 
@@ -18,6 +20,7 @@ def run_rows(n, verdict="pass", experiment="gdn", chunk=64):
                   info.mark("ended", "complete")]
 
 
+@pytest.mark.quick
 def test_verify_names_every_kind_of_damage_and_exits_1(results_dir, capsys):
     store = ResultsStore(results_dir)
     _, good = run_rows(3)

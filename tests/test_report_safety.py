@@ -30,6 +30,7 @@ def hostile_records() -> list[dict]:
                               params={"op": HOSTILE}, detail=HOSTILE))]
 
 
+@pytest.mark.quick
 def test_every_field_that_reaches_the_page_is_escaped(tmp_path):
     nights = [{"night": HOSTILE, "suite": HOSTILE, "started": "2026-01-01T00:00:00+00:00", "finished": HOSTILE,
                "tools": {HOSTILE: HOSTILE}, "devices": {HOSTILE: {"status": HOSTILE, "reason": HOSTILE}},

@@ -105,6 +105,7 @@ def test_grid_covers_every_situation_the_issue_names():
     assert all(c.real + c.pads <= c.window - c.sink for c in cases)
 
 
+@pytest.mark.quick
 def test_byte_identical_grid_passes():
     verdicts = [check_padded_rollback(c) for c in grid()]
     failed = [(c.name, v.detail) for c, v in zip(grid(), verdicts) if not v.passed]

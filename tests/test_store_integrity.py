@@ -41,6 +41,7 @@ class _no_warning:
         return False
 
 
+@pytest.mark.quick
 def test_a_batch_that_fails_midway_leaves_the_file_as_it_was(tmp_path, monkeypatch):
     store = ResultsStore(tmp_path)
     store.append(rows(3))
@@ -102,6 +103,7 @@ def test_a_record_of_a_newer_schema_is_skipped_not_crashed_on(tmp_path):
         assert len(store.records()) == 1
 
 
+@pytest.mark.quick
 def test_records_are_stored_as_the_run_goes_and_a_killed_run_reads_as_incomplete(results_dir, monkeypatch):
     """A crash hours into a run keeps what was measured; nothing of it counts as passed."""
     real = gdn.oracle_records

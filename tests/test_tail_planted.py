@@ -58,6 +58,7 @@ def test_chunk_size_from_the_calibration_prompt_is_caught(model):
     assert "chunk graph has 46 rows, configured chunk is 128" in v["telemetry"].detail
 
 
+@pytest.mark.quick
 def test_pads_left_in_the_engine_caches_are_caught(model):
     v = verdicts(model, 8 * CHUNK - 1, ops=tp.sc.CacheOps(rollback=lambda cache, snap: None))
     assert not v["exact_state"].passed

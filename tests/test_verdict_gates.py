@@ -27,6 +27,7 @@ REFUSE = """\
     """
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("states, status, phrase", [
     ([PASS, PASS, NOT_SUPPORTED], 0, "2 pass, 1 not supported"),
     ([PASS, FAIL, NOT_SUPPORTED], 1, "1 pass, 1 fail, 1 not supported"),
@@ -46,6 +47,7 @@ def test_a_pass_of_an_incomplete_run_or_an_unknown_verdict_reads_as_an_error():
     assert Tally.of_records([{"kind": "oracle", "verdict": PASS, "incomplete": True}]).exit_status() == 1
 
 
+@pytest.mark.quick
 def test_a_verdict_not_judged_is_never_a_pass():
     v = Verdict.not_judged("state_bytes", "state.bin cannot be told from an empty one")
     assert v.verdict == NOT_JUDGED and not v.passed
@@ -71,6 +73,7 @@ def lab(tmp_path, monkeypatch):
     return folder
 
 
+@pytest.mark.quick
 def test_an_honest_engine_without_a_cache_exits_0_and_a_wrong_pinned_token_exits_1(lab, results_dir):
     wrapper_engine(lab, "nocache", NO_CACHE)
     env = {"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)}

@@ -158,6 +158,23 @@ class ContractBroken(Exception):
 
 
 @dataclass
+class PaddedTail:
+    """An engine under test's chunk path again with its last, partial call padded to C and the pad rows then
+    dropped (engine contract v1's tail.mode=padded), or its refusal of it:
+
+      logits         the selected row's logits [vocab]
+      k, v           per layer, every row the engine's cache holds after it [kv_heads, rows, head_dim]: the
+                     P + n real rows, no pad (None where the engine exposes no cache)
+      refused        the engine's words where it does not serve tail.mode=padded ("": it did)
+    """
+
+    logits: np.ndarray | None = None
+    k: KV = None
+    v: KV = None
+    refused: str = ""
+
+
+@dataclass
 class Utterance:
     """What a device returns for one chunk-prefill case (P cached positions, then n tokens in
     ceil(n/C) chunk calls), and what the token oracle compares on the host:
@@ -167,6 +184,8 @@ class Utterance:
       k, v           per layer, the cache of real rows after the utterance [kv_heads, P + n, head_dim]
       pad_k, pad_v   per layer, the last call's pad rows [kv_heads, C - n_last, head_dim]
       last           the last call's inputs (built on the host), to rebuild what its pad rows must hold
+      padded         an engine under test, a case whose last call is partial: the chunk path with that call
+                     padded and its pads dropped (PaddedTail); None elsewhere
     """
 
     chunk_logits: np.ndarray
@@ -176,6 +195,7 @@ class Utterance:
     pad_k: KV
     pad_v: KV
     last: ChunkInputs
+    padded: PaddedTail | None = None
 
 
 class GemmaRunner(Protocol):

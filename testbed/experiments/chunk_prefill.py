@@ -340,7 +340,9 @@ def where_it_broke(backend, ref: Reference, case: TokenCase, failing: list, logi
     cache = None if chunked.cache_k is None else ([k[:, :real] for k in chunked.cache_k],
                                                   [v[:, :real] for v in chunked.cache_v])
     where = locate(asks, ref, case, final, cache, logit_atol, cache_atol, ref.cfg.vocab)
-    paths = [f.path for f in where.found if f.call is not None] or ["chunk"]
+    # the path that broke, or where none does (only the padded tail's cache: its pads kept), the padded request
+    paths = [f.path for f in where.found if f.call is not None] or \
+        ["padded" if any(v.metrics.get("padded_rows_past_real") for v in failing) else "chunk"]
     kept = [k for k in (backend.keep(path, failing[0].detail) for path in paths) if k is not None]
     where.kept = kept[0].said() if kept else ""
     for v in failing:

@@ -14,6 +14,10 @@ the host, with
   its table position (the contract: a pad row attends only itself). Each call's K/V must have P+C
   rows (the contract's result shape).
 
+- an engine under test, where the last call is partial: the chunk path again with that call padded to C and
+  its pads dropped (tail.mode=padded): its token and logits as the chunk path's, its cache the P+n real
+  rows and not one pad row more (an engine that refuses it is said so beside the verdicts: tail_padded);
+
 - the model written out a second time in float64 (refimpl.naive_gemma), which shares no code with
   refimpl.gemma: redecode and the candidate may share a bug of refimpl.gemma's building blocks (a
   norm, RoPE, the attention), the naive model does not. Both paths' logits within logit_atol of it,
@@ -49,6 +53,8 @@ from testbed.backends.refimpl import gemma as refimpl_backend
 from testbed.oracles.numerical import Verdict, head_biased_mask, nmse
 
 InputsBuilder = Callable[..., gemma.ChunkInputs]
+# the name of an engine's padded chunk path in the verdicts (engine contract v1's tail.mode=padded)
+PADDED = "chunk (tail padded)"
 
 
 def top2_margin(logits: np.ndarray) -> float:
@@ -154,15 +160,19 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
     except ContractBroken as e:
         return [Verdict(name, False, None, info, str(e)) for name in ("token", "logits", "cache", "naive")]
     chunk_logits, decode_logits, ks, vs, last = run.chunk_logits, run.decode_logits, run.k, run.v, run.last
+    # an engine's chunk path again with its partial last call padded, its pads dropped: judged as the chunk path
+    padded = run.padded if run.padded is not None and not run.padded.refused else None
+    if run.padded is not None:
+        info["tail_padded"] = f"not supported: {run.padded.refused}" if run.padded.refused else "judged"
+    paths = {"chunk": chunk_logits, "decode": decode_logits, **({PADDED: padded.logits} if padded else {})}
 
     # token: chunk == redecode == token-by-token (== pinned), any of them where the reference ties
     accepted = tied_tokens(reference, logit_atol)
     said = f"redecode {named(ref_token)}" if len(accepted) == 1 else f"redecode ties {accepted} within {logit_atol:g}"
-    tokens = {"chunk": int(np.argmax(chunk_logits)), "decode": int(np.argmax(decode_logits))}
-    unusable = [why for path, logits in (("chunk", chunk_logits), ("decode", decode_logits))
-                if (why := not_finite(f"the {path} path's logits", logits))]
+    tokens = {path: int(np.argmax(logits)) for path, logits in paths.items()}
+    unusable = [why for path, logits in paths.items() if (why := not_finite(f"the {path} path's logits", logits))]
     problems = unusable or [f"{path} gives token {named(t)}, {said}" for path, t in tokens.items() if t not in accepted]
-    margin = None if unusable else min(margin_for(chunk_logits, accepted), margin_for(decode_logits, accepted))
+    margin = None if unusable else min(margin_for(logits, accepted) for logits in paths.values())
     if expected is not None and expected not in accepted:
         problems.append(f"{said}, the config pins {named(expected)}")
         margin = None if margin is None else min(margin, margin_for(reference, [expected]))
@@ -172,8 +182,8 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
                      "margin_chunk": top2_margin(chunk_logits), "tie": len(accepted) > 1,
                      "tied_tokens": accepted}, "; ".join(problems))
 
-    # logits: both paths within tolerance of redecode
-    diff = max(float(np.abs(chunk_logits - reference).max()), float(np.abs(decode_logits - reference).max()))
+    # logits: every path within tolerance of redecode
+    diff = max(float(np.abs(logits - reference).max()) for logits in paths.values())
     logits = closeness("logits", diff, logit_atol, f"max |logit - redecode| {diff:.3g} > {logit_atol:g}")
     logits.metrics.update(info)
 
@@ -186,6 +196,12 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
                                                logit_atol, named)]
     want_k, want_v = ref.kv(case.past + case.tokens)
     real = max(float(np.abs(a - b).max()) for a, b in zip(ks + vs, want_k + want_v))
+    kept_pads = 0  # rows the padded path's cache holds past P + n: pad rows it failed to drop
+    if padded is not None and padded.k is not None:
+        kept_pads = padded.k[0].shape[1] - (case.past + case.tokens)
+        if kept_pads >= 0:
+            real = max(real, *(float(np.abs(a[:, :a.shape[1] - kept_pads] - b).max())
+                               for a, b in zip(padded.k + padded.v, want_k + want_v)))
     pad = 0.0
     # every pad row the backend returned (an engine under test may have removed its pads: none to judge)
     for row in range(last.n, min(case.chunk, last.n + (run.pad_k[0].shape[1] if run.pad_k else 0))):
@@ -195,8 +211,16 @@ def check_token_at_position(backend: GemmaRunner, ref: Reference, case: TokenCas
     cache = closeness("cache", max(real, pad), cache_atol,
                       f"cache differs from prefill_at by {real:.3g} on real rows, {pad:.3g} on pad rows "
                       f"(tolerance {cache_atol:g})")
+    if kept_pads:
+        cache = Verdict("cache", False, None, cache.metrics,
+                        f"with tail.mode=padded the cache holds {padded.k[0].shape[1]} rows after the utterance, "
+                        f"P + n = {case.past + case.tokens}: "
+                        f"{f'{kept_pads} pad row(s) kept' if kept_pads > 0 else f'{-kept_pads} real row(s) dropped'}; "
+                        f"the contract drops exactly the C - n_last = {case.calls * case.chunk - case.tokens} pads"
+                        + (f"; {cache.detail}" if cache.detail else ""))
     kv_nmse = nmse(np.concatenate([a.ravel() for a in want_k + want_v]), np.concatenate([a.ravel() for a in ks + vs]))
-    cache.metrics.update({**info, "max_abs_real_rows_diff": real, "max_abs_pad_rows_diff": pad, "nmse_kv": kv_nmse})
+    cache.metrics.update({**info, "max_abs_real_rows_diff": real, "max_abs_pad_rows_diff": pad, "nmse_kv": kv_nmse,
+                          **({"padded_rows_past_real": kept_pads} if padded is not None and padded.k else {})})
     return [token, logits, cache, *_naive(ref, case, info, chunk_logits, decode_logits, tokens, unusable, logit_atol,
                                           named)]
 

@@ -5,7 +5,10 @@ One utterance is two requests: the chunk path (tokens[0:P] then tokens[P:P+n] in
 the logits row at P+n-1, the engine's cache when it exposes one) and the token-by-token path (the same
 tokens in calls of one row). The K/V rows past P+n, where an engine leaves its last call's pad rows in
 its cache (testbed-c does, as backend=native's program does), are judged as the pad rows they are.
-A refusal raises NotSupported: the experiment records "not supported".
+Where the last call is partial, a third: the chunk path with tail.mode=padded (that call padded to C, its
+pad rows then dropped), judged as the chunk path is, its cache holding no pad row; an engine may refuse
+it (it then says so beside the verdicts). A refusal of the other two raises NotSupported: the experiment
+records "not supported".
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from refimpl import gemma
-from testbed.backends import ContractBroken, EvidenceLog, NotSupported, Utterance
+from testbed.backends import ContractBroken, EvidenceLog, NotSupported, PaddedTail, Utterance
 from testbed.backends.engine import build, spec as specs
 from testbed.backends.engine.models import GemmaModel
 from testbed.backends.engine.runner import Expect, Request, Response, call, keep_request
@@ -85,8 +88,9 @@ class EngineRunner:
                     "decode": self.request(tokens, case.past, 1, [real - 1])}
         self.last = {path: (request, self.ask(request)) for path, request in requests.items()}
         chunked, stepped = self.last["chunk"][1], self.last["decode"][1]
+        padded = self.padded_tail(requests["chunk"]) if case.tokens % case.chunk else None
         if chunked.cache_k is None:  # cache/ is optional: the token and logits oracles still judge
-            return Utterance(chunked.logits[0], stepped.logits[0], None, None, None, None, None)
+            return Utterance(chunked.logits[0], stepped.logits[0], None, None, None, None, None, padded)
         rows = chunked.cache_k[0].shape[1]
         if rows < real or rows > real + case.chunk:
             raise ContractBroken(f"response/cache/k_0.npy holds {rows} rows; P + n = {real} real rows (and at most "
@@ -98,7 +102,18 @@ class EngineRunner:
                             past_positions=np.arange(last_start))
         ks, vs = chunked.cache_k, chunked.cache_v
         return Utterance(chunked.logits[0], stepped.logits[0], [k[:, :real] for k in ks], [v[:, :real] for v in vs],
-                         [k[:, real:] for k in ks], [v[:, real:] for v in vs], last)
+                         [k[:, real:] for k in ks], [v[:, real:] for v in vs], last, padded)
+
+    def padded_tail(self, chunk: Request) -> PaddedTail:
+        """The chunk path's request again with tail.mode=padded (its last, partial call padded to C, the pads
+        then dropped), or the engine's refusal of it: an engine may serve the last call only as it is."""
+        request = dataclasses.replace(chunk, tail_mode="padded")
+        try:
+            response = self.ask(request)
+        except NotSupported as e:
+            return PaddedTail(refused=str(e))
+        self.last["padded"] = (request, response)
+        return PaddedTail(response.logits[0], response.cache_k, response.cache_v)
 
     def logits_at(self, prompt, past: int, chunk: int, positions: list[int], end: int) -> np.ndarray:
         """The logits rows at `positions` of the plan (P = past, C = chunk) over prompt[:end]; a cut inside

@@ -71,7 +71,8 @@ CACHE = ROOT / ".cache" / "llamacpp"
 ENGINE = "tb_llama_engine"
 # the adapter with one planted fault each (tb_llama_engine.c): only the oracles' own tests build them
 PLANTED_ENGINES = ("tb_llama_engine_plant_chunk_off_by_one", "tb_llama_engine_plant_keep_pad_row",
-                   "tb_llama_engine_plant_state_wrong_sequence", "tb_llama_engine_plant_state_before_last_call")
+                   "tb_llama_engine_plant_state_wrong_sequence", "tb_llama_engine_plant_state_before_last_call",
+                   "tb_llama_engine_plant_last_row_logits", "tb_llama_engine_plant_half_ubatch")
 PROGRAMS = ("test-backend-ops", "tb_ggml_gdn", "llama-bench", "tb_llama_logits", ENGINE, *PLANTED_ENGINES)
 TARGETS = ("host", "host-generic", "aarch64", "hexagon", "android-htp")
 # Top-level entries of a llama.cpp tree a build never reads (the snapshot and its hash leave them out).

@@ -45,7 +45,9 @@
  *   TB_PLANT_KEEP_PAD_ROW      the rollback removes the pad rows from the second one on (one kept)
  *   TB_PLANT_STATE_WRONG_SEQUENCE  state.bin is read from llama.cpp's sequence 1 (which holds nothing)
  *                              instead of the request's sequence 0
- *   TB_PLANT_STATE_BEFORE_LAST_CALL  state.bin is the sequence's state from before the last llama_decode */
+ *   TB_PLANT_STATE_BEFORE_LAST_CALL  state.bin is the sequence's state from before the last llama_decode
+ *   TB_PLANT_LAST_ROW_LOGITS   every row asked of a call gets the call's last output row (llama_get_logits_ith -1)
+ *   TB_PLANT_HALF_UBATCH       n_ubatch = C / 2: each call of C rows is two ubatches of llama.cpp's graph */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,6 +71,12 @@
 #endif
 #ifndef TB_PLANT_STATE_BEFORE_LAST_CALL
 #define TB_PLANT_STATE_BEFORE_LAST_CALL 0
+#endif
+#ifndef TB_PLANT_LAST_ROW_LOGITS
+#define TB_PLANT_LAST_ROW_LOGITS 0
+#endif
+#ifndef TB_PLANT_HALF_UBATCH
+#define TB_PLANT_HALF_UBATCH 0
 #endif
 #define STATE_SEQUENCE (TB_PLANT_STATE_WRONG_SEQUENCE ? 1 : 0) /* the request's sequence is 0 */
 
@@ -168,7 +176,7 @@ static void decode(plan *p, const char *name, long start, long rows, int marked)
     for (long i = 0; i < rows; i++) {
         int k = b->logits[i] ? wanted(p, start + i) : -1;
         if (k < 0) continue;
-        const float *row = llama_get_logits_ith(p->ctx, (int32_t)i);
+        const float *row = llama_get_logits_ith(p->ctx, TB_PLANT_LAST_ROW_LOGITS ? -1 : (int32_t)i);
         if (row == NULL) die("llama.cpp returned no logits for position %ld", start + i);
         memcpy(p->logits + (size_t)k * (size_t)p->n_vocab, row, sizeof(float) * (size_t)p->n_vocab);
     }
@@ -308,6 +316,7 @@ int main(int argc, char **argv) {
     struct llama_context_params cp = llama_context_default_params();
     cp.n_ctx = (uint32_t)(n_tokens + chunk);  /* room for the pads of a padded tail, the same for every tail mode */
     cp.n_batch = cp.n_ubatch = (uint32_t)chunk;
+    if (TB_PLANT_HALF_UBATCH) cp.n_ubatch = (uint32_t)(chunk > 1 ? chunk / 2 : 1);
     cp.n_seq_max = 1;
     cp.n_rs_seq = (uint32_t)(rs_snapshots > 0 ? rs_snapshots : 0);  /* 0: llama.cpp's default, no partial rollback */
     cp.n_threads = cp.n_threads_batch = (int32_t)threads;
