@@ -444,9 +444,10 @@ def compile_library(kernels_dir: Path, out: Path, optimize: str = "-O2") -> Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m testbed.backends.native.build --target=T --kernels=DIR --out=OUT --program=NAME`: build
-    (or reuse) the programs of DIR for T and copy NAME and its build.json into OUT, the build command
-    of engines/testbed-c.yaml (engine contract v1). Exit 3 for a missing tool, 4 for a failed build."""
+    """`python -m testbed.backends.native.build --target=T --kernels=DIR --out=OUT --program=NAME [--fused]`:
+    build (or reuse) the programs of DIR for T (--fused: the FMA build, as `fused=true` runs) and copy NAME
+    and its build.json into OUT, the build command of engines/testbed-c.yaml and testbed-c-fused.yaml
+    (engine contract v1). Exit 3 for a missing tool, 4 for a failed build."""
     import argparse
     import sys
 
@@ -455,9 +456,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default=str(KERNELS_DIR))
     parser.add_argument("--out", required=True)
     parser.add_argument("--program", required=True, choices=PROGRAMS)
+    parser.add_argument("--fused", action="store_true", help="the FMA build (FUSED=1), judged by tolerance")
     args = parser.parse_args(argv)
     try:
-        folder = build_programs(args.target, kernels_dir=Path(args.kernels))
+        folder = build_programs(args.target, fused=args.fused, kernels_dir=Path(args.kernels))
     except ToolMissing as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
