@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 
@@ -270,7 +271,13 @@ int tb_timings_write(const char *response_dir, const char *engine_name, const ch
             if (k++) fputs(", ", f);
             json_string(f, g_calls[i].name);
         }
-    fprintf(f, "], \"reps\": 1, \"device_time\": \"%s\", \"engine\": {\"name\": ", stamp);
+    /* the process's peak resident set so far (Linux reports ru_maxrss in KiB; under qemu-user or valgrind it
+     * is the emulator's, which holds the program's pages and its own) */
+    struct rusage usage;
+    const long long peak_rss = getrusage(RUSAGE_SELF, &usage) ? -1 : (long long)usage.ru_maxrss * 1024;
+    fprintf(f, "], \"reps\": 1, \"device_time\": \"%s\", ", stamp);
+    if (peak_rss >= 0) fprintf(f, "\"peak_rss_bytes\": %lld, ", peak_rss);
+    fputs("\"engine\": {\"name\": ", f);
     json_string(f, engine_name);
     fputs(", \"version\": ", f);
     json_string(f, version);
