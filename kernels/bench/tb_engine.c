@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 
@@ -245,6 +244,25 @@ void tb_call_end(const char *name, int rows) {
     add(name, rows, wall, cpu, 1);
 }
 
+/* The process's peak resident set since its program started, in bytes, or -1 when the system does not say:
+ * VmHWM of /proc/self/status (Linux: the high-water mark of this program's own memory). Not getrusage's
+ * ru_maxrss: Linux keeps it across execve, so a program started by a large process (testbed's Python,
+ * holding the model) reads its parent's size. Under qemu-user or valgrind it is the emulator's, which holds
+ * the program's pages and its own. */
+static long long peak_resident_bytes(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return -1;
+    char line[256];
+    long long kib = -1;
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, "VmHWM:", 6)) {
+            kib = strtoll(line + 6, NULL, 10);
+            break;
+        }
+    fclose(f);
+    return kib < 0 ? -1 : kib * 1024;
+}
+
 int tb_timings_write(const char *response_dir, const char *engine_name, const char *version,
                      const char *source_hash) {
     char path[4096], stamp[32];
@@ -271,10 +289,7 @@ int tb_timings_write(const char *response_dir, const char *engine_name, const ch
             if (k++) fputs(", ", f);
             json_string(f, g_calls[i].name);
         }
-    /* the process's peak resident set so far (Linux reports ru_maxrss in KiB; under qemu-user or valgrind it
-     * is the emulator's, which holds the program's pages and its own) */
-    struct rusage usage;
-    const long long peak_rss = getrusage(RUSAGE_SELF, &usage) ? -1 : (long long)usage.ru_maxrss * 1024;
+    const long long peak_rss = peak_resident_bytes();
     fprintf(f, "], \"reps\": 1, \"device_time\": \"%s\", ", stamp);
     if (peak_rss >= 0) fprintf(f, "\"peak_rss_bytes\": %lld, ", peak_rss);
     fputs("\"engine\": {\"name\": ", f);

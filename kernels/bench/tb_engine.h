@@ -70,7 +70,7 @@ void tb_call_begin(void);
 void tb_call_end(const char *name, int rows);
 /* RESPONSE_DIR/timings.json: {"contract": 1, "calls": [...], "marks": [names of the counted calls,
  * in order], "reps": 1, "device_time": ISO 8601 by the device's clock, "peak_rss_bytes": the process's
- * peak resident set so far (getrusage; left out where the system does not say), "engine": {name,
+ * peak resident set so far (VmHWM of /proc/self/status; left out where the system does not say), "engine": {name,
  * version, source_hash}}. Call it last: the peak is the process's up to then. Returns 0, or -1 when it
  * cannot be written. */
 int tb_timings_write(const char *response_dir, const char *engine_name, const char *version,

@@ -196,6 +196,9 @@ def _validate_timings(text: str, shown: str) -> dict:
             v = c.get(key) if isinstance(c, dict) else None
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
                 raise ContractError(f"{shown}: calls[{i}].{key}={v!r} is not a non-negative number of seconds")
+    rss = timings.get("peak_rss_bytes")  # optional: the process's peak resident set (tb_engine.h writes it)
+    if rss is not None and (isinstance(rss, bool) or not isinstance(rss, int) or rss < 0):
+        raise ContractError(f"{shown}: peak_rss_bytes={rss!r} is not a non-negative whole number of bytes")
     return timings
 
 
