@@ -92,6 +92,8 @@ class HybridConfig:
         if self.linear_v_heads % self.linear_k_heads:
             raise ValueError(f"linear_v_heads ({self.linear_v_heads}) must be a multiple of "
                              f"linear_k_heads ({self.linear_k_heads})")
+        if not 0 < self.rotary_fraction <= 1:
+            raise ValueError(f"rotary_fraction ({self.rotary_fraction}) must be in (0, 1]")
         if self.rotary_dim % 2 or self.rotary_dim == 0:
             raise ValueError(f"head_dim * rotary_fraction = {self.head_dim * self.rotary_fraction:g} must be a "
                              f"positive even number of dims")

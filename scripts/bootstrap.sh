@@ -7,11 +7,17 @@
 #   scripts/bootstrap.sh --test   also what the test suites drive for real: Debian's adb client,
 #                                 openssh-server, Mesa's software Vulkan
 #                                 (lavapipe), Chromium for the report check, torch + transformers
-#                                 for the cross-checks against Hugging Face (the `hf` extra), CMake,
+#                                 for the cross-checks against Hugging Face (the `hf` extra), ONNX
+#                                 Runtime and torch.onnx's exporter (the `onnx` extra: engine=onnxruntime), CMake,
 #                                 Ninja, ccache and the aarch64 C++ compiler that build llama.cpp's tools,
-#                                 Ray (the farm extra: the tests run a three-node cluster here), and
+#                                 Ray (the farm extra: the tests run a three-node cluster here), the
+#                                 exported runtimes judged as engines (the executorch and litert
+#                                 extras: engines/README.md; mnn, a recorded finding whose exporter
+#                                 reports home, only with `pip install 'testbed[mnn]'`), and
 #                                 iproute2 (scripts/offline.sh brings up loopback in the tests' own
 #                                 network namespace)
+# Where another apt-get holds the package lock (a shared machine), each apt-get waits its turn
+# (scripts/wait-for-dpkg-lock.sh: a line naming the holder, then one at least every 30 s).
 set -eu
 cd "$(dirname "$0")/.."
 
@@ -23,7 +29,7 @@ packages="$HOST_PACKAGES"
 extras="full,cross"
 if [ "${1:-}" = "--test" ]; then
   packages="$packages $TEST_PACKAGES"
-  extras="full,hf,farm,cross"
+  extras="full,hf,farm,cross,onnx,executorch,litert"
 fi
 
 missing=""
@@ -36,8 +42,13 @@ if [ -n "$missing" ]; then
     exit 1
   fi
   echo "bootstrap: installing Debian packages:$missing" >&2
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  # On a shared machine another apt-get may hold the package lock: wait for it, saying so (apt-get alone
+  # would exit 100); the lock timeout covers the instant between that wait and apt-get taking the lock.
+  scripts/wait-for-dpkg-lock.sh
+  apt-get -o DPkg::Lock::Timeout=600 update -qq
+  scripts/wait-for-dpkg-lock.sh
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends \
+    $missing >/dev/null
 fi
 
 # Into the Python on PATH: an active virtualenv's, else this machine's. pip is quiet for minutes

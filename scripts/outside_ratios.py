@@ -10,22 +10,31 @@ thread, every variant once per repetition in a shuffled order; each ratio is the
 repetitions of the ratio within one. refimpl (plain numpy functions) gives the inputs, the float64
 outputs every kernel is checked against, and GDN chunkwise's FLOP count (the work it really does).
 
-The reference: numpy's OpenBLAS running its own kernel for this CPU. The variables that force
-another (OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE: set for every process on the project's machines) are
-read when the library loads, so the script re-executes itself without them before numpy loads.
+The reference: the faster, per shape, of numpy's OpenBLAS running its own kernel for this CPU and
+oneMKL's cblas_sgemm (sequential layer, through ctypes from the `mkl` wheel's libmkl_rt, or the
+system's) where it is installed; both are variants of the same shuffled repetitions, and the one with
+the lower median CPU time is what every "vs sgemm" ratio divides by (the JSON's `reference` says which,
+both medians, and why oneMKL is absent where it is). The variables that force another kernel
+(OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE: set for every process on the project's machines;
+MKL_ENABLE_INSTRUCTIONS, MKL_CBWR, ...) are read when the libraries load, so the script re-executes
+itself without them (and without TB_ISA) before numpy loads. `--isa avx2` forces the kernels onto AVX2
+(TB_ISA=avx2) and the references onto their AVX2 kernels (OPENBLAS_CORETYPE=Haswell,
+MKL_ENABLE_INSTRUCTIONS=AVX2): like for like.
 
 The model engine's decode step (kernels/tb_model.h, engine_bench's `decode_vs_stream`): the engine is
 made here through its C ABI (ctypes structures mirroring tb_model.h; the weights stored in f32, f16 or
 int8 by numpy here), P positions prefilled, then each repetition evicts the caches (256 MiB written and
 read), times one decode step by this thread's CPU clock and drops its row; beside it, in the same
-shuffled repetition, a streaming read of 256 MiB (numpy's integer sum, which the memory bounds, over
-huge pages: the best rate). The ratio: the step's time over the time to read the weights once (every
-matrix in its stored dtype, the scales too) at that bandwidth. The step's logits are checked against
-refimpl.gemma in float64 on the weights as stored.
+shuffled repetition, two streaming reads of 256 MiB over huge pages (numpy's integer sum, and this
+script's own C loop summing float32 into four independent vector accumulators: on the AMD EPYC numpy's
+sum read 34-36 GB/s where a loop with independent accumulators reads 40-41); the floor is the faster of
+the two in each repetition, the best rate. The ratio: the step's time over the time to read the weights
+once (every matrix in its stored dtype, the scales too) at that bandwidth. The step's logits are checked
+against refimpl.gemma in float64 on the weights as stored.
 
     python scripts/outside_ratios.py [--fused 1|0] [--reps 7] [--keys 512,2048,8192] [--head-dim 256] [--chunk 64]
         [--gdn-tokens 512,4096] [--gdn-heads 16] [--gdn-head-size 128] [--gdn-chunk 0] [--gemm 512]
-        [--decode f32,f16,int8] [--decode-past 512] [--json OUT]
+        [--decode f32,f16,int8] [--decode-past 512] [--isa avx2] [--mkl 1|0] [--json OUT]
 
 Defaults: native_bench's (experiments/experiment/native_bench.yaml) and engine_bench's model
 (experiments/experiment/engine_bench.yaml), one thread; the sgemm at --gemm's size. `--decode ''`
@@ -37,13 +46,19 @@ from __future__ import annotations
 import os
 import sys
 
-FORCING = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-if any(v in os.environ for v in FORCING):  # before numpy loads OpenBLAS
+FORCING = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "MKL_DEBUG_CPU_TYPE",
+           "MKL_THREADING_LAYER", "MKL_NUM_THREADS", "MKL_VERBOSE")
+AVX2 = "--isa" in sys.argv and sys.argv[sys.argv.index("--isa") + 1:][:1] == ["avx2"] or "--isa=avx2" in sys.argv
+# what the references must see: nothing forced, or (--isa avx2) their AVX2 kernels; the kernels: TB_ISA
+WANTED = {"OPENBLAS_CORETYPE": "Haswell", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "TB_ISA": "avx2"} if AVX2 else {}
+if any(os.environ.get(v) != WANTED.get(v) for v in (*FORCING, "TB_ISA")):  # before numpy loads OpenBLAS
     os.execve(sys.executable, [sys.executable, *sys.argv],
-              {k: v for k, v in os.environ.items() if k not in FORCING})
+              {k: v for k, v in os.environ.items() if k not in FORCING and k != "TB_ISA"} | WANTED)
 
 import argparse  # noqa: E402
 import ctypes  # noqa: E402
+import ctypes.util  # noqa: E402
+import importlib.metadata  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -69,6 +84,23 @@ DECODE_MODEL = gemma.GemmaConfig(vocab=4096, hidden=512, layers=6, heads=8, kv_h
                                  window=512)
 DECODE_GROUP, DECODE_SEED = 32, 0
 STREAM_BYTES = 256 << 20  # the streaming read, and what evicts the caches before each decode step
+# The script's own streaming read: float32 sums in four independent 32-byte vectors (GCC's vector
+# extension; no dependence of one add on the last beyond its own lane), so the memory bounds it.
+STREAM_C = """
+#include <stddef.h>
+typedef float v8 __attribute__((vector_size(32)));
+float outside_stream(const float *x, size_t n) {
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (size_t i = 0; i + 32 <= n; i += 32) {
+        a0 += *(const v8 *)(x + i); a1 += *(const v8 *)(x + i + 8);
+        a2 += *(const v8 *)(x + i + 16); a3 += *(const v8 *)(x + i + 24);
+    }
+    v8 t = a0 + a1 + a2 + a3;
+    float s = 0;
+    for (int k = 0; k < 8; k++) s += t[k];
+    return s;
+}
+"""
 
 
 def cpu_flags() -> set[str]:
@@ -111,25 +143,61 @@ def fp(a: np.ndarray):
     return a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
 
 
+def load_mkl() -> tuple[ctypes.CDLL | None, str]:
+    """oneMKL's libmkl_rt (the mkl wheel's, else the system's) on its sequential threading layer, and
+    where it came from; (None, why) where there is none."""
+    path = None
+    try:
+        dist = importlib.metadata.distribution("mkl")
+        path = next((os.path.realpath(dist.locate_file(f)) for f in dist.files or ()
+                     if f.name.startswith("libmkl_rt.so")), None)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    path = path or ctypes.util.find_library("mkl_rt")
+    if not path:
+        return None, "oneMKL is not installed (pip install mkl)"
+    mkl = ctypes.CDLL(path)
+    mkl.MKL_Set_Threading_Layer(1)  # MKL_THREADING_SEQUENTIAL, before any other call
+    f32 = ctypes.POINTER(ctypes.c_float)
+    mkl.cblas_sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, f32, ctypes.c_int, f32, ctypes.c_int,
+                                                     ctypes.c_float, f32, ctypes.c_int]
+    mkl.cblas_sgemm.restype = None
+    return mkl, path
+
+
+def mkl_identity(mkl: ctypes.CDLL) -> dict:
+    """oneMKL's version string and the CPU-dispatch library it loaded (once it ran a product)."""
+    text = ctypes.create_string_buffer(512)
+    mkl.mkl_get_version_string(text, len(text))
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    loaded = sorted({line.rsplit("/", 1)[-1].split(".so")[0] for line in maps.splitlines() if "/libmkl_" in line})
+    return {"version": text.value.decode(errors="replace").strip(), "libraries": loaded}
+
+
 def nmse(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.sum((got - want) ** 2) / max(np.sum(want ** 2), 1e-300))
 
 
-def variants(lib: ctypes.CDLL, args, rng) -> tuple[dict, dict]:
-    """name -> (call, flops, check); check() returns the NMSE of the last call's output."""
+def variants(lib: ctypes.CDLL, args, rng, mkl: ctypes.CDLL | None = None) -> tuple[dict, dict]:
+    """name -> (call, flops, check); check() returns the NMSE of the last call's output. The references:
+    "sgemm openblas" (numpy) and, where oneMKL is loaded, "sgemm mkl"."""
     calls, flops, checks = {}, {}, {}
     n = args.gemm
     m = rng.standard_normal((n, n)).astype(np.float32)
-    c_np, c_tb = np.empty_like(m), np.empty_like(m)
+    c_np, c_mkl, c_tb = np.empty_like(m), np.empty_like(m), np.empty_like(m)
     want = m.astype(np.float64) @ m.astype(np.float64)
-    calls["sgemm"] = lambda: np.matmul(m, m, out=c_np)
-    checks["sgemm"] = lambda: nmse(c_np, want)
+    calls["sgemm openblas"] = lambda: np.matmul(m, m, out=c_np)
+    checks["sgemm openblas"] = lambda: nmse(c_np, want)
+    if mkl is not None:
+        calls["sgemm mkl"] = lambda pm=fp(m), pc=fp(c_mkl): mkl.cblas_sgemm(101, 111, 111, n, n, n, 1.0, pm, n, pm, n,
+                                                                       0.0, pc, n)  # row-major, no transposes
+        checks["sgemm mkl"] = lambda: nmse(c_mkl, want)
     b = GemmB(fp(m), n, 1, None, None)
     lib.tb_gemm.restype = None
     pm, pb, pc = fp(m), ctypes.byref(b), fp(c_tb)
     calls["gemm"] = lambda: lib.tb_gemm(n, n, n, pm, n, pb, pc, n, 0, 0)
     checks["gemm"] = lambda: nmse(c_tb, want)
-    flops["sgemm"] = flops["gemm"] = 2.0 * n ** 3
+    flops |= dict.fromkeys(calls, 2.0 * n ** 3)
 
     # attention: by default Gemma 3 270M's (4 query heads, 1 KV head, head size 256), a chunk of 64 rows at the end
     heads, kv_heads, hd, c = 4, 1, args.head_dim, args.chunk
@@ -318,9 +386,22 @@ def check(rc: int, what: str):
         raise RuntimeError(f"{what}: the engine returned {rc}")
 
 
-def decode_variants(lib: ctypes.CDLL, args):
-    """name -> call, bytes, check for each weights dtype's decode step, and the streaming read (its
-    bytes); the engines (to free); and what makes the caches cold before each."""
+def stream_reader(out_dir: Path):
+    """The script's own streaming read (STREAM_C), compiled here: outside_stream(float *, n)."""
+    source, out = out_dir / "outside_stream.c", out_dir / "outside_stream.so"
+    source.write_text(STREAM_C)
+    vector = ["-mavx2"] if "avx2" in cpu_flags() else []  # 32-byte vectors in one register where the CPU has them
+    subprocess.run(["cc", "-O3", *vector, "-shared", "-fPIC", "-o", str(out), str(source)], check=True)
+    reader = ctypes.CDLL(str(out))
+    reader.outside_stream.restype = ctypes.c_float
+    reader.outside_stream.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return reader
+
+
+def decode_variants(lib: ctypes.CDLL, args, reader):
+    """name -> call, bytes, check for each weights dtype's decode step, and the two streaming reads
+    ("stream numpy", "stream c": their bytes); the engines (to free); and what makes the caches cold
+    before each."""
     cfg = DECODE_MODEL
     declare_engine_abi(lib)
     w = gemma.init_weights(cfg, DECODE_SEED)
@@ -344,7 +425,10 @@ def decode_variants(lib: ctypes.CDLL, args):
         # the float64 reference on the weights as stored: the logits at position P of the whole prompt
         want = gemma.prefill_at(e.ref, cfg, tokens, args.decode_past)[0]
         checks[name] = lambda e=e, want=want: nmse(e.logits.astype(np.float64), want)
-    calls["stream"], nbytes["stream"] = lambda: int(stream.sum()), float(stream.nbytes)
+    calls["stream numpy"], nbytes["stream numpy"] = lambda: int(stream.sum()), float(stream.nbytes)
+    floats = stream.view(np.float32)
+    calls["stream c"] = lambda: reader.outside_stream(floats.ctypes.data, floats.size)
+    nbytes["stream c"] = float(stream.nbytes)
 
     def cold():  # the caches written and read over, untimed: what other work leaves behind
         evict.fill(np.uint64(time.monotonic_ns() & 0xff))
@@ -352,14 +436,20 @@ def decode_variants(lib: ctypes.CDLL, args):
     return calls, nbytes, checks, engines, cold
 
 
+def stream_seconds(samples: dict) -> list[float]:
+    """Per repetition, the faster of the streaming reads: the floor is the best rate."""
+    return [min(pair) for pair in zip(*(samples[name] for name in samples if name.startswith("stream ")))]
+
+
 def decode_ratios(samples: dict, nbytes: dict) -> dict[str, dict]:
     """Per repetition: the step's time over the time its weights take to stream once at the
-    repetition's bandwidth; median, min, max."""
+    repetition's bandwidth (the faster read's); median, min, max."""
     result = {}
+    stream, stream_bytes = stream_seconds(samples), nbytes["stream c"]
     for name in samples:
         if not name.startswith("decode "):
             continue
-        per_rep = [t / (nbytes[name] / (nbytes["stream"] / u)) for t, u in zip(samples[name], samples["stream"])]
+        per_rep = [t / (nbytes[name] / (stream_bytes / u)) for t, u in zip(samples[name], stream)]
         result[f"{name} vs stream"] = {"median": float(np.median(per_rep)), "min": float(min(per_rep)),
                                        "max": float(max(per_rep)), "reps": len(per_rep)}
     return result
@@ -390,13 +480,22 @@ def measure(calls: dict, reps: int, seed: int, once: tuple[str, ...] = (), befor
     return samples
 
 
+def faster_reference(samples: dict) -> str:
+    """The reference variant: of "sgemm openblas" and "sgemm mkl" (where it ran), the lower median time."""
+    return min((name for name in samples if name.startswith("sgemm ")), key=lambda name: np.median(samples[name]))
+
+
 def ratios(samples: dict, flops: dict, keys: list[int]) -> dict[str, dict]:
-    """Per repetition rate(top) / rate(bottom); median, min, max over the repetitions."""
+    """Per repetition rate(top) / rate(bottom); median, min, max over the repetitions. "sgemm" is the
+    faster library's variant (faster_reference)."""
+    reference = faster_reference(samples)
     pairs = [(f"attention keys={keys[-1]}", f"attention keys={keys[0]}")] if len(keys) > 1 else []
-    pairs += [(name, "sgemm") for name in samples if name != "sgemm"]
+    pairs += [(name, "sgemm") for name in samples if not name.startswith("sgemm ")]
+    pairs += [(name, "sgemm") for name in samples if name.startswith("sgemm ") and name != reference]
     result = {}
     for top, bottom in pairs:
-        per_rep = [(flops[top] / t) / (flops[bottom] / u) for t, u in zip(samples[top], samples[bottom])]
+        under = reference if bottom == "sgemm" else bottom
+        per_rep = [(flops[top] / t) / (flops[under] / u) for t, u in zip(samples[top], samples[under])]
         result[f"{top} vs {bottom}"] = {"median": float(np.median(per_rep)), "min": float(min(per_rep)),
                                         "max": float(max(per_rep)), "reps": len(per_rep)}
     return result
@@ -420,6 +519,9 @@ def main(argv=None) -> int:
                         help="weights dtypes of the decode steps (f32,f16,int8); empty: none")
     parser.add_argument("--decode-past", type=int, default=512, help="positions held when the step runs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--isa", choices=("native", "avx2"), default="native",
+                        help="avx2: the kernels and both references on their AVX2 kernels")
+    parser.add_argument("--mkl", type=int, choices=(0, 1), default=1, help="0: OpenBLAS alone as the reference")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     args.keys = sorted(args.keys)
@@ -431,25 +533,33 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp, threadpool_limits(1, "blas"):
         lib = build(bool(args.fused), Path(tmp))
         lib.tb_gemm_isa.restype = ctypes.c_char_p
-        worst, gflops, found = {}, {}, {}
+        mkl, mkl_from = load_mkl() if args.mkl else (None, "--mkl 0")
+        worst, gflops, found, reference = {}, {}, {}, {}
         if args.kernels:
-            calls, flops, checks = variants(lib, args, np.random.default_rng([args.seed, 35]))
+            calls, flops, checks = variants(lib, args, np.random.default_rng([args.seed, 35]), mkl)
             samples = measure(calls, args.reps, args.seed)
             worst |= {name: check() for name, check in checks.items()}
             gflops = {n: flops[n] / float(np.median(s)) / 1e9 for n, s in samples.items()}
             found |= ratios(samples, flops, args.keys)
+            chosen = faster_reference(samples)
+            reference = {"library": chosen.split()[1], "by": "median CPU seconds per call, this thread",
+                         "median_s": {n.split()[1]: float(np.median(s)) for n, s in samples.items()
+                                      if n.startswith("sgemm ")}}
+        reference["mkl"] = mkl_identity(mkl) | {"from": mkl_from} if mkl is not None else mkl_from
         if args.decode:
-            calls, nbytes, checks, engines, cold = decode_variants(lib, args)
+            calls, nbytes, checks, engines, cold = decode_variants(lib, args, stream_reader(Path(tmp)))
             samples = measure(calls, args.reps, args.seed, once=tuple(calls), before=cold)
             worst |= {name: check() for name, check in checks.items()}
             found |= decode_ratios(samples, nbytes)
-            gflops["stream GB/s"] = float(np.median([nbytes["stream"] / u / 1e9 for u in samples["stream"]]))
+            gflops["stream GB/s"] = float(np.median([nbytes["stream c"] / u / 1e9 for u in stream_seconds(samples)]))
+            gflops |= {f"{name} GB/s": float(np.median([nbytes[name] / u / 1e9 for u in samples[name]]))
+                       for name in samples if name.startswith("stream ")}
             for e in engines:
                 e.close()
-        blas = next((m for m in threadpool_info() if m.get("user_api") == "blas"), {})
+        blas = next((m for m in threadpool_info() if m.get("internal_api") == "openblas"), {})
         report = {"fused": bool(args.fused), "gemm_isa": lib.tb_gemm_isa().decode(),
-                  "sgemm_kernel": blas.get("architecture"), "openblas": blas.get("version"),
-                  "environment": {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")},
+                  "sgemm_kernel": blas.get("architecture"), "openblas": blas.get("version"), "reference": reference,
+                  "environment": {k: v for k, v in os.environ.items() if k.startswith(("OPENBLAS_", "MKL_", "TB_"))},
                   "clock": "this thread's CPU time, 1 thread", "load": os.getloadavg()[0],
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   "nmse": worst, "gflops_cpu": gflops, "ratios": found}

@@ -20,7 +20,8 @@
                                  pytest config turns it on) no test may send a packet outside loopback:
                                  a connect, sendto or name lookup off this machine, in the test's
                                  process or any Python process it starts, is refused and fails the test
-                                 (testbed/netguard)
+                                 (testbed/netguard); outside scripts/test.sh's network namespace, the
+                                 session ends naming the programs that are not Python it could not see
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from testbed.config import choices
 from testbed.devices import connect, load_profile
 from testbed.devices.private import DeviceBusy, device_lock
 from testbed.errors import DeviceUnreachable, ToolMissing, UsageError, did_you_mean
+from testbed.report.tables import printable
 from testbed.verdicts import FAILING, LABEL, UNJUDGED, Tally
 
 # The real peers the device tests talk to (loopback adbd, sshd) and their fixtures.
@@ -69,18 +71,50 @@ def _start_network_guard(config) -> None:
         os.environ[netguard.ENV_LOG] = log
         config._testbed_netguard_made = log
     config._testbed_netguard = (log, os.path.getsize(log))
+    if os.environ.get("TESTBED_NETWORK") != "namespace":  # what the guard cannot see, named at the end
+        unpoliced = os.environ.get(netguard.ENV_UNPOLICED)
+        if not (unpoliced and os.path.isfile(unpoliced)):
+            fd, unpoliced = tempfile.mkstemp(prefix="testbed-netguard-unpoliced-", suffix=".log")
+            os.close(fd)
+            os.environ[netguard.ENV_UNPOLICED] = unpoliced
+            config._testbed_unpoliced_made = unpoliced
+        config._testbed_unpoliced = (unpoliced, os.path.getsize(unpoliced))
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if str(netguard.SITE_DIR) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(netguard.SITE_DIR), *paths) if p)
 
 
 def pytest_unconfigure(config):
-    made = getattr(config, "_testbed_netguard_made", None)
-    if made:
-        from testbed import netguard
+    from testbed import netguard
 
-        os.environ.pop(netguard.ENV_LOG, None)
-        os.unlink(made)
+    for attribute, variable in (("_testbed_netguard_made", netguard.ENV_LOG),
+                                ("_testbed_unpoliced_made", netguard.ENV_UNPOLICED)):
+        made = getattr(config, attribute, None)
+        if made:
+            os.environ.pop(variable, None)
+            os.unlink(made)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Outside scripts/test.sh's network namespace, the guard saw only Python: say which other programs
+    the tests started through testbed (testbed.children), beyond its sight."""
+    unpoliced = getattr(config, "_testbed_unpoliced", None)
+    if unpoliced is None:
+        return
+    path, offset = unpoliced
+    try:
+        with open(path) as f:
+            f.seek(offset)
+            names = f.read().splitlines()
+    except OSError:
+        return
+    if names:
+        counts = {name: names.count(name) for name in sorted(set(names))}
+        terminalreporter.write_line(printable(
+            f"network guard: in-process only (this session is not in scripts/test.sh's network namespace): it sees "
+            f"what Python sends, not what these {len(counts)} programs the tests started did: "
+            + ", ".join(f"{name} ({n})" for name, n in counts.items())
+            + "; scripts/test.sh runs the suite where no program can reach past loopback"), yellow=True)
 
 
 def network_guard_findings(config) -> list[str]:

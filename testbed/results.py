@@ -49,7 +49,7 @@ from typing import Any, Iterable
 import numpy as np
 import pandas as pd
 
-from testbed import PROJECT_ROOT, __version__
+from testbed import PROJECT_ROOT, __version__, children
 from testbed.errors import StoreError
 from testbed.verdicts import PASS, VERDICTS
 
@@ -125,10 +125,10 @@ class Record:
 
 def git_commit() -> str:
     try:
-        head = subprocess.run(
+        head = children.run(
             ["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=5
         )
-        dirty = subprocess.run(
+        dirty = children.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
             cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=5,
         )

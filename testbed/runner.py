@@ -17,6 +17,7 @@ cores).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -30,9 +31,11 @@ from testbed.config import RunConfig, check_params, results_path
 from testbed.devices import Device, connect, load_profile
 from testbed.devices.profile import Profile
 from testbed.errors import DeviceError
+from testbed.heartbeat import Lasting, saying
+from testbed.report import tables
 from testbed.results import Record, ResultsStore, RunInfo, running
 from testbed.stop import STOP, STOP_SIGNAL, Interrupted, raise_if_stopped  # noqa: F401 -- used as runner.X
-from testbed.verdicts import UNJUDGED, Tally
+from testbed.verdicts import LABEL, PASS, UNJUDGED, Tally
 
 
 # Interrupted, STOP and raise_if_stopped live in testbed.stop (the transports check them too).
@@ -45,6 +48,7 @@ from testbed.verdicts import UNJUDGED, Tally
 # stored when a signal stops it (`stored_so_far`): a nightly may have completed runs before the one the
 # signal broke, and a worker still inside one long call leaves its run without an end mark.
 RUNS: dict[str, str] = {}
+REACHED: dict[str, str] = {}  # a run that broke: the verdicts it had reached ("13 pass, 1 fail"), said with it
 _storing = threading.local()
 
 
@@ -90,6 +94,10 @@ def check(rc: RunConfig):
         backends.refuse_mismatch(backend, rc.device, rc.cfg.device.get("capabilities"))
     if backend == "native":
         check_native_tools(profile, counted=bool(rc.cfg.get("counts")))
+    if backend == "engine" and rc.cfg.get("engine"):  # built for this device, its prebuilt program there
+        from testbed.backends.engine import build as engine_build, spec as engine_spec
+
+        engine_build.check_device(engine_spec.load(rc.cfg.engine), profile)
     if hasattr(module, "validate"):
         module.validate(rc.cfg)
     return module, profile
@@ -201,6 +209,22 @@ def backend_label(cfg) -> str:
     return f"engine:{cfg.get('engine')}" if backend == "engine" else backend
 
 
+def _store_as_they_come(records, profile, info: RunInfo, store: ResultsStore, rows: list[dict], load_before: dict,
+                        progress) -> None:
+    """Each record as the experiment yields it: checked for evidence, stamped, stored, kept in `rows`;
+    an oracle's verdict said through `progress` at once, before the run goes on."""
+    for record in records:
+        check_evidence([record], profile)
+        info.host_load = host_load(load_before)
+        row = info.stamp(record)
+        with storing():
+            store.append([row])
+            rows.append(row)
+        if row["kind"] == "oracle":  # said the moment it is decided, before whatever the run does next
+            progress(Lasting(verdict_line(row)))
+        raise_if_stopped()
+
+
 def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = None, produce=None) -> Outcome:
     """Run the experiment (or `produce(cfg, ctx)`, another source of its records: testbed ab) and store
     its records as they come."""
@@ -220,15 +244,14 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
         RUNS[info.run_id] = "running"
     try:
         raise_if_stopped()
-        with running(store.root, info.run_id):  # the run an engine's failing requests are kept for
-            for record in (produce or module.run)(rc.cfg, ctx):
-                check_evidence([record], profile)
-                info.host_load = host_load(load_before)
-                row = info.stamp(record)
-                with storing():
-                    store.append([row])
-                    rows.append(row)
-                raise_if_stopped()
+        # the first step named at once: what a heartbeat says until the experiment says more (a model to
+        # build, programs to compile)
+        progress(f"{rc.experiment} on {rc.device} ({info.backend}): starting")
+        # a build deep in a backend says so through this run's progress; an engine's failing requests are kept
+        # for this run
+        with saying(progress), running(store.root, info.run_id):
+            _store_as_they_come((produce or module.run)(rc.cfg, ctx), profile, info, store, rows, load_before,
+                                progress)
     except BaseException as e:  # noqa: BLE001  -- signals included: the store must say the run broke
         if isinstance(e, KeyboardInterrupt):
             what = "interrupted"
@@ -243,11 +266,27 @@ def execute(rc: RunConfig, progress=lambda msg: None, device: Device | None = No
                                             {"records_before_error": len(rows)}, detail=what, evidence=evidence)),
                           info.mark("ended", "broke")])
             RUNS[info.run_id] = "broken by a signal" if isinstance(e, (KeyboardInterrupt, Interrupted)) else "broke"
+            REACHED[info.run_id] = Tally.of_records(rows).phrase()
         raise
     with storing():  # a signal now finds the run complete; the next run (of a sweep) stops at its start
         store.append([info.mark("ended", "complete")])
         RUNS[info.run_id] = "complete"
     return Outcome(info, rows)
+
+
+def verdict_line(row: dict) -> str:
+    """An oracle's verdict as progress says it the moment it is decided, in one line: the verdict,
+    experiment, case and oracle, the device and the engine (the backend), the margin, and for any verdict but a
+    pass why (the progress line cuts it to the terminal's width; the record and the summary keep it)."""
+    oracle = str(row.get("oracle") or "")
+    case = row["case"] if not oracle or row["case"].endswith(oracle) else f"{row['case']} {oracle}"
+    text = f"{LABEL.get(row['verdict'], 'ERROR')} {row['experiment']} {case} on {row['device']} ({row['backend']})"
+    margin = row.get("margin")
+    if isinstance(margin, (int, float)) and not isinstance(margin, bool) and math.isfinite(margin):
+        text += f", margin {tables.number(margin)}"
+    if row["verdict"] != PASS and row.get("detail"):
+        text += f": {row['detail']}"
+    return " ".join(text.split())  # a detail's own line breaks never break the one line
 
 
 def stored_so_far() -> str:
@@ -260,8 +299,10 @@ def stored_so_far() -> str:
         said.append(f"{len(ids('complete'))} run(s) completed and stored ({', '.join(ids('complete'))})")
     if ids("broke"):
         said.append(f"run {', '.join(ids('broke'))} broke before the signal (its error record is stored)")
-    if ids("broken by a signal"):
-        said.append(f"run {', '.join(ids('broken by a signal'))} was recorded as broken (what it measured is kept)")
+    for run_id in ids("broken by a signal"):  # with the verdicts it reached before the signal
+        verdicts = REACHED.get(run_id, "no verdicts")
+        reached = f"; its verdicts so far: {verdicts}" if verdicts != "no verdicts" else ""
+        said.append(f"run {run_id} was recorded as broken (what it measured is kept{reached})")
     if ids("running"):
         said.append(f"run {', '.join(ids('running'))} was still inside a call when testbed stopped waiting for it: "
                     "it reads back as incomplete (what it measured is kept)")

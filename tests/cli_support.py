@@ -6,6 +6,7 @@ testbed.cli.ProgressLine). A test of how a failure is said (one line, no traceba
 
 from __future__ import annotations
 
+import itertools
 import re
 
 PROGRESS = re.compile(r"^\[\d+ s\] ")
@@ -13,3 +14,12 @@ PROGRESS = re.compile(r"^\[\d+ s\] ")
 
 def said(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if not PROGRESS.match(line)]
+
+
+def table_rows(stdout: str) -> list[str]:
+    """The data rows of the first Markdown table a command printed. On the terminal a table that would
+    not fit 120 columns says the settings common to every row once, above it (testbed.report.tables.fit),
+    so a row is found by its place, not by the columns it starts with."""
+    lines = stdout.splitlines()
+    ruled = next(i for i, line in enumerate(lines) if line.startswith("| -"))
+    return list(itertools.takewhile(lambda line: line.startswith("| "), lines[ruled + 1:]))

@@ -36,7 +36,7 @@ def test_the_same_tree_twice_is_no_change_on_qemu(tmp_path):
     p = run_ab(tmp_path, "HEAD", "HEAD", "device=qemu-aarch64", *SMALL, "--reps", "2")
     assert p.returncode == 0, p.stderr + p.stdout
     assert "B is not worse than A on any call" in p.stdout
-    assert p.stdout.count("| no change") == 2  # serial and chunkwise
+    assert p.stdout.count("| no change") == 2, p.stdout  # serial and chunkwise
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +159,12 @@ def test_count_verdicts():
     assert ab.count_verdict(1000, 1011, 0.01) == "slower"
     assert ab.count_verdict(1000, 990, 0.01) == "fewer"
     assert ab.count_verdict(None, 990, 0.01) == "not counted"
+
+
+def test_an_undecided_cpu_time_is_never_hidden_behind_an_instruction_change_under_the_threshold():
+    """Issue 46: instructions +0.4% ("changed", under the 1% threshold) and CPU time undecided read
+    "changed", and the last line said "B is not worse". The open CPU verdict is what the call says."""
+    assert ab._overall({"instructions": "changed", "cpu": "undecided", "wall": "undecided"}) == "undecided"
+    assert ab._overall({"instructions": "changed", "cpu": "no change", "wall": "no change"}) == "changed"
+    assert ab._overall({"instructions": "no change", "cpu": "below floor", "wall": "no change"}) == "below floor"
+    assert ab._overall({"instructions": "fewer", "cpu": "undecided", "wall": "undecided"}) == "faster"

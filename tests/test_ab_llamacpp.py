@@ -20,6 +20,7 @@ cold Hexagon build of the sdist took 24 min here (zig's musl and libc++ first), 
 builds made (A and B, native and generic).
 """
 
+import hashlib
 import re
 import shutil
 import subprocess
@@ -112,6 +113,59 @@ def test_a_revision_that_does_not_exist_in_the_checkout_is_refused(results_dir, 
     (line,) = said(err)
     assert f"'v9.9.9' is not a revision of {repo}" in line and "accepted: a revision that exists there" in line
     assert not results_dir.exists()
+
+
+LINK_PATCH = """\
+diff --git a/ggml/src/evil.c b/ggml/src/evil.c
+new file mode 120000
+index 0000000..1111111
+--- /dev/null
++++ b/ggml/src/evil.c
+@@ -0,0 +1 @@
++{outside}
+\\ No newline at end of file
+"""
+
+
+@pytest.mark.parametrize("kind", ["folder", "patch", "revision", "llamacpp.source"])
+def test_a_symbolic_link_in_a_tree_is_refused_and_nothing_is_copied(kind, results_dir, capsys, tmp_path):
+    """Issue 44, item 3: a folder, a patch (git diffs make links) or a --repo revision holding a link among
+    the files a build reads is refused as a kernels/ tree is: exit 2, one line, nothing stored, and the
+    outside file's bytes copied nowhere (no patched or revision copy is kept)."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("bytes from outside the tree\n")
+    clean = fake_checkout(tmp_path / "clean")
+    kept = []  # the copies a resolution would keep, none of which may appear
+    if kind == "patch":
+        patch = tmp_path / "link.patch"
+        patch.write_text(LINK_PATCH.format(outside=outside))
+        digest = hashlib.sha256(build.source_hash(clean).encode() + b"\0" + patch.read_bytes()).hexdigest()[:16]
+        kept, args = [f"patched-{digest}"], [str(clean), f"{clean}+{patch}"]
+    elif kind == "revision":
+        repo = tmp_path / "llama.cpp"
+        repo.mkdir()
+        (repo / "ggml" / "src").mkdir(parents=True)
+        (repo / "ggml" / "src" / "evil.c").symlink_to(outside)
+        fake_checkout(repo)
+        tree = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD^{tree}"], capture_output=True,
+                              text=True).stdout.strip()
+        kept, args = [f"rev-{tree[:16]}"], [str(clean), "HEAD", "--repo", str(repo)]
+    else:
+        linked = fake_checkout(tmp_path / "linked")
+        (linked / "ggml" / "src").mkdir()
+        (linked / "ggml" / "src" / "evil.c").symlink_to(outside)
+        args = [str(clean), str(linked)]
+    if kind == "llamacpp.source":
+        status = cli.main(["run", "llamacpp", f"llamacpp.source={linked}"])
+        out, err = capsys.readouterr()
+    else:
+        status, out, err = ab_command(capsys, *args, "backend=llamacpp", "device=qemu-aarch64")
+    assert status == 2 and out == ""
+    (line,) = said(err)
+    assert "ggml/src/evil.c is a symbolic link; accepted: a llama.cpp tree of plain files and folders" in line, line
+    assert not results_dir.exists()
+    made = [p.name for p in trees.AB_CACHE.glob("*")] if trees.AB_CACHE.is_dir() else []
+    assert not [name for name in made if any(name.startswith(k) for k in kept)], made
 
 
 def test_a_revision_is_its_commits_files_whatever_the_checkout_holds(tmp_path):

@@ -23,7 +23,8 @@ def test_sweep_prints_both_verdicts_and_names_the_best_chunk(results_dir, capsys
     assert "P=800,n=52,C=64:pass P=820,n=32,C=64:pass" in out
     assert "P=800,n=52,C=32:pass P=820,n=32,C=32:pass" in out
     assert "tiny on refimpl / host (measured)" in out and "seed 000 figures (mali-vulkan-valhall4" in out
-    assert out.count("best C = ") == 2
+    # the best C and chunked against token by token, each with its confidence: measured, then the seed's
+    assert out.count("\nbest C by time: ") == 2 and out.count(" vs token by token by time: ") == 2
     records = ResultsStore(results_dir).records("chunk_prefill")
     oracles = [r for r in records if r["kind"] == "oracle"]
     assert len(oracles) == 16 and all(r["verdict"] == "pass" for r in oracles)  # 2 cases x 4 verdicts x 2 C
@@ -52,7 +53,10 @@ def test_fixture_is_rendered(results_dir):
     from testbed import config
 
     text = exp.render_fixture(config.load([], experiment="chunk_prefill").cfg)
-    assert "C=32 2.45 s, C=64 4.58 s; decode 0.26 s/token" in text and "best C = " in text
+    assert "C=32 2.45 s, C=64 4.58 s; decode 0.26 s/token" in text
+    # the seed's figures are medians: they decide nothing, and say so
+    assert "best C by time: undecided (medians only, no repetitions to resample, no confidence): 32 by the " \
+           "medians alone" in text
 
 
 def test_run_and_table(results_dir, capsys):

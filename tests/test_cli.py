@@ -9,6 +9,7 @@ import pytest
 
 from testbed.cli import main
 from testbed.results import ResultsStore
+from tests.cli_support import table_rows
 
 SMALL = ["matrix=awkward", "bench.tokens=[64]", "bench.heads=4", "bench.head_size=32", "bench.reps=2"]
 
@@ -31,8 +32,8 @@ def test_run_gdn_stores_records_and_prints_a_summary(results_dir, capsys):
 def test_sweep_runs_the_product_and_prints_one_table(results_dir, capsys):
     assert main(["sweep", "experiment=gdn", "chunk=16,32", "mode=oracle,bench", *SMALL]) == 0
     out = capsys.readouterr().out
-    table = [line for line in out.splitlines() if line.startswith("| gdn")]
-    assert len(table) == 4
+    # a row per job; its settings common to every job said once above the table where it would not fit
+    assert len(table_rows(out)) == 4, out
     assert {r["config"]["chunk"] for r in ResultsStore(results_dir).records()} == {16, 32}
 
 
@@ -186,3 +187,30 @@ def test_version_and_the_device_option_say_what_they_are(capsys):
                             capture_output=True, text=True, timeout=120).stdout
     said = "".join(helped[helped.index("--device=DEVICE"):helped.index("--network-guard")].split())
     assert "oneofadb-loopback," in said and "qemu-arm32" in said and ",host," in said
+
+
+def test_a_wide_table_fits_the_terminal_and_says_what_it_left_out():
+    """Issue 46: terminal lines of 270-501 characters, margins with 16 digits. A table for the terminal
+    fits 120 columns: what every row shares said once above it, long text cut only where that makes it
+    fit, then the first columns that fit, the rest named with the command that prints them all; every
+    number by one rule."""
+    import pandas as pd
+
+    from testbed.report import tables
+
+    assert [tables.number(v) for v in (0.8660254037844386, 4280474.0, 3.1e-07, 123.456, -2.0)] == \
+        ["0.866", "4280474", "3.1e-07", "123.5", "-2"]
+    df = pd.DataFrame({"experiment": ["gdn"] * 2, "device": ["host"] * 2, "case": ["T=64/chunkwise", "T=64/serial"],
+                       "margin": [0.8660254037844386, 6.5], **{f"figure {i}": [1.5, 2.5] for i in range(14)}})
+    text = tables.for_terminal(df, "testbed table gdn --format md|csv|json")
+    lines = text.splitlines()
+    assert all(len(line) <= 120 for line in lines), text
+    assert lines[0] == "experiment: gdn; device: host" and lines[1].startswith("| case ") and "| 0.866 " in text
+    note = " ".join(" ".join(line.split()) for line in lines if not line.startswith("|"))  # wrapped
+    assert "more column(s): " in note and "figure 13" in note
+    assert note.endswith("all of them: testbed table gdn --format md|csv|json)")
+    # a sweep's results are never said once, only its settings
+    shown, once, _ = tables.fit(df, settings=["experiment"])
+    assert once == {"experiment": "gdn"} and "device" in shown.columns
+    # a sentence wraps, a table line never does
+    assert all(len(line) <= 120 for line in tables.wrap("word " * 60).splitlines())

@@ -65,7 +65,9 @@ def test_undecided_says_about_how_many_more_repetitions_would_separate_them():
     assert theory / 3 < np.median(totals) < theory * 3  # 'about': a pilot's estimate of a scaling law
     # medians that are equal cannot be separated by any number of repetitions
     equal = decisions.best_of({"a": [1.0, 1.2, 0.8, 0.9, 1.1], "b": [0.9, 1.0, 1.1, 1.2, 0.8]})
-    assert equal["more_reps"] is None and "more repetitions would resolve" in equal["says"]
+    assert equal["more_reps"] is None
+    assert "undecided at this noise (the closest are too near for even 10000 more repetitions to separate)" \
+        in equal["says"]
 
 
 def test_interleaved_repetitions_are_compared_paired():
@@ -204,9 +206,11 @@ def test_the_hybrid_tail_breakeven_carries_its_interval():
              "figures.tokens_per_cpu_s.samples": getattr(r, f"{mode}_tps_samples"),
              "figures.cpu_time.median": 1.0}
             for r in sweep.itertuples() for mode in ("padded", "scalar")]
-    verdict = hybrid.tail_table(pd.DataFrame(rows)).iloc[-1]["winner"]
-    assert verdict == ("padded from tail 10; breakeven tail between 8 and 10 "
-                       "(95% confidence by CPU time, bootstrap over 8 repetitions)")
+    (found,) = hybrid.tail_breakevens(pd.DataFrame(rows).assign(backend="native"))
+    assert found["says"] == ("padded from tail 10; breakeven tail between 8 and 10 "
+                             "(95% confidence by CPU time, bootstrap over 8 repetitions)")
+    assert (found["lo"], found["hi"], found["decided"], found["by"]) == (8, 10, True, "CPU time")
+    assert "breakeven" not in set(hybrid.tail_table(pd.DataFrame(rows))["N"].astype(str))  # rows are rows
 
 
 def test_a_sweep_over_contexts_prints_the_crossover_interval():
@@ -231,3 +235,119 @@ def test_the_hybrid_table_carries_each_crossover_with_its_interval():
     assert found["source"] == "host/native: hybrid-serial overtakes dense"
     assert (found["point"], found["lo"], found["hi"], found["level"], found["reps"]) == (1024, 512, 1024, 0.95, 6)
     assert found["decided"] and found["says"].startswith("crossover context between 512 and 1024 (95% confidence")
+
+
+# --- ties, chunked against token by token, and every place a choice is printed (issue 46) -----------------
+
+
+def test_equal_exact_counts_are_a_tie_that_names_every_tied_size():
+    found = decisions.best_of({32: [5e6], 64: [4_280_474.0], 128: [4_280_474.0]}, by="instructions")
+    assert found["decided"] and found["tie"] and found["candidates"] == [64, 128]
+    assert found["says"] == "a tie: 64 and 128 (by instructions, exact: 4,280,474 each)"
+    assert decisions.label(found) == "64 = 128 (tie)"
+
+
+def test_too_few_repetitions_leave_every_size_a_candidate_and_say_undecided():
+    found = decisions.best_of({16: [1.0, 1.1, 0.9], 32: [2.0, 2.1, 1.9]})
+    assert not found["decided"] and found["candidates"] == [16, 32]
+    assert found["says"].startswith("undecided (3 repetitions: too few for an interval, need 2 more, no confidence)")
+    assert decisions.label(found) == "undecided: 16, 32"
+
+
+def test_chunked_against_token_by_token_carries_its_interval():
+    """Token by token twice as fast as chunked, each repetition scattered by 5%: decided, with the factor's
+    interval around 2; at a 40% scatter the same medians are undecided, the interval holding both sides
+    of 1 (the issue's run flipped between 'chunking 23% faster' and 'token by token 43-53% faster')."""
+    chunked, token = noisy([0.50, 0.25], 8, 0.05, 3)
+    quiet = decisions.ratio(chunked, token, "chunked (C=64)", "token by token", paired=True)
+    assert quiet["decided"] and quiet["faster"] == "token by token" and quiet["lo"] < 0.5 < quiet["hi"]
+    assert quiet["says"].startswith("token by token is 2.0") and "x faster than chunked (C=64) (" in quiet["says"]
+    assert "95% confidence by time, bootstrap over 8 repetitions, paired" in quiet["says"]
+    chunked, token = noisy([0.50, 0.40], 5, 0.4, 4)
+    loud = decisions.ratio(chunked, token, "chunked (C=64)", "token by token")
+    assert not loud["decided"] and loud["faster"] is None and loud["lo"] < 1 < loud["hi"]
+    assert loud["says"].startswith("undecided at this noise")
+    exact = decisions.ratio([3e6], [3e6], "chunked (C=64)", "token by token", by="instructions")
+    assert exact["decided"] and exact["says"] == "a tie: chunked (C=64) and token by token (by instructions, exact: " \
+                                                 "3,000,000 each)"
+
+
+def test_the_report_never_marks_a_best_size_that_token_by_token_beats():
+    """The report marked C=64 '<- best' while token by token beside it was twice as fast: the marks are the
+    decisions' now, token by token's row included."""
+    from testbed.report import build
+
+    lengths = [16, 36, 44, 52]
+    calls = dict(zip((32, 64), noisy([0.10, 0.30], 8, 0.02, 5)))  # 1.75 calls of C=32 per utterance: 0.175 s
+    decode = {c: list(np.full(8, 0.002)) for c in calls}  # 37 tokens on average: 0.074 s token by token
+    measured = chunk_prefill.ChunkMeasures(calls, decode)
+    choices = chunk_prefill.choices(measured, lengths, None, 0)
+    table = build.chunk_choice_table(measured, lengths, None, 0, choices)
+    marks = dict(zip(table["C"], table["choice"]))
+    assert marks[32] == "<- best (95% confidence); token by token is faster" and marks[64] == ""
+    assert marks["token by token"] == "<- faster than C=32"
+
+
+def test_an_undecided_best_chunk_reads_undecided_in_the_terminal_the_table_and_the_report(results_dir, capsys,
+                                                                                         tmp_path):
+    """Issue 46: the report marked '<- best' where the same sweep's terminal said undecided. Three
+    repetitions give no interval: the sweep, `testbed table --format json` and the report all say so."""
+    import json
+
+    from testbed.cli import main
+
+    assert main(["sweep", "experiment=chunk_prefill", "chunk=16,32", "mode=bench", "bench.reps=3",
+                 "bench.past=40"]) == 0
+    out = capsys.readouterr().out
+    assert "\nbest C by time: undecided (3 repetitions: too few for an interval, need 2 more, no confidence): " in out
+    assert main(["table", "chunk_prefill", "--format", "json"]) == 0
+    (best,) = [c for c in json.loads(capsys.readouterr().out)["choices"] if c["decision"] == "best C"]
+    assert best["decided"] is False and best["label"].startswith("undecided: ")
+    assert sorted(best["candidates"]) == [16, 32]
+    assert best["says"].startswith("undecided (3 repetitions")
+    main(["report", "--out", str(tmp_path / "report")])
+    content = json.loads((tmp_path / "report" / "report.json").read_text())
+    chunk = next(s for s in content["sections"] if s["id"] == "chunk")
+    (table,) = [t for t in chunk["tables"] if t["caption"].startswith("host / refimpl")]
+    marks = [row["choice"] for row in table["rows"] if row["C"] in (16, 32)]
+    assert all(m.startswith("undecided") for m in marks) and not any("<- best" in m for m in marks), marks
+    assert [c["label"] for c in content["choices"] if c["decision"] == "best C"] == [best["label"]]
+    assert "best C by time: undecided (3 repetitions" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_a_tie_of_exact_counts_prints_both_sizes_in_the_sweep_and_the_table(results_dir, capsys):
+    """Issue 46: `sweep experiment=gdn ... device=qemu-aarch64 chunk=64,128` printed '64 (by instructions,
+    exact)' when both counted the same. At T=48 both chunks run one chunk of 48 rows: the same count."""
+    import json
+
+    from testbed.cli import main
+
+    assert main(["sweep", "experiment=gdn", "backend=native", "device=qemu-aarch64", "chunk=64,128", "mode=bench",
+                 "bench.tokens=[48]", "bench.heads=2", "bench.head_size=32"]) == 0
+    out = capsys.readouterr().out
+    said = " ".join(out.split())  # the line wraps at 120 columns
+    assert "best chunk, chunkwise, T=48 on native / qemu-aarch64, by instructions: a tie: 64 and 128 (by " \
+           "instructions, exact: " in said and "no best chunk by time on native / qemu-aarch64" in said
+    assert main(["table", "gdn", "--format", "json"]) == 0
+    (tie,) = json.loads(capsys.readouterr().out)["choices"]
+    assert tie["label"] == "64 = 128 (tie)" and tie["tie"] and tie["candidates"] == [64, 128]
+
+
+def test_tail_on_a_counting_device_decides_the_breakeven_by_instructions(results_dir, capsys):
+    """Issue 46: `testbed run tail device=qemu-aarch64` printed no breakeven although its records hold
+    exact counts, and a 'winner' column drawn from emulated times. Now: the counts' table and breakeven."""
+    import json
+    import re
+
+    from testbed.cli import main
+
+    assert main(["run", "tail", "device=qemu-aarch64"]) == 0
+    out = capsys.readouterr().out
+    said = " ".join(out.split())
+    assert re.search(r"breakeven \(qemu-aarch64/native [^)]*\): (padded from tail \d+ \(threshold \d+\)|none: padding "
+                     r"does not win at tail \d+), by instructions; breakeven tail ", said), out
+    assert "fewer instructions" in out and "winner" not in out and "tok/s" not in out  # no time decides here
+    assert all(len(line) <= 120 for line in out.splitlines()), [line for line in out.splitlines() if len(line) > 120]
+    assert main(["table", "tail", "--format", "json"]) == 0
+    (found,) = json.loads(capsys.readouterr().out)["breakevens"]
+    assert found["by"] == "instructions" and found["decided"] and found["method"].startswith("exact counts")

@@ -101,11 +101,16 @@ def test_the_table_renders_for_people_and_programs(compared):
 def test_a_planted_wrong_engine_is_never_timed_where_it_is_wrong(tmp_path, monkeypatch, results_dir):
     """testbed's engine with a planted fault (every utterance call starts from empty caches: the state is not
     carried between calls): tg (one call per token) and the plan (after its past) give wrong tokens and are
-    never timed; pp (one call from empty caches) is right, and is timed. llama.cpp is timed everywhere."""
+    never timed; pp (one call from empty caches) is right, and is timed. llama.cpp is timed everywhere. The
+    lab's yaml lists f32 weights only: at q8_0 its rows are its refusal (not supported), never timed."""
     lab = tmp_path / "lab"
     monkeypatch.setenv("TESTBED_LAB", str(lab))
     lab_engine(lab, "forgetful", ("TB_FAULT_STATE_NOT_CARRIED",))
-    df = run(["engine=forgetful", "weights=[f32]"]).frame()
+    df = run(["engine=forgetful", "weights=[f32,q8_0]"]).frame()
+    refused = df[(df["kind"] == "oracle") & (df["params.weights"] == "q8_0") & (df["params.row"] == "testbed")]
+    assert len(refused) == 3 and (refused["verdict"] == "not supported").all()
+    assert "does not take int8 weights" in refused["detail"].iloc[0]
+    df = df[df["params.weights"] == "f32"]
     oracles = df[df["kind"] == "oracle"].set_index(["params.row", "params.test"])
     assert oracles.loc[("testbed", "tg4"), "verdict"] == "fail"
     assert oracles.loc[("testbed", "pp7 @ d40"), "verdict"] == "fail"

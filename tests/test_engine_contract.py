@@ -20,16 +20,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.cli_support import said
+from tests.cli_support import said, table_rows
 from testbed import config, runner
 from testbed.backends.engine import runner as engine_runner, spec as engine_spec
 from testbed.backends.native import build as kernel_build
 from testbed.errors import UsageError
 
 SOURCES = ["bench/tb_model_engine.c", "bench/tb_engine.c", "bench/harness.c", "bench/safetensors.c", "bench/model_load.c",
-           "gdn.c", "attention.c", "sliding_cache.c", "tb_parallel.c", "model.c", "model_cache.c", "model_prefill.c",
-           "hybrid.c", "gemm.c", "gemm_avx2.c", "gemm_avx512.c"]
+           "bench/hybrid_load.c", "gdn.c", "attention.c", "sliding_cache.c", "tb_parallel.c", "model.c",
+           "model_cache.c", "model_prefill.c", "hybrid.c", "gemm.c", "gemm_avx2.c", "gemm_avx512.c"]
 SMALL = ["mode=oracle", "cases=[{past: 5, tokens: 7}]", "chunk=4"]
+TAIL_SMALL = ["mode=oracle", "chunk=8", "tail=[3]", "shape.hidden=64", "shape.layers=2", "shape.heads=2",
+              "shape.kv_heads=1", "shape.head_dim=32", "shape.mlp=128", "shape.vocab=256", "shape.window=32",
+              "oracle.grid_windows=[16]", "oracle.grid_sinks=[0]"]
 
 
 def lab_engine(lab: Path, name: str, defines: tuple[str, ...] = ()) -> Path:
@@ -51,7 +54,7 @@ def lab_engine(lab: Path, name: str, defines: tuple[str, ...] = ()) -> Path:
         program: tb_model_engine
         abis: [host]
         supports:
-          techniques: [chunk_prefill, tail]
+          techniques: [chunk_prefill, tail, hybrid]
           cache: [float32, float16, int8]
         invoke: ["{{program}}", "{{request}}", "{{response}}"]
         timeout_s: 300
@@ -89,7 +92,8 @@ def test_a_lab_engine_gets_verdicts_sweep_rows_and_report_rows(lab, results_dir,
     swept = cli("sweep", "experiment=chunk_prefill", "backend=engine", "engine=toy", "chunk=4,8", *SMALL[:2],
                         env=env)
     assert swept.returncode == 0, swept.stderr
-    rows = [line for line in swept.stdout.splitlines() if line.startswith("| chunk_prefill | engine  | toy")]
+    rows = table_rows(swept.stdout)  # the job's settings said once above its rows where they would not fit
+    assert "backend: engine; engine: toy" in swept.stdout or all("| engine  | toy" in row for row in rows)
     assert len(rows) == 2 and all("4 pass" in row for row in rows), swept.stdout
     report = cli("report", f"--out={tmp_path / 'report'}", env=env)
     assert report.returncode == 0, report.stderr
@@ -108,6 +112,25 @@ def test_planted_engine_faults_fail_the_oracles(lab, results_dir, fault, failing
     df = run(["backend=engine", "engine=faulty", *SMALL]).frame()
     failed = set(df.loc[df["verdict"] == "fail", "oracle"])
     assert failing <= failed, df[["oracle", "verdict", "detail"]].to_string()
+
+
+HYBRID_SMALL = ["mode=oracle", "chunk=16", "oracle.past=[20]", "oracle.tokens=[12]", "oracle.tails=[5]",
+                "oracle.chunks=[8,16]", "oracle.prompt_tokens=40"]
+
+
+def test_the_hybrid_through_a_lab_engine_fails_when_its_state_is_not_carried(lab, results_dir):
+    """The hybrid through the contract (a lab's build of testbed-c, the same faulty build as above): honest, every
+    oracle passes; with each utterance call started from an empty past (conv, recurrent state and KV caches
+    dropped), the logits against the float64 model, the first token across C and after a padded tail fail (the
+    token alone can survive: a tiny random model's next token leans on the last token)."""
+    lab_engine(lab, "toy")
+    honest = run(["backend=engine", "engine=toy", *HYBRID_SMALL], experiment="hybrid").frame()
+    assert len(honest) and (honest["verdict"] == "pass").all(), honest[["case", "verdict", "detail"]].to_string()
+    lab_engine(lab, "faulty", ("TB_FAULT_STATE_NOT_CARRIED",))
+    df = run(["backend=engine", "engine=faulty", *HYBRID_SMALL], experiment="hybrid").frame()
+    failed = set(df.loc[df["verdict"] == "fail", "oracle"])
+    assert {"naive", "chunk_invariance", "first_token"} <= failed, \
+        df[["case", "oracle", "verdict", "detail"]].to_string()
 
 
 def wrapper_engine(lab: Path, name: str, damage: str, timeout: float = 300, real: Path | None = None,
@@ -152,6 +175,18 @@ BAD_RESPONSES = {
     "version": ("(out / 'status.json').write_text(json.dumps({'contract': 2, 'status': 'ok'}))",
                 "response/status.json: contract=2"),
     "hang": ("time.sleep(600)", "did not answer within timeout_s=3"),
+    # a header claiming what no request allows: refused from the header, nothing allocated (was a MemoryError)
+    "huge-header": ("a = np.load(out / 'logits.npy'); h = repr({'descr': '<f4', 'fortran_order': False, "
+                    "'shape': (10**6, 10**6)}); h += ' ' * (-(len(h) + 11) % 64) + chr(10); "
+                    "(out / 'logits.npy').write_bytes(b'\\x93NUMPY\\x01\\x00' + len(h).to_bytes(2, 'little') "
+                    "+ h.encode() + a.tobytes())",
+                    "response/logits.npy has shape (1000000, 1000000); the contract says (1, 256)"),
+    "marks": ("t = json.loads((out / 'timings.json').read_text()); t['marks'] = 5; "
+              "(out / 'timings.json').write_text(json.dumps(t))", "response/timings.json: marks=5 is not accepted"),
+    "digits": ("(out / 'timings.json').write_text('{\"calls\": [{\"wall_s\": ' + '9' * 5000 + '}]}')",
+               "response/timings.json is not JSON testbed reads: it holds an integer of more than 4300 digits"),
+    "nested": ("(out / 'timings.json').write_text('[' * 5000 + ']' * 5000)",
+               "response/timings.json is not JSON testbed reads: it nests deeper than"),
 }
 
 
@@ -182,8 +217,9 @@ def test_a_refusal_reads_not_supported(lab, results_dir):
     assert df["detail"].str.contains("no past beyond 4 rows").all()
 
 
-def test_testbed_c_refuses_hybrid(results_dir):
-    """testbed's own engine answers a technique it does not serve with a refusal, not a crash."""
+def test_testbed_c_refuses_a_model_format_it_does_not_read(results_dir):
+    """testbed's own engine answers a request it does not serve (a GGUF: it reads its safetensors file) with a
+    refusal in its words, not a crash."""
     from refimpl import gemma
     from testbed import devices
     from testbed.backends.engine import build
@@ -193,10 +229,10 @@ def test_testbed_c_refuses_hybrid(results_dir):
     cfg = gemma.tiny_config()
     spec = engine_spec.load("testbed-c")
     device = devices.connect(load_profile("host"))
-    request = engine_runner.Request("hybrid", np.arange(8), export_weights(cfg, gemma.init_weights(cfg, 0)),
+    request = engine_runner.Request("hybrid", np.arange(8), export_weights(cfg, gemma.init_weights(cfg, 0)), "gguf",
                                     chunk=4, logits_at=[7])
     response = engine_runner.call(device, spec, request, engine_runner.Expect(cfg.vocab), build.program_for(spec, "host"))
-    assert response.refused and "technique=hybrid" in response.reason
+    assert response.refused and "model.format=gguf" in response.reason
 
 
 @pytest.mark.parametrize("text, said_", [
@@ -206,6 +242,23 @@ def test_testbed_c_refuses_hybrid(results_dir):
     ("name: x\ncontract: 1\nprogram: p\nabis: [host]\nsupports: {techniques: [tail]}\ninvoke: ['{program}']\n"
      "build: {prebuilt: {host: p}}\ntimeout: 3\n", "timeout is not a key (did you mean 'timeout_s'?)"),
     ("name: x\ncontract: [1\n", "is not YAML"),
+    *[(f"name: x\ncontract: 1\nprogram: p\nabis: [host]\nsupports: {{techniques: [tail]}}\n{line}\n"
+       "build: {prebuilt: {host: p}}\n", said) for line, said in (
+        ("invoke: ['{program}', '{nosuch}']", "invoke[1]='{nosuch}' names {nosuch}; accepted: {program}, {request}, "
+                                              "{response}"),
+        ("invoke: ['{program}', 'a{b']", "invoke[1]='a{b' is not a template str.format reads"),
+        ("invoke: ['{program};', '{request}']", "invoke[0]='{program};' is the program to start and holds ';'"),
+        ("invoke: ['{program} x']", "invoke[0]='{program} x' is the program to start and holds ' '"),
+        ("invoke: ['{{program}}']", "invoke=['{{program}}'] never names {program}"),
+        ("invoke: ['{program}']\ntimeout_s: .inf", "timeout_s=inf; accepted: a finite number > 0 and <= 604800"),
+        ("invoke: ['{program}']\nextra: &a [*a]", "repeats a value by an alias (*a)"))],
+    ("name: x\ncontract: true\n", "contract=True; accepted: 1"),
+    ("name: x\ncontract: 1.0\n", "contract=1.0; accepted: 1"),
+    ("name: x\ncontract: 1\nprogram: p\nabis: [host]\nsupports: {techniques: [tail]}\ninvoke: ['{program}']\n"
+     "source: .\nbuild: {command: [cc, '{nosuch}']}\n", "build.command[1]='{nosuch}' names {nosuch}; accepted: "
+                                                        "{abi}, {out}, {source}, {jobs}, {python}"),
+    ("name: x\ncontract: 1\nprogram: p\nabis: [host]\nsupports: {techniques: [tail]}\ninvoke: ['{program}']\n"
+     "source: .\nbuild: {command: ['cc;', '{'] }\n", "build.command[0]='cc;' is the program to start"),
 ])
 def test_a_bad_engine_yaml_is_one_line_naming_file_and_key(lab, text, said_):
     (lab / "engines").mkdir()
@@ -213,6 +266,36 @@ def test_a_bad_engine_yaml_is_one_line_naming_file_and_key(lab, text, said_):
     with pytest.raises(UsageError, match="x.yaml") as e:
         engine_spec.load("x")
     assert said_ in str(e.value) and "\n" not in str(e.value)
+
+
+BAD_ENGINE_FILES = {
+    # a prebuilt file the device cannot start (was OSError: Exec format error, exit 1)
+    "random prebuilt": ("build: {prebuilt: {host: ../prog}}", "build.prebuilt.host='../prog' begins"),
+    # a link in the source tree a build command runs in (was a BuildError traceback)
+    "link in source": ("source: ../src\nbuild: {command: [cc, -o, '{out}/prog', main.c]}",
+                       "source='../src' holds a symbolic link"),
+    # a lone brace in the build command (was ValueError from str.format)
+    "lone brace": ("source: ../src\nbuild: {command: [cc, -o, '{out/prog', main.c]}",
+                   "build.command[2]='{out/prog' is not a template str.format reads"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_ENGINE_FILES))
+def test_a_bad_engine_yaml_exits_2_before_a_run_is_stored(lab, results_dir, bad):
+    build, message = BAD_ENGINE_FILES[bad]
+    (lab / "prog").write_bytes(bytes(range(256)) * 4)
+    (lab / "src").mkdir()
+    (lab / "src" / "main.c").write_text("int main(void) { return 0; }\n")
+    (lab / "src" / "outside.h").symlink_to("/etc/hostname")
+    (lab / "engines").mkdir()
+    yaml = lab / "engines" / "x.yaml"
+    yaml.write_text(f"name: x\ncontract: 1\nprogram: prog\nabis: [host]\nsupports: {{techniques: [chunk_prefill]}}\n"
+                    f"invoke: ['{{program}}', '{{request}}', '{{response}}']\n{build}\n")
+    p = cli("run", "chunk_prefill", "backend=engine", "engine=x", *SMALL,
+            env={"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)})
+    lines = said(p.stderr)
+    assert p.returncode == 2 and len(lines) == 1 and message in lines[0] and str(yaml) in lines[0], p.stderr
+    assert not (results_dir / "records.jsonl").exists()
 
 
 def test_an_unknown_engine_names_the_closest(lab):
@@ -244,9 +327,55 @@ def test_an_engine_without_a_cache_is_judged_by_its_logits_and_its_cache_is_not_
     assert verdicts == {"token": "pass", "logits": "pass", "cache": "not supported", "naive": "pass"}
 
 
-def test_the_hybrid_through_testbed_c_reads_not_supported(results_dir):
-    df = run(["backend=engine", "engine=testbed-c", "mode=oracle"], experiment="hybrid").frame()
-    assert set(df["verdict"]) == {"not supported"} and df["detail"].str.contains("does not list hybrid").all()
+def declining_engine(lab: Path, name: str, supports: str, abis: str = "[host]") -> None:
+    """A lab's engine whose yaml declines what the case asks: testbed never runs it (its prebuilt program
+    fails loudly if it ever does), since its yaml alone says no."""
+    (lab / "engines").mkdir(parents=True, exist_ok=True)
+    program = lab / "never-run"
+    program.write_text("#!/bin/sh\necho this engine must never run >&2\nexit 99\n")
+    program.chmod(0o755)
+    (lab / "engines" / f"{name}.yaml").write_text(textwrap.dedent(f"""\
+        name: {name}
+        contract: 1
+        build: {{prebuilt: {{host: ../never-run}}}}
+        program: never-run
+        abis: {abis}
+        supports: {supports}
+        invoke: ["{{program}}", "{{request}}", "{{response}}"]
+        """))
+
+
+DECLINED = {  # what the engine's yaml says, the run, the reason recorded
+    "technique": ("{techniques: [tail]}", "[host]", ["chunk_prefill", *SMALL],
+                  "does not support chunk_prefill (", "supports.techniques=['tail'])"),
+    "tail": ("{techniques: [chunk_prefill]}", "[host]", ["tail", *TAIL_SMALL], "does not support tail (",
+             "supports.techniques=['chunk_prefill'])"),
+    "hybrid": ("{techniques: [chunk_prefill, tail]}", "[host]", ["hybrid", "mode=oracle"], "does not support hybrid (",
+               "supports.techniques=['chunk_prefill', 'tail'])"),
+    "abi": ("{techniques: [chunk_prefill, tail]}", "[host]", ["tail", *TAIL_SMALL, "device=qemu-aarch64"],
+            "is not built for aarch64 (", "abis=['host']); device qemu-aarch64 runs aarch64 programs"),
+    "weights": ("{techniques: [chunk_prefill], weights: [f32]}", "[host]",
+                ["chunk_prefill", *SMALL, "native.weights=int8"], "does not take int8 weights (",
+                "supports.weights=['f32'])"),
+    "cache": ("{techniques: [tail], cache: [float32, float16]}", "[host]", ["tail", *TAIL_SMALL, "cache.dtype=int8"],
+              "keeps no int8 cache (", "supports.cache=['float32', 'float16'])"),
+}
+
+
+@pytest.mark.parametrize("declined", list(DECLINED))
+def test_what_an_engines_yaml_declines_is_not_supported_in_its_words_never_a_usage_or_device_error(lab, results_dir,
+                                                                                                  declined):
+    supports, abis, command, *said_ = DECLINED[declined]
+    declining_engine(lab, "decliner", supports, abis)
+    p = cli("run", *command, "backend=engine", "engine=decliner",
+            env={"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)})
+    assert p.returncode == 7, p.stderr  # nothing judged: neither a failure, a usage error nor a device error
+    records = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    oracles = [r for r in records if r.get("kind") == "oracle"]
+    assert oracles and {r["verdict"] for r in oracles} == {"not supported"}
+    for part in said_:
+        assert all(part in r["detail"] for r in oracles), oracles[0]["detail"]
+    assert all(r["detail"].startswith("engine=decliner ") and "decliner.yaml" in r["detail"] for r in oracles)
 
 
 def test_ab_of_two_engines_judges_the_pairs(lab, results_dir):
@@ -263,6 +392,15 @@ def test_ab_of_two_engines_judges_the_pairs(lab, results_dir):
     assert ab["a"] == "engine:testbed-c" and ab["b"] == "engine:toy"
 
 
+def test_ab_with_an_engine_its_yaml_does_not_build_for_the_device_is_not_supported_exit_7(lab, results_dir):
+    declining_engine(lab, "hostonly", "{techniques: [chunk_prefill]}")
+    p = cli("ab", "engine:testbed-c", "engine:hostonly", "experiment=chunk_prefill", "device=qemu-aarch64",
+            env={"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)})
+    assert p.returncode == 7, p.stderr  # nothing measured, nothing judged: neither "B is worse" nor an error
+    assert "NOT SUPPORTED B (engine:hostonly) engine: engine=hostonly is not built for aarch64" in p.stdout, p.stdout
+    assert "nothing measured" in p.stdout and "B is not worse" not in p.stdout
+
+
 def test_a_build_tool_that_is_missing_exits_3(lab, results_dir):
     path = lab_engine(lab, "notool")
     path.write_text(path.read_text().replace('["cc", ', '["no-such-compiler-tb", '))
@@ -270,10 +408,6 @@ def test_a_build_tool_that_is_missing_exits_3(lab, results_dir):
             env={"TESTBED_LAB": str(lab), "TESTBED_RESULTS": str(results_dir)})
     assert p.returncode == 3 and "'no-such-compiler-tb' is not installed" in p.stderr, p.stderr
 
-
-TAIL_SMALL = ["mode=oracle", "chunk=8", "tail=[3]", "shape.hidden=64", "shape.layers=2", "shape.heads=2",
-              "shape.kv_heads=1", "shape.head_dim=32", "shape.mlp=128", "shape.vocab=256", "shape.window=32",
-              "oracle.grid_windows=[16]", "oracle.grid_sinks=[0]"]
 
 
 def test_a_kept_pad_row_in_the_tail_fails_the_state_bytes_oracle(lab, results_dir):
@@ -323,6 +457,33 @@ def test_an_engine_that_reads_a_hugging_face_folder_is_handed_one(lab, results_d
     df = run(["backend=engine", "engine=hf-reader", *SMALL]).frame()
     assert set(df["verdict"]) == {"not supported"}
     assert df["detail"].str.contains("model/ holds config.json, model.safetensors; gemma3_text").all(), df["detail"][0]
+
+
+def test_the_schemas_request_and_timings_are_what_testbed_sends_and_testbed_c_writes(results_dir, monkeypatch):
+    """engines/contract-v1.schema.json's $defs describe the contract whole: every request testbed makes (the three
+    techniques, through the experiments) validates against $defs.request, whose objects admit no key they do not
+    describe (a key testbed sends undocumented fails here), and testbed-c's timings.json against $defs.timings."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from testbed.backends.engine import gemma as engine_gemma, hybrid as engine_hybrid, tail as engine_tail
+
+    schema = engine_spec.schema()
+    seen = []
+
+    def recording(device, spec, request, expect, program, measured=False):
+        response = engine_runner.call(device, spec, request, expect, program, measured)
+        seen.append((json.loads(json.dumps(request.as_json())), response.timings))
+        return response
+
+    for module in (engine_gemma, engine_hybrid, engine_tail):
+        monkeypatch.setattr(module, "call", recording)
+    run(["backend=engine", "engine=testbed-c", *SMALL])
+    run(["backend=engine", "engine=testbed-c", *TAIL_SMALL, "oracle.around_chunk=[[1,2]]"], experiment="tail")
+    run(["backend=engine", "engine=testbed-c", "mode=oracle", "chunk=16", "oracle.past=[4]", "oracle.tokens=[12]",
+         "oracle.tails=[5]", "oracle.chunks=[16]", "oracle.prompt_tokens=24"], experiment="hybrid")
+    assert {request["technique"] for request, _ in seen} == {"chunk_prefill", "tail", "hybrid"}
+    for request, timings in seen:
+        jsonschema.validate(request, {**schema["$defs"]["request"], "$defs": schema["$defs"]})
+        jsonschema.validate(timings, schema["$defs"]["timings"])
 
 
 # --- where a failure is, and its replay ------------------------------------------------------------

@@ -228,11 +228,12 @@ def test_state_comparison_by_layout(tmp_path, a, b, layout, tolerance, same, say
 @pytest.mark.parametrize("lines, problem", [
     ("state: {tolerance: 1.0e-5}\n", "state.tolerance=1e-05 needs a state.layout"),
     ("state: {layout: float64}\n", "state.layout='float64'"),
-    ("tolerance: {float32: -1}\n", "tolerance.float32=-1; accepted: a number > 0"),
+    ("tolerance: {float32: -1}\n", "tolerance.float32=-1; accepted: a finite number > 0"),
     ("supports: {techniques: [tail], state_in: 'yes'}\n", "supports.state_in='yes'; accepted: true, false"),
 ])
 def test_a_bad_state_declaration_is_one_line_naming_the_key(lab, lines, problem):
     (lab / "engines").mkdir()
+    (lab / "engines" / "p").write_text("#!/bin/sh\nexit 99\n")  # a program that exists (never run)
     text = ("name: x\ncontract: 1\nprogram: p\nabis: [host]\ninvoke: ['{program}']\nbuild: {prebuilt: {host: p}}\n" +
             ("" if lines.startswith("supports") else "supports: {techniques: [tail]}\n") + lines)
     (lab / "engines" / "x.yaml").write_text(text)

@@ -46,7 +46,8 @@ ORACLE_RUN = ["run", "gdn", "mode=oracle", "matrix=awkward"]  # 48 verdicts in a
 LONG_ORACLE_RUN = ["run", "gdn", "mode=oracle", "matrix=all"]  # 116 verdicts
 SWEEP = ["sweep", "experiment=gdn", "mode=oracle", "matrix=awkward", "chunk=16,32,48,64"]
 DEADLINE_S = 180  # the longest any one process of the campaign may take before the test gives up
-SUMMARY = re.compile(r"oracles (\d+)/(\d+) pass, (\d+) measurements; run (\w+) stored")
+# "oracles 46 pass, 2 not supported, 3 measurements; run ID stored" (testbed.verdicts.Tally.phrase)
+SUMMARY = re.compile(r"oracles ((?:\d+ [a-z ]+, )*\d+ [a-z ]+|no verdicts), (\d+) measurements; run (\w+) stored")
 
 
 def start(argv: list[str], results: Path, **env: str) -> subprocess.Popen:
@@ -85,7 +86,11 @@ def watch(proc: subprocess.Popen, store: ResultsStore, kill_after_s: float | Non
 
 def reported(stdout: str) -> dict[str, tuple[int, int]]:
     """run id -> (passed, oracles), from the summaries of runs the command says it stored."""
-    return {m.group(4): (int(m.group(1)), int(m.group(2))) for m in SUMMARY.finditer(stdout)}
+    def counts(phrase: str) -> tuple[int, int]:
+        said = {state: int(n) for n, state in re.findall(r"(\d+) ([a-z ]+?)(?:, |$)", phrase)}
+        return said.get("pass", 0), sum(said.values())
+
+    return {m.group(3): counts(m.group(1)) for m in SUMMARY.finditer(stdout)}
 
 
 def audit(store: ResultsStore, seen: set[str], said: dict[str, tuple[int, int]] = {}) -> None:

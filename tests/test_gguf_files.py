@@ -92,7 +92,7 @@ def test_a_field_a_gguf_cannot_carry_is_refused_naming_it(tmp_path):
     """A GGUF holds no query scale (llama.cpp derives it from the block count): Gemma's 24 is refused."""
     cfg = gemma.tiny_config(layers=2, query_pre_attn_scalar=24.0)
     folder = checkpoints.save_hf_folder(tmp_path / "hf", cfg, gemma.init_weights(cfg))
-    with pytest.raises(UsageError, match=r"^query_pre_attn_scalar=24 cannot be stored in a GGUF; accepted: 16") as e:
+    with pytest.raises(UsageError, match=r"hf: query_pre_attn_scalar=24 cannot be stored in a GGUF; accepted: 16") as e:
         gguf_files.write_gguf(folder, tmp_path / "out" / "m.gguf")
     assert "\n" not in str(e.value) and list((tmp_path / "out").iterdir()) == []
 
@@ -193,6 +193,77 @@ def test_the_gguf_command_writes_the_file_or_says_in_one_line_why_not(made, tmp_
     assert main(["gguf", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err.strip()
     assert "checkpoint" in err and "absent" in err and "\n" not in err
+
+
+def _config(folder, change):
+    path = folder / "config.json"
+    path.write_text(change(path.read_text()) if callable(change) else change)
+
+
+def _cut_safetensors(folder):  # its last kilobyte gone
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+
+
+def _header_length(folder):
+    path = folder / "model.safetensors"
+    path.write_bytes((2**62).to_bytes(8, "little") + path.read_bytes()[8:])
+
+
+def _block_count(value):
+    def write(folder):
+        from tests.hostile_inputs import replace_kv, gguf_bytes, read_parts
+
+        valid = gguf_files.gguf_of(gemma.tiny_config(), gemma.init_weights(gemma.tiny_config(), 0), folder / "cache")
+        (folder / "m.gguf").write_bytes(gguf_bytes(replace_kv(read_parts(valid), "gemma3.block_count", 4, value)))
+    return write
+
+
+# What issue 44 measured ending in a traceback (exit 1) or returned unchecked, each now one line, exit 2, naming
+# the file and the value, and nothing written: (input, how it is made from a valid Gemma folder, what is said).
+GGUF_COMMAND_REFUSALS = [
+    ("config.json not JSON", lambda f: _config(f, '{"model_type": "gemma3_text",'), "config.json is not JSON"),
+    ("config.json an array", lambda f: _config(f, "[1, 2]"), "config.json is an array, not an object"),
+    ("10^9 layers", lambda f: _config(f, lambda t: t.replace('"num_hidden_layers": 2', '"num_hidden_layers": 10**9')
+                                      .replace("10**9", str(10**9))),
+     "num_hidden_layers=1000000000 is not accepted"),
+    ("a truncated safetensors file", _cut_safetensors, "run past the end of the file"),
+    ("a safetensors header length of 2^62", _header_length, "its header claims 4611686018427387904 bytes"),
+    ("--out naming a folder", None, "is a folder; accepted: the path of the .gguf file to write"),
+    ("a .gguf of 10^9 blocks", _block_count(10**9), "gemma3.block_count=1000000000 is not accepted; accepted: an "
+                                                    "integer in 1..80"),
+    ("a .gguf of random bytes", lambda f: (f / "m.gguf").write_bytes(bytes(range(256))), "not a GGUF file"),
+]
+
+
+@pytest.mark.parametrize("what, make, said", GGUF_COMMAND_REFUSALS, ids=[r[0] for r in GGUF_COMMAND_REFUSALS])
+def test_the_gguf_command_refuses_a_bad_input_in_one_line(what, make, said, tmp_path, capsys):
+    from testbed.cli import main
+
+    cfg = gemma.tiny_config(layers=2)
+    folder = checkpoints.save_hf_folder(tmp_path / "hf", cfg, gemma.init_weights(cfg))
+    out = tmp_path / "out"
+    out.mkdir()
+    if make:
+        make(folder)
+    given = folder / "m.gguf" if (folder / "m.gguf").exists() else folder
+    args = ["gguf", str(given)] + ([] if given.suffix == ".gguf" else ["--out", str(out / "m.gguf")])
+    if what == "--out naming a folder":
+        args[-1] = str(out)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and said in err and (str(given) in err or str(out) in err), err
+    assert list(out.iterdir()) == []
+
+
+def test_the_gguf_command_reads_a_gguf_whole_before_it_prints_it(tmp_path, capsys):
+    from testbed.cli import main
+
+    cfg = gemma.tiny_config(layers=2)
+    path = gguf_files.gguf_of(cfg, gemma.init_weights(cfg), tmp_path)
+    assert main(["gguf", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(path) and "read by testbed's reader" in err
 
 
 @pytest.mark.slow_build  # libllama

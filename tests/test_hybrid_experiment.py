@@ -1,6 +1,8 @@
 """The `hybrid` experiment through the CLI: oracle records, the crossover, tail and drift records and
 tables, sweeps over the GDN chunk and the context, and bad input refused in one line."""
 
+import itertools
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -109,7 +111,9 @@ def test_sweep_over_gdn_chunk_and_context(results_dir, capsys):
     assert cli.main(["sweep", "experiment=hybrid", "backend=native", "mode=crossover", *TINY_BENCH,
                      "gdn_chunk=4,16", "bench.contexts=32,64"]) == 0
     out = capsys.readouterr().out
-    assert sum(line.startswith("| hybrid ") for line in out.splitlines()) == 4
+    lines = out.splitlines()  # the sweep's table: a row per job (the one experiment said above it, to fit)
+    ruled = next(i for i, line in enumerate(lines) if line.startswith("| -"))
+    assert len(list(itertools.takewhile(lambda line: line.startswith("| "), lines[ruled + 1:]))) == 4, out
     assert "crossover with dense: hybrid-serial:" in out
 
 
@@ -192,3 +196,14 @@ def test_the_default_crossover_has_the_repetitions_an_interval_needs():
     from testbed.measure import decisions
 
     assert config.load(["experiment=hybrid"]).cfg.bench.reps >= decisions.MIN_REPS
+
+
+def test_a_gguf_testbeds_reader_refuses_stores_no_run(results_dir, capsys, tmp_path):
+    """model.gguf is read (header and tensor table) before the run starts: a file that is no GGUF is one line,
+    exit 2, and nothing in the store."""
+    bad = tmp_path / "m.gguf"
+    bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (2**62).to_bytes(8, "little") * 2)
+    assert cli.main(["run", "hybrid", "backend=engine", "engine=llamacpp", "mode=oracle", f"model.gguf={bad}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(bad) in err and "the header claims 4611686018427387904 key-value" in err
+    assert not (results_dir / "records.jsonl").exists()

@@ -115,7 +115,7 @@ def hf_config(**changes) -> dict:
     ({"mamba_ssm_dtype": "bfloat16"}, "mamba_ssm_dtype='bfloat16' is not supported; accepted: 'float32'"),
     ({"full_attention_interval": 0}, "full_attention_interval=0 is not accepted"),
     ({"rope_theta": 5.0}, "rope_theta is given both at the top level and in rope_parameters"),
-    ({"linear_conv_kernel_dim": 0}, "conv_kernel must be >= 1"),
+    ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim=0 is not accepted"),
     ({"num_key_value_heads": 3}, "must be a multiple of kv_heads"),
 ])
 def test_config_refusals_name_the_value(changes, message):

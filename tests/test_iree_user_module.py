@@ -328,6 +328,20 @@ def _other_model(m):
     m["model"]["window"] = 512
 
 
+def _files_as(value):
+    def change(m):
+        m["files"] = value
+    return change
+
+
+def _version_true(m):
+    m["contract"]["version"] = True
+
+
+def _module_vmfb(m):  # the module a .vmfb the next column writes
+    m["files"]["module"] = {"path": "module.vmfb"}
+
+
 REFUSED = [
     ("another contract", _other_graph, None, "contract graph='decode_with_past' version=1 is not accepted; "
                                              "accepted: graph='prefill_with_past' version=1"),
@@ -339,6 +353,18 @@ REFUSED = [
     ("no parameter archive", None, "parameters.irpa", "files.parameters='parameters.irpa': "),
     ("a changed module", None, "module.mlir", "files.module='module.mlir' has sha256"),
     ("a module that does not compile", None, "module.mlir", "module.mlir does not compile for target="),
+    # what issue 44 measured as tracebacks
+    ("files as a list", _files_as(["module.mlir"]), None, "files=['module.mlir'] is not accepted; accepted: files: "
+                                                          "{module: {path: NAME, sha256: ...}}"),
+    ("files as a string", _files_as("module.mlir"), None, "files='module.mlir' is not accepted"),
+    ("a path out of the folder", _files_as({"module": {"path": "../module.mlir"}}), None,
+     "files.module={'path': '../module.mlir'} is not accepted"),
+    ("version true", _version_true, None, "version=True is not accepted"),
+    ("a random module", _module_vmfb, ("module.vmfb", bytes(range(256)) * 16),
+     "module.vmfb: not a module IREE's runtime loads (INVALID_ARGUMENT"),
+    ("an empty module", _module_vmfb, ("module.vmfb", b""), "module.vmfb: the module is empty"),
+    ("an ELF as the module", _module_vmfb, ("module.vmfb", b"\x7fELF\x02\x01\x01" + bytes(4089)),
+     "module.vmfb: not a module IREE's runtime loads"),
 ]
 
 
@@ -346,6 +372,8 @@ REFUSED = [
 def test_a_bad_folder_is_one_line_exit_2_and_nothing_stored(what, change, touch, message, clean, model, device,
                                                              results_dir, tmp_path, capsys):
     folder = copy_of(clean, tmp_path)
+    if isinstance(touch, tuple):  # a file written as given
+        (folder / touch[0]).write_bytes(touch[1])
     if change:
         edit_manifest(folder, change)
     elif what == "no parameter archive":

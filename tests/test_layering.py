@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Lowest first. A module may import its own layer and the ones above it in this list.
 LAYERS = [
-    ("base", ["testbed", "testbed._moved", "testbed.errors", "testbed.stop", "testbed.verdicts", "testbed.netguard",
-              "testbed.report.tables", "testbed.report.implementations"]),
+    ("base", ["testbed", "testbed._moved", "testbed.errors", "testbed.inputs", "testbed.stop", "testbed.children",
+              "testbed.verdicts", "testbed.netguard", "testbed.report.tables", "testbed.report.implementations"]),
     ("configuration and store", ["testbed.config", "testbed.results"]),
     ("numbers: measuring, comparing, model inputs", ["testbed.measure", "testbed.oracles.numerical",
                                                      "testbed.models"]),

@@ -56,6 +56,7 @@ from testbed.backends.native.device import check_machine, runner_prefix, stage_p
 from testbed.devices import connect, load_profile  # noqa: E402
 from testbed.models import checkpoints  # noqa: E402
 from testbed.oracles.numerical import nmse  # noqa: E402
+from tests.cli_support import table_rows  # noqa: E402
 from tests.test_llamacpp_models import ROPE, SHAPE, tokenizer_model  # noqa: E402
 
 LLAMACPP_TOLERANCE = 1e-5  # as test_llamacpp_models: llama.cpp against float32 references
@@ -500,8 +501,9 @@ def test_a_sweep_over_c_on_qemu_aarch64_names_llamacpps_best_c_by_instructions(g
     assert swept.returncode == 0, swept.stderr
     out = swept.stdout
     assert "no best C by time: the device is emulated" in out and "best C by instructions: " in out, out
-    rows = [line for line in out.splitlines() if line.startswith("| chunk_prefill | llamacpp |")]
-    assert len(rows) == 2 and all("| qemu-aarch64 |" in row for row in rows), out
+    rows = table_rows(out)  # the jobs' settings (backend, device) said once above the rows where they would not fit
+    assert len(rows) == 2 and ("backend: llamacpp; device: qemu-aarch64" in out
+                               or all("| llamacpp | qemu-aarch64 |" in row for row in rows)), out
 
 
 HEXAGON = pytest.mark.skipif(shutil.which("qemu-hexagon") is None, reason="qemu-user with Hexagon (scripts/bootstrap.sh --test)")
@@ -555,3 +557,22 @@ def test_what_llamacpps_cache_cannot_be_is_refused(gemma3, host):
     assert int8.status["status"] == "refused" and "float32 and float16" in int8.status["reason"]
     window = serve(host, engine("host"), gemma3.gguf, tokens, past=4, chunk=16, logits_at=[19], window=32)
     assert window.status["status"] == "refused" and "n_swa=8" in window.status["reason"]
+
+
+def test_ab_of_testbed_c_and_llamacpp_hands_each_its_own_format_and_gives_a_verdict(results_dir):
+    """`testbed ab engine:testbed-c engine:llamacpp experiment=chunk_prefill`: testbed-c reads its safetensors
+    file, llama.cpp testbed's GGUF of the same seeded model; six pairs interleaved, a verdict, no traceback."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "testbed", "ab", "engine:testbed-c", "engine:llamacpp",
+                        "experiment=chunk_prefill", "bench.past=16", "chunk=8", "--reps", "6"], capture_output=True,
+                       text=True,
+                       env={**os.environ, "PYTHONPATH": str(build.ROOT), "TESTBED_RESULTS": str(results_dir)})
+    assert p.returncode in (0, 1) and "Traceback" not in p.stderr, p.stderr
+    records = [json.loads(line) for line in (results_dir / "records.jsonl").read_text().splitlines()]
+    [ab] = [r["metrics"]["ab"] for r in records if r.get("kind") == "measure"]
+    assert ab["a"] == "engine:testbed-c" and ab["b"] == "engine:llamacpp" and ab["pairs"] == 6
+    assert ab["verdict"] in ("slower", "faster", "no change", "undecided")
+    requests = {e["detail"]["request_sha256"] for r in records if r.get("kind") == "measure" for e in r["evidence"]}
+    assert len(requests) == 2  # two requests: each engine's own model file and format

@@ -137,13 +137,13 @@ ADAPTER_CASE = ["backend=engine", "mode=oracle", "chunk=64", "oracle.past=[0,30]
                 "oracle.tokens=[64,50]", "oracle.chunks=[16,32,64]", "oracle.tails=[1,9]"]
 
 
-def run_hybrid(made, tmp_path, device="host", engine="engine=llamacpp"):
+def run_hybrid(made, tmp_path, device="host", engine="engine=llamacpp", overrides=()):
     from testbed import config, runner
 
     prompt = tmp_path / "prompt.npy"
     np.save(prompt, made.prompt)
     outcome = runner.execute(config.load(["experiment=hybrid", *ADAPTER_CASE, engine, f"device={device}",
-                                          f"model.checkpoint={made.folder}", f"model.prompt={prompt}"]))
+                                          f"model.checkpoint={made.folder}", f"model.prompt={prompt}", *overrides]))
     return {r["case"]: r for r in outcome.frame().query("kind == 'oracle'").to_dict("records")}
 
 
@@ -193,6 +193,23 @@ def test_a_gguf_with_the_value_heads_grouped_fails_the_adapters_oracles(made, tm
     records = run_hybrid(made, tmp_path)
     assert records["P=30,n=50,C=64/engine/naive"]["verdict"] == "fail"
     assert records["P=30,n=50,C=64/engine/naive"]["metrics.nmse"] > 1e-7
+
+
+def test_a_gguf_that_lost_a_field_fails_against_its_folder_and_passes_alone(made, written, tmp_path, results_dir):
+    """model.checkpoint=DIR model.gguf=FILE: llama.cpp reads FILE, the oracles the folder. A GGUF that lost its
+    RoPE base (llama.cpp and testbed's reader then take 10000; the lflf variant's is 1e6) fails; alone, the same
+    file passes against testbed's reading of it, which is why a folder, when there is one, is the reference."""
+    from tests.test_llamacpp_engine import rewrite_gguf
+
+    cfg, _ = hybrid_checkpoints.load_hf_folder(made.folder)
+    if cfg.rope_theta == 10_000.0:
+        pytest.skip("this variant's RoPE base is the one a GGUF without it reads")
+    lossy = rewrite_gguf(written, tmp_path / "lossy.gguf", arch="qwen35", drop=("qwen35.rope.freq_base",))
+    records = run_hybrid(made, tmp_path, overrides=(f"model.gguf={lossy}",))
+    assert records["P=30,n=50,C=64/engine/naive"]["verdict"] == "fail", records["P=30,n=50,C=64/engine/naive"]
+    alone = run_hybrid(made, tmp_path, overrides=(f"model.gguf={lossy}", "model.checkpoint=null"))
+    assert alone["P=30,n=50,C=64/engine/naive"]["verdict"] == "pass"
+    assert "lost on both sides" in alone["P=30,n=50,C=64/engine/naive"]["artifacts.reference"]
 
 
 @AARCH64

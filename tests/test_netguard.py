@@ -114,3 +114,39 @@ def test_the_test_command_runs_pytest_in_the_namespace():
                        cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=600)
     first_session = p.stdout.split("== pytest --device=")[0]
     assert "1 passed" in first_session and "skipped" not in first_session, p.stdout[-3000:] + p.stderr[-2000:]
+
+
+INNER_SESSION = """
+import sys
+from testbed import children
+
+def test_starts_programs():
+    children.run(["sh", "-c", "true"])
+    children.run(["sh", "-c", "true"])
+    children.run(["true"])
+    children.run([sys.executable, "-c", "pass"])  # Python: inside the guard's sight
+"""
+
+
+@pytest.mark.parametrize("network", ["host", "namespace"])
+def test_a_session_outside_the_namespace_names_the_programs_the_guard_cannot_see(network, pytester, monkeypatch):
+    """Issue 44: under a plain `pytest` a non-Python engine's connect left the session unflagged. The guard
+    cannot see into such a program; the session ends naming every one it started (testbed.children),
+    unless it runs in scripts/offline.sh's namespace (TESTBED_NETWORK=namespace), where nothing can."""
+    from testbed import netguard
+
+    for variable in (netguard.ENV_LOG, netguard.ENV_UNPOLICED):  # the inner session's own, as a newcomer's
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("TESTBED_NETWORK", network)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")])))
+    pytester.makepyfile(test_inner=INNER_SESSION)
+    result = pytester.runpytest_subprocess("-p", "testbed.pytest_plugin", "-o", "network_guard=loopback",
+                                           "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    named = [line for line in result.outlines if line.startswith("network guard: in-process only")]
+    if network == "namespace":
+        assert named == []
+    else:
+        (line,) = named
+        assert "these 2 programs the tests started did: sh (2), true (1);" in line, line
+        assert "scripts/test.sh runs the suite where no program can reach past loopback" in line

@@ -1,6 +1,7 @@
 """What testbed says about its kernels reproduces from outside (issue 35): scripts/outside_ratios.py, a
 plain numpy + ctypes loop compiling kernels/ itself, recomputes native_bench's ratios (each kernel's
-rate over numpy's sgemm running OpenBLAS's kernel for this CPU, attention at many keys over few) and
+rate over the best library's sgemm: OpenBLAS's kernel for this CPU or oneMKL where installed and faster,
+attention at many keys over few) and
 engine_bench's decode step over its weight-streaming floor, and must land within 15% of them. Both are
 CPU-time ratios per repetition of variants interleaved in one process, medians over the repetitions,
 so load on the machine falls on both sides of each ratio; nothing is timed against a limit. At a
@@ -137,6 +138,31 @@ def test_the_outside_decode_check_catches_a_global_layer_read_as_local(tmp_path)
     p = subprocess.run([sys.executable, str(script), "--kernels=0", "--decode=int8", "--decode-past=600", "--reps=1"],
                        capture_output=True, text=True)
     assert p.returncode == 1 and "decode int8" in p.stderr, (p.returncode, p.stderr[-500:])
+
+
+def test_the_outside_reference_is_the_faster_library_and_names_it(tmp_path):
+    """The outside harness divides by the same best reference as testbed: OpenBLAS and oneMKL (where
+    installed) timed in the same repetitions, the faster by median the one every "vs sgemm" divides by,
+    named with both medians; without oneMKL (--mkl 0 here) it says why OpenBLAS ran alone."""
+    from testbed.measure import blas_reference
+
+    runs = {}
+    for mkl in (1, 0):
+        out = tmp_path / f"reference_{mkl}.json"
+        subprocess.run([sys.executable, str(SCRIPT), "--reps=2", "--keys=64", "--head-dim=32", "--chunk=8",
+                        "--gdn-tokens=40", "--gdn-heads=2", "--gdn-head-size=32", "--gdn-chunk=16", "--gemm=96",
+                        "--decode=", f"--mkl={mkl}", f"--json={out}"], check=True, capture_output=True, text=True)
+        runs[mkl] = json.loads(out.read_text())
+        assert all(e <= 1e-6 for e in runs[mkl]["nmse"].values()), runs[mkl]["nmse"]
+    alone = runs[0]["reference"]
+    assert alone["library"] == "openblas" and set(alone["median_s"]) == {"openblas"} and alone["mkl"] == "--mkl 0"
+    both = runs[1]["reference"]
+    if blas_reference.mkl_runtime()[0] is None:
+        assert "not installed" in both["mkl"] and both["library"] == "openblas"
+    else:
+        assert set(both["median_s"]) == {"openblas", "mkl"} and "Math Kernel Library" in both["mkl"]["version"]
+        assert both["library"] == min(both["median_s"], key=both["median_s"].get)
+        assert "sgemm mkl vs sgemm" in runs[1]["ratios"] or "sgemm openblas vs sgemm" in runs[1]["ratios"]
 
 
 def test_the_comparison_catches_a_ratio_off_by_more_than_15_percent():

@@ -79,3 +79,21 @@ def test_the_looks_double_up_to_the_maximum():
     assert sequential.group_sequential(100).looks == (6, 12, 24, 48, 96, 100)
     with pytest.raises(ValueError):
         sequential.group_sequential(5)
+
+
+def test_a_change_under_the_floor_is_said_so_never_as_a_number_of_pairs():
+    """Issue 46: after 384 pairs of a real change under the 5% floor, `ab` said "need about 1 more pairs".
+    A +3% change seen clearly is decided "below floor" (real, and under what the job can call); one whose
+    interval still reaches over the floor, its median under it, is open and says so, with no number; one
+    whose median is over the floor and interval under it says how many more pairs would separate them."""
+    design, rng = sequential.group_sequential(384), np.random.default_rng(0)
+    (clear,) = sequential.judge(design, [list(1.03 * np.exp(rng.normal(0, 0.01, 384)))], sequential.MIN_CHANGE)
+    assert clear.verdict == sequential.BELOW_FLOOR and clear.decided and 1.0 < clear.low < clear.high < 1.05
+    (under,) = sequential.judge(design, [list(1.04 * np.exp(rng.normal(0, 0.15, 384)))], sequential.MIN_CHANGE)
+    assert not under.decided and under.need is None and under.low < 1.05 < under.high
+    assert under.why.startswith("a change below the smallest change this job can call (5%): B/A 1.0"), under.why
+    assert under.why.endswith(" after 384 pairs")
+    (near,) = sequential.judge(design, [list(1.065 * np.exp(rng.normal(0, 0.15, 384)))], sequential.MIN_CHANGE)
+    assert not near.decided and near.need and near.need >= 1 and near.low < 1.05
+    assert near.why.startswith("a change near the smallest change this job can call (5%)")
+    assert sequential.undecided_words([under]) == f"undecided: {under.why}"

@@ -52,8 +52,9 @@ def test_a_signal_mid_run_leaves_an_error_record_and_no_pass(sig, tmp_path):
     stored = ResultsStore(results).records()
     (error,) = [r for r in stored if r["verdict"] == "error"]
     said = [line for line in err.splitlines() if not line.startswith("[")]  # "[12 s] ...": progress lines
+    reached = sum(r["kind"] == "oracle" and r["verdict"] == "pass" for r in stored)  # said as it stopped, too
     assert said == [f"testbed: interrupted by {sig.name}; run {error['run_id']} was recorded as broken "
-                    "(what it measured is kept)"]
+                    f"(what it measured is kept; its verdicts so far: {reached} pass)"]
     assert error["detail"] == f"interrupted by {sig.name}" and error["metrics"]["records_before_error"] >= 5
     assert len(stored) > 5 and all(r["incomplete"] for r in stored) and not any(passed(r) for r in stored)
 

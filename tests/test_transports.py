@@ -82,3 +82,19 @@ def test_pull_of_a_missing_file_is_an_error_and_writes_nothing(dev, tmp_path):
     with pytest.raises(TransferError, match="no such file"):
         dev.pull("does-not-exist.npy", tmp_path / "out.npy")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_program_that_is_not_there_exits_127_as_a_shell_says_it(dev):
+    """The host starts a program itself, the others through a shell: a missing one is exit 127 on each, never
+    an exception (an engine yaml's program word may name one)."""
+    r = dev.run(["./no-such-program;", "x"])
+    assert r.returncode == 127 and "no-such-program" in r.stderr, r
+
+
+def test_a_files_size_is_read_without_reading_the_file(dev):
+    """remote_size: what a caller checks before pulling a file a program on the device wrote at a size of its
+    choosing (a sparse terabyte here: hashing it, as remote_digest does, would read it all)."""
+    dev.run(["sh", "-c", "truncate -s 1T sparse.bin || dd if=/dev/zero of=sparse.bin bs=1 count=0 seek=1T"])
+    assert dev.transport.remote_size("sparse.bin") == 2**40
+    assert dev.transport.remote_size("absent.bin") is None
+    dev.run(["rm", "-f", "sparse.bin"])

@@ -14,6 +14,7 @@
 struct tb_request {
     int n;
     char **keys, **values;
+    char **config; /* tb_req_model_config's strings, made on first use */
 };
 
 static char *copy(const char *s, size_t n) {
@@ -117,10 +118,32 @@ int tb_req_ints(const tb_request *req, const char *key, long *out, int max) {
     return n;
 }
 
+const char *const *tb_req_model_config(tb_request *req) {
+    static const char prefix[] = "model.config.";
+    if (req->config) return (const char *const *)req->config;
+    int n = 0;
+    if (!(req->config = calloc((size_t)req->n + 1, sizeof(char *)))) {
+        fputs("error: out of memory reading request.args\n", stderr);
+        exit(2);
+    }
+    for (int i = 0; i < req->n; i++) {
+        if (strncmp(req->keys[i], prefix, sizeof prefix - 1)) continue;
+        const char *key = req->keys[i] + sizeof prefix - 1;
+        size_t len = strlen(key) + strlen(req->values[i]) + 2;
+        if (!(req->config[n] = malloc(len))) {
+            fputs("error: out of memory reading request.args\n", stderr);
+            exit(2);
+        }
+        snprintf(req->config[n++], len, "%s=%s", key, req->values[i]);
+    }
+    return (const char *const *)req->config;
+}
+
 void tb_request_free(tb_request *req) {
     if (!req) return;
     for (int i = 0; i < req->n; i++) free(req->keys[i]), free(req->values[i]);
-    free(req->keys), free(req->values), free(req);
+    for (int i = 0; req->config && req->config[i]; i++) free(req->config[i]);
+    free(req->keys), free(req->values), free(req->config), free(req);
 }
 
 /* --- state_in -------------------------------------------------------------------------------------- */
@@ -244,25 +267,6 @@ void tb_call_end(const char *name, int rows) {
     add(name, rows, wall, cpu, 1);
 }
 
-/* The process's peak resident set since its program started, in bytes, or -1 when the system does not say:
- * VmHWM of /proc/self/status (Linux: the high-water mark of this program's own memory). Not getrusage's
- * ru_maxrss: Linux keeps it across execve, so a program started by a large process (testbed's Python,
- * holding the model) reads its parent's size. Under qemu-user or valgrind it is the emulator's, which holds
- * the program's pages and its own. */
-static long long peak_resident_bytes(void) {
-    FILE *f = fopen("/proc/self/status", "r");
-    if (!f) return -1;
-    char line[256];
-    long long kib = -1;
-    while (fgets(line, sizeof line, f))
-        if (!strncmp(line, "VmHWM:", 6)) {
-            kib = strtoll(line + 6, NULL, 10);
-            break;
-        }
-    fclose(f);
-    return kib < 0 ? -1 : kib * 1024;
-}
-
 int tb_timings_write(const char *response_dir, const char *engine_name, const char *version,
                      const char *source_hash) {
     char path[4096], stamp[32];
@@ -289,10 +293,7 @@ int tb_timings_write(const char *response_dir, const char *engine_name, const ch
             if (k++) fputs(", ", f);
             json_string(f, g_calls[i].name);
         }
-    const long long peak_rss = peak_resident_bytes();
-    fprintf(f, "], \"reps\": 1, \"device_time\": \"%s\", ", stamp);
-    if (peak_rss >= 0) fprintf(f, "\"peak_rss_bytes\": %lld, ", peak_rss);
-    fputs("\"engine\": {\"name\": ", f);
+    fprintf(f, "], \"reps\": 1, \"device_time\": \"%s\", \"engine\": {\"name\": ", stamp);
     json_string(f, engine_name);
     fputs(", \"version\": ", f);
     json_string(f, version);

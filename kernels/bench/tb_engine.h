@@ -33,6 +33,10 @@ long tb_req_int(const tb_request *req, const char *key, long dflt);
 const char *tb_req_str(const tb_request *req, const char *key, const char *dflt);
 /* A comma-separated list of integers into out[0..max): the count, or -1 when absent or too long. */
 int tb_req_ints(const tb_request *req, const char *key, long *out, int max);
+/* model.config as "key=value" strings (model.config.hidden=640 gives "hidden=640"), in request order,
+ * NULL-terminated and owned by the request: the model's shape for an engine whose model file does not carry
+ * it (testbed's safetensors file), as testbed's own programs take it on their command line. */
+const char *const *tb_req_model_config(tb_request *req);
 void tb_request_free(tb_request *req);
 
 /* state_in: a request may carry a state to restore (only to an engine whose yaml says supports.state_in:
@@ -69,10 +73,8 @@ void tb_timing_add(const char *name, int rows, double wall_s, double cpu_s);
 void tb_call_begin(void);
 void tb_call_end(const char *name, int rows);
 /* RESPONSE_DIR/timings.json: {"contract": 1, "calls": [...], "marks": [names of the counted calls,
- * in order], "reps": 1, "device_time": ISO 8601 by the device's clock, "peak_rss_bytes": the process's
- * peak resident set so far (VmHWM of /proc/self/status; left out where the system does not say), "engine": {name,
- * version, source_hash}}. Call it last: the peak is the process's up to then. Returns 0, or -1 when it
- * cannot be written. */
+ * in order], "reps": 1, "device_time": ISO 8601 by the device's clock, "engine": {name, version,
+ * source_hash}}. Returns 0, or -1 when it cannot be written. */
 int tb_timings_write(const char *response_dir, const char *engine_name, const char *version,
                      const char *source_hash);
 

@@ -19,14 +19,23 @@
  *     With state_in (tb_engine.h): that state.bin restored (same model, cache dtype, group, sink),
  *     checked to hold positions 0 .. P - 1, then tokens[P:] decoded one per call ("decode"), logits at
  *     logits_at among them; state_before_last.bin then the state before the last decode.
- * technique=hybrid, a gguf model, or a request outside what the engine holds: refused (status.json).
+ * technique=hybrid  the Qwen3.5-style hybrid (tb_hybrid.h, the engine tb_hybrid_bench drives; weights in
+ *     Hugging Face's names, model.config the keys of tb_hybrid_bench's arguments): tokens[0:past] in calls of
+ *     C rows, then tokens[past:n_tokens] in calls of C rows, the last partial call by tail.mode (none: a call
+ *     of its own length; padded: C rows, the pads never entering the state; scalar: one decode step per
+ *     row); the GDN layers chunkwise (chunk 64, float32), as tb_hybrid_bench's defaults, so its bits are
+ *     backend=native's. logits.npy: the rows at logits_at; state.bin (state=true): per layer, a linear
+ *     layer's conv [K - 1, channels] then recurrent [H_v, d, d] state, a full layer's k then v
+ *     [kv_heads, P + n, head_dim], float32. No cache/ (its layers are not all attention).
+ * A gguf or hf model, or a request outside what the engine holds: refused (status.json).
  * bench={reps, warmup}: the plan run again warmup + reps times from empty caches, the timed calls
  * marked for the instruction counters (without bench, the one run's calls are).
  *
  * Faults for the tests (defined by a patched copy, never in a build of testbed's): TB_FAULT_CHUNK_OFF_BY_ONE
  * (the utterance's calls get positions one too far), TB_FAULT_PAD_ROW_KEPT (a partial past call keeps
- * one pad row), TB_FAULT_STATE_NOT_CARRIED (each utterance call starts from empty caches),
- * TB_FAULT_POSITION_AFTER_FIRST_CALL (the utterance's calls after its first get positions one too far). */
+ * one pad row), TB_FAULT_STATE_NOT_CARRIED (each utterance call starts from empty caches; the hybrid's
+ * from an empty past, its conv and recurrent states and KV caches dropped), TB_FAULT_POSITION_AFTER_FIRST_CALL
+ * (the utterance's calls after its first get positions one too far). */
 #define _POSIX_C_SOURCE 200809L
 #include <limits.h>
 #include <stdio.h>
@@ -34,9 +43,11 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "../tb_hybrid.h"
 #include "../tb_kernels.h"
 #include "../tb_model.h"
 #include "harness.h"
+#include "hybrid_load.h"
 #include "model_load.h"
 #include "tb_engine.h"
 
@@ -332,39 +343,165 @@ static void serve_tail(const tb_request *req, plan *p, int threads, long reps, l
     tb_engine_free(e);
 }
 
+/* The harness's arguments of testbed's programs from the request: weights=REQUEST_DIR/MODEL_FILE and
+ * model.config's key=value strings (the shape, as tb_model_bench and tb_hybrid_bench take it); a key outside
+ * `keys` exits naming it. */
+static void model_args(tb_request *req, char **argv, const char *const *keys) {
+    static char weights[4096];
+    const char *const *config = tb_req_model_config(req);
+    int n = 0;
+    while (config[n]) n++;
+    char **args = malloc(sizeof(char *) * (size_t)(n + 5));
+    if (!args) die("out of memory");
+    snprintf(weights, sizeof weights, "weights=%s/%s", argv[1], tb_req_str(req, "model.file", ""));
+    args[0] = argv[0], args[1] = argv[1], args[2] = argv[2], args[3] = weights;
+    for (int i = 0; i < n; i++) args[4 + i] = (char *)config[i];
+    args[4 + n] = NULL;
+    args_init(4 + n, args, "(model.config.* of the request)", keys);
+}
+
+/* --- technique=hybrid: the Qwen3.5-style hybrid (tb_hybrid.h), computed as tb_hybrid_bench computes it --- */
+
+typedef struct {
+    tb_hybrid_engine *e;
+    const tb_hybrid_config *c;
+    const int32_t *tokens;
+    int n_tokens, past, chunk, mode; /* mode: 0 none, 1 padded, 2 scalar */
+    const long *at;
+    int n_at;
+    float *logits; /* [n_at, vocab] */
+    float *rows;   /* [chunk, vocab]: every real row of a call that holds several of logits_at */
+} hybrid_plan;
+
+/* One call: tokens[start, start + real) in `rows` rows (the rest pads, which never enter the state), and
+ * the rows of logits_at it holds. */
+static void hybrid_call(hybrid_plan *p, const char *name, int start, int real, int rows, int marked) {
+    int first = -1, wanted = 0;
+    for (int i = 0; i < p->n_at; i++)
+        if (p->at[i] >= start && p->at[i] < start + real) first = first < 0 ? i : first, wanted++;
+    const size_t vocab = (size_t)p->c->vocab;
+    float *out = wanted == 1 ? p->logits + (size_t)first * vocab : wanted ? p->rows : NULL;
+    const int select = wanted == 1 ? (int)(p->at[first] - start) : wanted ? TB_HYBRID_ALL_ROWS : real - 1;
+    if (marked) tb_call_begin();
+    int rc = rows == 1 ? tb_hybrid_decode(p->e, p->tokens[start], out)
+                       : tb_hybrid_prefill_with_past(p->e, p->tokens + start, real, rows, select, out);
+    if (marked) tb_call_end(name, rows);
+    check(rc, name);
+    if (wanted > 1)
+        for (int i = first; i < first + wanted; i++)
+            memcpy(p->logits + (size_t)i * vocab, p->rows + (size_t)(p->at[i] - start) * vocab, sizeof(float) * vocab);
+}
+
+/* The plan from an empty past: the past in calls of C rows (a partial one padded), then the rest in calls of
+ * C rows, the last partial one as tail.mode says. */
+static void hybrid_run(hybrid_plan *p, int marked) {
+    const int C = p->chunk;
+    tb_hybrid_clear(p->e);
+    for (int s = 0; s < p->past; s += C) hybrid_call(p, "past", s, p->past - s < C ? p->past - s : C, C, marked);
+    for (int s = p->past; s < p->n_tokens; s += C) {
+        const int real = p->n_tokens - s < C ? p->n_tokens - s : C;
+        if (TB_FAULT_STATE_NOT_CARRIED) tb_hybrid_clear(p->e);
+        if (real == C || p->mode == 1) hybrid_call(p, real == C ? "chunk" : "tail", s, real, C, marked);
+        else if (p->mode == 0) hybrid_call(p, "tail", s, real, real, marked);
+        else
+            for (int i = 0; i < real; i++) hybrid_call(p, "decode", s + i, 1, 1, marked);
+    }
+}
+
+/* state.bin: every layer's carried state in order, float32, as tb_hybrid_bench dumps it (layerI.conv,
+ * layerI.recurrent; layerI.k, layerI.v over the rows in use). */
+static void hybrid_write_state(tb_hybrid_engine *e, const tb_hybrid_config *c, int capacity) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/state.bin", g_response);
+    FILE *f = fopen(path, "wb");
+    if (!f) die("cannot write %s", path);
+    const size_t d = (size_t)c->linear_dim, channels = 2 * (size_t)c->k_heads * d + (size_t)c->v_heads * d;
+    const size_t rows = (size_t)tb_hybrid_length(e), hd = (size_t)c->head_dim;
+    for (int i = 0; i < c->layers; i++) {
+        if (c->layer_type[i] == TB_HYBRID_LINEAR) {
+            fwrite(tb_hybrid_conv(e, i), sizeof(float), (size_t)(c->conv_kernel - 1) * channels, f);
+            fwrite(tb_hybrid_recurrent(e, i), sizeof(float), (size_t)c->v_heads * d * d, f);
+            continue;
+        }
+        for (int part = 0; part < 2; part++) {
+            const float *plane = part ? tb_hybrid_values(e, i) : tb_hybrid_keys(e, i);
+            for (int h = 0; h < c->kv_heads; h++) fwrite(plane + (size_t)h * capacity * hd, sizeof(float), rows * hd, f);
+        }
+    }
+    if (fclose(f)) die("cannot write %s", path);
+}
+
+static int serve_hybrid(tb_request *req, char **argv, int tail_mode) {
+    static const char *const keys[] = {TB_HYBRID_KEYS, NULL};
+    if (strcmp(tb_req_str(req, "cache.dtype", "float32"), "float32"))
+        refuse("cache.dtype=%s: testbed-c's hybrid keeps float32 states and caches", tb_req_str(req, "cache.dtype", ""));
+    if (tb_req_int(req, "cache.window", 0) || tb_req_int(req, "cache.sink", 0))
+        refuse("cache.window=%s: testbed-c's hybrid has no sliding window (its attention layers keep every row)",
+               tb_req_str(req, "cache.window", "0"));
+    model_args(req, argv, keys);
+    flush_denormals();
+    st_file file;
+    tb_hybrid_model *m = malloc(sizeof *m);
+    if (!m) die("out of memory");
+    hybrid_load_model(m, &file);
+    const tb_hybrid_config *c = &m->cfg;
+
+    npy_array tokens = npy_load(argv[1], "tokens", "<i4");
+    hybrid_plan p = {NULL, c, tokens.data, (int)tokens.count, (int)tb_req_int(req, "past", 0),
+                     (int)tb_req_int(req, "chunk", 0), tail_mode, NULL, 0, NULL, NULL};
+    if (tokens.ndim != 1 || (long)tokens.count != tb_req_int(req, "n_tokens", -1))
+        die("tokens.npy holds %zu tokens, request.args says n_tokens=%s", tokens.count, tb_req_str(req, "n_tokens", "?"));
+    if (p.chunk < 1 || p.past < 0 || p.past >= p.n_tokens) die("chunk=%d past=%d n_tokens=%d: out of range", p.chunk, p.past, p.n_tokens);
+    for (int i = 0; i < p.n_tokens; i++)
+        if (p.tokens[i] < 0 || p.tokens[i] >= c->vocab) refuse("a token outside the vocabulary (tokens.npy)%s", "");
+    long *at = malloc(sizeof(long) * (size_t)p.n_tokens);
+    if (!at) die("out of memory");
+    p.at = at;
+    p.n_at = tb_req_ints(req, "logits_at", at, p.n_tokens);
+    if (p.n_at < 1) refuse("logits_at=%s: testbed-c gives at least one logits row", tb_req_str(req, "logits_at", ""));
+    for (int i = 0; i < p.n_at; i++)
+        if (at[i] < 0 || at[i] >= p.n_tokens || (i && at[i] <= at[i - 1]))
+            die("logits_at=%s: positions must ascend within 0..%d", tb_req_str(req, "logits_at", ""), p.n_tokens - 1);
+    p.logits = calloc((size_t)p.n_at * c->vocab, sizeof(float));
+    p.rows = malloc(sizeof(float) * (size_t)p.chunk * c->vocab);
+    if (!p.logits || !p.rows) die("out of memory");
+
+    /* the GDN form and chunk tb_hybrid_bench runs by default (backend=native's hybrid: the same bits) */
+    const int capacity = p.n_tokens + p.chunk;
+    tb_hybrid_options o = {capacity, p.chunk, (int)tb_req_int(req, "threads", 1), TB_GDN_CHUNKWISE, 64, TB_PRECISION_F32};
+    check(tb_hybrid_create(m, &o, &p.e), "engine");
+    const long reps = tb_req_int(req, "bench.reps", 0), warmup = tb_req_int(req, "bench.warmup", 0);
+    hybrid_run(&p, reps == 0);
+    size_t shape[2] = {(size_t)p.n_at, (size_t)c->vocab};
+    npy_save(g_response, "logits", "<f4", 2, shape, p.logits);
+    if (tb_req_int(req, "state", 0)) hybrid_write_state(p.e, c, capacity);
+    for (long r = -warmup; r < reps; r++) hybrid_run(&p, r >= 0);
+    tb_hybrid_free(p.e);
+    /* status last: a run that dies before it leaves no "ok" behind */
+    if (tb_timings_write(g_response, ENGINE_NAME, ENGINE_VERSION, tb_source_hash()) || tb_respond_ok(g_response))
+        return 4;
+    st_close(&file);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc != 3) die("usage: %s REQUEST_DIR RESPONSE_DIR (engine contract v1)", argv[0]);
     g_request = argv[1], g_response = argv[2];
     tb_request *req = tb_request_load(argv[1]);
     if (!req) return 2;
     const char *technique = tb_req_str(req, "technique", "");
-    if (strcmp(technique, "chunk_prefill") && strcmp(technique, "tail"))
-        refuse("technique=%s: testbed-c serves chunk_prefill and tail", technique);
+    if (strcmp(technique, "chunk_prefill") && strcmp(technique, "tail") && strcmp(technique, "hybrid"))
+        refuse("technique=%s: testbed-c serves chunk_prefill, tail and hybrid", technique);
     if (strcmp(tb_req_str(req, "model.format", ""), "safetensors"))
         refuse("model.format=%s: testbed-c reads testbed's safetensors engine file", tb_req_str(req, "model.format", ""));
     const char *mode = tb_req_str(req, "tail.mode", "none");
     const int tail_mode = !strcmp(mode, "none") ? 0 : !strcmp(mode, "padded") ? 1 : !strcmp(mode, "scalar") ? 2 : -1;
     if (tail_mode < 0) refuse("tail.mode=%s is not one of none, padded, scalar", mode);
+    if (!strcmp(technique, "hybrid")) return serve_hybrid(req, argv, tail_mode);
 
     /* the model's shape and weights as tb_model_bench takes them: the harness's arguments */
     static const char *const keys[] = {TB_MODEL_KEYS, NULL};
-    char *args[32], weights[4096];
-    int n_args = 0;
-    args[n_args++] = argv[0], args[n_args++] = argv[1], args[n_args++] = argv[2];
-    snprintf(weights, sizeof weights, "weights=%s/%s", argv[1], tb_req_str(req, "model.file", ""));
-    args[n_args++] = weights;
-    for (const char *const *k = keys + 1; *k; k++) {
-        char key[64];
-        snprintf(key, sizeof key, "model.config.%s", *k);
-        const char *v = tb_req_str(req, key, NULL);
-        if (!v) continue;
-        size_t len = strlen(*k) + strlen(v) + 2;
-        args[n_args] = malloc(len);
-        if (!args[n_args]) die("out of memory");
-        snprintf(args[n_args++], len, "%s=%s", *k, v);
-    }
-    args[n_args] = NULL;
-    args_init(n_args, args, "(model.config.* of the request)", keys);
+    model_args(req, argv, keys);
     flush_denormals();
     st_file file;
     tb_model *m = malloc(sizeof *m);

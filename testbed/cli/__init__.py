@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 
@@ -40,52 +39,10 @@ from omegaconf import OmegaConf
 from testbed import __version__, config, experiments, runner, verdicts
 from testbed.cli import devices as device_cli, engine as engine_cli, records as records_cli
 from testbed.errors import DeviceError, DeviceUnreachable, StoreError, ToolMissing, UsageError
-from testbed.heartbeat import Step
+from testbed.heartbeat import Lasting, ProgressLine, time_left
 from testbed.lab import ab, compare, farm, nightly
 from testbed.measure import emulation
 from testbed.report import build as report, tables
-
-
-class ProgressLine:
-    """A run's progress messages on stderr. On a terminal: one line rewritten in place. Otherwise (a
-    pipe, a CI log, nohup): one line per message, with the seconds since the run began and, for a
-    message that counts its steps ("gdn oracle 12/166 ..."), the time left at the pace of the steps
-    of that series so far (of its work, where the message is a testbed.heartbeat.Step), so that a log
-    shows the run is alive and how long it has to go."""
-
-    COUNT = re.compile(r"\b(\d+)/(\d+)\b")
-
-    def __init__(self, stream=None):
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.began = time.monotonic()
-        self.series: dict[tuple[str, int], tuple[float, int]] = {}  # (text before the count, total) -> start, first step
-
-    def __call__(self, msg: str) -> None:
-        if self.tty:
-            self.stream.write("\r\033[K" + msg[:120])
-            self.stream.flush()
-            return
-        now, left = time.monotonic(), ""
-        count = self.COUNT.search(msg)
-        if count:
-            step, total = int(count[1]), int(count[2])
-            work_done = msg.done if isinstance(msg, Step) else 0.0
-            key = (msg[:count.start()], total)
-            if key not in self.series or step <= self.series[key][1]:
-                self.series[key] = (now, step, work_done)
-            started, first, first_work = self.series[key]
-            # the message announces step `step`: the steps before it in this series are done; where it
-            # says their work (a Step), the time left is the work left at the pace of the work done
-            if isinstance(msg, Step) and msg.total > first_work:
-                left = nightly.time_left(now - started, msg.done - first_work, msg.total - first_work)
-            else:
-                left = nightly.time_left(now - started, step - first, total - first + 1)
-        print(f"[{now - self.began:.0f} s] {msg}{left}", file=self.stream, flush=True)
-
-    def clear(self) -> None:
-        if self.tty:
-            self.stream.write("\r\033[K")
 
 
 def _summary(outcome: runner.Outcome, module) -> str:
@@ -94,7 +51,8 @@ def _summary(outcome: runner.Outcome, module) -> str:
     tally = outcome.tally
     # An experiment may condense its run into several small tables; the full view is `testbed table`.
     shown = module.summary(df) if hasattr(module, "summary") else [module.view(df)]
-    lines = [*(tables.markdown(t) + "\n" for t in shown)] if len(df) else ["(no records)", ""]
+    full = f"testbed table {outcome.info.experiment} --format md|csv|json"
+    lines = [*(tables.for_terminal(t, full) + "\n" for t in shown)] if len(df) else ["(no records)", ""]
     if len(df) and hasattr(module, "breakevens"):
         lines += [tables.breakeven_line(b) for b in module.breakevens(df)]
     lines.append(
@@ -102,19 +60,19 @@ def _summary(outcome: runner.Outcome, module) -> str:
         f"oracles {tally.phrase()}, {len(df) - len(oracles)} measurements; run {outcome.info.run_id} stored"
     )
     for _, r in oracles[oracles["verdict"] != verdicts.PASS].iterrows() if len(oracles) else []:
-        lines.append(f"{verdicts.LABEL.get(r['verdict'], 'ERROR')} {r['case']}: {r['detail']}")
+        lines.append(tables.printable(f"{verdicts.LABEL.get(r['verdict'], 'ERROR')} {r['case']}: {r['detail']}"))
     if tally.exit_status() == verdicts.NOTHING_JUDGED:
         lines.append(f"NOTHING JUDGED: every verdict is not supported or not judged; nothing passed and nothing "
                      f"failed (exit {verdicts.NOTHING_JUDGED})")
     if outcome.info.emulated and len(df) > len(oracles):
-        lines.append(f"NOTE: {outcome.info.device} is emulated: its times above are {emulation.REASON}; its "
-                     "instruction counts are exact")
+        lines.append(f"NOTE: {outcome.info.device} is emulated: its times are {emulation.REASON}, and no choice "
+                     "is drawn from them; its instruction counts are exact, and decide")
     load = outcome.info.host_load
     if load.get("noisy") and len(df) > len(oracles):
         lines.append(f"WARNING: this host was loaded while measuring (1-minute load "
                      f"{max(load['load_1m_before'], load['load_1m_after']):.1f} on {load['cores']} cores): "
                      f"the figures are noisy; the records say so (host_load.noisy)")
-    return "\n".join(lines)
+    return tables.wrap("\n".join(lines))
 
 
 def _print_composed(rc: config.RunConfig, args) -> None:
@@ -149,30 +107,29 @@ def cmd_run(args) -> int:
         [outcome] = farm.execute(address, [rc], runner.results_store(rc))
     else:
         progress = ProgressLine()
-        outcome = runner.execute(rc, progress=progress)  # checks every parameter before running
-        progress.clear()
+        try:
+            outcome = runner.execute(rc, progress=progress)  # checks every parameter before running
+        finally:
+            progress.close()
     module = experiments.load(rc.experiment)
     print(_summary(outcome, module))
     return outcome.tally.exit_status()
 
 
 def _sweep_here(jobs: list[config.RunConfig]):
-    """The sweep's jobs one after the other in this process, with a progress bar (a log when not a tty)."""
-    from tqdm import tqdm
-
-    tty = sys.stderr.isatty()
-    bar = tqdm(total=len(jobs), desc="sweep", unit="run", file=sys.stderr, disable=not tty)
+    """The sweep's jobs one after the other in this process: a line per job (with the time left at the
+    pace of the jobs done), then the job's own progress (testbed.heartbeat.ProgressLine)."""
     began = time.monotonic()
     for i, rc in enumerate(jobs):
         label = " ".join(o for o in rc.overrides if o.split("=")[0] not in ("experiment",))
-        bar.set_postfix_str(label)
-        if not tty:  # a log, not a bar: one line per job, with the time left at the pace so far
-            eta = nightly.time_left(time.monotonic() - began, i, len(jobs))
-            print(f"[{i + 1}/{len(jobs)}] {rc.experiment} {label}{eta}", file=sys.stderr, flush=True)
-        progress = (lambda msg: bar.set_postfix_str(f"{label} | {msg}"[:100])) if tty else ProgressLine()
-        yield runner.execute(rc, progress=progress)
-        bar.update()
-    bar.close()
+        progress = ProgressLine()
+        progress(Lasting(f"job {i + 1} of {len(jobs)}: {rc.experiment} {label}"
+                         f"{time_left(time.monotonic() - began, i, len(jobs))}"))
+        try:
+            outcome = runner.execute(rc, progress=progress)
+        finally:
+            progress.close()
+        yield outcome
 
 
 def cmd_sweep(args) -> int:
@@ -187,17 +144,25 @@ def cmd_sweep(args) -> int:
     modules = [runner.check(rc)[0] for rc in jobs]  # every job is checked before the first one runs
     # with farm=, on the lab's nodes that own the devices, devices side by side
     outcomes = farm.execute(address, jobs, runner.results_store(jobs[0])) if address else _sweep_here(jobs)
-    rows, tally = [], verdicts.Tally()
+    rows, tally, frames = [], verdicts.Tally(), {}
     for rc, module, outcome in zip(jobs, modules, outcomes):
         tally += outcome.tally
         summarise = getattr(module, "sweep_row", lambda df: module.view(df).iloc[0].to_dict())
+        frame = outcome.frame()
+        frames.setdefault(module, []).append(frame)
         rows.append({"experiment": rc.experiment, **dict(o.split("=", 1) for o in rc.overrides
                                                           if not o.startswith("experiment=")),
-                     **summarise(outcome.frame())})
-    print(tables.markdown(pd.DataFrame(rows)))
+                     **summarise(frame)})
+    named = " or ".join(f"`testbed table {e} --format md|csv|json`"
+                        for e in dict.fromkeys(rc.experiment for rc in jobs))
+    settings = ["experiment", *(o.split("=", 1)[0] for rc in jobs for o in rc.overrides)]
+    print(tables.for_terminal(pd.DataFrame(rows), named, settings=settings))  # results are never said once
     for module in dict.fromkeys(modules):
         if hasattr(module, "sweep_footer"):
-            print(module.sweep_footer(pd.DataFrame(rows), jobs))
+            print(tables.wrap(module.sweep_footer(pd.DataFrame(rows), jobs)))
+        more = module.more_tables(pd.concat(frames[module])) if hasattr(module, "more_tables") else {}
+        for name, table in more.items():  # e.g. chunk_prefill's engines table
+            print(f"\n{name}:\n{tables.for_terminal(table, named)}")
     print(f"{len(jobs)} runs, oracles {tally.phrase()}; records in {runner.results_store(jobs[0]).path}")
     return tally.exit_status()
 
@@ -212,15 +177,24 @@ def cmd_table(args) -> int:
               file=sys.stderr)
         return 1
     speed, emulated = emulation.split_frame(df)
-    # a conclusion over the rows (a sweep's breakeven) is its own object, not one more row
+    # a conclusion over the rows (a sweep's breakeven, a best chunk size) is its own object, not one more row
     breakevens = module.breakevens(speed) if hasattr(module, "breakevens") else []
+    choices = module.table_choices(speed) if hasattr(module, "table_choices") else []
     view = module.view(speed)
-    # rows drawn from several records each (a sweep's row per N): the records' samples ride beside them
-    behind = tables.record_samples(speed) if "samples" not in view.columns else []
-    print(tables.render(view, args.format, breakevens, behind))
+    more = module.more_tables(speed) if hasattr(module, "more_tables") else {}  # e.g. chunk_prefill's engines table
+    if args.format is None:  # the terminal: what fits 120 columns, the rest named (--format has it all)
+        named = f"testbed table {rc.experiment} --format md|csv|json"
+        print(tables.wrap("\n".join([
+            tables.for_terminal(view, named),
+            *("\n" + tables.breakeven_line(b) for b in breakevens), *("\n" + tables.choice_line(c) for c in choices),
+            *(f"\n{name}:\n{tables.for_terminal(t, named)}" for name, t in more.items())])))
+    else:
+        # rows drawn from several records each (a sweep's row per N): the records' samples ride beside them
+        behind = tables.record_samples(speed) if "samples" not in view.columns else []
+        print(tables.render(view, args.format, breakevens, behind, choices, more))
     if args.format == "csv":  # the CSV holds rows alone
-        for b in breakevens:
-            print(tables.breakeven_line(b), file=sys.stderr)
+        for line in [*map(tables.breakeven_line, breakevens), *map(tables.choice_line, choices)]:
+            print(line, file=sys.stderr)
     if len(emulated):
         print(f"\nleft out: {len(emulated)} figure(s) {emulation.REASON}:", file=sys.stderr)
         print(tables.render(emulation.listing(emulated.to_dict("records")), "md"), file=sys.stderr)
@@ -257,7 +231,7 @@ def cmd_ingest(args) -> int:
     store.append([info.mark("started"), *rows, info.mark("ended", "complete")])  # one batch: whole or nothing
     for r in rows:
         if r["case"].endswith("/tally"):
-            print(f"{r['case']}: {r['metrics']['tally']} ({r['verdict']}) {r['detail']}".rstrip())
+            print(tables.printable(f"{r['case']}: {r['metrics']['tally']} ({r['verdict']}) {r['detail']}".rstrip()))
     print(f"{len(rows)} records from {args.file} stored for {rc.experiment} on {rc.device}")
     return verdicts.Tally.of_records(rows).exit_status()
 
@@ -274,11 +248,23 @@ def cmd_nightly(args) -> int:
 
 
 def cmd_gguf(args) -> int:
-    """Write (or find, cached by content) the GGUF of a checkpoint folder and print its path."""
+    """Write (or find, cached by content) the GGUF of a checkpoint folder and print its path; a .gguf file
+    is read whole by testbed's reader (as llama.cpp reads it) and its path printed when nothing is wrong."""
+    from pathlib import Path
+
     from testbed.models import gguf_files
 
-    path = gguf_files.write_gguf(args.checkpoint, args.out) if args.out else gguf_files.gguf_for(args.checkpoint)
-    print(path)
+    given = Path(args.checkpoint)
+    if given.suffix == ".gguf" and given.is_file():
+        if args.out:
+            raise UsageError(f"--out={args.out}: {given} is a GGUF already; accepted: --out with a Hugging Face folder "
+                             "(a .gguf alone is checked, not written)")
+        gguf_files.load_gguf(given)  # whole: every weight as the model computes with it
+        print(f"testbed: {given}: read by testbed's reader as llama.cpp reads it (every metadata key, every tensor's "
+              "shape, type and values); nothing refused", file=sys.stderr)
+        print(given)
+        return 0
+    print(gguf_files.write_gguf(given, args.out) if args.out else gguf_files.gguf_for(given))
     return 0
 
 
@@ -328,7 +314,8 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_sweep)
     t = sub.add_parser("table", help="a table from stored records")
     t.add_argument("experiment")
-    t.add_argument("--format", choices=tables.FORMATS, default="md")
+    t.add_argument("--format", choices=tables.FORMATS, default=None,
+                   help="md, csv, json or jsonl: every column (default: what fits the terminal, 120 columns)")
     t.set_defaults(fn=cmd_table)
     i = sub.add_parser("ingest", help="store a tool's output: test-backend-ops console or CSV")
     i.add_argument("file")
@@ -363,6 +350,7 @@ SAYS = {ToolMissing: "missing tool: {}", UsageError: "error: {}", DeviceUnreacha
 def main(argv: list[str] | None = None) -> int:
     runner.stop_on_signals()
     runner.RUNS.clear()  # this command's runs only (main may be called again in one process)
+    runner.REACHED.clear()
     try:
         p = parser()  # it lists the config's names, the lab's included
         args, extra = p.parse_known_args(argv)
@@ -375,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except tuple(SAYS) as e:  # one line each, its own status
         kind = next(k for k in SAYS if isinstance(e, k))
-        print(f"testbed: {SAYS[kind].format(e)}", file=sys.stderr)
+        print(tables.printable(f"testbed: {SAYS[kind].format(e)}"), file=sys.stderr)  # it may quote a device
         return e.exit_status
     except (KeyboardInterrupt, runner.Interrupted) as e:
         signum = e.signum if isinstance(e, runner.Interrupted) else 2

@@ -165,16 +165,16 @@ def iree_runtime_checks(device) -> list[tuple[str, str, str]]:
 def cmd_doctor(args) -> int:
     needs = host_checks(load_profile(args.device))
     for check, status, detail in needs:
-        print(f"{status:8} {check:28} {detail}")
+        print(tables.printable(f"{status:8} {check:28} {detail}"))
     try:
         # starting a loopback peer or building the programs takes a minute: a log shows it is alive
         with heartbeat(f"checking {args.device}", lambda msg: print(msg, file=sys.stderr, flush=True)):
             checks, fp = doctor(args.device)
     except DeviceUnreachable as e:
-        print(f"{args.device}: UNREACHABLE: {e}")
+        print(tables.printable(f"{args.device}: UNREACHABLE: {e}"))
         return DeviceUnreachable.exit_status
-    for check, status, detail in checks:
-        print(f"{status:8} {check:28} {detail}")
+    for check, status, detail in checks:  # what the device said
+        print(tables.printable(f"{status:8} {check:28} {detail}"))
     print("fingerprint: " + ", ".join(f"{k}={fp.get(k)}" for k in ("model", "abi", "os", "governor", "cores")))
     temps = fp.get("temperatures_c") or {}
     print("temperatures: " + (", ".join(f"{k} {v:.1f} C" for k, v in temps.items()) or "not readable"))

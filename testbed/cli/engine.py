@@ -69,7 +69,7 @@ def answered(response, request: StoredRequest) -> list[str]:
         lines.append(f"cache/: {len(response.cache_k)} layers, K and V {list(response.cache_k[0].shape)} "
                      "(kv_heads, rows, head_dim)")
     if response.state is not None:
-        lines.append(f"state.bin: {len(response.state)} bytes")
+        lines.append(f"state.bin: {response.state.size} bytes")
     calls = response.timings.get("calls") or []
     lines.append(f"timings.json: {len(calls)} calls, {sum(float(c['wall_s']) for c in calls):.6g} s wall by the "
                  f"engine's clock; engine {response.timings.get('engine')}")

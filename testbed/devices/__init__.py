@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testbed import children
 from testbed.devices import health
 from testbed.devices.health import host_fingerprint
 from testbed.devices.local import LocalTransport, QemuTransport
@@ -122,9 +123,8 @@ class Peer:
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONSAFEPATH": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, cwd=self.sandbox,
-                                         env=env, start_new_session=True)
+        with open(self.log, "w") as log:  # a child of testbed's (testbed.children): it dies with testbed
+            self.proc = children.start(argv, stdout=subprocess.PIPE, stderr=log, text=True, cwd=self.sandbox, env=env)
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
         found = re.search(r"listening on ([\d.]+):(\d+)", line)
@@ -137,9 +137,7 @@ class Peer:
         atexit.register(self.stop)  # its sandbox too
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        children.end(self.proc)
         shutil.rmtree(self.sandbox, ignore_errors=True)
 
 

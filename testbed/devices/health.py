@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
 import time
 from typing import Any
+
+from testbed import children
 
 PROBE = r"""
 p() { command -v getprop >/dev/null 2>&1 && getprop "$1"; }
@@ -89,7 +90,7 @@ def probe_device(transport, timeout: float = 30.0) -> dict[str, Any]:
 
 def host_fingerprint() -> dict[str, Any]:
     """This machine: the same probe, run here."""
-    out = subprocess.run(["sh", "-c", PROBE], capture_output=True, text=True, timeout=30).stdout
+    out = children.run(["sh", "-c", PROBE], capture_output=True, text=True, timeout=30).stdout
     fp = parse_probe(out)
     fp["abi"] = platform.machine()
     fp["cores"] = fp["cores"] or os.cpu_count()

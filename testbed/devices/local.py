@@ -8,19 +8,19 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-from testbed import stop
+from testbed import children
 from testbed.devices.transport import (CommandResult, CommandTimeout, OutsideWorkFolder, Transport, TransferError,
                                        check_argv, confine, elf_machine, quoted, sha256_file)
 
 
 class LocalTransport(Transport):
-    """Files are copied into the work folder; commands run there as subprocesses in their own process
-    group, so a timeout kills the whole tree, not just the first process."""
+    """Files are copied into the work folder; commands run there as testbed's children (testbed.children):
+    each in a session of its own, so a timeout kills the whole tree, not just the first process, and
+    none outlives testbed."""
 
     kind = "local"
 
@@ -77,6 +77,10 @@ class LocalTransport(Transport):
         path = self.inside(remote)
         return (path.stat().st_size, sha256_file(path)) if path.is_file() else None
 
+    def remote_size(self, remote: str) -> int | None:
+        path = self.inside(remote)
+        return path.stat().st_size if path.is_file() else None
+
     def command(self, argv: list[str], folder: Path) -> list[str]:
         return check_argv(argv)
 
@@ -84,22 +88,15 @@ class LocalTransport(Transport):
         folder = self.inside(cwd) if cwd else self.root
         folder.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        proc = subprocess.Popen(self.command(argv, folder), cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, errors="replace", start_new_session=True)
-
-        def kill() -> None:  # the whole group: the program and anything it started
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.communicate()
-
-        try:  # a stop (testbed.stop) kills the program within POLL_S, in any thread
-            out, err = stop.communicate(proc, timeout, kill)
+        try:  # its own session, ended on a timeout, a stop (testbed.stop) and testbed's own end
+            p = children.run(self.command(argv, folder), cwd=folder, capture_output=True, text=True, errors="replace",
+                             timeout=timeout)
+        except OSError as e:  # as a shell says it on the other transports: 127 not found, 126 cannot be started
+            status = 127 if isinstance(e, FileNotFoundError) else 126
+            return CommandResult(status, "", f"{argv[0]}: {e.strerror}", time.monotonic() - t0)
         except subprocess.TimeoutExpired:
-            kill()
             raise CommandTimeout(f"{self.name}: {quoted(argv)} did not finish in {timeout:g} s; killed") from None
-        return CommandResult(proc.returncode, out, err, time.monotonic() - t0)
+        return CommandResult(p.returncode, p.stdout, p.stderr, time.monotonic() - t0)
 
     def cleanup(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

@@ -24,6 +24,24 @@ def key_fingerprint(key) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
 
 
+# What runs on the device around every command. sshd gives each command a session of its own, whose
+# input is the channel's; testbed never writes to it, so it reaches its end only when the channel
+# closes: testbed gave up on the command (a timeout, a stop), or died, or the link broke. A watcher
+# waits for that end and kills every process of the session, the command's included (a program run
+# over SSH dies with testbed, as one run over ADB does with its stream). The command itself reads
+# /dev/null, as it did when the input was closed at once; when it ends first, the watcher goes too.
+WATCHED = """exec 3<&0 </dev/null
+(read -r _ <&3; pkill -KILL -s 0 || kill -KILL 0) >/dev/null 2>&1 &
+watcher=$!
+exec 3<&-
+{{ {script}
+}}
+status=$?
+kill "$watcher" 2>/dev/null
+exit "$status"
+"""
+
+
 class SshTransport(RemoteShell):
     kind = "ssh"
 
@@ -82,10 +100,10 @@ class SshTransport(RemoteShell):
     def _exec(self, script: str, host_timeout: float) -> CommandResult:
         import paramiko
 
+        chan = None
         try:
             chan = self.client.get_transport().open_session(timeout=self.connect_timeout)
-            chan.exec_command(script)
-            chan.shutdown_write()
+            chan.exec_command(WATCHED.format(script=script))
             out, err = bytearray(), bytearray()
             deadline = time.monotonic() + host_timeout
             while True:
@@ -108,6 +126,12 @@ class SshTransport(RemoteShell):
             rc = chan.recv_exit_status()
         except (paramiko.SSHException, EOFError, OSError, AttributeError) as e:
             raise ConnectionLost(f"{type(e).__name__}: {e}") from None
+        finally:
+            if chan is not None:  # the end of the command's input: its watcher kills what is left of it
+                try:
+                    chan.close()
+                except (paramiko.SSHException, EOFError, OSError):
+                    pass  # the link is gone: the device saw the input end with it
         if rc == -1:
             raise ConnectionLost("the command ended without an exit status (killed with the session?)")
         return CommandResult(rc, out.decode(errors="replace"), err.decode(errors="replace"))

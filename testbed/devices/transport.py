@@ -11,9 +11,10 @@ NUL byte, which no command line can carry, is refused before anything is sent.
 Remote devices (ADB, SSH) share the same discipline:
   run       `cd WORK && timeout -s KILL T argv...`: the device kills a hung command itself; if the
             device stops answering, the host gives up at T plus a grace period, drops the
-            connection (which kills the command's process group on the device) and raises
-            CommandTimeout. A run is never retried: it may have had effects, and a benchmark run
-            twice is a different measurement.
+            connection and raises CommandTimeout. A command whose connection closes (the host gave
+            up, stopped or died) is killed on the device with all it started (ADB: adbd ends the
+            stream's processes; SSH: a watcher beside the command, ssh.WATCHED). A run is never
+            retried: it may have had effects, and a benchmark run twice is a different measurement.
   push      send, then check size and sha256 on the device; a mismatch or a lost connection is
             retried (a push is idempotent); a device that refuses (full, read-only) is not.
   pull      sha256 on the device first, then receive into a temporary file, check, rename: a
@@ -185,6 +186,12 @@ class Transport:
         """remote_digest of each file (None for one that is absent)."""
         return {remote: self.remote_digest(remote) for remote in remotes}
 
+    def remote_size(self, remote: str) -> int | None:
+        """The size of a file in the work folder, read without reading the file (None if absent): what to
+        check before pulling, or hashing, a file a program on the device wrote at a size of its choosing."""
+        got = self.remote_digest(remote)
+        return got[0] if got else None
+
     def cleanup(self) -> None:
         raise NotImplementedError
 
@@ -295,6 +302,11 @@ class RemoteShell(Transport):
         if r.returncode != 0 or len(lines) < 2 or not lines[0].isdigit():
             return None
         return int(lines[0]), lines[1].lower()
+
+    def remote_size(self, remote: str, timeout: float = 60.0) -> int | None:
+        r = self.run(["sh", "-c", '[ -f "$1" ] && stat -c %s -- "$1"', "sh", confine(remote)], timeout)
+        size = r.stdout.strip()
+        return int(size) if r.returncode == 0 and size.isdigit() else None
 
     def remote_digests(self, remotes: list[str], timeout: float = 120.0) -> dict[str, tuple[int, str] | None]:
         """remote_digest of each file, in one command on the device."""

@@ -10,6 +10,14 @@ An experiment module provides:
   sweep_footer(rows, jobs) -> str  what a sweep prints below its table: the decisions over its jobs,
                           each with its confidence (testbed.measure.decisions) (optional)
   summary(frame) -> [frames]  what `testbed run` prints (optional; defaults to [view(frame)])
+  breakevens(frame) -> [{}]   the breakevens over stored rows, each with its interval: lines under the
+                          table, a `breakevens` list in its JSON (optional)
+  table_choices(frame) -> [{}]  the choices over stored rows (a best chunk size, chunked against token
+                          by token: decisions.as_choice), a `choices` list in `testbed table`'s JSON
+                          (optional)
+  more_tables(frame) -> {name: frame}  tables drawn over a set of runs beside view's: printed under a sweep,
+                          by `testbed table` (an object of their own in JSON) and in the report (optional;
+                          chunk_prefill's engines table)
   validate(cfg)           cross-parameter checks (optional), raising UsageError
   SWEEP_TOGETHER          keys a sweep measures interleaved in one job, not one job per value (optional)
 """

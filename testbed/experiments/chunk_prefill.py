@@ -38,7 +38,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from refimpl import gemma
-from testbed import backends
+from testbed import backends, verdicts
 from testbed.backends.iree.artifacts import target_names
 from testbed.backends.native.engine import WEIGHT_DTYPES, dequantized
 from testbed.config import Choice, Float, Int, IntList, project_path
@@ -48,11 +48,12 @@ from testbed.models.checkpoints import load_checkpoint
 from testbed.models.prompts import find_tokenizer, load_prompt
 from testbed.oracles.numerical import digest
 from testbed.oracles.tokens import Reference, TokenCase, check_mask_heads, check_token_at_position
-from testbed.report import tables
+from testbed.report import implementations, tables
 from testbed.results import Record
 from testbed.verdicts import Tally
 
 PRESETS = {"tiny": gemma.tiny_config, "functiongemma": gemma.functiongemma_config}
+ORACLES = ("token", "logits", "cache", "naive")  # per case (testbed.oracles.tokens.check_token_at_position)
 
 PARAMS = {
     "backend": Choice(tuple(backends.implementing("gemma"))),
@@ -143,13 +144,11 @@ def prompt_length(cfg: DictConfig) -> int:
 
 def validate(cfg: DictConfig) -> None:
     cases(cfg)
-    if cfg.backend == "engine":  # the engine's yaml, and that it serves this technique and weight type
+    if cfg.backend == "engine":  # the engine's yaml (what it serves is recorded by run: engine_refusal)
         from testbed.backends.engine import spec as engine_spec
 
-        spec = engine_spec.load(cfg.get("engine"))
-        if cfg.native.weights not in spec.weights:
-            raise UsageError(f"native.weights={cfg.native.weights}: engine={spec.name} takes {', '.join(spec.weights)} "
-                             f"({spec.path}: supports.weights)")
+        engine_spec.load(cfg.get("engine"))
+    check_given_gguf(cfg)
     if cfg.fused and cfg.backend != "native":
         raise UsageError(f"fused=true chooses the native programs' FMA build; backend={cfg.backend} has none; "
                          "accepted: fused=true with backend=native, or fused=false")
@@ -182,6 +181,38 @@ def validate(cfg: DictConfig) -> None:
             raise UsageError(f"model.expected_token={expected} pins one token but the cases end at positions "
                              f"{', '.join(map(str, ends))}; accepted: cases that all end at one position")
     run_prompt(cfg, model)
+
+
+def given_gguf(cfg: DictConfig) -> str | None:
+    gguf = OmegaConf.select(cfg, "model.gguf", default=None)
+    return str(project_path(gguf)) if gguf else None
+
+
+def check_given_gguf(cfg: DictConfig) -> None:
+    """model.gguf: a GGUF handed to the engine beside the Hugging Face folder the reference reads."""
+    gguf = given_gguf(cfg)
+    if gguf is None:
+        return
+    if cfg.backend != "engine":
+        raise UsageError(f"model.gguf={cfg.model.gguf} is handed to an engine under test; accepted with backend=engine "
+                         f"(or backend=llamacpp), not backend={cfg.backend}")
+    if not (gguf.endswith(".gguf") and Path(gguf).is_file()):
+        raise UsageError(f"model.gguf={cfg.model.gguf!r} is not accepted; accepted: a .gguf file on this host")
+    if not (cfg.model.checkpoint and (project_path(cfg.model.checkpoint) / "config.json").is_file()):
+        raise UsageError(f"model.gguf={cfg.model.gguf} needs model.checkpoint=DIR, the Hugging Face folder the "
+                         "reference reads and the file is judged against (model.checkpoint=FILE.gguf reads a GGUF "
+                         "alone)")
+
+
+def reference_source(cfg: DictConfig) -> str:
+    """What the reference reads, for the records: a GGUF read alone is judged against itself."""
+    checkpoint = cfg.model.checkpoint
+    if not checkpoint:
+        return f"the seeded {cfg.model.preset} model"
+    if str(checkpoint).endswith(".gguf"):
+        return (f"testbed's reading of {project_path(checkpoint)}, the GGUF the engine reads: a field the file lost is "
+                "lost on both sides (model.checkpoint=DIR model.gguf=FILE judges the file against its folder)")
+    return f"the Hugging Face folder {project_path(checkpoint)} (testbed.models.checkpoints.load_hf_folder)"
 
 
 def user_artifact(cfg: DictConfig) -> str | None:
@@ -224,6 +255,9 @@ def _setup(cfg: DictConfig, ctx):
     prompt = run_prompt(cfg, model)
     artifacts = {"weights_sha256": weights_sha, **prompt.artifacts()}
     backend = backends.load(cfg.backend, "gemma").backend(w, model, cfg, ctx.device, ctx.progress)
+    if cfg.backend == "engine":  # what the engine read, and what the reference read
+        artifacts |= {"model_file": str(backend.model_file), "model_format": backend.model_format,
+                      "reference": reference_source(cfg)}
     if user_artifact(cfg):  # which module and manifest every verdict and figure is about
         artifacts.update(backend.user.record_artifacts())
     if cfg.backend in ("native", "engine") and cfg.native.weights != "f32":
@@ -248,7 +282,7 @@ def oracle_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
                                                logit_atol=cfg.logit_atol, cache_atol=cfg.cache_atol,
                                                token_text=tokenizer.token_text if tokenizer else None)
         except backends.NotSupported as e:  # an engine's refusal: recorded as such, never a pass
-            for oracle in ("token", "logits", "cache", "naive"):
+            for oracle in ORACLES:
                 yield Record("chunk_prefill", f"{case.name}/{oracle}", "oracle", oracle, "not supported", None, {},
                              params=params, detail=str(e), evidence=backend.evidence.take())
             continue
@@ -346,7 +380,7 @@ def ab_engine_calls(cfg: DictConfig) -> list:
 
     model, w, _ = load_model(*_model_key(cfg))
     return ab_calls(w, model, run_prompt(cfg, model).ids, cfg.bench.past, cfg.chunk, cfg.native.weights,
-                    cfg.native.group, cfg.threads, cfg.model.checkpoint)
+                    cfg.native.group, cfg.threads, cfg.model.checkpoint, given_gguf(cfg))
 
 
 def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -> tuple[float, float]:
@@ -357,15 +391,26 @@ def projected(n: int, chunk: int, chunk_s: float, decode_s: float, reply: int) -
 def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
     p, c = cfg.bench.past, cfg.chunk
     ctx.progress(f"chunk_prefill bench P={p} C={c}")
-    times = backend.bench(prompt, p, c, cfg.bench.reps, cfg.bench.warmup)
-    evidence = backend.evidence.take()
     params = {"past": p, "chunk": c, "threads": cfg.threads}
+    try:
+        times = backend.bench(prompt, p, c, cfg.bench.reps, cfg.bench.warmup)
+    except backends.NotSupported as e:  # an engine that refuses to be measured: said as such, never a figure
+        yield Record("chunk_prefill", f"P={p},C={c}/bench", "oracle", "bench", "not supported", None, {},
+                     params=params | {"form": "chunk_call"}, detail=str(e), evidence=backend.evidence.take())
+        return
+    evidence = backend.evidence.take()
     for name, rows in (("chunk_call", c), ("decode_step", 1)):
         flops = gemma.graph_flops(model, rows, p)
         counted = {"instructions": times[f"{name}_instructions"]} if f"{name}_instructions" in times else {}
+        # the engine process's peak RSS and its export's size, where it has them
+        extra = (("peak_rss", f"{name}_peak_rss"), ("export_bytes", "export_bytes"))
+        counted |= {figure: times[key] for figure, key in extra if key in times}
+        # the CPU time beside the wall time, where the backend's clock gives it (never wall alone for an engine)
+        cpu = {"cpu_time": times[f"{name}_cpu"], "gflops_cpu": times[f"{name}_cpu"].rate(flops / 1e9, "GFLOP/s")} \
+            if f"{name}_cpu" in times else {}
         yield Record("chunk_prefill", f"P={p},C={c}/{name}", "measure",
                      figures={"time": times[name], "gflops": times[name].rate(flops / 1e9, "GFLOP/s"),
-                              "rows_per_s": times[name].rate(rows, "rows/s"), **counted}, evidence=evidence,
+                              "rows_per_s": times[name].rate(rows, "rows/s"), **cpu, **counted}, evidence=evidence,
                      work={"flops": flops, "rows": rows, "keys": p + rows,
                            "flop_count": "refimpl.gemma.graph_flops: projections, attention, MLP, one LM-head row"},
                      params=params | {"form": name})
@@ -378,9 +423,28 @@ def bench_records(cfg, ctx, model, w, prompt, backend) -> Iterator[Record]:
                      params=params | {"form": "projection", "utterance_tokens": n}, evidence=evidence)
 
 
+def engine_refusal(cfg: DictConfig, ctx) -> Iterator[Record]:
+    """backend=engine: what the engine's yaml says it does not serve (chunk_prefill, the device's ABI, the
+    weights dtype), recorded "not supported" for every oracle and measurement the run would have made."""
+    from testbed.backends.engine import refusals, spec as engine_spec
+
+    why = refusals.why_not(engine_spec.load(cfg.engine), ctx.device, "chunk_prefill", weights=cfg.native.weights)
+    if why is None:
+        return
+    judged = [(f"{c.name}/{o}", o) for c in cases(cfg) for o in ORACLES] if cfg.mode != "bench" else []
+    if cfg.mode != "oracle":
+        judged.append((f"P={cfg.bench.past},C={cfg.chunk}/bench", "bench"))
+    yield from refusals.records("chunk_prefill", judged, why)
+
+
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     from threadpoolctl import threadpool_limits
 
+    if cfg.backend == "engine":
+        refused = list(engine_refusal(cfg, ctx))
+        if refused:
+            yield from refused
+            return
     with threadpool_limits(limits=cfg.threads):
         model, w, prompt, backend, artifacts = _setup(cfg, ctx)
         bench = user_bench_records if user_artifact(cfg) else bench_records
@@ -432,28 +496,77 @@ def best_chunk(chunk_samples: dict[int, list[float]], decode_s: float, lengths, 
     return decisions.best_of(cost, by=by)
 
 
-def render_latency(title: str, chunk_samples: dict[int, list[float]], decode_s: float, lengths, weights,
-                   reply: int, chunk_instructions: dict[int, list[float]] | None = None,
-                   emulated: bool = False) -> str:
-    """The projected-latency table from each C's chunk-call repetitions (seconds; one value each for
-    a seed's figures), the best C by the medians, and the decision with its confidence; on a device
-    that counts, the decision by instructions too, on its own line. An emulated device's times make
-    the table but never a decision (testbed.measure.emulation)."""
-    chunk_s = {c: float(np.median(xs)) for c, xs in sorted(chunk_samples.items())}
-    df, best = latency_table(chunk_s, decode_s, lengths, weights, reply)
-    last = df.iloc[-1]
-    lines = [f"{title}: chunk call {', '.join(f'C={c} {t:.4g} s' for c, t in chunk_s.items())}; "
-             f"decode {decode_s:.4g} s/token; reply {reply} tokens",
+def versus_token_by_token(chunk: int, chunk_samples: list[float], decode_samples: list[float], lengths, weights,
+                          reply: int, by: str = "time") -> dict:
+    """Chunked at C against token by token, over the length distribution (decisions.ratio): per
+    repetition the expected utterance's chunk calls and reply against its tokens and reply decoded one
+    by one. The chunk call and the decode step ran interleaved in C's job: paired, where both have
+    every repetition (else the decode step's median stands for each)."""
+    p = np.asarray(weights if weights is not None else [1.0] * len(list(lengths)), float)
+    mean_tokens = float(np.dot(p / p.sum(), list(lengths)))
+    calls = calls_per_utterance(chunk, lengths, weights)
+    x, d = np.asarray(chunk_samples, float), np.asarray(decode_samples, float)
+    paired = x.size == d.size
+    chunked = calls * x + reply * (d if paired else np.median(d))
+    token = (mean_tokens + reply) * (d if paired else np.full(1, np.median(d)))
+    return decisions.ratio(chunked, token, f"chunked (C={chunk})", "token by token", paired=paired, by=by)
+
+
+@dataclasses.dataclass
+class ChunkMeasures:
+    """One implementation's repetitions per C (each C timed in its own job): the chunk call's, and the
+    decode step's of the same job (interleaved with the chunk call: paired), in seconds and, on a
+    device that counts, in instructions; an emulated device's seconds decide nothing."""
+
+    time: dict[int, list[float]]
+    decode: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    instructions: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    decode_instructions: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    emulated: bool = False
+
+
+def choices(measured: ChunkMeasures, lengths, weights, reply: int) -> list[dict]:
+    """Every decision over one implementation's C, each with its confidence: the best C (the C not
+    distinguishable from it; a tie of exact counts names each), and chunked at that C (the best by
+    median where undecided; the only C where one was measured) against token by token; by time (never
+    on an emulated device) and by instructions where every C was counted. Each: the decision's data,
+    `decision` (what is decided), `by`, and for chunked against token by token its `chunk`."""
+    found = []
+    for by, calls, decode in (("time", measured.time, measured.decode),
+                              ("instructions", measured.instructions, measured.decode_instructions)):
+        if (by == "time" and measured.emulated) or not calls or not all(calls.values()):
+            continue
+        chosen = next(iter(calls))
+        if len(calls) > 1:
+            steps = [float(np.median(v)) for v in decode.values() if v]
+            best = best_chunk(calls, float(np.median(steps)) if steps else 0.0, lengths, weights, reply, by=by)
+            found.append({"decision": "best C", "by": by, **best})
+            chosen = best["best"]
+        if decode.get(chosen):
+            found.append({"decision": f"C={chosen} vs token by token", "by": by, "chunk": chosen,
+                          **versus_token_by_token(chosen, calls[chosen], decode[chosen], lengths, weights, reply, by)})
+    return found
+
+
+def choice_line(decision: dict) -> str:
+    """One decision as the terminal prints it: what is decided, by what, and the sentence."""
+    return f"{decision['decision']} by {decision['by']}: {decision['says']}"
+
+
+def render_latency(title: str, measured: ChunkMeasures, lengths, weights, reply: int) -> str:
+    """The projected-latency table from each C's median chunk call and decode step, then every
+    decision with its confidence (`choices`). An emulated device's times make the table but never a
+    decision (testbed.measure.emulation)."""
+    chunk_s = {c: float(np.median(xs)) for c, xs in sorted(measured.time.items())}
+    steps = [float(np.median(v)) for v in measured.decode.values() if v]
+    decode_s = float(np.median(steps)) if steps else 0.0
+    df, _ = latency_table(chunk_s, decode_s, lengths, weights, reply)
+    lines = [f"{title}: chunk call {', '.join(f'C={c} {tables.number(t)} s' for c, t in chunk_s.items())}; "
+             f"decode {tables.number(decode_s)} s/token; reply {reply} tokens",
              tables.markdown(df)]
-    if emulated:
+    if measured.emulated:
         lines.append("no best C by time: the device is emulated (its times are never speed)")
-    else:
-        lines += [f"best C = {best} by the medians: expected {last[f'C={best} s']:.4g} s per utterance vs "
-                  f"{last['token by token s']:.4g} s token by token",
-                  f"best C by time: {best_chunk(chunk_samples, decode_s, lengths, weights, reply)['says']}"]
-    if chunk_instructions:
-        decision = best_chunk(chunk_instructions, decode_s, lengths, weights, reply, by="instructions")
-        lines.append(f"best C by instructions: {decision['says']}")
+    lines += [choice_line(d) for d in choices(measured, lengths, weights, reply)]
     return "\n".join(lines)
 
 
@@ -477,8 +590,9 @@ def fixture_chunk_times(path: Path, target: str) -> dict[int, float]:
 def render_fixture(cfg: DictConfig) -> str:
     path = fixture_file(cfg)
     medians = fixture_chunk_times(path, cfg.fixture.target)
+    decode = [float(cfg.fixture.decode_s)]
     return render_latency(f"seed 000 figures ({cfg.fixture.target}, {path.name})",
-                          {c: [t] for c, t in medians.items()}, cfg.fixture.decode_s,
+                          ChunkMeasures({c: [t] for c, t in medians.items()}, {c: decode for c in medians}),
                           cfg.latency.utterance_tokens, cfg.latency.weights, cfg.latency.reply_tokens)
 
 
@@ -501,6 +615,7 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
         else:
             rows.append(base | {"ms": r["figures.time.median"] * 1e3, "min ms": r["figures.time.min"] * 1e3,
                                 "max ms": r["figures.time.max"] * 1e3, "reps": r["figures.time.reps"],
+                                "CPU ms": (r.get("figures.cpu_time.median") or float("nan")) * 1e3,
                                 "GFLOP/s": r.get("figures.gflops.median"), "samples": tables.samples(r)})
     return pd.DataFrame(rows)
 
@@ -514,42 +629,223 @@ def sweep_row(df: pd.DataFrame) -> dict:
         row["token verdicts"] = " ".join(f"{c.split('/')[0]}:{v}" for c, v in zip(tokens["case"], tokens["verdict"]))
         row["oracles"] = Tally(oracles["verdict"]).phrase()
         row["token margin"] = float(pd.to_numeric(tokens["margin"], errors="coerce").min())
-        row["ref top1-top2"] = float(pd.to_numeric(tokens["metrics.margin_ref"]).min())
+        # a job whose every verdict is a refusal has no reference margins
+        row["ref top1-top2"] = float(pd.to_numeric(tokens["metrics.margin_ref"]).min()) \
+            if "metrics.margin_ref" in tokens else None
         diffs = pd.to_numeric(oracles.get("metrics.max_abs_logits_diff"), errors="coerce")
         row["max |dlogit|"] = float(diffs.max())
     for form in ("chunk_call", "decode_step"):
-        m = df[df.get("params.form") == form] if "params.form" in df else df.iloc[:0]
+        m = df[(df.get("params.form") == form) & (df["kind"] == "measure")] if "params.form" in df else df.iloc[:0]
         if len(m):
             row[f"{form} s"] = float(m["figures.time.median"].iloc[0])
-            if form == "chunk_call":  # its repetitions, for the best C's confidence (programs only)
-                row["samples"] = tables.samples(m.iloc[0])
+            # the repetitions, for the decisions' confidence (programs only): the chunk call's by figure
+            # ("time", "instructions"), the decode step's as "decode time", "decode instructions"
+            prefix = "" if form == "chunk_call" else "decode "
+            row["samples"] = row.get("samples", {}) | {prefix + k: v for k, v in tables.samples(m.iloc[0]).items()}
     if "emulated" in df and df["emulated"].fillna(False).astype(bool).any():
         row["emulated"] = True  # its times are never a decision (testbed.measure.emulation)
     return row
 
 
 def _repetitions(row: pd.Series, figure: str) -> list[float]:
-    """A sweep row's chunk-call repetitions of `figure` (sweep_row's samples); [] where it has none."""
+    """A sweep row's repetitions of `figure` (sweep_row's samples); [] where it has none."""
     found = row.get("samples")
     return list(found.get(figure) or []) if isinstance(found, dict) else []
 
 
 def sweep_footer(rows: pd.DataFrame, jobs) -> str:
-    """One latency table per (backend, device, model) of the sweep, then the seed's figures."""
+    """One latency table per (backend, device, model) of the sweep with its decisions, then the seed's
+    figures."""
     groups: dict[tuple, list[dict]] = {}
     for (_, row), rc in zip(rows.iterrows(), jobs):
         if pd.notna(row.get("chunk_call s")) and pd.notna(row.get("decode_step s")):
-            key = (rc.cfg.backend, rc.device, rc.cfg.model.checkpoint or rc.cfg.model.preset)
+            backend = f"engine:{rc.cfg.engine}" if rc.cfg.backend == "engine" else rc.cfg.backend  # one per engine
+            key = (backend, rc.device, rc.cfg.model.checkpoint or rc.cfg.model.preset)
             groups.setdefault(key, []).append(row)
     cfg = jobs[0].cfg
     parts = []
     for (backend, device, model), measured in groups.items():
-        chunk_samples = {int(r["chunk"]): _repetitions(r, "time") or [float(r["chunk_call s"])] for r in measured}
-        counted = {int(r["chunk"]): _repetitions(r, "instructions") for r in measured}
-        decode_s = float(np.median([r["decode_step s"] for r in measured]))
+        def each(figure: str, median: str | None = None) -> dict[int, list[float]]:
+            return {int(r["chunk"]): _repetitions(r, figure) or ([float(r[median])] if median else [])
+                    for r in measured}
+
+        counted = each("instructions")
+        measures = ChunkMeasures(each("time", "chunk_call s"), each("decode time", "decode_step s"),
+                                 counted if all(counted.values()) else {},
+                                 each("decode instructions") if all(counted.values()) else {},
+                                 emulated=any(r.get("emulated") is True for r in measured))
         parts.append(render_latency(f"projected utterance latency, {model} on {backend} / {device} (measured)",
-                                    chunk_samples, decode_s, cfg.latency.utterance_tokens, cfg.latency.weights,
-                                    cfg.latency.reply_tokens, counted if all(counted.values()) else None,
-                                    emulated=any(r.get("emulated") is True for r in measured)))
+                                    measures, cfg.latency.utterance_tokens, cfg.latency.weights,
+                                    cfg.latency.reply_tokens))
     parts.append(render_fixture(cfg))
     return "\n\n".join(parts)
+
+
+def measured_chunks(df: pd.DataFrame) -> list[tuple[str, ChunkMeasures, dict]]:
+    """From stored records (a flattened frame: store.frame, or the report's records), per
+    implementation (device, backend, model: testbed.report.implementations), bench past and threads,
+    the latest chunk-call and decode-step repetitions of each C, with the run's latency settings
+    (lengths, weights, reply) and its device: [(label, ChunkMeasures, settings)]."""
+    if df.empty or "params.form" not in df:
+        return []
+    m = df[(df["kind"] == "measure") & df["params.form"].isin(["chunk_call", "decode_step"])]
+    if "time" in m:
+        m = m.sort_values("time", kind="stable")
+    config_columns = [c for c in m.columns if c.startswith("config.")]
+    groups: dict[tuple, dict] = {}
+    for _, r in m.iterrows():
+        config = {c[len("config."):]: v for c in config_columns if _present(v := r[c])}
+        impl = implementations.of({"config": config, "device": r["device"], "backend": r["backend"]})
+        key = (impl.label, _whole(config.get("bench.past")), _whole(config.get("threads", 1)))
+        group = groups.setdefault(key, {"rows": {}, "config": config})
+        group["rows"][int(r["params.chunk"]), r["params.form"]] = r  # the latest record of each C and form
+        group["config"] = config
+    found = []
+    for (label, past, threads), group in groups.items():
+        rows, config = group["rows"], group["config"]
+
+        def each(form: str, figure: str) -> dict[int, list[float]]:
+            out = {}
+            for (chunk, f), r in rows.items():
+                if f == form and _present(r.get(f"figures.{figure}.median")):
+                    scale = TIME_SCALE.get(r.get(f"figures.{figure}.unit"), 1.0)
+                    reps = r.get(f"figures.{figure}.samples")
+                    values = list(reps) if isinstance(reps, list) and reps else [r[f"figures.{figure}.median"]]
+                    out[chunk] = [float(v) * scale for v in values]
+            return out
+
+        counted = each("chunk_call", "instructions")
+        measures = ChunkMeasures(each("chunk_call", "time"), each("decode_step", "time"), counted,
+                                 each("decode_step", "instructions"),
+                                 emulated=any(_present(r.get("emulated")) and bool(r.get("emulated"))
+                                              for r in rows.values()))
+        settings = {"lengths": list(config.get("latency.utterance_tokens") or []),
+                    "weights": config.get("latency.weights"), "reply": int(config.get("latency.reply_tokens") or 0),
+                    "device": next(iter(rows.values()))["device"]}
+        setting = ", ".join([*([f"past {past}"] if past is not None else []),
+                             *([f"{threads} threads"] if threads not in (None, 1) else [])])
+        found.append((f"{label}, {setting}" if setting else label, measures, settings))
+    return found
+
+
+TIME_SCALE = {"s": 1.0, "ms": 1e-3, "us": 1e-6}  # a time figure's unit in seconds
+
+
+def _whole(value):
+    """A count from a frame (where a missing value elsewhere made it float): an int, or None."""
+    return int(value) if value is not None and _present(value) else None
+
+
+def _present(value) -> bool:
+    """A frame cell that holds something (not a missing value)."""
+    return isinstance(value, (list, dict)) or not pd.isna(value)
+
+
+def table_choices(df: pd.DataFrame) -> list[dict]:
+    """`testbed table chunk_prefill`'s decisions from stored records: per implementation the best C and
+    chunked against token by token (`choices`), as data beside the rows (tables.render)."""
+    out = []
+    for label, measures, settings in measured_chunks(df):
+        if not settings["lengths"]:
+            continue
+        for d in choices(measures, settings["lengths"], settings["weights"], settings["reply"]):
+            out.append(decisions.as_choice(d, label))
+    return out
+# --- the engines table: every engine under test side by side ----------------------------------------
+
+ENGINE = "engine:"
+
+
+def _headline(tally: Tally) -> str:
+    """One verdict for an engine and technique (testbed.verdicts): fail where any oracle failed or erred,
+    else pass where any passed, else the refusal (not supported) or not judged."""
+    if tally.failed:
+        return verdicts.FAIL
+    for state in (verdicts.PASS, verdicts.NOT_SUPPORTED, verdicts.NOT_JUDGED):
+        if tally[state]:
+            return state
+    return ""
+
+
+def _evidence_max(group: pd.DataFrame, key: str) -> float | None:
+    """The largest `key` any run of the group states in its evidence (every engine request says its peak
+    RSS and, exporter-based, its export's size)."""
+    found = [d.get(key) for ev in group.get("evidence", pd.Series(dtype=object)) if isinstance(ev, list)
+             for e in ev if isinstance(e, dict) for d in [e.get("detail") or {}]]
+    numbers = [float(v) for v in found if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return max(numbers) if numbers else None
+
+
+def _at(row: pd.Series, figure: str) -> tuple[float | None, tuple[float, float] | None]:
+    """A figure's median and the 95% interval of its median (decisions.median_interval) in one record."""
+    median = row.get(f"figures.{figure}.median")
+    if median is None or pd.isna(median):
+        return None, None
+    found = row.get(f"figures.{figure}.samples")
+    return float(median), decisions.median_interval(found) if isinstance(found, list) else None
+
+
+def engines(df: pd.DataFrame) -> pd.DataFrame:
+    """The engines under test side by side (records of chunk_prefill and tail with backend=engine:NAME):
+    one row per engine, technique, device and model. Its verdict (testbed.verdicts: fail, pass, not
+    supported with the engine's reason, not judged) over every oracle of the technique; for chunk_prefill's
+    bench, the best C by the projected utterance latency with its confidence (best_chunk: unpaired
+    bootstrap over each C's repetitions; an emulated device's times decide nothing) and, at that C, the
+    chunk call's prefill tokens/s and CPU time, each its median with the 95% interval of the median; the
+    largest peak RSS of the engine process any of its requests had (VmHWM) and its export's size on disk
+    (exporter-based engines)."""
+    if df.empty or "backend" not in df:
+        return pd.DataFrame()
+    df = df[df["backend"].astype(str).str.startswith(ENGINE)]
+    if df.empty:
+        return pd.DataFrame()
+    settings = [c for c in df.columns if c.startswith("config.")]
+    df = df.assign(_model=[implementations.model_of({k[len("config."):]: v for k, v in zip(settings, values)
+                                                     if not (isinstance(v, float) and math.isnan(v))})
+                            for values in df[settings].itertuples(index=False)])
+    # the newest run of each configuration (its C and mode): an older run's verdicts are history
+    config = [c for c in ("backend", "experiment", "device", "_model", "config.chunk", "config.mode") if c in df]
+    df = df.sort_values("time", kind="stable")
+    df = df[df["run_id"] == df.groupby(config, dropna=False)["run_id"].transform("last")]
+    rows = []
+    for (engine, technique, device, name), group in df.groupby(["backend", "experiment", "device", "_model"],
+                                                                sort=True):
+        tally = Tally.of_records(group.to_dict("records"))
+        refused = group[(group["kind"] == "oracle") & (group["verdict"] == verdicts.NOT_SUPPORTED)]
+        row = {"engine": engine[len(ENGINE):], "technique": technique, "device": device, "model": name,
+               "verdict": _headline(tally), "oracles": tally.phrase(),
+               "reason": str(refused["detail"].iloc[0]) if len(refused) else ""}
+        calls = group[(group["kind"] == "measure") & (group.get("params.form") == "chunk_call")] \
+            if "params.form" in group else group.iloc[:0]
+        if len(calls):
+            calls = calls.sort_values("time").groupby("params.chunk").tail(1)
+            by_c = {int(r["params.chunk"]): r for _, r in calls.iterrows()}
+            decode = group[group.get("params.form") == "decode_step"]["figures.time.median"]
+            first = calls.iloc[0]
+            lengths = list(first.get("config.latency.utterance_tokens") or [16, 36, 44, 52])
+            weights = first.get("config.latency.weights")
+            reply = int(first.get("config.latency.reply_tokens") or 0)
+            samples = {c: list(r.get("figures.time.samples") or [r["figures.time.median"]]) for c, r in by_c.items()}
+            decode_s = float(decode.median()) if len(decode) else 0.0
+            if "emulated" in calls and calls["emulated"].fillna(False).astype(bool).any():
+                calls = calls.iloc[:0]  # an emulated device's times are never speed (testbed.measure.emulation)
+                row["best C says"] = "none: the device is emulated (its times are never speed)"
+        if len(calls):
+            decision = best_chunk(samples, decode_s, lengths, weights if isinstance(weights, list) else None, reply)
+            best = int(decision["best"])
+            rate, rate_ci = _at(by_c[best], "rows_per_s")
+            cpu, cpu_ci = _at(by_c[best], "cpu_time")
+            row |= {"best C": decisions.label(decision), "best C says": decision["says"], "prefill tok/s": rate,
+                    "tok/s lo": rate_ci[0] if rate_ci else None, "tok/s hi": rate_ci[1] if rate_ci else None,
+                    "chunk call CPU ms": cpu * 1e3 if cpu is not None else None,
+                    "CPU ms lo": cpu_ci[0] * 1e3 if cpu_ci else None, "CPU ms hi": cpu_ci[1] * 1e3 if cpu_ci else None}
+        rss, export = _evidence_max(group, "peak_rss_bytes"), _evidence_max(group, "export_bytes")
+        row |= {"peak RSS MB": rss / 1e6 if rss else None, "export MB": export / 1e6 if export else None}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def more_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """The tables drawn over a set of runs beside view's (a sweep's, `testbed table`, the report)."""
+    found = engines(df)
+    return {"engines": found} if len(found) else {}

@@ -8,7 +8,8 @@ run set; each record names the build (`fused`) and the matrix products' micro-ke
 chosen at run time, TB_ISA forces one).
 
 matmul_vs_sgemm   (this host) a chunk call's weight matrix products (the engine's own timer around
-                  them) in GFLOP/s, over numpy's sgemm (OpenBLAS here; testbed.measure.blas_reference) doing
+                  them) in GFLOP/s, over the best library's sgemm (the faster of OpenBLAS and oneMKL
+                  where installed, each timed on them; testbed.measure.blas_reference) doing
                   the SAME products: every layer's q, k, v, o, gate, up, down on the chunk's C rows
                   with the model's float32 weights (the dequantised ones for f16 / int8), and the LM
                   head on one row, on the engine's thread count. Interleaved in one job: per
@@ -27,10 +28,13 @@ decode_vs_stream  a decode step's time, over the time to read its weights once (
                   caches evicted before each timed step, as a step after other work finds them
 
 Both by the wall clock and by the process's CPU clock (on a shared machine the CPU clock leaves out
-the time other processes held the core). Each ratio is computed per repetition and reported as
-median, min and max over them; beside it the ratio of the best times (on a shared machine the best
-repetition is the least disturbed one). Measurements: the configured targets are printed beside
-them (matmul_vs_sgemm also says whether it meets its target, unless the reference spins).
+the time other processes held the core): one record per clock, each with the other clock's figure of
+the same calls beside it (never wall alone), and the exact instructions of a chunk call and a decode
+step where they were counted (a device that counts; the host with counts=true, under valgrind). Each
+ratio is computed per repetition and reported as median, min and max over them; beside it the ratio of
+the best times (on a shared machine the best repetition is the least disturbed one). Measurements: the
+configured targets are printed beside them (matmul_vs_sgemm also says whether it meets its target,
+unless the reference spins).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from testbed.results import Figure, Record
 PARAMS = {
     "backend": Choice(("native",)),
     "threads": Int(1, 256),
+    "counts": Choice((False, True)),
     "weights": Choice(engine.WEIGHT_DTYPES),
     "fused": Choice((False, True)),
     "group": Int(1, 1 << 16),
@@ -129,6 +134,7 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
         result = program(cfg.bench.warmup, cfg.bench.reps)
         timings, evidence, library = result.timings, [result.evidence.as_dict()], None
         t = {k: np.asarray(v, float) for k, v in timings.items() if k.endswith("seconds")}
+    instructions = counted_instructions(cfg, ctx, runs, model, w, prompt, built)
     params = {"chunk": cfg.chunk, "past": cfg.past, "weights": cfg.weights, "threads": cfg.threads,
               "hidden": model.hidden, "layers": model.layers, "fused": bool(cfg.fused),
               # how the build computes (build.multiply_add): what ran, whatever fused asked for
@@ -148,7 +154,10 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
         stream_s = weight_bytes / (bandwidth * 1e9)
         decode_s = t[f"decode_{suffix}"]
         figures = {"matmul": Figure.of(matmul, "GFLOP/s"), "own_gemm": Figure.of(own, "GFLOP/s"),
-                   "chunk_call": Figure.of(t[suffix], "s")}
+                   "chunk_call": Figure.of(t[suffix], "s"),
+                   # the other clock's figure beside this one, and exact counts where they were taken
+                   "chunk_call_other_clock": Figure.of(t["cpu_seconds" if clock == "wall" else "seconds"], "s"),
+                   **({"chunk_call_instructions": instructions["chunk"]} if instructions else {})}
         if library is not None:
             sgemm = flops / library["seconds"][clock] / 1e9
             ratio = matmul / sgemm  # per repetition: the engine run and the products of the same one
@@ -176,7 +185,10 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
         decode_median = float(np.median(decode_s / stream_s))
         yield Record("engine_bench", f"decode_vs_stream/{clock}", "measure",
                      figures={"ratio": Figure.of(decode_s / stream_s, "x"), "decode_step": Figure.of(decode_s, "s"),
-                              "stream": Figure.of(stream_s, "s"), "bandwidth": Figure.of(bandwidth, "GB/s")},
+                              "decode_step_other_clock": Figure.of(t["decode_cpu_seconds" if clock == "wall"
+                                                                     else "decode_seconds"], "s"),
+                              "stream": Figure.of(stream_s, "s"), "bandwidth": Figure.of(bandwidth, "GB/s"),
+                              **({"decode_step_instructions": instructions["decode"]} if instructions else {})},
                      metrics={"target": cfg.targets.decode_vs_stream, "target_is": "at most",
                               f"meets_target_{clock}": bool(decode_median <= cfg.targets.decode_vs_stream),
                               "short_by": blas_reference.shortfall(decode_median, cfg.targets.decode_vs_stream,
@@ -187,6 +199,21 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
                                      "timed step" if cfg.bench.cold_mb else "warm: right after the chunk call"},
                      params=params | {"form": "decode_vs_stream", "clock": clock, "cold": bool(cfg.bench.cold_mb)},
                      evidence=evidence)
+
+
+def counted_instructions(cfg: DictConfig, ctx, runs, model, w, prompt, built) -> dict[str, Figure]:
+    """Exact instructions per chunk call and per decode step (the engine program's marks): what the
+    timed runs counted on a device that counts, or on the host with counts=true one more run under
+    valgrind, apart from the timed ones (its own figures, never a time). Empty where nothing counted."""
+    counted = next((r.counts for r in runs if r.counts), None)
+    if counted is None and cfg.counts and not ctx.device.profile.has("counts"):
+        ctx.progress("engine_bench: counting a chunk call's and a decode step's instructions under valgrind")
+        counted = engine.chunk_prefill(ctx.device, model, w, prompt, TokenCase(cfg.past, cfg.chunk, cfg.chunk),
+                                       weights_dtype=cfg.weights, group=cfg.group, threads=cfg.threads, warmup=0,
+                                       reps=1, program=built, count=True).counts
+    if not counted:
+        return {}
+    return {region: Figure.of(counted.of(region), "instructions") for region in ("chunk", "decode")}
 
 
 def logits_oracle(cfg: DictConfig, model, w, prompt, runs, params) -> Record:
@@ -220,9 +247,8 @@ def host_interleaved(cfg: DictConfig, ctx, model, w, program):
         return {"wall": runs[-1].timings["matmul_seconds"][0], "cpu": runs[-1].timings["matmul_cpu_seconds"][0]}
 
     repeat = blas_reference.repeats_for(products)
-    variants = {"engine": engine_run, "sgemm": blas_reference.products_timer(products, cfg.threads, repeat)}
-    if cfg.threads > 1:
-        variants["sgemm 1 thread"] = blas_reference.products_timer(products, 1, repeat)
+    best = blas_reference.BestReference(products, cfg.threads, repeat)
+    variants = {"engine": engine_run, **best.variants()}
     ctx.progress(f"engine_bench: {', '.join(variants)} interleaved, {cfg.bench.reps} repetitions")
     for name, fn in variants.items():
         if name != "engine":  # each program run warms itself up (bench.warmup calls before its timed one)
@@ -230,18 +256,20 @@ def host_interleaved(cfg: DictConfig, ctx, model, w, program):
     timed = time_interleaved(variants, reps=cfg.bench.reps, warmup=0, seed=cfg.seed, timer=lambda run: run())
     t = {key: np.asarray([r.timings[key][0] for r in runs], float)
          for key in runs[0].timings if key.endswith("seconds")}
-    seconds = {clock: np.asarray(timed.samples["sgemm"][clock], float) for clock in ("wall", "cpu")}
-    one = timed.samples["sgemm 1 thread" if cfg.threads > 1 else "sgemm"]["cpu"]
-    info = blas_reference.blas_info(cfg.threads)
-    # spinning, and a kernel narrower than the targets may use (an environment forcing one): no target judged
-    spin = blas_reference.spinning(float(np.median(seconds["cpu"])), float(np.median(one)),
-                                   cfg.threads) | blas_reference.kernel_rule(info)
+    # the faster library on these products at the engine's thread count is the reference
+    pick = best.pick(timed.samples)
+    ctx.progress(f"engine_bench reference: {pick.describe()}; {pick.info['choice']['says']}")
+    seconds = {clock: np.asarray(pick.samples[clock], float) for clock in ("wall", "cpu")}
+    one = timed.samples[pick.one_thread]["cpu"]
+    info = pick.info
+    # spinning, and OpenBLAS on a kernel narrower than the targets may use (an environment forcing
+    # one): no target judged
+    spin = blas_reference.spinning(float(np.median(seconds["cpu"])), float(np.median(one)), cfg.threads) | pick.rule
     why = blas_reference.refusal(spin, cfg.threads)
     if why:
         ctx.progress(f"engine_bench matmul_vs_sgemm: {why}")
     library = {"seconds": seconds, "spin": spin, "info": info, "order": timed.order,
-               "what": f"numpy ({info.get('internal_api')}, its {info.get('architecture')} kernel, in a process of its own) "
-                       f"float32 products of the chunk call's shapes: "
+               "what": f"{pick.describe()}, in a process of its own: float32 products of the chunk call's shapes: "
                        f"{len(products)} products ({model.layers} layers x q k v o gate up down, and the LM head "
                        f"on one row), {'dequantised ' if cfg.weights != 'f32' else ''}model weights, "
                        f"{cfg.threads} thread(s); each timed call repeats them {repeat} time(s), per-time seconds"}
@@ -264,5 +292,7 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
                      "meets target": r.get("metrics.meets_target_" + str(r.get("params.clock"))),
                      "note": r.get("metrics.target_refused") if isinstance(r.get("metrics.target_refused"), str)
                      else None,
-                     "unit": "GFLOP/s" if "matmul" in r["case"] else "s", "samples": tables.samples(r)})
+                     "unit": "GFLOP/s" if "matmul" in r["case"] else "s",
+                     "instructions": r.get("figures.chunk_call_instructions.median") if "matmul" in r["case"]
+                     else r.get("figures.decode_step_instructions.median"), "samples": tables.samples(r)})
     return pd.DataFrame(rows)

@@ -41,10 +41,12 @@ running every engine once in a shuffled order, one process per run (a process ru
 untimed, then once timed; llama-bench warms up as it always does). Three rows each:
 
   testbed     engine (cfg.engine, testbed-c-fused: the FMA build) through the contract: the timed calls'
-              seconds by its own wall and CPU clocks (timings.json), its process's peak resident set
+              seconds by its own wall and CPU clocks (timings.json), its process's peak resident set (VmHWM
+              at exit, read by tb_peak_rss, which every engine request runs through)
   llama.cpp   reference_engine (tb_llama_engine, libllama) through the contract, the same figures
   llama-bench llama.cpp's own measure: its samples_ns for the test, -r 1 per process; its process's CPU
-              seconds (load, warm-up and all: not per token) and peak resident set from os.wait4
+              seconds (load, warm-up and all: not per token) and peak resident set beside
+              (testbed.backends.llamacpp.bench)
 
 Each row's tokens per second is median [min, max] over the repetitions, beside the CPU seconds per token and
 CPU use (CPU / wall / threads: under 1 the process waited for a core or its threads for each other), and the
@@ -82,6 +84,7 @@ from testbed.backends.llamacpp import bench as llama_bench, build as llama_build
 from testbed.backends.native import build as kernel_build
 from testbed.backends.native.engine import dequantized, export_weights
 from testbed.config import Choice, ChoiceList, Float, Int, IntList, as_list
+from testbed.devices import load_profile
 from testbed.errors import UsageError
 from testbed.experiments import chunk_prefill
 from testbed.measure import blas_reference
@@ -186,15 +189,14 @@ def validate(cfg: DictConfig) -> None:
     if cfg.model.checkpoint:
         raise UsageError("model.checkpoint: engine_compare writes a seeded model in each weight type; accepted: "
                          "model.checkpoint=null (model.preset and model.overrides choose the shape)")
-    mine, theirs = specs.load(cfg.engine), specs.load(cfg.reference_engine)
-    for spec, fmt, dtype_of in ((mine, "safetensors", TESTBED_DTYPE), (theirs, "gguf", {w: w for w in WEIGHTS})):
+    # what this experiment hands each side: testbed's engine file, a GGUF (an engine that reads neither is a
+    # wrong setting; one that refuses a weight type or is not built for the device says so in its records)
+    for key, fmt in (("engine", "safetensors"), ("reference_engine", "gguf")):
+        spec = specs.load(cfg[key])
         if "chunk_prefill" not in spec.techniques or fmt not in spec.model_formats:
-            raise UsageError(f"engine={spec.name} must serve chunk_prefill from a {fmt} model ({spec.path}: "
-                             f"supports: techniques {list(spec.techniques)}, model_formats {list(spec.model_formats)})")
-        missing = [w for w in cfg.weights if dtype_of[w] not in spec.weights]
-        if missing:
-            raise UsageError(f"weights={missing[0]}: engine={spec.name} does not take {dtype_of[missing[0]]} weights "
-                             f"({spec.path}: supports.weights={list(spec.weights)})")
+            raise UsageError(f"{key}={spec.name} must serve chunk_prefill from a {fmt} model ({spec.path}: supports: "
+                             f"techniques {list(spec.techniques)}, model_formats {list(spec.model_formats)})")
+        engine_build.check_device(spec, load_profile(cfg.device.name))
     chunk_prefill._preset(cfg)  # model.overrides checked
 
 
@@ -250,9 +252,15 @@ class ContractEngine:
 
     row: str                   # "testbed" | "llama.cpp"
     spec: specs.EngineSpec
-    program: Path
+    program: Path | None       # None: not built for this device (its refusal says so)
     model: gemma.GemmaConfig
     device: object
+    target: str
+
+    def refusal(self, weights: str) -> str | None:
+        """Why the engine's yaml says it does not serve this experiment's requests of `weights` here."""
+        theirs = self.row != "testbed"
+        return self.spec.refusal("chunk_prefill", self.target, weights if theirs else TESTBED_DTYPE[weights])
 
     def request(self, wt: WeightType, prompt, test: Test, threads: int, bench: dict | None) -> Request:
         theirs = self.row != "testbed"
@@ -263,6 +271,9 @@ class ContractEngine:
                        test.positions, threads=threads, bench=bench)
 
     def run(self, wt: WeightType, prompt, test: Test, threads: int, bench: dict | None) -> Response:
+        refused = self.refusal(wt.name)
+        if refused:
+            raise NotSupported(refused)
         c = self.model
         response = call(self.device, self.spec, self.request(wt, prompt, test, threads, bench),
                         Expect(c.vocab, c.layers, c.kv_heads, c.head_dim), self.program)
@@ -341,10 +352,12 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     if emulated:  # counted, not timed: the profile's thread counts only
         threads = [t for t in threads if t in (ctx.device.profile.threads or [1])] or [1]
     target = kernel_build.target_for_abi(ctx.device.profile.abi)
-    # the yamls' timeout_s bounds the requests they expect; this model's plans under emulation take longer
-    engines = [ContractEngine(row, dataclasses.replace(spec, timeout_s=max(spec.timeout_s, cfg.timeout_s)),
-                              engine_build.program_for(spec, target), model, ctx.device)
-               for row, spec in (("testbed", specs.load(cfg.engine)), ("llama.cpp", specs.load(cfg.reference_engine)))]
+    engines = []
+    for row, spec in (("testbed", specs.load(cfg.engine)), ("llama.cpp", specs.load(cfg.reference_engine))):
+        # the yamls' timeout_s bounds the requests they expect; this model's plans under emulation take longer
+        spec = dataclasses.replace(spec, timeout_s=max(spec.timeout_s, cfg.timeout_s))
+        built = None if spec.refusal("chunk_prefill", target) else engine_build.program_for(spec, target)
+        engines.append(ContractEngine(row, spec, built, model, ctx.device, target))
     bench_program = None
     if cfg.llama_bench and not emulated and ctx.device.profile.transport == "local":
         ctx.progress("building llama.cpp's llama-bench for this host (once per source)")
@@ -484,12 +497,11 @@ def row_record(cfg, row: str, engines, wt: WeightType, test: Test, threads: int,
         figures["cpu_seconds"] = Figure.of(cpu, "s")
         figures["cpu_ms_per_token"] = Figure.of(1e3 * cpu / tokens, "ms")
         figures["cpu_use"] = Figure.of(cpu / wall / threads, "x")  # 1: every thread busy all the time
-        rss = [r.timings.get("peak_rss_bytes") for r in runs]
-        if all(isinstance(x, int) for x in rss):
-            figures["peak_rss"] = Figure.of([x / 2**20 for x in rss], "MiB")
-    else:  # llama-bench: its own figures; the process's CPU and memory from os.wait4
-        figures["peak_rss"] = Figure.of([r.peak_rss_bytes / 2**20 for r in runs], "MiB")
+    else:  # llama-bench: its own figures; the process's CPU from this process's children's rusage
         figures["process_cpu_seconds"] = Figure.of([r.process_cpu_s for r in runs], "s")
+    rss = [r.peak_rss_bytes for r in runs]  # tb_peak_rss's reading of each process, where it was read
+    if all(isinstance(x, int) for x in rss):
+        figures["peak_rss"] = Figure.of([x / 2**20 for x in rss], "MiB")
         raw = runs[0].raw
         metrics |= {"llama_bench": {k: raw.get(k) for k in ("model_type", "model_size", "model_n_params", "backends",
                                                             "n_batch", "n_ubatch", "flash_attn", "type_k", "type_v",

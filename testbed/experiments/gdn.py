@@ -477,30 +477,50 @@ def summary(df: pd.DataFrame) -> list[pd.DataFrame]:
 
 
 def sweep_row(df: pd.DataFrame) -> dict:
-    """Per sweep job: chunk, oracle tally and worst NMSE, chunkwise tokens/s per T."""
+    """Per sweep job: chunk, oracle tally and worst NMSE, chunkwise tokens/s and its speed-up over serial
+    per T; on an emulated device, whose times are never speed, the chunkwise call's exact instructions
+    instead."""
     oracles = df[df["kind"] == "oracle"]
     row = {"chunk": df["params.chunk"].iloc[0] if "params.chunk" in df else None}
     if len(oracles):
         row["oracles"] = Tally(oracles["verdict"]).phrase()
         row["worst NMSE"] = worst_nmse(oracles[oracles["oracle"] == "nmse"])
+    emulated = "emulated" in df and bool(df["emulated"].fillna(False).astype(bool).any())
     repetitions = {}  # the chunkwise calls' repetitions per T, for the best chunk's confidence (programs only)
     for _, r in df[(df["kind"] == "measure") & (df["params.form"] == "chunkwise")].iterrows():
         t = int(r["params.tokens"])
-        row[f"T={t} tok/s"] = round(float(r["figures.tokens_per_s.median"]), 1)
-        row[f"T={t} x serial"] = round(float(r["metrics.speedup_vs_serial"]), 2)
+        if emulated:
+            if pd.notna(r.get("figures.instructions.median")):
+                row[f"T={t} instructions"] = int(r["figures.instructions.median"])
+        else:
+            row[f"T={t} tok/s"] = round(float(r["figures.tokens_per_s.median"]), 1)
+            row[f"T={t} x serial"] = round(float(r["metrics.speedup_vs_serial"]), 2)
         repetitions |= {f"T={t} {figure}": values for figure, values in tables.samples(r).items()
                         if figure in ("time", "instructions")}
     if repetitions:
         row["samples"] = repetitions
-    if "emulated" in df and df["emulated"].fillna(False).astype(bool).any():
+    if emulated:
         row["emulated"] = True  # its times are never a decision (testbed.measure.emulation)
     return row
 
 
+def best_chunks(measured: dict[int, dict[str, list[float]]], emulated: bool) -> list[dict]:
+    """The best chunk of the chunkwise form at one length, from each chunk's repetitions by figure
+    ("time", "instructions"), with the chunks not distinguishable from it (decisions.best_of; the
+    chunks ran as separate jobs: unpaired): by time (never on an emulated device) and by instructions
+    where every chunk counted them; a tie of exact counts names every tied chunk."""
+    found = []
+    for figure in ("time", "instructions"):
+        samples = {c: measured[c].get(figure) for c in sorted(measured)}
+        if len(samples) < 2 or not all(samples.values()) or (figure == "time" and emulated):
+            continue
+        found.append({"decision": "best chunk, chunkwise", "by": figure, **decisions.best_of(samples, by=figure)})
+    return found
+
+
 def sweep_footer(rows: pd.DataFrame, jobs) -> str:
-    """A sweep over chunk: per device and T, the best chunk for the chunkwise form with the chunks not
-    distinguishable from it (decisions.best_of; the chunks ran as separate jobs: unpaired), by time,
-    and by instructions where every job counted them; an emulated device's times decide nothing."""
+    """A sweep over chunk: per device and T, the best chunk (best_chunks); an emulated device's times
+    decide nothing."""
     groups: dict[tuple, list] = {}
     for (_, row), rc in zip(rows.iterrows(), jobs):
         if isinstance(row.get("samples"), dict) and pd.notna(row.get("chunk")):
@@ -512,13 +532,39 @@ def sweep_footer(rows: pd.DataFrame, jobs) -> str:
         emulated = any(r.get("emulated") is True for r in measured)
         tokens = sorted({key.split(" ")[0] for r in measured for key in r["samples"]}, key=lambda k: int(k[2:]))
         for t in tokens:
-            for figure, by in (("time", "time"), ("instructions", "instructions")):
-                found = {int(r["chunk"]): r["samples"].get(f"{t} {figure}") for r in measured}
-                if not all(found.values()) or (by == "time" and emulated):
-                    continue
-                lines.append(f"best chunk, chunkwise, {t} on {backend} / {device}, by {by}: "
-                             f"{decisions.best_of(found, by=by)['says']}")
+            by_chunk = {int(r["chunk"]): {figure: r["samples"].get(f"{t} {figure}")
+                                          for figure in ("time", "instructions")} for r in measured}
+            lines += [f"best chunk, chunkwise, {t} on {backend} / {device}, by {d['by']}: {d['says']}"
+                      for d in best_chunks(by_chunk, emulated)]
         if emulated:
             lines.append(f"no best chunk by time on {backend} / {device}: the device is emulated "
                          "(its times are never speed)")
     return "\n".join(lines)
+
+
+def table_choices(df: pd.DataFrame) -> list[dict]:
+    """`testbed table gdn`'s choices from stored records: per device, backend, model (heads x head
+    size), threads and T, the best chunk of the chunkwise form over the latest record of each chunk
+    (best_chunks), as data beside the rows (tables.render)."""
+    if df.empty or not {"params.form", "params.tokens", "params.chunk"} <= set(df.columns):
+        return []
+    m = df[(df["kind"] == "measure") & (df["params.form"] == "chunkwise") & df["params.tokens"].notna()
+           & df["params.chunk"].notna()]
+    if "time" in m:
+        m = m.sort_values("time", kind="stable")
+    groups: dict[tuple, dict[int, pd.Series]] = {}
+    for _, r in m.iterrows():
+        def whole(column: str, default=None):
+            value = r.get(column)
+            return int(value) if pd.notna(value) else default
+
+        key = (r["device"], r["backend"], whole("config.bench.heads"), whole("config.bench.head_size"),
+               whole("params.threads", 1), int(r["params.tokens"]))
+        groups.setdefault(key, {})[int(r["params.chunk"])] = r  # the latest record of each chunk
+    out = []
+    for (device, backend, heads, size, threads, t), by_chunk in groups.items():
+        measured = {c: tables.samples(r) for c, r in by_chunk.items()}
+        emulated = any(pd.notna(r.get("emulated")) and bool(r.get("emulated")) for r in by_chunk.values())
+        source = f"{device} / {backend}, H={heads} hs={size}, {threads} thread(s), T={t}"
+        out += [decisions.as_choice(d, source) for d in best_chunks(measured, emulated)]
+    return out

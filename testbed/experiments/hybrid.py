@@ -10,7 +10,8 @@ program tb_hybrid_bench) built for the device's ABI and run ON the device the ru
 included), the states staying there between calls and pulled for the oracles; every record of such a
 run carries the device's evidence. Each in its serial and chunkwise GDN forms. And engine: an engine
 under test through engine contract v1 (`backend=engine engine=llamacpp`: libllama through
-tb_llama_engine), given the GGUF testbed writes of the same model (`model.gguf=auto`, or a file), in
+tb_llama_engine, given the GGUF testbed writes of the same model, `model.gguf=auto`, or a file;
+`engine=testbed-c`: tb_hybrid.h from the safetensors file backend=native reads), in
 mode=oracle (engine_oracle_records): its token at every call boundary and its logits against the
 float64 model; the first token for each C of oracle.chunks (chunk_invariance: the recurrent state
 carried over other call boundaries); and the padded tail rolled back (state_bytes against the
@@ -68,6 +69,7 @@ from omegaconf import DictConfig, OmegaConf
 from refimpl import gdn, naive_qwen35, qwen35
 from testbed.config import Choice, Float, Int, IntList, as_list, project_path
 from testbed.errors import UsageError
+from testbed.heartbeat import Step, Tick
 from testbed.measure import breakeven, decisions
 from testbed.oracles.hybrid import (check_chunk_with_past, check_engine_case, check_engine_tail, check_pad_identity,
                                     check_padded_tail)
@@ -142,7 +144,8 @@ def load_model(checkpoint: str | None, shape: tuple, seed: int):
 
 
 def oracle_model(cfg: DictConfig):
-    """The oracles' model: the checkpoint, or (backend=engine) the GGUF given, or `shape` with weights from `seed`."""
+    """The oracles' model: the checkpoint (a Hugging Face folder: never the GGUF an engine is handed beside it),
+    or (backend=engine) the GGUF given alone, or `shape` with weights from `seed`."""
     given = cfg.model.checkpoint or (given_gguf(cfg) if cfg.backend == "engine" else None)
     checkpoint = str(project_path(given)) if given else None
     if checkpoint is None:
@@ -156,13 +159,24 @@ def given_gguf(cfg: DictConfig) -> str | None:
     return None if given in (None, "auto") else str(given)
 
 
-def engine_gguf(cfg: DictConfig, model: qwen35.HybridConfig, w: dict):
-    """The GGUF the engine reads: the file given, or the one testbed writes of the oracles' model."""
-    from testbed.models.gguf_files import gguf_for, gguf_of
+def engine_model(cfg: DictConfig, model: qwen35.HybridConfig, w: dict):
+    """The model as engines are handed it (testbed.backends.engine.models): the checkpoint and the GGUF given,
+    or what testbed writes of the oracles' model in the format each engine reads."""
+    from testbed.backends.engine.models import HybridModel
 
+    given = given_gguf(cfg)
+    checkpoint = str(project_path(cfg.model.checkpoint)) if cfg.model.checkpoint else None
+    return HybridModel(model, w, checkpoint, str(project_path(given)) if given else None)
+
+
+def reference_source(cfg: DictConfig) -> str:
+    """Where the oracles' model comes from, for the records: a GGUF read alone is judged against itself."""
+    if cfg.model.checkpoint:
+        return f"the checkpoint {project_path(cfg.model.checkpoint)} as testbed reads it"
     if given_gguf(cfg):
-        return project_path(given_gguf(cfg))
-    return gguf_for(project_path(cfg.model.checkpoint)) if cfg.model.checkpoint else gguf_of(model, w)
+        return (f"testbed's reading of {given_gguf(cfg)}, the GGUF the engine reads: a field the file lost is lost on "
+                "both sides (model.checkpoint=DIR judges the file against its folder)")
+    return "the seeded `shape`"
 
 
 def cases(cfg: DictConfig) -> list[tuple[int, int]]:
@@ -241,8 +255,8 @@ def validate(cfg: DictConfig) -> None:
 
 def validate_engine(cfg: DictConfig) -> None:
     """backend=engine runs the oracles (the engine's own measurements are the contract's bench, not these
-    modes), with a GGUF file where one is named. (An engine that does not serve the hybrid from a GGUF is
-    recorded "not supported" by run.)"""
+    modes), with a GGUF file where one is named. (An engine whose yaml does not serve the hybrid is recorded
+    "not supported" by run.)"""
     from testbed.backends.engine import spec as engine_spec
 
     if cfg.mode != "oracle":
@@ -252,15 +266,19 @@ def validate_engine(cfg: DictConfig) -> None:
     given = given_gguf(cfg)
     if given and not (project_path(given).is_file() and given.endswith(".gguf")):
         raise UsageError(f"model.gguf={given!r} is not accepted; accepted: auto, or a qwen35 .gguf file on this host")
-    if given and cfg.model.checkpoint:
-        raise UsageError(f"model.gguf={given!r} and model.checkpoint={cfg.model.checkpoint!r} are both given; "
-                         f"accepted: one (model.gguf=auto writes the checkpoint's GGUF)")
+    if given:  # its header and tensor table now, so a file testbed's reader refuses stores no run
+        from testbed.models.gguf_files import gguf_for
+
+        gguf_for(project_path(given))
+    if given and cfg.model.checkpoint and not (project_path(cfg.model.checkpoint) / "config.json").is_file():
+        raise UsageError(f"model.gguf={given!r} with model.checkpoint={cfg.model.checkpoint!r}: the oracles read the "
+                         "checkpoint; accepted: a Hugging Face folder beside a GGUF (the GGUF alone is read itself)")
 
 
 def artifacts(cfg: DictConfig) -> dict:
     """What computed the records (the program's sha256 and build are in each record's evidence)."""
     if cfg.backend == "engine":
-        return {"engine": str(OmegaConf.select(cfg, "engine", default="")), "model_format": "gguf"}
+        return {"engine": str(OmegaConf.select(cfg, "engine", default=""))}
     if cfg.backend == "native":
         from testbed.backends.native import hybrid as engine
 
@@ -351,7 +369,7 @@ def oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
 
 
 def engine_oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
-    """An engine under test (engine contract v1) on the GGUF of the oracles' model: per case its token at every
+    """An engine under test (engine contract v1) on the oracles' model in its format: per case its token at every
     call boundary and its logits against the float64 model; the first token across oracle.chunks; the
     padded tail rolled back against the unpadded one, byte for byte, or the engine's refusal."""
     from testbed.backends.engine import hybrid as engine, spec as engine_spec
@@ -361,16 +379,17 @@ def engine_oracle_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     model, w, weights_sha = oracle_model(cfg)
     spec = engine_spec.load(cfg.engine)
     program = engine.program(ctx.device, spec)
-    gguf = engine_gguf(cfg, model, w)
+    handed = engine_model(cfg, model, w).file_for(spec)
     prompt = run_prompt(cfg, model.vocab)
     ids = prompt.ids
-    arts = {"weights_sha256": weights_sha, "gguf": str(gguf), "engine": spec.name, **prompt.artifacts(),
+    arts = {"weights_sha256": weights_sha, "model_file": str(handed[0]), "model_format": handed[1],
+            "engine": spec.name, "reference": reference_source(cfg), **prompt.artifacts(),
             **({"checkpoint": str(project_path(cfg.model.checkpoint))} if cfg.model.checkpoint else {})}
     tokenizer = find_tokenizer(cfg.model.checkpoint)
     end = last_position(cfg)
 
     def run(tokens, past, chunk, logits_at, tail="none", state=False, rs_snapshots=0):
-        return engine.prefill(ctx.device, spec, program, gguf, model, tokens, past, chunk, logits_at, tail, state,
+        return engine.prefill(ctx.device, spec, program, handed, model, tokens, past, chunk, logits_at, tail, state,
                               cfg.threads, rs_snapshots)
 
     def record(case, oracle, response_or_verdict, params, evidence):
@@ -497,7 +516,8 @@ def time_variants(cfg: DictConfig, ctx, calls: dict, reps: int, warmup: int) -> 
     if cfg.backend != "native":
         fns = {key: partial(qwen35.prefill, v.w, v.model, prompt, chunk, refimpl_gdn(v.gdn, cfg.gdn_chunk), tail)
                for key, (v, prompt, chunk, tail) in calls.items()}
-        return time_alternating_clocks(fns, reps=reps, warmup=warmup), {key: [] for key in calls}
+        return (time_alternating_clocks(fns, reps=reps, warmup=warmup, progress=ctx.progress, what="hybrid timing"),
+                {key: [] for key in calls})
     from testbed.backends.native import hybrid as engine
 
     profile = ctx.device.profile
@@ -505,10 +525,12 @@ def time_variants(cfg: DictConfig, ctx, calls: dict, reps: int, warmup: int) -> 
         reps, warmup = 1, 0  # its figures are exact counts: a repetition would give the same number again
     samples = {key: {"wall": [], "cpu": [], "gdn_cpu": [], "instructions": []} for key in calls}
     evidence = {key: [] for key in calls}
+    runs = 0
     for rep in interleaved_order(list(calls), reps, cfg.seed):
         for key in rep:
             v, prompt, chunk, tail = calls[key]
-            ctx.progress(f"hybrid {key} ({len(prompt)} tokens)")
+            runs += 1  # each run inside the step: what the heartbeat says, with the time left
+            ctx.progress(Tick(f"hybrid run {runs}/{reps * len(calls)}: {key} ({len(prompt)} tokens)"))
             run = engine.prefill(ctx.device, v.model, v.w, prompt, past=0, tokens=len(prompt), chunk=chunk,
                                  tail=tail, gdn=v.gdn, gdn_chunk=cfg.gdn_chunk, threads=cfg.threads,
                                  fused=bool(cfg.fused),
@@ -520,8 +542,8 @@ def time_variants(cfg: DictConfig, ctx, calls: dict, reps: int, warmup: int) -> 
                 samples[key]["instructions"].append(run.counts.per_call)
             evidence[key].append(run.evidence.as_dict())
     if cfg.counts and not profile.has("counts"):
-        for key, (v, prompt, chunk, tail) in calls.items():
-            ctx.progress(f"hybrid {key}: counting instructions under valgrind")
+        for k, (key, (v, prompt, chunk, tail)) in enumerate(calls.items(), 1):
+            ctx.progress(f"hybrid: counting instructions under valgrind {k}/{len(calls)}: {key}")
             run = engine.prefill(ctx.device, v.model, v.w, prompt, past=0, tokens=len(prompt), chunk=chunk,
                                  tail=tail, gdn=v.gdn, gdn_chunk=cfg.gdn_chunk, threads=cfg.threads, count=True)
             samples[key]["instructions"].append(run.counts.per_call)
@@ -548,7 +570,8 @@ def crossover_records(cfg: DictConfig, ctx) -> Iterator[Record]:
     gates = qwen35.median_log_decay(hybrid.w, hybrid.model)
     contexts = as_list(b.contexts)
     for i, length in enumerate(contexts):
-        ctx.progress(f"hybrid crossover {i + 1}/{len(contexts)} L={length}")
+        # each context's work grows with L: the time left is the contexts' tokens left at the pace so far
+        ctx.progress(Step(f"hybrid crossover {i + 1}/{len(contexts)} L={length}", sum(contexts[:i]), sum(contexts)))
         prompt = np.random.default_rng(cfg.seed).integers(0, hybrid.model.vocab, length)
         calls = {name: (v, prompt, b.prefill_chunk, "exact") for name, v in variants.items()}
         clocks, evidence = time_variants(cfg, ctx, calls, b.reps, b.warmup)
@@ -650,16 +673,13 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
 
     parts = {"oracle": oracle_records, "crossover": crossover_records, "tail": tail_records, "drift": drift_records}
     if cfg.backend == "engine":
-        from testbed.backends.engine import spec as engine_spec
+        from testbed.backends.engine import refusals, spec as engine_spec
 
         spec = engine_spec.load(cfg.get("engine"))
-        if "hybrid" not in spec.techniques or "gguf" not in spec.model_formats:  # recorded, never a pass
-            why = (f"engine={spec.name} does not list hybrid ({spec.path}: supports.techniques={list(spec.techniques)})"
-                   if "hybrid" not in spec.techniques else f"engine={spec.name} does not read GGUF ({spec.path}: "
-                   f"supports.model_formats={list(spec.model_formats)}); testbed gives the hybrid's engine a GGUF")
-            for part in PARTS[cfg.mode]:
-                yield Record("hybrid", f"{part}/engine", "oracle", part, "not supported", None, {"engine": spec.name},
-                             detail=why)
+        why = refusals.why_not(spec, ctx.device, "hybrid")
+        if why is not None:  # recorded, never a pass
+            yield from refusals.records("hybrid", [(f"{part}/engine", part) for part in PARTS[cfg.mode]], why,
+                                        {"engine": spec.name})
             return
     with threadpool_limits(limits=cfg.threads):
         for part in PARTS[cfg.mode]:
@@ -892,10 +912,11 @@ def crossover_summary(df: pd.DataFrame) -> pd.DataFrame:
 def breakevens(df: pd.DataFrame) -> list[dict]:
     """The crossovers as data beside `testbed table hybrid`'s rows (testbed.report.tables.render): per
     device, backend and rate, each hybrid form over each dense model, with its interval (lo, hi, the
-    level, the method, how many repetitions, whether decided) and the sentence a person reads."""
+    level, the method, how many repetitions, whether decided) and the sentence a person reads; then
+    the padded tail's breakevens (tail_breakevens)."""
     m = measure_frame(df, "crossover")
     if m.empty:
-        return []
+        return tail_breakevens(df)
     rates = _rates(m.groupby(["device", "backend", "params.context", "params.model"]).tail(1))
     found = []
     for (device, backend, per), grp in rates.groupby(["device", "backend", "per"]):
@@ -910,45 +931,77 @@ def breakevens(df: pd.DataFrame) -> list[dict]:
                               **{k: c[k] for k in ("point", "lo", "hi", "level", "method", "reps", "decided",
                                                    "more_reps")},
                               "says": f"crossover context {c['says']}"})
+    return found + tail_breakevens(df)
+
+
+def tail_breakevens(df: pd.DataFrame) -> list[dict]:
+    """The padded tail's breakeven per device and backend, by CPU time (never an emulated device's) and
+    by instructions where the prefills were counted, with its interval, as data."""
+    m = measure_frame(df, "tail")
+    found = []
+    for (device, backend), records in (m.groupby(["device", "backend"], sort=False) if len(m) else ()):
+        for by in ("CPU time", "instructions"):
+            sweep = tail_frame(records, by)
+            if sweep.empty or sweep["tail"].nunique() < 2:
+                continue
+            point, c = breakeven.breakeven_tail(sweep), breakeven.breakeven_interval(sweep, by=by)
+            found.append({"source": f"{device}/{backend}: padded tail", "by": by, "tail": point,
+                          **{k: c[k] for k in ("lo", "hi", "level", "method", "reps", "decided", "more_reps")},
+                          "says": _tail_breakeven(sweep, by)})
     return found
 
 
-def tail_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """breakeven's columns from CPU-time figures (tok/s and TTFT per CPU second); emulated devices'
-    times are never speed, so their rows are left out."""
+def tail_frame(df: pd.DataFrame, by: str = "CPU time") -> pd.DataFrame:
+    """breakeven's columns by CPU time (tok/s and TTFT per CPU second; emulated devices' times are never
+    speed, so their rows are left out) or by instructions (tokens per 1e9 instructions, the TTFT
+    columns holding the instructions: wherever the prefill was counted, emulated devices included)."""
     m = measure_frame(df, "tail")
     if m.empty:
         return pd.DataFrame()
-    if "emulated" in m:
+    counted = by == "instructions"
+    rate, cost = (("figures.tokens_per_ginstr", "figures.instructions") if counted
+                  else ("figures.tokens_per_cpu_s", "figures.cpu_time"))
+    if "emulated" in m and not counted:
         m = m[~m["emulated"].fillna(False).astype(bool)]
+    if m.empty or f"{rate}.median" not in m:
+        return pd.DataFrame()
+    m = m[m[f"{rate}.median"].notna()].groupby(["params.prompt_tokens", "params.mode"]).tail(1)
     if m.empty:
         return pd.DataFrame()
-    m = m.groupby(["params.prompt_tokens", "params.mode"]).tail(1)
     wide = m.pivot_table(index=["params.prompt_tokens", "params.tail"], columns="params.mode",
-                         values=["figures.tokens_per_cpu_s.median", "figures.cpu_time.median"], aggfunc="last").dropna()
+                         values=[f"{rate}.median", f"{cost}.median"], aggfunc="last").dropna()
     frame = pd.DataFrame({
         "prompt_tokens": wide.index.get_level_values(0).astype(int), "tail": wide.index.get_level_values(1).astype(int),
-        "padded_tps": wide[("figures.tokens_per_cpu_s.median", "padded")].to_numpy(),
-        "scalar_tps": wide[("figures.tokens_per_cpu_s.median", "scalar")].to_numpy(),
-        "padded_ttft_ms": wide[("figures.cpu_time.median", "padded")].to_numpy(),
-        "scalar_ttft_ms": wide[("figures.cpu_time.median", "scalar")].to_numpy()})
-    if "figures.tokens_per_cpu_s.samples" in m:  # each repetition, for the breakeven's interval
-        by_rep = m.set_index(["params.prompt_tokens", "params.mode"])["figures.tokens_per_cpu_s.samples"]
+        "padded_tps": wide[(f"{rate}.median", "padded")].to_numpy(),
+        "scalar_tps": wide[(f"{rate}.median", "scalar")].to_numpy(),
+        "padded_ttft_ms": wide[(f"{cost}.median", "padded")].to_numpy(),
+        "scalar_ttft_ms": wide[(f"{cost}.median", "scalar")].to_numpy()})
+    if f"{rate}.samples" in m:  # each repetition, for the breakeven's interval
+        by_rep = m.set_index(["params.prompt_tokens", "params.mode"])[f"{rate}.samples"]
         for mode in ("padded", "scalar"):
             frame[f"{mode}_tps_samples"] = [by_rep.get((n, mode)) for n in frame["prompt_tokens"]]
     return frame
 
 
-def tail_table(df: pd.DataFrame) -> pd.DataFrame:
-    sweep = tail_frame(df)
-    if sweep.empty:
-        return sweep
-    table = breakeven.tail_table(sweep).astype(object)
+def _tail_breakeven(sweep: pd.DataFrame, by: str) -> str:
     b = breakeven.breakeven_tail(sweep)
     verdict = f"padded from tail {b}" if b is not None else f"scalar up to tail {int(sweep['tail'].max())}"
+    if by != "CPU time":
+        verdict += f", by {by}"
     if (sweep["tail"] > 0).any():
-        verdict += f"; breakeven tail {breakeven.breakeven_interval(sweep, by='CPU time')['says']}"
-    return pd.concat([table, pd.DataFrame([{"N": "breakeven", "winner": verdict}], dtype=object)], ignore_index=True)
+        verdict += f"; breakeven tail {breakeven.breakeven_interval(sweep, by=by)['says']}"
+    return verdict
+
+
+def tail_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The padded-vs-scalar table by CPU time, with each mode's exact instructions where they were
+    counted; on an emulated device the instructions alone (its times never speed). Its breakevens are
+    decisions beside the rows (tail_breakevens), never a row."""
+    timed, counted = tail_frame(df), tail_frame(df, "instructions")
+    if timed.empty:
+        return breakeven.instruction_table(counted) if len(counted) else timed
+    table = breakeven.tail_table(timed)
+    return table.merge(breakeven.instruction_table(counted), on=["N", "tail"], how="left") if len(counted) else table
 
 
 def drift_table(df: pd.DataFrame) -> pd.DataFrame:

@@ -9,10 +9,13 @@ perf   test-backend-ops perf: us/run and GB/s per case (the tool's means; about 
 bench  llama-bench -p 512: prompt tokens per second (pp512) over its repetitions
 logits llama.cpp's logits for a Gemma 3 or Qwen3.5 hybrid GGUF (gguf=, a file on this host, pushed once
        per content; `testbed gguf DIR` writes one from a Hugging Face folder), computed on the device by
-       libllama (tb_llama_logits) at every position of a seeded prompt, and judged against testbed's own
-       reading of the same file (testbed.models.gguf_files.load_gguf, then refimpl.gemma or
-       refimpl.qwen35): a third reference beside transformers, which shares neither loader nor graph
-       with testbed. Not part of `all`: it builds libllama (minutes, once per source and target).
+       libllama (tb_llama_logits) at every position of a seeded prompt, and judged against refimpl.gemma or
+       refimpl.qwen35 on the model read from `checkpoint=DIR`, the Hugging Face folder the GGUF was made
+       from (so a field the file lost, a query scale or a layer pattern llama.cpp's converter drops, fails),
+       or without one from testbed's own reading of the same file (testbed.models.gguf_files.load_gguf,
+       which reads as llama.cpp reads: the file is then judged against itself, and the record says so): a
+       third reference beside transformers, which shares neither loader nor graph with testbed. Not part
+       of `all`: it builds libllama (minutes, once per source and target).
 
 Where the tools come from (testbed.backends.llamacpp.build): `llamacpp.build=auto` (the default)
 uses the profile's `tools` and builds them from source for the device's ABI when it names none;
@@ -104,6 +107,9 @@ def validate(cfg: DictConfig) -> None:
         if not cfg.gguf or not Path(str(cfg.gguf)).is_file():
             raise UsageError(f"gguf={cfg.gguf!r} is not accepted with mode=logits; accepted: a Gemma 3 or Qwen3.5 GGUF file "
                              "on this host (it is pushed to the device)")
+        if cfg.get("checkpoint") and not (Path(str(cfg.checkpoint)) / "config.json").is_file():
+            raise UsageError(f"checkpoint={cfg.checkpoint!r} is not accepted; accepted: the Hugging Face folder the "
+                             "GGUF was made from (config.json and *.safetensors), or empty")
         if build is False:
             raise UsageError("mode=logits runs testbed's own tb_llama_logits, which is only built from source; "
                              "accepted: llamacpp.build=auto or true")
@@ -155,33 +161,45 @@ def records(cfg: DictConfig, ctx, backend: str, tools: llamacpp.Tools, reference
         yield from llamacpp.llama_bench_records(device, "llamacpp", cfg.gguf, cfg.prompt, threads, cfg.reps, tools)
 
 
-def reference_logits(model, weights, tokens) -> tuple[np.ndarray, str]:
-    """refimpl's logits at every position for a GGUF's model (Gemma 3 or the Qwen3.5 hybrid), and what computed them."""
+def reference_logits(model, weights, tokens, read_by: str) -> tuple[np.ndarray, str]:
+    """refimpl's logits at every position for a model (Gemma 3 or the Qwen3.5 hybrid) read by `read_by`, and
+    what computed them."""
     from refimpl import gemma, qwen35
 
     if isinstance(model, qwen35.HybridConfig):
-        return qwen35.redecode(weights, model, tokens)[0], \
-            "testbed.models.hybrid_checkpoints.load_gguf + refimpl.qwen35.redecode (float32, serial GDN)"
+        return qwen35.redecode(weights, model, tokens)[0], f"{read_by} + refimpl.qwen35.redecode (float32, serial GDN)"
     return np.stack([gemma.redecode(weights, model, tokens, p) for p in range(len(tokens))]), \
-        "testbed.models.checkpoints.load_gguf + refimpl.gemma.redecode (float32)"
+        f"{read_by} + refimpl.gemma.redecode (float32)"
+
+
+def reference_model(cfg: DictConfig):
+    """(config, weights, what read them): the Hugging Face folder given (never the GGUF llama.cpp reads beside
+    it), else testbed's reading of the GGUF itself."""
+    from testbed.models.gguf_files import family, load_gguf
+
+    if cfg.get("checkpoint"):
+        module, _ = family(Path(str(cfg.checkpoint)))
+        model, weights = module.load_hf_folder(cfg.checkpoint)
+        return model, weights, f"{module.__name__}.load_hf_folder({cfg.checkpoint})"
+    model, weights = load_gguf(cfg.gguf)  # gemma3 or qwen35; any other architecture is refused, naming it
+    return model, weights, (f"testbed.models.gguf_files.load_gguf({cfg.gguf}): the GGUF judged against itself (a "
+                            "field it lost is lost on both sides; checkpoint=DIR reads the folder it was made from)")
 
 
 def logits_records(cfg: DictConfig, ctx, tools: llamacpp.Tools) -> Iterator[Record]:
-    """One oracle record: llama.cpp's logits on the device against refimpl's for the same GGUF."""
-    from testbed.models.gguf_files import load_gguf
-
-    model, weights = load_gguf(cfg.gguf)  # gemma3 or qwen35; any other architecture is refused, naming it
+    """One oracle record: llama.cpp's logits on the device against refimpl's for the same model."""
+    model, weights, read_by = reference_model(cfg)
     tokens = np.random.default_rng(cfg.seed).integers(0, model.vocab, cfg.logits.tokens)
     ctx.progress(f"llama.cpp's logits for {len(tokens)} tokens of {Path(cfg.gguf).name} on {ctx.device.name}")
     theirs, evidence = models.logits(ctx.device, tools.built, Path(cfg.gguf), tokens)
     ctx.progress("refimpl's logits for the same tokens (every position redecoded)")
-    ours, reference = reference_logits(model, weights, tokens)
+    ours, reference = reference_logits(model, weights, tokens, read_by)
     v = check_nmse({"logits": ours}, {"logits": theirs}, cfg.logits.nmse)
     agreement = float(np.mean(ours.argmax(-1) == theirs.argmax(-1))) if theirs.shape == ours.shape else 0.0
     yield Record("llamacpp", f"logits/T={len(tokens)}", "oracle", "llama.cpp logits", v.verdict, v.margin,
                  {**v.metrics, "argmax_agreement": agreement},
-                 params={"gguf": str(cfg.gguf), "tokens": len(tokens),
-                         "reference": reference},
+                 params={"gguf": str(cfg.gguf), "tokens": len(tokens), "reference": reference,
+                         **({"checkpoint": str(cfg.checkpoint)} if cfg.get("checkpoint") else {})},
                  detail=v.detail, evidence=[evidence])
 
 

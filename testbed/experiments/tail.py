@@ -124,13 +124,10 @@ def validate(cfg: DictConfig) -> None:
         if len(pair) != 2 or pair[0] * cfg.chunk + pair[1] < 1:
             raise UsageError(f"oracle.around_chunk entry {list(pair)} is not [blocks, offset] with "
                              "blocks * chunk + offset >= 1")
-    if cfg.backend == "engine" and cfg.mode != "fixture":  # the engine's yaml: this technique, this cache dtype
+    if cfg.backend == "engine" and cfg.mode != "fixture":  # the engine's yaml (what it serves: engine_refusal)
         from testbed.backends.engine import spec as engine_spec
 
-        spec = engine_spec.load(cfg.get("engine"))
-        if "tail" not in spec.techniques or cfg.cache.dtype not in spec.cache:
-            raise UsageError(f"engine={spec.name} does not support tail with cache.dtype={cfg.cache.dtype} ({spec.path}: "
-                             f"supports.techniques={list(spec.techniques)}, supports.cache={list(spec.cache)})")
+        engine_spec.load(cfg.get("engine"))
     if cfg.mode == "fixture":
         fixture_path(cfg)
     elif cfg.threshold == "measured":
@@ -165,10 +162,16 @@ def policy_threshold(cfg: DictConfig, device: str) -> int:
         return int(cfg.threshold)
     from testbed.runner import results_store  # the store this run writes to; imported late (cycle)
 
-    sweep = sweep_frame(decided_from(results_store(SimpleNamespace(cfg=cfg)).frame("tail")))
+    stored = decided_from(results_store(SimpleNamespace(cfg=cfg)).frame("tail"))
     label = source_label(cfg, device)
-    sweep = sweep[sweep["source"] == label] if len(sweep) else sweep
-    found = breakeven_of(label, sweep) if len(sweep) else None
+    found = None
+    # by wall time; on a device whose times are never speed (emulated), by its exact instructions
+    for clock in ("wall", "instructions"):
+        sweep = sweep_frame(stored, clock)
+        sweep = sweep[sweep["source"] == label] if len(sweep) else sweep
+        if len(sweep):
+            found = breakeven_of(label, sweep, clock)
+            break
     if found is None or found["tail"] is None:
         raise UsageError(f"threshold=measured: no stored tail sweep of {label!r} where padding wins; "
                          "run `testbed sweep experiment=tail tail=...` first")
@@ -513,10 +516,11 @@ def bench_records(cfg: DictConfig, ctx, mcfg, w, threshold: int) -> Iterator[Rec
 
         timer = host_clocks
     timed = time_interleaved({(n, mode): variant(n, mode) for n in lengths for mode in ("padded", "scalar")},
-                             reps=cfg.reps, warmup=cfg.warmup, seed=cfg.seed, timer=timer)
+                             reps=cfg.reps, warmup=cfg.warmup, seed=cfg.seed, timer=timer, progress=ctx.progress,
+                             what="tail bench")
     if cfg.backend == "native" and cfg.counts and not ctx.device.profile.has("counts"):
-        ctx.progress("tail bench: counting each prefill's instructions under valgrind")
-        for n, mode in timed.figures:  # one more run each, apart from the timed ones
+        for k, (n, mode) in enumerate(timed.figures, 1):  # one more run each, apart from the timed ones
+            ctx.progress(f"tail bench: counting each prefill's instructions under valgrind {k}/{len(timed.figures)}")
             r = engine_tail(ctx.device, mcfg, w, prompts[n], forced.settings, reps=1, kill_switch=mode == "scalar",
                             count=True)
             instructions[n, mode] = r.counts.of("prefill")
@@ -567,10 +571,29 @@ def fixture_records(cfg: DictConfig) -> Iterator[Record]:
             )
 
 
+def engine_refusal(cfg: DictConfig, ctx) -> Iterator[Record]:
+    """backend=engine: what the engine's yaml says it does not serve (tail, the device's ABI, the cache dtype),
+    recorded "not supported" for each oracle and the bench the run would have made."""
+    from testbed.backends.engine import refusals, spec as engine_spec
+
+    why = refusals.why_not(engine_spec.load(cfg.engine), ctx.device, "tail", cache=cfg.cache.dtype)
+    if why is None:
+        return
+    judged = [("state_bytes/engine", "state_bytes"), ("first_token/engine", "first_token")] \
+        if cfg.mode in ("oracle", "all") else []
+    judged += [("bench/engine", "bench")] if cfg.mode in ("bench", "all") else []
+    yield from refusals.records("tail", judged, why)
+
+
 def run(cfg: DictConfig, ctx) -> Iterator[Record]:
     if cfg.mode == "fixture":
         yield from fixture_records(cfg)
         return
+    if cfg.backend == "engine":
+        refused = list(engine_refusal(cfg, ctx))
+        if refused:
+            yield from refused
+            return
     from threadpoolctl import threadpool_limits
 
     threshold = policy_threshold(cfg, ctx.device.profile.name)
@@ -587,18 +610,25 @@ def run(cfg: DictConfig, ctx) -> Iterator[Record]:
 
 
 # Per clock, the figures a sweep reads: throughput and TTFT by wall time (what a user waits) or by
-# this process's or the engine's CPU time (what the work cost, whatever else ran on a loaded host).
-CLOCK_FIGURES = {"wall": ("tokens_per_s", "ttft"), "cpu": ("tokens_per_cpu_s", "ttft_cpu")}
+# this process's or the engine's CPU time (what the work cost, whatever else ran on a loaded host); or,
+# on a device that counts (an emulator; the host under valgrind with counts=true), the prefill's exact
+# instructions, read as tokens per 1e9 instructions (its "TTFT" the instructions themselves).
+CLOCK_FIGURES = {"wall": ("tokens_per_s", "ttft"), "cpu": ("tokens_per_cpu_s", "ttft_cpu"),
+                 "instructions": ("instructions", "instructions")}
+CLOCK_BY = {"wall": "wall time", "cpu": "CPU time", "instructions": "instructions"}  # what a decision is by
+PER_GINSTR = 1e9  # instructions-as-a-rate: tokens per 1e9 instructions
 
 
 def sweep_frame(df: pd.DataFrame, clock: str = "wall") -> pd.DataFrame:
     """Measurements in breakeven's columns by `clock`, one row per (source, N), from each source's
     latest run only: a sweep is one interleaved measurement, never stitched from jobs under different
-    loads. Sources without that clock's figures (the seed's fixture has no CPU time) are left out."""
+    loads. Sources without that clock's figures (the seed's fixture has no CPU time, a device that does
+    not count no instructions) are left out. By instructions the throughputs are tokens per 1e9
+    instructions and the TTFT columns hold the instructions."""
     tps, ttft = (f"figures.{name}.median" for name in CLOCK_FIGURES[clock])
     if df.empty or "kind" not in df or tps not in df:
         return pd.DataFrame()
-    m = df[df["kind"] == "measure"]
+    m = df[(df["kind"] == "measure") & df[tps].notna()]
     if m.empty:
         return pd.DataFrame()
     m = m.sort_values("time", kind="stable")
@@ -606,16 +636,22 @@ def sweep_frame(df: pd.DataFrame, clock: str = "wall") -> pd.DataFrame:
     m = m[m["run_id"] == latest_run].groupby(["params.source", "params.prompt_tokens", "params.mode"]).tail(1)
     spread = [c for c in (tps.replace(".median", ".min"), tps.replace(".median", ".max")) if c in m]
     wide = m.pivot_table(index=["params.source", "params.prompt_tokens", "params.tail"], columns="params.mode",
-                         values=[tps, ttft], aggfunc="last")
+                         values=list(dict.fromkeys([tps, ttft])), aggfunc="last")
     wide = wide.dropna()
     if wide.empty:
         return pd.DataFrame()
+    tokens = wide.index.get_level_values(1).astype(int).to_numpy()
+    counted = clock == "instructions"
+
+    def rate(values, n):  # the figure as a throughput: itself, or tokens per 1e9 instructions
+        return n * PER_GINSTR / np.asarray(values, float) if counted else np.asarray(values, float)
+
     frame = pd.DataFrame({
         "source": wide.index.get_level_values(0),
-        "prompt_tokens": wide.index.get_level_values(1).astype(int),
+        "prompt_tokens": tokens,
         "tail": wide.index.get_level_values(2).astype(int),
-        "padded_tps": wide[(tps, "padded")].to_numpy(),
-        "scalar_tps": wide[(tps, "scalar")].to_numpy(),
+        "padded_tps": rate(wide[(tps, "padded")].to_numpy(), tokens),
+        "scalar_tps": rate(wide[(tps, "scalar")].to_numpy(), tokens),
         "padded_ttft_ms": wide[(ttft, "padded")].to_numpy(),
         "scalar_ttft_ms": wide[(ttft, "scalar")].to_numpy(),
     })
@@ -623,28 +659,33 @@ def sweep_frame(df: pd.DataFrame, clock: str = "wall") -> pd.DataFrame:
     if repetitions in m:  # each repetition's throughput, for the breakeven's interval
         by_rep = m.set_index(["params.source", "params.prompt_tokens", "params.tail", "params.mode"])[repetitions]
         for mode in ("padded", "scalar"):
-            frame[f"{mode}_tps_samples"] = [by_rep.get((*key, mode)) for key in wide.index]
+            found = [by_rep.get((*key, mode)) for key in wide.index]
+            frame[f"{mode}_tps_samples"] = [list(rate(v, key[1])) if isinstance(v, list) else v
+                                            for v, key in zip(found, wide.index)]
     if len(spread) == 2:  # each throughput's least and greatest repetition, for the plots' error bars
         bounds = m.pivot_table(index=["params.source", "params.prompt_tokens", "params.tail"], columns="params.mode",
                                values=spread, aggfunc="last").reindex(wide.index)
+        low, high = (spread[1], spread[0]) if counted else spread  # more instructions: a lower rate
         for mode in ("padded", "scalar"):
-            frame[f"{mode}_tps_min"] = bounds[(spread[0], mode)].to_numpy()
-            frame[f"{mode}_tps_max"] = bounds[(spread[1], mode)].to_numpy()
+            frame[f"{mode}_tps_min"] = rate(bounds[(low, mode)].to_numpy(), tokens)
+            frame[f"{mode}_tps_max"] = rate(bounds[(high, mode)].to_numpy(), tokens)
     return frame
 
 
 def breakeven_of(source: str, sweep: pd.DataFrame, clock: str = "wall") -> dict:
     """The sweep's breakeven as data, by `clock` (wall or CPU time: on a loaded host the CPU curve is
-    the work's own, the wall curve also holds the scheduler's waits): the tail padding wins from (None:
-    not up to the largest tail measured), the policy threshold it gives, its interval from the
-    repetitions (breakeven.breakeven_interval: lo and hi, the level, the method, how many repetitions,
-    whether it is decided) and the sentence a person reads."""
+    the work's own, the wall curve also holds the scheduler's waits; or instructions, exact, on a
+    device that counts): the tail padding wins from (None: not up to the largest tail measured), the
+    policy threshold it gives, its interval from the repetitions (breakeven.breakeven_interval: lo and
+    hi, the level, the method, how many repetitions, whether it is decided) and the sentence a person
+    reads."""
     b = breakeven.breakeven_tail(sweep)
     largest = int(sweep["tail"].max())
-    interval = breakeven.breakeven_interval(sweep, by=f"{'CPU' if clock == 'cpu' else 'wall'} time")
+    interval = breakeven.breakeven_interval(sweep, by=CLOCK_BY[clock])
     says = (f"none: padding does not win at tail {largest}" if b is None
-            else f"padded from tail {b} (threshold {b - 1})") + (", by CPU time" if clock == "cpu" else "")
-    return {"source": source, "clock": clock, "tail": b, "threshold": breakeven.threshold_from_breakeven(b),
+            else f"padded from tail {b} (threshold {b - 1})") + ("" if clock == "wall" else f", by {CLOCK_BY[clock]}")
+    return {"source": source, "clock": clock, "by": CLOCK_BY[clock], "tail": b,
+            "threshold": breakeven.threshold_from_breakeven(b),
             "largest_tail": largest, "tails": int(sweep["tail"].nunique()),
             "lo": interval["lo"], "hi": interval["hi"], "level": interval["level"], "method": interval["method"],
             "reps": interval["reps"], "decided": interval["decided"], "more_reps": interval["more_reps"],
@@ -655,15 +696,22 @@ MIN_SWEEP_TAILS = 3  # fewer tails are a comparison (1023 vs 1024), not a sweep 
 
 
 def view(df: pd.DataFrame) -> pd.DataFrame:
-    """Measurements: the reviewer's table per source (its breakeven is `breakevens`). Without
-    measurements: the oracle verdicts."""
-    sweep = sweep_frame(df)
-    if len(sweep):
-        parts = []
-        for source, rows in sweep.groupby("source", sort=False):
-            table = breakeven.tail_table(rows)
-            table.insert(0, "source", source)
-            parts.append(table)
+    """Measurements: the reviewer's table per source (its breakeven is `breakevens`), with each mode's
+    exact instructions where the device counts; on an emulated device the instructions alone (its times
+    are never speed: no winner is drawn from them). Without measurements: the oracle verdicts."""
+    decided = decided_from(df)
+    timed, counted = sweep_frame(decided), sweep_frame(decided, "instructions")
+    parts = []
+    for source in dict.fromkeys([*timed.get("source", []), *counted.get("source", [])]):
+        rows = timed[timed["source"] == source] if len(timed) else timed
+        counts = counted[counted["source"] == source] if len(counted) else counted
+        table = breakeven.tail_table(rows) if len(rows) else None
+        if len(counts):
+            by_counts = breakeven.instruction_table(counts)
+            table = by_counts if table is None else table.merge(by_counts, on=["N", "tail"], how="left")
+        table.insert(0, "source", source)
+        parts.append(table)
+    if parts:
         return pd.concat(parts, ignore_index=True)
     oracles = df[df["kind"] == "oracle"] if len(df) else df
     return pd.DataFrame({
@@ -675,42 +723,58 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def decided_from(df: pd.DataFrame) -> pd.DataFrame:
-    """The records a decision may read: an emulated device's times are never speed (testbed.measure.emulation)."""
+    """The records a decision may read: an emulated device's times are never speed, its counts are
+    (testbed.measure.emulation)."""
     return emulation.split_frame(df)[0]
 
 
 def breakevens(df: pd.DataFrame) -> list[dict]:
-    """The breakevens (by wall time, and by CPU time where the records have it) of each source's sweep
-    that has at least MIN_SWEEP_TAILS tails, never from an emulated device's times."""
+    """The breakevens of each source's sweep that has at least MIN_SWEEP_TAILS tails: by wall time, and
+    by CPU time where the records have it (never from an emulated device's times), and by instructions
+    where the device counted them."""
     df = decided_from(df)
-    sweep, cpu = sweep_frame(df), sweep_frame(df, "cpu")
     found = []
-    if sweep.empty:
-        return found
-    for source, rows in sweep.groupby("source", sort=False):
-        if rows["tail"].nunique() < MIN_SWEEP_TAILS:
-            continue
-        found.append(breakeven_of(source, rows))
-        cpu_rows = cpu[cpu["source"] == source] if len(cpu) else cpu
-        if len(cpu_rows):
-            found.append(breakeven_of(source, cpu_rows, "cpu"))
-    return found
+    for clock in ("wall", "cpu", "instructions"):
+        sweep = sweep_frame(df, clock)
+        for source, rows in sweep.groupby("source", sort=False) if len(sweep) else ():
+            if rows["tail"].nunique() >= MIN_SWEEP_TAILS:
+                found.append(breakeven_of(source, rows, clock))
+    order = {clock: i for i, clock in enumerate(("wall", "cpu", "instructions"))}
+    sources = list(dict.fromkeys(b["source"] for b in found))  # each source's breakevens together
+    return sorted(found, key=lambda b: (sources.index(b["source"]), order[b["clock"]]))
 
 
 def sweep_row(df: pd.DataFrame) -> dict:
-    """Per sweep job (all its tails measured interleaved): how many tails, its breakeven by wall and by
-    CPU time, the oracle tally."""
+    """Per sweep job (all its tails measured interleaved): how many tails, its breakeven tail by wall
+    time, CPU time and instructions (where it has each) with the interval of the first, the oracle
+    tally; each breakeven's sentence, with its confidence, for the footer (`decisions`, never a cell)."""
     row: dict = {}
-    sweep, cpu = sweep_frame(decided_from(df)), sweep_frame(decided_from(df), "cpu")
-    if len(sweep):
-        row["tails"] = int(sweep["tail"].nunique())
-        if row["tails"] >= MIN_SWEEP_TAILS:
-            found = breakeven_of("this job", sweep)
-            row.update({"breakeven tail": found["tail"], "breakeven lo": found["lo"], "breakeven hi": found["hi"],
-                        "winner": found["says"]})
-            if len(cpu):
-                row["breakeven tail (CPU time)"] = breakeven_of("this job", cpu, "cpu")["tail"]
+    decided = decided_from(df)
+    for clock, name in (("wall", "breakeven tail"), ("cpu", "breakeven tail (CPU time)"),
+                        ("instructions", "breakeven tail (instructions)")):
+        sweep = sweep_frame(decided, clock)
+        if sweep.empty:
+            continue
+        row.setdefault("tails", int(sweep["tail"].nunique()))
+        if sweep["tail"].nunique() >= MIN_SWEEP_TAILS:
+            found = breakeven_of("this job", sweep, clock)
+            row[name] = found["tail"]
+            if "breakeven lo" not in row:
+                row.update({"breakeven lo": found["lo"], "breakeven hi": found["hi"],
+                            "decided": found["decided"]})
+            row.setdefault("decisions", []).append(found["says"])
     oracles = df[df["kind"] == "oracle"]
     if len(oracles):
         row["oracles"] = Tally(oracles["verdict"]).phrase()
     return row
+
+
+def sweep_footer(rows: pd.DataFrame, jobs) -> str:
+    """Each job's breakevens in full, with their confidence (sweep_row's `decisions`)."""
+    lines = []
+    for (_, row), rc in zip(rows.iterrows(), jobs):
+        said = row.get("decisions")
+        if isinstance(said, list):
+            job = " ".join(o for o in rc.overrides if not o.startswith("experiment="))
+            lines += [f"breakeven ({job or 'the job'}): {says}" for says in said]
+    return "\n".join(lines)

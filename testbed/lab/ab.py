@@ -42,9 +42,13 @@ Judging, per call:
                 test on the log ratios of the pairs, two-sided, at each look, its p spent over the looks
                 and Holm-corrected over the calls; B is slower on a clock when the corrected p < 0.05
                 and the 95% interval of the median ratio lies above 1 + `--min-change` (default 5%);
-                a call whose p >= 0.05 and interval lies within +-5% is decided "no change"; one the
-                budget left open is "undecided" (testbed.measure.sequential). CPU time decides (what the work cost, whatever else ran); wall time is
-                shown beside it. Fewer than 6 pairs cannot reach p < 0.05: "too few pairs".
+                a call whose p >= 0.05 and interval lies within +-5% is decided "no change"; one whose
+                p < 0.05 and whole interval lies within +-`--min-change` is "below floor" (a real change
+                smaller than the job can call, said so, never "need N more pairs"); one the budget left
+                open is "undecided", with why (testbed.measure.sequential). CPU time decides (what the
+                work cost, whatever else ran); wall time is shown beside it; a CPU time left undecided is
+                the call's verdict whatever its instructions did under their threshold. Fewer than 6
+                pairs cannot reach p < 0.05: "too few pairs".
 Exit status 1 when B is worse on any call by instructions or CPU time, or an oracle did not pass on
 either tree; "no change" for the same tree twice. The records (experiment's name, case `ab/CALL`) carry the pairs' ratios as figures
 `ab_ratio_cpu` (with the A/B block testbed.measure.history judges: a_commit, b_commit, p uncorrected, pairs,
@@ -68,7 +72,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from testbed import PROJECT_ROOT, config, experiments, runner
+from testbed import PROJECT_ROOT, children, config, experiments, runner
 from testbed.backends import EvidenceLog
 from testbed.backends.llamacpp import build as llamacpp_build
 from testbed.backends.llamacpp import trees as llamacpp_trees
@@ -77,12 +81,13 @@ from testbed.backends.native.build import (BuildError, build_programs, target_fo
 from testbed.backends.native.device import Call, NativeJob, run_native
 from testbed.devices.transport import elf_machine, sha256_file
 from testbed.errors import DeviceError, UsageError
+from testbed.heartbeat import ProgressLine, Tick
 from testbed.measure import sequential
 from testbed.measure.counts import CountError
 from testbed.measure.timing import cpu_seconds
 from testbed.report import tables
 from testbed.results import Figure, Record
-from testbed.verdicts import FAILING, LABEL, UNJUDGED, Tally
+from testbed.verdicts import FAILING, LABEL, NOTHING_JUDGED, UNJUDGED, Tally
 
 MAX_REPS = 1000        # pairs per call: at 1000 a small call's job already takes hours on an emulator
 
@@ -100,7 +105,7 @@ class Tree:
 
 
 def _git(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(PROJECT_ROOT), *args], capture_output=True, text=True)
+    return children.run(["git", "-C", str(PROJECT_ROOT), *args], capture_output=True, text=True)
 
 
 def resolve_tree(spec: str) -> Tree:
@@ -134,8 +139,8 @@ def resolve_tree(spec: str) -> Tree:
 def _extract(sha: str, out: Path) -> None:
     """kernels/ of commit `sha` into `out`, whole or not at all."""
     def fill(tmp: Path) -> None:
-        archive = subprocess.run(["git", "-C", str(PROJECT_ROOT), "archive", "--format=tar", sha, "kernels"],
-                                 capture_output=True)
+        archive = children.run(["git", "-C", str(PROJECT_ROOT), "archive", "--format=tar", sha, "kernels"],
+                               capture_output=True)
         if archive.returncode != 0:
             raise UsageError(f"git archive of {sha[:12]} failed: {archive.stderr.decode(errors='replace').strip()}")
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
@@ -223,7 +228,7 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple, opts: Options, engi
     both sides' counts, the verdicts. `engine` builds the sides, runs the calls and holds the oracles:
     NativeEngine (the default), LlamacppEngine, or ContractEngines (`engine:A engine:B`: two engines
     under test, or two builds of one, serving the calls through engine contract v1)."""
-    engine = engine or NativeEngine()
+    engine = engine or NativeEngine(bool(cfg.get("fused", False)))  # the build the experiment's fused asks for
     device = ctx.device
     emulated = device.profile.has("emulated")
     # On a device that does not count by itself, valgrind counts: asked for (counts=true: it must be
@@ -233,6 +238,12 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple, opts: Options, engi
     uncounted = "not counted: valgrind missing" if valgrind and not count_here else "not counted"
     if not engine.valgrind_counts:
         count_here, uncounted = False, engine.uncounted
+    # a side whose engine declares it does not serve this (its technique, the device's ABI, the weights dtype)
+    # is recorded "not supported" in its yaml's words, and nothing is measured
+    refused = list(engine.refusals(cfg, device, experiment, trees)) if hasattr(engine, "refusals") else []
+    if refused:
+        yield from refused
+        return
     builds = {}
     for side, tree in zip("AB", trees):
         ctx.progress(f"building {side} ({tree.spec}) for {engine.target(device)}")
@@ -264,11 +275,12 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple, opts: Options, engi
         """`pairs` more pairs of each open call, interleaved (ABBA); their CPU ratios."""
         nonlocal repetition
         before = {i: len(ratios[calls[i].label]["cpu"]) for i in open_calls}
+        taken, look = 0, pairs * len(open_calls)
         for _ in range(pairs):
-            for n, i in enumerate(rng.permutation(open_calls)):
+            for i in rng.permutation(open_calls):
                 call = calls[i]
-                ctx.progress(f"A/B pair {len(ratios[call.label]['cpu']) + 1} of call {n + 1}/{len(open_calls)}: "
-                             f"{call.label}")
+                taken += 1  # inside the look: what the heartbeat says, with the look's time left
+                ctx.progress(Tick(f"A/B pairs {taken}/{look} of this look ({len(open_calls)} call(s)): {call.label}"))
                 order = "AB" if (first[call.label] + repetition) % 2 == 0 else "BA"
                 for side in order:
                     result = run(call, side, builds[side])
@@ -302,9 +314,10 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple, opts: Options, engi
     spent = cpu_seconds() - started
     if count_here:  # one run per tree and call under valgrind, with its build that valgrind can run
         for side, tree in zip("AB", trees):
-            ctx.progress(f"counting {side}'s instructions under valgrind")
+            ctx.progress(f"building {side} ({tree.spec}) for valgrind")
             counted = engine.build(side, tree, device, ctx.progress, for_valgrind=True)
-            for call in calls:
+            for k, call in enumerate(calls, 1):  # minutes each at bench sizes: counted, so the time left shows
+                ctx.progress(f"counting {side}'s instructions under valgrind {k}/{len(calls)}: {call.label}")
                 sides[(call.label, side)].instructions.append(run(call, side, counted, count=True).counts.per_call)
 
     judged = {"cpu": outcome.judgements,
@@ -340,6 +353,7 @@ def measure(cfg, ctx, module, experiment: str, trees: tuple, opts: Options, engi
               "p": judged["cpu"][i].p_adjusted, "p_raw": judged["cpu"][i].p, "p_wall": judged["wall"][i].p_adjusted,
               "design": design.describe(), "looks": outcome.looks_taken, "stopped": outcome.stopped,
               "decided": judged["cpu"][i].decided, "need_pairs": judged["cpu"][i].need,
+              "cpu_interval": [judged["cpu"][i].low, judged["cpu"][i].high], "undecided_why": judged["cpu"][i].why,
               "budget_cpu_s": None if opts.reps else opts.budget, "spent_cpu_s": round(spent, 1),
               "verdicts": verdicts, "verdict": "slower" if worse else _overall(verdicts),
               "instructions_a": a_count, "instructions_b": b_count,
@@ -365,11 +379,15 @@ class BuildFailed(DeviceError):
 
 
 class NativeEngine:
-    """backend=native: each tree's kernels/ programs (testbed.backends.native.build); no oracles (the
-    measured calls' outputs are compared, `same_output`)."""
+    """backend=native: each tree's kernels/ programs (testbed.backends.native.build), the unfused build or
+    (the experiment's fused=true) the FMA one; no oracles (the measured calls' outputs are compared,
+    `same_output`)."""
 
     valgrind_counts = True  # its calls can be counted under valgrind on a host that does not count itself
     uncounted = "not counted"
+
+    def __init__(self, fused: bool = False):
+        self.fused = fused
 
     def calls(self, module, cfg) -> list[Call]:
         return module.ab_calls(cfg)
@@ -383,7 +401,8 @@ class NativeEngine:
 
     def build(self, side: str, tree: Tree, device, progress, for_valgrind: bool = False) -> Path:
         try:  # valgrind cannot run AVX-512: its runs use the build without it
-            return build_programs(self.target(device), kernels_dir=tree.kernels_dir, avx512=not for_valgrind)
+            return build_programs(self.target(device), fused=self.fused, kernels_dir=tree.kernels_dir,
+                                  avx512=not for_valgrind)
         except BuildError as e:
             raise BuildFailed(f"{side} ({tree.spec}): {e}") from None
 
@@ -459,6 +478,16 @@ class ContractEngines:
     def calls(self, module, cfg) -> list[Call]:
         return module.ab_engine_calls(cfg)
 
+    def refusals(self, cfg, device, experiment: str, trees):
+        """A "not supported" record for each side whose yaml does not serve the experiment's calls here."""
+        from testbed.backends.engine import refusals
+
+        for side, spec, tree in zip("AB", self.specs, trees):
+            why = refusals.why_not(spec, device, experiment, weights=cfg.get("native", {}).get("weights"))
+            if why is not None:
+                yield from refusals.records(experiment, [(f"ab/{side}/engine", "engine")], why,
+                                            {"ab_side": side, "tree": tree.spec})
+
     def run(self, device, side: str, call: Call, program: Path, count: bool):
         from testbed.backends.engine.gemma import ab_run
 
@@ -496,19 +525,22 @@ def engine_sides(a: str, b: str):
     return trees, specs
 
 
-UNJUDGED = ("not measured", "too few pairs", "undecided")  # a call's overall verdict when nothing judged it
+CALL_UNJUDGED = ("not measured", "too few pairs", "undecided")  # a call's overall verdict when nothing judged it
 
 
 def _overall(verdicts: dict) -> str:
     """One word for a call (B worse is "slower", decided before this): "no change" only when something
-    was judged and all of it held still."""
+    was judged and all of it held still. A CPU time left undecided is said as such, whatever the
+    instructions did under their threshold: a sub-1% "changed" never stands for a verdict on time."""
     known = {v for v in verdicts.values() if not v.startswith("not counted")} - {"too few pairs"}
     if "faster" in known or "fewer" in known:
         return "faster"
-    if known - {"no change", "undecided"}:
-        return "changed"
     if verdicts.get("cpu") == "undecided":
         return "undecided"
+    if verdicts.get("cpu") == sequential.BELOW_FLOOR:
+        return sequential.BELOW_FLOOR
+    if known - {"no change"}:
+        return "changed"
     if known:
         return "no change"
     return "too few pairs" if "too few pairs" in verdicts.values() else "not measured"
@@ -522,14 +554,14 @@ def table(rows: list[dict]) -> pd.DataFrame:
     for r in rows:
         ab, fig = r["metrics"]["ab"], r["figures"]
         change = ab["instructions_change"]
-        out.append({
-            "call": r["case"].removeprefix("ab/"), "kernel": ab["kernel"],
+        out.append({  # the verdict beside the call: the first columns are what a narrow terminal keeps
+            "call": r["case"].removeprefix("ab/"),
+            "verdict": ab["verdict"] + ("" if ab["same_output"] else " (outputs differ)"), "kernel": ab["kernel"],
             "instructions A": ab["instructions_a"], "instructions B": ab["instructions_b"],
             "instr. change": ab["verdicts"]["instructions"] if change is None else f"{change:+.3%}",
             "cpu B/A": fig["ab_ratio_cpu"]["median"] if "ab_ratio_cpu" in fig else None,
             "wall B/A": fig["ab_ratio_wall"]["median"] if "ab_ratio_wall" in fig else None,
             "pairs": ab["pairs"], "p (cpu, Holm)": ab["p"],
-            "verdict": ab["verdict"] + ("" if ab["same_output"] else " (outputs differ)"),
         })
     return pd.DataFrame(out)
 
@@ -581,6 +613,11 @@ def command(args) -> int:
             raise UsageError("--repo names a llama.cpp checkout for backend=llamacpp; engine:NAME sides are built "
                              "as their yaml says")
         rc = config.load([*args.overrides, "backend=engine", f"engine={sides[1][1].name}"], experiment="gdn")
+        from testbed.backends.engine import build as engine_build
+        from testbed.devices import load_profile
+
+        for spec in sides[1]:  # A's too: both are refused before the run starts
+            engine_build.check_device(spec, load_profile(rc.device))
         return _report(args, rc, module, opts, sides[0], ContractEngines(sides[1]))
     named = next((o.lstrip("+").split("=", 1)[1] for o in args.overrides if o.lstrip("+").startswith("backend=")), None)
     if named is not None and named not in BACKENDS:
@@ -603,22 +640,25 @@ def command(args) -> int:
         if args.repo is not None:
             raise UsageError("--repo names a llama.cpp checkout for backend=llamacpp; backend=native takes "
                              "revisions of this checkout")
-        trees, engine = (resolve_tree(args.a), resolve_tree(args.b)), NativeEngine()
+        trees, engine = (resolve_tree(args.a), resolve_tree(args.b)), None  # measure's NativeEngine
     return _report(args, rc, module, opts, trees, engine)
 
 
 def _report(args, rc, module, opts, trees, engine) -> int:
     """Run the comparison as one job, print its table and say the outcome: exit 1 when B is worse or an
     oracle fails on either tree."""
-    progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not sys.stderr.isatty() else \
-        (lambda msg: (sys.stderr.write("\r\033[K" + msg[:120]), sys.stderr.flush()))
-    outcome = runner.execute(rc, progress=progress,
-                             produce=lambda cfg, ctx: measure(cfg, ctx, module, rc.experiment, trees, opts, engine))
-    if sys.stderr.isatty():
-        sys.stderr.write("\r\033[K")
+    progress = ProgressLine()  # a line per step, a heartbeat through the silent ones (builds, valgrind)
+    try:
+        outcome = runner.execute(rc, progress=progress,
+                                 produce=lambda cfg, ctx: measure(cfg, ctx, module, rc.experiment, trees, opts, engine))
+    finally:
+        progress.close()
     rows = outcome.rows
     df = table([r for r in rows if r["kind"] == "measure"])
-    print(tables.render(df, args.format))
+    # the terminal's table fits it; every column: the format options, or the records (`testbed table`)
+    print(tables.for_terminal(df.dropna(axis=1, how="all"), f"--format csv|json, or `testbed table {rc.experiment} "
+                                                           "--format md`", settings=())
+          if args.format == "md" else tables.render(df, args.format))
     worse = [r for r in rows if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] == "slower"]
     # an oracle that did not pass on either tree fails the comparison, whatever the speed
     wrong = [r for r in rows if r["kind"] == "oracle" and r["verdict"] in FAILING]
@@ -628,12 +668,12 @@ def _report(args, rc, module, opts, trees, engine) -> int:
             print(f"oracles on {side} ({tree.spec}): {Tally.of_records(side_rows).phrase()}")
             for r in side_rows:  # a refusal is said, never counted against the tree
                 if r["verdict"] in UNJUDGED:
-                    print(f"{LABEL[r['verdict']]} {side} ({tree.spec}) {r['case'].removeprefix(f'ab/{side}/')}: "
-                          f"{r['detail']}")
+                    print(tables.printable(f"{LABEL[r['verdict']]} {side} ({tree.spec}) "
+                                           f"{r['case'].removeprefix(f'ab/{side}/')}: {r['detail']}"))
     for r in wrong[:MAX_NAMED]:  # a run's own error record (no side) is named by its case alone
         side, tree = r["params"].get("ab_side"), r["params"].get("tree")
         where = f"{side} ({tree}) {r['case'].removeprefix(f'ab/{side}/')}" if side else r["case"]
-        print(f"FAILED {where}: {r['verdict']}: {r['detail']}")
+        print(tables.printable(f"FAILED {where}: {r['verdict']}: {r['detail']}"))
     if len(wrong) > MAX_NAMED:
         print(f"... and {len(wrong) - MAX_NAMED} more oracle records that failed (testbed records)")
     if args.format == "md":
@@ -652,15 +692,41 @@ def _report(args, rc, module, opts, trees, engine) -> int:
             if ab["verdicts"].get("cpu") == "slower":
                 what.append(f"CPU time x{r['figures']['ab_ratio_cpu']['median']:.3f} (p={ab['p']:.2g})")
             print(f"SLOWER {ab['kernel']} {r['case'].removeprefix('ab/')}: {'; '.join(what)}")
-        unjudged = [r["case"].removeprefix("ab/") + f" ({r['metrics']['ab']['verdict']})" for r in rows
-                    if r["kind"] == "measure" and r["metrics"]["ab"]["verdict"] in UNJUDGED]
+        measured = [r for r in rows if r["kind"] == "measure"]
+        for r in measured:  # an open CPU verdict or a change under the floor, said per call in full
+            ab = r["metrics"]["ab"]
+            cpu = ab["verdicts"].get("cpu")
+            if cpu == "undecided":
+                why = ab.get("undecided_why") or ab["stopped"]
+                print(tables.wrap(f"UNDECIDED {r['case'].removeprefix('ab/')}: CPU time {why}"))
+            elif cpu == sequential.BELOW_FLOOR:
+                low, high = ab.get("cpu_interval") or (None, None)
+                print(tables.wrap(f"BELOW FLOOR {r['case'].removeprefix('ab/')}: CPU time B/A "
+                                  f"{r['figures']['ab_ratio_cpu']['median']:.3f} (95%: {low:.3f} to {high:.3f}): a "
+                                  f"change below {sequential.floor_words(ab['min_change'])}"))
+        unjudged = [r["case"].removeprefix("ab/") + f" ({r['metrics']['ab']['verdict']})" for r in measured
+                    if r["metrics"]["ab"]["verdict"] in CALL_UNJUDGED]
         if wrong:
             on = " and ".join(f"{side} ({tree.spec})" for side, tree in zip("AB", trees)
                               if any(r["params"].get("ab_side") == side for r in wrong))
             print(f"FAILED: {len(wrong)} oracle record(s) failed on {on}: results changed, whatever the speed")
+        elif declined(rows):
+            print("nothing measured: an engine declines these calls (NOT SUPPORTED above)")
+        elif not worse and unjudged:
+            judged = len(measured) - len(unjudged)
+            print(tables.wrap(f"B is not shown worse than A: {judged} call(s) judged not worse; not judged: "
+                              f"{', '.join(unjudged)}"))
         elif not worse:
-            print("B is not worse than A on any call" + (f" judged; not judged: {', '.join(unjudged)}" if unjudged else ""))
+            print("B is not worse than A on any call")
+    if declined(rows):
+        return NOTHING_JUDGED
     return 1 if worse or wrong else 0
+
+
+def declined(rows: list[dict]) -> bool:
+    """Nothing measured and nothing judged: a side's engine declined the calls (ContractEngines.refusals)."""
+    oracles = [r for r in rows if r["kind"] == "oracle"]
+    return bool(oracles) and not any(r["kind"] == "measure" for r in rows) and Tally.of_records(oracles).judged == 0
 
 
 def _short(revision: str) -> str:

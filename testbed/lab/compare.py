@@ -499,17 +499,17 @@ def _compare(args) -> int:
               "named (simulated exact test, p < 0.05 / quantities)")
     if args.format == "md":
         counts = df["unit"] == history.INSTRUCTIONS
-        text = legend + "\n\n" + tables.markdown(for_people(df[~counts]))
+        text = tables.wrap(legend) + "\n\n" + tables.markdown(for_people(df[~counts]))
         if counts.any():  # never in a table of times
             text += "\n\ninstruction counts (exact):\n\n" + tables.markdown(for_people(df[counts]))
         print(text)
     else:  # data on stdout, nothing else
-        print(legend, file=sys.stderr)
+        print(tables.wrap(legend), file=sys.stderr)
         print(tables.render(df, args.format))
     flips = df[df["verdict"].astype(str).str.endswith("-> FAIL")]
     for _, r in flips.iterrows():
-        print(f"{r['verdict']}: {r['experiment']} on {r['device']} ({r['backend']}) {r['case']} {r['quantity']}: "
-              f"{r['a_verdict']} in A, {r['b_verdict']} in B", file=sys.stderr)
+        print(tables.printable(f"{r['verdict']}: {r['experiment']} on {r['device']} ({r['backend']}) {r['case']} "
+                               f"{r['quantity']}: {r['a_verdict']} in A, {r['b_verdict']} in B"), file=sys.stderr)
     return 1 if len(flips) or df["verdict"].isin(["slower", "more instructions"]).any() else 0
 
 

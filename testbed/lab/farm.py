@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from testbed import config, runner
+from testbed import children, config, runner
 from testbed.config import RunConfig
 from testbed.devices import load_profile, reachability
 from testbed.devices.private import DeviceBusy, device_lock
@@ -86,7 +86,8 @@ def join(address: str):
                          f"the HEAD:PORT of a head started by `testbed farm node`") from None
     for key, value in NO_USAGE_STATS.items():
         os.environ.setdefault(key, value)
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+    with addresses_seen_from(address):
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
     return ray
 
 
@@ -95,11 +96,34 @@ def ray_dials(ray, address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     try:
         from ray._private.services import canonicalize_bootstrap_address  # not public; the rule is Ray's
-        with quiet_stderr():  # on a host without a route out, Ray's core logs a warning while it looks
+        with addresses_seen_from(address), quiet_stderr():  # Ray's core may log while it looks
             host, _, port = canonicalize_bootstrap_address(address).rpartition(":")
     except (ImportError, AttributeError, ValueError):
         pass
     return host, int(port)
+
+
+@contextmanager
+def addresses_seen_from(address: str):
+    """Meanwhile, Ray learns this host's own address by routing towards `address` (HOST:PORT: the head,
+    or this node's own given address), never towards a public one. Ray asks whenever it meets a loopback
+    address (resolve_ip_for_localhost: ray.init, `ray start --node-ip-address 127.0.0.1`) or none, and
+    unless told whom to ask, it connects a UDP socket to a public DNS server (8.8.8.8) to read which
+    local address the route takes. Routed towards the head instead, the answer is the address the head
+    sees this host at (127.0.0.1 for a head on loopback), and nothing is sent anywhere."""
+    import ray.util
+    from ray._private import services  # not public; services.get_node_ip_address is what Ray asks
+
+    real = services.get_node_ip_address
+
+    def towards(address_asked=None):
+        return real(address_asked or address)
+
+    services.get_node_ip_address = ray.util.get_node_ip_address = towards
+    try:
+        yield
+    finally:
+        services.get_node_ip_address = ray.util.get_node_ip_address = real
 
 
 @contextmanager
@@ -380,11 +404,13 @@ def check_port(port: int) -> None:
 NODE_START_S = 120.0  # how long `ray start` may take to bring this host's node up
 
 
-def node_ip(value: str | None) -> str | None:
+def node_ip(value: str | None, head: bool) -> str | None:
     """--node-ip-address: the address this node is reached at by the others (a lab's LAN address, or
-    127.0.0.1 for a one-host farm); None lets Ray choose (this host's outward interface)."""
+    127.0.0.1 for a one-host farm). By default a head is on loopback (other hosts join a head started
+    with its LAN address), and a joining node is at the address its route to the head takes (None:
+    Ray reads it, routing towards the head: addresses_seen_from)."""
     if value is None:
-        return None
+        return LOOPBACK if head else None
     try:
         return str(ipaddress.ip_address(value))
     except ValueError:
@@ -392,12 +418,18 @@ def node_ip(value: str | None) -> str | None:
                          f"the lab's network, e.g. 10.0.0.5 (127.0.0.1: every node on this host)") from None
 
 
+LOOPBACK = "127.0.0.1"
+
+
 def next_steps(args, address: str, resources: dict, log: Path) -> str:
     """What to do once this node is up: testbed's commands, never Ray's (`ray stop` stops every Ray node
     on the host, other users' included)."""
     devices = ", ".join(name[len(RESOURCE):] for name in resources)
     lines = [f"farm node: up, advertising {devices}" + ("" if args.address else f"; this is the head, at {address}")]
-    if not args.address:
+    if not args.address and node_ip(args.node_ip_address, head=True) == LOOPBACK:
+        lines.append("  other hosts cannot join a head on loopback: start it with --node-ip-address, this host's "
+                     "address on the lab's network")
+    elif not args.address:
         lines.append(f"  other hosts join with:  testbed farm node --address {address} "
                      f"[--node-ip-address THEIR_ADDRESS] [--devices a,b]")
     lines += [f"  run a night on the farm: testbed nightly farm={address}",
@@ -409,7 +441,7 @@ def next_steps(args, address: str, resources: dict, log: Path) -> str:
 def cmd_node(args) -> int:
     if not args.address:
         check_port(args.port)
-    ip = node_ip(args.node_ip_address)
+    ip = node_ip(args.node_ip_address, head=not args.address)
     known = config.choices("device")
     names = args.devices.split(",") if args.devices else known
     for name in names:
@@ -423,7 +455,9 @@ def cmd_node(args) -> int:
         print("farm node: no device answers here; nothing to advertise", file=sys.stderr)
         return DeviceUnreachable.exit_status
     where = [f"--address={args.address}"] if args.address else ["--head", f"--port={args.port}"]
-    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", *where, f"--resources={json.dumps(resources)}",
+    # `ray start` under addresses_seen_from: towards the head, or this node's own address (python -m testbed.lab.farm)
+    towards = args.address or f"{ip}:{args.port}"
+    argv = [sys.executable, "-m", "testbed.lab.farm", towards, "start", *where, f"--resources={json.dumps(resources)}",
             *([f"--node-ip-address={ip}"] if ip else []), "--include-dashboard=false", "--block"]
     print(f"farm node: starting Ray, advertising {', '.join(resources)}", file=sys.stderr)
     from testbed.devices.private import user_temp
@@ -444,9 +478,8 @@ NO_USAGE_STATS = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_USAGE_STATS_REPORT_URL": 
 def run_node(argv: list[str], log: Path, on_up) -> int:
     """`ray start --block` as a child, its output in `log`: once it says the node is up, `on_up(node IP)`;
     then wait. Ending this command (Ctrl-C, SIGTERM) stops this node, and only it."""
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **NO_USAGE_STATS})
+    with open(log, "w") as out:  # a child of testbed's (testbed.children): it stops with this command
+        proc = children.start(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **NO_USAGE_STATS})
     try:
         deadline = time.monotonic() + NODE_START_S
         while True:
@@ -463,12 +496,7 @@ def run_node(argv: list[str], log: Path, on_up) -> int:
                 return DeviceUnreachable.exit_status
             time.sleep(0.2)
     finally:
-        if proc.poll() is None:
-            proc.terminate()  # Ray's node drains and stops its own processes on SIGTERM
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        children.end(proc, grace_s=60)  # Ray's node drains and stops its own processes on SIGTERM
 
 
 def cmd_status(args) -> int:
@@ -500,9 +528,27 @@ def register(commands) -> None:
     n.add_argument("--address", help="the head's HEAD:PORT to join (default: start the head here)")
     n.add_argument("--port", type=int, default=6379, help="the head's port (with no --address)")
     n.add_argument("--devices", help="a,b,...: the profiles attached here (default: every profile that answers)")
-    n.add_argument("--node-ip-address", help="this host's address the other nodes reach it at (default: Ray's "
-                                             "choice, this host's outward interface; 127.0.0.1 for one host)")
+    n.add_argument("--node-ip-address", help="this host's address the other nodes reach it at (default: 127.0.0.1 "
+                                             "on a head, a farm on this host alone; on a joining host, its address "
+                                             "towards the head)")
     n.set_defaults(fn=cmd_node)
     s = sub.add_parser("status", help="the nodes, their devices, which run a job now")
     s.add_argument("--address", required=True, help="the head's HEAD:PORT")
     s.set_defaults(fn=cmd_status)
+
+
+def start_ray(argv: list[str]) -> int:
+    """`python -m testbed.lab.farm TOWARDS start ...`: Ray's `ray start ...` (what `farm node` runs), its
+    own address learned towards TOWARDS (addresses_seen_from), never towards a public server."""
+    from ray.scripts.scripts import cli
+
+    with addresses_seen_from(argv[0]):
+        try:
+            cli.main(args=argv[1:], prog_name="ray")
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(start_ray(sys.argv[1:]))

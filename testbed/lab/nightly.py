@@ -49,10 +49,11 @@ from testbed.config import RunConfig
 from testbed.devices import Device, connect, load_profile
 from testbed.devices.private import DeviceBusy, device_lock
 from testbed.errors import DeviceUnreachable, UsageError, did_you_mean
-from testbed.heartbeat import heartbeat
+from testbed.heartbeat import heartbeat, time_left
 from testbed.measure import history
 from testbed.measure.timing import cpu_seconds
 from testbed.report import build as report
+from testbed.report.tables import printable
 from testbed.results import Record, ResultsStore
 from testbed.verdicts import FAILING, LABEL, NOTHING_JUDGED, UNJUDGED, Tally
 
@@ -179,7 +180,7 @@ class Log:
 
     def __call__(self, device: str, message: str) -> None:
         with self.lock:
-            print(f"[{device}] {message}", file=self.stream, flush=True)
+            print(printable(f"[{device}] {message}"), file=self.stream, flush=True)
 
 
 def job_label(rc: RunConfig) -> str:
@@ -246,15 +247,6 @@ def execute_job(rc: RunConfig, handle: Device, suite: Suite, trees, log) -> runn
             yield without_baseline(record) if first else record
 
     return runner.execute(rc, device=handle, produce=produce)
-
-
-def time_left(elapsed: float, done: int, total: int) -> str:
-    """" (about N s left)": the jobs still to run at the mean pace of those done; nothing before the
-    first job ends (no pace yet)."""
-    if done == 0:
-        return ""
-    left = elapsed / done * (total - done)
-    return f" (about {left / 60:.0f} min left)" if left >= 120 else f" (about {left:.0f} s left)"
 
 
 def work(device: str, jobs: list[RunConfig], suite: Suite, night: str, log: Log,
@@ -456,4 +448,4 @@ def summary(suite: Suite, night: str, results: list[DeviceNight], flags: list[hi
                3: "a device was unreachable or busy",
                NOTHING_JUDGED: "nothing judged: every verdict not supported or not judged"}
     lines.append(f"exit {status}: {meaning[status]}")
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))  # reasons and names from engines, devices and files

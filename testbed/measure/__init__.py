@@ -3,8 +3,8 @@
   timing          warm-up then repetitions on a monotonic clock, CPU time beside wall time;
                   alternating and interleaved timing of what a table compares
   counts/         exact instruction counts: the QEMU plugin and valgrind, between the harness's marks
-  blas_reference  the library a kernel's rate is divided by (numpy's OpenBLAS), and when a ratio over
-                  it may be judged
+  blas_reference  the library a kernel's rate is divided by (the faster per shape of numpy's OpenBLAS and
+                  oneMKL where installed), and when a ratio over it may be judged
   history         which stored runs are comparable, and where regressions are decided (step fits,
                   the machine probe as covariate, exact counts)
   breakeven       breakeven tables of the padded tail

@@ -68,6 +68,23 @@ def tail_table(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> pd.DataFra
     })
 
 
+def instruction_table(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> pd.DataFrame:
+    """The table of a sweep by exact instructions (a device that counts), one row per prompt length: N,
+    tail, each mode's instructions per prefill and the mode that executes fewer, by how much (a tie
+    under tie_percent). df: breakeven's columns with the throughputs as tokens per instruction (any
+    scale) and the TTFT columns holding the instructions."""
+    _require(df)
+    rows = df.sort_values("prompt_tokens")
+    return pd.DataFrame({
+        "N": rows["prompt_tokens"].astype(int).to_numpy(),
+        "tail": rows["tail"].astype(int).to_numpy(),
+        "padded instructions": rows["padded_ttft_ms"].astype("int64").to_numpy(),
+        "scalar instructions": rows["scalar_ttft_ms"].astype("int64").to_numpy(),
+        # tail 0: both modes run the same full chunks
+        "fewer instructions": ["tie" if t == 0 else winner(p, s, tie_percent)
+                               for t, p, s in zip(rows["tail"], rows["padded_tps"], rows["scalar_tps"])]})
+
+
 def breakeven_tail(df: pd.DataFrame, tie_percent: float = TIE_PERCENT) -> int | None:
     """The smallest tail from which padding wins for good: padded beats scalar (by more than a tie)
     at that tail and at every larger tail measured. None if padding does not win at the largest.

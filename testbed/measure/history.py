@@ -77,6 +77,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from itertools import groupby
 
+from testbed.report.tables import number
 from testbed.verdicts import PASS, UNJUDGED
 
 # Where records and fixtures are kept says nothing about what was measured. Nor does a device
@@ -752,10 +753,17 @@ def oracle_flips(records: list[dict]) -> list[Flag]:
         first_fail, passed = rows[last_pass + 1], rows[last_pass]
         flags.append(Flag(
             "oracle", key[0], key[1], key[2], key[3], key[4] or "",
-            now=f"{rows[-1]['verdict']} (margin {rows[-1].get('margin')})",
-            before=f"pass (margin {passed.get('margin')})", spread=f"last passed {passed['started']}",
+            now=f"{rows[-1]['verdict']} (margin {_margin(rows[-1])})",
+            before=f"pass (margin {_margin(passed)})", spread=f"last passed {passed['started']}",
             change="pass -> " + rows[-1]["verdict"], since=first_fail["started"],
             since_commit=first_fail["git_commit"], record_id=rows[-1]["record_id"], run_id=rows[-1]["run_id"],
             last_clean_commit=passed["git_commit"],
         ))
     return flags
+
+
+def _margin(record: dict) -> str:
+    """An oracle record's margin as every number is printed (testbed.report.tables.number): 0.866, not
+    0.8660254037844386."""
+    margin = record.get("margin")
+    return number(margin) if isinstance(margin, (int, float)) and not isinstance(margin, bool) else str(margin)

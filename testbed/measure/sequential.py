@@ -22,9 +22,16 @@ stops as soon as the verdict is decided:
             stopping for it never adds a false call). A significant change
             whose interval still reaches within min_change stays open. A decided call takes no more
             pairs. Both conditions only narrow what the test alone would call: the 5% still holds.
-  need      an undecided call's "need about N more pairs": the pairs at which a DETECT change
-            would be seen with 80% power at its observed spread (a normal approximation, x pi/3 for the
-            signed-rank test), less the pairs it has.
+  floor     a significant change whose whole interval lies within 1 +- min_change is decided "below
+            floor": real, and smaller than the smallest change the job can call; no number of pairs
+            makes it "slower".
+  need      an undecided call's "need about N more pairs", at its observed spread (a normal
+            approximation, x pi/3 for the signed-rank test), less the pairs it has: where its median
+            lies beyond the floor and its interval reaches inside it, the pairs that would separate
+            the median from the floor; where nothing is significant, those at which a DETECT change
+            would be seen with 80% power. Where its median lies inside the floor it says so instead:
+            "a change below the smallest change this job can call (5%)", never a number of pairs (an
+            estimate that comes out at no more pairs than it has is not given either).
 
 `drive` runs a design: it asks the caller for pairs look by look and stops when every call is
 decided, the design is exhausted or the caller cannot afford the next look. `testbed ab`
@@ -55,6 +62,7 @@ MIN_CHANGE = 0.05  # the floor a "slower"/"faster" interval must clear (`testbed
                    # still clears it once its interval is +-5% wide; that takes more pairs, hence MAX_PAIRS.
 MAX_PAIRS = 384    # the last look's pairs per call (`--max-pairs`): with the 5% floor, simulated +10% jobs
                    # (tests/test_sequential.py) are called slower in 96% at 192 and 100% at 384
+NEED_CAP = 100_000  # "need about N more pairs" beyond this is no estimate anyone would act on: not given
 
 
 @dataclass(frozen=True)
@@ -117,14 +125,24 @@ def median_interval(ratios) -> tuple[float, float]:
     return float(r[k]), float(r[len(r) - 1 - k])
 
 
+BELOW_FLOOR = "below floor"  # the verdict of a real change smaller than the floor (min_change)
+
+
 @dataclass(frozen=True)
 class Judgement:
-    verdict: str            # slower | faster | no change | too few pairs
+    verdict: str            # slower | faster | below floor | no change | too few pairs
     decided: bool           # the adaptive design takes no more pairs for this call
     pairs: int
     p: float | None         # sequential p, uncorrected
     p_adjusted: float | None  # Holm over the calls
-    need: int | None        # undecided: about how many more pairs would decide it
+    need: int | None        # undecided: about how many more pairs would decide it (None: no honest estimate)
+    low: float | None = None   # the 95% interval of the median ratio B/A (None below MIN_PAIRS)
+    high: float | None = None
+    why: str | None = None  # undecided: why, in words (the median against the floor, its interval)
+
+
+def floor_words(min_change: float) -> str:
+    return f"the smallest change this job can call ({min_change:.0%})"
 
 
 def judge(design: Design, ratios: list[list[float]], min_change: float) -> list[Judgement]:
@@ -143,21 +161,46 @@ def judge(design: Design, ratios: list[list[float]], min_change: float) -> list[
             verdict, decided = "slower", True
         elif significant and high < 1 / (1 + min_change):
             verdict, decided = "faster", True
-        else:  # a significant change whose interval still reaches within min_change stays open
+        elif significant and min_change > 0 and 1 / (1 + min_change) < low and high < 1 + min_change:
+            verdict, decided = BELOW_FLOOR, True  # real, and all of it under the floor
+        else:  # a significant change whose interval still reaches across min_change stays open
             verdict, decided = "no change", not significant and 1 / (1 + NO_CHANGE) < low and high < 1 + NO_CHANGE
-        out.append(Judgement(verdict, decided, len(r), p, p_adj, None if decided else _need(design, r, len(ratios))))
+        need, why = (None, None) if decided else _open(design, r, len(ratios), significant, min_change, low, high)
+        out.append(Judgement(verdict, decided, len(r), p, p_adj, need, low, high, why))
     return out
 
 
-def _need(design: Design, ratios, calls: int) -> int:
-    """More pairs at which a DETECT change would be seen with POWER at the observed spread."""
+def _open(design: Design, ratios, calls: int, significant: bool, min_change: float, low: float,
+          high: float) -> tuple[int | None, str]:
+    """An undecided call: about how many more pairs would decide it (None where no honest estimate
+    exists), and why it is open, in words."""
     from scipy.stats import norm
 
     logs = np.log(np.asarray(ratios, float))
-    spread = 1.4826 * float(np.median(np.abs(logs - np.median(logs)))) or float(np.std(logs)) or 1e-3
+    median, floor = float(np.median(logs)), math.log1p(min_change)
+    seen = f"B/A {math.exp(median):.3f} (95%: {low:.3f} to {high:.3f}) after {len(ratios)} pairs"
+    if significant and abs(median) <= floor:
+        return None, f"a change below {floor_words(min_change)}: {seen}"
+    if significant:  # beyond the floor by its median, its interval reaching inside: separate it from the floor
+        target, why = abs(median) - floor, f"a change near {floor_words(min_change)}: {seen}"
+    else:  # nothing significant yet: the pairs at which a DETECT change would be seen
+        target, why = math.log1p(DETECT), f"too noisy to call a change or no change: {seen}"
+    spread = 1.4826 * float(np.median(np.abs(logs - median))) or float(np.std(logs)) or 1e-3
     level = ALPHA * design.share(len(design.looks) - 1) / calls
-    n = (norm.ppf(1 - level / 2) + norm.ppf(POWER)) ** 2 * (spread / math.log1p(DETECT)) ** 2 * math.pi / 3
-    return max(math.ceil(n) - len(ratios), 1)
+    n = (norm.ppf(1 - level / 2) + norm.ppf(POWER)) ** 2 * (spread / max(target, 1e-9)) ** 2 * math.pi / 3
+    need = math.ceil(n) - len(ratios)
+    # an estimate at no more pairs than it has, or past any job's reach, is no estimate: the words say why
+    return (need, why) if 1 <= need <= NEED_CAP else (None, why)
+
+
+def undecided_words(judged: list[Judgement]) -> str:
+    """The open calls in a few words: the most pairs any would need, or, where none has an estimate,
+    why the first is open."""
+    still = [j for j in judged if not j.decided]
+    needs = [j.need for j in still if j.need]
+    if needs:
+        return f"undecided, need about {max(needs)} more pairs"
+    return f"undecided: {still[0].why}" if still and still[0].why else "undecided"
 
 
 @dataclass(frozen=True)
@@ -181,8 +224,7 @@ def drive(design: Design, calls: int, take: Callable[[list[int], int], list[list
         open_calls = [i for i, j in enumerate(judged) if not j.decided]
         more = n - (design.looks[k - 1] if k else 0)
         if k and not afford(more * len(open_calls)):
-            need = max(j.need or 0 for j in judged)
-            return Outcome(ratios, judged, k, f"budget spent: undecided, need about {need} more pairs")
+            return Outcome(ratios, judged, k, f"budget spent: {undecided_words(judged)}")
         for i, new in zip(open_calls, take(open_calls, more)):
             ratios[i] += new
         judged = judge(design, ratios, min_change)
@@ -192,5 +234,4 @@ def drive(design: Design, calls: int, take: Callable[[list[int], int], list[list
             return Outcome(ratios, judged, k + 1, "decided")
     if len(design.looks) == 1:
         return Outcome(ratios, judged, 1, "fixed design: all pairs taken")
-    need = max(j.need or 0 for j in judged)
-    return Outcome(ratios, judged, len(design.looks), f"all looks taken: undecided, need about {need} more pairs")
+    return Outcome(ratios, judged, len(design.looks), f"all looks taken: {undecided_words(judged)}")

@@ -12,6 +12,7 @@ from typing import Callable, Hashable
 
 import numpy as np
 
+from testbed.heartbeat import Tick
 from testbed.results import Figure
 from testbed.stop import raise_if_stopped
 
@@ -69,29 +70,36 @@ class Interleaved:
 
 def time_interleaved(fns: dict[Hashable, Callable[[], object]], reps: int = 5, warmup: int = 1,
                      seed: int | None = None, timer: Callable[[Callable[[], object]], dict[str, float]] = host_clocks,
-                     ) -> Interleaved:
+                     progress: Callable[[str], None] | None = None, what: str = "timing") -> Interleaved:
     """Time several variants with their repetitions interleaved: every repetition runs each variant
     once (interleaved_order), so slow drifts of a noisy machine (thermal, other load) fall on all of
     them alike; compare their ratios. `timer` runs a variant and returns its seconds per clock: the
-    host's clocks around the call, or a device program's own clocks read from what it returns."""
+    host's clocks around the call, or a device program's own clocks read from what it returns.
+    `progress` hears each timed call as a heartbeat Tick ("WHAT: call 5/40"): a bench of minutes says
+    how far it is, and how long it has left, without a log line per call."""
     order = interleaved_order(list(fns), reps, seed)
     for _ in range(warmup):
         for fn in fns.values():
             raise_if_stopped()
             fn()
     samples: dict[Hashable, dict[str, list[float]]] = {key: {} for key in fns}
+    calls, done = reps * len(fns), 0
     for rep in order:
         for key in rep:
             raise_if_stopped()
+            done += 1
+            if progress is not None:
+                progress(Tick(f"{what}: call {done}/{calls}"))
             for clock, seconds in timer(fns[key]).items():
                 samples[key].setdefault(clock, []).append(seconds)
     return Interleaved(samples, order, seed)
 
 
-def time_alternating_clocks(fns: dict[str, Callable[[], object]], reps: int = 5,
-                            warmup: int = 1) -> dict[str, dict[str, Figure]]:
+def time_alternating_clocks(fns: dict[str, Callable[[], object]], reps: int = 5, warmup: int = 1,
+                            progress: Callable[[str], None] | None = None,
+                            what: str = "timing") -> dict[str, dict[str, Figure]]:
     """time_interleaved in the given order every repetition (A B A B ...): per variant, wall and CPU."""
-    return time_interleaved(fns, reps, warmup).figures
+    return time_interleaved(fns, reps, warmup, progress=progress, what=what).figures
 
 
 def time_alternating(fns: dict[str, Callable[[], object]], reps: int = 5, warmup: int = 1) -> dict[str, Figure]:

@@ -33,9 +33,14 @@ import numpy as np
 from refimpl.gemma import GemmaConfig, weight_shapes
 from testbed.config import project_path
 from testbed.errors import UsageError
+from testbed.inputs import parse_json, read_bounded, shown
+from testbed.models import gguf_reader
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
 GGUF_ARCH = "gemma3"
+# llama.cpp's limit on a model's blocks (src/llama-hparams.h: per-layer settings are arrays of this size);
+# no released model comes near it. testbed takes no more, from a GGUF or a config.json.
+LLAMA_MAX_LAYERS = 512
 
 
 def check_weights(weights: dict[str, np.ndarray], cfg: GemmaConfig, source: str) -> dict[str, np.ndarray]:
@@ -84,33 +89,65 @@ HF_LAYER_TYPES = {"sliding_attention": "local", "full_attention": "global"}
 HF_ROPE_TYPES = ("default", "linear")
 
 
+# The largest config value testbed takes for a count: llama.cpp and transformers hold them in int32.
+HF_MAX_COUNT = 2**31 - 1
+
+
+def hf_count(hf: dict, key: str, source: str, low: int = 1, high: int = HF_MAX_COUNT) -> int:
+    """An integer field of a config.json in low..high (a bool, a float or a string is refused)."""
+    value = hf.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UsageError(f"{source}: {key}={shown(value)} is not accepted; accepted: an integer in "
+                         f"{low}..{high}")
+    return value
+
+
+def hf_number(value, key: str, source: str, positive: bool = True) -> float:
+    """A finite number of a config.json (positive unless told)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) \
+            or (positive and not value > 0):
+        raise UsageError(f"{source}: {key}={shown(value)} is not accepted; accepted: a finite"
+                         f"{' positive' if positive else ''} number")
+    return float(value)
+
+
+def hf_kind(value, kind: type, key: str, source: str, accepted: str):
+    """`value` if it is a `kind` (dict, list, ...), else refused naming the key."""
+    if not isinstance(value, kind):
+        raise UsageError(f"{source}: {key}={shown(value)} is not accepted; accepted: {accepted}")
+    return value
+
+
 def hf_rope(hf: dict, source: str) -> dict:
     """The RoPE settings as transformers 5 resolves them: `rope_parameters` per layer type; a config
     saved by transformers 4 has rope_theta (global), rope_local_base_freq and rope_scaling instead,
     and rope_scaling applies to the global layers only. Returns GemmaConfig's rope fields."""
     given = hf["rope_parameters"] or {}
     if not isinstance(given, dict) or not set(given) <= set(HF_LAYER_TYPES):
-        raise UsageError(f"{source}: rope_parameters={given!r} is not accepted; accepted: a dict keyed by "
+        raise UsageError(f"{source}: rope_parameters={shown(given)} is not accepted; accepted: a dict keyed by "
                          f"layer type ({', '.join(HF_LAYER_TYPES)})")
-    params = {t: dict(given.get(t) or {}) for t in HF_LAYER_TYPES}
+    params = {t: dict(hf_kind(given.get(t) or {}, dict, f"rope_parameters.{t}", source, "a dict"))
+              for t in HF_LAYER_TYPES}
     if hf["rope_scaling"] is not None:
-        params["full_attention"].update(hf["rope_scaling"])
+        params["full_attention"].update(hf_kind(hf["rope_scaling"], dict, "rope_scaling", source, "null or a dict"))
     params["full_attention"].setdefault("rope_theta", hf["rope_theta"])
     params["sliding_attention"].setdefault("rope_theta", hf["rope_local_base_freq"])
     theta, factor = {}, {}
     for layer_type, p in params.items():
         kind = p.get("rope_type", p.get("type", "default"))
         where = f"{source}: RoPE of {layer_type}"
-        if kind not in HF_ROPE_TYPES:
-            raise UsageError(f"{where}: rope_type={kind!r} is not implemented; accepted: {', '.join(HF_ROPE_TYPES)}")
+        if not isinstance(kind, str) or kind not in HF_ROPE_TYPES:
+            raise UsageError(f"{where}: rope_type={shown(kind)} is not implemented; accepted: "
+                             f"{', '.join(HF_ROPE_TYPES)}")
         known = {"rope_type", "type", "rope_theta"} | ({"factor"} if kind == "linear" else set())
         unknown = sorted(set(p) - known)
         if unknown:
-            raise UsageError(f"{where}: {unknown[0]}={p[unknown[0]]!r} is not implemented for rope_type={kind!r}; "
-                             f"accepted keys: {', '.join(sorted(known))}")
+            raise UsageError(f"{where}: {unknown[0]}={shown(p[unknown[0]])} is not implemented for "
+                             f"rope_type={kind!r}; accepted keys: {', '.join(sorted(known))}")
         if kind == "linear" and "factor" not in p:
             raise UsageError(f"{where}: rope_type='linear' needs a factor")
-        theta[layer_type], factor[layer_type] = float(p["rope_theta"]), float(p.get("factor", 1.0))
+        theta[layer_type] = hf_number(p["rope_theta"], f"{layer_type} rope_theta", source)
+        factor[layer_type] = hf_number(p.get("factor", 1.0), f"{layer_type} factor", source)
     if factor["sliding_attention"] != 1.0:
         raise UsageError(f"{source}: RoPE of sliding_attention: factor={factor['sliding_attention']} is not "
                          f"implemented; accepted: linear scaling of the full_attention layers only")
@@ -121,40 +158,44 @@ def hf_rope(hf: dict, source: str) -> dict:
 def config_from_hf(config: dict, source: str) -> GemmaConfig:
     """A Gemma 3 config.json (text-only, or the text_config of a multimodal one) as transformers reads
     it. Whatever would make transformers compute something this model does not is refused."""
-    given = config.get("text_config", config)
+    given = hf_kind(config.get("text_config", config), dict, "text_config", source, "an object")
     unknown = sorted(set(given) - set(HF_DEFAULTS) - HF_INERT_KEYS)
     if unknown:
-        raise UsageError(f"{source}: key {unknown[0]!r}={given[unknown[0]]!r} is not implemented by this loader "
-                         f"(it may change the computation); accepted keys: testbed.models.checkpoints.HF_DEFAULTS "
-                         f"and HF_INERT_KEYS")
+        raise UsageError(f"{source}: key {unknown[0]!r}={shown(given[unknown[0]])} is not implemented by this "
+                         f"loader (it may change the computation); accepted keys: "
+                         f"testbed.models.checkpoints.HF_DEFAULTS and HF_INERT_KEYS")
     hf = {**HF_DEFAULTS, **given}
     refused = {"model_type": HF_MODEL_TYPES, "hidden_activation": ("gelu_pytorch_tanh",),
                "attn_logit_softcapping": (None,), "attention_bias": (False,),
                "use_bidirectional_attention": (False,)}
     for key, accepted in refused.items():
         if hf[key] not in accepted:
-            raise UsageError(f"{source}: {key}={hf[key]!r} is not implemented; accepted: "
+            raise UsageError(f"{source}: {key}={shown(hf[key])} is not implemented; accepted: "
                              f"{', '.join(map(repr, accepted))}")
-    for key in ("query_pre_attn_scalar", "sliding_window"):
-        if not isinstance(hf[key], (int, float)) or isinstance(hf[key], bool) or hf[key] <= 0:
-            raise UsageError(f"{source}: {key}={hf[key]!r} is not accepted; accepted: a positive number")
-    layers = int(hf["num_hidden_layers"])
+    hf_number(hf["query_pre_attn_scalar"], "query_pre_attn_scalar", source)
+    window = hf_count(hf, "sliding_window", source)
+    layers = hf_count(hf, "num_hidden_layers", source, high=LLAMA_MAX_LAYERS)
     if hf["layer_types"] is not None:
-        bad = [t for t in hf["layer_types"] if t not in HF_LAYER_TYPES]
+        given_types = hf_kind(hf["layer_types"], list, "layer_types", source, f"a list of {layers} layer types")
+        bad = [t for t in given_types if not isinstance(t, str) or t not in HF_LAYER_TYPES]
         if bad:
-            raise UsageError(f"{source}: layer type {bad[0]!r} is not accepted; accepted: {', '.join(HF_LAYER_TYPES)}")
-        types = [HF_LAYER_TYPES[t] for t in hf["layer_types"]]
+            raise UsageError(f"{source}: layer type {shown(bad[0])} is not accepted; accepted: "
+                             f"{', '.join(HF_LAYER_TYPES)}")
+        types = [HF_LAYER_TYPES[t] for t in given_types]
     else:
-        pattern = int(hf["sliding_window_pattern"])
+        pattern = hf_count(hf, "sliding_window_pattern", source)
         types = ["global" if (i + 1) % pattern == 0 else "local" for i in range(layers)]
+    softcap = hf["final_logit_softcapping"]
     try:
         return GemmaConfig(
-            vocab=int(hf["vocab_size"]), hidden=int(hf["hidden_size"]), layers=layers,
-            heads=int(hf["num_attention_heads"]), kv_heads=int(hf["num_key_value_heads"]),
-            head_dim=int(hf["head_dim"]), mlp=int(hf["intermediate_size"]), window=int(hf["sliding_window"]),
-            layer_types=tuple(types), **hf_rope(hf, source),
-            query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]), rms_eps=float(hf["rms_norm_eps"]),
-            final_logit_softcap=hf["final_logit_softcapping"], tie_embeddings=bool(hf["tie_word_embeddings"]),
+            vocab=hf_count(hf, "vocab_size", source), hidden=hf_count(hf, "hidden_size", source), layers=layers,
+            heads=hf_count(hf, "num_attention_heads", source), kv_heads=hf_count(hf, "num_key_value_heads", source),
+            head_dim=hf_count(hf, "head_dim", source), mlp=hf_count(hf, "intermediate_size", source),
+            window=window, layer_types=tuple(types), **hf_rope(hf, source),
+            query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
+            rms_eps=hf_number(hf["rms_norm_eps"], "rms_norm_eps", source),
+            final_logit_softcap=None if softcap is None else hf_number(softcap, "final_logit_softcapping", source),
+            tie_embeddings=hf_kind(hf["tie_word_embeddings"], bool, "tie_word_embeddings", source, "true or false"),
         )
     except ValueError as e:
         raise UsageError(f"{source}: {e}") from None
@@ -180,29 +221,62 @@ def config_to_hf(cfg: GemmaConfig) -> dict:
     }
 
 
+# safetensors' own bound on a header (safetensors/src/tensor.rs, MAX_HEADER_SIZE)
+SAFETENSORS_MAX_HEADER = 100_000_000
+# A config.json is a few kB; a file past this is not one.
+CONFIG_MAX_BYTES = 16 << 20
+
+
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    data = path.read_bytes()
-    if len(data) < 8:
+    """Every tensor of a .safetensors file, as read-only views into the file (BF16 widened to float32).
+    The header is checked before any tensor is made: its length against the file's, each entry's dtype,
+    shape and offsets against the bytes the file holds, as the safetensors package checks them."""
+    size = path.stat().st_size
+    if size < 8:
         raise UsageError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
-    (n,) = struct.unpack("<Q", data[:8])
-    try:
-        header = json.loads(data[8:8 + n])
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UsageError(f"{path}: not a safetensors file (its header is not JSON)") from None
-    body = memoryview(data)[8 + n:]
+    data = np.memmap(path, np.uint8, mode="r")
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
+    if n > min(size - 8, SAFETENSORS_MAX_HEADER):
+        raise UsageError(f"{path}: not a safetensors file (its header claims {n} bytes; the file holds {size - 8} "
+                         f"after the length, safetensors reads at most {SAFETENSORS_MAX_HEADER})")
+    header = parse_json(bytes(data[8:8 + n]), f"{path}: the safetensors header", kind=dict)
+    body = data[8 + n:]
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise UsageError(f"{path}: tensor {name!r} has dtype {info['dtype']}; accepted: "
-                             f"{', '.join(SAFETENSORS_DTYPES)}")
-        begin, end = info["data_offsets"]
-        a = np.frombuffer(body[begin:end], SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
-        if info["dtype"] == "BF16":
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+            raise UsageError(f"{where}: {shown(info)} is not an entry {{dtype, shape, data_offsets}}")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+            raise UsageError(f"{where} has dtype {shown(dtype)}; accepted: {', '.join(SAFETENSORS_DTYPES)}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise UsageError(f"{where} has shape {shown(shape)}; accepted: a list of sizes >= 0")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(
+                isinstance(o, int) and not isinstance(o, bool) for o in offsets) or not 0 <= offsets[0] <= offsets[1]:
+            raise UsageError(f"{where} has data_offsets {shown(offsets)}; accepted: [begin, end], "
+                             f"0 <= begin <= end")
+        begin, end = offsets
+        itemsize = np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
+        needs = int(np.prod(shape, dtype=object)) * itemsize
+        if end > body.size:
+            raise UsageError(f"{where}: data_offsets {offsets} run past the end of the file ({body.size} bytes after "
+                             f"its header: a truncated file?)")
+        if end - begin != needs:
+            raise UsageError(f"{where}: data_offsets {offsets} hold {end - begin} bytes; {dtype} {shape} needs {needs}")
+        a = body[begin:end].view(SAFETENSORS_DTYPES[dtype]).reshape(shape)
+        if dtype == "BF16":
             a = (a.astype(np.uint32) << 16).view(np.float32)
         out[name] = a
     return out
+
+
+def read_config(config_file: Path) -> dict:
+    """A checkpoint's config.json: a JSON object of at most CONFIG_MAX_BYTES."""
+    return parse_json(read_bounded(config_file, CONFIG_MAX_BYTES, str(config_file), "a config.json is a few kB"),
+                      str(config_file), kind=dict)
 
 
 def read_hf_folder(folder: str | Path) -> tuple[dict, dict[str, np.ndarray], str]:
@@ -215,10 +289,11 @@ def read_hf_folder(folder: str | Path) -> tuple[dict, dict[str, np.ndarray], str
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise UsageError(f"checkpoint folder {folder} has no *.safetensors file")
+    config = read_config(config_file)
     weights = {}
     for f in files:
         weights.update(read_safetensors(f))
-    return json.loads(config_file.read_text()), weights, str(config_file)
+    return config, weights, str(config_file)
 
 
 def load_hf_folder(folder: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
@@ -227,28 +302,33 @@ def load_hf_folder(folder: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarra
     return cfg, check_weights(weights, cfg, str(folder))
 
 
-def save_hf_folder(folder: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray]) -> Path:
-    """config.json + model.safetensors (float32), written by the safetensors package."""
+def save_hf_folder(folder: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray],
+                   config_json: dict | None = None) -> Path:
+    """config.json (`config_json`, else Gemma 3's config_to_hf) + model.safetensors (float32), written by the
+    safetensors package."""
     from safetensors.numpy import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=1) + "\n")
+    (folder / "config.json").write_text(json.dumps(config_json or config_to_hf(cfg), indent=1) + "\n")
     save_file({k: np.ascontiguousarray(v, np.float32) for k, v in weights.items()}, str(folder / "model.safetensors"))
     return folder
 
 
-def hf_folder_of(cfg: GemmaConfig, weights: dict[str, np.ndarray], cache: Path | None = None) -> Path:
+def hf_folder_of(cfg, weights: dict[str, np.ndarray], cache: Path | None = None,
+                 config_json: dict | None = None) -> Path:
     """The Hugging Face folder of a model given as config and weights (a seeded preset), written once per
-    content under .cache/hf/: what an engine that takes a Hugging Face folder (model_formats: [hf]) is handed."""
-    h = hashlib.sha256(repr(cfg).encode())
+    content under .cache/hf/: what an engine that takes a Hugging Face folder (model_formats: [hf]) is handed.
+    `cfg` is a GemmaConfig (config.json by config_to_hf) or another model's config with its `config_json`
+    (the Qwen3.5 hybrid's: testbed.models.hybrid_checkpoints.hf_folder_of)."""
+    h = hashlib.sha256(repr(cfg).encode() + json.dumps(config_json, sort_keys=True).encode())
     for name in sorted(weights):
         h.update(name.encode() + b"\0" + np.ascontiguousarray(weights[name], np.float32).tobytes())
     out = (cache or project_path(".cache/hf")) / h.hexdigest()[:16]
     if not (out / "config.json").is_file():
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_hf_folder(tmp, cfg, weights)
+        save_hf_folder(tmp, cfg, weights, config_json)
         try:
             tmp.rename(out)
         except OSError:  # another process wrote the same folder first
@@ -295,38 +375,44 @@ def gguf_layer_types(layers: int, window: int, pattern) -> tuple[str, ...]:
     iff i % n < n - 1 (n = 0: every layer local)."""
     if not window:
         return ("global",) * layers
-    if isinstance(pattern, list):
+    if not isinstance(pattern, int):  # one bool per layer (GGUFFile.array checked its length)
         return tuple("local" if p else "global" for p in pattern)
     n = int(pattern)
     return tuple("local" if n == 0 or i % n < n - 1 else "global" for i in range(layers))
 
 
 class GGUFFile:
-    """A GGUF opened as llama.cpp's loader reads it: `meta` reads a metadata key (a missing one without
-    a default is refused), `refuse_unread` refuses the first key neither read nor inert, so no setting
-    of the file goes unseen; `tensors` by name; `vocab` is token_embd's rows (the file's vocab_size, if
-    written, must agree: testbed writes tokenizer.ggml.model = none)."""
+    """A GGUF opened as llama.cpp's loader reads it (testbed.models.gguf_reader: bounded by the file).
+
+    `meta` reads a metadata key as it is (a missing one without a default is refused); `count`,
+    `number`, `text` and `array` read it as a value of that kind and refuse any other, and
+    every count is bounded by the model's limits (LLAMA_MAX_LAYERS blocks) and by the file: no extent
+    of the model can exceed the largest dimension of a tensor the file holds, so nothing computed from
+    the metadata outgrows the file. `refuse_unread` refuses the first key neither read nor inert, so no
+    setting of the file goes unseen; `tensors` by name; `vocab` is token_embd's rows (the file's
+    vocab_size, if written, must agree: testbed writes tokenizer.ggml.model = none)."""
 
     def __init__(self, path: str | Path, arch: str, inert_keys):
         import gguf
 
-        self.path = Path(path)
-        try:
-            reader = gguf.GGUFReader(self.path)
-        except (ValueError, OSError) as e:
-            raise UsageError(f"{self.path}: not a readable GGUF file ({e})") from None
-        self.fields = {name: f.contents() for name, f in reader.fields.items()}
+        self.file = gguf_reader.read(path)
+        self.path = self.file.path
+        self.fields = {name: f.value for name, f in self.file.fields.items()}
         self.arch = self.fields.get("general.architecture")
         if self.arch != arch:
-            raise UsageError(f"{self.path}: architecture {self.arch!r} is not accepted; accepted: {arch}")
+            raise UsageError(f"{self.path}: architecture {shown(self.arch)} is not accepted; accepted: {arch}")
         self.read: set[str] = {k.format(arch=arch) for k in inert_keys}
-        self.tensors = {t.name: t for t in reader.tensors}
-        if "token_embd.weight" not in self.tensors:
+        self.tensors = dict(self.file.tensors)
+        embedding = self.tensors.get("token_embd.weight")
+        if embedding is None:
             raise UsageError(f"{self.path}: missing tensor 'token_embd.weight'")
-        self.vocab = int(self.tensors["token_embd.weight"].data.shape[0])
+        if len(embedding.shape) != 2:
+            raise UsageError(f"{self.path}: tensor 'token_embd.weight' has shape {embedding.shape}; accepted: "
+                             f"[vocab, hidden]")
+        self.vocab = embedding.shape[0]
         key = gguf.Keys.LLM.VOCAB_SIZE
-        if int(self.meta(key, self.vocab)) != self.vocab:
-            self.refuse(key, int(self.meta(key)), f"{self.vocab} (token_embd's rows)")
+        if self.count(key, self.vocab) != self.vocab:
+            self.refuse(key, self.meta(key), f"{self.vocab} (token_embd's rows)")
 
     def meta(self, key: str, default=None):
         """A metadata value; without a default, a missing key is refused."""
@@ -336,8 +422,50 @@ class GGUFFile:
             raise UsageError(f"{self.path}: metadata {full!r} is missing")
         return self.fields.get(full, default)
 
-    def refuse(self, key: str, value, accepted: str):
-        raise UsageError(f"{self.path}: metadata {key.format(arch=self.arch)}={value!r} is not implemented; "
+    def _typed(self, key: str, default, kinds: frozenset, accepted: str):
+        value = self.meta(key, default)
+        field = self.file.fields.get(key.format(arch=self.arch))
+        if field is not None and field.kind not in kinds:
+            self.refuse(key, value, f"{accepted} (it is stored as {field.type_name})", "is not accepted")
+        return value
+
+    def count(self, key: str, default=None, low: int = 1, high: int | None = None) -> int:
+        """An integer key in low..high; `high` defaults to the largest dimension of any tensor in the file
+        (no extent of the model is larger)."""
+        bound = "" if high is not None else " (no tensor of the file is larger)"
+        high = self.file.largest_dimension if high is None else high
+        value = self._typed(key, default, gguf_reader.INTEGER_TYPES, "an integer")
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            self.refuse(key, value, f"an integer in {low}..{high}{bound}", "is not accepted")
+        return value
+
+    def number(self, key: str, default=None, positive: bool = False) -> float:
+        """A finite float (llama.cpp reads these keys as float32 only), positive when asked."""
+        value = self._typed(key, default, gguf_reader.FLOAT_TYPES, "a float")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) \
+                or (positive and not value > 0):
+            self.refuse(key, value, f"a finite{' positive' if positive else ''} number", "is not accepted")
+        return float(value)
+
+    def text(self, key: str, default=None) -> str:
+        value = self._typed(key, default, frozenset({gguf_reader.STRING}), "a string")
+        if not isinstance(value, str):
+            self.refuse(key, value, "a string", "is not accepted")
+        return value
+
+    def array(self, key: str, item_kinds: frozenset, lengths: range, accepted: str) -> np.ndarray:
+        """An array key whose entries are of `item_kinds` and whose length is in `lengths`."""
+        value = self.meta(key)
+        field = self.file.fields[key.format(arch=self.arch)]
+        if field.kind != gguf_reader.ARRAY or field.item not in item_kinds or len(value) not in lengths:
+            length = f"{lengths.start}" if len(lengths) == 1 else f"{lengths.start}..{lengths.stop - 1}"
+            self.refuse(key, value, f"an array of {length} {accepted} (it is stored as {field.type_name}"
+                                    f"{f', {len(value)} entries' if field.kind == gguf_reader.ARRAY else ''})",
+                        "is not accepted")
+        return value
+
+    def refuse(self, key: str, value, accepted: str, why: str = "is not implemented"):
+        raise UsageError(f"{self.path}: metadata {key.format(arch=self.arch)}={shown(value)} {why}; "
                          f"accepted: {accepted}")
 
     def refuse_unread(self, inert_prefixes: tuple[str, ...], accepted: str) -> None:
@@ -345,35 +473,63 @@ class GGUFFile:
         if unknown:
             self.refuse(unknown[0], self.fields[unknown[0]], accepted)
 
+    def layer_count(self, key: str) -> int:
+        """The block count: at most LLAMA_MAX_LAYERS (llama.cpp refuses more), and at most the file's
+        tensors (every block has some)."""
+        return self.count(key, high=min(LLAMA_MAX_LAYERS, len(self.tensors)))
 
-def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
-    """A gemma3 GGUF read as llama.cpp reads it (src/models/gemma3.cpp, llama_model::load_hparams)."""
+    def weight(self, gguf_name: str, hf_name: str, shape: tuple[int, ...], read: bool = True) -> np.ndarray | None:
+        """A tensor taken out of `tensors`, checked to have `shape` and a type testbed dequantizes, then
+        dequantized to float32 (read=False: checked only, None)."""
+        t = self.tensors.pop(gguf_name, None)
+        if t is None:
+            raise UsageError(f"{self.path}: missing tensor {gguf_name!r} ({hf_name})")
+        if t.shape != tuple(shape):
+            raise UsageError(f"{self.path}: tensor {gguf_name!r} holding {hf_name!r} has shape {t.shape}, the config "
+                             f"needs {tuple(shape)}")
+        if not read:
+            t.float32(self.path, rows=0)  # its type's dequantization exists
+            return None
+        return t.float32(self.path)
+
+
+def load_gguf(path: str | Path, weights: bool = True) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
+    """A gemma3 GGUF read as llama.cpp reads it (src/models/gemma3.cpp, llama_model::load_hparams).
+    weights=False: its metadata and its tensors' names, shapes and types checked, no weight read ({})."""
     import gguf
 
     g = GGUFFile(path, GGUF_ARCH, GGUF_INERT_KEYS)
-    path, tensors, meta, refuse, vocab, K = g.path, g.tensors, g.meta, g.refuse, g.vocab, gguf.Keys
-    hidden, heads, layers = int(meta(K.LLM.EMBEDDING_LENGTH)), int(meta(K.Attention.HEAD_COUNT)), int(meta(K.LLM.BLOCK_COUNT))
-    head_dim = int(meta(K.Attention.KEY_LENGTH, hidden // heads))
+    path, tensors, refuse, vocab, K = g.path, g.tensors, g.refuse, g.vocab, gguf.Keys
+    layers = g.layer_count(K.LLM.BLOCK_COUNT)
+    hidden, heads = g.count(K.LLM.EMBEDDING_LENGTH), g.count(K.Attention.HEAD_COUNT)
+    head_dim = g.count(K.Attention.KEY_LENGTH, max(hidden // heads, 1))
     for key in (K.Attention.VALUE_LENGTH, K.Rope.DIMENSION_COUNT):
-        if int(meta(key, head_dim)) != head_dim:
-            refuse(key, int(meta(key)), f"{head_dim} (the key length)")
-    scaling_type = meta(K.Rope.SCALING_TYPE, "linear")  # llama.cpp's default type
+        if g.count(key, head_dim) != head_dim:
+            refuse(key, g.meta(key), f"{head_dim} (the key length)")
+    scaling_type = g.text(K.Rope.SCALING_TYPE, "linear")  # llama.cpp's default type
     # 0: not scaled; rope.scale_linear is the key's old name, still read by llama.cpp
-    factor = float(meta(K.Rope.SCALING_FACTOR, meta("{arch}.rope.scale_linear", 0.0)))
+    factor = g.number(K.Rope.SCALING_FACTOR, g.number("{arch}.rope.scale_linear", 0.0))
     if scaling_type not in ("linear", "none") or (scaling_type == "none" and factor not in (0.0, 1.0)):
         refuse(K.Rope.SCALING_TYPE, scaling_type, "linear, or none without a factor")
-    window = int(meta(K.Attention.SLIDING_WINDOW, 0))
-    softcap = float(meta(K.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0))
+    if factor < 0:
+        refuse(K.Rope.SCALING_FACTOR, factor, "0 (not scaled) or a positive factor", "is not accepted")
+    window = g.count(K.Attention.SLIDING_WINDOW, 0, low=0, high=2**32 - 1)
+    pattern = g.meta(K.Attention.SLIDING_WINDOW_PATTERN, 6)
+    if not isinstance(pattern, int) or isinstance(pattern, bool):  # per layer: as many bools as blocks
+        pattern = g.array(K.Attention.SLIDING_WINDOW_PATTERN, frozenset({gguf_reader.BOOL_TYPE}),
+                          range(layers, layers + 1), "bools (one per block)")
+    else:
+        pattern = g.count(K.Attention.SLIDING_WINDOW_PATTERN, 6, low=0, high=2**32 - 1)
+    softcap = g.number(K.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0)
     settings = dict(
         vocab=vocab, hidden=hidden, layers=layers, heads=heads,
-        kv_heads=int(meta(K.Attention.HEAD_COUNT_KV)), head_dim=head_dim, mlp=int(meta(K.LLM.FEED_FORWARD_LENGTH)),
-        window=window or GemmaConfig.window,
-        layer_types=gguf_layer_types(layers, window, meta(K.Attention.SLIDING_WINDOW_PATTERN, 6)),
-        rope_global=float(meta(K.Rope.FREQ_BASE, 10_000.0)), rope_local=float(meta(K.Rope.FREQ_BASE_SWA, 10_000.0)),
-        rope_scaling_global=factor or 1.0,
+        kv_heads=g.count(K.Attention.HEAD_COUNT_KV), head_dim=head_dim, mlp=g.count(K.LLM.FEED_FORWARD_LENGTH),
+        window=window or GemmaConfig.window, layer_types=gguf_layer_types(layers, window, pattern),
+        rope_global=g.number(K.Rope.FREQ_BASE, 10_000.0, positive=True),
+        rope_local=g.number(K.Rope.FREQ_BASE_SWA, 10_000.0, positive=True), rope_scaling_global=factor or 1.0,
         query_pre_attn_scalar=gguf_query_pre_attn_scalar(layers, hidden, heads, head_dim),
-        rms_eps=_from_float32(meta(K.Attention.LAYERNORM_RMS_EPS)), final_logit_softcap=softcap or None,
-        tie_embeddings="output.weight" not in tensors,
+        rms_eps=_from_float32(g.number(K.Attention.LAYERNORM_RMS_EPS, positive=True)),
+        final_logit_softcap=softcap or None, tie_embeddings="output.weight" not in tensors,
     )
     g.refuse_unread(GGUF_INERT_PREFIXES, "the gemma3 keys testbed.models.checkpoints.load_gguf reads")
     try:
@@ -381,17 +537,15 @@ def load_gguf(path: str | Path) -> tuple[GemmaConfig, dict[str, np.ndarray]]:
     except ValueError as e:
         raise UsageError(f"{path}: {e}") from None
     names = _gguf_names(cfg.layers)
-    weights = {}
-    for hf_name in weight_shapes(cfg):
+    read = {}
+    for hf_name, shape in weight_shapes(cfg).items():
         gguf_name = "output.weight" if hf_name == "lm_head.weight" else names.get_name(hf_name, try_suffixes=(".weight",))
-        t = tensors.pop(gguf_name, None)
-        if t is None:
-            raise UsageError(f"{path}: missing tensor {gguf_name!r} ({hf_name})")
-        a = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        weights[hf_name] = a - GGUF_NORM_SHIFT if hf_name.endswith("norm.weight") else a
+        a = g.weight(gguf_name, hf_name, shape, read=weights)
+        if weights:
+            read[hf_name] = a - GGUF_NORM_SHIFT if hf_name.endswith("norm.weight") else a
     if tensors:
         raise UsageError(f"{path}: unexpected tensor {next(iter(tensors))!r} (not a tensor of this Gemma config)")
-    return cfg, check_weights(weights, cfg, str(path))
+    return cfg, check_weights(read, cfg, str(path)) if weights else {}
 
 
 def gguf_writer(path: Path, arch: str, cfg, context_length: int) -> "gguf.GGUFWriter":

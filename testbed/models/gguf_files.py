@@ -14,7 +14,7 @@ within 2 float32 ulps (stored as A, read back through a log). What does not come
 with one line naming it, and nothing is left behind: a file appears whole and judged, or not at all.
 
   gguf_for(checkpoint)   the GGUF of a folder, written once per content under .cache/gguf/ (a .gguf
-                         file is returned as it is)
+                         file is checked by testbed's reader, then returned as it is)
   gguf_of(cfg, weights[, tensor_type])  the same for a model given as config and weights (a seeded
                          shape); a Gemma 3 model in f32, f16 or q8_0 (checkpoints.TENSOR_TYPES)
   held_in(weights, tensor_type)  the weights as a GGUF of that tensor type holds them (float32 values):
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -34,7 +33,9 @@ import numpy as np
 
 from testbed.config import project_path
 from testbed.errors import UsageError
+from testbed.inputs import shown
 from testbed.models import checkpoints as gemma_checkpoints, hybrid_checkpoints
+from testbed.models.checkpoints import read_config
 
 CACHE = project_path(".cache/gguf")
 FAMILIES = {"gemma3": gemma_checkpoints, "gemma3_text": gemma_checkpoints,
@@ -45,22 +46,21 @@ ULPS = {".A_log": 2}
 
 def architecture(path: str | Path) -> str:
     """A GGUF file's general.architecture (gemma3, qwen35, ...)."""
-    import gguf
+    from testbed.models import gguf_reader
 
-    try:
-        field = gguf.GGUFReader(path).fields.get("general.architecture")
-    except (ValueError, OSError) as e:
-        raise UsageError(f"{path}: not a readable GGUF file ({e})") from None
-    return field.contents() if field is not None else ""
+    value = gguf_reader.read(path).fields.get("general.architecture")
+    return value.value if value is not None and isinstance(value.value, str) else ""
 
 
-def load_gguf(path: str | Path):
-    """(config, weights) of a gemma3 or qwen35 GGUF, by its architecture; any other is refused."""
+def load_gguf(path: str | Path, weights: bool = True):
+    """(config, weights) of a gemma3 or qwen35 GGUF, by its architecture; any other is refused.
+    weights=False: the file checked as far as reading no weight goes (metadata; tensors' names, shapes
+    and types), the config and {}: what is checked before a run, in the file's header's time."""
     arch = architecture(path)
     modules = {m.GGUF_ARCH: m for m in FAMILIES.values()}
     if arch not in modules:
         raise UsageError(f"{path}: architecture {arch!r} is not accepted; accepted: {', '.join(sorted(modules))}")
-    return modules[arch].load_gguf(path)
+    return modules[arch].load_gguf(path, weights)
 
 
 def family(folder: Path):
@@ -68,10 +68,10 @@ def family(folder: Path):
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise UsageError(f"checkpoint folder {folder} has no config.json; accepted: a Hugging Face folder")
-    config = json.loads(config_file.read_text())
+    config = read_config(config_file)
     model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        raise UsageError(f"{config_file}: model_type {model_type!r} cannot be written to a GGUF by testbed; "
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise UsageError(f"{config_file}: model_type {shown(model_type)} cannot be written to a GGUF by testbed; "
                          f"accepted: {', '.join(FAMILIES)}")
     return FAMILIES[model_type], config
 
@@ -128,22 +128,33 @@ def judge(module, cfg, weights: dict, path: Path, source: str) -> None:
 def write_gguf(folder: str | Path, out: str | Path) -> Path:
     """The GGUF of a Hugging Face folder at `out`, judged by testbed's reader before it appears."""
     folder = Path(folder)
+    out = Path(out)
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a folder; accepted: the path of the .gguf file to write")
     module, config = family(folder)
     cfg, weights = module.load_hf_folder(folder)  # refuses what the reference does not compute
     text = config.get("text_config", config)
-    return write_judged(module, cfg, weights, Path(out), str(folder),
-                        int(text.get("max_position_embeddings", module.DEFAULT_CONTEXT)))
+    context = text.get("max_position_embeddings", module.DEFAULT_CONTEXT)
+    if isinstance(context, bool) or not isinstance(context, int) or not 0 < context < 2**32:
+        raise UsageError(f"{folder / 'config.json'}: max_position_embeddings={shown(context)} is not accepted; "
+                         f"accepted: an integer in 1..{2**32 - 1} (a GGUF's uint32 context_length)")
+    return write_judged(module, cfg, weights, out, str(folder), context)
 
 
 def write_judged(module, cfg, weights: dict, out: Path, source: str, context: int, **options) -> Path:
-    """The GGUF written to a temporary name, judged (judge), then renamed to `out`; `options` go to the
-    family's save_gguf (tensor_type)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """`out` written whole and judged, or not at all (a folder or file that cannot be written is refused);
+    `options` go to the family's save_gguf (tensor_type)."""
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
-        module.save_gguf(tmp, cfg, weights, context_length=context, **options)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            module.save_gguf(tmp, cfg, weights, context_length=context, **options)
+        except UsageError as e:  # what the format cannot carry, said of the model it was asked of
+            raise UsageError(f"{source}: {e}") from None
         judge(module, cfg, weights, tmp, source)
         tmp.rename(out)
+    except OSError as e:
+        raise UsageError(f"{out}: cannot be written: {e.strerror or e}") from None
     finally:
         tmp.unlink(missing_ok=True)
     return out
@@ -207,9 +218,12 @@ def folder_digest(folder: Path) -> str:
 
 
 def gguf_for(checkpoint: str | Path, cache: Path | None = None) -> Path:
-    """A .gguf file as given; a Hugging Face folder's GGUF, written once per content under `cache`."""
+    """A .gguf file as given, once testbed's reader accepts it (every metadata key read or inert, every
+    tensor of the model's shape and of a type it dequantizes: load_gguf without reading the weights); a
+    Hugging Face folder's GGUF, written once per content under `cache` (and judged as it was written)."""
     path = Path(checkpoint)
     if path.suffix == ".gguf" and path.is_file():
+        load_gguf(path, weights=False)
         return path
     if not path.is_dir():
         raise UsageError(f"checkpoint {str(path)!r} is not accepted; accepted: a Hugging Face folder (config.json and "

@@ -16,7 +16,9 @@ import numpy as np
 
 from refimpl.qwen35 import HF_LAYER_TYPES, HybridConfig, weight_shapes
 from testbed.errors import UsageError
-from testbed.models.checkpoints import gguf_writer, read_hf_folder
+from testbed.inputs import shown
+from testbed.models import checkpoints
+from testbed.models.checkpoints import LLAMA_MAX_LAYERS, gguf_writer, hf_count, hf_kind, hf_number, read_hf_folder
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")  # qwen3_5 nests the text model's fields under text_config
 # Read into HybridConfig (the rest of the computation is fixed by the architecture).
@@ -48,12 +50,14 @@ ROPE_IGNORED = {"mrope_section", "mrope_interleaved"}
 
 def config_from_hf(hf: dict, source: str) -> HybridConfig:
     model_type = hf.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise UsageError(f"{source}: model_type {model_type!r} is not accepted; accepted: {', '.join(MODEL_TYPES)}")
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
+        raise UsageError(f"{source}: model_type {shown(model_type)} is not accepted; accepted: "
+                         f"{', '.join(MODEL_TYPES)}")
     if model_type == "qwen3_5":
-        hf = hf.get("text_config") or {}
+        hf = hf_kind(hf.get("text_config") or {}, dict, "text_config", source, "an object")
     # the older form keeps RoPE's fields at the top level (transformers moves them into rope_parameters)
     legacy = {k: hf[k] for k in ROPE_READ if k in hf}
+    hf_kind(hf.get("rope_parameters") or {}, dict, "rope_parameters", source, "an object")
     if legacy:
         hf = {k: v for k, v in hf.items() if k not in legacy}
         clash = sorted(k for k in legacy if k in (hf.get("rope_parameters") or {}))
@@ -67,13 +71,11 @@ def config_from_hf(hf: dict, source: str) -> HybridConfig:
                          f"{', '.join(sorted(READ | set(FIXED)))} (and bookkeeping fields)")
     for key, value in FIXED.items():
         if hf.get(key, value) != value:
-            raise UsageError(f"{source}: {key}={hf[key]!r} is not supported; accepted: {value!r}")
-    full_every = hf.get("full_attention_interval", 4)
-    if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
-        raise UsageError(f"{source}: full_attention_interval={full_every!r} is not accepted; accepted: an integer >= 1")
+            raise UsageError(f"{source}: {key}={shown(hf[key])} is not supported; accepted: {value!r}")
+    interval = hf_count({"full_attention_interval": 4, **hf}, "full_attention_interval", source)
     rope = dict(hf.get("rope_parameters") or {})
     if rope.pop("rope_type", "default") != "default":
-        raise UsageError(f"{source}: rope_parameters.rope_type={hf['rope_parameters']['rope_type']!r} is not "
+        raise UsageError(f"{source}: rope_parameters.rope_type={shown(hf['rope_parameters']['rope_type'])} is not "
                          f"supported; accepted: 'default'")
     bad = sorted(set(rope) - ROPE_READ - ROPE_IGNORED)
     if bad:
@@ -83,36 +85,64 @@ def config_from_hf(hf: dict, source: str) -> HybridConfig:
         raise UsageError(f"{source}: linear_key_head_dim={hf.get('linear_key_head_dim')} differs from "
                          f"linear_value_head_dim={hf.get('linear_value_head_dim')}; accepted: equal head sizes")
 
-    def need(key):
+    def need(key, **bounds):
         if key not in hf:
             raise UsageError(f"{source}: config.json lacks {key!r}")
-        return hf[key]
+        return hf_count(hf, key, source, **bounds)
 
-    layers = int(need("num_hidden_layers"))
+    def count(key, default):  # an optional count, its default transformers'
+        return hf_count({key: default, **hf}, key, source)
+
+    layers = need("num_hidden_layers", high=LLAMA_MAX_LAYERS)
     if "layer_types" in hf:
-        bad = [t for t in hf["layer_types"] if t not in HF_LAYER_TYPES]
+        given = hf_kind(hf["layer_types"], list, "layer_types", source, f"a list of {layers} layer types")
+        bad = [t for t in given if not isinstance(t, str) or t not in HF_LAYER_TYPES]
         if bad:
-            raise UsageError(f"{source}: layer type {bad[0]!r} is not accepted; accepted: {', '.join(HF_LAYER_TYPES)}")
-        types = tuple(HF_LAYER_TYPES[t] for t in hf["layer_types"])
+            raise UsageError(f"{source}: layer type {shown(bad[0])} is not accepted; accepted: "
+                             f"{', '.join(HF_LAYER_TYPES)}")
+        types = tuple(HF_LAYER_TYPES[t] for t in given)
     else:
-        interval = int(hf.get("full_attention_interval", 4))
         types = tuple("full" if (i + 1) % interval == 0 else "linear" for i in range(layers))
     try:
         return HybridConfig(
-            vocab=int(need("vocab_size")), hidden=int(need("hidden_size")), layers=layers,
-            mlp=int(need("intermediate_size")), heads=int(need("num_attention_heads")),
-            kv_heads=int(need("num_key_value_heads")), head_dim=int(need("head_dim")),
-            linear_k_heads=int(hf.get("linear_num_key_heads", 16)),
-            linear_v_heads=int(hf.get("linear_num_value_heads", 32)),
-            linear_head_dim=int(hf.get("linear_key_head_dim", 128)),
-            conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), layer_types=types,
-            rope_theta=float(rope.get("rope_theta", 10_000.0)),
-            rotary_fraction=float(rope.get("partial_rotary_factor", 0.25)),
-            rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            vocab=need("vocab_size"), hidden=need("hidden_size"), layers=layers,
+            mlp=need("intermediate_size"), heads=need("num_attention_heads"),
+            kv_heads=need("num_key_value_heads"), head_dim=need("head_dim"),
+            linear_k_heads=count("linear_num_key_heads", 16), linear_v_heads=count("linear_num_value_heads", 32),
+            linear_head_dim=count("linear_key_head_dim", 128), conv_kernel=count("linear_conv_kernel_dim", 4),
+            layer_types=types, rope_theta=hf_number(rope.get("rope_theta", 10_000.0), "rope_theta", source),
+            rotary_fraction=hf_number(rope.get("partial_rotary_factor", 0.25), "partial_rotary_factor", source),
+            rms_eps=hf_number(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
+            tie_embeddings=hf_kind(hf.get("tie_word_embeddings", False), bool, "tie_word_embeddings", source,
+                                   "true or false"),
         )
     except ValueError as e:
         raise UsageError(f"{source}: {e}") from None
+
+
+def config_to_hf(cfg: HybridConfig) -> dict:
+    """config.json of a Qwen3_5ForCausalLM as transformers 5 saves it (Qwen3_5TextConfig's fields; RoPE under
+    rope_parameters), which config_from_hf reads back to `cfg`."""
+    names = {short: name for name, short in HF_LAYER_TYPES.items()}
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": cfg.vocab,
+        "hidden_size": cfg.hidden, "num_hidden_layers": cfg.layers, "intermediate_size": cfg.mlp,
+        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "linear_num_key_heads": cfg.linear_k_heads, "linear_num_value_heads": cfg.linear_v_heads,
+        "linear_key_head_dim": cfg.linear_head_dim, "linear_value_head_dim": cfg.linear_head_dim,
+        "linear_conv_kernel_dim": cfg.conv_kernel, "layer_types": [names[t] for t in cfg.layer_types],
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                            "partial_rotary_factor": cfg.rotary_fraction},
+        "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "attention_bias": False,
+    }
+
+
+def hf_folder_of(cfg: HybridConfig, weights: dict[str, np.ndarray], cache: Path | None = None) -> Path:
+    """The Hugging Face folder (config.json + model.safetensors) of a hybrid given as config and weights
+    (testbed's seeded model), once per content under .cache/hf/: what an engine that reads a Hugging
+    Face folder, an exporter's input, is handed."""
+    return checkpoints.hf_folder_of(cfg, check_weights(weights, cfg, "weights"), cache, config_to_hf(cfg))
 
 
 def text_tensors(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -310,62 +340,71 @@ def save_gguf(path: str | Path, cfg: HybridConfig, weights: dict[str, np.ndarray
     return Path(path)
 
 
-def load_gguf(path: str | Path) -> tuple[HybridConfig, dict[str, np.ndarray]]:
+def gguf_form_shape(hf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a Hugging Face tensor has in the GGUF (to_gguf_form's): the conv weight without its middle axis."""
+    return (shape[0], shape[2]) if hf_name.endswith("conv1d.weight") else tuple(shape)
+
+
+def load_gguf(path: str | Path, weights: bool = True) -> tuple[HybridConfig, dict[str, np.ndarray]]:
     """A qwen35 GGUF read as llama.cpp reads it (llama_model::load_hparams, src/models/qwen35.cpp):
     every metadata key read, or inert, or refused naming it. Multi-token-prediction blocks
-    (nextn_predict_layers, stored after the decoder's) are left out, as llama.cpp's main pass does."""
+    (nextn_predict_layers, stored after the decoder's) are left out, as llama.cpp's main pass does.
+    weights=False: its metadata and its tensors' names, shapes and types checked, no weight read ({})."""
     import gguf
 
+    from testbed.models import gguf_reader
     from testbed.models.checkpoints import GGUFFile, _from_float32
 
     g = GGUFFile(path, GGUF_ARCH, GGUF_INERT_KEYS)
-    path, tensors, meta, refuse, vocab, K = g.path, g.tensors, g.meta, g.refuse, g.vocab, gguf.Keys
-    blocks, nextn = int(meta(K.LLM.BLOCK_COUNT)), int(meta(NEXTN_KEY, 0))
-    layers = blocks - nextn
-    hidden, heads = int(meta(K.LLM.EMBEDDING_LENGTH)), int(meta(K.Attention.HEAD_COUNT))
-    head_dim = int(meta(K.Attention.KEY_LENGTH, hidden // heads))
-    if int(meta(K.Attention.VALUE_LENGTH, head_dim)) != head_dim:
-        refuse(K.Attention.VALUE_LENGTH, int(meta(K.Attention.VALUE_LENGTH)), f"{head_dim} (the key length)")
-    rotary = int(meta(K.Rope.DIMENSION_COUNT, head_dim))
-    sections = [int(s) for s in meta(K.Rope.DIMENSION_SECTIONS)]
+    path, tensors, refuse, vocab, K = g.path, g.tensors, g.refuse, g.vocab, gguf.Keys
+    blocks = g.layer_count(K.LLM.BLOCK_COUNT)
+    layers = blocks - g.count(NEXTN_KEY, 0, low=0, high=blocks - 1)
+    hidden, heads = g.count(K.LLM.EMBEDDING_LENGTH), g.count(K.Attention.HEAD_COUNT)
+    head_dim = g.count(K.Attention.KEY_LENGTH, max(hidden // heads, 1))
+    if g.count(K.Attention.VALUE_LENGTH, head_dim) != head_dim:
+        refuse(K.Attention.VALUE_LENGTH, g.meta(K.Attention.VALUE_LENGTH), f"{head_dim} (the key length)")
+    rotary = g.count(K.Rope.DIMENSION_COUNT, head_dim, high=head_dim)
+    sections = [int(s) for s in g.array(K.Rope.DIMENSION_SECTIONS, gguf_reader.INTEGER_TYPES, range(4, 5),
+                                        "integers")]
     problem = rope_sections_problem(sections, rotary // 2, head_dim)
     if problem:
         refuse(K.Rope.DIMENSION_SECTIONS, sections, problem)
-    state = int(meta(K.SSM.STATE_SIZE))
-    k_heads, v_heads = int(meta(K.SSM.GROUP_COUNT)), int(meta(K.SSM.TIME_STEP_RANK))
-    if int(meta(K.SSM.INNER_SIZE)) != v_heads * state:
-        refuse(K.SSM.INNER_SIZE, int(meta(K.SSM.INNER_SIZE)), f"{v_heads * state} (value heads x state size)")
-    recurrent = meta(RECURRENT_LAYERS_KEY, [])
-    if recurrent:
-        types = tuple("linear" if r else "full" for r in list(recurrent)[:layers])
+    state = g.count(K.SSM.STATE_SIZE)
+    k_heads, v_heads = g.count(K.SSM.GROUP_COUNT), g.count(K.SSM.TIME_STEP_RANK)
+    if g.count(K.SSM.INNER_SIZE) != v_heads * state:
+        refuse(K.SSM.INNER_SIZE, g.meta(K.SSM.INNER_SIZE), f"{v_heads * state} (value heads x state size)")
+    if RECURRENT_LAYERS_KEY.format(arch=GGUF_ARCH) in g.fields:  # one bool per layer (the MTP blocks' optional)
+        recurrent = g.array(RECURRENT_LAYERS_KEY, frozenset({gguf_reader.BOOL_TYPE}), range(layers, blocks + 1),
+                            "bools (one per layer)")
+        types = tuple("linear" if r else "full" for r in recurrent[:layers])
     else:
-        interval = int(meta(K.LLM.FULL_ATTENTION_INTERVAL, 4))
+        interval = g.count(K.LLM.FULL_ATTENTION_INTERVAL, 4)
         types = tuple("full" if (i + 1) % interval == 0 else "linear" for i in range(layers))
-    meta(K.LLM.FULL_ATTENTION_INTERVAL, 4)  # read: the layer types above decide
+    g.meta(K.LLM.FULL_ATTENTION_INTERVAL, 4)  # read: the layer types above decide
     settings = dict(
-        vocab=vocab, hidden=hidden, layers=layers, mlp=int(meta(K.LLM.FEED_FORWARD_LENGTH)), heads=heads,
-        kv_heads=int(meta(K.Attention.HEAD_COUNT_KV, heads)), head_dim=head_dim, linear_k_heads=k_heads,
-        linear_v_heads=v_heads, linear_head_dim=state, conv_kernel=int(meta(K.SSM.CONV_KERNEL)), layer_types=types,
-        rope_theta=float(meta(K.Rope.FREQ_BASE, 10_000.0)), rotary_fraction=rotary / head_dim,
-        rms_eps=_from_float32(meta(K.Attention.LAYERNORM_RMS_EPS)), tie_embeddings="output.weight" not in tensors,
+        vocab=vocab, hidden=hidden, layers=layers, mlp=g.count(K.LLM.FEED_FORWARD_LENGTH), heads=heads,
+        kv_heads=g.count(K.Attention.HEAD_COUNT_KV, heads), head_dim=head_dim, linear_k_heads=k_heads,
+        linear_v_heads=v_heads, linear_head_dim=state, conv_kernel=g.count(K.SSM.CONV_KERNEL), layer_types=types,
+        rope_theta=g.number(K.Rope.FREQ_BASE, 10_000.0, positive=True), rotary_fraction=rotary / head_dim,
+        rms_eps=_from_float32(g.number(K.Attention.LAYERNORM_RMS_EPS, positive=True)),
+        tie_embeddings="output.weight" not in tensors,
     )
     g.refuse_unread(GGUF_INERT_PREFIXES, "the qwen35 keys testbed.models.hybrid_checkpoints.load_gguf reads")
     try:
         cfg = HybridConfig(**settings)
     except ValueError as e:
         raise UsageError(f"{path}: {e}") from None
-    weights = {}
+    shapes = weight_shapes(cfg)
+    read = {}
     for hf_name, gguf_name in gguf_tensor_names(cfg, blocks).items():
-        t = tensors.pop(gguf_name, None)
-        if t is None:
-            raise UsageError(f"{path}: missing tensor {gguf_name!r} ({hf_name})")
-        a = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        a = g.weight(gguf_name, hf_name, gguf_form_shape(hf_name, shapes[hf_name]), read=weights)
         try:
-            weights[hf_name] = from_gguf_form(hf_name, a, cfg)
+            if weights:
+                read[hf_name] = from_gguf_form(hf_name, a, cfg)
         except ValueError as e:
             raise UsageError(f"{path}: tensor {gguf_name!r}: {e}") from None
     mtp = tuple(f"blk.{i}." for i in range(layers, blocks))
     left = [name for name in tensors if not name.startswith(mtp)]
     if left:
         raise UsageError(f"{path}: unexpected tensor {left[0]!r} (not a tensor of this Qwen3.5 config)")
-    return cfg, check_weights(weights, cfg, str(path))
+    return cfg, check_weights(read, cfg, str(path)) if weights else {}

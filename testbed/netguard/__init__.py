@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from testbed.netguard._testbed_netguard import ENV_LOG, install, outside, take
+from testbed.netguard._testbed_netguard import ENV_LOG, ENV_UNPOLICED, install, outside, take, unpoliced
 
 # First on a Python process's PYTHONPATH, this folder's sitecustomize installs the guard there too.
 SITE_DIR = Path(__file__).parent
 
-__all__ = ["ENV_LOG", "SITE_DIR", "install", "outside", "take"]
+__all__ = ["ENV_LOG", "ENV_UNPOLICED", "SITE_DIR", "install", "outside", "take", "unpoliced"]

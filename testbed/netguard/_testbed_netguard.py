@@ -11,7 +11,10 @@ dialled out, even if the code under test swallowed the error. Standard library o
 process the suite starts (testbed/netguard/sitecustomize.py).
 
 What no guard in a Python process can see (C code's own connect, a program that is not Python),
-scripts/offline.sh stops: the test command runs pytest in a network namespace with only loopback.
+scripts/offline.sh stops: the test command runs pytest in a network namespace with only loopback. A
+plain `pytest` runs without it: there every program testbed starts that is not Python is named
+(`unpoliced`: one line in the file TESTBED_NETGUARD_UNPOLICED names), and the session says which
+programs ran beyond the guard's sight.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import socket
 import threading
 
 ENV_LOG = "TESTBED_NETGUARD_LOG"
+ENV_UNPOLICED = "TESTBED_NETGUARD_UNPOLICED"
 _recorded: list[str] = []
 _lock = threading.Lock()
 
@@ -167,6 +171,41 @@ def take() -> list[str]:
         out = _recorded[:]
         _recorded.clear()
     return out
+
+
+def is_python(program: str, cwd=None) -> bool:
+    """Whether `program` (a path, relative to `cwd`, or a name on PATH) is a Python interpreter or a script
+    one runs (its #! line names python): a process the guard, loaded by sitecustomize, is inside of."""
+    import shutil
+    import sys
+
+    path = os.path.join(cwd or "", program) if os.sep in program else (shutil.which(program) or program)
+    name = os.path.basename(path)
+    if name.startswith("python") or os.path.realpath(path) == os.path.realpath(sys.executable):
+        return True
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(256)
+    except OSError:
+        return False
+    return first.startswith(b"#!") and b"python" in first
+
+
+def unpoliced(argv, cwd=None) -> None:
+    """Name a program about to start (in `cwd`) that the guard cannot see into (one that is not Python),
+    where a session asked (TESTBED_NETGUARD_UNPOLICED) and it does not run in scripts/offline.sh's
+    network namespace, where the kernel lets no program out."""
+    log = os.environ.get(ENV_UNPOLICED)
+    if not log or os.environ.get("TESTBED_NETWORK") == "namespace":
+        return
+    program = os.fsdecode(argv if isinstance(argv, (str, bytes, os.PathLike)) else argv[0])
+    if is_python(program, cwd and os.fsdecode(cwd)):
+        return
+    try:
+        with open(log, "a") as f:
+            f.write(os.path.basename(program).replace("\n", " ") + "\n")
+    except OSError:
+        pass
 
 
 def install_from_environment() -> None:

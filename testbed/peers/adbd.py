@@ -38,7 +38,6 @@ import os
 import posixpath
 import queue
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -47,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from testbed import PROJECT_ROOT
+from testbed import PROJECT_ROOT, children
 
 # Commands are their four ASCII letters read as a little-endian uint32.
 
@@ -182,7 +181,7 @@ def build_exec_shim() -> Path:
         src = out.with_suffix(".c")
         src.write_text(EXEC_SHIM_C)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(tmp), str(src), "-ldl"], check=True)
+        children.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(tmp), str(src), "-ldl"], check=True)
         tmp.replace(out)
     return out
 
@@ -322,12 +321,8 @@ class Stream:
             self.conn.send(CLSE, self.local_id, self.remote_id)
 
     def kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for p in self.procs:  # each program's whole session: `timeout` on the command line makes a group of its own
+            children.kill(p)
 
 
 class Connection:
@@ -455,8 +450,9 @@ class Connection:
 def run_shell(stream: Stream, command: str, v2: bool, merge_stderr: bool = True) -> None:
     device = stream.conn.device
     argv = ["/bin/sh", "-c", device.to_host_text(command)] if command else ["/bin/sh"]
-    proc = subprocess.Popen(
-        argv, cwd=device.sandbox, env=device.env, start_new_session=True,
+    # a child of this adbd's (testbed.children): however this adbd ends, its programs end with it
+    proc = children.start(
+        argv, cwd=device.sandbox, env=device.env,
         stdin=subprocess.PIPE if v2 else subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE if v2 or not merge_stderr else subprocess.STDOUT,
     )
@@ -480,6 +476,7 @@ def run_shell(stream: Stream, command: str, v2: bool, merge_stderr: bool = True)
     for t in pumps:
         t.start()
     rc = proc.wait()
+    children.end(proc)  # what it left running in its session (which may hold its output open)
     for t in pumps:
         t.join()
     if v2:

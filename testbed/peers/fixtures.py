@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed import PROJECT_ROOT
+from testbed import PROJECT_ROOT, children
 from testbed.devices import Device, Profile, connect
 from testbed.devices.adb import ensure_adb_key
 
@@ -42,7 +42,7 @@ def compile_static(source: Path, abi: str, defines: tuple[str, ...] = ()) -> Pat
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
-        subprocess.run([compiler, *flags, "-o", str(tmp), str(source)], check=True, capture_output=True)
+        children.run([compiler, *flags, "-o", str(tmp), str(source)], check=True, capture_output=True)
         tmp.replace(out)
     return out
 
@@ -52,7 +52,7 @@ class LoopbackAdbd:
 
     def __init__(self, sandbox: Path, key_pub: Path, *flags: str):
         self.sandbox = sandbox
-        self.proc = subprocess.Popen(
+        self.proc = children.start(
             [sys.executable, "-m", "testbed.peers.adbd", "--sandbox", str(sandbox),
              "--authorized-keys", str(key_pub), "--parent", str(os.getpid()), "--prop", "ro.product.model=Loopback",
              "--prop", "ro.product.cpu.abi=armeabi-v7a", *flags],
@@ -64,9 +64,7 @@ class LoopbackAdbd:
         self.host, self.port = found.group(1), int(found.group(2))
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        children.end(self.proc)
 
 
 def adb_profile(name: str = "loopback", abi: str = "armeabi-v7a", **fields) -> Profile:
@@ -122,8 +120,8 @@ class AdbServer:
         self.env = {**os.environ, "HOME": str(Path(key).parent.parent)}
 
     def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(["adb", "-P", str(self.port), *args], env=self.env,
-                              capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL, check=check)
+        return children.run(["adb", "-P", str(self.port), *args], env=self.env,  # `adb start-server`'s server
+                            capture_output=True, text=True, timeout=30, check=check)  # leaves in a session of its own
 
     @property
     def address(self) -> str:

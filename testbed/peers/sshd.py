@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from testbed import children
+
 SSH_USER = "testbed-ssh"
 
 
@@ -35,7 +37,7 @@ def ensure_user() -> str:
         pwd.getpwnam(SSH_USER)
     except KeyError:
         # '*' is "no password" but not "locked" ('!'), which sshd without PAM would refuse.
-        subprocess.run(["useradd", "--no-create-home", "--home-dir", "/", "--shell", "/bin/sh",
+        children.run(["useradd", "--no-create-home", "--home-dir", "/", "--shell", "/bin/sh",
                         "--password", "*", SSH_USER], check=True, capture_output=True)
     return SSH_USER
 
@@ -61,7 +63,7 @@ class Sshd:
             raise RuntimeError("sshd is not installed (apt install openssh-server; scripts/bootstrap.sh --test does)")
         for key in (self.host_key, self.client_key):
             if not key.exists():
-                subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+                children.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
         authorized = self.root / "authorized_keys"
         shutil.copyfile(f"{self.client_key}.pub", authorized)
         os.chmod(authorized, 0o644)
@@ -77,8 +79,9 @@ class Sshd:
             f"PidFile {self.root / 'sshd.pid'}", "MaxStartups 50", "",
         ]))
         Path("/run/sshd").mkdir(exist_ok=True) if os.geteuid() == 0 else None  # privilege separation
-        self.proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(self.config)],
-                                     stdout=subprocess.DEVNULL, stderr=open(self.root / "sshd.log", "w"))
+        with open(self.root / "sshd.log", "w") as log:
+            self.proc = children.start(["/usr/sbin/sshd", "-D", "-e", "-f", str(self.config)],
+                                       stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -96,18 +99,18 @@ class Sshd:
 
     def session_pids(self) -> list[int]:
         """The listener and every process below it (sshd forks a child per connection)."""
-        children: dict[int, list[int]] = {}
+        below: dict[int, list[int]] = {}
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+            below.setdefault(int(fields[1]), []).append(int(stat.parent.name))
         out, todo = [], [self.proc.pid]
         while todo:
             pid = todo.pop()
             out.append(pid)
-            todo.extend(children.get(pid, []))
+            todo.extend(below.get(pid, []))
         return out
 
     def kill(self) -> None:
@@ -124,6 +127,7 @@ class Sshd:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        children.end(self.proc)  # and testbed forgets its process group
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -51,9 +51,11 @@ import pandas as pd
 from testbed import experiments, verdicts
 from testbed.devices.private import process_alive
 from testbed.errors import INTERNAL_ERROR, StoreError, UsageError
-from testbed.measure import breakeven, emulation, history, seed
-from testbed.report import implementations, plots
-from testbed.report.tables import _cell as format_number
+from testbed.experiments import chunk_prefill
+from testbed.experiments.chunk_prefill import ChunkMeasures
+from testbed.measure import breakeven, decisions, emulation, history, seed
+from testbed.report import implementations, plots, tables
+from testbed.report.tables import number as format_number, printable
 from testbed.verdicts import FAILING, NOTHING_JUDGED, PASS, UNJUDGED, Tally
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -136,6 +138,7 @@ class Inputs:
     flags: list[history.Flag]
     referenced: dict[str, dict] = field(default_factory=dict)  # records a table links to, by id
     breakevens: list[dict] = field(default_factory=list)  # per device, backend, model, source: the tail
+    choices: list[dict] = field(default_factory=list)  # per implementation: the best C, chunked vs token by token
     set_apart: list[dict] = field(default_factory=list)  # emulated figures, listed apart (testbed.measure.emulation)
     unreadable: list[tuple[dict, str]] = field(default_factory=list)  # records the report cannot read, and why
     current_runs: set[str] = field(default_factory=set)  # the runs of `current`, and of unreadable records
@@ -300,8 +303,10 @@ def tail_sweep(inp: Inputs) -> Section | None:
         "how many more repetitions would decide it."])
     for impl in sorted({implementations.of(r) for r in records}):
         of_impl = [r for r in records if implementations.of(r) == impl]
-        frame = sweep_frame(pd.json_normalize(of_impl, sep="."))
-        if frame.empty:  # an emulated device's tail runs: kept for their counts, their times listed apart
+        flat = pd.json_normalize(of_impl, sep=".")
+        frame = sweep_frame(flat)
+        if frame.empty:  # an emulated device's tail runs: its times listed apart, its exact counts decide
+            counted_breakevens(inp, section, impl, sweep_frame(flat, "instructions"), of_impl[0]["config"])
             continue
         for source, rows in frame.groupby("source", sort=False):
             name = sweep_name(impl, str(source), of_impl[0]["config"])
@@ -328,6 +333,26 @@ def tail_sweep(inp: Inputs) -> Section | None:
     return section
 
 
+def counted_breakevens(inp: Inputs, section: Section, impl: implementations.Implementation, counted: pd.DataFrame,
+                       config: dict) -> None:
+    """A device that counts and whose times are never speed (emulated): each source's table of
+    instructions per mode and its breakeven by instructions, exact (the tail experiment's own
+    MIN_SWEEP_TAILS: fewer tails are a comparison, not a sweep)."""
+    for source, rows in counted.groupby("source", sort=False) if len(counted) else ():
+        if rows["tail"].nunique() < experiments.load("tail").MIN_SWEEP_TAILS:
+            continue
+        name = sweep_name(impl, str(source), config)
+        point, decision = breakeven.breakeven_tail(rows), breakeven.breakeven_interval(rows, by="instructions")
+        said = decision["says"] if point is not None else f"not reached up to tail {int(rows['tail'].max())}"
+        section.tables.append(frame_table(f"{name}: breakeven tail by instructions {said}",
+                                          breakeven.instruction_table(rows)))
+        inp.breakevens.append({"device": impl.device, "backend": impl.backend, "model": impl.model,
+                               "source": source, "tail": point, "by": "instructions",
+                               "threshold": breakeven.threshold_from_breakeven(point),
+                               **{key: decision.get(key) for key in ("lo", "hi", "decided", "level", "method",
+                                                                     "reps", "says")}})
+
+
 def sweep_name(impl: implementations.Implementation, source: str, config: dict) -> str:
     """A tail sweep's name: its implementation's label, then the words of its source (tail.source_label:
     "device/backend hHIDDENxLAYERS wWINDOW C=.. dtype sink=..", or the seed's "fixture:FILE") the label
@@ -343,21 +368,92 @@ def sweep_name(impl: implementations.Implementation, source: str, config: dict) 
     return ", ".join([impl.label, " ".join(rest)]) if rest else impl.label
 
 
-def chunk_choice_table(chunk_s: dict[int, float], lengths: list[int], decode_s: float | None) -> pd.DataFrame:
-    """Projected latency per chunk size C over the utterance-length distribution: an utterance of n
-    tokens costs ceil(n / C) chunk calls (the last one padded), against n decode steps without."""
+def chunk_choice_table(measured: ChunkMeasures, lengths: list[int], weights, reply: int,
+                       choices: list[dict]) -> pd.DataFrame:
+    """Projected cost per chunk size C over the utterance-length distribution (chunk_prefill's
+    projection: ceil(n / C) chunk calls then the reply's decode steps), a last row token by token, and
+    beside each the choice as the decisions made it, with their confidence (chunk_prefill.choices): the
+    best C alone, the C not distinguishable from it ("undecided"), a tie of exact counts, and whether
+    token by token is faster than the best C. By time; on a device whose times are not speed, by
+    instructions."""
+    by = "time" if measured.time and not measured.emulated else "instructions"
+    calls = measured.time if by == "time" else measured.instructions
+    decode = measured.decode if by == "time" else measured.decode_instructions
+    unit = "s" if by == "time" else "instructions"
+    steps = [float(np.median(v)) for v in decode.values() if v]
+    step = float(np.median(steps)) if steps else None
+    p = np.asarray(weights if weights is not None else [1.0] * len(lengths), float)
+    mean_tokens = float(np.dot(p / p.sum(), lengths))
+    best = next((d for d in choices if d["decision"] == "best C" and d["by"] == by), None)
+    versus = next((d for d in choices if d["decision"].endswith("vs token by token") and d["by"] == by), None)
     rows = []
-    for c, call_s in sorted(chunk_s.items()):
-        projected = [math.ceil(n / c) * call_s for n in lengths]
-        rows.append({"C": c, "chunk call s": call_s, "mean s": sum(projected) / len(projected),
-                     "worst s": max(projected),
-                     "decode-only mean s": decode_s * sum(lengths) / len(lengths) if decode_s else None})
-    table = pd.DataFrame(rows)
-    table["choice"] = ["<- best" if m == table["mean s"].min() else "" for m in table["mean s"]]
-    return table
+    for c, xs in sorted(calls.items()):
+        call = float(np.median(xs))
+        mark = ""
+        if best is not None and c in best["candidates"]:
+            if best["tie"]:
+                mark = f"<- best, a tie ({decisions.label(best)})"
+            elif best["decided"]:
+                mark = f"<- best ({best['level']:.0%} confidence)"
+            else:
+                mark = "undecided: best by median" if c == best["best"] else "undecided: not distinguishable"
+        if (best is None or c == best["best"]) and versus is not None and versus["faster"] == "token by token":
+            mark += ("; " if mark else "") + "token by token is faster"
+        rows.append({"C": c, f"chunk call {unit}": call,
+                     f"expected {unit}": chunk_prefill.calls_per_utterance(c, lengths, weights) * call
+                     + reply * (step or 0.0), "choice": mark})
+    if step is not None:
+        mark = ""
+        if versus is not None:
+            mark = (f"<- faster than C={versus['chunk']}" if versus["faster"] == "token by token" else
+                    f"undecided against C={versus['chunk']}" if not versus["decided"] else "")
+        rows.append({"C": "token by token", f"chunk call {unit}": None,
+                     f"expected {unit}": (mean_tokens + reply) * step, "choice": mark})
+    return pd.DataFrame(rows)
 
 
-TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+def chunk_choice(inp: Inputs) -> Section | None:
+    section = Section("chunk", "Chunk-size choice, with its confidence")
+    quoted = inp.settings["seed_decode_s_per_token"]
+    measures = inp.current_of("chunk_prefill", "measure")
+    # one choice per device, backend and model: refimpl's calls say nothing about native's best C
+    for label, measured, settings in chunk_prefill.measured_chunks(pd.json_normalize(measures, sep=".")
+                                                                   if measures else pd.DataFrame()):
+        lengths = settings["lengths"] or list(inp.settings["utterance_lengths"])
+        if not measured.decode and settings["device"] in quoted:  # no decode step measured: the seed's quoted one
+            measured.decode = {c: [quoted[settings["device"]]] for c in measured.time}
+        choices = chunk_prefill.choices(measured, lengths, settings["weights"], settings["reply"])
+        if not (measured.time or measured.instructions):
+            continue
+        section.tables.append(frame_table(f"{label}: utterances of {lengths} tokens, reply {settings['reply']}",
+                                          chunk_choice_table(measured, lengths, settings["weights"],
+                                                             settings["reply"], choices)))
+        section.lines += [f"{label}: {chunk_prefill.choice_line(d)}" for d in choices]
+        inp.choices += [decisions.as_choice(d, label) for d in choices]
+    for impl in sorted({implementations.of(r) for r in measures}):
+        calls, decode_s, spread = chunk_times([r for r in measures if implementations.of(r) == impl])
+        if calls:
+            section.images.append({"file": plots.chunk_plot(inp.out, impl.label, calls, decode_s or quoted.get(
+                impl.device), spread), "caption": f"{impl.label}: chunk call and decode time against C"})
+    if not section.tables:
+        return None
+    lengths = inp.settings["utterance_lengths"]
+    seed_calls = pd.read_csv(inp.fixtures / seed.CHUNK_PREFILL, comment="#").dropna(subset=["chunk_call_s"])
+    for target, rows in seed_calls.groupby("target", sort=False):
+        calls = {int(c): [float(t)] for c, t in zip(rows.chunk, rows.chunk_call_s)}
+        measured = ChunkMeasures(calls, {c: [quoted[target]] for c in calls} if target in quoted else {})
+        choices = chunk_prefill.choices(measured, lengths, None, 0)
+        section.tables.append(frame_table(f"seed: {target}, utterances of {lengths} tokens, no reply "
+                                          f"({seed.CHUNK_PREFILL})",
+                                          chunk_choice_table(measured, lengths, None, 0, choices)))
+        section.lines += [f"seed {target}: {chunk_prefill.choice_line(d)}" for d in choices]
+    section.lines.insert(0, "Each C's expected cost per utterance: ceil(n / C) chunk calls then the reply's decode "
+                            "steps, over the run's utterance lengths; token by token: every token a decode step. The "
+                            "choice is a decision with its confidence (testbed/measure/decisions.py): the best C alone "
+                            "at 95%, or undecided with the C not distinguishable from it; the seed's figures are "
+                            "medians without repetitions, so they decide nothing. Decode without a measured step: "
+                            "the time the seed quotes for it (experiments/report.yaml).")
+    return section
 
 
 def chunk_times(records: list[dict]) -> tuple[dict[int, float], float | None, dict[int, tuple[float, float]]]:
@@ -368,7 +464,7 @@ def chunk_times(records: list[dict]) -> tuple[dict[int, float], float | None, di
         fig = r["figures"].get("time")
         if r["kind"] != "measure" or fig is None:
             continue
-        scale = TIME_UNITS[fig["unit"]]
+        scale = chunk_prefill.TIME_SCALE[fig["unit"]]
         if r["params"].get("form") == "chunk_call":
             c = int(r["params"]["chunk"])
             calls[c] = fig["median"] * scale
@@ -378,35 +474,23 @@ def chunk_times(records: list[dict]) -> tuple[dict[int, float], float | None, di
     return calls, decode, spread
 
 
-def chunk_choice(inp: Inputs) -> Section | None:
-    section = Section("chunk", "Breakeven: chunk-size choice")
-    quoted = inp.settings["seed_decode_s_per_token"]
-    measures = inp.current_of("chunk_prefill", "measure")
-    # one choice per device, backend and model: refimpl's calls say nothing about native's best C
-    for impl in sorted({implementations.of(r) for r in measures}):
-        records = [r for r in measures if implementations.of(r) == impl]
-        calls, decode_s, spread = chunk_times(records)
-        if not calls:
-            continue
-        decode_s = decode_s or quoted.get(impl.device)
-        # the run's own utterance distribution where its config has one
-        lengths = list(records[0]["config"].get("latency.utterance_tokens") or inp.settings["utterance_lengths"])
-        section.tables.append(frame_table(f"{impl.label}: utterances of {lengths} tokens",
-                                          chunk_choice_table(calls, lengths, decode_s)))
-        section.images.append({"file": plots.chunk_plot(inp.out, impl.label, calls, decode_s, spread),
-                               "caption": f"{impl.label}: chunk call and decode time against C"})
-    if not section.tables:
+def engines(inp: Inputs) -> Section | None:
+    """The engines under test side by side (chunk_prefill's engines table over the current chunk_prefill and
+    tail records of every engine:NAME backend): verdict per technique, speed at the best C with its
+    confidence, peak RSS and export size."""
+    records = [r for r in inp.current_of("chunk_prefill") + inp.current_of("tail")
+               if str(r.get("backend", "")).startswith("engine:")]
+    if not records:
         return None
-    lengths = inp.settings["utterance_lengths"]
-    seed_calls = pd.read_csv(inp.fixtures / seed.CHUNK_PREFILL, comment="#").dropna(subset=["chunk_call_s"])
-    for target, rows in seed_calls.groupby("target", sort=False):
-        table = chunk_choice_table(dict(zip(rows.chunk.astype(int), rows.chunk_call_s)), lengths, quoted.get(target))
-        section.tables.append(frame_table(f"seed: {target}, utterances of {lengths} tokens ({seed.CHUNK_PREFILL})",
-                                          table))
-    section.lines.append("Decode without chunking: n steps of the device's measured decode step, or the time "
-                         "the seed quotes for it (experiments/report.yaml). The reply's decode steps cost the "
-                         "same for every C and are left out.")
-    return section
+    table = experiments.load("chunk_prefill").engines(pd.json_normalize(records, sep="."))
+    if table.empty:
+        return None
+    return Section("engines", "Engines under test", [
+        "One row per engine, technique, device and model: the verdict over the technique's oracles (a refusal "
+        "is not supported, with the engine's reason, never a failure); at the best C by projected utterance "
+        "latency (with its confidence), the chunk call's prefill tokens/s and CPU time, each the median with "
+        "the 95% interval of the median (lo, hi); the engine process's largest peak RSS (VmHWM) and, for an "
+        "exporter-based engine, its export's size on disk."], [frame_table("engines", table)])
 
 
 def spread_cell(fig: dict) -> dict:
@@ -699,6 +783,21 @@ def cited_records(inp: Inputs) -> Section | None:
 # Every column a table of the report may have, said once. The oracle matrix's columns are named
 # EXPERIMENT:ORACLE (ORACLE_COLUMN). tests/test_report_commands.py checks that every column on a page is here.
 GLOSSARY = {
+    "engine": "the engine under test (engines/NAME.yaml, or a lab's): backend=engine engine=NAME",
+    "technique": "the experiment its verdicts and figures come from (chunk_prefill, tail)",
+    "oracles": "how many of the technique's oracle verdicts are in each state (pass, fail, not supported, ...)",
+    "reason": "the engine's own words where it refused (not supported): never a failure, never a pass",
+    "best C": "the chunk size of lowest projected utterance latency over the measured C (by the medians)",
+    "best C says": "that choice with its confidence: the C not distinguishable from it at 95% (bootstrap)",
+    "prefill tok/s": "rows of the chunk call of C rows (at the best C) per second of its wall time, median",
+    "tok/s lo": "the low end of the 95% bootstrap interval of that median (none below 5 repetitions)",
+    "tok/s hi": "the high end of that interval",
+    "chunk call CPU ms": "the chunk call's CPU time at the best C (the engine process's, by its own clock), median",
+    "CPU ms lo": "the low end of the 95% bootstrap interval of that median",
+    "CPU ms hi": "the high end of that interval",
+    "peak RSS MB": "the largest peak resident memory (VmHWM) of the engine process over its requests, where the "
+                   "device lets it be read (not on emulated devices)",
+    "export MB": "an exporter-based engine's export on disk (what a phone holds): bytes of its files",
     "device": "the device profile the run used (devices/NAME.yaml); host is this machine",
     "backend": "what computed it: refimpl (the numpy reference), native (testbed's C kernels), iree, llamacpp",
     "model": "what was run: a checkpoint or seed, or the size of the reference model or GDN shape",
@@ -749,10 +848,12 @@ GLOSSARY = {
     "seed winner": "the seed's faster mode at the same tail",
     "C": "chunk size in tokens",
     "chunk call s": "one chunk call's median time",
-    "mean s": "projected prefill time over the utterance lengths, ceil(n / C) calls each",
-    "worst s": "the longest projected prefill among the utterance lengths",
-    "decode-only mean s": "the same utterances decoded token by token, without chunking",
-    "choice": "the C with the least mean",
+    "chunk call instructions": "one chunk call's exact instructions (a device that counts)",
+    "expected s": "projected time per utterance over the run's length distribution: ceil(n / C) chunk calls, "
+                  "then the reply's decode steps (token by token: every token a decode step)",
+    "expected instructions": "the same projection in exact instructions",
+    "choice": "the decision with its confidence: the best C at 95%, or undecided with the C not "
+              "distinguishable from it, a tie of exact counts, and whether token by token is faster",
     "tokens": "tokens per call",
     "form": "serial (the recurrence token by token) or chunkwise (the WY form, a chunk at a time)",
     "chunk": "the chunkwise form's chunk size",
@@ -800,7 +901,8 @@ def glossary(sections: list[Section]) -> Section | None:
 
 # The page, in order. Each function returns None when it has nothing to show.
 SECTIONS: list[Callable[[Inputs], Section | None]] = [
-    oracle_matrix, unreadable_records, regressions, numbers, tail_sweep, chunk_choice, gdn_throughput, instruction_counts, other_measurements,
+    oracle_matrix, unreadable_records, regressions, numbers, engines, tail_sweep, chunk_choice, gdn_throughput,
+    instruction_counts, other_measurements,
     nights_over_time, nights,
     provenance, cited_records,
 ]
@@ -968,10 +1070,10 @@ def tool_versions() -> dict[str, str]:
 
 def markdown_text(value) -> str:
     """A value as inert Markdown text: no HTML (Markdown passes HTML through), no links, no table
-    breaks, one line."""
-    text = str(value)
+    breaks, one line, no control characters (tables.printable)."""
+    text = printable(str(value).replace("\r", " ").replace("\n", " "))
     for raw, safe in (("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ("\\", "\\\\"), ("|", "\\|"), ("[", "\\["),
-                      ("]", "\\]"), ("`", "\\`"), ("\r", " "), ("\n", " ")):
+                      ("]", "\\]"), ("`", "\\`")):
         text = text.replace(raw, safe)
     return text
 
@@ -1038,6 +1140,7 @@ def build(records: list[dict], out: Path, fixtures: Path, settings: dict, night_
             "summary": summary(inp, flags),
             "flags": [history.flag_data(f) for f in flags],
             "breakevens": inp.breakevens,
+            "choices": inp.choices,
             "sections": [section_data(s) for s in sections],
             "broken_sections": broken,
         }
@@ -1182,7 +1285,7 @@ def command(args) -> int:
     except OSError as e:  # a read-only or full store, a folder not ours to write: one line, exit 5
         raise StoreError(f"the report cannot be written: {e.strerror or e} ({e.filename or args.out or store.path}); "
                          "give a writable folder with --out") from None
-    print(summary_line(out, content))
+    print(tables.wrap(summary_line(out, content)))
     if content["broken_sections"]:
         print(f"testbed: the report is incomplete: {content['broken_sections'][0]}"
               + (f" (and {len(content['broken_sections']) - 1} more)" if len(content['broken_sections']) > 1 else ""),

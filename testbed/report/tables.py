@@ -1,4 +1,10 @@
-"""Render DataFrames for people (Markdown) and programs (CSV, JSON, JSON lines).
+"""Render DataFrames for people (Markdown, and the terminal) and programs (CSV, JSON, JSON lines).
+
+One rule for every number a person reads (`number`: whole numbers whole, others to 4 significant
+digits, very small or large ones in 3 with an exponent), used by the tables, the terminal's sentences
+and the report alike. On the terminal a line fits WIDTH columns (`for_terminal`): a table wider than
+that shows its first columns, long text cut short, and names the ones left out (`testbed table
+EXPERIMENT --format md|csv|json` has them all); a sentence wraps (`wrap`).
 
 For programs a table is data: numbers stay numbers (never "1.2 ms"), columns have machine names (the
 label a person reads, "padded TTFT (ms)", as padded_TTFT_ms: `column_name`), a figure's raw
@@ -15,13 +21,16 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
+import unicodedata
 
 import numpy as np
 import pandas as pd
 
 FORMATS = ("md", "csv", "json", "jsonl")
-# Columns only programs get: the per-repetition values of a row's figures, {figure: [values]}.
-DATA_ONLY = ("samples",)
+# Columns only programs get: the per-repetition values of a row's figures, {figure: [values]}; a row's
+# decisions in full (sentences a footer prints under the table, never cut short in a cell).
+DATA_ONLY = ("samples", "decisions")
 SAMPLES_SUFFIX = ".samples"
 
 
@@ -62,18 +71,48 @@ def record_samples(frame: pd.DataFrame) -> list[dict]:
     return out
 
 
+def number(v: float) -> str:
+    """A number as people read it, everywhere testbed prints one: a count or an id a missing value made
+    float (chunk 64, token 468, 37412345 instructions) whole, to the last digit however large (in 3
+    digits a 1% change of a count would not show); otherwise 4 significant digits (one decimal from
+    100 up), and 3 with an exponent below 1e-3 or from 1e6 (a margin of 0.8660254037844386 reads 0.866)."""
+    v = float(v)
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    if v.is_integer() and abs(v) < 2**53:
+        return str(int(v))
+    if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6):
+        return f"{v:.3g}"
+    return f"{v:.4g}" if abs(v) < 100 else f"{v:.1f}"
+# Unicode's categories of what is not text to show but acts on the display: controls (Cc: ESC begins
+# an ANSI sequence, CR and BS rewrite a line, C1's 0x9b is ESC [ to many terminals), format characters
+# (Cf: a right-to-left override reorders what follows, zero-width ones hide), surrogates (Cs: bytes
+# that were not UTF-8) and the line and paragraph separators (Zl, Zp).
+NOT_SHOWN = ("Cc", "Cf", "Cs", "Zl", "Zp")
+
+
+def printable(text) -> str:
+    """`text` with every character that acts on a display shown as its escape (ESC as \\x1b, a newline
+    as \\n, U+202E as \\u202e): what an engine, a device or a file says (a refusal's reason, a
+    program's output, a name) put on one terminal line or into one Markdown cell, where it can neither
+    move the cursor, recolour, hide text nor break the line. The one escape every such output uses (the
+    Markdown tables here, the report's Markdown, testbed's terminal lines); HTML is the report
+    templates' to escape."""
+    text = str(text)
+    if text.isprintable():  # the usual case, checked in C
+        return text
+    return "".join(c if unicodedata.category(c) not in NOT_SHOWN else
+                   c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in text)
+
+
 def _cell(v) -> str:
     if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
         return ""
-    if isinstance(v, float):
-        # a count or an id a missing value made float (chunk 64, token 468, 37412345 instructions): whole,
-        # to the last digit, however large (in 3 digits a 1% change of a count would not show)
-        if v.is_integer() and abs(v) < 2**53:
-            return str(int(v))
-        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6):
-            return f"{v:.3g}"
-        return f"{v:.4g}" if abs(v) < 100 else f"{v:.1f}"
-    return str(v)
+    if isinstance(v, (float, np.floating)):
+        return number(v)
+    return printable(v)
 
 
 def whole_numbers(df: pd.DataFrame) -> pd.DataFrame:
@@ -113,7 +152,7 @@ def markdown(df: pd.DataFrame) -> str:
     df = for_people(df)
     if df.empty:
         return "(no rows)"
-    cols = [str(c) for c in df.columns]
+    cols = [printable(c) for c in df.columns]
     body = [[_cell(v) for v in row] for row in df.itertuples(index=False)]
     widths = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(cols)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
@@ -121,28 +160,141 @@ def markdown(df: pd.DataFrame) -> str:
 
 
 def breakeven_line(breakeven: dict) -> str:
-    return f"breakeven ({breakeven['source']}): {breakeven['says']}"
+    return printable(f"breakeven ({breakeven['source']}): {breakeven['says']}")
 
 
-def render(df: pd.DataFrame, fmt: str, breakevens: list[dict] = (), behind: list[dict] = ()) -> str:
-    """The table in `fmt`; `breakevens` (dicts with at least `source` and `says`): lines under the
-    Markdown table, a `breakevens` list beside `rows` in JSON, `{"breakeven": ...}` lines after the rows
-    in JSON lines, and never in the CSV (rows alone: the caller says them on stderr). `behind`: the
-    samples of the records the rows draw on (record_samples), for a table without a `samples` column:
-    a `samples` list beside `rows` in JSON, `{"samples": ...}` lines in JSON lines."""
-    df = whole_numbers(df)
+def choice_line(choice: dict) -> str:
+    """A choice over the rows (a best chunk size, chunked against token by token) as one sentence."""
+    return f"{choice['decision']} by {choice['by']} ({choice['source']}): {choice['says']}"
+
+
+def render(df: pd.DataFrame, fmt: str, breakevens: list[dict] = (), behind: list[dict] = (),
+           choices: list[dict] = (), more: dict[str, pd.DataFrame] | None = None) -> str:
+    """The table in `fmt`; `breakevens` (dicts with at least `source` and `says`) and `choices` (a best
+    chunk size and the like, testbed.measure.decisions: with `decision`, `by`, `source`, `says`, and
+    `label`, the choice in a table cell's words): lines under the Markdown table, `breakevens` and
+    `choices` lists beside `rows` in JSON, `{"breakeven": ...}` and `{"choice": ...}` lines after the
+    rows in JSON lines, and never in the CSV (rows alone: the caller says them on stderr). `behind`:
+    the samples of the records the rows draw on (record_samples), for a table without a `samples`
+    column: a `samples` list beside `rows` in JSON, `{"samples": ...}` lines in JSON lines. `more`: tables
+    drawn over the same records ({name: table}): each under its name after the Markdown table, a list of
+    rows under its name in JSON, `{name: row}` lines in JSON lines; the CSV holds the main rows alone."""
+    df, more = whole_numbers(df), {name: whole_numbers(t) for name, t in (more or {}).items()}
+
+    def data_rows(table):
+        return [{k: _json_value(v) for k, v in row.items()} for row in for_programs(table).to_dict(orient="records")]
+
     if fmt == "md":
-        return "\n".join([markdown(df), *("\n" + breakeven_line(b) for b in breakevens)])
+        return "\n".join([markdown(df), *("\n" + breakeven_line(b) for b in breakevens),
+                          *("\n" + choice_line(c) for c in choices),
+                          *(f"\n{name}:\n{markdown(t)}" for name, t in more.items())])
     if fmt == "csv":
         return for_programs(for_people(df)).to_csv(index=False)
     if fmt in ("json", "jsonl"):  # numbers stay numbers, to the last bit; missing values are null
-        rows = [{k: _json_value(v) for k, v in row.items()} for row in for_programs(df).to_dict(orient="records")]
+        rows = data_rows(df)
         if fmt == "json":
-            data = {"rows": rows, "breakevens": list(breakevens)}
+            data = {"rows": rows, "breakevens": list(breakevens), "choices": list(choices)}
             if behind:
                 data["samples"] = list(behind)
+            data |= {name: data_rows(t) for name, t in more.items() if name not in data}
             return json.dumps(data, indent=1, default=str)
         return "\n".join([*(json.dumps(r, default=str) for r in rows),
-                          *(json.dumps({"breakeven": b}) for b in breakevens),
-                          *(json.dumps({"samples": s}) for s in behind)])
+                          *(json.dumps({"breakeven": b}, default=str) for b in breakevens),
+                          *(json.dumps({"choice": c}, default=str) for c in choices),
+                          *(json.dumps({"samples": s}) for s in behind),
+                          *(json.dumps({name: r}, default=str) for name, t in more.items() for r in data_rows(t))])
     raise ValueError(f"format {fmt!r} is not one of {FORMATS}")
+
+
+# --- the terminal -----------------------------------------------------------------------------------
+
+WIDTH = 120      # the columns a terminal line may take
+TEXT_CELL = 40   # the terminal cuts a text cell no shorter than this (the formats keep it whole)
+
+
+def _shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _width(df: pd.DataFrame) -> int:
+    """The columns the table's Markdown takes."""
+    return 1 + sum(max(len(str(c)), *(len(_cell(v)) for v in df[c])) + 3 for c in df.columns) if len(df) else 0
+
+
+def fit(df: pd.DataFrame, width: int = WIDTH, settings=None) -> tuple[pd.DataFrame, dict[str, str], list[str]]:
+    """The table as the terminal shows it within `width` columns. Where it is wider: the columns holding
+    one value in every row, from the first, are said once above the table instead, as many as it takes
+    (of `settings` only, where given: a sweep's configuration, never its results); then the longest text
+    cells are cut short, each column no more than it must and none below TEXT_CELL characters; then as
+    many columns, from the first, as fit are kept. Returns (that table, the columns said once {name:
+    value}, the columns left out)."""
+    shown = for_people(whole_numbers(df))
+    if shown.empty or _width(shown) <= width:
+        return shown, {}, []
+    once = {}  # one value in every row, from the first such column, as many as it takes to fit
+    for c in list(shown.columns):
+        if _width(shown) <= width:
+            break
+        if settings is not None and c not in settings:
+            continue
+        if len(shown) > 1 and shown[c].map(_cell).nunique() == 1 and _cell(shown[c].iloc[0]):
+            once[str(c)] = _cell(shown[c].iloc[0])
+            shown = shown.drop(columns=[c])
+    # cut long text only where that makes the table fit: a cut that still leaves columns out loses the
+    # text and keeps nothing more
+    texts = [c for c in shown.columns if pd.api.types.is_string_dtype(shown[c]) or shown[c].dtype == object]
+    widest = {c: max(len(str(c)), *(len(_cell(v)) for v in shown[c])) for c in texts}
+    if sum(max(w - max(TEXT_CELL, len(str(c))), 0) for c, w in widest.items()) >= _width(shown) - width:
+        shown = shown.copy()
+        while _width(shown) > width:
+            longest = max(texts, key=lambda c: max(len(_cell(v)) for v in shown[c]))
+            longest_width = max(len(_cell(v)) for v in shown[longest])
+            cut = max(TEXT_CELL, longest_width - (_width(shown) - width), len(str(longest)))
+            shown[longest] = [_shorten(v, cut) if isinstance(v, str) else v for v in shown[longest]]
+    kept: list = []
+    for column in shown.columns:
+        if kept and _width(shown[[*kept, column]]) > width:
+            break
+        kept.append(column)
+    return shown[kept], once, [str(c) for c in shown.columns if c not in kept]
+
+
+def for_terminal(df: pd.DataFrame, full: str = "", width: int = WIDTH, settings=None) -> str:
+    """A table as Markdown that fits the terminal (`fit`): the columns of one value said above it, and,
+    where columns were left out, a line naming them and `full`, the command that prints them all."""
+    shown, once, left_out = fit(df, width, settings)
+    text = markdown(shown)
+    if once:
+        text = _pack([f"{name}: {value}" for name, value in once.items()], "; ", width) + "\n" + text
+    if left_out:
+        names = [f"({len(left_out)} more column(s): {left_out[0]}", *left_out[1:]]
+        names[-1] += (f"; all of them: {full})" if full else ")")
+        text += "\n" + _pack(names, ", ", width)
+    return text
+
+
+def _pack(parts: list[str], joint: str, width: int) -> str:
+    """Parts joined by `joint` in lines of at most `width` columns, never breaking inside a part (a column's
+    name, "device: host"), a continued line indented."""
+    lines = [""]
+    for part in parts:
+        piece = (joint if lines[-1].strip() else "") + part
+        if lines[-1].strip() and len(lines[-1]) + len(piece) > width:
+            lines[-1] += joint.rstrip()
+            lines.append("  " + part)
+        else:
+            lines[-1] += piece
+    return "\n".join(lines)
+
+
+def wrap(text: str, width: int = WIDTH) -> str:
+    """Sentences (lines not of a Markdown table) wrapped to `width` columns, a continued line indented;
+    a word longer than that (a path) is kept whole. Table lines are left as they are (`fit` them)."""
+    out = []
+    for line in text.split("\n"):
+        if len(line) <= width or line.startswith("|"):
+            out.append(line)
+        else:
+            out.append(textwrap.fill(line, width, subsequent_indent="  ", break_long_words=False,
+                                     break_on_hyphens=False))
+    return "\n".join(out)

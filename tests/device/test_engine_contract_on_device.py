@@ -1,8 +1,10 @@
 """testbed's own C engine through engine contract v1 (engines/testbed-c.yaml, kernels/bench/tb_model_engine.c)
 on the selected device (`pytest --device=NAME -m device`): the same bits as backend=native's program
 (tb_model_bench) for the chunk path's logits and every K/V row, pads included, and for the tail's cache
-bytes and first-token logits, and for the tail continued from a restored state (state_in); the same
-verdicts from the token oracle; the evidence names the engine,
+bytes and first-token logits, and for the tail continued from a restored state (state_in); the hybrid's
+logits at every call's last row and its state bytes (conv, recurrent, K/V) the same as backend=native's
+(tb_hybrid_bench), the past's partial call and the tail padded, unpadded or scalar; the same verdicts from
+the token oracle; the evidence names the engine,
 its yaml's hash, the program's sha256 and machine, and the request's hash. heavy_emulation: the verdicts
 and the int8 cache (the bits of the chunk path and the float32 tail stay in every device session)."""
 
@@ -11,9 +13,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from refimpl import gemma
-from testbed.backends.engine import gemma as engine_gemma, spec as engine_spec, tail as engine_tail
-from testbed.backends.native import engine as native_engine, gemma as native_gemma
+from refimpl import gemma, qwen35
+from testbed.backends.engine import gemma as engine_gemma, hybrid as engine_hybrid, spec as engine_spec, \
+    tail as engine_tail
+from testbed.backends.engine.models import HybridModel
+from testbed.backends.native import engine as native_engine, gemma as native_gemma, hybrid as native_hybrid
 from testbed.oracles.tokens import Reference, TokenCase, check_token_at_position
 
 pytestmark = [pytest.mark.device, pytest.mark.requires("native")]
@@ -97,3 +101,31 @@ def test_a_restored_state_continues_with_the_bits_of_native(device, weights, dty
     assert [c["name"] for c in through.timings["calls"]] == ["decode"] * 3
     assert np.array_equal(through.logits[-1], whole.prefill.logits)
     assert through.state.read_bytes() == engine_tail.native_state_bytes(model, whole)
+
+
+# the hybrid experiment's oracles' model (experiments/experiment/hybrid.yaml: shape)
+HYBRID = qwen35.HybridConfig(vocab=256, hidden=64, layers=4, mlp=128, heads=4, kv_heads=2, head_dim=32,
+                             linear_k_heads=2, linear_v_heads=4, linear_head_dim=16)
+# P past tokens in calls of C (the last one partial: padded on both paths), then n; the tails on P = 0
+HYBRID_CASES = [(21, 27, "padded"), (0, 16 + 5, "none"), (0, 16 + 5, "scalar")]
+
+
+def state_bytes(state: qwen35.HybridState) -> bytes:
+    """backend=native's state in testbed-c's state.bin order: per layer conv, recurrent or k, v, float32."""
+    return b"".join(np.ascontiguousarray(a, np.float32).tobytes() for layer in state.layers for a in layer.values())
+
+
+@pytest.mark.parametrize("past, tokens, tail", HYBRID_CASES)
+def test_hybrid_bits_equal_native(device, past, tokens, tail):
+    w = qwen35.init_weights(HYBRID, 0)
+    prompt = np.random.default_rng(5).integers(0, HYBRID.vocab, past + tokens)
+    native = native_hybrid.prefill(device, HYBRID, w, prompt, past=past, tokens=tokens, chunk=16,
+                                   tail={"none": "exact"}.get(tail, tail))
+    spec = engine_spec.load("testbed-c")
+    ends = [int(p) for p in native.call_positions]  # every call's last row
+    model = HybridModel(HYBRID, w).file_for(spec)
+    through = engine_hybrid.prefill(device, spec, engine_hybrid.program(device, spec), model, HYBRID, prompt, past, 16,
+                                    ends, tail, state=True)
+    assert np.array_equal(native.call_logits, through.logits)
+    assert through.state.read_bytes() == state_bytes(native.state) and through.state.size > 0
+    assert through.evidence.as_dict()["ran"] == "tb_model_engine"

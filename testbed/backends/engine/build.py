@@ -42,10 +42,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from testbed import children
 from testbed.backends.engine.spec import EngineSpec
-from testbed.backends.native.build import ROOT, tree_hash
+from testbed.backends.native.build import ROOT, BuildError, target_for_abi, tree_hash
 from testbed.devices.transport import sha256_file
 from testbed.errors import DeviceError, ToolMissing, UsageError
+from testbed.heartbeat import say
 
 CACHE_DIR = ROOT / ".cache" / "engines"
 INPUTS_FILE = "build-inputs.json"
@@ -132,7 +134,7 @@ def compiler_inputs(argv: list[str], cwd: Path) -> list[Path] | None:
             continue
         kept.append(arg)
     try:
-        p = subprocess.run([*kept, "-M"], cwd=cwd, capture_output=True, text=True, timeout=600)
+        p = children.run([*kept, "-M"], cwd=cwd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if p.returncode != 0 or ":" not in p.stdout:
@@ -157,16 +159,34 @@ def unchanged(files: dict[str, str]) -> bool:
     return True
 
 
-def program_for(spec: EngineSpec, target: str) -> Path:
-    """The program that runs on a device of build target `target` (host, arm32, aarch64, hexagon)."""
-    if target not in spec.abis:
-        raise UsageError(f"engine={spec.name} is not built for {target} ({spec.path}: abis={list(spec.abis)}); "
-                         f"accepted devices: those of ABI {', '.join(spec.abis)}")
-    if spec.prebuilt is not None:
+def check(spec: EngineSpec, target: str) -> None:
+    """What is refused before a run starts (exit 2, nothing stored): a prebuilt program for `target` that is
+    not a file. (A target the engine is not built for is the engine's own refusal, recorded "not supported":
+    EngineSpec.refusal.)"""
+    if target in spec.abis and spec.prebuilt is not None:
         path = spec.prebuilt.get(target)
         if path is None or not path.is_file():
             raise UsageError(f"{spec.path}: build.prebuilt.{target}={str(path) if path else None!r} is not a file")
-        return path
+
+
+def check_device(spec: EngineSpec, profile) -> None:
+    """`check` for the build target of a device profile's ABI (one testbed builds nothing for: exit 2)."""
+    try:
+        target = target_for_abi(profile.abi)
+    except BuildError:
+        raise UsageError(f"engine={spec.name} has no build for device={profile.name} (ABI {profile.abi}); accepted "
+                         f"devices: those of ABI {', '.join(spec.abis)}") from None
+    check(spec, target)
+
+
+def program_for(spec: EngineSpec, target: str) -> Path:
+    """The program that runs on a device of build target `target` (host, arm32, aarch64, hexagon)."""
+    if target not in spec.abis:  # the experiments record this as the engine's refusal before they ask
+        raise UsageError(f"engine={spec.name} is not built for {target} ({spec.path}: abis={list(spec.abis)}); "
+                         f"accepted devices: those of ABI {', '.join(spec.abis)}")
+    check(spec, target)
+    if spec.prebuilt is not None:
+        return spec.prebuilt[target]
     prefix = f"{spec.name}-{target}-{build_key(spec, target)[:16]}"
     tmp = CACHE_DIR / f"{prefix}.tmp{os.getpid()}"
     argv = _fill(spec, target, tmp)
@@ -199,15 +219,19 @@ def _recorded(folder: Path) -> dict | None:
 def _build(spec: EngineSpec, target: str, argv: list[str], tmp: Path, out: Path | None, inputs: dict) -> Path:
     """Run the build command into `tmp`, then move it to `out` (or, where `out` is None, to a folder named
     by what the build says it read, or by the program's bytes when it says nothing)."""
+    say(f"building engine {spec.name} for {target} ({spec.path.name}: build.command; cached by what it reads)")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    try:
-        p = subprocess.run(argv, cwd=spec.source, capture_output=True, text=True, env=env)
+    try:  # a child of testbed's (testbed.children): a stop or testbed's end ends the build too
+        p = children.run(argv, cwd=spec.source, capture_output=True, text=True, env=env)
     except FileNotFoundError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ToolMissing(f"engine={spec.name}: its build command's tool {argv[0]!r} is not installed "
                           f"({spec.path}: build.command)") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     lines = (p.stderr + "\n" + p.stdout).strip().splitlines()
     if p.returncode != 0 or not (tmp / spec.program).is_file():
         shutil.rmtree(tmp, ignore_errors=True)

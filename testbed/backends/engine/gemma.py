@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -25,7 +26,6 @@ from testbed.backends.engine.runner import Expect, Request, Response, call, keep
 from testbed.backends.native import build as kernel_build
 from testbed.backends.native.engine import model_args
 from testbed.devices import Device
-from testbed.errors import UsageError
 from testbed.results import Figure
 
 
@@ -52,6 +52,7 @@ class EngineRunner:
     # the last utterance's requests and responses by path ("chunk", "decode"): what a failing case is
     # localised from and kept as
     last: dict[str, tuple[Request, Response]] = field(default_factory=dict)
+    progress: Callable[[str], None] | None = None  # hears an exporter's progress and heartbeats
 
     @property
     def name(self) -> str:
@@ -69,7 +70,8 @@ class EngineRunner:
         return Expect(c.vocab, c.layers, c.kv_heads, c.head_dim)
 
     def ask(self, request: Request, measured: bool = False) -> Response:
-        response = call(self.device, self.spec, request, self.expect, self.program, measured=measured)
+        response = call(self.device, self.spec, request, self.expect, self.program, measured=measured,
+                        say=self.progress)
         if response.evidence:
             self.evidence.add(response.evidence)
         if response.refused:
@@ -114,8 +116,11 @@ class EngineRunner:
 
     def bench(self, prompt, past: int, chunk: int, reps: int, warmup: int) -> dict:
         """The engine's own times of its calls: the chunk call of C rows and a one-row call, each after
-        `past` positions; with the instructions of each where the engine marks its calls and the device
-        counts."""
+        `past` positions, by the wall clock and (NAME_cpu) the CPU clock the engine reports per call (on a
+        loaded host wall time alone misleads: llama.cpp read 111 ms wall against 17.7 ms CPU); with the
+        instructions of each where the engine marks its calls and the device counts; the engine process's
+        peak RSS where the device lets it be read, and an exporter-based engine's export size
+        ({name}_peak_rss, export_bytes: one value each)."""
         times = {}
         for name, rows in (("chunk_call", chunk), ("decode_step", 1)):
             request = self.request(np.asarray(prompt)[:past + rows], past, rows, [past + rows - 1],
@@ -126,6 +131,11 @@ class EngineRunner:
             if not timed:
                 raise ContractBroken(f"engine {self.spec.name}'s timings.json has no call named \"chunk\"")
             times[name] = Figure.of([float(c["wall_s"]) for c in timed], "s")
+            times[f"{name}_cpu"] = Figure.of([float(c["cpu_s"]) for c in timed], "s")
+            if response.peak_rss_bytes is not None:
+                times[f"{name}_peak_rss"] = Figure.of([response.peak_rss_bytes], "bytes")
+            if response.export is not None:
+                times["export_bytes"] = Figure.of([response.export.size_bytes], "bytes")
             if response.counts and response.counts.regions:
                 times[f"{name}_instructions"] = Figure.of(response.counts.of("chunk")[-reps:], "instructions")
         return times
@@ -141,15 +151,15 @@ def backend(w, cfg, run_cfg=None, device: Device | None = None, progress=None) -
     if device is None:
         raise ValueError("an engine runs on a device: pass the connected Device")
     spec = specs.load(option("engine", None))
-    if "chunk_prefill" not in spec.techniques:
-        raise UsageError(f"engine={spec.name} does not support chunk_prefill ({spec.path}: supports.techniques="
-                         f"{list(spec.techniques)})")
     target = kernel_build.target_for_abi(device.profile.abi)
     weights, group = option("native.weights", "f32"), int(option("native.group", 32))
-    model_file, model_format = GemmaModel(cfg, w, weights, group, option("model.checkpoint", None)).file_for(spec)
+    if (why := spec.refusal("chunk_prefill", target, weights)) is not None:
+        raise NotSupported(why)
+    model_file, model_format = GemmaModel(cfg, w, option("model.checkpoint", None), option("model.gguf", None),
+                                          weights, group).file_for(spec)
     return EngineRunner(w, cfg, device, spec, build.program_for(spec, target), int(option("threads", 1)),
                         weights, group, count=bool(option("counts", False)), model_file=model_file,
-                        model_format=model_format)
+                        model_format=model_format, progress=progress)
 
 
 # --- testbed ab over two engines (testbed.lab.ab) ------------------------------------------------------
@@ -184,13 +194,14 @@ class EngineRun:
 
 
 def ab_calls(w: dict, cfg: gemma.GemmaConfig, prompt, past: int, chunk: int, weights: str = "f32",
-             group: int = 32, threads: int = 1, checkpoint: str | None = None) -> list[EngineCall]:
+             group: int = 32, threads: int = 1, checkpoint: str | None = None,
+             gguf: str | None = None) -> list[EngineCall]:
     tokens = np.asarray(prompt, np.int32)[:past + chunk]
     request = Request("chunk_prefill", tokens, None, "safetensors", weights, model_config(cfg, weights, group), past,
                       chunk, [past + chunk - 1], threads=threads, bench={"reps": 1, "warmup": 0})
-    return [EngineCall(f"P={past},C={chunk}/chunk_call", request, Expect(cfg.vocab, cfg.layers, cfg.kv_heads,
-                                                                         cfg.head_dim),
-                       GemmaModel(cfg, w, weights, group, checkpoint), work={"rows": chunk, "keys": past + chunk})]
+    expect = Expect(cfg.vocab, cfg.layers, cfg.kv_heads, cfg.head_dim)
+    model = GemmaModel(cfg, w, checkpoint, gguf, weights, group)
+    return [EngineCall(f"P={past},C={chunk}/chunk_call", request, expect, model, work={"rows": chunk, "keys": past + chunk})]
 
 
 def ab_run(device: Device, spec: specs.EngineSpec, call: EngineCall, program: Path) -> EngineRun:

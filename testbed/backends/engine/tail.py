@@ -28,7 +28,6 @@ from testbed.backends.engine.runner import Expect, Request, Response, call
 from testbed.backends.engine.state import StateFile
 from testbed.backends.native import build as kernel_build
 from testbed.devices import Device
-from testbed.errors import UsageError
 
 MODES = ("padded", "scalar")
 
@@ -87,16 +86,16 @@ class CacheBytes:
 
 
 def program(device: Device, spec: specs.EngineSpec) -> Path:
-    if "tail" not in spec.techniques:
-        raise UsageError(f"engine={spec.name} does not support tail ({spec.path}: supports.techniques="
-                         f"{list(spec.techniques)})")
-    return build.program_for(spec, kernel_build.target_for_abi(device.profile.abi))
+    target = kernel_build.target_for_abi(device.profile.abi)
+    if (why := spec.refusal("tail", target)) is not None:
+        raise NotSupported(why)
+    return build.program_for(spec, target)
 
 
 def _request(spec: specs.EngineSpec, cfg: gemma.GemmaConfig, w: dict, tokens: np.ndarray, settings, chunk: int,
              logits_at: list[int], mode: str, state: bool, bench: dict | None = None, count: bool = False) -> Request:
     # in a format the engine reads (a GGUF or a Hugging Face folder holds the model's window as the cfg says)
-    model, fmt = GemmaModel(cfg, w, settings.weights_dtype, settings.weights_group).file_for(spec)
+    model, fmt = GemmaModel(cfg, w, weights=settings.weights_dtype, group=settings.weights_group).file_for(spec)
     return Request("tail", tokens, model, fmt, settings.weights_dtype,
                    model_config(cfg, settings.weights_dtype, settings.weights_group), 0, chunk, logits_at, mode,
                    {"dtype": settings.cache_dtype, "window": cfg.window, "sink": settings.sink,

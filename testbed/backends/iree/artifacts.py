@@ -31,7 +31,6 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -42,7 +41,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 from omegaconf import OmegaConf
 
-from testbed import PROJECT_ROOT
+from testbed import PROJECT_ROOT, children
 from testbed.config import CONFIG_DIR
 from testbed.errors import UsageError
 from testbed.heartbeat import heartbeat
@@ -256,7 +255,7 @@ def compiler_path() -> str:
 
 @lru_cache(maxsize=1)
 def compiler_version() -> str:
-    out = subprocess.run([compiler_path(), "--version"], capture_output=True, text=True, check=True)
+    out = children.run([compiler_path(), "--version"], capture_output=True, text=True, check=True)
     return " ".join(line.strip() for line in out.stdout.splitlines() if "version" in line.lower())
 
 
@@ -415,7 +414,7 @@ def _run_compiler(command: list[str], cwd: Path, what: str, progress: Callable[[
     progress(f"{what} ...")
     t0 = time.perf_counter()
     with heartbeat(what, progress):
-        out = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+        out = children.run(command, cwd=cwd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"iree-compile failed ({what}), exit {out.returncode}:\n"
                            + "\n".join(out.stderr.strip().splitlines()[:20]))

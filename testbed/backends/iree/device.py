@@ -34,7 +34,6 @@ import platform
 import re
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -45,7 +44,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from testbed import PROJECT_ROOT
+from testbed import PROJECT_ROOT, children
 from testbed.backends import Evidence, EvidenceLog
 from testbed.backends.iree.runtime import (HOST_ELF, VULKAN_LOST_RETRIES, ModuleRequirements, parse_benchmark_json,
                                           vulkan_lost)
@@ -197,7 +196,7 @@ def aarch64_tools_folder(progress: Callable[[str], None] = lambda msg: None) -> 
     progress(f"fetching the aarch64 IREE runtime tools (iree-base-runtime=={version}) ...")
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
-        out = subprocess.run([sys.executable, "-m", *pip, "-d", tmp], capture_output=True, text=True)
+        out = children.run([sys.executable, "-m", *pip, "-d", tmp], capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if out.returncode != 0 or not wheels:
             raise ToolMissing(f"cannot fetch the aarch64 IREE runtime tools: `{' '.join(pip)}` failed: "

@@ -23,7 +23,6 @@ from __future__ import annotations
 import platform
 import json
 import re
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
+from testbed import children
 from testbed.backends.iree.artifacts import Artifact, ContractError, check_signature
 from testbed.errors import DeviceError
 from testbed.results import Figure
@@ -280,7 +280,7 @@ def run_tool(artifact: Artifact, driver: str, arrays: Sequence[np.ndarray],
         inputs, outputs = _npy_files(Path(tmp), arrays, len(contract.results))
         command = tool_command(artifact, driver, inputs, outputs)
         command[0] = runtime_tool(command[0])
-        out = subprocess.run(command, capture_output=True, text=True)
+        out = children.run(command, capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"iree-run-module failed, exit {out.returncode}: {out.stderr.strip()[:2000]}")
         return [np.load(p) for p in outputs]
@@ -298,7 +298,7 @@ def benchmark_tool(artifact: Artifact, driver: str, arrays: Sequence[np.ndarray]
                                extra=[f"--benchmark_repetitions={reps}", "--benchmark_format=json",
                                       "--benchmark_min_time=0.05s"])
         command[0] = runtime_tool(command[0])
-        out = subprocess.run(command, capture_output=True, text=True)
+        out = children.run(command, capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"iree-benchmark-module failed, exit {out.returncode}: {out.stderr.strip()[:2000]}")
     return parse_benchmark_json(out.stdout)

@@ -18,12 +18,14 @@ leaves, with a manifest naming the contract:
     the parameters   the archive the module loads its weights from: .irpa, .safetensors or .gguf
 
 Before anything runs, and before any record is stored, each of these is a UsageError (exit 2), one
-line naming the file and the value: no folder or manifest; another contract or version; a manifest
-argument or result that is not the seed's contract for the run's model (count, name, shape, dtype:
-the first that differs); a module or parameter file that is missing, of an unknown kind or changed
-since its sha256 was written; a model config that differs; an MLIR file that does not compile; a
-module without the function, or whose signature disagrees with the manifest (the first differing
-argument or result); a .vmfb built for another kind of device. A module that fails on the device is a
+line naming the file and the value: no folder or manifest; a manifest that is not a JSON object (of at
+most 4 MiB); another contract or version; a manifest argument or result that is not the seed's contract
+for the run's model (count, name, shape, dtype: the first that differs); `files` or an entry of another
+kind, or a path leading out of the folder; a module or parameter file that is missing, of an unknown
+kind or changed since its sha256 was written; a model config that differs; an MLIR file that does not
+compile; a .vmfb IREE's runtime does not load (empty, random, an ELF, damaged); a module without the
+function, or whose signature disagrees with the manifest (the first differing argument or result); a
+.vmfb built for another kind of device. A module that fails on the device is a
 device operation that failed (IreeRunFailed, exit 4).
 
 The module runs ON the device (host, qemu-aarch64, lavapipe: testbed.backends.iree.device): each
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -48,10 +51,12 @@ from testbed.backends.iree.artifacts import (PARAMETER_SCOPE, Artifact, Contract
 from testbed.backends.iree.device import file_digest
 from testbed.backends.iree.graphs.gemma import _convert
 from testbed.errors import UsageError
+from testbed.inputs import parse_json, read_bounded, shown
 from testbed.models import contract as gemma_contract
 from testbed.results import Figure
 
 MANIFEST = "manifest.json"
+MANIFEST_MAX_BYTES = 4 << 20
 MODULE_KINDS = (".mlir", ".vmfb")
 PARAMETER_KINDS = (".irpa", ".safetensors", ".gguf")
 GRAPH = "prefill_with_past"
@@ -121,8 +126,8 @@ def contract_of(manifest: dict, path: Path) -> gemma_contract.Contract:
         raise UsageError(f"{path}: no contract section; accepted: contract: {{graph: {GRAPH}, "
                          f"version: {gemma_contract.CONTRACT_VERSION}, args, results}}")
     graph, version = c.get("graph"), c.get("version")
-    if graph != GRAPH or version != gemma_contract.CONTRACT_VERSION:
-        raise UsageError(f"{path}: contract graph={graph!r} version={version!r} is not accepted; accepted: "
+    if graph != GRAPH or type(version) is not int or version != gemma_contract.CONTRACT_VERSION:
+        raise UsageError(f"{path}: contract graph={shown(graph)} version={shown(version)} is not accepted; accepted: "
                          f"graph={GRAPH!r} version={gemma_contract.CONTRACT_VERSION} (seed 000's argument order)")
     return gemma_contract.Contract(GRAPH, version, _specs(c.get("args", []), f"{path}: contract.args"),
                                    _specs(c.get("results", []), f"{path}: contract.results"))
@@ -148,23 +153,30 @@ def check_against_seed(contract: gemma_contract.Contract, model: GemmaConfig, pa
 
 def _file(folder: Path, manifest: dict, key: str, kinds: tuple[str, ...], path: Path,
           required: bool) -> tuple[Path | None, str | None]:
-    entry = (manifest.get("files") or {}).get(key)
+    accepted = f"files: {{{key}: {{path: NAME, sha256: ...}}}} with NAME a *{', *'.join(kinds)} file in the folder"
+    files = manifest.get("files") or {}
+    if not isinstance(files, dict):
+        raise UsageError(f"{path}: files={shown(files)} is not accepted; accepted: {accepted}")
+    entry = files.get(key)
     if entry is None:
         if required:
-            raise UsageError(f"{path}: files.{key} is not set; accepted: files: {{{key}: {{path: NAME, sha256: ...}}}} "
-                             f"with NAME one of *{', *'.join(kinds)}")
+            raise UsageError(f"{path}: files.{key} is not set; accepted: {accepted}")
         return None, None
     name = entry.get("path") if isinstance(entry, dict) else entry
-    file = folder / str(name)
-    if file.suffix not in kinds:
-        raise UsageError(f"{path}: files.{key}={name!r} is not accepted; accepted: a *{', *'.join(kinds)} file")
-    if not file.is_file():
-        raise UsageError(f"{path}: files.{key}={name!r}: {file} is missing")
-    digest = file_digest(file)
     said = entry.get("sha256") if isinstance(entry, dict) else None
+    if not isinstance(name, str) or not isinstance(said, (str, type(None))) or "\0" in name \
+            or Path(name).is_absolute() or ".." in Path(name).parts or Path(name).suffix not in kinds:
+        raise UsageError(f"{path}: files.{key}={shown(entry)} is not accepted; accepted: {accepted}")
+    file = folder / name
+    try:
+        if not file.is_file():
+            raise UsageError(f"{path}: files.{key}={name!r}: {file} is missing")
+        digest = file_digest(file)
+    except OSError as e:
+        raise UsageError(f"{path}: files.{key}={shown(name)} cannot be read: {e.strerror}") from None
     if said and said != digest:
         raise UsageError(f"{path}: files.{key}={name!r} has sha256 {digest[:16]}..., the manifest says "
-                         f"{str(said)[:16]}...: the file changed since the manifest was written")
+                         f"{said[:16]}...: the file changed since the manifest was written")
     return file, digest
 
 
@@ -176,7 +188,7 @@ def check_model(manifest: dict, model: GemmaConfig, path: Path) -> None:
     # the fields testbed's model has; an exporter's other keys (its own names, paths) are its business
     for key in sorted(set(said) & set(mine)):
         if said.get(key) != mine.get(key):
-            raise UsageError(f"{path}: model.{key}={said.get(key)!r}, the run's model has {mine.get(key)!r} "
+            raise UsageError(f"{path}: model.{key}={shown(said.get(key))}, the run's model has {shown(mine.get(key))} "
                              f"(model.checkpoint / model.preset)")
 
 
@@ -185,7 +197,15 @@ def module_declaration(module: Path, function: str) -> str:
     without a HAL device: a module's bytecode loads for any target."""
     import iree.runtime as rt
 
-    vm = rt.VmModule.mmap(rt.VmInstance(), str(module))
+    if module.stat().st_size == 0:
+        raise UsageError(f"{module}: the module is empty; accepted: a .vmfb IREE compiled (or the .mlir it compiles)")
+    try:
+        vm = rt.VmModule.mmap(rt.VmInstance(), str(module))
+    except (ValueError, IndexError, RuntimeError, OSError) as e:  # IREE's loader and verifier, by status code
+        said = str(e).splitlines()[0].removeprefix("Error creating vm module from aligned memory: ")
+        said = re.sub(r"^\S+\.c:\d+: ", "", said)  # IREE's source location
+        raise UsageError(f"{module}: not a module IREE's runtime loads ({said}); accepted: a .vmfb IREE compiled "
+                         f"(or the .mlir it compiles)") from None
     found = vm.lookup_function(function)
     if found is None:
         raise UsageError(f"{module.name} exports no function {function!r}; it has {', '.join(vm.function_names)} "
@@ -205,12 +225,11 @@ def load(folder: str | Path, model: GemmaConfig, target: str,
     if not path.is_file():
         raise UsageError(f"{folder} has no {MANIFEST}; accepted: a folder holding {MANIFEST} (the contract and the "
                          f"files), the module and its parameters")
-    try:
-        manifest = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path} is not JSON: {e}") from None
-    if not isinstance(manifest, dict):
-        raise UsageError(f"{path} is not a JSON object")
+    manifest = parse_json(read_bounded(path, MANIFEST_MAX_BYTES, str(path), "a manifest of the seed's 44 arguments "
+                                       "is about 10 kB"), str(path), kind=dict)
+    for key in ("function", "parameter_scope"):
+        if not isinstance(manifest.get(key, ""), (str, type(None))):
+            raise UsageError(f"{path}: {key}={shown(manifest[key])} is not accepted; accepted: a name (a string)")
     contract = contract_of(manifest, path)
     check_against_seed(contract, model, path)
     check_model(manifest, model, path)

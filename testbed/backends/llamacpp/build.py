@@ -60,8 +60,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from testbed import children
 from testbed.backends.native.build import KERNELS_DIR, ROOT
 from testbed.errors import ToolMissing, UsageError
+from testbed.heartbeat import say
 
 SDIST = ("llama-cpp-python", "0.3.36")
 HERE = Path(__file__).resolve().parent
@@ -102,7 +104,7 @@ class Built:
 # --- the source ------------------------------------------------------------------------------------
 
 
-def sdist_source(cache: Path = CACHE, progress: Callable[[str], None] = print) -> Path:
+def sdist_source(cache: Path = CACHE, progress: Callable[[str], None] = say) -> Path:
     """The llama.cpp tree vendored by the llama-cpp-python sdist, downloaded once by pip."""
     name, version = SDIST
     archive_dir = cache / "sdist"
@@ -114,9 +116,9 @@ def sdist_source(cache: Path = CACHE, progress: Callable[[str], None] = print) -
     archive = archive_dir / f"{stem}.tar.gz"
     if not archive.is_file():
         progress(f"downloading the {name}=={version} sdist (76 MB) with pip")
-        p = subprocess.run(["python3", "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                            "--disable-pip-version-check", "-d", str(archive_dir), f"{name}=={version}"],
-                           capture_output=True, text=True)
+        p = children.run(["python3", "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                          "--disable-pip-version-check", "-d", str(archive_dir), f"{name}=={version}"],
+                         capture_output=True, text=True)
         if p.returncode != 0 or not archive.is_file():
             tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-2:]) or "no output"
             raise ToolMissing(f"llama.cpp's source is not here and pip could not download {name}=={version} "
@@ -136,7 +138,7 @@ def sdist_source(cache: Path = CACHE, progress: Callable[[str], None] = print) -
     return tree
 
 
-def resolve_source(source: str, progress: Callable[[str], None] = print) -> Path:
+def resolve_source(source: str, progress: Callable[[str], None] = say) -> Path:
     """`source`: empty for the sdist's llama.cpp, or the path of a llama.cpp tree."""
     if not source:
         return sdist_source(progress=progress)
@@ -145,22 +147,40 @@ def resolve_source(source: str, progress: Callable[[str], None] = print) -> Path
         raise UsageError(f"llamacpp.source={source!r} is not a llama.cpp tree; accepted: a folder holding "
                          "ggml/include/ggml.h and tests/test-backend-ops.cpp, or empty for the "
                          f"{SDIST[0]}=={SDIST[1]} sdist")
+    try:
+        built_files(tree)  # no symbolic link among what a build reads
+    except UsageError as e:
+        raise UsageError(f"llamacpp.source={source!r}: {e}") from None
     return tree
 
 
-def _built_files(tree: Path) -> list[Path]:
+def built_path(relative: str) -> bool:
+    """Whether a build may read the file at `relative` (a path inside a llama.cpp tree): everything but the
+    top-level folders NOT_BUILT, hidden ones and earlier build folders."""
+    top = relative.split("/", 1)[0]
+    return not (top.startswith((".", "build")) or top in NOT_BUILT)
+
+
+def built_files(tree: Path) -> list[Path]:
+    """Every file a build may read (built_path), in a fixed order. A symbolic link among them is refused
+    (UsageError: bad input, exit 2), as in a kernels/ tree: its bytes would come from outside the tree."""
     files = []
-    for entry in sorted(tree.iterdir()):
-        if entry.name.startswith((".", "build")) or entry.name in NOT_BUILT:
-            continue
-        files += [entry] if entry.is_file() else sorted(p for p in entry.rglob("*") if p.is_file())
-    return files
+    for folder, subfolders, names in os.walk(tree):
+        here = Path(folder)
+        inside = [n for n in subfolders + names if built_path((here / n).relative_to(tree).as_posix())]
+        for name in inside:
+            if (here / name).is_symlink():
+                raise UsageError(f"{(here / name).relative_to(tree)} is a symbolic link; accepted: a llama.cpp tree "
+                                 "of plain files and folders (a link's bytes would come from outside the tree)")
+        subfolders[:] = [d for d in subfolders if d in inside]
+        files += [here / n for n in names if n in inside]
+    return sorted(files, key=lambda f: f.relative_to(tree).parts)  # the order source_hash has always had
 
 
 def source_hash(tree: Path) -> str:
     """sha256 over the relative names and bytes of every file a build may read."""
     h = hashlib.sha256()
-    for path in _built_files(tree):
+    for path in built_files(tree):
         h.update(str(path.relative_to(tree)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -172,7 +192,7 @@ def snapshot(tree: Path, digest: str, cache: Path = CACHE) -> Path:
         return dest
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    for path in _built_files(tree):
+    for path in built_files(tree):
         target = tmp / path.relative_to(tree)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, target)
@@ -282,7 +302,7 @@ def _toolchain_identity(options: list[str]) -> str:
     compilers = [o.split("=", 1)[1] for o in options if o.startswith(("-DCMAKE_C_COMPILER=", "-DCMAKE_CXX_COMPILER="))]
     versions = []
     for cc in compilers or ["cc", "c++"]:
-        p = subprocess.run([cc, "--version"], capture_output=True, text=True)
+        p = children.run([cc, "--version"], capture_output=True, text=True)
         versions.append(p.stdout.splitlines()[0] if p.returncode == 0 and p.stdout else cc)
         if "/zig/" in cc:  # the wrapper: its text names zig's path and target
             versions.append(Path(cc).read_text())
@@ -309,7 +329,7 @@ def _host_cpu() -> str:
 
 
 def build(target: str, source: str = "", programs: tuple[str, ...] = ("test-backend-ops", "tb_ggml_gdn"),
-          progress: Callable[[str], None] = print, cache: Path = CACHE) -> Built:
+          progress: Callable[[str], None] = say, cache: Path = CACHE) -> Built:
     """Build (or reuse) `programs` for `target` from `source` (see resolve_source)."""
     unknown = [p for p in programs if p not in PROGRAMS]
     if unknown:
@@ -369,13 +389,17 @@ def _write_whole(path: Path, write: Callable[[Path], object]) -> None:
 def _step(argv: list[str], env: dict, log: Path, progress: Callable[[str], None], what: str) -> None:
     """Run a build step, its output to `log` and its progress lines ("[12/57] Building ...") to the
     terminal; a failure raises with the log's last lines."""
-    with open(log, "w") as f:
-        p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in p.stdout:
-            f.write(line)
-            if line.startswith("["):
-                progress(f"{what}: {line.strip()[:100]}")
+    # a child of testbed's (testbed.children): a stop or testbed's end ends the build too
+    p = children.start(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        with open(log, "w") as f:
+            for line in children.lines(p):
+                f.write(line)
+                if line.startswith("["):
+                    progress(f"{what}: {line.strip()[:100]}")
         p.wait()
+    finally:
+        children.end(p)
     if p.returncode != 0:
         lines = [line for line in log.read_text().splitlines() if line.strip()]
         # the compiler's first error is the cause; what follows it (ninja's own lines among them) is its echo

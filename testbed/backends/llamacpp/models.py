@@ -12,12 +12,12 @@ device and returns llama.cpp's logits for every position.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from testbed import children
 from testbed.backends.llamacpp.build import Built, BuildError
 from testbed.backends.native.device import NativeJob, run_native, stage_program
 from testbed.devices import Device
@@ -39,8 +39,8 @@ def convert(tree: Path, hf_folder: Path, out: Path, outtype: str = "f32") -> Pat
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the tree's gguf-py, not the installed one
     env["HF_HUB_OFFLINE"] = "1"
-    p = subprocess.run([sys.executable, str(script), str(hf_folder), "--outfile", str(tmp), "--outtype", outtype],
-                       capture_output=True, text=True, env=env)
+    p = children.run([sys.executable, str(script), str(hf_folder), "--outfile", str(tmp), "--outtype", outtype],
+                     capture_output=True, text=True, env=env)
     if p.returncode != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:])

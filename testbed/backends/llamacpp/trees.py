@@ -10,6 +10,10 @@ A side is named by one of:
                 writes them); a patch file alone is `sdist+PATCH`. The patched copy lives in
                 .cache/llamacpp/ab/patched-HASH/ (HASH over BASE's source hash and the patch's bytes)
 
+A symbolic link among the files a build reads is refused (exit 2) wherever it comes from: a folder, a
+revision (before anything is taken out of git), or one a patch makes (before the patched copy is kept),
+as in a kernels/ tree: its bytes would come from outside the tree.
+
 Every folder made here appears whole or not at all (filled beside its final name, then renamed), so an
 interrupted or concurrent resolution never leaves half a tree. What is built from a tree is then cached
 by the hash of its bytes (build.source_hash): a tree named twice is built once.
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from testbed import children
 from testbed.backends.llamacpp import build
 from testbed.backends.native.build import whole_folder
 from testbed.errors import ToolMissing, UsageError
@@ -59,6 +64,10 @@ def resolve(spec: str, repo: str | None = None, progress: Callable[[str], None] 
         if not is_llamacpp_tree(path):
             raise UsageError(f"{spec!r} is a folder but not a llama.cpp tree (no ggml/include/ggml.h and "
                              f"tests/test-backend-ops.cpp); {accepted}")
+        try:
+            build.built_files(path.resolve())  # a symbolic link among what a build reads is refused
+        except UsageError as e:
+            raise UsageError(f"tree {spec!r}: {e}") from None
         return LlamaTree(spec, f"folder:{path.resolve()}", path.resolve())
     if path.is_file():
         return patched(resolve(SDIST_NAME, repo, progress), path, f"{SDIST_NAME}+{spec}")
@@ -76,7 +85,7 @@ def resolve(spec: str, repo: str | None = None, progress: Callable[[str], None] 
 def revision(spec: str, repo: Path) -> LlamaTree:
     """The files of revision `spec` of the llama.cpp git checkout `repo`."""
     def git(*args: str, text: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=text)
+        return children.run(["git", "-C", str(repo), *args], capture_output=True, text=text)
 
     if not repo.is_dir() or git("rev-parse", "--git-dir").returncode != 0:
         raise UsageError(f"--repo {str(repo)!r} is not a git checkout; accepted: the folder of a llama.cpp git clone")
@@ -85,6 +94,12 @@ def revision(spec: str, repo: Path) -> LlamaTree:
         raise UsageError(f"{spec!r} is not a revision of {repo} (nor sdist, a folder or a patch file); accepted: a "
                          "revision that exists there (HEAD, HEAD~3, a branch, a tag, a commit)")
     sha = commit.stdout.strip()
+    links = [line.split("\t", 1)[1] for line in git("ls-tree", "-r", "-z", sha).stdout.split("\0")
+             if line.startswith("120000 ")]  # git's mode of a symbolic link
+    read = [link for link in links if build.built_path(link)]
+    if read:
+        raise UsageError(f"revision {spec!r} ({sha[:12]}) of {repo}: {read[0]} is a symbolic link; accepted: a "
+                         "llama.cpp tree of plain files and folders (a link's bytes would come from outside the tree)")
     tree = git("rev-parse", f"{sha}^{{tree}}").stdout.strip()
     out = AB_CACHE / f"rev-{tree[:16]}"
     if not out.is_dir():
@@ -112,17 +127,21 @@ def patched(base: LlamaTree, patch: Path, spec: str) -> LlamaTree:
     out = AB_CACHE / f"patched-{digest[:16]}"
     if not out.is_dir():
         def fill(tmp: Path) -> None:
-            for source in build._built_files(base.source):
+            for source in build.built_files(base.source):
                 copy = tmp / source.relative_to(base.source)
                 copy.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source, copy)
             # --batch: never ask; rejects go nowhere (the folder is thrown away when a hunk fails)
-            p = subprocess.run(["patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch", "-r", "-",
-                                "-d", str(tmp), "-i", str(patch.resolve())], capture_output=True, text=True)
+            p = children.run(["patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch", "-r", "-",
+                              "-d", str(tmp), "-i", str(patch.resolve())], capture_output=True, text=True)
             if p.returncode != 0:
                 said = [line.strip() for line in (p.stdout + p.stderr).splitlines()
                         if line.strip() and not line.startswith(("patching file", "checking file"))]
                 raise UsageError(f"patch {str(patch)!r} does not apply to {base.spec}: "
                                  f"{'; '.join(said[:3]) or f'patch exited {p.returncode}'}")
+            try:  # a git patch can make a symbolic link: refused as in any tree (and nothing is kept)
+                build.built_files(tmp)
+            except UsageError as e:
+                raise UsageError(f"patch {str(patch)!r} on {base.spec}: {e}") from None
         whole_folder(out, fill)
     return LlamaTree(spec, f"{base.revision}+patch:{hashlib.sha256(text).hexdigest()[:16]}", out)

@@ -35,6 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from testbed.heartbeat import say
+
 # A checkout holds kernels/ beside the package, and its caches go in it (.cache/). An installed wheel
 # carries the kernel sources inside the package (testbed/_shipped/kernels, put there by setup.py) and
 # builds its programs where it is run, as its results go (testbed.PROJECT_ROOT).
@@ -97,8 +99,7 @@ def tree_files(kernels_dir: Path = KERNELS_DIR) -> list[Path]:
         here = Path(folder)
         for name in subfolders + names:
             if (here / name).is_symlink():
-                raise BuildError(f"{here / name} is a symbolic link; accepted: a kernels/ tree of plain files and "
-                                 "folders (a link's bytes would come from outside the tree)")
+                raise LinkInTree(here / name)
         subfolders[:] = sorted(d for d in subfolders if not any(fnmatch.fnmatch(d, p) for p in BUILD_OUTPUTS))
         files += [here / n for n in names if not any(fnmatch.fnmatch(n, p) for p in BUILD_OUTPUTS)]
     return sorted(files, key=lambda f: f.relative_to(kernels_dir).as_posix())
@@ -204,6 +205,15 @@ class BuildError(RuntimeError):
     """A toolchain is missing or a compile failed; the message says which and why."""
 
 
+class LinkInTree(BuildError):
+    """A symbolic link in a source tree: its bytes would come from outside the tree (tree_files)."""
+
+    def __init__(self, link: Path):
+        self.link = link
+        super().__init__(f"{link} is a symbolic link; accepted: a kernels/ tree of plain files and folders (a link's "
+                         "bytes would come from outside the tree)")
+
+
 try:  # setup.py loads this file by path, before the package (and its errors) can be imported
     from testbed.errors import ToolMissing as _ToolMissing
 except ImportError:
@@ -248,8 +258,10 @@ def zig_env(env: dict | None = None) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _first_line(*argv: str) -> str:
+    from testbed import children  # here: setup.py loads this file before the package
+
     try:
-        p = subprocess.run(list(argv), capture_output=True, text=True, timeout=60)
+        p = children.run(list(argv), capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return (p.stdout or p.stderr).strip().splitlines()[0] if p.returncode == 0 and (p.stdout or p.stderr).strip() else ""
@@ -403,6 +415,8 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
         return out
     if shutil.which("make") is None:
         raise ToolMissing("`make` is not installed (Debian: apt-get install make)")
+    say(f"building testbed's programs for {target} ({toolchain}{', for valgrind' if not avx512 else ''}; "
+        "cached by content once built)")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -410,7 +424,13 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
             f"TOOLCHAIN={toolchain}", f"SOURCE_HASH={source_hash(kernels_dir)}", f"FUSED={int(fused)}",
             *([] if avx512 else ["AVX512=0"]),
             *([f"ZIG={zig_binary()}", f"HEXAGON_CORE={HEXAGON_CORE}"] if toolchain == "zig" else []), "programs"]
-    p = subprocess.run(argv, capture_output=True, text=True, env=zig_env() if toolchain == "zig" else None)
+    from testbed import children  # a child of testbed's: a stop or testbed's end ends the build too
+
+    try:
+        p = children.run(argv, capture_output=True, text=True, env=zig_env() if toolchain == "zig" else None)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if p.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         lines = (p.stderr or p.stdout).strip().splitlines()
@@ -437,7 +457,9 @@ def compile_library(kernels_dir: Path, out: Path, optimize: str = "-O2") -> Path
     flags = [f for f in LIBRARY_CFLAGS if not f.startswith("-O")] + [optimize] + host_vector_flags()
     argv = ["cc", *flags, "-shared", "-fPIC", "-pthread", f"-I{kernels_dir}",
             f'-DTB_SOURCE_HASH="{source_hash(kernels_dir)}"', "-o", str(out), *sources, "-lm"]
-    p = subprocess.run(argv, capture_output=True, text=True)
+    from testbed import children
+
+    p = children.run(argv, capture_output=True, text=True)
     if p.returncode != 0:
         raise BuildError(f"compiling {kernels_dir} failed: {p.stderr.strip().splitlines()[-1:]}")
     return out

@@ -93,7 +93,9 @@ class EngineRunner:
         case = TokenCase(past, chunk, chunk)
         run = self._run(prompt, case, reps=reps, warmup=warmup)
         times = {"chunk_call": Figure.of(run.timings["seconds"], "s"),
-                 "decode_step": Figure.of(run.timings["decode_seconds"], "s")}
+                 "decode_step": Figure.of(run.timings["decode_seconds"], "s"),
+                 "chunk_call_cpu": Figure.of(run.timings["cpu_seconds"], "s"),
+                 "decode_step_cpu": Figure.of(run.timings["decode_cpu_seconds"], "s")}
         counted = run.counts
         if counted is None and self.counts and not self.device.profile.has("counts"):
             counted = self._run(prompt, case, reps=1, warmup=0, count=True).counts

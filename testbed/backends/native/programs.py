@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from testbed import children
 
 EMULATORS = {"host": [], "arm32": ["qemu-arm"], "aarch64": ["qemu-aarch64"], "hexagon": ["qemu-hexagon"]}
 
@@ -43,8 +44,8 @@ def run_program(programs: Path, target: str, name: str, inputs: dict[str, np.nda
             np.save(in_dir / f"{key}.npy", np.ascontiguousarray(a))
         argv = [*EMULATORS[target], str(programs / name), str(in_dir), str(out_dir),
                 *(f"{k}={v}" for k, v in args.items())]
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, **env} if env else None)
+        p = children.run(argv, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, **env} if env else None)
         if p.returncode != 0:
             raise ProgramError(f"{name} ({target}) exited {p.returncode}: {p.stderr.strip()[-300:]}")
         timings = json.loads((out_dir / "timings.json").read_text())

@@ -25,10 +25,10 @@ import json
 import os
 import re
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from testbed import children
 from testbed.errors import DeviceError, ToolMissing
 
 PLUGIN_SOURCE = Path(__file__).with_name("qemu_insn_plugin.c")
@@ -64,7 +64,7 @@ def plugin_path() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     argv = [cc, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(tmp), str(PLUGIN_SOURCE)]
-    p = subprocess.run(argv, capture_output=True, text=True)
+    p = children.run(argv, capture_output=True, text=True)
     if p.returncode != 0:
         tmp.unlink(missing_ok=True)
         said = " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:]) or "no output"
@@ -119,7 +119,7 @@ def parse_plugin_output(text: str, expected_regions: int | None = None, names: t
         regions = tuple(int(x) for x in data["regions"])
         total, exact = int(data["total"]), bool(data["exact"])
         unmatched, dropped = int(data["unmatched_markers"]), int(data["regions_dropped"])
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise CountError(f"the counting plugin's output is not what it writes ({e}): {text[:200]!r}") from None
     if unmatched or dropped:
         raise CountError(f"the counting plugin saw {unmatched} unmatched marks and dropped {dropped} regions")
