@@ -128,7 +128,7 @@ def test_a_planted_wrong_engine_is_never_timed_where_it_is_wrong(tmp_path, monke
 def test_on_qemu_aarch64_the_rows_are_exact_instructions_per_token(results_dir):
     """Nothing timed there: each engine's judged run counted through its marks. testbed's counts are exact and
     repeat; libllama starts more than one guest thread, so the plugin says "exact": false for llama.cpp, whose
-    counts repeat to within a few instructions in millions (43 of 27 million measured)."""
+    counts differ between runs by up to about 1e-4 (43 and 2,816 of 27 million measured)."""
     df = run(["weights=[f32]", "tests=[pp,tg]", "threads=[1,2]"], device="qemu-aarch64").frame()
     oracles = df[df["kind"] == "oracle"]
     assert len(oracles) == 4 and (oracles["verdict"] == "pass").all()
@@ -143,7 +143,7 @@ def test_on_qemu_aarch64_the_rows_are_exact_instructions_per_token(results_dir):
     again = again[again["kind"] == "measure"].set_index("params.row")["figures.instructions.median"]
     first = pp["figures.instructions.median"]
     assert again["testbed"] == first["testbed"]
-    assert abs(again["llama.cpp"] / first["llama.cpp"] - 1) < 1e-4  # measured: 43 of 27 million apart
+    assert abs(again["llama.cpp"] / first["llama.cpp"] - 1) < 1e-3  # measured: 43 and 2,816 of 27 million apart
     shown = engine_compare.view(df)
     assert shown["instructions/token"].notna().sum() == len(counted)
 

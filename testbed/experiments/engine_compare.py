@@ -57,7 +57,7 @@ On an emulated device (qemu-aarch64) nothing is timed: each engine's judged run 
 instruction plugin through its marks (tb_engine.h), and its records give the instructions of the timed calls
 per token (the FLOPs they do beside), at one thread. testbed's engine runs one guest thread: exact, run after
 run. libllama starts more (the plugin's shared counter then says "exact": false, kept in the record): its
-counts repeat to within a few instructions in millions. llama-bench does not run there.
+counts differ between runs by up to about 1e-4. llama-bench does not run there.
 
 `testbed run engine_compare` prints llama-bench's columns (model, size, params, backend, threads, test, t/s)
 for the three rows, then testbed's table; `testbed table engine_compare --format md|csv|json|jsonl` the same
@@ -499,9 +499,6 @@ def row_record(cfg, row: str, engines, wt: WeightType, test: Test, threads: int,
         figures["cpu_use"] = Figure.of(cpu / wall / threads, "x")  # 1: every thread busy all the time
     else:  # llama-bench: its own figures; the process's CPU from this process's children's rusage
         figures["process_cpu_seconds"] = Figure.of([r.process_cpu_s for r in runs], "s")
-    rss = [r.peak_rss_bytes for r in runs]  # tb_peak_rss's reading of each process, where it was read
-    if all(isinstance(x, int) for x in rss):
-        figures["peak_rss"] = Figure.of([x / 2**20 for x in rss], "MiB")
         raw = runs[0].raw
         metrics |= {"llama_bench": {k: raw.get(k) for k in ("model_type", "model_size", "model_n_params", "backends",
                                                             "n_batch", "n_ubatch", "flash_attn", "type_k", "type_v",
@@ -509,6 +506,9 @@ def row_record(cfg, row: str, engines, wt: WeightType, test: Test, threads: int,
                                                             "cpu_info")},
                     "process_cpu_seconds_is": "the whole llama-bench process: model load, warm-up and the "
                                               "repetition (not per token)"}
+    rss = [r.peak_rss_bytes for r in runs]  # tb_peak_rss's reading of each process, where it was read
+    if all(isinstance(x, int) for x in rss):
+        figures["peak_rss"] = Figure.of([x / 2**20 for x in rss], "MiB")
     size = int(runs[0].raw.get("model_size")) if row == "llama-bench" else file_bytes(model, w, wt.name, row)
     metrics |= {"size_bytes": size, "params_count": params_count(w),
                 "order": [rep.index(row) for rep in timed.order]}
