@@ -44,7 +44,14 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 def logits(w: dict, cfg, tokens, position: int) -> np.ndarray:
     """Float64 logits [vocab] at `position` of the prompt `tokens` run from position 0 (later tokens
     cannot influence it, so they are not read)."""
-    tokens = np.asarray(tokens).reshape(-1)[: position + 1]
+    return logits_at(w, cfg, tokens, [position])[0]
+
+
+def logits_at(w: dict, cfg, tokens, positions) -> np.ndarray:
+    """Float64 logits [len(positions), vocab] at each of `positions`, from one run of the prompt up to the
+    last of them (each row is the one `logits` gives alone: a position sees only the positions before it)."""
+    positions = [int(p) for p in positions]
+    tokens = np.asarray(tokens).reshape(-1)[: max(positions) + 1]
     n, d, eps = tokens.size, cfg.head_dim, cfg.rms_eps
     group = cfg.heads // cfg.kv_heads
     kv_of_head = np.arange(cfg.heads) // group            # Hugging Face's repeat_kv order
@@ -77,10 +84,10 @@ def logits(w: dict, cfg, tokens, position: int) -> np.ndarray:
         m = (gelu_tanh(h @ f64(p + "mlp.gate_proj.weight").T) * (h @ f64(p + "mlp.up_proj.weight").T)) \
             @ f64(p + "mlp.down_proj.weight").T
         x = x + rms_norm(m, f64(p + "post_feedforward_layernorm.weight"), eps)
-    last = rms_norm(x[position], f64("model.norm.weight"), eps)
+    last = rms_norm(x[positions], f64("model.norm.weight"), eps)      # [len(positions), hidden]
     head = w["model.embed_tokens.weight"] if cfg.tie_embeddings else w["lm_head.weight"]
-    out = np.concatenate([np.asarray(head[r:r + LM_HEAD_BLOCK], np.float64) @ last
-                          for r in range(0, head.shape[0], LM_HEAD_BLOCK)])
+    out = np.concatenate([last @ np.asarray(head[r:r + LM_HEAD_BLOCK], np.float64).T
+                          for r in range(0, head.shape[0], LM_HEAD_BLOCK)], axis=1)
     if cfg.final_logit_softcap:
         out = cfg.final_logit_softcap * np.tanh(out / cfg.final_logit_softcap)
     return out

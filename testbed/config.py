@@ -625,6 +625,24 @@ class IntList:
 
 
 @dataclass(frozen=True)
+class ChoiceList:
+    """A non-empty list of accepted values without repeats (e.g. weights=[f32,q8_0]), or one value."""
+
+    options: tuple
+
+    def check(self, key: str, value: Any) -> None:
+        items = list(value) if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) else [value]
+        accepted = ", ".join(map(str, self.options))
+        if not items:
+            raise UsageError(f"{key} is empty; accepted: a list of {accepted}")
+        for item in items:
+            if item not in self.options:
+                raise UsageError(f"{key}={item!r} is not accepted; accepted: a list of {accepted}")
+        if len(set(items)) != len(items):
+            raise UsageError(f"{key}={items} names a value twice; accepted: a list of {accepted}, each once")
+
+
+@dataclass(frozen=True)
 class BoolList:
     """A list of booleans (e.g. ratios.gdn.kda=[false,true]), or one boolean."""
 

@@ -566,13 +566,23 @@ def gguf_writer(path: Path, arch: str, cfg, context_length: int) -> "gguf.GGUFWr
     return writer
 
 
+# The tensor types testbed writes a Gemma 3 GGUF in (save_gguf's tensor_type): every weight matrix in that
+# type, as llama.cpp's converter writes `--outtype f32|f16|q8_0`; the norms stay float32 in all three.
+TENSOR_TYPES = ("f32", "f16", "q8_0")
+
+
 def save_gguf(path: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray],
-              context_length: int = DEFAULT_CONTEXT) -> Path:
-    """A float32 GGUF in llama.cpp's converter's form (names, metadata, norm weights + 1), without a
-    tokenizer (tokenizer.ggml.model = none and the vocabulary's size: llama.cpp then takes token ids as
-    given). A config the format cannot carry (a query scale llama.cpp would not derive) is refused,
-    not written wrong."""
+              context_length: int = DEFAULT_CONTEXT, tensor_type: str = "f32") -> Path:
+    """A GGUF in llama.cpp's converter's form (names, metadata, norm weights + 1), without a tokenizer
+    (tokenizer.ggml.model = none and the vocabulary's size: llama.cpp then takes token ids as given).
+    `tensor_type` (TENSOR_TYPES): the weight matrices in float32, float16 (numpy's round to nearest even,
+    as the converter) or q8_0 (ggml's reference quantiser, gguf.quants: blocks of 32 values along a row,
+    each one float16 scale d = max|x| / 127 and 32 int8 q = round(x / d)); the norms in float32. A config the
+    format cannot carry (a query scale llama.cpp would not derive) is refused, not written wrong."""
     import gguf
+
+    if tensor_type not in TENSOR_TYPES:
+        raise UsageError(f"GGUF tensor type {tensor_type!r} is not accepted; accepted: {', '.join(TENSOR_TYPES)}")
 
     derived = gguf_query_pre_attn_scalar(cfg.layers, cfg.hidden, cfg.heads, cfg.head_dim)
     if cfg.query_pre_attn_scalar != derived:
@@ -592,14 +602,23 @@ def save_gguf(path: str | Path, cfg: GemmaConfig, weights: dict[str, np.ndarray]
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
     if cfg.final_logit_softcap:
         writer.add_final_logit_softcapping(cfg.final_logit_softcap)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[tensor_type])
     writer.add_tokenizer_model("none")
     writer.add_vocab_size(cfg.vocab)
     names = _gguf_names(cfg.layers)
     for hf_name, a in weights.items():
         gguf_name = "output.weight" if hf_name == "lm_head.weight" else names.get_name(hf_name, try_suffixes=(".weight",))
         a = np.ascontiguousarray(a, np.float32)
-        writer.add_tensor(gguf_name, a + GGUF_NORM_SHIFT if hf_name.endswith("norm.weight") else a)
+        if hf_name.endswith("norm.weight"):
+            writer.add_tensor(gguf_name, a + GGUF_NORM_SHIFT)
+        elif tensor_type == "f16":
+            writer.add_tensor(gguf_name, a.astype(np.float16))
+        elif tensor_type == "q8_0":
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gguf_name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, a)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -15,7 +15,10 @@ with one line naming it, and nothing is left behind: a file appears whole and ju
 
   gguf_for(checkpoint)   the GGUF of a folder, written once per content under .cache/gguf/ (a .gguf
                          file is checked by testbed's reader, then returned as it is)
-  gguf_of(cfg, weights)  the same for a model given as config and weights (a seeded shape)
+  gguf_of(cfg, weights[, tensor_type])  the same for a model given as config and weights (a seeded
+                         shape); a Gemma 3 model in f32, f16 or q8_0 (checkpoints.TENSOR_TYPES)
+  held_in(weights, tensor_type)  the weights as a GGUF of that tensor type holds them (float32 values):
+                         what a reference computes with for a file written in f16 or q8_0
   write_gguf(folder, out)
 """
 
@@ -138,13 +141,14 @@ def write_gguf(folder: str | Path, out: str | Path) -> Path:
     return write_judged(module, cfg, weights, out, str(folder), context)
 
 
-def write_judged(module, cfg, weights: dict, out: Path, source: str, context: int) -> Path:
-    """`out` written whole and judged, or not at all (a folder or file that cannot be written is refused)."""
+def write_judged(module, cfg, weights: dict, out: Path, source: str, context: int, **options) -> Path:
+    """`out` written whole and judged, or not at all (a folder or file that cannot be written is refused);
+    `options` go to the family's save_gguf (tensor_type)."""
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            module.save_gguf(tmp, cfg, weights, context_length=context)
+            module.save_gguf(tmp, cfg, weights, context_length=context, **options)
         except UsageError as e:  # what the format cannot carry, said of the model it was asked of
             raise UsageError(f"{source}: {e}") from None
         judge(module, cfg, weights, tmp, source)
@@ -156,15 +160,49 @@ def write_judged(module, cfg, weights: dict, out: Path, source: str, context: in
     return out
 
 
-def gguf_of(cfg, weights: dict, cache: Path | None = None) -> Path:
-    """The GGUF of a model given as config and weights (a seeded `shape`), written once per content."""
+def held_in(weights: dict, tensor_type: str) -> dict:
+    """The weights as a Gemma 3 GGUF of `tensor_type` holds them, as float32: f32 as given; f16 each matrix
+    rounded to float16 and back; q8_0 each matrix quantised by ggml's reference quantiser (gguf.quants, bit
+    for bit ggml's quantize_row_q8_0_ref) and dequantised, q * d. Vectors (the norms) are stored in float32
+    in every type. A matrix whose rows are not whole blocks of 32 cannot be q8_0 (refused)."""
+    import gguf
+
+    if tensor_type not in gemma_checkpoints.TENSOR_TYPES:
+        raise UsageError(f"GGUF tensor type {tensor_type!r} is not accepted; accepted: "
+                         f"{', '.join(gemma_checkpoints.TENSOR_TYPES)}")
+    out = {}
+    for name, a in weights.items():
+        a = np.ascontiguousarray(a, np.float32)
+        if a.ndim == 2 and tensor_type == "f16":
+            a = a.astype(np.float16).astype(np.float32)
+        elif a.ndim == 2 and tensor_type == "q8_0":
+            if a.shape[1] % 32:
+                raise UsageError(f"tensor {name!r} has rows of {a.shape[1]} values; q8_0 takes rows of whole "
+                                 "blocks of 32")
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            a = gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype).astype(np.float32)
+        out[name] = a
+    return out
+
+
+def gguf_of(cfg, weights: dict, cache: Path | None = None, tensor_type: str = "f32") -> Path:
+    """The GGUF of a model given as config and weights (a seeded `shape`), written once per content. A
+    Gemma 3 model may be written in f16 or q8_0 (tensor_type): the file is judged to hold exactly
+    held_in(weights, tensor_type); the Qwen3.5 hybrid in f32 only."""
     module = hybrid_checkpoints if isinstance(cfg, hybrid_checkpoints.HybridConfig) else gemma_checkpoints
-    h = hashlib.sha256(repr(cfg).encode())
+    if tensor_type != "f32" and module is not gemma_checkpoints:
+        raise UsageError(f"GGUF tensor type {tensor_type!r}: testbed writes the {module.GGUF_ARCH} model in f32 only; "
+                         "accepted: f32")
+    h = hashlib.sha256(repr(cfg).encode() + (f" {tensor_type}".encode() if tensor_type != "f32" else b""))
     for name in sorted(weights):
         h.update(name.encode() + b"\0" + np.ascontiguousarray(weights[name], np.float32).tobytes())
     out = (cache or CACHE) / f"{h.hexdigest()[:16]}.gguf"
-    return out if out.is_file() else write_judged(module, cfg, weights, out, f"model {module.GGUF_ARCH}",
-                                                   module.DEFAULT_CONTEXT)
+    if out.is_file():
+        return out
+    if tensor_type == "f32":
+        return write_judged(module, cfg, weights, out, f"model {module.GGUF_ARCH}", module.DEFAULT_CONTEXT)
+    return write_judged(module, cfg, held_in(weights, tensor_type), out, f"model {module.GGUF_ARCH} ({tensor_type})",
+                        module.DEFAULT_CONTEXT, tensor_type=tensor_type)
 
 
 def folder_digest(folder: Path) -> str:
