@@ -532,7 +532,18 @@ def test_the_schemas_request_and_timings_are_what_testbed_sends_and_testbed_c_wr
 
 
 def fail_lines(stdout: str) -> list[str]:
-    return [line for line in stdout.splitlines() if line.startswith("FAIL ")]
+    """The FAIL lines, each rejoined from the terminal's width (its continuation lines start with two spaces)."""
+    joined: list[str] = []
+    inside = False
+    for line in stdout.splitlines():
+        if line.startswith("FAIL "):
+            joined.append(line)
+            inside = True
+        elif inside and line.startswith("  "):
+            joined[-1] += " " + line.strip()
+        else:
+            inside = False
+    return joined
 
 
 def replay_of(line: str) -> str:
