@@ -854,14 +854,24 @@ def engines(df: pd.DataFrame) -> pd.DataFrame:
             best = int(decision["best"])
             rate, rate_ci = _at(by_c[best], "rows_per_s")
             cpu, cpu_ci = _at(by_c[best], "cpu_time")
-            row |= {"best C": decisions.label(decision), "best C says": decision["says"], "prefill tok/s": rate,
-                    "tok/s lo": rate_ci[0] if rate_ci else None, "tok/s hi": rate_ci[1] if rate_ci else None,
-                    "chunk call CPU ms": cpu * 1e3 if cpu is not None else None,
+            row |= {"best C": decisions.label(decision), "best C says": decision["says"], "prefill tok/s": round(rate),
+                    "tok/s lo": round(rate_ci[0]) if rate_ci else None,  # whole rows/s: the spread is wider
+                    "tok/s hi": round(rate_ci[1]) if rate_ci else None,
+                    "CPU ms": cpu * 1e3 if cpu is not None else None,
                     "CPU ms lo": cpu_ci[0] * 1e3 if cpu_ci else None, "CPU ms hi": cpu_ci[1] * 1e3 if cpu_ci else None}
         rss, export = _evidence_max(group, "peak_rss_bytes"), _evidence_max(group, "export_bytes")
         row |= {"peak RSS MB": rss / 1e6 if rss else None, "export MB": export / 1e6 if export else None}
         rows.append(row)
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    # the figures before the words (a terminal keeps the columns that fit from the first): speed with its
+    # spread, CPU time, memory, then CPU time's spread
+    first = [c for c in ENGINE_COLUMNS if c in table]
+    return table[first + [c for c in table.columns if c not in first]]
+
+
+ENGINE_COLUMNS = ("engine", "technique", "device", "model", "verdict", "best C", "prefill tok/s", "tok/s lo",
+                  "tok/s hi", "CPU ms", "peak RSS MB", "export MB", "CPU ms lo", "CPU ms hi", "oracles", "reason",
+                  "best C says")
 
 
 def more_tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:

@@ -897,7 +897,7 @@ GLOSSARY = {
     "prefill tok/s": "rows of the chunk call of C rows (at the best C) per second of its wall time, median",
     "tok/s lo": "the low end of the 95% bootstrap interval of that median (none below 5 repetitions)",
     "tok/s hi": "the high end of that interval",
-    "chunk call CPU ms": "the chunk call's CPU time at the best C (the engine process's, by its own clock), median",
+    "CPU ms": "the chunk call's CPU time at the best C (the engine process's, by its own clock), median",
     "CPU ms lo": "the low end of the 95% bootstrap interval of that median",
     "CPU ms hi": "the high end of that interval",
     "peak RSS MB": "the largest peak resident memory (VmHWM) of the engine process over its requests, where the "
