@@ -8,6 +8,8 @@ import sys
 import venv
 from pathlib import Path
 
+import pytest
+
 from testbed import PROJECT_ROOT
 
 
@@ -61,3 +63,17 @@ def test_an_installed_wheel_runs_an_experiment_from_another_folder(tmp_path):
                                            "print(PLUGIN_SOURCE.is_file())"],
                             cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout
     assert plugin.strip() == "True"
+
+
+@pytest.mark.quick
+def test_setup_py_loads_the_build_rules_without_the_package(tmp_path):
+    """setup.py loads testbed/backends/native/build.py by path while pip builds the package (build isolation:
+    neither testbed nor its dependencies importable); an import of the package at its top stops `pip install`
+    before anything is built. Run as pip's isolated build runs it: no site-packages, no PYTHONPATH."""
+    build_py = PROJECT_ROOT / "testbed" / "backends" / "native" / "build.py"
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('kernel_build', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "print(len(m.library_extension_args()))")
+    p = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(build_py)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and int(p.stdout) >= 1, p.stderr

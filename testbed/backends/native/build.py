@@ -35,8 +35,6 @@ import tempfile
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from testbed.heartbeat import say
-
 # A checkout holds kernels/ beside the package, and its caches go in it (.cache/). An installed wheel
 # carries the kernel sources inside the package (testbed/_shipped/kernels, put there by setup.py) and
 # builds its programs where it is run, as its results go (testbed.PROJECT_ROOT).
@@ -415,6 +413,8 @@ def build_programs(target: str, fused: bool = False, cache_dir: Path | None = No
         return out
     if shutil.which("make") is None:
         raise ToolMissing("`make` is not installed (Debian: apt-get install make)")
+    from testbed.heartbeat import say  # here: setup.py loads this file before the package
+
     say(f"building testbed's programs for {target} ({toolchain}{', for valgrind' if not avx512 else ''}; "
         "cached by content once built)")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
