@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 
 from testbed import PROJECT_ROOT
-from testbed.report.tables import markdown, printable
+from testbed.report.tables import fit, markdown, printable
 
 HOSTILE = "\x1b[2J\x1b[31mwiped\x1b[0m\rover \u202egnp.exe <b>bold</b> \x9b31m"
 SHOWN = "\\x1b[2J\\x1b[31mwiped\\x1b[0m\\rover \\u202egnp.exe <b>bold</b> \\x9b31m"
@@ -93,3 +93,13 @@ def test_an_engines_hostile_refusal_reason_reaches_terminal_table_and_report_ine
     assert "&lt;b&gt;bold&lt;/b&gt;" in md and "<b>bold" not in md
     html = (tmp_path / "report" / "report.html").read_text()
     assert "&lt;b&gt;bold&lt;/b&gt;" in html and "<b>bold" not in html  # jinja's autoescape
+
+
+@pytest.mark.quick
+def test_a_terminal_table_cuts_escaped_text_by_what_it_shows():
+    """A cell whose characters each show as an escape (U+202E as \\u202e: 6 columns) is cut by its shown width:
+    cutting the raw text to 40 characters left 240 columns, and the cut that could not shrink it looped."""
+    df = pd.DataFrame({"backend": ["\u202eevil" * 30, "plain"], "case": ["x" * 90, "y"], "n": [1, 2]})
+    shown, _, left_out = fit(df, 120)
+    assert all(len(line) <= 120 for line in markdown(shown).splitlines()), markdown(shown)
+    assert not any("\u202e" in str(v) for v in shown.to_numpy().ravel()) and "n" in [*shown.columns, *left_out]

@@ -246,10 +246,14 @@ def fit(df: pd.DataFrame, width: int = WIDTH, settings=None) -> tuple[pd.DataFra
     widest = {c: max(len(str(c)), *(len(_cell(v)) for v in shown[c])) for c in texts}
     if sum(max(w - max(TEXT_CELL, len(str(c))), 0) for c, w in widest.items()) >= _width(shown) - width:
         shown = shown.copy()
+        for c in texts:  # cut what the terminal shows (an escape is several characters), never the raw text
+            shown[c] = [_cell(v) if isinstance(v, str) else v for v in shown[c]]
         while _width(shown) > width:
             longest = max(texts, key=lambda c: max(len(_cell(v)) for v in shown[c]))
             longest_width = max(len(_cell(v)) for v in shown[longest])
             cut = max(TEXT_CELL, longest_width - (_width(shown) - width), len(str(longest)))
+            if cut >= longest_width:
+                break  # nothing left to cut: the columns left out below make it fit
             shown[longest] = [_shorten(v, cut) if isinstance(v, str) else v for v in shown[longest]]
     kept: list = []
     for column in shown.columns:
