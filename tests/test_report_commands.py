@@ -135,12 +135,27 @@ def readme_commands(whole: bool = False) -> tuple[list[list[str]], list[str]]:
     commands, left_out = [], []
     for line in lines:
         line = line.split(" | ")[0]
-        words = [STAND_INS.get(w, w.split("|")[0]) for w in re.sub(r"\[[^\]]*\]", " ", line).split()[1:]]
+        words = [STAND_INS.get(w, w.split("|")[0]) for w in without_optional_parts(line).split()[1:]]
         if PLACEHOLDERS & set(words) or any(w.split("=")[-1] in PLACEHOLDERS for w in words):
             left_out.append(line)
         else:
             commands.append(words)
     return commands, left_out
+
+
+def without_optional_parts(line: str) -> str:
+    """`line` without its [optional parts]: a bracket that opens a word, to its matching one (nested lists
+    within, `[weights=[q8_0]]`); a bracket inside a word is a value's list (`threads=[1]`) and stays."""
+    out, depth = [], 0
+    for i, c in enumerate(line):
+        if c == "[" and (depth or i == 0 or line[i - 1] == " "):
+            depth += 1
+        elif c == "]" and depth:
+            depth -= 1
+            c = " " if not depth else ""
+        if not depth and c:
+            out.append(c)
+    return "".join(out)
 
 
 @pytest.mark.slow_build
@@ -213,6 +228,10 @@ NOT_RUN_HERE = {
     "run tail backend=native device=qemu-hexagon": "emulated Hexagon: minutes",
     "run gdn backend=llamacpp device=qemu-hexagon": "builds llama.cpp for Hexagon (30 minutes cold)",
     "farm node": "starts a Ray head node, in the foreground until Ctrl-C",
+    "run engine_compare": "a FunctionGemma-sized model, three weight types, two thread counts: tens of minutes",
+    "run engine_compare weights=[q8_0] threads=[1] tests=[pp,tg] reps=3": "a FunctionGemma-sized model: minutes",
+    "run engine_compare device=qemu-aarch64": "a FunctionGemma-sized model emulated: tens of CPU-minutes",
+    "table engine_compare --format md": "reads `run engine_compare`'s records (not run here)",
     "ingest {fixtures}/test-backend-ops/perf_b_CPU.stdout --device hexagon": "needs a phone's output: the fixtures "
     "hold CPU runs, which ingest rightly refuses for hexagon (HTP0)",
 }
