@@ -96,6 +96,11 @@ def test_the_table_renders_for_people_and_programs(compared):
             assert all(r["vs_llama.cpp_wall"] for r in mine)
         if fmt == "md":
             assert "| engine" in p.stdout and "t/s" in p.stdout and "vs llama.cpp CPU" in p.stdout
+    # the terminal's 120 columns show each row's figures (the model's words, in llama-bench's table too, last)
+    p = subprocess.run([sys.executable, "-m", "testbed", "table", "engine_compare"], capture_output=True, text=True,
+                       env=env)
+    header = next(line for line in p.stdout.splitlines() if line.startswith("| engine"))
+    assert all(f" {name} " in header for name in ("type", "test", "t/s", "min", "max", "CPU ms/token", "peak RSS MiB"))
 
 
 def test_a_planted_wrong_engine_is_never_timed_where_it_is_wrong(tmp_path, monkeypatch, results_dir):

@@ -595,8 +595,9 @@ def _rows(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def view(df: pd.DataFrame) -> pd.DataFrame:
-    """testbed's table: llama-bench's columns, then per row the interval, CPU, memory, the ratios and the load;
-    an emulated device's rows are its instruction counts."""
+    """testbed's table: per row the engine, weight type, threads and test, its tokens/s with min and max, CPU,
+    memory, the ratios and the load, then llama-bench's columns of the model; an emulated device's rows are its
+    instruction counts."""
     rows = []
     ratios = df[(df["kind"] == "measure") & df["case"].str.contains("/testbed_vs_")] if len(df) else df
     for _, r in _rows(df).iterrows():
@@ -616,7 +617,8 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
             return f"{hit['figures.ratio.median']:.2f} [{hit['figures.ratio.min']:.2f}-{hit['figures.ratio.max']:.2f}]"
 
         load = r.get("metrics.load_1m")
-        rows.append({"device": r["device"], "engine": r["params.row"], "model": model_name(r),
+        rows.append({"device": r["device"], "engine": r["params.row"], "type": r["params.weights"],
+                     "model": model_name(r),
                      "weights": r.get("params.layout"), "size": _size(r["metrics.size_bytes"]),
                      "params": _params(r["metrics.params_count"]), "backend": "CPU", "threads": r["params.threads"],
                      "test": r["params.test"], "t/s": r["figures.tokens_per_s.median"],
@@ -633,12 +635,17 @@ def view(df: pd.DataFrame) -> pd.DataFrame:
     counted = df[(df["kind"] == "measure") & df.get("figures.instructions_per_token.median", pd.Series(dtype=float))
                  .notna()] if len(df) and "figures.instructions_per_token.median" in df else df.iloc[0:0]
     for _, r in counted.iterrows():
-        rows.append({"device": r["device"], "engine": r["params.row"], "model": model_name(r),
+        rows.append({"device": r["device"], "engine": r["params.row"], "type": r["params.weights"],
+                     "model": model_name(r),
                      "weights": r.get("params.layout"), "size": _size(r["metrics.size_bytes"]),
                      "params": _params(r["metrics.params_count"]), "backend": "CPU", "threads": r["params.threads"],
                      "test": r["params.test"], "instructions/token": round(r["figures.instructions_per_token.median"]),
                      "exact": bool(r.get("metrics.exact")), "samples": tables.samples(r)})
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    # the figures first (a terminal keeps the columns that fit from the first); the model's words, which
+    # llama-bench's table gives too, last
+    words = [c for c in ("model", "weights", "size", "params", "backend") if c in table]
+    return table[[c for c in table.columns if c not in words] + words]
 
 
 def summary(df: pd.DataFrame) -> list[pd.DataFrame]:
