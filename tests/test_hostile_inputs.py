@@ -29,7 +29,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = 44
-# What the child may take: its peak RSS (the bases it builds included: jax for the IREE module), the
+# What a case may take: its peak RSS (its own: the bases the child built before it not counted), the
 # address space while a case runs, and CPU seconds per case (the slowest takes a few hundredths here).
 PEAK_RSS_MB = 1024
 LIMIT_AS_MB = 4096
@@ -103,7 +103,15 @@ def test_the_issues_own_inputs_are_among_the_cases_and_refused(report, surface):
 
 
 def test_memory_and_time_are_bounded(report):
-    peak = report["end"]["peak_rss_mb"]
-    assert peak <= PEAK_RSS_MB, f"the child's peak RSS was {peak:.0f} MB; bound {PEAK_RSS_MB} MB"
-    slowest = max((r for cases in report["cases"].values() for r in cases), key=lambda r: r["cpu_s"])
+    """No case's peak resident set passes PEAK_RSS_MB (each case's own: VmHWM started again before it, so the
+    bases the child built first, jax among them, are not counted against the cases), nor its CPU time
+    CPU_PER_CASE_S."""
+    cases = [r for cases in report["cases"].values() for r in cases]
+    measured = [r for r in cases if r.get("peak_rss_mb") is not None]
+    largest = max(measured, key=lambda r: r["peak_rss_mb"]) if measured else None
+    if largest is None:  # a kernel without clear_refs: the child's whole peak, bases included
+        largest = {"case": "the whole child", "peak_rss_mb": report["end"]["peak_rss_mb"]}
+    assert largest["peak_rss_mb"] <= PEAK_RSS_MB, \
+        f"{largest['case']}: peak RSS {largest['peak_rss_mb']:.0f} MB; bound {PEAK_RSS_MB} MB"
+    slowest = max(cases, key=lambda r: r["cpu_s"])
     assert slowest["cpu_s"] <= CPU_PER_CASE_S, f"{slowest['case']} took {slowest['cpu_s']:.1f} CPU-s"
