@@ -288,23 +288,14 @@ def hf_mutants(config: dict, weights: bytes, rng: random.Random) -> Iterator[tup
 def hf_cases(work: Path, rng: random.Random) -> Iterator[Case]:
     from refimpl import gemma, qwen35
     from safetensors.numpy import save_file
-    from testbed.models import checkpoints, gguf_files
+    from testbed.models import checkpoints, gguf_files, hybrid_checkpoints
 
     gemma_folder = checkpoints.save_hf_folder(work / "hf-gemma", gemma.tiny_config(layers=2),
                                               gemma.init_weights(gemma.tiny_config(layers=2), 0))
     cfg = qwen35.tiny_config()
     qwen_folder = work / "hf-qwen35"
     qwen_folder.mkdir(parents=True, exist_ok=True)
-    (qwen_folder / "config.json").write_text(json.dumps({
-        "model_type": "qwen3_5_text", "vocab_size": cfg.vocab, "hidden_size": cfg.hidden,
-        "num_hidden_layers": cfg.layers, "intermediate_size": cfg.mlp, "num_attention_heads": cfg.heads,
-        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "linear_num_key_heads": cfg.linear_k_heads,
-        "linear_num_value_heads": cfg.linear_v_heads, "linear_key_head_dim": cfg.linear_head_dim,
-        "linear_value_head_dim": cfg.linear_head_dim, "linear_conv_kernel_dim": cfg.conv_kernel,
-        "layer_types": [{"linear": "linear_attention", "full": "full_attention"}[t] for t in cfg.layer_types],
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                            "partial_rotary_factor": cfg.rotary_fraction},
-        "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings}))
+    (qwen_folder / "config.json").write_text(json.dumps(hybrid_checkpoints.config_to_hf(cfg)))
     save_file(qwen35.init_weights(cfg, 0), str(qwen_folder / "model.safetensors"))
     for label, valid in (("gemma3", gemma_folder), ("qwen35", qwen_folder)):
         config, weights = json.loads((valid / "config.json").read_text()), (valid / "model.safetensors").read_bytes()

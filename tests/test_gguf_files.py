@@ -169,16 +169,7 @@ def save_hybrid_folder(folder, cfg: qwen35.HybridConfig):
     from safetensors.numpy import save_file
 
     folder.mkdir(parents=True)
-    hf = {"model_type": "qwen3_5_text", "vocab_size": cfg.vocab, "hidden_size": cfg.hidden,
-          "num_hidden_layers": cfg.layers, "intermediate_size": cfg.mlp, "num_attention_heads": cfg.heads,
-          "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "linear_num_key_heads": cfg.linear_k_heads,
-          "linear_num_value_heads": cfg.linear_v_heads, "linear_key_head_dim": cfg.linear_head_dim,
-          "linear_value_head_dim": cfg.linear_head_dim, "linear_conv_kernel_dim": cfg.conv_kernel,
-          "layer_types": [{"linear": "linear_attention", "full": "full_attention"}[t] for t in cfg.layer_types],
-          "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                              "partial_rotary_factor": cfg.rotary_fraction},
-          "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings}
-    (folder / "config.json").write_text(json.dumps(hf))
+    (folder / "config.json").write_text(json.dumps(hybrid_checkpoints.config_to_hf(cfg)))
     save_file(qwen35.init_weights(cfg), str(folder / "model.safetensors"))
     return folder
 
